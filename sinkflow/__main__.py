@@ -1,0 +1,3 @@
+from sinkflow.cli import main
+
+raise SystemExit(main())
