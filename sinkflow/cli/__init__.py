@@ -1,0 +1,54 @@
+"""The `sinkflow` command. Each sub-command lives in its own module with ``add_parser`` and ``run``.
+
+User errors (``SinkflowError``) print one line and exit 2; a SIGTERM/SIGINT checkpoints and exits
+128+signal; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from sinkflow.errors import SinkflowError
+from sinkflow.runner.signals import Interrupted
+
+COMMANDS = ["train", "sample", "eval", "config", "presets", "preflight", "doctor", "lr_find", "status", "bench"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sinkflow", description="Optimal-transport and flow-based generative models, smoke-tested on CPU.",
+        epilog="example: sinkflow train moons --train-iters 2000")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"sinkflow.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"sinkflow.cli.{name}":
+                continue  # command not shipped in this build
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides may follow options (`train moons --train-iters 5 pool.eta=0.1`): argparse leaves them over
+    stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    try:
+        return args.func(args) or 0
+    except SinkflowError as exc:
+        print(f"sinkflow: error: {exc}", file=sys.stderr)
+        return 2
+    except Interrupted as exc:
+        print(f"sinkflow: {exc}; resume with `sinkflow train --resume {getattr(args, 'run_dir_used', 'RUN')}`",
+              file=sys.stderr)
+        return 128 + exc.signum
