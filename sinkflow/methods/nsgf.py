@@ -6,8 +6,6 @@ with any number of Euler steps integrates the same ODE over [0, t_end].
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from sinkflow.methods.flow_matching import velocity_loss
@@ -18,10 +16,10 @@ from sinkflow.runner.phase import TrainPhase
 
 
 def step_sizes(pool_cfg: dict) -> torch.Tensor:
-    """eta_k for k = 0..T-1 (constant, or the paper's 'incremental' eta*exp((k-T)/(T/4)))."""
-    T, eta = pool_cfg["steps"], pool_cfg["eta"]
-    k = torch.arange(T, dtype=torch.float32)
-    return eta * torch.exp((k - T) / (T / 4)) if pool_cfg["eta_growth"] else torch.full((T,), float(eta))
+    """eta_k for k = 0..T-1 (constant, or the paper's 'incremental' schedule when eta_growth > 0)."""
+    from sinkflow.ot import eta_schedule
+
+    return torch.tensor(eta_schedule(pool_cfg["eta"], pool_cfg["steps"], pool_cfg["eta_growth"] or None))
 
 
 def flow_times(pool_cfg: dict) -> torch.Tensor:
@@ -34,13 +32,12 @@ def make_simulator(cfg: dict, device):
     from sinkflow.ot import simulate_sinkhorn_flow
 
     sk, pool = cfg["sinkhorn"], cfg["pool"]
-    etas = step_sizes(pool)
     times = flow_times(pool)[:-1]
 
     def simulate(x0, y):
         xs, vs = simulate_sinkhorn_flow(
-            x0, y, steps=pool["steps"], eta=etas.tolist(), blur=sk["blur"], scaling=sk["scaling"],
-            diameter=sk["diameter"], backend=sk["backend"])
+            x0, y, steps=pool["steps"], eta=pool["eta"], eta_growth=pool["eta_growth"] or None, blur=sk["blur"],
+            scaling=sk["scaling"], diameter=sk["diameter"], backend=sk["backend"])
         return xs, vs, times
 
     return simulate

@@ -1,0 +1,52 @@
+import os
+
+import pytest
+import torch
+
+from sinkflow.errors import SinkflowError
+from sinkflow.runner.checkpoint import PhaseCheckpoints, atomic_save, load
+
+
+def test_rotation_keeps_newest_k(tmp_path):
+    ck = PhaseCheckpoints(tmp_path / "p", keep=2)
+    for step in (10, 20, 30):
+        ck.save({"w": torch.full((3,), float(step))}, step)
+    assert [s for s, _ in ck.steps()] == [20, 30]
+    assert ck.latest()["step"] == 30 and ck.latest()["w"][0] == 30
+
+
+def test_failed_write_leaves_old_file_intact(tmp_path):
+    path = tmp_path / "final.pt"
+    atomic_save({"format": 1, "v": 1}, path)
+
+    class Boom:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        atomic_save({"format": 1, "v": Boom()}, path)
+    assert load(path)["v"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["final.pt"]  # no temp file left behind
+
+
+def test_truncated_checkpoint_is_a_clear_error(tmp_path):
+    path = tmp_path / "step_00000010.pt"
+    atomic_save({"format": 1, "w": torch.randn(1000)}, path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(SinkflowError, match="corrupt or truncated"):
+        load(path)
+
+
+def test_foreign_file_is_rejected(tmp_path):
+    path = tmp_path / "x.pt"
+    torch.save([1, 2, 3], path)
+    with pytest.raises(SinkflowError, match="not a sinkflow checkpoint"):
+        load(path)
+
+
+def test_checkpoint_is_plain_torch(tmp_path):
+    ck = PhaseCheckpoints(tmp_path, keep=1)
+    ck.save_final({"model": {"w": torch.ones(2)}})
+    obj = torch.load(os.path.join(tmp_path, "final.pt"), weights_only=False)  # any PyTorch tool can read it
+    assert obj["final"] and torch.equal(obj["model"]["w"], torch.ones(2))
