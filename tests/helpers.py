@@ -1,0 +1,23 @@
+"""Shared tiny-budget settings: real shapes, minimal iteration counts."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TINY_2D = ["pool.batches=2", "pool.steps=4", "pool.batch_size=32", "pool.chunk=1", "--train-iters", "6",
+           "train.velocity.ckpt_every=3", "train.velocity.log_every=2", "eval.n=64", "eval.seeds=2",
+           "eval.steps=[2, 4]", "--device", "cpu"]
+
+
+def cli(*args, cwd, timeout=300, env=None):
+    """Run `python -m sinkflow ...` in a subprocess (for kills and exit codes)."""
+    full_env = {**os.environ, "SINKFLOW_PROGRESS": "0", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "sinkflow", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under a folder with its size and mtime: to prove nothing was overwritten."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}

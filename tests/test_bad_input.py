@@ -1,0 +1,77 @@
+"""Bad input: a non-zero exit, one line naming the problem, no traceback, nothing overwritten."""
+
+import numpy as np
+import pytest
+
+from tests.helpers import TINY_2D, cli, snapshot
+
+
+def one_line_error(result, *needles):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("bad")
+    r = cli("train", "moons", *TINY_2D, "--name", "ok", "--no-report", cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    return cwd
+
+
+def test_unknown_key(tmp_path):
+    one_line_error(cli("train", "moons", "train.velocity.iter=5", cwd=tmp_path), "unknown config key", "iters")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_wrong_type(tmp_path):
+    one_line_error(cli("train", "moons", "pool.steps=many", cwd=tmp_path), "pool.steps", "expects int")
+
+
+def test_missing_file(tmp_path):
+    one_line_error(cli("train", "moons", "data.target=nope.npy", cwd=tmp_path), "nope.npy")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_wrongly_shaped_npy(tmp_path):
+    np.save(tmp_path / "p.npy", np.random.randn(100, 3).astype(np.float32))
+    one_line_error(cli("train", "moons", "data.target=p.npy", cwd=tmp_path), "shape")
+
+
+def test_nan_in_data(tmp_path):
+    x = np.random.randn(100, 2)
+    x[7, 1] = np.nan
+    np.save(tmp_path / "p.npy", x)
+    one_line_error(cli("train", "moons", "data.target=p.npy", cwd=tmp_path), "NaN")
+
+
+def test_truncated_checkpoint(finished_run):
+    run = finished_run / "runs/ok"
+    ck = run / "checkpoints/velocity/final.pt"
+    data = ck.read_bytes()
+    ck.write_bytes(data[: len(data) // 3])
+    before = snapshot(run)
+    one_line_error(cli("sample", str(run), "--n", "4", "--out", str(finished_run / "s.npy"), cwd=finished_run),
+                   "corrupt or truncated")
+    assert snapshot(run) == before
+    ck.write_bytes(data)
+
+
+def test_truncated_step_checkpoint_on_resume(finished_run, tmp_path):
+    r = cli("train", "moons", *TINY_2D, "--train-iters", "6", "--name", "t", "--no-report", cwd=tmp_path)
+    assert r.returncode == 0
+    run = tmp_path / "runs/t"
+    (run / "checkpoints/velocity/final.pt").unlink()  # as if killed after the step-6 checkpoint
+    step = sorted((run / "checkpoints/velocity").glob("step_*.pt"))[-1]
+    step.write_bytes(step.read_bytes()[:100])
+    before = snapshot(run)
+    one_line_error(cli("train", "--resume", str(run), cwd=tmp_path), "corrupt or truncated", step.name)
+    assert snapshot(run) == before
+
+
+def test_not_a_run_folder(tmp_path):
+    one_line_error(cli("eval", str(tmp_path), cwd=tmp_path), "not a sinkflow run folder")

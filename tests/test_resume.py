@@ -1,0 +1,94 @@
+"""Resume equivalence under SIGKILL, checkpoint-on-SIGTERM, and a pool build killed mid-way."""
+
+import signal
+import subprocess
+import sys
+import time
+import os
+
+import numpy as np
+import torch
+
+from tests.helpers import cli
+
+ARGS = ["moons", "pool.batches=4", "pool.steps=5", "pool.batch_size=64", "pool.chunk=1",
+        "--train-iters", "1500", "train.velocity.ckpt_every=100", "train.velocity.log_every=100",
+        "--device", "cpu", "--no-report"]
+
+
+def start(cwd, name, *extra):
+    env = {**os.environ, "SINKFLOW_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "sinkflow", "train", *ARGS, *extra, "--name", name], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for(predicate, proc, timeout=120):
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.02)
+    return False
+
+
+def final_weights(run):
+    return torch.load(run / "checkpoints/velocity/final.pt", weights_only=False)
+
+
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
+    env = {"OMP_NUM_THREADS": "1"}
+    ref = cli("train", *ARGS, "--name", "ref", cwd=tmp_path, env=env)
+    assert ref.returncode == 0, ref.stderr
+    proc = start(tmp_path, "killed")
+    ckdir = tmp_path / "runs/killed/checkpoints/velocity"
+    assert wait_for(lambda: ckdir.is_dir() and len(list(ckdir.glob("step_*.pt"))) >= 2, proc), proc.stderr.read()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (ckdir / "final.pt").exists()
+    resumed = cli("train", "--resume", str(tmp_path / "runs/killed"), "--no-report", cwd=tmp_path, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = final_weights(tmp_path / "runs/ref"), final_weights(tmp_path / "runs/killed")
+    assert a["step"] == b["step"] == 1500
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+
+
+def test_sigterm_writes_a_checkpoint_then_resume_finishes(tmp_path):
+    proc = start(tmp_path, "term", "train.velocity.ckpt_every=100000")
+    ckdir = tmp_path / "runs/term/checkpoints"
+    assert wait_for(lambda: (ckdir / "pool/final.pt").exists() and (tmp_path / "runs/term/metrics.jsonl").exists()
+                    and "velocity" in (tmp_path / "runs/term/metrics.jsonl").read_text(), proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "resume with" in err
+    steps = list((ckdir / "velocity").glob("step_*.pt"))
+    assert len(steps) == 1  # written on SIGTERM even though ckpt_every was never reached
+    resumed = cli("train", "--resume", str(tmp_path / "runs/term"), "--no-report", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert final_weights(tmp_path / "runs/term")["step"] == 1500
+
+
+def test_pool_build_resumes_from_last_finished_chunk(tmp_path):
+    """Kill during the pool build; the resumed pool equals an uninterrupted one, chunk for chunk."""
+    args = ["moons", "pool.batches=30", "pool.steps=20", "pool.batch_size=128", "pool.chunk=1",
+            "--train-iters", "2", "--device", "cpu", "--no-report"]
+    ref = cli("train", *args, "--name", "ref", cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr
+    env = {**os.environ, "SINKFLOW_PROGRESS": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "sinkflow", "train", *args, "--name", "k"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    progress = tmp_path / "runs/k/pool/progress.json"
+    assert wait_for(lambda: progress.exists() and len(eval(progress.read_text())["chunks"]) >= 3, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_at_kill = len(eval(progress.read_text())["chunks"])
+    assert done_at_kill < 30
+    resumed = cli("train", "--resume", str(tmp_path / "runs/k"), "--no-report", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    for key in ("x", "v", "t"):
+        np.testing.assert_array_equal(np.load(tmp_path / f"runs/ref/pool/{key}.npy"),
+                                      np.load(tmp_path / f"runs/k/pool/{key}.npy"))

@@ -1,0 +1,88 @@
+"""Every 2D preset end to end with tiny counts: train, checkpoint, resume, sample, eval."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sinkflow import config
+from sinkflow.cli import main
+from tests.helpers import TINY_2D
+
+PRESETS_2D = [p for p in config.preset_names() if len(config.load_preset(p)["model"]) == 1
+              and config.load_preset(p)["model"]["velocity"]["kind"] == "mlp"]
+
+
+def train(name, *extra):
+    return main(["train", *extra, *TINY_2D, "--name", name])
+
+
+@pytest.mark.parametrize("preset", PRESETS_2D)
+def test_preset_end_to_end(preset, runs_dir, capsys):
+    assert train("r", preset) == 0
+    out = capsys.readouterr().out
+    run = runs_dir / "r"
+    assert "W2" in out and "paper NSGF" in out
+    for f in ("config.yaml", "meta.json", "metrics.jsonl", "samples.png", "trajectories.png", "status.json",
+              "checkpoints/pool/final.pt", "checkpoints/velocity/final.pt", "pool/x.npy"):
+        assert (run / f).is_file(), f
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["seed"] == 0 and "torch" in meta["versions"]
+    pool_x = np.load(run / "pool" / "x.npy")
+    assert pool_x.shape == (2 * 4 * 32, 2) and np.isfinite(pool_x).all() and np.abs(pool_x).sum() > 0
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["phase"] == "velocity"]
+    assert steps == [2, 4, 6]
+    # resume of a finished run: every phase is skipped, nothing is retrained
+    final = (run / "checkpoints/velocity/final.pt").stat().st_mtime_ns
+    assert main(["train", "--resume", str(run), "--no-report"]) == 0
+    assert (run / "checkpoints/velocity/final.pt").stat().st_mtime_ns == final
+    # sample to .npy and .png, eval
+    assert main(["sample", str(run), "--n", "50", "--steps", "3", "--out", str(runs_dir / "s.npy")]) == 0
+    s = np.load(runs_dir / "s.npy")
+    assert s.shape == (50, 2) and np.isfinite(s).all()
+    assert main(["sample", str(run), "--n", "50", "--out", str(runs_dir / "s.png")]) == 0
+    assert (runs_dir / "s.png").stat().st_size > 1000
+    capsys.readouterr()
+    assert main(["eval", str(run), "--seeds", "2", "--n", "64"]) == 0
+    assert "W2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("method", ["fm", "otcfm"])
+def test_baselines_in_the_same_runner(method, runs_dir):
+    assert train("b", "moons", "--method", method) == 0
+    run = runs_dir / "b"
+    assert (run / "checkpoints/velocity/final.pt").is_file()
+    assert not (run / "pool").exists()  # flow matching is simulation-free
+
+
+def test_sampling_counts_network_evaluations(runs_dir):
+    from sinkflow.eval.points import generate
+    from sinkflow.runner.run import Run
+
+    assert train("n", "moons", "--no-report") == 0
+    x, info = generate(Run.open(runs_dir / "n"), 16, 7, seed=0)
+    assert info["nfe"] == 7 and x.shape == (16, 2)
+
+
+def test_user_points_as_target(runs_dir, tmp_path):
+    pts = torch.randn(500, 2).numpy() * 0.5 + 3
+    np.save(tmp_path / "points.npy", pts)
+    assert train("u", "moons", f"data.target={tmp_path / 'points.npy'}", "--no-report") == 0
+
+
+def test_resume_refuses_shape_change(runs_dir, capsys):
+    assert train("c", "moons", "--no-report") == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(runs_dir / "c"), "model.velocity.hidden=128"]) == 2
+    assert "cannot resume" in capsys.readouterr().err
+
+
+def test_existing_run_folder_is_not_overwritten(runs_dir, capsys):
+    assert train("d", "moons", "--no-report") == 0
+    before = (runs_dir / "d" / "config.yaml").read_text()
+    assert train("d", "moons", "--no-report") == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (runs_dir / "d" / "config.yaml").read_text() == before
