@@ -1,0 +1,47 @@
+"""The one interface every data source implements, so methods never care where points come from."""
+
+from __future__ import annotations
+
+import torch
+
+from sinkflow.errors import SinkflowError
+
+DEFAULT_TEST_SEED = 12345
+
+
+class Distribution:
+    """A sampleable distribution over tensors of per-sample shape ``shape``.
+
+    All randomness comes from the caller's CPU ``torch.Generator`` (part of the checkpointed phase
+    state), so a resumed run draws exactly the batches an uninterrupted run would have drawn.
+    """
+
+    name: str = "distribution"
+    shape: tuple[int, ...] = ()
+
+    def sample(self, n: int, generator: torch.Generator, device="cpu") -> torch.Tensor:
+        """``n`` float32 samples of shape ``(n, *shape)`` on ``device``."""
+        raise NotImplementedError
+
+    def test_set(self, n: int, seed: int = DEFAULT_TEST_SEED) -> torch.Tensor:
+        """Fixed evaluation samples on CPU; the same ``(n, seed)`` always gives the same tensor."""
+        return self.sample(n, torch.Generator().manual_seed(seed), device="cpu")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, shape={self.shape})"
+
+
+def check_sample_args(n: int, generator: torch.Generator) -> None:
+    """Reject arguments that would silently draw from the global RNG or the wrong device."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise SinkflowError(f"sample size must be a positive int, got {n!r}", "pass n >= 1")
+    if not isinstance(generator, torch.Generator):
+        raise SinkflowError(
+            f"sample() needs a torch.Generator, got {type(generator).__name__}",
+            "pass the phase's CPU generator so runs stay reproducible",
+        )
+    if generator.device.type != "cpu":
+        raise SinkflowError(
+            f"sample() needs a CPU generator, got one on {generator.device}",
+            "create it with torch.Generator() (device='cpu'); samples are moved to the device afterwards",
+        )

@@ -1,0 +1,126 @@
+"""Image distributions served by index from the decode-once uint8 memmap cache.
+
+``sample`` draws indices from the caller's generator, gathers uint8 rows (sorted, for memmap locality),
+moves them to the device and only there converts to float32 in [-1, 1] and applies the optional
+per-sample horizontal flip. Host memory per batch is n*C*H*W bytes; nothing else is kept in RAM.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from sinkflow.data.base import DEFAULT_TEST_SEED, Distribution, check_sample_args
+from sinkflow.data.cache import cache_stem, open_cache, write_cache
+from sinkflow.data.sources import CIFAR10Source, DigitsSource, FolderSource, MNISTSource
+from sinkflow.errors import SinkflowError
+
+log = logging.getLogger(__name__)
+IMAGE_SETS = {"digits": DigitsSource, "mnist": MNISTSource, "cifar10": CIFAR10Source, "folder": FolderSource}
+SPLITS = ("train", "test")
+
+
+def to_unit_range(x: torch.Tensor) -> torch.Tensor:
+    """uint8 [0, 255] -> float32 [-1, 1] on whatever device ``x`` is on (0 -> -1, 255 -> 1)."""
+    return x.to(torch.float32).mul_(2.0 / 255.0).sub_(1.0)
+
+
+class ImageDistribution(Distribution):
+    """Images of one set; ``sample`` serves ``split``, ``test_set`` the held-out split.
+
+    ``images``/``labels`` (train split) and ``test_images``/``test_labels`` expose the raw uint8 arrays
+    (memmaps) and int64 labels (None for folders), e.g. for the digits classifier metric.
+    """
+
+    def __init__(self, name: str, train: np.ndarray, test: np.ndarray, train_labels, test_labels,
+                 flip: bool = False, split: str = "train"):
+        self.name, self.flip, self.split = name, bool(flip), split
+        self.images, self.labels = train, train_labels
+        self.test_images, self.test_labels = test, test_labels
+        self._serve = train if split == "train" else test
+        self.shape = tuple(int(s) for s in train.shape[1:])
+
+    def __len__(self) -> int:
+        return len(self._serve)
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        """uint8 rows ``idx`` of the served split, in the order given, read in sorted order."""
+        return _gather(self._serve, idx)
+
+    def sample(self, n, generator, device="cpu"):
+        check_sample_args(n, generator)
+        idx = torch.randint(0, len(self._serve), (n,), generator=generator)
+        flip = torch.rand(n, generator=generator) < 0.5 if self.flip else None
+        device = torch.device(device)
+        x = self.gather(idx)
+        if device.type == "cuda":
+            x = x.pin_memory()
+        x = to_unit_range(x.to(device, non_blocking=True))
+        if flip is not None:
+            flip = flip.to(device, non_blocking=True).view(n, *([1] * len(self.shape)))
+            x = torch.where(flip, x.flip(-1), x)
+        return x
+
+    def test_indices(self, n: int, seed: int = DEFAULT_TEST_SEED) -> torch.Tensor:
+        """Sorted indices into ``test_images`` of a fixed random subset of size n (no repeats)."""
+        total = len(self.test_images)
+        if not isinstance(n, int) or n < 1 or n > total:
+            raise SinkflowError(f"{self.name}: asked for {n} held-out images but the test split has {total}",
+                                f"ask for at most {total} (e.g. lower the eval sample count)")
+        return torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:n].sort().values
+
+    def test_set(self, n, seed=DEFAULT_TEST_SEED):
+        """Held-out real images as float32 in [-1, 1] on CPU, never flipped."""
+        return to_unit_range(_gather(self.test_images, self.test_indices(n, seed)))
+
+
+def _gather(arr: np.ndarray, idx: torch.Tensor) -> torch.Tensor:
+    sorted_idx, order = torch.sort(idx)
+    rows = torch.from_numpy(np.ascontiguousarray(arr[sorted_idx.numpy()]))
+    out = torch.empty_like(rows)
+    out[order] = rows
+    return out
+
+
+def check_image_cfg(data_cfg: dict) -> dict:
+    """Validate the image keys of the data section; return them with defaults filled in."""
+    cfg = {"root": "data", "path": None, "image_size": None, "channels": None, "flip": False, "split": "train",
+           "download": False}
+    cfg.update({k: v for k, v in data_cfg.items() if k in cfg})
+    size = cfg["image_size"]
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise SinkflowError(f"data.image_size must be a positive integer or null, got {size!r}", "e.g. data.image_size=32")
+    if cfg["channels"] not in (None, 1, 3):
+        raise SinkflowError(f"data.channels must be 1, 3 or null, got {cfg['channels']!r}",
+                            "use 1 (grayscale), 3 (RGB) or null (the set's own)")
+    if cfg["split"] not in SPLITS:
+        raise SinkflowError(f"data.split must be 'train' or 'test', got {cfg['split']!r}", "use data.split=train")
+    for key in ("flip", "download"):
+        if not isinstance(cfg[key], bool):
+            raise SinkflowError(f"data.{key} must be true or false, got {cfg[key]!r}", f"e.g. data.{key}=false")
+    return cfg
+
+
+def build_image_distribution(name: str, data_cfg: dict) -> ImageDistribution:
+    """Open (or decode once into) the cache for both splits of image set ``name``."""
+    cfg = check_image_cfg(data_cfg)
+    if name == "folder":
+        src = FolderSource(cfg["path"], cfg["channels"], cfg["image_size"])
+    else:
+        src = IMAGE_SETS[name](cfg["root"], cfg["channels"], cfg["image_size"], cfg["download"])
+    src.prepare()
+    arrays = {}
+    for split in SPLITS:
+        stem = cache_stem(cfg["root"], src.name, split, src.size, src.chw[0])
+        fp = src.fingerprint(split)
+        hit = open_cache(stem, fp, src.chw)
+        if hit is None:
+            log.info("decoding %s/%s once into %s.npy", name, split, stem)
+            hit = src.decode_into(split, lambda shape, fill, stem=stem, fp=fp: write_cache(stem, fp, shape, fill))
+        if len(hit[0]) == 0:
+            raise SinkflowError(f"{name}: the {split} split is empty", "add images (or check the data files)")
+        arrays[split] = hit
+    (train, train_labels), (test, test_labels) = arrays["train"], arrays["test"]
+    return ImageDistribution(name, train, test, train_labels, test_labels, flip=cfg["flip"], split=cfg["split"])

@@ -1,0 +1,71 @@
+"""A user's own point cloud (``data.target=points.npy``), validated before any work starts."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from sinkflow.data.base import Distribution, check_sample_args
+from sinkflow.errors import SinkflowError
+
+MIN_POINT_ROWS = 16
+
+
+class PointFile(Distribution):
+    """Points from an ``(N, D)`` (or ``(N, *shape)``) float array in a ``.npy`` file, drawn by index.
+
+    ``sample`` draws N-independent indices with replacement from the caller's generator; ``test_set``
+    does the same with a fixed seed (there is no held-out split for user points). Whether ``shape``
+    matches the other side of the transport problem is the caller's check: it is exposed here.
+    """
+
+    def __init__(self, path: str, min_rows: int = MIN_POINT_ROWS):
+        self.path = str(path)
+        self.name = os.path.basename(self.path)
+        self.points = load_points(self.path, min_rows)
+        self.shape = tuple(self.points.shape[1:])
+
+    def sample(self, n, generator, device="cpu"):
+        check_sample_args(n, generator)
+        idx = torch.randint(0, len(self.points), (n,), generator=generator)
+        return self.points[idx].to(device)
+
+
+def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
+    """Load and validate a point file; every problem is a one-line SinkflowError naming file and fix."""
+    fix_shape = "save an (N, 2) float array with numpy.save(path, points.astype('float32'))"
+    if not path.endswith(".npy"):
+        raise SinkflowError(f"point file {path} is not a .npy file", fix_shape)
+    if not os.path.isfile(path):
+        raise SinkflowError(f"point file {path} does not exist", "check data.source/data.target (paths are relative "
+                            "to the directory you run sinkflow from)")
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except ValueError as e:  # pickled object arrays, bad headers
+        raise SinkflowError(f"point file {path} is not a plain numeric .npy array ({e})", fix_shape) from None
+    except (OSError, EOFError) as e:
+        raise SinkflowError(f"point file {path} cannot be read as .npy ({e})", fix_shape) from None
+    if not isinstance(arr, np.ndarray):
+        raise SinkflowError(f"point file {path} holds an archive, not one array", fix_shape)
+    if arr.dtype.kind not in "fiu":
+        raise SinkflowError(f"point file {path} has dtype {arr.dtype}, not a real number type", fix_shape)
+    if arr.ndim < 2:
+        raise SinkflowError(f"point file {path} holds an array of shape {arr.shape}, not a 2-D (N, D) array",
+                            "reshape it to one point per row, e.g. points.reshape(-1, 2)")
+    if any(s == 0 for s in arr.shape[1:]):
+        raise SinkflowError(f"point file {path} has shape {arr.shape}: points have no coordinates", fix_shape)
+    bad = ~np.isfinite(arr.reshape(len(arr), -1)).all(axis=1) if arr.dtype.kind == "f" else np.zeros(len(arr), bool)
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        raise SinkflowError(f"point file {path} has NaN or Inf in {int(bad.sum())} rows (first: row {first})",
+                            "drop or fix those rows, e.g. points[np.isfinite(points).all(1)]")
+    if len(arr) < min_rows:
+        raise SinkflowError(f"point file {path} has {len(arr)} rows; at least {min_rows} are needed",
+                            "add more points (each row is one sample)")
+    x = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    if not torch.isfinite(x).all():
+        raise SinkflowError(f"point file {path} has values too large for float32",
+                            "rescale the points (e.g. standardise them) before saving")
+    return x

@@ -1,0 +1,360 @@
+"""Image sources: where the pixels come from (sklearn digits, torchvision MNIST / CIFAR-10, a folder).
+
+Each source decodes a split *once* into the cache of ``sinkflow.data.cache``; on a cache hit nothing
+here is called beyond the cheap file fingerprint. ``DECODES`` counts real decodes (tests use it).
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import hashlib
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from sinkflow.errors import SinkflowError
+
+log = logging.getLogger(__name__)
+DECODES: collections.Counter = collections.Counter()
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+
+def fit_image(img: Image.Image, channels: int, image_size: int | None) -> np.ndarray:
+    """PIL image -> uint8 (C, H, W): convert to L/RGB, resize the shorter side, center-crop to a square."""
+    img = img.convert("L" if channels == 1 else "RGB")
+    if image_size is not None and img.size != (image_size, image_size):
+        w, h = img.size
+        scale = image_size / min(w, h)
+        nw, nh = max(image_size, round(w * scale)), max(image_size, round(h * scale))
+        img = img.resize((nw, nh), Image.Resampling.BICUBIC, reducing_gap=None)
+        left, top = (nw - image_size) // 2, (nh - image_size) // 2
+        img = img.crop((left, top, left + image_size, top + image_size))
+    a = np.asarray(img, dtype=np.uint8)
+    return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+
+
+def size_tag(h: int, w: int) -> str:
+    return str(h) if h == w else f"{h}x{w}"
+
+
+def _file_stats(paths) -> str:
+    h = hashlib.sha1()
+    for p in paths:
+        st = os.stat(p)
+        h.update(f"{os.path.basename(p)}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()
+
+
+class ArraySource:
+    """A labelled set that torchvision/sklearn hands over as one uint8 array per split."""
+
+    name = ""
+    native_chw: tuple[int, int, int] = (1, 1, 1)
+
+    def __init__(self, root: str, channels: int | None, image_size: int | None, download: bool):
+        self.root, self.download = root, download
+        self.channels = channels or self.native_chw[0]
+        self.image_size = image_size
+        side = image_size or self.native_chw[1]
+        self.chw = (self.channels, side, image_size or self.native_chw[2])
+        self.size = size_tag(*self.chw[1:])
+
+    def prepare(self) -> None:
+        """Check (or fetch) the files; raise a SinkflowError naming the folder and the fix."""
+
+    def fingerprint(self, split: str) -> str:
+        raise NotImplementedError
+
+    def load(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+        """uint8 images (N, H, W) or (N, H, W, C) and int labels (N,)."""
+        raise NotImplementedError
+
+    def count(self, split: str) -> int | None:
+        return None
+
+    def decode_into(self, split: str, write):
+        arr, labels = self.load(split)
+        DECODES[self.name] += 1
+        if arr.ndim == 3:
+            arr = arr[..., None]
+        n = len(arr)
+        native = arr.shape[-1] == self.channels and self.image_size in (None, arr.shape[1]) and arr.shape[1] == arr.shape[2]
+
+        def fill(out):
+            if native:
+                out[:] = arr.transpose(0, 3, 1, 2)
+            else:
+                for i in range(n):
+                    a = arr[i, :, :, 0] if arr.shape[-1] == 1 else arr[i]
+                    out[i] = fit_image(Image.fromarray(a), self.channels, self.image_size)
+            return labels
+
+        return write((n, *self.chw), fill)
+
+
+class DigitsSource(ArraySource):
+    """scikit-learn's bundled 8x8 digits (1797 images, values 0..16 scaled to 0..255).
+
+    Held-out split: the last 20% (rounded) of each class in file order, so both splits are stratified.
+    """
+
+    name = "digits"
+    native_chw = (1, 8, 8)
+    TEST_FRACTION = 0.2
+
+    def fingerprint(self, split):
+        import sklearn
+
+        return f"sklearn-digits:{sklearn.__version__}:last20pct-per-class"
+
+    @classmethod
+    def split_indices(cls, labels: np.ndarray, split: str) -> np.ndarray:
+        test = []
+        for c in np.unique(labels):
+            idx = np.flatnonzero(labels == c)
+            k = int(round(cls.TEST_FRACTION * len(idx)))
+            test.extend(idx[len(idx) - k:])
+        mask = np.zeros(len(labels), bool)
+        mask[test] = True
+        return np.flatnonzero(mask if split == "test" else ~mask)
+
+    def load(self, split):
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        images = np.clip(np.rint(d.images * (255.0 / 16.0)), 0, 255).astype(np.uint8)
+        idx = self.split_indices(d.target, split)
+        return images[idx], d.target[idx].astype(np.int64)
+
+
+class MNISTSource(ArraySource):
+    """torchvision MNIST under ``<root>/MNIST/raw``; ``.gz`` files placed there are unpacked first."""
+
+    name = "mnist"
+    native_chw = (1, 28, 28)
+    FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+             "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+
+    @property
+    def raw(self) -> Path:
+        return Path(self.root) / "MNIST" / "raw"
+
+    def _missing(self) -> list[str]:
+        return [f for pair in self.FILES.values() for f in pair if not (self.raw / f).is_file()]
+
+    def prepare(self):
+        for f in self._missing():
+            gz = self.raw / f"{f}.gz"
+            if gz.is_file():  # the files as distributed; torchvision reads them unpacked
+                tmp = self.raw / f".{f}.tmp{os.getpid()}"
+                try:
+                    with gzip.open(gz, "rb") as src, open(tmp, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                except (OSError, EOFError) as e:
+                    tmp.unlink(missing_ok=True)
+                    raise SinkflowError(f"MNIST file {gz} is not a valid gzip file ({e})",
+                                        "delete it and place the original file there") from None
+                os.replace(tmp, self.raw / f)
+        missing = self._missing()
+        if not missing:
+            return
+        how = (f"place {', '.join(f for pair in self.FILES.values() for f in pair)} (or their .gz) in {self.raw}"
+               " or set data.download=true on a machine with internet")
+        if not self.download:
+            raise SinkflowError(f"MNIST not found in {self.raw} (missing {', '.join(missing)}) and data.download is "
+                                "false", how)
+        from torchvision.datasets import MNIST
+
+        try:
+            MNIST(self.root, train=True, download=True)
+        except Exception as e:  # offline, mirror down, bad checksum: all end the same way for the user
+            raise SinkflowError(f"MNIST download into {self.raw} failed ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''})", how) from None
+
+    def fingerprint(self, split):
+        return "mnist-idx:" + _file_stats([self.raw / f for f in self.FILES[split]])
+
+    def load(self, split):
+        from torchvision.datasets import MNIST
+
+        try:
+            ds = MNIST(self.root, train=split == "train", download=False)
+        except Exception as e:
+            raise SinkflowError(f"MNIST files in {self.raw} cannot be read ({type(e).__name__}: {e})",
+                                "replace them with the original IDX files") from None
+        return ds.data.numpy(), ds.targets.numpy().astype(np.int64)
+
+
+def _cifar10_unchecked():
+    from torchvision.datasets import CIFAR10
+
+    class UncheckedCIFAR10(CIFAR10):
+        """torchvision's CIFAR-10 reader minus the md5 check (files present but not the official bytes)."""
+
+        def _check_integrity(self) -> bool:
+            base = os.path.join(self.root, self.base_folder)
+            return all(os.path.isfile(os.path.join(base, f)) for f, _ in self.train_list + self.test_list)
+
+        def _load_meta(self) -> None:
+            import pickle
+
+            with open(os.path.join(self.root, self.base_folder, self.meta["filename"]), "rb") as f:
+                self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+            self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+
+    return UncheckedCIFAR10
+
+
+class CIFAR10Source(ArraySource):
+    """torchvision CIFAR-10 under ``<root>/cifar-10-batches-py``.
+
+    torchvision checks each pickle's md5 against the official archive. When the files are all present but
+    differ (a subset, a re-pickled copy, the tiny files of the tests), they are read by the same
+    torchvision code with only that check disabled, and a warning says so.
+    """
+
+    name = "cifar10"
+    native_chw = (3, 32, 32)
+    FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]}
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.root) / "cifar-10-batches-py"
+
+    def _missing(self) -> list[str]:
+        return [f for f in [*self.FILES["train"], *self.FILES["test"], "batches.meta"]
+                if not (self.folder / f).is_file()]
+
+    def prepare(self):
+        missing = self._missing()
+        if not missing:
+            return
+        how = (f"extract cifar-10-python.tar.gz so that {self.folder} holds data_batch_1..5, test_batch and "
+               "batches.meta, or set data.download=true on a machine with internet")
+        if not self.download:
+            raise SinkflowError(f"CIFAR-10 not found in {self.folder} (missing {', '.join(missing)}) and "
+                                "data.download is false", how)
+        from torchvision.datasets import CIFAR10
+
+        try:
+            CIFAR10(self.root, train=True, download=True)
+        except Exception as e:
+            raise SinkflowError(f"CIFAR-10 download into {self.folder} failed ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''})", how) from None
+
+    def fingerprint(self, split):
+        return "cifar10-pickle:" + _file_stats([self.folder / f for f in [*self.FILES[split], "batches.meta"]])
+
+    def load(self, split):
+        from torchvision.datasets import CIFAR10
+
+        try:
+            try:
+                ds = CIFAR10(self.root, train=split == "train", download=False)
+            except RuntimeError:  # md5 mismatch with every file present (see class docstring)
+                warnings.warn(f"CIFAR-10 files in {self.folder} do not match the official checksums; "
+                              "loading them as they are", stacklevel=2)
+                ds = _cifar10_unchecked()(self.root, train=split == "train", download=False)
+        except Exception as e:
+            raise SinkflowError(f"CIFAR-10 files in {self.folder} cannot be read ({type(e).__name__}: {e})",
+                                "replace them with the files of the official cifar-10-python.tar.gz") from None
+        return np.asarray(ds.data, dtype=np.uint8), np.asarray(ds.targets, dtype=np.int64)
+
+
+class FolderSource:
+    """Every png/jpg/jpeg/bmp/webp under ``path`` (recursive), sorted by relative path.
+
+    The last 10% (at least one image) are held out as the test split. Images are converted to RGB
+    (``channels`` None or 3) or L (1), resized on the shorter side and center-cropped to ``image_size``;
+    without ``image_size`` all images must share one size.
+    """
+
+    name = "folder"
+    TEST_FRACTION = 0.1
+
+    def __init__(self, path: str | None, channels: int | None, image_size: int | None):
+        if not path:
+            raise SinkflowError("data.path is not set for the image folder", "set data.path=/path/to/images")
+        self.path = Path(path)
+        if not self.path.is_dir():
+            what = "is a file, not a folder" if self.path.exists() else "does not exist"
+            raise SinkflowError(f"image folder {self.path} {what}", "set data.path to a folder of images")
+        self.channels = channels or 3
+        self.image_size = image_size
+        self.files = sorted((p for p in self.path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS),
+                            key=lambda p: p.relative_to(self.path).as_posix())
+        if not self.files:
+            others = sum(1 for p in self.path.rglob("*") if p.is_file())
+            raise SinkflowError(f"image folder {self.path} holds no images ({others} other files)",
+                                f"put {'/'.join(e[1:] for e in IMAGE_EXTENSIONS)} files in it (subfolders are searched)")
+        if len(self.files) < 2:
+            raise SinkflowError(f"image folder {self.path} holds only 1 image; a train and a test split need 2",
+                                "add more images")
+        self.n_test = max(1, int(len(self.files) * self.TEST_FRACTION))
+        if image_size is None:
+            self.hw = self._common_size()
+        else:
+            self.hw = (image_size, image_size)
+        self.chw = (self.channels, *self.hw)
+        self.size = size_tag(*self.hw)
+        digest = hashlib.sha1(str(self.path.resolve()).encode()).hexdigest()[:8]
+        safe = "".join(c if c.isalnum() or c in "_." else "_" for c in self.path.resolve().name) or "root"
+        self.name = f"folder_{safe}_{digest}"
+        self._fp = "folder:" + _file_stats(self.files) + ":" + hashlib.sha1(
+            "\n".join(p.relative_to(self.path).as_posix() for p in self.files).encode()).hexdigest()
+
+    def _open(self, p: Path) -> Image.Image:
+        try:
+            img = Image.open(p)
+        except UnidentifiedImageError:
+            raise SinkflowError(f"{p} is not an image file although it is named {p.suffix}",
+                                "delete or rename it, or move it out of data.path") from None
+        except OSError as e:
+            raise SinkflowError(f"{p} cannot be read ({e})", "check the file's permissions or remove it") from None
+        return img
+
+    def _common_size(self) -> tuple[int, int]:
+        first = None
+        for p in self.files:  # headers only: cheap, and fails before any decoding
+            with self._open(p) as img:
+                if first is None:
+                    first = (p, img.size)
+                elif img.size != first[1]:
+                    (w0, h0), (w1, h1) = first[1], img.size
+                    raise SinkflowError(f"images in {self.path} have different sizes ({first[0].name} is {w0}x{h0}, "
+                                        f"{p.name} is {w1}x{h1})", "set data.image_size=N to resize and center-crop "
+                                        "them all to NxN")
+        w, h = first[1]
+        return h, w
+
+    def prepare(self):
+        pass
+
+    def split_files(self, split: str) -> list[Path]:
+        return self.files[-self.n_test:] if split == "test" else self.files[: len(self.files) - self.n_test]
+
+    def fingerprint(self, split):
+        return f"{self._fp}:{split}:{self.n_test}"
+
+    def decode_into(self, split: str, write):
+        files = self.split_files(split)
+        DECODES[self.name] += 1
+
+        def fill(out):
+            for i, p in enumerate(files):
+                with self._open(p) as img:
+                    try:
+                        img.load()
+                        out[i] = fit_image(img, self.channels, self.image_size)
+                    except (OSError, SyntaxError, ValueError) as e:
+                        raise SinkflowError(f"image {p} is corrupt or truncated ({e})",
+                                            "re-export it or remove it from data.path") from None
+            return None
+
+        return write((len(files), *self.chw), fill)
