@@ -11,7 +11,6 @@ import math
 import statistics
 
 import numpy as np
-import ot
 import torch
 
 from sinkflow.data.base import Distribution
@@ -27,6 +26,8 @@ FLOOR_PAIRS = 5
 
 def w2_exact(a: torch.Tensor, b: torch.Tensor) -> float:
     """Exact W2 between two equally weighted point clouds (the paper's 2D metric)."""
+    import ot  # POT; imported here so the data layer loads where POT is not installed
+
     a = a.reshape(len(a), -1).double().cpu()
     b = b.reshape(len(b), -1).double().cpu()
     cost = (torch.cdist(a, b) ** 2).numpy()
