@@ -1,0 +1,68 @@
+"""Measure the peak memory of one batched Sinkhorn velocity step; check sinkhorn_peak_bytes bounds it.
+
+CPU: the torch profiler's allocation events (profile_memory=True), summed in time order.
+CUDA (if present): torch.cuda.max_memory_allocated around the same call.
+Prints measured peak / (4 B n^2) and / (4 B n D), and measured / estimated (must stay <= 1).
+
+    python benchmarks/ot_memory.py
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from sinkflow.ot import sinkhorn_peak_bytes
+from sinkflow.ot.velocity import _velocity_flat
+
+CASES = [(1, 256, 2), (4, 256, 2), (8, 128, 2), (4, 64, 784), (8, 64, 784), (2, 128, 3072), (4, 512, 2)]
+
+
+def cpu_peak(B, n, D):
+    x, y = torch.randn(B, n, D), torch.randn(B, n, D) + 1
+    base = 4 * 2 * B * n * D  # x and y, live in the simulate loop too
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        v = _velocity_flat(x, y, 0.5, 0.9, 10.0, "tensorized")
+        del v
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak + base
+
+
+def cuda_peak(B, n, D):
+    torch.cuda.empty_cache()
+    x = torch.randn(B, n, D, device="cuda")
+    y = torch.randn(B, n, D, device="cuda") + 1
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    v = _velocity_flat(x, y, 0.5, 0.9, 10.0, "tensorized")
+    del v
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start + 4 * 2 * B * n * D
+
+
+def main():
+    print(f"machine: {platform.platform()} | torch {torch.__version__} | "
+          + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"))
+    print("| device | B | n | D | peak MiB | peak/(4Bn^2) | peak/(4BnD) | peak/estimate |")
+    print("|---|---|---|---|---|---|---|---|")
+    devices = [("cpu", cpu_peak)] + ([("cuda", cuda_peak)] if torch.cuda.is_available() else [])
+    for name, fn in devices:
+        for B, n, D in CASES:
+            pk = fn(B, n, D)
+            est = sinkhorn_peak_bytes(B, n, D)
+            print(f"| {name} | {B} | {n} | {D} | {pk / 2**20:.2f} | {pk / (4 * B * n * n):.2f} "
+                  f"| {pk / (4 * B * n * D):.2f} | {pk / est:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""Empirical NSGF velocity from GeomLoss Sinkhorn potentials, and the particle flow it drives.
+
+Conventions (GeomLoss p=2, see docs/ot.md): cost C(x, y) = |x - y|^2 / 2, epsilon = blur^2, uniform
+weights, ``debias=False``. The velocity is the paper's eq. 13,
+
+    v(x_i) = grad f_{mu,mu}(x_i) - grad f_{mu,mu*}(x_i),
+
+so ``x + eta * v`` moves the particles towards the target. Both OT problems, (x, y) and (x, x), and
+any number of independent pool batches go through ONE GeomLoss call as a (2B, N, D) batch: on small
+problems the per-call Python overhead of the ~50-100 annealing iterations dominates, so batching is
+what makes pool building fast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from geomloss import SamplesLoss
+
+from sinkflow.errors import SinkflowError, require
+from sinkflow.ot.precision import strict_float32
+
+_BACKENDS = ("tensorized", "online")
+
+
+# ----------------------------------------------------------------------------------------------
+# validation: every degenerate input is caught here, before GeomLoss sees it
+
+
+def _check_params(blur: float, scaling: float, diameter: float | None, backend: str) -> None:
+    require(
+        isinstance(blur, (int, float)) and math.isfinite(blur) and blur > 0,
+        f"Sinkhorn blur must be a positive number, got {blur!r}",
+        "set blur > 0 (epsilon = blur^2; a scale somewhat below the typical distance between points)",
+    )
+    require(
+        isinstance(scaling, (int, float)) and 0 < scaling < 1,
+        f"Sinkhorn scaling must lie in (0, 1), got {scaling!r}",
+        "use 0.8-0.95 (closer to 1 is more accurate and slower)",
+    )
+    if diameter is not None:
+        require(
+            isinstance(diameter, (int, float)) and math.isfinite(diameter) and diameter > 0,
+            f"Sinkhorn diameter must be a positive number or None, got {diameter!r}",
+            "leave diameter=None to bound it from the data",
+        )
+    require(
+        backend in _BACKENDS,
+        f"unknown Sinkhorn backend {backend!r}",
+        f"use one of {', '.join(_BACKENDS)}",
+    )
+    if backend == "online":
+        try:
+            import pykeops  # noqa: F401
+        except ImportError:
+            raise SinkflowError(
+                "Sinkhorn backend 'online' needs pykeops, which is not installed",
+                "pip install 'sinkflow[keops]' or use backend='tensorized'",
+            ) from None
+
+
+def _check_clouds(x: torch.Tensor, y: torch.Tensor, batched: bool) -> tuple[int, int, int, int]:
+    """Validate a pair of point clouds; return (B, N, M, D) of their flattened (B, N, D) views."""
+    for name, t in (("x", x), ("y", y)):
+        require(
+            isinstance(t, torch.Tensor),
+            f"{name} must be a torch.Tensor, got {type(t).__name__}",
+            "convert it with torch.as_tensor",
+        )
+        require(
+            t.is_floating_point(),
+            f"{name} has non-floating dtype {t.dtype}",
+            "convert to float (and normalise) before computing Sinkhorn velocities",
+        )
+    lead = 2 if batched else 1
+    layout = "(B, N, *)" if batched else "(N, *)"
+    for name, t in (("x", x), ("y", y)):
+        require(
+            t.dim() >= lead + 1,
+            f"{name} has shape {tuple(t.shape)} but must be shaped {layout} with per-sample dims",
+            "add a feature axis, e.g. x[..., None] for 1-D points",
+        )
+    require(
+        x.device == y.device,
+        f"x is on {x.device} but y is on {y.device}",
+        "move both point clouds to the same device",
+    )
+    if batched:
+        require(
+            x.shape[0] == y.shape[0],
+            f"x holds {x.shape[0]} pool batches but y holds {y.shape[0]}",
+            "pass one target batch per source batch",
+        )
+    require(
+        x.shape[lead:] == y.shape[lead:],
+        f"per-sample shapes differ: x {tuple(x.shape[lead:])} vs y {tuple(y.shape[lead:])}",
+        "source and target samples must have the same shape",
+    )
+    B = x.shape[0] if batched else 1
+    N, M = x.shape[lead - 1], y.shape[lead - 1]
+    require(
+        N >= 2 and M >= 2,
+        f"too few points: x has {N}, y has {M} (need at least 2 each)",
+        "use batches of at least 2 samples",
+    )
+    require(B >= 1, "x holds no pool batches", "pass at least one batch")
+    D = math.prod(x.shape[lead:])
+    finite = torch.stack([torch.isfinite(x).all(), torch.isfinite(y).all()]).tolist()
+    for name, ok in zip(("x", "y"), finite):
+        require(ok, f"{name} contains NaN or Inf", f"check the data or the step that produced {name}")
+    same = _identical_batches(x.reshape(B, N, D), y.reshape(B, M, D))
+    if same:
+        where = f" (pool batches {same[:5]}{'...' if len(same) > 5 else ''})" if batched else ""
+        raise SinkflowError(
+            f"x and y are identical point clouds{where}, so the Sinkhorn velocity is zero everywhere",
+            "draw the source and the target from different distributions or different samples",
+        )
+    return B, N, M, D
+
+
+def _identical_batches(x: torch.Tensor, y: torch.Tensor) -> list[int]:
+    """Indices of batches whose two clouds hold the same points (in any order).
+
+    Sorting the points along a fixed projection makes equal sets line up; only batches whose
+    projections match exactly are compared row by row. No RNG is used (the caller's stream is kept).
+    """
+    B, N, D = x.shape
+    if y.shape[1] != N:
+        return []
+    r = torch.cos(torch.arange(D, device=x.device, dtype=torch.float64) * 2.399963 + 0.5)
+    px, ix = (x.double() @ r).sort(dim=1)
+    py, iy = (y.double() @ r).sort(dim=1)
+    candidates = (px == py).all(dim=1)
+    if not bool(candidates.any()):
+        return []
+    xs = x.gather(1, ix[..., None].expand(B, N, D))
+    ys = y.gather(1, iy[..., None].expand(B, N, D))
+    return [int(b) for b in torch.nonzero(candidates & (xs == ys).all(dim=(1, 2))).flatten()]
+
+
+# ----------------------------------------------------------------------------------------------
+# the solve
+
+
+def safe_diameter(x: torch.Tensor, y: torch.Tensor, *, batched: bool = False) -> float:
+    """Upper bound on every pairwise distance: the diagonal of the joint bounding box of x and y.
+
+    x, y: (N, *) or, with batched=True, (B, N, *); one bound for all batches. Passed to GeomLoss
+    explicitly so the annealing schedule (diameter -> blur) is the same for every batch of a call
+    and is chosen by us, not silently per call.
+    """
+    lead = 2 if batched else 1
+    D = math.prod(x.shape[lead:])
+    return _bbox_diameter(x.reshape(-1, D), y.reshape(-1, D))
+
+
+def _bbox_diameter(x: torch.Tensor, y: torch.Tensor) -> float:
+    """safe_diameter for clouds already flattened to (..., D)."""
+    D = x.shape[-1]
+    pts = torch.cat([x.reshape(-1, D), y.reshape(-1, D)]).float()
+    d = (pts.amax(0) - pts.amin(0)).norm().item()
+    return max(d, 1e-6)
+
+
+def _velocity_flat(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    blur: float,
+    scaling: float,
+    diameter: float,
+    backend: str,
+) -> torch.Tensor:
+    """v for float32 clouds x (B, N, D), y (B, M, D); no validation (callers do it)."""
+    B, N, D = x.shape
+    M = y.shape[1]
+    loss = SamplesLoss(
+        loss="sinkhorn",
+        p=2,
+        blur=blur,
+        scaling=scaling,
+        diameter=diameter,
+        debias=False,
+        potentials=True,
+        backend=backend,
+    )
+    # GeomLoss switches grad mode on globally at the end of its loop; enable_grad restores the
+    # caller's mode (e.g. no_grad) on exit.
+    with torch.enable_grad():
+        if N == M:  # (x, y) and (x, x) stacked: one call for both problems and all batches
+            X = torch.cat([x, x]).requires_grad_(True)
+            Y = torch.cat([y, x])
+            w = x.new_full((2 * B, N), 1.0 / N)
+            F, _ = loss(w, X, w, Y)
+            (g,) = torch.autograd.grad(F.sum(), X)
+            grad_cross, grad_self = g[:B], g[B:]
+        else:  # different sizes cannot share a batch: two calls
+            X = x.clone().requires_grad_(True)
+            a, b = x.new_full((B, N), 1.0 / N), x.new_full((B, M), 1.0 / M)
+            F_ab, _ = loss(a, X, b, y)
+            F_aa, _ = loss(a, X, a, x)
+            (grad_cross,) = torch.autograd.grad(F_ab.sum(), X)
+            (grad_self,) = torch.autograd.grad(F_aa.sum(), X)
+    # GeomLoss detaches the right-hand cloud, so these are the envelope gradients grad f(x_i).
+    return grad_self - grad_cross
+
+
+def sinkhorn_velocity(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    blur: float,
+    scaling: float = 0.9,
+    diameter: float | None = None,
+    backend: str = "tensorized",
+    batched: bool = False,
+) -> torch.Tensor:
+    """NSGF velocity v = grad f(mu,mu) - grad f(mu,mu*) at the points of x (paper eq. 13).
+
+    x: (N, *) source particles, y: (M, *) target samples with the same per-sample shape; with
+    ``batched=True`` x is (B, N, *) and y (B, M, *), B independent problems solved at once.
+    Returns a float32 tensor shaped like x. Computed in float32 with autocast and TF32 off,
+    whatever the input dtype or the ambient settings.
+    """
+    _check_params(blur, scaling, diameter, backend)
+    B, N, M, D = _check_clouds(x, y, batched)
+    with torch.no_grad():
+        xf = x.detach().reshape(B, N, D).float()
+        yf = y.detach().reshape(B, M, D).float()
+    diam = float(diameter) if diameter is not None else _bbox_diameter(xf, yf)
+    with strict_float32(x.device.type):
+        v = _velocity_flat(xf, yf, float(blur), float(scaling), diam, backend)
+    return v.reshape(x.shape)
+
+
+def sinkhorn_velocity_batched(x: torch.Tensor, y: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``sinkhorn_velocity(x, y, batched=True, ...)`` for x (B, N, *), y (B, M, *)."""
+    return sinkhorn_velocity(x, y, batched=True, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# the particle flow (paper Alg. 1, inner loop)
+
+
+def eta_schedule(eta: float, steps: int, growth: float | None = None) -> list[float]:
+    """Step sizes eta_0..eta_{T-1}.
+
+    growth None: constant eta. growth r: eta_k = eta * exp(r * (k - T) / T), the dev code's
+    "incremental lr" hint with r = 4 (eta * exp((k - T) / (T / 4))): small early steps where the
+    velocity is large, growing towards eta.
+    """
+    if growth is None:
+        return [float(eta)] * steps
+    require(
+        isinstance(growth, (int, float)) and math.isfinite(growth) and growth > 0,
+        f"eta_growth must be a positive number or None, got {growth!r}",
+        "use e.g. 4.0 (the dev-code hint) or None for a constant step",
+    )
+    return [float(eta) * math.exp(growth * (k - steps) / steps) for k in range(steps)]
+
+
+def simulate_sinkhorn_flow(
+    x0: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    steps: int,
+    eta: float,
+    blur: float,
+    scaling: float = 0.9,
+    diameter: float | None = None,
+    backend: str = "tensorized",
+    eta_growth: float | None = None,
+    batched: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Explicit Euler x_{k+1} = x_k + eta_k v(x_k; y) for exactly ``steps`` updates.
+
+    The same target batch y is used at every step (paper Alg. 1). Returns (xs, vs), float32, each
+    shaped (steps, *x0.shape): the state *before* step k and its velocity. The final state is
+    xs[-1] + eta_{T-1} * vs[-1]. With diameter=None the bound is recomputed from the data at every
+    step (the particles move).
+    """
+    require(
+        isinstance(steps, int) and steps >= 1,
+        f"steps must be a positive integer, got {steps!r}",
+        "use at least one Euler step",
+    )
+    require(
+        isinstance(eta, (int, float)) and math.isfinite(eta) and eta > 0,
+        f"eta must be a positive number, got {eta!r}",
+        "use a step size in (0, 1]",
+    )
+    _check_params(blur, scaling, diameter, backend)
+    B, N, M, D = _check_clouds(x0, y, batched)
+    etas = eta_schedule(eta, steps, eta_growth)
+    device = x0.device
+    xs = torch.empty((steps, *x0.shape), dtype=torch.float32, device=device)
+    vs = torch.empty_like(xs)
+    with torch.no_grad():
+        x = x0.detach().reshape(B, N, D).float().clone()
+        yf = y.detach().reshape(B, M, D).float()
+    with strict_float32(device.type):
+        for k in range(steps):
+            diam = float(diameter) if diameter is not None else _bbox_diameter(x, yf)
+            v = _velocity_flat(x, yf, float(blur), float(scaling), diam, backend)
+            with torch.no_grad():
+                xs[k] = x.reshape(x0.shape)
+                vs[k] = v.reshape(x0.shape)
+                x = x + etas[k] * v
+    bad = (~torch.isfinite(vs.reshape(steps, -1))).any(dim=1)
+    if bool(bad.any()):
+        k = int(torch.nonzero(bad)[0])
+        raise SinkflowError(
+            f"the Sinkhorn flow produced NaN/Inf velocities at step {k} of {steps}",
+            "lower eta or raise blur",
+        )
+    return xs, vs

@@ -1,0 +1,332 @@
+"""OT core: the NSGF velocity against an independent log-domain Sinkhorn, batching, W2, bad input."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from geomloss import SamplesLoss
+from scipy.optimize import linear_sum_assignment
+
+from sinkflow.errors import SinkflowError
+from sinkflow.ot import (
+    eta_schedule,
+    max_batches_in_flight,
+    safe_diameter,
+    simulate_sinkhorn_flow,
+    sinkhorn_peak_bytes,
+    sinkhorn_velocity,
+    sinkhorn_velocity_batched,
+    w2,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These problems are tiny: intra-op threads only add wake-up latency on a busy 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------------------------
+# independent reference: plain log-domain Sinkhorn in float64, run to convergence
+
+
+def _log_sinkhorn(a_pts: torch.Tensor, b_pts: torch.Tensor, eps: float, tol: float = 1e-10):
+    """Potentials (f, g) of OT_eps between uniform clouds, cost |x - y|^2 / 2, alternating updates."""
+    C = ((a_pts[:, None, :] - b_pts[None, :, :]) ** 2).sum(-1) / 2
+    n, m = C.shape
+    log_a, log_b = -math.log(n), -math.log(m)
+    f = torch.zeros(n, dtype=torch.float64)
+    g = torch.zeros(m, dtype=torch.float64)
+    for _ in range(20000):
+        f = -eps * torch.logsumexp(log_b + (g[None, :] - C) / eps, dim=1)
+        g = -eps * torch.logsumexp(log_a + (f[:, None] - C) / eps, dim=0)
+        # after the g update the column marginals are exact; check the row marginals
+        row = torch.exp(log_a + log_b + (f[:, None] + g[None, :] - C) / eps).sum(1)
+        if (row * n - 1).abs().max() < tol:
+            break
+    return C, g
+
+
+def reference_velocity(x: torch.Tensor, y: torch.Tensor, blur: float) -> torch.Tensor:
+    """v_i = sum_j P_{j|i} y_j - sum_k Q_{k|i} x_k (nsgf_paper.md 1.4), in float64."""
+    eps = blur**2
+    xf = x.reshape(len(x), -1).double()
+    yf = y.reshape(len(y), -1).double()
+
+    def projection(src, tgt):
+        C, g = _log_sinkhorn(src, tgt, eps)
+        P = torch.softmax(-math.log(len(tgt)) + (g[None, :] - C) / eps, dim=1)
+        return P @ tgt
+
+    return (projection(xf, yf) - projection(xf, xf)).reshape(x.shape)
+
+
+def _images(n: int, shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gaussian noise source and smooth synthetic images in [-1, 1] as target (no data download)."""
+    gen = torch.Generator().manual_seed(seed)
+    D = math.prod(shape)
+    x = torch.randn(n, D, generator=gen)
+    basis = torch.nn.functional.avg_pool1d(torch.randn(8, 1, D, generator=gen), 9, 1, 4)[:, 0] * 3
+    y = torch.tanh(torch.randn(n, 8, generator=gen) @ basis)
+    return x.reshape(n, *shape), y.reshape(n, *shape)
+
+
+def _clouds_2d(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 2, generator=gen)
+    y = 0.5 * torch.randn(n, 2, generator=gen) + torch.tensor([2.0, 0.5])
+    return x, y
+
+
+# (shape, n, blur, scaling, relative tolerance on max|v - v_ref| / max|v_ref|).
+# The residual is GeomLoss's epsilon-annealing truncation (one iteration at the final epsilon),
+# measured at 1.8e-3 (2D), 9.6e-4 (28x28), 5.0e-4 (32x32); it shrinks as scaling -> 1
+# (28x28: 3.5e-3 at scaling 0.9, 2.9e-3 at 0.95, 4.7e-4 at 0.99).
+CASES = [
+    ((2,), 32, 0.5, 0.99, 1e-2),
+    ((1, 28, 28), 32, 4.0, 0.98, 3e-3),
+    ((3, 32, 32), 16, 8.0, 0.98, 3e-3),
+]
+
+
+@pytest.mark.parametrize("shape,n,blur,scaling,rtol", CASES, ids=["2d", "1x28x28", "3x32x32"])
+def test_velocity_matches_log_domain_reference(shape, n, blur, scaling, rtol):
+    if len(shape) == 1:
+        x, y = _clouds_2d(n, seed=1)
+    else:
+        x, y = _images(n, shape, seed=2)
+    v = sinkhorn_velocity(x, y, blur=blur, scaling=scaling)
+    ref = reference_velocity(x, y, blur)
+    assert v.shape == x.shape and v.dtype == torch.float32
+    scale = ref.abs().max().item()
+    err = (v.double() - ref).abs().max().item()
+    assert err <= rtol * scale, f"max abs error {err:.3g} vs scale {scale:.3g}"
+    # the entropic plans must be informative: v is far from the plain mean shift mean(y) - mean(x)
+    shift = (y.double().mean(0) - x.double().mean(0)).expand_as(ref)
+    assert (ref - shift).abs().max().item() > 0.1 * scale
+
+
+def test_one_euler_step_moves_towards_target():
+    x, y = _clouds_2d(64, seed=3)
+    v = sinkhorn_velocity(x, y, blur=0.3, scaling=0.8)
+    x1 = x + 0.1 * v
+    assert w2(x1, y) < w2(x, y) - 0.05
+    S = SamplesLoss("sinkhorn", p=2, blur=0.3, scaling=0.8, debias=True)
+    assert S(x1, y).item() < S(x, y).item()
+    # the wrong sign moves away
+    assert w2(x - 0.1 * v, y) > w2(x, y)
+
+
+@pytest.mark.parametrize("shape", [(2,), (1, 28, 28)], ids=["2d", "1x28x28"])
+def test_batched_equals_one_at_a_time(shape):
+    B, n = 4, 24
+    xs, ys = [], []
+    for b in range(B):
+        x, y = _clouds_2d(n, seed=10 + b) if len(shape) == 1 else _images(n, shape, seed=10 + b)
+        xs.append(x)
+        ys.append(y)
+    X, Y = torch.stack(xs), torch.stack(ys)
+    blur = 0.5 if len(shape) == 1 else 4.0
+    diam = safe_diameter(X, Y, batched=True)
+    vb = sinkhorn_velocity_batched(X, Y, blur=blur, scaling=0.9, diameter=diam)
+    assert vb.shape == X.shape
+    for b in range(B):
+        v1 = sinkhorn_velocity(xs[b], ys[b], blur=blur, scaling=0.9, diameter=diam)
+        # same iterations, only the batching differs: float32 rounding
+        torch.testing.assert_close(vb[b], v1, rtol=0, atol=1e-5 * max(1.0, v1.abs().max().item()))
+
+
+def test_unequal_sizes_use_two_calls_and_match_reference():
+    x, _ = _clouds_2d(20, seed=4)
+    _, y = _clouds_2d(28, seed=5)
+    v = sinkhorn_velocity(x, y, blur=1.0, scaling=0.95)
+    ref = reference_velocity(x, y, 1.0)
+    assert (v.double() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+
+
+def test_float32_outside_autocast_and_settings_restored():
+    x, y = _clouds_2d(32, seed=6)
+    plain = sinkhorn_velocity(x, y, blur=0.5)
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = sinkhorn_velocity(x.double(), y.double(), blur=0.5)
+            assert not torch.is_grad_enabled()  # GeomLoss flips grad mode on globally; we restore it
+        assert matmul.fp32_precision == "tf32"
+    finally:
+        matmul.fp32_precision = before
+    assert inside.dtype == torch.float32
+    torch.testing.assert_close(inside, plain, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# the flow
+
+
+def test_simulate_shapes_states_and_w2_decrease():
+    x0, y = _clouds_2d(48, seed=7)
+    steps, eta = 5, 0.5
+    xs, vs = simulate_sinkhorn_flow(x0, y, steps=steps, eta=eta, blur=0.3, scaling=0.8)
+    assert xs.shape == vs.shape == (steps, 48, 2)
+    torch.testing.assert_close(xs[0], x0)
+    for k in range(steps - 1):  # state stored before each update: exactly `steps` updates
+        torch.testing.assert_close(xs[k + 1], xs[k] + eta * vs[k])
+    final = xs[-1] + eta * vs[-1]
+    dists = [w2(xs[k], y) for k in range(steps)] + [w2(final, y)]
+    assert all(b < a for a, b in zip(dists, dists[1:])), dists
+    assert dists[-1] < 0.3 * dists[0]
+    # the first velocity is the plain velocity at x0
+    torch.testing.assert_close(vs[0], sinkhorn_velocity(x0, y, blur=0.3, scaling=0.8), rtol=0, atol=1e-6)
+
+
+def test_simulate_batched_images_and_eta_growth():
+    B, n, shape = 3, 16, (1, 28, 28)
+    pairs = [_images(n, shape, seed=20 + b) for b in range(B)]
+    X = torch.stack([p[0] for p in pairs])
+    Y = torch.stack([p[1] for p in pairs])
+    etas = eta_schedule(0.5, 4, growth=4.0)
+    assert etas == pytest.approx([0.5 * math.exp(4.0 * (k - 4) / 4) for k in range(4)])
+    assert eta_schedule(0.5, 3) == [0.5, 0.5, 0.5]
+    xs, vs = simulate_sinkhorn_flow(X, Y, steps=4, eta=0.5, blur=4.0, scaling=0.8, eta_growth=4.0, batched=True)
+    assert xs.shape == vs.shape == (4, B, n, *shape)
+    for k in range(3):
+        torch.testing.assert_close(xs[k + 1], xs[k] + etas[k] * vs[k])
+    final = xs[-1] + etas[-1] * vs[-1]
+    for b in range(B):
+        assert w2(final[b], Y[b]) < w2(X[b], Y[b])
+
+
+# ----------------------------------------------------------------------------------------------
+# exact W2
+
+
+def test_w2_against_brute_force_permutations():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(6, 2)), rng.normal(size=(6, 2)) + 1.0
+    cost = ((x[:, None] - y[None]) ** 2).sum(-1)
+    brute = min(cost[range(6), list(p)].mean() for p in itertools.permutations(range(6)))
+    assert w2(torch.from_numpy(x), torch.from_numpy(y)) == pytest.approx(math.sqrt(brute), rel=1e-9)
+    # larger sets and image-shaped samples: the assignment problem gives the same value
+    x, y = rng.normal(size=(40, 1, 3, 3)), rng.normal(size=(40, 1, 3, 3)) * 2
+    cost = ((x.reshape(40, -1)[:, None] - y.reshape(40, -1)[None]) ** 2).sum(-1)
+    r, c = linear_sum_assignment(cost)
+    assert w2(torch.from_numpy(x).float(), torch.from_numpy(y).float()) == pytest.approx(
+        math.sqrt(cost[r, c].mean()), rel=1e-5
+    )
+    assert w2(x, x) == pytest.approx(0.0, abs=1e-6)  # sqrt of float64 round-off
+
+
+def test_w2_bad_input():
+    x = torch.randn(8, 2)
+    with pytest.raises(SinkflowError, match="NaN"):
+        w2(x, torch.full((8, 2), float("nan")))
+    with pytest.raises(SinkflowError, match="per-sample shapes differ"):
+        w2(x, torch.randn(8, 3))
+
+
+# ----------------------------------------------------------------------------------------------
+# degenerate input: a clear SinkflowError before GeomLoss runs
+
+
+def _bad(x, y, **kw):
+    kw.setdefault("blur", 0.5)
+    return lambda: sinkhorn_velocity(x, y, **kw)
+
+
+X2, Y2 = _clouds_2d(16, seed=8)
+NAN = X2.clone()
+NAN[3, 1] = float("nan")
+INF = Y2.clone()
+INF[0, 0] = float("inf")
+PERM = X2[torch.randperm(16, generator=torch.Generator().manual_seed(0))]
+BAD = [
+    ("nan-x", _bad(NAN, Y2), "x contains NaN or Inf"),
+    ("inf-y", _bad(X2, INF), "y contains NaN or Inf"),
+    ("shape", _bad(X2, torch.randn(16, 3)), "per-sample shapes differ"),
+    ("image-shape", _bad(torch.randn(4, 1, 28, 28), torch.randn(4, 3, 32, 32)), "per-sample shapes differ"),
+    ("one-point", _bad(X2[:1], Y2), "too few points"),
+    ("1d", _bad(torch.randn(16), torch.randn(16)), "must be shaped"),
+    ("identical", _bad(X2, X2.clone()), "identical point clouds"),
+    ("identical-permuted", _bad(X2, PERM), "identical point clouds"),
+    ("blur-zero", _bad(X2, Y2, blur=0.0), "blur must be a positive"),
+    ("blur-negative", _bad(X2, Y2, blur=-1.0), "blur must be a positive"),
+    ("scaling", _bad(X2, Y2, scaling=1.0), "scaling must lie in"),
+    ("diameter", _bad(X2, Y2, diameter=0.0), "diameter must be a positive"),
+    ("integer", _bad(X2.to(torch.uint8), Y2), "non-floating dtype"),
+    ("backend", _bad(X2, Y2, backend="multiscale"), "unknown Sinkhorn backend"),
+    (
+        "batched-identical",
+        lambda: sinkhorn_velocity_batched(torch.stack([X2, Y2]), torch.stack([Y2, Y2]), blur=0.5),
+        r"identical point clouds \(pool batches \[1\]\)",
+    ),
+    (
+        "batched-count",
+        lambda: sinkhorn_velocity_batched(torch.stack([X2, X2]), Y2[None], blur=0.5),
+        "pool batches but y holds",
+    ),
+    (
+        "simulate-steps",
+        lambda: simulate_sinkhorn_flow(X2, Y2, steps=0, eta=0.1, blur=0.5),
+        "steps must be a positive",
+    ),
+    (
+        "simulate-nan",
+        lambda: simulate_sinkhorn_flow(NAN, Y2, steps=2, eta=0.1, blur=0.5),
+        "x contains NaN",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,message", [(c, m) for _, c, m in BAD], ids=[i for i, _, _ in BAD])
+def test_degenerate_input_raises_clear_error(call, message):
+    with pytest.raises(SinkflowError, match=message) as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# memory sizing
+
+
+def test_peak_estimate_bounds_measured_cpu_peak():
+    from torch.profiler import ProfilerActivity, profile
+
+    from sinkflow.ot.memory import OVERHEAD_BYTES
+    from sinkflow.ot.velocity import _velocity_flat
+
+    B, n, D = 3, 96, 40
+    x, y = torch.randn(B, n, D), torch.randn(B, n, D) + 1
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        del_v = _velocity_flat(x, y, 1.0, 0.8, 20.0, "tensorized")
+        del del_v
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    peak += x.nbytes + y.nbytes
+    est = sinkhorn_peak_bytes(B, n, D)
+    assert peak > 0
+    assert 0.5 * (est - OVERHEAD_BYTES) <= peak <= est, (peak, est)  # an upper bound, not a loose one
+
+
+def test_max_batches_in_flight_fits_budget():
+    for n, D, budget in [(256, 2, 2**30), (64, 784, 2**28), (128, 3072, 10 * 2**30)]:
+        B = max_batches_in_flight(n, D, budget)
+        assert B >= 1
+        assert sinkhorn_peak_bytes(B, n, D) <= budget < sinkhorn_peak_bytes(B + 1, n, D)
+    assert max_batches_in_flight(256, 2, 2**31) >= 2 * max_batches_in_flight(256, 2, 2**30) - 1
+    with pytest.raises(SinkflowError, match="needs about .* MiB"):
+        max_batches_in_flight(4096, 3072, 2**20)
