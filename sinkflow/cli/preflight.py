@@ -1,0 +1,76 @@
+"""`sinkflow preflight PRESET [overrides] [--gpu NAME|--gpu-mem GiB] [--fit] [--all]`."""
+
+from __future__ import annotations
+
+import argparse
+
+from sinkflow import config
+from sinkflow.cli.common import add_config_args, shorthands, split_preset
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "preflight", help="run every phase tiny on CPU with the real shapes; estimate GPU memory",
+        description="Runs every phase with tiny counts but the real data shapes and model config on CPU, stops and "
+                    "resumes each phase once, samples and evaluates, checks that every flag reached the phases it "
+                    "names, and estimates each phase's peak GPU memory for the real config. Exit status 1 on any "
+                    "failure.",
+        epilog="examples:\n  sinkflow preflight moons\n  sinkflow preflight cifar10 --gpu T4 --fit\n"
+               "  sinkflow preflight --all",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--gpu", help="card to check the memory against: T4, L4, A100-40GB, A100-80GB, H100-80GB, H200")
+    g.add_argument("--gpu-mem", type=float, metavar="GiB", help="... or its memory in GiB")
+    p.add_argument("--fit", action="store_true", help="apply the proposed changes and print the resulting command")
+    p.add_argument("--all", action="store_true", help="every preset (overrides apply to each)")
+    p.add_argument("--world", type=int, default=1, help="processes (GPUs) the real run will use (default 1)")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory estimate")
+    p.set_defaults(func=run)
+
+
+def _one(preset, args, card) -> bool:
+    from sinkflow.tools import memory
+    from sinkflow.tools.preflight import fit_command, format_report, preflight
+
+    sh = shorthands(args)
+    report = preflight(preset, args.overrides, sh, gpu=card, world=args.world, memory=not args.no_memory)
+    print(format_report(report))
+    if report.memory:
+        cards = {card[0]: card[1]} if card else None
+        print(f"\npeak GPU memory per phase for the real config ({args.world} process(es); "
+              f"'ok' = fits 90% of the card minus 1 GiB):")
+        print(memory.format_table(report.memory, cards))
+    ok = report.ok
+    if card and report.fit_reasons:
+        print(f"\nto fit {card[0]}:")
+        for r in report.fit_reasons:
+            print(f"  - {r}")
+        if report.fit_overrides:
+            print("  overrides: " + " ".join(report.fit_overrides))
+            print("  command:   " + fit_command(preset, args.overrides, sh, report.fit_overrides))
+        if args.fit and report.fit_overrides:
+            cfg = config.resolve(preset, [*args.overrides, *report.fit_overrides], sh)
+            mems = memory.estimate(cfg, world=args.world)
+            print(f"\nwith --fit applied:")
+            print(memory.format_table(mems, {card[0]: card[1]}))
+            ok = ok or all(memory.fits(m, card[1]) for m in mems if m.terms)
+            ok = report.ok and all(memory.fits(m, card[1]) for m in mems if m.terms)
+    return ok
+
+
+def run(args):
+    from sinkflow.tools import memory
+
+    split_preset(args)
+    card = None
+    if args.gpu or args.gpu_mem:
+        card = memory.gpu_bytes(args.gpu, args.gpu_mem)
+    presets = config.preset_names() if args.all else [args.preset]
+    results = {}
+    for preset in presets:
+        results[preset] = _one(preset, args, card)
+        print()
+    if len(presets) > 1:
+        print("preflight --all: " + ", ".join(f"{p} {'OK' if ok else 'FAILED'}" for p, ok in results.items()))
+    return 0 if all(results.values()) else 1

@@ -1,0 +1,302 @@
+"""Peak GPU memory of every phase for a config, before any GPU is rented, and the change that makes it fit.
+
+Terms (per process; one GPU per process):
+
+* pool phase: GeomLoss's working set for ``in_flight`` pool batches (``sinkflow.ot.sinkhorn_peak_bytes``,
+  calibrated against measured allocations) + the group's float32 trajectory (x_t, v_t for every step)
+  kept on the device until it is copied to the pool. The pool itself lives in host RAM or on disk
+  (``sinkflow.methods.pool.pool_bytes``).
+* a training phase: parameters + gradients + Adam's two moments (+ an EMA copy)
+  (``sinkflow.models.model_memory_bytes``); the activations autograd saves for backward, measured by
+  running the real forward on CPU at micro-batch 1 and 2 with ``saved_tensors_hooks`` and
+  extrapolating linearly to the real micro-batch (activations are affine in the batch size); a
+  backward transient of twice the largest single saved activation (a layer's input gradient and
+  output gradient are alive together); and the batch tensors themselves.
+* sampling / evaluation: every trained network (weights only) + the eval batch and its transient.
+
+A card "fits" when the estimate is at most 90% of its memory minus 1 GiB (CUDA context, cuDNN/cuBLAS
+workspaces and allocator fragmentation take the rest). ``benchmarks/memory_estimate.py`` compares the
+estimate with ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from sinkflow import config as config_mod
+from sinkflow import methods
+from sinkflow.errors import SinkflowError
+
+GiB = 2**30
+# nvidia-smi's total memory (MiB) of the cards people rent
+GPUS: dict[str, int] = {"T4": 15360, "L4": 23034, "A100-40GB": 40960, "A100-80GB": 81920, "H100-80GB": 81559,
+                        "H200": 143771}
+CONTEXT_BYTES = GiB  # CUDA context + library workspaces, never available to tensors
+FRAGMENTATION = 0.90  # fraction of the rest the caching allocator can actually hand out at a peak
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def usable_bytes(total_bytes: int) -> int:
+    return int((total_bytes - CONTEXT_BYTES) * FRAGMENTATION)
+
+
+def gpu_bytes(name: str | None = None, gib: float | None = None) -> tuple[str, int]:
+    """(label, total bytes) for ``--gpu NAME`` or ``--gpu-mem GiB``."""
+    if gib is not None:
+        return f"{gib:g} GiB", int(gib * GiB)
+    key = {k.lower().replace("-", "").replace("gb", ""): k for k in GPUS}
+    norm = (name or "").lower().replace("-", "").replace("gb", "").replace(" ", "")
+    if norm in key:
+        return key[norm], GPUS[key[norm]] * 2**20
+    matches = [k for k in GPUS if k.lower().startswith((name or "").lower())]
+    if len(matches) == 1:
+        return matches[0], GPUS[matches[0]] * 2**20
+    raise SinkflowError(f"unknown GPU '{name}'", f"use one of {', '.join(GPUS)} or --gpu-mem GiB")
+
+
+@dataclass
+class PhaseMemory:
+    """Estimated device bytes of one phase, by term, plus host RAM / disk it needs."""
+
+    phase: str
+    kind: str  # pool | train | sample
+    terms: dict[str, int] = field(default_factory=dict)
+    host_bytes: int = 0
+    disk_bytes: int = 0
+    note: str = ""
+    # for re-planning without re-measuring (train phases)
+    model_key: str = ""
+    act_fixed: int = 0
+    act_per_sample: int = 0
+    act_max_per_sample: int = 0
+    batch_item_bytes: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+
+# ---- measurement --------------------------------------------------------------------------------
+
+def _saved(model: torch.nn.Module, shape: tuple[int, ...], n: int, dtype: torch.dtype | None) -> tuple[int, int]:
+    """(total, largest) bytes of the distinct non-parameter tensors autograd saves in one forward at batch n."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    x = torch.randn(n, *shape)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            try:
+                out = model(x, torch.rand(n))
+            except TypeError:  # networks without a time input (the time predictor)
+                out = model(x)
+    storages.pop(out.untyped_storage().data_ptr(), None)
+    return sum(storages.values()), max(storages.values(), default=0)
+
+
+def measure_activations(model: torch.nn.Module, shape: tuple[int, ...], precision: str = "fp32") -> tuple[int, int, int]:
+    """(fixed, per-sample, largest per-sample) saved-activation bytes, from forwards at batch 1 and 2."""
+    dtype = AUTOCAST.get(precision)
+    if dtype is torch.float16:  # CPU autocast fp16 has the same byte sizes as bf16 and is better supported
+        dtype = torch.bfloat16
+    model = model.train()
+    (t1, m1), (t2, m2) = _saved(model, shape, 1, dtype), _saved(model, shape, 2, dtype)
+    per = max(0, t2 - t1)
+    return max(0, t1 - per), per, max(m2 - m1, m2 // 2)
+
+
+def train_terms(pm: PhaseMemory, batch_size: int, accum: int, world: int = 1) -> None:
+    micro = max(1, math.ceil(batch_size / world / max(1, accum)))
+    pm.terms["activations"] = pm.act_fixed + pm.act_per_sample * micro
+    pm.terms["backward transient"] = 2 * pm.act_max_per_sample * micro
+    pm.terms["batch"] = pm.batch_item_bytes * math.ceil(batch_size / world)
+
+
+# ---- the estimate -------------------------------------------------------------------------------
+
+def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int) -> PhaseMemory:
+    from sinkflow.models import build_model, model_memory_bytes
+
+    key = phase.model_key
+    tcfg = cfg["train"][key]
+    mcfg = dict(cfg["model"][key])
+    torch.manual_seed(0)
+    model = build_model(mcfg.pop("kind"), mcfg, shape)
+    pm = PhaseMemory(phase.name, "train", model_key=key)
+    pm.terms["weights+grads+adam" + ("+ema" if tcfg["ema"] > 0 else "")] = model_memory_bytes(
+        model, "adam", ema=tcfg["ema"] > 0)
+    pm.act_fixed, pm.act_per_sample, pm.act_max_per_sample = measure_activations(model, shape, tcfg["precision"])
+    dim = math.prod(shape)
+    pm.batch_item_bytes = 4 * (3 * dim + 1)  # x_t, target, prediction + t
+    train_terms(pm, tcfg["batch_size"], tcfg["accum"], world)
+    micro = max(1, math.ceil(tcfg["batch_size"] / world / max(1, tcfg["accum"])))
+    pm.note = f"micro-batch {micro}, {tcfg['precision']}"
+    return pm
+
+
+def _pool_phase_memory(cfg: dict, shape: tuple[int, ...]) -> PhaseMemory:
+    from sinkflow.methods.pool import pool_bytes
+    from sinkflow.ot import sinkhorn_peak_bytes
+
+    p = cfg["pool"]
+    dim = math.prod(shape)
+    flight = max(1, p["in_flight"])
+    pm = PhaseMemory("pool", "pool")
+    pm.terms["sinkhorn"] = sinkhorn_peak_bytes(flight, p["batch_size"], dim)
+    pm.terms["trajectory"] = 2 * p["steps"] * flight * p["batch_size"] * dim * 4
+    stored = pool_bytes(p, shape)
+    if p["storage"] == "disk":
+        pm.disk_bytes = stored
+    else:
+        pm.host_bytes = stored
+    pm.note = (f"{flight} batch(es) of {p['batch_size']} in flight" +
+               (" (pool.in_flight=0 adapts to the card; this is the minimum)" if p["in_flight"] == 0 else ""))
+    return pm
+
+
+def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, ...], models: dict) -> PhaseMemory:
+    n = cfg["eval"]["n"]
+    dim = math.prod(shape)
+    pm = PhaseMemory("sample+eval", "sample")
+    pm.terms["weights"] = sum(sum(p.numel() * p.element_size() for p in m.parameters()) for m in models.values())
+    pm.terms["samples"] = 4 * n * dim * 3
+    pm.terms["forward transient"] = max((2 * t.act_max_per_sample * n for t in train_mems), default=0)
+    pm.note = f"eval.n={n}"
+    return pm
+
+
+def estimate(cfg: dict, world: int = 1) -> list[PhaseMemory]:
+    """Per-phase memory of the config (real sizes), measured on CPU. Uses synthetic data of the real shape
+    when the image set is not available here."""
+    from sinkflow.methods.pool import PoolPhase
+    from sinkflow.models import build_model
+    from sinkflow.runner.phase import TrainPhase
+    from sinkflow.tools.data import real_or_synthetic
+
+    with real_or_synthetic(cfg):
+        source, target = methods.distributions(cfg)
+        shape = tuple(target.shape)
+        phases = methods.get(cfg["experiment"]["method"]).phases(cfg, source, target)
+        out: list[PhaseMemory] = []
+        models = {}
+        for ph in phases:
+            if isinstance(ph, PoolPhase):
+                out.append(_pool_phase_memory(cfg, shape))
+            elif isinstance(ph, TrainPhase):
+                out.append(_train_phase_memory(cfg, ph, shape, world))
+                m = dict(cfg["model"][ph.model_key])
+                models[ph.model_key] = build_model(m.pop("kind"), m, shape)
+            else:
+                out.append(PhaseMemory(ph.name, "other", note="not estimated"))
+        out.append(_sample_memory(cfg, [p for p in out if p.kind == "train"], shape, models))
+    return out
+
+
+# ---- fitting ------------------------------------------------------------------------------------
+
+def fits(pm: PhaseMemory, total_bytes: int) -> bool:
+    return pm.total <= usable_bytes(total_bytes)
+
+
+def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int = 1) -> tuple[list[str], list[str]]:
+    """(overrides, reasons) that make every phase fit ``total_bytes`` and the pool fit its RAM/disk budget.
+
+    Keeps what the experiment computes: the total pool entries (pool.batches x pool.batch_size) and every
+    effective training batch (train.X.batch_size, split into more accumulation micro-batches).
+    """
+    from sinkflow.ot import sinkhorn_peak_bytes
+
+    overrides: dict[str, object] = {}
+    reasons: list[str] = []
+    limit = usable_bytes(total_bytes)
+    for pm in mems:
+        if pm.kind == "pool":
+            p = dict(cfg["pool"])
+            shape_dim = None
+            if pm.total > limit:
+                dim = (pm.terms["trajectory"] // (2 * p["steps"] * max(1, p["in_flight"]) * p["batch_size"] * 4))
+                shape_dim = max(1, dim)
+                if p["in_flight"] > 1:
+                    p["in_flight"] = 0
+                    overrides["pool.in_flight"] = 0
+                while (sinkhorn_peak_bytes(1, p["batch_size"], shape_dim) + 8 * p["steps"] * p["batch_size"] * shape_dim
+                       > limit and p["batch_size"] > 2):
+                    p["batch_size"] //= 2
+                    p["batches"] *= 2
+                if p["batch_size"] != cfg["pool"]["batch_size"]:
+                    overrides["pool.batch_size"] = p["batch_size"]
+                    overrides["pool.batches"] = p["batches"]
+                    reasons.append(f"pool: Sinkhorn batch {cfg['pool']['batch_size']} -> {p['batch_size']} with "
+                                   f"{p['batches']} pool batches (same {p['batches'] * p['batch_size']} trajectories)")
+            if pm.host_bytes > cfg["pool"]["ram_gb"] * GiB:
+                if cfg["pool"]["dtype"] != "float16":
+                    overrides["pool.dtype"] = "float16"
+                if pm.host_bytes / (2 if cfg["pool"]["dtype"] != "float16" else 1) > cfg["pool"]["ram_gb"] * GiB:
+                    overrides["pool.storage"] = "disk"
+                reasons.append(f"pool: {pm.host_bytes / GiB:.1f} GiB > pool.ram_gb={cfg['pool']['ram_gb']}: "
+                               + ", ".join(f"{k}={v}" for k, v in overrides.items() if k in ("pool.dtype", "pool.storage")))
+        elif pm.kind == "train" and pm.total > limit:
+            t = cfg["train"][pm.model_key]
+            accum, trial = t["accum"], copy.copy(pm)
+            trial.terms = dict(pm.terms)
+            while trial.total > limit and t["batch_size"] % (accum * 2) == 0 and t["batch_size"] // world // (accum * 2) >= 1:
+                accum *= 2
+                train_terms(trial, t["batch_size"], accum, world)
+            if accum != t["accum"]:
+                overrides[f"train.{pm.model_key}.accum"] = accum
+                reasons.append(f"{pm.phase}: micro-batch {t['batch_size'] // world // t['accum']} -> "
+                               f"{t['batch_size'] // world // accum} with accum={accum} (same effective batch {t['batch_size']})")
+            if trial.total > limit:
+                if t["precision"] == "fp32":
+                    overrides[f"train.{pm.model_key}.precision"] = "bf16"
+                    reasons.append(f"{pm.phase}: still {trial.total / GiB:.1f} GiB at the smallest micro-batch; bf16 "
+                                   "autocast roughly halves the activations")
+                else:
+                    reasons.append(f"{pm.phase}: does not fit even at micro-batch 1; use a smaller model or a larger card")
+    return [f"{k}={v}" for k, v in overrides.items()], reasons
+
+
+def apply_fit(cfg: dict, overrides: list[str]) -> dict:
+    new = config_mod.apply_overrides(cfg, overrides)
+    config_mod.validate(new)
+    return new
+
+
+# ---- formatting ---------------------------------------------------------------------------------
+
+def fmt_bytes(b: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= size:
+            return f"{b / size:.2f} {unit}"
+    return f"{int(b)} B"
+
+
+def format_table(mems: list[PhaseMemory], cards: dict[str, int] | None = None) -> str:
+    cards = cards or {k: v * 2**20 for k, v in GPUS.items()}
+    head = f"{'phase':<14}{'peak GPU':>12}  " + "".join(f"{c:>10}" for c in cards) + "  terms"
+    lines = [head, "-" * len(head)]
+    for pm in mems:
+        if not pm.terms:
+            lines.append(f"{pm.phase:<14}{'-':>12}  {pm.note}")
+            continue
+        marks = "".join(f"{'ok' if fits(pm, b) else 'NO':>10}" for b in cards.values())
+        terms = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in pm.terms.items())
+        lines.append(f"{pm.phase:<14}{fmt_bytes(pm.total):>12}  {marks}  {terms}")
+        extra = [pm.note] if pm.note else []
+        if pm.host_bytes:
+            extra.append(f"pool in host RAM: {fmt_bytes(pm.host_bytes)}")
+        if pm.disk_bytes:
+            extra.append(f"pool on disk: {fmt_bytes(pm.disk_bytes)}")
+        if extra:
+            lines.append(f"{'':<14}{'':>12}  " + "; ".join(extra))
+    return "\n".join(lines)

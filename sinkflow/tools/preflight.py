@@ -1,0 +1,462 @@
+"""Preflight: everything that can be known on a CPU before a GPU is rented.
+
+For one preset (plus the user's overrides and shorthands) it
+
+1. checks that every shorthand and override reaches the phases it names (the resolved section each
+   phase reads is compared with what the flags asked for; an override of a section no phase reads
+   is an error),
+2. runs every phase of the method with tiny counts but the real data shapes and model config, on CPU,
+   in a temporary run folder: each phase is stopped once after its first step / chunk (the real
+   SIGTERM path: checkpoint, ``Interrupted``), resumed by a fresh phase object, and the resumed state
+   (step, weights, optimizer moments, generator) is compared with the state the interrupted phase held,
+3. samples and evaluates the tiny run through the real report code,
+4. estimates the peak GPU memory of every phase for the *real* config (``sinkflow.tools.memory``) and,
+   for a named card, proposes (and with ``fit`` applies) the change that makes it fit.
+
+The tiny sizes are applied through the shorthands themselves (``--train-iters`` ...), so a shorthand
+that misses a phase shows up as that phase starting with its real iteration count (caught at setup,
+before it can hang for hours).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import signal
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sinkflow import config as config_mod
+from sinkflow import methods
+from sinkflow.errors import SinkflowError
+
+log = logging.getLogger("sinkflow")
+
+TINY_ITERS = 3
+TINY_POOL_BATCHES = 2
+TINY_SINKHORN_BATCH = 8
+TINY_EVAL_N = 16
+
+
+@dataclass
+class Check:
+    name: str
+    phase: str
+    ok: bool | None  # None = skipped
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class Report:
+    preset: str
+    checks: list[Check] = field(default_factory=list)
+    memory: list = field(default_factory=list)
+    data_note: str | None = None
+    fit_overrides: list[str] = field(default_factory=list)
+    fit_reasons: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok is not False for c in self.checks)
+
+    def add(self, name, phase, ok, detail="", seconds=0.0) -> Check:
+        c = Check(name, phase, ok, detail, seconds)
+        self.checks.append(c)
+        return c
+
+
+class _Unreached(Exception):
+    """A phase started with a value its flags should have changed."""
+
+
+# ---- config: tiny sizes and reach checks -------------------------------------------------------
+
+def _train_sections(tree: dict) -> list[str]:
+    return list(tree.get("train", {}))
+
+
+def tiny_shorthands(real: dict) -> dict:
+    accum = max([real["train"][k]["accum"] for k in _train_sections(real)] or [1])
+    return {"train_iters": TINY_ITERS, "batch_size": 4 * accum, "pool_batches": TINY_POOL_BATCHES,
+            "sinkhorn_batch": TINY_SINKHORN_BATCH, "device": "cpu"}
+
+
+def tiny_overrides(real: dict, runs_dir: Path, name: str) -> list[str]:
+    flat = config_mod.flatten(real)
+    out = [f"experiment.runs_dir={runs_dir}", f"experiment.name={name}"]
+    want = {"pool.chunk": 1, "pool.in_flight": 1, "pool.steps": min(real["pool"]["steps"], 3), "checkpoint.keep": 2,
+            "eval.n": TINY_EVAL_N, "eval.seeds": 1, "eval.steps": "[2]", "sample.steps": 2, "sample.nsf_steps": 2,
+            "pool.storage": real["pool"]["storage"]}
+    for sec in _train_sections(real):
+        want.update({f"train.{sec}.log_every": 1, f"train.{sec}.ckpt_every": 1000, f"train.{sec}.hist_every": 2})
+    for key, value in want.items():
+        if key in flat:
+            out.append(f"{key}={value}")
+    return out
+
+
+def tiny_config(real: dict, runs_dir: Path, name: str) -> tuple[dict, dict]:
+    """(tiny tree, the shorthand values it was built with): the real tree, shrunk through the shorthands."""
+    sh = tiny_shorthands(real)
+    tree = config_mod.apply_shorthands(real, sh)
+    tree = config_mod.apply_overrides(tree, tiny_overrides(real, runs_dir, name))
+    config_mod.validate(tree)
+    return tree, sh
+
+
+def _phase_sections(ph) -> list[str]:
+    """Config sections a phase reads: ``train.<key>``/``model.<key>`` for training, ``pool.*`` for the pool."""
+    from sinkflow.runner.phase import TrainPhase
+
+    if isinstance(ph, TrainPhase):
+        return [f"train.{ph.model_key}.", f"model.{ph.model_key}."]
+    return [f"{ph.name}."]
+
+
+def reach_checks(report: Report, real: dict, phases, overrides: list[str], shorthands: dict) -> None:
+    """Every shorthand reached every phase it concerns; every override names a section some phase reads."""
+    from sinkflow.runner.phase import TrainPhase
+
+    flat = config_mod.flatten(real)
+    train_phases = [p for p in phases if isinstance(p, TrainPhase)]
+    for name, value in (shorthands or {}).items():
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        for pattern in config_mod.SHORTHANDS[name]:
+            hit = set(config_mod.expand_key(real, pattern))
+            if pattern.startswith("train.*."):
+                leaf = pattern.split(".")[-1]
+                for ph in train_phases:
+                    key = f"train.{ph.model_key}.{leaf}"
+                    if key not in hit:
+                        report.add(f"{flag} reaches phase", ph.name, False,
+                                   f"{flag} does not set {key} (phase {ph.name} would use {flat.get(key)!r}); "
+                                   f"add it to sinkflow.config.SHORTHANDS['{name}']")
+                    elif flat[key] != config_mod.coerce(key, flat[key], value) and not any(
+                            o.split("=", 1)[0].strip() == key for o in overrides):
+                        report.add(f"{flag} reaches phase", ph.name, False, f"{key}={flat[key]!r}, asked {value!r}")
+                    else:
+                        report.add(f"{flag} reaches phase", ph.name, True, f"{key}={flat[key]!r}")
+            else:
+                ok = bool(hit) and all(flat[k] == config_mod.coerce(k, flat[k], value) for k in hit)
+                report.add(f"{flag} applied", "config", ok, ", ".join(f"{k}={flat[k]!r}" for k in hit) or "no key")
+    read = [s for ph in phases for s in _phase_sections(ph)]
+    for item in overrides or []:
+        key = item.split("=", 1)[0].strip()
+        if key.startswith(("train.", "model.", "pool.")):
+            ok = any(key.startswith(s) for s in read)
+            report.add("override reaches a phase", "config", ok,
+                       f"{key}" + ("" if ok else f" is read by no phase of method {real['experiment']['method']} "
+                                   f"(phases: {', '.join(p.name for p in phases)}); drop it or change the method"))
+
+
+# ---- the tiny run --------------------------------------------------------------------------------
+
+def _equal(a, b) -> bool:
+    """Deep equality of nested state dicts with tensors (bitwise)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _live_state(ph) -> dict:
+    """What a resumed phase must have restored, read from the live objects (not from its own state_dict)."""
+    return {"step": ph.step, "model": copy.deepcopy(ph.model.state_dict()),
+            "optimizer": copy.deepcopy(ph.optimizer.state_dict()), "generator": ph.generator.get_state().clone()}
+
+
+def _diff_state(before: dict, after: dict) -> list[str]:
+    bad = []
+    if before["step"] != after["step"]:
+        bad.append(f"step {after['step']} != {before['step']}")
+    if not _equal(before["model"], after["model"]):
+        bad.append("weights differ")
+    if not _equal(before["optimizer"]["state"], after["optimizer"]["state"]):
+        n0, n1 = len(before["optimizer"]["state"]), len(after["optimizer"]["state"])
+        bad.append(f"optimizer state not restored ({n1} of {n0} parameter states, moments differ)")
+    if not torch.equal(before["generator"], after["generator"]):
+        bad.append("phase generator not restored")
+    return bad
+
+
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, SinkflowError):
+        return str(exc)
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{where}"
+
+
+class _SetupGuard:
+    """Patch TrainPhase.setup so each phase checks, before its loop, that the tiny shorthands reached it."""
+
+    def __init__(self, expected: dict):
+        from sinkflow.runner.phase import TrainPhase
+
+        self.cls, self.expected = TrainPhase, expected
+        self.original = TrainPhase.setup
+
+    def __enter__(self):
+        original, expected = self.original, self.expected
+
+        def setup(ph, run):
+            original(ph, run)
+            wrong = [f"train.{ph.model_key}.{k}={ph.cfg[k]!r} (flag asked {v!r})" for k, v in expected.items()
+                     if ph.cfg.get(k) != v]
+            if wrong:
+                raise _Unreached("; ".join(wrong))
+
+        self.cls.setup = setup
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.setup = self.original
+        return False
+
+
+def _interrupt_and_resume(report: Report, run, tiny: dict, index: int, build) -> None:
+    """Run phase ``index`` with a stop requested after its first step/chunk, then resume it fresh."""
+    from sinkflow.runner import signals
+    from sinkflow.runner.phase import TrainPhase
+    from sinkflow.methods.pool import PoolPhase
+
+    ph = build()[index]
+    name = ph.name
+    t0 = time.perf_counter()
+    signals._requested[:] = [signal.SIGTERM]
+    try:
+        ph.run(run)
+        stopped = False
+    except signals.Interrupted:
+        stopped = True
+    finally:
+        signals._requested.clear()
+    if not stopped:
+        report.add("stops on SIGTERM", name, False, "the phase ran to the end although a stop was requested")
+        return
+    before = _live_state(ph) if isinstance(ph, TrainPhase) else None
+    pool_rows = None
+    if isinstance(ph, PoolPhase):
+        import numpy as np
+
+        pool_rows = np.array(np.load(run.dir / "pool" / "x.npy", mmap_mode="r"))
+    del ph
+    fresh = build()[index]
+    captured = {}
+    if isinstance(fresh, TrainPhase):
+        original = fresh.load_state_dict
+
+        def load(state, where):
+            original(state, where)
+            captured.update(_live_state(fresh))
+
+        fresh.load_state_dict = load
+    fresh.run(run)
+    dt = time.perf_counter() - t0
+    if isinstance(fresh, TrainPhase):
+        if not captured:
+            report.add("kill and resume", name, False, "the resumed phase did not load its checkpoint", dt)
+            return
+        bad = _diff_state(before, captured)
+        if not run.phase_done(name):
+            bad.append("no final.pt after the resumed run")
+        elif (st := torch.load(run.checkpoints(name).final_path, weights_only=False))["step"] != fresh.cfg["iters"]:
+            bad.append(f"final step {st['step']} != train.{fresh.model_key}.iters={fresh.cfg['iters']}")
+        report.add("kill and resume", name, not bad,
+                   "; ".join(bad) or f"stopped at step {before['step']}, resumed step/weights/Adam moments/generator "
+                   f"identical, finished {fresh.cfg['iters']} steps", dt)
+    elif isinstance(fresh, PoolPhase):
+        import numpy as np
+
+        x = np.load(run.dir / "pool" / "x.npy", mmap_mode="r")
+        per_batch = tiny["pool"]["steps"] * tiny["pool"]["batch_size"]
+        kept = np.array_equal(x[:per_batch], pool_rows[:per_batch])
+        filled = bool(np.abs(np.asarray(x[per_batch:], dtype=np.float32)).sum() > 0)
+        ok = kept and filled and run.phase_done(name)
+        report.add("kill and resume", name, ok,
+                   "stopped after chunk 1, resumed: finished chunk kept, rest built" if ok else
+                   f"finished chunk kept={kept}, rest built={filled}, done={run.phase_done(name)}", dt)
+    else:
+        report.add("kill and resume", name, run.phase_done(name), "resumed and finished", dt)
+
+
+def run_tiny(report: Report, real: dict, workdir: Path) -> None:
+    """Every phase with tiny counts and real shapes, each stopped and resumed once; then sample and evaluate."""
+    from sinkflow.runner.run import Run
+    from sinkflow.runner.phase import TrainPhase
+
+    tiny, sh = tiny_config(real, workdir / "runs", "preflight")
+    expected = {"iters": sh["train_iters"], "batch_size": sh["batch_size"]}
+    run = Run.create(tiny)
+    source, target = methods.distributions(tiny)
+    module = methods.get(tiny["experiment"]["method"])
+
+    def build():
+        return module.phases(tiny, source, target)
+
+    phases = build()
+    failed = None
+    with _SetupGuard(expected):
+        for i, ph in enumerate(phases):
+            if failed:
+                report.add("runs", ph.name, None, f"skipped: phase {failed} failed")
+                continue
+            t0 = time.perf_counter()
+            try:
+                _interrupt_and_resume(report, run, tiny, i, build)
+            except _Unreached as exc:
+                report.add("shorthands reach phase", ph.name, False, f"{exc}: the phase would run with its real "
+                           "value; add the key to sinkflow.config.SHORTHANDS")
+                failed = ph.name
+                continue
+            except Exception as exc:  # the point of preflight: report, do not crash
+                shape = f" (data shape {tuple(target.shape)})"
+                report.add("runs", ph.name, False, _short(exc) + shape, time.perf_counter() - t0)
+                failed = ph.name
+                continue
+            if isinstance(ph, TrainPhase):
+                report.add("shorthands reach phase", ph.name, True,
+                           ", ".join(f"{k}={v}" for k, v in expected.items()))
+            run.release()
+    if failed:
+        report.add("sample and evaluate", "eval", None, f"skipped: phase {failed} failed")
+        return
+    t0 = time.perf_counter()
+    try:
+        from sinkflow.eval.points import generate
+
+        n = tiny["eval"]["n"]
+        x, info = generate(run, n, 2, seed=0)
+        bad = []
+        if tuple(x.shape) != (n, *target.shape):
+            bad.append(f"samples have shape {tuple(x.shape)}, expected {(n, *target.shape)}")
+        if not torch.isfinite(x).all():
+            bad.append("samples contain NaN/Inf")
+        if info.get("nfe", 0) < 1:
+            bad.append(f"NFE counted {info.get('nfe')}")
+        report.add("sample", "eval", not bad, "; ".join(bad) or f"{n} samples, {info['nfe']} network evaluations",
+                   time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        from sinkflow.eval.report import final_report
+
+        text = final_report(run).strip().splitlines()
+        wrote = text[-1].count(",") + 1 if text and text[-1].startswith("wrote") else 0
+        report.add("evaluate + plots", "eval", True, f"{len(text) - 1} report lines, {wrote} plot file(s)",
+                   time.perf_counter() - t0)
+    except Exception as exc:
+        report.add("sample and evaluate", "eval", False, _short(exc), time.perf_counter() - t0)
+    finally:
+        run.logger.close()
+
+
+# ---- the whole preflight -----------------------------------------------------------------------
+
+def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict | None = None,
+              gpu: tuple[str, int] | None = None, world: int = 1, workdir: Path | None = None,
+              memory: bool = True) -> Report:
+    """Run every check for one preset; never raises for a failing check (they are in the report)."""
+    from sinkflow.tools import memory as memory_mod
+    from sinkflow.tools.data import real_or_synthetic
+
+    t_start = time.perf_counter()
+    overrides, shorthands = list(overrides or []), dict(shorthands or {})
+    report = Report(preset)
+    try:
+        real = config_mod.resolve(preset, overrides, shorthands)
+    except SinkflowError as exc:
+        report.add("config resolves", "config", False, str(exc))
+        return report
+    report.add("config resolves", "config", True, f"method {real['experiment']['method']}")
+    tmp = tempfile.TemporaryDirectory(prefix="sinkflow-preflight-") if workdir is None else None
+    workdir = Path(tmp.name if tmp else workdir)
+    torch_threads = torch.get_num_threads()
+    quiet = _Quiet()
+    try:
+        with real_or_synthetic(real) as reason:
+            report.data_note = reason and f"synthetic {real['data']['target']} images of the real shape ({reason})"
+            try:
+                source, target = methods.distributions(real)
+                phases = methods.get(real["experiment"]["method"]).phases(real, source, target)
+            except Exception as exc:
+                report.add("phases build", "config", False, _short(exc))
+                return report
+            report.add("phases build", "config", True, ", ".join(p.name for p in phases) +
+                       f"; data shape {tuple(target.shape)}")
+            reach_checks(report, real, phases, overrides, shorthands)
+            run_tiny(report, real, workdir)
+            if memory:
+                t0 = time.perf_counter()
+                try:
+                    report.memory = memory_mod.estimate(real, world=world)
+                    report.add("memory estimate", "all", True, f"{len(report.memory)} phases",
+                               time.perf_counter() - t0)
+                except Exception as exc:
+                    report.add("memory estimate", "all", False, _short(exc), time.perf_counter() - t0)
+                if gpu is not None and report.memory:
+                    label, total = gpu
+                    over = [m.phase for m in report.memory if m.terms and not memory_mod.fits(m, total)]
+                    report.fit_overrides, report.fit_reasons = memory_mod.propose_fit(real, report.memory, total, world)
+                    pool_ram = any(m.host_bytes > real["pool"]["ram_gb"] * memory_mod.GiB for m in report.memory)
+                    ok = not over and not pool_ram
+                    report.add(f"fits {label}", "all", ok, "every phase fits" if ok else
+                               f"too large: {', '.join(over + (['pool RAM'] if pool_ram else []))}")
+    finally:
+        quiet.restore()
+        torch.set_num_threads(torch_threads)
+        if tmp is not None:
+            tmp.cleanup()
+    report.seconds = time.perf_counter() - t_start
+    return report
+
+
+def format_report(report: Report) -> str:
+    lines = [f"preflight {report.preset}" + (f"  [data: {report.data_note}]" if report.data_note else "")]
+    w = max([len(c.name) for c in report.checks] + [10])
+    p = max([len(c.phase) for c in report.checks] + [5])
+    for c in report.checks:
+        mark = {True: "PASS", False: "FAIL", None: "skip"}[c.ok]
+        secs = f"{c.seconds:5.1f}s" if c.seconds else "      "
+        lines.append(f"  {mark}  {c.phase:<{p}}  {c.name:<{w}}  {secs}  {c.detail}")
+    n_fail = sum(c.ok is False for c in report.checks)
+    lines.append(f"  {'OK' if report.ok else 'FAILED'}: {sum(c.ok is True for c in report.checks)} passed, "
+                 f"{n_fail} failed, {sum(c.ok is None for c in report.checks)} skipped in {report.seconds:.1f}s")
+    return "\n".join(lines)
+
+
+def fit_command(preset: str, overrides: list[str], shorthands: dict, fit: list[str]) -> str:
+    flags = [f"--{k.replace('_', '-')} {v}" for k, v in (shorthands or {}).items() if v is not None]
+    return " ".join(["sinkflow train", preset, *overrides, *fit, *flags])
+
+
+class _Quiet:
+    """No progress bars and no INFO chatter from the tiny run (restored afterwards)."""
+
+    def __init__(self):
+        import os
+
+        self.os = os
+        self.env = os.environ.get("SINKFLOW_PROGRESS")
+        os.environ["SINKFLOW_PROGRESS"] = "0"
+        self.logger = logging.getLogger("sinkflow")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.WARNING)
+
+    def restore(self):
+        if self.env is None:
+            self.os.environ.pop("SINKFLOW_PROGRESS", None)
+        else:
+            self.os.environ["SINKFLOW_PROGRESS"] = self.env
+        self.logger.setLevel(self.level)
