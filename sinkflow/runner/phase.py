@@ -22,6 +22,7 @@ from sinkflow.errors import SinkflowError
 from sinkflow.runner import dist
 from sinkflow.runner.checkpoint import rng_state, set_rng_state
 from sinkflow.runner.signals import Interrupted, stop_requested
+from sinkflow.tools.health import Health
 
 
 def phase_generator(seed: int, *tags: Any) -> torch.Generator:
@@ -177,12 +178,15 @@ class TrainPhase(Phase):
         window: list[float] = []
         tick, tick_step = time.perf_counter(), self.step
         n_global = self.cfg["batch_size"]
+        health = Health(self, run.logger)  # dashboard: update ratio, dead activations, loss scale, histograms
         while self.step < iters:
             batch = self.make_batch(self.generator, n_global, run.device)
+            health.before_step()
             loss, grad_norm = self.train_step(batch)
             self.step += 1
             window.append(loss)
             bar.update(1)
+            health.histograms()
             if self.step % log_every == 0 or self.step == iters:
                 elapsed = time.perf_counter() - tick
                 rate = (self.step - tick_step) / max(elapsed, 1e-9)
@@ -190,7 +194,7 @@ class TrainPhase(Phase):
                 bar.set_postfix(loss=f"{mean:.4g}")
                 run.logger.log(self.name, self.step, {
                     "loss": mean, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
-                    "steps_per_s": rate, "samples_per_s": rate * n_global})
+                    "steps_per_s": rate, "samples_per_s": rate * n_global, **health.collect()})
                 run.logger.heartbeat(phase=self.name, step=self.step, total=iters, rate=rate,
                                      eta_s=(iters - self.step) / max(rate, 1e-9), loss=mean, state="running")
                 window.clear()
