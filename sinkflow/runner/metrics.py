@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ class MetricsLogger:
         """Rewrite ``status.json`` (phase, step, total, rate, eta, state) with the current time."""
         if not self.enabled:
             return
-        status = {"time": time.time(), "pid": os.getpid(), **status}
+        status = {"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(), **status}
         atomic_write_bytes(self.run_dir / "status.json", lambda f: f.write(json.dumps(status).encode()))
 
     def flush(self) -> None:

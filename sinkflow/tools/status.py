@@ -1,0 +1,169 @@
+"""`sinkflow status RUN`: where a run is, whether it is alive, and what it has on disk.
+
+Reads only files (``status.json`` heartbeat, the tail of ``metrics.jsonl``, ``checkpoints/``), so it
+works while the run is going, after it finished, and after it died. A run is
+
+* ``finished``: the heartbeat says so;
+* ``running``: the heartbeat is younger than ``stale_after`` and its pid is alive (when on this host);
+* ``stale``: the heartbeat is older than ``stale_after`` (hung, or a very long log interval);
+* ``dead``: the pid of the heartbeat is not alive on this host and the run did not finish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from sinkflow.errors import SinkflowError
+
+STALE_AFTER_S = 300.0
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (killed, not yet reaped) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def tail_jsonl(path: Path, max_bytes: int = 1 << 16) -> list[dict]:
+    """The records in the last ``max_bytes`` of a JSONL file (a torn last line is skipped)."""
+    if not path.is_file():
+        return []
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - max_bytes))
+        lines = f.read().decode(errors="replace").splitlines()
+    if size > max_bytes:
+        lines = lines[1:]
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def dir_bytes(path: Path) -> int:
+    if not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | None = None) -> dict:
+    """Everything `sinkflow status` prints, as a dict."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise SinkflowError(f"{run_dir} is not a sinkflow run folder (no config.yaml)",
+                            "pass the folder `sinkflow train` printed when it started")
+    now = time.time() if now is None else now
+    out: dict = {"run": str(run_dir)}
+    hb = {}
+    try:
+        hb = json.loads((run_dir / "status.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        pass
+    out["heartbeat"] = hb
+    age = now - hb["time"] if "time" in hb else None
+    out["heartbeat_age_s"] = age
+    here = socket.gethostname()
+    same_host = hb.get("host", here) == here
+    alive = pid_alive(int(hb["pid"])) if "pid" in hb and same_host else None
+    out["pid_alive"] = alive
+    if hb.get("state") == "finished":
+        state = "finished"
+    elif not hb:
+        state = "not started"
+    elif alive is False:
+        state = "dead"
+    elif age is not None and age > stale_after:
+        state = "stale"
+    else:
+        state = "running"
+    out["state"] = state
+    records = tail_jsonl(run_dir / "metrics.jsonl")
+    latest: dict[str, dict] = {}
+    for r in records:
+        latest[r.get("phase", "?")] = r
+    out["latest_metrics"] = latest
+    ckdir = run_dir / "checkpoints"
+    ckpts: dict[str, list] = {}
+    if ckdir.is_dir():
+        for phase_dir in sorted(p for p in ckdir.iterdir() if p.is_dir()):
+            files = sorted(p for p in phase_dir.iterdir() if p.is_file() and p.suffix == ".pt")
+            ckpts[phase_dir.name] = [(f.name, f.stat().st_size, f.stat().st_mtime) for f in files]
+    out["checkpoints"] = ckpts
+    out["disk"] = {name: dir_bytes(run_dir / name) for name in ("pool", "checkpoints", "tb")}
+    out["disk"]["total"] = dir_bytes(run_dir)
+    eta = hb.get("eta_s")
+    out["eta_s"] = max(0.0, eta - (age or 0.0)) if eta is not None and state == "running" else None
+    return out
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    if s >= 86400:
+        return f"{s // 86400}d{s % 86400 // 3600}h"
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def _size(b: float) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= k:
+            return f"{b / k:.1f} {unit}"
+    return f"{int(b)} B"
+
+
+def format_status(st: dict) -> str:
+    hb = st["heartbeat"]
+    lines = [f"run          {st['run']}"]
+    state = st["state"]
+    age = st["heartbeat_age_s"]
+    why = ""
+    if state == "dead":
+        why = f" (pid {hb.get('pid')} is not running; resume with `sinkflow train --resume {st['run']}`)"
+    elif state == "stale":
+        why = f" (no heartbeat for {_dur(age)}; hung, or log_every is very long)"
+    host = f" on {hb['host']}" if hb.get("host") else ""
+    lines.append(f"state        {state.upper()}{why}")
+    if hb:
+        lines.append(f"heartbeat    {_dur(age)} ago, pid {hb.get('pid')}{host}")
+        phase, step, total = hb.get("phase"), hb.get("step"), hb.get("total")
+        prog = f"step {step}/{total} ({100 * step / total:.1f}%)" if step is not None and total else \
+            (f"step {step}" if step is not None else "")
+        rate = f"{hb['rate']:.2f} steps/s" if hb.get("rate") else ""
+        eta = f"ETA {_dur(st['eta_s'])}" if st["eta_s"] is not None else ""
+        lines.append("phase        " + "  ".join(x for x in (str(phase), prog, rate, eta) if x))
+    for phase, rec in st["latest_metrics"].items():
+        vals = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()
+                         if k not in ("time", "phase", "step"))
+        lines.append(f"metrics      {phase} step {rec.get('step')}: {vals}")
+    if st["checkpoints"]:
+        lines.append("checkpoints")
+        for phase, files in st["checkpoints"].items():
+            desc = ", ".join(f"{name} {_size(size)}" for name, size, _ in files) or "(none)"
+            lines.append(f"  {phase:<11}{desc}")
+    d = st["disk"]
+    lines.append(f"disk         {_size(d['total'])} (pool {_size(d['pool'])}, checkpoints {_size(d['checkpoints'])}, "
+                 f"tb {_size(d['tb'])})")
+    return "\n".join(lines)
