@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from sinkflow.ot import sinkhorn_peak_bytes
-from sinkflow.ot.velocity import _velocity_flat
+from sinkflow.ot.velocity import _velocity_solve as _velocity_flat
 
 CASES = [(1, 256, 2), (4, 256, 2), (8, 128, 2), (4, 64, 784), (8, 64, 784), (2, 128, 3072), (4, 512, 2)]
 

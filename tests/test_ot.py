@@ -301,7 +301,7 @@ def test_peak_estimate_bounds_measured_cpu_peak():
     from torch.profiler import ProfilerActivity, profile
 
     from sinkflow.ot.memory import OVERHEAD_BYTES
-    from sinkflow.ot.velocity import _velocity_flat
+    from sinkflow.ot.velocity import _velocity_solve as _velocity_flat
 
     B, n, D = 3, 96, 40
     x, y = torch.randn(B, n, D), torch.randn(B, n, D) + 1
@@ -330,3 +330,14 @@ def test_max_batches_in_flight_fits_budget():
     assert max_batches_in_flight(256, 2, 2**31) >= 2 * max_batches_in_flight(256, 2, 2**30) - 1
     with pytest.raises(SinkflowError, match="needs about .* MiB"):
         max_batches_in_flight(4096, 3072, 2**20)
+
+
+def test_cpu_chunking_gives_the_same_velocities(monkeypatch):
+    import sinkflow.ot.velocity as vel
+
+    X = torch.stack([_clouds_2d(20, seed=30 + b)[0] for b in range(5)])
+    Y = torch.stack([_clouds_2d(20, seed=40 + b)[1] for b in range(5)])
+    whole = sinkhorn_velocity_batched(X, Y, blur=0.5, diameter=10.0)
+    monkeypatch.setattr(vel, "CPU_CHUNK_BYTES", 2 * 20 * 20 * 4 * 2)  # chunks of 2 batches: 2 + 2 + 1
+    chunked = sinkhorn_velocity_batched(X, Y, blur=0.5, diameter=10.0)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5)

@@ -6,7 +6,6 @@ import logging
 import math
 
 import numpy as np
-import ot
 import torch
 
 from sinkflow.errors import require
@@ -34,6 +33,8 @@ def w2(x: torch.Tensor | np.ndarray, y: torch.Tensor | np.ndarray) -> float:
         f"per-sample shapes differ: x {shape_x} vs y {shape_y}",
         "compare samples of the same shape",
     )
+    import ot  # POT: imported here so the velocity code does not pay for it
+
     xa, ya = _as_points("x", x), _as_points("y", y)
     a = np.full(xa.shape[0], 1.0 / xa.shape[0])
     b = np.full(ya.shape[0], 1.0 / ya.shape[0])

@@ -163,6 +163,13 @@ def _bbox_diameter(x: torch.Tensor, y: torch.Tensor) -> float:
     return max(d, 1e-6)
 
 
+# On CPU a batch is solved in chunks whose (2B, N, M) cost matrix stays about this size: past the
+# L2 cache every elementwise pass of the ~50-100 Sinkhorn iterations becomes memory-bound, and one
+# (64, 256, 256) batch measured 2x slower than 32 cache-sized chunks. On CUDA the whole batch goes
+# at once (the caller sizes it with max_batches_in_flight).
+CPU_CHUNK_BYTES = 1 << 20
+
+
 def _velocity_flat(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -172,6 +179,24 @@ def _velocity_flat(
     backend: str,
 ) -> torch.Tensor:
     """v for float32 clouds x (B, N, D), y (B, M, D); no validation (callers do it)."""
+    B, N, M = x.shape[0], x.shape[1], y.shape[1]
+    chunk = B if x.device.type != "cpu" else max(1, CPU_CHUNK_BYTES // (2 * N * M * 4))
+    if chunk >= B:
+        return _velocity_solve(x, y, blur, scaling, diameter, backend)
+    return torch.cat(
+        [_velocity_solve(x[s : s + chunk], y[s : s + chunk], blur, scaling, diameter, backend) for s in range(0, B, chunk)]
+    )
+
+
+def _velocity_solve(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    blur: float,
+    scaling: float,
+    diameter: float,
+    backend: str,
+) -> torch.Tensor:
+    """One GeomLoss call for all of x (B, N, D), y (B, M, D)."""
     B, N, D = x.shape
     M = y.shape[1]
     loss = SamplesLoss(
