@@ -1,0 +1,145 @@
+"""Invertible layers with exact log-determinants: ActNorm, LU 1x1 convolution, squeeze.
+
+Every layer maps ``x -> (y, logdet)`` with ``logdet`` of shape ``(N,)`` (log|det dy/dx| per sample) and has
+an exact ``inverse(y) -> x``. Tensors are ``(N, C, H, W)``; vector data is carried as ``(N, D, 1, 1)``.
+
+``rebuild(y)`` is what the constant-memory backward calls: it rebuilds the input from the output and re-runs
+the forward *with* autograd so parameter and input gradients can be taken. The default is
+inverse-then-forward; couplings override it to evaluate their conditioner only once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class InvertibleLayer(nn.Module):
+    """Base class: ``forward(x) -> (y, logdet)``, ``inverse(y) -> x``, ``rebuild(y)``."""
+
+    #: True when ``inverse`` is exact in any precision (pure reshapes); the drift guard skips those.
+    exact_inverse = False
+
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def rebuild(self, y: torch.Tensor):
+        """Rebuild the input from ``y`` and re-run forward with grad.
+
+        Returns ``(x, leaves, y_re, logdet_re)``: ``x`` the rebuilt input (no graph), ``leaves`` the tensors
+        that require grad and whose channel-wise concatenation is the input, ``y_re``/``logdet_re`` the
+        re-run forward attached to ``leaves`` and the parameters.
+        """
+        with torch.no_grad():
+            x = self.inverse(y)
+        leaf = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y_re, ld_re = self(leaf)
+        return x, [leaf], y_re, ld_re
+
+
+def _per_sample(value: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Broadcast a scalar log-det to shape (N,)."""
+    return value.expand(x.shape[0])
+
+
+class ActNorm(InvertibleLayer):
+    """Per-channel affine ``y = (x + b) * exp(s)`` with data-dependent init (Glow).
+
+    The first batch seen sets ``b, s`` so the output has zero mean and unit variance per channel. The
+    ``initialized`` flag is a registered buffer, so it is saved in ``state_dict`` and a loaded model does
+    *not* re-initialise on its next batch (the bug several flow libraries shipped).
+    """
+
+    def __init__(self, channels: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.bias = nn.Parameter(torch.zeros(1, channels, 1, 1))
+        self.log_scale = nn.Parameter(torch.zeros(1, channels, 1, 1))
+        self.register_buffer("initialized", torch.tensor(False))
+
+    @torch.no_grad()
+    def initialize(self, x: torch.Tensor) -> None:
+        mean = x.mean(dim=(0, 2, 3), keepdim=True)
+        std = x.std(dim=(0, 2, 3), keepdim=True, unbiased=False)
+        self.bias.copy_(-mean)
+        self.log_scale.copy_(-torch.log(std + self.eps))
+        self.initialized.fill_(True)
+
+    def forward(self, x):
+        if not bool(self.initialized):
+            self.initialize(x)
+        y = (x + self.bias) * torch.exp(self.log_scale)
+        logdet = x.shape[2] * x.shape[3] * self.log_scale.sum()
+        return y, _per_sample(logdet, x)
+
+    def inverse(self, y):
+        return y * torch.exp(-self.log_scale) - self.bias
+
+
+class InvConv1x1(InvertibleLayer):
+    """Invertible 1x1 convolution, LU-parameterised (Glow): ``W = P L (U + diag(sign(s) exp(log|s|)))``.
+
+    ``P`` and ``sign(s)`` are fixed buffers; log|det W| = sum(log|s|) costs O(C). Initialised from a random
+    rotation. The inverse weight is computed in float64 and cast back, which keeps float32 reconstruction
+    close to exact for moderately conditioned ``W``.
+    """
+
+    def __init__(self, channels: int):
+        super().__init__()
+        w = torch.linalg.qr(torch.randn(channels, channels, dtype=torch.float64))[0]
+        p, lower, upper = torch.linalg.lu(w)
+        s = torch.diagonal(upper)
+        self.register_buffer("perm", p.float())
+        self.register_buffer("sign_s", torch.sign(s).float())
+        self.register_buffer("lower_mask", torch.tril(torch.ones(channels, channels), -1))
+        self.lower = nn.Parameter(lower.float())
+        self.upper = nn.Parameter(torch.triu(upper, 1).float())
+        self.log_s = nn.Parameter(torch.log(torch.abs(s)).float())
+
+    def weight(self) -> torch.Tensor:
+        eye = torch.eye(self.lower.shape[0], dtype=self.lower.dtype, device=self.lower.device)
+        lower = self.lower * self.lower_mask + eye
+        upper = self.upper * self.lower_mask.T + torch.diag(self.sign_s * torch.exp(self.log_s))
+        return self.perm @ lower @ upper
+
+    def forward(self, x):
+        c = x.shape[1]
+        y = F.conv2d(x, self.weight().view(c, c, 1, 1))
+        logdet = x.shape[2] * x.shape[3] * self.log_s.sum()
+        return y, _per_sample(logdet, x)
+
+    def inverse(self, y):
+        c = y.shape[1]
+        w_inv = torch.linalg.inv(self.weight().double()).to(y.dtype)
+        return F.conv2d(y, w_inv.view(c, c, 1, 1))
+
+    def rebuild(self, y):
+        """Build ``W`` once (with grad) for both the inverse and the re-run forward."""
+        c = y.shape[1]
+        with torch.enable_grad():
+            w = self.weight()
+        with torch.no_grad():
+            x = F.conv2d(y, torch.linalg.inv(w.detach().double()).to(y.dtype).view(c, c, 1, 1))
+        leaf = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y_re = F.conv2d(leaf, w.view(c, c, 1, 1))
+            logdet = _per_sample(y.shape[2] * y.shape[3] * self.log_s.sum(), y)
+        return x, [leaf], y_re, logdet
+
+
+class Squeeze(InvertibleLayer):
+    """Space-to-depth: ``(N, C, H, W) -> (N, 4C, H/2, W/2)``; volume preserving (logdet 0)."""
+
+    exact_inverse = True
+
+    def forward(self, x):
+        n, c, h, w = x.shape
+        y = x.reshape(n, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(n, 4 * c, h // 2, w // 2)
+        return y, x.new_zeros(n)
+
+    def inverse(self, y):
+        n, c, h, w = y.shape
+        x = y.reshape(n, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(n, c // 4, 2 * h, 2 * w)
+        return x
