@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tests.helpers import TINY_2D, cli, snapshot
+from helpers import TINY_2D, cli, snapshot
 
 
 def one_line_error(result, *needles):

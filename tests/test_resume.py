@@ -9,7 +9,7 @@ import os
 import numpy as np
 import torch
 
-from tests.helpers import cli
+from helpers import cli
 
 ARGS = ["moons", "pool.batches=4", "pool.steps=5", "pool.batch_size=64", "pool.chunk=1",
         "--train-iters", "1500", "train.velocity.ckpt_every=100", "train.velocity.log_every=100",

@@ -8,7 +8,7 @@ import torch
 
 from sinkflow import config
 from sinkflow.cli import main
-from tests.helpers import TINY_2D
+from helpers import TINY_2D
 
 PRESETS_2D = [p for p in config.preset_names() if len(config.load_preset(p)["model"]) == 1
               and config.load_preset(p)["model"]["velocity"]["kind"] == "mlp"]
