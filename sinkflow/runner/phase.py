@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import time
 import zlib
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tqdm.auto import tqdm
@@ -30,6 +32,13 @@ def phase_generator(seed: int, *tags: Any) -> torch.Generator:
     gen = torch.Generator()
     gen.manual_seed((seed * 1_000_003 + zlib.crc32(repr(tags).encode())) % (2**63))
     return gen
+
+
+def seed_everything(seed: int) -> None:
+    """Seed the global torch / numpy / python RNGs (model init, dropout) from one number."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def progress(total: int, initial: int, desc: str):
@@ -74,7 +83,12 @@ class TrainPhase(Phase):
         cfg = run.cfg["train"][self.model_key]
         self.cfg = cfg
         self.info = dist.current()
+        seed = run.cfg["experiment"]["seed"]
+        seed_everything(int(phase_generator(seed, "init", self.name).initial_seed()))  # same init on every rank
         self.model = build_phase_model(run, self.model_key).to(run.device)
+        self.channels_last = use_channels_last(cfg, run.device, _data_shape(run))
+        if self.channels_last:  # NHWC convolutions (tensor cores) for 4-D image batches
+            self.model = self.model.to(memory_format=torch.channels_last)
         self.model.train()
         lr = cfg["lr"] * lr_scale(cfg["lr_scaling"], self.info.world)
         fused = run.device.type == "cuda"
@@ -96,6 +110,8 @@ class TrainPhase(Phase):
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.ddp_model = DDP(self.model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+        if cfg.get("compile", False):  # opt-in: minutes of compilation before the first step
+            self.ddp_model = torch.compile(self.ddp_model)
         self.generator = phase_generator(run.cfg["experiment"]["seed"], "train", self.name)
         self.step = 0
 
@@ -131,8 +147,9 @@ class TrainPhase(Phase):
             for group in self.optimizer.param_groups:
                 group["initial_lr"] = base
             self.scheduler.base_lrs = [base for _ in self.scheduler.base_lrs]
-            for group, factor in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-                group["lr"] = factor
+            for group, fn in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+                group["lr"] = base * fn(self.scheduler.last_epoch)
+            self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
         self.generator.set_state(state["generator"])
         set_rng_state(state["rng"])
         self.step = state["step"]
@@ -146,16 +163,19 @@ class TrainPhase(Phase):
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for i, part in enumerate(micro):
+            if self.channels_last:
+                part = to_channels_last(part)
             sync = i == len(micro) - 1 or not self.info.enabled
             ctx = self.ddp_model.no_sync() if not sync else _nullcontext()
             with ctx, torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 loss = self.loss_fn(self.ddp_model, part) / len(micro)
-            if not torch.isfinite(loss.detach()):
+            value = dist.mean_over_ranks(loss.item())  # every rank sees the same value (and stops together)
+            if not math.isfinite(value):
                 raise SinkflowError(
-                    f"non-finite loss ({loss.item()}) in phase '{self.name}' at step {self.step + 1}",
+                    f"non-finite loss ({value}) in phase '{self.name}' at step {self.step + 1}",
                     "the last good checkpoint is kept; lower the learning rate (sinkflow lr-find) or check the data")
             self.scaler.scale(loss).backward()
-            total += loss.item()
+            total += value
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg["grad_clip"]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
@@ -177,7 +197,7 @@ class TrainPhase(Phase):
         bar = progress(iters, self.step, self.name)
         window: list[float] = []
         tick, tick_step = time.perf_counter(), self.step
-        n_global = self.cfg["batch_size"]
+        n_global = self.cfg["batch_size"] * self.info.world  # batch_size is per process (dist.py)
         health = Health(self, run.logger)  # dashboard: update ratio, dead activations, loss scale, histograms
         while self.step < iters:
             batch = self.make_batch(self.generator, n_global, run.device)
@@ -199,7 +219,7 @@ class TrainPhase(Phase):
                                      eta_s=(iters - self.step) / max(rate, 1e-9), loss=mean, state="running")
                 window.clear()
                 tick, tick_step = time.perf_counter(), self.step
-            signum = stop_requested()
+            signum = dist.agree_stop(stop_requested())
             if self.step % ckpt_every == 0 or signum is not None:
                 self.save(run)
             if signum is not None:
@@ -214,6 +234,42 @@ class TrainPhase(Phase):
         if self.info.is_main:
             run.checkpoints(self.name).save(self.state_dict(), self.step)
         dist.barrier()
+
+
+def _data_shape(run) -> tuple[int, ...]:
+    from sinkflow.methods import sample_shape
+
+    return sample_shape(run.cfg)
+
+
+def use_channels_last(cfg: dict, device: torch.device, shape: tuple[int, ...]) -> bool:
+    """channels_last pays off for convolutions on CUDA (NHWC tensor-core kernels); only 4-D batches."""
+    return bool(cfg.get("channels_last", True)) and device.type == "cuda" and len(shape) == 3
+
+
+def to_channels_last(batch: Any) -> Any:
+    """Every 4-D tensor of a tensor / tuple / dict batch in channels_last memory format (values unchanged)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.contiguous(memory_format=torch.channels_last) if batch.dim() == 4 else batch
+    if isinstance(batch, dict):
+        return {k: to_channels_last(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_channels_last(v) for v in batch)
+    return batch
+
+
+def device_generator(generator: torch.Generator, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded by one draw from the phase's CPU generator.
+
+    Noise drawn with it is generated on the GPU (no host randn, no copy), yet the whole stream is still
+    fixed by the CPU generator, which is what checkpoints save: a resumed run draws the same noise.
+    On the CPU this is the CPU generator itself (results identical to drawing from it directly).
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def lr_scale(rule: str, world: int) -> float:
