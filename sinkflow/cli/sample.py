@@ -4,6 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sinkflow import methods
 from sinkflow.errors import SinkflowError
 from sinkflow.eval.points import generate
 from sinkflow.eval.report import is_points
@@ -30,7 +31,8 @@ def run(args):
     if args.n < 1:
         raise SinkflowError(f"--n {args.n} must be >= 1", "e.g. --n 1024")
     run_ = Run.open(args.run_dir)
-    steps = args.steps or run_.cfg["sample"]["steps"]
+    method = methods.get(run_.cfg["experiment"]["method"])  # NSGF++: --steps are the straight-flow steps
+    steps = args.steps or getattr(method, "default_steps", lambda c: c["sample"]["steps"])(run_.cfg)
     x, info = generate(run_, args.n, steps, seed=args.seed)
     x = x.cpu()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -38,7 +40,6 @@ def run(args):
         np.save(out, x.numpy())
     elif is_points(run_.cfg):
         from sinkflow.eval.plots import scatter_samples
-        from sinkflow import methods
 
         scatter_samples(x, methods.distributions(run_.cfg)[1].test_set(args.n), out, f"{steps} steps")
     else:

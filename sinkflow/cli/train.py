@@ -36,6 +36,9 @@ def run(args):
     else:
         cfg = resolve_args(args)
         methods.distributions(cfg)  # validate the data before the run folder exists
+        method = methods.get(cfg["experiment"]["method"])
+        if hasattr(method, "check"):  # ... and the method's own limits (e.g. NSGF++: T <= 5, pool size)
+            method.check(cfg, methods.sample_shape(cfg))
         run_ = Run.create(cfg)
     args.run_dir_used = str(run_.dir)
     cfg = run_.cfg

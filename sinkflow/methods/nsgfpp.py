@@ -1,0 +1,93 @@
+"""NSGF++ (paper Algorithms 3-4): a <=5-step Sinkhorn flow, a time predictor, then a straight flow.
+
+Phases, each resumable with its own model, optimizer and config section:
+
+1. ``pool``     the NSGF trajectory pool, T = pool.steps <= 5 Euler steps per trajectory (nsgf's phase);
+2. ``velocity`` NSGF velocity matching on the pool (nsgf's phase), network ``model.velocity``;
+3. ``nsf``      Neural Straight Flow: velocity matching on X_t = t Y + (1 - t) X0 with *independent*
+                noise/data pairs (plain FM, sigma = 0), network ``model.nsf``;
+4. ``time``     the phase-transition predictor: regress t from the same X_t (MSE, sigmoid output),
+                network ``model.time``.
+
+Sampling (Algorithm 4): the T NSGF Euler steps with the pool's own step sizes and flow times, then
+t_hat_i = t_phi(x_i) per sample, then NSF Euler from t_hat_i to 1 in ``nsf_steps`` steps of per-sample
+size (1 - t_hat_i) / nsf_steps. So every sample costs exactly T + 1 + nsf_steps network evaluations and
+a batch needs no masking (docs/nsgfpp.md, ambiguity 8).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sinkflow.errors import SinkflowError
+from sinkflow.methods import nsgf
+from sinkflow.methods.flow_matching import interpolant_batch, velocity_loss
+from sinkflow.methods.ode import count_nfe, euler
+from sinkflow.methods.pool import check_pool_fits
+from sinkflow.runner.phase import TrainPhase
+
+MAX_NSGF_STEPS = 5  # paper: "T <= 5"; a longer NSGF phase is plain NSGF, not NSGF++
+
+
+def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
+    """Refuse, before any work, what NSGF++ cannot run."""
+    steps = cfg["pool"]["steps"]
+    if steps > MAX_NSGF_STEPS:
+        raise SinkflowError(
+            f"pool.steps={steps} but NSGF++ uses at most {MAX_NSGF_STEPS} NSGF steps (paper Alg. 3)",
+            f"set pool.steps<={MAX_NSGF_STEPS} (and raise pool.eta), or use --method nsgf for a long flow")
+    if cfg["sample"]["nsf_steps"] < 1:
+        raise SinkflowError(f"sample.nsf_steps={cfg['sample']['nsf_steps']} must be >= 1", "e.g. sample.nsf_steps=50")
+    check_pool_fits(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]))
+
+
+def time_loss(model, batch):
+    """Paper Alg. 3: |t - t_phi(X_t)|^2."""
+    x, t = batch
+    return (model(x).float() - t).pow(2).mean()
+
+
+def phases(cfg, source, target):
+    check(cfg, tuple(target.shape))
+
+    def nsf_batch(gen, n, device):
+        return interpolant_batch(source, target, gen, n, device)
+
+    def time_batch(gen, n, device):
+        x, t, _ = interpolant_batch(source, target, gen, n, device)
+        return x, t
+
+    return [nsgf.pool_phase(cfg, source, target), nsgf.VelocityPhase(),
+            TrainPhase("nsf", nsf_batch, velocity_loss), TrainPhase("time", time_batch, time_loss)]
+
+
+def default_steps(cfg: dict) -> int:
+    return cfg["sample"]["nsf_steps"]
+
+
+@torch.no_grad()
+def sample(run, x0, steps=None, record=False):
+    """Algorithm 4. ``steps`` = NSF Euler steps (default sample.nsf_steps); the NSGF part always uses
+    the T steps it was trained on. info: nfe (total, counted by forward hooks), nfe_velocity, nfe_time,
+    nfe_nsf, t_hat (N,), nsgf_steps, and with ``record`` the path [x0, T NSGF states, NSF states]."""
+    cfg = run.cfg
+    nsf_steps = int(steps or default_steps(cfg))
+    velocity, predictor, nsf = run.model("velocity"), run.model("time"), run.model("nsf")
+    etas = nsgf.step_sizes(cfg["pool"]).tolist()
+    times = nsgf.flow_times(cfg["pool"]).tolist()
+    n = x0.shape[0]
+    x = x0.float()
+    path = [x.cpu()] if record else []
+    with count_nfe(velocity) as n_v, count_nfe(predictor) as n_t, count_nfe(nsf) as n_u:
+        for k, eta in enumerate(etas):
+            t = torch.full((n,), times[k], device=x.device)
+            x = x + eta * velocity(x, t).float()
+            if record:
+                path.append(x.cpu())
+        t_hat = predictor(x).float().clamp(0.0, 1.0)
+        x, nsf_path = euler(nsf, x, t_hat, 1.0, nsf_steps, record)
+    path += nsf_path[1:]
+    return x, {"nfe": n_v.count + n_t.count + n_u.count, "nfe_velocity": n_v.count, "nfe_time": n_t.count,
+               "nfe_nsf": n_u.count, "t_hat": t_hat.cpu(), "nsgf_steps": len(etas), "path": path}
