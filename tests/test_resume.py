@@ -22,7 +22,7 @@ def start(cwd, name, *extra):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def wait_for(predicate, proc, timeout=120):
+def wait_for(predicate, proc, timeout=300):
     end = time.time() + timeout
     while time.time() < end:
         if predicate():
@@ -82,7 +82,7 @@ def test_pool_build_resumes_from_last_finished_chunk(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "sinkflow", "train", *args, "--name", "k"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     progress = tmp_path / "runs/k/pool/progress.json"
-    assert wait_for(lambda: progress.exists() and len(eval(progress.read_text())["chunks"]) >= 3, proc)
+    assert wait_for(lambda: progress.exists() and len(eval(progress.read_text())["chunks"]) >= 2, proc, timeout=300)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done_at_kill = len(eval(progress.read_text())["chunks"])
