@@ -10,8 +10,8 @@ from sinkflow import config
 from sinkflow.cli import main
 from helpers import TINY_2D
 
-PRESETS_2D = [p for p in config.preset_names() if len(config.load_preset(p)["model"]) == 1
-              and config.load_preset(p)["model"]["velocity"]["kind"] == "mlp"]
+PRESETS_2D = [p for p in config.preset_names()  # _base now holds model.nsf/time too: select by the velocity kind
+              if config.load_preset(p)["model"]["velocity"]["kind"] == "mlp"]
 
 
 def train(name, *extra):
