@@ -1,0 +1,302 @@
+"""Invertible flows: exact inverses and log-dets, identical gradients across memory modes, memory curves,
+the drift guard, save/load and the bits/dim convention. Small shapes, float64 references, CPU only."""
+
+import copy
+import io
+import logging
+import math
+
+import pytest
+import torch
+
+from sinkflow.errors import SinkflowError
+from sinkflow.flows import (ActNorm, AdditiveCoupling, AffineCoupling, FlowSequence, InvConv1x1, Squeeze,
+                            bits_per_dim, build_flow, build_glow, build_realnvp, dequantize, flow_loss)
+from sinkflow.flows.profile import SavedTensorCounter
+
+MODES = ("standard", "checkpoint", "invertible")
+
+
+def perturb(module, scale=0.05, seed=0):
+    """Move every parameter off its (identity-like) init so the checks below are not trivial."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return module
+
+
+LAYERS = {
+    "actnorm": lambda: ActNorm(4),
+    "invconv": lambda: InvConv1x1(4),
+    "affine_sigmoid": lambda: AffineCoupling(4, 8, scale="sigmoid"),
+    "affine_tanh_swap": lambda: AffineCoupling(4, 8, scale="tanh", swap=True),
+    "additive": lambda: AdditiveCoupling(4, 8),
+    "squeeze": lambda: Squeeze(),
+}
+
+
+def make_layer(name, seed=0):
+    torch.manual_seed(seed)
+    layer = perturb(LAYERS[name](), 0.3, seed).double()
+    layer(torch.randn(8, 4, 4, 4, dtype=torch.float64))  # ActNorm data-dependent init
+    return layer
+
+
+def jacobian_logdet(f, x):
+    """Brute force: log|det d f(x)/dx| per sample, for f applied to a single sample."""
+    out = []
+    for i in range(x.shape[0]):
+        xi = x[i: i + 1]
+        jac = torch.autograd.functional.jacobian(lambda v: torch.cat([t.flatten() for t in f(v)]), xi)
+        out.append(torch.linalg.slogdet(jac.reshape(jac.shape[0], -1))[1])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_inverse_and_logdet(name):
+    layer = make_layer(name)
+    x = torch.randn(2, 4, 4, 4, dtype=torch.float64)
+    y, logdet = layer(x)
+    assert logdet.shape == (2,)
+    torch.testing.assert_close(layer.inverse(y), x, rtol=0, atol=1e-12)
+    brute = jacobian_logdet(lambda v: [layer(v)[0]], x)
+    torch.testing.assert_close(logdet, brute, rtol=1e-10, atol=1e-10)
+    if name != "squeeze":  # the logdet must not be trivially zero for the layers that scale volume
+        assert name == "additive" or logdet.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("builder", ["glow", "glow_additive", "realnvp_vector"])
+def test_model_inverse_and_logdet(builder):
+    torch.manual_seed(0)
+    if builder == "realnvp_vector":
+        model, x = build_realnvp((6,), levels=2, depth_per_level=3, hidden_channels=8), torch.randn(3, 6)
+    else:
+        coupling = "additive" if builder == "glow_additive" else "affine"
+        model = build_glow((2, 4, 4), levels=2, depth_per_level=2, hidden_channels=8, coupling=coupling)
+        x = torch.randn(3, 2, 4, 4)
+    model(x)  # ActNorm init
+    model = perturb(model, 0.1).double()
+    x = x.double()
+    zs, logdet, _ = model.encode(x)
+    assert sum(z[0].numel() for z in zs) == x[0].numel()
+    torch.testing.assert_close(model.inverse(zs), x, rtol=0, atol=1e-11)
+    brute = jacobian_logdet(lambda v: model.encode(v)[0], x)
+    torch.testing.assert_close(logdet, brute, rtol=1e-9, atol=1e-9)
+
+
+def grads_of(module, x, loss_fn):
+    module.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    loss_fn(module, x).backward()
+    return [p.grad.clone() for p in module.parameters()] + [x.grad.clone()]
+
+
+def assert_grads_close(got, ref, rtol, atol=0.0):
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g.to(r.dtype), r, rtol=rtol, atol=atol + rtol * r.abs().max().item())
+
+
+def seq_loss(weights):
+    """Uses both outputs, so the log-det gradient is checked as well as the output gradient."""
+    w_y, w_ld = weights
+    return lambda m, x: _seq_loss(m, x, w_y, w_ld)
+
+
+def _seq_loss(m, x, w_y, w_ld):
+    y, ld = m(x)
+    return (y * w_y.to(y.dtype)).sum() + (ld * w_ld.to(ld.dtype)).sum()
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_single_layer_gradients_match_across_modes(name):
+    x = torch.randn(3, 4, 4, 4, dtype=torch.float64)
+    seq64 = FlowSequence([make_layer(name)])
+    y, _ = seq64(x)
+    weights = (torch.randn(y.shape, dtype=torch.float64), torch.randn(3, dtype=torch.float64))
+    loss = seq_loss(weights)
+    ref = grads_of(seq64, x, loss)
+    for mode in MODES:
+        seq64.memory = mode
+        assert_grads_close(grads_of(seq64, x, loss), ref, rtol=1e-10)
+        seq32 = copy.deepcopy(seq64).float()
+        assert_grads_close(grads_of(seq32, x.float(), loss), ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("depth", [1, 8, 32])
+def test_model_gradients_match_float64_reference(depth):
+    torch.manual_seed(depth)
+    model = build_glow((2, 8, 8), levels=2, depth_per_level=depth, hidden_channels=8)
+    x = torch.rand(4, 2, 8, 8) - 0.5
+    model(x)  # ActNorm init
+    model = perturb(model, 0.02, seed=depth).double()
+    x = x.double()
+    loss = lambda m, v: -m.log_prob(v).mean()  # noqa: E731
+    ref = grads_of(model, x, loss)
+    for mode in MODES:
+        model.set_memory(mode)
+        assert_grads_close(grads_of(model, x, loss), ref, rtol=1e-9)
+    assert model.fallen_back == []
+    if depth == 8:  # float32 run of every mode against the float64 reference
+        m32 = copy.deepcopy(model).float()
+        for mode in MODES:
+            m32.set_memory(mode)
+            assert_grads_close(grads_of(m32, x.float(), loss), ref, rtol=2e-4, atol=1e-6)
+        assert m32.fallen_back == []
+
+
+def saved_bytes(depth, mode):
+    torch.manual_seed(0)
+    model = build_glow((2, 16, 16), levels=1, depth_per_level=depth, hidden_channels=4, memory=mode)
+    x = torch.randint(0, 256, (4, 2, 16, 16), dtype=torch.uint8)
+    with SavedTensorCounter(model) as counter:
+        loss, _ = flow_loss(model, x, torch.Generator().manual_seed(0))
+    loss.backward()
+    return counter.bytes
+
+
+def test_saved_activation_memory_curves():
+    b = {(d, m): saved_bytes(d, m) for d in (4, 16, 64) for m in MODES}
+    ratio = {m: b[64, m] / b[4, m] for m in MODES}
+    assert ratio["invertible"] <= 1.2  # flat in depth
+    assert ratio["standard"] >= 12  # ~linear: 16x the depth
+    assert 1.8 <= ratio["checkpoint"] <= 6  # ~sqrt: 4x for 16x the depth, plus a depth-free part
+    assert b[16, "checkpoint"] / b[4, "checkpoint"] < b[64, "checkpoint"] / b[16, "checkpoint"] * 2
+    for d in (4, 16, 64):
+        assert b[d, "invertible"] < b[d, "checkpoint"] < b[d, "standard"]
+
+
+def planted_model(kind):
+    """float32 Glow in which one layer is planted ill-conditioned after ActNorm init."""
+    torch.manual_seed(0)
+    model = build_glow((2, 8, 8), levels=1, depth_per_level=4, hidden_channels=8, memory="invertible")
+    x = torch.rand(4, 2, 8, 8) - 0.5
+    with torch.no_grad():
+        model(x)
+    perturb(model, 0.05)
+    layers = model.levels[0].layers  # 0 squeeze, then (actnorm, invconv, coupling) per step
+    with torch.no_grad():
+        if kind == "coupling":  # scale = sigmoid(-18) ~ 1e-8 on every transformed channel
+            layers[6].net[-1].bias[1::2] = -20.0
+            planted = "levels.0.layers.6 (AffineCoupling)"
+        else:  # a 1x1 conv with one singular value ~1e-7, followed by well-conditioned mixing
+            layers[5].log_s[0] = -16.0
+            planted = "levels.0.layers.5 (InvConv1x1)"
+    return model, x, planted
+
+
+@pytest.mark.parametrize("kind", ["coupling", "invconv"])
+def test_drift_guard_catches_planted_ill_conditioned_layer(kind, caplog):
+    model, x, planted = planted_model(kind)
+    loss = lambda m, v: -m.log_prob(v).mean()  # noqa: E731
+    ref64 = grads_of(copy.deepcopy(model).double().set_memory("standard"), x.double(), loss)
+    ref32 = grads_of(copy.deepcopy(model).set_memory("standard"), x, loss)
+    assert_grads_close(ref32, ref64, rtol=1e-4, atol=1e-6)  # plain float32 autograd is fine here
+
+    unguarded = copy.deepcopy(model).set_memory("invertible", drift_tol=math.inf)
+    bad = grads_of(unguarded, x, loss)
+    with pytest.raises(AssertionError):  # the plant really breaks reconstruction-based gradients
+        assert_grads_close(bad, ref64, rtol=1e-2)
+
+    with caplog.at_level(logging.WARNING, logger="sinkflow.flows.memory"):
+        got = grads_of(model, x, loss)
+    assert planted in model.fallen_back
+    assert "drift guard" in caplog.text and model.drift_events[0]["error"] > 1e-4
+    assert_grads_close(got, ref64, rtol=1e-4, atol=1e-6)
+    n_events = len(model.drift_events)
+    got2 = grads_of(model, x, loss)  # second step: the layer now keeps its input, no new fallback needed
+    assert_grads_close(got2, ref64, rtol=1e-4, atol=1e-6)
+    assert len(model.drift_events) == n_events
+
+    buf = io.BytesIO()  # the fallback decision is part of the state dict
+    torch.save(model.state_dict(), buf)
+    fresh, _, _ = planted_model(kind)
+    fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
+    assert planted in fresh.fallen_back
+
+
+def test_healthy_float32_model_has_no_false_alarms():
+    torch.manual_seed(0)
+    model = build_glow((2, 8, 8), levels=2, depth_per_level=16, hidden_channels=8, memory="invertible")
+    x = torch.randint(0, 256, (4, 2, 8, 8), dtype=torch.uint8)
+    flow_loss(model, x)
+    perturb(model, 0.02)
+    loss, _ = flow_loss(model, x)
+    loss.backward()
+    assert model.fallen_back == [] and 0 < model.max_drift < 1e-4
+
+
+def test_save_load_keeps_actnorm_initialised_and_loss_continuous():
+    cfg = {"levels": 2, "depth_per_level": 2, "hidden_channels": 8, "memory": "invertible"}
+    torch.manual_seed(0)
+    model = build_flow(cfg, (1, 8, 8))
+    x = torch.randint(0, 256, (8, 1, 8, 8), dtype=torch.uint8)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        loss, _ = flow_loss(model, x, torch.Generator().manual_seed(1))
+        loss.backward()
+        opt.step()
+    before = flow_loss(model, x, torch.Generator().manual_seed(2))[1]
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+
+    torch.manual_seed(123)
+    loaded = build_flow(cfg, (1, 8, 8))
+    loaded.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
+    assert all(bool(m.initialized) for m in loaded.modules() if isinstance(m, ActNorm))
+    other = torch.randint(0, 128, (8, 1, 8, 8), dtype=torch.uint8)  # a different first batch must not re-init
+    flow_loss(loaded, other)
+    after = flow_loss(loaded, x, torch.Generator().manual_seed(2))[1]
+    assert after.item() == pytest.approx(before.item(), abs=1e-5)
+
+    torch.manual_seed(123)  # control: without the load the loss is different (the check can fail)
+    fresh = build_flow(cfg, (1, 8, 8))
+    flow_loss(fresh, other)
+    assert abs(flow_loss(fresh, x, torch.Generator().manual_seed(2))[1].item() - before.item()) > 1e-2
+
+
+def test_bits_per_dim_and_dequantize_convention():
+    dims = 3 * 4 * 4
+    # the uniform density on [-0.5, 0.5)^D has log_prob 0: 8 bits/dim for 256 levels, 5 for 32
+    assert bits_per_dim(torch.zeros(2), dims).tolist() == pytest.approx([8.0, 8.0])
+    assert bits_per_dim(torch.zeros(1), dims, n_bins=32).item() == pytest.approx(5.0)
+    x = torch.randint(0, 256, (5, 3, 4, 4), dtype=torch.uint8)
+    d = dequantize(x, torch.Generator().manual_seed(0))
+    assert d.dtype == torch.float32 and torch.all(d >= x.float()) and torch.all(d < x.float() + 1)
+    torch.testing.assert_close(dequantize(x.float() / 255, torch.Generator().manual_seed(0)), d)
+    with pytest.raises(SinkflowError):
+        dequantize(torch.full((1, 3), 2.0))
+
+
+def test_training_lowers_bits_per_dim_and_samples_have_the_data_shape():
+    torch.manual_seed(0)
+    model = build_flow({"levels": 2, "depth_per_level": 2, "hidden_channels": 8, "memory": "invertible"},
+                       (1, 8, 8))
+    base = torch.zeros(1, 1, 8, 8, dtype=torch.uint8)
+    base[..., 2:6, 3:5] = 200  # a fixed "digit": a learnable, low-entropy distribution
+    x = base + torch.randint(0, 8, (32, 1, 8, 8), dtype=torch.uint8)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(30):
+        opt.zero_grad()
+        loss, bpd = flow_loss(model, x)
+        loss.backward()
+        opt.step()
+        first = bpd.item() if first is None else first
+    assert math.isfinite(bpd.item()) and bpd.item() < first - 1.0
+    s = model.sample(5, temperature=0.7, generator=torch.Generator().manual_seed(0))
+    assert s.shape == (5, 1, 8, 8) and torch.isfinite(s).all()
+    mean = model.sample(2, temperature=0.0)  # temperature 0: every draw is the prior mean
+    torch.testing.assert_close(mean[0], mean[1])
+
+
+def test_config_errors_are_sinkflow_errors():
+    with pytest.raises(SinkflowError, match="unknown flow config key"):
+        build_flow({"depht": 3}, (1, 8, 8))
+    with pytest.raises(SinkflowError, match="memory mode"):
+        build_flow({"memory": "tiny"}, (1, 8, 8))
+    with pytest.raises(SinkflowError, match="squeeze"):
+        build_flow({"levels": 3}, (1, 4, 4))
+    with pytest.raises(SinkflowError, match="model expects"):
+        build_flow({"levels": 1, "depth_per_level": 1}, (1, 8, 8)).log_prob(torch.zeros(2, 1, 4, 4))
