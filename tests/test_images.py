@@ -1,0 +1,200 @@
+"""NSGF++ and the image presets end to end on exactly their real shapes, with tiny networks and counts.
+
+Every image preset: pool, three trainings, checkpoints, a resume in the middle of every phase (which must
+reproduce the uninterrupted weights and pool bit for bit), sample (.png grid, .npy), eval. Plus the NFE
+instrumentation and one-line errors for bad image input.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sinkflow import methods
+from sinkflow.cli import main
+from sinkflow.runner.run import Run
+from test_data import make_cifar, make_folder, make_mnist
+
+TINY_UNET = ["model.velocity.channels=8", "model.nsf.channels=8", "model.velocity.res_blocks=1",
+             "model.nsf.res_blocks=1", "model.time.channels=[4, 4, 4, 4]"]
+TINY = ["pool.batches=3", "pool.batch_size=8", "pool.chunk=1", "pool.in_flight=1", "--train-iters", "4", "train.velocity.ckpt_every=3",
+        "train.nsf.ckpt_every=3", "train.time.ckpt_every=3", "--batch-size", "4", "sample.nsf_steps=3",
+        "eval.n=8", "eval.seeds=1", "data.download=false", "--device", "cpu", *TINY_UNET]
+PHASES = ("velocity", "nsf", "time")
+
+
+@pytest.fixture(autouse=True)
+def fresh_distributions():
+    methods._distributions.cache_clear()  # data.root is per test; never reuse another test's arrays
+    yield
+    methods._distributions.cache_clear()
+
+
+def setup_data(preset, tmp_path):
+    """Real-format files for the preset under tmp_path/data; returns (overrides, expected sample shape)."""
+    root = tmp_path / "data"
+    args = [f"data.root={root}"]
+    if preset == "mnist":
+        make_mnist(root, n_train=24, n_test=6)
+        return args, (1, 28, 28)
+    if preset == "cifar10":
+        make_cifar(root, per_batch=5, n_test=6)  # paper head width 64 does not divide 8 channels
+        return args + ["model.velocity.num_head_channels=4", "model.nsf.num_head_channels=4"], (3, 32, 32)
+    if preset == "folder":
+        folder = make_folder(tmp_path / "imgs", n=12, size=(23, 31))
+        return args + [f"data.path={folder}", "data.image_size=20"], (3, 20, 20)
+    return args, (1, 8, 8)
+
+
+def weights(run, phase):
+    return torch.load(run / "checkpoints" / phase / "final.pt", weights_only=False)["model"]
+
+
+@pytest.mark.parametrize("preset", ["digits", "mnist", "cifar10", "folder"])
+def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys):
+    extra, shape = setup_data(preset, tmp_path)
+    storage = ["pool.storage=disk", "pool.dtype=float16"]  # the image pool's real storage path
+    assert main(["train", preset, *TINY, *extra, *storage, "--name", "r"]) == 0
+    out = capsys.readouterr().out
+    run = runs_dir / "r"
+    assert "NFE = 5 velocity + 1 time + 3 nsf" in out and "FID skipped" in out
+    assert (run / "grid.png").is_file() and (run / "trajectory_strip.png").is_file()
+    pool_x = np.load(run / "pool/x.npy", mmap_mode="r")
+    assert pool_x.dtype == np.float16 and pool_x.shape == (3 * 5 * 8, *shape)
+    for phase in PHASES:
+        assert [p.name for p in sorted((run / "checkpoints" / phase).glob("step_*.pt"))] == ["step_00000003.pt"]
+
+    # interrupt every phase in its middle: the pool's last chunk undone, each training back at step 3 of 4
+    before = {p: weights(run, p) for p in PHASES}
+    pool_before = np.array(pool_x)
+    del pool_x
+    progress = json.loads((run / "pool/progress.json").read_text())
+    (run / "pool/progress.json").write_text(json.dumps({**progress, "chunks": [0, 1]}))
+    x = np.load(run / "pool/x.npy", mmap_mode="r+")
+    x[2 * 40:] = 0  # what a kill before chunk 2 was flushed would leave
+    x.flush()
+    del x
+    for phase in ("pool", *PHASES):
+        (run / "checkpoints" / phase / "final.pt").unlink()
+    assert main(["train", "--resume", str(run), "--no-report"]) == 0
+    assert np.array_equal(np.load(run / "pool/x.npy"), pool_before)
+    for phase in PHASES:
+        after = weights(run, phase)
+        assert all(torch.equal(before[phase][k], after[k]) for k in after), phase
+
+    assert main(["sample", str(run), "--n", "6", "--out", str(tmp_path / "g.png")]) == 0
+    assert "(3 steps, 9 network evaluations)" in capsys.readouterr().out
+    assert Image.open(tmp_path / "g.png").size[0] > 0
+    assert main(["sample", str(run), "--n", "6", "--steps", "2", "--out", str(tmp_path / "s.npy")]) == 0
+    s = np.load(tmp_path / "s.npy")
+    assert s.shape == (6, *shape) and np.isfinite(s).all()
+    assert main(["eval", str(run), "--seeds", "1", "--n", "4"]) == 0
+    assert "W2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("method", ["fm", "otcfm"])
+def test_baselines_use_the_image_unet(method, runs_dir, tmp_path, capsys):
+    extra, shape = setup_data("digits", tmp_path)
+    assert main(["train", "digits", "--method", method, *TINY, *extra, "sample.steps=4", "eval.steps=[4]",
+                 "--name", method]) == 0
+    out = capsys.readouterr().out
+    assert any(line.split()[:2] == ["4", "4"] for line in out.splitlines()), out  # steps 4, counted NFE 4
+    run = Run.open(runs_dir / method)
+    model = run.model("velocity")
+    assert type(model).__name__ == "UNet"
+    x, info = methods.get(method).sample(run, torch.randn(3, *shape), 4, record=True)
+    assert x.shape == (3, *shape) and info["nfe"] == 4 and len(info["path"]) == 5
+    assert (runs_dir / method / "grid.png").is_file()
+
+
+def test_nfe_is_counted_per_network(runs_dir, tmp_path):
+    extra, shape = setup_data("digits", tmp_path)
+    assert main(["train", "digits", *TINY, *extra, "pool.steps=3", "--no-report", "--name", "n"]) == 0
+    run = Run.open(runs_dir / "n")
+    x0 = torch.randn(5, *shape)
+    for nsf_steps in (1, 7):
+        x, info = methods.get("nsgfpp").sample(run, x0, nsf_steps, record=True)
+        assert info["nfe"] == 3 + 1 + nsf_steps
+        assert (info["nfe_velocity"], info["nfe_time"], info["nfe_nsf"]) == (3, 1, nsf_steps)
+        assert x.shape == (5, *shape) and info["t_hat"].shape == (5,)
+        assert len(info["path"]) == 1 + 3 + nsf_steps
+    # per-sample t_hat: the NSF integrates each sample over its own [t_hat_i, 1]
+    from sinkflow.methods.ode import euler
+
+    nsf, t_hat = run.model("nsf"), info["t_hat"]
+    xt = info["path"][3]
+    one = torch.stack([euler(nsf, xt[i:i + 1], t_hat[i:i + 1], 1.0, 7)[0][0] for i in range(5)])
+    assert torch.allclose(one, x, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+def one_line(capsys, *needles):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    for needle in needles:
+        assert needle in err[0], err[0]
+
+
+def bad(capsys, *args):
+    assert main(["train", *args, "--train-iters", "1", "--device", "cpu", "--no-report"]) == 2
+
+
+def test_empty_folder(runs_dir, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    bad(capsys, "folder", f"data.path={tmp_path / 'empty'}", f"data.root={tmp_path / 'data'}")
+    one_line(capsys, "holds no images")
+
+
+def test_folder_without_path(runs_dir, capsys):
+    bad(capsys, "folder")
+    one_line(capsys, "data.path is not set")
+
+
+def test_non_image_file_named_png(runs_dir, tmp_path, capsys):
+    folder = make_folder(tmp_path / "imgs", n=4)
+    (folder / "broken.png").write_bytes(b"this is not a png")
+    bad(capsys, "folder", f"data.path={folder}", f"data.root={tmp_path / 'data'}")
+    one_line(capsys, "broken.png", "not an image")
+
+
+def test_truncated_image(runs_dir, tmp_path, capsys):
+    folder = make_folder(tmp_path / "imgs", n=4, size=(20, 20))
+    data = (folder / "img01.png").read_bytes()
+    (folder / "img01.png").write_bytes(data[: len(data) // 2])
+    bad(capsys, "folder", f"data.path={folder}", f"data.root={tmp_path / 'data'}")
+    one_line(capsys, "img01.png")
+
+
+def test_only_non_image_files(runs_dir, tmp_path, capsys):
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.txt").write_text("hello")
+    bad(capsys, "folder", f"data.path={tmp_path / 'txt'}", f"data.root={tmp_path / 'data'}")
+    one_line(capsys, "holds no images (1 other files)")
+
+
+def test_mixed_sizes_without_image_size(runs_dir, tmp_path, capsys):
+    folder = make_folder(tmp_path / "imgs", n=4, size=(20, 20))
+    Image.fromarray(np.zeros((12, 16, 3), np.uint8)).save(folder / "odd.png")
+    bad(capsys, "folder", f"data.path={folder}", "data.image_size=null", f"data.root={tmp_path / 'data'}")
+    one_line(capsys, "different sizes", "data.image_size")
+
+
+@pytest.mark.parametrize("preset,needle", [("mnist", "MNIST not found"), ("cifar10", "CIFAR-10 not found")])
+def test_missing_dataset_offline(preset, needle, runs_dir, tmp_path, capsys):
+    bad(capsys, preset, "data.download=false", f"data.root={tmp_path / 'data'}")
+    one_line(capsys, needle, "data.download")
+    assert not runs_dir.exists()
+
+
+def test_pool_that_cannot_fit(runs_dir, tmp_path, capsys):
+    bad(capsys, "digits", "pool.storage=memory", "pool.ram_gb=0.001", f"data.root={tmp_path / 'data'}")
+    one_line(capsys, "trajectory pool needs", "pool.storage=disk")
+    assert not (runs_dir / "config.yaml").exists() and not any(runs_dir.glob("*/config.yaml"))
+
+
+def test_too_many_nsgf_steps(runs_dir, tmp_path, capsys):
+    bad(capsys, "digits", "pool.steps=6", f"data.root={tmp_path / 'data'}")
+    one_line(capsys, "pool.steps=6", "--method nsgf")
