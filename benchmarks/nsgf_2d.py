@@ -1,0 +1,131 @@
+"""Table 1 of arXiv:2401.14069 with NSGF, FM and OT-CFM trained by the same runner.
+
+For every 2D task and method, trains with the paper's budget (batch 256, 20k steps) over 3 training seeds,
+then measures exact W2 (POT) at 10 and 100 Euler steps on 1024 samples against a held-out test draw.
+Prints a markdown table and (with --write) replaces the matching section of benchmarks/RESULTS.md.
+
+    python benchmarks/nsgf_2d.py                      # full protocol, 2 runs in parallel
+    python benchmarks/nsgf_2d.py --iters 2000 --tasks moons --methods nsgf   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+TASKS = ["8gaussians", "8gaussians-moons", "moons", "scurve", "checkerboard"]
+METHODS = ["nsgf", "fm", "otcfm"]
+RESULTS = Path(__file__).with_name("RESULTS.md")
+BEGIN, END = "<!-- nsgf_2d:begin -->", "<!-- nsgf_2d:end -->"
+
+
+def one_run(task: str, method: str, seed: int, iters: int, runs_dir: str, extra: list[str]) -> dict:
+    """Train one (task, method, seed) in this process and evaluate it; returns numbers and wall time."""
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ["SINKFLOW_PROGRESS"] = "0"
+    from sinkflow.cli import main
+    from sinkflow.eval.points import w2_table
+    from sinkflow.runner.run import Run
+
+    name = f"{task}-{method}-s{seed}"
+    start = time.perf_counter()
+    code = main(["train", task, "--method", method, "--seed", str(seed), "--train-iters", str(iters),
+                 "--device", "cpu", "--name", name, "--no-report", f"experiment.runs_dir={runs_dir}", *extra])
+    train_s = time.perf_counter() - start
+    if code != 0:
+        raise RuntimeError(f"training {name} failed with exit code {code}")
+    rows = w2_table(Run.open(Path(runs_dir) / name), seeds=1)
+    return {"task": task, "method": method, "seed": seed, "train_s": train_s,
+            **{f"w2_{r['steps']}": r["w2_all"][0] for r in rows}, "paper": {r["steps"]: r["paper"] for r in rows}}
+
+
+def floor(task: str) -> tuple[float, float]:
+    from sinkflow import config, methods
+    from sinkflow.data import measure_floor
+
+    cfg = config.resolve(task)
+    mean, std, _ = measure_floor(methods.distributions(cfg)[1], n=1024, pairs=5)
+    return mean, std
+
+
+def fmt(values: list[float]) -> str:
+    if not values:
+        return "-"
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.3f} ± {spread:.3f}"
+
+
+def table(results: list[dict], floors: dict, args) -> str:
+    from sinkflow.eval.paper import TABLE1_NSGF
+
+    head = ["task", "steps", "floor", "paper NSGF"] + [m.upper() for m in args.methods] + ["NSGF train s (mean)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for task in args.tasks:
+        for steps in (10, 100):
+            cells = [task, str(steps), f"{floors[task][0]:.3f}", f"{TABLE1_NSGF[task][steps]:.3f}"]
+            for m in args.methods:
+                cells.append(fmt([r[f"w2_{steps}"] for r in results if r["task"] == task and r["method"] == m]))
+            times = [r["train_s"] for r in results if r["task"] == task and r["method"] == "nsgf"]
+            cells.append(f"{statistics.fmean(times):.0f}" if times else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", nargs="+", default=TASKS)
+    p.add_argument("--methods", nargs="+", default=METHODS)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20000)
+    p.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each")
+    p.add_argument("--runs-dir", default=None, help="keep the runs here (default: a temp folder)")
+    p.add_argument("--write", action="store_true", help="replace the nsgf_2d section of benchmarks/RESULTS.md")
+    p.add_argument("extra", nargs="*", help="config overrides applied to every run, e.g. pool.eta=0.1")
+    args = p.parse_args()
+    runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="sinkflow-bench-")
+    jobs = [(t, m, s) for t in args.tasks for m in args.methods for s in range(args.seeds)]
+    start = time.perf_counter()
+    with ProcessPoolExecutor(args.workers) as pool:
+        futures = [pool.submit(one_run, t, m, s, args.iters, runs_dir, args.extra) for t, m, s in jobs]
+        floors_f = {t: pool.submit(floor, t) for t in args.tasks}
+        results = []
+        for f in futures:
+            r = f.result()
+            results.append(r)
+            print(f"{r['task']:>17} {r['method']:>6} seed {r['seed']}: W2@10 {r['w2_10']:.3f}  W2@100 {r['w2_100']:.3f}"
+                  f"  ({r['train_s']:.0f} s)", flush=True)
+        floors = {t: f.result() for t, f in floors_f.items()}
+    total = time.perf_counter() - start
+    import torch
+
+    machine = (f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores visible, "
+               f"{args.workers} runs in parallel with 1 torch thread each, torch {torch.__version__}")
+    cmd = "python benchmarks/nsgf_2d.py " + " ".join(sys.argv[1:])
+    body = (f"Command: `{cmd}`  \nMachine: {machine}  \nDate: {datetime.date.today()}  \n"
+            f"Protocol: {args.seeds} training seeds, {args.iters} steps, batch 256; W2 = exact OT (POT emd2) between "
+            f"1024 generated samples (QMC source draw) and 1024 stratified test samples; mean ± std over seeds. "
+            f"Floor = W2 between two independent 1024-sample test draws (5 pairs). Total wall time {total / 60:.1f} min."
+            f"\n\n{table(results, floors, args)}\n")
+    print(body)
+    if args.write:
+        text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+        section = f"{BEGIN}\n{body}{END}"
+        if BEGIN in text:
+            text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+        else:
+            text += f"\n## NSGF on the 2D tasks (issue 2, Table 1)\n\n{section}\n"
+        RESULTS.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
