@@ -85,7 +85,7 @@ def trajectory_strip(path: list, out, nsgf_steps: int | None = None, t_hat: torc
             if r == 0:
                 ax.set_title(names[c], fontsize=8)
             if t_hat is not None and nsgf_steps is not None and c == nsgf_steps:
-                ax.text(0.03, 0.97, f"t^={float(t_hat[r]):.2f}", transform=ax.transAxes, fontsize=7, va="top",
+                ax.text(0.03, 0.97, rf"$\hat{{t}}$={float(t_hat[r]):.2f}", transform=ax.transAxes, fontsize=7, va="top",
                         color="yellow", bbox={"facecolor": "black", "alpha": 0.6, "pad": 1, "lw": 0})
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
