@@ -1,0 +1,231 @@
+"""LR range test for any phase whose model computes its own loss: ``loss_fn(model, batch)``.
+
+The LR grows exponentially from ``start_lr`` to ``end_lr`` over ``steps`` optimizer steps (one fresh
+batch each). The loss is smoothed by a bias-corrected EMA (``beta``); a non-finite loss is recorded
+as a gap and its step is skipped (no backward, no update); ``max_nan`` of them in a row, or a smoothed
+loss above ``diverge`` times the best so far, end the sweep. Model, optimizer (moments, step counts,
+LRs), gradients and the caller's RNG states are restored afterwards, bit for bit.
+
+Suggestions (all from the smoothed curve up to its minimum, slopes taken in log10-LR space):
+
+* ``steepest``: the LR where the loss falls fastest per decade;
+* ``min/10``: a tenth of the LR at the loss minimum (past it the loss is about to blow up);
+* aggressive = the larger of the two (at most min/2), moderate = their geometric mean,
+  conservative = the smaller of the two divided by 3.
+
+Changing the number of processes: the runner multiplies ``train.<phase>.lr`` by ``lr_scale(rule,
+world)`` (``train.<phase>.lr_scaling``): ``linear`` (x N, Goyal et al. for SGD at large batch),
+``sqrt`` (x sqrt(N), the default: Adam's update size does not grow linearly with the batch), or
+``none``. Run lr-find at the batch you will train with per process and write the per-1-process rate.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+@dataclass
+class LRFindResult:
+    lrs: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # raw, NaN where non-finite
+    smoothed: list[float] = field(default_factory=list)  # NaN where non-finite
+    stop_reason: str = "end of range"
+    suggestions: dict[str, float] = field(default_factory=dict)
+    steepest: float | None = None
+    min_loss_lr: float | None = None
+
+    def summary(self) -> str:
+        if not self.suggestions:
+            return f"no suggestion ({self.stop_reason}; {len(self.lrs)} steps)"
+        s = self.suggestions
+        return (f"conservative {s['conservative']:.2e}  moderate {s['moderate']:.2e}  aggressive {s['aggressive']:.2e}"
+                f"  (steepest {self.steepest:.2e}, loss minimum at {self.min_loss_lr:.2e}; stopped: {self.stop_reason})")
+
+
+def _snapshot(model, optimizer):
+    return {
+        "model": copy.deepcopy(model.state_dict()),
+        "optimizer": copy.deepcopy(optimizer.state_dict()),
+        "grads": [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()],
+        "rng": (torch.get_rng_state(), np.random.get_state(), random.getstate(),
+                torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None),
+        "training": model.training,
+    }
+
+
+def _restore(model, optimizer, snap) -> None:
+    model.load_state_dict(snap["model"])
+    optimizer.load_state_dict(snap["optimizer"])
+    for p, g in zip(model.parameters(), snap["grads"]):
+        p.grad = g
+    t, n, r, c = snap["rng"]
+    torch.set_rng_state(t)
+    np.random.set_state(n)
+    random.setstate(r)
+    if c is not None:
+        torch.cuda.set_rng_state_all(c)
+    model.train(snap["training"])
+
+
+def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, batch_fn: Callable,
+                  start_lr: float = 1e-7, end_lr: float = 10.0, steps: int = 100, beta: float = 0.98,
+                  diverge: float = 4.0, max_nan: int = 3, restore: bool = True, step_fn: Callable | None = None,
+                  ) -> LRFindResult:
+    """Exponential LR sweep; ``batch_fn(i)`` gives step i's batch; ``step_fn(loss)`` may replace
+    backward + ``optimizer.step()`` (e.g. with a GradScaler)."""
+    if not (0 < start_lr < end_lr) or steps < 2:
+        raise ValueError("need 0 < start_lr < end_lr and steps >= 2")
+    res = LRFindResult()
+    snap = _snapshot(model, optimizer)
+    mult = (end_lr / start_lr) ** (1.0 / (steps - 1))
+    avg, k, best, nan_run = 0.0, 0, math.inf, 0
+    model.train()
+    try:
+        for i in range(steps):
+            lr = start_lr * mult**i
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model, batch_fn(i))
+            value = float(loss.detach())
+            res.lrs.append(lr)
+            if not math.isfinite(value):
+                res.losses.append(math.nan)
+                res.smoothed.append(math.nan)
+                nan_run += 1
+                if nan_run >= max_nan:
+                    res.stop_reason = f"{max_nan} non-finite losses in a row at lr {lr:.2e}"
+                    break
+                continue
+            nan_run = 0
+            if step_fn is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                step_fn(loss)
+            k += 1
+            avg = beta * avg + (1 - beta) * value
+            smooth = avg / (1 - beta**k)
+            res.losses.append(value)
+            res.smoothed.append(smooth)
+            best = min(best, smooth)
+            if k > 5 and smooth > diverge * best:
+                res.stop_reason = f"diverged at lr {lr:.2e} (smoothed loss {smooth:.3g} > {diverge:g} x best {best:.3g})"
+                break
+    finally:
+        if restore:
+            _restore(model, optimizer, snap)
+    suggest(res)
+    return res
+
+
+def suggest(res: LRFindResult) -> None:
+    """Fill ``res.suggestions`` from the smoothed curve (see the module docstring)."""
+    lrs = np.array(res.lrs)
+    sm = np.array(res.smoothed, dtype=float)
+    ok = np.isfinite(sm)
+    if ok.sum() < 5:
+        return
+    lrs, sm = lrs[ok], sm[ok]
+    skip = min(5, len(sm) // 10)  # the EMA's first points are noise
+    i_min = skip + int(np.argmin(sm[skip:]))
+    res.min_loss_lr = float(lrs[i_min])
+    if i_min - skip < 2:
+        return
+    x = np.log10(lrs[skip : i_min + 1])
+    slope = np.gradient(sm[skip : i_min + 1], x)
+    res.steepest = float(lrs[skip + int(np.argmin(slope))])
+    tenth = res.min_loss_lr / 10
+    hi = min(max(res.steepest, tenth), res.min_loss_lr / 2)
+    lo = min(res.steepest, tenth)
+    res.suggestions = {"conservative": lo / 3, "moderate": math.sqrt(lo * hi), "aggressive": hi}
+
+
+def plot(res: LRFindResult, path: Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(res.lrs, res.losses, color="0.75", lw=1, label="loss")
+    ax.plot(res.lrs, res.smoothed, color="C0", lw=2, label="smoothed (EMA, bias-corrected)")
+    for (name, lr), c in zip(res.suggestions.items(), ("C2", "C1", "C3")):
+        ax.axvline(lr, color=c, ls="--", lw=1, label=f"{name} {lr:.1e}")
+    ax.set_xscale("log")
+    finite = [v for v in res.smoothed if math.isfinite(v)]
+    if finite:
+        lo, hi = min(finite), max(finite[: max(3, len(finite) // 2)])
+        ax.set_ylim(lo - 0.1 * (hi - lo + 1e-12), hi + 0.5 * (hi - lo + 1e-12))
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("loss")
+    ax.set_title(title or "LR range test")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def phase_lr_find(phase, **kwargs) -> LRFindResult:
+    """``lr_range_test`` on a ready TrainPhase (``sinkflow.tools.phases.ready_phase``), with its own batches,
+    loss, autocast precision and GradScaler; restores the phase's generator too."""
+    gen_state = phase.generator.get_state()
+    batches = [phase.first_batch]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(phase.precision)
+    device = next(phase.model.parameters()).device
+
+    def batch_fn(i):
+        if i < len(batches):
+            return batches[i]
+        return phase.make_batch(phase.generator, phase.cfg["batch_size"], device)
+
+    def loss_fn(model, batch):
+        with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            return phase.loss_fn(model, batch).float()
+
+    def step_fn(loss):
+        phase.scaler.scale(loss).backward()
+        phase.scaler.step(phase.optimizer)
+        phase.scaler.update()
+
+    scaler_state = copy.deepcopy(phase.scaler.state_dict())
+    try:
+        return lr_range_test(phase.model, phase.optimizer, loss_fn, batch_fn, step_fn=step_fn, **kwargs)
+    finally:
+        phase.generator.set_state(gen_state)
+        phase.scaler.load_state_dict(scaler_state) if scaler_state else None
+
+
+def write_lr(target: Path, key: str, lr: float) -> Path:
+    """Write ``key=lr`` into a run folder's config.yaml or a YAML config file (type-checked for runs)."""
+    import yaml
+
+    from sinkflow import config as config_mod
+    from sinkflow.runner.run import read_config
+
+    target = Path(target)
+    if target.is_dir():
+        cfg = read_config(target)
+        config_mod.set_key(cfg, key, float(lr))
+        path = target / "config.yaml"
+        path.write_text(config_mod.dump(cfg))
+        return path
+    tree = yaml.safe_load(target.read_text()) if target.is_file() else {}
+    node = tree = tree or {}
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = float(lr)
+    target.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return target
