@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 
 class InvertibleLayer(nn.Module):
@@ -58,6 +57,11 @@ class ActNorm(InvertibleLayer):
         self.bias = nn.Parameter(torch.zeros(1, channels, 1, 1))
         self.log_scale = nn.Parameter(torch.zeros(1, channels, 1, 1))
         self.register_buffer("initialized", torch.tensor(False))
+        self._init_seen = False  # host-side mirror of the buffer: avoids a GPU sync on every forward
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._init_seen = False  # re-read the loaded buffer on the next forward
+        super()._load_from_state_dict(*args, **kwargs)
 
     @torch.no_grad()
     def initialize(self, x: torch.Tensor) -> None:
@@ -68,8 +72,10 @@ class ActNorm(InvertibleLayer):
         self.initialized.fill_(True)
 
     def forward(self, x):
-        if not bool(self.initialized):
-            self.initialize(x)
+        if not self._init_seen:
+            if not bool(self.initialized):
+                self.initialize(x)
+            self._init_seen = True
         y = (x + self.bias) * torch.exp(self.log_scale)
         logdet = x.shape[2] * x.shape[3] * self.log_scale.sum()
         return y, _per_sample(logdet, x)
@@ -104,27 +110,33 @@ class InvConv1x1(InvertibleLayer):
         upper = self.upper * self.lower_mask.T + torch.diag(self.sign_s * torch.exp(self.log_s))
         return self.perm @ lower @ upper
 
+    @staticmethod
+    def _mix(w, x):
+        """1x1 conv as a channel matmul: full float32 on GPUs, where cuDNN convs may run in TF32."""
+        return (w @ x.reshape(x.shape[0], x.shape[1], -1)).view(x.shape)
+
+    @staticmethod
+    def _inv(w):
+        # float64 inverse; inv_ex skips the singularity check (a host sync on GPUs)
+        return torch.linalg.inv_ex(w.detach().double())[0].to(w.dtype)
+
     def forward(self, x):
-        c = x.shape[1]
-        y = F.conv2d(x, self.weight().view(c, c, 1, 1))
+        y = self._mix(self.weight(), x)
         logdet = x.shape[2] * x.shape[3] * self.log_s.sum()
         return y, _per_sample(logdet, x)
 
     def inverse(self, y):
-        c = y.shape[1]
-        w_inv = torch.linalg.inv(self.weight().double()).to(y.dtype)
-        return F.conv2d(y, w_inv.view(c, c, 1, 1))
+        return self._mix(self._inv(self.weight()), y)
 
     def rebuild(self, y):
         """Build ``W`` once (with grad) for both the inverse and the re-run forward."""
-        c = y.shape[1]
         with torch.enable_grad():
             w = self.weight()
         with torch.no_grad():
-            x = F.conv2d(y, torch.linalg.inv(w.detach().double()).to(y.dtype).view(c, c, 1, 1))
+            x = self._mix(self._inv(w), y)
         leaf = x.detach().requires_grad_(True)
         with torch.enable_grad():
-            y_re = F.conv2d(leaf, w.view(c, c, 1, 1))
+            y_re = self._mix(w, leaf)
             logdet = _per_sample(y.shape[2] * y.shape[3] * self.log_s.sum(), y)
         return x, [leaf], y_re, logdet
 

@@ -107,16 +107,15 @@ class FlowSequence(nn.Module):
             r = self._probes[key] = r.to(x.device)
         return x.reshape(x.shape[0], -1) @ r
 
-    def _drift(self, x_re, checksum) -> float:
-        """Relative error of a rebuilt input, estimated from the forward-time checksum (inf if non-finite).
+    def _drift(self, x_re, checksum) -> torch.Tensor:
+        """Relative error of a rebuilt input, estimated from the forward-time checksum (a 0-d tensor).
 
-        One host sync per layer; on a GPU this costs a pipeline bubble, small next to a layer's convs.
+        Samples whose forward input was already non-finite are skipped: standard mode is garbage there too.
+        A non-finite rebuild of a finite input gives inf/nan, which never passes ``err <= tol``.
         """
         tiny = torch.finfo(x_re.dtype).tiny
         err = (self._probe(x_re) - checksum).abs().amax(1) / (x_re.flatten(1).norm(dim=1) + tiny)
-        # a sample whose forward input was already non-finite is garbage in standard mode too: skip it
-        err = float(torch.where(torch.isfinite(checksum).all(1), err, torch.zeros_like(err)).max())
-        return err if math.isfinite(err) else math.inf
+        return torch.where(torch.isfinite(checksum).all(1), err, torch.zeros_like(err)).max()
 
     def _fall_back(self, i: int, err: float) -> None:
         self.keep_input[i] = True
@@ -151,38 +150,54 @@ class _InvertibleChain(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise SinkflowError("double backward through an invertible flow chain is not supported",
                                 "use memory: standard for higher-order gradients")
-        seq, keep = ctx.seq, ctx.keep
+        seq = ctx.seq
         x0, y, checks, *kept_list = ctx.saved_tensors
-        kept = dict(zip([i for i, k in enumerate(keep) if k], kept_list))
-        grads = {id(p): None for p in ctx.params}
-        h = y.detach()
-        for i in reversed(range(len(seq.layers))):
-            layer = seq.layers[i]
-            if i in kept:
-                x_i, leaves, y_re, ld_re = _reforward(layer, kept[i])
-            else:
-                x_i, leaves, y_re, ld_re = layer.rebuild(h)
-                if not layer.exact_inverse:
-                    err = seq._drift(x_i, checks[i])
-                    seq.max_drift = max(seq.max_drift, err)
-                    if not err <= seq.drift_tol:
-                        seq._fall_back(i, err)
-                        x_i, leaves, y_re, ld_re = _reforward(layer, _recompute_input(seq, x0, i, kept))
-            outs, g_outs = [y_re], [g_y]
-            if ld_re.requires_grad:
-                outs.append(ld_re)
-                g_outs.append(g_logdet)
-            params = [p for p in layer.parameters() if p.requires_grad]
-            with torch.enable_grad():
-                g = torch.autograd.grad(outs, leaves + params, g_outs, allow_unused=True)
-            g_in = [torch.zeros_like(leaf) if gl is None else gl for leaf, gl in zip(leaves, g[: len(leaves)])]
-            g_y = g_in[0] if len(g_in) == 1 else torch.cat(g_in, dim=1)
-            for p, gp in zip(params, g[len(leaves):]):
-                if gp is not None:
-                    grads[id(p)] = gp if grads[id(p)] is None else grads[id(p)] + gp
-            h = x_i.detach()
-        g_x = g_y if ctx.needs_input_grad[1] else None
-        return (None, g_x, *[grads[id(p)] for p in ctx.params])
+        kept = dict(zip([i for i, k in enumerate(ctx.keep) if k], kept_list))
+        # Optimistic pass: drift errors stay on the device and are checked once at the end (one host
+        # sync per chain instead of one per layer). If any layer drifted, the pass is redone carefully.
+        grads, errs, g_x = _walk(ctx, seq, y, x0, checks, kept, g_y, g_logdet, careful=False)
+        if errs:
+            worst = float(torch.stack(errs).max())
+            seq.max_drift = max(seq.max_drift, worst if math.isfinite(worst) else math.inf)
+            if not worst <= seq.drift_tol:
+                grads, _, g_x = _walk(ctx, seq, y, x0, checks, kept, g_y, g_logdet, careful=True)
+        return (None, g_x if ctx.needs_input_grad[1] else None, *[grads[id(p)] for p in ctx.params])
+
+
+def _walk(ctx, seq, y, x0, checks, kept, g_y, g_logdet, careful: bool):
+    """Reverse pass over the layers. ``careful``: check each layer at once and repair a drifted one by
+    recomputing its true input from the stored chain input (flagging it to keep its input from now on)."""
+    grads = {id(p): None for p in ctx.params}
+    errs = []
+    h = y.detach()
+    for i in reversed(range(len(seq.layers))):
+        layer = seq.layers[i]
+        if i in kept:
+            x_i, leaves, y_re, ld_re = _reforward(layer, kept[i])
+        else:
+            x_i, leaves, y_re, ld_re = layer.rebuild(h)
+            if not layer.exact_inverse:
+                err = seq._drift(x_i, checks[i])
+                errs.append(err)
+                if careful and not float(err) <= seq.drift_tol:
+                    seq._fall_back(i, float(err))
+                    x_true = _recompute_input(seq, x0, i, kept)
+                    kept[i] = x_true  # a later layer's repair can start from here
+                    x_i, leaves, y_re, ld_re = _reforward(layer, x_true)
+        outs, g_outs = [y_re], [g_y]
+        if ld_re.requires_grad:
+            outs.append(ld_re)
+            g_outs.append(g_logdet)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        with torch.enable_grad():
+            g = torch.autograd.grad(outs, leaves + params, g_outs, allow_unused=True)
+        g_in = [torch.zeros_like(leaf) if gl is None else gl for leaf, gl in zip(leaves, g[: len(leaves)])]
+        g_y = g_in[0] if len(g_in) == 1 else torch.cat(g_in, dim=1)
+        for p, gp in zip(params, g[len(leaves):]):
+            if gp is not None:
+                grads[id(p)] = gp if grads[id(p)] is None else grads[id(p)] + gp
+        h = x_i.detach()
+    return grads, errs, g_y
 
 
 def _reforward(layer, x):
