@@ -34,10 +34,11 @@ def make_simulator(cfg: dict, device):
     sk, pool = cfg["sinkhorn"], cfg["pool"]
     times = flow_times(pool)[:-1]
 
-    def simulate(x0, y):
+    def simulate(x0, y, batched=False, diameter=None):  # batched: x0, y (B, n, *) -> xs, vs (steps, B, n, *)
         xs, vs = simulate_sinkhorn_flow(
             x0, y, steps=pool["steps"], eta=pool["eta"], eta_growth=pool["eta_growth"] or None, blur=sk["blur"],
-            scaling=sk["scaling"], diameter=sk["diameter"], backend=sk["backend"])
+            scaling=sk["scaling"], diameter=sk["diameter"] if diameter is None else diameter, backend=sk["backend"],
+            batched=batched)
         return xs, vs, times
 
     return simulate
@@ -53,7 +54,7 @@ def pool_batches(run):
 
     def make_batch(gen, n, device):
         idx = dist.shard(torch.randint(len(pool), (n,), generator=gen))
-        return tuple(v.to(device, non_blocking=True) for v in pool.sample(idx))
+        return pool.batch(idx, device)  # pinned, non-blocking copies on CUDA
 
     return make_batch
 

@@ -10,7 +10,9 @@ an uninterrupted one. Training then samples entries by index from one contiguous
 
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 import math
 import shutil
 from pathlib import Path
@@ -23,6 +25,8 @@ from sinkflow.runner import dist
 from sinkflow.runner.checkpoint import atomic_write_bytes
 from sinkflow.runner.phase import Phase, phase_generator, progress
 from sinkflow.runner.signals import Interrupted, stop_requested
+
+log = logging.getLogger("sinkflow")
 
 DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -81,14 +85,109 @@ class TrajectoryPool:
             x, v, t = self.x[idx], self.v[idx], self.t[idx]
         return x.float(), t.float(), v.float()
 
+    def batch(self, idx: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``sample(idx)`` on ``device``. On CUDA the rows go through two alternating page-locked
+        staging slots, so the host-to-device copy is truly asynchronous (a copy from pageable memory
+        is not); a slot is refilled only after the copy that last read it has finished."""
+        device = torch.device(device)
+        rows = self.sample(idx)
+        if device.type != "cuda":
+            return rows
+        if not hasattr(self, "_slots"):
+            self._slots, self._events, self._turn = [None, None], [None, None], 0
+        k, self._turn = self._turn, self._turn ^ 1
+        slot = self._slots[k]
+        if slot is None or any(s.shape != r.shape for s, r in zip(slot, rows)):
+            slot = self._slots[k] = tuple(torch.empty(r.shape, dtype=r.dtype).pin_memory() for r in rows)
+        if self._events[k] is not None:
+            self._events[k].synchronize()
+        for s, r in zip(slot, rows):
+            s.copy_(r)
+        out = tuple(s.to(device, non_blocking=True) for s in slot)
+        self._events[k] = torch.cuda.Event()
+        self._events[k].record()
+        return out
+
+
+CPU_BUDGET_BYTES = 1 << 30  # pool batches in flight on CPU: a modest fixed budget (1 GiB)
+CUDA_BUDGET_FRACTION = 0.5  # ... on CUDA: this fraction of the memory free when the pool phase starts
+
+
+def choose_in_flight(pool_cfg: dict, sample_shape: tuple[int, ...], device: torch.device) -> int:
+    """Pool batches solved by one batched Sinkhorn call: ``pool.in_flight``, or (0) from a memory budget.
+
+    The budget covers GeomLoss's working set (``sinkflow.ot.max_batches_in_flight``) plus the group's
+    float32 trajectory (x_t and v_t for every step) kept on the device until it is copied out.
+    """
+    batches = pool_cfg["batches"]
+    if pool_cfg["in_flight"] > 0:
+        return max(1, min(int(pool_cfg["in_flight"]), batches))
+    from sinkflow.ot import max_batches_in_flight
+
+    n, dim, steps = pool_cfg["batch_size"], math.prod(sample_shape), pool_cfg["steps"]
+    if device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(device)[0] * CUDA_BUDGET_FRACTION)
+    else:
+        budget = CPU_BUDGET_BYTES
+    by_ot = max_batches_in_flight(n, dim, budget // 2)
+    by_storage = (budget // 2) // max(1, 2 * steps * n * dim * 4)
+    return int(max(1, min(batches, by_ot, by_storage)))
+
+
+def _accepts(simulate, arg: str) -> bool:
+    try:
+        return arg in inspect.signature(simulate).parameters
+    except (TypeError, ValueError):
+        return False
+
 
 class PoolPhase(Phase):
-    """Simulate ``pool.batches`` Sinkhorn-flow trajectories of ``pool.steps`` Euler steps each."""
+    """Simulate ``pool.batches`` Sinkhorn-flow trajectories of ``pool.steps`` Euler steps each.
+
+    ``simulate(x0, y, batched=True)`` with x0, y shaped (B, n, *) returns (xs, vs, ts) with xs, vs
+    (steps, B, n, *): up to ``in_flight`` pool batches go through one batched Sinkhorn solve. Pool
+    batch b always draws from its own generator seeded by (seed, b), so the pool does not depend on
+    in_flight beyond float rounding and the shared annealing diameter (see docs/performance.md).
+    A simulator without a ``batched`` argument is called one pool batch at a time.
+    """
 
     name = "pool"
 
     def __init__(self, source, target, simulate):
         self.source, self.target, self.simulate = source, target, simulate
+
+    def pool_diameter(self, run) -> float | None:
+        """One Sinkhorn diameter for the whole build (``sinkhorn.diameter``, or null: the bounding-box
+        diagonal of every pool batch's source and target samples), so the annealing schedule, and hence
+        the pool, does not depend on which batches share a solve. Streamed: nothing is kept."""
+        fixed = run.cfg.get("sinkhorn", {}).get("diameter")
+        if fixed is not None:
+            return float(fixed)
+        cfg, lo, hi = run.cfg["pool"], None, None
+        for b in range(cfg["batches"]):
+            gen = phase_generator(run.cfg["experiment"]["seed"], "pool", b)
+            pts = torch.cat([self.source.sample(cfg["batch_size"], gen, "cpu").flatten(1),
+                             self.target.sample(cfg["batch_size"], gen, "cpu").flatten(1)])
+            lo = pts.amin(0) if lo is None else torch.minimum(lo, pts.amin(0))
+            hi = pts.amax(0) if hi is None else torch.maximum(hi, pts.amax(0))
+        return max(float((hi - lo).float().norm()), 1e-6)
+
+    def _simulate_group(self, batch_ids: list[int], seed: int, n: int, device) -> tuple:
+        """(xs, vs, ts) on the CPU for the pool batches ``batch_ids``: xs, vs (steps, B, n, *)."""
+        x0s, ys = [], []
+        for b in batch_ids:
+            gen = phase_generator(seed, "pool", b)
+            x0s.append(self.source.sample(n, gen, "cpu"))
+            ys.append(self.target.sample(n, gen, "cpu"))
+        kw = {"diameter": self.diameter} if self.diameter is not None and _accepts(self.simulate, "diameter") else {}
+        if len(batch_ids) > 1 and _accepts(self.simulate, "batched"):
+            x0 = torch.stack(x0s).to(device, non_blocking=True)
+            y = torch.stack(ys).to(device, non_blocking=True)
+            xs, vs, ts = self.simulate(x0, y, batched=True, **kw)
+            return xs.cpu(), vs.cpu(), ts.cpu()
+        outs = [self.simulate(x0.to(device), y.to(device), **kw) for x0, y in zip(x0s, ys)]
+        return (torch.stack([o[0].cpu() for o in outs], 1), torch.stack([o[1].cpu() for o in outs], 1),
+                outs[0][2].cpu())
 
     def run(self, run) -> None:
         cfg = run.cfg["pool"]
@@ -101,7 +200,10 @@ class PoolPhase(Phase):
         total = batches * per_batch
         dtype = DTYPES[cfg["dtype"]]
         progress_file = folder / "progress.json"
-        done = set(json.loads(progress_file.read_text())["chunks"]) if progress_file.exists() else set()
+        saved = json.loads(progress_file.read_text()) if progress_file.exists() else {}
+        done = set(saved.get("chunks", []))
+        # the diameter is fixed once per build and kept with the progress, so a resumed build matches
+        self.diameter = saved["diameter"] if saved.get("diameter") is not None else self.pool_diameter(run)
         if info.is_main and not (folder / "x.npy").exists():
             for key, shp, dt in (("x", (total, *shape), dtype), ("v", (total, *shape), dtype), ("t", (total,), np.float32)):
                 np.lib.format.open_memmap(folder / f".{key}.npy.tmp", mode="w+", dtype=dt, shape=shp).flush()
@@ -109,33 +211,38 @@ class PoolPhase(Phase):
         dist.barrier()
         arrays = {k: np.load(folder / f"{k}.npy", mmap_mode="r+") for k in ("x", "v", "t")}
         n_chunks = math.ceil(batches / chunk)
-        bar = progress(n_chunks * chunk, len(done) * chunk, "pool")
         seed = run.cfg["experiment"]["seed"]
         todo = [c for c in range(n_chunks) if c not in done]
-        for r in range(0, len(todo), info.world):  # each round, rank k builds the k-th chunk left
-            c = todo[r + info.rank] if r + info.rank < len(todo) else None
-            for b in range(c * chunk, min((c + 1) * chunk, batches)) if c is not None else ():
-                gen = phase_generator(seed, "pool", b)
-                x0 = self.source.sample(n, gen, run.device)
-                y = self.target.sample(n, gen, run.device)
-                xs, vs, ts = self.simulate(x0, y)
-                lo = b * per_batch
-                arrays["x"][lo : lo + per_batch] = xs.reshape(per_batch, *shape).cpu().numpy().astype(dtype)
-                arrays["v"][lo : lo + per_batch] = vs.reshape(per_batch, *shape).cpu().numpy().astype(dtype)
-                arrays["t"][lo : lo + per_batch] = ts.repeat_interleave(n).cpu().numpy()
-                bar.update(1)
+        # a chunk is the unit of resume: a group never spans chunks, so in_flight is at most pool.chunk
+        in_flight = min(choose_in_flight(cfg, shape, run.device), chunk)
+        groups = [[c] for c in todo]
+        log.info("pool: %d batches of %d particles x %d steps, %d in flight, %d process(es)",
+                 batches, n, steps, in_flight, info.world)
+        bar = progress(batches, sum(len(_chunk_batches(c, chunk, batches)) for c in done), "pool")
+        for r in range(0, len(groups), info.world):  # each round, rank k builds the k-th group of chunks left
+            mine = groups[r + info.rank] if r + info.rank < len(groups) else []
+            ids = [b for c in mine for b in _chunk_batches(c, chunk, batches)]
+            for g in range(0, len(ids), in_flight):
+                group = ids[g : g + in_flight]
+                xs, vs, ts = self._simulate_group(group, seed, n, run.device)
+                t_rows = ts.repeat_interleave(n).numpy()
+                for j, b in enumerate(group):
+                    lo = b * per_batch
+                    arrays["x"][lo : lo + per_batch] = xs[:, j].reshape(per_batch, *shape).numpy().astype(dtype)
+                    arrays["v"][lo : lo + per_batch] = vs[:, j].reshape(per_batch, *shape).numpy().astype(dtype)
+                    arrays["t"][lo : lo + per_batch] = t_rows
+                bar.update(len(group))
             for a in arrays.values():
                 a.flush()
-            if c is not None:
-                done.add(c)
+            done.update(mine)
             if info.enabled:
                 gathered: list = [None] * info.world
                 torch.distributed.all_gather_object(gathered, sorted(done))
-                done = set().union(*gathered)
+                done = set().union(*map(set, gathered))
             if info.is_main:
-                atomic_write_bytes(progress_file, lambda f: f.write(json.dumps({"chunks": sorted(done)}).encode()))
+                atomic_write_bytes(progress_file, lambda f: f.write(json.dumps({"chunks": sorted(done), "diameter": self.diameter}).encode()))
                 run.logger.heartbeat(phase="pool", step=len(done), total=n_chunks, state="running")
-            signum = stop_requested()
+            signum = dist.agree_stop(stop_requested())  # all ranks stop in the same round
             if signum is not None:
                 bar.close()
                 raise Interrupted(signum, self.name, len(done))
@@ -145,3 +252,7 @@ class PoolPhase(Phase):
         if info.is_main:
             run.checkpoints(self.name).save_final({"pool": str(folder), "entries": total, "chunks": n_chunks})
         dist.barrier()
+
+
+def _chunk_batches(c: int, chunk: int, batches: int) -> range:
+    return range(c * chunk, min((c + 1) * chunk, batches))

@@ -2,12 +2,22 @@
 
 Under ``torchrun`` the environment carries RANK/WORLD_SIZE/LOCAL_RANK; ``init()`` joins the process
 group (NCCL on CUDA, gloo on CPU). Everything else asks ``current()`` and never reads the environment.
+
+Conventions every phase follows (docs/performance.md):
+- ``train.*.batch_size`` is the batch of ONE process; the global batch is ``batch_size * world``.
+  The phase generator draws the whole global batch and each rank keeps its ``shard``, so a run on
+  N processes sees exactly the batches of one process with an N-times larger batch_size.
+- Only rank 0 writes files (checkpoints, logs, plots, the run folder); the others wait at barriers.
+- Decisions that end a loop (a signal, an error) are agreed by all ranks (``agree_stop``), or the
+  ranks that go on would wait forever in the next collective.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -35,14 +45,21 @@ def current() -> DistInfo:
 
 
 def init(device: str = "auto") -> DistInfo:
-    """Join the process group when launched by torchrun; a no-op otherwise."""
+    """Join the process group when launched by torchrun; a no-op otherwise.
+
+    NCCL when the run uses CUDA, gloo for ``--device cpu`` (how the DDP path is tested without GPUs).
+    ``torch.cuda.set_device`` comes first so no rank touches GPU 0 by accident.
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not tdist.is_initialized():
-        use_nccl = device != "cpu" and torch.cuda.is_available()
+        use_nccl = not str(device).startswith("cpu") and torch.cuda.is_available()
         if use_nccl:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         tdist.init_process_group("nccl" if use_nccl else "gloo")
-    return current()
+    info = current()
+    if not info.is_main:  # one voice: only rank 0 prints progress messages
+        logging.getLogger("sinkflow").setLevel(logging.WARNING)
+    return info
 
 
 def device_for(info: DistInfo, device: torch.device) -> torch.device:
@@ -61,3 +78,37 @@ def shard(tensor: torch.Tensor, info: DistInfo | None = None) -> torch.Tensor:
     """This rank's disjoint slice of a globally drawn batch (rows rank, rank+world, ...)."""
     info = info or current()
     return tensor[info.rank :: info.world] if info.enabled else tensor
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s value of ``obj`` on every rank (e.g. the run folder name rank 0 chose)."""
+    if not current().enabled:
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def agree_stop(signum: int | None) -> int | None:
+    """A stop signal seen by any rank stops every rank at the same step (the largest signal number)."""
+    if not current().enabled:
+        return signum
+    flag = torch.tensor([signum or 0], dtype=torch.int64, device=_collective_device())
+    tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+    return int(flag.item()) or None
+
+
+def mean_over_ranks(value: float) -> float:
+    """The mean of a per-rank scalar (e.g. the shard's loss) over all ranks; itself when alone."""
+    if not current().enabled:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device())
+    tdist.all_reduce(t)
+    return float(t.item()) / current().world
+
+
+def _collective_device() -> torch.device:
+    """NCCL only reduces CUDA tensors; gloo takes CPU ones."""
+    if tdist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -79,11 +79,12 @@ class Run:
     def create(cls, cfg: dict) -> "Run":
         exp = cfg["experiment"]
         name = exp["name"] or f"{exp['preset']}-{exp['method']}-{time.strftime('%Y%m%d-%H%M%S')}"
+        name = dist.broadcast_object(name)  # rank 0's clock names the folder for every rank
         run_dir = Path(exp["runs_dir"]) / name
+        if dist.broadcast_object((run_dir / "config.yaml").exists()):  # every rank refuses, none waits
+            raise SinkflowError(f"run folder {run_dir} already exists",
+                                f"resume it with `sinkflow train --resume {run_dir}` or pick another experiment.name")
         if dist.current().is_main:
-            if (run_dir / "config.yaml").exists():
-                raise SinkflowError(f"run folder {run_dir} already exists",
-                                    f"resume it with `sinkflow train --resume {run_dir}` or pick another experiment.name")
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(config_mod.dump(cfg))
             meta = {"seed": exp["seed"], "created": time.strftime("%Y-%m-%d %H:%M:%S"), "git": _git_hash(),

@@ -1,0 +1,140 @@
+"""`sinkflow bench --profile PRESET [overrides]`: is each training phase data-bound or compute-bound?
+
+Runs every phase of the experiment in a throw-away run folder, with each training phase cut to
+``--steps`` optimizer steps, and times each step in two parts: the data part (the time between two
+``train_step`` calls: batch creation, gathers, host-to-device copies) and the compute part (forward,
+backward, optimizer, EMA; the device is synchronised at the end so queued kernels are counted). The
+pool is built small (``pool.batches`` cut to 4) unless ``--pool-batches`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import torch
+
+from sinkflow import config, methods
+from sinkflow.cli.common import add_config_args, resolve_args
+from sinkflow.errors import SinkflowError
+from sinkflow.runner.experiment import run_phases
+from sinkflow.runner.phase import TrainPhase
+from sinkflow.runner.run import Run
+
+
+def add_parser(sub):
+    p = sub.add_parser("bench", help="profile training steps: data wait vs compute",
+                       description="Run N steps of every training phase and report the fraction of step time spent "
+                                   "waiting for data (batch creation + host-to-device copy) versus compute.")
+    add_config_args(p)
+    p.add_argument("--profile", action="store_true", help="profile the preset's training phases (the default)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per training phase (default 30)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (allocation, compile; default 5)")
+    p.set_defaults(func=run)
+
+
+class StepTimer:
+    """Wraps a phase's ``train_step``: compute = inside it; data = from the end of one to the start of the next."""
+
+    def __init__(self, phase: TrainPhase, warmup: int):
+        self.phase, self.warmup = phase, warmup
+        self.data: list[float] = []
+        self.compute: list[float] = []
+        self.samples = 0
+        self._last_end: float | None = None
+        inner = phase.train_step
+
+        def timed(batch):
+            start = time.perf_counter()
+            out = inner(batch)
+            _sync(phase)
+            end = time.perf_counter()
+            if self._last_end is not None:
+                self.data.append(start - self._last_end)
+                self.compute.append(end - start)
+                self.samples = _batch_rows(batch)
+            self._last_end = end
+            return out
+
+        phase.train_step = timed
+
+    def report(self) -> dict:
+        data, compute = self.data[self.warmup :], self.compute[self.warmup :]
+        if not data:
+            return {"phase": self.phase.name, "steps": 0}
+        d, c = sum(data) / len(data), sum(compute) / len(compute)
+        return {"phase": self.phase.name, "steps": len(data), "step_ms": 1e3 * (d + c), "data_ms": 1e3 * d,
+                "compute_ms": 1e3 * c, "data_fraction": d / (d + c), "samples_per_s": self.samples / (d + c)}
+
+
+def _sync(phase) -> None:
+    if getattr(phase, "model_device_type", "cpu") == "cuda":
+        torch.cuda.synchronize()
+
+
+def _batch_rows(batch) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    if isinstance(batch, dict):
+        return _batch_rows(next(iter(batch.values())))
+    return _batch_rows(batch[0])
+
+
+def profile(cfg: dict, steps: int, warmup: int) -> list[dict]:
+    """Run the experiment in a temp folder with every training phase cut to warmup + steps steps."""
+    total = warmup + steps + 1  # the first step has no "previous end": not counted
+    overrides = []
+    for name in cfg["train"]:
+        overrides += [f"train.{name}.iters={total}", f"train.{name}.ckpt_every={10 * total}",
+                      f"train.{name}.log_every={total}"]
+    with tempfile.TemporaryDirectory(prefix="sinkflow-bench-") as tmp:
+        cfg = config.apply_overrides(cfg, [*overrides, f"experiment.runs_dir={tmp}", "experiment.name=bench"])
+        run = Run.create(cfg)
+        source, target = methods.distributions(cfg)
+        phases = methods.get(cfg["experiment"]["method"]).phases(cfg, source, target)
+        results: list[dict] = []
+        for phase in phases:
+            if isinstance(phase, TrainPhase):  # report before run_phases clears the phase's state
+                timer, inner_run = StepTimer(phase, warmup), phase.run
+
+                def wrapped(r, timer=timer, inner_run=inner_run):
+                    inner_run(r)
+                    results.append({**timer.report(), "device": str(r.device), "precision": timer.phase.precision,
+                                    "channels_last": timer.phase.channels_last})
+
+                phase.run = wrapped
+            run_phases(run, [phase])
+        run.logger.close()
+    return results
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'phase':<10} {'steps':>5} {'step ms':>9} {'data ms':>9} {'compute ms':>10} {'data %':>7} "
+             f"{'samples/s':>10}  verdict"]
+    for r in rows:
+        if not r.get("steps"):
+            lines.append(f"{r['phase']:<10} (no timed steps: raise --steps)")
+            continue
+        verdict = "data-bound" if r["data_fraction"] > 0.3 else "compute-bound"
+        lines.append(f"{r['phase']:<10} {r['steps']:>5} {r['step_ms']:>9.2f} {r['data_ms']:>9.2f} "
+                     f"{r['compute_ms']:>10.2f} {100 * r['data_fraction']:>6.1f}% {r['samples_per_s']:>10.0f}  {verdict}")
+    return "\n".join(lines)
+
+
+def run(args):
+    if args.steps < 1 or args.warmup < 0:
+        raise SinkflowError(f"--steps {args.steps} --warmup {args.warmup} is not a valid budget",
+                            "use --steps >= 1 and --warmup >= 0")
+    pool_set = args.pool_batches is not None or any(o.startswith("pool.batches=") for o in args.overrides)
+    cfg = resolve_args(args)
+    if not pool_set:
+        cfg = config.apply_overrides(cfg, [f"pool.batches={min(cfg['pool']['batches'], 4)}"])
+    methods.distributions(cfg)  # validate the data before any work
+    rows = profile(cfg, args.steps, args.warmup)
+    device = rows[0]["device"] if rows else cfg["experiment"]["device"]
+    print(f"sinkflow bench --profile {cfg['experiment']['preset']} ({cfg['experiment']['method']}) on {device}: "
+          f"data = batch creation + host-to-device copy between steps; compute = forward/backward/optimizer")
+    print(format_table(rows))
+    print("data-bound (> 30 % waiting): raise pool.storage=memory, keep the image cache in RAM, or use fewer "
+          "but larger batches; compute-bound: try train.*.precision=bf16, train.*.compile=true")
+    return 0

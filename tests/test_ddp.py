@@ -1,0 +1,72 @@
+"""DDP on CPU (gloo, 2 processes via torchrun): same result as one process with the same global batch,
+rank-0-only files, a global step count, and a resume on another number of processes (2 -> 1)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+from helpers import cli
+
+COMMON = ["moons", "pool.batches=4", "pool.steps=4", "pool.batch_size=32", "pool.chunk=1", "pool.in_flight=1",
+          "--train-iters", "6", "train.velocity.ckpt_every=3", "train.velocity.log_every=2", "--device", "cpu",
+          "--no-report"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*args, cwd):
+    env = {**os.environ, "SINKFLOW_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), "-m", "sinkflow", "train", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240, env=env)
+
+
+def _final(run_dir):
+    return torch.load(run_dir / "checkpoints" / "velocity" / "final.pt", weights_only=False)
+
+
+def test_ddp_matches_single_process_and_resumes_on_fewer(runs_dir):
+    cwd = runs_dir.parent
+    # 2 processes x 16 = global batch 32; lr 1e-3 scaled linearly by 2 == one process, batch 32, lr 2e-3
+    ddp = _torchrun(*COMMON, "train.velocity.batch_size=16", "train.velocity.lr_scaling=linear", "--name", "ddp",
+                    cwd=cwd)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    single = cli("train", *COMMON, "train.velocity.batch_size=32", "train.velocity.lr=0.002", "--name", "single",
+                 cwd=cwd)
+    assert single.returncode == 0, single.stderr[-3000:]
+    a, b = _final(runs_dir / "ddp"), _final(runs_dir / "single")
+    assert a["step"] == b["step"] == 6 and a["world_size"] == 2  # steps are optimizer steps, not x ranks
+    assert a["optimizer"]["param_groups"][0]["lr"] == b["optimizer"]["param_groups"][0]["lr"] == 0.002
+    for k in b["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5)
+    for k in "xvt":  # the pool built in shards across ranks equals the one built alone
+        np.testing.assert_array_equal(np.load(runs_dir / "ddp" / "pool" / f"{k}.npy"),
+                                      np.load(runs_dir / "single" / "pool" / f"{k}.npy"))
+    # only rank 0 writes: one log line per logged step, one progress message, the expected checkpoints
+    lines = [json.loads(x) for x in (runs_dir / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r.get("phase") == "velocity" and "loss" in r] == [2, 4, 6]
+    assert ddp.stderr.count("run folder:") == 1
+    assert sorted(p.name for p in (runs_dir / "ddp" / "checkpoints" / "velocity").iterdir()) == \
+        ["final.pt", "step_00000003.pt", "step_00000006.pt"]
+    # preempted after step 3 on 2 processes, resumed on 1: lr follows the rule (linear: 2e-3 -> 1e-3)
+    resumed = runs_dir / "resumed"
+    shutil.copytree(runs_dir / "ddp", resumed)
+    for name in ("final.pt", "step_00000006.pt"):
+        (resumed / "checkpoints" / "velocity" / name).unlink()
+    out = cli("train", "--resume", str(resumed), "--no-report", cwd=cwd)
+    assert out.returncode == 0, out.stderr[-3000:]
+    c = _final(resumed)
+    assert c["step"] == 6 and c["world_size"] == 1
+    assert c["optimizer"]["param_groups"][0]["lr"] == 0.001
+    logged = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in logged if r.get("phase") == "velocity" and "lr" in r][-2:] == [0.001, 0.001]

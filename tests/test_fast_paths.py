@@ -1,0 +1,168 @@
+"""Every fast path gives the plain path's result within a stated tolerance (CPU-checkable parts)."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from sinkflow import config
+from sinkflow.methods import distributions, nsgf
+from sinkflow.methods.pool import choose_in_flight
+from sinkflow.models import build_model
+from sinkflow.runner.phase import device_generator, to_channels_last, use_channels_last
+from sinkflow.runner.run import Run
+
+POOL = ["pool.batches=6", "pool.steps=3", "pool.batch_size=24", "pool.chunk=3", "experiment.device=cpu"]
+
+
+def _pool(name, *overrides):
+    cfg = config.resolve("moons", [*POOL, f"experiment.name={name}", *overrides], {})
+    run = Run.create(cfg)
+    nsgf.pool_phase(cfg, *distributions(cfg)).run(run)
+    return run, {k: np.load(run.dir / "pool" / f"{k}.npy") for k in "xvt"}
+
+
+def test_batched_pool_equals_one_at_a_time_and_resumes(runs_dir):
+    """Tolerance: identical on CPU (same diameter, same per-batch generators); 1e-5 allowed for GPU rounding."""
+    _, one = _pool("one", "pool.in_flight=1")
+    _, three = _pool("three", "pool.in_flight=3")
+    run, auto = _pool("auto", "pool.in_flight=0")
+    for k in "xvt":
+        np.testing.assert_allclose(three[k], one[k], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(auto[k], one[k], atol=1e-5, rtol=0)
+    assert np.abs(one["v"]).max() > 0.1  # a real flow was simulated
+    # chunk resume unchanged: pretend only chunk 0 finished, wipe the rest, rebuild batched
+    progress = json.loads((run.dir / "pool" / "progress.json").read_text())
+    assert progress["chunks"] == [0, 1] and progress["diameter"] > 0
+    (run.dir / "pool" / "progress.json").write_text(json.dumps({**progress, "chunks": [0]}))
+    x = np.load(run.dir / "pool" / "x.npy", mmap_mode="r+")
+    x[3 * 3 * 24 :] = 0
+    x.flush()
+    (run.checkpoints("pool").final_path).unlink()
+    nsgf.pool_phase(run.cfg, *distributions(run.cfg)).run(run)
+    np.testing.assert_array_equal(np.load(run.dir / "pool" / "x.npy"), auto["x"])
+
+
+def test_in_flight_from_memory_budget():
+    cfg = config.resolve("moons", POOL, {})["pool"]
+    assert choose_in_flight({**cfg, "in_flight": 4}, (2,), torch.device("cpu")) == 4
+    assert choose_in_flight({**cfg, "in_flight": 99}, (2,), torch.device("cpu")) == cfg["batches"]
+    big = {**cfg, "batches": 100000, "batch_size": 256, "steps": 5, "in_flight": 0}
+    small_pts, images = choose_in_flight(big, (2,), torch.device("cpu")), choose_in_flight(big, (3, 32, 32), torch.device("cpu"))
+    assert 1 <= images < small_pts <= 100000  # the 1 GiB CPU budget holds fewer image batches
+
+
+def test_ot_velocity_stays_float32_under_autocast():
+    from sinkflow.ot import sinkhorn_velocity
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 2, generator=g), torch.randn(64, 2, generator=g) + 2
+    plain = sinkhorn_velocity(x, y, blur=0.1, scaling=0.8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = sinkhorn_velocity(x, y, blur=0.1, scaling=0.8)
+    assert auto.dtype == torch.float32
+    torch.testing.assert_close(auto, plain, rtol=0, atol=0)
+
+
+def _train(opt_kwargs, steps=5):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.SiLU(), torch.nn.Linear(32, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, **opt_kwargs)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=g)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["foreach", "fused"])
+def test_fast_adam_matches_plain(kind):
+    """foreach (CPU default) and fused (CUDA default; also on CPU in torch >= 2.4) vs the for-loop Adam: 1e-6."""
+    plain = _train({"foreach": False})
+    for a, b in zip(_train({kind: True}), plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_ema_uses_foreach_lerp_and_matches_formula(monkeypatch):
+    model = torch.nn.Linear(4, 3)
+    decay = 0.9
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    calls = []
+    real = torch._foreach_lerp_
+    monkeypatch.setattr(torch, "_foreach_lerp_", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    manual = [p.detach().clone() for p in model.parameters()]
+    for i in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * (i + 1))
+        ema.update_parameters(model)
+        if i == 0:  # the first update copies the weights
+            manual = [p.detach().clone() for p in model.parameters()]
+        else:
+            manual = [decay * m + (1 - decay) * p.detach() for m, p in zip(manual, model.parameters())]
+    assert calls, "EMA did not use torch._foreach_lerp_"
+    for a, b in zip(ema.module.parameters(), manual):
+        torch.testing.assert_close(a, b)
+
+
+def _unet():
+    cfg = {"channels": 16, "res_blocks": 1, "channel_mult": [1, 2], "num_heads": 1, "num_head_channels": -1,
+           "attention_resolutions": [4], "dropout": 0.0}
+    torch.manual_seed(0)
+    return build_model("unet", cfg, (3, 8, 8))
+
+
+def _loss_and_grads(model, x, t, dtype=None):
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        loss = (model(x, t).float() - x).pow(2).mean()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_channels_last_matches_plain_and_is_gated():
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    t = torch.rand(4, generator=torch.Generator().manual_seed(3))
+    plain = _unet()
+    fast = copy.deepcopy(plain).to(memory_format=torch.channels_last)
+    xc, tc = to_channels_last((x, t))
+    assert xc.is_contiguous(memory_format=torch.channels_last) and torch.equal(xc, x) and tc is t
+    l0, g0 = _loss_and_grads(plain, x, t)
+    l1, g1 = _loss_and_grads(fast, xc, tc)
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    cuda = torch.device("cuda")
+    assert use_channels_last({"channels_last": True}, cuda, (3, 32, 32))
+    assert not use_channels_last({"channels_last": True}, cuda, (2,))  # point clouds: no 4-D tensors
+    assert not use_channels_last({"channels_last": False}, cuda, (3, 32, 32))
+    assert not use_channels_last({"channels_last": True}, torch.device("cpu"), (3, 32, 32))
+
+
+def test_bf16_autocast_close_to_fp32_and_master_weights_fp32():
+    """bf16 autocast: loss within 2 % and gradients within 10 % (relative norm) of fp32; weights stay fp32."""
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    t = torch.rand(4, generator=torch.Generator().manual_seed(3))
+    model = _unet()
+    l0, g0 = _loss_and_grads(model, x, t)
+    l1, g1 = _loss_and_grads(model, x, t, torch.bfloat16)
+    assert abs(float(l1 - l0)) <= 0.02 * float(l0)
+    num = sum(float((a - b).pow(2).sum()) for a, b in zip(g1, g0)) ** 0.5
+    den = sum(float(b.pow(2).sum()) for b in g0) ** 0.5
+    assert num <= 0.1 * den
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_device_generator_is_reproducible_from_the_cpu_state():
+    g = torch.Generator().manual_seed(5)
+    assert device_generator(g, torch.device("cpu")) is g  # CPU: draw from the phase generator directly
+    if torch.cuda.is_available():
+        a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+        na = torch.randn(1000, generator=device_generator(a, "cuda"), device="cuda")
+        nb = torch.randn(1000, generator=device_generator(b, "cuda"), device="cuda")
+        assert torch.equal(na, nb) and torch.equal(a.get_state(), b.get_state())
