@@ -1,0 +1,403 @@
+"""The doctor: is the loop able to learn at all, is it wired right, is the data what the model expects?
+
+Every check is a plain function of (model, optimizer, loss_fn, batch / step_fn / loader) returning a
+``Finding`` (one line: symptom, cause, fix), so tests can plant a bug and watch the check catch it, and
+user code outside sinkflow can call them too. ``doctor_run`` applies them to every training phase of
+a preset (in a scratch run) or of an existing run.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class Finding:
+    check: str
+    ok: bool | None  # None = not applicable
+    symptom: str = ""
+    cause: str = ""
+    fix: str = ""
+    phase: str = ""
+
+    def line(self) -> str:
+        mark = {True: "ok  ", False: "FAIL", None: "n/a "}[self.ok]
+        where = f"[{self.phase}] " if self.phase else ""
+        if self.ok is False:
+            return f"{mark} {where}{self.check}: {self.symptom} | cause: {self.cause} | fix: {self.fix}"
+        return f"{mark} {where}{self.check}: {self.symptom}"
+
+
+def _ok(check, text="") -> Finding:
+    return Finding(check, True, text)
+
+
+# ---- wiring ------------------------------------------------------------------------------------
+
+def check_optimizer_covers(model: nn.Module, optimizer: torch.optim.Optimizer) -> Finding:
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in ids]
+    if missing:
+        return Finding("params in optimizer", False, f"{len(missing)} trainable parameter(s) not in the optimizer "
+                       f"(e.g. {missing[0]})", "the optimizer was built from a different parameter list (before .to(), "
+                       "or a submodule added later)", "build the optimizer from model.parameters() after the model is final")
+    n = sum(p.requires_grad for p in model.parameters())
+    return _ok("params in optimizer", f"all {n} trainable tensors are in the optimizer")
+
+
+def check_loss_graph(model: nn.Module, loss_fn: Callable, batch) -> Finding:
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch)
+    if not isinstance(loss, torch.Tensor) or not loss.requires_grad or loss.grad_fn is None:
+        return Finding("loss has a graph", False, "the loss does not require grad (no grad_fn)",
+                       "it was computed under no_grad/inference_mode, or detached (.item(), .detach(), numpy)",
+                       "return the differentiable loss tensor; log loss.item() separately")
+    loss.backward()
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    none = [n for n, p in trainable if p.grad is None]
+    model.zero_grad(set_to_none=True)
+    if len(none) == len(trainable):
+        return Finding("loss has a graph", False, "backward reached no parameter", "the loss does not depend on the "
+                       "model's output", "compute the loss from model(...)")
+    if none:
+        return Finding("loss has a graph", False, f"{len(none)} parameter(s) get no gradient (e.g. {none[0]})",
+                       "they are unused in the forward pass", "remove them or use them (or freeze them)")
+    return _ok("loss has a graph", f"gradients reach all {len(trainable)} trainable tensors")
+
+
+def check_weights_change(model: nn.Module, step_fn: Callable[[], object]) -> Finding:
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    step_fn()
+    same = [n for n, p in model.named_parameters() if n in before and torch.equal(before[n], p.detach())]
+    if len(same) == len(before):
+        return Finding("weights change", False, "no weight changed after an optimizer step",
+                       "optimizer.step() is missing, runs before backward, or zero_grad runs after backward; or the "
+                       "optimizer holds other tensors", "order: zero_grad -> forward -> backward -> step")
+    if same:
+        return Finding("weights change", False, f"{len(same)} of {len(before)} tensors unchanged after a step "
+                       f"(e.g. {same[0]})", "they get no gradient or are not in the optimizer",
+                       "check requires_grad and the optimizer's param groups")
+    return _ok("weights change", f"all {len(before)} trainable tensors moved")
+
+
+def _mode_probe(model: nn.Module, fn: Callable[[], object]) -> list[tuple[str, bool]]:
+    seen: dict[str, bool] = {}
+    def hook(mod, inp, name):
+        seen.setdefault(name, mod.training)  # returns None: the input is left alone
+
+    handles = [m.register_forward_pre_hook(lambda mod, inp, name=name: hook(mod, inp, name))
+               for name, m in model.named_modules()]
+    try:
+        fn()
+    finally:
+        for h in handles:
+            h.remove()
+    return list(seen.items())
+
+
+def check_train_mode(model: nn.Module, step_fn: Callable[[], object]) -> Finding:
+    modes = _mode_probe(model, step_fn)
+    evals = [n or "<root>" for n, t in modes if not t]
+    if evals:
+        return Finding("train mode while training", False, f"{len(evals)} module(s) ran in eval mode during a training "
+                       f"step (e.g. {evals[0]})", "model.eval() was left on (after sampling/validation or loading)",
+                       "call model.train() before the training loop and after every evaluation")
+    return _ok("train mode while training", f"{len(modes)} modules in train mode")
+
+
+def check_eval_mode(model: nn.Module, sample_fn: Callable[[], object]) -> Finding:
+    modes = _mode_probe(model, sample_fn)
+    trains = [n or "<root>" for n, t in modes if t]
+    if trains:
+        return Finding("eval mode while sampling", False, f"{len(trains)} module(s) ran in train mode while sampling "
+                       f"(e.g. {trains[0]})", "model.eval() was not called before sampling",
+                       "wrap sampling in model.eval() and torch.no_grad()")
+    return _ok("eval mode while sampling", f"{len(modes)} modules in eval mode")
+
+
+def check_frozen(frozen: dict[str, nn.Module], optimizer: torch.optim.Optimizer, step_fn: Callable[[], object]) -> Finding:
+    if not frozen:
+        return Finding("frozen phases stay frozen", None, "no earlier phase's model is used here")
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    before = {k: copy.deepcopy(m.state_dict()) for k, m in frozen.items()}
+    step_fn()
+    for k, m in frozen.items():
+        if any(p.requires_grad for p in m.parameters()) or any(id(p) in ids for p in m.parameters()):
+            return Finding("frozen phases stay frozen", False, f"the frozen model of phase {k} has trainable parameters",
+                           "it was not frozen with requires_grad_(False) or is in this phase's optimizer",
+                           "load earlier phases with run.model(phase) (eval, requires_grad False)")
+        after = m.state_dict()
+        if any(not torch.equal(before[k][n], after[n]) for n in after):
+            return Finding("frozen phases stay frozen", False, f"the frozen model of phase {k} changed during a step",
+                           "its weights or buffers (BatchNorm stats in train mode) are updated", "keep it in eval mode")
+    return _ok("frozen phases stay frozen", f"{', '.join(frozen)} unchanged")
+
+
+def overfit_one_batch(step_fn: Callable[[], float], steps: int = 300, factor: float = 10.0) -> Finding:
+    """``step_fn()`` takes one optimizer step on the same fixed batch and returns its loss."""
+    losses = []
+    for _ in range(steps):
+        losses.append(float(step_fn()))
+        if not math.isfinite(losses[-1]):
+            return Finding("overfit one batch", False, f"the loss became {losses[-1]} at step {len(losses)}",
+                           "the LR is too high for this model", "lower it (sinkflow lr-find)")
+    first = sum(losses[:3]) / 3
+    last = sum(losses[-10:]) / len(losses[-10:])
+    if not last < first / factor:
+        return Finding("overfit one batch", False, f"the loss on one fixed batch went {first:.3g} -> {last:.3g} in "
+                       f"{steps} steps (< {factor:g}x)", "the loop is broken (wiring above) or the LR is far off",
+                       "fix the wiring findings first, then try sinkflow lr-find")
+    return _ok("overfit one batch", f"loss {first:.3g} -> {last:.3g} in {steps} steps ({first / max(last, 1e-30):.0f}x)")
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+def _tensors(batch) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def check_batch_values(batch, images: bool = False) -> Finding:
+    ts = _tensors(batch)
+    for i, t in enumerate(ts):
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            bad = int((~torch.isfinite(t)).sum())
+            return Finding("batch values", False, f"batch tensor {i} holds {bad} NaN/Inf values",
+                           "bad input files or a division by zero in preprocessing", "check the data pipeline")
+        if t.is_floating_point() and t.dtype != torch.float32:
+            return Finding("batch values", False, f"batch tensor {i} is {t.dtype}", "preprocessing changed the dtype",
+                           "convert to float32 (autocast handles lower precision)")
+    x = ts[0]
+    lo, hi = float(x.min()), float(x.max())
+    if images and (lo < -1.001 or hi > 1.001):
+        cause = "uint8 pixels were not scaled" if hi > 2 else "normalised with the wrong mean/std"
+        return Finding("batch values", False, f"images span [{lo:.3g}, {hi:.3g}], expected [-1, 1]", cause,
+                       "scale to [-1, 1]: x / 127.5 - 1")
+    if images and hi - lo < 0.5:
+        return Finding("batch values", False, f"images span only [{lo:.3g}, {hi:.3g}]",
+                       "scaled twice (e.g. ToTensor then / 255)", "scale once to [-1, 1]")
+    return _ok("batch values", f"{len(ts)} tensors, float32, finite, x in [{lo:.3g}, {hi:.3g}]")
+
+
+def check_batches_differ(batch_fn: Callable[[], object]) -> Finding:
+    a, b = _tensors(batch_fn()), _tensors(batch_fn())
+    if all(torch.equal(x, y) for x, y in zip(a, b)):
+        return Finding("batches differ", False, "two consecutive batches are identical",
+                       "the sampler is re-seeded every step or the iterator is recreated each time",
+                       "draw from one generator that advances (and is checkpointed)")
+    return _ok("batches differ", "consecutive batches differ")
+
+
+class _Tap(torch.utils.data.Dataset):
+    """Serves dataset[fixed] (or the index itself) with the worker id, to see the loader's randomness."""
+
+    def __init__(self, dataset, fixed: int | None):
+        self.dataset, self.fixed = dataset, fixed
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        info = torch.utils.data.get_worker_info()
+        wid = info.id if info is not None else -1
+        if self.fixed is None:
+            return torch.tensor(i), torch.tensor(wid)
+        item = self.dataset[self.fixed]
+        first = _tensors(item)[0] if _tensors(item) else torch.as_tensor(item)
+        return torch.as_tensor(first).float(), torch.tensor(wid)
+
+
+def _rebuild(loader, dataset, **kw):
+    args = dict(batch_size=loader.batch_size, num_workers=loader.num_workers, worker_init_fn=loader.worker_init_fn,
+                generator=loader.generator, persistent_workers=loader.persistent_workers if loader.num_workers else False,
+                multiprocessing_context=loader.multiprocessing_context, drop_last=loader.drop_last)
+    args.update(kw)
+    if "batch_sampler" in args:
+        for k in ("batch_size", "drop_last"):
+            args.pop(k)
+    return torch.utils.data.DataLoader(dataset, **args)
+
+
+def check_loader_order(loader, epochs: int = 2, epoch_hook: Callable[[int], None] | None = None) -> Finding:
+    """The loader's sampler must give a different order every epoch (``epoch_hook(e)`` = your set_epoch call)."""
+    probe = _rebuild(loader, _Tap(loader.dataset, None), batch_sampler=loader.batch_sampler, num_workers=0,
+                     persistent_workers=False)
+    orders = []
+    for e in range(epochs):
+        if epoch_hook is not None:
+            epoch_hook(e)
+        orders.append(torch.cat([idx for idx, _ in probe]).tolist())
+    if all(o == orders[0] for o in orders[1:]):
+        return Finding("new order every epoch", False, f"the loader yields the same order in {epochs} epochs",
+                       "shuffle=False, or a DistributedSampler without set_epoch(epoch)",
+                       "shuffle=True, or call sampler.set_epoch(epoch) at the start of every epoch")
+    return _ok("new order every epoch", f"{epochs} epochs, different orders")
+
+
+def check_loader_augmentation(loader, epochs: int = 2, items: int = 8, index: int = 0) -> Finding:
+    """Random augmentation must differ across workers and epochs.
+
+    Every item served is ``dataset[index]`` (one fixed sample): a deterministic dataset then gives identical
+    items (no finding), a random augmentation different ones; duplicated streams across workers (numpy or a
+    ``default_rng`` forked with the same state) or across epochs show up as identical per-worker sequences.
+    """
+    if loader.num_workers == 0 and epochs < 2:
+        return Finding("augmentation differs across workers/epochs", None, "no workers and one epoch")
+    n = items * max(1, loader.num_workers)
+    tap = _Tap(loader.dataset, index)
+    probe = _rebuild(loader, torch.utils.data.Subset(tap, list(range(n)) if len(tap) >= n else [i % len(tap) for i in range(n)]),
+                     shuffle=False, batch_size=1, drop_last=False)
+    per_epoch = []
+    for _ in range(epochs):
+        seqs: dict[int, list[torch.Tensor]] = {}
+        for x, wid in probe:
+            seqs.setdefault(int(wid[0]), []).append(x[0])
+        per_epoch.append(seqs)
+    every = [x for seqs in per_epoch for s in seqs.values() for x in s]
+    if all(torch.equal(every[0], x) for x in every[1:]):
+        return Finding("augmentation differs across workers/epochs", None, "the dataset is deterministic (no random "
+                       "augmentation)")
+    workers = sorted(per_epoch[0])
+    for e, seqs in enumerate(per_epoch):
+        for i, a in enumerate(workers):
+            for b in workers[i + 1:]:
+                sa, sb = seqs.get(a, []), seqs.get(b, [])
+                k = min(len(sa), len(sb))
+                if k >= 2 and all(torch.equal(sa[j], sb[j]) for j in range(k)):
+                    return Finding("augmentation differs across workers/epochs", False, f"workers {a} and {b} produce "
+                                   f"the same random augmentations (epoch {e})", "every worker starts from the same "
+                                   "RNG state (numpy seeded before the fork, or a np.random.default_rng made in "
+                                   "__init__)", "seed per worker: worker_init_fn=lambda w: np.random.seed("
+                                   "torch.initial_seed() % 2**32), or draw augmentations with torch")
+    for a in workers:
+        s0 = per_epoch[0].get(a, [])
+        for e in range(1, epochs):
+            s1 = per_epoch[e].get(a, [])
+            k = min(len(s0), len(s1))
+            if k >= 2 and all(torch.equal(s0[j], s1[j]) for j in range(k)):
+                return Finding("augmentation differs across workers/epochs", False, f"worker {a} repeats epoch 0's "
+                               f"augmentations in epoch {e}", "the worker's RNG is reset to the same state every epoch",
+                               "seed from torch.initial_seed() in worker_init_fn (it changes every epoch)")
+    return _ok("augmentation differs across workers/epochs", f"{len(workers)} worker(s) x {epochs} epochs all differ")
+
+
+def check_batchnorm_batch1(model: nn.Module, micro_batches: Iterable[int]) -> Finding:
+    bns = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not bns:
+        return Finding("no batch of 1 at BatchNorm", None, "the model has no BatchNorm")
+    sizes = sorted(set(int(s) for s in micro_batches))
+    if 1 in sizes:
+        return Finding("no batch of 1 at BatchNorm", False, f"a micro-batch of size 1 reaches BatchNorm ({bns[0]})",
+                       "batch_size / accum / processes leaves 1 sample (or a last partial batch of 1)",
+                       "use drop_last=True, a batch divisible by accum x processes, or GroupNorm")
+    return _ok("no batch of 1 at BatchNorm", f"micro-batches {sizes}")
+
+
+def micro_batch_sizes(batch_size: int, accum: int, world: int = 1) -> list[int]:
+    per_rank = torch.arange(batch_size).chunk(world)[0].numel()
+    return [c.numel() for c in torch.arange(per_rank).chunk(max(1, accum))]
+
+
+# ---- a sinkflow phase ---------------------------------------------------------------------------
+
+def _subset(batch, n: int):
+    if isinstance(batch, torch.Tensor):
+        return batch[:n]
+    if isinstance(batch, dict):
+        return {k: _subset(v, n) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_subset(v, n) for v in batch)
+    return batch
+
+
+def check_phase(run, phase, overfit_steps: int = 300, overfit_batch: int = 16, factor: float = 10.0) -> list[Finding]:
+    """Every check on a ready TrainPhase (``sinkflow.tools.phases.ready_phase``), using its real train_step."""
+    from sinkflow.tools.data import NATIVE_CHW
+
+    images = run.cfg["data"]["target"] in NATIVE_CHW
+    model, opt = phase.model, phase.optimizer
+    batch = phase.first_batch
+    device = next(model.parameters()).device
+    out = [check_batch_values(batch, images=False)]
+    from sinkflow import methods
+
+    target = methods.distributions(run.cfg)[1]
+    out.append(check_batch_values(target.sample(64, torch.Generator().manual_seed(0), device), images=images))
+    out[-1].check = "data values"
+    out.append(check_batches_differ(lambda: phase.make_batch(phase.generator, phase.cfg["batch_size"], device)))
+    out.append(check_optimizer_covers(model, opt))
+    out.append(check_loss_graph(phase.ddp_model, phase.loss_fn, batch))
+    out.append(check_train_mode(model, lambda: phase.train_step(batch)))
+    out.append(check_weights_change(model, lambda: phase.train_step(batch)))
+    frozen = dict(getattr(run, "_models", {}))
+    out.append(check_frozen(frozen, opt, lambda: phase.train_step(batch)))
+    out.append(check_batchnorm_batch1(model, micro_batch_sizes(phase.cfg["batch_size"], phase.cfg["accum"],
+                                                                 phase.info.world)))
+    fixed = _subset(batch, overfit_batch)
+    out.append(overfit_one_batch(lambda: phase.train_step(fixed)[0], steps=overfit_steps, factor=factor))
+    for f in out:
+        f.phase = phase.name
+    return out
+
+
+def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = 300, overfit_batch: int = 16,
+               factor: float = 10.0, phases: list[str] | None = None) -> list[Finding]:
+    """All checks on every training phase (a scratch run of ``cfg``, or the existing ``run_dir``), then sampling."""
+    from pathlib import Path
+
+    from sinkflow import methods
+    from sinkflow.tools.phases import open_run_phase, train_phase_names, workspace
+
+    findings: list[Finding] = []
+    if run_dir is not None:
+        from sinkflow.runner.run import Run, read_config
+
+        cfg = read_config(run_dir)
+        names = phases or train_phase_names(cfg)
+        for name in names:
+            run, ph = open_run_phase(Path(run_dir), name)
+            findings += check_phase(run, ph, overfit_steps, overfit_batch, factor)
+        final_run = Run(Path(run_dir), cfg)
+        final_run.logger.enabled = False
+    else:
+        names = phases or train_phase_names(cfg)
+        run = None
+        for i, name in enumerate(names):
+            sub = Path(workdir) / f"phase{i}"
+            run, ph = workspace(cfg, name, sub)
+            findings += check_phase(run, ph, overfit_steps, overfit_batch, factor)
+            run.logger.close()
+        final_run = None
+        if names == train_phase_names(cfg):  # a full tiny run for the sampling check
+            from sinkflow.runner.experiment import run_phases
+
+            tiny = [f"experiment.runs_dir={Path(workdir) / 'full'}", "experiment.name=tiny", "pool.batches=1",
+                    f"pool.steps={min(cfg['pool']['steps'], 3)}", "pool.in_flight=0"]
+            tiny += [f"train.{k}.iters=2" for k in cfg["train"]]
+            from sinkflow import config as config_mod
+            from sinkflow.runner.run import Run
+
+            final_run = Run.create(config_mod.apply_overrides(cfg, tiny))
+            source, target = methods.distributions(final_run.cfg)
+            run_phases(final_run, methods.get(cfg["experiment"]["method"]).phases(final_run.cfg, source, target))
+    if final_run is not None and all(final_run.phase_done(n) for n in train_phase_names(final_run.cfg)):
+        from sinkflow.eval.points import generate
+
+        models = [final_run.model(n) for n in train_phase_names(final_run.cfg)]
+        wrapper = nn.ModuleList(models)
+        f = check_eval_mode(wrapper, lambda: generate(final_run, 8, 2, seed=0))
+        f.phase = "sample"
+        findings.append(f)
+        final_run.logger.close()
+    return findings
