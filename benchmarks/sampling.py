@@ -1,0 +1,85 @@
+"""Sampling throughput (images/s) of the CIFAR-10 UNet at the NSGF++ NFE (~60 UNet evaluations per image).
+
+Euler integration with sinkflow.methods.ode.euler (the sampler `sinkflow sample` uses), NFE counted by
+forward hooks, in inference mode; fp32 NCHW versus bf16 autocast + channels_last, at several batch
+sizes. Weights are random: the cost of a forward pass does not depend on them.
+
+    python benchmarks/sampling.py                 # GPU: CIFAR UNet, batches 64 256 1024, 60 NFE
+    python benchmarks/sampling.py --smoke         # CPU: tiny UNet, ratios only
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+from sinkflow.methods.ode import count_nfe, euler
+from sinkflow.models import UNET_PRESETS, build_model
+
+SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_heads": 1, "num_head_channels": -1,
+              "attention_resolutions": [4], "dropout": 0.0}
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"CPU {platform.machine()} x{torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def images_per_s(model, n, shape, nfe, device, fast: bool, repeats: int) -> tuple[float, int]:
+    x0 = torch.randn(n, *shape, device=device)
+    if fast:
+        x0 = x0.contiguous(memory_format=torch.channels_last)
+
+    def go():
+        with torch.inference_mode(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast), \
+                count_nfe(model) as counter:
+            x, _ = euler(model, x0, 0.0, 1.0, nfe)
+        return counter.count
+
+    go()  # warm-up (cudnn autotune, allocator)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        count = go()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return repeats * n / (time.perf_counter() - start), count
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--nfe", type=int, default=None, help="UNet evaluations per image (default 60; smoke 2)")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default 64 256 1024 (smoke 4)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats (default 3; smoke 1)")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    smoke = args.smoke or device.type == "cpu"
+    shape = (3, 16, 16) if smoke else (3, 32, 32)
+    nfe = args.nfe or (2 if smoke else 60)
+    batches = args.batches or ([4] if smoke else [64, 256, 1024])
+    repeats = args.repeats or (1 if smoke else 3)
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    model = build_model("unet", SMOKE_UNET if smoke else UNET_PRESETS["cifar10"], shape).to(device).eval()
+    fast_model = build_model("unet", SMOKE_UNET if smoke else UNET_PRESETS["cifar10"], shape).to(device).eval()
+    fast_model.load_state_dict(model.state_dict())
+    fast_model = fast_model.to(memory_format=torch.channels_last)
+    print(f"sampling: {'smoke UNet 16x16' if smoke else 'CIFAR-10 UNet'}, Euler, {nfe} NFE (NSGF++ CIFAR: 59), "
+          f"on {machine(device)}")
+    print(f"{'batch':>6} {'NFE':>4} {'fp32 img/s':>11} {'bf16+CL img/s':>14} {'speed-up':>9}")
+    for n in batches:
+        plain, count = images_per_s(model, n, shape, nfe, device, False, repeats)
+        fast, _ = images_per_s(fast_model, n, shape, nfe, device, True, repeats)
+        a, b = (f"{plain:>11.1f}", f"{fast:>14.1f}") if device.type == "cuda" else (f"{'(cpu)':>11}", f"{'(cpu)':>14}")
+        print(f"{n:>6} {count:>4} {a} {b} {fast / plain:>8.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Training throughput (images/s) of the CIFAR-10 UNet: fp32 eager vs sinkflow's fast path vs torchcfm's step.
+
+All three run in the same process on the same synthetic data (N(0,1) noise -> tanh-squashed images,
+already on the device, so this measures the training step, not the data path; see `sinkflow bench
+--profile` for that):
+
+- ``fp32-eager``: sinkflow's TrainPhase.train_step with precision=fp32, NCHW, a plain for-loop Adam
+  (foreach=False), the EMA, grad clip 1.0: the slow baseline every fast path is compared with.
+- ``fast``: the same TrainPhase.train_step with the defaults on CUDA: bf16 autocast (fp32 master
+  weights), channels_last model and inputs, fused Adam, foreach-lerp EMA; ``--compile`` adds
+  ``fast+compile`` (torch.compile, default mode).
+- ``torchcfm``: torchcfm's own train_cifar10.py step on its UNetModelWrapper of the same size
+  (fp32, ConditionalFlowMatcher, Adam, grad clip, its per-tensor EMA copy), when torchcfm is installed.
+
+    python benchmarks/train_throughput.py                   # GPU: the paper's CIFAR UNet, batch 128
+    python benchmarks/train_throughput.py --smoke           # CPU: tiny UNet, ratios only
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import time
+import types
+
+import torch
+
+import sinkflow.runner.phase as phase_mod
+from sinkflow.methods.flow_matching import velocity_loss
+from sinkflow.models import UNET_PRESETS, build_model, count_parameters
+from sinkflow.runner.phase import TrainPhase
+
+SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_heads": 1, "num_head_channels": -1,
+              "attention_resolutions": [4], "dropout": 0.1}
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def sinkflow_phase(unet_cfg, shape, device, *, precision, channels_last, compile_, plain_adam):
+    """A TrainPhase set up exactly as `sinkflow train` does, with the model and shape injected."""
+    torch.manual_seed(0)
+    model = build_model("unet", unet_cfg, shape)
+    train_cfg = {"lr": 2e-4, "lr_scaling": "none", "warmup": 0, "grad_clip": 1.0, "ema": 0.9999, "accum": 1,
+                 "precision": precision, "channels_last": channels_last, "compile": compile_}
+    run = types.SimpleNamespace(cfg={"train": {"velocity": train_cfg}, "experiment": {"seed": 0}}, device=device)
+    saved = phase_mod.build_phase_model, phase_mod._data_shape
+    phase_mod.build_phase_model = lambda r, key: model
+    phase_mod._data_shape = lambda r: shape
+    try:
+        phase = TrainPhase("velocity", None, velocity_loss)
+        phase.setup(run)
+    finally:
+        phase_mod.build_phase_model, phase_mod._data_shape = saved
+    phase.model_device_type = device.type
+    if device.type != "cuda":  # CPU smoke: exercise channels_last too (it is CUDA-gated in setup)
+        if channels_last:
+            phase.model.to(memory_format=torch.channels_last)
+            phase.channels_last = True
+    if plain_adam:
+        phase.optimizer = torch.optim.Adam(phase.model.parameters(), lr=2e-4, foreach=False)
+        phase.scheduler = torch.optim.lr_scheduler.LambdaLR(phase.optimizer, lambda s: 1.0)
+    return phase, count_parameters(phase.model)
+
+
+def make_batches(n, shape, device, count, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x1 = torch.tanh(torch.randn(count, n, *shape, generator=g, device=device))
+    return x1
+
+
+def time_steps(step, batches, warmup, device) -> float:
+    for i in range(warmup):
+        step(batches[i % len(batches)])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(len(batches)):
+        step(batches[i])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_sinkflow(phase, x1s, device):
+    def step(x1):
+        x0 = torch.randn_like(x1)
+        t = torch.rand(x1.shape[0], device=device)
+        tb = t.view(-1, 1, 1, 1)
+        phase.train_step((tb * x1 + (1 - tb) * x0, t, x1 - x0))
+    return step
+
+
+def torchcfm_step(unet_cfg, shape, device):
+    """torchcfm's examples/images/cifar10/train_cifar10.py inner loop, fp32 (its recipe)."""
+    from torchcfm.conditional_flow_matching import ConditionalFlowMatcher
+    from torchcfm.models.unet.unet import UNetModelWrapper
+
+    torch.manual_seed(0)
+    net = UNetModelWrapper(dim=shape, num_res_blocks=unet_cfg["res_blocks"], num_channels=unet_cfg["channels"],
+                           channel_mult=unet_cfg["channel_mult"], num_heads=unet_cfg["num_heads"],
+                           num_head_channels=unet_cfg["num_head_channels"],
+                           attention_resolutions=",".join(str(shape[-1] // r) for r in unet_cfg["attention_resolutions"]),
+                           dropout=0.1).to(device)
+    ema_model = copy.deepcopy(net)
+    optim = torch.optim.Adam(net.parameters(), lr=2e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda=lambda s: min(s, 5000) / 5000)
+    fm = ConditionalFlowMatcher(sigma=0.0)
+
+    def ema(source, target, decay):  # torchcfm/examples/images/cifar10/utils_cifar.py
+        source_dict, target_dict = source.state_dict(), target.state_dict()
+        for key in source_dict.keys():
+            target_dict[key].data.copy_(target_dict[key].data * decay + source_dict[key].data * (1 - decay))
+
+    def step(x1):
+        optim.zero_grad()
+        x0 = torch.randn_like(x1)
+        t, xt, ut = fm.sample_location_and_conditional_flow(x0, x1)
+        vt = net(t, xt)
+        loss = torch.mean((vt - ut) ** 2)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optim.step()
+        sched.step()
+        ema(net, ema_model, 0.9999)
+        loss.item()  # the recipe logs the loss every step
+
+    return step, sum(p.numel() for p in net.parameters())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=None, help="default 128 (GPU), 4 (smoke)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 30 GPU, 3 smoke)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 10 GPU, 1 smoke)")
+    ap.add_argument("--compile", action="store_true", help="also time fast + torch.compile")
+    ap.add_argument("--smoke", action="store_true", help="tiny UNet on 16x16 images (CPU check of the script)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    smoke = args.smoke or device.type == "cpu"
+    unet = dict(SMOKE_UNET) if smoke else {**UNET_PRESETS["cifar10"], "dropout": 0.1}
+    shape = (3, 16, 16) if smoke else (3, 32, 32)
+    batch = args.batch or (4 if smoke else 128)
+    steps, warmup = args.steps or (3 if smoke else 30), args.warmup or (1 if smoke else 10)
+    x1s = make_batches(batch, shape, device, steps)
+    torch.backends.cudnn.benchmark = True
+
+    rows = []
+    configs = [("fp32-eager", dict(precision="fp32", channels_last=False, compile_=False, plain_adam=True)),
+               ("fast", dict(precision="bf16", channels_last=True, compile_=False, plain_adam=False))]
+    if args.compile:
+        configs.append(("fast+compile", dict(precision="bf16", channels_last=True, compile_=True, plain_adam=False)))
+    for name, kw in configs:
+        phase, params = sinkflow_phase(unet, shape, device, **kw)
+        seconds = time_steps(bench_sinkflow(phase, x1s, device), x1s, warmup, device)
+        rows.append((name, params, steps * batch / seconds))
+        del phase
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    try:
+        step, params = torchcfm_step(unet, shape, device)
+        seconds = time_steps(step, x1s, warmup, device)
+        rows.append(("torchcfm", params, steps * batch / seconds))
+    except ImportError as exc:
+        rows.append(("torchcfm", 0, float("nan")))
+        print(f"torchcfm not importable ({exc}): its row is skipped")
+
+    print(f"train_throughput: {'smoke UNet 16x16' if smoke else 'CIFAR-10 UNet (UNET_PRESETS[cifar10], dropout 0.1)'}, "
+          f"batch {batch}, {steps} timed steps after {warmup} warm-up, on {machine(device)}")
+    base = rows[0][2]
+    ref = dict((r[0], r[2]) for r in rows).get("torchcfm", float("nan"))
+    print(f"{'path':<14} {'params':>10} {'images/s':>10} {'vs fp32-eager':>14} {'vs torchcfm':>12}")
+    for name, params, ips in rows:
+        shown = f"{ips:>10.1f}" if device.type == "cuda" else f"{'(cpu)':>10}"
+        print(f"{name:<14} {params:>10,} {shown} {ips / base:>13.2f}x {ips / ref:>11.2f}x")
+
+
+if __name__ == "__main__":
+    main()
