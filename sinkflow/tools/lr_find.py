@@ -140,8 +140,11 @@ def suggest(res: LRFindResult) -> None:
     res.min_loss_lr = float(lrs[i_min])
     if i_min - skip < 2:
         return
-    x = np.log10(lrs[skip : i_min + 1])
-    slope = np.gradient(sm[skip : i_min + 1], x)
+    x, y = np.log10(lrs[skip : i_min + 1]), sm[skip : i_min + 1]
+    w = max(1, int(round(0.25 / max(np.diff(x).mean(), 1e-9))))  # slope over +-1/4 decade: EMA noise cancels
+    idx = np.arange(len(x))
+    a, b = np.clip(idx - w, 0, len(x) - 1), np.clip(idx + w, 0, len(x) - 1)
+    slope = (y[b] - y[a]) / np.maximum(x[b] - x[a], 1e-12)
     res.steepest = float(lrs[skip + int(np.argmin(slope))])
     tenth = res.min_loss_lr / 10
     hi = min(max(res.steepest, tenth), res.min_loss_lr / 2)

@@ -1,0 +1,194 @@
+"""The doctor's checks catch planted bugs, and pass the correct loop (each check can fail)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from sinkflow.tools import doctor
+
+
+def make():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Dropout(0.0), nn.Linear(32, 1))
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    return model, (x, y)
+
+
+def mse(model, batch):
+    x, y = batch
+    return (model(x) - y).pow(2).mean()
+
+
+def stepper(model, opt, loss_fn, batch):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+    return step
+
+
+def test_correct_loop_passes_every_wiring_check():
+    model, batch = make()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    step = stepper(model, opt, mse, batch)
+    assert doctor.check_optimizer_covers(model, opt).ok
+    assert doctor.check_loss_graph(model, mse, batch).ok
+    assert doctor.check_train_mode(model, step).ok
+    assert doctor.check_weights_change(model, step).ok
+    assert doctor.overfit_one_batch(step, steps=300).ok
+
+
+def test_parameter_left_out_of_the_optimizer():
+    model, batch = make()
+    opt = torch.optim.Adam(model[0].parameters(), lr=1e-2)  # the head is missing
+    f = doctor.check_optimizer_covers(model, opt)
+    assert f.ok is False and "2 trainable" in f.symptom
+    assert doctor.check_weights_change(model, stepper(model, opt, mse, batch)).ok is False
+    assert "cause:" in f.line() and "fix:" in f.line()
+
+
+def test_detached_loss():
+    model, batch = make()
+
+    def detached(m, b):
+        return mse(m, b).detach()
+
+    f = doctor.check_loss_graph(model, detached, batch)
+    assert f.ok is False and "grad" in f.symptom
+
+
+def test_loss_under_no_grad():
+    model, batch = make()
+
+    def no_grad(m, b):
+        with torch.no_grad():
+            return mse(m, b)
+
+    assert doctor.check_loss_graph(model, no_grad, batch).ok is False
+
+
+def test_model_left_in_eval_mode():
+    model, batch = make()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.eval()
+    f = doctor.check_train_mode(model, stepper(model, opt, mse, batch))
+    assert f.ok is False and "eval mode" in f.symptom
+    model.train()
+    assert doctor.check_eval_mode(model, lambda: model(batch[0])).ok is False
+
+
+def test_missing_optimizer_step_fails_overfit_and_weight_change():
+    model, batch = make()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def no_step():
+        opt.zero_grad()
+        loss = mse(model, batch)
+        loss.backward()
+        return float(loss)
+
+    assert doctor.check_weights_change(model, no_step).ok is False
+    f = doctor.overfit_one_batch(no_step, steps=50)
+    assert f.ok is False and "loop is broken" in f.cause
+
+
+def test_frozen_model_that_trains_is_caught():
+    model, batch = make()
+    frozen = nn.Linear(4, 4)
+    opt = torch.optim.Adam([*model.parameters(), *frozen.parameters()], lr=1e-2)
+    assert doctor.check_frozen({"pool": frozen}, opt, stepper(model, opt, mse, batch)).ok is False
+    frozen.requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    assert doctor.check_frozen({"pool": frozen}, opt, stepper(model, opt, mse, batch)).ok
+
+
+def test_batch_values():
+    assert doctor.check_batch_values(torch.rand(8, 1, 4, 4) * 2 - 1, images=True).ok
+    f = doctor.check_batch_values(torch.randint(0, 256, (8, 1, 4, 4)).float(), images=True)
+    assert f.ok is False and "not scaled" in f.cause
+    x = torch.randn(8, 2)
+    x[3, 1] = float("nan")
+    assert doctor.check_batch_values(x).ok is False
+    assert doctor.check_batch_values(torch.randn(8, 2).double()).ok is False
+
+
+def test_batchnorm_batch_of_one():
+    model = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4))
+    assert doctor.check_batchnorm_batch1(model, doctor.micro_batch_sizes(5, 4)).ok is False  # chunks 2,2,1
+    assert doctor.check_batchnorm_batch1(model, doctor.micro_batch_sizes(8, 4)).ok
+    assert doctor.check_batchnorm_batch1(nn.Linear(2, 2), [1]).ok is None
+
+
+class Aug(torch.utils.data.Dataset):
+    """A numpy-augmented dataset; with ``shared_rng`` every worker forks the same Generator state."""
+
+    def __init__(self, shared_rng=False):
+        self.rng = np.random.default_rng(0) if shared_rng else None
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        noise = self.rng.normal(size=3) if self.rng is not None else np.random.normal(size=3)
+        return torch.tensor(noise, dtype=torch.float32) + i
+
+
+class Plain(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
+
+
+def test_augmentation_duplicated_across_workers_and_epochs():
+    bad = torch.utils.data.DataLoader(Aug(shared_rng=True), batch_size=4, num_workers=2)
+    f = doctor.check_loader_augmentation(bad)
+    assert f.ok is False and "same random augmentations" in f.symptom
+    fixed_seed = torch.utils.data.DataLoader(Aug(), batch_size=4, num_workers=2,
+                                             worker_init_fn=lambda w: np.random.seed(1234))
+    assert doctor.check_loader_augmentation(fixed_seed).ok is False
+    good = torch.utils.data.DataLoader(Aug(), batch_size=4, num_workers=2)  # torch seeds numpy per worker
+    assert doctor.check_loader_augmentation(good).ok
+    assert doctor.check_loader_augmentation(torch.utils.data.DataLoader(Plain(), num_workers=0)).ok is None
+
+
+def test_loader_that_never_reshuffles():
+    assert doctor.check_loader_order(torch.utils.data.DataLoader(Plain(), batch_size=4, shuffle=False)).ok is False
+    sampler = torch.utils.data.DistributedSampler(Plain(), num_replicas=1, rank=0, shuffle=True)
+    no_epoch = torch.utils.data.DataLoader(Plain(), batch_size=4, sampler=sampler)
+    assert doctor.check_loader_order(no_epoch).ok is False
+    assert doctor.check_loader_order(no_epoch, epoch_hook=sampler.set_epoch).ok
+    assert doctor.check_loader_order(torch.utils.data.DataLoader(Plain(), batch_size=4, shuffle=True)).ok
+
+
+def test_doctor_on_a_preset_phase(runs_dir):
+    """The whole doctor on the moons preset (tiny pool), through the phase's real train_step."""
+    from sinkflow import config
+    from sinkflow.tools.doctor import doctor_run
+
+    cfg = config.resolve("moons", ["pool.batch_size=64", "train.velocity.batch_size=64"], {"device": "cpu"})
+    findings = doctor_run(cfg, runs_dir, overfit_steps=200)
+    failed = [f.line() for f in findings if f.ok is False]
+    assert not failed, failed
+    assert {f.check for f in findings} >= {"overfit one batch", "params in optimizer", "eval mode while sampling"}
+
+
+def test_doctor_catches_a_phase_left_in_eval_mode(runs_dir, monkeypatch):
+    from sinkflow import config
+    from sinkflow.runner.phase import TrainPhase
+    from sinkflow.tools.doctor import doctor_run
+
+    original = TrainPhase.setup
+
+    def bad_setup(self, run):
+        original(self, run)
+        self.model.eval()
+
+    monkeypatch.setattr(TrainPhase, "setup", bad_setup)
+    cfg = config.resolve("moons", ["pool.batch_size=32", "train.velocity.batch_size=32"], {"device": "cpu"})
+    findings = doctor_run(cfg, runs_dir, overfit_steps=20, phases=["velocity"])
+    assert "train mode while training" in [f.check for f in findings if f.ok is False]
