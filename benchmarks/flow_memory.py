@@ -128,7 +128,16 @@ def main(argv=None):
     ap.add_argument("--no-memcnn", action="store_true", help="skip the memcnn peer")
     ap.add_argument("--out", default="benchmarks/flow_memory.png")
     ap.add_argument("--json", default=None, help="also write raw results here")
+    ap.add_argument("--from-json", default=None, help="only redraw the table and plot from a --json file")
     args = ap.parse_args(argv)
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        rows, info = data["rows"], data["info"]
+        depths = sorted({r["depth"] for r in rows})
+        modes = list(dict.fromkeys(r["mode"] for r in rows))
+        print(table(rows, depths, modes, info))
+        plot(rows, depths, modes, args.out, info, torch.device(info["config"]["device"]))
+        return
     device = torch.device(args.device)
     warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -240,6 +249,8 @@ def plot(rows, depths, modes, out, info, device):
     if cuda:
         axes[1].set_ylabel("CUDA peak above baseline (MiB)")
     axes[-1].set_ylabel("forward+backward (ms)")
+    for ax in axes[:-1]:
+        ax.set_yscale("log")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("flow steps per level")

@@ -13,10 +13,11 @@ Drift guard (invertible mode): each rebuilt input is compared with a checksum ta
 fixed random +-1 projections per sample, a few numbers per layer). An error ``e`` in the rebuilt input moves
 a projection by about ``|e|``, so ``|checksum change| / |x|`` estimates the relative rebuild error. A re-run
 of the forward would not do: for a forward-contractive layer (Glow's sigmoid scale) a large input error
-maps to a tiny output error, which is exactly the exploding-inverse case. When the estimate exceeds
-``drift_tol`` the true input is recomputed from the stored chain input by a forward pass (so this step's
-gradients are still right), the layer is flagged in ``keep_input`` (a buffer, so it survives save/load) and
-stores its input from then on, and a warning is logged. Gradients are never silently wrong.
+maps to a tiny output error, which is exactly the exploding-inverse case. Errors are checked with one host
+sync per chain; if any exceeds ``drift_tol`` the chain's backward is redone layer by layer: the drifting
+layer's true input is recomputed from the stored chain input by a forward pass (so this step's gradients
+are still right), the layer is flagged in ``keep_input`` (a buffer, so it survives save/load) and stores its
+input from then on, and a warning is logged. Gradients are never silently wrong.
 """
 
 from __future__ import annotations
