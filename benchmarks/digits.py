@@ -8,7 +8,7 @@ steps, so every method gets the same number of UNet gradient steps on the same b
 NSGF++ at its preset NFE (5 NSGF + 1 predictor + sample.nsf_steps), FM / OT-CFM at 100 Euler steps and
 also at NSGF++'s NFE. Metrics (sinkflow.eval.images): exact pixel W2 to the held-out split, predicted-class
 histogram TV distance and mean confidence of a LogisticRegression digit classifier, NFE counted by hooks;
-the real training images give the floor. Prints a markdown table with the machine and date, and writes
+the real training images are a reference row. Prints a markdown table with the machine and date, and writes
 docs/digits_grid.png-style grids into the output folder.
 """
 
@@ -55,7 +55,7 @@ def timed_metrics(run, seeds, steps=None):
 
 
 def real_floor(cfg, seeds):
-    """Real training images vs the held-out split: the best any generator can score here."""
+    """Real training images vs the held-out split: a reference (smooth, averaged samples can score a lower W2)."""
     _, target = methods.distributions(cfg)
     clf = digit_classifier(target, cfg["data"]["root"])
     real = target.test_set(len(target.test_images))
@@ -68,7 +68,7 @@ def real_floor(cfg, seeds):
         tv.append(0.5 * float(np.abs(st["hist"] - ref["hist"]).sum()))
         conf.append(st["confidence"])
     ms = lambda v: (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0)  # noqa: E731
-    return {"method": "real training images (floor)", "nfe": "-", "w2": ms(w), "tv": ms(tv), "conf": ms(conf),
+    return {"method": "real training images (reference)", "nfe": "-", "w2": ms(w), "tv": ms(tv), "conf": ms(conf),
             "train_s": None, "sample_s": None}
 
 
