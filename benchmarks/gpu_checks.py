@@ -24,8 +24,9 @@ from sinkflow.runner.run import Run
 
 def pool_check() -> None:
     args = ["pool.batches=16", "pool.steps=10", "pool.batch_size=256", "pool.chunk=16", "experiment.device=cuda"]
+    here = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)
+        os.chdir(tmp)  # run folders are relative to the working directory
         out = {}
         for name, k in (("one", 1), ("auto", 0)):
             cfg = config.resolve("moons", [*args, f"pool.in_flight={k}", f"experiment.name={name}"], {})
@@ -37,6 +38,7 @@ def pool_check() -> None:
         dv = np.abs(out["one"]["v"] - out["auto"]["v"]).max()
         print(f"pool in_flight 1 vs auto ({min(auto, 16)} in flight): max|dx| {dx:.2e}  max|dv| {dv:.2e}  "
               f"(max|v| {np.abs(out['one']['v']).max():.2f})")
+        os.chdir(here)
 
 
 def noise_check() -> None:
