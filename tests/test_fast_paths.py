@@ -166,3 +166,16 @@ def test_device_generator_is_reproducible_from_the_cpu_state():
         na = torch.randn(1000, generator=device_generator(a, "cuda"), device="cuda")
         nb = torch.randn(1000, generator=device_generator(b, "cuda"), device="cuda")
         assert torch.equal(na, nb) and torch.equal(a.get_state(), b.get_state())
+
+
+def test_bench_profile_reports_data_and_compute(runs_dir, capsys):
+    from sinkflow.cli import main
+
+    assert main(["bench", "--profile", "moons", "--method", "nsgf", "pool.steps=2", "pool.batch_size=16",
+                 "--batch-size", "32", "--steps", "4", "--warmup", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("velocity"))
+    steps, step_ms, data_ms, compute_ms = row.split()[1:5]
+    assert int(steps) == 4 and abs(float(data_ms) + float(compute_ms) - float(step_ms)) < 0.02
+    assert "compute-bound" in row or "data-bound" in row
+    assert not runs_dir.exists()  # the profile runs in a throw-away folder
