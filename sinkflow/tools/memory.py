@@ -10,8 +10,8 @@ Terms (per process; one GPU per process):
   (``sinkflow.models.model_memory_bytes``); the activations autograd saves for backward, measured by
   running the real forward on CPU at micro-batch 1 and 2 with ``saved_tensors_hooks`` and
   extrapolating linearly to the real micro-batch (activations are affine in the batch size); a
-  backward transient of twice the largest single saved activation (a layer's input gradient and
-  output gradient are alive together); and the batch tensors themselves.
+  backward transient of the largest single saved activation (its gradient is alive next to the
+  saved activations at the start of backward); and the batch tensors themselves.
 * sampling / evaluation: every trained network (weights only) + the eval batch and its transient.
 
 A card "fits" when the estimate is at most 90% of its memory minus 1 GiB (CUDA context, cuDNN/cuBLAS
@@ -36,6 +36,9 @@ GiB = 2**30
 GPUS: dict[str, int] = {"T4": 15360, "L4": 23034, "A100-40GB": 40960, "A100-80GB": 81920, "H100-80GB": 81559,
                         "H200": 143771}
 CONTEXT_BYTES = GiB  # CUDA context + library workspaces, never available to tensors
+# cuBLAS / cuDNN workspaces that the caching allocator hands out (and max_memory_allocated counts): the gap
+# between the estimate and the measured H100 peak of the small phases (benchmarks/memory_estimate_h100.md)
+WORKSPACE_BYTES = 64 * 2**20
 FRAGMENTATION = 0.90  # fraction of the rest the caching allocator can actually hand out at a peak
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -118,7 +121,7 @@ def measure_activations(model: torch.nn.Module, shape: tuple[int, ...], precisio
 def train_terms(pm: PhaseMemory, batch_size: int, accum: int, world: int = 1) -> None:
     micro = max(1, math.ceil(batch_size / world / max(1, accum)))
     pm.terms["activations"] = pm.act_fixed + pm.act_per_sample * micro
-    pm.terms["backward transient"] = 2 * pm.act_max_per_sample * micro
+    pm.terms["backward transient"] = pm.act_max_per_sample * micro
     pm.terms["batch"] = pm.batch_item_bytes * math.ceil(batch_size / world)
 
 
@@ -139,6 +142,7 @@ def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int) ->
     dim = math.prod(shape)
     pm.batch_item_bytes = 4 * (3 * dim + 1)  # x_t, target, prediction + t
     train_terms(pm, tcfg["batch_size"], tcfg["accum"], world)
+    pm.terms["cuda workspaces"] = WORKSPACE_BYTES
     micro = max(1, math.ceil(tcfg["batch_size"] / world / max(1, tcfg["accum"])))
     pm.note = f"micro-batch {micro}, {tcfg['precision']}"
     return pm
@@ -154,6 +158,7 @@ def _pool_phase_memory(cfg: dict, shape: tuple[int, ...]) -> PhaseMemory:
     pm = PhaseMemory("pool", "pool")
     pm.terms["sinkhorn"] = sinkhorn_peak_bytes(flight, p["batch_size"], dim)
     pm.terms["trajectory"] = 2 * p["steps"] * flight * p["batch_size"] * dim * 4
+    pm.terms["cuda workspaces"] = WORKSPACE_BYTES
     stored = pool_bytes(p, shape)
     if p["storage"] == "disk":
         pm.disk_bytes = stored
@@ -171,7 +176,7 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
     pm.terms["weights"] = sum(sum(p.numel() * p.element_size() for p in m.parameters()) for m in models.values())
     pm.terms["samples"] = 4 * n * dim * 3
     pm.terms["forward transient"] = max((2 * t.act_max_per_sample * n for t in train_mems), default=0)
-    pm.note = f"eval.n={n}"
+    pm.note = f"eval.n={n} samples in one batch; forward transient = 2 x the largest activation (rough)"
     return pm
 
 
@@ -230,7 +235,7 @@ def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int
                     p["in_flight"] = 0
                     overrides["pool.in_flight"] = 0
                 while (sinkhorn_peak_bytes(1, p["batch_size"], shape_dim) + 8 * p["steps"] * p["batch_size"] * shape_dim
-                       > limit and p["batch_size"] > 2):
+                       + WORKSPACE_BYTES > limit and p["batch_size"] > 2):
                     p["batch_size"] //= 2
                     p["batches"] *= 2
                 if p["batch_size"] != cfg["pool"]["batch_size"]:
@@ -263,6 +268,9 @@ def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int
                                    "autocast roughly halves the activations")
                 else:
                     reasons.append(f"{pm.phase}: does not fit even at micro-batch 1; use a smaller model or a larger card")
+        elif pm.kind == "sample" and pm.total > limit:
+            reasons.append(f"{pm.phase}: sampling eval.n={cfg['eval']['n']} images in one batch needs about "
+                           f"{fmt_bytes(pm.total)}; lower eval.n (changes the metric protocol) or sample in chunks")
     return [f"{k}={v}" for k, v in overrides.items()], reasons
 
 
@@ -300,3 +308,57 @@ def format_table(mems: list[PhaseMemory], cards: dict[str, int] | None = None) -
         if extra:
             lines.append(f"{'':<14}{'':>12}  " + "; ".join(extra))
     return "\n".join(lines)
+
+
+# ---- measurement on CPU (for tests and the benchmark) -------------------------------------------
+
+def cpu_peak_bytes(fn) -> int:
+    """Peak of the bytes allocated (minus freed) while ``fn()`` runs, from the torch profiler's CPU
+    allocation events in time order. Tensors alive before the call are not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def measured_train_step_bytes(model: torch.nn.Module, shape: tuple[int, ...], batch: int, ema: bool = False) -> int:
+    """Parameters + the CPU peak of one first Adam step (forward, MSE backward, step) at ``batch``: what
+    the train-phase estimate models (weights+grads+adam, activations, backward transient, batch)."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
+    x, t, v = torch.randn(batch, *shape), torch.rand(batch), torch.randn(batch, *shape)
+    model.train()
+
+    def step():
+        try:
+            out = model(x, t)
+        except TypeError:
+            out = model(x)
+        target = v if out.shape == v.shape else t
+        loss = (out.float() - target).pow(2).mean()
+        loss.backward()
+        opt.step()
+        del out, loss
+
+    step()  # the first step creates Adam's moments; measure the steady state, as the GPU peak over a run is
+    opt.zero_grad(set_to_none=True)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+    return held + cpu_peak_bytes(step) + x.nbytes + t.nbytes + v.nbytes
+
+
+def estimate_train_step(model: torch.nn.Module, shape: tuple[int, ...], batch: int) -> PhaseMemory:
+    from sinkflow.models import model_memory_bytes
+
+    pm = PhaseMemory("t", "train")
+    pm.terms["weights+grads+adam"] = model_memory_bytes(model, "adam")
+    pm.act_fixed, pm.act_per_sample, pm.act_max_per_sample = measure_activations(model, shape)
+    pm.batch_item_bytes = 4 * (3 * math.prod(shape) + 1)
+    train_terms(pm, batch, 1)
+    return pm

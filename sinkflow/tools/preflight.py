@@ -130,24 +130,24 @@ def reach_checks(report: Report, real: dict, phases, overrides: list[str], short
         if value is None:
             continue
         flag = "--" + name.replace("_", "-")
-        for pattern in config_mod.SHORTHANDS[name]:
-            hit = set(config_mod.expand_key(real, pattern))
-            if pattern.startswith("train.*."):
-                leaf = pattern.split(".")[-1]
-                for ph in train_phases:
-                    key = f"train.{ph.model_key}.{leaf}"
-                    if key not in hit:
-                        report.add(f"{flag} reaches phase", ph.name, False,
-                                   f"{flag} does not set {key} (phase {ph.name} would use {flat.get(key)!r}); "
-                                   f"add it to sinkflow.config.SHORTHANDS['{name}']")
-                    elif flat[key] != config_mod.coerce(key, flat[key], value) and not any(
-                            o.split("=", 1)[0].strip() == key for o in overrides):
-                        report.add(f"{flag} reaches phase", ph.name, False, f"{key}={flat[key]!r}, asked {value!r}")
-                    else:
-                        report.add(f"{flag} reaches phase", ph.name, True, f"{key}={flat[key]!r}")
-            else:
-                ok = bool(hit) and all(flat[k] == config_mod.coerce(k, flat[k], value) for k in hit)
-                report.add(f"{flag} applied", "config", ok, ", ".join(f"{k}={flat[k]!r}" for k in hit) or "no key")
+        patterns = config_mod.SHORTHANDS[name]
+        hit = {k for pattern in patterns for k in config_mod.expand_key(real, pattern)}
+        train_leaves = sorted({p.split(".")[-1] for p in patterns if p.startswith("train.")})
+        for leaf in train_leaves:  # a training shorthand concerns every training phase
+            for ph in train_phases:
+                key = f"train.{ph.model_key}.{leaf}"
+                if key not in hit:
+                    report.add(f"{flag} reaches phase", ph.name, False,
+                               f"{flag} does not set {key} (phase {ph.name} would use {flat.get(key)!r}); "
+                               f"add it to sinkflow.config.SHORTHANDS['{name}']")
+                elif flat[key] != config_mod.coerce(key, flat[key], value) and not any(
+                        o.split("=", 1)[0].strip() == key for o in overrides):
+                    report.add(f"{flag} reaches phase", ph.name, False, f"{key}={flat[key]!r}, asked {value!r}")
+                else:
+                    report.add(f"{flag} reaches phase", ph.name, True, f"{key}={flat[key]!r}")
+        if not train_leaves:
+            ok = bool(hit) and all(flat[k] == config_mod.coerce(k, flat[k], value) for k in hit)
+            report.add(f"{flag} applied", "config", ok, ", ".join(f"{k}={flat[k]!r}" for k in sorted(hit)) or "no key")
     read = [s for ph in phases for s in _phase_sections(ph)]
     for item in overrides or []:
         key = item.split("=", 1)[0].strip()

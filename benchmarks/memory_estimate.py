@@ -1,0 +1,100 @@
+"""The preflight memory estimate against the measured CUDA peak, per phase, for the mnist and cifar10 presets.
+
+    python benchmarks/memory_estimate.py                          # CPU: estimates only (GPU rows pending)
+    python benchmarks/memory_estimate.py --device cuda --out FILE.md
+
+Real configs (model, batch sizes, precision, pool batch and steps), synthetic images of the real shape
+(no data set is needed). Measured = ``torch.cuda.max_memory_allocated`` while the phase's own
+``train_step`` runs 3 steps on its real batch (after one warm-up step, as the steady state of a run),
+or while one pool batch's Sinkhorn trajectory is simulated (``pool.in_flight=1``). Frozen models of
+earlier phases that a phase holds are counted in the measurement, not in the estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sinkflow import config, methods  # noqa: E402
+from sinkflow.tools import memory  # noqa: E402
+from sinkflow.tools.data import real_or_synthetic  # noqa: E402
+
+
+def measure_pool(cfg, device) -> int:
+    from sinkflow.ot.velocity import simulate_sinkhorn_flow
+
+    p, sk = cfg["pool"], cfg["sinkhorn"]
+    shape = methods.sample_shape(cfg)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    x0 = torch.randn(1, p["batch_size"], *shape, device=device)
+    y = torch.rand(1, p["batch_size"], *shape, device=device) * 2 - 1
+    xs, vs = simulate_sinkhorn_flow(x0, y, steps=p["steps"], eta=p["eta"], blur=sk["blur"], scaling=sk["scaling"],
+                                    diameter=sk["diameter"], backend=sk["backend"], batched=True)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del xs, vs, x0, y
+    return peak
+
+
+def measure_train(cfg, phase_name, device, workdir) -> int:
+    from sinkflow.tools.phases import workspace
+
+    run, phase = workspace(cfg, phase_name, workdir)
+    batch = phase.first_batch
+    phase.train_step(batch)  # Adam's moments exist from here on, as in a running phase
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(3):
+        phase.train_step(batch)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    run.logger.close()
+    del phase, run
+    torch.cuda.empty_cache()
+    return peak
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--presets", nargs="*", default=["mnist", "cifar10"])
+    ap.add_argument("--out", help="write the markdown table here too")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    rows = ["| preset | phase | estimate | measured | estimate / measured | terms |", "|---|---|---|---|---|---|"]
+    for preset in args.presets:
+        cfg = config.resolve(preset, [f"experiment.device={args.device}", "pool.in_flight=1", "data.download=false"])
+        with real_or_synthetic(cfg, force=True), tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            mems = memory.estimate(cfg)
+            print(f"{preset}: estimated in {time.perf_counter() - t0:.1f}s", flush=True)
+            for i, pm in enumerate(mems):
+                measured = None
+                if cuda and pm.kind == "pool":
+                    measured = measure_pool(cfg, device)
+                elif cuda and pm.kind == "train":
+                    measured = measure_train(cfg, pm.phase, device, Path(tmp) / f"{pm.phase}{i}")
+                meas = memory.fmt_bytes(measured) if measured else ("not measured" if cuda else "pending (GPU)")
+                ratio = f"{pm.total / measured:.3f}" if measured else "-"
+                terms = ", ".join(f"{k} {memory.fmt_bytes(v)}" for k, v in pm.terms.items())
+                rows.append(f"| {preset} | {pm.phase} | {memory.fmt_bytes(pm.total)} | {meas} | {ratio} | {terms} |")
+                print(rows[-1], flush=True)
+    dev = torch.cuda.get_device_name(device) if cuda else "CPU (estimates only)"
+    text = f"Memory estimate vs measured peak on {dev}, torch {torch.__version__}\n\n" + "\n".join(rows) + "\n"
+    print("\n" + text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

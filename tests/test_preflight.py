@@ -1,0 +1,133 @@
+"""Preflight passes the real presets and catches planted faults; the memory estimate matches measurement."""
+
+import math
+
+import pytest
+import torch
+
+from sinkflow import config
+from sinkflow.tools import memory
+from sinkflow.tools.preflight import format_report, preflight
+
+SMALL = ["moons", "8gaussians", "8gaussians-moons", "checkerboard", "scurve", "digits"]
+
+
+def failed(report):
+    return [(c.phase, c.name, c.detail) for c in report.checks if c.ok is False]
+
+
+def test_preflight_all_presets(tmp_path):
+    """`sinkflow preflight --all` in-process: every preset with small networks runs its full tiny preflight
+    (every phase stopped and resumed, sample, evaluate, memory estimate); the big-UNet presets (mnist,
+    cifar10, folder) run their config, flag and memory checks here and the full tiny run in
+    test_preflight_image_preset_shapes / `sinkflow preflight --all` (minutes on 2 cores)."""
+    names = config.preset_names()
+    assert set(SMALL) <= set(names)
+    for name in names:
+        if name in SMALL:
+            report = preflight(name, workdir=tmp_path / name, gpu=memory.gpu_bytes("T4"))
+            assert report.ok, format_report(report)
+            assert {c.name for c in report.checks} >= {"kill and resume", "sample", "evaluate + plots", "fits T4"}
+        else:
+            cfg = config.resolve(name, ["data.path=/nonexistent"] if name == "folder" else [])
+            mems = memory.estimate(cfg)
+            assert [m.phase for m in mems][-1] == "sample+eval" and all(m.total > 0 for m in mems if m.terms)
+
+
+def test_preflight_image_preset_shapes(tmp_path):
+    """mnist with synthetic images of the real shape (no download here): every phase, real UNet config."""
+    report = preflight("mnist", workdir=tmp_path, memory=False)
+    assert report.ok, format_report(report)
+    assert "synthetic mnist" in report.data_note
+    assert "(1, 28, 28)" in next(c.detail for c in report.checks if c.name == "phases build")
+
+
+def test_planted_phase_that_crashes_only_on_images(tmp_path, monkeypatch):
+    from sinkflow.methods import flow_matching
+
+    real = flow_matching.velocity_loss
+
+    def loss(model, batch):
+        if batch[0].dim() > 2:
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+        return real(model, batch)
+
+    monkeypatch.setattr(flow_matching, "velocity_loss", loss)
+    ok = preflight("moons", shorthands={"method": "fm"}, workdir=tmp_path / "a", memory=False)
+    assert ok.ok, format_report(ok)
+    bad = preflight("digits", shorthands={"method": "fm"}, workdir=tmp_path / "b", memory=False)
+    assert not bad.ok
+    (phase, name, detail), = failed(bad)
+    assert (phase, name) == ("velocity", "runs") and "mat1 and mat2" in detail and "(1, 8, 8)" in detail
+    assert any(c.ok is None and c.phase == "eval" for c in bad.checks)  # later steps skipped, not crashed
+
+
+def test_planted_shorthand_that_misses_a_phase(tmp_path, monkeypatch):
+    monkeypatch.setitem(config.SHORTHANDS, "train_iters", ("train.velocity.iters", "train.nsf.iters"))
+    report = preflight("digits", shorthands={"train_iters": 50}, workdir=tmp_path, memory=False)
+    assert not report.ok
+    bad = failed(report)
+    # the flag check names the missed key, and the tiny run refuses to start the phase (it would run 1000 steps)
+    assert ("time", "--train-iters reaches phase") in [(p, n) for p, n, _ in bad]
+    assert any(p == "time" and n == "shorthands reach phase" and "train.time.iters=1000" in d for p, n, d in bad)
+    assert not [b for b in bad if b[0] in ("velocity", "nsf", "pool")]
+
+
+def test_planted_checkpoint_that_does_not_restore_the_optimizer(tmp_path, monkeypatch):
+    from sinkflow.runner.phase import TrainPhase
+
+    original = TrainPhase.load_state_dict
+
+    def forgetful(self, state, where):
+        original(self, state, where)
+        self.optimizer.state.clear()  # the moments are lost on resume
+
+    monkeypatch.setattr(TrainPhase, "load_state_dict", forgetful)
+    report = preflight("moons", shorthands={"method": "fm"}, workdir=tmp_path, memory=False)
+    (phase, name, detail), = failed(report)
+    assert (phase, name) == ("velocity", "kill and resume") and "optimizer state not restored" in detail
+
+
+def test_override_of_a_section_no_phase_reads(tmp_path):
+    report = preflight("moons", ["train.nsf.lr=0.01"], workdir=tmp_path, memory=False)
+    (phase, name, detail), = failed(report)
+    assert name == "override reaches a phase" and "train.nsf.lr" in detail and "nsgf" in detail
+
+
+def test_memory_estimate_matches_measured_cpu_allocations():
+    """Model + optimizer + activations of a training step, and the Sinkhorn pool step, against the torch
+    profiler's CPU allocation peak: within 15% wherever the term is large enough to measure (> 8 MiB)."""
+    from sinkflow.models import build_model
+    from sinkflow.ot import sinkhorn_peak_bytes
+    from sinkflow.ot.velocity import simulate_sinkhorn_flow
+
+    cases = [("mlp", {}, (784,), 64), ("unet", {"channels": 16, "channel_mult": [1, 2]}, (1, 8, 8), 32),
+             ("unet", {"channels": 32}, (1, 28, 28), 8), ("time_predictor", {}, (1, 28, 28), 16)]
+    for kind, cfg, shape, batch in cases:
+        torch.manual_seed(0)
+        est = memory.estimate_train_step(build_model(kind, cfg, shape), shape, batch).total
+        torch.manual_seed(0)
+        meas = memory.measured_train_step_bytes(build_model(kind, cfg, shape), shape, batch)
+        assert abs(est / meas - 1) <= 0.15, (kind, shape, est, meas)
+    for B, n, D in [(1, 128, 3072), (2, 128, 784), (1, 512, 2)]:
+        x, y = torch.randn(B, n, D), torch.randn(B, n, D) + 1
+        meas = memory.cpu_peak_bytes(lambda: simulate_sinkhorn_flow(x, y, steps=2, eta=0.1, blur=0.5, batched=True))
+        meas += x.nbytes + y.nbytes
+        est = sinkhorn_peak_bytes(B, n, D) + 2 * 2 * B * n * D * 4  # + the trajectory, as the pool estimate
+        assert abs(est / meas - 1) <= 0.15, (B, n, D, est, meas)
+
+
+def test_fit_proposes_a_config_that_fits_and_keeps_the_totals():
+    cfg = config.resolve("moons", ["pool.batch_size=4096", "pool.batches=10", "train.velocity.batch_size=65536",
+                                   "model.velocity.hidden=2048"])
+    mems = memory.estimate(cfg)
+    card = 2 * memory.GiB  # a tiny card: both the pool and the training step are too large
+    assert not all(memory.fits(m, card) for m in mems if m.terms)
+    overrides, reasons = memory.propose_fit(cfg, mems, card)
+    new = memory.apply_fit(cfg, overrides)
+    assert new["pool"]["batches"] * new["pool"]["batch_size"] == 10 * 4096
+    assert new["train"]["velocity"]["batch_size"] == 65536 and new["train"]["velocity"]["accum"] > 1
+    assert all(memory.fits(m, card) for m in memory.estimate(new) if m.terms), reasons
+    assert math.isclose(memory.gpu_bytes("t4")[1], 15360 * 2**20)
+    with pytest.raises(Exception):
+        memory.gpu_bytes("V100")

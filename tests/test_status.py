@@ -1,0 +1,117 @@
+"""`sinkflow status` on a live, a finished and a dead run; a non-finite loss keeps the last checkpoint intact."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import TINY_2D, cli, snapshot
+from sinkflow.tools.status import read_status
+
+LONG = ["moons", "pool.batches=2", "pool.steps=4", "pool.batch_size=32", "--train-iters", "100000",
+        "train.velocity.log_every=5", "train.velocity.ckpt_every=50", "--device", "cpu", "--no-report"]
+
+
+def start(cwd, name):
+    env = {**os.environ, "SINKFLOW_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "sinkflow", "train", *LONG, "--name", name], cwd=cwd,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for(pred, proc, timeout=120):
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def test_status_live_then_dead(runs_dir):
+    proc = start(runs_dir.parent, "live")
+    run = runs_dir / "live"
+    try:
+        assert wait_for(lambda: (run / "checkpoints/velocity").is_dir() and
+                        any((run / "checkpoints/velocity").glob("step_*.pt")), proc), proc.stderr.read()
+        st = read_status(run)
+        assert st["state"] == "running" and st["pid_alive"]
+        assert st["heartbeat"]["phase"] == "velocity" and st["heartbeat"]["total"] == 100000
+        assert st["eta_s"] > 0 and st["latest_metrics"]["velocity"]["loss"] > 0
+        out = cli("status", str(run), cwd=runs_dir.parent)
+        assert out.returncode == 0 and "RUNNING" in out.stdout and "ETA" in out.stdout, out.stdout
+        assert "step_" in out.stdout and "disk" in out.stdout
+        # the same heartbeat seen 10 minutes later is stale
+        assert read_status(run, now=time.time() + 600)["state"] == "stale"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    st = read_status(run)
+    assert st["state"] == "dead" and st["pid_alive"] is False
+    out = cli("status", str(run), cwd=runs_dir.parent)
+    assert out.returncode == 1 and "DEAD" in out.stdout and "--resume" in out.stdout
+
+
+def test_status_finished(runs_dir):
+    assert cli("train", "moons", *TINY_2D, "--name", "done", "--no-report", cwd=runs_dir.parent).returncode == 0
+    out = cli("status", str(runs_dir / "done"), "--json", cwd=runs_dir.parent)
+    st = json.loads(out.stdout)
+    assert out.returncode == 0 and st["state"] == "finished"
+    assert [name for name, *_ in st["checkpoints"]["velocity"]] == ["final.pt", "step_00000003.pt", "step_00000006.pt"]
+    assert st["disk"]["total"] >= st["disk"]["checkpoints"] > 0
+
+
+def test_status_not_a_run(tmp_path):
+    out = cli("status", str(tmp_path), cwd=tmp_path)
+    assert out.returncode == 2 and "not a sinkflow run folder" in out.stderr
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(runs_dir, monkeypatch):
+    """The loss turns NaN at step 5: the run stops naming phase and step; step 4's checkpoint is untouched."""
+    from sinkflow import config, methods
+    from sinkflow.errors import SinkflowError
+    from sinkflow.methods import flow_matching
+    from sinkflow.runner.experiment import run_phases
+    from sinkflow.runner.run import Run
+
+    calls = {"n": 0}
+    real_loss = flow_matching.velocity_loss
+
+    def poisoned(model, batch):
+        calls["n"] += 1
+        loss = real_loss(model, batch)
+        return loss * float("nan") if calls["n"] == 5 else loss
+
+    monkeypatch.setattr(flow_matching, "velocity_loss", poisoned)
+    cfg = config.resolve("moons", ["train.velocity.ckpt_every=2", "train.velocity.log_every=1", "checkpoint.keep=5"],
+                         {"method": "fm", "train_iters": 10, "batch_size": 32, "device": "cpu", "name": "nan"})
+    run = Run.create(cfg)
+    source, target = methods.distributions(cfg)
+    phases = methods.get("fm").phases(cfg, source, target)
+    ck = run.checkpoints("velocity")
+    before = {}
+
+    original_save = ck.__class__.save
+
+    def spy(self, state, step):  # remember what the checkpoint held when written
+        path = original_save(self, state, step)
+        before[step] = {k: v.clone() for k, v in state["model"].items()}
+        return path
+
+    monkeypatch.setattr(ck.__class__, "save", spy)
+    with pytest.raises(SinkflowError) as err:
+        run_phases(run, phases)
+    assert "phase 'velocity' at step 5" in str(err.value) and "last good checkpoint" in str(err.value)
+    files = snapshot(ck.folder)
+    assert sorted(files) == ["step_00000002.pt", "step_00000004.pt"]  # no final.pt, nothing after the NaN
+    state = ck.latest()
+    assert state["step"] == 4
+    for k, v in state["model"].items():
+        assert torch.equal(v, before[4][k]) and torch.isfinite(v).all(), k
+    assert snapshot(ck.folder) == files
