@@ -438,7 +438,9 @@ def format_report(report: Report) -> str:
 
 def fit_command(preset: str, overrides: list[str], shorthands: dict, fit: list[str]) -> str:
     flags = [f"--{k.replace('_', '-')} {v}" for k, v in (shorthands or {}).items() if v is not None]
-    return " ".join(["sinkflow train", preset, *overrides, *fit, *flags])
+    fixed = {f.split("=", 1)[0] for f in fit}
+    kept = [o for o in overrides if o.split("=", 1)[0].strip() not in fixed]  # the fit's value replaces them
+    return " ".join(["sinkflow train", preset, *kept, *fit, *flags])
 
 
 class _Quiet:
