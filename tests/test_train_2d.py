@@ -10,8 +10,7 @@ from sinkflow import config
 from sinkflow.cli import main
 from helpers import TINY_2D
 
-PRESETS_2D = [p for p in config.preset_names()  # _base now holds model.nsf/time too: select by the velocity kind
-              if config.load_preset(p)["model"]["velocity"]["kind"] == "mlp"]
+PRESETS_2D = [p for p in config.preset_names() if config.load_preset(p)["experiment"]["method"] == "nsgf"]
 
 
 def train(name, *extra):
