@@ -17,6 +17,8 @@ def evaluate(run, seeds: int | None = None, n: int | None = None) -> str:
         rows = w2_table(run, n=n, seeds=seeds)
         run.logger.log("eval", 0, {f"w2_{r['steps']}": r["w2_mean"] for r in rows})
         return format_table(rows, cfg["experiment"]["method"], cfg["experiment"]["preset"])
+    if cfg["experiment"]["method"] == "flow":  # normalizing flows: test bits/dim first (methods/flow.py)
+        return methods.get("flow").evaluate(run, seeds=seeds, n=n)
     from sinkflow.eval.images import evaluate_images
 
     return evaluate_images(run, seeds=seeds, n=n)
@@ -28,6 +30,8 @@ def final_report(run) -> str:
         from sinkflow.eval.points import plots
 
         written = plots(run)
+    elif run.cfg["experiment"]["method"] == "flow":  # no sampling path to draw: the grid only
+        written = methods.get("flow").plots(run)
     else:
         from sinkflow.eval.images import plots as image_plots
 

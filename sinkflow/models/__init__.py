@@ -106,7 +106,15 @@ def _build_unet(c: dict, sample_shape: tuple[int, ...]) -> UNet:
 
 
 def build_model(kind: str, cfg: dict, sample_shape: tuple[int, ...]) -> torch.nn.Module:
-    """Build a velocity network (``mlp``, ``unet``: forward(x, t)) or the ``time_predictor`` (forward(x) -> (N,))."""
+    """Build a velocity network (``mlp``, ``unet``: forward(x, t)) or the ``time_predictor`` (forward(x) -> (N,)).
+
+    ``flow`` builds an invertible normalizing flow; its keys are checked by ``sinkflow.flows.build_flow``.
+    """
+    if kind == "flow":
+        from sinkflow.flows import build_flow
+
+        return build_flow({k: v for k, v in (cfg or {}).items() if k not in ("kind", "n_bins")},
+                          tuple(int(s) for s in sample_shape))
     c = _resolve(kind, cfg)
     sample_shape = tuple(int(s) for s in sample_shape)
     if not sample_shape or any(s <= 0 for s in sample_shape):

@@ -1,0 +1,256 @@
+"""Normalizing flows (Glow / RealNVP, ``sinkflow.flows``) as a method of the runner: ``experiment.method=flow``.
+
+One training phase, ``flow``: maximum likelihood with uniform dequantisation, so the logged loss *is* the
+training bits/dim. The network is ``model.flow`` (kind ``flow``), built by ``sinkflow.flows.build_flow``
+through ``build_model``, so checkpoints, resume and ``run.model("flow")`` work as for every other phase.
+
+Pixels: the data layer serves 8-bit images as ``k * 2/255 - 1`` (k = 0..255). They are turned back into
+the exact integer levels k, the dequantisation noise ``U[0, 1)`` is drawn from the phase generator (so a
+resumed run draws the same noise), and the density is over ``model.flow.n_bins`` levels (docs/flows.md).
+
+Sampling ignores Euler steps: ``x0`` (standard normal noise of the image shape, from the runner's source)
+*is* the prior noise: it fills the latents top first, each scaled by ``sample.temperature``. So
+``sinkflow sample --seed`` and the evaluation seeds pick the samples, and a flow costs one inverse pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+from sinkflow.errors import SinkflowError
+from sinkflow.flows import bits_per_dim, dequantize, flow_loss, postprocess, preprocess
+from sinkflow.runner import dist
+from sinkflow.runner.phase import TrainPhase, phase_generator
+
+log = logging.getLogger("sinkflow")
+
+# Published test bits/dim, for context only (different architectures and budgets; docs/flows.md).
+PUBLISHED_BPD = {
+    "mnist": [("RealNVP (as reported by FFJORD, Grathwohl et al. 2019)", 1.06),
+              ("Glow (as reported by FFJORD, Grathwohl et al. 2019)", 1.05)],
+    "cifar10": [("RealNVP (Dinh et al. 2017)", 3.49), ("Glow (Kingma & Dhariwal 2018)", 3.35)],
+}
+
+
+# ------------------------------------------------------------------------------------------------ pixels
+
+def pixel_levels(x: torch.Tensor, n_bins: int) -> torch.Tensor:
+    """What ``flow_loss`` expects from data-layer images in [-1, 1] (``k * 2/255 - 1``).
+
+    The exact uint8 levels k when ``n_bins`` divides 256 (Glow's bit reduction applies), else the floats
+    ``k / 255`` in [0, 1], which ``to_levels`` rounds to ``n_bins`` levels: for sklearn digits (values
+    0..16 stored as ``round(v * 255/16)``) and ``n_bins = 17`` these are exactly the native values v.
+    """
+    k = torch.round((x.float() + 1.0) * 127.5).clamp_(0, 255).to(torch.uint8)
+    return k if 256 % n_bins == 0 else k.float() / 255.0
+
+
+def flow_batch(target, generator: torch.Generator, n: int, n_bins: int) -> torch.Tensor:
+    """The global batch, dequantised: ``levels + U[0, 1)`` in [0, n_bins), drawn on the CPU from ``generator``."""
+    return dequantize(pixel_levels(target.sample(n, generator, "cpu"), n_bins), generator, n_bins,
+                      torch.float32)
+
+
+def nll_bits(model, x_deq: torch.Tensor, n_bins: int) -> torch.Tensor:
+    """Mean bits/dim of a dequantised batch (``flow_loss`` with the noise already drawn)."""
+    return bits_per_dim(model.log_prob(preprocess(x_deq, n_bins)), math.prod(x_deq.shape[1:]), n_bins).mean()
+
+
+# ------------------------------------------------------------------------------------------------ phase
+
+class FlowPhase(TrainPhase):
+    """A TrainPhase whose model is a flow: ActNorm initialised on the first batch, drift-guard reporting."""
+
+    def __init__(self, target, n_bins: int):
+        self.target, self.n_bins = target, n_bins
+
+        def make_batch(gen, n, device):
+            return dist.shard(flow_batch(target, gen, n, n_bins)).to(device, non_blocking=True)
+
+        super().__init__("flow", make_batch, lambda model, x: nll_bits(model, x, n_bins))
+
+    def setup(self, run) -> None:
+        super().setup(run)
+        self.run_ = run
+        if not run.checkpoints(self.name).steps():  # a resumed run loads its initialised ActNorms instead
+            self.init_actnorm(run)
+
+    @torch.no_grad()
+    def init_actnorm(self, run) -> None:
+        """Data-dependent ActNorm init on the first training batch: the *global* batch, drawn from a copy of
+        the phase generator (so the stream the loop draws is unchanged), identical on every rank."""
+        gen = torch.Generator()
+        gen.set_state(self.generator.get_state())
+        x = flow_batch(self.target, gen, self.cfg["batch_size"] * self.info.world, self.n_bins)
+        self.model.log_prob(preprocess(x.to(run.device), self.n_bins))
+
+    def train_step(self, batch):
+        loss, grad_norm = super().train_step(batch)
+        step = self.step + 1  # the loop increments after this returns
+        if step % self.cfg["log_every"] == 0 or step == self.cfg["iters"]:
+            self.run_.logger.log(self.name, step, drift_report(self.model))
+        return loss, grad_norm
+
+    def run(self, run) -> None:
+        super().run(run)
+        report = drift_report(self.model)
+        if dist.current().is_main:
+            (log.warning if report["fallen_back"] else log.info)(
+                "flow drift guard: %d layer(s) fell back to storing their input%s (max rebuild error %.2g, "
+                "memory %s)", report["fallen_back"],
+                "" if not report["fallen_back"] else ": " + ", ".join(self.model.fallen_back),
+                report["max_drift"], self.model.memory)
+        run.logger.log(self.name, self.step, {**report, "final": True})
+
+
+def drift_report(model) -> dict:
+    """Fallen-back layers (persistent, from the ``keep_input`` buffers) and the largest rebuild error seen."""
+    return {"fallen_back": len(model.fallen_back), "drift_events": len(model.drift_events),
+            "max_drift": float(model.max_drift)}
+
+
+# ------------------------------------------------------------------------------------------------ method
+
+def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
+    """Refuse, before any work, what a flow run cannot do."""
+    from sinkflow.models import build_model
+
+    m, t = cfg["model"]["flow"], cfg["train"]["flow"]
+    if m["kind"] != "flow":
+        raise SinkflowError(f"model.flow.kind={m['kind']!r} but experiment.method=flow trains a normalizing flow",
+                            "set model.flow.kind=flow")
+    if len(sample_shape) != 3:
+        raise SinkflowError(f"flows here model images (C, H, W); data.target gives samples of shape {sample_shape}",
+                            "use an image target (digits, mnist, cifar10, folder)")
+    n_bins = m["n_bins"]
+    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or not 2 <= n_bins <= 256:
+        raise SinkflowError(f"model.flow.n_bins={n_bins!r} must be an integer in [2, 256]",
+                            "use 256 for 8-bit images (or 17 for sklearn digits' native 0..16 levels)")
+    if m["memory"] == "invertible" and t["precision"] != "fp32":
+        raise SinkflowError(f"model.flow.memory=invertible cannot train with train.flow.precision={t['precision']}",
+                            "set train.flow.precision=fp32 or model.flow.memory=checkpoint")
+    temp = cfg["sample"]["temperature"]
+    if not temp >= 0:
+        raise SinkflowError(f"sample.temperature={temp} must be >= 0", "e.g. sample.temperature=0.7")
+    # every architecture key and the shape (levels vs image size), on a throwaway one-step, narrow model
+    build_model("flow", {**m, "depth_per_level": 1, "hidden_channels": 2}, sample_shape)
+
+
+def phases(cfg, source, target):
+    check(cfg, tuple(target.shape))
+    return [FlowPhase(target, cfg["model"]["flow"]["n_bins"])]
+
+
+def default_steps(cfg: dict) -> int:
+    return 1  # one inverse pass; Euler steps do not apply
+
+
+@torch.no_grad()
+def decode(model, eps: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Model-space sample from standard-normal noise ``eps`` (N, *in_shape): the prior's reparameterisation.
+
+    ``eps`` fills the latents in the order top, then the factored-out ones from the last level to the first
+    (their priors are conditioned on what is decoded above them), each ``mean + temperature * std * eps``.
+    """
+    n = eps.shape[0]
+    flat = eps.reshape(n, -1).to(model.top.mean.dtype)
+    offset = 0
+
+    def take(shape) -> torch.Tensor:
+        nonlocal offset
+        size = math.prod(shape)
+        out = flat[:, offset:offset + size].reshape(n, *shape)
+        offset += size
+        return out
+
+    top = model.top
+    h = top.mean + temperature * torch.exp(top.log_std) * take(top.mean.shape[1:])
+    for i in reversed(range(len(model.levels))):
+        if i < len(model.splits):
+            split = model.splits[i]
+            mean, log_std = split._prior(h)
+            h = split.inverse(h, mean + temperature * torch.exp(log_std) * take(mean.shape[1:]))
+        h = model.levels[i].inverse(h)
+    if offset != flat.shape[1]:
+        raise SinkflowError(f"flow latents use {offset} numbers but the noise has {flat.shape[1]} per sample",
+                            "sample with noise of the data's shape")
+    return h.reshape(n, *model.in_shape)
+
+
+@torch.no_grad()
+def sample(run, x0, steps=None, record=False):
+    """Images in [-1, 1] from the prior noise ``x0`` at ``sample.temperature``; ``steps`` is ignored.
+
+    A Glow's inverse expands where its forward contracts (sigmoid couplings divide by a scale in (0, 1)), so
+    a tail latent can overflow on the way back, in float64 too. Such samples are neither dropped nor redrawn:
+    their pixels are clamped like every other sample's (+-inf to the range ends, NaN to mid-grey), they count
+    in ``info["nonfinite"]``, and a warning says how many. Lower ``sample.temperature`` or train longer.
+    """
+    model = run.model("flow")
+    x = postprocess(decode(model, x0.to(run.device), run.cfg["sample"]["temperature"]))
+    bad = int((~torch.isfinite(x.flatten(1))).any(1).sum())
+    if bad:
+        log.warning("flow sampling: %d of %d samples overflowed in the inverse (temperature %g); their pixels "
+                    "are clamped, NaN shown as mid-grey", bad, len(x), run.cfg["sample"]["temperature"])
+        x = torch.nan_to_num(x, nan=0.5).clamp_(0, 1)
+    x = x * 2 - 1
+    return x, {"nfe": 1, "path": [x.cpu()] if record else [], "nonfinite": bad}
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+
+@torch.no_grad()
+def test_bpd(run, n: int | None = None, seeds: int | None = None, batch: int | None = None) -> dict:
+    """Test-set bits/dim of ``run``'s flow on ``n`` held-out images, one dequantisation draw per seed."""
+    from sinkflow import methods
+
+    cfg = run.cfg
+    _, target = methods.distributions(cfg)
+    n = min(n or cfg["eval"]["n"], len(target.test_images))
+    seeds = seeds or cfg["eval"]["seeds"]
+    batch = batch or cfg["train"]["flow"]["batch_size"]
+    n_bins = cfg["model"]["flow"]["n_bins"]
+    model = run.model("flow")
+    levels = pixel_levels(target.test_set(n), n_bins)
+    values = []
+    for s in range(seeds):
+        gen = phase_generator(s, "dequantize-test")
+        total = 0.0
+        for chunk in levels.split(batch):
+            total += float(flow_loss(model, chunk, gen, n_bins)[1]) * len(chunk)
+        values.append(total / n)
+    return {"bpd": statistics.fmean(values), "bpd_std": statistics.stdev(values) if seeds > 1 else 0.0,
+            "bpd_all": values, "n": n, "seeds": seeds, "n_bins": n_bins, "target": target.name}
+
+
+def evaluate(run, seeds: int | None = None, n: int | None = None) -> str:
+    """``sinkflow eval`` for flows: test bits/dim, then the image metrics of samples (one inverse pass)."""
+    from sinkflow.eval.images import format_metrics, image_metrics
+
+    r = test_bpd(run, n=n, seeds=seeds)
+    run.logger.log("eval", 0, {"test_bpd": r["bpd"], "test_bpd_std": r["bpd_std"]})
+    lines = [f"Test bits/dim on {run.cfg['experiment']['preset']} (flow): {r['bpd']:.4f} +- {r['bpd_std']:.4f} "
+             f"over {r['seeds']} dequantisation draws, {r['n']} held-out {r['target']} images, {r['n_bins']} levels"]
+    for name, value in PUBLISHED_BPD.get(r["target"], []) if r["n_bins"] == 256 else []:
+        lines.append(f"  published, for context: {name}: {value:.2f}")
+    metrics = image_metrics(run, seeds=seeds, n=n, steps_list=[1])
+    for row in metrics["rows"]:
+        run.logger.log("eval", 0, {k: row[k] for k in ("w2", "tv", "confidence", "fid") if k in row})
+    lines.append(f"Samples at temperature {run.cfg['sample']['temperature']} (steps = 1 inverse pass):")
+    lines.append(format_metrics(metrics))
+    return "\n".join(lines)
+
+
+@torch.no_grad()
+def plots(run, n: int = 64) -> list[Path]:
+    """grid.png: ``n`` samples at ``sample.temperature`` (a flow has no sampling path to draw)."""
+    from sinkflow.eval.images import save_grid
+    from sinkflow.eval.points import generate
+
+    x, _ = generate(run, n, 1, seed=7)
+    return [save_grid(x, run.dir / "grid.png")]
