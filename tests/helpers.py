@@ -18,6 +18,7 @@ def cli(*args, cwd, timeout=300, env=None):
 
 
 def snapshot(folder: Path) -> dict:
-    """Every file under a folder with its size and mtime: to prove nothing was overwritten."""
+    """Every saved file under a run folder with its size and mtime: to prove nothing was overwritten.
+    status.json is left out: it is the heartbeat, rewritten by every attempt (that is its job)."""
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+            for p in sorted(Path(folder).rglob("*")) if p.is_file() and p.name != "status.json"}

@@ -8,8 +8,8 @@ from helpers import TINY_2D, cli, snapshot
 
 def one_line_error(result, *needles):
     assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(lines) == 1 and lines[0].startswith("sinkflow: error: "), result.stderr  # progress logs may precede it
     assert "Traceback" not in result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
@@ -38,8 +38,15 @@ def test_missing_file(tmp_path):
 
 
 def test_wrongly_shaped_npy(tmp_path):
-    np.save(tmp_path / "p.npy", np.random.randn(100, 3).astype(np.float32))
-    one_line_error(cli("train", "moons", "data.target=p.npy", cwd=tmp_path), "shape")
+    np.save(tmp_path / "p.npy", np.random.randn(100).astype(np.float32))  # 1-D: not an (N, D) array
+    one_line_error(cli("train", "moons", "data.target=p.npy", cwd=tmp_path), "p.npy")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_npy_dimension_mismatch_with_source(tmp_path):
+    np.save(tmp_path / "p.npy", np.random.randn(100, 3).astype(np.float32))  # 3-D points, 2-D 8gaussians source
+    one_line_error(cli("train", "8gaussians-moons", "data.target=p.npy", cwd=tmp_path), "shape")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_nan_in_data(tmp_path):

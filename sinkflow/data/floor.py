@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from sinkflow.data.base import Distribution
+from sinkflow.eval.paper import TABLE1_NSGF
 
 W2_FLOOR_PROTOCOL = (
     "W2 floor: exact 2-Wasserstein distance between two independent n=1024 draws of the same sampler "
@@ -50,14 +51,8 @@ def measure_floor(dist: Distribution, n: int = FLOOR_N, pairs: int = FLOOR_PAIRS
     return statistics.fmean(vals), (statistics.stdev(vals) if pairs > 1 else 0.0), vals
 
 
-# NSGF row of Table 1 (10 / 100 Euler steps), arXiv:2401.14069.
-PAPER_NSGF = {
-    "8gaussians": (0.285, 0.278),
-    "8gaussians-moons": (0.144, 0.144),
-    "moons": (0.077, 0.067),
-    "scurve": (0.117, 0.110),
-    "checkerboard": (0.252, 0.147),
-}
+# NSGF row of Table 1 (10 / 100 Euler steps), arXiv:2401.14069: one copy, in sinkflow.eval.paper.
+PAPER_NSGF = {task: (row[10], row[100]) for task, row in TABLE1_NSGF.items()}
 
 
 def floor_table(n: int = FLOOR_N, pairs: int = FLOOR_PAIRS) -> list[dict]:

@@ -15,13 +15,7 @@ def scatter_samples(generated: torch.Tensor, target: torch.Tensor, path: Path, t
     fig, ax = plt.subplots(figsize=(5, 5))
     ax.scatter(target[:, 0], target[:, 1], s=3, alpha=0.5, label="target", c="tab:blue")
     ax.scatter(generated[:, 0], generated[:, 1], s=3, alpha=0.5, label="generated", c="tab:orange")
-    ax.set_title(title, fontsize=9)
-    ax.legend(loc="upper right", markerscale=4)
-    ax.set_aspect("equal")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return _save(fig, ax, title, path, markerscale=4)
 
 
 def trajectories(path_states: torch.Tensor, path: Path, title: str = "", n_paths: int = 256) -> Path:
@@ -31,8 +25,12 @@ def trajectories(path_states: torch.Tensor, path: Path, title: str = "", n_paths
     ax.plot(p[:, :, 0], p[:, :, 1], c="grey", alpha=0.3, lw=0.5)
     ax.scatter(p[0, :, 0], p[0, :, 1], s=4, c="black", label="source")
     ax.scatter(p[-1, :, 0], p[-1, :, 1], s=4, c="tab:orange", label="generated")
+    return _save(fig, ax, title, path, markerscale=3)
+
+
+def _save(fig, ax, title: str, path: Path, markerscale: int) -> Path:
     ax.set_title(title, fontsize=9)
-    ax.legend(loc="upper right", markerscale=3)
+    ax.legend(loc="upper right", markerscale=markerscale)
     ax.set_aspect("equal")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

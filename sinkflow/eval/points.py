@@ -29,9 +29,28 @@ def eval_source(cfg: dict):
 
 
 def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool = True):
+    """n samples in chunks of ``sample.batch_size`` (so eval.n=10000 fits a small card); info merged."""
     source = eval_source(run.cfg) if qmc else methods.distributions(run.cfg)[0]
-    x0 = source.sample(n, phase_generator(seed, "sample"), run.device)
-    return methods.get(run.cfg["experiment"]["method"]).sample(run, x0, steps, record)
+    x0 = source.sample(n, phase_generator(seed, "sample"), "cpu")
+    sample = methods.get(run.cfg["experiment"]["method"]).sample
+    chunk = max(1, run.cfg["sample"]["batch_size"])
+    outs, infos = [], []
+    for lo in range(0, n, chunk):
+        x, info = sample(run, x0[lo : lo + chunk].to(run.device), steps, record)
+        outs.append(x.cpu())
+        infos.append(info)
+    return torch.cat(outs), merge_info(infos)
+
+
+def merge_info(infos: list[dict]) -> dict:
+    """Per-sample tensors and recorded paths are concatenated; counts (NFE per sample) come from the first chunk."""
+    merged = dict(infos[0])
+    for key, value in infos[0].items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 1:
+            merged[key] = torch.cat([i[key] for i in infos])
+        elif key == "path" and value:
+            merged[key] = [torch.cat(states) for states in zip(*(i[key] for i in infos))]
+    return merged
 
 
 def w2_table(run, n: int | None = None, seeds: int | None = None, steps_list=None) -> list[dict]:

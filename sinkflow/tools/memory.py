@@ -85,6 +85,14 @@ class PhaseMemory:
 
 # ---- measurement --------------------------------------------------------------------------------
 
+def _tensors(obj) -> list[torch.Tensor]:
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    return []
+
+
 def _saved(model: torch.nn.Module, shape: tuple[int, ...], n: int, dtype: torch.dtype | None) -> tuple[int, int]:
     """(total, largest) bytes of the distinct non-parameter tensors autograd saves in one forward at batch n."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -103,7 +111,8 @@ def _saved(model: torch.nn.Module, shape: tuple[int, ...], n: int, dtype: torch.
                 out = model(x, torch.rand(n))
             except TypeError:  # networks without a time input (the time predictor)
                 out = model(x)
-    storages.pop(out.untyped_storage().data_ptr(), None)
+    for tensor in _tensors(out):  # outputs are not activations (flows return (latents, log_prob))
+        storages.pop(tensor.untyped_storage().data_ptr(), None)
     return sum(storages.values()), max(storages.values(), default=0)
 
 
@@ -170,13 +179,13 @@ def _pool_phase_memory(cfg: dict, shape: tuple[int, ...]) -> PhaseMemory:
 
 
 def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, ...], models: dict) -> PhaseMemory:
-    n = cfg["eval"]["n"]
+    n = min(cfg["eval"]["n"], max(1, cfg["sample"]["batch_size"]))  # generate() works in chunks of this
     dim = math.prod(shape)
     pm = PhaseMemory("sample+eval", "sample")
     pm.terms["weights"] = sum(sum(p.numel() * p.element_size() for p in m.parameters()) for m in models.values())
     pm.terms["samples"] = 4 * n * dim * 3
     pm.terms["forward transient"] = max((2 * t.act_max_per_sample * n for t in train_mems), default=0)
-    pm.note = f"eval.n={n} samples in one batch; forward transient = 2 x the largest activation (rough)"
+    pm.note = f"chunks of sample.batch_size={n} samples; forward transient = 2 x the largest activation (rough)"
     return pm
 
 
@@ -269,8 +278,10 @@ def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int
                 else:
                     reasons.append(f"{pm.phase}: does not fit even at micro-batch 1; use a smaller model or a larger card")
         elif pm.kind == "sample" and pm.total > limit:
-            reasons.append(f"{pm.phase}: sampling eval.n={cfg['eval']['n']} images in one batch needs about "
-                           f"{fmt_bytes(pm.total)}; lower eval.n (changes the metric protocol) or sample in chunks")
+            chunk = max(1, cfg["sample"]["batch_size"])
+            overrides["sample.batch_size"] = max(1, int(chunk * limit / pm.total * 0.8))
+            reasons.append(f"{pm.phase}: sampling in chunks of {chunk} needs about {fmt_bytes(pm.total)}; "
+                           f"smaller chunks (sample.batch_size) fit without changing the metric protocol")
     return [f"{k}={v}" for k, v in overrides.items()], reasons
 
 
