@@ -85,3 +85,15 @@ def test_existing_run_folder_is_not_overwritten(runs_dir, capsys):
     assert train("d", "moons", "--no-report") == 2
     assert "already exists" in capsys.readouterr().err
     assert (runs_dir / "d" / "config.yaml").read_text() == before
+
+
+def test_run_folder_from_an_older_sinkflow_gets_new_keys_defaulted(runs_dir):
+    import yaml
+
+    assert train("old", "moons", "--no-report") == 0
+    path = runs_dir / "old" / "config.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    del cfg["sample"]["batch_size"]  # a key added after this run was made
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["sample", str(runs_dir / "old"), "--n", "8", "--out", str(runs_dir / "o.npy")]) == 0
+    assert np.load(runs_dir / "o.npy").shape == (8, 2)

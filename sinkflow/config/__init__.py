@@ -59,6 +59,11 @@ def _merge(base: dict, over: dict, where: str = "") -> dict:
     return out
 
 
+def merge(base: dict, over: dict) -> dict:
+    """``over``'s values on top of ``base``'s tree (a new tree)."""
+    return _merge(base, over)
+
+
 def load_preset(name: str) -> dict:
     """Resolve a preset through its ``inherit`` chain into a full tree."""
     raw = _read_preset(name)

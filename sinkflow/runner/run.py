@@ -31,6 +31,8 @@ from sinkflow.runner.metrics import MetricsLogger
 # Keys whose change makes old checkpoints or the pool meaningless: refused on resume.
 SHAPE_KEYS = ("model.", "data.source", "data.target", "data.image_size", "data.channels", "experiment.method",
               "pool.batch_size", "pool.steps", "pool.batches")
+# ... except these, which change how a model is computed, not what its checkpoint holds.
+RESUME_SAFE = ("model.flow.memory", "model.flow.drift_tol", "model.flow.checkpoint_segments")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -100,7 +102,8 @@ class Run:
         new = config_mod.apply_overrides(config_mod.apply_shorthands(cfg, shorthands or {}), overrides or [])
         config_mod.validate(new)
         old_flat, new_flat = config_mod.flatten(cfg), config_mod.flatten(new)
-        changed = [k for k in new_flat if new_flat[k] != old_flat.get(k) and k.startswith(SHAPE_KEYS)]
+        changed = [k for k in new_flat if new_flat[k] != old_flat.get(k) and k.startswith(SHAPE_KEYS)
+                   and k not in RESUME_SAFE]
         if changed:
             k = changed[0]
             raise SinkflowError(
@@ -158,7 +161,7 @@ def read_config(run_dir: Path) -> dict:
     unknown = set(config_mod.flatten(cfg)) - set(config_mod.flatten(base))
     if unknown:
         raise SinkflowError(f"{path} has unknown key '{sorted(unknown)[0]}'", "remove it or start a new run")
-    return cfg
+    return config_mod.merge(base, cfg)  # keys added to sinkflow after the run was made get their defaults
 
 
 def load_model_state(model: torch.nn.Module, state: dict, where: str) -> None:
