@@ -61,8 +61,9 @@ def floor(task: str) -> tuple[float, float]:
 def fmt(values: list[float]) -> str:
     if not values:
         return "-"
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.fmean(values):.3f} ± {spread:.3f}"
+    if len(values) == 1:
+        return f"{values[0]:.3f} (1 seed)"
+    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
 def table(results: list[dict], floors: dict, args) -> str:
