@@ -12,29 +12,17 @@ from __future__ import annotations
 import platform
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from sinkflow.ot import sinkhorn_peak_bytes
+from sinkflow.ot.memory import measured_cpu_peak_bytes
 from sinkflow.ot.velocity import _velocity_solve as _velocity_flat
 
 CASES = [(1, 256, 2), (4, 256, 2), (8, 128, 2), (4, 64, 784), (8, 64, 784), (2, 128, 3072), (4, 512, 2)]
 
 
 def cpu_peak(B, n, D):
-    x, y = torch.randn(B, n, D), torch.randn(B, n, D) + 1
-    base = 4 * 2 * B * n * D  # x and y, live in the simulate loop too
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        v = _velocity_flat(x, y, 0.5, 0.9, 10.0, "tensorized")
-        del v
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak + base
+    # x and y are counted too: they stay live in the simulate loop
+    return measured_cpu_peak_bytes(B, n, D, blur=0.5, scaling=0.9, diameter=10.0)
 
 
 def cuda_peak(B, n, D):

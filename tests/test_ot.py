@@ -298,25 +298,10 @@ def test_degenerate_input_raises_clear_error(call, message):
 
 
 def test_peak_estimate_bounds_measured_cpu_peak():
-    from torch.profiler import ProfilerActivity, profile
-
-    from sinkflow.ot.memory import OVERHEAD_BYTES
-    from sinkflow.ot.velocity import _velocity_solve as _velocity_flat
+    from sinkflow.ot.memory import OVERHEAD_BYTES, measured_cpu_peak_bytes
 
     B, n, D = 3, 96, 40
-    x, y = torch.randn(B, n, D), torch.randn(B, n, D) + 1
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        del_v = _velocity_flat(x, y, 1.0, 0.8, 20.0, "tensorized")
-        del del_v
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    peak += x.nbytes + y.nbytes
+    peak = measured_cpu_peak_bytes(B, n, D, blur=1.0, scaling=0.8, diameter=20.0)
     est = sinkhorn_peak_bytes(B, n, D)
     assert peak > 0
     assert 0.5 * (est - OVERHEAD_BYTES) <= peak <= est, (peak, est)  # an upper bound, not a loose one
