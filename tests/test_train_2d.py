@@ -97,3 +97,15 @@ def test_run_folder_from_an_older_sinkflow_gets_new_keys_defaulted(runs_dir):
     path.write_text(yaml.safe_dump(cfg))
     assert main(["sample", str(runs_dir / "old"), "--n", "8", "--out", str(runs_dir / "o.npy")]) == 0
     assert np.load(runs_dir / "o.npy").shape == (8, 2)
+
+
+def test_sample_takes_sample_overrides_without_changing_the_run(runs_dir, capsys):
+    assert train("so", "moons", "--no-report") == 0
+    before = (runs_dir / "so" / "config.yaml").read_text()
+    assert main(["sample", str(runs_dir / "so"), "sample.batch_size=3", "--n", "7", "--out",
+                 str(runs_dir / "a.npy")]) == 0
+    assert np.load(runs_dir / "a.npy").shape == (7, 2)
+    assert (runs_dir / "so" / "config.yaml").read_text() == before
+    capsys.readouterr()
+    assert main(["sample", str(runs_dir / "so"), "pool.eta=0.1", "--out", str(runs_dir / "b.npy")]) == 2
+    assert "only takes sample.* overrides" in capsys.readouterr().err

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sinkflow import methods
+from sinkflow import config, methods
 from sinkflow.errors import SinkflowError
 from sinkflow.eval.points import generate
 from sinkflow.eval.report import is_points
@@ -17,6 +17,8 @@ def add_parser(sub):
                                    ".png (a scatter plot for 2D, an image grid for images).",
                        epilog="example: sinkflow sample runs/moons-nsgf-20261122-120000 --n 2048 --steps 10 --out s.png")
     p.add_argument("run_dir", metavar="RUN")
+    p.add_argument("overrides", nargs="*", metavar="sample.key=value",
+                   help="sampling settings for this call only, e.g. sample.temperature=0.7 (the run is not changed)")
     p.add_argument("--n", type=int, default=1024)
     p.add_argument("--steps", type=int, help="Euler steps (default sample.steps)")
     p.add_argument("--seed", type=int, default=0)
@@ -31,6 +33,11 @@ def run(args):
     if args.n < 1:
         raise SinkflowError(f"--n {args.n} must be >= 1", "e.g. --n 1024")
     run_ = Run.open(args.run_dir)
+    bad = [o for o in args.overrides if not o.startswith("sample.")]
+    if bad:
+        raise SinkflowError(f"`sinkflow sample` only takes sample.* overrides, not '{bad[0]}'",
+                            f"change other keys with `sinkflow train --resume {args.run_dir} ...`")
+    run_.cfg = config.apply_overrides(run_.cfg, args.overrides)  # in memory: config.yaml stays as trained
     method = methods.get(run_.cfg["experiment"]["method"])  # NSGF++: --steps are the straight-flow steps
     steps = args.steps or getattr(method, "default_steps", lambda c: c["sample"]["steps"])(run_.cfg)
     x, info = generate(run_, args.n, steps, seed=args.seed)
