@@ -44,25 +44,30 @@ def max_batches_in_flight(n: int, dim: int, budget_bytes: int, dtype_bytes: int 
     return int(free // per_batch)
 
 
-def measured_cpu_peak_bytes(batch: int, n: int, dim: int, blur: float = 0.5, scaling: float = 0.9,
-                            diameter: float = 10.0) -> int:
-    """Peak bytes allocated by one batched velocity solve on CPU (torch profiler memory events), plus x and y.
-
-    What ``sinkhorn_peak_bytes`` estimates; the test and benchmarks/ot_memory.py compare the two.
-    """
-    import torch
+def cpu_peak_bytes(fn) -> int:
+    """Peak of the bytes allocated (minus freed) while ``fn()`` runs, from the torch profiler's CPU
+    allocation events in time order. Tensors alive before the call are not counted."""
     from torch.profiler import ProfilerActivity, profile
 
-    from sinkflow.ot.velocity import _velocity_solve
-
-    x, y = torch.randn(batch, n, dim), torch.randn(batch, n, dim) + 1
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        v = _velocity_solve(x, y, blur, scaling, diameter, "tensorized")
-        del v
+        fn()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
     cur = peak = 0
     for e in events:
         cur += e.nbytes()
         peak = max(peak, cur)
+    return peak
+
+
+def measured_cpu_peak_bytes(batch: int, n: int, dim: int, blur: float = 0.5, scaling: float = 0.9,
+                            diameter: float = 10.0) -> int:
+    """Peak bytes of one batched velocity solve on CPU, plus x and y: what ``sinkhorn_peak_bytes``
+    estimates; the test and benchmarks/ot_memory.py compare the two."""
+    import torch
+
+    from sinkflow.ot.velocity import _velocity_solve
+
+    x, y = torch.randn(batch, n, dim), torch.randn(batch, n, dim) + 1
+    peak = cpu_peak_bytes(lambda: _velocity_solve(x, y, blur, scaling, diameter, "tensorized"))
     return peak + x.nbytes + y.nbytes

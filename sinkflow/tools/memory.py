@@ -30,6 +30,7 @@ import torch
 from sinkflow import config as config_mod
 from sinkflow import methods
 from sinkflow.errors import SinkflowError
+from sinkflow.ot.memory import cpu_peak_bytes  # also used by tests/test_preflight.py
 
 GiB = 2**30
 # nvidia-smi's total memory (MiB) of the cards people rent
@@ -322,21 +323,6 @@ def format_table(mems: list[PhaseMemory], cards: dict[str, int] | None = None) -
 
 
 # ---- measurement on CPU (for tests and the benchmark) -------------------------------------------
-
-def cpu_peak_bytes(fn) -> int:
-    """Peak of the bytes allocated (minus freed) while ``fn()`` runs, from the torch profiler's CPU
-    allocation events in time order. Tensors alive before the call are not counted."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
 
 
 def measured_train_step_bytes(model: torch.nn.Module, shape: tuple[int, ...], batch: int, ema: bool = False) -> int:
