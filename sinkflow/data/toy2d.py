@@ -109,8 +109,8 @@ class EightGaussians(Distribution):
 class Moons(Distribution):
     """scikit-learn ``make_moons`` (two interleaved half circles plus N(0, noise^2 I)), then ``x*scale + shift``.
 
-    ``stratified=True`` (default) is sklearn's own construction: arc angles on ``linspace(0, pi, .)``
-    with n//2 points on the outer moon, shuffled with the generator. ``stratified=False`` draws the
+    ``stratified=True`` (default): n//2 points on the outer moon, arc angles stratified (one uniform draw
+    in each of n equal intervals of [0, pi], so two batches never share their angles). ``stratified=False`` draws the
     angles uniformly at random (an i.i.d. sample of the same curve).
     """
 
@@ -127,8 +127,8 @@ class Moons(Distribution):
         n_out = n // 2
         n_in = n - n_out
         if self.stratified:
-            a = torch.linspace(0, math.pi, n_out, dtype=_F64)
-            b = torch.linspace(0, math.pi, n_in, dtype=_F64)
+            a = math.pi * stratified_uniform(n_out, generator)
+            b = math.pi * stratified_uniform(n_in, generator)
         else:
             a = math.pi * torch.rand(n_out, generator=generator, dtype=_F64)
             b = math.pi * torch.rand(n_in, generator=generator, dtype=_F64)

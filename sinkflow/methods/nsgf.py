@@ -1,13 +1,24 @@
 """Neural Sinkhorn Gradient Flow (paper Algorithms 1-2): a trajectory pool, then velocity matching.
 
-The network sees continuous time t_k = eta_0 + ... + eta_{k-1} (the pool's flow time), so sampling
-with any number of Euler steps integrates the same ODE over [0, t_end].
+The pool holds the states x_k of the empirical Sinkhorn flow and their velocities v_k (Euler steps of
+size eta_k). How the network reads it is ``nsgf.time`` (docs/nsgf.md):
+
+- ``flow``: network time t_k = eta_0 + ... + eta_{k-1} (the pool's flow time), target v_k; sampling
+  integrates dx/dt = v over [0, t_end].
+- ``fraction``: network time s_k = k / T, target dx/ds = T eta_k v_k; sampling integrates over [0, 1],
+  so T uniform Euler steps land exactly on the pool's grid. With the harmonic schedule the targets are
+  ~ the remaining displacement divided by the remaining time: a constant-speed path, as in OT-CFM.
+
+With ``nsgf.segment`` = p, a training point is, with probability p, a uniform point of its Euler segment
+x_k + u eta_k v_k (time shifted by u of the step) instead of the grid point x_k: the piecewise-linear
+path the Euler flow really takes, so a fine sampler integrates the same field the pool moved along.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sinkflow.errors import SinkflowError
 from sinkflow.methods.flow_matching import velocity_loss
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.methods.pool import PoolPhase, TrajectoryPool
@@ -16,15 +27,33 @@ from sinkflow.runner.phase import TrainPhase
 
 
 def step_sizes(pool_cfg: dict) -> torch.Tensor:
-    """eta_k for k = 0..T-1 (constant, or the paper's 'incremental' schedule when eta_growth > 0)."""
+    """eta_k for k = 0..T-1 (``pool.schedule``: constant, incremental or harmonic)."""
     from sinkflow.ot import eta_schedule
 
-    return torch.tensor(eta_schedule(pool_cfg["eta"], pool_cfg["steps"], pool_cfg["eta_growth"] or None))
+    return torch.tensor(eta_schedule(pool_cfg["eta"], pool_cfg["steps"], pool_cfg["eta_growth"] or None,
+                                     pool_cfg.get("schedule")))
 
 
 def flow_times(pool_cfg: dict) -> torch.Tensor:
     """t_k at the start of each Euler step, and t_end as the last element: shape (T + 1,)."""
     return torch.cat([torch.zeros(1), torch.cumsum(step_sizes(pool_cfg), 0)])
+
+
+def network_grid(cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(times (T + 1,), steps (T,)): the pool's grid in the network's time, and the Euler step in that time.
+
+    ``x_{k+1} = x_k + steps[k] * net(x_k, times[k])`` replays the pool's own flow."""
+    pool = cfg["pool"]
+    if cfg["nsgf"]["time"] == "fraction":
+        T = pool["steps"]
+        return torch.arange(T + 1, dtype=torch.float32) / T, torch.full((T,), 1.0 / T)
+    return flow_times(pool), step_sizes(pool)
+
+
+def target_scale(cfg: dict) -> torch.Tensor:
+    """Per-step factor from the pool's velocity v_k to the network's target (d x / d network time)."""
+    etas = step_sizes(cfg["pool"])
+    return etas * cfg["pool"]["steps"] if cfg["nsgf"]["time"] == "fraction" else torch.ones_like(etas)
 
 
 def make_simulator(cfg: dict, device):
@@ -36,12 +65,21 @@ def make_simulator(cfg: dict, device):
 
     def simulate(x0, y, batched=False, diameter=None):  # batched: x0, y (B, n, *) -> xs, vs (steps, B, n, *)
         xs, vs = simulate_sinkhorn_flow(
-            x0, y, steps=pool["steps"], eta=pool["eta"], eta_growth=pool["eta_growth"] or None, blur=sk["blur"],
-            scaling=sk["scaling"], diameter=sk["diameter"] if diameter is None else diameter, backend=sk["backend"],
-            batched=batched)
+            x0, y, steps=pool["steps"], eta=pool["eta"], eta_growth=pool["eta_growth"] or None,
+            schedule=pool.get("schedule"), blur=sk["blur"], scaling=sk["scaling"],
+            diameter=sk["diameter"] if diameter is None else diameter, backend=sk["backend"], batched=batched)
         return xs, vs, times
 
     return simulate
+
+
+def check(cfg: dict, sample_shape: tuple[int, ...] | None = None) -> None:
+    """Refuse, before any work, an NSGF config that cannot run (one line naming the key)."""
+    if cfg["nsgf"]["time"] not in ("flow", "fraction"):
+        raise SinkflowError(f"nsgf.time={cfg['nsgf']['time']!r} is not one of flow, fraction", "set nsgf.time=fraction")
+    if not 0.0 <= float(cfg["nsgf"]["segment"]) <= 1.0:
+        raise SinkflowError(f"nsgf.segment={cfg['nsgf']['segment']!r} is not a probability", "use a value in [0, 1]")
+    step_sizes(cfg["pool"])  # the schedule's own checks (unknown name, eta_growth)
 
 
 def pool_phase(cfg, source, target):
@@ -49,12 +87,30 @@ def pool_phase(cfg, source, target):
 
 
 def pool_batches(run):
-    """Training batches drawn by index from the finished pool."""
-    pool = TrajectoryPool(run.dir / "pool", run.cfg["pool"]["storage"])
+    """Training batches (x, network time, target) drawn by index from the finished pool.
+
+    The step index k of an entry is recovered from its stored flow time (disk storage returns rows in
+    file order, not in draw order). Every batch draws the same amount of randomness, whatever
+    ``nsgf.segment`` is, so resume stays bit-for-bit."""
+    cfg = run.cfg
+    pool = TrajectoryPool(run.dir / "pool", cfg["pool"]["storage"])
+    t_flow = flow_times(cfg["pool"])
+    mids = (t_flow[1:-1] + t_flow[:-2]) / 2  # bucket boundaries between consecutive grid times
+    etas, scale = step_sizes(cfg["pool"]), target_scale(cfg)
+    times, steps = network_grid(cfg)
+    segment = float(cfg["nsgf"]["segment"])
 
     def make_batch(gen, n, device):
-        idx = dist.shard(torch.randint(len(pool), (n,), generator=gen))
-        return pool.batch(idx, device)  # pinned, non-blocking copies on CUDA
+        idx = torch.randint(len(pool), (n,), generator=gen)
+        u = torch.rand(n, generator=gen)
+        on_segment = torch.rand(n, generator=gen) < segment
+        idx, u = dist.shard(idx), dist.shard(torch.where(on_segment, u, torch.zeros_like(u)))
+        x, t, v = pool.batch(idx, device)  # pinned, non-blocking copies on CUDA
+        k = torch.bucketize(t.cpu(), mids)
+        u = u.to(x.device)
+        shape = (-1,) + (1,) * (x.ndim - 1)
+        x = x + (u * etas[k].to(x.device)).view(shape) * v
+        return x, times[k].to(x.device) + u * steps[k].to(x.device), v * scale[k].to(x.device).view(shape)
 
     return make_batch
 
@@ -71,12 +127,13 @@ class VelocityPhase(TrainPhase):
 
 
 def phases(cfg, source, target):
+    check(cfg)
     return [pool_phase(cfg, source, target), VelocityPhase()]
 
 
 def sample(run, x0, steps, record=False):
     model = run.model("velocity")
-    t_end = float(flow_times(run.cfg["pool"])[-1])
+    t_end = float(network_grid(run.cfg)[0][-1])
     with count_nfe(model) as nfe:
         x, path = euler(model, x0, 0.0, t_end, steps, record)
     return x, {"nfe": nfe.count, "path": path}

@@ -9,7 +9,7 @@ Phases, each resumable with its own model, optimizer and config section:
 4. ``time``     the phase-transition predictor: regress t from the same X_t (MSE, sigmoid output),
                 network ``model.time``.
 
-Sampling (Algorithm 4): the T NSGF Euler steps with the pool's own step sizes and flow times, then
+Sampling (Algorithm 4): the T NSGF Euler steps on the pool's own grid (``nsgf.network_grid``), then
 t_hat_i = t_phi(x_i) per sample, then NSF Euler from t_hat_i to 1 in ``nsf_steps`` steps of per-sample
 size (1 - t_hat_i) / nsf_steps. So every sample costs exactly T + 1 + nsf_steps network evaluations and
 a batch needs no masking (docs/nsgfpp.md, ambiguity 8).
@@ -33,6 +33,7 @@ MAX_NSGF_STEPS = 5  # paper: "T <= 5"; a longer NSGF phase is plain NSGF, not NS
 
 def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
     """Refuse, before any work, what NSGF++ cannot run."""
+    nsgf.check(cfg)
     steps = cfg["pool"]["steps"]
     if steps > MAX_NSGF_STEPS:
         raise SinkflowError(
@@ -75,8 +76,7 @@ def sample(run, x0, steps=None, record=False):
     cfg = run.cfg
     nsf_steps = int(steps or default_steps(cfg))
     velocity, predictor, nsf = run.model("velocity"), run.model("time"), run.model("nsf")
-    etas = nsgf.step_sizes(cfg["pool"]).tolist()
-    times = nsgf.flow_times(cfg["pool"]).tolist()
+    times, etas = (g.tolist() for g in nsgf.network_grid(cfg))
     n = x0.shape[0]
     x = x0.float()
     path = [x.cpu()] if record else []

@@ -268,19 +268,28 @@ def sinkhorn_velocity_batched(x: torch.Tensor, y: torch.Tensor, **kwargs) -> tor
 # the particle flow (paper Alg. 1, inner loop)
 
 
-def eta_schedule(eta: float, steps: int, growth: float | None = None) -> list[float]:
+SCHEDULES = ("constant", "incremental", "harmonic")
+
+
+def eta_schedule(eta: float, steps: int, growth: float | None = None, schedule: str | None = None) -> list[float]:
     """Step sizes eta_0..eta_{T-1}.
 
-    growth None: constant eta. growth r: eta_k = eta * exp(r * (k - T) / T), the dev code's
-    "incremental lr" hint with r = 4 (eta * exp((k - T) / (T / 4))): small early steps where the
-    velocity is large, growing towards eta.
+    constant: eta at every step. incremental (``growth`` r > 0; the default when a growth is given):
+    eta_k = eta * exp(r * (k - T) / T), the dev code's "incremental lr" hint with r = 4: small early steps
+    where the velocity is large, growing towards eta. harmonic: eta_k = eta / (T - k). With v ~ T(x) - x
+    (small blur), step k then moves eta/(T-k) of the displacement still to go, i.e. eta/T of the original
+    one: a constant-speed path, and eta = 1 lands on the target batch at the last step (docs/nsgf.md).
     """
-    if growth is None:
+    schedule = schedule or ("incremental" if growth else "constant")
+    require(schedule in SCHEDULES, f"unknown eta schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+    if schedule == "constant":
         return [float(eta)] * steps
+    if schedule == "harmonic":
+        return [float(eta) / (steps - k) for k in range(steps)]
     require(
         isinstance(growth, (int, float)) and math.isfinite(growth) and growth > 0,
-        f"eta_growth must be a positive number or None, got {growth!r}",
-        "use e.g. 4.0 (the dev-code hint) or None for a constant step",
+        f"eta_growth must be a positive number for the incremental schedule, got {growth!r}",
+        "use e.g. pool.eta_growth=4.0 (the dev-code hint), or pool.schedule=constant",
     )
     return [float(eta) * math.exp(growth * (k - steps) / steps) for k in range(steps)]
 
@@ -296,11 +305,13 @@ def simulate_sinkhorn_flow(
     diameter: float | None = None,
     backend: str = "tensorized",
     eta_growth: float | None = None,
+    schedule: str | None = None,
     batched: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Explicit Euler x_{k+1} = x_k + eta_k v(x_k; y) for exactly ``steps`` updates.
 
-    The same target batch y is used at every step (paper Alg. 1). Returns (xs, vs), float32, each
+    Step sizes come from ``eta_schedule(eta, steps, eta_growth, schedule)``. The same target batch y is
+    used at every step (paper Alg. 1). Returns (xs, vs), float32, each
     shaped (steps, *x0.shape): the state *before* step k and its velocity. The final state is
     xs[-1] + eta_{T-1} * vs[-1]. With diameter=None the bound is recomputed from the data at every
     step (the particles move).
@@ -317,7 +328,7 @@ def simulate_sinkhorn_flow(
     )
     _check_params(blur, scaling, diameter, backend)
     B, N, M, D = _check_clouds(x0, y, batched)
-    etas = eta_schedule(eta, steps, eta_growth)
+    etas = eta_schedule(eta, steps, eta_growth, schedule)
     device = x0.device
     xs = torch.empty((steps, *x0.shape), dtype=torch.float32, device=device)
     vs = torch.empty_like(xs)

@@ -1,0 +1,134 @@
+"""The NSGF recipe's options: LR schedule, harmonic step sizes, segment training and the sampler's grid."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from sinkflow import config
+from sinkflow.cli import main
+from sinkflow.errors import SinkflowError
+from sinkflow.methods import nsgf
+from sinkflow.ot import eta_schedule, simulate_sinkhorn_flow
+from sinkflow.runner.phase import lr_factor
+from helpers import TINY_2D
+
+
+def test_cosine_schedule_warms_up_then_decays_to_zero():
+    f = lr_factor("cosine", warmup=10, iters=110)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(60) == pytest.approx(0.5) and f(110) == pytest.approx(0.0)
+    assert all(f(s) >= f(s + 1) for s in range(10, 110))
+    assert lr_factor("constant", 0, 100)(99) == 1.0
+    with pytest.raises(SinkflowError, match="train.velocity.schedule"):
+        lr_factor("linear", 0, 100)
+
+
+def test_training_logs_the_cosine_learning_rate(runs_dir):
+    assert main(["train", "moons", *TINY_2D, "--name", "lr", "--no-report", "train.velocity.log_every=1",
+                 "--lr", "0.01"]) == 0
+    rows = [json.loads(line) for line in (runs_dir / "lr" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in rows if r["phase"] == "velocity"]
+    # the lr after step s: 0.01 * (1 + cos(pi s / 6)) / 2, reaching 0 at the last step
+    assert lrs == pytest.approx([0.005 * (1 + math.cos(math.pi * s / 6)) for s in range(1, 7)], abs=1e-9)
+
+
+def test_harmonic_steps_cover_equal_shares_and_land():
+    etas = eta_schedule(1.0, 10, schedule="harmonic")
+    assert etas[-1] == 1.0 and etas[0] == pytest.approx(0.1)
+    left = 1.0
+    for eta in etas:  # with v = y - x, step k moves eta_k of what remains = 1/T of the original displacement
+        assert eta * left == pytest.approx(0.1)
+        left *= 1 - eta
+    assert left == pytest.approx(0.0)
+    assert eta_schedule(0.5, 3, growth=2.0) == pytest.approx([0.5 * math.exp(2 * (k - 3) / 3) for k in range(3)])
+    with pytest.raises(SinkflowError):
+        eta_schedule(1.0, 3, schedule="cubic")
+
+
+def test_harmonic_sinkhorn_flow_lands_on_a_small_target_batch():
+    gen = torch.Generator().manual_seed(0)
+    x0, y = torch.randn(64, 2, generator=gen), torch.randn(64, 2, generator=gen) + 4
+    xs, vs = simulate_sinkhorn_flow(x0, y, steps=8, eta=1.0, schedule="harmonic", blur=0.05, scaling=0.95)
+    final = xs[-1] + vs[-1]  # eta_{T-1} = 1
+    nearest = torch.cdist(final, y).min(1).values
+    assert nearest.median() < 0.1  # each particle ends on (an entropic average next to) a target point
+    assert torch.cdist(x0, y).min(1).values.median() > 2
+
+
+def _fake_run(tmp_path, time, segment, storage="memory"):
+    """A finished pool of 2 trajectories x T=4 steps x n=3 particles (x, v, t as the pool phase writes them)."""
+    cfg = config.resolve("moons", [f"nsgf.time={time}", f"nsgf.segment={segment}", "pool.steps=4",
+                                   "pool.batch_size=3", "pool.batches=2", "pool.eta=1.0", "pool.schedule=harmonic",
+                                   f"pool.storage={storage}"])
+    T, n = 4, 3
+    etas, times = nsgf.step_sizes(cfg["pool"]), nsgf.flow_times(cfg["pool"])
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * T * n, 2, generator=gen)
+    v = torch.randn(2 * T * n, 2, generator=gen)
+    k = (torch.arange(2 * T * n) % (T * n)) // n
+    folder = tmp_path / "pool"
+    folder.mkdir()
+    for name, a in (("x", x), ("v", v), ("t", times[k])):
+        np.save(folder / f"{name}.npy", a.numpy().astype(np.float32))
+    return SimpleNamespace(dir=tmp_path, cfg=cfg), x, v, k, etas
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_segment_points_lie_on_their_euler_segment_at_the_right_time(tmp_path, storage):
+    run, x, v, k, etas = _fake_run(tmp_path, "fraction", 1.0, storage)
+    xb, tb, vb = nsgf.pool_batches(run)(torch.Generator().manual_seed(0), 500, "cpu")
+    T = 4
+    for xi, ti, vi in zip(xb, tb, vb):
+        # which entry: the target is T * eta_k * v_k for exactly one pool row
+        rows = [j for j in range(len(x)) if torch.allclose(vi, T * etas[k[j]] * v[j], atol=1e-5)]
+        assert len(rows) == 1
+        j = rows[0]
+        u = float(ti) * T - int(k[j])  # network time (k + u) / T
+        assert 0.0 <= u < 1.0 + 1e-6
+        assert torch.allclose(xi, x[j] + u * etas[k[j]] * v[j], atol=1e-5)
+    assert (tb * T - torch.floor(tb * T + 1e-6)).abs().max() > 0.1  # times really between grid points
+
+
+def test_grid_points_and_flow_time(tmp_path):
+    run, x, v, k, etas = _fake_run(tmp_path, "flow", 0.0)
+    xb, tb, vb = nsgf.pool_batches(run)(torch.Generator().manual_seed(0), 200, "cpu")
+    times = nsgf.flow_times(run.cfg["pool"])
+    for xi, ti, vi in zip(xb, tb, vb):
+        j = int(torch.cdist(xi[None], x).argmin())
+        assert torch.allclose(xi, x[j]) and torch.allclose(vi, v[j]) and float(ti) == pytest.approx(float(times[k[j]]))
+
+
+def test_segment_probability_is_respected(tmp_path):
+    run, x, *_ = _fake_run(tmp_path, "fraction", 0.5)
+    xb, tb, _ = nsgf.pool_batches(run)(torch.Generator().manual_seed(0), 2000, "cpu")
+    on_grid = (tb * 4 - torch.round(tb * 4)).abs() < 1e-6
+    assert 0.4 < on_grid.float().mean() < 0.6
+
+
+def test_fraction_time_samples_on_the_pool_grid(runs_dir):
+    assert main(["train", "moons", *TINY_2D, "--name", "g", "--no-report", "nsgf.time=fraction",
+                 "pool.schedule=harmonic", "pool.eta=1.0"]) == 0
+    from sinkflow.eval.points import generate
+    from sinkflow.runner.run import Run
+
+    run = Run.open(runs_dir / "g")
+    seen = []
+    hook = run.model("velocity").register_forward_hook(lambda m, args, out: seen.append(float(args[1][0])))
+    _, info = generate(run, 8, 4, seed=0)  # pool.steps=4 in TINY_2D: 4 steps are its own grid
+    hook.remove()
+    assert info["nfe"] == 4 and seen == pytest.approx([0.0, 0.25, 0.5, 0.75])
+    grid_t, grid_h = nsgf.network_grid(run.cfg)
+    assert grid_t.tolist() == pytest.approx([0, 0.25, 0.5, 0.75, 1.0]) and grid_h.tolist() == pytest.approx([0.25] * 4)
+
+
+def test_bad_nsgf_keys_are_one_line_errors(runs_dir, capsys):
+    for bad, key in (("nsgf.time=seconds", "nsgf.time"), ("nsgf.segment=1.5", "nsgf.segment"),
+                     ("pool.schedule=cubic", "schedule")):
+        assert main(["train", "moons", *TINY_2D, "--name", "bad", bad]) == 2
+        err = capsys.readouterr().err
+        assert key in err and "Traceback" not in err
+        assert not (runs_dir / "bad").exists()
