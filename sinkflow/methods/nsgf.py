@@ -67,7 +67,8 @@ def make_simulator(cfg: dict, device):
         xs, vs = simulate_sinkhorn_flow(
             x0, y, steps=pool["steps"], eta=pool["eta"], eta_growth=pool["eta_growth"] or None,
             schedule=pool.get("schedule"), blur=sk["blur"], scaling=sk["scaling"],
-            diameter=sk["diameter"] if diameter is None else diameter, backend=sk["backend"], batched=batched)
+            diameter=sk["diameter"] if diameter is None else diameter, backend=sk["backend"], batched=batched,
+            solver=sk["solver"], max_iters=sk["max_iters"], tol=sk["tol"])
         return xs, vs, times
 
     return simulate

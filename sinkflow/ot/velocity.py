@@ -22,13 +22,15 @@ from sinkflow.errors import SinkflowError, require
 from sinkflow.ot.precision import strict_float32
 
 _BACKENDS = ("tensorized", "online")
+SOLVERS = ("geomloss", "converged")  # converged: sinkflow.ot.sinkhorn, iterated to tol at the final epsilon
 
 
 # ----------------------------------------------------------------------------------------------
 # validation: every degenerate input is caught here, before GeomLoss sees it
 
 
-def _check_params(blur: float, scaling: float, diameter: float | None, backend: str) -> None:
+def _check_params(blur: float, scaling: float, diameter: float | None, backend: str, solver: str = "geomloss") -> None:
+    require(solver in SOLVERS, f"unknown Sinkhorn solver {solver!r}", f"use one of {', '.join(SOLVERS)}")
     require(
         isinstance(blur, (int, float)) and math.isfinite(blur) and blur > 0,
         f"Sinkhorn blur must be a positive number, got {blur!r}",
@@ -171,6 +173,9 @@ def _bbox_diameter(x: torch.Tensor, y: torch.Tensor) -> float:
 CPU_CHUNK_BYTES = 256 << 10
 
 
+CONVERGED_CHUNK_BYTES = 32 << 20  # converged solver: cost matrices of at most this size per call
+
+
 def _velocity_flat(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -178,9 +183,19 @@ def _velocity_flat(
     scaling: float,
     diameter: float,
     backend: str,
+    solver: str = "geomloss",
+    max_iters: int = 200,
+    tol: float = 1e-3,
 ) -> torch.Tensor:
     """v for float32 clouds x (B, N, D), y (B, M, D); no validation (callers do it)."""
     B, N, M = x.shape[0], x.shape[1], y.shape[1]
+    if solver == "converged":
+        from sinkflow.ot.sinkhorn import converged_velocity
+
+        chunk = max(1, CONVERGED_CHUNK_BYTES // (N * max(N, M) * 4))
+        return torch.cat([converged_velocity(x[s : s + chunk], y[s : s + chunk], blur=blur, scaling=scaling,
+                                             diameter=diameter, max_iters=max_iters, tol=tol)[0]
+                          for s in range(0, B, chunk)])
     chunk = B if x.device.type != "cpu" else max(1, CPU_CHUNK_BYTES // (2 * N * M * 4))
     if chunk >= B:
         return _velocity_solve(x, y, blur, scaling, diameter, backend)
@@ -240,6 +255,9 @@ def sinkhorn_velocity(
     diameter: float | None = None,
     backend: str = "tensorized",
     batched: bool = False,
+    solver: str = "geomloss",
+    max_iters: int = 200,
+    tol: float = 1e-3,
 ) -> torch.Tensor:
     """NSGF velocity v = grad f(mu,mu) - grad f(mu,mu*) at the points of x (paper eq. 13).
 
@@ -248,14 +266,14 @@ def sinkhorn_velocity(
     Returns a float32 tensor shaped like x. Computed in float32 with autocast and TF32 off,
     whatever the input dtype or the ambient settings.
     """
-    _check_params(blur, scaling, diameter, backend)
+    _check_params(blur, scaling, diameter, backend, solver)
     B, N, M, D = _check_clouds(x, y, batched)
     with torch.no_grad():
         xf = x.detach().reshape(B, N, D).float()
         yf = y.detach().reshape(B, M, D).float()
     diam = float(diameter) if diameter is not None else _bbox_diameter(xf, yf)
     with strict_float32(x.device.type):
-        v = _velocity_flat(xf, yf, float(blur), float(scaling), diam, backend)
+        v = _velocity_flat(xf, yf, float(blur), float(scaling), diam, backend, solver, max_iters, tol)
     return v.reshape(x.shape)
 
 
@@ -307,6 +325,9 @@ def simulate_sinkhorn_flow(
     eta_growth: float | None = None,
     schedule: str | None = None,
     batched: bool = False,
+    solver: str = "geomloss",
+    max_iters: int = 200,
+    tol: float = 1e-3,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Explicit Euler x_{k+1} = x_k + eta_k v(x_k; y) for exactly ``steps`` updates.
 
@@ -326,7 +347,7 @@ def simulate_sinkhorn_flow(
         f"eta must be a positive number, got {eta!r}",
         "use a step size in (0, 1]",
     )
-    _check_params(blur, scaling, diameter, backend)
+    _check_params(blur, scaling, diameter, backend, solver)
     B, N, M, D = _check_clouds(x0, y, batched)
     etas = eta_schedule(eta, steps, eta_growth, schedule)
     device = x0.device
@@ -338,7 +359,7 @@ def simulate_sinkhorn_flow(
     with strict_float32(device.type):
         for k in range(steps):
             diam = float(diameter) if diameter is not None else _bbox_diameter(x, yf)
-            v = _velocity_flat(x, yf, float(blur), float(scaling), diam, backend)
+            v = _velocity_flat(x, yf, float(blur), float(scaling), diam, backend, solver, max_iters, tol)
             with torch.no_grad():
                 xs[k] = x.reshape(x0.shape)
                 vs[k] = v.reshape(x0.shape)
