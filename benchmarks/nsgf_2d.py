@@ -121,7 +121,8 @@ def main() -> None:
     p.add_argument("extra", nargs="*", help="config overrides applied to every run, e.g. pool.eta=0.1")
     args = p.parse_args()
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="sinkflow-bench-")
-    jobs = [(t, m, s) for t in args.tasks for m in args.methods for s in range(args.seeds)]
+    # seed-major: an interrupted benchmark has every task and method for its first seeds
+    jobs = [(t, m, s) for s in range(args.seeds) for t in args.tasks for m in args.methods]
     start = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
         futures = [pool.submit(one_run, t, m, s, args.iters, runs_dir, args.extra) for t, m, s in jobs]
