@@ -10,6 +10,8 @@ inverse-then-forward; couplings override it to evaluate their conditioner only o
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -155,3 +157,28 @@ class Squeeze(InvertibleLayer):
         n, c, h, w = y.shape
         x = y.reshape(n, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(n, c // 4, 2 * h, 2 * w)
         return x
+
+
+class Logit(InvertibleLayer):
+    """RealNVP's logit preprocessing of model-space pixels ``z`` in [-0.5, 0.5):
+
+        p = alpha + (1 - 2 alpha) (z + 0.5),   y = log p - log(1 - p),
+        log|dy/dz| = log(1 - 2 alpha) - log p - log(1 - p)   per dimension.
+
+    A fixed bijection from the bounded pixel cube to all of R^D, so the flow never has to model the cube's
+    hard walls (where most digit pixels sit, at level 0). The log-det is exact and part of ``log_prob``, so the
+    bits/dim convention is unchanged. No parameters.
+    """
+
+    def __init__(self, alpha: float = 1e-3):
+        super().__init__()
+        self.alpha = float(alpha)
+
+    def forward(self, x):
+        p = self.alpha + (1 - 2 * self.alpha) * (x + 0.5)
+        log_p, log_q = torch.log(p), torch.log1p(-p)
+        ld = (math.log1p(-2 * self.alpha) - log_p - log_q).flatten(1).sum(1)
+        return log_p - log_q, ld
+
+    def inverse(self, y):
+        return (torch.sigmoid(y) - self.alpha) / (1 - 2 * self.alpha) - 0.5

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from sinkflow.errors import SinkflowError, require
 from sinkflow.flows.coupling import SCALE_MAPS, AdditiveCoupling, AffineCoupling
-from sinkflow.flows.layers import ActNorm, InvConv1x1, Squeeze
+from sinkflow.flows.layers import ActNorm, InvConv1x1, Logit, Squeeze
 from sinkflow.flows.memory import FlowSequence, check_memory_mode
 
 LOG_2PI = math.log(2 * math.pi)
@@ -94,9 +94,11 @@ class FlowModel(nn.Module):
     ``x`` has shape ``(N, *in_shape)``; vector data ``(N, D)`` is carried internally as ``(N, D, 1, 1)``.
     """
 
-    def __init__(self, in_shape, levels: list[FlowSequence], splits: list[Split], top: TopPrior):
+    def __init__(self, in_shape, levels: list[FlowSequence], splits: list[Split], top: TopPrior,
+                 pre: nn.Module | None = None):
         super().__init__()
         self.in_shape = tuple(in_shape)
+        self.pre = pre  # a fixed bijection applied before the levels (Logit), or None
         self.levels = nn.ModuleList(levels)
         self.splits = nn.ModuleList(splits)
         self.top = top
@@ -141,6 +143,8 @@ class FlowModel(nn.Module):
         """Return ``(zs, logdet, log_prior)``: the change-of-variables pieces, kept apart for tests."""
         h = self._to4d(x)
         zs, logdet, log_prior = [], 0.0, 0.0
+        if self.pre is not None:
+            h, logdet = self.pre(h)
         for i, seq in enumerate(self.levels):
             h, ld = seq(h)
             logdet = logdet + ld
@@ -165,6 +169,12 @@ class FlowModel(nn.Module):
             if i < len(self.splits):
                 h = self.splits[i].inverse(h, zs[i], temperature, generator)
             h = self.levels[i].inverse(h)
+        return self.unpre(h)
+
+    def unpre(self, h):
+        """The last step of every inverse: undo ``pre`` and restore the sample shape."""
+        if self.pre is not None:
+            h = self.pre.inverse(h)
         return h.reshape(h.shape[0], *self.in_shape)
 
     @torch.no_grad()
@@ -201,7 +211,8 @@ def _level_shapes(in_shape, levels: int, squeeze: bool):
     return shapes, squeeze
 
 
-def _build(in_shape, levels, depth_per_level, step, squeeze, prior, memory, drift_tol, checkpoint_segments):
+def _build(in_shape, levels, depth_per_level, step, squeeze, prior, memory, drift_tol, checkpoint_segments,
+           logit_alpha=0.0):
     require(depth_per_level >= 1, f"flow depth_per_level must be >= 1, got {depth_per_level}",
             "set depth_per_level: 1 or more")
     if prior not in ("learned", "standard"):
@@ -217,13 +228,16 @@ def _build(in_shape, levels, depth_per_level, step, squeeze, prior, memory, drif
         if i < levels - 1:
             splits.append(Split(c, learned_prior=prior == "learned", kernel=kernel))
     c, h, w = shapes[-1]
-    return FlowModel(in_shape, seqs, splits, TopPrior((c, h, w), learned=prior == "learned"))
+    require(0 <= logit_alpha < 0.5, f"flow logit_alpha must be in [0, 0.5), got {logit_alpha}",
+            "use 0 (off) or a small value such as 0.001")
+    pre = Logit(logit_alpha) if logit_alpha > 0 else None
+    return FlowModel(in_shape, seqs, splits, TopPrior((c, h, w), learned=prior == "learned"), pre)
 
 
 def build_glow(in_shape, levels: int = 3, depth_per_level: int = 8, hidden_channels: int = 64,
                coupling: str = "affine", *, scale: str = "sigmoid", prior: str = "learned",
                squeeze: bool = True, memory: str = "standard", drift_tol: float = 1e-4,
-               checkpoint_segments: int | None = None) -> FlowModel:
+               checkpoint_segments: int | None = None, logit_alpha: float = 0.0) -> FlowModel:
     """Glow (Kingma & Dhariwal 2018): flow step = ActNorm -> LU 1x1 conv -> affine/additive coupling."""
     if coupling not in ("affine", "additive"):
         raise SinkflowError(f"unknown coupling {coupling!r}", "use 'affine' or 'additive'")
@@ -233,13 +247,13 @@ def build_glow(in_shape, levels: int = 3, depth_per_level: int = 8, hidden_chann
         return [ActNorm(c), InvConv1x1(c), cls(c, hidden_channels, kernel=kernel, scale=scale)]
 
     return _build(in_shape, levels, depth_per_level, step, squeeze, prior, memory, drift_tol,
-                  checkpoint_segments)
+                  checkpoint_segments, logit_alpha)
 
 
 def build_realnvp(in_shape, levels: int = 2, depth_per_level: int = 4, hidden_channels: int = 64, *,
                   scale: str = "tanh", prior: str = "standard", squeeze: bool = True,
                   memory: str = "standard", drift_tol: float = 1e-4,
-                  checkpoint_segments: int | None = None) -> FlowModel:
+                  checkpoint_segments: int | None = None, logit_alpha: float = 0.0) -> FlowModel:
     """RealNVP-style (Dinh et al. 2017): ActNorm -> affine coupling, alternating halves, channel masks only.
 
     Differences from the paper: channel-wise masks instead of checkerboard ones, ActNorm instead of batch
@@ -250,7 +264,7 @@ def build_realnvp(in_shape, levels: int = 2, depth_per_level: int = 4, hidden_ch
         return [ActNorm(c), AffineCoupling(c, hidden_channels, swap=k % 2 == 1, kernel=kernel, scale=scale)]
 
     return _build(in_shape, levels, depth_per_level, step, squeeze, prior, memory, drift_tol,
-                  checkpoint_segments)
+                  checkpoint_segments, logit_alpha)
 
 
 FLOW_DEFAULTS = {
@@ -265,6 +279,7 @@ FLOW_DEFAULTS = {
     "memory": "standard",        # standard | checkpoint | invertible
     "drift_tol": 1e-4,           # invertible mode: max relative error of a rebuilt layer input
     "checkpoint_segments": None,  # checkpoint mode: segments per level (default round(sqrt(layers)))
+    "logit_alpha": 0.0,          # > 0: RealNVP's logit preprocessing with this alpha before the levels (0 = off)
 }
 
 
@@ -275,7 +290,7 @@ def build_flow(cfg: dict, sample_shape) -> FlowModel:
         raise SinkflowError(f"unknown flow config key(s) {unknown}", f"valid keys: {sorted(FLOW_DEFAULTS)}")
     c = {**FLOW_DEFAULTS, **cfg}
     common = dict(squeeze=c["squeeze"], memory=c["memory"], drift_tol=c["drift_tol"],
-                  checkpoint_segments=c["checkpoint_segments"])
+                  checkpoint_segments=c["checkpoint_segments"], logit_alpha=float(c["logit_alpha"]))
     if c["scale"] is not None and c["scale"] not in SCALE_MAPS:
         raise SinkflowError(f"unknown coupling scale map {c['scale']!r}", f"use one of {SCALE_MAPS}")
     if c["arch"] == "glow":

@@ -176,10 +176,11 @@ def decode(model, eps: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
             mean, log_std = split._prior(h)
             h = split.inverse(h, mean + temperature * torch.exp(log_std) * take(mean.shape[1:]))
         h = model.levels[i].inverse(h)
+    h = model.unpre(h)
     if offset != flat.shape[1]:
         raise SinkflowError(f"flow latents use {offset} numbers but the noise has {flat.shape[1]} per sample",
                             "sample with noise of the data's shape")
-    return h.reshape(n, *model.in_shape)
+    return h
 
 
 @torch.no_grad()
