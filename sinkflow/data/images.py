@@ -20,6 +20,8 @@ from sinkflow.errors import SinkflowError
 log = logging.getLogger(__name__)
 IMAGE_SETS = {"digits": DigitsSource, "mnist": MNISTSource, "cifar10": CIFAR10Source, "folder": FolderSource}
 SPLITS = ("train", "test")
+VAL_SEED = 20261123  # fixed: the validation split of a set depends only on val_fraction and the train split
+MAX_VAL_FRACTION = 0.5
 
 
 def to_unit_range(x: torch.Tensor) -> torch.Tensor:
@@ -27,31 +29,63 @@ def to_unit_range(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).mul_(2.0 / 255.0).sub_(1.0)
 
 
-class ImageDistribution(Distribution):
-    """Images of one set; ``sample`` serves ``split``, ``test_set`` the held-out split.
+def val_split(n_train: int, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fit_index, val_index)``: sorted, disjoint indices into a train split of ``n_train`` images that
+    together cover it. ``round(val_fraction * n_train)`` images (at least 1 when the fraction is > 0, and
+    leaving at least 1 to fit on) are drawn by a permutation with the fixed seed ``VAL_SEED``."""
+    if val_fraction <= 0:
+        return torch.arange(n_train), torch.zeros(0, dtype=torch.long)
+    n_val = min(max(1, round(val_fraction * n_train)), n_train - 1)
+    if n_val < 1:
+        raise SinkflowError(f"a validation split needs at least 2 training images, the train split has {n_train}",
+                            "add images or set data.val_fraction=0")
+    perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(VAL_SEED))
+    return perm[n_val:].sort().values, perm[:n_val].sort().values
 
-    ``images``/``labels`` (train split) and ``test_images``/``test_labels`` expose the raw uint8 arrays
-    (memmaps) and int64 labels (None for folders), e.g. for the digits classifier metric.
+
+class ImageDistribution(Distribution):
+    """Images of one set; ``sample`` serves ``split``, ``val_set`` the validation split, ``test_set`` the
+    held-out test split.
+
+    ``images``/``labels`` (the whole train split, validation included) and ``test_images``/``test_labels``
+    expose the raw uint8 arrays (memmaps) and int64 labels (None for folders), e.g. for the digits classifier
+    metric. With ``val_fraction > 0`` a validation split is carved from the train split with a fixed seed
+    (:func:`val_split`): ``sample`` on the train split then never serves a validation image, ``val_set``
+    serves them, and ``fit_images`` is the uint8 array of the images that remain for fitting.
     """
 
     def __init__(self, name: str, train: np.ndarray, test: np.ndarray, train_labels, test_labels,
-                 flip: bool = False, split: str = "train"):
+                 flip: bool = False, split: str = "train", val_fraction: float = 0.0):
         self.name, self.flip, self.split = name, bool(flip), split
         self.images, self.labels = train, train_labels
         self.test_images, self.test_labels = test, test_labels
+        self.val_fraction = float(val_fraction)
+        self.fit_index, self.val_index = val_split(len(train), self.val_fraction)
         self._serve = train if split == "train" else test
+        self._map = self.fit_index if split == "train" and len(self.val_index) else None
         self.shape = tuple(int(s) for s in train.shape[1:])
 
     def __len__(self) -> int:
-        return len(self._serve)
+        return len(self._serve) if self._map is None else len(self._map)
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         """uint8 rows ``idx`` of the served split, in the order given, read in sorted order."""
-        return _gather(self._serve, idx)
+        return _gather(self._serve, idx if self._map is None else self._map[idx])
+
+    def fit_images(self) -> np.ndarray:
+        """uint8 training images a model may be fitted to: the train split minus the validation split."""
+        return np.asarray(self.images[self.fit_index.numpy()])
+
+    def val_set(self) -> torch.Tensor:
+        """Every validation image as float32 in [-1, 1] on CPU, never flipped, in a fixed order."""
+        if not len(self.val_index):
+            raise SinkflowError(f"{self.name}: there is no validation split (data.val_fraction=0)",
+                                "set data.val_fraction, e.g. 0.1, to carve one from the train split")
+        return to_unit_range(_gather(self.images, self.val_index))
 
     def sample(self, n, generator, device="cpu"):
         check_sample_args(n, generator)
-        idx = torch.randint(0, len(self._serve), (n,), generator=generator)
+        idx = torch.randint(0, len(self), (n,), generator=generator)
         flip = torch.rand(n, generator=generator) < 0.5 if self.flip else None
         device = torch.device(device)
         x = self.gather(idx)
@@ -87,7 +121,7 @@ def _gather(arr: np.ndarray, idx: torch.Tensor) -> torch.Tensor:
 def check_image_cfg(data_cfg: dict) -> dict:
     """Validate the image keys of the data section; return them with defaults filled in."""
     cfg = {"root": "data", "path": None, "image_size": None, "channels": None, "flip": False, "split": "train",
-           "download": False}
+           "download": False, "val_fraction": 0.0}
     cfg.update({k: v for k, v in data_cfg.items() if k in cfg})
     size = cfg["image_size"]
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
@@ -97,6 +131,10 @@ def check_image_cfg(data_cfg: dict) -> dict:
                             "use 1 (grayscale), 3 (RGB) or null (the set's own)")
     if cfg["split"] not in SPLITS:
         raise SinkflowError(f"data.split must be 'train' or 'test', got {cfg['split']!r}", "use data.split=train")
+    vf = cfg["val_fraction"]
+    if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not 0 <= vf <= MAX_VAL_FRACTION:
+        raise SinkflowError(f"data.val_fraction must be a number in [0, {MAX_VAL_FRACTION}], got {vf!r}",
+                            "e.g. data.val_fraction=0.1 (0 = no validation split)")
     for key in ("flip", "download"):
         if not isinstance(cfg[key], bool):
             raise SinkflowError(f"data.{key} must be true or false, got {cfg[key]!r}", f"e.g. data.{key}=false")
@@ -123,4 +161,5 @@ def build_image_distribution(name: str, data_cfg: dict) -> ImageDistribution:
             raise SinkflowError(f"{name}: the {split} split is empty", "add images (or check the data files)")
         arrays[split] = hit
     (train, train_labels), (test, test_labels) = arrays["train"], arrays["test"]
-    return ImageDistribution(name, train, test, train_labels, test_labels, flip=cfg["flip"], split=cfg["split"])
+    return ImageDistribution(name, train, test, train_labels, test_labels, flip=cfg["flip"], split=cfg["split"],
+                             val_fraction=cfg["val_fraction"])

@@ -205,38 +205,86 @@ def sample(run, x0, steps=None, record=False):
 
 # ------------------------------------------------------------------------------------------------ evaluation
 
-@torch.no_grad()
-def test_bpd(run, n: int | None = None, seeds: int | None = None, batch: int | None = None) -> dict:
-    """Test-set bits/dim of ``run``'s flow on ``n`` held-out images, one dequantisation draw per seed."""
-    from sinkflow import methods
-
-    cfg = run.cfg
-    _, target = methods.distributions(cfg)
-    n = min(n or cfg["eval"]["n"], len(target.test_images))
-    seeds = seeds or cfg["eval"]["seeds"]
-    batch = batch or cfg["train"]["flow"]["batch_size"]
-    n_bins = cfg["model"]["flow"]["n_bins"]
-    model = run.model("flow")
-    levels = pixel_levels(target.test_set(n), n_bins)
+def _bpd_of(model, images: torch.Tensor, n_bins: int, seeds: int, batch: int) -> list[float]:
+    """Mean bits/dim of ``images`` (data-layer floats in [-1, 1]), one fixed dequantisation draw per seed."""
+    levels = pixel_levels(images, n_bins)
     values = []
     for s in range(seeds):
         gen = phase_generator(s, "dequantize-test")
         total = 0.0
         for chunk in levels.split(batch):
             total += float(flow_loss(model, chunk, gen, n_bins)[1]) * len(chunk)
-        values.append(total / n)
+        values.append(total / len(levels))
+    return values
+
+
+@torch.no_grad()
+def test_bpd(run, n: int | None = None, seeds: int | None = None, batch: int | None = None, split: str = "test",
+             model=None) -> dict:
+    """Bits/dim of ``run``'s flow (or ``model``) on held-out images, one dequantisation draw per seed.
+
+    ``split="test"``: ``n`` test images (default ``eval.n``). ``split="val"``: every image of the validation
+    split carved from the train split (``data.val_fraction``); model selection reads this one only.
+    """
+    from sinkflow import methods
+
+    cfg = run.cfg
+    _, target = methods.distributions(cfg)
+    seeds = seeds or cfg["eval"]["seeds"]
+    batch = batch or cfg["train"]["flow"]["batch_size"]
+    n_bins = cfg["model"]["flow"]["n_bins"]
+    model = model if model is not None else run.model("flow")
+    if split == "val":
+        images = target.val_set()
+    elif split == "test":
+        images = target.test_set(min(n or cfg["eval"]["n"], len(target.test_images)))
+    else:
+        raise SinkflowError(f"unknown evaluation split {split!r}", "use 'val' or 'test'")
+    values = _bpd_of(model, images, n_bins, seeds, batch)
     return {"bpd": statistics.fmean(values), "bpd_std": statistics.stdev(values) if seeds > 1 else 0.0,
-            "bpd_all": values, "n": n, "seeds": seeds, "n_bins": n_bins, "target": target.name}
+            "bpd_all": values, "n": len(images), "seeds": seeds, "n_bins": n_bins, "target": target.name,
+            "split": split}
+
+
+@torch.no_grad()
+def select_checkpoint(run, paths, seeds: int | None = None) -> tuple[Path, list[dict]]:
+    """Model selection on the validation split only: validation bits/dim of every checkpoint in ``paths``.
+
+    Returns the best path and the curve ``[{"path", "step", "val_bpd", "val_bpd_std"}]``. Never reads the
+    test split (a test replaces it with one that raises).
+    """
+    from sinkflow.runner.phase import build_phase_model
+
+    curve = []
+    for path in paths:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        model = build_phase_model(run, "flow")
+        model.load_state_dict(state.get("ema") or state["model"])
+        model.to(run.device).eval().requires_grad_(False)
+        r = test_bpd(run, seeds=seeds, split="val", model=model)
+        curve.append({"path": str(path), "step": int(state.get("step", 0)), "val_bpd": r["bpd"],
+                      "val_bpd_std": r["bpd_std"]})
+    if not curve:
+        raise SinkflowError("no checkpoints to select from", "train with train.flow.ckpt_every set")
+    best = min(curve, key=lambda r: r["val_bpd"])
+    return Path(best["path"]), curve
 
 
 def evaluate(run, seeds: int | None = None, n: int | None = None) -> str:
     """``sinkflow eval`` for flows: test bits/dim, then the image metrics of samples (one inverse pass)."""
     from sinkflow.eval.images import format_metrics, image_metrics
 
+    lines = []
+    if run.cfg["data"].get("val_fraction", 0) > 0:
+        v = test_bpd(run, seeds=seeds, split="val")
+        run.logger.log("eval", 0, {"val_bpd": v["bpd"], "val_bpd_std": v["bpd_std"]})
+        lines.append(f"Validation bits/dim on {run.cfg['experiment']['preset']} (flow): {v['bpd']:.4f} +- "
+                     f"{v['bpd_std']:.4f} over {v['seeds']} dequantisation draws, {v['n']} validation {v['target']} "
+                     f"images (carved from the train split; model selection reads this one)")
     r = test_bpd(run, n=n, seeds=seeds)
     run.logger.log("eval", 0, {"test_bpd": r["bpd"], "test_bpd_std": r["bpd_std"]})
-    lines = [f"Test bits/dim on {run.cfg['experiment']['preset']} (flow): {r['bpd']:.4f} +- {r['bpd_std']:.4f} "
-             f"over {r['seeds']} dequantisation draws, {r['n']} held-out {r['target']} images, {r['n_bins']} levels"]
+    lines.append(f"Test bits/dim on {run.cfg['experiment']['preset']} (flow): {r['bpd']:.4f} +- {r['bpd_std']:.4f} "
+                 f"over {r['seeds']} dequantisation draws, {r['n']} held-out {r['target']} images, {r['n_bins']} levels")
     for name, value in PUBLISHED_BPD.get(r["target"], []) if r["n_bins"] == 256 else []:
         lines.append(f"  published, for context: {name}: {value:.2f}")
     metrics = image_metrics(run, seeds=seeds, n=n, steps_list=[1])

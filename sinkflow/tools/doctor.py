@@ -156,6 +156,92 @@ def overfit_one_batch(step_fn: Callable[[], float], steps: int = 300, factor: fl
     return _ok("overfit one batch", f"loss {first:.3g} -> {last:.3g} in {steps} steps ({first / max(last, 1e-30):.0f}x)")
 
 
+# ---- likelihood models (normalizing flows) ------------------------------------------------------
+
+def overfit_one_batch_bpd(step_fn: Callable[[], float], steps: int = 300, target: float = 1.0,
+                          dataset_bpd: float | None = None, floor: float = -0.05) -> Finding:
+    """The overfit rule for a likelihood model. ``step_fn()`` takes one optimizer step on the same fixed
+    images, *freshly dequantised every step*, and returns their bits/dim.
+
+    A regression loss can be driven to ~0, so the general rule asks for a 10x drop; bits/dim cannot: on
+    discrete data it is bounded below by the code length of the batch, which is >= 0, and the dequantised
+    bound keeps that floor in expectation over the noise. So: pass when the bits/dim of the batch falls
+    under ``target`` (well below the data set's value, ``dataset_bpd`` when known) within ``steps``; fail
+    when it stalls above it (a frozen layer, a broken conditioner, an LR far off); and fail when it goes
+    *below zero* by more than ``floor``: a proper density cannot do that on fresh noise, so the log-density
+    is not normalised (a log-det sign error, a prior missing its normaliser).
+    """
+    check = "overfit one batch (bits/dim)"
+    losses = []
+    for _ in range(steps):
+        losses.append(float(step_fn()))
+        if not math.isfinite(losses[-1]):
+            return Finding(check, False, f"bits/dim became {losses[-1]} at step {len(losses)}",
+                           "the LR is too high for this flow, or an inverse overflowed", "lower it (sinkflow lr-find)")
+        recent = losses[-10:]
+        if len(losses) >= 10 and sum(recent) / len(recent) < floor:
+            return Finding(check, False, f"bits/dim on one batch went {losses[0]:.3g} -> {sum(recent) / len(recent):.3g} "
+                           f"(< 0) in {len(losses)} steps", "the log-density is not normalised: a log-det with the "
+                           "wrong sign, or a prior without its normalising constant (bits/dim of discrete data under "
+                           "fresh dequantisation noise cannot go below 0)", "check each layer's log-det against "
+                           "slogdet of its Jacobian (the 'log-det matches Jacobian' check)")
+        if len(losses) >= 10 and sum(recent) / len(recent) < target:
+            break
+    first = sum(losses[:3]) / 3
+    last = sum(losses[-10:]) / len(losses[-10:])
+    ref = f", data set {dataset_bpd:.3g}" if dataset_bpd is not None else ""
+    if not last < target:
+        return Finding(check, False, f"bits/dim on one fixed batch went {first:.3g} -> {last:.3g} in {steps} steps "
+                       f"(target < {target:g}{ref})", "the flow cannot fit even one batch: a frozen or "
+                       "disconnected layer, a conditioner that never sees its input, or an LR far off",
+                       "fix the wiring findings first, then try sinkflow lr-find")
+    return _ok(check, f"bits/dim {first:.3g} -> {last:.3g} in {len(losses)} steps (target < {target:g}{ref})")
+
+
+def check_flow_trainable(model: nn.Module) -> Finding:
+    """Every layer of a flow should train: a flow has no reason to freeze one, and a frozen coupling is a
+    silent fault (the wiring checks only look at trainable tensors)."""
+    check = "flow layers all trainable"
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        layers = sorted({n.rsplit(".", 1)[0].split(".net")[0] for n in frozen})
+        return Finding(check, False, f"{len(frozen)} parameter tensor(s) of the flow are frozen (e.g. {frozen[0]}; "
+                       f"layers: {', '.join(layers[:3])}{' ...' if len(layers) > 3 else ''})",
+                       "requires_grad_(False) was left on (after loading, sampling or a partial freeze)",
+                       "call model.requires_grad_(True) before training the flow")
+    return _ok(check, f"all {sum(1 for _ in model.parameters())} tensors trainable")
+
+
+@torch.no_grad()
+def check_flow_logdet(model: nn.Module, x: torch.Tensor, max_dims: int = 1024, tol: float = 1e-3) -> Finding:
+    """The flow's log-det (``encode``) equals slogdet of the brute-force Jacobian of ``x -> latents`` on one
+    sample, in float64 on a copy of the model (skipped above ``max_dims`` dimensions)."""
+    check = "log-det matches Jacobian"
+    dims = x[0].numel()
+    if dims > max_dims:
+        return Finding(check, None, f"{dims} dimensions per sample (brute-force Jacobian only up to {max_dims})")
+    m = copy.deepcopy(model).double().eval()
+    if hasattr(m, "set_memory"):
+        m.set_memory("standard")
+    x0 = x[:1].double()
+
+    def f(v):
+        zs, _, _ = m.encode(v.view_as(x0))
+        return torch.cat([z.flatten() for z in zs])
+
+    with torch.enable_grad():
+        jac = torch.autograd.functional.jacobian(f, x0.flatten(), vectorize=True)
+        _, logdet, _ = m.encode(x0)
+    sign, ref = torch.linalg.slogdet(jac)
+    got = float(logdet.reshape(-1)[0])
+    err = abs(got - float(ref)) / max(1.0, abs(float(ref)))
+    if not float(sign) != 0 or not err < tol:
+        return Finding(check, False, f"the flow's log-det is {got:.6g} but slogdet of its Jacobian is {float(ref):.6g}",
+                       "a layer's log-det has the wrong sign or scale, or its forward is not what its log-det "
+                       "describes", "test each layer: torch.autograd.functional.jacobian vs the returned log-det")
+    return _ok(check, f"{got:.6g} vs slogdet {float(ref):.6g} ({dims} dims, float64)")
+
+
 # ---- data --------------------------------------------------------------------------------------
 
 def _tensors(batch) -> list[torch.Tensor]:
@@ -345,9 +431,43 @@ def check_phase(run, phase, overfit_steps: int = 300, overfit_batch: int = 16, f
     out.append(check_batchnorm_batch1(model, micro_batch_sizes(phase.cfg["batch_size"], phase.cfg["accum"],
                                                                  phase.info.world)))
     fixed = _subset(batch, overfit_batch)
-    out.append(overfit_one_batch(lambda: phase.train_step(fixed)[0], steps=overfit_steps, factor=factor))
+    if _is_flow(model):
+        out += _flow_checks(run, phase, fixed, overfit_steps)
+    else:
+        out.append(overfit_one_batch(lambda: phase.train_step(fixed)[0], steps=overfit_steps, factor=factor))
     for f in out:
         f.phase = phase.name
+    return out
+
+
+def _is_flow(model) -> bool:
+    from sinkflow.flows import FlowModel
+
+    return isinstance(model, FlowModel)
+
+
+FLOW_OVERFIT_TARGET = 1.0  # bits/dim on one batch that a healthy flow reaches within the doctor's steps
+
+
+def _flow_checks(run, phase, fixed, overfit_steps: int) -> list[Finding]:
+    """Flow phases: trainable layers, log-det vs Jacobian, and the likelihood overfit rule.
+
+    The phase's batches are dequantised levels ``k + u`` in [0, n_bins); the overfit steps keep the images
+    (``floor``) fixed and draw fresh noise every step, as training does, so bits/dim keeps its floor of 0.
+    """
+    from sinkflow.flows import preprocess
+
+    model = phase.model
+    n_bins = run.cfg["model"]["flow"]["n_bins"]
+    out = [check_flow_trainable(model), check_flow_logdet(model, preprocess(fixed, n_bins))]
+    levels = torch.floor(fixed)
+    gen = torch.Generator().manual_seed(0)
+
+    def step():
+        u = torch.rand(levels.shape, generator=gen).to(levels.device)
+        return phase.train_step(levels + u)[0]
+
+    out.append(overfit_one_batch_bpd(step, steps=overfit_steps, target=FLOW_OVERFIT_TARGET))
     return out
 
 
