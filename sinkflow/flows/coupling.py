@@ -114,6 +114,43 @@ class _Coupling(InvertibleLayer):
         return x, leaves, y_re, logdet
 
 
+    direct_grad = True
+
+    def grad_from_output(self, y, g_y, g_logdet):
+        """Backward by hand around one autograd call on the conditioner (no graph for the elementwise law).
+
+        With ``h = NN(cond) = (shift, raw)`` and ``y_act = (act + shift) * scale``, ``logdet = sum log scale``:
+        ``dL/dact = g scale``, ``dL/dshift = g scale``, ``dL/draw = (g y_act + g_logdet) dlog(scale)/draw``, where
+        ``dlog(scale)/draw = 1 - scale`` (sigmoid) or ``1 - (log scale / clamp)^2`` (tanh).
+        """
+        cond_y, y_act = self._split(y)
+        cond = cond_y.detach().requires_grad_(True)
+        g_cond_y, g_yact = self._split(g_y)
+        with torch.enable_grad():
+            h = self.net(cond)
+        with torch.no_grad():
+            if not self.affine:
+                act, g_act, g_h = y_act - h, g_yact, g_yact
+            else:
+                shift, raw = h[:, 0::2], h[:, 1::2]
+                if self.scale_map == "sigmoid":
+                    scale = torch.sigmoid(raw + 2.0)
+                    dlog = 1.0 - scale
+                else:
+                    log_scale = self.clamp * torch.tanh(raw / self.clamp)
+                    scale = torch.exp(log_scale)
+                    dlog = 1.0 - (log_scale / self.clamp) ** 2
+                act = y_act / scale - shift
+                g_act = g_yact * scale
+                g_raw = (g_yact * y_act + g_logdet.view(-1, *([1] * (y.dim() - 1)))) * dlog
+                g_h = torch.stack([g_act, g_raw], dim=2).flatten(1, 2)
+        params = [p for p in self.net.parameters() if p.requires_grad]
+        g = torch.autograd.grad(h, [cond, *params], g_h, allow_unused=True)
+        with torch.no_grad():
+            g_cond = g_cond_y if g[0] is None else g_cond_y + g[0]
+            return self._merge(cond_y, act), self._merge(g_cond, g_act), dict(zip(params, g[1:]))
+
+
 class AffineCoupling(_Coupling):
     """``yb = (xb + shift(xa)) * scale(xa)``; see module docstring for the bounded scale maps."""
 

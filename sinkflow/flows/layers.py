@@ -39,6 +39,15 @@ class InvertibleLayer(nn.Module):
             y_re, ld_re = self(leaf)
         return x, [leaf], y_re, ld_re
 
+    #: Layers that compute their own backward set this and implement ``grad_from_output``: the
+    #: constant-memory backward then skips the generic re-forward + ``autograd.grad`` for them (ActNorm and
+    #: the 1x1 conv in closed form; couplings by hand around a single autograd call on their conditioner).
+    direct_grad = False
+
+    def grad_from_output(self, y, g_y, g_logdet):  # pragma: no cover - abstract
+        """``(x, g_x, grads)``: the rebuilt input, its gradient and ``{param: grad}`` (no autograd)."""
+        raise NotImplementedError
+
 
 def _per_sample(value: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Broadcast a scalar log-det to shape (N,)."""
@@ -85,6 +94,17 @@ class ActNorm(InvertibleLayer):
     def inverse(self, y):
         return y * torch.exp(-self.log_scale) - self.bias
 
+    direct_grad = True
+
+    @torch.no_grad()
+    def grad_from_output(self, y, g_y, g_logdet):
+        """``y = (x + b) e^s``: ``dL/dx = g e^s``, ``dL/db = sum g e^s``, ``dL/ds = sum g y + H W sum g_logdet``."""
+        scale = torch.exp(self.log_scale)
+        x = y / scale - self.bias
+        g_x = g_y * scale
+        g_s = (g_y * y).sum(dim=(0, 2, 3), keepdim=True) + y.shape[2] * y.shape[3] * g_logdet.sum()
+        return x, g_x, {self.bias: g_x.sum(dim=(0, 2, 3), keepdim=True), self.log_scale: g_s}
+
 
 class InvConv1x1(InvertibleLayer):
     """Invertible 1x1 convolution, LU-parameterised (Glow): ``W = P L (U + diag(sign(s) exp(log|s|)))``.
@@ -105,10 +125,16 @@ class InvConv1x1(InvertibleLayer):
         self.lower = nn.Parameter(lower.float())
         self.upper = nn.Parameter(torch.triu(upper, 1).float())
         self.log_s = nn.Parameter(torch.log(torch.abs(s)).float())
+        self._eye_cache = None
+
+    def _eye(self) -> torch.Tensor:
+        eye = self._eye_cache
+        if eye is None or eye.dtype != self.lower.dtype or eye.device != self.lower.device:
+            eye = self._eye_cache = torch.eye(self.lower.shape[0], dtype=self.lower.dtype, device=self.lower.device)
+        return eye
 
     def weight(self) -> torch.Tensor:
-        eye = torch.eye(self.lower.shape[0], dtype=self.lower.dtype, device=self.lower.device)
-        lower = self.lower * self.lower_mask + eye
+        lower = self.lower * self.lower_mask + self._eye()
         upper = self.upper * self.lower_mask.T + torch.diag(self.sign_s * torch.exp(self.log_s))
         return self.perm @ lower @ upper
 
@@ -141,6 +167,29 @@ class InvConv1x1(InvertibleLayer):
             y_re = self._mix(w, leaf)
             logdet = _per_sample(y.shape[2] * y.shape[3] * self.log_s.sum(), y)
         return x, [leaf], y_re, logdet
+
+    direct_grad = True
+
+    @torch.no_grad()
+    def grad_from_output(self, y, g_y, g_logdet):
+        """``y = W x`` with ``W = P L U``: ``dL/dx = W^T g``, ``dL/dW = sum_n g x^T``, then through the LU
+        factors: ``dL/dL = P^T G U^T`` (strictly lower part), ``dL/dU = (P L)^T G`` (strictly upper part; its
+        diagonal gives ``dL/dlog|s| = diag * sign(s) e^log|s| + H W sum g_logdet``)."""
+        lower = self.lower * self.lower_mask + self._eye()
+        s_diag = self.sign_s * torch.exp(self.log_s)
+        upper = self.upper * self.lower_mask.T + torch.diag(s_diag)
+        pl = self.perm @ lower
+        w = pl @ upper
+        n, c = y.shape[:2]
+        yf, gf = y.reshape(n, c, -1), g_y.reshape(n, c, -1)
+        x = self._inv(w) @ yf
+        g_x = w.T @ gf
+        g_w = torch.matmul(gf, x.transpose(1, 2)).sum(0)
+        g_upper_full = pl.T @ g_w
+        g_lower = (self.perm.T @ g_w @ upper.T) * self.lower_mask
+        g_log_s = torch.diagonal(g_upper_full) * s_diag + y.shape[2] * y.shape[3] * g_logdet.sum()
+        return (x.view(y.shape), g_x.view(y.shape),
+                {self.lower: g_lower, self.upper: g_upper_full * self.lower_mask.T, self.log_s: g_log_s})
 
 
 class Squeeze(InvertibleLayer):
