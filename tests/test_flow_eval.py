@@ -149,14 +149,18 @@ def test_histogram_and_uniform_known_answers():
 
 # ---- the flow-aware doctor -----------------------------------------------------------------------
 
-def digits_batch(n=16):
+DIGITS_BPD = 2.39  # independent-pixel bits/dim of the digits (benchmarks/RESULTS.md)
+OVERFIT_STEPS = 200
+
+
+def digits_batch(n=8):
     from sklearn.datasets import load_digits
 
     k = torch.tensor(load_digits().images[:n], dtype=torch.float32).unsqueeze(1)
     return k  # levels 0..16
 
 
-def overfit_step(model, levels, n_bins=17, lr=3e-3):
+def overfit_step(model, levels, n_bins=17, lr=1e-2):
     from sinkflow.flows import bits_per_dim, preprocess
 
     gen = torch.Generator().manual_seed(0)
@@ -170,7 +174,7 @@ def overfit_step(model, levels, n_bins=17, lr=3e-3):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        return float(loss)
+        return float(loss.detach())
     return step
 
 
@@ -186,7 +190,7 @@ def test_doctor_flow_overfit_rule_passes_a_healthy_flow():
     levels = digits_batch()
     assert doctor.check_flow_trainable(model).ok
     assert doctor.check_flow_logdet(model, (levels + 0.5) / 17 - 0.5).ok
-    f = doctor.overfit_one_batch_bpd(overfit_step(model, levels), steps=OVERFIT_STEPS)
+    f = doctor.overfit_one_batch_bpd(overfit_step(model, levels), DIGITS_BPD, steps=OVERFIT_STEPS)
     assert f.ok, f.line()
 
 
@@ -203,7 +207,7 @@ def test_doctor_catches_a_frozen_coupling():
     for m in model.modules():
         if isinstance(m, AffineCoupling):
             m.requires_grad_(False)
-    f = doctor.overfit_one_batch_bpd(overfit_step(model, digits_batch()), steps=OVERFIT_STEPS)
+    f = doctor.overfit_one_batch_bpd(overfit_step(model, digits_batch()), DIGITS_BPD, steps=OVERFIT_STEPS)
     assert f.ok is False and "cannot fit even one batch" in f.cause, f.line()
 
 
@@ -222,5 +226,5 @@ def test_doctor_catches_a_logdet_sign_error(monkeypatch):
     levels = digits_batch()
     f = doctor.check_flow_logdet(model, (levels + 0.5) / 17 - 0.5)
     assert f.ok is False and "slogdet" in f.symptom
-    f = doctor.overfit_one_batch_bpd(overfit_step(model, levels), steps=OVERFIT_STEPS)
+    f = doctor.overfit_one_batch_bpd(overfit_step(model, levels), DIGITS_BPD, steps=OVERFIT_STEPS)
     assert f.ok is False and "not normalised" in f.cause, f.line()
