@@ -70,12 +70,15 @@ def measure_memory(model, x, device, loss_fn):
     return counter.bytes, peak
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time, the process's CPU time (robust on a shared CPU)
+
+
 def time_step(model, x, device, loss_fn):
     sync(device)
-    t = time.perf_counter()
+    t = CLOCK()
     loss_fn(model, x).backward()
     sync(device)
-    return time.perf_counter() - t
+    return CLOCK() - t
 
 
 def nll(model, x):
@@ -126,6 +129,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-memcnn", action="store_true", help="skip the memcnn peer")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="step time as wall time, or as the process's CPU time (CPU only; robust when other "
+                         "processes share the cores: their load does not count)")
     ap.add_argument("--out", default="benchmarks/flow_memory.png")
     ap.add_argument("--json", default=None, help="also write raw results here")
     ap.add_argument("--from-json", default=None, help="only redraw the table and plot from a --json file")
@@ -136,9 +142,15 @@ def main(argv=None):
         depths = sorted({r["depth"] for r in rows})
         modes = list(dict.fromkeys(r["mode"] for r in rows))
         print(table(rows, depths, modes, info))
+        print(ratio_summary(rows))
         plot(rows, depths, modes, args.out, info, torch.device(info["config"]["device"]))
         return
     device = torch.device(args.device)
+    if args.clock == "cpu":
+        if device.type != "cpu":
+            ap.error("--clock cpu measures CPU time: use it with --device cpu")
+        global CLOCK
+        CLOCK = time.process_time
     warnings.filterwarnings("ignore", category=FutureWarning)
 
     modes = list(MODES)
@@ -194,13 +206,26 @@ def main(argv=None):
                   file=sys.stderr)
 
     info = {"command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+            "clock": args.clock,
             "machine": machine(device), "date": datetime.date.today().isoformat(),
             "peer": peer_note + (f" -- failed: {info_peer_failed[0]}" if info_peer_failed else ""),
             "config": vars(args)}
     print(table(rows, args.depths, modes, info))
+    print(ratio_summary(rows))
     plot(rows, args.depths, modes, args.out, info, device)
     if args.json:
         Path(args.json).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+
+
+def ratio_summary(rows) -> str:
+    """One line per depth: each recomputing mode's step time as a multiple of standard's, memcnn beside."""
+    r = {(row["depth"], row["mode"]): row for row in rows}
+    lines = []
+    for d in sorted({row["depth"] for row in rows}):
+        std = r[d, "standard"]["seconds"]
+        parts = [f"{m} {r[d, m]['seconds'] / std:.2f}x" for m in ("invertible", "checkpoint", "memcnn") if (d, m) in r]
+        lines.append(f"depth {d}: step time vs standard: " + ", ".join(parts))
+    return "\n".join(lines)
 
 
 def table(rows, depths, modes, info):
@@ -210,7 +235,7 @@ def table(rows, depths, modes, info):
     head = ["depth", "mode", "saved MiB", f"x vs depth {d0}", "x vs standard"]
     if cuda:
         head += ["CUDA peak MiB", f"peak x vs depth {d0}"]
-    head += ["step ms", "time x vs standard"]
+    head += [f"step ms ({info.get('clock', 'wall')})", "time x vs standard"]
     lines = [f"Machine: {info['machine']}  ", f"Date: {info['date']}  ", f"Command: `{info['command']}`  ",
              f"Peer: {info['peer']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for d in depths:
