@@ -300,3 +300,23 @@ def test_config_errors_are_sinkflow_errors():
         build_flow({"levels": 3}, (1, 4, 4))
     with pytest.raises(SinkflowError, match="model expects"):
         build_flow({"levels": 1, "depth_per_level": 1}, (1, 8, 8)).log_prob(torch.zeros(2, 1, 4, 4))
+
+
+def test_invconv_factor_cache_follows_parameter_updates():
+    """The no-grad cache of W (and its inverse) is dropped when a parameter changes in place (an optimizer
+    step, a load): the inverse always matches the current weights."""
+    torch.manual_seed(0)
+    layer = InvConv1x1(4).double()
+    x = torch.randn(2, 4, 3, 3, dtype=torch.float64)
+    with torch.no_grad():
+        layer(x)
+        for p in layer.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # like an optimizer step
+        y, _ = layer(x)
+        assert torch.allclose(layer.inverse(y), x, atol=1e-12)
+        layer.load_state_dict({k: v + 0.01 if k in ("lower", "upper", "log_s") else v
+                               for k, v in layer.state_dict().items()})
+        y, _ = layer(x)
+        assert torch.allclose(layer.inverse(y), x, atol=1e-12)
+    y2, _ = layer(x)  # with grad: never cached, same values
+    assert torch.allclose(y2, y)

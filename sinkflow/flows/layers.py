@@ -126,6 +126,7 @@ class InvConv1x1(InvertibleLayer):
         self.upper = nn.Parameter(torch.triu(upper, 1).float())
         self.log_s = nn.Parameter(torch.log(torch.abs(s)).float())
         self._eye_cache = None
+        self._fcache = None
 
     def _eye(self) -> torch.Tensor:
         eye = self._eye_cache
@@ -133,10 +134,35 @@ class InvConv1x1(InvertibleLayer):
             eye = self._eye_cache = torch.eye(self.lower.shape[0], dtype=self.lower.dtype, device=self.lower.device)
         return eye
 
-    def weight(self) -> torch.Tensor:
+    def _factors(self):
+        """``(P L, U, sign(s) e^log|s|, W)``. Without grad they are cached until a parameter changes (its
+        version counter moves, e.g. an optimizer step or a load), so the constant-memory backward reuses the
+        forward's ``W`` and the float64 inverse is built once per step."""
+        grad = torch.is_grad_enabled()
+        key = None
+        if not grad:
+            key = (torch.is_autocast_enabled(self.lower.device.type),
+                   *((p._version, p.data_ptr(), p.dtype) for p in (self.lower, self.upper, self.log_s)))
+            if self._fcache is not None and self._fcache[0] == key:
+                return self._fcache[1]
         lower = self.lower * self.lower_mask + self._eye()
-        upper = self.upper * self.lower_mask.T + torch.diag(self.sign_s * torch.exp(self.log_s))
-        return self.perm @ lower @ upper
+        s_diag = self.sign_s * torch.exp(self.log_s)
+        upper = self.upper * self.lower_mask.T + torch.diag(s_diag)
+        pl = self.perm @ lower
+        out = [pl, upper, s_diag, pl @ upper, None]  # the last slot: the inverse, filled on demand
+        if not grad:
+            self._fcache = (key, out)
+        return out
+
+    def weight(self) -> torch.Tensor:
+        return self._factors()[3]
+
+    def _inverse_weight(self) -> torch.Tensor:
+        with torch.no_grad():
+            f = self._factors()
+            if f[4] is None:
+                f[4] = self._inv(f[3])
+            return f[4]
 
     @staticmethod
     def _mix(w, x):
@@ -154,7 +180,7 @@ class InvConv1x1(InvertibleLayer):
         return y, _per_sample(logdet, x)
 
     def inverse(self, y):
-        return self._mix(self._inv(self.weight()), y)
+        return self._mix(self._inverse_weight(), y)
 
     def rebuild(self, y):
         """Build ``W`` once (with grad) for both the inverse and the re-run forward."""
@@ -175,14 +201,10 @@ class InvConv1x1(InvertibleLayer):
         """``y = W x`` with ``W = P L U``: ``dL/dx = W^T g``, ``dL/dW = sum_n g x^T``, then through the LU
         factors: ``dL/dL = P^T G U^T`` (strictly lower part), ``dL/dU = (P L)^T G`` (strictly upper part; its
         diagonal gives ``dL/dlog|s| = diag * sign(s) e^log|s| + H W sum g_logdet``)."""
-        lower = self.lower * self.lower_mask + self._eye()
-        s_diag = self.sign_s * torch.exp(self.log_s)
-        upper = self.upper * self.lower_mask.T + torch.diag(s_diag)
-        pl = self.perm @ lower
-        w = pl @ upper
+        pl, upper, s_diag, w, _ = self._factors()
         n, c = y.shape[:2]
         yf, gf = y.reshape(n, c, -1), g_y.reshape(n, c, -1)
-        x = self._inv(w) @ yf
+        x = self._inverse_weight() @ yf
         g_x = w.T @ gf
         g_w = torch.matmul(gf, x.transpose(1, 2)).sum(0)
         g_upper_full = pl.T @ g_w

@@ -57,6 +57,7 @@ class FlowSequence(nn.Module):
         self.drift_events: list[dict] = []  # one dict per fallback: layer index, name, error
         self.max_drift = 0.0  # largest relative rebuild error seen by the guard
         self._probes: dict = {}
+        self._param_list = None
 
     # -- plain evaluation ----------------------------------------------------------------------
     def _run(self, x, start: int = 0, stop: int | None = None):
@@ -74,7 +75,9 @@ class FlowSequence(nn.Module):
         if torch.is_autocast_enabled(x.device.type):
             raise SinkflowError("flow memory mode 'invertible' does not support autocast",
                                 "train the flow in float32 or use memory: checkpoint")
-        params = [p for p in self.parameters() if p.requires_grad]
+        if self._param_list is None:  # the module tree is fixed after construction: walk it once
+            self._param_list = list(self.parameters())
+        params = [p for p in self._param_list if p.requires_grad]
         return _InvertibleChain.apply(self, x, *params)
 
     def inverse(self, y):
