@@ -174,8 +174,9 @@ def _walk(ctx, seq, y, x0, checks, kept, g_y, g_logdet, careful: bool):
     recomputing its true input from the stored chain input (flagging it to keep its input from now on).
 
     Optimistic pass: each rebuilt input only records its checksum and norm (two small ops); the errors of
-    all layers are computed in one go at the end. Layers with a closed-form gradient (ActNorm, 1x1 conv)
-    skip the re-forward and the autograd call.
+    all layers are computed in one go at the end. Layers with ``direct_grad`` (ActNorm and the 1x1 conv in
+    closed form, couplings by hand around one autograd call on their conditioner) skip the generic
+    re-forward + ``autograd.grad``.
     """
     grads = {id(p): None for p in ctx.params}
     probes, norms, rows = [], [], []
