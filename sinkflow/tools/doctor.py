@@ -191,13 +191,13 @@ def overfit_one_batch_bpd(step_fn: Callable[[], float], dataset_bpd: float, step
             break  # reached: no need to spend the remaining steps
     first = sum(losses[:3]) / 3
     last = sum(losses[-10:]) / len(losses[-10:])
-    ref = f" = {ratio:g} x the data set's independent-pixel {dataset_bpd:.3g}"
+    ref = f" = {ratio:g} x the data set's independent-pixel {dataset_bpd:.3f}"
     if not last < target:
-        return Finding(check, False, f"bits/dim on one fixed batch went {first:.3g} -> {last:.3g} in {steps} steps "
-                       f"(target < {target:.3g}{ref})", "the flow cannot fit even one batch: a frozen or "
+        return Finding(check, False, f"bits/dim on one fixed batch went {first:.3f} -> {last:.3f} in {steps} steps "
+                       f"(target < {target:.3f}{ref})", "the flow cannot fit even one batch: a frozen or "
                        "disconnected layer, a conditioner that never sees its input, or an LR far off",
                        "fix the wiring findings first, then try sinkflow lr-find")
-    return _ok(check, f"bits/dim {first:.3g} -> {last:.3g} in {len(losses)} steps (target < {target:.3g}{ref})")
+    return _ok(check, f"bits/dim {first:.3f} -> {last:.3f} in {len(losses)} steps (target < {target:.3f}{ref})")
 
 
 def flow_dataset_bpd(target, n_bins: int, n: int = 2048) -> float:
