@@ -1,7 +1,8 @@
 """Ablations behind the flow-digits preset: validation bits/dim of one Glow under one change at a time.
 
 A plain training loop equivalent to the runner's flow phase (Adam, linear warm-up, grad clip 100, batch 64,
-uniform dequantisation, ActNorm data init), on the same split: the digits train split minus a validation
+uniform dequantisation, ActNorm data init; its cosine decay spans all steps and multiplies the warm-up ramp,
+where the runner's starts after warm-up), on the same split: the digits train split minus a validation
 split of 10% drawn with ``sinkflow.data.images.VAL_SEED``. It reads the validation split only (never test).
 Each argument is one JSON run spec, e.g.
 
