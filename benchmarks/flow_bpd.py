@@ -59,7 +59,9 @@ def checkpoint_bpd(run, path, images, seeds: int = 3) -> tuple[float, float]:
     from sinkflow.methods.flow import test_bpd
     from sinkflow.runner.phase import build_phase_model
 
-    state = torch.load(path, weights_only=False)
+    from sinkflow.runner.checkpoint import load
+
+    state = load(path)  # weights only: a checkpoint never runs code
     model = build_phase_model(run, "flow")
     model.load_state_dict(state.get("ema") or state["model"])
     model.eval().requires_grad_(False)

@@ -32,7 +32,7 @@ def pool_check() -> None:
             cfg = config.resolve("moons", [*args, f"pool.in_flight={k}", f"experiment.name={name}"], {})
             run = Run.create(cfg)
             nsgf.pool_phase(cfg, *distributions(cfg)).run(run)
-            out[name] = {a: np.load(run.dir / "pool" / f"{a}.npy") for a in "xv"}
+            out[name] = {a: np.load(run.dir / "pool" / f"{a}.npy", allow_pickle=False) for a in "xv"}
         auto = choose_in_flight(cfg["pool"], (2,), torch.device("cuda"))
         dx = np.abs(out["one"]["x"] - out["auto"]["x"]).max()
         dv = np.abs(out["one"]["v"] - out["auto"]["v"]).max()

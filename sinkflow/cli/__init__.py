@@ -1,13 +1,16 @@
 """The `sinkflow` command. Each sub-command lives in its own module with ``add_parser`` and ``run``.
 
-User errors (``SinkflowError``) print one line and exit 2; a SIGTERM/SIGINT checkpoints and exits
-128+signal; anything else is a bug and keeps its traceback.
+User errors (``SinkflowError``) and operating-system errors (``OSError``: a full disk, a read-only
+folder, a missing file) print one line and exit 2; a SIGTERM/SIGINT checkpoints and exits 128+signal;
+anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import logging
 import sys
 
@@ -48,7 +51,35 @@ def main(argv: list[str] | None = None) -> int:
     except SinkflowError as exc:
         print(f"sinkflow: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"sinkflow: error: {os_error_line(exc)}", file=sys.stderr)
+        return 2
     except Interrupted as exc:
         print(f"sinkflow: {exc}; resume with `sinkflow train --resume {getattr(args, 'run_dir_used', 'RUN')}`",
               file=sys.stderr)
         return 128 + exc.signum
+
+
+_OS_FIXES = {
+    errno.ENOSPC: "free disk space or point experiment.runs_dir / data.root at a larger disk; the checkpoints "
+                  "written before are intact, so `sinkflow train --resume RUN` continues from the last one",
+    errno.EDQUOT: "free space under your disk quota; the checkpoints written before are intact",
+    errno.EFBIG: "the file grew past the size this process may write (ulimit -f) or the filesystem allows; "
+                 "raise the limit or use another disk; the checkpoints written before are intact",
+    errno.EROFS: "the filesystem is read-only: point experiment.runs_dir / data.root at a writable folder",
+    errno.EACCES: "you may not write there: point experiment.runs_dir / data.root at a folder you own",
+    errno.EPERM: "the operation is not permitted there: use another folder",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: check the path",
+    errno.EISDIR: "the path is a folder, a file was expected: check the path",
+}
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for any OSError: what failed (errno name and text), on which path, and the fix."""
+    code = errno.errorcode.get(exc.errno, "") if exc.errno else ""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    where = f" ({exc.filename})" if exc.filename else ""
+    fix = _OS_FIXES.get(exc.errno, "check the path, the permissions and the free space")
+    label = f"{code} " if code else ""
+    return f"{label}{what}{where}; {fix}".replace(os.linesep, " ")

@@ -8,6 +8,7 @@ from sinkflow import methods
 from sinkflow.cli.common import add_config_args, resolve_args, shorthands, split_preset
 from sinkflow.runner import dist
 from sinkflow.runner.experiment import run_phases
+from sinkflow.runner.lock import unlock_run
 from sinkflow.runner.run import Run
 
 log = logging.getLogger("sinkflow")
@@ -30,26 +31,39 @@ def add_parser(sub):
 
 def run(args):
     info = dist.init(getattr(args, "device", None) or "auto")
+    # every check comes first; nothing is written into a run folder before run_.start() (docs/reliability.md)
     if args.resume:
         split_preset(args)  # with --resume, positional arguments are overrides only
-        run_ = Run.open(args.resume, args.overrides, shorthands(args))
+        run_ = Run.open(args.resume, args.overrides, shorthands(args))  # frozen keys, device: no writes
     else:
         cfg = resolve_args(args)
-        methods.distributions(cfg)  # validate the data before the run folder exists
-        method = methods.get(cfg["experiment"]["method"])
-        if hasattr(method, "check"):  # ... and the method's own limits (e.g. NSGF++: T <= 5, pool size)
-            method.check(cfg, methods.sample_shape(cfg))
+        _check(cfg)  # the data and the method's limits before the run folder exists
         run_ = Run.create(cfg)
     args.run_dir_used = str(run_.dir)
-    cfg = run_.cfg
-    source, target = methods.distributions(cfg)
-    if info.is_main:
-        log.info("run folder: %s", run_.dir)
-    phases = methods.get(cfg["experiment"]["method"]).phases(cfg, source, target)
-    run_phases(run_, phases)
-    if info.is_main and not args.no_report:
-        from sinkflow.eval.report import final_report
+    try:
+        cfg = run_.cfg
+        if args.resume:
+            _check(cfg)
+        source, target = methods.distributions(cfg)
+        phases = methods.get(cfg["experiment"]["method"]).phases(cfg, source, target)
+        if args.resume:
+            run_.verify(phases)  # finished phases' final.pt and the newest step checkpoint: safe, this run's
+        run_.start()  # the lock (one writer per run folder), the resumed config, orphaned temp files
+        if info.is_main:
+            log.info("run folder: %s", run_.dir)
+        run_phases(run_, phases)
+        if info.is_main and not args.no_report:
+            from sinkflow.eval.report import final_report
 
-        print(final_report(run_))
-    run_.logger.close()
+            print(final_report(run_))
+    finally:
+        run_.logger.close()
+        unlock_run(run_.dir)
     return 0
+
+
+def _check(cfg: dict) -> None:
+    methods.distributions(cfg)
+    method = methods.get(cfg["experiment"]["method"])
+    if hasattr(method, "check"):  # e.g. NSGF++: T <= 5, pool size
+        method.check(cfg, methods.sample_shape(cfg))

@@ -220,7 +220,8 @@ def validate(tree: dict) -> None:
         )
     for key, value in flatten(tree).items():
         last = key.split(".")[-1]
-        if last in ("iters", "batch_size", "batches", "steps") and isinstance(value, int) and value < 1:
+        if last in ("iters", "batch_size", "batches", "steps", "ckpt_every", "log_every") and isinstance(value, int) \
+                and value < 1:
             raise SinkflowError(f"config key '{key}' must be >= 1 (got {value})", f"set {key} to a positive integer")
         if last in ("lr", "blur", "eta") and isinstance(value, float) and value <= 0:
             raise SinkflowError(f"config key '{key}' must be > 0 (got {value})", f"set {key} to a positive number")

@@ -156,7 +156,15 @@ def build_image_distribution(name: str, data_cfg: dict) -> ImageDistribution:
         hit = open_cache(stem, fp, src.chw)
         if hit is None:
             log.info("decoding %s/%s once into %s.npy", name, split, stem)
-            hit = src.decode_into(split, lambda shape, fill, stem=stem, fp=fp: write_cache(stem, fp, shape, fill))
+            try:
+                hit = src.decode_into(split, lambda shape, fill, stem=stem, fp=fp: write_cache(stem, fp, shape, fill))
+            except OSError as exc:
+                if exc.filename is None or not str(exc.filename).startswith(str(stem.parent)):
+                    raise
+                raise SinkflowError(
+                    f"cannot write the image cache {stem.parent} under data.root={cfg['root']} "
+                    f"({exc.strerror or type(exc).__name__})",
+                    "set data.root to a writable folder with room for the decoded images") from None
         if len(hit[0]) == 0:
             raise SinkflowError(f"{name}: the {split} split is empty", "add images (or check the data files)")
         arrays[split] = hit

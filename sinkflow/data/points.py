@@ -11,6 +11,7 @@ from sinkflow.data.base import Distribution, check_sample_args
 from sinkflow.errors import SinkflowError
 
 MIN_POINT_ROWS = 16
+NPY_MAGIC = b"\x93NUMPY"
 
 
 class PointFile(Distribution):
@@ -42,9 +43,17 @@ def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
         raise SinkflowError(f"point file {path} does not exist", "check data.source/data.target (paths are relative "
                             "to the directory you run sinkflow from)")
     try:
+        with open(path, "rb") as f:
+            magic = f.read(len(NPY_MAGIC))
+    except OSError as e:
+        raise SinkflowError(f"point file {path} cannot be read ({e.strerror})", "check its permissions") from None
+    if magic != NPY_MAGIC:  # a text/CSV file, an .npz, a pickle renamed to .npy...
+        raise SinkflowError(f"point file {path} is not a .npy file (no NumPy header)", fix_shape)
+    try:
         arr = np.load(path, allow_pickle=False)
-    except ValueError as e:  # pickled object arrays, bad headers
-        raise SinkflowError(f"point file {path} is not a plain numeric .npy array ({e})", fix_shape) from None
+    except ValueError as e:  # object arrays (they would need unpickling: never done), bad headers
+        reason = "it holds Python objects, not numbers" if "pickle" in str(e) else str(e)
+        raise SinkflowError(f"point file {path} is not a plain numeric .npy array ({reason})", fix_shape) from None
     except (OSError, EOFError) as e:
         raise SinkflowError(f"point file {path} cannot be read as .npy ({e})", fix_shape) from None
     if not isinstance(arr, np.ndarray):
@@ -56,6 +65,9 @@ def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
                             "reshape it to one point per row, e.g. points.reshape(-1, 2)")
     if any(s == 0 for s in arr.shape[1:]):
         raise SinkflowError(f"point file {path} has shape {arr.shape}: points have no coordinates", fix_shape)
+    if len(arr) < min_rows:
+        raise SinkflowError(f"point file {path} has {len(arr)} rows; at least {min_rows} are needed",
+                            "add more points (each row is one sample)")
     bad = ~np.isfinite(arr.reshape(len(arr), -1)).all(axis=1) if arr.dtype.kind == "f" else np.zeros(len(arr), bool)
     if bad.any():
         first = int(np.flatnonzero(bad)[0])

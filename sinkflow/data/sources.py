@@ -11,6 +11,7 @@ import gzip
 import hashlib
 import logging
 import os
+import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -191,32 +192,39 @@ class MNISTSource(ArraySource):
         return ds.data.numpy(), ds.targets.numpy().astype(np.int64)
 
 
-def _cifar10_unchecked():
-    from torchvision.datasets import CIFAR10
+class _ArrayUnpickler(pickle.Unpickler):
+    """Unpickles dicts, lists, strings, numbers and numpy arrays only: any other global (a function that
+    a crafted file would call) is refused, so reading a CIFAR-10 batch can never run code."""
 
-    class UncheckedCIFAR10(CIFAR10):
-        """torchvision's CIFAR-10 reader minus the md5 check (files present but not the official bytes)."""
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
 
-        def _check_integrity(self) -> bool:
-            base = os.path.join(self.root, self.base_folder)
-            return all(os.path.isfile(os.path.join(base, f)) for f, _ in self.train_list + self.test_list)
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a CIFAR-10 batch file")
 
-        def _load_meta(self) -> None:
-            import pickle
 
-            with open(os.path.join(self.root, self.base_folder, self.meta["filename"]), "rb") as f:
-                self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
-            self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-
-    return UncheckedCIFAR10
+def read_cifar10_batches(folder: Path, files: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The CIFAR-10 python batches (N, 32, 32, 3) uint8 and labels, read with ``_ArrayUnpickler``."""
+    datas, labels = [], []
+    for name in files:
+        with open(Path(folder) / name, "rb") as fh:
+            entry = _ArrayUnpickler(fh, encoding="latin1").load()
+        datas.append(np.asarray(entry["data"], dtype=np.uint8))
+        labels.extend(entry["labels"] if "labels" in entry else entry["fine_labels"])
+    data = np.vstack(datas).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    return data, np.asarray(labels, dtype=np.int64)
 
 
 class CIFAR10Source(ArraySource):
     """torchvision CIFAR-10 under ``<root>/cifar-10-batches-py``.
 
-    torchvision checks each pickle's md5 against the official archive. When the files are all present but
-    differ (a subset, a re-pickled copy, the tiny files of the tests), they are read by the same
-    torchvision code with only that check disabled, and a warning says so.
+    torchvision checks each pickle's md5 against the official archive before unpickling it. When the files
+    are all present but differ (a subset, a re-pickled copy, the tiny files of the tests), they are read by
+    ``read_cifar10_batches``, whose unpickler builds only numbers, strings, lists, dicts and numpy arrays
+    (a crafted file cannot run code), and a warning says so.
     """
 
     name = "cifar10"
@@ -259,8 +267,8 @@ class CIFAR10Source(ArraySource):
                 ds = CIFAR10(self.root, train=split == "train", download=False)
             except RuntimeError:  # md5 mismatch with every file present (see class docstring)
                 warnings.warn(f"CIFAR-10 files in {self.folder} do not match the official checksums; "
-                              "loading them as they are", stacklevel=2)
-                ds = _cifar10_unchecked()(self.root, train=split == "train", download=False)
+                              "loading them as they are (numbers and arrays only, never code)", stacklevel=2)
+                return read_cifar10_batches(self.folder, self.FILES[split])
         except Exception as e:
             raise SinkflowError(f"CIFAR-10 files in {self.folder} cannot be read ({type(e).__name__}: {e})",
                                 "replace them with the files of the official cifar-10-python.tar.gz") from None

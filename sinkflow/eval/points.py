@@ -71,14 +71,29 @@ def w2_table(run, n: int | None = None, seeds: int | None = None, steps_list=Non
         rows.append({
             "steps": steps, "nfe": nfe, "w2_mean": statistics.fmean(values),
             "w2_std": statistics.stdev(values) if len(values) > 1 else 0.0, "w2_all": values,
-            "paper": paper_w2(cfg["experiment"]["method"], cfg["experiment"]["preset"], steps),
+            "paper": paper_w2(cfg["experiment"]["method"], cfg["experiment"]["preset"], steps)
+            if is_paper_task(cfg) else None,
         })
     return rows
+
+
+def is_paper_task(cfg: dict) -> bool:
+    """True when the run's data is its preset's own (the task the paper's number is for); a run on the
+    user's ``data.target=points.npy`` (or another source) is not compared with the paper."""
+    from sinkflow import config as config_mod
+
+    try:
+        own = config_mod.load_preset(cfg["experiment"]["preset"])["data"]
+    except Exception:
+        return False
+    return all(cfg["data"].get(k) == own.get(k) for k in ("source", "target"))
 
 
 def format_table(rows: list[dict], method: str, task: str) -> str:
     lines = [f"W2 on {task} ({method}), exact OT (POT emd2), mean +- std over seeds:",
              f"{'steps':>6} {'NFE':>5} {'W2':>16} {'paper NSGF':>11}"]
+    if all(r["paper"] is None for r in rows):
+        lines[1] = f"{'steps':>6} {'NFE':>5} {'W2':>16}"
     for r in rows:
         paper = "" if r["paper"] is None else f"{r['paper']:.3f}"
         lines.append(f"{r['steps']:>6} {r['nfe']:>5} {r['w2_mean']:>9.3f} +- {r['w2_std']:.3f} {paper:>11}")

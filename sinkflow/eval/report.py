@@ -16,7 +16,10 @@ def evaluate(run, seeds: int | None = None, n: int | None = None) -> str:
 
         rows = w2_table(run, n=n, seeds=seeds)
         run.logger.log("eval", 0, {f"w2_{r['steps']}": r["w2_mean"] for r in rows})
-        return format_table(rows, cfg["experiment"]["method"], cfg["experiment"]["preset"])
+        from sinkflow.eval.points import is_paper_task
+
+        task = cfg["experiment"]["preset"] if is_paper_task(cfg) else f"{cfg['data']['source']} -> {cfg['data']['target']}"
+        return format_table(rows, cfg["experiment"]["method"], task)
     if cfg["experiment"]["method"] == "flow":  # normalizing flows: test bits/dim first (methods/flow.py)
         return methods.get("flow").evaluate(run, seeds=seeds, n=n)
     from sinkflow.eval.images import evaluate_images

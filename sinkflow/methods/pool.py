@@ -64,13 +64,24 @@ def check_pool_fits(pool_cfg: dict, sample_shape: tuple[int, ...], folder: Path)
             f"use fewer pool.batches{half}, or point experiment.runs_dir at a larger disk")
 
 
+def load_pool_array(path: Path, mmap_mode: str | None):
+    """One of the pool's .npy files (never unpickled); a missing or damaged one is a one-line error."""
+    try:
+        return np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, FileNotFoundError):
+            raise  # a full disk, a permission problem: the CLI reports the OSError itself
+        raise SinkflowError(f"pool file {path} is missing or damaged ({type(exc).__name__})",
+                            "delete the run's pool/ and checkpoints/ folders to rebuild it, or start a new run") from None
+
+
 class TrajectoryPool:
     """Read side of a finished pool: ``sample(idx)`` -> (x_t, t, v_t) as float32 tensors."""
 
     def __init__(self, folder: Path, storage: str = "memory"):
         self.folder = Path(folder)
         mode = "r" if storage == "disk" else None
-        arrays = [np.load(self.folder / f"{k}.npy", mmap_mode=mode) for k in ("x", "v", "t")]
+        arrays = [load_pool_array(self.folder / f"{k}.npy", mode) for k in ("x", "v", "t")]
         self.x, self.v, self.t = arrays if storage == "disk" else [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
         self.on_disk = storage == "disk"
 
@@ -200,7 +211,10 @@ class PoolPhase(Phase):
         total = batches * per_batch
         dtype = DTYPES[cfg["dtype"]]
         progress_file = folder / "progress.json"
-        saved = json.loads(progress_file.read_text()) if progress_file.exists() else {}
+        try:
+            saved = json.loads(progress_file.read_text()) if progress_file.exists() else {}
+        except ValueError:
+            raise SinkflowError(f"{progress_file} is damaged", "delete it to rebuild the pool from scratch") from None
         done = set(saved.get("chunks", []))
         # the diameter is fixed once per build and kept with the progress, so a resumed build matches
         self.diameter = saved["diameter"] if saved.get("diameter") is not None else self.pool_diameter(run)
@@ -209,7 +223,7 @@ class PoolPhase(Phase):
                 np.lib.format.open_memmap(folder / f".{key}.npy.tmp", mode="w+", dtype=dt, shape=shp).flush()
                 (folder / f".{key}.npy.tmp").rename(folder / f"{key}.npy")
         dist.barrier()
-        arrays = {k: np.load(folder / f"{k}.npy", mmap_mode="r+") for k in ("x", "v", "t")}
+        arrays = {k: load_pool_array(folder / f"{k}.npy", "r+") for k in ("x", "v", "t")}
         n_chunks = math.ceil(batches / chunk)
         seed = run.cfg["experiment"]["seed"]
         todo = [c for c in range(n_chunks) if c not in done]
@@ -250,7 +264,8 @@ class PoolPhase(Phase):
         del arrays
         dist.barrier()
         if info.is_main:
-            run.checkpoints(self.name).save_final({"pool": str(folder), "entries": total, "chunks": n_chunks})
+            run.checkpoints(self.name).save_final({"pool": str(folder), "entries": total, "chunks": n_chunks,
+                                                   "step": n_chunks})
         dist.barrier()
 
 

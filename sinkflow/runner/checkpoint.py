@@ -1,8 +1,13 @@
-"""Atomic, rotated checkpoints that any PyTorch tool can read (`torch.load`).
+"""Atomic, rotated checkpoints that any PyTorch tool can read (`torch.load(path, weights_only=True)`).
 
 A checkpoint is written to a temporary file in the same folder, fsynced, then renamed over its final
 name, so a crash mid-write never leaves a half-written file under a real name. Rotation deletes old
 checkpoints only *after* the new one is complete, so the newest valid checkpoint always survives.
+
+Checkpoints hold only tensors, numbers, strings, lists and dicts (RNG states included), and every load
+goes through ``torch.load(..., weights_only=True)``: a crafted file cannot run code, it is refused. A
+checkpoint with a non-finite tensor is never written. Each checkpoint carries the run's identity
+(``sinkflow.runner.identity``) and the step it holds; ``PhaseCheckpoints.load`` checks both.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +25,52 @@ import torch
 from sinkflow.errors import SinkflowError
 
 STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
+FORMAT = 2  # 2: weights-only payload (plain RNG states), run identity and step in every checkpoint
+
+
+class _Recording:
+    """A file wrapper that remembers the first OSError (errno, path) of the real file: torch.save turns
+    it into a RuntimeError without either."""
+
+    def __init__(self, f):
+        self._f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self):
+        try:
+            self._f.flush()
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
 
 
 def atomic_write_bytes(path: Path, write) -> None:
-    """Call ``write(fileobj)`` on a temp file next to ``path``, fsync it, then rename it into place."""
+    """Call ``write(fileobj)`` on a temp file next to ``path``, fsync it, then rename it into place.
+
+    A failing write (a full disk...) raises the file's own ``OSError`` and leaves no temp file behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        with open(tmp, "wb") as raw:
+            f = _Recording(raw)
+            try:
+                write(f)
+                f.flush()
+                os.fsync(raw.fileno())
+            except Exception as exc:
+                if f.error is not None and not isinstance(exc, OSError):  # torch: "file write failed"
+                    raise f.error from None
+                raise
         os.replace(tmp, path)
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -42,18 +82,58 @@ def atomic_write_bytes(path: Path, write) -> None:
             tmp.unlink()
 
 
+def non_finite(obj: Any, where: str = "") -> str | None:
+    """The name of the first floating-point tensor in a nested dict/list holding NaN or Inf, else None."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and not bool(torch.isfinite(obj).all()):
+            return where or "a tensor"
+        return None
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return None
+    for key, value in items:
+        bad = non_finite(value, f"{where}.{key}" if where else str(key))
+        if bad:
+            return bad
+    return None
+
+
 def atomic_save(obj: Any, path: Path) -> None:
+    """Write a checkpoint atomically; one holding NaN or Inf is refused (it would poison every resume)."""
+    bad = non_finite(obj)
+    if bad:
+        raise SinkflowError(f"refusing to write {path}: {bad} holds NaN or Inf",
+                            "the earlier checkpoints are kept; lower the learning rate or check the data")
     atomic_write_bytes(Path(path), lambda f: torch.save(obj, f))
 
 
+_UNSAFE = re.compile(r"Unsupported (global|operand|class)|not an allowed global")
+
+
 def load(path: Path, map_location="cpu") -> dict:
-    """Load a checkpoint, turning a truncated or foreign file into a one-line error."""
+    """Load a checkpoint without running code: tensors, numbers, strings, lists and dicts only.
+
+    A truncated file, a file that needs more than that (a pickle that would import or call anything)
+    and a file that is not a sinkflow checkpoint are each a one-line error."""
     path = Path(path)
     if not path.is_file():
         raise SinkflowError(f"checkpoint {path} does not exist", "check the run folder path")
     try:
-        obj = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as exc:  # truncated zip, pickle garbage, ...
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "pickle protocol N" chatter of the weights-only unpickler
+            obj = torch.load(path, map_location=map_location, weights_only=True)
+    except OSError:
+        raise
+    except Exception as exc:  # truncated zip, pickle garbage, a global the weights-only unpickler refuses...
+        text = str(exc)
+        if "Weights only load failed" in text and _UNSAFE.search(text):
+            raise SinkflowError(
+                f"checkpoint {path} holds objects other than tensors, numbers, strings, lists and dicts, so it "
+                "was refused (loading it could run code)",
+                "use only checkpoints written by this sinkflow for this run, or start a new run") from None
         raise SinkflowError(
             f"checkpoint {path} is corrupt or truncated ({type(exc).__name__})",
             "delete it to resume from the previous checkpoint, or start a new run",
@@ -64,7 +144,13 @@ def load(path: Path, map_location="cpu") -> dict:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every global RNG state as tensors, numbers, strings and lists (loadable with ``weights_only=True``)."""
+    name, key, pos, has_gauss, cached = np.random.get_state()
+    version, mt, gauss_next = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"name": str(name), "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+             "python": {"version": int(version), "state": list(mt), "gauss_next": gauss_next}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -72,18 +158,46 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    npy = state["numpy"]
+    if isinstance(npy, dict):
+        npy = (npy["name"], npy["key"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    np.random.set_state(npy)
+    py = state["python"]
+    if isinstance(py, dict):
+        py = (py["version"], tuple(py["state"]), py["gauss_next"])
+    random.setstate(py)
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-class PhaseCheckpoints:
-    """Step checkpoints of one phase (``step_XXXXXXXX.pt``) and its ``final.pt``."""
+TMP_FILE = re.compile(r"^\..+\.tmp(-?\d+)?$")
 
-    def __init__(self, folder: Path, keep: int = 3):
+
+def remove_orphans(folder: Path) -> list[Path]:
+    """Delete the temp files (``.NAME.tmp-PID``) that killed writes left in ``folder`` and below.
+
+    Call it only while holding the run folder's lock: then no other process is writing there."""
+    folder = Path(folder)
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    for p in folder.rglob(".*.tmp*"):
+        if p.is_file() and TMP_FILE.match(p.name):
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+class PhaseCheckpoints:
+    """Step checkpoints of one phase (``step_XXXXXXXX.pt``) and its ``final.pt``.
+
+    ``identity`` (``sinkflow.runner.identity.identity``) is written into every checkpoint, and every
+    checkpoint loaded through this object must carry the same one and the step its file name says."""
+
+    def __init__(self, folder: Path, keep: int = 3, identity: dict | None = None):
         self.folder = Path(folder)
         self.keep = max(1, keep)
+        self.identity = identity
 
     @property
     def final_path(self) -> Path:
@@ -95,20 +209,44 @@ class PhaseCheckpoints:
         found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := STEP_FILE.match(p.name))]
         return sorted(found)
 
+    def _payload(self, state: dict, **extra) -> dict:
+        return {"format": FORMAT, **({"identity": self.identity} if self.identity else {}), **state, **extra}
+
     def save(self, state: dict, step: int) -> Path:
         path = self.folder / f"step_{step:08d}.pt"
-        atomic_save({"format": 1, "step": step, **state}, path)
+        atomic_save(self._payload(state, step=step), path)
         for _, old in self.steps()[: -self.keep]:  # only after the new one is complete
             old.unlink(missing_ok=True)
         return path
 
     def save_final(self, state: dict) -> Path:
-        atomic_save({"format": 1, "final": True, **state}, self.final_path)
+        atomic_save(self._payload(state, final=True), self.final_path)
         return self.final_path
 
+    def load(self, path: Path) -> dict:
+        """Load one of this phase's checkpoints and check that it belongs here (identity, step)."""
+        path = Path(path)
+        obj = load(path)
+        if self.identity is not None:
+            from sinkflow.runner.identity import check_checkpoint
+
+            m = STEP_FILE.match(path.name)
+            check_checkpoint(obj, self.identity, path, step=int(m.group(1)) if m else None)
+        return obj
+
     def latest(self) -> dict | None:
-        """The newest loadable step checkpoint; a corrupt newest one is reported, not skipped silently."""
+        """The newest step checkpoint, checked; a corrupt or foreign newest one is reported, not skipped."""
         steps = self.steps()
         if not steps:
             return None
-        return load(steps[-1][1])
+        return self.load(steps[-1][1])
+
+    def final(self) -> dict:
+        return self.load(self.final_path)
+
+    def last_good(self) -> str:
+        """Which checkpoint a resume would continue from, in words (for stop messages)."""
+        steps = self.steps()
+        if steps:
+            return f"the last good checkpoint {steps[-1][1]} (step {steps[-1][0]}) is kept"
+        return "no checkpoint of this phase exists yet (a resume restarts it from step 0)"

@@ -23,10 +23,14 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self._tb = None
-        self._jsonl = None
-        if enabled:
+        self._jsonl = None  # opened on the first record: creating a logger writes nothing
+
+    @property
+    def jsonl(self):
+        if self._jsonl is None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        return self._jsonl
 
     @property
     def tb(self):
@@ -46,7 +50,7 @@ class MetricsLogger:
             record[key] = value
             if isinstance(value, float) and math.isfinite(value):
                 self.tb.add_scalar(f"{phase}/{key}", value, step)
-        self._jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.write(json.dumps(record) + "\n")
 
     def histogram(self, tag: str, values, step: int) -> None:
         if self.enabled:

@@ -170,14 +170,16 @@ class TrainPhase(Phase):
                 loss = self.loss_fn(self.ddp_model, part) / len(micro)
             value = dist.mean_over_ranks(loss.item())  # every rank sees the same value (and stops together)
             if not math.isfinite(value):
-                raise SinkflowError(
-                    f"non-finite loss ({value}) in phase '{self.name}' at step {self.step + 1}",
-                    "the last good checkpoint is kept; lower the learning rate (sinkflow lr-find) or check the data")
+                self.stop_non_finite(f"non-finite loss ({value})")
             self.scaler.scale(loss).backward()
             total += value
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg["grad_clip"]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        if not self.scaler.is_enabled():  # fp16: the scaler skips steps with inf/NaN gradients by design
+            norm = dist.mean_over_ranks(float(grad_norm))  # every rank stops together
+            if not math.isfinite(norm):  # never apply it: the weights (and the next checkpoint) would be NaN
+                self.stop_non_finite(f"non-finite gradient norm ({norm}) with a finite loss ({total:.4g})")
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
@@ -185,11 +187,17 @@ class TrainPhase(Phase):
             self.ema.update_parameters(self.model)
         return total, float(grad_norm)
 
+    def stop_non_finite(self, what: str) -> None:
+        """Stop before a non-finite step is applied, saying which checkpoint a resume would use."""
+        kept = self.ckpts.last_good() if getattr(self, "ckpts", None) is not None else "no checkpoint was written"
+        raise SinkflowError(f"{what} in phase '{self.name}' at step {self.step + 1}; the step was not applied and "
+                            f"{kept}", "lower the learning rate (sinkflow lr-find), set a grad_clip, or check the data")
+
     def run(self, run) -> None:
         self.setup(run)
         self.model_device_type = run.device.type
-        ckpts = run.checkpoints(self.name)
-        latest = ckpts.latest()
+        ckpts = self.ckpts = run.checkpoints(self.name)
+        latest = ckpts.latest()  # checked: loads safely, belongs to this run, holds the step its name says
         if latest is not None:
             self.load_state_dict(latest, str(ckpts.steps()[-1][1]))
         iters, log_every, ckpt_every = self.cfg["iters"], self.cfg["log_every"], self.cfg["ckpt_every"]

@@ -7,12 +7,16 @@ Layout::
     RUN/checkpoints/PHASE/step_XXXXXXXX.pt, final.pt
     RUN/pool/              the NSGF trajectory pool (numpy .npy, memmap-able)
     RUN/metrics.jsonl, RUN/tb/, RUN/status.json
+    RUN/.lock              held (fcntl.flock) by the one process writing the run, with its pid
+
+Nothing is written into a run folder until every check has passed (``Run.start``); docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import logging
 import platform
 import subprocess
 import sys
@@ -25,22 +29,29 @@ import yaml
 from sinkflow import config as config_mod
 from sinkflow.errors import SinkflowError
 from sinkflow.runner import dist
-from sinkflow.runner.checkpoint import PhaseCheckpoints, load
+from sinkflow.runner.checkpoint import PhaseCheckpoints, atomic_write_bytes, remove_orphans
+from sinkflow.runner.identity import check_frozen, identity
+from sinkflow.runner.lock import lock_run, run_lock
 from sinkflow.runner.metrics import MetricsLogger
 
-# Keys whose change makes old checkpoints or the pool meaningless: refused on resume.
-SHAPE_KEYS = ("model.", "data.source", "data.target", "data.image_size", "data.channels", "experiment.method",
-              "pool.batch_size", "pool.steps", "pool.batches")
-# ... except these, which change how a model is computed, not what its checkpoint holds.
-RESUME_SAFE = ("model.flow.memory", "model.flow.drift_tol", "model.flow.checkpoint_segments")
-
+log = logging.getLogger("sinkflow")
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SinkflowError(f"experiment.device={name} but CUDA is not available here", "use --device cpu or auto")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise SinkflowError(f"experiment.device={name!r} is not a device", "use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SinkflowError(f"experiment.device={name} but CUDA is not available here", "use --device cpu or auto")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise SinkflowError(f"experiment.device={name} but this machine has {count} CUDA device(s)",
+                                f"use cuda:0..cuda:{count - 1}, cuda or auto")
+    elif device.type not in ("cpu", "mps"):
+        raise SinkflowError(f"experiment.device={name} is not supported", "use auto, cpu, cuda or cuda:N")
     return device
 
 
@@ -75,58 +86,96 @@ class Run:
         self.device = dist.device_for(self.dist, resolve_device(cfg["experiment"]["device"]))
         self.logger = MetricsLogger(self.dir, enabled=self.dist.is_main)
         self._models: dict[str, torch.nn.Module] = {}
+        self._pending_config: dict | None = None  # a resume's new config.yaml, written by start()
+        self._checked_finals: set[tuple] = set()
 
     # ---- creation and resume -------------------------------------------------------------------
     @classmethod
     def create(cls, cfg: dict) -> "Run":
         exp = cfg["experiment"]
+        resolve_device(exp["device"])  # a bad device is refused before the folder exists
         name = exp["name"] or f"{exp['preset']}-{exp['method']}-{time.strftime('%Y%m%d-%H%M%S')}"
         name = dist.broadcast_object(name)  # rank 0's clock names the folder for every rank
         run_dir = Path(exp["runs_dir"]) / name
-        if dist.broadcast_object((run_dir / "config.yaml").exists()):  # every rank refuses, none waits
+
+        def refuse_existing():
             raise SinkflowError(f"run folder {run_dir} already exists",
                                 f"resume it with `sinkflow train --resume {run_dir}` or pick another experiment.name")
+
+        if dist.broadcast_object((run_dir / "config.yaml").exists()):  # every rank refuses, none waits
+            refuse_existing()
         if dist.current().is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(config_mod.dump(cfg))
-            meta = {"seed": exp["seed"], "created": time.strftime("%Y-%m-%d %H:%M:%S"), "git": _git_hash(),
-                    "versions": _versions(), "argv": sys.argv, "world_size": dist.current().world}
-            (run_dir / "meta.json").write_text(json.dumps(meta, indent=2))
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise SinkflowError(f"cannot create the run folder {run_dir} ({exc.strerror})",
+                                    "point experiment.runs_dir at a writable folder") from None
+            with run_lock(run_dir):  # two `train --name X` at once: the second stops here (start() re-locks)
+                if (run_dir / "config.yaml").exists():
+                    refuse_existing()
+                _write_text(run_dir / "config.yaml", config_mod.dump(cfg))
+                meta = {"seed": exp["seed"], "created": time.strftime("%Y-%m-%d %H:%M:%S"), "git": _git_hash(),
+                        "versions": _versions(), "argv": sys.argv, "world_size": dist.current().world}
+                _write_text(run_dir / "meta.json", json.dumps(meta, indent=2))
         dist.barrier()
         return cls(run_dir, cfg)
 
     @classmethod
     def open(cls, run_dir: Path, overrides: list[str] | None = None, shorthands: dict | None = None) -> "Run":
-        """Re-open a run folder, applying overrides that do not change any shape."""
+        """Re-open a run folder (nothing is written). Overrides of keys frozen by what is already on disk
+        are refused (``sinkflow.runner.identity``); ``start()`` writes the new config once the run starts."""
         cfg = read_config(run_dir)
         new = config_mod.apply_overrides(config_mod.apply_shorthands(cfg, shorthands or {}), overrides or [])
         config_mod.validate(new)
-        old_flat, new_flat = config_mod.flatten(cfg), config_mod.flatten(new)
-        changed = [k for k in new_flat if new_flat[k] != old_flat.get(k) and k.startswith(SHAPE_KEYS)
-                   and k not in RESUME_SAFE]
-        if changed:
-            k = changed[0]
-            raise SinkflowError(
-                f"cannot resume {run_dir} with {k}={new_flat[k]!r}: the run was trained with {k}={old_flat.get(k)!r}",
-                "drop that override to resume, or start a new run",
-            )
-        if new != cfg and dist.current().is_main:
-            (Path(run_dir) / "config.yaml").write_text(config_mod.dump(new))
-        return cls(run_dir, new)
+        check_frozen(cfg, new, Path(run_dir))
+        run = cls(run_dir, new)
+        if new != cfg:
+            run._pending_config = new
+        return run
+
+    def verify(self, phases) -> None:
+        """Before anything is written: every finished phase's final.pt loads and belongs to this run, and
+        the first unfinished phase's newest step checkpoint does too."""
+        for phase in phases:
+            if self.phase_done(phase.name):
+                continue
+            self.checkpoints(phase.name).latest()
+            break
+
+    def start(self) -> None:
+        """The run really starts: take the folder's lock, write the resumed config, drop orphaned temp files."""
+        if self.dist.is_main:
+            lock_run(self.dir)
+            if self._pending_config is not None:
+                _write_text(self.dir / "config.yaml", config_mod.dump(self._pending_config))
+                self._pending_config = None
+            for path in remove_orphans(self.dir):
+                log.info("removed %s (left by a killed write)", path)
+        dist.barrier()
 
     # ---- phases --------------------------------------------------------------------------------
     def checkpoints(self, phase: str) -> PhaseCheckpoints:
-        return PhaseCheckpoints(self.dir / "checkpoints" / phase, keep=self.cfg["checkpoint"]["keep"])
+        return PhaseCheckpoints(self.dir / "checkpoints" / phase, keep=self.cfg["checkpoint"]["keep"],
+                                identity=identity(self.cfg, phase))
 
     def phase_done(self, phase: str) -> bool:
-        return self.checkpoints(phase).final_path.is_file()
+        """A phase is finished when its final.pt exists, loads, and belongs to this run (else: an error)."""
+        path = self.checkpoints(phase).final_path
+        if not path.is_file():
+            return False
+        st = path.stat()
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        if key not in self._checked_finals:
+            self.checkpoints(phase).final()
+            self._checked_finals.add(key)
+        return True
 
     def final_state(self, phase: str) -> dict:
         path = self.checkpoints(phase).final_path
         if not path.is_file():
             raise SinkflowError(f"phase '{phase}' of {self.dir} has not finished",
                                 f"finish it with `sinkflow train --resume {self.dir}`")
-        return load(path)
+        return self.checkpoints(phase).final()
 
     def model(self, phase: str) -> torch.nn.Module:
         """The frozen, eval-mode model a finished phase produced (its EMA weights when it kept one)."""
@@ -148,6 +197,10 @@ class Run:
             torch.cuda.empty_cache()
 
 
+def _write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, lambda f: f.write(text.encode()))
+
+
 def read_config(run_dir: Path) -> dict:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
@@ -157,6 +210,8 @@ def read_config(run_dir: Path) -> dict:
         cfg = yaml.safe_load(path.read_text())
     except yaml.YAMLError:
         raise SinkflowError(f"{path} is not valid YAML", "restore it from the run's first lines of output") from None
+    if not isinstance(cfg, dict):
+        raise SinkflowError(f"{path} does not hold a config tree", "restore it from the run's first lines of output")
     base = config_mod.load_preset(cfg.get("experiment", {}).get("preset") or "_base")
     unknown = set(config_mod.flatten(cfg)) - set(config_mod.flatten(base))
     if unknown:

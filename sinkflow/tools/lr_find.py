@@ -219,10 +219,15 @@ def write_lr(target: Path, key: str, lr: float) -> Path:
 
     target = Path(target)
     if target.is_dir():
-        cfg = read_config(target)
-        config_mod.set_key(cfg, key, float(lr))
-        path = target / "config.yaml"
-        path.write_text(config_mod.dump(cfg))
+        from sinkflow.runner.checkpoint import atomic_write_bytes
+        from sinkflow.runner.lock import run_lock
+
+        with run_lock(target):  # not while a `sinkflow train` writes the same run
+            cfg = read_config(target)
+            config_mod.set_key(cfg, key, float(lr))
+            path = target / "config.yaml"
+            text = config_mod.dump(cfg)
+            atomic_write_bytes(path, lambda f: f.write(text.encode()))
         return path
     tree = yaml.safe_load(target.read_text()) if target.is_file() else {}
     node = tree = tree or {}

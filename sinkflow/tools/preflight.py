@@ -252,7 +252,7 @@ def _interrupt_and_resume(report: Report, run, tiny: dict, index: int, build) ->
     if isinstance(ph, PoolPhase):
         import numpy as np
 
-        pool_rows = np.array(np.load(run.dir / "pool" / "x.npy", mmap_mode="r"))
+        pool_rows = np.array(np.load(run.dir / "pool" / "x.npy", mmap_mode="r", allow_pickle=False))
     del ph
     fresh = build()[index]
     captured = {}
@@ -273,7 +273,7 @@ def _interrupt_and_resume(report: Report, run, tiny: dict, index: int, build) ->
         bad = _diff_state(before, captured)
         if not run.phase_done(name):
             bad.append("no final.pt after the resumed run")
-        elif (st := torch.load(run.checkpoints(name).final_path, weights_only=False))["step"] != fresh.cfg["iters"]:
+        elif (st := run.checkpoints(name).final())["step"] != fresh.cfg["iters"]:
             bad.append(f"final step {st['step']} != train.{fresh.model_key}.iters={fresh.cfg['iters']}")
         report.add("kill and resume", name, not bad,
                    "; ".join(bad) or f"stopped at step {before['step']}, resumed step/weights/Adam moments/generator "
@@ -281,7 +281,7 @@ def _interrupt_and_resume(report: Report, run, tiny: dict, index: int, build) ->
     elif isinstance(fresh, PoolPhase):
         import numpy as np
 
-        x = np.load(run.dir / "pool" / "x.npy", mmap_mode="r")
+        x = np.load(run.dir / "pool" / "x.npy", mmap_mode="r", allow_pickle=False)
         per_batch = tiny["pool"]["steps"] * tiny["pool"]["batch_size"]
         kept = np.array_equal(x[:per_batch], pool_rows[:per_batch])
         filled = bool(np.abs(np.asarray(x[per_batch:], dtype=np.float32)).sum() > 0)

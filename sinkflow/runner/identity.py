@@ -1,0 +1,133 @@
+"""What belongs to a run: the config keys frozen by the artifacts on disk, and every checkpoint's identity.
+
+One place decides which keys shaped an artifact (``frozen_keys``). A key is frozen once an artifact it
+shaped exists in the run folder; ``sinkflow train --resume RUN key=value`` that changes it is refused:
+
+- the pool (``RUN/pool/``, ``checkpoints/pool/``) freezes every ``pool.*`` and ``sinkhorn.*`` key, the
+  data section and the seed;
+- a training phase's checkpoints freeze the same, plus its whole architecture ``model.<phase>.*``;
+
+except ``RUNTIME_KEYS``, which change how an artifact is computed or stored, never what it holds.
+New ``pool.*`` / ``sinkhorn.*`` / ``model.*`` keys are therefore frozen without being listed here.
+
+Every checkpoint carries ``identity(cfg, phase)``: preset, method, phase, a hash of the frozen keys and
+the frozen values themselves (so a mismatch names the key). A checkpoint whose identity or step does
+not match the run and its file name is refused on load (``check_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from sinkflow import config as config_mod
+from sinkflow.errors import SinkflowError
+
+# Frozen by every artifact: the run's identity, its data and its seed.
+COMMON = ("experiment.preset", "experiment.method", "experiment.seed", "data.")
+# Frozen by every artifact too: the pool and the Sinkhorn problem it solved (a training phase learns from it).
+POOL_SECTIONS = ("pool.", "sinkhorn.")
+# Keys that never shape what an artifact holds: where/how it is computed or stored.
+RUNTIME_KEYS = frozenset({
+    "pool.in_flight", "pool.chunk", "pool.storage", "pool.ram_gb", "pool.disk_gb",
+    "data.root", "data.download",
+    "model.flow.memory", "model.flow.drift_tol", "model.flow.checkpoint_segments",
+})
+# ... but pool.chunk numbers the finished chunks in progress.json: frozen while a pool is half built.
+HALF_BUILT_POOL_KEYS = ("pool.chunk",)
+# Refused on resume even before any artifact exists: they decide what the run is.
+ALWAYS_FROZEN = ("experiment.preset", "experiment.method")
+
+
+def frozen_prefixes(phase: str) -> tuple[str, ...]:
+    return COMMON + POOL_SECTIONS + (() if phase == "pool" else (f"model.{phase}.",))
+
+
+def frozen_keys(cfg: dict, phase: str) -> dict[str, Any]:
+    """The flattened keys (and values) that shaped ``phase``'s artifact."""
+    prefixes = frozen_prefixes(phase)
+    flat = config_mod.flatten(cfg)
+    return {k: flat[k] for k in sorted(flat) if k.startswith(prefixes) and k not in RUNTIME_KEYS}
+
+
+def config_hash(frozen: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(frozen, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def identity(cfg: dict, phase: str) -> dict:
+    exp = cfg["experiment"]
+    frozen = frozen_keys(cfg, phase)
+    return {"preset": exp["preset"], "method": exp["method"], "phase": phase, "config_hash": config_hash(frozen),
+            "frozen": frozen}
+
+
+def check_checkpoint(obj: dict, expected: dict, path: Path, step: int | None = None) -> None:
+    """Refuse a checkpoint that belongs to another run or phase, or whose step is not its file's."""
+    got = obj.get("identity")
+    foreign = "it belongs to another run; remove it (and any later ones) to resume from the one before, or start a new run"
+    if not isinstance(got, dict):
+        raise SinkflowError(f"checkpoint {path} carries no run identity (written by an older sinkflow or another tool)",
+                            "start a new run; sinkflow only resumes checkpoints it wrote for this run")
+    if got.get("phase") != expected["phase"]:
+        raise SinkflowError(f"checkpoint {path} is phase '{got.get('phase')}', not '{expected['phase']}'", foreign)
+    for key in ("preset", "method"):
+        if got.get(key) != expected[key]:
+            raise SinkflowError(f"checkpoint {path} was written by a run of {key} '{got.get(key)}', "
+                                f"this run's {key} is '{expected[key]}'", foreign)
+    theirs, ours = got.get("frozen") or {}, expected["frozen"]
+    for key in sorted(set(theirs) & set(ours)):  # keys added to sinkflow later take their default: skipped
+        if theirs[key] != ours[key]:
+            raise SinkflowError(f"checkpoint {path} was written with {key}={theirs[key]!r} but this run has "
+                                f"{key}={ours[key]!r}", foreign)
+    if not isinstance(obj.get("step"), int) or isinstance(obj.get("step"), bool):
+        raise SinkflowError(f"checkpoint {path} does not say which step it holds", foreign)
+    if step is not None and obj["step"] != step:
+        raise SinkflowError(f"checkpoint {path} holds step {obj['step']}, not step {step} as its name says",
+                            "it was renamed or copied in; delete it to resume from the checkpoint before it")
+    if step is None and Path(path).name == "final.pt" and obj.get("final") is not True:
+        raise SinkflowError(f"checkpoint {path} is not a final checkpoint (a step checkpoint renamed?)",
+                            "delete it to resume the phase from its last step checkpoint")
+
+
+# ---- frozen keys on resume ------------------------------------------------------------------------------
+
+def _nonempty(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
+
+
+def artifacts(run_dir: Path) -> dict[str, str]:
+    """{phase: what is on disk} for every phase that has left an artifact in the run folder."""
+    run_dir = Path(run_dir)
+    found: dict[str, str] = {}
+    ck = run_dir / "checkpoints"
+    if ck.is_dir():
+        for d in sorted(ck.iterdir()):
+            if d.is_dir() and any(p.suffix == ".pt" for p in d.iterdir()):
+                found[d.name] = "the finished pool" if d.name == "pool" else f"the '{d.name}' checkpoints"
+    if "pool" not in found and (_nonempty(run_dir / "pool")):
+        found["pool"] = "the half-built pool"
+    return found
+
+
+def check_frozen(old: dict, new: dict, run_dir: Path) -> None:
+    """Refuse a resume config that changes a key which shaped an artifact already in ``run_dir``."""
+    on_disk = artifacts(run_dir)
+    old_flat, new_flat = config_mod.flatten(old), config_mod.flatten(new)
+    for key in sorted(new_flat):
+        if new_flat[key] == old_flat.get(key):
+            continue
+        if key in ALWAYS_FROZEN:
+            why = "the run folder was made for it"
+        else:
+            shaped = [what for phase, what in on_disk.items()
+                      if key.startswith(frozen_prefixes(phase)) and key not in RUNTIME_KEYS]
+            if key in HALF_BUILT_POOL_KEYS and on_disk.get("pool") == "the half-built pool":
+                shaped.append("the half-built pool (its finished chunks are numbered by it)")
+            if not shaped:
+                continue
+            why = f"it shaped {shaped[0]}"
+        raise SinkflowError(
+            f"cannot resume {run_dir} with {key}={new_flat[key]!r}: the run has {key}={old_flat.get(key)!r} and {why}",
+            "drop that override to resume, or start a new run with it")

@@ -1,0 +1,73 @@
+"""One writer per run folder: an exclusive ``fcntl.flock`` on ``RUN/.lock`` for as long as the process writes.
+
+The kernel drops a flock when its holder exits or dies (even by SIGKILL), so a lock is never stale. The
+holder writes its pid into the file; a second process that cannot take the lock says which pid holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+from sinkflow.errors import SinkflowError
+
+LOCK_NAME = ".lock"
+_held: dict[str, int] = {}  # resolved run folder -> fd of its lock file (this process is the writer)
+
+
+def _key(run_dir: Path) -> str:
+    return str(Path(run_dir).resolve())
+
+
+def holder(run_dir: Path) -> str:
+    try:
+        return (Path(run_dir) / LOCK_NAME).read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def lock_run(run_dir: Path) -> None:
+    """Take the run folder's lock (re-entrant within this process) or raise a one-line error naming the holder."""
+    key = _key(run_dir)
+    if key in _held:
+        return
+    fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        pid = holder(run_dir)
+        raise SinkflowError(
+            f"run folder {run_dir} is in use by another sinkflow process (pid {pid})",
+            f"wait for it to finish or stop it (kill {pid}); two writers would interleave checkpoints and metrics") \
+            from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _held[key] = fd
+
+
+def unlock_run(run_dir: Path) -> None:
+    fd = _held.pop(_key(run_dir), None)
+    if fd is not None:
+        os.close(fd)  # closing the only descriptor releases the flock
+
+
+def is_locked_here(run_dir: Path) -> bool:
+    return _key(run_dir) in _held
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path):
+    """Hold the lock for a block (released after it unless this process already held it)."""
+    mine = not is_locked_here(run_dir)
+    lock_run(run_dir)
+    try:
+        yield
+    finally:
+        if mine:
+            unlock_run(run_dir)
