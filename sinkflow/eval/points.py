@@ -92,8 +92,6 @@ def is_paper_task(cfg: dict) -> bool:
 def format_table(rows: list[dict], method: str, task: str) -> str:
     lines = [f"W2 on {task} ({method}), exact OT (POT emd2), mean +- std over seeds:",
              f"{'steps':>6} {'NFE':>5} {'W2':>16} {'paper NSGF':>11}"]
-    if all(r["paper"] is None for r in rows):
-        lines[1] = f"{'steps':>6} {'NFE':>5} {'W2':>16}"
     for r in rows:
         paper = "" if r["paper"] is None else f"{r['paper']:.3f}"
         lines.append(f"{r['steps']:>6} {r['nfe']:>5} {r['w2_mean']:>9.3f} +- {r['w2_std']:.3f} {paper:>11}")
