@@ -1,0 +1,381 @@
+"""The run folder can be trusted (issue 9, docs/reliability.md): safe checkpoint loading, no poisoned
+"last good" checkpoint, resume refuses what does not belong to the run, final.pt is checked, one writer
+per run folder, bad input leaves the folder untouched, no tracebacks, housekeeping."""
+
+import errno
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import TINY_2D, cli, snapshot
+from sinkflow.cli import main
+from sinkflow.errors import SinkflowError
+
+
+def one_line(rc, err, *needles):
+    assert rc == 2, err
+    lines = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(lines) == 1 and lines[0].startswith("sinkflow: error: "), err
+    assert "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def run_main(capsys, *argv):
+    capsys.readouterr()
+    rc = main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+def full_snapshot(run):
+    """snapshot() plus the heartbeat's bytes: a failed resume must not reset status.json either."""
+    return snapshot(run), (run / "status.json").read_bytes(), (run / "config.yaml").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("safety")
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        assert main(["train", "moons", *TINY_2D, "--name", "base", "--no-report"]) == 0
+        assert main(["train", "moons", *TINY_2D, "--seed", "1", "--name", "other", "--no-report"]) == 0
+    finally:
+        os.chdir(old)
+    return cwd / "runs"
+
+
+@pytest.fixture
+def run(base_run, tmp_path, monkeypatch):
+    """A private copy of the finished tiny moons run (pool + velocity, steps 3 and 6, final)."""
+    monkeypatch.chdir(tmp_path)
+    dst = tmp_path / "runs" / "r"
+    shutil.copytree(base_run / "base", dst)
+    return dst
+
+
+# ---- 1. loading a checkpoint never runs code ----------------------------------------------------------
+
+class CreatesFile:
+    """Unpickling this calls open(path, "w"): the file appears if the loader runs code."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def poison(path, marker):
+    torch.save({"format": 2, "step": 6, "final": True, "model": CreatesFile(marker)}, path)
+
+
+@pytest.mark.parametrize("command", ["sample", "eval", "resume-final", "resume-step", "doctor", "lr-find"])
+def test_checkpoint_that_would_run_code_is_refused_by_every_command(run, tmp_path, capsys, command):
+    marker = tmp_path / "created-by-unpickling"
+    ck = run / "checkpoints" / "velocity"
+    for p in ck.glob("*.pt"):
+        poison(p, marker)
+    if command == "resume-step":
+        (ck / "final.pt").unlink()
+    argv = {"sample": ["sample", str(run), "--n", "4", "--out", str(tmp_path / "s.npy")],
+            "eval": ["eval", str(run)],
+            "resume-final": ["train", "--resume", str(run), "--no-report"],
+            "resume-step": ["train", "--resume", str(run), "--no-report"],
+            "doctor": ["doctor", str(run), "--steps", "2"],
+            "lr-find": ["lr-find", str(run), "--steps", "3", "--out", str(tmp_path / "lr.png")]}[command]
+    one_line(*run_main(capsys, *argv), "refused", "could run code")
+    assert not marker.exists()
+
+
+def test_plain_pickle_is_refused_and_checkpoints_load_weights_only(tmp_path):
+    import pickle
+
+    from sinkflow.runner.checkpoint import load
+
+    marker = tmp_path / "m"
+    (tmp_path / "legacy.pt").write_bytes(pickle.dumps({"format": 1, "x": CreatesFile(marker)}))
+    with pytest.raises(SinkflowError, match="refused|corrupt"):
+        load(tmp_path / "legacy.pt")
+    assert not marker.exists()
+
+
+def test_sinkflow_checkpoints_load_with_weights_only(base_run):
+    for p in (base_run / "base" / "checkpoints").rglob("*.pt"):
+        obj = torch.load(p, weights_only=True)  # RNG states and metadata are plain data too
+        assert obj["identity"]["phase"] == p.parent.name and isinstance(obj["step"], int)
+
+
+# ---- 2. the last good checkpoint is good -------------------------------------------------------------
+
+def nan_gradient_phase(cfg, bad_call):
+    """A velocity phase whose loss stays finite but whose gradients are NaN on call ``bad_call``."""
+    from sinkflow import methods
+    from sinkflow.methods.flow_matching import interpolant_batch, velocity_loss
+    from sinkflow.runner.phase import TrainPhase
+
+    source, target = methods.distributions(cfg)
+    calls = []
+
+    def loss(model, batch):
+        calls.append(1)
+        value = velocity_loss(model, batch)
+        if len(calls) == bad_call:  # sqrt at 0: value 0, gradient inf * 0 = NaN
+            value = value + torch.sqrt(0.0 * sum(p.sum() for p in model.parameters()))
+        return value
+
+    return TrainPhase("velocity", lambda g, n, d: interpolant_batch(source, target, g, n, d), loss)
+
+
+@pytest.mark.parametrize("bad_step,kept", [(6, "step_00000004.pt (step 4) is kept"), (1, "no checkpoint")])
+def test_non_finite_gradient_is_never_applied_nor_checkpointed(runs_dir, bad_step, kept):
+    from sinkflow import config
+    from sinkflow.runner.checkpoint import load
+    from sinkflow.runner.run import Run
+
+    cfg = config.resolve("moons", ["experiment.method=fm", "train.velocity.iters=8", "train.velocity.ckpt_every=2",
+                                   "train.velocity.log_every=1", "experiment.device=cpu", "experiment.name=nan"])
+    run = Run.create(cfg)
+    with pytest.raises(SinkflowError) as e:
+        nan_gradient_phase(cfg, bad_step).run(run)
+    msg = str(e.value)
+    assert "non-finite gradient norm" in msg and f"step {bad_step}" in msg and kept in msg, msg
+    ck = run.dir / "checkpoints" / "velocity"
+    assert not (ck / "final.pt").exists()
+    for p in ck.glob("*.pt"):
+        assert all(torch.isfinite(t).all() for t in load(p)["model"].values()), p
+    assert [p.name for p in ck.glob("step_*.pt")] == (["step_00000002.pt", "step_00000004.pt"][: (bad_step - 1) // 2]
+                                                      if bad_step > 2 else [])
+    run.logger.close()
+
+
+def test_a_non_finite_checkpoint_is_never_written(tmp_path):
+    from sinkflow.runner.checkpoint import PhaseCheckpoints
+
+    ck = PhaseCheckpoints(tmp_path / "p")
+    ck.save({"model": {"w": torch.ones(3)}}, 1)
+    with pytest.raises(SinkflowError, match="model.w holds NaN or Inf"):
+        ck.save({"model": {"w": torch.tensor([1.0, float("nan")])}}, 2)
+    with pytest.raises(SinkflowError, match="NaN or Inf"):
+        ck.save_final({"ema": {"w": torch.tensor([float("inf")])}})
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["step_00000001.pt"]
+
+
+# ---- 3. resume refuses what does not belong to the run -----------------------------------------------
+
+@pytest.mark.parametrize("override,key", [(["pool.eta=0.05"], "pool.eta"), (["pool.eta_growth=4.0"], "pool.eta_growth"),
+                                          (["sinkhorn.blur=0.1"], "sinkhorn.blur"), (["--seed", "3"], "experiment.seed"),
+                                          (["pool.batch_size=16"], "pool.batch_size"),
+                                          (["data.target=scurve"], "data.target"),
+                                          (["model.velocity.depth=2"], "model.velocity.depth")])
+def test_resume_refuses_a_key_that_shaped_an_artifact(run, capsys, override, key):
+    before = full_snapshot(run)
+    one_line(*run_main(capsys, "train", "--resume", str(run), *override, "--no-report"), "cannot resume", key)
+    assert full_snapshot(run) == before
+
+
+def test_half_built_pool_freezes_its_keys_and_chunking(run, capsys):
+    shutil.rmtree(run / "checkpoints")  # the pool files and progress.json are there, no final.pt yet
+    before = snapshot(run)
+    one_line(*run_main(capsys, "train", "--resume", str(run), "pool.eta=0.05", "--no-report"), "pool.eta", "half-built")
+    one_line(*run_main(capsys, "train", "--resume", str(run), "pool.chunk=2", "--no-report"), "pool.chunk")
+    assert snapshot(run) == before
+    rc, err = run_main(capsys, "train", "--resume", str(run), "pool.in_flight=1", "--no-report")  # runtime only
+    assert rc == 0, err
+
+
+def test_resume_accepts_runtime_and_training_keys_and_writes_them(run, capsys):
+    rc, err = run_main(capsys, "train", "--resume", str(run), "pool.storage=disk", "train.velocity.lr=0.002",
+                       "--no-report")
+    assert rc == 0, err
+    assert "lr: 0.002" in (run / "config.yaml").read_text()
+
+
+def test_checkpoint_from_another_run_is_refused(run, base_run, capsys, tmp_path):
+    ck = run / "checkpoints" / "velocity"
+    (ck / "final.pt").unlink()
+    shutil.copy(base_run / "other/checkpoints/velocity/step_00000006.pt", ck / "step_00000006.pt")
+    one_line(*run_main(capsys, "train", "--resume", str(run), "--no-report"), "step_00000006.pt", "experiment.seed")
+    shutil.copy(base_run / "other/checkpoints/velocity/final.pt", ck / "final.pt")
+    one_line(*run_main(capsys, "sample", str(run), "--n", "4", "--out", str(tmp_path / "s.npy")),
+             "final.pt", "experiment.seed")
+
+
+def test_checkpoint_whose_step_is_not_its_name_is_refused(run, capsys):
+    ck = run / "checkpoints" / "velocity"
+    (ck / "final.pt").unlink()
+    (ck / "step_00000006.pt").rename(ck / "step_00000009.pt")
+    one_line(*run_main(capsys, "train", "--resume", str(run), "--no-report"), "holds step 6", "step_00000009.pt")
+
+
+def test_checkpoint_of_another_phase_is_refused(run, capsys, tmp_path):
+    shutil.copy(run / "checkpoints/pool/final.pt", run / "checkpoints/velocity/final.pt")
+    one_line(*run_main(capsys, "eval", str(run)), "is phase 'pool', not 'velocity'")
+
+
+# ---- 4. final.pt is checked, not trusted -------------------------------------------------------------
+
+def test_truncated_final_is_reported_not_skipped_as_done(run, capsys):
+    final = run / "checkpoints" / "velocity" / "final.pt"
+    final.write_bytes(final.read_bytes()[:1000])
+    before = full_snapshot(run)
+    one_line(*run_main(capsys, "train", "--resume", str(run), "--no-report"), "final.pt", "corrupt or truncated",
+             "delete it")
+    assert full_snapshot(run) == before
+    final.unlink()  # the fix the message gives: the phase resumes from its last step checkpoint
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
+    assert rc == 0, err
+    assert torch.load(final, weights_only=True)["step"] == 6
+
+
+def test_truncated_pool_final_is_reported(run, capsys):
+    final = run / "checkpoints" / "pool" / "final.pt"
+    final.write_bytes(final.read_bytes()[:100])
+    one_line(*run_main(capsys, "train", "--resume", str(run), "--no-report"), "pool/final.pt", "corrupt or truncated")
+
+
+# ---- 5. one writer per run folder --------------------------------------------------------------------
+
+def test_second_writer_is_refused_and_a_dead_holder_does_not_block(tmp_path):
+    from sinkflow.runner.lock import lock_run, unlock_run
+
+    env = {**os.environ, "SINKFLOW_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    args = ["moons", *TINY_2D, "--train-iters", "1000000", "train.velocity.ckpt_every=50", "--no-report"]
+    proc = subprocess.Popen([sys.executable, "-m", "sinkflow", "train", *args, "--name", "w"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run = tmp_path / "runs" / "w"
+    try:
+        end = time.time() + 120
+        while time.time() < end and not list((run / "checkpoints" / "velocity").glob("step_*.pt")):
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        before = (run / "config.yaml").read_bytes()
+        second = cli("train", "--resume", str(run), "train.velocity.lr=0.5", "--no-report", cwd=tmp_path)
+        one_line(second.returncode, second.stderr, "in use", f"pid {proc.pid}")
+        assert (run / "config.yaml").read_bytes() == before
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    lock_run(run)  # the kernel dropped the dead holder's lock: nothing stale to clean up
+    unlock_run(run)
+
+
+# ---- 6. bad input leaves the run folder untouched ----------------------------------------------------
+
+def test_bad_device_on_a_new_run_creates_no_folder(runs_dir, capsys):
+    one_line(*run_main(capsys, "train", "moons", *TINY_2D, "--device", "cuda:7", "--name", "dev"), "cuda:7")
+    assert not (runs_dir / "dev").exists()
+    one_line(*run_main(capsys, "train", "moons", *TINY_2D, "--device", "tpu", "--name", "dev"), "tpu")
+    assert not (runs_dir / "dev").exists()
+
+
+def test_bad_device_on_resume_is_not_written(run, capsys):
+    before = full_snapshot(run)
+    one_line(*run_main(capsys, "train", "--resume", str(run), "--device", "cuda:7", "--no-report"), "cuda:7")
+    assert full_snapshot(run) == before
+    rc, err = run_main(capsys, "sample", str(run), "--n", "4", "--out", "s.npy")  # every later command still works
+    assert rc == 0, err
+
+
+def test_failed_resume_keeps_status_and_config(run, capsys):
+    ck = run / "checkpoints" / "velocity"
+    (ck / "final.pt").unlink()
+    step = ck / "step_00000006.pt"
+    step.write_bytes(step.read_bytes()[:200])
+    before = full_snapshot(run)
+    one_line(*run_main(capsys, "train", "--resume", str(run), "train.velocity.lr=0.5", "--no-report"),
+             "corrupt or truncated")
+    assert full_snapshot(run) == before
+
+
+# ---- 7. no tracebacks --------------------------------------------------------------------------------
+
+def test_empty_point_file(runs_dir, tmp_path, capsys):
+    np.save(tmp_path / "empty.npy", np.zeros((0, 2), np.float32))
+    one_line(*run_main(capsys, "train", "moons", f"data.target={tmp_path / 'empty.npy'}"), "0 rows")
+    assert not runs_dir.exists()
+
+
+@pytest.mark.parametrize("how", ["file-in-path", "read-only"])
+def test_unwritable_data_root(runs_dir, tmp_path, capsys, how):
+    if how == "read-only":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only folders")
+        root = tmp_path / "ro"
+        root.mkdir()
+        root.chmod(0o555)
+    else:
+        (tmp_path / "afile").write_text("x")
+        root = tmp_path / "afile" / "data"
+    one_line(*run_main(capsys, "train", "digits", f"data.root={root}", "--train-iters", "2"), "data.root")
+    assert not runs_dir.exists()
+
+
+def test_full_disk_during_a_checkpoint(tmp_path):
+    """Files may not grow past 300 kB (EFBIG, like a full disk): the first velocity checkpoint fails."""
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+
+    env = {**os.environ, "SINKFLOW_PROGRESS": "0", "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    r = subprocess.run([sys.executable, "-m", "sinkflow", "train", "moons", *TINY_2D, "--name", "f", "--no-report"],
+                       cwd=tmp_path, capture_output=True, text=True, env=env, preexec_fn=limit, timeout=300)
+    line = one_line(r.returncode, r.stderr, "EFBIG", "step_00000003.pt", "intact")
+    run = tmp_path / "runs" / "f"
+    assert torch.load(run / "checkpoints/pool/final.pt", weights_only=True)["step"] == 2  # the earlier one
+    assert not [p for p in run.rglob("*") if ".tmp" in p.name], line
+    resumed = cli("train", "--resume", str(run), "--no-report", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+
+
+@pytest.mark.parametrize("key", ["train.velocity.ckpt_every=0", "train.velocity.log_every=0"])
+def test_zero_intervals_are_refused_before_work(runs_dir, capsys, key):
+    one_line(*run_main(capsys, "train", "moons", *TINY_2D, key, "--name", "z"), key.split("=")[0], ">= 1")
+    assert not runs_dir.exists()
+
+
+def test_cli_turns_any_os_error_into_one_line(monkeypatch, capsys):
+    def boom(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "/runs/x/checkpoints/velocity/step_00000010.pt")
+
+    monkeypatch.setattr("sinkflow.cli.status.run", boom)
+    one_line(*run_main(capsys, "status", "whatever"), "ENOSPC", "No space left on device", "step_00000010.pt",
+             "free disk space")
+
+
+# ---- 8. housekeeping and messages --------------------------------------------------------------------
+
+def test_orphaned_temp_files_are_removed_on_resume(run, capsys):
+    orphans = [run / "checkpoints/velocity/.step_00000009.pt.tmp-999999", run / ".status.json.tmp-999999",
+               run / "pool" / ".x.npy.tmp"]
+    for p in orphans:
+        p.write_bytes(b"half a checkpoint")
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
+    assert rc == 0, err
+    assert not any(p.exists() for p in orphans)
+
+
+def test_text_file_named_npy(runs_dir, tmp_path, capsys):
+    (tmp_path / "pts.npy").write_text("1.0,2.0\n3.0,4.0\n")
+    line = one_line(*run_main(capsys, "train", "moons", f"data.target={tmp_path / 'pts.npy'}"), "not a .npy file")
+    assert "pickle" not in line
+
+
+def test_report_on_user_points_has_no_paper_number(runs_dir, tmp_path, capsys):
+    np.save(tmp_path / "points.npy", np.random.default_rng(0).normal(size=(300, 2)).astype(np.float32))
+    args = ["moons", *TINY_2D, "eval.steps=[10]", f"data.target={tmp_path / 'points.npy'}", "--name", "u"]
+    assert main(["train", *args, "--no-report"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(runs_dir / "u"), "--seeds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "points.npy" in out and "0.077" not in out, out  # 0.077: the paper's NSGF W2 on moons at 10 steps
