@@ -153,7 +153,7 @@ def test_non_finite_gradient_is_never_applied_nor_checkpointed(runs_dir, bad_ste
     assert not (ck / "final.pt").exists()
     for p in ck.glob("*.pt"):
         assert all(torch.isfinite(t).all() for t in load(p)["model"].values()), p
-    assert [p.name for p in ck.glob("step_*.pt")] == (["step_00000002.pt", "step_00000004.pt"][: (bad_step - 1) // 2]
+    assert sorted(p.name for p in ck.glob("step_*.pt")) == (["step_00000002.pt", "step_00000004.pt"][: (bad_step - 1) // 2]
                                                       if bad_step > 2 else [])
     run.logger.close()
 
@@ -173,7 +173,7 @@ def test_a_non_finite_checkpoint_is_never_written(tmp_path):
 # ---- 3. resume refuses what does not belong to the run -----------------------------------------------
 
 @pytest.mark.parametrize("override,key", [(["pool.eta=0.05"], "pool.eta"), (["pool.eta_growth=4.0"], "pool.eta_growth"),
-                                          (["sinkhorn.blur=0.1"], "sinkhorn.blur"), (["--seed", "3"], "experiment.seed"),
+                                          (["sinkhorn.blur=0.3"], "sinkhorn.blur"), (["--seed", "3"], "experiment.seed"),
                                           (["pool.batch_size=16"], "pool.batch_size"),
                                           (["data.target=scurve"], "data.target"),
                                           (["model.velocity.depth=2"], "model.velocity.depth")])
@@ -330,7 +330,7 @@ def test_full_disk_during_a_checkpoint(tmp_path):
     env = {**os.environ, "SINKFLOW_PROGRESS": "0", "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     r = subprocess.run([sys.executable, "-m", "sinkflow", "train", "moons", *TINY_2D, "--name", "f", "--no-report"],
                        cwd=tmp_path, capture_output=True, text=True, env=env, preexec_fn=limit, timeout=300)
-    line = one_line(r.returncode, r.stderr, "EFBIG", "step_00000003.pt", "intact")
+    line = one_line(r.returncode, r.stderr, "EFBIG", "step_00000003.pt", "intact")  # errno, file, fix
     run = tmp_path / "runs" / "f"
     assert torch.load(run / "checkpoints/pool/final.pt", weights_only=True)["step"] == 2  # the earlier one
     assert not [p for p in run.rglob("*") if ".tmp" in p.name], line

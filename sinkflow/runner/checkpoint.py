@@ -68,8 +68,11 @@ def atomic_write_bytes(path: Path, write) -> None:
                 f.flush()
                 os.fsync(raw.fileno())
             except Exception as exc:
-                if f.error is not None and not isinstance(exc, OSError):  # torch: "file write failed"
-                    raise f.error from None
+                error = f.error if f.error is not None and not isinstance(exc, OSError) else exc  # torch wraps it
+                if isinstance(error, OSError) and not error.filename:  # name the file it was writing
+                    raise type(error)(error.errno, error.strerror or str(error), str(path)) from None
+                if error is not exc:
+                    raise error from None
                 raise
         os.replace(tmp, path)
         dir_fd = os.open(path.parent, os.O_RDONLY)
