@@ -48,5 +48,5 @@ def test_foreign_file_is_rejected(tmp_path):
 def test_checkpoint_is_plain_torch(tmp_path):
     ck = PhaseCheckpoints(tmp_path, keep=1)
     ck.save_final({"model": {"w": torch.ones(2)}})
-    obj = torch.load(os.path.join(tmp_path, "final.pt"), weights_only=False)  # any PyTorch tool can read it
+    obj = torch.load(os.path.join(tmp_path, "final.pt"), weights_only=True)  # any PyTorch tool can read it, safely
     assert obj["final"] and torch.equal(obj["model"]["w"], torch.ones(2))
