@@ -5,7 +5,8 @@ shaped exists in the run folder; ``sinkflow train --resume RUN key=value`` that 
 
 - the pool (``RUN/pool/``, ``checkpoints/pool/``) freezes every ``pool.*`` and ``sinkhorn.*`` key, the
   data section and the seed;
-- a training phase's checkpoints freeze the same, plus its whole architecture ``model.<phase>.*``;
+- a training phase's checkpoints freeze the same, plus its whole architecture ``model.<phase>.*`` and the
+  ``nsgf.*`` section (how the network reads the pool: ``nsgf.time`` is the meaning of its time input);
 
 except ``RUNTIME_KEYS``, which change how an artifact is computed or stored, never what it holds.
 New ``pool.*`` / ``sinkhorn.*`` / ``model.*`` keys are therefore frozen without being listed here.
@@ -41,8 +42,12 @@ HALF_BUILT_POOL_KEYS = ("pool.chunk",)
 ALWAYS_FROZEN = ("experiment.preset", "experiment.method")
 
 
+# Frozen by a training phase's checkpoints: how a network reads the pool (nsgf.time is its input's meaning).
+TRAIN_SECTIONS = ("nsgf.",)
+
+
 def frozen_prefixes(phase: str) -> tuple[str, ...]:
-    return COMMON + POOL_SECTIONS + (() if phase == "pool" else (f"model.{phase}.",))
+    return COMMON + POOL_SECTIONS + (() if phase == "pool" else TRAIN_SECTIONS + (f"model.{phase}.",))
 
 
 def frozen_keys(cfg: dict, phase: str) -> dict[str, Any]:
