@@ -136,7 +136,8 @@ def load(path: Path, map_location="cpu") -> dict:
             raise SinkflowError(
                 f"checkpoint {path} holds objects other than tensors, numbers, strings, lists and dicts, so it "
                 "was refused (loading it could run code)",
-                "use only checkpoints written by this sinkflow for this run, or start a new run") from None
+                "use only checkpoints this sinkflow wrote for this run (checkpoints of sinkflow before format 2 "
+                "pickled numpy RNG states and cannot be resumed: start a new run)") from None
         raise SinkflowError(
             f"checkpoint {path} is corrupt or truncated ({type(exc).__name__})",
             "delete it to resume from the previous checkpoint, or start a new run",
