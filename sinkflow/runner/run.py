@@ -36,6 +36,7 @@ from sinkflow.runner.metrics import MetricsLogger
 
 log = logging.getLogger("sinkflow")
 
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
