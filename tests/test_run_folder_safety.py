@@ -176,8 +176,8 @@ def test_a_non_finite_checkpoint_is_never_written(tmp_path):
                                           (["sinkhorn.blur=0.3"], "sinkhorn.blur"), (["--seed", "3"], "experiment.seed"),
                                           (["pool.batch_size=16"], "pool.batch_size"),
                                           (["data.target=scurve"], "data.target"),
-                                          (["pool.schedule=harmonic"], "pool.schedule"),
-                                          (["nsgf.time=fraction"], "nsgf.time"),
+                                          (["pool.schedule=constant"], "pool.schedule"),
+                                          (["nsgf.time=flow"], "nsgf.time"),
                                           (["model.velocity.depth=2"], "model.velocity.depth")])
 def test_resume_refuses_a_key_that_shaped_an_artifact(run, capsys, override, key):
     before = full_snapshot(run)
