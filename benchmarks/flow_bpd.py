@@ -78,7 +78,9 @@ def temperature_grid(run, path, out, temps=(1.0, 0.8, 0.6), n: int = 64) -> Path
     from sinkflow.methods.flow import decode
     from sinkflow.runner.phase import build_phase_model
 
-    state = torch.load(path, weights_only=False)
+    from sinkflow.runner.checkpoint import load
+
+    state = load(path)  # weights only: a checkpoint never runs code
     model = build_phase_model(run, "flow")
     model.load_state_dict(state.get("ema") or state["model"])
     model.eval().requires_grad_(False)

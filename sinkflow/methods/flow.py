@@ -257,7 +257,7 @@ def select_checkpoint(run, paths, seeds: int | None = None) -> tuple[Path, list[
 
     curve = []
     for path in paths:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = run.checkpoints("flow").load(path)  # weights only, and it must be this run's
         model = build_phase_model(run, "flow")
         model.load_state_dict(state.get("ema") or state["model"])
         model.to(run.device).eval().requires_grad_(False)
