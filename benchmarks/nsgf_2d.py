@@ -73,7 +73,8 @@ def fmt(values: list[float]) -> str:
         return "-"
     if len(values) == 1:
         return f"{values[0]:.3f} (1 seed)"
-    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
+    seeds = "" if len(values) >= 3 else f" ({len(values)} seeds)"
+    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}{seeds}"
 
 
 def table(results: list[dict], floors: dict, args) -> str:
@@ -118,12 +119,16 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each")
     p.add_argument("--runs-dir", default=None, help="keep the runs here (default: a temp folder)")
     p.add_argument("--write", action="store_true", help="replace the nsgf_2d section of benchmarks/RESULTS.md")
+    p.add_argument("--collect", action="store_true",
+                   help="train nothing: tabulate the runs already finished in --runs-dir (e.g. of an interrupted benchmark)")
     p.add_argument("extra", nargs="*", help="config overrides applied to every run, e.g. pool.eta=0.1")
     args = p.parse_args()
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="sinkflow-bench-")
     # seed-major: an interrupted benchmark has every task and method for its first seeds
     jobs = [(t, m, s) for s in range(args.seeds) for t in args.tasks for m in args.methods]
     start = time.perf_counter()
+    if args.collect:
+        jobs = [(t, m, s) for t, m, s in jobs if (Path(runs_dir) / f"{t}-{m}-s{s}" / "bench.json").exists()]
     with ProcessPoolExecutor(args.workers) as pool:
         futures = [pool.submit(one_run, t, m, s, args.iters, runs_dir, args.extra) for t, m, s in jobs]
         floors_f = {t: pool.submit(floor, t) for t in args.tasks}
