@@ -58,7 +58,7 @@ def losses(run_dir) -> dict[int, float]:
 
 
 def final_weights(run_dir):
-    return torch.load(run_dir / "checkpoints/flow/final.pt", weights_only=False)["model"]
+    return torch.load(run_dir / "checkpoints/flow/final.pt", weights_only=True)["model"]
 
 
 @pytest.mark.parametrize("preset", ["flow-digits", "flow-mnist", "flow-cifar10"])
@@ -118,7 +118,7 @@ def test_memory_modes_same_trajectory(runs_dir, capsys):
                 "--no-report", "train.flow.ckpt_every=1", "checkpoint.keep=5"]
         assert main(args) == 0
         runs[mode] = losses(runs_dir / mode)
-        step1 = torch.load(runs_dir / mode / "checkpoints/flow/step_00000001.pt", weights_only=False)["model"]
+        step1 = torch.load(runs_dir / mode / "checkpoints/flow/step_00000001.pt", weights_only=True)["model"]
         weights[mode] = (flat(step1), flat(final_weights(runs_dir / mode)))
     ref = runs["standard"]
     assert len(ref) == 5 and (weights["standard"][1] - weights["standard"][0]).norm() > 0  # training moves

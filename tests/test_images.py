@@ -49,7 +49,7 @@ def setup_data(preset, tmp_path):
 
 
 def weights(run, phase):
-    return torch.load(run / "checkpoints" / phase / "final.pt", weights_only=False)["model"]
+    return torch.load(run / "checkpoints" / phase / "final.pt", weights_only=True)["model"]
 
 
 @pytest.mark.parametrize("preset", ["digits", "mnist", "cifar10", "folder"])

@@ -34,7 +34,7 @@ def wait_for(predicate, proc, timeout=300):
 
 
 def final_weights(run):
-    return torch.load(run / "checkpoints/velocity/final.pt", weights_only=False)
+    return torch.load(run / "checkpoints/velocity/final.pt", weights_only=True)
 
 
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
