@@ -358,3 +358,20 @@ def test_unknown_solver_is_a_clear_error():
     x, y = _clouds_2d(8, seed=0)
     with pytest.raises(SinkflowError, match="unknown Sinkhorn solver"):
         sinkhorn_velocity(x, y, blur=0.1, solver="exact")
+
+
+def test_clamped_log_sum_exp_matches_torch_far_below_float_range():
+    """The solver's c-transform clamps shifted logits at -60 before exp (exp's slow path below -87):
+    the result must equal torch.logsumexp where most terms underflow and rows have a far-off maximum."""
+    from sinkflow.ot.sinkhorn import _cost, _plan_rows, _softmin
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 50, 2, generator=g) * 4
+    y = torch.randn(3, 70, 2, generator=g) * 4 + 10  # every row's nearest target is far away
+    h = torch.randn(3, 70, generator=g) * 5
+    cost = _cost(x, y)
+    for eps in (1e-3, 1e-2, 1.0):
+        logits = h[:, None, :] - cost / eps
+        ref = -eps * torch.logsumexp(logits, dim=2)
+        assert torch.allclose(_softmin(eps, cost, h), ref, rtol=1e-6, atol=0)
+        assert torch.allclose(_plan_rows(eps, cost, h), torch.softmax(logits, dim=2), atol=1e-7)
