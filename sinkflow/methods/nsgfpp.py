@@ -9,7 +9,8 @@ Phases, each resumable with its own model, optimizer and config section:
 4. ``time``     the phase-transition predictor: regress t from the same X_t (MSE, sigmoid output),
                 network ``model.time``.
 
-Sampling (Algorithm 4): the T NSGF Euler steps on the pool's own grid (``nsgf.network_grid``), then
+Sampling (Algorithm 4): the T NSGF Euler steps on the pool's own grid (``nsgf.network_grid``; or
+``sample.nsgf_steps`` uniform steps over the same span when the field was trained on segments), then
 t_hat_i = t_phi(x_i) per sample, then NSF Euler from t_hat_i to 1 in ``nsf_steps`` steps of per-sample
 size (1 - t_hat_i) / nsf_steps. So every sample costs exactly T + 1 + nsf_steps network evaluations and
 a batch needs no masking (docs/nsgfpp.md, ambiguity 8).
@@ -41,7 +42,33 @@ def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
             f"set pool.steps<={MAX_NSGF_STEPS} (and raise pool.eta), or use --method nsgf for a long flow")
     if cfg["sample"]["nsf_steps"] < 1:
         raise SinkflowError(f"sample.nsf_steps={cfg['sample']['nsf_steps']} must be >= 1", "e.g. sample.nsf_steps=50")
+    check_nsgf_steps(cfg)
     check_pool_fits(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]))
+
+
+def check_nsgf_steps(cfg: dict) -> None:
+    """``sample.nsgf_steps`` other than the pool's T needs a field trained between the grid times."""
+    k = cfg["sample"].get("nsgf_steps")
+    if k is None or k == cfg["pool"]["steps"]:
+        return
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise SinkflowError(f"sample.nsgf_steps={k!r} is not a positive integer", "use null (the pool's steps) or e.g. 2")
+    if float(cfg["nsgf"]["segment"]) <= 0:
+        raise SinkflowError(f"sample.nsgf_steps={k} differs from pool.steps={cfg['pool']['steps']} but the NSGF network "
+                            "was trained only at the pool's grid times (nsgf.segment=0)",
+                            "train with nsgf.segment=0.5, or set sample.nsgf_steps=null")
+
+
+def nsgf_grid(cfg: dict) -> tuple[list[float], list[float]]:
+    """(times, steps) of the NSGF part at sampling: the pool's own grid, or ``sample.nsgf_steps`` uniform
+    Euler steps over the same span of network time (valid once the field is trained on the segments)."""
+    times, etas = nsgf.network_grid(cfg)
+    k = cfg["sample"].get("nsgf_steps")
+    if k is None or k == len(etas):
+        return times.tolist(), etas.tolist()
+    check_nsgf_steps(cfg)
+    t_end = float(times[-1])
+    return [t_end * i / k for i in range(k + 1)], [t_end / k] * k
 
 
 def time_loss(model, batch):
@@ -70,13 +97,13 @@ def default_steps(cfg: dict) -> int:
 
 @torch.no_grad()
 def sample(run, x0, steps=None, record=False):
-    """Algorithm 4. ``steps`` = NSF Euler steps (default sample.nsf_steps); the NSGF part always uses
-    the T steps it was trained on. info: nfe (total, counted by forward hooks), nfe_velocity, nfe_time,
+    """Algorithm 4. ``steps`` = NSF Euler steps (default sample.nsf_steps); the NSGF part uses the T
+    steps it was trained on, or ``sample.nsgf_steps``. info: nfe (total, counted by forward hooks), nfe_velocity, nfe_time,
     nfe_nsf, t_hat (N,), nsgf_steps, and with ``record`` the path [x0, T NSGF states, NSF states]."""
     cfg = run.cfg
     nsf_steps = int(steps or default_steps(cfg))
     velocity, predictor, nsf = run.model("velocity"), run.model("time"), run.model("nsf")
-    times, etas = (g.tolist() for g in nsgf.network_grid(cfg))
+    times, etas = nsgf_grid(cfg)
     n = x0.shape[0]
     x = x0.float()
     path = [x.cpu()] if record else []
