@@ -129,6 +129,8 @@ def main() -> None:
     p.add_argument("--tasks", nargs="+", default=TASKS)
     p.add_argument("--methods", nargs="+", default=METHODS)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seed-list", type=int, nargs="+", default=None,
+                   help="train only these training seeds (e.g. a second process taking the last seed)")
     p.add_argument("--iters", type=int, default=20000)
     p.add_argument("--eval-seeds", type=int, default=3, help="sampling seeds averaged per trained model")
     p.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each")
@@ -140,7 +142,8 @@ def main() -> None:
     args = p.parse_args()
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="sinkflow-bench-")
     # seed-major: an interrupted benchmark has every task and method for its first seeds
-    jobs = [(t, m, s) for s in range(args.seeds) for t in args.tasks for m in args.methods]
+    seeds = args.seed_list if args.seed_list is not None else range(args.seeds)
+    jobs = [(t, m, s) for s in seeds for t in args.tasks for m in args.methods]
     start = time.perf_counter()
     if args.collect:
         jobs = [(t, m, s) for t, m, s in jobs if (Path(runs_dir) / f"{t}-{m}-s{s}" / "bench.json").exists()]
