@@ -57,12 +57,13 @@ def checkpoint_bpd(run, path, images, seeds: int = 3) -> tuple[float, float]:
     import torch
 
     from sinkflow.methods.flow import test_bpd
-    from sinkflow.runner.phase import build_phase_model
+    from sinkflow.data import sample_shape
+    from sinkflow.runner.run import build_phase_model
 
     from sinkflow.runner.checkpoint import load
 
     state = load(path)  # weights only: a checkpoint never runs code
-    model = build_phase_model(run, "flow")
+    model = build_phase_model(run.cfg, "flow", sample_shape(run.cfg))
     model.load_state_dict(state.get("ema") or state["model"])
     model.eval().requires_grad_(False)
     r = test_bpd(run, n=len(images), seeds=seeds, batch=256, model=model)
@@ -76,12 +77,13 @@ def temperature_grid(run, path, out, temps=(1.0, 0.8, 0.6), n: int = 64) -> Path
 
     from sinkflow.flows import postprocess
     from sinkflow.methods.flow import decode
-    from sinkflow.runner.phase import build_phase_model
+    from sinkflow.data import sample_shape
+    from sinkflow.runner.run import build_phase_model
 
     from sinkflow.runner.checkpoint import load
 
     state = load(path)  # weights only: a checkpoint never runs code
-    model = build_phase_model(run, "flow")
+    model = build_phase_model(run.cfg, "flow", sample_shape(run.cfg))
     model.load_state_dict(state.get("ema") or state["model"])
     model.eval().requires_grad_(False)
     eps = torch.randn((n, *model.in_shape), generator=torch.Generator().manual_seed(7))

@@ -18,7 +18,8 @@ import torch
 from sinkflow import config
 from sinkflow.methods import distributions, nsgf
 from sinkflow.methods.pool import choose_in_flight
-from sinkflow.runner.phase import device_generator
+from sinkflow.runner.rng import device_generator
+from sinkflow.runner.trainer import Trainer
 from sinkflow.runner.run import Run
 
 
@@ -31,7 +32,7 @@ def pool_check() -> None:
         for name, k in (("one", 1), ("auto", 0)):
             cfg = config.resolve("moons", [*args, f"pool.in_flight={k}", f"experiment.name={name}"], {})
             run = Run.create(cfg)
-            nsgf.pool_phase(cfg, *distributions(cfg)).run(run)
+            Trainer(run, nsgf.pool_task(cfg, *distributions(cfg))).fit()
             out[name] = {a: np.load(run.dir / "pool" / f"{a}.npy", allow_pickle=False) for a in "xv"}
         auto = choose_in_flight(cfg["pool"], (2,), torch.device("cuda"))
         dx = np.abs(out["one"]["x"] - out["auto"]["x"]).max()

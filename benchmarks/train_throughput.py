@@ -4,9 +4,9 @@ All three run in the same process on the same synthetic data (N(0,1) noise -> ta
 already on the device, so this measures the training step, not the data path; see `sinkflow bench
 --profile` for that):
 
-- ``fp32-eager``: sinkflow's TrainPhase.train_step with precision=fp32, NCHW, a plain for-loop Adam
+- ``fp32-eager``: sinkflow's Trainer.train_step with precision=fp32, NCHW, a plain for-loop Adam
   (foreach=False), the EMA, grad clip 1.0: the slow baseline every fast path is compared with.
-- ``fast``: the same TrainPhase.train_step with the defaults on CUDA: bf16 autocast (fp32 master
+- ``fast``: the same Trainer.train_step with the defaults on CUDA: bf16 autocast (fp32 master
   weights), channels_last model and inputs, fused Adam, foreach-lerp EMA; ``--compile`` adds
   ``fast+compile`` (torch.compile, default mode).
 - ``torchcfm``: torchcfm's own train_cifar10.py step on its UNetModelWrapper of the same size
@@ -26,10 +26,9 @@ import types
 
 import torch
 
-import sinkflow.runner.phase as phase_mod
-from sinkflow.methods.flow_matching import velocity_loss
+from sinkflow.methods.flow_matching import InterpolantStep
 from sinkflow.models import UNET_PRESETS, build_model, count_parameters
-from sinkflow.runner.phase import TrainPhase
+from sinkflow.runner.trainer import Trainer
 
 SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_heads": 1, "num_head_channels": -1,
               "attention_resolutions": [4], "dropout": 0.1}
@@ -42,21 +41,14 @@ def machine(device: torch.device) -> str:
 
 
 def sinkflow_phase(unet_cfg, shape, device, *, precision, channels_last, compile_, plain_adam):
-    """A TrainPhase set up exactly as `sinkflow train` does, with the model and shape injected."""
+    """A Trainer set up exactly as `sinkflow train` does, with the model and shape passed in."""
     torch.manual_seed(0)
     model = build_model("unet", unet_cfg, shape)
     train_cfg = {"lr": 2e-4, "lr_scaling": "none", "warmup": 0, "grad_clip": 1.0, "ema": 0.9999, "accum": 1,
                  "precision": precision, "channels_last": channels_last, "compile": compile_}
     run = types.SimpleNamespace(cfg={"train": {"velocity": train_cfg}, "experiment": {"seed": 0}}, device=device)
-    saved = phase_mod.build_phase_model, phase_mod._data_shape
-    phase_mod.build_phase_model = lambda r, key: model
-    phase_mod._data_shape = lambda r: shape
-    try:
-        phase = TrainPhase("velocity", None, velocity_loss)
-        phase.setup(run)
-    finally:
-        phase_mod.build_phase_model, phase_mod._data_shape = saved
-    phase.model_device_type = device.type
+    phase = Trainer(run, InterpolantStep("velocity", None, None), shape=shape, model=model)
+    phase.setup()
     if device.type != "cuda":  # CPU smoke: exercise channels_last too (it is CUDA-gated in setup)
         if channels_last:
             phase.model.to(memory_format=torch.channels_last)

@@ -179,16 +179,16 @@ def test_doctor_on_a_preset_phase(runs_dir):
 
 def test_doctor_catches_a_phase_left_in_eval_mode(runs_dir, monkeypatch):
     from sinkflow import config
-    from sinkflow.runner.phase import TrainPhase
+    from sinkflow.runner.trainer import Trainer
     from sinkflow.tools.doctor import doctor_run
 
-    original = TrainPhase.setup
+    original = Trainer.setup
 
-    def bad_setup(self, run):
-        original(self, run)
+    def bad_setup(self):  # a planted bug: the engine leaves the model in eval mode
+        original(self)
         self.model.eval()
 
-    monkeypatch.setattr(TrainPhase, "setup", bad_setup)
+    monkeypatch.setattr(Trainer, "setup", bad_setup)
     cfg = config.resolve("moons", ["pool.batch_size=32", "train.velocity.batch_size=32"], {"device": "cpu"})
     findings = doctor_run(cfg, runs_dir, overfit_steps=20, phases=["velocity"])
     assert "train mode while training" in [f.check for f in findings if f.ok is False]

@@ -12,7 +12,8 @@ from sinkflow import config
 from sinkflow.methods import distributions, nsgf
 from sinkflow.methods.pool import choose_in_flight
 from sinkflow.models import build_model
-from sinkflow.runner.phase import device_generator, to_channels_last, use_channels_last
+from sinkflow.runner.rng import device_generator
+from sinkflow.runner.trainer import Trainer, to_channels_last, use_channels_last
 from sinkflow.runner.run import Run
 
 POOL = ["pool.batches=6", "pool.steps=3", "pool.batch_size=24", "pool.chunk=3", "experiment.device=cpu"]
@@ -21,7 +22,7 @@ POOL = ["pool.batches=6", "pool.steps=3", "pool.batch_size=24", "pool.chunk=3", 
 def _pool(name, *overrides):
     cfg = config.resolve("moons", [*POOL, f"experiment.name={name}", *overrides], {})
     run = Run.create(cfg)
-    nsgf.pool_phase(cfg, *distributions(cfg)).run(run)
+    Trainer(run, nsgf.pool_task(cfg, *distributions(cfg))).fit()
     return run, {k: np.load(run.dir / "pool" / f"{k}.npy") for k in "xvt"}
 
 
@@ -42,7 +43,7 @@ def test_batched_pool_equals_one_at_a_time_and_resumes(runs_dir):
     x[3 * 3 * 24 :] = 0
     x.flush()
     (run.checkpoints("pool").final_path).unlink()
-    nsgf.pool_phase(run.cfg, *distributions(run.cfg)).run(run)
+    Trainer(run, nsgf.pool_task(run.cfg, *distributions(run.cfg))).fit()
     np.testing.assert_array_equal(np.load(run.dir / "pool" / "x.npy"), auto["x"])
 
 

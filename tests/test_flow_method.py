@@ -155,11 +155,14 @@ def test_actnorm_initialised_on_first_batch(runs_dir):
     batch the loop then draws is that same batch: the first ActNorm normalises it per channel."""
     cfg = config.resolve("flow-digits", TINY_FLOW + ["train.flow.batch_size=32"], {"device": "cpu"})
     run = Run.create(cfg)
-    phase = methods.get("flow").phases(cfg, *methods.distributions(cfg))[0]
-    phase.setup(run)
+    from sinkflow.runner.trainer import Trainer
+
+    phase = Trainer(run, methods.get("flow").phases(cfg, *methods.distributions(cfg))[0])
+    phase.setup()
+    phase.task.on_setup(phase)  # the flow step's own hook: ActNorm initialised on the first batch
     norms = [m for m in phase.model.modules() if isinstance(m, ActNorm)]
     assert norms and all(bool(m.initialized) for m in norms)
-    batch = phase.make_batch(phase.generator, 32, run.device)
+    batch = phase.draw_batch(32)
     level0 = phase.model.levels[0].layers
     with torch.no_grad():
         x = flow.preprocess(batch, 17)

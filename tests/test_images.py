@@ -140,24 +140,24 @@ def test_nsgf_steps_at_sampling(runs_dir, tmp_path):
                  "--name", "k"]) == 0
     run = Run.open(runs_dir / "k")
     x0 = torch.randn(4, *shape)
-    base, info = nsgfpp.sample(run, x0, 2, record=True)
+    base, info = methods.get("nsgfpp").sample(run, x0, 2, record=True)
     assert info["nfe_velocity"] == 3
     t_end = nsgfpp.nsgf_grid(run.cfg)[0][-1]
     run.cfg["sample"]["nsgf_steps"] = 2
     times, steps = nsgfpp.nsgf_grid(run.cfg)
     assert times == pytest.approx([0.0, t_end / 2, t_end]) and steps == pytest.approx([t_end / 2] * 2)
-    x, info = nsgfpp.sample(run, x0, 2, record=True)
+    x, info = methods.get("nsgfpp").sample(run, x0, 2, record=True)
     assert (info["nfe_velocity"], info["nfe_time"], info["nfe_nsf"], info["nfe"]) == (2, 1, 2, 5)
     assert x.shape == base.shape and len(info["path"]) == 1 + 2 + 2
     v = run.model("velocity")
     first = x0 + steps[0] * v(x0, torch.zeros(4))
     assert torch.allclose(info["path"][1], first, atol=1e-6)  # the first step spans half of the NSGF time
     run.cfg["sample"]["nsgf_steps"] = 3  # = pool.steps: the pool's own grid, the same samples as null
-    assert torch.equal(nsgfpp.sample(run, x0, 2)[0], base)
+    assert torch.equal(methods.get("nsgfpp").sample(run, x0, 2)[0], base)
     run.cfg["nsgf"]["segment"] = 0.0
     run.cfg["sample"]["nsgf_steps"] = 2
     with pytest.raises(SinkflowError, match="nsgf.segment=0"):
-        nsgfpp.sample(run, x0, 2)
+        methods.get("nsgfpp").sample(run, x0, 2)
     run.cfg["sample"]["nsgf_steps"] = 0
     with pytest.raises(SinkflowError, match="not a positive integer"):
         nsgfpp.check_nsgf_steps(run.cfg)

@@ -13,7 +13,7 @@ from sinkflow.cli import main
 from sinkflow.errors import SinkflowError
 from sinkflow.methods import nsgf
 from sinkflow.ot import eta_schedule, simulate_sinkhorn_flow
-from sinkflow.runner.phase import lr_factor
+from sinkflow.runner.trainer import lr_factor
 from helpers import TINY_2D
 
 

@@ -74,15 +74,15 @@ def test_planted_shorthand_that_misses_a_phase(tmp_path, monkeypatch):
 
 
 def test_planted_checkpoint_that_does_not_restore_the_optimizer(tmp_path, monkeypatch):
-    from sinkflow.runner.phase import TrainPhase
+    from sinkflow.runner.trainer import Trainer
 
-    original = TrainPhase.load_state_dict
+    original = Trainer.load_state_dict
 
     def forgetful(self, state, where):
         original(self, state, where)
         self.optimizer.state.clear()  # the moments are lost on resume
 
-    monkeypatch.setattr(TrainPhase, "load_state_dict", forgetful)
+    monkeypatch.setattr(Trainer, "load_state_dict", forgetful)
     report = preflight("moons", shorthands={"method": "fm"}, workdir=tmp_path, memory=False)
     (phase, name, detail), = failed(report)
     assert (phase, name) == ("velocity", "kill and resume") and "optimizer state not restored" in detail

@@ -120,20 +120,20 @@ def test_sinkflow_checkpoints_load_with_weights_only(base_run):
 def nan_gradient_phase(cfg, bad_call):
     """A velocity phase whose loss stays finite but whose gradients are NaN on call ``bad_call``."""
     from sinkflow import methods
-    from sinkflow.methods.flow_matching import interpolant_batch, velocity_loss
-    from sinkflow.runner.phase import TrainPhase
+    from sinkflow.methods.flow_matching import InterpolantStep, velocity_loss
 
     source, target = methods.distributions(cfg)
     calls = []
 
-    def loss(model, batch):
-        calls.append(1)
-        value = velocity_loss(model, batch)
-        if len(calls) == bad_call:  # sqrt at 0: value 0, gradient inf * 0 = NaN
-            value = value + torch.sqrt(0.0 * sum(p.sum() for p in model.parameters()))
-        return value
+    class Poisoned(InterpolantStep):
+        def loss(self, model, batch):
+            calls.append(1)
+            value = velocity_loss(model, batch)
+            if len(calls) == bad_call:  # sqrt at 0: value 0, gradient inf * 0 = NaN
+                value = value + torch.sqrt(0.0 * sum(p.sum() for p in model.parameters()))
+            return value
 
-    return TrainPhase("velocity", lambda g, n, d: interpolant_batch(source, target, g, n, d), loss)
+    return Poisoned("velocity", source, target)
 
 
 @pytest.mark.parametrize("bad_step,kept", [(6, "step_00000004.pt (step 4) is kept"), (1, "no checkpoint")])
@@ -141,12 +141,13 @@ def test_non_finite_gradient_is_never_applied_nor_checkpointed(runs_dir, bad_ste
     from sinkflow import config
     from sinkflow.runner.checkpoint import load
     from sinkflow.runner.run import Run
+    from sinkflow.runner.trainer import Trainer
 
     cfg = config.resolve("moons", ["experiment.method=fm", "train.velocity.iters=8", "train.velocity.ckpt_every=2",
                                    "train.velocity.log_every=1", "experiment.device=cpu", "experiment.name=nan"])
     run = Run.create(cfg)
     with pytest.raises(SinkflowError) as e:
-        nan_gradient_phase(cfg, bad_step).run(run)
+        Trainer(run, nan_gradient_phase(cfg, bad_step)).fit()
     msg = str(e.value)
     assert "non-finite gradient norm" in msg and f"step {bad_step}" in msg and kept in msg, msg
     ck = run.dir / "checkpoints" / "velocity"

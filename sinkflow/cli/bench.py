@@ -1,9 +1,10 @@
 """`sinkflow bench --profile PRESET [overrides]`: is each training phase data-bound or compute-bound?
 
 Runs every phase of the experiment in a throw-away run folder, with each training phase cut to
-``--steps`` optimizer steps, and times each step in two parts: the data part (the time between two
-``train_step`` calls: batch creation, gathers, host-to-device copies) and the compute part (forward,
-backward, optimizer, EMA; the device is synchronised at the end so queued kernels are counted). The
+``--steps`` optimizer steps, and times each step in two parts (a ``StepTimer`` callback of the engine): the
+data part (from the end of one step to the start of the next: batch creation, gathers, host-to-device
+copies) and the compute part (forward, backward, optimizer, EMA; the device is synchronised at the end so
+queued kernels are counted). The
 pool is built small (``pool.batches`` cut to 4) unless ``--pool-batches`` says otherwise.
 """
 
@@ -14,11 +15,11 @@ import time
 
 import torch
 
-from sinkflow import config, methods
+from sinkflow import config, data, methods
 from sinkflow.cli.common import add_config_args, resolve_args
 from sinkflow.errors import SinkflowError
+from sinkflow.runner.callbacks import Callback
 from sinkflow.runner.experiment import run_phases
-from sinkflow.runner.phase import TrainPhase
 from sinkflow.runner.run import Run
 
 
@@ -33,43 +34,49 @@ def add_parser(sub):
     p.set_defaults(func=run)
 
 
-class StepTimer:
-    """Wraps a phase's ``train_step``: compute = inside it; data = from the end of one to the start of the next."""
+class StepTimer(Callback):
+    """Times every training phase's steps: compute = the optimizer step (device synchronised after it);
+    data = from the end of one step to the start of the next. ``rows`` gets one report per phase."""
 
-    def __init__(self, phase: TrainPhase, warmup: int):
-        self.phase, self.warmup = phase, warmup
+    def __init__(self, warmup: int):
+        self.warmup = warmup
+        self.rows: list[dict] = []
+
+    def on_phase_start(self, trainer) -> None:
         self.data: list[float] = []
         self.compute: list[float] = []
         self.samples = 0
         self._last_end: float | None = None
-        inner = phase.train_step
+        self._start: float | None = None
 
-        def timed(batch):
-            start = time.perf_counter()
-            out = inner(batch)
-            _sync(phase)
-            end = time.perf_counter()
-            if self._last_end is not None:
-                self.data.append(start - self._last_end)
-                self.compute.append(end - start)
-                self.samples = _batch_rows(batch)
-            self._last_end = end
-            return out
+    def on_train_batch_start(self, trainer, batch) -> None:
+        if trainer.training:
+            self._start = time.perf_counter()
 
-        phase.train_step = timed
+    def on_train_batch_end(self, trainer, batch, outputs) -> None:
+        if not trainer.training:
+            return
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        if self._last_end is not None:
+            self.data.append(self._start - self._last_end)
+            self.compute.append(end - self._start)
+            self.samples = _batch_rows(batch)
+        self._last_end = end
 
-    def report(self) -> dict:
+    def on_phase_end(self, trainer) -> None:
+        if trainer.training:
+            self.rows.append({**self.report(trainer.name), "device": str(trainer.device),
+                              "precision": trainer.precision, "channels_last": trainer.channels_last})
+
+    def report(self, phase: str) -> dict:
         data, compute = self.data[self.warmup :], self.compute[self.warmup :]
         if not data:
-            return {"phase": self.phase.name, "steps": 0}
+            return {"phase": phase, "steps": 0}
         d, c = sum(data) / len(data), sum(compute) / len(compute)
-        return {"phase": self.phase.name, "steps": len(data), "step_ms": 1e3 * (d + c), "data_ms": 1e3 * d,
+        return {"phase": phase, "steps": len(data), "step_ms": 1e3 * (d + c), "data_ms": 1e3 * d,
                 "compute_ms": 1e3 * c, "data_fraction": d / (d + c), "samples_per_s": self.samples / (d + c)}
-
-
-def _sync(phase) -> None:
-    if getattr(phase, "model_device_type", "cpu") == "cuda":
-        torch.cuda.synchronize()
 
 
 def _batch_rows(batch) -> int:
@@ -90,22 +97,11 @@ def profile(cfg: dict, steps: int, warmup: int) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="sinkflow-bench-") as tmp:
         cfg = config.apply_overrides(cfg, [*overrides, f"experiment.runs_dir={tmp}", "experiment.name=bench"])
         run = Run.create(cfg)
-        source, target = methods.distributions(cfg)
-        phases = methods.get(cfg["experiment"]["method"]).phases(cfg, source, target)
-        results: list[dict] = []
-        for phase in phases:
-            if isinstance(phase, TrainPhase):  # report before run_phases clears the phase's state
-                timer, inner_run = StepTimer(phase, warmup), phase.run
-
-                def wrapped(r, timer=timer, inner_run=inner_run):
-                    inner_run(r)
-                    results.append({**timer.report(), "device": str(r.device), "precision": timer.phase.precision,
-                                    "channels_last": timer.phase.channels_last})
-
-                phase.run = wrapped
-            run_phases(run, [phase])
+        source, target = data.distributions(cfg)
+        timer = StepTimer(warmup)
+        run_phases(run, methods.of(cfg).phases(cfg, source, target), callbacks=[timer])
         run.logger.close()
-    return results
+    return timer.rows
 
 
 def format_table(rows: list[dict]) -> str:
@@ -129,10 +125,10 @@ def run(args):
     cfg = resolve_args(args)
     if not pool_set:
         cfg = config.apply_overrides(cfg, [f"pool.batches={min(cfg['pool']['batches'], 4)}"])
-    methods.distributions(cfg)  # validate the data before any work
+    data.distributions(cfg)  # validate the data before any work
     rows = profile(cfg, args.steps, args.warmup)
     device = rows[0]["device"] if rows else cfg["experiment"]["device"]
-    print(f"sinkflow bench --profile {cfg['experiment']['preset']} ({cfg['experiment']['method']}) on {device}: "
+    print(f"sinkflow bench --profile {cfg['experiment']['preset']} ({methods.of(cfg).name}) on {device}: "
           f"data = batch creation + host-to-device copy between steps; compute = forward/backward/optimizer")
     print(format_table(rows))
     print("data-bound (> 30 % waiting): raise pool.storage=memory, keep the image cache in RAM, or use fewer "

@@ -48,12 +48,12 @@ def run(args):
     path = plot(res, Path(args.out), f"{label}: phase {phase.name}")
     print(f"lr-find {label}, phase {phase.name} (batch {phase.cfg['batch_size']}, {len(res.lrs)} steps)")
     print("  " + res.summary())
-    print(f"  configured train.{phase.model_key}.lr = {phase.cfg['lr']:.2e}; plot: {path}")
+    print(f"  configured train.{phase.task.model_key}.lr = {phase.cfg['lr']:.2e}; plot: {path}")
     if args.write:
         if not res.suggestions:
             raise SinkflowError("the sweep gave no suggestion, nothing written",
                                 "widen --start-lr/--end-lr or raise --steps")
         lr = res.suggestions[args.choose]
-        where = write_lr(Path(args.write), f"train.{phase.model_key}.lr", lr)
-        print(f"  wrote train.{phase.model_key}.lr={lr:.3g} ({args.choose}) to {where}")
+        where = write_lr(Path(args.write), f"train.{phase.task.model_key}.lr", lr)
+        print(f"  wrote train.{phase.task.model_key}.lr={lr:.3g} ({args.choose}) to {where}")
     return 0

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sinkflow import config, methods
+from sinkflow import config, data, methods
 from sinkflow.errors import SinkflowError
 from sinkflow.eval.points import generate
 from sinkflow.eval.report import is_points
@@ -38,8 +38,7 @@ def run(args):
         raise SinkflowError(f"`sinkflow sample` only takes sample.* overrides, not '{bad[0]}'",
                             f"change other keys with `sinkflow train --resume {args.run_dir} ...`")
     run_.cfg = config.apply_overrides(run_.cfg, args.overrides)  # in memory: config.yaml stays as trained
-    method = methods.get(run_.cfg["experiment"]["method"])  # NSGF++: --steps are the straight-flow steps
-    steps = args.steps or getattr(method, "default_steps", lambda c: c["sample"]["steps"])(run_.cfg)
+    steps = args.steps or methods.of(run_.cfg).default_steps(run_.cfg)  # NSGF++: the straight-flow steps
     x, info = generate(run_, args.n, steps, seed=args.seed)
     x = x.cpu()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -48,7 +47,7 @@ def run(args):
     elif is_points(run_.cfg):
         from sinkflow.eval.plots import scatter_samples
 
-        scatter_samples(x, methods.distributions(run_.cfg)[1].test_set(args.n), out, f"{steps} steps")
+        scatter_samples(x, data.distributions(run_.cfg)[1].test_set(args.n), out, f"{steps} steps")
     else:
         from sinkflow.eval.images import save_grid
 

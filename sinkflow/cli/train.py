@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from sinkflow import methods
+from sinkflow import data, methods
 from sinkflow.cli.common import add_config_args, resolve_args, shorthands, split_preset
 from sinkflow.runner import dist
 from sinkflow.runner.experiment import run_phases
@@ -44,13 +44,15 @@ def run(args):
         cfg = run_.cfg
         if args.resume:
             _check(cfg)
-        source, target = methods.distributions(cfg)
-        phases = methods.get(cfg["experiment"]["method"]).phases(cfg, source, target)
+        source, target = data.distributions(cfg)
+        method = methods.of(cfg)
+        phases = method.phases(cfg, source, target)
         if args.resume:
             run_.verify(phases)  # finished phases' final.pt and the newest step checkpoint: safe, this run's
         run_.start()  # the lock (one writer per run folder), the resumed config, orphaned temp files
         if info.is_main:
             log.info("run folder: %s", run_.dir)
+            log.info("method %s", method.describe(cfg))
         run_phases(run_, phases)
         if info.is_main and not args.no_report:
             from sinkflow.eval.report import final_report
@@ -63,7 +65,5 @@ def run(args):
 
 
 def _check(cfg: dict) -> None:
-    methods.distributions(cfg)
-    method = methods.get(cfg["experiment"]["method"])
-    if hasattr(method, "check"):  # e.g. NSGF++: T <= 5, pool size
-        method.check(cfg, methods.sample_shape(cfg))
+    data.distributions(cfg)
+    methods.of(cfg).check(cfg, data.sample_shape(cfg))  # e.g. NSGF++: T <= 5, pool size

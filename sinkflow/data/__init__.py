@@ -10,8 +10,11 @@ a path to a ``.npy`` point file, or an image set ``digits`` ``mnist`` ``cifar10`
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
+from functools import lru_cache
+from typing import Callable
 
 from sinkflow.data.base import Distribution
 from sinkflow.data.floor import W2_FLOOR_PROTOCOL, measure_floor, w2_exact
@@ -23,6 +26,7 @@ from sinkflow.errors import SinkflowError
 __all__ = [
     "Distribution", "build_distribution", "SPECS", "W2_FLOOR_PROTOCOL", "measure_floor", "w2_exact",
     "Normal", "EightGaussians", "Moons", "SCurve", "Checkerboard", "PointFile", "ImageDistribution",
+    "distributions", "sample_shape", "substituted",
 ]
 
 SPECS = ("normal", "normal-qmc", "8gaussians", "8gaussians-qmc", *[k for k in TOY2D if k != "8gaussians"],
@@ -58,3 +62,51 @@ def build_distribution(spec: str, *, data_cfg: dict) -> Distribution:
     close = difflib.get_close_matches(spec, SPECS, n=1)
     hint = f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(SPECS)} or a path to a .npy file"
     raise SinkflowError(f"unknown data spec '{spec}'", hint)
+
+
+# ---- a config's (source, target) -------------------------------------------------------------------
+
+def _data_key(cfg: dict) -> tuple:
+    return tuple(sorted((k, v if not isinstance(v, list) else tuple(v)) for k, v in cfg["data"].items()))
+
+
+@lru_cache(maxsize=8)
+def _distributions(key: tuple):
+    data_cfg = dict(key)
+    target = build_distribution(data_cfg["target"], data_cfg=data_cfg)
+    source = build_distribution(data_cfg["source"], data_cfg={**data_cfg, "shape": tuple(target.shape)})
+    if tuple(source.shape) != tuple(target.shape):
+        raise SinkflowError(
+            f"data.source {data_cfg['source']} has samples of shape {tuple(source.shape)} but data.target "
+            f"{data_cfg['target']} has {tuple(target.shape)}", "use a source and target of the same dimension")
+    return source, target
+
+
+_SUBSTITUTES: list[Callable] = []
+
+
+def distributions(cfg: dict):
+    """(source, target) for a config; built once per data section (validates the data up front).
+
+    Inside ``substituted(builder)`` the builder is asked first (preflight's synthetic images)."""
+    key = _data_key(cfg)
+    for builder in reversed(_SUBSTITUTES):
+        pair = builder(dict(key))
+        if pair is not None:
+            return pair
+    return _distributions(key)
+
+
+def sample_shape(cfg: dict) -> tuple[int, ...]:
+    return tuple(distributions(cfg)[1].shape)
+
+
+@contextlib.contextmanager
+def substituted(builder: Callable[[dict], tuple | None]):
+    """Within the block, ``distributions`` serves ``builder(data_cfg)`` where it is not None: every caller
+    (model building, phases, evaluation) sees the same substitute, without the real data being opened."""
+    _SUBSTITUTES.append(builder)
+    try:
+        yield
+    finally:
+        _SUBSTITUTES.remove(builder)

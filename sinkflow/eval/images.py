@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sinkflow import methods
+from sinkflow import data, methods
 from sinkflow.errors import SinkflowError
 from sinkflow.eval.points import generate
 
@@ -99,22 +99,17 @@ def trajectory_strip(path: list, out, nsgf_steps: int | None = None, t_hat: torc
 def plots(run, n: int = 64) -> list[Path]:
     """grid.png (n samples) and trajectory_strip.png (the sampling path of a few of them)."""
     cfg = run.cfg
-    method = cfg["experiment"]["method"]
-    steps = _default_steps(cfg)
+    method = methods.of(cfg)
+    steps = method.default_steps(cfg)
     x, info = generate(run, n, steps, seed=7, record=True)
     grid = save_grid(x, run.dir / "grid.png")
-    title = f"{cfg['experiment']['preset']} ({method}, NFE {info['nfe']})"
+    title = f"{cfg['experiment']['preset']} ({method.name}, NFE {info['nfe']})"
     strip = trajectory_strip(info["path"], run.dir / "trajectory_strip.png", info.get("nsgf_steps"),
                              info.get("t_hat"), title=title)
     return [grid, strip]
 
 
 # ------------------------------------------------------------------------------------------------ metrics
-
-def _default_steps(cfg: dict) -> int:
-    module = methods.get(cfg["experiment"]["method"])
-    return module.default_steps(cfg) if hasattr(module, "default_steps") else cfg["sample"]["steps"]
-
 
 def _flat(x) -> np.ndarray:
     x = x.float().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, np.float32)
@@ -177,11 +172,11 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
 
     cfg = run.cfg
     seeds = seeds or cfg["eval"]["seeds"]
-    _, target = methods.distributions(cfg)
+    _, target = data.distributions(cfg)
     n_test = len(target.test_images)
     n = min(n or cfg["eval"]["n"], n_test)
-    method = cfg["experiment"]["method"]
-    steps_list = steps_list or ([_default_steps(cfg)] if method == "nsgfpp" else cfg["eval"]["steps"])
+    method = methods.of(cfg).name
+    steps_list = steps_list or methods.of(cfg).eval_steps(cfg)
     clf = digit_classifier(target, cfg["data"]["root"])
     real = target.test_set(n)
     real_stats = class_stats(clf, real) if clf is not None else None

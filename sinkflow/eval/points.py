@@ -6,9 +6,9 @@ import statistics
 
 import torch
 
-from sinkflow import methods
+from sinkflow import data, methods
 from sinkflow.eval.paper import paper_w2
-from sinkflow.runner.phase import phase_generator
+from sinkflow.runner.rng import phase_generator
 
 
 QMC_SOURCES = {"normal": "normal-qmc", "8gaussians": "8gaussians-qmc"}
@@ -24,15 +24,15 @@ def eval_source(cfg: dict):
 
     spec = cfg["data"]["source"]
     if spec in QMC_SOURCES:
-        return build_distribution(QMC_SOURCES[spec], data_cfg={**cfg["data"], "shape": methods.sample_shape(cfg)})
-    return methods.distributions(cfg)[0]
+        return build_distribution(QMC_SOURCES[spec], data_cfg={**cfg["data"], "shape": data.sample_shape(cfg)})
+    return data.distributions(cfg)[0]
 
 
 def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool = True):
     """n samples in chunks of ``sample.batch_size`` (so eval.n=10000 fits a small card); info merged."""
-    source = eval_source(run.cfg) if qmc else methods.distributions(run.cfg)[0]
+    source = eval_source(run.cfg) if qmc else data.distributions(run.cfg)[0]
     x0 = source.sample(n, phase_generator(seed, "sample"), "cpu")
-    sample = methods.get(run.cfg["experiment"]["method"]).sample
+    sample = methods.of(run.cfg).sample
     chunk = max(1, run.cfg["sample"]["batch_size"])
     outs, infos = [], []
     for lo in range(0, n, chunk):
@@ -60,7 +60,8 @@ def w2_table(run, n: int | None = None, seeds: int | None = None, steps_list=Non
     cfg = run.cfg
     n = n or cfg["eval"]["n"]
     seeds = seeds or cfg["eval"]["seeds"]
-    _, target = methods.distributions(cfg)
+    _, target = data.distributions(cfg)
+    method = methods.of(cfg)
     rows = []
     for steps in steps_list or cfg["eval"]["steps"]:
         values, nfe = [], 0
@@ -71,7 +72,7 @@ def w2_table(run, n: int | None = None, seeds: int | None = None, steps_list=Non
         rows.append({
             "steps": steps, "nfe": nfe, "w2_mean": statistics.fmean(values),
             "w2_std": statistics.stdev(values) if len(values) > 1 else 0.0, "w2_all": values,
-            "paper": paper_w2(cfg["experiment"]["method"], cfg["experiment"]["preset"], steps)
+            "paper": paper_w2(method.name, cfg["experiment"]["preset"], steps)
             if is_paper_task(cfg) else None,
         })
     return rows
@@ -104,8 +105,8 @@ def plots(run, n: int = 1024, steps: int = 100) -> list:
     from sinkflow.eval.plots import scatter_samples, trajectories
 
     x, info = generate(run, n, steps, seed=7, record=True)
-    _, target = methods.distributions(run.cfg)
-    title = f"{run.cfg['experiment']['preset']} ({run.cfg['experiment']['method']}, {steps} steps)"
+    _, target = data.distributions(run.cfg)
+    title = f"{run.cfg['experiment']['preset']} ({methods.of(run.cfg).name}, {steps} steps)"
     out1 = scatter_samples(x.cpu(), target.test_set(n), run.dir / "samples.png", title)
     out2 = trajectories(torch.stack(info["path"]), run.dir / "trajectories.png", title)
     return [out1, out2]

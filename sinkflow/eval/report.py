@@ -1,42 +1,78 @@
-"""What `sinkflow train` prints and draws when it finishes, and what `sinkflow eval` computes."""
+"""What `sinkflow train` prints and draws when it finishes, and what `sinkflow eval` computes.
+
+The run's ``Method`` decides (``evaluate`` / ``plots``); it gets this module as ``ev``, the evaluation layer,
+so methods never import it. The standard evaluation is sample-based: exact W2 over seeds for point clouds,
+the image metrics for images.
+"""
 
 from __future__ import annotations
 
-from sinkflow import methods
+import sys
+
+from sinkflow import data, methods
 
 
 def is_points(cfg: dict) -> bool:
-    return len(methods.sample_shape(cfg)) == 1
+    return len(data.sample_shape(cfg)) == 1
 
 
 def evaluate(run, seeds: int | None = None, n: int | None = None) -> str:
+    return methods.of(run.cfg).evaluate(run, sys.modules[__name__], seeds=seeds, n=n)
+
+
+def final_report(run) -> str:
+    text = evaluate(run)
+    written = methods.of(run.cfg).plots(run, sys.modules[__name__])
+    return text + "\nwrote " + ", ".join(str(p) for p in written)
+
+
+def standard_evaluation(run, method, seeds: int | None = None, n: int | None = None) -> str:
+    """W2 table over seeds (points) or the image metrics (images), logged to metrics.jsonl as ``eval``."""
     cfg = run.cfg
     if is_points(cfg):
-        from sinkflow.eval.points import format_table, w2_table
+        from sinkflow.eval.points import format_table, is_paper_task, w2_table
 
         rows = w2_table(run, n=n, seeds=seeds)
         run.logger.log("eval", 0, {f"w2_{r['steps']}": r["w2_mean"] for r in rows})
-        from sinkflow.eval.points import is_paper_task
-
         task = cfg["experiment"]["preset"] if is_paper_task(cfg) else f"{cfg['data']['source']} -> {cfg['data']['target']}"
-        return format_table(rows, cfg["experiment"]["method"], task)
-    if cfg["experiment"]["method"] == "flow":  # normalizing flows: test bits/dim first (methods/flow.py)
-        return methods.get("flow").evaluate(run, seeds=seeds, n=n)
+        return format_table(rows, method.name, task)
     from sinkflow.eval.images import evaluate_images
 
     return evaluate_images(run, seeds=seeds, n=n)
 
 
-def final_report(run) -> str:
-    text = evaluate(run)
+def standard_plots(run, method) -> list:
+    """samples.png + trajectories.png (points) or grid.png + trajectory_strip.png (images)."""
     if is_points(run.cfg):
         from sinkflow.eval.points import plots
 
-        written = plots(run)
-    elif run.cfg["experiment"]["method"] == "flow":  # no sampling path to draw: the grid only
-        written = methods.get("flow").plots(run)
-    else:
-        from sinkflow.eval.images import plots as image_plots
+        return plots(run)
+    from sinkflow.eval.images import plots as image_plots
 
-        written = image_plots(run)
-    return text + "\nwrote " + ", ".join(str(p) for p in written)
+    return image_plots(run)
+
+
+# ---- the building blocks a method's own evaluation may use ----------------------------------------
+
+def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool = True):
+    from sinkflow.eval.points import generate as _generate
+
+    return _generate(run, n, steps, seed, record=record, qmc=qmc)
+
+
+def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_list=None) -> dict:
+    from sinkflow.eval.images import image_metrics as _image_metrics
+
+    return _image_metrics(run, seeds=seeds, n=n, steps_list=steps_list)
+
+
+def format_metrics(result: dict) -> str:
+    from sinkflow.eval.images import format_metrics as _format_metrics
+
+    return _format_metrics(result)
+
+
+def save_grid(x, path, nrow: int | None = None):
+    from sinkflow.eval.images import save_grid as _save_grid
+
+    return _save_grid(x, path, nrow=nrow)

@@ -1,48 +1,39 @@
-"""Methods: each turns a config into an ordered list of phases and knows how to sample.
+"""Methods: each is a ``Method`` object (``sinkflow.methods.base``) in one registry.
 
-A method module exposes ``phases(cfg, source, target) -> list[Phase]`` and
-``sample(run, x0, steps, record=False) -> (x, info)`` where ``info["nfe"]`` is counted by
-instrumentation and ``info["path"]`` holds intermediate states when ``record`` is set.
+A method knows its phases (tasks the engine runs), how it samples, evaluates and describes itself.
+Nothing outside a method tests its name: callers ask ``methods.of(cfg)`` for the object and call it.
+Adding a method = its own file with a ``Method`` instance + one line in ``REGISTRY``.
 """
 
 from __future__ import annotations
 
 import importlib
-from functools import lru_cache
 
+from sinkflow.data import _distributions, distributions, sample_shape
 from sinkflow.errors import SinkflowError
+from sinkflow.methods.base import ChunkedTask, Method, Task, TrainingStep
 
-_MODULES = {"nsgf": "nsgf", "nsgfpp": "nsgfpp", "fm": "flow_matching", "otcfm": "flow_matching", "flow": "flow"}
+__all__ = ["REGISTRY", "get", "of", "Method", "Task", "TrainingStep", "ChunkedTask",
+           "distributions", "sample_shape", "_distributions"]
 
-
-def get(method: str):
-    if method not in _MODULES:
-        raise SinkflowError(f"unknown method '{method}'", f"choose one of {', '.join(_MODULES)}")
-    return importlib.import_module(f"sinkflow.methods.{_MODULES[method]}")
-
-
-def _data_key(cfg: dict) -> tuple:
-    return tuple(sorted((k, v if not isinstance(v, list) else tuple(v)) for k, v in cfg["data"].items()))
-
-
-@lru_cache(maxsize=8)
-def _distributions(key: tuple):
-    from sinkflow.data import build_distribution
-
-    data_cfg = dict(key)
-    target = build_distribution(data_cfg["target"], data_cfg=data_cfg)
-    source = build_distribution(data_cfg["source"], data_cfg={**data_cfg, "shape": tuple(target.shape)})
-    if tuple(source.shape) != tuple(target.shape):
-        raise SinkflowError(
-            f"data.source {data_cfg['source']} has samples of shape {tuple(source.shape)} but data.target "
-            f"{data_cfg['target']} has {tuple(target.shape)}", "use a source and target of the same dimension")
-    return source, target
+# name -> "module:attribute" of its Method instance (imported on first use: POT, flows... load lazily)
+REGISTRY = {
+    "nsgf": "nsgf:METHOD",
+    "nsgfpp": "nsgfpp:METHOD",
+    "fm": "flow_matching:FM",
+    "otcfm": "flow_matching:OTCFM",
+    "flow": "flow:METHOD",
+}
 
 
-def distributions(cfg: dict):
-    """(source, target) for a config; built once per data section (validates the data up front)."""
-    return _distributions(_data_key(cfg))
+def get(method: str) -> Method:
+    """The registered ``Method`` called ``method``."""
+    if method not in REGISTRY:
+        raise SinkflowError(f"unknown method '{method}'", f"choose one of {', '.join(REGISTRY)}")
+    module, attr = REGISTRY[method].split(":")
+    return getattr(importlib.import_module(f"sinkflow.methods.{module}"), attr)
 
 
-def sample_shape(cfg: dict) -> tuple[int, ...]:
-    return tuple(distributions(cfg)[1].shape)
+def of(cfg: dict) -> Method:
+    """The method a config trains (``experiment.method``)."""
+    return get(cfg["experiment"]["method"])

@@ -22,10 +22,12 @@ from pathlib import Path
 
 import torch
 
+from sinkflow import data
 from sinkflow.errors import SinkflowError
 from sinkflow.flows import bits_per_dim, dequantize, flow_loss, postprocess, preprocess
+from sinkflow.methods.base import Method, TrainingStep
 from sinkflow.runner import dist
-from sinkflow.runner.phase import TrainPhase, phase_generator
+from sinkflow.runner.rng import phase_generator
 
 log = logging.getLogger("sinkflow")
 
@@ -63,49 +65,46 @@ def nll_bits(model, x_deq: torch.Tensor, n_bins: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ phase
 
-class FlowPhase(TrainPhase):
-    """A TrainPhase whose model is a flow: ActNorm initialised on the first batch, drift-guard reporting."""
+class FlowStep(TrainingStep):
+    """Maximum likelihood of a flow: ActNorm initialised on the first batch, drift-guard reporting."""
 
     def __init__(self, target, n_bins: int):
+        super().__init__("flow")
         self.target, self.n_bins = target, n_bins
 
-        def make_batch(gen, n, device):
-            return dist.shard(flow_batch(target, gen, n, n_bins)).to(device, non_blocking=True)
+    def batch(self, generator, n, device):
+        return dist.shard(flow_batch(self.target, generator, n, self.n_bins)).to(device, non_blocking=True)
 
-        super().__init__("flow", make_batch, lambda model, x: nll_bits(model, x, n_bins))
+    def loss(self, model, batch):
+        return nll_bits(model, batch, self.n_bins)
 
-    def setup(self, run) -> None:
-        super().setup(run)
-        self.run_ = run
-        if not run.checkpoints(self.name).steps():  # a resumed run loads its initialised ActNorms instead
-            self.init_actnorm(run)
+    def on_setup(self, trainer) -> None:
+        if not trainer.run.checkpoints(self.name).steps():  # a resumed run loads its initialised ActNorms instead
+            self.init_actnorm(trainer)
 
     @torch.no_grad()
-    def init_actnorm(self, run) -> None:
+    def init_actnorm(self, trainer) -> None:
         """Data-dependent ActNorm init on the first training batch: the *global* batch, drawn from a copy of
         the phase generator (so the stream the loop draws is unchanged), identical on every rank."""
         gen = torch.Generator()
-        gen.set_state(self.generator.get_state())
-        x = flow_batch(self.target, gen, self.cfg["batch_size"] * self.info.world, self.n_bins)
-        self.model.log_prob(preprocess(x.to(run.device), self.n_bins))
+        gen.set_state(trainer.generator.get_state())
+        x = flow_batch(self.target, gen, trainer.cfg["batch_size"] * trainer.info.world, self.n_bins)
+        trainer.model.log_prob(preprocess(x.to(trainer.device), self.n_bins))
 
-    def train_step(self, batch):
-        loss, grad_norm = super().train_step(batch)
-        step = self.step + 1  # the loop increments after this returns
-        if step % self.cfg["log_every"] == 0 or step == self.cfg["iters"]:
-            self.run_.logger.log(self.name, step, drift_report(self.model))
-        return loss, grad_norm
+    def on_train_batch_end(self, trainer, batch, outputs) -> None:
+        if trainer.log_step():
+            trainer.run.logger.log(self.name, trainer.step, drift_report(trainer.model))
 
-    def run(self, run) -> None:
-        super().run(run)
-        report = drift_report(self.model)
+    def on_phase_end(self, trainer) -> None:
+        model = trainer.model
+        report = drift_report(model)
         if dist.current().is_main:
             (log.warning if report["fallen_back"] else log.info)(
                 "flow drift guard: %d layer(s) fell back to storing their input%s (max rebuild error %.2g, "
                 "memory %s)", report["fallen_back"],
-                "" if not report["fallen_back"] else ": " + ", ".join(self.model.fallen_back),
-                report["max_drift"], self.model.memory)
-        run.logger.log(self.name, self.step, {**report, "final": True})
+                "" if not report["fallen_back"] else ": " + ", ".join(model.fallen_back),
+                report["max_drift"], model.memory)
+        trainer.run.logger.log(self.name, trainer.step, {**report, "final": True})
 
 
 def drift_report(model) -> dict:
@@ -141,15 +140,6 @@ def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
     build_model("flow", {**m, "depth_per_level": 1, "hidden_channels": 2}, sample_shape)
 
 
-def phases(cfg, source, target):
-    check(cfg, tuple(target.shape))
-    return [FlowPhase(target, cfg["model"]["flow"]["n_bins"])]
-
-
-def default_steps(cfg: dict) -> int:
-    return 1  # one inverse pass; Euler steps do not apply
-
-
 @torch.no_grad()
 def decode(model, eps: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Model-space sample from standard-normal noise ``eps`` (N, *in_shape): the prior's reparameterisation.
@@ -183,26 +173,6 @@ def decode(model, eps: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return h
 
 
-@torch.no_grad()
-def sample(run, x0, steps=None, record=False):
-    """Images in [-1, 1] from the prior noise ``x0`` at ``sample.temperature``; ``steps`` is ignored.
-
-    A Glow's inverse expands where its forward contracts (sigmoid couplings divide by a scale in (0, 1)), so
-    a tail latent can overflow on the way back, in float64 too. Such samples are neither dropped nor redrawn:
-    their pixels are clamped like every other sample's (+-inf to the range ends, NaN to mid-grey), they count
-    in ``info["nonfinite"]``, and a warning says how many. Lower ``sample.temperature`` or train longer.
-    """
-    model = run.model("flow")
-    x = postprocess(decode(model, x0.to(run.device), run.cfg["sample"]["temperature"]))
-    bad = int((~torch.isfinite(x.flatten(1))).any(1).sum())
-    if bad:
-        log.warning("flow sampling: %d of %d samples overflowed in the inverse (temperature %g); their pixels "
-                    "are clamped, NaN shown as mid-grey", bad, len(x), run.cfg["sample"]["temperature"])
-        x = torch.nan_to_num(x, nan=0.5).clamp_(0, 1)
-    x = x * 2 - 1
-    return x, {"nfe": 1, "path": [x.cpu()] if record else [], "nonfinite": bad}
-
-
 # ------------------------------------------------------------------------------------------------ evaluation
 
 def _bpd_of(model, images: torch.Tensor, n_bins: int, seeds: int, batch: int) -> list[float]:
@@ -226,10 +196,8 @@ def test_bpd(run, n: int | None = None, seeds: int | None = None, batch: int | N
     ``split="test"``: ``n`` test images (default ``eval.n``). ``split="val"``: every image of the validation
     split carved from the train split (``data.val_fraction``); model selection reads this one only.
     """
-    from sinkflow import methods
-
     cfg = run.cfg
-    _, target = methods.distributions(cfg)
+    _, target = data.distributions(cfg)
     seeds = seeds or cfg["eval"]["seeds"]
     batch = batch or cfg["train"]["flow"]["batch_size"]
     n_bins = cfg["model"]["flow"]["n_bins"]
@@ -253,12 +221,12 @@ def select_checkpoint(run, paths, seeds: int | None = None) -> tuple[Path, list[
     Returns the best path and the curve ``[{"path", "step", "val_bpd", "val_bpd_std"}]``. Never reads the
     test split (a test replaces it with one that raises).
     """
-    from sinkflow.runner.phase import build_phase_model
+    from sinkflow.runner.run import build_phase_model
 
     curve = []
     for path in paths:
         state = run.checkpoints("flow").load(path)  # weights only, and it must be this run's
-        model = build_phase_model(run, "flow")
+        model = build_phase_model(run.cfg, "flow", data.sample_shape(run.cfg))
         model.load_state_dict(state.get("ema") or state["model"])
         model.to(run.device).eval().requires_grad_(False)
         r = test_bpd(run, seeds=seeds, split="val", model=model)
@@ -270,36 +238,79 @@ def select_checkpoint(run, paths, seeds: int | None = None) -> tuple[Path, list[
     return Path(best["path"]), curve
 
 
-def evaluate(run, seeds: int | None = None, n: int | None = None) -> str:
-    """``sinkflow eval`` for flows: test bits/dim, then the image metrics of samples (one inverse pass)."""
-    from sinkflow.eval.images import format_metrics, image_metrics
+# ------------------------------------------------------------------------------------------------ method
 
-    lines = []
-    if run.cfg["data"].get("val_fraction", 0) > 0:
-        v = test_bpd(run, seeds=seeds, split="val")
-        run.logger.log("eval", 0, {"val_bpd": v["bpd"], "val_bpd_std": v["bpd_std"]})
-        lines.append(f"Validation bits/dim on {run.cfg['experiment']['preset']} (flow): {v['bpd']:.4f} +- "
-                     f"{v['bpd_std']:.4f} over {v['seeds']} dequantisation draws, {v['n']} validation {v['target']} "
-                     f"images (carved from the train split; model selection reads this one)")
-    r = test_bpd(run, n=n, seeds=seeds)
-    run.logger.log("eval", 0, {"test_bpd": r["bpd"], "test_bpd_std": r["bpd_std"]})
-    lines.append(f"Test bits/dim on {run.cfg['experiment']['preset']} (flow): {r['bpd']:.4f} +- {r['bpd_std']:.4f} "
-                 f"over {r['seeds']} dequantisation draws, {r['n']} held-out {r['target']} images, {r['n_bins']} levels")
-    for name, value in PUBLISHED_BPD.get(r["target"], []) if r["n_bins"] == 256 else []:
-        lines.append(f"  published, for context: {name}: {value:.2f}")
-    metrics = image_metrics(run, seeds=seeds, n=n, steps_list=[1])
-    for row in metrics["rows"]:
-        run.logger.log("eval", 0, {k: row[k] for k in ("w2", "tv", "confidence", "fid") if k in row})
-    lines.append(f"Samples at temperature {run.cfg['sample']['temperature']} (steps = 1 inverse pass):")
-    lines.append(format_metrics(metrics))
-    return "\n".join(lines)
+class NormalizingFlow(Method):
+    """``experiment.method=flow``: one maximum-likelihood phase; sampling is one inverse pass."""
+
+    name = "flow"
+
+    def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
+        check(cfg, sample_shape)
+
+    def phases(self, cfg, source, target):
+        check(cfg, tuple(target.shape))
+        return [FlowStep(target, cfg["model"]["flow"]["n_bins"])]
+
+    def default_steps(self, cfg: dict) -> int:
+        return 1  # one inverse pass; Euler steps do not apply
+
+    def eval_steps(self, cfg: dict) -> list[int]:
+        return [1]
+
+    @torch.no_grad()
+    def sample(self, run, x0, steps=None, record=False):
+        """Images in [-1, 1] from the prior noise ``x0`` at ``sample.temperature``; ``steps`` is ignored.
+
+        A Glow's inverse expands where its forward contracts (sigmoid couplings divide by a scale in (0, 1)),
+        so a tail latent can overflow on the way back, in float64 too. Such samples are neither dropped nor
+        redrawn: their pixels are clamped like every other sample's (+-inf to the range ends, NaN to
+        mid-grey), they count in ``info["nonfinite"]``, and a warning says how many. Lower
+        ``sample.temperature`` or train longer.
+        """
+        model = run.model("flow")
+        x = postprocess(decode(model, x0.to(run.device), run.cfg["sample"]["temperature"]))
+        bad = int((~torch.isfinite(x.flatten(1))).any(1).sum())
+        if bad:
+            log.warning("flow sampling: %d of %d samples overflowed in the inverse (temperature %g); their pixels "
+                        "are clamped, NaN shown as mid-grey", bad, len(x), run.cfg["sample"]["temperature"])
+            x = torch.nan_to_num(x, nan=0.5).clamp_(0, 1)
+        x = x * 2 - 1
+        return x, {"nfe": 1, "path": [x.cpu()] if record else [], "nonfinite": bad}
+
+    def evaluate(self, run, ev, seeds: int | None = None, n: int | None = None) -> str:
+        """``sinkflow eval`` for flows: test bits/dim, then the image metrics of samples (one inverse pass)."""
+        lines = []
+        if run.cfg["data"].get("val_fraction", 0) > 0:
+            v = test_bpd(run, seeds=seeds, split="val")
+            run.logger.log("eval", 0, {"val_bpd": v["bpd"], "val_bpd_std": v["bpd_std"]})
+            lines.append(f"Validation bits/dim on {run.cfg['experiment']['preset']} (flow): {v['bpd']:.4f} +- "
+                         f"{v['bpd_std']:.4f} over {v['seeds']} dequantisation draws, {v['n']} validation "
+                         f"{v['target']} images (carved from the train split; model selection reads this one)")
+        r = test_bpd(run, n=n, seeds=seeds)
+        run.logger.log("eval", 0, {"test_bpd": r["bpd"], "test_bpd_std": r["bpd_std"]})
+        lines.append(f"Test bits/dim on {run.cfg['experiment']['preset']} (flow): {r['bpd']:.4f} +- "
+                     f"{r['bpd_std']:.4f} over {r['seeds']} dequantisation draws, {r['n']} held-out {r['target']} "
+                     f"images, {r['n_bins']} levels")
+        for name, value in PUBLISHED_BPD.get(r["target"], []) if r["n_bins"] == 256 else []:
+            lines.append(f"  published, for context: {name}: {value:.2f}")
+        metrics = ev.image_metrics(run, seeds=seeds, n=n, steps_list=self.eval_steps(run.cfg))
+        for row in metrics["rows"]:
+            run.logger.log("eval", 0, {k: row[k] for k in ("w2", "tv", "confidence", "fid") if k in row})
+        lines.append(f"Samples at temperature {run.cfg['sample']['temperature']} (steps = 1 inverse pass):")
+        lines.append(ev.format_metrics(metrics))
+        return "\n".join(lines)
+
+    @torch.no_grad()
+    def plots(self, run, ev, n: int = 64) -> list[Path]:
+        """grid.png: ``n`` samples at ``sample.temperature`` (a flow has no sampling path to draw)."""
+        x, _ = ev.generate(run, n, 1, seed=7)
+        return [ev.save_grid(x, run.dir / "grid.png")]
+
+    def describe(self, cfg: dict) -> str:
+        m = cfg["model"]["flow"]
+        return (f"flow: a normalizing flow trained by maximum likelihood ({m['n_bins']} levels, memory "
+                f"{m['memory']}); sampling is one inverse pass at temperature {cfg['sample']['temperature']}")
 
 
-@torch.no_grad()
-def plots(run, n: int = 64) -> list[Path]:
-    """grid.png: ``n`` samples at ``sample.temperature`` (a flow has no sampling path to draw)."""
-    from sinkflow.eval.images import save_grid
-    from sinkflow.eval.points import generate
-
-    x, _ = generate(run, n, 1, seed=7)
-    return [save_grid(x, run.dir / "grid.png")]
+METHOD = NormalizingFlow()

@@ -11,9 +11,9 @@ import numpy as np
 import ot
 import torch
 
+from sinkflow.methods.base import Method, TrainingStep
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.runner import dist
-from sinkflow.runner.phase import TrainPhase
 
 
 def ot_permutation(x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
@@ -42,17 +42,46 @@ def velocity_loss(model, batch):
     return (model(x, t).float() - v).pow(2).mean()
 
 
-def phases(cfg, source, target):
-    ot_pairs = cfg["experiment"]["method"] == "otcfm"
+class InterpolantStep(TrainingStep):
+    """Velocity matching on the straight path between ``source`` and ``target`` samples, paired
+    independently or (``ot_pairs``) by an exact minibatch OT plan."""
 
-    def make_batch(gen, n, device):
-        return interpolant_batch(source, target, gen, n, device, ot_pairs=ot_pairs)
+    def __init__(self, name: str, source, target, ot_pairs: bool = False):
+        super().__init__(name)
+        self.source, self.target, self.ot_pairs = source, target, ot_pairs
 
-    return [TrainPhase("velocity", make_batch, velocity_loss)]
+    def batch(self, generator, n, device):
+        return interpolant_batch(self.source, self.target, generator, n, device, ot_pairs=self.ot_pairs)
+
+    def loss(self, model, batch):
+        return velocity_loss(model, batch)
 
 
-def sample(run, x0, steps, record=False):
-    model = run.model("velocity")
-    with count_nfe(model) as nfe:
-        x, path = euler(model, x0, 0.0, 1.0, steps, record)
-    return x, {"nfe": nfe.count, "path": path}
+COUPLINGS = ("independent", "ot")
+
+
+class FlowMatching(Method):
+    """FM and OT-CFM: one velocity phase; they differ only in how a minibatch's pairs are coupled (as in
+    torchcfm's ConditionalFlowMatcher vs ExactOptimalTransportConditionalFlowMatcher)."""
+
+    def __init__(self, name: str, coupling: str):
+        if coupling not in COUPLINGS:
+            raise ValueError(f"coupling {coupling!r} is not one of {COUPLINGS}")
+        self.name, self.coupling = name, coupling
+
+    def phases(self, cfg, source, target):
+        return [InterpolantStep("velocity", source, target, ot_pairs=self.coupling == "ot")]
+
+    def sample(self, run, x0, steps=None, record=False):
+        model = run.model("velocity")
+        with count_nfe(model) as nfe:
+            x, path = euler(model, x0, 0.0, 1.0, steps or self.default_steps(run.cfg), record)
+        return x, {"nfe": nfe.count, "path": path}
+
+    def describe(self, cfg: dict) -> str:
+        pairs = "exact minibatch OT pairs" if self.coupling == "ot" else "independent pairs"
+        return f"{self.name}: flow matching on straight paths with {pairs}, Euler sampling over [0, 1]"
+
+
+FM = FlowMatching("fm", "independent")
+OTCFM = FlowMatching("otcfm", "ot")

@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 
 from sinkflow.errors import SinkflowError
+from sinkflow.methods.base import Method, TrainingStep
 from sinkflow.methods.flow_matching import velocity_loss
 from sinkflow.methods.ode import count_nfe, euler
-from sinkflow.methods.pool import PoolPhase, TrajectoryPool
+from sinkflow.methods.pool import PoolTask, TrajectoryPool
 from sinkflow.runner import dist
-from sinkflow.runner.phase import TrainPhase
 
 
 def step_sizes(pool_cfg: dict) -> torch.Tensor:
@@ -83,8 +83,8 @@ def check(cfg: dict, sample_shape: tuple[int, ...] | None = None) -> None:
     step_sizes(cfg["pool"])  # the schedule's own checks (unknown name, eta_growth)
 
 
-def pool_phase(cfg, source, target):
-    return PoolPhase(source, target, make_simulator(cfg, None))
+def pool_task(cfg, source, target) -> PoolTask:
+    return PoolTask(source, target, make_simulator(cfg, None))
 
 
 def pool_batches(run):
@@ -116,25 +116,46 @@ def pool_batches(run):
     return make_batch
 
 
-class VelocityPhase(TrainPhase):
+class PoolVelocityStep(TrainingStep):
     """Velocity matching on the pool; the pool is opened only when this phase actually runs."""
 
     def __init__(self):
-        super().__init__("velocity", None, velocity_loss)
+        super().__init__("velocity")
+        self._batches = None
 
-    def run(self, run) -> None:
-        self.make_batch = pool_batches(run)
-        super().run(run)
+    def open(self, run) -> None:
+        self._batches = pool_batches(run)
+
+    def batch(self, generator, n, device):
+        return self._batches(generator, n, device)
+
+    def loss(self, model, batch):
+        return velocity_loss(model, batch)
 
 
-def phases(cfg, source, target):
-    check(cfg)
-    return [pool_phase(cfg, source, target), VelocityPhase()]
+class NSGF(Method):
+    """Neural Sinkhorn Gradient Flow: the trajectory pool, then velocity matching; Euler sampling."""
+
+    name = "nsgf"
+
+    def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
+        check(cfg)
+
+    def phases(self, cfg, source, target):
+        check(cfg)
+        return [pool_task(cfg, source, target), PoolVelocityStep()]
+
+    def sample(self, run, x0, steps=None, record=False):
+        model = run.model("velocity")
+        t_end = float(network_grid(run.cfg)[0][-1])
+        with count_nfe(model) as nfe:
+            x, path = euler(model, x0, 0.0, t_end, steps or self.default_steps(run.cfg), record)
+        return x, {"nfe": nfe.count, "path": path}
+
+    def describe(self, cfg: dict) -> str:
+        pool = cfg["pool"]
+        return (f"nsgf: a pool of {pool['batches']} x {pool['batch_size']} Sinkhorn-flow trajectories of "
+                f"{pool['steps']} steps, velocity matching on it (nsgf.time={cfg['nsgf']['time']}), Euler sampling")
 
 
-def sample(run, x0, steps, record=False):
-    model = run.model("velocity")
-    t_end = float(network_grid(run.cfg)[0][-1])
-    with count_nfe(model) as nfe:
-        x, path = euler(model, x0, 0.0, t_end, steps, record)
-    return x, {"nfe": nfe.count, "path": path}
+METHOD = NSGF()

@@ -24,10 +24,10 @@ import torch
 
 from sinkflow.errors import SinkflowError
 from sinkflow.methods import nsgf
-from sinkflow.methods.flow_matching import interpolant_batch, velocity_loss
+from sinkflow.methods.base import Method, TrainingStep
+from sinkflow.methods.flow_matching import InterpolantStep, interpolant_batch
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.methods.pool import check_pool_fits
-from sinkflow.runner.phase import TrainPhase
 
 MAX_NSGF_STEPS = 5  # paper: "T <= 5"; a longer NSGF phase is plain NSGF, not NSGF++
 
@@ -77,44 +77,67 @@ def time_loss(model, batch):
     return (model(x).float() - t).pow(2).mean()
 
 
-def phases(cfg, source, target):
-    check(cfg, tuple(target.shape))
+class TimeStep(TrainingStep):
+    """The phase-transition predictor: regress t from X_t on the straight path (independent pairs)."""
 
-    def nsf_batch(gen, n, device):
-        return interpolant_batch(source, target, gen, n, device)
+    def __init__(self, source, target):
+        super().__init__("time")
+        self.source, self.target = source, target
 
-    def time_batch(gen, n, device):
-        x, t, _ = interpolant_batch(source, target, gen, n, device)
+    def batch(self, generator, n, device):
+        x, t, _ = interpolant_batch(self.source, self.target, generator, n, device)
         return x, t
 
-    return [nsgf.pool_phase(cfg, source, target), nsgf.VelocityPhase(),
-            TrainPhase("nsf", nsf_batch, velocity_loss), TrainPhase("time", time_batch, time_loss)]
+    def loss(self, model, batch):
+        return time_loss(model, batch)
 
 
-def default_steps(cfg: dict) -> int:
-    return cfg["sample"]["nsf_steps"]
+class NSGFPlusPlus(Method):
+    """NSGF++: a <=5-step NSGF, a time predictor, then a Neural Straight Flow (see the module docstring)."""
+
+    name = "nsgfpp"
+
+    def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
+        check(cfg, sample_shape)
+
+    def phases(self, cfg, source, target):
+        check(cfg, tuple(target.shape))
+        return [nsgf.pool_task(cfg, source, target), nsgf.PoolVelocityStep(),
+                InterpolantStep("nsf", source, target), TimeStep(source, target)]
+
+    def default_steps(self, cfg: dict) -> int:
+        return cfg["sample"]["nsf_steps"]
+
+    def eval_steps(self, cfg: dict) -> list[int]:
+        return [self.default_steps(cfg)]  # the NSGF part always takes its T trained steps
+
+    @torch.no_grad()
+    def sample(self, run, x0, steps=None, record=False):
+        """Algorithm 4. ``steps`` = NSF Euler steps (default sample.nsf_steps); the NSGF part uses the T
+        steps it was trained on, or ``sample.nsgf_steps``. info: nfe (total, counted by forward hooks), nfe_velocity, nfe_time,
+        nfe_nsf, t_hat (N,), nsgf_steps, and with ``record`` the path [x0, T NSGF states, NSF states]."""
+        cfg = run.cfg
+        nsf_steps = int(steps or self.default_steps(cfg))
+        velocity, predictor, nsf = run.model("velocity"), run.model("time"), run.model("nsf")
+        times, etas = nsgf_grid(cfg)
+        n = x0.shape[0]
+        x = x0.float()
+        path = [x.cpu()] if record else []
+        with count_nfe(velocity) as n_v, count_nfe(predictor) as n_t, count_nfe(nsf) as n_u:
+            for k, eta in enumerate(etas):
+                t = torch.full((n,), times[k], device=x.device)
+                x = x + eta * velocity(x, t).float()
+                if record:
+                    path.append(x.cpu())
+            t_hat = predictor(x).float().clamp(0.0, 1.0)
+            x, nsf_path = euler(nsf, x, t_hat, 1.0, nsf_steps, record)
+        path += nsf_path[1:]
+        return x, {"nfe": n_v.count + n_t.count + n_u.count, "nfe_velocity": n_v.count, "nfe_time": n_t.count,
+                   "nfe_nsf": n_u.count, "t_hat": t_hat.cpu(), "nsgf_steps": len(etas), "path": path}
+
+    def describe(self, cfg: dict) -> str:
+        return (f"nsgfpp: {cfg['pool']['steps']} NSGF steps on the pool's grid, a time predictor, then "
+                f"{cfg['sample']['nsf_steps']} Neural Straight Flow steps")
 
 
-@torch.no_grad()
-def sample(run, x0, steps=None, record=False):
-    """Algorithm 4. ``steps`` = NSF Euler steps (default sample.nsf_steps); the NSGF part uses the T
-    steps it was trained on, or ``sample.nsgf_steps``. info: nfe (total, counted by forward hooks), nfe_velocity, nfe_time,
-    nfe_nsf, t_hat (N,), nsgf_steps, and with ``record`` the path [x0, T NSGF states, NSF states]."""
-    cfg = run.cfg
-    nsf_steps = int(steps or default_steps(cfg))
-    velocity, predictor, nsf = run.model("velocity"), run.model("time"), run.model("nsf")
-    times, etas = nsgf_grid(cfg)
-    n = x0.shape[0]
-    x = x0.float()
-    path = [x.cpu()] if record else []
-    with count_nfe(velocity) as n_v, count_nfe(predictor) as n_t, count_nfe(nsf) as n_u:
-        for k, eta in enumerate(etas):
-            t = torch.full((n,), times[k], device=x.device)
-            x = x + eta * velocity(x, t).float()
-            if record:
-                path.append(x.cpu())
-        t_hat = predictor(x).float().clamp(0.0, 1.0)
-        x, nsf_path = euler(nsf, x, t_hat, 1.0, nsf_steps, record)
-    path += nsf_path[1:]
-    return x, {"nfe": n_v.count + n_t.count + n_u.count, "nfe_velocity": n_v.count, "nfe_time": n_t.count,
-               "nfe_nsf": n_u.count, "t_hat": t_hat.cpu(), "nsgf_steps": len(etas), "path": path}
+METHOD = NSGFPlusPlus()

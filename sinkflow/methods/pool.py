@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from sinkflow.errors import SinkflowError
+from sinkflow.methods.base import ChunkedTask
 from sinkflow.runner import dist
 from sinkflow.runner.checkpoint import atomic_write_bytes
-from sinkflow.runner.phase import Phase, phase_generator, progress
-from sinkflow.runner.signals import Interrupted, stop_requested
+from sinkflow.runner.rng import phase_generator
 
 log = logging.getLogger("sinkflow")
 
@@ -152,7 +152,7 @@ def _accepts(simulate, arg: str) -> bool:
         return False
 
 
-class PoolPhase(Phase):
+class PoolTask(ChunkedTask):
     """Simulate ``pool.batches`` Sinkhorn-flow trajectories of ``pool.steps`` Euler steps each.
 
     ``simulate(x0, y, batched=True)`` with x0, y shaped (B, n, *) returns (xs, vs, ts) with xs, vs
@@ -160,6 +160,10 @@ class PoolPhase(Phase):
     batch b always draws from its own generator seeded by (seed, b), so the pool does not depend on
     in_flight beyond float rounding and the shared annealing diameter (see docs/performance.md).
     A simulator without a ``batched`` argument is called one pool batch at a time.
+
+    A task of the engine (``sinkflow.runner.trainer.Trainer``) whose unit is a round of chunks: in each
+    round rank k builds the k-th chunk left, then ``progress.json`` is rewritten atomically, so a stopped or
+    killed build resumes at the first unfinished chunk.
     """
 
     name = "pool"
@@ -200,73 +204,88 @@ class PoolPhase(Phase):
         return (torch.stack([o[0].cpu() for o in outs], 1), torch.stack([o[1].cpu() for o in outs], 1),
                 outs[0][2].cpu())
 
-    def run(self, run) -> None:
+    # ---- the engine's protocol ------------------------------------------------------------------
+    def open(self, run) -> None:
+        """Check the budget, read the progress, create the arrays once, and plan the rounds left."""
         cfg = run.cfg["pool"]
-        info = dist.current()
-        folder = run.dir / "pool"
-        shape = tuple(self.target.shape)
+        self.run, self.info = run, dist.current()
+        folder = self.folder = run.dir / "pool"
+        shape = self.shape = tuple(self.target.shape)
         check_pool_fits(cfg, shape, folder)
-        n, steps, batches, chunk = cfg["batch_size"], cfg["steps"], cfg["batches"], max(1, cfg["chunk"])
-        per_batch = steps * n
-        total = batches * per_batch
-        dtype = DTYPES[cfg["dtype"]]
-        progress_file = folder / "progress.json"
+        self.n, self.steps, self.batches, self.chunk = cfg["batch_size"], cfg["steps"], cfg["batches"], max(1, cfg["chunk"])
+        self.per_batch = self.steps * self.n
+        self.entries = self.batches * self.per_batch
+        self.dtype = DTYPES[cfg["dtype"]]
+        self.progress_file = folder / "progress.json"
         try:
-            saved = json.loads(progress_file.read_text()) if progress_file.exists() else {}
+            saved = json.loads(self.progress_file.read_text()) if self.progress_file.exists() else {}
         except ValueError:
-            raise SinkflowError(f"{progress_file} is damaged", "delete it to rebuild the pool from scratch") from None
-        done = set(saved.get("chunks", []))
+            raise SinkflowError(f"{self.progress_file} is damaged", "delete it to rebuild the pool from scratch") from None
+        self.done = set(saved.get("chunks", []))
         # the diameter is fixed once per build and kept with the progress, so a resumed build matches
         self.diameter = saved["diameter"] if saved.get("diameter") is not None else self.pool_diameter(run)
-        if info.is_main and not (folder / "x.npy").exists():
-            for key, shp, dt in (("x", (total, *shape), dtype), ("v", (total, *shape), dtype), ("t", (total,), np.float32)):
+        if self.info.is_main and not (folder / "x.npy").exists():
+            for key, shp, dt in (("x", (self.entries, *shape), self.dtype), ("v", (self.entries, *shape), self.dtype),
+                                 ("t", (self.entries,), np.float32)):
                 np.lib.format.open_memmap(folder / f".{key}.npy.tmp", mode="w+", dtype=dt, shape=shp).flush()
                 (folder / f".{key}.npy.tmp").rename(folder / f"{key}.npy")
         dist.barrier()
-        arrays = {k: load_pool_array(folder / f"{k}.npy", "r+") for k in ("x", "v", "t")}
-        n_chunks = math.ceil(batches / chunk)
-        seed = run.cfg["experiment"]["seed"]
-        todo = [c for c in range(n_chunks) if c not in done]
+        self.arrays = {k: load_pool_array(folder / f"{k}.npy", "r+") for k in ("x", "v", "t")}
+        self.total = math.ceil(self.batches / self.chunk)
+        self.seed = run.cfg["experiment"]["seed"]
         # a chunk is the unit of resume: a group never spans chunks, so in_flight is at most pool.chunk
-        in_flight = min(choose_in_flight(cfg, shape, run.device), chunk)
-        groups = [[c] for c in todo]
+        self.in_flight = min(choose_in_flight(cfg, shape, run.device), self.chunk)
+        self.groups = [[c] for c in range(self.total) if c not in self.done]
+        self.round = 0
+        self.progress_total = self.batches
+        self.progress_done = sum(len(_chunk_batches(c, self.chunk, self.batches)) for c in self.done)
         log.info("pool: %d batches of %d particles x %d steps, %d in flight, %d process(es)",
-                 batches, n, steps, in_flight, info.world)
-        bar = progress(batches, sum(len(_chunk_batches(c, chunk, batches)) for c in done), "pool")
-        for r in range(0, len(groups), info.world):  # each round, rank k builds the k-th group of chunks left
-            mine = groups[r + info.rank] if r + info.rank < len(groups) else []
-            ids = [b for c in mine for b in _chunk_batches(c, chunk, batches)]
-            for g in range(0, len(ids), in_flight):
-                group = ids[g : g + in_flight]
-                xs, vs, ts = self._simulate_group(group, seed, n, run.device)
-                t_rows = ts.repeat_interleave(n).numpy()
-                for j, b in enumerate(group):
-                    lo = b * per_batch
-                    arrays["x"][lo : lo + per_batch] = xs[:, j].reshape(per_batch, *shape).numpy().astype(dtype)
-                    arrays["v"][lo : lo + per_batch] = vs[:, j].reshape(per_batch, *shape).numpy().astype(dtype)
-                    arrays["t"][lo : lo + per_batch] = t_rows
-                bar.update(len(group))
-            for a in arrays.values():
-                a.flush()
-            done.update(mine)
-            if info.enabled:
-                gathered: list = [None] * info.world
-                torch.distributed.all_gather_object(gathered, sorted(done))
-                done = set().union(*map(set, gathered))
-            if info.is_main:
-                atomic_write_bytes(progress_file, lambda f: f.write(json.dumps({"chunks": sorted(done), "diameter": self.diameter}).encode()))
-                run.logger.heartbeat(phase="pool", step=len(done), total=n_chunks, state="running")
-            signum = dist.agree_stop(stop_requested())  # all ranks stop in the same round
-            if signum is not None:
-                bar.close()
-                raise Interrupted(signum, self.name, len(done))
-        bar.close()
-        del arrays
-        dist.barrier()
-        if info.is_main:
-            run.checkpoints(self.name).save_final({"pool": str(folder), "entries": total, "chunks": n_chunks,
-                                                   "step": n_chunks})
-        dist.barrier()
+                 self.batches, self.n, self.steps, self.in_flight, self.info.world)
+
+    @property
+    def position(self) -> int:
+        return len(self.done)
+
+    def finished(self) -> bool:
+        return self.round >= len(self.groups)
+
+    def next_unit(self) -> list[int]:
+        """This rank's chunks of the next round (each round, rank k builds the k-th group of chunks left)."""
+        r, info = self.round, self.info
+        self.round += info.world
+        return self.groups[r + info.rank] if r + info.rank < len(self.groups) else []
+
+    def run_unit(self, mine: list[int]) -> int:
+        """Build the chunks ``mine``, flush them, agree on what is done, write the progress (main)."""
+        ids = [b for c in mine for b in _chunk_batches(c, self.chunk, self.batches)]
+        shape, per_batch, arrays = self.shape, self.per_batch, self.arrays
+        for g in range(0, len(ids), self.in_flight):
+            group = ids[g : g + self.in_flight]
+            xs, vs, ts = self._simulate_group(group, self.seed, self.n, self.run.device)
+            t_rows = ts.repeat_interleave(self.n).numpy()
+            for j, b in enumerate(group):
+                lo = b * per_batch
+                arrays["x"][lo : lo + per_batch] = xs[:, j].reshape(per_batch, *shape).numpy().astype(self.dtype)
+                arrays["v"][lo : lo + per_batch] = vs[:, j].reshape(per_batch, *shape).numpy().astype(self.dtype)
+                arrays["t"][lo : lo + per_batch] = t_rows
+        for a in arrays.values():
+            a.flush()
+        self.done.update(mine)
+        if self.info.enabled:
+            gathered: list = [None] * self.info.world
+            torch.distributed.all_gather_object(gathered, sorted(self.done))
+            self.done = set().union(*map(set, gathered))
+        if self.info.is_main:
+            text = json.dumps({"chunks": sorted(self.done), "diameter": self.diameter}).encode()
+            atomic_write_bytes(self.progress_file, lambda f: f.write(text))
+        self.progress_done += len(ids)
+        return len(ids)
+
+    def close(self) -> None:
+        self.arrays = None
+
+    def final_state(self) -> dict:
+        return {"pool": str(self.folder), "entries": self.entries, "chunks": self.total, "step": self.total}
 
 
 def _chunk_batches(c: int, chunk: int, batches: int) -> range:

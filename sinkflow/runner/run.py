@@ -27,6 +27,7 @@ import torch
 import yaml
 
 from sinkflow import config as config_mod
+from sinkflow.data import sample_shape
 from sinkflow.errors import SinkflowError
 from sinkflow.runner import dist
 from sinkflow.runner.checkpoint import PhaseCheckpoints, atomic_write_bytes, remove_orphans
@@ -181,10 +182,8 @@ class Run:
     def model(self, phase: str) -> torch.nn.Module:
         """The frozen, eval-mode model a finished phase produced (its EMA weights when it kept one)."""
         if phase not in self._models:
-            from sinkflow.runner.phase import build_phase_model
-
             state = self.final_state(phase)
-            model = build_phase_model(self, phase)
+            model = build_phase_model(self.cfg, phase, sample_shape(self.cfg))
             weights = state.get("ema") or state["model"]
             load_model_state(model, weights, f"{self.checkpoints(phase).final_path}")
             model.to(self.device).eval().requires_grad_(False)
@@ -218,6 +217,14 @@ def read_config(run_dir: Path) -> dict:
     if unknown:
         raise SinkflowError(f"{path} has unknown key '{sorted(unknown)[0]}'", "remove it or start a new run")
     return config_mod.merge(base, cfg)  # keys added to sinkflow after the run was made get their defaults
+
+
+def build_phase_model(cfg: dict, key: str, shape: tuple[int, ...]) -> torch.nn.Module:
+    """The (untrained) network ``model.<key>`` for samples of ``shape``."""
+    from sinkflow.models import build_model
+
+    model_cfg = dict(cfg["model"][key])
+    return build_model(model_cfg.pop("kind"), model_cfg, tuple(shape))
 
 
 def load_model_state(model: torch.nn.Module, state: dict, where: str) -> None:

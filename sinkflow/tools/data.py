@@ -13,7 +13,7 @@ import logging
 
 import numpy as np
 
-from sinkflow import methods
+from sinkflow import data
 from sinkflow.errors import SinkflowError
 
 log = logging.getLogger("sinkflow")
@@ -47,7 +47,7 @@ def needs_synthetic(cfg: dict) -> str | None:
         return None
     probe = {**cfg, "data": {**cfg["data"], "download": False}}  # never wait on a download to learn this
     try:
-        methods.distributions(probe)
+        data.distributions(probe)
         return None
     except SinkflowError as exc:
         return exc.problem
@@ -55,32 +55,24 @@ def needs_synthetic(cfg: dict) -> str | None:
 
 @contextlib.contextmanager
 def real_or_synthetic(cfg: dict, force: bool = False):
-    """Within the block, ``methods.distributions`` serves synthetic images of the real shape if needed.
+    """Within the block, ``sinkflow.data.distributions`` serves synthetic images of the real shape if needed.
 
-    Yields the reason for the substitution (None when the real data is used). The patch replaces the
-    cached builder ``methods._distributions`` so every caller (model building, phases, evaluation)
-    sees the same substitute.
+    Yields the reason for the substitution (None when the real data is used). The substitute is registered
+    with ``sinkflow.data.substituted``, so every caller (model building, phases, evaluation) sees it.
     """
     reason = "forced" if force and cfg["data"]["target"] in NATIVE_CHW else needs_synthetic(cfg)
     if reason is None:
         yield None
         return
-    from sinkflow.data import build_distribution
-
-    original = methods._distributions
     shape = image_shape(cfg["data"])
 
-    def patched(key):
-        data_cfg = dict(key)
+    def synthetic(data_cfg: dict):
         if data_cfg["target"] not in NATIVE_CHW:
-            return original(key)
+            return None
         target = synthetic_images(data_cfg["target"], image_shape(data_cfg), flip=bool(data_cfg.get("flip")))
-        source = build_distribution(data_cfg["source"], data_cfg={**data_cfg, "shape": tuple(target.shape)})
+        source = data.build_distribution(data_cfg["source"], data_cfg={**data_cfg, "shape": tuple(target.shape)})
         return source, target
 
-    methods._distributions = patched
     log.info("data: synthetic %s images of shape %s (%s)", cfg["data"]["target"], shape, reason)
-    try:
+    with data.substituted(synthetic):
         yield reason
-    finally:
-        methods._distributions = original

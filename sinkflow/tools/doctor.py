@@ -421,36 +421,36 @@ def _subset(batch, n: int):
     return batch
 
 
-def check_phase(run, phase, overfit_steps: int = 300, overfit_batch: int = 16, factor: float = 10.0) -> list[Finding]:
-    """Every check on a ready TrainPhase (``sinkflow.tools.phases.ready_phase``), using its real train_step."""
+def check_phase(run, trainer, overfit_steps: int = 300, overfit_batch: int = 16, factor: float = 10.0) -> list[Finding]:
+    """Every check on a ready Trainer (``sinkflow.tools.phases.ready_trainer``), using its real train_step."""
     from sinkflow.tools.data import NATIVE_CHW
 
     images = run.cfg["data"]["target"] in NATIVE_CHW
-    model, opt = phase.model, phase.optimizer
-    batch = phase.first_batch
+    model, opt = trainer.model, trainer.optimizer
+    batch = trainer.first_batch
     device = next(model.parameters()).device
     out = [check_batch_values(batch, images=False)]
-    from sinkflow import methods
+    from sinkflow import data
 
-    target = methods.distributions(run.cfg)[1]
+    target = data.distributions(run.cfg)[1]
     out.append(check_batch_values(target.sample(64, torch.Generator().manual_seed(0), device), images=images))
     out[-1].check = "data values"
-    out.append(check_batches_differ(lambda: phase.make_batch(phase.generator, phase.cfg["batch_size"], device)))
+    out.append(check_batches_differ(lambda: trainer.draw_batch(trainer.cfg["batch_size"])))
     out.append(check_optimizer_covers(model, opt))
-    out.append(check_loss_graph(phase.ddp_model, phase.loss_fn, batch))
-    out.append(check_train_mode(model, lambda: phase.train_step(batch)))
-    out.append(check_weights_change(model, lambda: phase.train_step(batch)))
-    frozen = dict(getattr(run, "_models", {}))
-    out.append(check_frozen(frozen, opt, lambda: phase.train_step(batch)))
-    out.append(check_batchnorm_batch1(model, micro_batch_sizes(phase.cfg["batch_size"], phase.cfg["accum"],
-                                                                 phase.info.world)))
+    out.append(check_loss_graph(trainer.ddp_model, trainer.task.loss, batch))
+    out.append(check_train_mode(model, lambda: trainer.train_step(batch)))
+    out.append(check_weights_change(model, lambda: trainer.train_step(batch)))
+    frozen = dict(run._models)
+    out.append(check_frozen(frozen, opt, lambda: trainer.train_step(batch)))
+    out.append(check_batchnorm_batch1(model, micro_batch_sizes(trainer.cfg["batch_size"], trainer.cfg["accum"],
+                                                                 trainer.info.world)))
     fixed = _subset(batch, overfit_batch)
     if _is_flow(model):
-        out += _flow_checks(run, phase, fixed, overfit_steps)
+        out += _flow_checks(run, trainer, fixed, overfit_steps)
     else:
-        out.append(overfit_one_batch(lambda: phase.train_step(fixed)[0], steps=overfit_steps, factor=factor))
+        out.append(overfit_one_batch(lambda: trainer.train_step(fixed)[0], steps=overfit_steps, factor=factor))
     for f in out:
-        f.phase = phase.name
+        f.phase = trainer.name
     return out
 
 
@@ -460,16 +460,16 @@ def _is_flow(model) -> bool:
     return isinstance(model, FlowModel)
 
 
-def _flow_checks(run, phase, fixed, overfit_steps: int) -> list[Finding]:
+def _flow_checks(run, trainer, fixed, overfit_steps: int) -> list[Finding]:
     """Flow phases: trainable layers, log-det vs Jacobian, and the likelihood overfit rule.
 
     The phase's batches are dequantised levels ``k + u`` in [0, n_bins); the overfit steps keep the images
     (``floor``) fixed and draw fresh noise every step, as training does, so bits/dim keeps its floor of 0.
     """
-    from sinkflow import methods
+    from sinkflow import data
     from sinkflow.flows import preprocess
 
-    model = phase.model
+    model = trainer.model
     n_bins = run.cfg["model"]["flow"]["n_bins"]
     out = [check_flow_trainable(model), check_flow_logdet(model, preprocess(fixed, n_bins))]
     levels = torch.floor(fixed)
@@ -477,9 +477,9 @@ def _flow_checks(run, phase, fixed, overfit_steps: int) -> list[Finding]:
 
     def step():
         u = torch.rand(levels.shape, generator=gen).to(levels.device)
-        return phase.train_step(levels + u)[0]
+        return trainer.train_step(levels + u)[0]
 
-    dataset_bpd = flow_dataset_bpd(methods.distributions(run.cfg)[1], n_bins)
+    dataset_bpd = flow_dataset_bpd(data.distributions(run.cfg)[1], n_bins)
     out.append(overfit_one_batch_bpd(step, dataset_bpd, steps=overfit_steps))
     return out
 
@@ -489,7 +489,7 @@ def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = 300
     """All checks on every training phase (a scratch run of ``cfg``, or the existing ``run_dir``), then sampling."""
     from pathlib import Path
 
-    from sinkflow import methods
+    from sinkflow import data, methods
     from sinkflow.tools.phases import open_run_phase, train_phase_names, workspace
 
     findings: list[Finding] = []
@@ -522,8 +522,8 @@ def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = 300
             from sinkflow.runner.run import Run
 
             final_run = Run.create(config_mod.apply_overrides(cfg, tiny))
-            source, target = methods.distributions(final_run.cfg)
-            run_phases(final_run, methods.get(cfg["experiment"]["method"]).phases(final_run.cfg, source, target))
+            source, target = data.distributions(final_run.cfg)
+            run_phases(final_run, methods.of(final_run.cfg).phases(final_run.cfg, source, target))
     if final_run is not None and all(final_run.phase_done(n) for n in train_phase_names(final_run.cfg)):
         from sinkflow.eval.points import generate
 

@@ -180,34 +180,34 @@ def plot(res: LRFindResult, path: Path, title: str = "") -> Path:
     return path
 
 
-def phase_lr_find(phase, **kwargs) -> LRFindResult:
-    """``lr_range_test`` on a ready TrainPhase (``sinkflow.tools.phases.ready_phase``), with its own batches,
+def phase_lr_find(trainer, **kwargs) -> LRFindResult:
+    """``lr_range_test`` on a ready Trainer (``sinkflow.tools.phases.ready_trainer``), with its own batches,
     loss, autocast precision and GradScaler; restores the phase's generator too."""
-    gen_state = phase.generator.get_state()
-    batches = [phase.first_batch]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(phase.precision)
-    device = next(phase.model.parameters()).device
+    gen_state = trainer.generator.get_state()
+    batches = [trainer.first_batch]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(trainer.precision)
+    device = next(trainer.model.parameters()).device
 
     def batch_fn(i):
         if i < len(batches):
             return batches[i]
-        return phase.make_batch(phase.generator, phase.cfg["batch_size"], device)
+        return trainer.draw_batch(trainer.cfg["batch_size"])
 
     def loss_fn(model, batch):
         with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            return phase.loss_fn(model, batch).float()
+            return trainer.task.loss(model, batch).float()
 
     def step_fn(loss):
-        phase.scaler.scale(loss).backward()
-        phase.scaler.step(phase.optimizer)
-        phase.scaler.update()
+        trainer.scaler.scale(loss).backward()
+        trainer.scaler.step(trainer.optimizer)
+        trainer.scaler.update()
 
-    scaler_state = copy.deepcopy(phase.scaler.state_dict())
+    scaler_state = copy.deepcopy(trainer.scaler.state_dict())
     try:
-        return lr_range_test(phase.model, phase.optimizer, loss_fn, batch_fn, step_fn=step_fn, **kwargs)
+        return lr_range_test(trainer.model, trainer.optimizer, loss_fn, batch_fn, step_fn=step_fn, **kwargs)
     finally:
-        phase.generator.set_state(gen_state)
-        phase.scaler.load_state_dict(scaler_state) if scaler_state else None
+        trainer.generator.set_state(gen_state)
+        trainer.scaler.load_state_dict(scaler_state) if scaler_state else None
 
 
 def write_lr(target: Path, key: str, lr: float) -> Path:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sinkflow import config as config_mod
-from sinkflow import methods
+from sinkflow import data, methods
 from sinkflow.errors import SinkflowError
 from sinkflow.ot.memory import cpu_peak_bytes  # also used by tests/test_preflight.py
 
@@ -193,21 +193,21 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
 def estimate(cfg: dict, world: int = 1) -> list[PhaseMemory]:
     """Per-phase memory of the config (real sizes), measured on CPU. Uses synthetic data of the real shape
     when the image set is not available here."""
-    from sinkflow.methods.pool import PoolPhase
+    from sinkflow.methods.base import TrainingStep
+    from sinkflow.methods.pool import PoolTask
     from sinkflow.models import build_model
-    from sinkflow.runner.phase import TrainPhase
     from sinkflow.tools.data import real_or_synthetic
 
     with real_or_synthetic(cfg):
-        source, target = methods.distributions(cfg)
+        source, target = data.distributions(cfg)
         shape = tuple(target.shape)
-        phases = methods.get(cfg["experiment"]["method"]).phases(cfg, source, target)
+        phases = methods.of(cfg).phases(cfg, source, target)
         out: list[PhaseMemory] = []
         models = {}
         for ph in phases:
-            if isinstance(ph, PoolPhase):
+            if isinstance(ph, PoolTask):
                 out.append(_pool_phase_memory(cfg, shape))
-            elif isinstance(ph, TrainPhase):
+            elif isinstance(ph, TrainingStep):
                 out.append(_train_phase_memory(cfg, ph, shape, world))
                 m = dict(cfg["model"][ph.model_key])
                 models[ph.model_key] = build_model(m.pop("kind"), m, shape)

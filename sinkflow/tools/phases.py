@@ -1,8 +1,8 @@
-"""A training phase made ready to poke at (doctor, lr-find): model, optimizer, make_batch, loss_fn.
+"""A training phase made ready to poke at (doctor, lr-find): its ``Trainer`` before the first step.
 
-``ready_phase`` runs the phase's own ``run`` up to its first ``train_step`` and stops there, so any
-TrainPhase subclass gets exactly the state its loop would use (a pool opened, a checkpoint resumed),
-without knowing how the subclass prepares it.
+``ready_trainer`` runs the phase's own ``Trainer.fit`` up to its first optimizer step and stops there (a
+callback raises at ``on_train_batch_start``), so any method's training step gets exactly the state its loop
+would use (a pool opened, a checkpoint resumed), without knowing how the method prepares it.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import copy
 from pathlib import Path
 
 from sinkflow import config as config_mod
-from sinkflow import methods
+from sinkflow import data, methods
 from sinkflow.errors import SinkflowError
+from sinkflow.methods.base import TrainingStep
+from sinkflow.runner.callbacks import Callback
 
 FOREVER = 10**9
 
@@ -22,58 +24,61 @@ class _Ready(Exception):
         self.batch = batch
 
 
-def ready_phase(run, phase):
-    """Set ``phase`` up as its own loop would and return it with ``phase.first_batch``; no step is taken."""
+class StopBeforeFirstStep(Callback):
+    """Leave the trainer set up (resumed, first batch drawn) and stop before its first optimizer step."""
 
-    def trap(batch):
+    def on_train_batch_start(self, trainer, batch) -> None:
         raise _Ready(batch)
 
-    phase.train_step = trap
+
+def ready_trainer(run, task):
+    """``task``'s Trainer set up as its own loop would, with ``trainer.first_batch``; no step is taken."""
+    from sinkflow.runner.trainer import Trainer
+
+    trainer = Trainer(run, task, [StopBeforeFirstStep()])
     try:
-        phase.run(run)
+        trainer.fit()
     except _Ready as r:
-        phase.first_batch = r.batch
+        trainer.first_batch = r.batch
     else:
-        raise SinkflowError(f"phase {phase.name} finished without taking a step", "check train.*.iters")
-    finally:
-        del phase.train_step
-    return phase
+        raise SinkflowError(f"phase {task.name} finished without taking a step", "check train.*.iters")
+    return trainer
+
+
+def _phases(cfg: dict) -> list:
+    source, target = data.distributions(cfg)
+    return methods.of(cfg).phases(cfg, source, target)
 
 
 def train_phase_names(cfg: dict) -> list[str]:
-    from sinkflow.runner.phase import TrainPhase
-
-    source, target = methods.distributions(cfg)
-    return [p.name for p in methods.get(cfg["experiment"]["method"]).phases(cfg, source, target)
-            if isinstance(p, TrainPhase)]
+    return [p.name for p in _phases(cfg) if isinstance(p, TrainingStep)]
 
 
 def workspace(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: int = 1, pool_steps: int = 10,
               prior_iters: int = 2,
               overrides: list[str] | None = None):
-    """(run, ready phase) in a scratch run under ``workdir``: earlier phases built small, ``phase_name`` ready.
+    """(run, ready trainer) in a scratch run under ``workdir``: earlier phases built small, ``phase_name`` ready.
 
     Earlier training phases run ``prior_iters`` steps (their models only need to exist); the pool keeps
     its real Sinkhorn batch size but only ``pool_batches`` batches of at most ``pool_steps`` Euler steps
     (the first ``pool_steps`` steps of the real flow: a CPU pool of the real length can take many minutes).
     """
-    from sinkflow.runner.phase import TrainPhase
     from sinkflow.runner.run import Run
+    from sinkflow.runner.trainer import Trainer
 
     cfg = copy.deepcopy(cfg)
     names = train_phase_names(cfg)
     if not names:
-        raise SinkflowError(f"method {cfg['experiment']['method']} has no training phase", "pick another method")
+        raise SinkflowError(f"method {methods.of(cfg).name} has no training phase", "pick another method")
     phase_name = phase_name or names[0]
     if phase_name not in names:
         raise SinkflowError(f"no training phase '{phase_name}'", f"choose one of: {', '.join(names)}")
-    source, target = methods.distributions(cfg)
-    phases = methods.get(cfg["experiment"]["method"]).phases(cfg, source, target)
+    phases = _phases(cfg)
     ov = [f"experiment.runs_dir={workdir}", "experiment.name=scratch",
           f"pool.batches={min(cfg['pool']['batches'], pool_batches)}", "pool.in_flight=0",
           f"pool.steps={min(cfg['pool']['steps'], pool_steps)}"]
     for ph in phases:
-        if isinstance(ph, TrainPhase):
+        if isinstance(ph, TrainingStep):
             k = ph.model_key
             if ph.name == phase_name:
                 ov += [f"train.{k}.iters={FOREVER}", f"train.{k}.log_every={FOREVER}", f"train.{k}.ckpt_every={FOREVER}"]
@@ -81,18 +86,16 @@ def workspace(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: in
                 ov += [f"train.{k}.iters={prior_iters}", f"train.{k}.ckpt_every={FOREVER}"]
     cfg = config_mod.apply_overrides(cfg, ov + list(overrides or []))
     run = Run.create(cfg)
-    phases = methods.get(cfg["experiment"]["method"]).phases(cfg, source, target)
-    for ph in phases:
+    for ph in _phases(cfg):
         if ph.name == phase_name:
-            return run, ready_phase(run, ph)
-        ph.run(run)
+            return run, ready_trainer(run, ph)
+        Trainer(run, ph).fit()
         run.release()
     raise AssertionError("unreachable")
 
 
 def open_run_phase(run_dir: Path, phase_name: str | None):
-    """(run, ready phase) of an existing run, without writing to it; earlier phases must be finished."""
-    from sinkflow.runner.phase import TrainPhase
+    """(run, ready trainer) of an existing run, without writing to it; earlier phases must be finished."""
     from sinkflow.runner.run import Run, read_config
 
     cfg = read_config(run_dir)
@@ -100,21 +103,20 @@ def open_run_phase(run_dir: Path, phase_name: str | None):
     phase_name = phase_name or names[0]
     if phase_name not in names:
         raise SinkflowError(f"no training phase '{phase_name}'", f"choose one of: {', '.join(names)}")
-    source, target = methods.distributions(cfg)
-    phases = methods.get(cfg["experiment"]["method"]).phases(cfg, source, target)
+    phases = _phases(cfg)
     for ph in phases:
         if ph.name == phase_name:
             break
         if not (Path(run_dir) / "checkpoints" / ph.name / "final.pt").is_file():
             raise SinkflowError(f"phase {ph.name} of {run_dir} has not finished, {phase_name} needs it",
                                 f"finish it with `sinkflow train --resume {run_dir}`, or pass the preset instead")
-    key = next(p.model_key for p in phases if isinstance(p, TrainPhase) and p.name == phase_name)
+    key = next(p.model_key for p in phases if isinstance(p, TrainingStep) and p.name == phase_name)
     cfg = config_mod.apply_overrides(cfg, [f"train.{key}.iters={FOREVER}", f"train.{key}.log_every={FOREVER}",
                                            f"train.{key}.ckpt_every={FOREVER}"])
     run = Run(Path(run_dir), cfg)
     run.logger.enabled = False
-    ph = next(p for p in methods.get(cfg["experiment"]["method"]).phases(cfg, source, target) if p.name == phase_name)
-    return run, ready_phase(run, ph)
+    ph = next(p for p in _phases(cfg) if p.name == phase_name)
+    return run, ready_trainer(run, ph)
 
 
 def _later(phases, a: str, b: str) -> bool:

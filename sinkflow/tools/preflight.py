@@ -7,7 +7,7 @@ For one preset (plus the user's overrides and shorthands) it
    is an error),
 2. runs every phase of the method with tiny counts but the real data shapes and model config, on CPU,
    in a temporary run folder: each phase is stopped once after its first step / chunk (the real
-   SIGTERM path: checkpoint, ``Interrupted``), resumed by a fresh phase object, and the resumed state
+   SIGTERM path, requested by a callback: checkpoint, ``Interrupted``), resumed by a fresh Trainer, and the resumed state
    (step, weights, optimizer moments, generator) is compared with the state the interrupted phase held,
 3. samples and evaluates the tiny run through the real report code,
 4. estimates the peak GPU memory of every phase for the *real* config (``sinkflow.tools.memory``) and,
@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 from sinkflow import config as config_mod
-from sinkflow import methods
+from sinkflow import data, methods
 from sinkflow.errors import SinkflowError
+from sinkflow.runner.callbacks import Callback
 
 log = logging.getLogger("sinkflow")
 
@@ -111,21 +112,12 @@ def tiny_config(real: dict, runs_dir: Path, name: str) -> tuple[dict, dict]:
     return tree, sh
 
 
-def _phase_sections(ph) -> list[str]:
-    """Config sections a phase reads: ``train.<key>``/``model.<key>`` for training, ``pool.*`` for the pool."""
-    from sinkflow.runner.phase import TrainPhase
-
-    if isinstance(ph, TrainPhase):
-        return [f"train.{ph.model_key}.", f"model.{ph.model_key}."]
-    return [f"{ph.name}."]
-
-
 def reach_checks(report: Report, real: dict, phases, overrides: list[str], shorthands: dict) -> None:
     """Every shorthand reached every phase it concerns; every override names a section some phase reads."""
-    from sinkflow.runner.phase import TrainPhase
+    from sinkflow.methods.base import TrainingStep
 
     flat = config_mod.flatten(real)
-    train_phases = [p for p in phases if isinstance(p, TrainPhase)]
+    train_phases = [p for p in phases if isinstance(p, TrainingStep)]
     for name, value in (shorthands or {}).items():
         if value is None:
             continue
@@ -148,13 +140,13 @@ def reach_checks(report: Report, real: dict, phases, overrides: list[str], short
         if not train_leaves:
             ok = bool(hit) and all(flat[k] == config_mod.coerce(k, flat[k], value) for k in hit)
             report.add(f"{flag} applied", "config", ok, ", ".join(f"{k}={flat[k]!r}" for k in sorted(hit)) or "no key")
-    read = [s for ph in phases for s in _phase_sections(ph)]
+    read = [s for ph in phases for s in ph.config_sections()]
     for item in overrides or []:
         key = item.split("=", 1)[0].strip()
         if key.startswith(("train.", "model.", "pool.")):
             ok = any(key.startswith(s) for s in read)
             report.add("override reaches a phase", "config", ok,
-                       f"{key}" + ("" if ok else f" is read by no phase of method {real['experiment']['method']} "
+                       f"{key}" + ("" if ok else f" is read by no phase of method {methods.of(real).name} "
                                    f"(phases: {', '.join(p.name for p in phases)}); drop it or change the method"))
 
 
@@ -172,10 +164,11 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def _live_state(ph) -> dict:
+def _live_state(trainer) -> dict:
     """What a resumed phase must have restored, read from the live objects (not from its own state_dict)."""
-    return {"step": ph.step, "model": copy.deepcopy(ph.model.state_dict()),
-            "optimizer": copy.deepcopy(ph.optimizer.state_dict()), "generator": ph.generator.get_state().clone()}
+    return {"step": trainer.step, "model": copy.deepcopy(trainer.model.state_dict()),
+            "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
+            "generator": trainer.generator.get_state().clone()}
 
 
 def _diff_state(before: dict, after: dict) -> list[str]:
@@ -200,85 +193,80 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{where}"
 
 
-class _SetupGuard:
-    """Patch TrainPhase.setup so each phase checks, before its loop, that the tiny shorthands reached it."""
+class _SetupGuard(Callback):
+    """Before its loop (right after setup), each training phase checks that the tiny shorthands reached it."""
 
     def __init__(self, expected: dict):
-        from sinkflow.runner.phase import TrainPhase
+        self.expected = expected
 
-        self.cls, self.expected = TrainPhase, expected
-        self.original = TrainPhase.setup
-
-    def __enter__(self):
-        original, expected = self.original, self.expected
-
-        def setup(ph, run):
-            original(ph, run)
-            wrong = [f"train.{ph.model_key}.{k}={ph.cfg[k]!r} (flag asked {v!r})" for k, v in expected.items()
-                     if ph.cfg.get(k) != v]
-            if wrong:
-                raise _Unreached("; ".join(wrong))
-
-        self.cls.setup = setup
-        return self
-
-    def __exit__(self, *exc):
-        self.cls.setup = self.original
-        return False
+    def on_setup(self, trainer) -> None:
+        wrong = [f"train.{trainer.task.model_key}.{k}={trainer.cfg[k]!r} (flag asked {v!r})"
+                 for k, v in self.expected.items() if trainer.cfg.get(k) != v]
+        if wrong:
+            raise _Unreached("; ".join(wrong))
 
 
-def _interrupt_and_resume(report: Report, run, tiny: dict, index: int, build) -> None:
+class _StopAfterFirstUnit(Callback):
+    """Request a stop after the first step / chunk round: the real SIGTERM path (checkpoint, Interrupted)."""
+
+    def on_train_batch_end(self, trainer, batch, outputs) -> None:
+        trainer.request_stop(signal.SIGTERM)
+
+
+class _CaptureResume(Callback):
+    """The live state right after a resumed phase loaded its checkpoint."""
+
+    def __init__(self):
+        self.state: dict = {}
+
+    def on_load_checkpoint(self, trainer, state) -> None:
+        self.state.update(_live_state(trainer))
+
+
+def _interrupt_and_resume(report: Report, run, tiny: dict, index: int, build, guard: Callback) -> None:
     """Run phase ``index`` with a stop requested after its first step/chunk, then resume it fresh."""
+    from sinkflow.methods.base import TrainingStep
+    from sinkflow.methods.pool import PoolTask
     from sinkflow.runner import signals
-    from sinkflow.runner.phase import TrainPhase
-    from sinkflow.methods.pool import PoolPhase
+    from sinkflow.runner.trainer import Trainer
 
     ph = build()[index]
     name = ph.name
     t0 = time.perf_counter()
-    signals._requested[:] = [signal.SIGTERM]
+    trainer = Trainer(run, ph, [guard, _StopAfterFirstUnit()])
     try:
-        ph.run(run)
+        trainer.fit()
         stopped = False
     except signals.Interrupted:
         stopped = True
-    finally:
-        signals._requested.clear()
     if not stopped:
         report.add("stops on SIGTERM", name, False, "the phase ran to the end although a stop was requested")
         return
-    before = _live_state(ph) if isinstance(ph, TrainPhase) else None
+    before = _live_state(trainer) if isinstance(ph, TrainingStep) else None
     pool_rows = None
-    if isinstance(ph, PoolPhase):
+    if isinstance(ph, PoolTask):
         import numpy as np
 
         pool_rows = np.array(np.load(run.dir / "pool" / "x.npy", mmap_mode="r", allow_pickle=False))
-    del ph
+    del ph, trainer
     fresh = build()[index]
-    captured = {}
-    if isinstance(fresh, TrainPhase):
-        original = fresh.load_state_dict
-
-        def load(state, where):
-            original(state, where)
-            captured.update(_live_state(fresh))
-
-        fresh.load_state_dict = load
-    fresh.run(run)
+    captured = _CaptureResume()
+    trainer = Trainer(run, fresh, [guard, captured])
+    trainer.fit()
     dt = time.perf_counter() - t0
-    if isinstance(fresh, TrainPhase):
-        if not captured:
+    if isinstance(fresh, TrainingStep):
+        if not captured.state:
             report.add("kill and resume", name, False, "the resumed phase did not load its checkpoint", dt)
             return
-        bad = _diff_state(before, captured)
+        bad = _diff_state(before, captured.state)
         if not run.phase_done(name):
             bad.append("no final.pt after the resumed run")
-        elif (st := run.checkpoints(name).final())["step"] != fresh.cfg["iters"]:
-            bad.append(f"final step {st['step']} != train.{fresh.model_key}.iters={fresh.cfg['iters']}")
+        elif (st := run.checkpoints(name).final())["step"] != trainer.cfg["iters"]:
+            bad.append(f"final step {st['step']} != train.{fresh.model_key}.iters={trainer.cfg['iters']}")
         report.add("kill and resume", name, not bad,
                    "; ".join(bad) or f"stopped at step {before['step']}, resumed step/weights/Adam moments/generator "
-                   f"identical, finished {fresh.cfg['iters']} steps", dt)
-    elif isinstance(fresh, PoolPhase):
+                   f"identical, finished {trainer.cfg['iters']} steps", dt)
+    elif isinstance(fresh, PoolTask):
         import numpy as np
 
         x = np.load(run.dir / "pool" / "x.npy", mmap_mode="r", allow_pickle=False)
@@ -295,42 +283,42 @@ def _interrupt_and_resume(report: Report, run, tiny: dict, index: int, build) ->
 
 def run_tiny(report: Report, real: dict, workdir: Path) -> None:
     """Every phase with tiny counts and real shapes, each stopped and resumed once; then sample and evaluate."""
+    from sinkflow.methods.base import TrainingStep
     from sinkflow.runner.run import Run
-    from sinkflow.runner.phase import TrainPhase
 
     tiny, sh = tiny_config(real, workdir / "runs", "preflight")
     expected = {"iters": sh["train_iters"], "batch_size": sh["batch_size"]}
     run = Run.create(tiny)
-    source, target = methods.distributions(tiny)
-    module = methods.get(tiny["experiment"]["method"])
+    source, target = data.distributions(tiny)
+    method = methods.of(tiny)
 
     def build():
-        return module.phases(tiny, source, target)
+        return method.phases(tiny, source, target)
 
     phases = build()
     failed = None
-    with _SetupGuard(expected):
-        for i, ph in enumerate(phases):
-            if failed:
-                report.add("runs", ph.name, None, f"skipped: phase {failed} failed")
-                continue
-            t0 = time.perf_counter()
-            try:
-                _interrupt_and_resume(report, run, tiny, i, build)
-            except _Unreached as exc:
-                report.add("shorthands reach phase", ph.name, False, f"{exc}: the phase would run with its real "
-                           "value; add the key to sinkflow.config.SHORTHANDS")
-                failed = ph.name
-                continue
-            except Exception as exc:  # the point of preflight: report, do not crash
-                shape = f" (data shape {tuple(target.shape)})"
-                report.add("runs", ph.name, False, _short(exc) + shape, time.perf_counter() - t0)
-                failed = ph.name
-                continue
-            if isinstance(ph, TrainPhase):
-                report.add("shorthands reach phase", ph.name, True,
-                           ", ".join(f"{k}={v}" for k, v in expected.items()))
-            run.release()
+    guard = _SetupGuard(expected)
+    for i, ph in enumerate(phases):
+        if failed:
+            report.add("runs", ph.name, None, f"skipped: phase {failed} failed")
+            continue
+        t0 = time.perf_counter()
+        try:
+            _interrupt_and_resume(report, run, tiny, i, build, guard)
+        except _Unreached as exc:
+            report.add("shorthands reach phase", ph.name, False, f"{exc}: the phase would run with its real "
+                       "value; add the key to sinkflow.config.SHORTHANDS")
+            failed = ph.name
+            continue
+        except Exception as exc:  # the point of preflight: report, do not crash
+            shape = f" (data shape {tuple(target.shape)})"
+            report.add("runs", ph.name, False, _short(exc) + shape, time.perf_counter() - t0)
+            failed = ph.name
+            continue
+        if isinstance(ph, TrainingStep):
+            report.add("shorthands reach phase", ph.name, True,
+                       ", ".join(f"{k}={v}" for k, v in expected.items()))
+        run.release()
     if failed:
         report.add("sample and evaluate", "eval", None, f"skipped: phase {failed} failed")
         return
@@ -379,7 +367,7 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
     except SinkflowError as exc:
         report.add("config resolves", "config", False, str(exc))
         return report
-    report.add("config resolves", "config", True, f"method {real['experiment']['method']}")
+    report.add("config resolves", "config", True, f"method {methods.of(real).name}")
     tmp = tempfile.TemporaryDirectory(prefix="sinkflow-preflight-") if workdir is None else None
     workdir = Path(tmp.name if tmp else workdir)
     torch_threads = torch.get_num_threads()
@@ -388,8 +376,8 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
         with real_or_synthetic(real) as reason:
             report.data_note = reason and f"synthetic {real['data']['target']} images of the real shape ({reason})"
             try:
-                source, target = methods.distributions(real)
-                phases = methods.get(real["experiment"]["method"]).phases(real, source, target)
+                source, target = data.distributions(real)
+                phases = methods.of(real).phases(real, source, target)
             except Exception as exc:
                 report.add("phases build", "config", False, _short(exc))
                 return report

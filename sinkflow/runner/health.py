@@ -1,4 +1,6 @@
-"""Training-dynamics dashboard: what TrainPhase logs next to loss, LR, grad norm and throughput.
+"""Training-dynamics dashboard: what the Trainer logs next to loss, LR, grad norm and throughput.
+
+A ``Callback`` the engine adds to every training phase (``sinkflow.runner.trainer``).
 
 Only on log steps (the cost is paid once every ``log_every`` steps):
 
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from sinkflow.runner.callbacks import Callback
 
 RELU_LIKE = (nn.ReLU, nn.ReLU6)
 SMOOTH = (nn.SiLU, nn.GELU, nn.SELU, nn.ELU, nn.Mish, nn.CELU)
@@ -64,34 +68,49 @@ class DeadActivations:
         return out
 
 
-class Health:
-    """Per-phase dashboard state; ``before_step`` and ``collect`` bracket the optimizer step of a log step."""
+class Health(Callback):
+    """Per-phase dashboard: ``on_train_batch_start`` and ``on_log`` bracket the optimizer step of a log step."""
 
-    def __init__(self, phase, logger=None):
-        self.phase = phase
-        self.logger = logger
-        cfg = phase.cfg
-        self.log_every, self.iters = cfg["log_every"], cfg["iters"]
-        self.hist_every = int(cfg.get("hist_every", 0) or 0)
-        self.dead = DeadActivations(phase.model)
+    def __init__(self):
+        self.trainer = None
+        self.dead: DeadActivations | None = None
         self.before: list[list[torch.Tensor]] | None = None
 
+    def on_phase_start(self, trainer) -> None:
+        self.trainer = trainer
+        cfg = trainer.cfg
+        self.log_every, self.iters = cfg["log_every"], cfg["iters"]
+        self.hist_every = int(cfg.get("hist_every", 0) or 0)
+        self.dead = DeadActivations(trainer.model)
+        self.before = None
+
     def logs_next(self) -> bool:
-        nxt = self.phase.step + 1
+        nxt = self.trainer.step + 1
         return nxt % self.log_every == 0 or nxt == self.iters
 
-    def before_step(self) -> None:
+    def on_train_batch_start(self, trainer, batch) -> None:
         """Snapshot the weights and attach the activation hooks when the coming step will be logged."""
         if not self.logs_next():
             return
         with torch.no_grad():
-            self.before = [[p.detach().clone() for p in g["params"]] for g in self.phase.optimizer.param_groups]
+            self.before = [[p.detach().clone() for p in g["params"]] for g in trainer.optimizer.param_groups]
         self.dead.attach()
 
+    def on_train_batch_end(self, trainer, batch, outputs) -> None:
+        self.histograms()
+
+    def on_log(self, trainer, metrics: dict) -> None:
+        metrics.update(self.collect())
+
+    def teardown(self, trainer) -> None:
+        if self.dead is not None:
+            self.dead.detach()  # a step interrupted between the hooks leaves no forward hook behind
+
     def collect(self) -> dict:
-        """The dashboard values of the step just taken (call in the logging block)."""
+        """The dashboard values of the step just taken (logged with the step's metrics)."""
         out: dict = {}
-        groups = self.phase.optimizer.param_groups
+        trainer = self.trainer
+        groups = trainer.optimizer.param_groups
         if self.before is not None:
             with torch.no_grad():
                 for i, (g, old) in enumerate(zip(groups, self.before)):
@@ -103,22 +122,23 @@ class Health:
                     out[key] = float(delta / norm.clamp_min(1e-12))
             self.before = None
         out.update(self.dead.detach())
-        scaler = getattr(self.phase, "scaler", None)
-        if scaler is not None and scaler.is_enabled():
+        scaler = trainer.scaler
+        if scaler.is_enabled():
             out["loss_scale"] = float(scaler.get_scale())
-            out["skipped_steps"] = max(0, self.phase.step - optimizer_steps(self.phase.optimizer))
+            out["skipped_steps"] = max(0, trainer.step - optimizer_steps(trainer.optimizer))
         return out
 
     def histograms(self) -> None:
         """Weight and gradient histograms every ``hist_every`` steps."""
-        step = self.phase.step
-        if not self.hist_every or step % self.hist_every or self.logger is None:
+        trainer = self.trainer
+        step = trainer.step
+        if not self.hist_every or step % self.hist_every:
             return
-        name = self.phase.name
-        for pname, p in self.phase.model.named_parameters():
-            self.logger.histogram(f"{name}/weights/{pname}", p.detach().float().cpu(), step)
+        name = trainer.name
+        for pname, p in trainer.model.named_parameters():
+            trainer.run.logger.histogram(f"{name}/weights/{pname}", p.detach().float().cpu(), step)
             if p.grad is not None:
-                self.logger.histogram(f"{name}/grads/{pname}", p.grad.detach().float().cpu(), step)
+                trainer.run.logger.histogram(f"{name}/grads/{pname}", p.grad.detach().float().cpu(), step)
 
 
 def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:

@@ -1,0 +1,134 @@
+"""What a method is: a ``Method`` (phases, sampling, evaluation, a description) whose phases are tasks
+the engine runs (``sinkflow.runner.trainer.Trainer``).
+
+Two kinds of task:
+
+- ``TrainingStep``: says only how to draw a batch and compute a loss (and names its config sections);
+  the Trainer owns model, optimizer, LR schedule, precision, EMA, DDP, checkpoints, signals and logging.
+- ``ChunkedTask``: work whose unit is a chunk whose progress is persisted by the task itself (the NSGF
+  trajectory pool); the Trainer gives it the same resume / heartbeat / stop / final-checkpoint protocol.
+
+Both are ``Callback`` s, so a method can hook the same points of the loop as any tool. This module
+imports no engine, evaluation or tool code: those layers sit above methods and are handed in.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sinkflow.runner.callbacks import Callback
+
+
+class Task(Callback):
+    """One resumable phase of a method. ``name`` is its checkpoint folder (``RUN/checkpoints/<name>``)."""
+
+    name: str = "phase"
+
+    def open(self, run) -> None:
+        """Prepare what the task needs from the run folder, once, when it really runs (before setup)."""
+
+    def callbacks(self) -> list[Callback]:
+        """Extra hook objects the method runs with this task (besides the task itself)."""
+        return []
+
+    def config_sections(self) -> tuple[str, ...]:
+        """Config prefixes this task reads: preflight checks that every override reaches some task."""
+        return (f"{self.name}.",)
+
+
+class TrainingStep(Task):
+    """A training phase: minimise ``loss(model, batch)`` over batches from ``batch(generator, n, device)``.
+
+    ``batch`` draws the *global* batch's randomness from the phase generator and returns only this rank's
+    shard (``dist.shard``), so one process and N processes see the same global batch. ``model_key`` names the
+    config sections ``train.<key>`` and ``model.<key>`` (the phase's name by default).
+    """
+
+    def __init__(self, name: str, model_key: str | None = None):
+        self.name = name
+        self.model_key = model_key or name
+
+    def batch(self, generator: torch.Generator, n: int, device) -> Any:
+        raise NotImplementedError
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def config_sections(self) -> tuple[str, ...]:
+        return (f"train.{self.model_key}.", f"model.{self.model_key}.")
+
+
+class ChunkedTask(Task):
+    """Work done unit by unit whose progress the task persists itself (``progress.json`` for the pool).
+
+    The Trainer calls ``open(run)``, then while ``not finished()``: ``next_unit()``, ``run_unit(unit)``
+    (returns how many progress-bar items it did), and finally ``final_state()`` for ``final.pt``.
+    ``position`` / ``total`` count finished / all units (heartbeat, ``Interrupted``); ``progress_done``
+    / ``progress_total`` count progress-bar items. A stop request is honoured between units.
+    """
+
+    position: int = 0
+    total: int = 0
+    progress_done: int = 0
+    progress_total: int = 0
+
+    def finished(self) -> bool:
+        raise NotImplementedError
+
+    def next_unit(self) -> Any:
+        raise NotImplementedError
+
+    def run_unit(self, unit: Any) -> int:
+        raise NotImplementedError
+
+    def final_state(self) -> dict:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what ``open`` held (memory maps...), before ``final.pt`` is written."""
+
+
+class Method:
+    """A generative method: its phases, how it samples, evaluates and describes itself.
+
+    Required: ``phases`` and ``sample`` (and a ``name``, the registry key). ``evaluate`` / ``plots`` get the
+    evaluation layer as ``ev`` (``sinkflow.eval.report``), so a method never imports it; their defaults are
+    the standard sample-based evaluation. Everything a caller may ask a method is a method of this class:
+    callers never test a method's name nor probe for optional functions.
+    """
+
+    name: str = ""
+    draws_path = True  # sampling integrates a path that trajectory plots can draw
+
+    def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
+        """Refuse, before any work, a config this method cannot run (one line naming the key)."""
+
+    def phases(self, cfg: dict, source, target) -> list[Task]:
+        raise NotImplementedError
+
+    def sample(self, run, x0: torch.Tensor, steps: int | None = None, record: bool = False) -> tuple:
+        """``(x, info)``: ``info["nfe"]`` counted by instrumentation, ``info["path"]`` the states if ``record``."""
+        raise NotImplementedError
+
+    def default_steps(self, cfg: dict) -> int:
+        """Sampling steps when the caller gives none."""
+        return cfg["sample"]["steps"]
+
+    def eval_steps(self, cfg: dict) -> list[int]:
+        """Step counts the evaluation reports."""
+        return list(cfg["eval"]["steps"])
+
+    def evaluate(self, run, ev, seeds: int | None = None, n: int | None = None) -> str:
+        """The report ``sinkflow eval`` prints; ``ev`` is the evaluation layer."""
+        return ev.standard_evaluation(run, self, seeds=seeds, n=n)
+
+    def plots(self, run, ev) -> list[Path]:
+        """The figures ``sinkflow train`` writes into the run folder when it finishes."""
+        return ev.standard_plots(run, self)
+
+    def describe(self, cfg: dict) -> str:
+        """One line: what this method trains and how it samples."""
+        return self.name

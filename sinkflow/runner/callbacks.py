@@ -1,0 +1,76 @@
+"""Named hooks into the engine's loop (``sinkflow.runner.trainer.Trainer``), after Lightning's ``Callback``.
+
+Everything that watches or steers a phase without being the phase (the progress bar, the health dashboard,
+``bench``'s step timer, preflight's stop-and-resume probe, doctor's and lr-find's "stop before the first
+step") is a ``Callback`` handed to the ``Trainer``; nothing patches the loop at run time. A method's
+``TrainingStep`` is itself a ``Callback`` (it is called first), so a method can hook the same points.
+
+Order of the hooks in one phase::
+
+    on_setup                 model, optimizer, generator built (training phases); nothing loaded yet
+    on_load_checkpoint       only when a step checkpoint was resumed, right after it was loaded
+    on_phase_start           just before the first unit of work
+      on_train_batch_start   per unit (a batch drawn, before the optimizer step; for a chunked task: a round)
+      on_train_batch_end     per unit, after it (trainer.step already counts it)
+      on_log                 on log steps: add entries to the metrics dict before it is written
+      on_checkpoint          after a step checkpoint was written (every ckpt_every, and on a stop request)
+    on_phase_end             after final.pt was written (not when the phase stopped early)
+    teardown                 always, last (also after an exception or a stop)
+
+This module is a leaf (torch and tqdm only): methods subclass ``Callback`` without importing the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from sinkflow.runner import dist
+
+
+class Callback:
+    """Override the hooks you need; every hook gets the ``Trainer`` first. Defaults do nothing."""
+
+    def on_setup(self, trainer) -> None: ...
+
+    def on_load_checkpoint(self, trainer, state: dict) -> None: ...
+
+    def on_phase_start(self, trainer) -> None: ...
+
+    def on_train_batch_start(self, trainer, batch: Any) -> None: ...
+
+    def on_train_batch_end(self, trainer, batch: Any, outputs: Any) -> None: ...
+
+    def on_log(self, trainer, metrics: dict) -> None: ...
+
+    def on_checkpoint(self, trainer) -> None: ...
+
+    def on_phase_end(self, trainer) -> None: ...
+
+    def teardown(self, trainer) -> None: ...
+
+
+class ProgressBar(Callback):
+    """A tqdm bar on the main process (``SINKFLOW_PROGRESS=0`` turns it off), over the phase's units."""
+
+    def __init__(self):
+        self.bar = None
+
+    def on_phase_start(self, trainer) -> None:
+        enabled = dist.current().is_main and os.environ.get("SINKFLOW_PROGRESS", "1") != "0"
+        self.bar = tqdm(total=trainer.total, initial=trainer.progress, desc=trainer.name, disable=not enabled,
+                        dynamic_ncols=True, mininterval=1.0, smoothing=0.1)
+
+    def on_train_batch_end(self, trainer, batch, outputs) -> None:
+        self.bar.update(trainer.last_units)
+
+    def on_log(self, trainer, metrics: dict) -> None:
+        if "loss" in metrics:
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4g}")
+
+    def teardown(self, trainer) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
