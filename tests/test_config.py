@@ -1,7 +1,12 @@
+import json
+from pathlib import Path
+
 import pytest
+import yaml
 
 from sinkflow import config
 from sinkflow.cli import main
+from sinkflow.config import render, schema
 from sinkflow.errors import SinkflowError
 
 
@@ -67,3 +72,207 @@ def test_cli_error_is_one_line(capsys):
     assert main(["config", "moons", "pool.nope=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown config key 'pool.nope'" in err[0]
+
+
+def test_presets_resolve_as_before_the_schema():
+    """Every preset x method resolves to the tree it had before the schema (tests/data/resolved_presets.json,
+    made by tests/data/make_resolved_presets.py on main d6ad35e, model sections as the model builder saw them)."""
+    snapshot = json.loads((Path(__file__).parent / "data" / "resolved_presets.json").read_text())
+    assert len(snapshot) == len(config.preset_names()) * len(config.METHODS)
+    for name, old in snapshot.items():
+        preset, _, method = name.partition(" --method ")
+        assert config.resolve(preset, [], {"method": method}) == old, name
+
+
+# ---- the schema: one declaration, everything else generated from it or checked against it ------------------
+
+def test_base_yaml_and_config_doc_are_generated_from_the_schema():
+    """presets/_base.yaml and docs/config.md are the schema's; regenerate with `sinkflow config --base/--doc`."""
+    base = Path(config.__file__).parent / "presets" / "_base.yaml"
+    assert base.read_text() == render.base_yaml(), "run: sinkflow config --base > sinkflow/config/presets/_base.yaml"
+    assert yaml.safe_load(base.read_text()) == schema.defaults()
+    doc = Path(__file__).parent.parent / "docs" / "config.md"
+    assert doc.read_text() == render.doc_markdown(), "run: sinkflow config --doc > docs/config.md"
+
+
+def _other_value(key):
+    """A valid value of ``key`` that is not its default (the default itself when the rule allows one value)."""
+    rule, default = key.rule, key.default
+    if isinstance(rule, schema.Options):
+        return next((c for c in rule.choices if c != default), default)
+    if isinstance(rule, schema.Bool):
+        return not default
+    if isinstance(rule, schema.Str):
+        return "x-test"
+    if isinstance(rule, schema.ListOf):
+        first = schema.Key(default[0] if default else None, rule.item, "", nullable=True)
+        return [_other_value(first)]
+    if isinstance(rule, schema.Int):
+        candidates = [] if default is None else [default + 1, default - 1]
+        candidates += [rule.lo if rule.lo is not None else 1, 1, 2]
+    else:
+        candidates = [] if default is None else [default * 0.5, default + 0.25]
+        candidates += [(rule.lo or 0) + 0.25, 0.25, 1.5]
+    return next(v for v in candidates if v != default and rule.violation(rule.coerce(v)) is None)
+
+
+def _kind_setup(name):
+    """The override that gives a model key's section the kind the key belongs to (set first)."""
+    parts = name.split(".")
+    if parts[0] != "model" or parts[2] == "kind":
+        return []
+    kinds = schema.kinds_with(parts[1], parts[2])
+    return [] if schema.MODEL[parts[1]].default_kind in kinds else [f"model.{parts[1]}.kind={kinds[0]}"]
+
+
+@pytest.mark.parametrize("name", list(schema.all_keys()))
+def test_every_key_is_settable_from_the_command_line(name):
+    key = schema.all_keys()[name]
+    value = _other_value(key)
+    cfg = config.resolve("moons", [*_kind_setup(name), f"{name}={render.scalar(value)}"])
+    assert config.get(cfg, name) == value
+    config.validate(cfg)
+
+
+def test_every_key_of_the_default_kinds_through_the_cli_at_once(capsys):
+    overrides = [f"{k}={render.scalar(_other_value(key))}" for k, key in schema.keys().items()
+                 if not k.endswith(".kind") and k != "experiment.method"]
+    assert main(["config", "moons", "--plain", *overrides]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    for item in overrides:
+        k, _, text = item.partition("=")
+        assert config.get(cfg, k) == config.parse_value(text) or k == "experiment.preset", k
+
+
+@pytest.mark.parametrize("name", list(schema.all_keys()))
+def test_a_misspelled_key_names_the_closest_key(name):
+    with pytest.raises(SinkflowError, match=f"unknown config key '{name}x'; did you mean '{name}'"):
+        config.resolve("moons", [*_kind_setup(name), f"{name}x=1"])
+
+
+def test_a_key_of_another_model_kind_says_which_kind_has_it(capsys):
+    assert main(["config", "moons", "model.velocity.channel_mult=[1, 2]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'model.velocity.channel_mult' is a unet key but model.velocity.kind is mlp" in err[0]
+    assert "model.velocity.kind=unet first" in err[0]
+    cfg = config.resolve("moons", ["model.velocity.kind=unet", "model.velocity.channel_mult=[1, 2]"])
+    assert cfg["model"]["velocity"] == {"kind": "unet", **schema.model_defaults("unet"), "channel_mult": [1, 2]}
+    back = config.resolve("digits", ["model.velocity.kind=mlp"])["model"]["velocity"]  # from the mlp defaults
+    assert back == {"kind": "mlp", **schema.model_defaults("mlp")}
+
+
+@pytest.mark.parametrize("override,msg", [
+    ("model.velocity.kind=unte", "must be one of mlp, unet .*did you mean 'unet'"),
+    ("model.time.kind=mlp", "must be one of time_predictor"),
+    ("data.channels=2", "'data.channels' must be one of 1, 3"),
+    ("data.image_size=0", "'data.image_size' must be >= 1"),
+    ("data.image_size=abc", "expects int or null"),
+    ("eval.steps=[0]", "'eval.steps' must have every element >= 1"),
+    ("sinkhorn.scaling=1.0", r"'sinkhorn.scaling' must be in \(0, 1\)"),
+    ("train.velocity.ema=null", "cannot be null"),
+    ("model.velocity.time_freqs=-1", "must be >= 0"),
+])
+def test_rule_errors_name_the_key_and_the_rule(override, msg):
+    with pytest.raises(SinkflowError, match=msg):
+        config.resolve("moons", [override])
+
+
+def test_documented_model_keys_are_settable():
+    """Keys that docs/models.md documents and the old base tree did not hold."""
+    cfg = config.resolve("digits", ["model.velocity.use_scale_shift_norm=true", "model.velocity.pad_mode=zeros"])
+    assert cfg["model"]["velocity"]["use_scale_shift_norm"] is True and cfg["model"]["velocity"]["pad_mode"] == "zeros"
+    assert config.resolve("moons", ["model.velocity.time_freqs=6"])["model"]["velocity"]["time_freqs"] == 6
+
+
+def _printed_keys(out: str) -> set[str]:
+    """Dotted keys of `sinkflow config`'s commented YAML."""
+    keys, path = set(), []
+    for line in out.splitlines():
+        text = line.split(" #")[0].rstrip()
+        if not text or text.startswith("#"):
+            continue
+        depth = (len(text) - len(text.lstrip())) // 2
+        name, _, value = text.strip().partition(":")
+        path = path[:depth] + [name]
+        if value.strip():
+            keys.add(".".join(path))
+    return keys
+
+
+@pytest.mark.parametrize("preset,method,want,not_want", [
+    ("moons", None, {"pool.eta", "model.velocity.hidden", "sinkhorn.max_iters", "sample.steps"},
+     {"model.velocity.channels", "model.nsf.kind", "model.time.kind", "model.flow.arch", "train.nsf.iters",
+      "data.root", "data.channels", "sample.nsf_steps", "sample.temperature", "sinkhorn.backend"}),
+    ("digits", None, {"model.velocity.channel_mult", "model.time.channels", "train.time.lr", "data.flip",
+                      "sample.nsf_steps"},
+     {"model.velocity.hidden", "model.flow.arch", "train.flow.iters", "data.path", "sample.temperature"}),
+    ("digits", "fm", {"model.velocity.channel_mult", "sample.steps", "eval.steps"},
+     {"pool.eta", "sinkhorn.blur", "nsgf.time", "model.nsf.kind", "train.time.iters"}),
+    ("flow-digits", None, {"model.flow.levels", "model.flow.n_bins", "train.flow.warmup", "sample.temperature"},
+     {"model.velocity.kind", "pool.eta", "sample.steps", "eval.steps", "train.velocity.iters"}),
+])
+def test_config_prints_only_the_keys_the_run_reads(capsys, preset, method, want, not_want):
+    argv = ["config", preset, *(["--method", method] if method else [])]
+    assert main(argv) == 0
+    shown = _printed_keys(capsys.readouterr().out)
+    assert want <= shown and not shown & not_want, (want - shown, shown & not_want)
+    assert main([*argv, "--all"]) == 0
+    every = _printed_keys(capsys.readouterr().out)
+    cfg = config.resolve(preset, [], {"method": method})
+    assert every == set(config.flatten(cfg)) and shown < every
+
+
+def test_method_phases_match_the_methods():
+    """METHOD_PHASES (read by the schema without building anything) names what each method's phases() builds."""
+    from sinkflow import methods
+
+    for method, preset in [("nsgf", "moons"), ("nsgfpp", "moons"), ("fm", "moons"), ("otcfm", "moons"),
+                           ("flow", "flow-digits")]:
+        cfg = config.resolve(preset, ["data.download=false"], {"method": method})
+        phases = methods.get(method).phases(cfg, *methods.distributions(cfg))
+        assert tuple(p.name for p in phases) == methods.METHOD_PHASES[method]
+        for p in phases:
+            if getattr(p, "model_key", None):
+                assert p.model_key == p.name and f"model.{p.name}.kind" in schema.used(cfg)
+
+
+def test_choice_lists_agree_with_the_code():
+    from sinkflow.data.images import IMAGE_SETS, SPLITS
+    from sinkflow.flows import MEMORY_MODES
+    from sinkflow.flows.coupling import SCALE_MAPS
+    from sinkflow.models.mlp import ACTIVATIONS
+    from sinkflow.ot.velocity import SCHEDULES
+
+    assert schema.ACTIVATIONS == tuple(ACTIVATIONS)
+    assert schema.IMAGE_TARGETS == tuple(IMAGE_SETS)
+    assert schema.DATA["split"].rule.choices == SPLITS
+    assert schema.POOL_KEYS["schedule"].rule.choices == SCHEDULES
+    assert schema.MODEL_KINDS["flow"]["memory"].rule.choices == MEMORY_MODES
+    assert schema.MODEL_KINDS["flow"]["scale"].rule.choices == SCALE_MAPS
+
+
+def test_an_old_run_folders_config_reads_back(tmp_path):
+    """config.yaml as sinkflow wrote it before the schema (every kind's keys in each model section)."""
+    from sinkflow.runner.run import read_config
+
+    (tmp_path / "config.yaml").write_text((Path(__file__).parent / "data" / "run_config_6a93012.yaml").read_text())
+    cfg = read_config(tmp_path)
+    assert cfg == config.resolve("moons", ["experiment.name=old"])
+    (tmp_path / "config.yaml").write_text("experiment: {preset: moons}\npool: {etaa: 1}\n")
+    with pytest.raises(SinkflowError, match="has unknown key 'pool.etaa'; did you mean 'pool.eta'"):
+        read_config(tmp_path)
+
+
+def test_every_shorthand_flag_sets_schema_keys():
+    """Each shorthand flag is one SHORTHANDS entry, and each of its patterns names keys of the schema."""
+    import argparse
+
+    from sinkflow.cli.common import add_config_args
+
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    flags = {a.dest for a in p._actions if a.option_strings and a.dest != "help"}
+    assert flags == set(config.SHORTHANDS)
+    for name, patterns in config.SHORTHANDS.items():
+        for pattern in patterns:
+            assert config.expand_key(schema.defaults(), pattern), (name, pattern)

@@ -221,7 +221,7 @@ def one_line(capsys, *needles):
     (["model.flow.memory=invertible", "train.flow.precision=bf16"], ["invertible", "precision=fp32"]),
     (["model.flow.levels=4"], ["cannot squeeze"]),
     (["model.flow.n_bins=300"], ["n_bins"]),
-    (["model.flow.memory=sideways"], ["memory mode"]),
+    (["model.flow.memory=sideways"], ["model.flow.memory", "must be one of standard, checkpoint, invertible"]),
     (["data.target=moons"], ["images"]),
     (["sample.temperature=-1.0"], ["temperature"]),
 ])

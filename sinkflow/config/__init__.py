@@ -1,8 +1,10 @@
 """One config tree for every experiment.
 
-A preset is a readable YAML file in ``presets/``; it may ``inherit`` another preset (``_base`` holds
-every key that exists). The resolved tree is a nested dict whose leaves' types are fixed by the base:
-an override ``key.sub=value`` must name an existing key and match its type, so a typo can never be
+Every key, its type, range or choices, default and doc are declared once in ``schema.py``. A preset is
+a readable YAML file in ``presets/`` holding only what differs from those defaults; it may ``inherit``
+another preset (``_base.yaml`` is generated from the schema, for reading). The resolved tree is a
+nested dict with every key of the schema; a model section holds the keys of its ``kind`` only. An
+override ``key.sub=value`` must name a key of the tree and match its rule, so a typo can never be
 silently ignored. Shorthand flags (``--train-iters``...) expand to *every* key they concern.
 """
 
@@ -16,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from sinkflow.config import schema
+from sinkflow.config.schema import Key
 from sinkflow.errors import SinkflowError
 
 PRESET_PACKAGE = "sinkflow.config.presets"
@@ -64,15 +68,28 @@ def merge(base: dict, over: dict) -> dict:
     return _merge(base, over)
 
 
-def load_preset(name: str) -> dict:
-    """Resolve a preset through its ``inherit`` chain into a full tree."""
+def _raw_preset(name: str) -> dict:
+    """A preset's own keys over its ``inherit`` chain's, without the schema's defaults.
+
+    A section that names another model ``kind`` than its parent's replaces it: the parent's keys belong to
+    the parent's kind."""
     raw = _read_preset(name)
     parent = raw.pop("inherit", None)
-    tree = load_preset(parent) if parent else {}
-    tree = _merge(tree, raw)
-    if parent is None and name != "_base":
-        tree = _merge(load_preset("_base"), tree)
-    return tree
+    if parent in (None, "_base"):
+        return raw
+    tree = _raw_preset(parent)
+    for phase, sec in (raw.get("model") or {}).items():
+        old = (tree.get("model") or {}).get(phase)
+        if isinstance(sec, dict) and isinstance(old, dict) and sec.get("kind", old.get("kind")) != old.get("kind"):
+            del tree["model"][phase]
+    return _merge(tree, raw)
+
+
+def load_preset(name: str) -> dict:
+    """Resolve a preset through its ``inherit`` chain into a full tree (``_base``: the schema's defaults)."""
+    if name == "_base":
+        return schema.defaults()
+    return complete(_raw_preset(name), where=f"preset '{name}'")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -120,35 +137,115 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+def _example(spec: Key) -> Any:
+    """A valid value for a hint: the default, else the smallest value the rule allows."""
+    if spec.default is not None:
+        return spec.default
+    rule = spec.rule
+    if isinstance(rule, schema.Options):
+        return rule.choices[0]
+    if isinstance(rule, (schema.Int, schema.Float)):
+        return rule.lo if rule.lo is not None and not getattr(rule, "lo_open", False) else 1
+    return {"bool": "true", "list": "[1]"}.get(rule.type_name, "...")
+
+
+def _yaml(value: Any) -> str:
+    """How a value is written on the command line."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)
+
+
+def check_value(name: str, spec: Key, value: Any) -> Any:
+    """``value`` converted to ``spec``'s type and checked against its range or choices; else a one-line error."""
+    if value is None:
+        if spec.nullable:
+            return None
+        raise SinkflowError(f"config key '{name}' cannot be null", f"set it, e.g. {name}={_yaml(_example(spec))}")
+    try:
+        out = spec.rule.coerce(value)
+    except TypeError:
+        expected = spec.rule.type_name + (" or null" if spec.nullable else "")
+        raise SinkflowError(
+            f"config key '{name}' expects {expected} (default {spec.default!r}) but got {_type_name(value)} {value!r}",
+            f"pass {'an' if spec.rule.type_name[0] in 'aeiou' else 'a'} {spec.rule.type_name}, e.g. {name}={_yaml(_example(spec))}") from None
+    bad = spec.rule.violation(out)
+    if bad:
+        close = spec.rule.closest(out) if isinstance(spec.rule, schema.Options) else None
+        hint = f"did you mean '{close}'?" if close else f"e.g. {name}={_yaml(_example(spec))}"
+        raise SinkflowError(f"config key '{name}' {bad} (got {out!r})", hint)
+    return out
+
+
 def coerce(key: str, old: Any, new: Any) -> Any:
-    """Return ``new`` converted to the type of ``old``, or raise a one-line error."""
-    if old is None or new is None:
-        return new
-    if isinstance(old, bool):
-        if isinstance(new, bool):
-            return new
-    elif isinstance(old, int):
-        if isinstance(new, int) and not isinstance(new, bool):
-            return new
-        if isinstance(new, float) and new.is_integer():
-            return int(new)
-    elif isinstance(old, float):
-        if isinstance(new, (int, float)) and not isinstance(new, bool) and math.isfinite(new):
-            return float(new)
-    elif isinstance(old, str):
-        if isinstance(new, str):
-            return new
-        if isinstance(new, (int, float)) and not isinstance(new, bool):
-            return str(new)
-    elif isinstance(old, list):
-        if isinstance(new, list):
-            return new
-        if isinstance(new, (int, float, str)) and not isinstance(new, bool):
-            return [new]
-    raise SinkflowError(
-        f"config key '{key}' expects {_type_name(old)} (default {old!r}) but got {_type_name(new)} {new!r}",
-        f"pass a {_type_name(old)}, e.g. {key}={old if not isinstance(old, list) else old!r}",
-    )
+    """``new`` as the value key ``key`` would hold (``old`` is its current value, kept for callers)."""
+    spec = schema.all_keys().get(key)
+    return new if spec is None else check_value(key, spec, new)
+
+
+def unknown_key(tree: dict, key: str, where: str = "") -> SinkflowError:
+    """The one-line error for a key the tree has not: a key of another model kind says so, else the closest key."""
+    parts = key.split(".")
+    if len(parts) == 3 and parts[0] == "model" and parts[1] in schema.MODEL:
+        owners = schema.kinds_with(parts[1], parts[2])
+        kind = tree["model"][parts[1]]["kind"]
+        if owners:
+            return SinkflowError(f"{where}config key '{key}' is a {' / '.join(owners)} key but model.{parts[1]}.kind "
+                                 f"is {kind}", f"set model.{parts[1]}.kind={owners[0]} first, or drop the key")
+    leaves = list(schema.keys(tree))
+    close = difflib.get_close_matches(key, leaves, n=1, cutoff=0.5)
+    if not close:  # match on the last component, e.g. "iters" -> "train.velocity.iters"
+        close = [k for k in leaves if k.split(".")[-1] == parts[-1]][:1]
+    hint = f"did you mean '{close[0]}'?" if close else "run `sinkflow config PRESET` to list the keys"
+    return SinkflowError(f"{where}unknown config key '{key}'", hint)
+
+
+def _reset_model(tree: dict, phase: str, kind: str) -> None:
+    tree["model"][phase] = {"kind": kind, **schema.model_defaults(kind)}
+
+
+def set_key(tree: dict, key: str, value: Any) -> None:
+    """Set an existing leaf, checked against the schema; unknown keys name the closest valid key.
+
+    Setting ``model.<phase>.kind`` to another kind starts that section from the new kind's defaults."""
+    specs = schema.keys(tree)
+    if key not in specs:
+        raise unknown_key(tree, key)
+    value = check_value(key, specs[key], value)
+    parts = key.split(".")
+    if parts[0] == "model" and parts[2] == "kind":
+        if value != tree["model"][parts[1]]["kind"]:
+            _reset_model(tree, parts[1], value)
+        return
+    _set(tree, key, value)
+
+
+def complete(raw: dict, base: dict | None = None, *, where: str = "", lenient: bool = False) -> dict:
+    """A full tree from a partial one (a preset, a run folder's config.yaml): ``raw``'s values over ``base``
+    (default: the schema's defaults), every value checked.
+
+    ``lenient`` drops model keys of another kind than the section's: run folders written before the schema
+    held every kind's keys in every model section (the model builder ignored the others)."""
+    if not isinstance(raw, dict):
+        raise SinkflowError(f"{where or 'config'} is not a config tree", "write it as nested key: value sections")
+    tree = copy.deepcopy(base) if base is not None else schema.defaults()
+    for phase, sec in (raw.get("model") or {}).items():
+        if phase in schema.MODEL and isinstance(sec, dict) and "kind" in sec:
+            set_key(tree, f"model.{phase}.kind", sec["kind"])
+    prefix = f"{where}: " if where else ""
+    specs = schema.keys(tree)
+    for key, value in flatten(raw).items():
+        if key not in specs:
+            parts = key.split(".")
+            if lenient and len(parts) == 3 and parts[0] == "model" and any(
+                    parts[2] in schema.MODEL_KINDS[k] for k in schema.MODEL_KINDS):
+                continue
+            raise unknown_key(tree, key, prefix)
+        try:
+            _set(tree, key, check_value(key, specs[key], value))
+        except SinkflowError as exc:
+            raise SinkflowError(prefix + exc.problem, exc.fix) from None
+    return tree
 
 
 def expand_key(tree: dict, pattern: str) -> list[str]:
@@ -160,18 +257,6 @@ def expand_key(tree: dict, pattern: str) -> list[str]:
         if len(key.split(".")) == len(parts)
         and all(p == "*" or p == k for p, k in zip(parts, key.split(".")))
     ]
-
-
-def set_key(tree: dict, key: str, value: Any) -> None:
-    """Set an existing leaf with type checking; unknown keys name the closest valid key."""
-    leaves = flatten(tree)
-    if key not in leaves:
-        close = difflib.get_close_matches(key, list(leaves), n=1, cutoff=0.5)
-        if not close:  # match on the last component, e.g. "iters" -> "train.velocity.iters"
-            close = [k for k in leaves if k.split(".")[-1] == key.split(".")[-1]][:1]
-        hint = f"did you mean '{close[0]}'?" if close else "run `sinkflow config PRESET` to list the keys"
-        raise SinkflowError(f"unknown config key '{key}'", hint)
-    _set(tree, key, coerce(key, leaves[key], value))
 
 
 def apply_overrides(tree: dict, overrides: list[str]) -> dict:
@@ -207,24 +292,36 @@ def resolve(preset: str, overrides: list[str] | None = None, shorthands: dict[st
     return tree
 
 
-METHODS = ("nsgf", "nsgfpp", "fm", "otcfm", "flow")
+def read_run_config(cfg: Any, path) -> dict:
+    """A run folder's config.yaml as a full tree: keys added to sinkflow since the run was made take the
+    preset's values, keys of another model kind (older run folders held them all) are dropped."""
+    if not isinstance(cfg, dict):
+        raise SinkflowError(f"{path} does not hold a config tree", "restore it from the run's first lines of output")
+    preset = (cfg.get("experiment") or {}).get("preset") or "_base"
+    try:
+        return complete(cfg, load_preset(preset), lenient=True)
+    except SinkflowError as exc:
+        if exc.problem.startswith("unknown config key"):
+            problem = f"{path} has {exc.problem.replace('unknown config key', 'unknown key')}"
+        else:
+            problem = f"{path}: {exc.problem}"
+        raise SinkflowError(problem, exc.fix or "fix it or start a new run") from None
+
+
+METHODS = schema.METHODS
 
 
 def validate(tree: dict) -> None:
-    """Cross-key checks that a type check cannot do."""
-    method = tree["experiment"]["method"]
-    if method not in METHODS:
-        close = difflib.get_close_matches(method, METHODS, n=1)
-        raise SinkflowError(
-            f"unknown method '{method}'", f"did you mean '{close[0]}'?" if close else f"choose one of {METHODS}"
-        )
-    for key, value in flatten(tree).items():
-        last = key.split(".")[-1]
-        if last in ("iters", "batch_size", "batches", "steps", "ckpt_every", "log_every") and isinstance(value, int) \
-                and value < 1:
-            raise SinkflowError(f"config key '{key}' must be >= 1 (got {value})", f"set {key} to a positive integer")
-        if last in ("lr", "blur", "eta") and isinstance(value, float) and value <= 0:
-            raise SinkflowError(f"config key '{key}' must be > 0 (got {value})", f"set {key} to a positive number")
+    """Every key of the schema is there, no other, and every value follows its key's rule."""
+    specs = schema.keys(tree)
+    leaves = flatten(tree)
+    for key in leaves:
+        if key not in specs:
+            raise unknown_key(tree, key)
+    for key, spec in specs.items():
+        if key not in leaves:
+            raise SinkflowError(f"config key '{key}' is missing", f"set it, e.g. {key}={_yaml(_example(spec))}")
+        check_value(key, spec, leaves[key])
 
 
 def dump(tree: dict) -> str:

@@ -34,12 +34,14 @@ SPECS = ("normal", "normal-qmc", "8gaussians", "8gaussians-qmc", *[k for k in TO
 
 
 def _shape(data_cfg: dict) -> tuple[int, ...]:
+    """The shape of ``normal``: not a config key, the methods pass the target's shape under ``"shape"``."""
     shape = data_cfg.get("shape") or (2,)
     if isinstance(shape, int) and not isinstance(shape, bool):
         shape = (shape,)
     if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0
                                                         for s in shape):
-        raise SinkflowError(f"data.shape must be a list of positive ints, got {shape!r}", "e.g. data.shape=[2]")
+        raise SinkflowError(f"normal: the sample shape must be a list of positive ints, got {shape!r}",
+                            "pass data_cfg={'shape': [2]} (a run gives data.source=normal the shape of data.target)")
     return tuple(shape)
 
 

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 IMAGE_SETS = {"digits": DigitsSource, "mnist": MNISTSource, "cifar10": CIFAR10Source, "folder": FolderSource}
 SPLITS = ("train", "test")
 VAL_SEED = 20261123  # fixed: the validation split of a set depends only on val_fraction and the train split
-MAX_VAL_FRACTION = 0.5
+# The data section's keys an image set reads (rules and defaults: sinkflow/config/schema.py DATA).
+IMAGE_KEYS = ("root", "path", "image_size", "channels", "flip", "split", "val_fraction", "download")
 
 
 def to_unit_range(x: torch.Tensor) -> torch.Tensor:
@@ -119,26 +120,17 @@ def _gather(arr: np.ndarray, idx: torch.Tensor) -> torch.Tensor:
 
 
 def check_image_cfg(data_cfg: dict) -> dict:
-    """Validate the image keys of the data section; return them with defaults filled in."""
-    cfg = {"root": "data", "path": None, "image_size": None, "channels": None, "flip": False, "split": "train",
-           "download": False, "val_fraction": 0.0}
+    """The image keys of the data section, checked against the config schema, with defaults filled in.
+
+    A library caller's dict may omit keys: they take the schema's defaults, except ``download``, which is
+    off unless asked for (a caller that says nothing never reaches the network; a config tree always says)."""
+    from sinkflow.config import check_value
+    from sinkflow.config.schema import DATA
+
+    cfg = {k: DATA[k].default for k in IMAGE_KEYS}
+    cfg["download"] = False
     cfg.update({k: v for k, v in data_cfg.items() if k in cfg})
-    size = cfg["image_size"]
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise SinkflowError(f"data.image_size must be a positive integer or null, got {size!r}", "e.g. data.image_size=32")
-    if cfg["channels"] not in (None, 1, 3):
-        raise SinkflowError(f"data.channels must be 1, 3 or null, got {cfg['channels']!r}",
-                            "use 1 (grayscale), 3 (RGB) or null (the set's own)")
-    if cfg["split"] not in SPLITS:
-        raise SinkflowError(f"data.split must be 'train' or 'test', got {cfg['split']!r}", "use data.split=train")
-    vf = cfg["val_fraction"]
-    if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not 0 <= vf <= MAX_VAL_FRACTION:
-        raise SinkflowError(f"data.val_fraction must be a number in [0, {MAX_VAL_FRACTION}], got {vf!r}",
-                            "e.g. data.val_fraction=0.1 (0 = no validation split)")
-    for key in ("flip", "download"):
-        if not isinstance(cfg[key], bool):
-            raise SinkflowError(f"data.{key} must be true or false, got {cfg[key]!r}", f"e.g. data.{key}=false")
-    return cfg
+    return {k: check_value(f"data.{k}", DATA[k], v) for k, v in cfg.items()}
 
 
 def build_image_distribution(name: str, data_cfg: dict) -> ImageDistribution:

@@ -61,7 +61,8 @@ class Normal(Distribution):
     def __init__(self, shape: tuple[int, ...] = (2,), qmc: bool = False):
         self.shape = tuple(int(s) for s in shape)
         if not self.shape or any(s < 1 for s in self.shape):
-            raise SinkflowError(f"normal: invalid shape {shape!r}", "set data.shape to positive ints, e.g. [2]")
+            raise SinkflowError(f"normal: invalid sample shape {shape!r}",
+                                "give positive ints, e.g. (2,) (in a run the shape follows data.target)")
         self.qmc = qmc
         self.name = "normal-qmc" if qmc else "normal"
 

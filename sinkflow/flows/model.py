@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn as nn
 
+from sinkflow.config.schema import model_defaults
 from sinkflow.errors import SinkflowError, require
 from sinkflow.flows.coupling import SCALE_MAPS, AdditiveCoupling, AffineCoupling
 from sinkflow.flows.layers import ActNorm, InvConv1x1, Logit, Squeeze
@@ -267,20 +268,9 @@ def build_realnvp(in_shape, levels: int = 2, depth_per_level: int = 4, hidden_ch
                   checkpoint_segments, logit_alpha)
 
 
-FLOW_DEFAULTS = {
-    "arch": "glow",              # glow | realnvp
-    "levels": 3,                 # multi-scale levels (a split between consecutive levels)
-    "depth_per_level": 8,        # flow steps per level
-    "hidden_channels": 64,       # width of each coupling's conditioner net
-    "coupling": "affine",        # affine | additive (glow only)
-    "scale": None,               # sigmoid | tanh; default sigmoid for glow, tanh for realnvp
-    "prior": None,               # learned | standard; default learned for glow, standard for realnvp
-    "squeeze": True,             # space-to-depth at the start of every level (images only)
-    "memory": "standard",        # standard | checkpoint | invertible
-    "drift_tol": 1e-4,           # invertible mode: max relative error of a rebuilt layer input
-    "checkpoint_segments": None,  # checkpoint mode: segments per level (default round(sqrt(layers)))
-    "logit_alpha": 0.0,          # > 0: RealNVP's logit preprocessing with this alpha before the levels (0 = off)
-}
+# Keys and defaults of a flow, from the config schema (model kind "flow"; n_bins is the likelihood's, not the
+# architecture's, so build_flow does not take it).
+FLOW_DEFAULTS = {k: v for k, v in model_defaults("flow").items() if k != "n_bins"}
 
 
 def build_flow(cfg: dict, sample_shape) -> FlowModel:

@@ -25,6 +25,17 @@ REGISTRY = {
     "flow": "flow:METHOD",
 }
 
+# The phases each method's ``phases()`` returns, by name, known without building data or models: the config
+# schema reads it to show and check only the sections a method uses (tests/test_config.py checks it
+# against ``phases()``). A training phase's name is also its ``model.<name>`` and ``train.<name>`` section.
+METHOD_PHASES: dict[str, tuple[str, ...]] = {
+    "nsgf": ("pool", "velocity"),
+    "nsgfpp": ("pool", "velocity", "nsf", "time"),
+    "fm": ("velocity",),
+    "otcfm": ("velocity",),
+    "flow": ("flow",),
+}
+
 
 def get(method: str) -> Method:
     """The registered ``Method`` called ``method``."""

@@ -1,7 +1,8 @@
 """sinkflow's networks: velocity fields v(x, t) (MLP, ADM UNet) and the NSGF++ time predictor t(x).
 
 ``build_model(kind, cfg, sample_shape)`` is the one entry point; ``cfg`` is a plain dict (the config's
-model subsection) whose keys are listed in ``MODEL_KEYS`` and documented in docs/models.md.
+model subsection) whose keys and defaults are declared in the config schema (``MODEL_KEYS`` here) and
+documented in docs/models.md and docs/config.md.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 
 import torch
 
+from sinkflow.config.schema import model_defaults
 from sinkflow.errors import SinkflowError
 from sinkflow.models.memory import count_parameters, model_memory_bytes, saved_activation_bytes
 from sinkflow.models.mlp import ACTIVATIONS, MLP
@@ -22,16 +24,10 @@ __all__ = [
     "MLP", "UNet", "TimePredictorCNN", "TimePredictorMLP", "MODEL_KEYS", "UNET_PRESETS", "attention_downsample",
 ]
 
-# Defaults per kind. Keys of *other* kinds are ignored (one config subsection may carry all of them);
-# a key no kind knows is an error naming the closest valid key.
-MODEL_KEYS: dict[str, dict] = {
-    "mlp": {"hidden": 256, "depth": 3, "activation": "selu", "time_freqs": 0},
-    "unet": {
-        "channels": 32, "res_blocks": 1, "channel_mult": [1, 2, 2], "num_heads": 1, "num_head_channels": -1,
-        "attention_resolutions": [16], "dropout": 0.0, "use_scale_shift_norm": False, "pad_mode": "reflect",
-    },
-    "time_predictor": {"channels": [32, 64, 128, 256], "hidden": 256, "depth": 3, "activation": "selu"},
-}
+# Defaults per kind, from the config schema (sinkflow/config/schema.py, the one place they are declared).
+# Keys of *other* kinds are ignored here, so a library caller's dict may carry all of them (the config
+# tree holds only its kind's); a key no kind knows is an error naming the closest valid key.
+MODEL_KEYS: dict[str, dict] = {kind: model_defaults(kind) for kind in ("mlp", "unet", "time_predictor")}
 IGNORED_KEYS = {"kind"}  # the config may say which kind it is; build_model's argument decides
 
 # The paper's UNets (nsgf_paper.md section 3.2; torchcfm's MNIST notebook / CIFAR-10 recipe).
@@ -54,7 +50,7 @@ def _resolve(kind: str, cfg: dict) -> dict:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             raise SinkflowError(f"unknown model key '{key}'",
                                 f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(known))}")
-    out = dict(MODEL_KEYS[kind])
+    out = model_defaults(kind)  # a fresh copy: a caller may mutate the lists
     out.update({k: v for k, v in (cfg or {}).items() if k in out and v is not None})
     return out
 

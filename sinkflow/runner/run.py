@@ -210,13 +210,7 @@ def read_config(run_dir: Path) -> dict:
         cfg = yaml.safe_load(path.read_text())
     except yaml.YAMLError:
         raise SinkflowError(f"{path} is not valid YAML", "restore it from the run's first lines of output") from None
-    if not isinstance(cfg, dict):
-        raise SinkflowError(f"{path} does not hold a config tree", "restore it from the run's first lines of output")
-    base = config_mod.load_preset(cfg.get("experiment", {}).get("preset") or "_base")
-    unknown = set(config_mod.flatten(cfg)) - set(config_mod.flatten(base))
-    if unknown:
-        raise SinkflowError(f"{path} has unknown key '{sorted(unknown)[0]}'", "remove it or start a new run")
-    return config_mod.merge(base, cfg)  # keys added to sinkflow after the run was made get their defaults
+    return config_mod.read_run_config(cfg, path)  # keys added to sinkflow after the run was made get their defaults
 
 
 def build_phase_model(cfg: dict, key: str, shape: tuple[int, ...]) -> torch.nn.Module:

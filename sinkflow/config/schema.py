@@ -1,0 +1,554 @@
+"""The config schema: every key declared once, with its type, range or choices, default and one-line doc.
+
+Modelled on scikit-learn's ``_parameter_constraints``: one declaration that everything else reads, so
+defaults, validation, ``presets/_base.yaml`` and docs/config.md cannot drift apart (tests regenerate the
+last two and compare). ``SCHEMA`` is the tree of sections; a model section (``model.<phase>``) has a
+``kind`` and the keys of that kind only (``MODEL_KINDS``), because an MLP has no ``channel_mult``.
+
+Nothing here imports torch: ``sinkflow config`` and the CLI's argument checks stay fast. Where a choice
+list also lives next to the code that implements it (activations, flow memory modes...), a test checks
+that the two agree.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from sinkflow.methods import METHOD_PHASES
+
+METHODS = tuple(METHOD_PHASES)
+IMAGE_TARGETS = ("digits", "mnist", "cifar10", "folder")  # = sinkflow.data.images.IMAGE_SETS (a test checks)
+
+
+# ---- constraints -------------------------------------------------------------------------------------
+
+class Constraint:
+    """A value rule: ``coerce`` converts a parsed value to the key's type (or raises TypeError), ``violation``
+    names the broken range or choice (or returns None)."""
+
+    type_name = "value"
+
+    def coerce(self, value: Any) -> Any:
+        raise NotImplementedError
+
+    def violation(self, value: Any) -> str | None:
+        return None
+
+    def describe(self) -> str:
+        return self.type_name
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Int(Constraint):
+    lo: int | None = None
+    hi: int | None = None
+    exclude: tuple = ()
+    type_name = "int"
+
+    def coerce(self, value):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():  # 1e3 parses as a float
+            return int(value)
+        raise TypeError
+
+    def violation(self, value):
+        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi) \
+                or value in self.exclude:
+            return f"must be {self.rule()}"
+        return None
+
+    def rule(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            text = f"in [{self.lo}, {self.hi}]"
+        elif self.lo is not None:
+            text = f">= {self.lo}"
+        elif self.hi is not None:
+            text = f"<= {self.hi}"
+        else:
+            text = "an integer"
+        return text + "".join(f" and != {x}" for x in self.exclude)
+
+    def describe(self):
+        return "int" if self.lo is None and self.hi is None else f"int {self.rule()}"
+
+
+@dataclass(frozen=True)
+class Float(Constraint):
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    type_name = "float"
+
+    def coerce(self, value):
+        if _is_number(value) and math.isfinite(value):
+            return float(value)
+        raise TypeError
+
+    def violation(self, value):
+        low = self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo)
+        high = self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi)
+        return f"must be {self.rule()}" if low or high else None
+
+    def rule(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        if self.hi is not None:
+            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        return "a finite number"
+
+    def describe(self):
+        return "float" if self.lo is None and self.hi is None else f"float {self.rule()}"
+
+
+@dataclass(frozen=True)
+class Real(Float):
+    """A number kept as written: UNet width multipliers read better as ``[1, 2, 2]`` than ``[1.0, 2.0, 2.0]``."""
+
+    type_name = "number"
+
+    def coerce(self, value):
+        if _is_number(value) and math.isfinite(value):
+            return value
+        raise TypeError
+
+    def describe(self):
+        return "number" if self.lo is None and self.hi is None else f"number {self.rule()}"
+
+
+@dataclass(frozen=True)
+class Bool(Constraint):
+    type_name = "bool"
+
+    def coerce(self, value):
+        if isinstance(value, bool):
+            return value
+        raise TypeError
+
+
+@dataclass(frozen=True)
+class Str(Constraint):
+    type_name = "str"
+
+    def coerce(self, value):
+        if isinstance(value, str):
+            return value
+        if _is_number(value):  # experiment.name=2024 is a name, not a number
+            return str(value)
+        raise TypeError
+
+
+@dataclass(frozen=True)
+class Options(Constraint):
+    """One of a fixed set of values (strings, or ints such as data.channels 1 | 3)."""
+
+    choices: tuple = ()
+
+    def __init__(self, *choices):
+        object.__setattr__(self, "choices", tuple(choices))
+
+    @property
+    def type_name(self):
+        return "int" if all(isinstance(c, int) for c in self.choices) else "str"
+
+    def coerce(self, value):
+        return (Int() if self.type_name == "int" else Str()).coerce(value)
+
+    def violation(self, value):
+        if value in self.choices:
+            return None
+        return f"must be one of {', '.join(map(str, self.choices))}"
+
+    def closest(self, value) -> str | None:
+        close = difflib.get_close_matches(str(value), [str(c) for c in self.choices], n=1)
+        return close[0] if close else None
+
+    def describe(self):
+        return " | ".join(f"`{c}`" for c in self.choices)
+
+
+@dataclass(frozen=True)
+class ListOf(Constraint):
+    """A list; a scalar means a list of one, and a string "16,8" the list [16, 8] (torchcfm's spelling)."""
+
+    item: Constraint = field(default_factory=Int)
+    min_len: int = 1
+    type_name = "list"
+
+    def coerce(self, value):
+        if isinstance(value, str) and "," in value:
+            from sinkflow.config import parse_value
+
+            value = [parse_value(v.strip()) for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            if isinstance(value, bool) or value is None or isinstance(value, dict):
+                raise TypeError
+            value = [value]
+        return [self.item.coerce(v) for v in value]
+
+    def violation(self, value):
+        if len(value) < self.min_len:
+            return f"must have at least {self.min_len} element{'s' if self.min_len > 1 else ''}"
+        for v in value:
+            bad = self.item.violation(v)
+            if bad:
+                return "must have every element " + bad.removeprefix("must be ")
+        return None
+
+    def describe(self):
+        return f"list of {self.item.describe()}"
+
+
+# ---- keys ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class When:
+    """Where a key matters: ``sinkflow config`` hides the keys a run does not use; docs print ``text``."""
+
+    text: str
+    test: Callable[[dict], bool]
+
+    def __call__(self, tree: dict) -> bool:
+        return self.test(tree)
+
+
+@dataclass(frozen=True)
+class Key:
+    default: Any
+    rule: Constraint
+    doc: str
+    nullable: bool = False
+    when: When | None = None
+
+
+def _method(tree: dict) -> str:
+    return tree["experiment"]["method"]
+
+
+def _methods(*names: str) -> When:
+    return When(f"method {', '.join(names)}", lambda t: _method(t) in names)
+
+
+def _has_phase(phase: str) -> When:
+    users = [m for m, phases in METHOD_PHASES.items() if phase in phases]
+    return When(f"method {', '.join(users)}", lambda t: phase in METHOD_PHASES.get(_method(t), ()))
+
+
+POOL = _has_phase("pool")
+IMAGES = When("an image target (" + ", ".join(IMAGE_TARGETS) + ")", lambda t: t["data"]["target"] in IMAGE_TARGETS)
+FOLDER = When("data.target=folder", lambda t: t["data"]["target"] == "folder")
+GEOMLOSS = When("sinkhorn.solver=geomloss", lambda t: POOL(t) and t["sinkhorn"]["solver"] == "geomloss")
+CONVERGED = When("sinkhorn.solver=converged", lambda t: POOL(t) and t["sinkhorn"]["solver"] == "converged")
+NOT_FLOW = When("every method but flow", lambda t: _method(t) != "flow")
+IMAGES_NOT_FLOW = When("an image target, every method but flow", lambda t: IMAGES(t) and NOT_FLOW(t))
+STEPS_SAMPLERS = _methods("nsgf", "fm", "otcfm")
+
+POS_INT = Int(lo=1)
+NONNEG_INT = Int(lo=0)
+POS_FLOAT = Float(lo=0, lo_open=True)
+NONNEG_FLOAT = Float(lo=0)
+
+EXPERIMENT = {
+    "method": Key("nsgf", Options(*METHODS), "what trains: NSGF, NSGF++, flow matching, OT-CFM or a normalizing flow"),
+    "preset": Key("", Str(), "filled in with the preset's name"),
+    "seed": Key(0, Int(), "seed of every random number generator of the run"),
+    "device": Key("auto", Str(), "auto (cuda if available) | cpu | cuda | cuda:N"),
+    "runs_dir": Key("runs", Str(), "run folders are created under this directory"),
+    "name": Key(None, Str(), "run folder name; null = <preset>-<method>-<timestamp>", nullable=True),
+}
+
+DATA = {
+    "source": Key("normal", Str(), "normal | 8gaussians | moons | scurve | checkerboard | path/to/points.npy "
+                  "(the shape of normal follows the target)"),
+    "target": Key("moons", Str(), "as source, or an image set: digits | mnist | cifar10 | folder"),
+    "root": Key("data", Str(), "where image sets are downloaded to and cached", when=IMAGES),
+    "path": Key(None, Str(), "image folder for target=folder", nullable=True, when=FOLDER),
+    "image_size": Key(None, POS_INT, "resize + center-crop folder images to this size (null = native)",
+                      nullable=True, when=IMAGES),
+    "channels": Key(None, Options(1, 3), "1 = grayscale, 3 = RGB, null = native", nullable=True, when=IMAGES),
+    "flip": Key(False, Bool(), "random horizontal flip, per sample, on the device", when=IMAGES),
+    "split": Key("train", Options("train", "test"), "which split of the image set trains", when=IMAGES),
+    "val_fraction": Key(0.0, Float(0, 0.5), "image sets: this fraction of the train split is held out as "
+                        "validation (fixed seed)", when=IMAGES),
+    "download": Key(True, Bool(), "torchvision download of mnist/cifar10 when missing", when=IMAGES),
+}
+
+SINKHORN = {
+    "blur": Key(0.05, POS_FLOAT, "Sinkhorn blur: eps = blur^2 (cost |x-y|^2/2); paper candidates 0.5, 1, 2"),
+    "scaling": Key(0.9, Float(0, 1, lo_open=True, hi_open=True), "eps-annealing ratio per Sinkhorn stage"),
+    "diameter": Key(None, POS_FLOAT, "cost diameter for eps-annealing: null = one bounding box of all pool batches "
+                    "(fixed per build); else this value for every batch", nullable=True),
+    "backend": Key("tensorized", Options("tensorized", "online"), "GeomLoss's backend (online needs pykeops)",
+                   when=GEOMLOSS),
+    "solver": Key("geomloss", Options("geomloss", "converged"),
+                  "geomloss: one pass of eps-annealing | converged: then iterate at the final eps to tol"),
+    "max_iters": Key(200, POS_INT, "most over-relaxed Sinkhorn iterations at the final eps", when=CONVERGED),
+    "tol": Key(0.001, POS_FLOAT, "stop when no potential moves by more than tol * eps", when=CONVERGED),
+}
+
+POOL_KEYS = {
+    "batches": Key(200, POS_INT, "pool batches (independent trajectories of batch_size particles)"),
+    "batch_size": Key(256, POS_INT, "particles per pool batch = the Sinkhorn batch"),
+    "steps": Key(100, POS_INT, "T Euler steps per trajectory"),
+    "eta": Key(0.02, POS_FLOAT, "Euler step size of the Sinkhorn flow"),
+    "eta_growth": Key(0.0, NONNEG_FLOAT, "incremental schedule's rate r: eta_k = eta*exp(r(k-T)/T) "
+                      "(the paper's \"incremental lr\", hint r=4)"),
+    "schedule": Key(None, Options("constant", "incremental", "harmonic"), "harmonic: eta_k = eta/(T-k); "
+                    "null = incremental if eta_growth > 0, else constant", nullable=True),
+    "storage": Key("memory", Options("memory", "disk"), "where the pool lives: memory, or disk (a numpy memmap in the run folder)"),
+    "dtype": Key("float32", Options("float32", "float16"), "dtype the pool is stored in (training computes in float32)"),
+    "chunk": Key(50, POS_INT, "pool batches per resumable chunk"),
+    "in_flight": Key(0, NONNEG_INT, "pool batches solved at once (at most pool.chunk); 0 = chosen from the "
+                     "memory budget"),
+    "ram_gb": Key(8.0, POS_FLOAT, "the pool must fit this much RAM when storage=memory"),
+    "disk_gb": Key(64.0, POS_FLOAT, "... and this much disk when storage=disk"),
+}
+
+NSGF = {
+    "time": Key("flow", Options("flow", "fraction"), "flow: t_k = eta_0+..+eta_{k-1}, target v_k | "
+                "fraction: s_k = k/T, target T*eta_k*v_k"),
+    "segment": Key(0.0, Float(0, 1), "probability that a training point is drawn on its Euler segment "
+                   "x_k + u*eta_k*v_k, u~U[0,1)"),
+}
+
+# ---- model kinds: the keys of a model section depend on its kind ----------------------------------------
+
+ACTIVATIONS = ("selu", "silu", "relu", "gelu")  # = sinkflow.models.mlp.ACTIVATIONS (a test checks)
+
+MODEL_KINDS: dict[str, dict[str, Key]] = {
+    "mlp": {
+        "hidden": Key(256, POS_INT, "units per hidden layer (paper: 256)"),
+        "depth": Key(3, POS_INT, "hidden layers (paper: 3)"),
+        "activation": Key("selu", Options(*ACTIVATIONS), "nonlinearity after each hidden layer"),
+        "time_freqs": Key(0, NONNEG_INT, "0: the raw t is one extra input; K > 0: also sin/cos(2^k pi t) for k < K"),
+    },
+    "unet": {
+        "channels": Key(32, POS_INT, "base channels"),
+        "res_blocks": Key(1, POS_INT, "residual blocks per level"),
+        "channel_mult": Key([1, 2, 2], ListOf(Real(lo=0, lo_open=True)), "width multiplier per level"),
+        "num_heads": Key(1, POS_INT, "attention heads (when num_head_channels = -1)"),
+        "num_head_channels": Key(-1, Int(lo=-1, exclude=(0,)), "channels per attention head; -1 = use num_heads"),
+        "attention_resolutions": Key([16], ListOf(POS_INT, min_len=0), "torchcfm rule: attention at downsample "
+                                     "image_size // r"),
+        "dropout": Key(0.0, Float(0, 1, hi_open=True), "dropout in the residual blocks"),
+        "use_scale_shift_norm": Key(False, Bool(), "FiLM scale-shift time conditioning instead of additive"),
+        "pad_mode": Key("reflect", Options("reflect", "replicate", "zeros"),
+                        "padding to a multiple of 2^(levels-1)"),
+    },
+    "time_predictor": {
+        "channels": Key([32, 64, 128, 256], ListOf(POS_INT), "images: filters of the conv layers (paper: 4 layers)"),
+        "hidden": Key(256, POS_INT, "points: MLP width"),
+        "depth": Key(3, POS_INT, "points: MLP hidden layers"),
+        "activation": Key("selu", Options(*ACTIVATIONS), "points: MLP nonlinearity"),
+    },
+    "flow": {
+        "arch": Key("glow", Options("glow", "realnvp"), "flow architecture"),
+        "levels": Key(3, POS_INT, "multi-scale levels: image sides must be divisible by 2**levels"),
+        "depth_per_level": Key(8, POS_INT, "flow steps per level (glow: ActNorm, 1x1 conv, coupling)"),
+        "hidden_channels": Key(64, POS_INT, "coupling conditioner width"),
+        "coupling": Key("affine", Options("affine", "additive"), "coupling type (additive: glow only)"),
+        "scale": Key(None, Options("sigmoid", "tanh"), "coupling scale map: null = sigmoid (glow) / tanh (realnvp)",
+                     nullable=True),
+        "prior": Key(None, Options("learned", "standard"), "null = learned (glow) / standard (realnvp)",
+                     nullable=True),
+        "squeeze": Key(True, Bool(), "space-to-depth at each level"),
+        "memory": Key("standard", Options("standard", "checkpoint", "invertible"),
+                      "checkpoint: O(sqrt L) activations | invertible: O(1) in depth, fp32 only"),
+        "drift_tol": Key(1e-4, POS_FLOAT, "invertible: largest accepted relative error of a rebuilt layer input"),
+        "checkpoint_segments": Key(None, POS_INT, "checkpoint: segments per level (null = round(sqrt(layers)))",
+                                   nullable=True),
+        "logit_alpha": Key(0.0, Float(0, 0.5, hi_open=True), "> 0: RealNVP logit preprocessing of pixels "
+                           "before the levels (0 = off)"),
+        "n_bins": Key(256, Int(2, 256), "pixel levels the density is over (bits/dim convention): 256 = 8-bit"),
+    },
+}
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """``model.<phase>``: a ``kind`` (one of ``kinds``) and that kind's keys."""
+
+    kinds: tuple[str, ...]
+    doc: str
+    when: When
+
+    @property
+    def default_kind(self) -> str:
+        return self.kinds[0]
+
+    def kind_key(self) -> Key:
+        return Key(self.default_kind, Options(*self.kinds), "network kind; the other keys of this section are "
+                   "this kind's", when=self.when)
+
+    def keys(self, kind: str) -> dict[str, Key]:
+        return {"kind": self.kind_key(), **{k: _with_when(v, self.when) for k, v in MODEL_KINDS[kind].items()}}
+
+
+def _with_when(key: Key, when: When | None) -> Key:
+    return key if key.when is not None or when is None else Key(key.default, key.rule, key.doc, key.nullable, when)
+
+
+MODEL = {
+    "velocity": ModelSection(("mlp", "unet"), "the NSGF velocity network v_theta(x, t) (also FM / OT-CFM's)",
+                             _has_phase("velocity")),
+    "nsf": ModelSection(("mlp", "unet"), "NSGF++ Neural Straight Flow u_delta(x, t)", _has_phase("nsf")),
+    "time": ModelSection(("time_predictor",), "NSGF++ phase-transition time predictor t_phi(x) in [0, 1]",
+                         _has_phase("time")),
+    "flow": ModelSection(("flow",), "normalizing flow (docs/flows.md)", _has_phase("flow")),
+}
+
+
+def _train(phase: str, iters=20000, batch_size=256, lr=0.001, warmup=0, schedule="cosine", grad_clip=0.0):
+    """One training phase's keys; phases differ only in a few defaults (the paper's time predictor, Glow)."""
+    return {
+        "iters": Key(iters, POS_INT, "optimizer steps"),
+        "batch_size": Key(batch_size, POS_INT, "global batch (split over processes)"),
+        "lr": Key(lr, POS_FLOAT, "Adam learning rate"),
+        "lr_scaling": Key("sqrt", Options("none", "linear", "sqrt"), "how lr follows the number of processes"),
+        "warmup": Key(warmup, NONNEG_INT, "linear lr warm-up steps"),
+        "schedule": Key(schedule, Options("constant", "cosine"), "cosine: decay to 0 at iters, after warmup"),
+        "grad_clip": Key(grad_clip, NONNEG_FLOAT, "gradient norm clip (0 = off)"),
+        "ema": Key(0.0, Float(0, 1, hi_open=True), "EMA decay of the weights (0 = off, e.g. 0.9999)"),
+        "accum": Key(1, POS_INT, "gradient accumulation micro-batches"),
+        "precision": Key("fp32", Options("fp32", "bf16", "fp16"), "autocast dtype; master weights stay fp32"),
+        "ckpt_every": Key(1000, POS_INT, "checkpoint every N steps"),
+        "log_every": Key(100, POS_INT, "metrics every N steps"),
+        "hist_every": Key(0, NONNEG_INT, "TensorBoard weight/grad histograms every N steps (0 = off)"),
+        "channels_last": Key(True, Bool(), "NHWC model + inputs; only takes effect on CUDA with image batches"),
+        "compile": Key(False, Bool(), "torch.compile the model (opt-in: compile time, see docs/performance.md)"),
+    }
+
+
+TRAIN = {
+    "velocity": _train("velocity"),
+    "nsf": _train("nsf"),
+    "time": _train("time", iters=40000, batch_size=128, lr=0.0001),
+    "flow": _train("flow", batch_size=64, warmup=500, schedule="constant", grad_clip=100.0),
+}
+TRAIN_DOCS = {
+    "velocity": "the velocity network (NSGF: velocity matching on the pool; FM / OT-CFM: on the interpolant)",
+    "nsf": "NSGF++ straight flow (velocity matching on X_t = t Y + (1-t) X0)",
+    "time": "NSGF++ time predictor (regress t from X_t, MSE); paper: batch 128, lr 1e-4, 40k",
+    "flow": "maximum likelihood with uniform dequantisation; the logged loss is bits/dim",
+}
+
+SAMPLE = {
+    "steps": Key(100, POS_INT, "Euler steps of the velocity network at sampling time", when=STEPS_SAMPLERS),
+    "batch_size": Key(500, POS_INT, "samples generated per network call (eval.n is split into chunks of this)"),
+    "nsf_steps": Key(50, POS_INT, "Euler steps of the straight flow from t_hat to 1", when=_methods("nsgfpp")),
+    "nsgf_steps": Key(None, POS_INT, "Euler steps of the NSGF part (null: the pool's own T steps; else uniform "
+                      "steps, needs nsgf.segment > 0)", nullable=True, when=_methods("nsgfpp")),
+    "temperature": Key(1.0, NONNEG_FLOAT, "prior std multiplier when sampling (1 = the model; Glow shows 0.7)",
+                       when=_methods("flow")),
+}
+
+EVAL = {
+    "n": Key(1024, POS_INT, "test samples for W2 / FID / bits/dim"),
+    "steps": Key([10, 100], ListOf(POS_INT), "Euler steps to evaluate at", when=NOT_FLOW),
+    "seeds": Key(3, POS_INT, "sampling seeds: mean and spread"),
+    "inception_weights": Key(None, Str(), "local Inception-v3 weights file (pt_inception-2015-12-05) for FID; "
+                             "null = FID skipped", nullable=True, when=IMAGES_NOT_FLOW),
+}
+
+CHECKPOINT = {
+    "keep": Key(3, POS_INT, "keep-last-k rotation inside a phase"),
+}
+
+# section -> (doc, keys | {phase: ModelSection} | {phase: keys}, when)
+SECTIONS: dict[str, tuple[str, dict, When | None]] = {
+    "experiment": ("what runs, where it writes", EXPERIMENT, None),
+    "data": ("source and target distributions", DATA, None),
+    "sinkhorn": ("GeomLoss SamplesLoss(loss=\"sinkhorn\", p=2) of the pool's Sinkhorn flow", SINKHORN, POOL),
+    "pool": ("NSGF trajectory pool (Algorithm 1)", POOL_KEYS, POOL),
+    "nsgf": ("how the velocity network reads the pool (NSGF, and NSGF++'s NSGF phase): docs/nsgf.md", NSGF, POOL),
+    "model": ("one network per training phase; its keys depend on its kind", MODEL, None),
+    "train": ("one optimiser setup per training phase", TRAIN, None),
+    "sample": ("sampling", SAMPLE, None),
+    "eval": ("evaluation", EVAL, None),
+    "checkpoint": ("checkpoints", CHECKPOINT, None),
+}
+PHASE_WHEN = {phase: MODEL[phase].when for phase in MODEL}
+
+
+def _section_keys(section: str, tree: dict | None) -> dict[str, Key]:
+    """Flat ``{"sub.key": Key}`` of one section for ``tree`` (model kinds read from it; defaults if None)."""
+    _, keys, when = SECTIONS[section]
+    out: dict[str, Key] = {}
+    if section == "model":
+        for phase, sec in keys.items():
+            kind = _tree_kind(tree, phase)
+            for k, key in sec.keys(kind if kind in sec.kinds else sec.default_kind).items():
+                out[f"{phase}.{k}"] = key
+    elif section == "train":
+        for phase, sub in keys.items():
+            for k, key in sub.items():
+                out[f"{phase}.{k}"] = _with_when(key, PHASE_WHEN[phase])
+    else:
+        for k, key in keys.items():
+            out[k] = _with_when(key, when)
+    return out
+
+
+def _tree_kind(tree: dict | None, phase: str) -> str:
+    try:
+        return tree["model"][phase]["kind"]
+    except (TypeError, KeyError):
+        return MODEL[phase].default_kind
+
+
+def keys(tree: dict | None = None) -> dict[str, Key]:
+    """Every key of a config tree as ``{"section.sub.key": Key}``, in declaration order.
+
+    Model sections list the keys of the kind ``tree`` gives them (the default kinds when ``tree`` is None)."""
+    return {f"{s}.{k}": key for s in SECTIONS for k, key in _section_keys(s, tree).items()}
+
+
+def all_keys() -> dict[str, Key]:
+    """Every key of every model kind too: what a user can ever set (for did-you-mean hints and docs)."""
+    out = keys()
+    for phase, sec in MODEL.items():
+        for kind in sec.kinds:
+            for k, key in sec.keys(kind).items():
+                out.setdefault(f"model.{phase}.{k}", key)
+    return out
+
+
+def defaults(tree: dict | None = None) -> dict:
+    """The default tree (model sections of the kinds ``tree`` names, else the default kinds)."""
+    out: dict = {}
+    for name, key in keys(tree).items():
+        node = out
+        *parents, leaf = name.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = _copy(key.default)
+    return out
+
+
+def model_defaults(kind: str) -> dict:
+    """The defaults of one model kind, without ``kind``: what ``build_model`` fills in."""
+    return {k: _copy(key.default) for k, key in MODEL_KINDS[kind].items()}
+
+
+def _copy(value):
+    return list(value) if isinstance(value, list) else value
+
+
+def kinds_with(phase: str, name: str) -> list[str]:
+    """The kinds of ``model.<phase>`` that have key ``name`` (for the hint of a key set on the wrong kind)."""
+    return [k for k in MODEL[phase].kinds if name in MODEL_KINDS[k]]
+
+
+def used(tree: dict) -> dict[str, Key]:
+    """The keys a run of ``tree`` reads: its method's sections and phases, its model kinds, its data kind."""
+    return {name: key for name, key in keys(tree).items() if key.when is None or key.when(tree)}
