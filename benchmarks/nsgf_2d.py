@@ -75,7 +75,7 @@ def evaluate(run_dir: Path, eval_seeds: int) -> dict:
 
 def floor(task: str) -> tuple[float, float]:
     from sinkflow import config, methods
-    from sinkflow.data import measure_floor
+    from sinkflow.eval.floor import measure_floor
 
     cfg = config.resolve(task)
     mean, std, _ = measure_floor(methods.distributions(cfg)[1], n=1024, pairs=5)

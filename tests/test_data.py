@@ -15,10 +15,9 @@ import torch
 from PIL import Image
 from scipy import stats
 
-from sinkflow.data import (SPECS, Checkerboard, EightGaussians, Moons, Normal, SCurve, build_distribution,
-                           measure_floor)
+from sinkflow.data import SPECS, Checkerboard, EightGaussians, Moons, Normal, SCurve, build_distribution
 from sinkflow.data import sources
-from sinkflow.data.floor import PAPER_NSGF, W2_FLOOR_PROTOCOL
+from sinkflow.eval.floor import PAPER_NSGF, W2_FLOOR_PROTOCOL, measure_floor
 from sinkflow.data.toy2d import EIGHT_CENTRES
 from sinkflow.errors import SinkflowError
 

@@ -17,7 +17,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from sinkflow.methods import METHOD_PHASES
+# The phases each method's ``phases()`` returns, by name, known without building data or models: the schema
+# shows and checks only the sections a method uses. A training phase's name is also its ``model.<name>`` and
+# ``train.<name>`` section. It lives here, not in sinkflow.methods, because config sits below the methods;
+# sinkflow.methods.REGISTRY must name the same methods (tests/test_config.py checks both against phases()).
+METHOD_PHASES: dict[str, tuple[str, ...]] = {
+    "nsgf": ("pool", "velocity"),
+    "nsgfpp": ("pool", "velocity", "nsf", "time"),
+    "fm": ("velocity",),
+    "otcfm": ("velocity",),
+    "flow": ("flow",),
+}
 
 METHODS = tuple(METHOD_PHASES)
 IMAGE_TARGETS = ("digits", "mnist", "cifar10", "folder")  # = sinkflow.data.images.IMAGE_SETS (a test checks)

@@ -17,14 +17,13 @@ from functools import lru_cache
 from typing import Callable
 
 from sinkflow.data.base import Distribution
-from sinkflow.data.floor import W2_FLOOR_PROTOCOL, measure_floor, w2_exact
 from sinkflow.data.images import IMAGE_SETS, ImageDistribution, build_image_distribution
 from sinkflow.data.points import PointFile
 from sinkflow.data.toy2d import TOY2D, Checkerboard, EightGaussians, Moons, Normal, SCurve
 from sinkflow.errors import SinkflowError
 
 __all__ = [
-    "Distribution", "build_distribution", "SPECS", "W2_FLOOR_PROTOCOL", "measure_floor", "w2_exact",
+    "Distribution", "build_distribution", "SPECS",
     "Normal", "EightGaussians", "Moons", "SCurve", "Checkerboard", "PointFile", "ImageDistribution",
     "distributions", "sample_shape", "substituted",
 ]

@@ -1,13 +1,12 @@
 """Finite-sample W2 floors: how close two honest draws of the same distribution already are.
 
 A model cannot score below the floor of the metric it is judged by, so every 2D benchmark number is
-printed next to it. Run ``python -m sinkflow.data.floor`` to re-measure the table in docs/data.md.
+printed next to it. Run ``python -m sinkflow.eval.floor`` to re-measure the table in docs/data.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 
 import numpy as np
@@ -15,24 +14,15 @@ import torch
 
 from sinkflow.data.base import Distribution
 from sinkflow.eval.paper import TABLE1_NSGF
+from sinkflow.ot import w2
 
 W2_FLOOR_PROTOCOL = (
     "W2 floor: exact 2-Wasserstein distance between two independent n=1024 draws of the same sampler "
-    "(POT ot.emd2, uniform weights, squared Euclidean cost from torch.cdist in float64, numItermax=1e7, "
+    "(sinkflow.ot.w2: POT ot.emd2, uniform weights, squared Euclidean cost in float64, numItermax=1e7, "
     "square root), generators seeded 1000+2i and 1001+2i for i = 0..4; reported as mean and std over the 5 pairs."
 )
 FLOOR_N = 1024
 FLOOR_PAIRS = 5
-
-
-def w2_exact(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Exact W2 between two equally weighted point clouds (the paper's 2D metric)."""
-    import ot  # POT; imported here so the data layer loads where POT is not installed
-
-    a = a.reshape(len(a), -1).double().cpu()
-    b = b.reshape(len(b), -1).double().cpu()
-    cost = (torch.cdist(a, b) ** 2).numpy()
-    return math.sqrt(ot.emd2(ot.unif(len(a)), ot.unif(len(b)), cost, numItermax=10**7))
 
 
 def measure_floor(dist: Distribution, n: int = FLOOR_N, pairs: int = FLOOR_PAIRS,
@@ -47,7 +37,7 @@ def measure_floor(dist: Distribution, n: int = FLOOR_N, pairs: int = FLOOR_PAIRS
     for i in range(pairs):
         x = dist.sample(n, torch.Generator().manual_seed(1000 + 2 * i))
         y = other.sample(n, torch.Generator().manual_seed(1001 + 2 * i))
-        vals.append(w2_exact(x, y))
+        vals.append(w2(x, y))
     return statistics.fmean(vals), (statistics.stdev(vals) if pairs > 1 else 0.0), vals
 
 
