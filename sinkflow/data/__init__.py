@@ -44,7 +44,7 @@ def _shape(data_cfg: dict) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def build_distribution(spec: str, *, data_cfg: dict) -> Distribution:
+def build_distribution(spec: str, *, data_cfg: dict | None = None) -> Distribution:
     """The distribution named by ``spec`` (a name or a ``.npy`` path), configured by the ``data`` section."""
     if not isinstance(spec, str) or not spec:
         raise SinkflowError(f"data spec must be a name or a .npy path, got {spec!r}",
