@@ -1,11 +1,12 @@
 """Imports go one way (docs/architecture.md): a module may import its own layer or lower ones, never higher.
 
-    errors -> config -> data -> ot / models / flows -> runtime -> methods -> engine -> eval -> tools -> cli
+    errors -> config -> data -> ot / models / flows -> runtime -> methods -> engine -> eval -> tools -> cli -> api
 
 "runtime" is the part of ``sinkflow.runner`` that methods build on (run folder, checkpoints, signals, dist,
 callbacks, metrics); "engine" is the loop that runs the methods' tasks (``runner.trainer``,
 ``runner.experiment``). Every import counts, including those inside functions: a lazy import that runs
-upwards is still a dependency upwards. The package's public API (``sinkflow/__init__.py``) sits on top.
+upwards is still a dependency upwards. The Python API (``sinkflow.api``, re-exported lazily by
+``sinkflow/__init__.py``) sits on top, beside the CLI it shares its argument handling with.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "sinkflow"
-LAYERS = ["errors", "config", "data", "numerics", "runtime", "methods", "engine", "eval", "tools", "cli"]
+LAYERS = ["errors", "config", "data", "numerics", "runtime", "methods", "engine", "eval", "tools", "cli", "api"]
 ENGINE = {"sinkflow.runner.trainer", "sinkflow.runner.experiment"}
 
 
