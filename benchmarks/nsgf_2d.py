@@ -59,6 +59,15 @@ def one_run(task: str, method: str, seed: int, iters: int, runs_dir: str, extra:
     return result
 
 
+def _finished(run_dir: Path) -> bool:
+    if (run_dir / "bench.json").exists():
+        return True
+    try:
+        return json.loads((run_dir / "status.json").read_text()).get("state") == "finished"
+    except (OSError, ValueError):
+        return False
+
+
 def evaluate(run_dir: Path, eval_seeds: int) -> dict:
     """W2 at 10 and 100 steps of one trained model: the mean over ``eval_seeds`` sampling seeds, each with
     its own source draw and test draw (one draw of 1024 points varies by ~0.05 on the multimodal tasks)."""
@@ -137,7 +146,7 @@ def main() -> None:
     p.add_argument("--runs-dir", default=None, help="keep the runs here (default: a temp folder)")
     p.add_argument("--write", action="store_true", help="replace the nsgf_2d section of benchmarks/RESULTS.md")
     p.add_argument("--collect", action="store_true",
-                   help="train nothing: tabulate the runs already finished in --runs-dir (e.g. of an interrupted benchmark)")
+                   help="train nothing: tabulate (evaluating where needed) the runs finished in --runs-dir")
     p.add_argument("extra", nargs="*", help="config overrides applied to every run, e.g. pool.eta=0.1")
     args = p.parse_args()
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="sinkflow-bench-")
@@ -145,8 +154,8 @@ def main() -> None:
     seeds = args.seed_list if args.seed_list is not None else range(args.seeds)
     jobs = [(t, m, s) for s in seeds for t in args.tasks for m in args.methods]
     start = time.perf_counter()
-    if args.collect:
-        jobs = [(t, m, s) for t, m, s in jobs if (Path(runs_dir) / f"{t}-{m}-s{s}" / "bench.json").exists()]
+    if args.collect:  # runs evaluated before, or trained to the end but not evaluated (e.g. a killed benchmark)
+        jobs = [(t, m, s) for t, m, s in jobs if _finished(Path(runs_dir) / f"{t}-{m}-s{s}")]
     with ProcessPoolExecutor(args.workers) as pool:
         futures = [pool.submit(one_run, t, m, s, args.iters, runs_dir, args.extra, args.eval_seeds) for t, m, s in jobs]
         floors_f = {t: pool.submit(floor, t) for t in args.tasks}
