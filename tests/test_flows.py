@@ -347,3 +347,22 @@ def test_logit_preprocessing_exact_and_invertible():
     assert s.shape == (8, 1, 4, 4) and float(s.min()) >= -0.5 and float(s.max()) <= 0.5
     with pytest.raises(SinkflowError, match="logit_alpha"):
         build_flow({"levels": 1, "logit_alpha": 0.7}, (1, 4, 4))
+
+
+def test_conditioner_fast_path_is_the_module_and_follows_copies():
+    """The constant-memory backward re-runs conditioners through ``functional``: it must be the same function
+    as the module, over exactly the module's parameters, also in a deep copy (EMA) and after a load."""
+    from sinkflow.flows.coupling import ConditionerNet
+
+    torch.manual_seed(0)
+    net = ConditionerNet(3, 6, hidden=8)
+    for p in net.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(2, 3, 5, 5)
+    torch.testing.assert_close(net.functional(x), net(x))
+    assert [id(p) for p in net.param_list] == [id(p) for p in net.parameters()]
+    twin = copy.deepcopy(net)
+    assert [id(p) for p in twin.param_list] == [id(p) for p in twin.parameters()]
+    twin.load_state_dict({k: v + 1 for k, v in net.state_dict().items()})
+    torch.testing.assert_close(twin.functional(x), twin(x))
+    assert not torch.allclose(twin.functional(x), net.functional(x))

@@ -40,6 +40,22 @@ class ConditionerNet(nn.Sequential):
             nn.Conv2d(c_in, hidden, kernel, padding=pad), nn.ReLU(),
             nn.Conv2d(hidden, hidden, 1), nn.ReLU(), last,
         )
+        self.pad = pad
+
+    @property
+    def param_list(self) -> list[nn.Parameter]:
+        """The three convs' (weight, bias), read from the modules each time (never a stale copy after a
+        ``to()``, a ``load_state_dict`` or a deepcopy)."""
+        m = self._modules
+        return [m["0"].weight, m["0"].bias, m["2"].weight, m["2"].bias, m["4"].weight, m["4"].bias]
+
+    def functional(self, x):
+        """The same net without ``nn.Module`` call overhead (no hooks): the constant-memory backward re-runs
+        every conditioner once per step, and at small sizes the per-module dispatch is a visible share."""
+        w0, b0, w1, b1, w2, b2 = self.param_list
+        h = F.relu(F.conv2d(x, w0, b0, padding=self.pad))
+        h = F.relu(F.conv2d(h, w1, b1))
+        return F.conv2d(h, w2, b2, padding=self.pad)
 
 
 class _Coupling(InvertibleLayer):
@@ -127,7 +143,7 @@ class _Coupling(InvertibleLayer):
         cond = cond_y.detach().requires_grad_(True)
         g_cond_y, g_yact = self._split(g_y)
         with torch.enable_grad():
-            h = self.net(cond)
+            h = self.net.functional(cond)
         with torch.no_grad():
             if not self.affine:
                 act, g_act, g_h = y_act - h, g_yact, g_yact
@@ -144,7 +160,7 @@ class _Coupling(InvertibleLayer):
                 g_act = g_yact * scale
                 g_raw = (g_yact * y_act + g_logdet.view(-1, *([1] * (y.dim() - 1)))) * dlog
                 g_h = torch.stack([g_act, g_raw], dim=2).flatten(1, 2)
-        params = [p for p in self.net.parameters() if p.requires_grad]
+        params = [p for p in self.net.param_list if p.requires_grad]
         g = torch.autograd.grad(h, [cond, *params], g_h, allow_unused=True)
         with torch.no_grad():
             g_cond = g_cond_y if g[0] is None else g_cond_y + g[0]
