@@ -109,7 +109,7 @@ choices, default and meaning. Defaults, validation, `presets/_base.yaml` and thi
   `model.<phase>.kind` starts the section from the new kind's defaults, so set the kind first:
   `model.velocity.kind=unet model.velocity.channels=64`.
 - "read when" says which runs read a key (`sinkflow config` hides the others); the methods' phases are
-  `sinkflow.config.schema.METHOD_PHASES`.
+  `sinkflow.config.schema.METHOD_REGISTRY`.
 """
 
 

@@ -17,17 +17,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-# The phases each method's ``phases()`` returns, by name, known without building data or models: the schema
-# shows and checks only the sections a method uses. A training phase's name is also its ``model.<name>`` and
-# ``train.<name>`` section. It lives here, not in sinkflow.methods, because config sits below the methods;
-# sinkflow.methods.REGISTRY must name the same methods (tests/test_config.py checks both against phases()).
-METHOD_PHASES: dict[str, tuple[str, ...]] = {
-    "nsgf": ("pool", "velocity"),
-    "nsgfpp": ("pool", "velocity", "nsf", "time"),
-    "fm": ("velocity",),
-    "otcfm": ("velocity",),
-    "flow": ("flow",),
+# The one method registry: name -> ("module:attribute" of its Method instance in sinkflow.methods, the phases
+# its ``phases()`` returns). Adding a method is its file plus one line here. The phases are known without
+# building data or models, so the schema shows and checks only the sections a method uses (a training phase's
+# name is also its ``model.<name>`` and ``train.<name>`` section). It lives here, not in sinkflow.methods,
+# because config sits below the methods and must not import them; the location is a string, imported by
+# ``sinkflow.methods.get`` on first use. tests/test_config.py checks the phases against ``phases()``.
+METHOD_REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
+    "nsgf": ("nsgf:METHOD", ("pool", "velocity")),
+    "nsgfpp": ("nsgfpp:METHOD", ("pool", "velocity", "nsf", "time")),
+    "fm": ("flow_matching:FM", ("velocity",)),
+    "otcfm": ("flow_matching:OTCFM", ("velocity",)),
+    "flow": ("flow:METHOD", ("flow",)),
 }
+METHOD_PHASES: dict[str, tuple[str, ...]] = {m: phases for m, (_, phases) in METHOD_REGISTRY.items()}
 
 METHODS = tuple(METHOD_PHASES)
 IMAGE_TARGETS = ("digits", "mnist", "cifar10", "folder")  # = sinkflow.data.images.IMAGE_SETS (a test checks)

@@ -2,7 +2,8 @@
 
 A method knows its phases (tasks the engine runs), how it samples, evaluates and describes itself.
 Nothing outside a method tests its name: callers ask ``methods.of(cfg)`` for the object and call it.
-Adding a method = its own file with a ``Method`` instance + one line in ``REGISTRY``.
+Adding a method = its own file with a ``Method`` instance + one line in
+``sinkflow.config.schema.METHOD_REGISTRY`` (where it lives and the phases it builds).
 """
 
 from __future__ import annotations
@@ -17,17 +18,9 @@ from sinkflow.methods.base import ChunkedTask, Method, Task, TrainingStep
 __all__ = ["REGISTRY", "get", "of", "Method", "Task", "TrainingStep", "ChunkedTask",
            "distributions", "sample_shape", "_distributions"]
 
-# name -> "module:attribute" of its Method instance (imported on first use: POT, flows... load lazily)
-REGISTRY = {
-    "nsgf": "nsgf:METHOD",
-    "nsgfpp": "nsgfpp:METHOD",
-    "fm": "flow_matching:FM",
-    "otcfm": "flow_matching:OTCFM",
-    "flow": "flow:METHOD",
-}
-
-# The phases each method's ``phases()`` returns are declared with the config schema (the config layer sits
-# below the methods and must not import them); tests/test_config.py checks them against ``phases()``.
+# name -> "module:attribute" of its Method instance (imported on first use: POT, flows... load lazily).
+# Declared once, with each method's phases, in sinkflow.config.schema.METHOD_REGISTRY.
+REGISTRY = {m: where for m, (where, _) in schema.METHOD_REGISTRY.items()}
 METHOD_PHASES = schema.METHOD_PHASES
 
 
