@@ -30,7 +30,7 @@ import torch
 from sinkflow import config as config_mod
 from sinkflow import data, methods
 from sinkflow.errors import SinkflowError
-from sinkflow.ot.memory import cpu_peak_bytes  # also used by tests/test_preflight.py
+from sinkflow.ot.sinkhorn_peak import cpu_peak_bytes  # also used by tests/test_preflight.py
 
 GiB = 2**30
 # nvidia-smi's total memory (MiB) of the cards people rent
