@@ -12,7 +12,7 @@ import torch
 from sinkflow.errors import SinkflowError
 from sinkflow.flows import (ActNorm, AdditiveCoupling, AffineCoupling, FlowSequence, InvConv1x1, Squeeze,
                             bits_per_dim, build_flow, build_glow, build_realnvp, dequantize, flow_loss)
-from sinkflow.flows.profile import SavedTensorCounter
+from sinkflow.models.footprint import SavedTensorCounter
 
 MODES = ("standard", "checkpoint", "invertible")
 
