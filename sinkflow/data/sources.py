@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from sinkflow.data.atomic_write import atomic_path
 from sinkflow.errors import SinkflowError
 
 log = logging.getLogger(__name__)
@@ -153,15 +154,13 @@ class MNISTSource(ArraySource):
         for f in self._missing():
             gz = self.raw / f"{f}.gz"
             if gz.is_file():  # the files as distributed; torchvision reads them unpacked
-                tmp = self.raw / f".{f}.tmp{os.getpid()}"
-                try:
-                    with gzip.open(gz, "rb") as src, open(tmp, "wb") as dst:
-                        shutil.copyfileobj(src, dst)
-                except (OSError, EOFError) as e:
-                    tmp.unlink(missing_ok=True)
-                    raise SinkflowError(f"MNIST file {gz} is not a valid gzip file ({e})",
-                                        "delete it and place the original file there") from None
-                os.replace(tmp, self.raw / f)
+                with atomic_path(self.raw / f) as tmp:
+                    try:
+                        with gzip.open(gz, "rb") as src, open(tmp, "wb") as dst:
+                            shutil.copyfileobj(src, dst)
+                    except (OSError, EOFError) as e:
+                        raise SinkflowError(f"MNIST file {gz} is not a valid gzip file ({e})",
+                                            "delete it and place the original file there") from None
         missing = self._missing()
         if not missing:
             return

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sinkflow.runner.checkpoint import atomic_write_bytes
+from sinkflow.data.atomic_write import atomic_write_bytes
 
 
 class MetricsLogger:

@@ -28,9 +28,10 @@ import yaml
 
 from sinkflow import config as config_mod
 from sinkflow.data import sample_shape
+from sinkflow.data.atomic_write import atomic_write_bytes
 from sinkflow.errors import SinkflowError
 from sinkflow.runner import dist
-from sinkflow.runner.checkpoint import PhaseCheckpoints, atomic_write_bytes, remove_orphans
+from sinkflow.runner.checkpoint import PhaseCheckpoints, remove_orphans
 from sinkflow.runner.identity import check_frozen, identity
 from sinkflow.runner.lock import lock_run, run_lock
 from sinkflow.runner.metrics import MetricsLogger

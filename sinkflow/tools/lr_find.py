@@ -219,7 +219,7 @@ def write_lr(target: Path, key: str, lr: float) -> Path:
 
     target = Path(target)
     if target.is_dir():
-        from sinkflow.runner.checkpoint import atomic_write_bytes
+        from sinkflow.data.atomic_write import atomic_write_bytes
         from sinkflow.runner.lock import run_lock
 
         with run_lock(target):  # not while a `sinkflow train` writes the same run
