@@ -93,3 +93,9 @@ def atomic_write_bytes(path: str | os.PathLike, write) -> None:
             if error is not exc:
                 raise error from None
             raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """``atomic_write_bytes`` for a text file (UTF-8): status.json, progress.json, config.yaml, meta.json..."""
+    data = text.encode()
+    atomic_write_bytes(path, lambda f: f.write(data))

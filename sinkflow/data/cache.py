@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from sinkflow.data.atomic_write import atomic_path, atomic_write_bytes
+from sinkflow.data.atomic_write import atomic_path, atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger(__name__)
 CACHE_VERSION = 1
@@ -70,7 +70,7 @@ def write_cache(stem: Path, fingerprint: str, shape: tuple[int, int, int, int],
     if labels is not None:
         atomic_write_bytes(lab, lambda f: np.save(f, np.asarray(labels, dtype=np.int64), allow_pickle=False))
     meta = {"version": CACHE_VERSION, "fingerprint": fingerprint, "shape": list(shape), "labels": labels is not None}
-    atomic_write_bytes(meta_path, lambda f: f.write(json.dumps(meta).encode()))
+    atomic_write_text(meta_path, json.dumps(meta))
     result = open_cache(stem, fingerprint)
     assert result is not None, f"freshly written cache {data} does not validate"
     return result

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sinkflow.data.atomic_write import atomic_path, atomic_write_bytes
+from sinkflow.data.atomic_write import atomic_path, atomic_write_text
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import ChunkedTask
 from sinkflow.runner import dist
@@ -276,8 +276,7 @@ class PoolTask(ChunkedTask):
             torch.distributed.all_gather_object(gathered, sorted(self.done))
             self.done = set().union(*map(set, gathered))
         if self.info.is_main:
-            text = json.dumps({"chunks": sorted(self.done), "diameter": self.diameter}).encode()
-            atomic_write_bytes(self.progress_file, lambda f: f.write(text))
+            atomic_write_text(self.progress_file, json.dumps({"chunks": sorted(self.done), "diameter": self.diameter}))
         self.progress_done += len(ids)
         return len(ids)
 

@@ -67,7 +67,8 @@ class SavedTensorCounter(torch.autograd.graph.saved_tensors_hooks):
         return max(self._seen.values(), default=0)
 
 
-def forward_saved_bytes(model: torch.nn.Module, inputs: tuple, autocast_dtype: torch.dtype | None = None) -> tuple[int, int]:
+def forward_saved_bytes(model: torch.nn.Module, inputs: tuple,
+                        autocast_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """(total, largest) bytes of the distinct non-parameter tensors autograd keeps for backward during one
     ``model(*inputs)`` (under autocast to ``autocast_dtype`` if given). The outputs are not activations
     (a flow returns (latents, log_prob)) and are not counted."""

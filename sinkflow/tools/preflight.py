@@ -396,7 +396,8 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
                 if gpu is not None and report.memory:
                     label, total = gpu
                     over = [m.phase for m in report.memory if m.terms and not memory_plan.fits(m, total)]
-                    report.fit_overrides, report.fit_reasons = memory_plan.propose_fit(real, report.memory, total, world)
+                    report.fit_overrides, report.fit_reasons = memory_plan.propose_fit(
+                        real, report.memory, total, world)
                     pool_ram = any(m.host_bytes > real["pool"]["ram_gb"] * memory_plan.GiB for m in report.memory)
                     ok = not over and not pool_ram
                     report.add(f"fits {label}", "all", ok, "every phase fits" if ok else
