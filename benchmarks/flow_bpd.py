@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -52,8 +51,6 @@ def level_array(images, n_bins: int):
 
 
 def checkpoint_bpd(run, path, images, seeds: int = 3) -> tuple[float, float]:
-    import statistics
-
     import torch
 
     from sinkflow.methods.flow import test_bpd

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sinkflow.flows import build_glow, preprocess  # noqa: E402
-from sinkflow.flows.profile import SavedTensorCounter  # noqa: E402
+from sinkflow.models.footprint import SavedTensorCounter  # noqa: E402
 
 MODES = ("standard", "checkpoint", "invertible")
 

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sinkflow import config, methods  # noqa: E402
-from sinkflow.tools import memory  # noqa: E402
+from sinkflow.tools import memory_plan  # noqa: E402
 from sinkflow.tools.data import real_or_synthetic  # noqa: E402
 
 
@@ -76,7 +76,7 @@ def main():
         cfg = config.resolve(preset, [f"experiment.device={args.device}", "pool.in_flight=1", "data.download=false"])
         with real_or_synthetic(cfg, force=True), tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            mems = memory.estimate(cfg)
+            mems = memory_plan.estimate(cfg)
             print(f"{preset}: estimated in {time.perf_counter() - t0:.1f}s", flush=True)
             for i, pm in enumerate(mems):
                 measured = None
@@ -84,10 +84,10 @@ def main():
                     measured = measure_pool(cfg, device)
                 elif cuda and pm.kind == "train":
                     measured = measure_train(cfg, pm.phase, device, Path(tmp) / f"{pm.phase}{i}")
-                meas = memory.fmt_bytes(measured) if measured else ("not measured" if cuda else "pending (GPU)")
+                meas = memory_plan.fmt_bytes(measured) if measured else ("not measured" if cuda else "pending (GPU)")
                 ratio = f"{pm.total / measured:.3f}" if measured else "-"
-                terms = ", ".join(f"{k} {memory.fmt_bytes(v)}" for k, v in pm.terms.items())
-                rows.append(f"| {preset} | {pm.phase} | {memory.fmt_bytes(pm.total)} | {meas} | {ratio} | {terms} |")
+                terms = ", ".join(f"{k} {memory_plan.fmt_bytes(v)}" for k, v in pm.terms.items())
+                rows.append(f"| {preset} | {pm.phase} | {memory_plan.fmt_bytes(pm.total)} | {meas} | {ratio} | {terms} |")
                 print(rows[-1], flush=True)
     dev = torch.cuda.get_device_name(device) if cuda else "CPU (estimates only)"
     text = f"Memory estimate vs measured peak on {dev}, torch {torch.__version__}\n\n" + "\n".join(rows) + "\n"

@@ -14,7 +14,7 @@ import platform
 import torch
 
 from sinkflow.ot import sinkhorn_peak_bytes
-from sinkflow.ot.memory import measured_cpu_peak_bytes
+from sinkflow.ot.sinkhorn_peak import measured_cpu_peak_bytes
 from sinkflow.ot.velocity import _velocity_solve as _velocity_flat
 
 CASES = [(1, 256, 2), (4, 256, 2), (8, 128, 2), (4, 64, 784), (8, 64, 784), (2, 128, 3072), (4, 512, 2)]

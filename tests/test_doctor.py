@@ -1,7 +1,6 @@
 """The doctor's checks catch planted bugs, and pass the correct loop (each check can fail)."""
 
 import numpy as np
-import pytest
 import torch
 import torch.nn as nn
 

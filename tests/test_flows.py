@@ -12,7 +12,7 @@ import torch
 from sinkflow.errors import SinkflowError
 from sinkflow.flows import (ActNorm, AdditiveCoupling, AffineCoupling, FlowSequence, InvConv1x1, Squeeze,
                             bits_per_dim, build_flow, build_glow, build_realnvp, dequantize, flow_loss)
-from sinkflow.flows.profile import SavedTensorCounter
+from sinkflow.models.footprint import SavedTensorCounter
 
 MODES = ("standard", "checkpoint", "invertible")
 
@@ -198,7 +198,7 @@ def test_drift_guard_catches_planted_ill_conditioned_layer(kind, caplog):
     with pytest.raises(AssertionError):  # the plant really breaks reconstruction-based gradients
         assert_grads_close(bad, ref64, rtol=1e-2)
 
-    with caplog.at_level(logging.WARNING, logger="sinkflow.flows.memory"):
+    with caplog.at_level(logging.WARNING, logger="sinkflow.flows.memory_modes"):
         got = grads_of(model, x, loss)
     assert planted in model.fallen_back
     assert "drift guard" in caplog.text and model.drift_events[0]["error"] > 1e-4

@@ -298,7 +298,7 @@ def test_degenerate_input_raises_clear_error(call, message):
 
 
 def test_peak_estimate_bounds_measured_cpu_peak():
-    from sinkflow.ot.memory import OVERHEAD_BYTES, measured_cpu_peak_bytes
+    from sinkflow.ot.sinkhorn_peak import OVERHEAD_BYTES, measured_cpu_peak_bytes
 
     B, n, D = 3, 96, 40
     peak = measured_cpu_peak_bytes(B, n, D, blur=1.0, scaling=0.8, diameter=20.0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sinkflow import config
-from sinkflow.tools import memory
+from sinkflow.tools import memory_plan
 from sinkflow.tools.preflight import format_report, preflight
 
 SMALL = ["moons", "8gaussians", "8gaussians-moons", "checkerboard", "scurve", "digits"]
@@ -25,12 +25,12 @@ def test_preflight_all_presets(tmp_path):
     assert set(SMALL) <= set(names)
     for name in names:
         if name in SMALL:
-            report = preflight(name, workdir=tmp_path / name, gpu=memory.gpu_bytes("T4"))
+            report = preflight(name, workdir=tmp_path / name, gpu=memory_plan.gpu_bytes("T4"))
             assert report.ok, format_report(report)
             assert {c.name for c in report.checks} >= {"kill and resume", "sample", "evaluate + plots", "fits T4"}
         else:
             cfg = config.resolve(name, ["data.path=/nonexistent"] if name == "folder" else [])
-            mems = memory.estimate(cfg)
+            mems = memory_plan.estimate(cfg)
             assert [m.phase for m in mems][-1] == "sample+eval" and all(m.total > 0 for m in mems if m.terms)
 
 
@@ -105,13 +105,13 @@ def test_memory_estimate_matches_measured_cpu_allocations():
              ("unet", {"channels": 32}, (1, 28, 28), 8), ("time_predictor", {}, (1, 28, 28), 16)]
     for kind, cfg, shape, batch in cases:
         torch.manual_seed(0)
-        est = memory.estimate_train_step(build_model(kind, cfg, shape), shape, batch).total
+        est = memory_plan.estimate_train_step(build_model(kind, cfg, shape), shape, batch).total
         torch.manual_seed(0)
-        meas = memory.measured_train_step_bytes(build_model(kind, cfg, shape), shape, batch)
+        meas = memory_plan.measured_train_step_bytes(build_model(kind, cfg, shape), shape, batch)
         assert abs(est / meas - 1) <= 0.15, (kind, shape, est, meas)
     for B, n, D in [(1, 128, 3072), (2, 128, 784), (1, 512, 2)]:
         x, y = torch.randn(B, n, D), torch.randn(B, n, D) + 1
-        meas = memory.cpu_peak_bytes(lambda: simulate_sinkhorn_flow(x, y, steps=2, eta=0.1, blur=0.5, batched=True))
+        meas = memory_plan.cpu_peak_bytes(lambda: simulate_sinkhorn_flow(x, y, steps=2, eta=0.1, blur=0.5, batched=True))
         meas += x.nbytes + y.nbytes
         est = sinkhorn_peak_bytes(B, n, D) + 2 * 2 * B * n * D * 4  # + the trajectory, as the pool estimate
         assert abs(est / meas - 1) <= 0.15, (B, n, D, est, meas)
@@ -120,14 +120,14 @@ def test_memory_estimate_matches_measured_cpu_allocations():
 def test_fit_proposes_a_config_that_fits_and_keeps_the_totals():
     cfg = config.resolve("moons", ["pool.batch_size=4096", "pool.batches=10", "train.velocity.batch_size=65536",
                                    "model.velocity.hidden=2048"])
-    mems = memory.estimate(cfg)
-    card = 2 * memory.GiB  # a tiny card: both the pool and the training step are too large
-    assert not all(memory.fits(m, card) for m in mems if m.terms)
-    overrides, reasons = memory.propose_fit(cfg, mems, card)
-    new = memory.apply_fit(cfg, overrides)
+    mems = memory_plan.estimate(cfg)
+    card = 2 * memory_plan.GiB  # a tiny card: both the pool and the training step are too large
+    assert not all(memory_plan.fits(m, card) for m in mems if m.terms)
+    overrides, reasons = memory_plan.propose_fit(cfg, mems, card)
+    new = memory_plan.apply_fit(cfg, overrides)
     assert new["pool"]["batches"] * new["pool"]["batch_size"] == 10 * 4096
     assert new["train"]["velocity"]["batch_size"] == 65536 and new["train"]["velocity"]["accum"] > 1
-    assert all(memory.fits(m, card) for m in memory.estimate(new) if m.terms), reasons
-    assert math.isclose(memory.gpu_bytes("t4")[1], 15360 * 2**20)
+    assert all(memory_plan.fits(m, card) for m in memory_plan.estimate(new) if m.terms), reasons
+    assert math.isclose(memory_plan.gpu_bytes("t4")[1], 15360 * 2**20)
     with pytest.raises(Exception):
-        memory.gpu_bytes("V100")
+        memory_plan.gpu_bytes("V100")

@@ -30,7 +30,7 @@ def add_parser(sub):
 
 
 def _one(preset, args, card) -> bool:
-    from sinkflow.tools import memory
+    from sinkflow.tools import memory_plan
     from sinkflow.tools.preflight import fit_command, format_report, preflight
 
     sh = shorthands(args)
@@ -40,7 +40,7 @@ def _one(preset, args, card) -> bool:
         cards = {card[0]: card[1]} if card else None
         print(f"\npeak GPU memory per phase for the real config ({args.world} process(es); "
               f"'ok' = fits 90% of the card minus 1 GiB):")
-        print(memory.format_table(report.memory, cards))
+        print(memory_plan.format_table(report.memory, cards))
     ok = report.ok
     if card and report.fit_reasons:
         print(f"\nto fit {card[0]}:")
@@ -51,21 +51,21 @@ def _one(preset, args, card) -> bool:
             print("  command:   " + fit_command(preset, args.overrides, sh, report.fit_overrides))
         if args.fit and report.fit_overrides:
             cfg = config.resolve(preset, [*args.overrides, *report.fit_overrides], sh)
-            mems = memory.estimate(cfg, world=args.world)
+            mems = memory_plan.estimate(cfg, world=args.world)
             print("\nwith --fit applied:")
-            print(memory.format_table(mems, {card[0]: card[1]}))
+            print(memory_plan.format_table(mems, {card[0]: card[1]}))
             others = all(c.ok is not False for c in report.checks if not c.name.startswith("fits "))
-            ok = others and all(memory.fits(m, card[1]) for m in mems if m.terms)
+            ok = others and all(memory_plan.fits(m, card[1]) for m in mems if m.terms)
     return ok
 
 
 def run(args):
-    from sinkflow.tools import memory
+    from sinkflow.tools import memory_plan
 
     split_preset(args)
     card = None
     if args.gpu or args.gpu_mem:
-        card = memory.gpu_bytes(args.gpu, args.gpu_mem)
+        card = memory_plan.gpu_bytes(args.gpu, args.gpu_mem)
     presets = config.preset_names() if args.all else [args.preset]
     results = {}
     for preset in presets:

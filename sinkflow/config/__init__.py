@@ -53,19 +53,15 @@ def _read_preset(name: str) -> dict:
     return yaml.safe_load(path.read_text()) or {}
 
 
-def _merge(base: dict, over: dict, where: str = "") -> dict:
+def _merge(base: dict, over: dict) -> dict:
+    """``over``'s values on top of ``base``'s tree (a new tree)."""
     out = copy.deepcopy(base)
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value, f"{where}{key}.")
+            out[key] = _merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
     return out
-
-
-def merge(base: dict, over: dict) -> dict:
-    """``over``'s values on top of ``base``'s tree (a new tree)."""
-    return _merge(base, over)
 
 
 def _raw_preset(name: str) -> dict:

@@ -59,7 +59,15 @@ def _is_number(value: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class Int(Constraint):
+class _Ranged(Constraint):
+    """A number with optional bounds ``lo``/``hi`` (declared by the subclass) and a ``rule()`` saying them."""
+
+    def describe(self):
+        return self.type_name if self.lo is None and self.hi is None else f"{self.type_name} {self.rule()}"
+
+
+@dataclass(frozen=True)
+class Int(_Ranged):
     lo: int | None = None
     hi: int | None = None
     exclude: tuple = ()
@@ -89,12 +97,9 @@ class Int(Constraint):
             text = "an integer"
         return text + "".join(f" and != {x}" for x in self.exclude)
 
-    def describe(self):
-        return "int" if self.lo is None and self.hi is None else f"int {self.rule()}"
-
 
 @dataclass(frozen=True)
-class Float(Constraint):
+class Float(_Ranged):
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
@@ -120,9 +125,6 @@ class Float(Constraint):
             return f"{'<' if self.hi_open else '<='} {self.hi:g}"
         return "a finite number"
 
-    def describe(self):
-        return "float" if self.lo is None and self.hi is None else f"float {self.rule()}"
-
 
 @dataclass(frozen=True)
 class Real(Float):
@@ -134,9 +136,6 @@ class Real(Float):
         if _is_number(value) and math.isfinite(value):
             return value
         raise TypeError
-
-    def describe(self):
-        return "number" if self.lo is None and self.hi is None else f"number {self.rule()}"
 
 
 @dataclass(frozen=True)

@@ -16,26 +16,14 @@ from typing import Callable
 
 import numpy as np
 
+from sinkflow.data.atomic_write import atomic_path, atomic_write_bytes, atomic_write_text
+
 log = logging.getLogger(__name__)
 CACHE_VERSION = 1
 
 
 def cache_stem(root: str | os.PathLike, name: str, split: str, size: str, channels: int) -> Path:
     return Path(root) / "cache" / f"{name}-{split}-{size}-{channels}"
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.save(f, arr, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def open_cache(stem: Path, fingerprint: str, chw: tuple[int, int, int] | None = None):
@@ -74,23 +62,15 @@ def write_cache(stem: Path, fingerprint: str, shape: tuple[int, int, int, int],
     stem.parent.mkdir(parents=True, exist_ok=True)
     data, meta_path, lab = stem.with_suffix(".npy"), stem.with_suffix(".json"), stem.with_suffix(".labels.npy")
     meta_path.unlink(missing_ok=True)  # the old cache is invalid from here on, whatever happens next
-    tmp = stem.with_name(f".{stem.name}.npy.tmp{os.getpid()}")
-    try:
+    with atomic_path(data) as tmp:
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=shape)
         labels = fill(out)
         out.flush()
         del out
-        _fsync_file(tmp)
-        os.replace(tmp, data)
-    finally:
-        tmp.unlink(missing_ok=True)
     if labels is not None:
-        _atomic_save_npy(lab, np.asarray(labels, dtype=np.int64))
+        atomic_write_bytes(lab, lambda f: np.save(f, np.asarray(labels, dtype=np.int64), allow_pickle=False))
     meta = {"version": CACHE_VERSION, "fingerprint": fingerprint, "shape": list(shape), "labels": labels is not None}
-    tmp_meta = meta_path.with_name(f".{meta_path.name}.tmp{os.getpid()}")
-    tmp_meta.write_text(json.dumps(meta))
-    _fsync_file(tmp_meta)
-    os.replace(tmp_meta, meta_path)
+    atomic_write_text(meta_path, json.dumps(meta))
     result = open_cache(stem, fingerprint)
     assert result is not None, f"freshly written cache {data} does not validate"
     return result

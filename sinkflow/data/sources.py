@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from sinkflow.data.atomic_write import atomic_path
 from sinkflow.errors import SinkflowError
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,18 @@ class ArraySource:
 
     def prepare(self) -> None:
         """Check (or fetch) the files; raise a SinkflowError naming the folder and the fix."""
+
+    def _fetch(self, label: str, folder: Path, missing: list[str], how: str, download) -> None:
+        """Files are ``missing`` from ``folder``: refuse unless data.download, else call ``download()``; either
+        way a failure is one SinkflowError naming the folder, with ``how`` as the fix."""
+        if not self.download:
+            raise SinkflowError(f"{label} not found in {folder} (missing {', '.join(missing)}) and data.download is "
+                                "false", how)
+        try:
+            download()
+        except Exception as e:  # offline, mirror down, bad checksum: all end the same way for the user
+            raise SinkflowError(f"{label} download into {folder} failed ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''})", how) from None
 
     def fingerprint(self, split: str) -> str:
         raise NotImplementedError
@@ -153,30 +166,21 @@ class MNISTSource(ArraySource):
         for f in self._missing():
             gz = self.raw / f"{f}.gz"
             if gz.is_file():  # the files as distributed; torchvision reads them unpacked
-                tmp = self.raw / f".{f}.tmp{os.getpid()}"
-                try:
-                    with gzip.open(gz, "rb") as src, open(tmp, "wb") as dst:
-                        shutil.copyfileobj(src, dst)
-                except (OSError, EOFError) as e:
-                    tmp.unlink(missing_ok=True)
-                    raise SinkflowError(f"MNIST file {gz} is not a valid gzip file ({e})",
-                                        "delete it and place the original file there") from None
-                os.replace(tmp, self.raw / f)
+                with atomic_path(self.raw / f) as tmp:
+                    try:
+                        with gzip.open(gz, "rb") as src, open(tmp, "wb") as dst:
+                            shutil.copyfileobj(src, dst)
+                    except (OSError, EOFError) as e:
+                        raise SinkflowError(f"MNIST file {gz} is not a valid gzip file ({e})",
+                                            "delete it and place the original file there") from None
         missing = self._missing()
         if not missing:
             return
         how = (f"place {', '.join(f for pair in self.FILES.values() for f in pair)} (or their .gz) in {self.raw}"
                " or set data.download=true on a machine with internet")
-        if not self.download:
-            raise SinkflowError(f"MNIST not found in {self.raw} (missing {', '.join(missing)}) and data.download is "
-                                "false", how)
         from torchvision.datasets import MNIST
 
-        try:
-            MNIST(self.root, train=True, download=True)
-        except Exception as e:  # offline, mirror down, bad checksum: all end the same way for the user
-            raise SinkflowError(f"MNIST download into {self.raw} failed ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0] if str(e) else ''})", how) from None
+        self._fetch("MNIST", self.raw, missing, how, lambda: MNIST(self.root, train=True, download=True))
 
     def fingerprint(self, split):
         return "mnist-idx:" + _file_stats([self.raw / f for f in self.FILES[split]])
@@ -245,16 +249,9 @@ class CIFAR10Source(ArraySource):
             return
         how = (f"extract cifar-10-python.tar.gz so that {self.folder} holds data_batch_1..5, test_batch and "
                "batches.meta, or set data.download=true on a machine with internet")
-        if not self.download:
-            raise SinkflowError(f"CIFAR-10 not found in {self.folder} (missing {', '.join(missing)}) and "
-                                "data.download is false", how)
         from torchvision.datasets import CIFAR10
 
-        try:
-            CIFAR10(self.root, train=True, download=True)
-        except Exception as e:
-            raise SinkflowError(f"CIFAR-10 download into {self.folder} failed ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0] if str(e) else ''})", how) from None
+        self._fetch("CIFAR-10", self.folder, missing, how, lambda: CIFAR10(self.root, train=True, download=True))
 
     def fingerprint(self, split):
         return "cifar10-pickle:" + _file_stats([self.folder / f for f in [*self.FILES[split], "batches.meta"]])

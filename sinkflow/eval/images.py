@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from sinkflow import data, methods
+from sinkflow.data.atomic_write import atomic_path
 from sinkflow.errors import SinkflowError
 from sinkflow.eval.points import generate
 
@@ -135,10 +136,8 @@ def digit_classifier(target, data_root: str):
     images = np.asarray(target.images[:n], dtype=np.float32) * (2 / 255) - 1
     clf = LogisticRegression(max_iter=1000, C=0.5)
     clf.fit(images.reshape(n, -1), np.asarray(target.labels[:n]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    joblib.dump(clf, tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        joblib.dump(clf, tmp)
     return clf
 
 

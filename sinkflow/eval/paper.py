@@ -1,4 +1,4 @@
-"""The numbers we compare against, copied from arXiv:2401.14069v1 (see docs/benchmarks.md)."""
+"""The numbers we compare against, copied from arXiv:2401.14069v1 (benchmarks/RESULTS.md puts ours beside them)."""
 
 # Table 1: W2 on 1024 test samples, NSGF row, {task: {euler_steps: w2}}
 TABLE1_NSGF = {

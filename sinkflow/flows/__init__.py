@@ -10,7 +10,7 @@ See docs/flows.md. Public API::
 
 from sinkflow.flows.coupling import AdditiveCoupling, AffineCoupling, ConditionerNet
 from sinkflow.flows.layers import ActNorm, InvConv1x1, InvertibleLayer, Squeeze
-from sinkflow.flows.memory import MEMORY_MODES, FlowSequence
+from sinkflow.flows.memory_modes import MEMORY_MODES, FlowSequence
 from sinkflow.flows.model import (FLOW_DEFAULTS, FlowModel, Split, TopPrior, build_flow, build_glow,
                                   build_realnvp)
 from sinkflow.flows.train import bits_per_dim, dequantize, flow_loss, postprocess, preprocess, to_levels

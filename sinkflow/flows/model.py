@@ -21,7 +21,7 @@ from sinkflow.config.schema import model_defaults
 from sinkflow.errors import SinkflowError, require
 from sinkflow.flows.coupling import SCALE_MAPS, AdditiveCoupling, AffineCoupling
 from sinkflow.flows.layers import ActNorm, InvConv1x1, Logit, Squeeze
-from sinkflow.flows.memory import FlowSequence, check_memory_mode
+from sinkflow.flows.memory_modes import FlowSequence, check_memory_mode
 
 LOG_2PI = math.log(2 * math.pi)
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sinkflow.data.atomic_write import atomic_path, atomic_write_text
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import ChunkedTask
 from sinkflow.runner import dist
-from sinkflow.runner.checkpoint import atomic_write_bytes
 from sinkflow.runner.rng import phase_generator
 
 log = logging.getLogger("sinkflow")
@@ -227,8 +227,8 @@ class PoolTask(ChunkedTask):
         if self.info.is_main and not (folder / "x.npy").exists():
             for key, shp, dt in (("x", (self.entries, *shape), self.dtype), ("v", (self.entries, *shape), self.dtype),
                                  ("t", (self.entries,), np.float32)):
-                np.lib.format.open_memmap(folder / f".{key}.npy.tmp", mode="w+", dtype=dt, shape=shp).flush()
-                (folder / f".{key}.npy.tmp").rename(folder / f"{key}.npy")
+                with atomic_path(folder / f"{key}.npy") as tmp:
+                    np.lib.format.open_memmap(tmp, mode="w+", dtype=dt, shape=shp).flush()
         dist.barrier()
         self.arrays = {k: load_pool_array(folder / f"{k}.npy", "r+") for k in ("x", "v", "t")}
         self.total = math.ceil(self.batches / self.chunk)
@@ -276,8 +276,7 @@ class PoolTask(ChunkedTask):
             torch.distributed.all_gather_object(gathered, sorted(self.done))
             self.done = set().union(*map(set, gathered))
         if self.info.is_main:
-            text = json.dumps({"chunks": sorted(self.done), "diameter": self.diameter}).encode()
-            atomic_write_bytes(self.progress_file, lambda f: f.write(text))
+            atomic_write_text(self.progress_file, json.dumps({"chunks": sorted(self.done), "diameter": self.diameter}))
         self.progress_done += len(ids)
         return len(ids)
 

@@ -14,7 +14,7 @@ import torch
 
 from sinkflow.config.schema import model_defaults
 from sinkflow.errors import SinkflowError
-from sinkflow.models.memory import count_parameters, model_memory_bytes, saved_activation_bytes
+from sinkflow.models.footprint import count_parameters, model_memory_bytes, saved_activation_bytes
 from sinkflow.models.mlp import ACTIVATIONS, MLP
 from sinkflow.models.time_predictor import TimePredictorCNN, TimePredictorMLP
 from sinkflow.models.unet import UNet

@@ -1,6 +1,6 @@
 """Optimal-transport core: NSGF Sinkhorn velocities, the particle flow, exact W2, memory sizing."""
 
-from sinkflow.ot.memory import max_batches_in_flight, sinkhorn_peak_bytes
+from sinkflow.ot.sinkhorn_peak import max_batches_in_flight, sinkhorn_peak_bytes
 from sinkflow.ot.metrics import w2
 from sinkflow.ot.velocity import (
     eta_schedule,

@@ -1,8 +1,9 @@
 """Atomic, rotated checkpoints that any PyTorch tool can read (`torch.load(path, weights_only=True)`).
 
 A checkpoint is written to a temporary file in the same folder, fsynced, then renamed over its final
-name, so a crash mid-write never leaves a half-written file under a real name. Rotation deletes old
-checkpoints only *after* the new one is complete, so the newest valid checkpoint always survives.
+name (``sinkflow.data.atomic_write``), so a crash mid-write never leaves a half-written file under a real
+name. Rotation deletes old checkpoints only *after* the new one is complete, so the newest valid checkpoint
+always survives.
 
 Checkpoints hold only tensors, numbers, strings, lists and dicts (RNG states included), and every load
 goes through ``torch.load(..., weights_only=True)``: a crafted file cannot run code, it is refused. A
@@ -12,7 +13,6 @@ checkpoint with a non-finite tensor is never written. Each checkpoint carries th
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import warnings
@@ -22,67 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from sinkflow.data.atomic_write import atomic_write_bytes
 from sinkflow.errors import SinkflowError
 
 STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 FORMAT = 2  # 2: weights-only payload (plain RNG states), run identity and step in every checkpoint
-
-
-class _Recording:
-    """A file wrapper that remembers the first OSError (errno, path) of the real file: torch.save turns
-    it into a RuntimeError without either."""
-
-    def __init__(self, f):
-        self._f, self.error = f, None
-
-    def write(self, data):
-        try:
-            return self._f.write(data)
-        except OSError as exc:
-            self.error = self.error or exc
-            raise
-
-    def flush(self):
-        try:
-            self._f.flush()
-        except OSError as exc:
-            self.error = self.error or exc
-            raise
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-
-def atomic_write_bytes(path: Path, write) -> None:
-    """Call ``write(fileobj)`` on a temp file next to ``path``, fsync it, then rename it into place.
-
-    A failing write (a full disk...) raises the file's own ``OSError`` and leaves no temp file behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as raw:
-            f = _Recording(raw)
-            try:
-                write(f)
-                f.flush()
-                os.fsync(raw.fileno())
-            except Exception as exc:
-                error = f.error if f.error is not None and not isinstance(exc, OSError) else exc  # torch wraps it
-                if isinstance(error, OSError) and not error.filename:  # name the file it was writing
-                    raise type(error)(error.errno, error.strerror or str(error), str(path)) from None
-                if error is not exc:
-                    raise error from None
-                raise
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def non_finite(obj: Any, where: str = "") -> str | None:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sinkflow.runner.checkpoint import atomic_write_bytes
+from sinkflow.data.atomic_write import atomic_write_text
 
 
 class MetricsLogger:
@@ -61,7 +61,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         status = {"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(), **status}
-        atomic_write_bytes(self.run_dir / "status.json", lambda f: f.write(json.dumps(status).encode()))
+        atomic_write_text(self.run_dir / "status.json", json.dumps(status))
 
     def flush(self) -> None:
         if self._tb is not None:

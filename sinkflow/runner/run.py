@@ -28,9 +28,10 @@ import yaml
 
 from sinkflow import config as config_mod
 from sinkflow.data import sample_shape
+from sinkflow.data.atomic_write import atomic_write_text
 from sinkflow.errors import SinkflowError
 from sinkflow.runner import dist
-from sinkflow.runner.checkpoint import PhaseCheckpoints, atomic_write_bytes, remove_orphans
+from sinkflow.runner.checkpoint import PhaseCheckpoints, remove_orphans
 from sinkflow.runner.identity import check_frozen, identity
 from sinkflow.runner.lock import lock_run, run_lock
 from sinkflow.runner.metrics import MetricsLogger
@@ -115,10 +116,10 @@ class Run:
             with run_lock(run_dir):  # two `train --name X` at once: the second stops here (start() re-locks)
                 if (run_dir / "config.yaml").exists():
                     refuse_existing()
-                _write_text(run_dir / "config.yaml", config_mod.dump(cfg))
+                atomic_write_text(run_dir / "config.yaml", config_mod.dump(cfg))
                 meta = {"seed": exp["seed"], "created": time.strftime("%Y-%m-%d %H:%M:%S"), "git": _git_hash(),
                         "versions": _versions(), "argv": sys.argv, "world_size": dist.current().world}
-                _write_text(run_dir / "meta.json", json.dumps(meta, indent=2))
+                atomic_write_text(run_dir / "meta.json", json.dumps(meta, indent=2))
         dist.barrier()
         return cls(run_dir, cfg)
 
@@ -149,7 +150,7 @@ class Run:
         if self.dist.is_main:
             lock_run(self.dir)
             if self._pending_config is not None:
-                _write_text(self.dir / "config.yaml", config_mod.dump(self._pending_config))
+                atomic_write_text(self.dir / "config.yaml", config_mod.dump(self._pending_config))
                 self._pending_config = None
             for path in remove_orphans(self.dir):
                 log.info("removed %s (left by a killed write)", path)
@@ -197,8 +198,6 @@ class Run:
             torch.cuda.empty_cache()
 
 
-def _write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, lambda f: f.write(text.encode()))
 
 
 def read_config(run_dir: Path) -> dict:

@@ -219,15 +219,14 @@ def write_lr(target: Path, key: str, lr: float) -> Path:
 
     target = Path(target)
     if target.is_dir():
-        from sinkflow.runner.checkpoint import atomic_write_bytes
+        from sinkflow.data.atomic_write import atomic_write_text
         from sinkflow.runner.lock import run_lock
 
         with run_lock(target):  # not while a `sinkflow train` writes the same run
             cfg = read_config(target)
             config_mod.set_key(cfg, key, float(lr))
             path = target / "config.yaml"
-            text = config_mod.dump(cfg)
-            atomic_write_bytes(path, lambda f: f.write(text.encode()))
+            atomic_write_text(path, config_mod.dump(cfg))
         return path
     tree = yaml.safe_load(target.read_text()) if target.is_file() else {}
     node = tree = tree or {}

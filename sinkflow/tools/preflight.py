@@ -10,7 +10,7 @@ For one preset (plus the user's overrides and shorthands) it
    SIGTERM path, requested by a callback: checkpoint, ``Interrupted``), resumed by a fresh Trainer, and the resumed state
    (step, weights, optimizer moments, generator) is compared with the state the interrupted phase held,
 3. samples and evaluates the tiny run through the real report code,
-4. estimates the peak GPU memory of every phase for the *real* config (``sinkflow.tools.memory``) and,
+4. estimates the peak GPU memory of every phase for the *real* config (``sinkflow.tools.memory_plan``) and,
    for a named card, proposes (and with ``fit`` applies) the change that makes it fit.
 
 The tiny sizes are applied through the shorthands themselves (``--train-iters`` ...), so a shorthand
@@ -356,7 +356,7 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
               gpu: tuple[str, int] | None = None, world: int = 1, workdir: Path | None = None,
               memory: bool = True) -> Report:
     """Run every check for one preset; never raises for a failing check (they are in the report)."""
-    from sinkflow.tools import memory as memory_mod
+    from sinkflow.tools import memory_plan
     from sinkflow.tools.data import real_or_synthetic
 
     t_start = time.perf_counter()
@@ -388,16 +388,17 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
             if memory:
                 t0 = time.perf_counter()
                 try:
-                    report.memory = memory_mod.estimate(real, world=world)
+                    report.memory = memory_plan.estimate(real, world=world)
                     report.add("memory estimate", "all", True, f"{len(report.memory)} phases",
                                time.perf_counter() - t0)
                 except Exception as exc:
                     report.add("memory estimate", "all", False, _short(exc), time.perf_counter() - t0)
                 if gpu is not None and report.memory:
                     label, total = gpu
-                    over = [m.phase for m in report.memory if m.terms and not memory_mod.fits(m, total)]
-                    report.fit_overrides, report.fit_reasons = memory_mod.propose_fit(real, report.memory, total, world)
-                    pool_ram = any(m.host_bytes > real["pool"]["ram_gb"] * memory_mod.GiB for m in report.memory)
+                    over = [m.phase for m in report.memory if m.terms and not memory_plan.fits(m, total)]
+                    report.fit_overrides, report.fit_reasons = memory_plan.propose_fit(
+                        real, report.memory, total, world)
+                    pool_ram = any(m.host_bytes > real["pool"]["ram_gb"] * memory_plan.GiB for m in report.memory)
                     ok = not over and not pool_ram
                     report.add(f"fits {label}", "all", ok, "every phase fits" if ok else
                                f"too large: {', '.join(over + (['pool RAM'] if pool_ram else []))}")

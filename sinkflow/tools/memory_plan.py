@@ -30,7 +30,8 @@ import torch
 from sinkflow import config as config_mod
 from sinkflow import data, methods
 from sinkflow.errors import SinkflowError
-from sinkflow.ot.memory import cpu_peak_bytes  # also used by tests/test_preflight.py
+from sinkflow.models.footprint import activation_terms
+from sinkflow.ot.sinkhorn_peak import cpu_peak_bytes  # also used by tests/test_preflight.py
 
 GiB = 2**30
 # nvidia-smi's total memory (MiB) of the cards people rent
@@ -86,46 +87,12 @@ class PhaseMemory:
 
 # ---- measurement --------------------------------------------------------------------------------
 
-def _tensors(obj) -> list[torch.Tensor]:
-    if torch.is_tensor(obj):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
-    return []
-
-
-def _saved(model: torch.nn.Module, shape: tuple[int, ...], n: int, dtype: torch.dtype | None) -> tuple[int, int]:
-    """(total, largest) bytes of the distinct non-parameter tensors autograd saves in one forward at batch n."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    x = torch.randn(n, *shape)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            try:
-                out = model(x, torch.rand(n))
-            except TypeError:  # networks without a time input (the time predictor)
-                out = model(x)
-    for tensor in _tensors(out):  # outputs are not activations (flows return (latents, log_prob))
-        storages.pop(tensor.untyped_storage().data_ptr(), None)
-    return sum(storages.values()), max(storages.values(), default=0)
-
-
 def measure_activations(model: torch.nn.Module, shape: tuple[int, ...], precision: str = "fp32") -> tuple[int, int, int]:
-    """(fixed, per-sample, largest per-sample) saved-activation bytes, from forwards at batch 1 and 2."""
+    """(fixed, per-sample, largest per-sample) saved-activation bytes, from forwards at batch 1 and 2 on CPU."""
     dtype = AUTOCAST.get(precision)
     if dtype is torch.float16:  # CPU autocast fp16 has the same byte sizes as bf16 and is better supported
         dtype = torch.bfloat16
-    model = model.train()
-    (t1, m1), (t2, m2) = _saved(model, shape, 1, dtype), _saved(model, shape, 2, dtype)
-    per = max(0, t2 - t1)
-    return max(0, t1 - per), per, max(m2 - m1, m2 // 2)
+    return activation_terms(model.train(), shape, with_time=None, autocast_dtype=dtype, device="cpu")
 
 
 def train_terms(pm: PhaseMemory, batch_size: int, accum: int, world: int = 1) -> None:

@@ -1,0 +1,101 @@
+"""Atomic file writes: a file appears under its real name only once it is complete and on disk.
+
+Every writer of a file that a later process reads (checkpoints, status.json, config.yaml, meta.json, the pool's
+progress and arrays, the decoded image cache, the unpacked MNIST files, the classifier cache) writes a temporary
+``.NAME.tmp-PID`` next to it, fsyncs it, renames it over ``NAME`` and fsyncs the folder. A killed or failing
+write leaves the old file (or none), never a half-written one; a failing write removes its temp file, and
+``sinkflow.runner.checkpoint.remove_orphans`` deletes those a killed process left. It lives in the data layer,
+the lowest one that writes files.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _named(error: OSError, path: Path) -> OSError:
+    """``error`` with ``path`` as its file name if it has none (os.fsync's, torch.save's say no file)."""
+    if error.filename:
+        return error
+    return type(error)(error.errno, error.strerror or str(error), str(path))
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """``with atomic_path(path) as tmp:`` write the whole file at ``tmp``; at the end of the block it is fsynced
+    and renamed over ``path``. If the block raises, ``path`` is left as it was and ``tmp`` is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        try:
+            _fsync(tmp, os.O_RDWR)
+        except OSError as exc:
+            raise _named(exc, path) from None
+        os.replace(tmp, path)
+        _fsync(path.parent, os.O_RDONLY)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class _Recording:
+    """A file wrapper that remembers the first OSError (errno, path) of the real file: torch.save turns
+    it into a RuntimeError without either."""
+
+    def __init__(self, f):
+        self._f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self):
+        try:
+            self._f.flush()
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def atomic_write_bytes(path: str | os.PathLike, write) -> None:
+    """Call ``write(fileobj)`` on a temp file next to ``path``, fsync it, then rename it into place.
+
+    A failing write (a full disk...) raises the file's own ``OSError``, named after ``path``, and leaves no
+    temp file behind."""
+    path = Path(path)
+    with atomic_path(path) as tmp, open(tmp, "wb") as raw:
+        f = _Recording(raw)
+        try:
+            write(f)
+            f.flush()
+        except Exception as exc:
+            error = f.error if f.error is not None and not isinstance(exc, OSError) else exc  # torch wraps it
+            if isinstance(error, OSError) and not error.filename:  # name the file it was writing
+                raise _named(error, path) from None
+            if error is not exc:
+                raise error from None
+            raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """``atomic_write_bytes`` for a text file (UTF-8): status.json, progress.json, config.yaml, meta.json..."""
+    data = text.encode()
+    atomic_write_bytes(path, lambda f: f.write(data))
