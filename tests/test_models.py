@@ -235,3 +235,23 @@ def test_saved_activation_bytes_is_affine_and_counts_real_tensors():
     unet = build_model("unet", SMALL_UNET, (1, 8, 8))
     small, big = (saved_activation_bytes(unet, (1, 8, 8), b) for b in (4, 8))
     assert big > small > 0 and (big - small) * 2 == saved_activation_bytes(unet, (1, 8, 8), 12) - small
+
+
+def test_a_new_kind_is_its_file_plus_its_schema_keys(monkeypatch):
+    """build_model finds a kind's ``build`` in ``sinkflow/models/<kind>.py`` and hands it the section with the
+    kind's schema defaults filled in: nothing else names the kinds."""
+    import sys
+    import types
+
+    from sinkflow.config import schema
+    from sinkflow.models import build_model
+
+    seen = {}
+    module = types.ModuleType("sinkflow.models.toykind")
+    module.build = lambda c, shape: seen.update(c=c, shape=shape) or torch.nn.Linear(shape[0], 1)
+    monkeypatch.setitem(sys.modules, "sinkflow.models.toykind", module)
+    monkeypatch.setitem(schema.MODEL_KINDS, "toykind", {"hidden": schema.Key(7, schema.POS_INT, "units")})
+    net = build_model("toykind", {}, (3,))
+    assert isinstance(net, torch.nn.Linear) and seen == {"c": {"hidden": 7}, "shape": (3,)}
+    with pytest.raises(SinkflowError, match="unknown model kind 'toykinds'"):
+        build_model("toykinds", {}, (3,))

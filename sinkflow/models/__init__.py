@@ -8,16 +8,16 @@ documented in docs/models.md and docs/config.md.
 from __future__ import annotations
 
 import difflib
-import math
+import importlib
 
 import torch
 
-from sinkflow.config.schema import model_defaults
+from sinkflow.config.schema import MODEL_KINDS, model_defaults
 from sinkflow.errors import SinkflowError
 from sinkflow.models.footprint import count_parameters, model_memory_bytes, saved_activation_bytes
 from sinkflow.models.mlp import ACTIVATIONS, MLP
 from sinkflow.models.time_predictor import TimePredictorCNN, TimePredictorMLP
-from sinkflow.models.unet import UNet
+from sinkflow.models.unet import UNet, attention_downsample
 
 __all__ = [
     "build_model", "count_parameters", "model_memory_bytes", "saved_activation_bytes",
@@ -27,7 +27,7 @@ __all__ = [
 # Defaults per kind, from the config schema (sinkflow/config/schema.py, the one place they are declared).
 # Keys of *other* kinds are ignored here, so a library caller's dict may carry all of them (the config
 # tree holds only its kind's); a key no kind knows is an error naming the closest valid key.
-MODEL_KEYS: dict[str, dict] = {kind: model_defaults(kind) for kind in ("mlp", "unet", "time_predictor")}
+MODEL_KEYS: dict[str, dict] = {kind: model_defaults(kind) for kind in MODEL_KINDS if kind != "flow"}
 IGNORED_KEYS = {"kind"}  # the config may say which kind it is; build_model's argument decides
 
 # The paper's UNets (nsgf_paper.md section 3.2; torchcfm's MNIST notebook / CIFAR-10 recipe).
@@ -40,87 +40,37 @@ UNET_PRESETS: dict[str, dict] = {
 
 
 def _resolve(kind: str, cfg: dict) -> dict:
-    if kind not in MODEL_KEYS:
-        close = difflib.get_close_matches(str(kind), MODEL_KEYS, n=1)
-        raise SinkflowError(f"unknown model kind '{kind}'",
-                            f"use {close[0]!r}" if close else f"choose one of: {', '.join(MODEL_KEYS)}")
-    known = set().union(*MODEL_KEYS.values()) | IGNORED_KEYS
+    """The kind's defaults updated with ``cfg``; a key no kind knows is an error naming the closest one."""
+    out = model_defaults(kind)  # a fresh copy: a caller may mutate the lists
+    known = set().union(*MODEL_KEYS.values(), out) | IGNORED_KEYS
     for key in cfg or {}:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             raise SinkflowError(f"unknown model key '{key}'",
                                 f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(known))}")
-    out = model_defaults(kind)  # a fresh copy: a caller may mutate the lists
     out.update({k: v for k, v in (cfg or {}).items() if k in out and v is not None})
     return out
 
 
-def attention_downsample(attention_resolutions, image_size: int) -> tuple[int, ...]:
-    """torchcfm's UNetModelWrapper rule: resolution r means downsample factor ``image_size // r``.
-
-    So "16" puts attention at the full-resolution level of a 28x28 image (28 // 16 = 1), at the 16x16
-    level of a 32x32 image (ds 2), and nowhere but the middle block of an 8x8 image (8 // 16 = 0).
-    """
-    if isinstance(attention_resolutions, str):
-        attention_resolutions = [r for r in attention_resolutions.split(",") if r.strip()]
-    if isinstance(attention_resolutions, int):
-        attention_resolutions = [attention_resolutions]
-    ds = []
-    for r in attention_resolutions:
-        if int(r) <= 0:
-            raise SinkflowError(f"attention resolution {r} must be a positive int", "e.g. model.attention_resolutions=[16]")
-        if image_size // int(r) > 0:
-            ds.append(image_size // int(r))
-    return tuple(sorted(set(ds)))
-
-
-def _build_unet(c: dict, sample_shape: tuple[int, ...]) -> UNet:
-    if len(sample_shape) != 3:
-        raise SinkflowError(f"the unet needs image samples (C, H, W), got shape {tuple(sample_shape)}",
-                            "use model kind 'mlp' for flat data")
-    mult = [float(m) if float(m) != int(m) else int(m) for m in c["channel_mult"]]
-    if not mult:
-        raise SinkflowError("model.channel_mult is empty", "give one multiplier per level, e.g. [1, 2, 2]")
-    widths = sorted({int(m * c["channels"]) for m in mult})
-    if c["num_head_channels"] != -1:
-        bad = [w for w in widths if w % c["num_head_channels"]]
-        if bad:
-            raise SinkflowError(f"UNet widths {bad} are not divisible by num_head_channels={c['num_head_channels']}",
-                                "change model.num_head_channels or model.channels")
-    elif any(w % c["num_heads"] for w in widths):
-        raise SinkflowError(f"UNet widths {widths} are not divisible by num_heads={c['num_heads']}",
-                            "change model.num_heads or model.channels")
-    if c["pad_mode"] not in ("reflect", "replicate", "zeros"):
-        raise SinkflowError(f"unknown model.pad_mode '{c['pad_mode']}'", "use reflect, replicate or zeros")
-    _, hgt, wid = sample_shape
-    return UNet(
-        in_channels=sample_shape[0], model_channels=int(c["channels"]), num_res_blocks=int(c["res_blocks"]),
-        attention_ds=attention_downsample(c["attention_resolutions"], max(hgt, wid)), dropout=float(c["dropout"]),
-        channel_mult=tuple(mult), num_heads=int(c["num_heads"]), num_head_channels=int(c["num_head_channels"]),
-        use_scale_shift_norm=bool(c["use_scale_shift_norm"]), pad_mode=c["pad_mode"],
-    )
-
-
 def build_model(kind: str, cfg: dict, sample_shape: tuple[int, ...]) -> torch.nn.Module:
-    """Build a velocity network (``mlp``, ``unet``: forward(x, t)) or the ``time_predictor`` (forward(x) -> (N,)).
+    """Build the network of model kind ``kind``: a velocity network (``mlp``, ``unet``: forward(x, t)), the
+    ``time_predictor`` (forward(x) -> (N,)) or an invertible ``flow``.
 
-    ``flow`` builds an invertible normalizing flow; its keys are checked by ``sinkflow.flows.build_flow``.
+    A kind is a file ``sinkflow/models/<kind>.py`` with ``build(cfg, sample_shape)`` plus its keys in
+    ``sinkflow.config.schema.MODEL_KINDS``: ``cfg`` arrives with the kind's defaults filled in and its keys
+    checked (a module with ``CHECKS_OWN_KEYS`` gets the section as given).
     """
-    if kind == "flow":
-        from sinkflow.flows import build_flow
-
-        return build_flow({k: v for k, v in (cfg or {}).items() if k not in ("kind", "n_bins")},
-                          tuple(int(s) for s in sample_shape))
-    c = _resolve(kind, cfg)
+    if kind not in MODEL_KINDS:
+        close = difflib.get_close_matches(str(kind), MODEL_KINDS, n=1)
+        raise SinkflowError(f"unknown model kind '{kind}'",
+                            f"use {close[0]!r}" if close else f"choose one of: {', '.join(MODEL_KINDS)}")
+    module = importlib.import_module(f"sinkflow.models.{kind}")
     sample_shape = tuple(int(s) for s in sample_shape)
+    if getattr(module, "CHECKS_OWN_KEYS", False):
+        return module.build(dict(cfg or {}), sample_shape)
+    c = _resolve(kind, cfg)
     if not sample_shape or any(s <= 0 for s in sample_shape):
         raise SinkflowError(f"bad sample shape {sample_shape}", "the data must have a non-empty per-sample shape")
     if "activation" in c and c["activation"] not in ACTIVATIONS:
         raise SinkflowError(f"unknown activation '{c['activation']}'", f"choose one of: {', '.join(ACTIVATIONS)}")
-    if kind == "mlp":
-        return MLP(math.prod(sample_shape), int(c["hidden"]), int(c["depth"]), c["activation"], int(c["time_freqs"]))
-    if kind == "unet":
-        return _build_unet(c, sample_shape)
-    if len(sample_shape) == 3:
-        return TimePredictorCNN(sample_shape, tuple(int(w) for w in c["channels"]))
-    return TimePredictorMLP(math.prod(sample_shape), int(c["hidden"]), int(c["depth"]), c["activation"])
+    return module.build(c, sample_shape)

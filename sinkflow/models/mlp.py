@@ -50,3 +50,8 @@ class MLP(nn.Module):
         flat = x.reshape(n, -1)
         out = self.net(torch.cat([flat, tf.to(flat.dtype)], dim=-1))
         return out.reshape(x.shape)
+
+
+def build(c: dict, sample_shape: tuple[int, ...]) -> MLP:
+    """The velocity MLP for ``model.<phase>`` keys ``c`` (defaults filled in) on samples shaped ``sample_shape``."""
+    return MLP(math.prod(sample_shape), int(c["hidden"]), int(c["depth"]), c["activation"], int(c["time_freqs"]))

@@ -53,3 +53,10 @@ class TimePredictorMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.net(x.reshape(x.shape[0], -1))).squeeze(1)
+
+
+def build(c: dict, sample_shape: tuple[int, ...]) -> nn.Module:
+    """The CNN for images (C, H, W), the MLP for points: same contract, forward(x) -> (N,) in [0, 1]."""
+    if len(sample_shape) == 3:
+        return TimePredictorCNN(sample_shape, tuple(int(w) for w in c["channels"]))
+    return TimePredictorMLP(math.prod(sample_shape), int(c["hidden"]), int(c["depth"]), c["activation"])

@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from sinkflow.errors import SinkflowError
+
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
     """Sinusoidal features of (possibly fractional) times, exactly as guided-diffusion/torchcfm."""
@@ -251,3 +253,50 @@ class UNet(nn.Module):
         if ph or pw:
             h = h[:, :, ph // 2 : ph // 2 + hgt, pw // 2 : pw // 2 + wid]
         return h
+
+
+def attention_downsample(attention_resolutions, image_size: int) -> tuple[int, ...]:
+    """torchcfm's UNetModelWrapper rule: resolution r means downsample factor ``image_size // r``.
+
+    So "16" puts attention at the full-resolution level of a 28x28 image (28 // 16 = 1), at the 16x16
+    level of a 32x32 image (ds 2), and nowhere but the middle block of an 8x8 image (8 // 16 = 0).
+    """
+    if isinstance(attention_resolutions, str):
+        attention_resolutions = [r for r in attention_resolutions.split(",") if r.strip()]
+    if isinstance(attention_resolutions, int):
+        attention_resolutions = [attention_resolutions]
+    ds = []
+    for r in attention_resolutions:
+        if int(r) <= 0:
+            raise SinkflowError(f"attention resolution {r} must be a positive int", "e.g. model.attention_resolutions=[16]")
+        if image_size // int(r) > 0:
+            ds.append(image_size // int(r))
+    return tuple(sorted(set(ds)))
+
+
+def build(c: dict, sample_shape: tuple[int, ...]) -> UNet:
+    """The UNet for ``model.<phase>`` keys ``c`` (defaults filled in) and images shaped ``sample_shape``."""
+    if len(sample_shape) != 3:
+        raise SinkflowError(f"the unet needs image samples (C, H, W), got shape {tuple(sample_shape)}",
+                            "use model kind 'mlp' for flat data")
+    mult = [float(m) if float(m) != int(m) else int(m) for m in c["channel_mult"]]
+    if not mult:
+        raise SinkflowError("model.channel_mult is empty", "give one multiplier per level, e.g. [1, 2, 2]")
+    widths = sorted({int(m * c["channels"]) for m in mult})
+    if c["num_head_channels"] != -1:
+        bad = [w for w in widths if w % c["num_head_channels"]]
+        if bad:
+            raise SinkflowError(f"UNet widths {bad} are not divisible by num_head_channels={c['num_head_channels']}",
+                                "change model.num_head_channels or model.channels")
+    elif any(w % c["num_heads"] for w in widths):
+        raise SinkflowError(f"UNet widths {widths} are not divisible by num_heads={c['num_heads']}",
+                            "change model.num_heads or model.channels")
+    if c["pad_mode"] not in ("reflect", "replicate", "zeros"):
+        raise SinkflowError(f"unknown model.pad_mode '{c['pad_mode']}'", "use reflect, replicate or zeros")
+    _, hgt, wid = sample_shape
+    return UNet(
+        in_channels=sample_shape[0], model_channels=int(c["channels"]), num_res_blocks=int(c["res_blocks"]),
+        attention_ds=attention_downsample(c["attention_resolutions"], max(hgt, wid)), dropout=float(c["dropout"]),
+        channel_mult=tuple(mult), num_heads=int(c["num_heads"]), num_head_channels=int(c["num_head_channels"]),
+        use_scale_shift_norm=bool(c["use_scale_shift_norm"]), pad_mode=c["pad_mode"],
+    )
