@@ -5,8 +5,9 @@
 Budget: NSGF++ trains the velocity UNet (train.velocity.iters) and the NSF UNet (train.nsf.iters) plus a
 small time-predictor CNN; FM and OT-CFM train ONE UNet of the same config for velocity.iters + nsf.iters
 steps, so every method gets the same number of UNet gradient steps on the same batch size. Sampling:
-NSGF++ at each total NFE budget of --nfe (split by ``split_nfe``: the trained NSGF steps first, 1 predictor
-call, the rest NSF steps; every split of the smallest budget too) and at its preset NFE, FM / OT-CFM at 100 Euler steps and at every budget. Metrics (sinkflow.eval.images): exact pixel W2 to the held-out split, predicted-class
+NSGF++ at each total NFE budget of --nfe and at its preset NFE, split into NSGF steps, 1 predictor call and NSF
+steps by pixel W2 on a validation split carved from train (``choose_split``; every method trains without those
+images), FM / OT-CFM at 100 Euler steps and at every budget. Metrics (sinkflow.eval.images): exact pixel W2 to the held-out split, predicted-class
 histogram TV distance and mean confidence of a LogisticRegression digit classifier, NFE counted by hooks;
 the real training images are a reference row. Prints a markdown table with the machine and date, and writes
 docs/digits_grid.png-style grids into the output folder.
@@ -32,6 +33,8 @@ from sinkflow.eval.images import class_stats, digit_classifier, image_metrics, s
 from sinkflow.eval.points import generate
 from sinkflow.ot import w2
 from sinkflow.runner.run import Run
+
+HOLD_OUT = ["data.val_fraction=0.1"]  # every method fits the same images; the validation split picks NSGF++'s split
 
 
 def train(out: Path, name: str, *args) -> tuple[Run, float]:
@@ -72,14 +75,18 @@ def real_floor(cfg, seeds):
             "train_s": None, "sample_s": None}
 
 
-def split_nfe(total: int, pool_steps: int) -> tuple[int, int]:
-    """(NSGF steps, NSF steps) for a total NFE budget: as many NSGF steps as were trained (at most T), one
-    predictor call, the rest (at least one) for the straight flow: 6 -> 4+1+1, 13 -> 5+1+7, 26 -> 5+1+20.
-    Every split of the smallest budget is printed too (the rule was chosen from that sweep)."""
-    k = max(1, min(pool_steps, total - 2))
-    if total - 1 - k < 1:
+def choose_split(run, total: int, pool_steps: int, seeds: int) -> tuple[int, int, dict]:
+    """(NSGF steps, NSF steps) for a total NFE budget, chosen by pixel W2 on the validation split (never the
+    test split): every k = 1..min(T, total - 2) NSGF steps, one predictor call, the rest NSF steps.
+    Returns the choice and each candidate's validation W2."""
+    if total < 3:
         raise SystemExit(f"an NFE budget of {total} leaves no NSF step: use at least 3")
-    return k, total - 1 - k
+    val = {}
+    for k in range(1, min(pool_steps, total - 2) + 1):
+        run.cfg["sample"]["nsgf_steps"] = k
+        val[k] = image_metrics(run, seeds=seeds, steps_list=[total - 1 - k], split="val")["rows"][0]["w2"]
+    k = min(val, key=val.get)
+    return k, total - 1 - k, val
 
 
 def verdict(rows: list[dict], budgets: list[int]) -> str:
@@ -129,25 +136,20 @@ def main() -> None:
     unet_steps = cfg["train"]["velocity"]["iters"] + cfg["train"]["nsf"]["iters"]
     pp_nfe = cfg["pool"]["steps"] + 1 + cfg["sample"]["nsf_steps"]
 
-    rows = []
-    run, wall = train(out, "nsgfpp", *quick, *args.extra)
+    rows, chosen = [], {}
+    run, wall = train(out, "nsgfpp", *quick, *HOLD_OUT, *args.extra)
     budgets = sorted(set(args.nfe) | {pp_nfe})
     for total in budgets:
-        k, nsf_steps = split_nfe(total, cfg["pool"]["steps"])
+        k, nsf_steps, val = choose_split(run, total, cfg["pool"]["steps"], args.seeds)
+        chosen[total] = val
         run.cfg["sample"]["nsgf_steps"] = k
         res, ss = timed_metrics(run, args.seeds, nsf_steps)
         rows.append(row(f"NSGF++ ({k} NSGF + 1 t̂ + {nsf_steps} NSF)", run, res, wall, ss))
-    low = min(budgets)
-    for k in range(1, min(cfg["pool"]["steps"], low - 2) + 1):  # every split of the smallest budget
-        if (k, low - 1 - k) != split_nfe(low, cfg["pool"]["steps"]):
-            run.cfg["sample"]["nsgf_steps"] = k
-            res, ss = timed_metrics(run, args.seeds, low - 1 - k)
-            rows.append(row(f"NSGF++ ({k} NSGF + 1 t̂ + {low - 1 - k} NSF; other split)", run, res, wall, ss))
     run.cfg["sample"]["nsgf_steps"] = None
     x, _ = generate(run, 64, None, seed=7)
     save_grid(x, out / "nsgfpp_grid.png", nrow=8)
     for method, label in (("fm", "FM"), ("otcfm", "OT-CFM")):
-        run, wall = train(out, method, "--method", method, *quick, f"train.velocity.iters={unet_steps}")
+        run, wall = train(out, method, "--method", method, *quick, *HOLD_OUT, f"train.velocity.iters={unet_steps}")
         for steps in [100, *budgets]:
             res, ss = timed_metrics(run, args.seeds, steps)
             rows.append(row(f"{label} (Euler {steps})", run, res, wall, ss))
@@ -168,6 +170,14 @@ def main() -> None:
           "sampling seeds; W2 = exact POT emd2 on [-1,1] pixels; TV/confidence from sklearn "
           "LogisticRegression trained on the training split; NFE counted by forward hooks.\n")
     print(table(rows, n, args.seeds))
+    print("\nNSGF++ split per budget, chosen by pixel W2 on the validation split (data.val_fraction=0.1, "
+          "never the test split):\n")
+    print("| NFE | " + " | ".join(f"{k} NSGF" for k in range(1, cfg["pool"]["steps"] + 1)) + " |")
+    print("|---|" + "---|" * cfg["pool"]["steps"])
+    for total, val in chosen.items():
+        cells = [f"**{val[k]:.3f}**" if k == min(val, key=val.get) else f"{val[k]:.3f}" if k in val else "-"
+                 for k in range(1, cfg["pool"]["steps"] + 1)]
+        print(f"| {total} | " + " | ".join(cells) + " |")
     print("\n" + verdict(rows, budgets))
 
 

@@ -232,3 +232,37 @@ def test_pool_that_cannot_fit(runs_dir, tmp_path, capsys):
 def test_too_many_nsgf_steps(runs_dir, tmp_path, capsys):
     bad(capsys, "digits", "pool.steps=6", f"data.root={tmp_path / 'data'}")
     one_line(capsys, "pool.steps=6", "--method nsgf")
+
+
+class _Planted:
+    """Unpickling this writes a marker file: the attack a pickled cache would allow."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_classifier_cache_is_arrays_never_unpickled(tmp_path):
+    import pickle
+
+    from sinkflow import data
+    from sinkflow.eval.images import digit_classifier
+
+    target = data.build_distribution("digits", data_cfg={"root": str(tmp_path)})
+    clf = digit_classifier(target, str(tmp_path))
+    (cache,) = (tmp_path / "cache").glob("classifier-digits-*")
+    assert cache.suffix == ".npz"
+    with np.load(cache, allow_pickle=False) as z:
+        assert set(z.files) == {"coef", "intercept", "classes"}
+    x = torch.from_numpy(np.asarray(target.test_images[:50], dtype=np.float32) * (2 / 255) - 1).reshape(50, -1)
+    again = digit_classifier(target, str(tmp_path))  # from the cache: the same predictions
+    np.testing.assert_allclose(again.predict_proba(x.numpy()), clf.predict_proba(x.numpy()), rtol=1e-6)
+    assert (again.predict(x.numpy()) == np.asarray(target.test_labels[:50])).mean() > 0.8
+
+    marker = tmp_path / "pwned"
+    cache.write_bytes(pickle.dumps(_Planted(marker)))  # a planted pickle under the cache's name
+    refit = digit_classifier(target, str(tmp_path))
+    assert not marker.exists()
+    np.testing.assert_allclose(refit.predict_proba(x.numpy()), clf.predict_proba(x.numpy()), rtol=1e-5)

@@ -2,7 +2,7 @@
 
 Offline metrics (every image set): exact W2 in pixel space ([-1, 1] pixels, flattened, POT emd2)
 between generated and held-out real images. For digit sets (sklearn digits, MNIST): a scikit-learn
-logistic-regression classifier trained on the training split (cached under ``<data.root>/cache``)
+logistic-regression classifier trained on the training split (its arrays cached under ``<data.root>/cache``)
 gives the class histogram and mean confidence of generated vs held-out real images. FID runs only
 when ``eval.inception_weights`` names a local weights file (torchmetrics' FrechetInceptionDistance,
 which uses torch-fidelity's Inception-v3); otherwise one line says it was skipped and why.
@@ -118,26 +118,33 @@ def _flat(x) -> np.ndarray:
 
 
 def digit_classifier(target, data_root: str):
-    """LogisticRegression on the training split (pixels in [-1, 1]), fitted once and cached on disk."""
-    import joblib
+    """LogisticRegression on the training split (pixels in [-1, 1]), fitted once. The cache under
+    ``<data.root>/cache`` holds only its arrays (.npz read with ``allow_pickle=False``): a cache file is never
+    unpickled, so a planted one cannot run code."""
     from sklearn.linear_model import LogisticRegression
 
     name = getattr(target, "name", "")
     if name not in CLASSIFIER_SETS or getattr(target, "labels", None) is None:
         return None
     shape = "x".join(str(s) for s in target.shape)
-    path = Path(data_root) / "cache" / f"classifier-{name}-{shape}-n{len(target.images)}.joblib"
+    path = Path(data_root) / "cache" / f"classifier-{name}-{shape}-n{len(target.images)}.npz"
+    clf = LogisticRegression(max_iter=1000, C=0.5)
     if path.is_file():
         try:
-            return joblib.load(path)
-        except Exception:  # a stale or truncated cache is refitted
+            with np.load(path, allow_pickle=False) as z:
+                coef, intercept, classes = z["coef"], z["intercept"], z["classes"]
+            if coef.ndim == 2 and coef.shape[1] == math.prod(target.shape) and len(intercept) == len(coef):
+                clf.coef_, clf.intercept_, clf.classes_ = coef, intercept, classes
+                clf.n_features_in_ = coef.shape[1]
+                return clf
+            log.info("classifier cache %s does not match the data; refitting", path)
+        except (OSError, ValueError, KeyError):  # a stale, truncated or foreign cache is refitted
             log.info("classifier cache %s unreadable; refitting", path)
     n = min(len(target.images), CLASSIFIER_MAX_TRAIN)
     images = np.asarray(target.images[:n], dtype=np.float32) * (2 / 255) - 1
-    clf = LogisticRegression(max_iter=1000, C=0.5)
     clf.fit(images.reshape(n, -1), np.asarray(target.labels[:n]))
-    with atomic_path(path) as tmp:
-        joblib.dump(clf, tmp)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        np.savez(f, coef=clf.coef_, intercept=clf.intercept_, classes=clf.classes_)
     return clf
 
 
@@ -165,19 +172,23 @@ def fid(generated: torch.Tensor, real: torch.Tensor, weights: str) -> float:
     return float(metric.compute())
 
 
-def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_list=None) -> dict:
-    """Metrics for each sampling setting, mean/std over seeds; plus the protocol used."""
+def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_list=None, split: str = "test") -> dict:
+    """Metrics for each sampling setting, mean/std over seeds; plus the protocol used. ``split="val"`` scores
+    against the validation split (``data.val_fraction``) instead, for choices that must not read the test split."""
     from sinkflow.ot import w2
 
     cfg = run.cfg
     seeds = seeds or cfg["eval"]["seeds"]
     _, target = data.distributions(cfg)
-    n_test = len(target.test_images)
+    if split not in ("test", "val"):
+        raise SinkflowError(f"image_metrics: unknown split {split!r}", "use 'test' or 'val'")
+    held_out = target.val_set() if split == "val" else None
+    n_test = len(target.test_images) if held_out is None else len(held_out)
     n = min(n or cfg["eval"]["n"], n_test)
     method = methods.of(cfg).name
     steps_list = steps_list or methods.of(cfg).eval_steps(cfg)
     clf = digit_classifier(target, cfg["data"]["root"])
-    real = target.test_set(n)
+    real = target.test_set(n) if held_out is None else held_out[:n]
     real_stats = class_stats(clf, real) if clf is not None else None
     weights = cfg["eval"]["inception_weights"]
     rows = []
@@ -207,7 +218,8 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
             row["hist"] = st["hist"].round(3).tolist()
         rows.append(row)
     protocol = {
-        "n": n, "seeds": seeds, "reference": f"{target.name} held-out split ({n} of {n_test} images, fixed subset)",
+        "n": n, "seeds": seeds, "reference": f"{target.name} {'held-out' if held_out is None else 'validation'} split "
+                                         f"({n} of {n_test} images, fixed subset)",
         "w2": "exact W2, POT emd2, squared Euclidean cost on flattened [-1,1] pixels",
         "classifier": (f"sklearn LogisticRegression(C=0.5) on <= {CLASSIFIER_MAX_TRAIN} training-split images; "
                        "TV = total-variation distance of predicted-class histograms, generated vs held-out real")
