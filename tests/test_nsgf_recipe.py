@@ -132,3 +132,20 @@ def test_bad_nsgf_keys_are_one_line_errors(runs_dir, capsys):
         err = capsys.readouterr().err
         assert key in err and "Traceback" not in err
         assert not (runs_dir / "bad").exists()
+
+
+def test_qmc_pool_draws_its_source_batches_by_sobol(runs_dir):
+    """pool.qmc=true on data.source=normal builds exactly the pool of data.source=normal-qmc (scrambled Sobol
+    source batches), which is not the i.i.d. pool; evaluation draws from the QMC twin either way."""
+    pools = {}
+    for name, extra in (("iid", []), ("qmc", ["pool.qmc=true"]), ("twin", ["data.source=normal-qmc"])):
+        assert main(["train", "moons", *TINY_2D, "--name", name, "--no-report", *extra]) == 0
+        pools[name] = np.load(runs_dir / name / "pool" / "x.npy", allow_pickle=False)
+    np.testing.assert_array_equal(pools["qmc"], pools["twin"])
+    assert not np.array_equal(pools["qmc"], pools["iid"])
+    from sinkflow import data
+
+    twin = data.qmc_twin(data.build_distribution("8gaussians"))
+    assert twin.name == "8gaussians-qmc" and data.qmc_twin(twin) is twin
+    moons = data.build_distribution("moons")
+    assert data.qmc_twin(moons) is moons  # no twin: the source itself

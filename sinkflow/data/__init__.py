@@ -25,7 +25,7 @@ from sinkflow.errors import SinkflowError
 __all__ = [
     "Distribution", "build_distribution", "SPECS",
     "Normal", "EightGaussians", "Moons", "SCurve", "Checkerboard", "PointFile", "ImageDistribution",
-    "distributions", "sample_shape", "substituted",
+    "distributions", "sample_shape", "substituted", "qmc_source", "qmc_twin",
 ]
 
 SPECS = ("normal", "normal-qmc", "8gaussians", "8gaussians-qmc", *[k for k in TOY2D if k != "8gaussians"],
@@ -96,6 +96,23 @@ def distributions(cfg: dict):
         if pair is not None:
             return pair
     return _distributions(key)
+
+
+def qmc_twin(dist: Distribution) -> Distribution:
+    """``dist`` drawn by randomised quasi-Monte-Carlo (scrambled Sobol) where it has a twin (normal,
+    8gaussians), else ``dist`` itself. A QMC draw covers the distribution evenly: evaluation uses it so that no
+    i.i.d. floor sits under W2, and the NSGF pool (``pool.qmc``) so that each Sinkhorn batch splits the source
+    as the whole distribution would."""
+    if isinstance(dist, Normal) and not dist.qmc:
+        return Normal(dist.shape, qmc=True)
+    if isinstance(dist, EightGaussians) and not dist.qmc:
+        return EightGaussians(dist.radius, dist.std, dist.stratified, qmc=True)
+    return dist
+
+
+def qmc_source(cfg: dict) -> Distribution:
+    """The run's source, drawn by QMC where it has a twin (:func:`qmc_twin`)."""
+    return qmc_twin(distributions(cfg)[0])
 
 
 def sample_shape(cfg: dict) -> tuple[int, ...]:

@@ -11,21 +11,13 @@ from sinkflow.eval.paper import paper_w2
 from sinkflow.runner.rng import phase_generator
 
 
-QMC_SOURCES = {"normal": "normal-qmc", "8gaussians": "8gaussians-qmc"}
-
-
 def eval_source(cfg: dict):
-    """The source for evaluation draws: its scrambled-Sobol twin when one exists.
+    """The source for evaluation draws: its scrambled-Sobol twin when one exists (``data.qmc_source``).
 
     The test sets are stratified draws (docs/data.md); an i.i.d. source would put a ~0.2 finite-sample
     floor under every W2 number. A QMC source removes that floor for every method alike.
     """
-    from sinkflow.data import build_distribution
-
-    spec = cfg["data"]["source"]
-    if spec in QMC_SOURCES:
-        return build_distribution(QMC_SOURCES[spec], data_cfg={**cfg["data"], "shape": data.sample_shape(cfg)})
-    return data.distributions(cfg)[0]
+    return data.qmc_source(cfg)
 
 
 def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool = True):

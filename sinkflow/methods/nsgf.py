@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from sinkflow.data import qmc_twin
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import Method, TrainingStep
 from sinkflow.methods.flow_matching import velocity_loss
@@ -84,7 +85,9 @@ def check(cfg: dict, sample_shape: tuple[int, ...] | None = None) -> None:
 
 
 def pool_task(cfg, source, target) -> PoolTask:
-    return PoolTask(source, target, make_simulator(cfg, None))
+    """The pool phase. With ``pool.qmc`` each batch's source points are a randomised-QMC draw (``qmc_twin``):
+    the pool is a finite set reused for every training step, so it keeps its sampling noise (docs/nsgf.md)."""
+    return PoolTask(qmc_twin(source) if cfg["pool"]["qmc"] else source, target, make_simulator(cfg, None))
 
 
 def pool_batches(run):
