@@ -135,10 +135,12 @@ def test_bad_nsgf_keys_are_one_line_errors(runs_dir, capsys):
 
 
 def test_qmc_pool_draws_its_source_batches_by_sobol(runs_dir):
-    """pool.qmc=true on data.source=normal builds exactly the pool of data.source=normal-qmc (scrambled Sobol
-    source batches), which is not the i.i.d. pool; evaluation draws from the QMC twin either way."""
+    """pool.qmc=true (the 2D presets' choice) on data.source=normal builds exactly the pool of
+    data.source=normal-qmc (scrambled Sobol source batches), which is not the i.i.d. pool."""
+    assert config.resolve("moons")["pool"]["qmc"] is True
     pools = {}
-    for name, extra in (("iid", []), ("qmc", ["pool.qmc=true"]), ("twin", ["data.source=normal-qmc"])):
+    for name, extra in (("iid", ["pool.qmc=false"]), ("qmc", ["pool.qmc=true"]),
+                        ("twin", ["data.source=normal-qmc", "pool.qmc=false"])):
         assert main(["train", "moons", *TINY_2D, "--name", name, "--no-report", *extra]) == 0
         pools[name] = np.load(runs_dir / name / "pool" / "x.npy", allow_pickle=False)
     np.testing.assert_array_equal(pools["qmc"], pools["twin"])

@@ -290,12 +290,13 @@ def resolve(preset: str, overrides: list[str] | None = None, shorthands: dict[st
 
 def read_run_config(cfg: Any, path) -> dict:
     """A run folder's config.yaml as a full tree: keys added to sinkflow since the run was made take the
-    preset's values, keys of another model kind (older run folders held them all) are dropped."""
+    schema's default (a key is added with the default that keeps the behaviour before it, so a resumed
+    run goes on as it started, whatever its preset says today); keys of another model kind (older run
+    folders held them all) are dropped."""
     if not isinstance(cfg, dict):
         raise SinkflowError(f"{path} does not hold a config tree", "restore it from the run's first lines of output")
-    preset = (cfg.get("experiment") or {}).get("preset") or "_base"
     try:
-        return complete(cfg, load_preset(preset), lenient=True)
+        return complete(cfg, None, lenient=True)
     except SinkflowError as exc:
         if exc.problem.startswith("unknown config key"):
             problem = f"{path} has {exc.problem.replace('unknown config key', 'unknown key')}"
