@@ -151,3 +151,22 @@ def test_qmc_pool_draws_its_source_batches_by_sobol(runs_dir):
     assert twin.name == "8gaussians-qmc" and data.qmc_twin(twin) is twin
     moons = data.build_distribution("moons")
     assert data.qmc_twin(moons) is moons  # no twin: the source itself
+
+
+def test_nsf_pairs_chooses_the_straight_flows_coupling():
+    """nsgf.nsf_pairs: NSGF++'s NSF phase pairs independently (paper, the default) or by minibatch OT."""
+    from sinkflow import data, methods
+
+    for pairs, ot in (("independent", False), ("ot", True)):
+        cfg = config.resolve("digits", [f"nsgf.nsf_pairs={pairs}"])
+        source, target = data.distributions(cfg)
+        (nsf,) = [p for p in methods.of(cfg).phases(cfg, source, target) if p.name == "nsf"]
+        assert nsf.ot_pairs is ot
+        xt, t, v = nsf.batch(torch.Generator().manual_seed(0), 64, "cpu")
+        x0 = xt - t.view(-1, 1, 1, 1) * v  # the straight path's ends
+        x1 = x0 + v
+        cost = lambda perm: float(((x1[perm] - x0) ** 2).sum())  # noqa: E731
+        others = [cost(torch.randperm(64, generator=torch.Generator().manual_seed(s))) for s in range(20)]
+        if ot:  # the OT plan's pairing costs less than every other pairing of the same points
+            assert cost(torch.arange(64)) < min(others)
+    assert config.resolve("digits")["nsgf"]["nsf_pairs"] == "independent"

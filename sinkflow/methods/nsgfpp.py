@@ -103,7 +103,8 @@ class NSGFPlusPlus(Method):
     def phases(self, cfg, source, target):
         check(cfg, tuple(target.shape))
         return [nsgf.pool_task(cfg, source, target), nsgf.PoolVelocityStep(),
-                InterpolantStep("nsf", source, target), TimeStep(source, target)]
+                InterpolantStep("nsf", source, target, ot_pairs=cfg["nsgf"]["nsf_pairs"] == "ot"),
+                TimeStep(source, target)]
 
     def default_steps(self, cfg: dict) -> int:
         return cfg["sample"]["nsf_steps"]
