@@ -127,6 +127,11 @@ def test_nfe_is_counted_per_network(runs_dir, tmp_path):
     xt = info["path"][3]
     one = torch.stack([euler(nsf, xt[i:i + 1], t_hat[i:i + 1], 1.0, 7)[0][0] for i in range(5)])
     assert torch.allclose(one, x, atol=1e-5)
+    # an NSF trained on [nsf_t_min, 1) is never asked about earlier times: t_hat is clamped into its range
+    assert float(t_hat.min()) < 0.75
+    run.cfg["nsgf"]["nsf_t_min"] = 0.75
+    _, info = methods.get("nsgfpp").sample(run, x0, 2)
+    assert float(info["t_hat"].min()) >= 0.75
 
 
 def test_nsgf_steps_at_sampling(runs_dir, tmp_path):

@@ -170,3 +170,22 @@ def test_nsf_pairs_chooses_the_straight_flows_coupling():
         if ot:  # the OT plan's pairing costs less than every other pairing of the same points
             assert cost(torch.arange(64)) < min(others)
     assert config.resolve("digits")["nsgf"]["nsf_pairs"] == "independent"
+
+
+def test_nsf_t_min_trains_the_straight_flow_where_it_is_sampled():
+    """nsgf.nsf_t_min: the NSF phase draws t ~ U[t_min, 1) (0 = the paper's whole path), and sampling clamps
+    the predictor's t_hat into that range."""
+    from sinkflow import data, methods
+
+    for t_min in (0.0, 0.6):
+        cfg = config.resolve("digits", [f"nsgf.nsf_t_min={t_min}"])
+        source, target = data.distributions(cfg)
+        (nsf,) = [p for p in methods.of(cfg).phases(cfg, source, target) if p.name == "nsf"]
+        xt, t, v = nsf.batch(torch.Generator().manual_seed(0), 512, "cpu")
+        assert float(t.min()) >= t_min and float(t.max()) < 1.0
+        assert float(t.min()) < t_min + 0.01  # the whole range is used, not just its top
+        x0 = xt - t.view(-1, 1, 1, 1) * v
+        assert float(x0.abs().max()) > 2.5  # the path still starts at the Gaussian source
+    assert config.resolve("digits")["nsgf"]["nsf_t_min"] == 0.0
+    with pytest.raises(SinkflowError, match="nsf_t_min"):
+        config.resolve("digits", ["nsgf.nsf_t_min=1.0"])

@@ -25,11 +25,12 @@ def ot_permutation(x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(plan.argmax(axis=1))
 
 
-def interpolant_batch(source, target, generator, n, device, ot_pairs=False):
-    """(x_t, t, target velocity) for the straight noise-data path; the global batch, then this rank's shard."""
+def interpolant_batch(source, target, generator, n, device, ot_pairs=False, t_min=0.0):
+    """(x_t, t, target velocity) for the straight noise-data path, t ~ U[t_min, 1); the global batch, then
+    this rank's shard."""
     x0 = source.sample(n, generator, "cpu")
     x1 = target.sample(n, generator, "cpu")
-    t = torch.rand(n, generator=generator)
+    t = t_min + (1.0 - t_min) * torch.rand(n, generator=generator)
     if ot_pairs:
         x1 = x1[ot_permutation(x0, x1)]
     x0, x1, t = (dist.shard(v).to(device, non_blocking=True) for v in (x0, x1, t))
@@ -44,14 +45,14 @@ def velocity_loss(model, batch):
 
 class InterpolantStep(TrainingStep):
     """Velocity matching on the straight path between ``source`` and ``target`` samples, paired
-    independently or (``ot_pairs``) by an exact minibatch OT plan."""
+    independently or (``ot_pairs``) by an exact minibatch OT plan, at times t ~ U[t_min, 1)."""
 
-    def __init__(self, name: str, source, target, ot_pairs: bool = False):
+    def __init__(self, name: str, source, target, ot_pairs: bool = False, t_min: float = 0.0):
         super().__init__(name)
-        self.source, self.target, self.ot_pairs = source, target, ot_pairs
+        self.source, self.target, self.ot_pairs, self.t_min = source, target, ot_pairs, float(t_min)
 
     def batch(self, generator, n, device):
-        return interpolant_batch(self.source, self.target, generator, n, device, ot_pairs=self.ot_pairs)
+        return interpolant_batch(self.source, self.target, generator, n, device, self.ot_pairs, self.t_min)
 
     def loss(self, model, batch):
         return velocity_loss(model, batch)

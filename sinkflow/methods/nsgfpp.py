@@ -5,7 +5,8 @@ Phases, each resumable with its own model, optimizer and config section:
 1. ``pool``     the NSGF trajectory pool, T = pool.steps <= 5 Euler steps per trajectory (nsgf's phase);
 2. ``velocity`` NSGF velocity matching on the pool (nsgf's phase), network ``model.velocity``;
 3. ``nsf``      Neural Straight Flow: velocity matching on X_t = t Y + (1 - t) X0 with *independent*
-                noise/data pairs (plain FM, sigma = 0), network ``model.nsf``;
+                noise/data pairs (plain FM, sigma = 0), network ``model.nsf``, at t ~ U[nsgf.nsf_t_min, 1)
+                (sampling only runs it from t_hat to 1);
 4. ``time``     the phase-transition predictor: regress t from the same X_t (MSE, sigmoid output),
                 network ``model.time``.
 
@@ -103,7 +104,8 @@ class NSGFPlusPlus(Method):
     def phases(self, cfg, source, target):
         check(cfg, tuple(target.shape))
         return [nsgf.pool_task(cfg, source, target), nsgf.PoolVelocityStep(),
-                InterpolantStep("nsf", source, target, ot_pairs=cfg["nsgf"]["nsf_pairs"] == "ot"),
+                InterpolantStep("nsf", source, target, ot_pairs=cfg["nsgf"]["nsf_pairs"] == "ot",
+                                t_min=cfg["nsgf"]["nsf_t_min"]),
                 TimeStep(source, target)]
 
     def default_steps(self, cfg: dict) -> int:
@@ -130,7 +132,7 @@ class NSGFPlusPlus(Method):
                 x = x + eta * velocity(x, t).float()
                 if record:
                     path.append(x.cpu())
-            t_hat = predictor(x).float().clamp(0.0, 1.0)
+            t_hat = predictor(x).float().clamp(float(cfg["nsgf"]["nsf_t_min"]), 1.0)  # the NSF's trained range
             x, nsf_path = euler(nsf, x, t_hat, 1.0, nsf_steps, record)
         path += nsf_path[1:]
         return x, {"nfe": n_v.count + n_t.count + n_u.count, "nfe_velocity": n_v.count, "nfe_time": n_t.count,
