@@ -1,6 +1,6 @@
 """NSGF++ vs FM vs OT-CFM on the embedded 8x8 digits, same UNet, batch, lr and UNet gradient steps (CPU).
 
-    nice -n 10 python benchmarks/digits.py [--out runs/bench-digits] [--quick]
+    OMP_NUM_THREADS=1 python benchmarks/digits.py [--train-seeds 0 1 2] [--workers 2] [--out R] [--quick]
 
 Budget: NSGF++ trains the velocity UNet (train.velocity.iters) and the NSF UNet (train.nsf.iters) plus a
 small time-predictor CNN; FM and OT-CFM train ONE UNet of the same config for velocity.iters + nsf.iters
@@ -9,8 +9,9 @@ NSGF++ at each total NFE budget of --nfe and at its preset NFE, split into NSGF 
 steps on a validation split carved from train (``choose_split``; every method trains without those
 images), FM / OT-CFM at 100 Euler steps and at every budget. Metrics (sinkflow.eval.images): exact pixel W2 to the held-out split, predicted-class
 histogram TV distance and mean confidence of a LogisticRegression digit classifier, NFE counted by hooks;
-the real training images are a reference row. Prints a markdown table with the machine and date, and writes
-docs/digits_grid.png-style grids into the output folder.
+the real training images are a reference row. Every method is trained once per training seed; the table is the
+mean ± std over training seeds (one training run decides nothing here: the seed moves TV and confidence by as
+much as the methods differ), followed by each seed's numbers. Writes grids of 64 samples per run into --out.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import shutil
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -45,10 +47,9 @@ def train(out: Path, name: str, *args) -> tuple[Run, float]:
     return Run.open(out / name), time.perf_counter() - t0
 
 
-def row(label, run, result, wall, sample_s):
+def scores(result) -> dict:
     r = result["rows"][0]
-    return {"method": label, "nfe": r["nfe"], "w2": (r["w2"], r["w2_std"]), "tv": (r["tv"], r["tv_std"]),
-            "conf": (r["confidence"], r["confidence_std"]), "train_s": wall, "sample_s": sample_s}
+    return {"nfe": r["nfe"], "w2": r["w2"], "tv": r["tv"], "conf": r["confidence"]}
 
 
 def timed_metrics(run, seeds, steps=None):
@@ -57,22 +58,22 @@ def timed_metrics(run, seeds, steps=None):
     return result, (time.perf_counter() - t0) / seeds
 
 
-def real_floor(cfg, seeds):
-    """Real training images vs the held-out split: a reference (smooth, averaged samples can score a lower W2)."""
+def real_floor(cfg, seeds) -> dict:
+    """Real training images vs the held-out split: a reference (smooth, averaged samples can score a lower W2).
+    W2 on as many images as the split has, the classifier columns on eval.class_n, as for the models."""
     _, target = methods.distributions(cfg)
     clf = digit_classifier(target, cfg["data"]["root"])
     real = target.test_set(len(target.test_images))
+    class_n = max(len(real), cfg["eval"]["class_n"] or len(real))
     ref = class_stats(clf, real)
     w, tv, conf = [], [], []
     for s in range(seeds):
-        x = target.sample(len(real), torch.Generator().manual_seed(3000 + s))
-        w.append(w2(x, real))
+        x = target.sample(class_n, torch.Generator().manual_seed(3000 + s))
+        w.append(w2(x[: len(real)], real))
         st = class_stats(clf, x)
         tv.append(0.5 * float(np.abs(st["hist"] - ref["hist"]).sum()))
         conf.append(st["confidence"])
-    ms = lambda v: (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0)  # noqa: E731
-    return {"method": "real training images (reference)", "nfe": "-", "w2": ms(w), "tv": ms(tv), "conf": ms(conf),
-            "train_s": None, "sample_s": None}
+    return {"w2": statistics.fmean(w), "tv": statistics.fmean(tv), "conf": statistics.fmean(conf)}
 
 
 def choose_split(run, total: int, pool_steps: int, seeds: int) -> tuple[int, int, dict]:
@@ -96,33 +97,101 @@ def choose_split(run, total: int, pool_steps: int, seeds: int) -> tuple[int, int
     return k, total - 1 - k, {j: (w, tv, -c) for j, (w, tv, c) in val.items()}
 
 
-def verdict(rows: list[dict], budgets: list[int]) -> str:
-    """The issue's target per budget: NSGF++ better than OT-CFM at equal NFE on at least 2 of 3 metrics."""
-    lines = []
-    for total in budgets:
-        pp = next(r for r in rows if r["method"].startswith("NSGF++") and r["nfe"] == total and "other" not in r["method"])
-        ot = next(r for r in rows if r["method"] == f"OT-CFM (Euler {total})")
-        wins = [name for name, better in (("W2", pp["w2"][0] < ot["w2"][0]), ("TV", pp["tv"][0] < ot["tv"][0]),
-                                          ("confidence", pp["conf"][0] > ot["conf"][0])) if better]
-        lines.append(f"NFE {total}: NSGF++ better than OT-CFM on {len(wins)} of 3 ({', '.join(wins) or 'none'})")
+METRICS = (("w2", "pixel W2 ↓", False), ("tv", "class-histogram TV ↓", False), ("conf", "classifier confidence ↑", True))
+
+
+def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int, nfe: list[int]) -> dict:
+    """One training seed: NSGF++ (split per budget chosen on validation), FM and OT-CFM, scored on the test
+    split. Returns {"scores": {method: {nfe: {metric: mean over sampling seeds}}}, "split", "val", "wall"}."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    os.environ.setdefault("SINKFLOW_PROGRESS", "0")
+    out = out / f"seed{train_seed}"
+    common = [*quick, *HOLD_OUT, f"experiment.seed={train_seed}"]
+    res = {"scores": {"NSGF++": {}, "FM": {}, "OT-CFM": {}}, "split": {}, "val": {}, "wall": {}, "sample_s": {}}
+    run, res["wall"]["NSGF++"] = train(out, "nsgfpp", *common, *extra)
+    pool_steps = run.cfg["pool"]["steps"]
+    for total in nfe:
+        k, nsf_steps, val = choose_split(run, total, pool_steps, seeds)
+        res["split"][total], res["val"][total] = k, val
+        run.cfg["sample"]["nsgf_steps"] = k
+        result, res["sample_s"][("NSGF++", total)] = timed_metrics(run, seeds, nsf_steps)
+        res["scores"]["NSGF++"][total] = scores(result)
+    run.cfg["sample"]["nsgf_steps"] = None
+    save_grid(generate(run, 64, None, seed=7)[0], out / "nsgfpp_grid.png", nrow=8)
+    unet_steps = run.cfg["train"]["velocity"]["iters"] + run.cfg["train"]["nsf"]["iters"]
+    for method, label in (("fm", "FM"), ("otcfm", "OT-CFM")):
+        run, res["wall"][label] = train(out, method, "--method", method, *common, f"train.velocity.iters={unet_steps}")
+        for steps in [*nfe, 100]:
+            result, res["sample_s"][(label, steps)] = timed_metrics(run, seeds, steps)
+            res["scores"][label][steps] = scores(result)
+        save_grid(generate(run, 64, 100, seed=7)[0], out / f"{method}_grid.png", nrow=8)
+    return res
+
+
+def mean_std(values: list[float]) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.3f} ± {sd:.3f}"
+
+
+def table(per_seed: list[dict], nfe: list[int], real: dict) -> str:
+    """Mean ± std over training seeds of each seed's mean over sampling seeds."""
+    lines = ["| method | NFE | " + " | ".join(h for _, h, _ in METRICS) + " | train wall (s) |",
+             "|---|---|---|---|---|---|"]
+    for total in nfe:
+        for label in ("NSGF++", "OT-CFM", "FM"):
+            cells = [mean_std([r["scores"][label][total][m] for r in per_seed]) for m, _, _ in METRICS]
+            name = label
+            if label == "NSGF++":
+                name += " (" + "/".join(str(r["split"][total]) for r in per_seed) + " NSGF + 1 t̂ + rest NSF)"
+            else:
+                name += f" (Euler {total})"
+            wall = statistics.fmean(r["wall"][label] for r in per_seed)
+            lines.append(f"| {name} | {total} | " + " | ".join(cells) + f" | {wall:.0f} |")
+    for label in ("OT-CFM", "FM"):
+        cells = [mean_std([r["scores"][label][100][m] for r in per_seed]) for m, _, _ in METRICS]
+        lines.append(f"| {label} (Euler 100) | 100 | " + " | ".join(cells) + " | |")
+    lines.append("| real training images (reference) | - | " + " | ".join(f"{real[m]:.3f}" for m, _, _ in METRICS)
+                 + " | |")
     return "\n".join(lines)
 
 
-def table(rows, n, seeds) -> str:
-    f = lambda p: f"{p[0]:.3f} ± {p[1]:.3f}"  # noqa: E731
-    lines = ["| method | NFE | pixel W2 ↓ | class-histogram TV ↓ | classifier confidence ↑ | train wall (s) | "
-             "sample wall per seed (s) |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        tr = "" if r["train_s"] is None else f"{r['train_s']:.0f}"
-        sa = "" if r["sample_s"] is None else f"{r['sample_s']:.1f}"
-        lines.append(f"| {r['method']} | {r['nfe']} | {f(r['w2'])} | {f(r['tv'])} | {f(r['conf'])} | {tr} | {sa} |")
+def per_seed_table(per_seed: list[dict], seeds_used: list[int], nfe: list[int]) -> str:
+    """NSGF++ and OT-CFM per training seed (W2 / TV / confidence), to show how the verdict moves with the seed."""
+    lines = ["| NFE | training seed | NSGF++ (split) W2 / TV / conf | OT-CFM W2 / TV / conf | NSGF++ wins |",
+             "|---|---|---|---|---|"]
+    for total in nfe:
+        for seed, r in zip(seeds_used, per_seed):
+            pp, ot = r["scores"]["NSGF++"][total], r["scores"]["OT-CFM"][total]
+            fmt = lambda d: " / ".join(f"{d[m]:.3f}" for m, _, _ in METRICS)  # noqa: E731
+            lines.append(f"| {total} | {seed} | {fmt(pp)} ({r['split'][total]}) | {fmt(ot)} | "
+                         f"{', '.join(wins(pp, ot)) or 'none'} |")
+    return "\n".join(lines)
+
+
+def wins(pp: dict, ot: dict) -> list[str]:
+    return [m for m, _, higher in METRICS if (pp[m] > ot[m] if higher else pp[m] < ot[m])]
+
+
+def verdict(per_seed: list[dict], nfe: list[int]) -> str:
+    """The issue's target per budget, on the means over training seeds: NSGF++ better than OT-CFM at equal NFE
+    on at least 2 of 3 metrics."""
+    lines = []
+    for total in nfe:
+        mean = lambda label: {m: statistics.fmean(r["scores"][label][total][m] for r in per_seed)  # noqa: E731
+                              for m, _, _ in METRICS}
+        w = wins(mean("NSGF++"), mean("OT-CFM"))
+        lines.append(f"NFE {total}: NSGF++ better than OT-CFM on {len(w)} of 3 ({', '.join(w) or 'none'}), "
+                     "means over training seeds")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench-digits")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=int, default=3, help="sampling seeds per trained model")
+    ap.add_argument("--train-seeds", type=int, nargs="+", default=[0, 1, 2],
+                    help="experiment.seed of every method's training runs; the table averages over them")
+    ap.add_argument("--workers", type=int, default=1, help="training seeds run in parallel, one thread each")
     ap.add_argument("--quick", action="store_true", help="tiny budget, to check the script runs")
     ap.add_argument("--nfe", type=int, nargs="+", default=[6, 13, 26], help="total NFE budgets compared")
     ap.add_argument("extra", nargs="*", help="config overrides for the NSGF++ run only, e.g. nsgf.segment=0.5")
@@ -131,63 +200,38 @@ def main() -> None:
         os.nice(10)  # the machine is shared
     except OSError:
         pass
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    os.environ.setdefault("SINKFLOW_PROGRESS", "0")
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
-    base = config.resolve("digits")
-    quick = ["--train-iters", "20", "pool.batches=2", "train.time.iters=20"] if args.quick else []
-    cfg = config.resolve("digits", [a for a in quick if "=" in a],
-                         {"train_iters": 20} if args.quick else {})
+    quick = ["--train-iters", "20", "pool.batches=2", "train.time.iters=20", "eval.class_n=359"] if args.quick else []
+    cfg = config.resolve("digits", [a for a in quick if "=" in a], {"train_iters": 20} if args.quick else {})
+    nfe = sorted(set(args.nfe) | {cfg["pool"]["steps"] + 1 + cfg["sample"]["nsf_steps"]})
+    start = time.perf_counter()
+    with ProcessPoolExecutor(args.workers) as pool:
+        per_seed = list(pool.map(bench_seed, *zip(*[(out, s, quick, args.extra, args.seeds, nfe)
+                                                     for s in args.train_seeds])))
+    real = real_floor(cfg, args.seeds)
     unet_steps = cfg["train"]["velocity"]["iters"] + cfg["train"]["nsf"]["iters"]
-    pp_nfe = cfg["pool"]["steps"] + 1 + cfg["sample"]["nsf_steps"]
 
-    rows, chosen = [], {}
-    run, wall = train(out, "nsgfpp", *quick, *HOLD_OUT, *args.extra)
-    budgets = sorted(set(args.nfe) | {pp_nfe})
-    for total in budgets:
-        k, nsf_steps, val = choose_split(run, total, cfg["pool"]["steps"], args.seeds)
-        chosen[total] = (k, val)
-        run.cfg["sample"]["nsgf_steps"] = k
-        res, ss = timed_metrics(run, args.seeds, nsf_steps)
-        rows.append(row(f"NSGF++ ({k} NSGF + 1 t̂ + {nsf_steps} NSF)", run, res, wall, ss))
-    run.cfg["sample"]["nsgf_steps"] = None
-    x, _ = generate(run, 64, None, seed=7)
-    save_grid(x, out / "nsgfpp_grid.png", nrow=8)
-    for method, label in (("fm", "FM"), ("otcfm", "OT-CFM")):
-        run, wall = train(out, method, "--method", method, *quick, *HOLD_OUT, f"train.velocity.iters={unet_steps}")
-        for steps in [100, *budgets]:
-            res, ss = timed_metrics(run, args.seeds, steps)
-            rows.append(row(f"{label} (Euler {steps})", run, res, wall, ss))
-        x, _ = generate(run, 64, 100, seed=7)
-        save_grid(x, out / f"{method}_grid.png", nrow=8)
-    rows.append(real_floor(cfg, args.seeds))
-
-    n = res["protocol"]["n"]
     print(f"\n## digits benchmark ({'quick' if args.quick else 'preset budget'})\n")
-    print(f"Machine: {platform.node()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
-          f"(shared), torch {torch.__version__} with {torch.get_num_threads()} thread(s); "
-          f"date {time.strftime('%Y-%m-%d %H:%M')}.")
-    print(f"Budget: UNet {base['model']['velocity']['channels']} ch, batch {cfg['train']['velocity']['batch_size']}; "
+    print(f"Command: `python benchmarks/digits.py {' '.join(sys.argv[1:])}`. Machine: {platform.node()}, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared), torch {torch.__version__}, "
+          f"{args.workers} training seed(s) in parallel with 1 thread each; date {time.strftime('%Y-%m-%d %H:%M')}; "
+          f"wall {(time.perf_counter() - start) / 60:.1f} min.")
+    print(f"Budget: UNet {cfg['model']['velocity']['channels']} ch, batch {cfg['train']['velocity']['batch_size']}; "
           f"NSGF++ = pool {cfg['pool']['batches']}x{cfg['pool']['batch_size']}x{cfg['pool']['steps']} + "
           f"{cfg['train']['velocity']['iters']} velocity + {cfg['train']['nsf']['iters']} NSF UNet steps + "
           f"{cfg['train']['time']['iters']} time-predictor steps; FM / OT-CFM = {unet_steps} UNet steps.")
-    print(f"Protocol: {n} generated vs the {n} held-out digits (20% of each class), mean ± std over {args.seeds} "
-          "sampling seeds; W2 = exact POT emd2 on [-1,1] pixels; TV/confidence from sklearn "
-          "LogisticRegression trained on the training split; NFE counted by forward hooks.\n")
-    print(table(rows, n, args.seeds))
-    print("\nNSGF++ split per budget, chosen on the validation split (data.val_fraction=0.1, never the test split) "
-          "by the mean rank over W2 / TV / confidence; cells are validation W2 / TV / confidence:\n")
-    print("| NFE | " + " | ".join(f"{k} NSGF" for k in range(1, cfg["pool"]["steps"] + 1)) + " |")
-    print("|---|" + "---|" * cfg["pool"]["steps"])
-    for total, (pick, val) in chosen.items():
-        cells = []
-        for k in range(1, cfg["pool"]["steps"] + 1):
-            cell = "-" if k not in val else " / ".join(f"{v:.3f}" for v in val[k])
-            cells.append(f"**{cell}**" if k == pick else cell)
-        print(f"| {total} | " + " | ".join(cells) + " |")
-    print("\n" + verdict(rows, budgets))
+    n = len(methods.distributions(cfg)[1].test_images)
+    print(f"Protocol: training seeds {args.train_seeds}; per trained model {args.seeds} sampling seeds; W2 = exact POT "
+          f"emd2 on [-1,1] pixels, {n} generated vs the {n} held-out digits; TV / confidence of a sklearn "
+          f"LogisticRegression (trained on the training split) on {cfg['eval']['class_n'] or n} generated digits vs "
+          "the held-out ones; NFE counted by forward hooks. Cells: mean ± std over training seeds.\n")
+    print(table(per_seed, nfe, real))
+    print("\nPer training seed (means over sampling seeds; NSGF++'s split chosen on the validation digits, "
+          "data.val_fraction=0.1, never the test split, by the mean rank over W2 / TV / confidence):\n")
+    print(per_seed_table(per_seed, args.train_seeds, nfe))
+    print("\n" + verdict(per_seed, nfe))
 
 
 if __name__ == "__main__":

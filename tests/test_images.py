@@ -109,6 +109,27 @@ def test_baselines_use_the_image_unet(method, runs_dir, tmp_path, capsys):
     assert (runs_dir / method / "grid.png").is_file()
 
 
+def test_class_columns_use_eval_class_n_samples(runs_dir, tmp_path, monkeypatch):
+    """eval.class_n: the classifier's histogram and confidence read class_n generated images per seed, W2
+    still compares eval.n with eval.n held-out images (TV's sampling noise shrinks as 1/sqrt(class_n))."""
+    import sinkflow.eval.images as images
+    import sinkflow.ot
+
+    extra, _ = setup_data("digits", tmp_path)
+    assert main(["train", "digits", "--method", "fm", *TINY, *extra, "sample.steps=2", "--no-report",
+                 "--name", "c"]) == 0
+    run = Run.open(runs_dir / "c", ["eval.class_n=40"])
+    seen = {"w2": [], "clf": []}
+    real_w2, real_stats = sinkflow.ot.w2, images.class_stats
+    monkeypatch.setattr(sinkflow.ot, "w2", lambda x, y: seen["w2"].append((len(x), len(y))) or real_w2(x, y))
+    monkeypatch.setattr(images, "class_stats", lambda clf, x: seen["clf"].append(len(x)) or real_stats(clf, x))
+    result = images.image_metrics(run, seeds=2, steps_list=[2])
+    assert seen["w2"] == [(8, 8), (8, 8)]
+    assert seen["clf"] == [8, 40, 40]  # the held-out reference once, then class_n generated per seed
+    assert result["protocol"]["class_n"] == 40 and "40 generated" in result["protocol"]["classifier"]
+    assert 0.0 <= result["rows"][0]["tv"] <= 1.0
+
+
 def test_nfe_is_counted_per_network(runs_dir, tmp_path):
     extra, shape = setup_data("digits", tmp_path)
     assert main(["train", "digits", *TINY, *extra, "pool.steps=3", "--no-report", "--name", "n"]) == 0

@@ -476,6 +476,9 @@ EVAL = {
     "n": Key(1024, POS_INT, "test samples for W2 / FID / bits/dim"),
     "steps": Key([10, 100], ListOf(POS_INT), "Euler steps to evaluate at", when=NOT_FLOW),
     "seeds": Key(3, POS_INT, "sampling seeds: mean and spread"),
+    "class_n": Key(None, POS_INT, "generated samples per seed for the classifier's class-histogram TV and confidence "
+                   "(null = eval.n): a perfect sampler's TV is ~1.2/sqrt(n) at 10 classes, 0.06 at n = 359",
+                   nullable=True, when=IMAGES_NOT_FLOW),
     "inception_weights": Key(None, Str(), "local Inception-v3 weights file (pt_inception-2015-12-05) for FID; "
                              "null = FID skipped", nullable=True, when=IMAGES_NOT_FLOW),
 }

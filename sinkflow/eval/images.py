@@ -185,6 +185,7 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
     held_out = target.val_set() if split == "val" else None
     n_test = len(target.test_images) if held_out is None else len(held_out)
     n = min(n or cfg["eval"]["n"], n_test)
+    class_n = max(n, cfg["eval"].get("class_n") or n)  # the classifier columns need more samples than W2 can use
     method = methods.of(cfg).name
     steps_list = steps_list or methods.of(cfg).eval_steps(cfg)
     clf = digit_classifier(target, cfg["data"]["root"])
@@ -196,14 +197,15 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
         vals: dict[str, list] = {"w2": [], "tv": [], "confidence": [], "fid": []}
         info = {}
         for s in range(seeds):
-            x, info = generate(run, n, steps, seed=1000 + s)
-            x = x.cpu()
-            if not torch.isfinite(x).all():
+            x_all, info = generate(run, class_n if clf is not None else n, steps, seed=1000 + s)
+            x_all = x_all.cpu()
+            if not torch.isfinite(x_all).all():
                 raise SinkflowError(f"{method} produced NaN/Inf samples with {steps} steps",
                                     "the model diverged: train longer with a lower learning rate")
+            x = x_all[:n]
             vals["w2"].append(w2(x, real))
             if clf is not None:
-                st = class_stats(clf, x)
+                st = class_stats(clf, x_all)
                 vals["tv"].append(0.5 * float(np.abs(st["hist"] - real_stats["hist"]).sum()))
                 vals["confidence"].append(st["confidence"])
             if weights:
@@ -218,11 +220,12 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
             row["hist"] = st["hist"].round(3).tolist()
         rows.append(row)
     protocol = {
-        "n": n, "seeds": seeds, "reference": f"{target.name} {'held-out' if held_out is None else 'validation'} split "
+        "n": n, "class_n": class_n if clf is not None else None, "seeds": seeds, "reference": f"{target.name} {'held-out' if held_out is None else 'validation'} split "
                                          f"({n} of {n_test} images, fixed subset)",
         "w2": "exact W2, POT emd2, squared Euclidean cost on flattened [-1,1] pixels",
         "classifier": (f"sklearn LogisticRegression(C=0.5) on <= {CLASSIFIER_MAX_TRAIN} training-split images; "
-                       "TV = total-variation distance of predicted-class histograms, generated vs held-out real")
+                       f"TV = total-variation distance of predicted-class histograms, {class_n} generated vs "
+                       f"{n} held-out real")
         if clf is not None else None,
         "real_confidence": real_stats["confidence"] if real_stats else None,
         "real_hist": real_stats["hist"].round(3).tolist() if real_stats else None,
