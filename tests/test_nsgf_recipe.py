@@ -186,6 +186,7 @@ def test_nsf_t_min_trains_the_straight_flow_where_it_is_sampled():
         assert float(t.min()) < t_min + 0.01  # the whole range is used, not just its top
         x0 = xt - t.view(-1, 1, 1, 1) * v
         assert float(x0.abs().max()) > 2.5  # the path still starts at the Gaussian source
-    assert config.resolve("digits")["nsgf"]["nsf_t_min"] == 0.0
+    assert config.resolve("mnist")["nsgf"]["nsf_t_min"] == 0.0  # the paper's presets keep its whole path
+    assert config.resolve("digits")["nsgf"]["nsf_t_min"] == 0.5  # measured in docs/nsgfpp.md
     with pytest.raises(SinkflowError, match="nsf_t_min"):
         config.resolve("digits", ["nsgf.nsf_t_min=1.0"])
