@@ -80,6 +80,7 @@ def test_time_predictor_architecture():
 
 def grad_cases():
     yield "mlp", {"activation": "silu", "time_freqs": 4}, (2,)
+    yield "mlp", {"time_bins": 5}, (2,)
     yield "mlp", {}, (1, 8, 8)
     yield "unet", SMALL_UNET, (1, 8, 8)
     yield "unet", {**SMALL_UNET, "use_scale_shift_norm": True, "num_head_channels": 32}, (3, 20, 20)

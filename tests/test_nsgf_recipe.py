@@ -125,9 +125,30 @@ def test_fraction_time_samples_on_the_pool_grid(runs_dir):
     assert grid_t.tolist() == pytest.approx([0, 0.25, 0.5, 0.75, 1.0]) and grid_h.tolist() == pytest.approx([0.25] * 4)
 
 
+def test_time_bins_give_each_euler_step_its_pool_segment(runs_dir):
+    """model.velocity.time_bins=T: at 10 and 100 uniform sampling steps over a 5-step pool every velocity call
+    gets the one-hot of the pool segment its Euler step lies in (float times like 0.6 - 1e-8 included)."""
+    from sinkflow.eval.points import generate
+    from sinkflow.models.mlp import time_bin_features
+    from sinkflow.runner.run import Run
+
+    assert main(["train", "moons", *TINY_2D, "--name", "b", "--no-report", "pool.steps=5",
+                 "model.velocity.time_bins=5", "eval.steps=[5]"]) == 0
+    run = Run.open(runs_dir / "b")
+    for steps in (10, 100):
+        seen = []
+        hook = run.model("velocity").register_forward_hook(lambda m, args, out: seen.append(args[1]))
+        generate(run, 4, steps, seed=0)
+        hook.remove()
+        bins = [int(time_bin_features(t, 5).argmax(-1)[0]) for t in seen]
+        assert bins == [j * 5 // steps for j in range(steps)]
+    edges = torch.tensor([0.2 - 1e-7, 0.2, 0.6 - 1e-8, 0.9999, 1.0])
+    assert time_bin_features(edges, 5).argmax(-1).tolist() == [1, 1, 3, 4, 4]
+
+
 def test_bad_nsgf_keys_are_one_line_errors(runs_dir, capsys):
     for bad, key in (("nsgf.time=seconds", "nsgf.time"), ("nsgf.segment=1.5", "nsgf.segment"),
-                     ("pool.schedule=cubic", "schedule")):
+                     ("pool.schedule=cubic", "schedule"), ("model.velocity.time_bins=3", "time_bins")):
         assert main(["train", "moons", *TINY_2D, "--name", "bad", bad]) == 2
         err = capsys.readouterr().err
         assert key in err and "Traceback" not in err

@@ -351,6 +351,8 @@ MODEL_KINDS: dict[str, dict[str, Key]] = {
         "depth": Key(3, POS_INT, "hidden layers (paper: 3)"),
         "activation": Key("selu", Options(*ACTIVATIONS), "nonlinearity after each hidden layer"),
         "time_freqs": Key(0, NONNEG_INT, "0: the raw t is one extra input; K > 0: also sin/cos(2^k pi t) for k < K"),
+        "time_bins": Key(0, NONNEG_INT, "K > 0: also a one-hot of t's bin [k/K, (k+1)/K) (NSGF: K = pool.steps "
+                         "with nsgf.time=fraction, so the field can jump at the pool's grid times)"),
     },
     "unet": {
         "channels": Key(32, POS_INT, "base channels"),

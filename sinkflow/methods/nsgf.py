@@ -82,6 +82,11 @@ def check(cfg: dict, sample_shape: tuple[int, ...] | None = None) -> None:
     if not 0.0 <= float(cfg["nsgf"]["segment"]) <= 1.0:
         raise SinkflowError(f"nsgf.segment={cfg['nsgf']['segment']!r} is not a probability", "use a value in [0, 1]")
     step_sizes(cfg["pool"])  # the schedule's own checks (unknown name, eta_growth)
+    bins = cfg["model"]["velocity"].get("time_bins", 0)
+    if bins and (bins != cfg["pool"]["steps"] or cfg["nsgf"]["time"] != "fraction"):
+        raise SinkflowError(f"model.velocity.time_bins={bins} does not match the pool's grid (pool.steps="
+                            f"{cfg['pool']['steps']}, nsgf.time={cfg['nsgf']['time']})",
+                            f"set model.velocity.time_bins={cfg['pool']['steps']} with nsgf.time=fraction, or 0")
 
 
 def pool_task(cfg, source, target) -> PoolTask:
