@@ -76,16 +76,24 @@ def real_floor(cfg, seeds) -> dict:
     return {"w2": statistics.fmean(w), "tv": statistics.fmean(tv), "conf": statistics.fmean(conf)}
 
 
+def split_candidates(total: int, pool_steps: int) -> list[int]:
+    """NSGF step counts k to try for a total NFE budget (k + 1 predictor call + at least one NSF step): every
+    k up to the pool's T, then the multiples of T (the field is trained on the Euler segments, so finer NSGF
+    steps integrate the same piecewise-straight path; a multiple of T keeps every step inside one segment)."""
+    top = total - 2
+    return [k for k in range(1, top + 1) if k <= pool_steps or k % pool_steps == 0]
+
+
 def choose_split(run, total: int, pool_steps: int, seeds: int) -> tuple[int, int, dict]:
     """(NSGF steps, NSF steps) for a total NFE budget, chosen on the validation split (never the test split):
-    every k = 1..min(T, total - 2) NSGF steps, one predictor call, the rest NSF steps; the split with the best
-    mean rank over pixel W2, class-histogram TV and classifier confidence (the three metrics of the target;
-    W2 alone favours smooth, blurred samples), ties to the lower W2. Returns the choice and each candidate's
+    each k of ``split_candidates``, one predictor call, the rest NSF steps; the split with the best mean rank
+    over pixel W2, class-histogram TV and classifier confidence (the three metrics of the target; W2 alone
+    favours smooth, blurred samples), ties to the lower W2. Returns the choice and each candidate's
     validation (W2, TV, confidence)."""
     if total < 3:
         raise SystemExit(f"an NFE budget of {total} leaves no NSF step: use at least 3")
     val = {}
-    for k in range(1, min(pool_steps, total - 2) + 1):
+    for k in split_candidates(total, pool_steps):
         run.cfg["sample"]["nsgf_steps"] = k
         r = image_metrics(run, seeds=seeds, steps_list=[total - 1 - k], split="val")["rows"][0]
         val[k] = (r["w2"], r.get("tv", 0.0), -r.get("confidence", 0.0))

@@ -178,6 +178,10 @@ def test_nsgf_steps_at_sampling(runs_dir, tmp_path):
     v = run.model("velocity")
     first = x0 + steps[0] * v(x0, torch.zeros(4))
     assert torch.allclose(info["path"][1], first, atol=1e-6)  # the first step spans half of the NSGF time
+    run.cfg["sample"]["nsgf_steps"] = 6  # more steps than the pool's T: each pool segment in two halves
+    times, _ = nsgfpp.nsgf_grid(run.cfg)
+    assert times[::2] == pytest.approx(nsgfpp.nsgf.network_grid(run.cfg)[0].tolist())
+    assert methods.get("nsgfpp").sample(run, x0, 2)[1]["nfe_velocity"] == 6
     run.cfg["sample"]["nsgf_steps"] = 3  # = pool.steps: the pool's own grid, the same samples as null
     assert torch.equal(methods.get("nsgfpp").sample(run, x0, 2)[0], base)
     run.cfg["nsgf"]["segment"] = 0.0
