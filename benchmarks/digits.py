@@ -117,14 +117,14 @@ def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int,
     common = [*quick, *HOLD_OUT, f"experiment.seed={train_seed}"]
     res = {"scores": {"NSGF++": {}, "FM": {}, "OT-CFM": {}}, "split": {}, "val": {}, "wall": {}, "sample_s": {}}
     run, res["wall"]["NSGF++"] = train(out, "nsgfpp", *common, *extra)
-    pool_steps = run.cfg["pool"]["steps"]
+    pool_steps, preset_k = run.cfg["pool"]["steps"], run.cfg["sample"]["nsgf_steps"]
     for total in nfe:
         k, nsf_steps, val = choose_split(run, total, pool_steps, seeds)
         res["split"][total], res["val"][total] = k, val
         run.cfg["sample"]["nsgf_steps"] = k
         result, res["sample_s"][("NSGF++", total)] = timed_metrics(run, seeds, nsf_steps)
         res["scores"]["NSGF++"][total] = scores(result)
-    run.cfg["sample"]["nsgf_steps"] = None
+    run.cfg["sample"]["nsgf_steps"] = preset_k
     save_grid(generate(run, 64, None, seed=7)[0], out / "nsgfpp_grid.png", nrow=8)
     unet_steps = run.cfg["train"]["velocity"]["iters"] + run.cfg["train"]["nsf"]["iters"]
     for method, label in (("fm", "FM"), ("otcfm", "OT-CFM")):
