@@ -139,7 +139,9 @@ class NSGFPlusPlus(Method):
                    "nfe_nsf": n_u.count, "t_hat": t_hat.cpu(), "nsgf_steps": len(etas), "path": path}
 
     def describe(self, cfg: dict) -> str:
-        return (f"nsgfpp: {cfg['pool']['steps']} NSGF steps on the pool's grid, a time predictor, then "
+        k, T = cfg["sample"].get("nsgf_steps") or cfg["pool"]["steps"], cfg["pool"]["steps"]
+        where = "on the pool's grid" if k == T else f"over the {T}-step pool's span"
+        return (f"nsgfpp: {k} NSGF steps {where}, a time predictor, then "
                 f"{cfg['sample']['nsf_steps']} Neural Straight Flow steps")
 
 
