@@ -7,7 +7,8 @@ small time-predictor CNN; FM and OT-CFM train ONE UNet of the same config for ve
 steps, so every method gets the same number of UNet gradient steps on the same batch size. Sampling:
 NSGF++ at each total NFE budget of --nfe and at its preset NFE, split into NSGF steps, 1 predictor call and NSF
 steps on a validation split carved from train (``choose_split``; every method trains without those
-images), FM / OT-CFM at 100 Euler steps and at every budget. Metrics (sinkflow.eval.images): exact pixel W2 to the held-out split, predicted-class
+images), FM / OT-CFM at 100 Euler steps and at every budget, uniform (the paper's sampler) and with the Euler
+grid's ``sample.time_warp`` chosen on the same validation split (one tuned sampler knob each). Metrics (sinkflow.eval.images): exact pixel W2 to the held-out split, predicted-class
 histogram TV distance and mean confidence of a LogisticRegression digit classifier, NFE counted by hooks;
 the real training images are a reference row. Every method is trained once per training seed; the table is the
 mean ± std over training seeds (one training run decides nothing here: the seed moves TV and confidence by as
@@ -97,12 +98,32 @@ def choose_split(run, total: int, seeds: int) -> tuple[int, int, dict]:
         run.cfg["sample"]["nsgf_steps"] = k
         r = image_metrics(run, seeds=seeds, steps_list=[total - 1 - k], split="val")["rows"][0]
         val[k] = (r["w2"], r.get("tv", 0.0), -r.get("confidence", 0.0))
+    k = rank_choice(val)
+    return k, total - 1 - k, {j: (w, tv, -c) for j, (w, tv, c) in val.items()}
+
+
+WARPS = (0.35, 0.5, 0.75, 1.0)  # sample.time_warp candidates for FM / OT-CFM (1.0 = uniform Euler, the paper's)
+
+
+def rank_choice(val: dict) -> object:
+    """The candidate with the best mean rank over (W2, TV, -confidence) on validation; ties to the lower W2."""
     ranks = {k: 0 for k in val}
     for m in range(3):
         for place, k in enumerate(sorted(val, key=lambda k: val[k][m])):
             ranks[k] += place
-    k = min(val, key=lambda k: (ranks[k], val[k][0]))
-    return k, total - 1 - k, {j: (w, tv, -c) for j, (w, tv, c) in val.items()}
+    return min(val, key=lambda k: (ranks[k], val[k][0]))
+
+
+def choose_warp(run, steps: int, seeds: int) -> tuple[float, dict]:
+    """FM / OT-CFM's Euler time grid for a budget, chosen on the validation split like NSGF++'s split: each
+    method gets one sampler knob tuned on validation, so a difference is the models', not the samplers'."""
+    val = {}
+    for warp in WARPS:
+        run.cfg["sample"]["time_warp"] = warp
+        r = image_metrics(run, seeds=seeds, steps_list=[steps], split="val")["rows"][0]
+        val[warp] = (r["w2"], r.get("tv", 0.0), -r.get("confidence", 0.0))
+    run.cfg["sample"]["time_warp"] = 1.0
+    return rank_choice(val), {w: (a, b, -c) for w, (a, b, c) in val.items()}
 
 
 METRICS = (("w2", "pixel W2 ↓", False), ("tv", "class-histogram TV ↓", False), ("conf", "classifier confidence ↑", True))
@@ -115,7 +136,8 @@ def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int,
     os.environ.setdefault("SINKFLOW_PROGRESS", "0")
     out = out / f"seed{train_seed}"
     common = [*quick, *HOLD_OUT, f"experiment.seed={train_seed}"]
-    res = {"scores": {"NSGF++": {}, "FM": {}, "OT-CFM": {}}, "split": {}, "val": {}, "wall": {}, "sample_s": {}}
+    res = {"scores": {"NSGF++": {}, "FM": {}, "OT-CFM": {}, "FM warped": {}, "OT-CFM warped": {}}, "split": {},
+           "val": {}, "warp": {}, "wall": {}, "sample_s": {}}
     run, res["wall"]["NSGF++"] = train(out, "nsgfpp", *common, *extra)
     preset_k = run.cfg["sample"]["nsgf_steps"]
     for total in nfe:
@@ -132,6 +154,12 @@ def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int,
         for steps in [*nfe, 100]:
             result, res["sample_s"][(label, steps)] = timed_metrics(run, seeds, steps)
             res["scores"][label][steps] = scores(result)
+        for steps in nfe:  # the same model with its Euler grid chosen on validation
+            warp, _ = choose_warp(run, steps, seeds)
+            res["warp"][(label, steps)] = warp
+            run.cfg["sample"]["time_warp"] = warp
+            res["scores"][f"{label} warped"][steps] = scores(timed_metrics(run, seeds, steps)[0])
+            run.cfg["sample"]["time_warp"] = 1.0
         save_grid(generate(run, 64, 100, seed=7)[0], out / f"{method}_grid.png", nrow=8)
     return res
 
@@ -146,14 +174,16 @@ def table(per_seed: list[dict], nfe: list[int], real: dict) -> str:
     lines = ["| method | NFE | " + " | ".join(h for _, h, _ in METRICS) + " | train wall (s) |",
              "|---|---|---|---|---|---|"]
     for total in nfe:
-        for label in ("NSGF++", "OT-CFM", "FM"):
+        for label in ("NSGF++", "OT-CFM", "OT-CFM warped", "FM", "FM warped"):
             cells = [mean_std([r["scores"][label][total][m] for r in per_seed]) for m, _, _ in METRICS]
-            name = label
+            base = label.split()[0]
             if label == "NSGF++":
-                name += " (" + "/".join(str(r["split"][total]) for r in per_seed) + " NSGF + 1 t̂ + rest NSF)"
+                name = label + " (" + "/".join(str(r["split"][total]) for r in per_seed) + " NSGF + 1 t̂ + rest NSF)"
+            elif label.endswith("warped"):
+                name = f"{base} (Euler {total}, time_warp " + "/".join(f"{r['warp'][(base, total)]:g}" for r in per_seed) + ")"
             else:
-                name += f" (Euler {total})"
-            wall = statistics.fmean(r["wall"][label] for r in per_seed)
+                name = f"{label} (Euler {total})"
+            wall = statistics.fmean(r["wall"][base] for r in per_seed)
             lines.append(f"| {name} | {total} | " + " | ".join(cells) + f" | {wall:.0f} |")
     for label in ("OT-CFM", "FM"):
         cells = [mean_std([r["scores"][label][100][m] for r in per_seed]) for m, _, _ in METRICS]
@@ -165,14 +195,15 @@ def table(per_seed: list[dict], nfe: list[int], real: dict) -> str:
 
 def per_seed_table(per_seed: list[dict], seeds_used: list[int], nfe: list[int]) -> str:
     """NSGF++ and OT-CFM per training seed (W2 / TV / confidence), to show how the verdict moves with the seed."""
-    lines = ["| NFE | training seed | NSGF++ (split) W2 / TV / conf | OT-CFM W2 / TV / conf | NSGF++ wins |",
-             "|---|---|---|---|---|"]
+    lines = ["| NFE | training seed | NSGF++ (split) W2 / TV / conf | OT-CFM W2 / TV / conf | NSGF++ wins | "
+             "OT-CFM warped (warp) W2 / TV / conf | NSGF++ wins |", "|---|---|---|---|---|---|---|"]
+    fmt = lambda d: " / ".join(f"{d[m]:.3f}" for m, _, _ in METRICS)  # noqa: E731
     for total in nfe:
         for seed, r in zip(seeds_used, per_seed):
-            pp, ot = r["scores"]["NSGF++"][total], r["scores"]["OT-CFM"][total]
-            fmt = lambda d: " / ".join(f"{d[m]:.3f}" for m, _, _ in METRICS)  # noqa: E731
+            pp, ot, otw = (r["scores"][k][total] for k in ("NSGF++", "OT-CFM", "OT-CFM warped"))
             lines.append(f"| {total} | {seed} | {fmt(pp)} ({r['split'][total]}) | {fmt(ot)} | "
-                         f"{', '.join(wins(pp, ot)) or 'none'} |")
+                         f"{', '.join(wins(pp, ot)) or 'none'} | {fmt(otw)} ({r['warp'][('OT-CFM', total)]:g}) | "
+                         f"{', '.join(wins(pp, otw)) or 'none'} |")
     return "\n".join(lines)
 
 
@@ -187,9 +218,10 @@ def verdict(per_seed: list[dict], nfe: list[int]) -> str:
     for total in nfe:
         mean = lambda label: {m: statistics.fmean(r["scores"][label][total][m] for r in per_seed)  # noqa: E731
                               for m, _, _ in METRICS}
-        w = wins(mean("NSGF++"), mean("OT-CFM"))
-        lines.append(f"NFE {total}: NSGF++ better than OT-CFM on {len(w)} of 3 ({', '.join(w) or 'none'}), "
-                     "means over training seeds")
+        for label, what in (("OT-CFM", "uniform Euler"), ("OT-CFM warped", "Euler grid chosen on validation")):
+            w = wins(mean("NSGF++"), mean(label))
+            lines.append(f"NFE {total}: NSGF++ better than OT-CFM ({what}) on {len(w)} of 3 ({', '.join(w) or 'none'}), "
+                         "means over training seeds")
     return "\n".join(lines)
 
 
@@ -213,7 +245,8 @@ def main() -> None:
         shutil.rmtree(out)
     quick = ["--train-iters", "20", "pool.batches=2", "train.time.iters=20", "eval.class_n=359"] if args.quick else []
     cfg = config.resolve("digits", [a for a in quick if "=" in a], {"train_iters": 20} if args.quick else {})
-    nfe = sorted(set(args.nfe) | {cfg["pool"]["steps"] + 1 + cfg["sample"]["nsf_steps"]})
+    preset_nfe = (cfg["sample"]["nsgf_steps"] or cfg["pool"]["steps"]) + 1 + cfg["sample"]["nsf_steps"]
+    nfe = sorted(set(args.nfe) | {preset_nfe})
     start = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
         per_seed = list(pool.map(bench_seed, *zip(*[(out, s, quick, args.extra, args.seeds, nfe)

@@ -211,3 +211,51 @@ def test_nsf_t_min_trains_the_straight_flow_where_it_is_sampled():
     assert config.resolve("digits")["nsgf"]["nsf_t_min"] == 0.5  # measured in docs/nsgfpp.md
     with pytest.raises(SinkflowError, match="nsf_t_min"):
         config.resolve("digits", ["nsgf.nsf_t_min=1.0"])
+
+
+def test_time_warp_grid_keeps_its_ends_and_moves_the_long_step_to_the_end():
+    from sinkflow.methods.ode import euler, warped_fractions
+
+    assert warped_fractions(4) == pytest.approx([0, 0.25, 0.5, 0.75, 1])
+    grid = warped_fractions(6, 0.5)
+    steps = np.diff(grid)
+    assert grid[0] == 0 and grid[-1] == pytest.approx(1) and (steps > 0).all()
+    assert steps[0] < 1 / 6 < steps[-1] and (np.diff(steps) > 0).all()  # short early steps, one long jump last
+    assert (np.diff(np.diff(warped_fractions(6, 2.0))) < 0).all()
+    # a field constant in x: Euler is exact on any grid, so every warp integrates the same displacement
+    calls = []
+
+    def field(x, t):
+        calls.append(t.clone())
+        return torch.ones_like(x) * 2
+
+    x0, t0 = torch.zeros(3, 2), torch.tensor([0.0, 0.5, 0.8])  # per-sample spans, as NSGF++'s NSF has
+    for warp in (0.5, 1.0, 2.0):
+        calls.clear()
+        x, _ = euler(field, x0, t0, 1.0, 6, warp=warp)
+        assert len(calls) == 6 and torch.allclose(x[:, 0], 2 * (1 - t0))
+        assert torch.allclose(calls[1], t0 + (1 - t0) * warped_fractions(6, warp)[1])
+    with pytest.raises(ValueError, match="warp"):
+        warped_fractions(4, 0.0)
+
+
+def test_sample_time_warp_reaches_the_euler_samplers(runs_dir, capsys):
+    """FM / OT-CFM / NSGF read sample.time_warp at sampling (same NFE, other times); a bad value is one line."""
+    from sinkflow.eval.points import generate
+    from sinkflow.runner.run import Run
+
+    assert main(["train", "moons", "--method", "otcfm", *TINY_2D, "--name", "w", "--no-report"]) == 0
+    run = Run.open(runs_dir / "w")
+    outs = {}
+    for warp in (1.0, 0.5):
+        run.cfg["sample"]["time_warp"] = warp
+        seen = []
+        hook = run.model("velocity").register_forward_hook(lambda m, args, out: seen.append(float(args[1][0])))
+        outs[warp], info = generate(run, 8, 4, seed=0)
+        hook.remove()
+        assert info["nfe"] == 4
+        assert seen == pytest.approx([1 - (1 - i / 4) ** warp for i in range(4)])
+    assert not torch.allclose(outs[1.0], outs[0.5])
+    assert main(["train", "moons", *TINY_2D, "--name", "bad", "sample.time_warp=0"]) == 2
+    err = capsys.readouterr().err
+    assert "sample.time_warp" in err and "Traceback" not in err and not (runs_dir / "bad").exists()

@@ -466,6 +466,8 @@ TRAIN_DOCS = {
 
 SAMPLE = {
     "steps": Key(100, POS_INT, "Euler steps of the velocity network at sampling time", when=STEPS_SAMPLERS),
+    "time_warp": Key(1.0, POS_FLOAT, "Euler grid t_i = 1 - (1 - i/N)^warp: 1 = uniform (the paper's); < 1 makes the "
+                     "early steps shorter and the last one a longer jump to the end point", when=STEPS_SAMPLERS),
     "batch_size": Key(500, POS_INT, "samples generated per network call (eval.n is split into chunks of this)"),
     "nsf_steps": Key(50, POS_INT, "Euler steps of the straight flow from t_hat to 1", when=_methods("nsgfpp")),
     "nsgf_steps": Key(None, POS_INT, "Euler steps of the NSGF part (null: the pool's own T steps; else uniform "

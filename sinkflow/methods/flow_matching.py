@@ -76,7 +76,8 @@ class FlowMatching(Method):
     def sample(self, run, x0, steps=None, record=False):
         model = run.model("velocity")
         with count_nfe(model) as nfe:
-            x, path = euler(model, x0, 0.0, 1.0, steps or self.default_steps(run.cfg), record)
+            x, path = euler(model, x0, 0.0, 1.0, steps or self.default_steps(run.cfg), record,
+                            run.cfg["sample"]["time_warp"])
         return x, {"nfe": nfe.count, "path": path}
 
     def describe(self, cfg: dict) -> str:

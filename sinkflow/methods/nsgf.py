@@ -157,7 +157,8 @@ class NSGF(Method):
         model = run.model("velocity")
         t_end = float(network_grid(run.cfg)[0][-1])
         with count_nfe(model) as nfe:
-            x, path = euler(model, x0, 0.0, t_end, steps or self.default_steps(run.cfg), record)
+            x, path = euler(model, x0, 0.0, t_end, steps or self.default_steps(run.cfg), record,
+                            run.cfg["sample"]["time_warp"])
         return x, {"nfe": nfe.count, "path": path}
 
     def describe(self, cfg: dict) -> str:

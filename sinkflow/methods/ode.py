@@ -36,15 +36,30 @@ def _expand(t, x: torch.Tensor) -> torch.Tensor:
     return t.expand(x.shape[0]).clone() if t.ndim == 0 else t
 
 
+def warped_fractions(steps: int, warp: float = 1.0) -> list[float]:
+    """Grid points f_i = 1 - (1 - i/steps)^warp on [0, 1]: ``warp`` 1 is uniform; below 1 the early steps
+    are shorter and the last one longer (it jumps to the network's estimate of the end point), above 1
+    the reverse. The same NFE either way; ``sample.time_warp`` (docs/nsgfpp.md, the digits benchmark)."""
+    if not warp > 0:
+        raise ValueError(f"time warp must be > 0, got {warp!r}")
+    return [1.0 - (1.0 - i / steps) ** warp for i in range(steps + 1)]
+
+
 @torch.no_grad()
-def euler(model, x: torch.Tensor, t0, t1, steps: int, record: bool = False):
-    """Integrate dx/dt = model(x, t) from t0 to t1 (scalars or per-sample (N,) tensors) in ``steps`` steps."""
+def euler(model, x: torch.Tensor, t0, t1, steps: int, record: bool = False, warp: float = 1.0):
+    """Integrate dx/dt = model(x, t) from t0 to t1 (scalars or per-sample (N,) tensors) in ``steps`` Euler
+    steps on the grid ``warped_fractions(steps, warp)`` of each span (uniform by default)."""
     t0, t1 = _expand(t0, x), _expand(t1, x)
-    h = (t1 - t0) / steps
+    span = t1 - t0
+    grid = warped_fractions(steps, warp)
     shape = (-1,) + (1,) * (x.ndim - 1)
     path = [x.cpu()] if record else []
     for k in range(steps):
-        t = t0 + k * h
+        if warp == 1.0:  # the uniform grid exactly as t0 + k h (bit-identical to the samplers before warps)
+            h = span / steps
+            t = t0 + k * h
+        else:
+            t, h = t0 + grid[k] * span, (grid[k + 1] - grid[k]) * span
         x = x + h.view(shape) * model(x, t).float()
         if record:
             path.append(x.cpu())
