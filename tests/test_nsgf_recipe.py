@@ -306,3 +306,46 @@ def test_sample_time_warp_reaches_the_euler_samplers(runs_dir, capsys):
     assert main(["train", "moons", *TINY_2D, "--name", "bad", "sample.time_warp=0"]) == 2
     err = capsys.readouterr().err
     assert "sample.time_warp" in err and "Traceback" not in err and not (runs_dir / "bad").exists()
+
+
+def test_hermite_point_is_c1_and_reduces_to_the_straight_segment():
+    u = torch.linspace(0, 1, 101)
+    x, c = torch.zeros(101, 2), torch.full((101,), 0.5)
+    d = torch.tensor([[2.0, 0.0]]).expand(101, 2)
+    p, vel = nsgf.hermite_point(x, d, d, d, u, c)  # equal neighbours: the Euler segment itself
+    assert torch.allclose(p, x + (u * c)[:, None] * d) and torch.allclose(vel, d)
+    d0, d2 = torch.tensor([[0.0, 1.0]]).expand(101, 2), torch.tensor([[1.0, -1.0]]).expand(101, 2)
+    p, vel = nsgf.hermite_point(x, d0, d, d2, u, c)
+    assert torch.allclose(p[0], x[0]) and torch.allclose(p[-1], x[-1] + c[-1] * d[-1], atol=1e-6)  # through both states
+    assert torch.allclose(vel[0], (d0[0] + d[0]) / 2) and torch.allclose(vel[-1], (d[0] + d2[0]) / 2, atol=1e-6)
+    numeric = (p[2:] - p[:-2]) / (2 * 0.01 * 0.5)  # d point / d s, s = u * c
+    assert torch.allclose(numeric, vel[1:-1], atol=1e-3)
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+def test_cubic_path_points_lie_on_the_c1_curve_through_their_trajectory(tmp_path, storage):
+    """nsgf.path=cubic: each segment point is on the Hermite curve through its own trajectory's states, with the
+    neighbouring segments' velocities as tangents, at the right time; the velocity is continuous at grid times."""
+    run, x, v, k, etas = _fake_run(tmp_path, "fraction", 1.0, storage, extra=["nsgf.path=cubic"])
+    T, n = 4, 3
+    scale = nsgf.target_scale(run.cfg)
+    d = v * scale[k][:, None]
+    xb, tb, vb = nsgf.pool_batches(run)(torch.Generator().manual_seed(0), 400, "cpu")
+    for xi, ti, vi in zip(xb, tb, vb):
+        kk = min(int(float(ti) * T + 1e-6), T - 1)
+        u = float(ti) * T - kk
+        matches = []
+        for j in [r for r in range(len(x)) if int(k[r]) == kk]:
+            prev = d[j - n] if kk > 0 else d[j]
+            nxt = d[j + n] if kk < T - 1 else d[j]
+            p, vel = nsgf.hermite_point(x[j][None], prev[None], d[j][None], nxt[None], torch.tensor([u]),
+                                        torch.tensor([1.0 / T]))
+            if torch.allclose(p[0], xi, atol=1e-4) and torch.allclose(vel[0], vi, atol=1e-4):
+                matches.append(j)
+        assert len(matches) == 1
+    # continuity: the end of segment k and the start of segment k + 1 of one trajectory have the same velocity
+    j = n + 1  # trajectory 0, step 1, particle 1
+    _, v_end = nsgf.hermite_point(x[j][None], d[j - n][None], d[j][None], d[j + n][None], torch.ones(1), torch.tensor([0.25]))
+    _, v_start = nsgf.hermite_point(x[j + n][None], d[j][None], d[j + n][None], d[j + 2 * n][None], torch.zeros(1),
+                                    torch.tensor([0.25]))
+    assert torch.allclose(v_end, v_start, atol=1e-6)
