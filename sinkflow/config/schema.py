@@ -336,9 +336,6 @@ NSGF = {
                 "fraction: s_k = k/T, target T*eta_k*v_k"),
     "segment": Key(0.0, Float(0, 1), "probability that a training point is drawn on its Euler segment "
                    "x_k + u*eta_k*v_k, u~U[0,1)"),
-    "path": Key("linear", Options("linear", "cubic"), "the path segment points are drawn on: linear = the Euler "
-                "segments (velocity jumps at each grid time) | cubic = a C1 Hermite curve through the same pool states, "
-                "tangents the mean of the adjacent segments' velocities (velocity continuous in time)"),
     "nsf_pairs": Key("independent", Options("independent", "ot"), "NSGF++'s straight flow pairs its source and "
                      "target samples independently (paper) or by an exact minibatch OT plan (as OT-CFM)",
                      when=_methods("nsgfpp")),

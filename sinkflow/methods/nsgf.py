@@ -12,8 +12,6 @@ size eta_k). How the network reads it is ``nsgf.time`` (docs/nsgf.md):
 With ``nsgf.segment`` = p, a training point is, with probability p, a uniform point of its Euler segment
 x_k + u eta_k v_k (time shifted by u of the step) instead of the grid point x_k: the piecewise-linear
 path the Euler flow really takes, so a fine sampler integrates the same field the pool moved along.
-``nsgf.path=cubic`` draws it instead on a C1 cubic (Hermite) curve through the same states, whose velocity
-is continuous at the grid times (the Euler pool is a discretisation of a smooth flow; its kinks are not).
 """
 
 from __future__ import annotations
@@ -111,21 +109,6 @@ def pool_task(cfg, source, target) -> PoolTask:
     return PoolTask(qmc_twin(source) if cfg["pool"]["qmc"] else source, target, make_simulator(cfg, None))
 
 
-def hermite_point(x, d_prev, d, d_next, u, c):
-    """Point and velocity (d/ds) at fraction u of segment k of the C1 cubic through the pool states.
-
-    d = (x_{k+1} - x_k) / c is the segment's own velocity (c its length in network time), d_prev / d_next the
-    neighbouring segments' (or d itself at a trajectory's ends); the tangents at the two nodes are the means
-    of the adjacent segments' velocities. With d_prev = d = d_next this is the straight segment."""
-    shape = (-1,) + (1,) * (x.ndim - 1)
-    u, c = u.view(shape), c.view(shape)
-    m0, m1 = (d_prev + d) / 2, (d + d_next) / 2
-    h01, h10, h11 = 3 * u**2 - 2 * u**3, u**3 - 2 * u**2 + u, u**3 - u**2
-    point = x + c * (h01 * d + h10 * m0 + h11 * m1)
-    velocity = (6 * u - 6 * u**2) * d + (3 * u**2 - 4 * u + 1) * m0 + (3 * u**2 - 2 * u) * m1
-    return point, velocity
-
-
 def pool_batches(run):
     """Training batches (x, network time, target) drawn by index from the finished pool.
 
@@ -139,37 +122,18 @@ def pool_batches(run):
     etas, scale = step_sizes(cfg["pool"]), target_scale(cfg)
     times, steps = network_grid(cfg)
     segment = float(cfg["nsgf"]["segment"])
-    cubic = cfg["nsgf"].get("path") == "cubic"
-    T, n_traj = cfg["pool"]["steps"], cfg["pool"]["batch_size"]  # rows of one trajectory: [step k][particle]
 
     def make_batch(gen, n, device):
         idx = torch.randint(len(pool), (n,), generator=gen)
         u = torch.rand(n, generator=gen)
         on_segment = torch.rand(n, generator=gen) < segment
         idx, u = dist.shard(idx), dist.shard(torch.where(on_segment, u, torch.zeros_like(u)))
-        if cubic:  # sorted rows: disk storage returns rows in index order, and the neighbours must line up
-            idx, order = torch.sort(idx)
-            u = u[order]
         x, t, v = pool.batch(idx, device)  # pinned, non-blocking copies on CUDA
         k = torch.bucketize(t.cpu(), mids)
         u = u.to(x.device)
         shape = (-1,) + (1,) * (x.ndim - 1)
-        target = v * scale[k].to(x.device).view(shape)
-        if cubic:
-            x, target = cubic_point(x, target, idx, k, u, device)
-        else:
-            x = x + (u * etas[k].to(x.device)).view(shape) * v
-        return x, times[k].to(x.device) + u * steps[k].to(x.device), target
-
-    def cubic_point(x, d, idx, k, u, device):
-        """The same state's neighbours on its trajectory (rows idx -+ batch_size) give the node tangents."""
-        shape = (-1,) + (1,) * (x.ndim - 1)
-        neighbours = []
-        for shift, has in ((-n_traj, k > 0), (n_traj, k < T - 1)):
-            _, _, v_nb = pool.batch((idx + shift).clamp(0, len(pool) - 1), device)
-            d_nb = v_nb * scale[(k + shift // n_traj).clamp(0, T - 1)].to(x.device).view(shape)
-            neighbours.append(torch.where(has.to(x.device).view(shape), d_nb, d))
-        return hermite_point(x, neighbours[0], d, neighbours[1], u, steps[k].to(x.device))
+        x = x + (u * etas[k].to(x.device)).view(shape) * v
+        return x, times[k].to(x.device) + u * steps[k].to(x.device), v * scale[k].to(x.device).view(shape)
 
     return make_batch
 
