@@ -49,38 +49,6 @@ def test_harmonic_steps_cover_equal_shares_and_land():
         eta_schedule(1.0, 3, schedule="cubic")
 
 
-def test_share_power_steps_cover_the_displacement_grid_and_land():
-    """pool.share_power=p: harmonic step k moves s_{k+1} - s_k of the original displacement, s_k = (k/T)^p;
-    p = 1 is the equal-share schedule exactly."""
-    from sinkflow.ot.velocity import displacement_grid
-
-    s = displacement_grid(5, 2.0)
-    etas = eta_schedule(1.0, 5, schedule="harmonic", power=2.0)
-    left, moved = 1.0, []
-    for eta in etas:
-        moved.append(eta * left)
-        left *= 1 - eta
-    assert moved == pytest.approx([0.04, 0.12, 0.2, 0.28, 0.36]) and moved == pytest.approx(np.diff(s).tolist())
-    assert etas[-1] == pytest.approx(1.0) and left == pytest.approx(0.0)
-    assert eta_schedule(1.0, 5, schedule="harmonic", power=1.0) == eta_schedule(1.0, 5, schedule="harmonic")
-    with pytest.raises(SinkflowError, match="share power"):
-        eta_schedule(1.0, 5, schedule="harmonic", power=0.0)
-
-
-def test_share_power_grid_in_network_time_and_targets():
-    """With nsgf.time=fraction the network's time is the share covered, so targets stay ~ the displacement
-    (constant speed) and T Euler steps on the network grid replay the pool's flow."""
-    cfg = config.resolve("moons", ["pool.share_power=2.0"])
-    times, steps = nsgf.network_grid(cfg)
-    assert times.tolist() == pytest.approx([0, 0.04, 0.16, 0.36, 0.64, 1.0])
-    assert steps.tolist() == pytest.approx([0.04, 0.12, 0.2, 0.28, 0.36])
-    etas = nsgf.step_sizes(cfg["pool"])
-    assert torch.allclose(steps * nsgf.target_scale(cfg), etas)  # x_{k+1} = x_k + steps[k] * target_k
-    flat = config.resolve("moons", [])
-    assert torch.equal(nsgf.network_grid(flat)[0], torch.arange(6) / 5.0)
-    assert torch.equal(nsgf.target_scale(flat), nsgf.step_sizes(flat["pool"]) * 5)
-
-
 def test_harmonic_sinkhorn_flow_lands_on_a_small_target_batch():
     gen = torch.Generator().manual_seed(0)
     x0, y = torch.randn(64, 2, generator=gen), torch.randn(64, 2, generator=gen) + 4
@@ -91,11 +59,11 @@ def test_harmonic_sinkhorn_flow_lands_on_a_small_target_batch():
     assert torch.cdist(x0, y).min(1).values.median() > 2
 
 
-def _fake_run(tmp_path, time, segment, storage="memory", extra=()):
+def _fake_run(tmp_path, time, segment, storage="memory"):
     """A finished pool of 2 trajectories x T=4 steps x n=3 particles (x, v, t as the pool phase writes them)."""
     cfg = config.resolve("moons", [f"nsgf.time={time}", f"nsgf.segment={segment}", "pool.steps=4",
                                    "pool.batch_size=3", "pool.batches=2", "pool.eta=1.0", "pool.schedule=harmonic",
-                                   f"pool.storage={storage}", *extra])
+                                   f"pool.storage={storage}"])
     T, n = 4, 3
     etas, times = nsgf.step_sizes(cfg["pool"]), nsgf.flow_times(cfg["pool"])
     gen = torch.Generator().manual_seed(1)
@@ -107,21 +75,6 @@ def _fake_run(tmp_path, time, segment, storage="memory", extra=()):
     for name, a in (("x", x), ("v", v), ("t", times[k])):
         np.save(folder / f"{name}.npy", a.numpy().astype(np.float32))
     return SimpleNamespace(dir=tmp_path, cfg=cfg), x, v, k, etas
-
-
-def test_segment_points_with_unequal_shares_lie_at_their_share_time(tmp_path):
-    """pool.share_power=2: a segment point x_k + u eta_k v_k sits at network time s_k + u (s_{k+1} - s_k)."""
-    run, x, v, k, etas = _fake_run(tmp_path, "fraction", 1.0, extra=["pool.share_power=2.0"])
-    times, steps = nsgf.network_grid(run.cfg)
-    scale = nsgf.target_scale(run.cfg)
-    xb, tb, vb = nsgf.pool_batches(run)(torch.Generator().manual_seed(0), 300, "cpu")
-    for xi, ti, vi in zip(xb, tb, vb):
-        rows = [j for j in range(len(x)) if torch.allclose(vi, scale[k[j]] * v[j], atol=1e-5)]
-        assert len(rows) == 1
-        j, kj = rows[0], int(k[rows[0]])
-        u = (float(ti) - float(times[kj])) / float(steps[kj])
-        assert -1e-5 <= u < 1.0 + 1e-5
-        assert torch.allclose(xi, x[j] + u * etas[kj] * v[j], atol=1e-5)
 
 
 @pytest.mark.parametrize("storage", ["memory", "disk"])

@@ -261,7 +261,6 @@ IMAGES = When("an image target (" + ", ".join(IMAGE_TARGETS) + ")", lambda t: t[
 FOLDER = When("data.target=folder", lambda t: t["data"]["target"] == "folder")
 GEOMLOSS = When("sinkhorn.solver=geomloss", lambda t: POOL(t) and t["sinkhorn"]["solver"] == "geomloss")
 CONVERGED = When("sinkhorn.solver=converged", lambda t: POOL(t) and t["sinkhorn"]["solver"] == "converged")
-HARMONIC = When("pool.schedule=harmonic", lambda t: POOL(t) and t["pool"]["schedule"] == "harmonic")
 NOT_FLOW = When("every method but flow", lambda t: _method(t) != "flow")
 IMAGES_NOT_FLOW = When("an image target, every method but flow", lambda t: IMAGES(t) and NOT_FLOW(t))
 STEPS_SAMPLERS = _methods("nsgf", "fm", "otcfm")
@@ -318,8 +317,6 @@ POOL_KEYS = {
                       "(the paper's \"incremental lr\", hint r=4)"),
     "schedule": Key(None, Options("constant", "incremental", "harmonic"), "harmonic: eta_k = eta/(T-k); "
                     "null = incremental if eta_growth > 0, else constant", nullable=True),
-    "share_power": Key(1.0, POS_FLOAT, "harmonic steps cover displacement shares s_k = (k/T)^p: 1 = equal shares; "
-                       "> 1 = short early steps, the Sinkhorn plan re-solved more often early", when=HARMONIC),
     "qmc": Key(False, Bool(), "draw each batch's source points by randomised QMC (scrambled Sobol) where the source "
                "has a twin (normal, 8gaussians): even coverage of the source in every Sinkhorn batch"),
     "storage": Key("memory", Options("memory", "disk"), "where the pool lives: memory, or disk (a numpy memmap in the run folder)"),

@@ -32,12 +32,7 @@ def step_sizes(pool_cfg: dict) -> torch.Tensor:
     from sinkflow.ot import eta_schedule
 
     return torch.tensor(eta_schedule(pool_cfg["eta"], pool_cfg["steps"], pool_cfg["eta_growth"] or None,
-                                     pool_cfg.get("schedule"), pool_cfg["share_power"]))
-
-
-def unequal_shares(pool_cfg: dict) -> bool:
-    """Harmonic steps over unequal displacement shares (``pool.share_power`` != 1)."""
-    return pool_cfg.get("schedule") == "harmonic" and pool_cfg["share_power"] != 1
+                                     pool_cfg.get("schedule")))
 
 
 def flow_times(pool_cfg: dict) -> torch.Tensor:
@@ -50,11 +45,6 @@ def network_grid(cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
     ``x_{k+1} = x_k + steps[k] * net(x_k, times[k])`` replays the pool's own flow."""
     pool = cfg["pool"]
-    if cfg["nsgf"]["time"] == "fraction" and unequal_shares(pool):  # network time = share of the displacement
-        from sinkflow.ot.velocity import displacement_grid
-
-        s = torch.tensor(displacement_grid(pool["steps"], pool["share_power"]), dtype=torch.float32)
-        return s, s[1:] - s[:-1]
     if cfg["nsgf"]["time"] == "fraction":
         T = pool["steps"]
         return torch.arange(T + 1, dtype=torch.float32) / T, torch.full((T,), 1.0 / T)
@@ -64,11 +54,7 @@ def network_grid(cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def target_scale(cfg: dict) -> torch.Tensor:
     """Per-step factor from the pool's velocity v_k to the network's target (d x / d network time)."""
     etas = step_sizes(cfg["pool"])
-    if cfg["nsgf"]["time"] != "fraction":
-        return torch.ones_like(etas)
-    if unequal_shares(cfg["pool"]):
-        return etas / network_grid(cfg)[1]
-    return etas * cfg["pool"]["steps"]
+    return etas * cfg["pool"]["steps"] if cfg["nsgf"]["time"] == "fraction" else torch.ones_like(etas)
 
 
 def make_simulator(cfg: dict, device):
@@ -81,7 +67,7 @@ def make_simulator(cfg: dict, device):
     def simulate(x0, y, batched=False, diameter=None):  # batched: x0, y (B, n, *) -> xs, vs (steps, B, n, *)
         xs, vs = simulate_sinkhorn_flow(
             x0, y, steps=pool["steps"], eta=pool["eta"], eta_growth=pool["eta_growth"] or None,
-            schedule=pool.get("schedule"), share_power=pool["share_power"], blur=sk["blur"], scaling=sk["scaling"],
+            schedule=pool.get("schedule"), blur=sk["blur"], scaling=sk["scaling"],
             diameter=sk["diameter"] if diameter is None else diameter, backend=sk["backend"], batched=batched,
             solver=sk["solver"], max_iters=sk["max_iters"], tol=sk["tol"])
         return xs, vs, times

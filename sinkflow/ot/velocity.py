@@ -289,36 +289,21 @@ def sinkhorn_velocity_batched(x: torch.Tensor, y: torch.Tensor, **kwargs) -> tor
 SCHEDULES = ("constant", "incremental", "harmonic")
 
 
-def displacement_grid(steps: int, power: float = 1.0) -> list[float]:
-    """s_k = (k/T)^power, k = 0..T: the share of the displacement covered before harmonic step k. power 1 gives
-    equal shares; power > 1 short early steps (the Sinkhorn plan is re-solved more often where the flow
-    splits the source between modes) and longer late ones."""
-    require(isinstance(power, (int, float)) and math.isfinite(power) and power > 0,
-            f"share power must be a positive number, got {power!r}", "use e.g. pool.share_power=1.0 (equal shares)")
-    return [(k / steps) ** power for k in range(steps + 1)]
-
-
-def eta_schedule(eta: float, steps: int, growth: float | None = None, schedule: str | None = None,
-                 power: float = 1.0) -> list[float]:
+def eta_schedule(eta: float, steps: int, growth: float | None = None, schedule: str | None = None) -> list[float]:
     """Step sizes eta_0..eta_{T-1}.
 
     constant: eta at every step. incremental (``growth`` r > 0; the default when a growth is given):
     eta_k = eta * exp(r * (k - T) / T), the dev code's "incremental lr" hint with r = 4: small early steps
     where the velocity is large, growing towards eta. harmonic: eta_k = eta / (T - k). With v ~ T(x) - x
     (small blur), step k then moves eta/(T-k) of the displacement still to go, i.e. eta/T of the original
-    one: a constant-speed path, and eta = 1 lands on the target batch at the last step (docs/nsgf.md). With
-    ``power`` p != 1 the harmonic steps cover unequal shares c_k = s_{k+1} - s_k of ``displacement_grid``:
-    eta_k = eta * c_k / (1 - s_k) (p = 1 is eta / (T - k)).
+    one: a constant-speed path, and eta = 1 lands on the target batch at the last step (docs/nsgf.md).
     """
     schedule = schedule or ("incremental" if growth else "constant")
     require(schedule in SCHEDULES, f"unknown eta schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
     if schedule == "constant":
         return [float(eta)] * steps
     if schedule == "harmonic":
-        if power == 1:
-            return [float(eta) / (steps - k) for k in range(steps)]
-        s = displacement_grid(steps, power)
-        return [float(eta) * (s[k + 1] - s[k]) / (1.0 - s[k]) for k in range(steps)]
+        return [float(eta) / (steps - k) for k in range(steps)]
     require(
         isinstance(growth, (int, float)) and math.isfinite(growth) and growth > 0,
         f"eta_growth must be a positive number for the incremental schedule, got {growth!r}",
@@ -339,7 +324,6 @@ def simulate_sinkhorn_flow(
     backend: str = "tensorized",
     eta_growth: float | None = None,
     schedule: str | None = None,
-    share_power: float = 1.0,
     batched: bool = False,
     solver: str = "geomloss",
     max_iters: int = 200,
@@ -347,7 +331,7 @@ def simulate_sinkhorn_flow(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Explicit Euler x_{k+1} = x_k + eta_k v(x_k; y) for exactly ``steps`` updates.
 
-    Step sizes come from ``eta_schedule(eta, steps, eta_growth, schedule, share_power)``. The same target batch y is
+    Step sizes come from ``eta_schedule(eta, steps, eta_growth, schedule)``. The same target batch y is
     used at every step (paper Alg. 1). Returns (xs, vs), float32, each
     shaped (steps, *x0.shape): the state *before* step k and its velocity. The final state is
     xs[-1] + eta_{T-1} * vs[-1]. With diameter=None the bound is recomputed from the data at every
@@ -365,7 +349,7 @@ def simulate_sinkhorn_flow(
     )
     _check_params(blur, scaling, diameter, backend, solver)
     B, N, M, D = _check_clouds(x0, y, batched)
-    etas = eta_schedule(eta, steps, eta_growth, schedule, share_power)
+    etas = eta_schedule(eta, steps, eta_growth, schedule)
     device = x0.device
     xs = torch.empty((steps, *x0.shape), dtype=torch.float32, device=device)
     vs = torch.empty_like(xs)
