@@ -96,13 +96,18 @@ def choose_split(run, total: int, seeds: int) -> tuple[int, int, dict]:
     val = {}
     for k in split_candidates(total):
         run.cfg["sample"]["nsgf_steps"] = k
-        r = image_metrics(run, seeds=seeds, steps_list=[total - 1 - k], split="val")["rows"][0]
-        val[k] = (r["w2"], r.get("tv", 0.0), -r.get("confidence", 0.0))
+        val[k] = val_scores(run, total - 1 - k, seeds)
     k = rank_choice(val)
     return k, total - 1 - k, {j: (w, tv, -c) for j, (w, tv, c) in val.items()}
 
 
 WARPS = (0.35, 0.5, 0.75, 1.0)  # sample.time_warp candidates for FM / OT-CFM (1.0 = uniform Euler, the paper's)
+
+
+def val_scores(run, steps: int, seeds: int) -> tuple[float, float, float]:
+    """(W2, TV, -confidence) on the validation split: every column lower is better."""
+    r = image_metrics(run, seeds=seeds, steps_list=[steps], split="val")["rows"][0]
+    return r["w2"], r.get("tv", 0.0), -r.get("confidence", 0.0)
 
 
 def rank_choice(val: dict) -> object:
@@ -120,8 +125,7 @@ def choose_warp(run, steps: int, seeds: int) -> tuple[float, dict]:
     val = {}
     for warp in WARPS:
         run.cfg["sample"]["time_warp"] = warp
-        r = image_metrics(run, seeds=seeds, steps_list=[steps], split="val")["rows"][0]
-        val[warp] = (r["w2"], r.get("tv", 0.0), -r.get("confidence", 0.0))
+        val[warp] = val_scores(run, steps, seeds)
     run.cfg["sample"]["time_warp"] = 1.0
     return rank_choice(val), {w: (a, b, -c) for w, (a, b, c) in val.items()}
 

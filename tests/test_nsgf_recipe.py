@@ -244,18 +244,19 @@ def test_sample_time_warp_reaches_the_euler_samplers(runs_dir, capsys):
     from sinkflow.eval.points import generate
     from sinkflow.runner.run import Run
 
-    assert main(["train", "moons", "--method", "otcfm", *TINY_2D, "--name", "w", "--no-report"]) == 0
-    run = Run.open(runs_dir / "w")
-    outs = {}
-    for warp in (1.0, 0.5):
-        run.cfg["sample"]["time_warp"] = warp
-        seen = []
-        hook = run.model("velocity").register_forward_hook(lambda m, args, out: seen.append(float(args[1][0])))
-        outs[warp], info = generate(run, 8, 4, seed=0)
-        hook.remove()
-        assert info["nfe"] == 4
-        assert seen == pytest.approx([1 - (1 - i / 4) ** warp for i in range(4)])
-    assert not torch.allclose(outs[1.0], outs[0.5])
+    for method in ("otcfm", "nsgf"):  # the moons preset's NSGF reads fraction time: its span is [0, 1] too
+        assert main(["train", "moons", "--method", method, *TINY_2D, "--name", method, "--no-report"]) == 0
+        run = Run.open(runs_dir / method)
+        outs = {}
+        for warp in (1.0, 0.5):
+            run.cfg["sample"]["time_warp"] = warp
+            seen = []
+            hook = run.model("velocity").register_forward_hook(lambda m, args, out: seen.append(float(args[1][0])))
+            outs[warp], info = generate(run, 8, 4, seed=0)
+            hook.remove()
+            assert info["nfe"] == 4
+            assert seen == pytest.approx([1 - (1 - i / 4) ** warp for i in range(4)])
+        assert not torch.allclose(outs[1.0], outs[0.5])
     assert main(["train", "moons", *TINY_2D, "--name", "bad", "sample.time_warp=0"]) == 2
     err = capsys.readouterr().err
     assert "sample.time_warp" in err and "Traceback" not in err and not (runs_dir / "bad").exists()

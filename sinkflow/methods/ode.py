@@ -51,15 +51,15 @@ def euler(model, x: torch.Tensor, t0, t1, steps: int, record: bool = False, warp
     steps on the grid ``warped_fractions(steps, warp)`` of each span (uniform by default)."""
     t0, t1 = _expand(t0, x), _expand(t1, x)
     span = t1 - t0
-    grid = warped_fractions(steps, warp)
+    if warp == 1.0:  # the uniform grid as t0 + k h, bit-identical to the sampler before warps existed
+        h = span / steps
+        grid = [(t0 + k * h, h) for k in range(steps)]
+    else:
+        f = warped_fractions(steps, warp)
+        grid = [(t0 + f[k] * span, (f[k + 1] - f[k]) * span) for k in range(steps)]
     shape = (-1,) + (1,) * (x.ndim - 1)
     path = [x.cpu()] if record else []
-    for k in range(steps):
-        if warp == 1.0:  # the uniform grid exactly as t0 + k h (bit-identical to the samplers before warps)
-            h = span / steps
-            t = t0 + k * h
-        else:
-            t, h = t0 + grid[k] * span, (grid[k + 1] - grid[k]) * span
+    for t, h in grid:
         x = x + h.view(shape) * model(x, t).float()
         if record:
             path.append(x.cpu())
