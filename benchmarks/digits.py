@@ -130,17 +130,20 @@ def choose_warp(run, steps: int, seeds: int) -> tuple[float, dict]:
     return rank_choice(val), {w: (a, b, -c) for w, (a, b, c) in val.items()}
 
 
+BASELINES = ("otcfm", "fm")
+LABEL = {"otcfm": "OT-CFM", "fm": "FM"}
 METRICS = (("w2", "pixel W2 ↓", False), ("tv", "class-histogram TV ↓", False), ("conf", "classifier confidence ↑", True))
 
 
-def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int, nfe: list[int]) -> dict:
+def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int, nfe: list[int],
+               baselines: tuple = BASELINES) -> dict:
     """One training seed: NSGF++ (split per budget chosen on validation), FM and OT-CFM, scored on the test
     split. Returns {"scores": {method: {nfe: {metric: mean over sampling seeds}}}, "split", "val", "wall"}."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     os.environ.setdefault("SINKFLOW_PROGRESS", "0")
     out = out / f"seed{train_seed}"
     common = [*quick, *HOLD_OUT, f"experiment.seed={train_seed}"]
-    res = {"scores": {"NSGF++": {}, "FM": {}, "OT-CFM": {}, "FM warped": {}, "OT-CFM warped": {}}, "split": {},
+    res = {"scores": {"NSGF++": {}, **{k: {} for b in baselines for k in (LABEL[b], LABEL[b] + " warped")}}, "split": {},
            "val": {}, "warp": {}, "wall": {}, "sample_s": {}}
     run, res["wall"]["NSGF++"] = train(out, "nsgfpp", *common, *extra)
     preset_k = run.cfg["sample"]["nsgf_steps"]
@@ -153,7 +156,8 @@ def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int,
     run.cfg["sample"]["nsgf_steps"] = preset_k
     save_grid(generate(run, 64, None, seed=7)[0], out / "nsgfpp_grid.png", nrow=8)
     unet_steps = run.cfg["train"]["velocity"]["iters"] + run.cfg["train"]["nsf"]["iters"]
-    for method, label in (("fm", "FM"), ("otcfm", "OT-CFM")):
+    for method in baselines:
+        label = LABEL[method]
         run, res["wall"][label] = train(out, method, "--method", method, *common, f"train.velocity.iters={unet_steps}")
         for steps in [*nfe, 100]:
             result, res["sample_s"][(label, steps)] = timed_metrics(run, seeds, steps)
@@ -178,7 +182,7 @@ def table(per_seed: list[dict], nfe: list[int], real: dict) -> str:
     lines = ["| method | NFE | " + " | ".join(h for _, h, _ in METRICS) + " | train wall (s) |",
              "|---|---|---|---|---|---|"]
     for total in nfe:
-        for label in ("NSGF++", "OT-CFM", "OT-CFM warped", "FM", "FM warped"):
+        for label in [lb for lb in ("NSGF++", "OT-CFM", "OT-CFM warped", "FM", "FM warped") if lb in per_seed[0]["scores"]]:
             cells = [mean_std([r["scores"][label][total][m] for r in per_seed]) for m, _, _ in METRICS]
             base = label.split()[0]
             if label == "NSGF++":
@@ -189,7 +193,7 @@ def table(per_seed: list[dict], nfe: list[int], real: dict) -> str:
                 name = f"{label} (Euler {total})"
             wall = statistics.fmean(r["wall"][base] for r in per_seed)
             lines.append(f"| {name} | {total} | " + " | ".join(cells) + f" | {wall:.0f} |")
-    for label in ("OT-CFM", "FM"):
+    for label in [lb for lb in ("OT-CFM", "FM") if lb in per_seed[0]["scores"]]:
         cells = [mean_std([r["scores"][label][100][m] for r in per_seed]) for m, _, _ in METRICS]
         lines.append(f"| {label} (Euler 100) | 100 | " + " | ".join(cells) + " | |")
     lines.append("| real training images (reference) | - | " + " | ".join(f"{real[m]:.3f}" for m, _, _ in METRICS)
@@ -238,8 +242,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="training seeds run in parallel, one thread each")
     ap.add_argument("--quick", action="store_true", help="tiny budget, to check the script runs")
     ap.add_argument("--nfe", type=int, nargs="+", default=[6, 13, 26], help="total NFE budgets compared")
+    ap.add_argument("--baselines", nargs="+", choices=BASELINES, default=list(BASELINES),
+                    help="baseline methods trained beside NSGF++ (OT-CFM is the one the target compares with)")
     ap.add_argument("extra", nargs="*", help="config overrides for the NSGF++ run only, e.g. nsgf.segment=0.5")
     args = ap.parse_args()
+    if "otcfm" not in args.baselines:
+        ap.error("--baselines must include otcfm: the verdict compares NSGF++ with it")
     try:
         os.nice(10)  # the machine is shared
     except OSError:
@@ -248,12 +256,12 @@ def main() -> None:
     if out.exists():
         shutil.rmtree(out)
     quick = ["--train-iters", "20", "pool.batches=2", "train.time.iters=20", "eval.class_n=359"] if args.quick else []
-    cfg = config.resolve("digits", [a for a in quick if "=" in a], {"train_iters": 20} if args.quick else {})
+    cfg = config.resolve("digits", [a for a in [*quick, *args.extra] if "=" in a], {"train_iters": 20} if args.quick else {})
     preset_nfe = (cfg["sample"]["nsgf_steps"] or cfg["pool"]["steps"]) + 1 + cfg["sample"]["nsf_steps"]
     nfe = sorted(set(args.nfe) | {preset_nfe})
     start = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
-        per_seed = list(pool.map(bench_seed, *zip(*[(out, s, quick, args.extra, args.seeds, nfe)
+        per_seed = list(pool.map(bench_seed, *zip(*[(out, s, quick, args.extra, args.seeds, nfe, tuple(args.baselines))
                                                      for s in args.train_seeds])))
     real = real_floor(cfg, args.seeds)
     unet_steps = cfg["train"]["velocity"]["iters"] + cfg["train"]["nsf"]["iters"]
