@@ -1,6 +1,6 @@
 """NSGF++ vs FM vs OT-CFM on the embedded 8x8 digits, same UNet, batch, lr and UNet gradient steps (CPU).
 
-    OMP_NUM_THREADS=1 python benchmarks/digits.py [--train-seeds 0 1 2] [--workers 2] [--out R] [--quick]
+    OMP_NUM_THREADS=1 python benchmarks/digits.py [--train-seeds 0 1 2] [--workers 2] [--baselines otcfm] [--out R] [--quick]
 
 Budget: NSGF++ trains the velocity UNet (train.velocity.iters) and the NSF UNet (train.nsf.iters) plus a
 small time-predictor CNN; FM and OT-CFM train ONE UNet of the same config for velocity.iters + nsf.iters
