@@ -266,7 +266,8 @@ def main() -> None:
     real = real_floor(cfg, args.seeds)
     unet_steps = cfg["train"]["velocity"]["iters"] + cfg["train"]["nsf"]["iters"]
 
-    print(f"\n## digits benchmark ({'quick' if args.quick else 'preset budget'})\n")
+    label = "quick" if args.quick else "preset" + (" + " + " ".join(args.extra) if args.extra else "")
+    print(f"\n## digits benchmark ({label})\n")
     print(f"Command: `python benchmarks/digits.py {' '.join(sys.argv[1:])}`. Machine: {platform.node()}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared), torch {torch.__version__}, "
           f"{args.workers} training seed(s) in parallel with 1 thread each; date {time.strftime('%Y-%m-%d %H:%M')}; "
