@@ -12,12 +12,14 @@ grid's ``sample.time_warp`` chosen on the same validation split (one tuned sampl
 histogram TV distance and mean confidence of a LogisticRegression digit classifier, NFE counted by hooks;
 the real training images are a reference row. Every method is trained once per training seed; the table is the
 mean ± std over training seeds (one training run decides nothing here: the seed moves TV and confidence by as
-much as the methods differ), followed by each seed's numbers. Writes grids of 64 samples per run into --out.
+much as the methods differ), followed by each seed's numbers. Writes grids of 64 samples per run and results.json
+(every score, split, grid and validation score per training seed, for re-analysis) into --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
@@ -172,6 +174,13 @@ def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int,
     return res
 
 
+def plain(obj):
+    """JSON-ready copy of a result (tuple keys such as ("OT-CFM", 6) become "OT-CFM 6")."""
+    if isinstance(obj, dict):
+        return {" ".join(map(str, k)) if isinstance(k, tuple) else str(k): plain(v) for k, v in obj.items()}
+    return [plain(v) for v in obj] if isinstance(obj, (list, tuple)) else obj
+
+
 def mean_std(values: list[float]) -> str:
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.fmean(values):.3f} ± {sd:.3f}"
@@ -264,6 +273,8 @@ def main() -> None:
         per_seed = list(pool.map(bench_seed, *zip(*[(out, s, quick, args.extra, args.seeds, nfe, tuple(args.baselines))
                                                      for s in args.train_seeds])))
     real = real_floor(cfg, args.seeds)
+    (out / "results.json").write_text(json.dumps({"argv": sys.argv[1:], "train_seeds": args.train_seeds, "real": real,
+                                                  "per_seed": plain(per_seed)}, indent=1))
     unet_steps = cfg["train"]["velocity"]["iters"] + cfg["train"]["nsf"]["iters"]
 
     label = "quick" if args.quick else "preset" + (" + " + " ".join(args.extra) if args.extra else "")
