@@ -1,5 +1,5 @@
-"""The digits benchmark's choice rules (benchmarks/digits.py): they decide which sampler each method is scored with,
-so a wrong rank or verdict would change the table without any model changing."""
+"""Logic inside benchmark scripts that decides what a table says: the digits benchmark's choice rules (they pick
+the sampler each method is scored with) and the 8gaussians mode-count measurement."""
 
 import importlib.util
 import json
@@ -7,15 +7,19 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "digits.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("digits_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("digits")
 
 
 def test_rank_choice_takes_the_best_mean_rank_and_breaks_ties_by_w2(bench):
@@ -43,3 +47,20 @@ def test_wins_and_verdict_count_per_metric_direction(bench):
 def test_results_are_written_as_plain_json(bench):
     res = {"warp": {("OT-CFM", 6): 0.5}, "val": {6: {1: (3.0, 0.1, -0.9)}}}
     assert json.loads(json.dumps(bench.plain(res))) == {"warp": {"OT-CFM 6": 0.5}, "val": {"6": {"1": [3.0, 0.1, -0.9]}}}
+
+
+def test_mode_count_samples_move_exactly_the_asked_points_and_cost_w2():
+    import torch
+
+    from sinkflow import config, data
+    from sinkflow.ot import w2
+
+    counts = load("w2_mode_counts")
+    gen = torch.Generator().manual_seed(0)
+    moved = counts.labels_with_moves(1024, 8, gen)
+    assert int((moved != torch.arange(1024) % 8).sum()) == 8  # each moved point lands on another mode
+    _, target = data.distributions(config.resolve("8gaussians"))
+    test = target.test_set(1024, seed=2000)
+    exact = w2(counts.exact_sample(torch.arange(1024) % 8, torch.Generator().manual_seed(1)), test)
+    iid = w2(counts.exact_sample(torch.randint(0, 8, (1024,), generator=gen), torch.Generator().manual_seed(1)), test)
+    assert exact < 0.2 < 0.4 < iid  # the floor (~0.14) vs multinomial mode counts (~0.7)
