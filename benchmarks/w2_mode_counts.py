@@ -3,15 +3,16 @@
 Samples of the exact target (the true 8 Gaussians, nothing learned) whose only error is how many points each mode
 gets, scored like the 2D benchmark: exact W2 (POT) against the stratified 1024-point test draws, which hold
 exactly 128 points per mode. "moved m" reassigns m random points of a stratified draw to another random mode
-(sum of |n_k - 128| = 2m); "multinomial" is an i.i.d. draw of the mode labels.
+(sum of |n_k - 128| up to 2m: moves can cancel); "multinomial" is an i.i.d. draw of the mode labels. With --runs,
+also the imbalance of trained 8gaussians runs' own evaluation draws (the 2D benchmark's sampling seeds 1000..,
+modes by nearest centre), so the two can be compared.
 
-    python benchmarks/w2_mode_counts.py [--n 1024] [--draws 10]
+    python benchmarks/w2_mode_counts.py [--n 1024] [--draws 10] [--runs RUN ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 
 import torch
@@ -21,9 +22,16 @@ from sinkflow.data.toy2d import EIGHT_CENTRES
 from sinkflow.ot import w2
 
 
-def exact_sample(labels: torch.Tensor, gen: torch.Generator, radius: float = 5.0, std: float = math.sqrt(0.1)):
+def exact_sample(target, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """The target's own mixture (its radius and std) with the given mode of every point."""
     noise = torch.randn(len(labels), 2, generator=gen, dtype=torch.float64)
-    return (radius * EIGHT_CENTRES[labels] + std * noise).float()
+    return (target.radius * EIGHT_CENTRES[labels] + target.std * noise).float()
+
+
+def imbalance(target, x: torch.Tensor) -> int:
+    """Sum over the modes of |points nearest that centre - n/8|."""
+    modes = torch.cdist(x.double(), target.radius * EIGHT_CENTRES).argmin(1)
+    return int((torch.bincount(modes, minlength=8) - len(x) / 8).abs().sum())
 
 
 def labels_with_moves(n: int, moved: int, gen: torch.Generator) -> torch.Tensor:
@@ -37,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--draws", type=int, default=10)
+    ap.add_argument("--runs", nargs="*", default=[], help="trained 8gaussians run folders to count")
     args = ap.parse_args()
     torch.set_num_threads(1)
     _, target = data.distributions(config.resolve("8gaussians"))
@@ -45,13 +54,23 @@ def main() -> None:
     print(f"| exact-target sample, n = {args.n} | sum of abs(n_k - n/8) | W2 to the stratified test draw |")
     print("|---|---|---|")
     for name, make in cases:
-        w, imbalance = [], []
+        w, off = [], []
         for d in range(args.draws):
             gen = torch.Generator().manual_seed(100 + d)
-            labels = make(gen)
-            imbalance.append(int((torch.bincount(labels, minlength=8) - args.n / 8).abs().sum()))
-            w.append(w2(exact_sample(labels, gen), target.test_set(args.n, seed=2000 + d)))
-        print(f"| {name} | {statistics.fmean(imbalance):.1f} | {statistics.fmean(w):.3f} ± {statistics.stdev(w):.3f} |")
+            x = exact_sample(target, make(gen), gen)
+            off.append(imbalance(target, x))
+            w.append(w2(x, target.test_set(args.n, seed=2000 + d)))
+        print(f"| {name} | {statistics.fmean(off):.1f} | {statistics.fmean(w):.3f} ± {statistics.stdev(w):.3f} |")
+    if args.runs:
+        from sinkflow.eval.points import generate
+        from sinkflow.runner.run import Run
+
+        print("\n| run | steps | imbalance per sampling seed (1000, 1001, 1002) |\n|---|---|---|")
+        for folder in args.runs:
+            run = Run.open(folder)
+            for steps in (10, 100):
+                off = [imbalance(target, generate(run, args.n, steps, seed=1000 + s)[0]) for s in range(3)]
+                print(f"| {folder} | {steps} | {', '.join(map(str, off))} |")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ def test_mode_count_samples_move_exactly_the_asked_points_and_cost_w2():
     assert int((moved != torch.arange(1024) % 8).sum()) == 8  # each moved point lands on another mode
     _, target = data.distributions(config.resolve("8gaussians"))
     test = target.test_set(1024, seed=2000)
-    exact = w2(counts.exact_sample(torch.arange(1024) % 8, torch.Generator().manual_seed(1)), test)
-    iid = w2(counts.exact_sample(torch.randint(0, 8, (1024,), generator=gen), torch.Generator().manual_seed(1)), test)
-    assert exact < 0.2 < 0.4 < iid  # the floor (~0.14) vs multinomial mode counts (~0.7)
+    exact_x = counts.exact_sample(target, torch.arange(1024) % 8, torch.Generator().manual_seed(1))
+    iid_x = counts.exact_sample(target, torch.randint(0, 8, (1024,), generator=gen), torch.Generator().manual_seed(1))
+    assert counts.imbalance(target, exact_x) <= 4 < 20 < counts.imbalance(target, iid_x)  # nearest-centre counts
+    assert w2(exact_x, test) < 0.2 < 0.4 < w2(iid_x, test)  # the floor (~0.14) vs multinomial mode counts (~0.7)
