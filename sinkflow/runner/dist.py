@@ -98,6 +98,15 @@ def agree_stop(signum: int | None) -> int | None:
     return int(flag.item()) or None
 
 
+def any_over_ranks(flag: torch.Tensor) -> torch.Tensor:
+    """A boolean device tensor OR-ed over ranks, on the device (no host sync); itself when alone."""
+    if not current().enabled:
+        return flag
+    t = flag.to(device=_collective_device(), dtype=torch.int32)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return t.to(flag.device).bool()
+
+
 def mean_over_ranks(value: float) -> float:
     """The mean of a per-rank scalar (e.g. the shard's loss) over all ranks; itself when alone."""
     if not current().enabled:

@@ -29,7 +29,9 @@ from sinkflow.methods.base import TrainingStep
 from sinkflow.runner import dist
 from sinkflow.runner.callbacks import Callback, ProgressBar
 from sinkflow.runner.checkpoint import rng_state, set_rng_state
+from sinkflow.runner.finite import NonFiniteGuard, skips_on_device
 from sinkflow.runner.health import Health
+from sinkflow.runner.prefetch import BatchPrefetcher, use_prefetch
 from sinkflow.runner.rng import phase_generator, seed_everything
 from sinkflow.runner.run import build_phase_model, load_model_state
 from sinkflow.runner.signals import Interrupted, stop_requested
@@ -55,6 +57,8 @@ class Trainer:
         self.model = self.ddp_model = self.optimizer = self.scheduler = self.scaler = self.ema = None
         self.generator: torch.Generator | None = None
         self.ckpts = None
+        self.batches: BatchPrefetcher | None = None  # the loop's batch source (one step ahead where enabled)
+        self.guard: NonFiniteGuard | None = None
         self.step = 0
         self.last_units = 0  # progress-bar items the last unit did
         self._stop: int | None = None
@@ -95,6 +99,9 @@ class Trainer:
             raise SinkflowError(f"train.{key}.precision={self.precision!r} is not one of fp32, bf16, fp16",
                                 f"set train.{key}.precision=bf16")
         self.scaler = torch.amp.GradScaler(run.device.type, enabled=self.precision == "fp16")
+        # fp16: GradScaler skips steps with Inf/NaN gradients by design, so only the loss is guarded
+        self.guard = NonFiniteGuard(run.device, check_grad=not self.scaler.is_enabled())
+        self.skip_on_device = skips_on_device(self.optimizer) and not self.scaler.is_enabled()
         self.ddp_model = self.model
         if self.info.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -114,7 +121,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "ema": self.ema.module.state_dict() if self.ema is not None else None,
             "ema_state": self.ema.state_dict() if self.ema is not None else None,
-            "generator": self.generator.get_state(),
+            "generator": self.batches.generator_state() if self.batches is not None else self.generator.get_state(),
             "rng": rng_state(),
             "world_size": self.info.world,
         }
@@ -148,12 +155,16 @@ class Trainer:
         n = self.cfg["batch_size"] * self.info.world if n is None else n  # batch_size is per process (dist.py)
         return self.task.batch(self.generator, n, self.device)
 
-    def train_step(self, batch: Any) -> tuple[float, float]:
-        """One optimizer step (with accumulation); returns (loss, grad-norm)."""
+    def train_step(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step (with accumulation); returns (loss, grad-norm) as 0-dim device tensors.
+
+        Nothing here waits for the device: the non-finite guard (``sinkflow.runner.finite``) decides on the
+        device whether the update is applied. Where the optimizer cannot take that decision (foreach Adam on
+        a CPU, where reading a value costs nothing) the guard is read at once, as before."""
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         micro = split_batch(batch, self.cfg["accum"])
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        total = torch.zeros((), device=self.device)
         for i, part in enumerate(micro):
             if self.channels_last:
                 part = to_channels_last(part)
@@ -161,29 +172,39 @@ class Trainer:
             ctx = self.ddp_model.no_sync() if not sync else contextlib.nullcontext()
             with ctx, torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 loss = self.task.loss(self.ddp_model, part) / len(micro)
-            value = dist.mean_over_ranks(loss.item())  # every rank sees the same value (and stops together)
-            if not math.isfinite(value):
-                self.stop_non_finite(f"non-finite loss ({value})")
             self.scaler.scale(loss).backward()
-            total += value
+            total = total + loss.detach().float()
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg["grad_clip"]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-        if not self.scaler.is_enabled():  # fp16: the scaler skips steps with inf/NaN gradients by design
-            norm = dist.mean_over_ranks(float(grad_norm))  # every rank stops together
-            if not math.isfinite(norm):  # never apply it: the weights (and the next checkpoint) would be NaN
-                self.stop_non_finite(f"non-finite gradient norm ({norm}) with a finite loss ({total:.4g})")
-        self.scaler.step(self.optimizer)
+        if self.skip_on_device:  # the fused kernel leaves weights and moments untouched where the flag is set
+            self.optimizer.found_inf = self.guard.update(self.step + 1, total, grad_norm)
+            try:
+                self.scaler.step(self.optimizer)
+            finally:
+                del self.optimizer.found_inf
+        else:
+            failure = self.guard.check_now(total, grad_norm)
+            if failure is not None:  # never apply it: the weights (and the next checkpoint) would be NaN
+                self.stop_non_finite(failure, self.step + 1)
+            self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
         if self.ema is not None:
             self.ema.update_parameters(self.model)
-        return total, float(grad_norm)
+        return total, grad_norm
 
-    def stop_non_finite(self, what: str) -> None:
-        """Stop before a non-finite step is applied, saying which checkpoint a resume would use."""
+    def raise_if_non_finite(self) -> None:
+        """Stop (one sync) if a step the device skipped was non-finite; its update was not applied."""
+        if self.skip_on_device:
+            failure = self.guard.failure()
+            if failure is not None:
+                self.stop_non_finite(*failure)
+
+    def stop_non_finite(self, what: str, step: int) -> None:
+        """Stop with a non-finite step unapplied, saying which checkpoint a resume would use."""
         kept = self.ckpts.last_good() if self.ckpts is not None else "no checkpoint was written"
-        raise SinkflowError(f"{what} in phase '{self.name}' at step {self.step + 1}; the step was not applied and "
+        raise SinkflowError(f"{what} in phase '{self.name}' at step {step}; the step was not applied and "
                             f"{kept}", "lower the learning rate (sinkflow lr-find), set a grad_clip, or check the data")
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -225,36 +246,49 @@ class Trainer:
             self.load_state_dict(latest, str(ckpts.steps()[-1][1]))
             self._call("on_load_checkpoint", latest)
         iters, ckpt_every = self.cfg["iters"], self.cfg["ckpt_every"]
-        window: list[float] = []
+        loss_sum, loss_count = torch.zeros((), device=self.device), 0  # on the device until a log step reads it
         tick, tick_step = time.perf_counter(), self.step
         n_global = self.cfg["batch_size"] * self.info.world
-        self._call("on_phase_start")
-        while self.step < iters:
-            batch = self.draw_batch(n_global)
-            self._call("on_train_batch_start", batch)
-            loss, grad_norm = self.train_step(batch)
-            self.step += 1
-            self.last_units = 1
-            window.append(loss)
-            self._call("on_train_batch_end", batch, (loss, grad_norm))
-            if self.log_step():
-                rate = (self.step - tick_step) / max(time.perf_counter() - tick, 1e-9)
-                mean = sum(window) / len(window)
-                metrics = {"loss": mean, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
-                           "steps_per_s": rate, "samples_per_s": rate * n_global}
-                self._call("on_log", metrics)
-                run.logger.log(self.name, self.step, metrics)
-                run.logger.heartbeat(phase=self.name, step=self.step, total=iters, rate=rate,
-                                     eta_s=(iters - self.step) / max(rate, 1e-9), loss=mean, state="running")
-                window.clear()
-                tick, tick_step = time.perf_counter(), self.step
-            signum = self._agree_stop()
-            if self.step % ckpt_every == 0 or signum is not None:
-                self.save()
-            if signum is not None:
-                raise Interrupted(signum, self.name, self.step)
-        if self.info.is_main:
-            ckpts.save_final({"step": self.step, **self.state_dict()})
+        self.batches = BatchPrefetcher(lambda: self.draw_batch(n_global), self.generator, self.device,
+                                       ahead=use_prefetch(self.cfg.get("prefetch", "auto"), self.device))
+        try:
+            self._call("on_phase_start")
+            while self.step < iters:
+                batch = self.batches.next(more=self.step + 1 < iters)
+                self._call("on_train_batch_start", batch)
+                loss, grad_norm = self.train_step(batch)
+                self.step += 1
+                self.last_units = 1
+                loss_sum, loss_count = loss_sum + loss, loss_count + 1
+                self._call("on_train_batch_end", batch, (loss, grad_norm))
+                checkpoint = self.step % ckpt_every == 0
+                if self.log_step() or checkpoint:
+                    self.raise_if_non_finite()  # one sync: a bad step stops the run before it is logged or saved
+                if self.log_step():
+                    rate = (self.step - tick_step) / max(time.perf_counter() - tick, 1e-9)
+                    mean = dist.mean_over_ranks(float(loss_sum) / loss_count)
+                    metrics = {"loss": mean, "lr": self.optimizer.param_groups[0]["lr"],
+                               "grad_norm": float(grad_norm), "steps_per_s": rate, "samples_per_s": rate * n_global}
+                    self._call("on_log", metrics)
+                    run.logger.log(self.name, self.step, metrics)
+                    run.logger.heartbeat(phase=self.name, step=self.step, total=iters, rate=rate,
+                                         eta_s=(iters - self.step) / max(rate, 1e-9), loss=mean, state="running")
+                    loss_sum, loss_count = torch.zeros((), device=self.device), 0
+                    tick, tick_step = time.perf_counter(), self.step
+                # every rank agrees on a stop in the same step; under DDP that costs a sync, so only where it
+                # matters (log and checkpoint steps); alone, a signal is a Python flag and is read every step
+                signum = self._agree_stop() if (not self.info.enabled or checkpoint or self.log_step()) else None
+                if signum is not None:
+                    self.raise_if_non_finite()
+                if checkpoint or signum is not None:
+                    self.save()
+                if signum is not None:
+                    raise Interrupted(signum, self.name, self.step)
+            self.raise_if_non_finite()
+            if self.info.is_main:
+                ckpts.save_final({"step": self.step, **self.state_dict()})
+        finally:
+            self.batches.close()
         dist.barrier()
         self._call("on_phase_end")
 

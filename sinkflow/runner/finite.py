@@ -1,0 +1,70 @@
+"""No non-finite update is ever applied, without a host sync per step.
+
+Reading a loss or a gradient norm as a Python number each step (``.item()``, ``float()``) makes the host wait
+for the GPU to drain its queue: on a small network that wait, not arithmetic, is most of a step. The guard
+keeps everything on the device instead:
+
+* ``update(step, loss, grad_norm)`` marks the step bad when either value is not finite (under float16 only
+  the loss: GradScaler already skips Inf/NaN gradients by design), remembers the first bad step and its
+  values, and returns a *sticky* skip flag: from the first bad step on, every optimizer update is skipped.
+* A fused optimizer (Adam on CUDA) takes the flag as its ``found_inf`` input, the protocol GradScaler uses:
+  the kernel leaves weights, moments and step counts untouched when it is set, with no sync. An optimizer
+  without that input (foreach Adam on the CPU, where a read costs nothing) is guarded by ``check_now``
+  instead: the step's loss and gradient norm are read and the run stops before the update, as it always did.
+* ``raise_if_bad()`` reads the flag (one sync). The engine calls it on log steps and before every
+  checkpoint, so a non-finite step stops the run there, naming the first bad step; the weights it stops
+  with, and every checkpoint, hold only finite updates.
+
+Under DDP the flag is OR-ed over ranks on the device, so every rank skips the same steps and stops together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sinkflow.runner import dist
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Does ``optimizer.step`` honour a ``found_inf`` tensor (fused Adam/AdamW/SGD)?"""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and bool(optimizer.defaults.get("fused"))
+
+
+class NonFiniteGuard:
+    def __init__(self, device: torch.device, check_grad: bool = True):
+        self.check_grad = check_grad
+        self.first = torch.zeros((), dtype=torch.int64, device=device)  # first bad step (0 = none)
+        self.loss = torch.zeros((), dtype=torch.float32, device=device)
+        self.norm = torch.zeros((), dtype=torch.float32, device=device)
+
+    def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Record step ``step`` (1-based); returns the float32 skip flag (1 = do not apply this update)."""
+        loss, grad_norm = loss.detach().float(), grad_norm.detach().float()
+        bad = ~torch.isfinite(loss)
+        if self.check_grad:
+            bad = bad | ~torch.isfinite(grad_norm)
+        bad = dist.any_over_ranks(bad)
+        new = bad & (self.first == 0)
+        self.first = torch.where(new, torch.full_like(self.first, step), self.first)
+        self.loss = torch.where(new, loss, self.loss)
+        self.norm = torch.where(new, grad_norm, self.norm)
+        return (self.first > 0).float()
+
+    def failure(self) -> tuple[str, int] | None:
+        """(what went non-finite, first bad step) of the device-side record, or None (one sync)."""
+        step = int(self.first)
+        return (self.what(float(self.loss), float(self.norm)), step) if step else None
+
+    def check_now(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
+        """The host-side check of one step (where a read is free: the CPU): what is non-finite, or None."""
+        value = dist.mean_over_ranks(float(loss))  # every rank sees the same value (and stops together)
+        norm = dist.mean_over_ranks(float(grad_norm)) if self.check_grad else 0.0
+        return None if math.isfinite(value) and math.isfinite(norm) else self.what(value, norm)
+
+    @staticmethod
+    def what(loss: float, norm: float) -> str:
+        if not math.isfinite(loss):
+            return f"non-finite loss ({loss})"
+        return f"non-finite gradient norm ({norm}) with a finite loss ({loss:.4g})"

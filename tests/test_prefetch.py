@@ -1,0 +1,221 @@
+"""Issue 23's CPU-side mechanisms: batches drawn one step ahead (same batches, same order, resume still bit-equal),
+the OT coupling computed off the training thread (still the exact plan), and the non-finite guard that skips a bad
+update on the device instead of reading the loss every step."""
+
+import signal
+
+import numpy as np
+import ot
+import pytest
+import torch
+
+from sinkflow import config, methods
+from sinkflow.errors import SinkflowError
+from sinkflow.methods.flow_matching import InterpolantStep, ot_permutation, velocity_loss
+from sinkflow.runner import trainer as trainer_mod
+from sinkflow.runner.callbacks import Callback
+from sinkflow.runner.prefetch import BatchPrefetcher, use_prefetch
+from sinkflow.runner.run import Run
+from sinkflow.runner.signals import Interrupted
+from sinkflow.runner.trainer import Trainer
+
+
+def moons_cfg(*overrides, method="otcfm", iters=12):
+    return config.resolve("moons", [f"experiment.method={method}", f"train.velocity.iters={iters}",
+                                    "train.velocity.batch_size=64", "train.velocity.log_every=5",
+                                    "train.velocity.ckpt_every=4", "experiment.device=cpu", *overrides])
+
+
+def otcfm_step(cfg):
+    source, target = methods.distributions(cfg)
+    return InterpolantStep("velocity", source, target, ot_pairs=True)
+
+
+def test_prefetched_batches_equal_inline_ones_in_order_and_resume_point():
+    cfg = moons_cfg()
+    step = otcfm_step(cfg)
+
+    def draws(ahead, n=6):
+        gen = torch.Generator().manual_seed(7)
+        pf = BatchPrefetcher(lambda: step.batch(gen, 64, "cpu"), gen, torch.device("cpu"), ahead=ahead)
+        out, states = [], []
+        for i in range(n):
+            states.append(pf.generator_state().clone())  # where a checkpoint written now would resume
+            out.append(pf.next(more=i + 1 < n))
+        pf.close()
+        return out, states
+
+    inline, inline_states = draws(False)
+    ahead, ahead_states = draws(True)
+    for a, b in zip(inline, ahead):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(a, b) for a, b in zip(inline_states, ahead_states))
+    # the batches really differ from step to step (the test would pass trivially otherwise)
+    assert not torch.equal(inline[0][0], inline[1][0])
+
+
+def test_a_draw_that_fails_raises_on_the_training_thread():
+    gen = torch.Generator()
+    pf = BatchPrefetcher(lambda: 1 / 0, gen, torch.device("cpu"), ahead=True)
+    with pytest.raises(ZeroDivisionError):
+        pf.next()
+    pf.close()
+
+
+def test_prefetch_setting():
+    assert use_prefetch("auto", torch.device("cpu")) is False
+    assert use_prefetch("always", torch.device("cpu")) is True
+    assert use_prefetch("never", torch.device("cpu")) is False
+    with pytest.raises(SinkflowError, match="train.velocity.prefetch"):
+        config.resolve("moons", ["train.velocity.prefetch=maybe"])
+
+
+def test_the_ot_pairs_drawn_ahead_are_the_exact_plan():
+    """OT-CFM's coupling, now computed on the prefetch thread, is still POT's exact minibatch plan: the matched
+    cost equals the EMD optimum."""
+    cfg = moons_cfg()
+    step = otcfm_step(cfg)
+    gen = torch.Generator().manual_seed(3)
+    pf = BatchPrefetcher(lambda: step.batch(gen, 64, "cpu"), gen, torch.device("cpu"), ahead=True)
+    pf.next()
+    state = pf.generator_state()
+    pf.close()
+    replay = torch.Generator()
+    replay.set_state(state)
+    x0 = step.source.sample(64, replay, "cpu")
+    x1 = step.target.sample(64, replay, "cpu")
+    perm = ot_permutation(x0, x1)
+    cost = torch.cdist(x0.double(), x1.double()) ** 2
+    optimum = ot.emd2(np.full(64, 1 / 64), np.full(64, 1 / 64), cost.numpy())
+    assert sorted(perm.tolist()) == list(range(64))
+    assert float(cost[torch.arange(64), perm].mean()) == pytest.approx(optimum, rel=1e-9)
+
+
+def final_weights(run):
+    from sinkflow.runner.checkpoint import load
+
+    return load(run.dir / "checkpoints" / "velocity" / "final.pt")["model"]
+
+
+def train(cfg, name, callbacks=()):
+    cfg["experiment"]["name"] = name
+    run = Run.create(cfg)
+    Trainer(run, otcfm_step(cfg), callbacks).fit()
+    run.logger.close()
+    return run
+
+
+class StopAt(Callback):
+    def __init__(self, step):
+        self.at = step
+
+    def on_train_batch_end(self, trainer, batch, outputs):
+        if trainer.step == self.at:
+            trainer.request_stop(signal.SIGTERM)
+
+
+def test_prefetch_on_trains_the_same_weights_and_resumes_bit_equal(runs_dir):
+    plain = final_weights(train(moons_cfg("train.velocity.prefetch=never"), "plain"))
+    ahead = final_weights(train(moons_cfg("train.velocity.prefetch=always"), "ahead"))
+    assert all(torch.equal(plain[k], ahead[k]) for k in plain)
+
+    cfg = moons_cfg("train.velocity.prefetch=always")
+    cfg["experiment"]["name"] = "stopped"
+    run = Run.create(cfg)
+    with pytest.raises(Interrupted):  # stopped at step 6 with batch 7 already drawn on the worker
+        Trainer(run, otcfm_step(cfg), [StopAt(6)]).fit()
+    Trainer(run, otcfm_step(cfg)).fit()  # resumes from step 6's checkpoint
+    run.logger.close()
+    resumed = final_weights(run)
+    assert all(torch.equal(plain[k], resumed[k]) for k in plain)
+
+
+def poisoned_step(cfg, bad_call):
+    """Loss finite, gradients NaN on call ``bad_call`` (sqrt at 0)."""
+    source, target = methods.distributions(cfg)
+    calls = []
+
+    class Poisoned(InterpolantStep):
+        def loss(self, model, batch):
+            calls.append(1)
+            value = velocity_loss(model, batch)
+            if len(calls) == bad_call:
+                value = value + torch.sqrt(0.0 * sum(p.sum() for p in model.parameters()))
+            return value
+
+    return Poisoned("velocity", source, target, ot_pairs=True)
+
+
+class Snapshots(Callback):
+    def __init__(self):
+        self.weights = {}
+
+    def on_train_batch_end(self, trainer, batch, outputs):
+        self.weights[trainer.step] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """Adam as on CUDA (fused: it takes the skip flag as found_inf), here on the CPU."""
+    real = torch.optim.Adam
+
+    def fused_adam(params, **kw):
+        kw.pop("foreach", None)
+        return real(params, fused=True, **kw)
+
+    monkeypatch.setattr(trainer_mod.torch.optim, "Adam", fused_adam)
+
+
+def test_device_skip_never_applies_a_bad_update_and_stops_at_the_next_check(runs_dir, fused_on_cpu):
+    cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100")
+    cfg["experiment"]["name"] = "skip"
+    run = Run.create(cfg)
+    snaps = Snapshots()
+    trainer = Trainer(run, poisoned_step(cfg, 3), [snaps])
+    with pytest.raises(SinkflowError) as e:
+        trainer.fit()
+    assert trainer.skip_on_device
+    msg = str(e.value)
+    assert "non-finite gradient norm" in msg and "at step 3" in msg, msg
+    assert trainer.step == 5  # it ran on to the log step, where the flag is read
+    for step in (3, 4, 5):  # the bad update and every one after it were skipped on the device
+        assert all(torch.equal(snaps.weights[2][k], snaps.weights[step][k]) for k in snaps.weights[2])
+    assert not any(torch.equal(snaps.weights[1][k], snaps.weights[2][k]) for k in snaps.weights[1] if "weight" in k)
+    assert not (run.dir / "checkpoints" / "velocity" / "final.pt").exists()
+    run.logger.close()
+
+
+class CountReads(Callback):
+    """Counts reads of a tensor's value (item / float / int / bool) during the loop's non-log steps."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        self.active = False
+        for name in ("item", "__float__", "__int__", "__bool__"):
+            real = getattr(torch.Tensor, name)
+
+            def wrapped(t, *a, _real=real, **kw):
+                if self.active:
+                    self.count += 1
+                return _real(t, *a, **kw)
+
+            monkeypatch.setattr(torch.Tensor, name, wrapped)
+
+    def on_train_batch_start(self, trainer, batch):
+        self.active = (trainer.step + 1) % trainer.cfg["log_every"] != 0 and (trainer.step + 1) % trainer.cfg["ckpt_every"]
+
+    def on_train_batch_end(self, trainer, batch, outputs):
+        self.active = False
+
+
+def test_no_value_is_read_from_the_device_on_an_ordinary_step(runs_dir, fused_on_cpu, monkeypatch):
+    """With a fused optimizer (CUDA's default) an ordinary step reads nothing back from the device: the loss,
+    grad norm and non-finite flag stay tensors until a log or checkpoint step."""
+    counter = CountReads(monkeypatch)
+    cfg = moons_cfg("train.velocity.log_every=10", "train.velocity.ckpt_every=100", method="fm", iters=20)
+    cfg["experiment"]["name"] = "nosync"
+    run = Run.create(cfg)
+    source, target = methods.distributions(cfg)
+    Trainer(run, InterpolantStep("velocity", source, target), [counter]).fit()
+    run.logger.close()
+    assert counter.count == 0
