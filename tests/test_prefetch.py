@@ -219,3 +219,44 @@ def test_no_value_is_read_from_the_device_on_an_ordinary_step(runs_dir, fused_on
     Trainer(run, InterpolantStep("velocity", source, target), [counter]).fit()
     run.logger.close()
     assert counter.count == 0
+
+
+# ---- sinkflow bench --throughput ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset,extra", [("moons", ["--method", "otcfm"]), ("mnist", [])])
+def test_bench_throughput_reports_rates_wait_and_peak_fraction(runs_dir, capsys, preset, extra):
+    """The throughput table on the CPU, (N, 2) and (N, 1, 28, 28) batches: rates, the wait share and a FLOP
+    count that matches the model's, against this CPU's measured peak."""
+    from sinkflow.cli import main
+
+    if preset == "mnist":  # synthetic digits of the real shape (no download here)
+        from sinkflow.tools.data import real_or_synthetic
+
+        ctx = real_or_synthetic(config.resolve("mnist"), force=True)
+        extra = ["--method", "otcfm", "model.velocity.channels=8", "model.velocity.attention_resolutions=[]"]
+    else:
+        import contextlib
+
+        ctx = contextlib.nullcontext()
+    with ctx:
+        assert main(["bench", "--throughput", preset, *extra, "--batch-size", "4", "--steps", "2", "--warmup", "1",
+                     "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("velocity")).split()
+    steps_s, samples_s, wait, busy, gflop, tflops, peak = row[2:9]
+    assert float(steps_s) > 0 and float(samples_s) == pytest.approx(4 * float(steps_s), rel=0.01, abs=0.6)
+    assert 0 <= float(wait.rstrip("%")) < 100 and busy == "-"  # busy is a CUDA measurement
+    assert float(gflop) > 0 and 0 < float(peak.rstrip("%")) < 100
+    assert not runs_dir.exists()
+
+
+def test_step_flops_counts_forward_and_backward_of_a_linear_model():
+    from types import SimpleNamespace
+
+    from sinkflow.tools.throughput import step_flops
+
+    model = torch.nn.Linear(10, 4, bias=False)
+    task = SimpleNamespace(loss=lambda m, b: m(b).pow(2).mean())
+    trainer = SimpleNamespace(precision="fp32", device=torch.device("cpu"), task=task, model=model)
+    # forward 2*N*in*out; backward: the weight gradient only (the input needs none) = another 2*N*in*out
+    assert step_flops(trainer, torch.randn(32, 10)) == 2 * (2 * 32 * 10 * 4)

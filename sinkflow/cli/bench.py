@@ -24,11 +24,14 @@ from sinkflow.runner.run import Run
 
 
 def add_parser(sub):
-    p = sub.add_parser("bench", help="profile training steps: data wait vs compute",
+    p = sub.add_parser("bench", help="profile training steps (data wait vs compute) or measure throughput",
                        description="Run N steps of every training phase and report the fraction of step time spent "
                                    "waiting for data (batch creation + host-to-device copy) versus compute.")
     add_config_args(p)
-    p.add_argument("--profile", action="store_true", help="profile the preset's training phases (the default)")
+    p.add_argument("--profile", action="store_true", help="split each step into data wait and compute, with a "
+                   "device sync per step (the default)")
+    p.add_argument("--throughput", action="store_true", help="steps/s, samples/s, data wait, device busy and "
+                   "the fraction of the device's peak FLOP/s per phase, with no per-step sync")
     p.add_argument("--steps", type=int, default=30, help="timed steps per training phase (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (allocation, compile; default 5)")
     p.set_defaults(func=run)
@@ -87,9 +90,8 @@ def _batch_rows(batch) -> int:
     return _batch_rows(batch[0])
 
 
-def profile(cfg: dict, steps: int, warmup: int) -> list[dict]:
-    """Run the experiment in a temp folder with every training phase cut to warmup + steps steps."""
-    total = warmup + steps + 1  # the first step has no "previous end": not counted
+def run_cut(cfg: dict, total: int, callbacks: list) -> None:
+    """Run the experiment in a temp folder with every training phase cut to ``total`` steps."""
     overrides = []
     for name in cfg["train"]:
         overrides += [f"train.{name}.iters={total}", f"train.{name}.ckpt_every={10 * total}",
@@ -98,10 +100,29 @@ def profile(cfg: dict, steps: int, warmup: int) -> list[dict]:
         cfg = config.apply_overrides(cfg, [*overrides, f"experiment.runs_dir={tmp}", "experiment.name=bench"])
         run = Run.create(cfg)
         source, target = data.distributions(cfg)
-        timer = StepTimer(warmup)
-        run_phases(run, methods.of(cfg).phases(cfg, source, target), callbacks=[timer])
+        run_phases(run, methods.of(cfg).phases(cfg, source, target), callbacks=callbacks)
         run.logger.close()
+
+
+def profile(cfg: dict, steps: int, warmup: int) -> list[dict]:
+    """Every training phase cut to warmup + steps steps, each step timed in a data and a compute part."""
+    timer = StepTimer(warmup)
+    run_cut(cfg, warmup + steps + 1, [timer])  # the first step has no "previous end": not counted
     return timer.rows
+
+
+def throughput(cfg: dict, steps: int, warmup: int, busy_steps: int = 5) -> list[dict]:
+    """Every training phase cut to warmup + steps (+ busy_steps on CUDA) steps, timed without per-step syncs."""
+    from sinkflow.tools.throughput import Throughput, add_peak, peak_flops
+
+    meter = Throughput(warmup, steps, busy_steps)
+    run_cut(cfg, warmup + steps + busy_steps, [meter])
+    peaks = {}
+    for r in meter.rows:
+        key = (r["device"], r["precision"])
+        if key not in peaks:
+            peaks[key] = peak_flops(torch.device(r["device"]), r["precision"])
+    return add_peak(meter.rows, peaks)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -126,9 +147,20 @@ def run(args):
     if not pool_set:
         cfg = config.apply_overrides(cfg, [f"pool.batches={min(cfg['pool']['batches'], 4)}"])
     data.distributions(cfg)  # validate the data before any work
+    name = f"{cfg['experiment']['preset']} ({methods.of(cfg).name})"
+    if args.throughput:
+        from sinkflow.tools.throughput import format_rows
+
+        rows = throughput(cfg, args.steps, args.warmup)
+        device = rows[0]["device"] if rows else cfg["experiment"]["device"]
+        print(f"sinkflow bench --throughput {name} on {device}: {args.steps} steps per phase after {args.warmup} "
+              f"warm-up, synchronised only at both ends; wait = between steps (data, callbacks); busy = kernels "
+              f"running (CUDA); % peak = model FLOP/s over this device's measured matrix-product peak")
+        print(format_rows(rows))
+        return 0
     rows = profile(cfg, args.steps, args.warmup)
     device = rows[0]["device"] if rows else cfg["experiment"]["device"]
-    print(f"sinkflow bench --profile {cfg['experiment']['preset']} ({methods.of(cfg).name}) on {device}: "
+    print(f"sinkflow bench --profile {name} on {device}: "
           f"data = batch creation + host-to-device copy between steps; compute = forward/backward/optimizer")
     print(format_table(rows))
     print("data-bound (> 30 % waiting): raise pool.storage=memory, keep the image cache in RAM, or use fewer "
