@@ -1,0 +1,86 @@
+"""Training throughput of a preset's phases under candidate fast-path settings, as ratios to a baseline
+measured in the same run (`sinkflow bench --throughput` underneath: no per-step sync, wait share, FLOPs, peak).
+
+The question it answers for issue 23: which settings make the `mnist` (or `cifar10`) phases fastest on this
+card, and is OT-CFM's step (exact OT pairs, drawn ahead on the prefetch thread) as fast as FM's?
+
+    python benchmarks/preset_throughput.py --preset mnist --device cuda          # one GPU call, a few minutes
+    python benchmarks/preset_throughput.py --smoke                                # CPU: tiny UNet, 2 configs
+
+Rows: ``baseline`` = fp32, NCHW, no prefetch (each step reads nothing back from the device: that part is
+not optional any more); then one factor changed at a time, then all of them together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+
+import torch
+
+from sinkflow import config
+from sinkflow.cli.bench import throughput
+
+CANDIDATES = {
+    "baseline": ["precision=fp32", "channels_last=false", "prefetch=never"],
+    "+prefetch": ["precision=fp32", "channels_last=false", "prefetch=always"],
+    "+bf16": ["precision=bf16", "channels_last=false", "prefetch=never"],
+    "+channels_last": ["precision=fp32", "channels_last=true", "prefetch=never"],
+    "bf16+prefetch": ["precision=bf16", "channels_last=false", "prefetch=always"],
+    "bf16+CL+prefetch": ["precision=bf16", "channels_last=true", "prefetch=always"],
+    "bf16+CL+prefetch+compile": ["precision=bf16", "channels_last=true", "prefetch=always", "compile=true"],
+}
+SMOKE_MODEL = ["model.velocity.channels=8", "model.velocity.attention_resolutions=[]", "model.nsf.channels=8",
+               "model.nsf.attention_resolutions=[]"]
+
+
+def machine(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return f"CPU {platform.machine()} x{torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def measure(preset: str, method: str, setting: list[str], base: list[str], steps: int, warmup: int) -> list[dict]:
+    cfg = config.resolve(preset, [f"experiment.method={method}", *base])
+    phases = [p for p in cfg["train"] if p in ("velocity", "nsf")]
+    overrides = [f"train.{p}.{kv}" for p in phases for kv in setting]
+    return throughput(config.apply_overrides(cfg, overrides), steps, warmup)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="mnist")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--methods", nargs="+", default=["fm", "otcfm"])
+    ap.add_argument("--configs", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per phase (default 100; smoke 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 20, compile needs them; smoke 1)")
+    ap.add_argument("--smoke", action="store_true", help="tiny UNet on synthetic digits, batch 4 (CPU check)")
+    ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. train.velocity.batch_size=256")
+    args = ap.parse_args(argv)
+    steps = args.steps or (2 if args.smoke else 100)
+    warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 20)
+    base = [f"experiment.device={args.device}", "pool.batches=4", *args.overrides]
+    ctx = contextlib.nullcontext()
+    if args.smoke:
+        from sinkflow.tools.data import real_or_synthetic
+
+        base += [*SMOKE_MODEL, "train.velocity.batch_size=4"]
+        ctx = real_or_synthetic(config.resolve(args.preset), force=True)
+    print(f"preset {args.preset}, {steps} timed steps after {warmup}, on {machine(args.device)}")
+    print(f"{'method':<7} {'config':<26} {'steps/s':>9} {'x base':>7} {'wait %':>7} {'busy %':>7} {'% peak':>7}")
+    with ctx:
+        for method in args.methods:
+            ref = None
+            for name in args.configs:
+                row = measure(args.preset, method, CANDIDATES[name], base, steps, warmup)[0]  # the first UNet phase
+                ref = ref or row["steps_per_s"]
+                busy = f"{100 * row['busy_fraction']:.0f}%" if row.get("busy_fraction") is not None else "-"
+                peak = f"{100 * row['peak_fraction']:.1f}%" if row.get("peak_fraction") is not None else "-"
+                print(f"{method:<7} {name:<26} {row['steps_per_s']:>9.2f} {row['steps_per_s'] / ref:>6.2f}x "
+                      f"{100 * row['wait_fraction']:>6.1f}% {busy:>7} {peak:>7}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
