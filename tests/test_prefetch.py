@@ -260,3 +260,26 @@ def test_step_flops_counts_forward_and_backward_of_a_linear_model():
     trainer = SimpleNamespace(precision="fp32", device=torch.device("cpu"), task=task, model=model)
     # forward 2*N*in*out; backward: the weight gradient only (the input needs none) = another 2*N*in*out
     assert step_flops(trainer, torch.randn(32, 10)) == 2 * (2 * 32 * 10 * 4)
+
+
+def test_fp16_device_guard_lets_gradscaler_skip_and_still_stops_on_a_nan_loss(runs_dir, fused_on_cpu):
+    """Under float16 GradScaler hands the fused kernel its own Inf/NaN flag; the guard still records a NaN loss
+    on the device and stops at the next check, with finite weights."""
+    cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100", "train.velocity.precision=fp16")
+    cfg["experiment"]["name"] = "fp16"
+    run = Run.create(cfg)
+    source, target = methods.distributions(cfg)
+    calls = []
+
+    class NanAt3(InterpolantStep):
+        def loss(self, model, batch):
+            calls.append(1)
+            value = velocity_loss(model, batch)
+            return value * float("nan") if len(calls) == 3 else value
+
+    trainer = Trainer(run, NanAt3("velocity", source, target))
+    with pytest.raises(SinkflowError, match=r"non-finite loss \(nan\) in phase 'velocity' at step 3"):
+        trainer.fit()
+    assert trainer.skip_on_device and trainer.step == 5
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    run.logger.close()

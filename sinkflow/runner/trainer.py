@@ -101,7 +101,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(run.device.type, enabled=self.precision == "fp16")
         # fp16: GradScaler skips steps with Inf/NaN gradients by design, so only the loss is guarded
         self.guard = NonFiniteGuard(run.device, check_grad=not self.scaler.is_enabled())
-        self.skip_on_device = skips_on_device(self.optimizer) and not self.scaler.is_enabled()
+        self.skip_on_device = skips_on_device(self.optimizer)  # no per-step read of the loss (sinkflow.runner.finite)
         self.ddp_model = self.model
         if self.info.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -178,11 +178,15 @@ class Trainer:
         clip = self.cfg["grad_clip"]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         if self.skip_on_device:  # the fused kernel leaves weights and moments untouched where the flag is set
-            self.optimizer.found_inf = self.guard.update(self.step + 1, total, grad_norm)
-            try:
+            flag = self.guard.update(self.step + 1, total, grad_norm)
+            if self.scaler.is_enabled():  # fp16: GradScaler hands the kernel its own Inf/NaN-gradient flag
                 self.scaler.step(self.optimizer)
-            finally:
-                del self.optimizer.found_inf
+            else:
+                self.optimizer.found_inf = flag
+                try:
+                    self.scaler.step(self.optimizer)
+                finally:
+                    del self.optimizer.found_inf
         else:
             failure = self.guard.check_now(total, grad_norm)
             if failure is not None:  # never apply it: the weights (and the next checkpoint) would be NaN
