@@ -26,6 +26,7 @@ import types
 
 import torch
 
+from sinkflow import config
 from sinkflow.methods.flow_matching import InterpolantStep
 from sinkflow.models import UNET_PRESETS, build_model, count_parameters
 from sinkflow.runner.trainer import Trainer
@@ -40,13 +41,23 @@ def machine(device: torch.device) -> str:
     return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
-def sinkflow_phase(unet_cfg, shape, device, *, precision, channels_last, compile_, plain_adam):
+def train_config(steps: int, *, precision: str, channels_last: bool, compile_: bool) -> dict:
+    """The cifar10 preset's resolved config with the benchmark's recipe (torchcfm's: lr 2e-4, no warm-up, constant
+    LR, grad clip 1.0, EMA 0.9999) as overrides: every key the schema adds later comes with its default, so a new
+    train key can never break the benchmark again (a hand-built dict once lacked ``iters``)."""
+    v = "train.velocity."
+    return config.resolve("cifar10", [f"{v}iters={steps}", f"{v}lr=2e-4", f"{v}lr_scaling=none", f"{v}warmup=0",
+                                      f"{v}schedule=constant", f"{v}grad_clip=1.0", f"{v}ema=0.9999", f"{v}accum=1",
+                                      f"{v}precision={precision}", f"{v}channels_last={str(channels_last).lower()}",
+                                      f"{v}compile={str(compile_).lower()}", "experiment.seed=0"])
+
+
+def sinkflow_phase(unet_cfg, shape, device, steps, *, precision, channels_last, compile_, plain_adam):
     """A Trainer set up exactly as `sinkflow train` does, with the model and shape passed in."""
     torch.manual_seed(0)
     model = build_model("unet", unet_cfg, shape)
-    train_cfg = {"lr": 2e-4, "lr_scaling": "none", "warmup": 0, "grad_clip": 1.0, "ema": 0.9999, "accum": 1,
-                 "precision": precision, "channels_last": channels_last, "compile": compile_}
-    run = types.SimpleNamespace(cfg={"train": {"velocity": train_cfg}, "experiment": {"seed": 0}}, device=device)
+    cfg = train_config(steps, precision=precision, channels_last=channels_last, compile_=compile_)
+    run = types.SimpleNamespace(cfg=cfg, device=device)
     phase = Trainer(run, InterpolantStep("velocity", None, None), shape=shape, model=model)
     phase.setup()
     if device.type != "cuda":  # CPU smoke: exercise channels_last too (it is CUDA-gated in setup)
@@ -124,7 +135,7 @@ def torchcfm_step(unet_cfg, shape, device):
     return step, sum(p.numel() for p in net.parameters())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, default=None, help="default 128 (GPU), 4 (smoke)")
@@ -132,7 +143,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 10 GPU, 1 smoke)")
     ap.add_argument("--compile", action="store_true", help="also time fast + torch.compile")
     ap.add_argument("--smoke", action="store_true", help="tiny UNet on 16x16 images (CPU check of the script)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
     smoke = args.smoke or device.type == "cpu"
     unet = dict(SMOKE_UNET) if smoke else {**UNET_PRESETS["cifar10"], "dropout": 0.1}
@@ -148,7 +159,7 @@ def main() -> None:
     if args.compile:
         configs.append(("fast+compile", dict(precision="bf16", channels_last=True, compile_=True, plain_adam=False)))
     for name, kw in configs:
-        phase, params = sinkflow_phase(unet, shape, device, **kw)
+        phase, params = sinkflow_phase(unet, shape, device, warmup + steps, **kw)
         seconds = time_steps(bench_sinkflow(phase, x1s, device), x1s, warmup, device)
         rows.append((name, params, steps * batch / seconds))
         del phase
