@@ -1,6 +1,7 @@
 """NSGF++ vs FM vs OT-CFM on the embedded 8x8 digits, same UNet, batch, lr and UNet gradient steps (CPU).
 
     OMP_NUM_THREADS=1 python benchmarks/digits.py [--train-seeds 0 1 2] [--workers 2] [--baselines otcfm] [--out R] [--quick]
+    python benchmarks/digits.py --smoke --nfe 3 --seeds 1 --train-seeds 0   # seconds: a check that the script runs
 
 Budget: NSGF++ trains the velocity UNet (train.velocity.iters) and the NSF UNet (train.nsf.iters) plus a
 small time-predictor CNN; FM and OT-CFM train ONE UNet of the same config for velocity.iters + nsf.iters
@@ -138,7 +139,7 @@ METRICS = (("w2", "pixel W2 ↓", False), ("tv", "class-histogram TV ↓", False
 
 
 def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int, nfe: list[int],
-               baselines: tuple = BASELINES) -> dict:
+               baselines: tuple = BASELINES, ref_steps: int = 100) -> dict:
     """One training seed: NSGF++ (split per budget chosen on validation), FM and OT-CFM, scored on the test
     split. Returns {"scores": {method: {nfe: {metric: mean over sampling seeds}}}, "split", "val", "wall"}."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -161,7 +162,7 @@ def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int,
     for method in baselines:
         label = LABEL[method]
         run, res["wall"][label] = train(out, method, "--method", method, *common, f"train.velocity.iters={unet_steps}")
-        for steps in [*nfe, 100]:
+        for steps in [*nfe, ref_steps]:
             result, res["sample_s"][(label, steps)] = timed_metrics(run, seeds, steps)
             res["scores"][label][steps] = scores(result)
         for steps in nfe:  # the same model with its Euler grid chosen on validation
@@ -170,7 +171,7 @@ def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int,
             run.cfg["sample"]["time_warp"] = warp
             res["scores"][f"{label} warped"][steps] = scores(timed_metrics(run, seeds, steps)[0])
             run.cfg["sample"]["time_warp"] = 1.0
-        save_grid(generate(run, 64, 100, seed=7)[0], out / f"{method}_grid.png", nrow=8)
+        save_grid(generate(run, 64, ref_steps, seed=7)[0], out / f"{method}_grid.png", nrow=8)
     return res
 
 
@@ -186,7 +187,7 @@ def mean_std(values: list[float]) -> str:
     return f"{statistics.fmean(values):.3f} ± {sd:.3f}"
 
 
-def table(per_seed: list[dict], nfe: list[int], real: dict) -> str:
+def table(per_seed: list[dict], nfe: list[int], real: dict, ref_steps: int = 100) -> str:
     """Mean ± std over training seeds of each seed's mean over sampling seeds."""
     lines = ["| method | NFE | " + " | ".join(h for _, h, _ in METRICS) + " | train wall (s) |",
              "|---|---|---|---|---|---|"]
@@ -203,8 +204,8 @@ def table(per_seed: list[dict], nfe: list[int], real: dict) -> str:
             wall = statistics.fmean(r["wall"][base] for r in per_seed)
             lines.append(f"| {name} | {total} | " + " | ".join(cells) + f" | {wall:.0f} |")
     for label in [lb for lb in ("OT-CFM", "FM") if lb in per_seed[0]["scores"]]:
-        cells = [mean_std([r["scores"][label][100][m] for r in per_seed]) for m, _, _ in METRICS]
-        lines.append(f"| {label} (Euler 100) | 100 | " + " | ".join(cells) + " | |")
+        cells = [mean_std([r["scores"][label][ref_steps][m] for r in per_seed]) for m, _, _ in METRICS]
+        lines.append(f"| {label} (Euler {ref_steps}) | {ref_steps} | " + " | ".join(cells) + " | |")
     lines.append("| real training images (reference) | - | " + " | ".join(f"{real[m]:.3f}" for m, _, _ in METRICS)
                  + " | |")
     return "\n".join(lines)
@@ -242,7 +243,7 @@ def verdict(per_seed: list[dict], nfe: list[int]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench-digits")
     ap.add_argument("--seeds", type=int, default=3, help="sampling seeds per trained model")
@@ -250,11 +251,17 @@ def main() -> None:
                     help="experiment.seed of every method's training runs; the table averages over them")
     ap.add_argument("--workers", type=int, default=1, help="training seeds run in parallel, one thread each")
     ap.add_argument("--quick", action="store_true", help="tiny budget, to check the script runs")
+    ap.add_argument("--smoke", action="store_true",
+                    help="smaller than --quick (2 steps, 8-channel UNets, 32 scored samples, 1 NSGF + 1 NSF step): "
+                         "checks that the script runs end to end in seconds (the test suite's smoke test)")
+    ap.add_argument("--ref-steps", type=int, default=None,
+                    help="Euler steps of the baselines' reference row and grids (default 100; --smoke: 4)")
     ap.add_argument("--nfe", type=int, nargs="+", default=[6, 13, 26], help="total NFE budgets compared")
     ap.add_argument("--baselines", nargs="+", choices=BASELINES, default=list(BASELINES),
                     help="baseline methods trained beside NSGF++ (OT-CFM is the one the target compares with)")
     ap.add_argument("extra", nargs="*", help="config overrides for the NSGF++ run only, e.g. nsgf.segment=0.5")
-    args = ap.parse_args()
+    argv = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(argv)
     if "otcfm" not in args.baselines:
         ap.error("--baselines must include otcfm: the verdict compares NSGF++ with it")
     try:
@@ -265,21 +272,29 @@ def main() -> None:
     if out.exists():
         shutil.rmtree(out)
     quick = ["--train-iters", "20", "pool.batches=2", "train.time.iters=20", "eval.class_n=359"] if args.quick else []
-    cfg = config.resolve("digits", [a for a in [*quick, *args.extra] if "=" in a], {"train_iters": 20} if args.quick else {})
+    if args.smoke:
+        quick = ["--train-iters", "2", "pool.batches=1", "pool.batch_size=32", "pool.steps=2", "train.time.iters=2",
+                 *[f"train.{p}.batch_size=8" for p in ("velocity", "nsf", "time")], "model.velocity.channels=8",
+                 "model.nsf.channels=8", "model.time.channels=[4,4,4,4]", "model.time.hidden=16", "eval.n=32",
+                 "eval.class_n=32", "sample.nsgf_steps=1", "sample.nsf_steps=1"]
+    iters = {"train_iters": int(quick[1])} if quick else {}
+    cfg = config.resolve("digits", [a for a in [*quick, *args.extra] if "=" in a], iters)
+    ref_steps = args.ref_steps or (4 if args.smoke else 100)
     preset_nfe = (cfg["sample"]["nsgf_steps"] or cfg["pool"]["steps"]) + 1 + cfg["sample"]["nsf_steps"]
     nfe = sorted(set(args.nfe) | {preset_nfe})
     start = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
-        per_seed = list(pool.map(bench_seed, *zip(*[(out, s, quick, args.extra, args.seeds, nfe, tuple(args.baselines))
-                                                     for s in args.train_seeds])))
+        per_seed = list(pool.map(bench_seed, *zip(*[(out, s, quick, args.extra, args.seeds, nfe, tuple(args.baselines),
+                                                      ref_steps) for s in args.train_seeds])))
     real = real_floor(cfg, args.seeds)
-    (out / "results.json").write_text(json.dumps({"argv": sys.argv[1:], "train_seeds": args.train_seeds, "real": real,
+    (out / "results.json").write_text(json.dumps({"argv": argv, "train_seeds": args.train_seeds, "real": real,
                                                   "per_seed": plain(per_seed)}, indent=1))
     unet_steps = cfg["train"]["velocity"]["iters"] + cfg["train"]["nsf"]["iters"]
 
-    label = "quick" if args.quick else "preset" + (" + " + " ".join(args.extra) if args.extra else "")
+    label = "preset" + (" + " + " ".join(args.extra) if args.extra else "")
+    label = "smoke" if args.smoke else "quick" if args.quick else label
     print(f"\n## digits benchmark ({label})\n")
-    print(f"Command: `python benchmarks/digits.py {' '.join(sys.argv[1:])}`. Machine: {platform.node()}, "
+    print(f"Command: `python benchmarks/digits.py {' '.join(argv)}`. Machine: {platform.node()}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared), torch {torch.__version__}, "
           f"{args.workers} training seed(s) in parallel with 1 thread each; date {time.strftime('%Y-%m-%d %H:%M')}; "
           f"wall {(time.perf_counter() - start) / 60:.1f} min.")
@@ -287,12 +302,12 @@ def main() -> None:
           f"NSGF++ = pool {cfg['pool']['batches']}x{cfg['pool']['batch_size']}x{cfg['pool']['steps']} + "
           f"{cfg['train']['velocity']['iters']} velocity + {cfg['train']['nsf']['iters']} NSF UNet steps + "
           f"{cfg['train']['time']['iters']} time-predictor steps; FM / OT-CFM = {unet_steps} UNet steps.")
-    n = len(methods.distributions(cfg)[1].test_images)
+    n = min(len(methods.distributions(cfg)[1].test_images), cfg["eval"]["n"])  # image_metrics scores n of them
     print(f"Protocol: training seeds {args.train_seeds}; per trained model {args.seeds} sampling seeds; W2 = exact POT "
           f"emd2 on [-1,1] pixels, {n} generated vs the {n} held-out digits; TV / confidence of a sklearn "
           f"LogisticRegression (trained on the training split) on {cfg['eval']['class_n'] or n} generated digits vs "
           "the held-out ones; NFE counted by forward hooks. Cells: mean ± std over training seeds.\n")
-    print(table(per_seed, nfe, real))
+    print(table(per_seed, nfe, real, ref_steps))
     print("\nPer training seed (means over sampling seeds; NSGF++'s split chosen on the validation digits, "
           "data.val_fraction=0.1, never the test split, by the mean rank over W2 / TV / confidence):\n")
     print(per_seed_table(per_seed, args.train_seeds, nfe))

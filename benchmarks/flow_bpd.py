@@ -164,7 +164,7 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main_cli() -> None:
+def main_cli(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="flow-digits")
     p.add_argument("--modes", nargs="+", default=["standard"], choices=["standard", "checkpoint", "invertible"])
@@ -175,7 +175,8 @@ def main_cli() -> None:
     p.add_argument("--json", help="also write the results as JSON")
     p.add_argument("--samples", help="PNG of samples at temperatures 1.0 / 0.8 / 0.6 (first mode's selected step)")
     p.add_argument("overrides", nargs="*", help="config overrides passed to sinkflow train (key=value)")
-    args = p.parse_args()
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
     os.nice(10)
     import torch
 
@@ -187,7 +188,7 @@ def main_cli() -> None:
                                      args.samples if i == 0 else None) for i, m in enumerate(args.modes)]
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs visible, "
             f"{args.threads} torch thread(s), niced", "torch": torch.__version__,
-            "command": "python " + " ".join(sys.argv)}
+            "command": "python benchmarks/flow_bpd.py " + " ".join(argv)}
     print(table(results))
     print(f"\n{meta['command']}  ({meta['date']}, {meta['machine']}, torch {meta['torch']})")
     if args.json:

@@ -83,7 +83,13 @@ def run(name, steps=2000, lr=1e-3, hidden=64, depth=8, levels=2, logit=0.0, aug=
     print("RESULT", name, "best", best, "last", curve[-1], flush=True)
     return best
 
-if __name__ == "__main__":
-    for spec in sys.argv[1:]:
+def main(argv=None):
+    """Each argument one JSON run spec; returns each run's best (step, train bits/dim, validation bits/dim)."""
+    best = {}
+    for spec in (sys.argv[1:] if argv is None else argv):
         kw = json.loads(spec); name = kw.pop("name")
-        run(name, **kw)
+        best[name] = run(name, **kw)
+    return best
+
+if __name__ == "__main__":
+    main()

@@ -1,14 +1,20 @@
-"""CUDA-only equivalence checks of the fast paths (the CPU parts are in tests/test_fast_paths.py).
+"""CUDA equivalence checks of the fast paths (their CPU parts are in tests/test_fast_paths.py).
 
-1. the pool built with in_flight=1 and with in_flight chosen from free GPU memory: max |difference|;
+1. the pool built with in_flight=1 and with in_flight chosen from free device memory: max |difference|;
 2. device noise from ``device_generator`` is fixed by the CPU generator's state;
 3. fused Adam (CUDA default) vs for-loop Adam after 20 steps: max |weight difference|.
 
-    python benchmarks/gpu_checks.py        # needs a GPU
+The checks are meant for a GPU; ``--device cpu`` runs the same code on the CPU (where ``device_generator`` is
+the CPU generator itself and fused Adam is torch's CPU kernel), which is how the test suite keeps the script
+working without one. ``--smoke`` shrinks the pool and the Adam run.
+
+    python benchmarks/gpu_checks.py                        # needs a GPU
+    python benchmarks/gpu_checks.py --device cpu --smoke   # CPU check of the script
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 
@@ -19,53 +25,73 @@ from sinkflow import config
 from sinkflow.methods import distributions, nsgf
 from sinkflow.methods.pool import choose_in_flight
 from sinkflow.runner.rng import device_generator
-from sinkflow.runner.trainer import Trainer
 from sinkflow.runner.run import Run
+from sinkflow.runner.trainer import Trainer
+
+FULL = {"batches": 16, "steps": 10, "batch_size": 256, "noise": 4096, "adam_steps": 20, "width": 256, "rows": 128}
+SMOKE = {"batches": 4, "steps": 2, "batch_size": 16, "noise": 64, "adam_steps": 3, "width": 16, "rows": 8}
 
 
-def pool_check() -> None:
-    args = ["pool.batches=16", "pool.steps=10", "pool.batch_size=256", "pool.chunk=16", "experiment.device=cuda"]
+def pool_check(device: torch.device, size: dict) -> None:
+    args = [f"pool.batches={size['batches']}", f"pool.steps={size['steps']}", f"pool.batch_size={size['batch_size']}",
+            f"pool.chunk={size['batches']}", f"experiment.device={device.type}"]
     here = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)  # run folders are relative to the working directory
-        out = {}
-        for name, k in (("one", 1), ("auto", 0)):
-            cfg = config.resolve("moons", [*args, f"pool.in_flight={k}", f"experiment.name={name}"], {})
-            run = Run.create(cfg)
-            Trainer(run, nsgf.pool_task(cfg, *distributions(cfg))).fit()
-            out[name] = {a: np.load(run.dir / "pool" / f"{a}.npy", allow_pickle=False) for a in "xv"}
-        auto = choose_in_flight(cfg["pool"], (2,), torch.device("cuda"))
-        dx = np.abs(out["one"]["x"] - out["auto"]["x"]).max()
-        dv = np.abs(out["one"]["v"] - out["auto"]["v"]).max()
-        print(f"pool in_flight 1 vs auto ({min(auto, 16)} in flight): max|dx| {dx:.2e}  max|dv| {dv:.2e}  "
-              f"(max|v| {np.abs(out['one']['v']).max():.2f})")
-        os.chdir(here)
+        try:
+            out = {}
+            for name, k in (("one", 1), ("auto", 0)):
+                cfg = config.resolve("moons", [*args, f"pool.in_flight={k}", f"experiment.name={name}"], {})
+                run = Run.create(cfg)
+                Trainer(run, nsgf.pool_task(cfg, *distributions(cfg))).fit()
+                out[name] = {a: np.load(run.dir / "pool" / f"{a}.npy", allow_pickle=False) for a in "xv"}
+        finally:
+            os.chdir(here)
+    auto = choose_in_flight(cfg["pool"], (2,), device)
+    dx = np.abs(out["one"]["x"] - out["auto"]["x"]).max()
+    dv = np.abs(out["one"]["v"] - out["auto"]["v"]).max()
+    print(f"pool in_flight 1 vs auto ({min(auto, size['batches'])} in flight): max|dx| {dx:.2e}  max|dv| {dv:.2e}  "
+          f"(max|v| {np.abs(out['one']['v']).max():.2f})")
 
 
-def noise_check() -> None:
+def noise_check(device: torch.device, size: dict) -> None:
     a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    na = torch.randn(4096, generator=device_generator(a, torch.device("cuda")), device="cuda")
-    nb = torch.randn(4096, generator=device_generator(b, torch.device("cuda")), device="cuda")
+    na = torch.randn(size["noise"], generator=device_generator(a, device), device=device)
+    nb = torch.randn(size["noise"], generator=device_generator(b, device), device=device)
     print(f"device noise reproducible from the CPU state: {bool(torch.equal(na, nb))}, std {float(na.std()):.3f}")
 
 
-def adam_check() -> None:
+def adam_check(device: torch.device, size: dict) -> None:
     outs = []
+    w = size["width"]
     for kw in ({"fused": True}, {"foreach": False}):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64)).cuda()
+        model = torch.nn.Sequential(torch.nn.Linear(64, w), torch.nn.SiLU(), torch.nn.Linear(w, 64)).to(device)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, **kw)
-        g = torch.Generator(device="cuda").manual_seed(1)
-        for _ in range(20):
+        g = torch.Generator(device=device).manual_seed(1)
+        for _ in range(size["adam_steps"]):
             opt.zero_grad()
-            model(torch.randn(128, 64, device="cuda", generator=g)).pow(2).mean().backward()
+            model(torch.randn(size["rows"], 64, device=device, generator=g)).pow(2).mean().backward()
             opt.step()
         outs.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-    print(f"fused vs for-loop Adam, 20 steps: max|dw| {float((outs[0] - outs[1]).abs().max()):.2e}")
+    print(f"fused vs for-loop Adam, {size['adam_steps']} steps: max|dw| {float((outs[0] - outs[1]).abs().max()):.2e}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="cuda (the point of the checks) or cpu")
+    ap.add_argument("--smoke", action="store_true", help="tiny pool and Adam run (a check of the script)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: these checks need a GPU (--device cpu runs the script's CPU path)")
+    size = SMOKE if args.smoke else FULL
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"gpu_checks on {where}, torch {torch.__version__}{' (smoke sizes)' if args.smoke else ''}")
+    pool_check(device, size)
+    noise_check(device, size)
+    adam_check(device, size)
 
 
 if __name__ == "__main__":
-    print(f"gpu_checks on {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    pool_check()
-    noise_check()
-    adam_check()
+    main()

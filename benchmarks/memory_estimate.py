@@ -63,12 +63,12 @@ def measure_train(cfg, phase_name, device, workdir) -> int:
     return peak
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--presets", nargs="*", default=["mnist", "cifar10"])
     ap.add_argument("--out", help="write the markdown table here too")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     rows = ["| preset | phase | estimate | measured | estimate / measured | terms |", "|---|---|---|---|---|---|"]

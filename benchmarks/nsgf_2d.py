@@ -135,7 +135,7 @@ def verdict(results: list[dict], tasks: list[str]) -> str:
             f"{len(tasks)} tasks.")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", nargs="+", default=TASKS)
     p.add_argument("--methods", nargs="+", default=METHODS)
@@ -152,7 +152,8 @@ def main() -> None:
     p.add_argument("--collect", action="store_true",
                    help="train nothing: tabulate (evaluating where needed) the runs finished in --runs-dir")
     p.add_argument("extra", nargs="*", help="config overrides applied to every run, e.g. pool.eta=0.1")
-    args = p.parse_args()
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="sinkflow-bench-")
     # seed-major: an interrupted benchmark has every task and method for its first seeds
     seeds = args.seed_list if args.seed_list is not None else range(args.seeds)
@@ -176,7 +177,7 @@ def main() -> None:
 
     machine = (f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores visible, "
                f"{args.workers} runs in parallel with 1 torch thread each, torch {torch.__version__}")
-    cmd = "python benchmarks/nsgf_2d.py " + " ".join(sys.argv[1:])
+    cmd = "python benchmarks/nsgf_2d.py " + " ".join(argv)
     body = (f"Command: `{cmd}`  \nMachine: {machine}  \nDate: {datetime.date.today()}  \n"
             f"Protocol: {args.seeds} training seeds, {args.iters} steps, batch 256; W2 = exact OT (POT emd2) between "
             f"{args.eval_n} generated samples (QMC source draw) and {args.eval_n} stratified test samples, averaged over "

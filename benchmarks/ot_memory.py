@@ -5,10 +5,12 @@ CUDA (if present): torch.cuda.max_memory_allocated around the same call.
 Prints measured peak / (4 B n^2) and / (4 B n D), and measured / estimated (must stay <= 1).
 
     python benchmarks/ot_memory.py
+    python benchmarks/ot_memory.py --cases 1,16,2 2,8,4     # other (B, n, D) cases, e.g. tiny ones
 """
 
 from __future__ import annotations
 
+import argparse
 import platform
 
 import torch
@@ -38,14 +40,23 @@ def cuda_peak(B, n, D):
     return torch.cuda.max_memory_allocated() - start + 4 * 2 * B * n * D
 
 
-def main():
+def case(text: str) -> tuple[int, int, int]:
+    B, n, D = (int(v) for v in text.split(","))
+    return B, n, D
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", type=case, nargs="+", default=CASES, metavar="B,n,D",
+                    help="pool batches, points per batch, dimension (default: the documented cases)")
+    args = ap.parse_args(argv)
     print(f"machine: {platform.platform()} | torch {torch.__version__} | "
           + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"))
     print("| device | B | n | D | peak MiB | peak/(4Bn^2) | peak/(4BnD) | peak/estimate |")
     print("|---|---|---|---|---|---|---|---|")
     devices = [("cpu", cpu_peak)] + ([("cuda", cuda_peak)] if torch.cuda.is_available() else [])
     for name, fn in devices:
-        for B, n, D in CASES:
+        for B, n, D in args.cases:
             pk = fn(B, n, D)
             est = sinkhorn_peak_bytes(B, n, D)
             print(f"| {name} | {B} | {n} | {D} | {pk / 2**20:.2f} | {pk / (4 * B * n * n):.2f} "

@@ -98,7 +98,7 @@ def run_case(name, x0, y, *, steps, eta, blur, scaling, ref_batches, repeats):
                 rate_b=rate_b, rate_r=rate_r, ratio=rate_b / rate_r, diff=diff, vmax=vmax)
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="all", help="cpu, cuda or all (cuda only if available)")
     p.add_argument("--batches", type=int, default=32, help="pool batches solved at once (B)")
@@ -114,7 +114,7 @@ def main():
     p.add_argument("--repeats", type=int, default=2, help="batched timing = best of this many runs")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 

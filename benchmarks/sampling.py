@@ -51,14 +51,14 @@ def images_per_s(model, n, shape, nfe, device, fast: bool, repeats: int) -> tupl
     return repeats * n / (time.perf_counter() - start), count
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--nfe", type=int, default=None, help="UNet evaluations per image (default 60; smoke 2)")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default 64 256 1024 (smoke 4)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats (default 3; smoke 1)")
     ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
     smoke = args.smoke or device.type == "cpu"
     shape = (3, 16, 16) if smoke else (3, 32, 32)

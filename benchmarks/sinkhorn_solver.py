@@ -44,14 +44,14 @@ def clouds(task: str, batches: int, n: int, progress: float) -> tuple[torch.Tens
     return (1 - progress) * x0 + progress * ys, y
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", default="moons")
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--n", type=int, default=256)
     p.add_argument("--blur", type=float, default=0.1)
     p.add_argument("--progress", type=float, nargs="+", default=[0.0, 0.9], help="how far the particles are along")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
     print(f"# {args.task}, {args.batches} x {args.n} points, blur {args.blur}; {platform.node()}, 1 thread, "
           f"torch {torch.__version__}, {datetime.date.today()}")

@@ -41,12 +41,12 @@ def labels_with_moves(n: int, moved: int, gen: torch.Generator) -> torch.Tensor:
     return labels
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--draws", type=int, default=10)
     ap.add_argument("--runs", nargs="*", default=[], help="trained 8gaussians run folders to count")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     _, target = data.distributions(config.resolve("8gaussians"))
     cases = [(f"moved {m}", lambda g, m=m: labels_with_moves(args.n, m, g)) for m in (0, 2, 4, 8, 16)]

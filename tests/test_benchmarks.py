@@ -1,20 +1,96 @@
-"""Logic inside benchmark scripts that decides what a table says: the digits benchmark's choice rules (they pick
-the sampler each method is scored with) and the 8gaussians mode-count measurement."""
+"""The benchmark scripts: a smoke test per script that runs its real main path at tiny sizes on the CPU and checks
+what it prints and writes (so a benchmark can never break unnoticed), a meta-test that every script in
+benchmarks/ has one, and the logic inside the scripts that decides what a table says (the digits benchmark's
+choice rules, the 8gaussians mode-count measurement).
+
+Scripts run in this process (``main(argv)``), not in a subprocess: a fresh interpreter spends seconds importing
+torch, and the whole file must stay fast. Every run writes under ``tmp_path`` (never benchmarks/ or docs/).
+"""
 
 import importlib.util
 import json
+import math
+import os
+import pickle
+import re
+import sys
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
+# every script in benchmarks/ with its smoke test below (test_smoke_<name>); the meta-test keeps this list and the
+# folder equal, so a new script cannot be added without one
+SMOKE_TESTED = ("digits", "flow_bpd", "flow_digits_ablation", "flow_memory", "gpu_checks", "memory_estimate",
+                "nsgf_2d", "ot_memory", "pool_build", "sampling", "sinkhorn_solver", "train_throughput",
+                "w2_mode_counts")
+# scripts added on other branches together with their own smoke tests in this file (allowed once they exist)
+SMOKE_TESTED_ELSEWHERE = ("mnist", "nsgf_suite", "suite2d")
+
 
 def load(name):
+    """Import benchmarks/<name>.py as a module (registered, so its functions pickle as a process pool needs)."""
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+class InProcessPool:
+    """Stands in for a script's ProcessPoolExecutor: each job runs here, in order, after its function and arguments
+    went through pickle as they would to a worker process. (Forking a test worker that holds threads can hang, and
+    the pool only runs seeds side by side.)"""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        fn, args = pickle.loads(pickle.dumps((fn, args)))
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+    def map(self, fn, *iterables):
+        return [self.submit(fn, *args).result() for args in zip(*iterables)]
+
+
+def numbers(text):
+    """Every number in a line of a table (commas and x suffixes allowed), as floats."""
+    return [float(v.replace(",", "")) for v in re.findall(r"-?(?:\d[\d,]*\.?\d*(?:e[-+]?\d+)?|nan|inf)", text)]
+
+
+def rows(out, start):
+    """The lines of ``out`` that start with ``start``."""
+    return [line for line in out.splitlines() if line.startswith(start)]
+
+
+@pytest.fixture
+def quiet(tmp_path, monkeypatch):
+    """Run in an empty folder (runs/, data/ are relative to it) and never renice the test worker."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "nice", lambda inc: 0)
+    return tmp_path
+
+
+def test_every_benchmark_script_has_a_smoke_test():
+    scripts = {p.stem for p in BENCHMARKS.glob("*.py")}
+    elsewhere = {name for name in SMOKE_TESTED_ELSEWHERE if name in scripts}
+    assert scripts == set(SMOKE_TESTED) | elsewhere, (
+        f"benchmarks/ without a smoke test here: {sorted(scripts - set(SMOKE_TESTED) - elsewhere)}; "
+        f"listed but missing: {sorted(set(SMOKE_TESTED) - scripts)}")
+    here = globals()
+    assert [n for n in SMOKE_TESTED if not callable(here.get(f"test_smoke_{n}"))] == []
+    source = Path(__file__).read_text()
+    assert [n for n in elsewhere if f'load("{n}")' not in source] == []
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +141,188 @@ def test_mode_count_samples_move_exactly_the_asked_points_and_cost_w2():
     iid_x = counts.exact_sample(target, torch.randint(0, 8, (1024,), generator=gen), torch.Generator().manual_seed(1))
     assert counts.imbalance(target, exact_x) <= 4 < 20 < counts.imbalance(target, iid_x)  # nearest-centre counts
     assert w2(exact_x, test) < 0.2 < 0.4 < w2(iid_x, test)  # the floor (~0.14) vs multinomial mode counts (~0.7)
+
+
+# ---- smoke tests: each script's main path at tiny sizes on the CPU ---------------------------------------------
+
+
+def test_smoke_digits(quiet, capsys, monkeypatch):
+    bench = load("digits")
+    monkeypatch.setattr(bench, "ProcessPoolExecutor", InProcessPool)
+    out_dir = quiet / "bench-digits"
+    bench.main(["--smoke", "--train-seeds", "0", "--seeds", "1", "--nfe", "3", "--baselines", "otcfm",
+                "--out", str(out_dir)])
+    out = capsys.readouterr().out
+    assert "## digits benchmark (smoke)" in out and "| method | NFE | pixel W2 ↓ |" in out
+    nsgf = rows(out, "| NSGF++ (1 NSGF + 1 t̂ + rest NSF) | 3 |")  # the preset's split (1 + 1 + 1) is the budget
+    ref = rows(out, "| OT-CFM (Euler 4) | 4 |")  # --smoke's reference row (100 steps in a real run)
+    assert len(nsgf) == 1 and len(ref) == 1 and len(rows(out, "| OT-CFM (Euler 3, time_warp ")) == 1
+    w2, tv, conf = (float(cell.split("±")[0]) for cell in nsgf[0].split("|")[3:6])
+    assert 0 < w2 < 50 and 0 <= tv <= 1 and 0 < conf <= 1
+    assert re.search(r"NFE 3: NSGF\+\+ better than OT-CFM \(uniform Euler\) on [0-3] of 3", out)
+    saved = json.loads((out_dir / "results.json").read_text())
+    assert saved["train_seeds"] == [0] and set(saved["per_seed"][0]["scores"]["OT-CFM"]) == {"3", "4"}
+    assert all((out_dir / "seed0" / f"{m}_grid.png").stat().st_size > 0 for m in ("nsgfpp", "otcfm"))
+
+
+def test_smoke_flow_bpd(quiet, capsys):
+    bench = load("flow_bpd")
+    bench.main_cli(["--iters", "2", "--ckpt-every", "1", "--runs-dir", str(quiet / "runs"), "--json",
+                    str(quiet / "bpd.json"), "--samples", str(quiet / "samples.png"), "model.flow.depth_per_level=1",
+                    "model.flow.hidden_channels=8", "train.flow.batch_size=8"])
+    out = capsys.readouterr().out
+    row = rows(out, "| flow-digits, memory standard |")
+    assert len(row) == 1 and "| 2 (8) |" in row[0]
+    uniform = rows(out, "| uniform density |")[0]
+    assert f"**{math.log2(17):.3f}**" in uniform  # 17 levels per pixel: log2(17) bits/dim, a check on the table
+    result = json.loads((quiet / "bpd.json").read_text())["results"][0]
+    assert result["selected_step"] in (1, 2) and [c["step"] for c in result["val_curve"]] == [1, 2]
+    assert 0 < result["test_bpd"] < 2 * math.log2(17) and math.isfinite(result["val_bpd"])
+    assert (quiet / "samples.png").stat().st_size > 0
+
+
+def test_smoke_flow_digits_ablation(quiet, capsys):
+    bench = load("flow_digits_ablation")
+    best = bench.main(['{"name": "tiny", "steps": 2, "every": 1, "hidden": 8, "depth": 1, "warm": 1, "bs": 8}'])
+    step, train_bpd, val_bpd = best["tiny"]
+    assert step in (1, 2) and math.isfinite(train_bpd) and 0 < val_bpd < 10
+    assert rows(capsys.readouterr().out, "RESULT tiny best ")
+
+
+def test_smoke_flow_memory(quiet, capsys):
+    bench = load("flow_memory")
+    args = ["--depths", "1", "2", "--shape", "1", "8", "8", "--batch", "2", "--hidden", "4", "--levels", "1",
+            "--repeats", "1", "--no-memcnn", "--clock", "cpu", "--device", "cpu"]
+    bench.main([*args, "--out", str(quiet / "mem.png"), "--json", str(quiet / "mem.json")])
+    out = capsys.readouterr().out
+    saved = {(r["depth"], r["mode"]): r["saved_bytes"] for r in json.loads((quiet / "mem.json").read_text())["rows"]}
+    assert set(saved) == {(d, m) for d in (1, 2) for m in ("standard", "checkpoint", "invertible")}
+    assert saved[2, "invertible"] < saved[2, "standard"]  # what the benchmark shows: recomputation saves memory
+    assert "| depth | mode | saved MiB |" in out and len(rows(out, "| 2 | ")) == 3
+    assert rows(out, "depth 2: step time vs standard: invertible ")
+    bench.main(["--from-json", str(quiet / "mem.json"), "--out", str(quiet / "again.png")])  # redraw only
+    assert rows(capsys.readouterr().out, "| 2 | invertible |") == rows(out, "| 2 | invertible |")
+    assert (quiet / "mem.png").stat().st_size > 0 and (quiet / "again.png").stat().st_size > 0
+
+
+def test_smoke_gpu_checks(quiet, capsys):
+    """The checks' code on the CPU (device_generator is the CPU generator there, fused Adam torch's CPU kernel)."""
+    load("gpu_checks").main(["--device", "cpu", "--smoke"])
+    out = capsys.readouterr().out
+    dx, dv = (float(v) for v in re.search(r"max\|dx\| (\S+)  max\|dv\| (\S+)", out).groups())
+    assert dx <= 1e-6 and dv <= 1e-5  # one pool batch at a time or all in flight: the same pool
+    assert "device noise reproducible from the CPU state: True" in out
+    assert float(re.search(r"Adam, 3 steps: max\|dw\| (\S+)", out).group(1)) < 1e-5
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the CUDA half of gpu_checks needs a GPU")
+def test_smoke_gpu_checks_on_cuda(quiet, capsys):
+    load("gpu_checks").main(["--device", "cuda", "--smoke"])
+    out = capsys.readouterr().out
+    assert "device noise reproducible from the CPU state: True" in out
+    assert float(re.search(r"max\|dv\| (\S+)", out).group(1)) < 1e-3
+
+
+def test_smoke_memory_estimate(quiet, capsys):
+    load("memory_estimate").main(["--presets", "mnist", "--out", str(quiet / "estimate.md")])
+    out = capsys.readouterr().out
+    phases = rows(out, "| mnist | ")
+    assert {line.split("|")[2].strip() for line in phases} >= {"pool", "velocity", "nsf"}
+    assert all("pending (GPU)" in line for line in phases)  # CPU: estimates only, no measured column
+    assert (quiet / "estimate.md").read_text().count("| mnist | ") == len(phases) // 2  # printed as it goes + table
+
+
+@pytest.fixture(scope="module")
+def runs_2d(tmp_path_factory):
+    """nsgf_2d at a tiny budget (NSGF and OT-CFM on 8gaussians): its output, and the run folders it keeps."""
+    import contextlib
+    import io
+
+    folder = tmp_path_factory.mktemp("nsgf2d")
+    bench = load("nsgf_2d")
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.chdir(folder)
+        mp.setattr(bench, "ProcessPoolExecutor", InProcessPool)
+        bench.main(["--tasks", "8gaussians", "--methods", "nsgf", "otcfm", "--seeds", "1", "--iters", "2",
+                    "--eval-seeds", "1", "--eval-n", "64", "--runs-dir", str(folder / "runs"), "pool.batches=1",
+                    "pool.batch_size=64", "model.velocity.hidden=16", "train.velocity.batch_size=16"])
+    return bench, folder / "runs", out.getvalue()
+
+
+def test_smoke_nsgf_2d(runs_2d, quiet, capsys, monkeypatch):
+    bench, runs, out = runs_2d
+    assert "| task | steps | floor | paper NSGF | NSGF | OTCFM | NSGF train s (mean) |" in out
+    for steps in (10, 100):
+        cells = rows(out, f"| 8gaussians | {steps} |")[0].split("|")
+        assert all(0 < float(c.split()[0]) < 20 for c in cells[3:7])  # floor, paper, NSGF, OT-CFM
+    assert "NSGF <= OT-CFM (means) on " in out and " of 2 cells" in out
+    assert json.loads((runs / "8gaussians-nsgf-s0" / "bench.json").read_text())["eval_n"] == 64
+    results = quiet / "RESULTS.md"  # --write, into a copy: never benchmarks/RESULTS.md
+    results.write_text(f"# Benchmark results\n\nbefore\n{bench.BEGIN}\nold\n{bench.END}\nafter\n")
+    monkeypatch.setattr(bench, "RESULTS", results)
+    monkeypatch.setattr(bench, "ProcessPoolExecutor", InProcessPool)
+    bench.main(["--tasks", "8gaussians", "--methods", "nsgf", "otcfm", "--seeds", "1", "--eval-seeds", "1",
+                "--eval-n", "64", "--runs-dir", str(runs), "--collect", "--write"])
+    again = capsys.readouterr().out  # --collect: nothing retrained, the kept results tabulated again
+    assert rows(again, "| 8gaussians | ") == rows(out, "| 8gaussians | ")
+    text = results.read_text()
+    assert "before" in text and "after" in text and "old" not in text and "| 8gaussians | 100 |" in text
+
+
+def test_smoke_w2_mode_counts(runs_2d, quiet, capsys):
+    _, runs, _ = runs_2d
+    load("w2_mode_counts").main(["--n", "64", "--draws", "2", "--runs", str(runs / "8gaussians-nsgf-s0")])
+    out = capsys.readouterr().out
+    assert rows(out, "| moved 0 | 0.0 |")  # a stratified draw of the exact target has no imbalance
+    assert len(rows(out, "| moved ")) == 5 and len(rows(out, "| multinomial |")) == 1
+    trained = [line for line in out.splitlines() if "8gaussians-nsgf-s0 |" in line]
+    assert [line.split("|")[2].strip() for line in trained] == ["10", "100"]
+    assert all(len(line.split("|")[3].split(",")) == 3 for line in trained)  # one imbalance per sampling seed
+
+
+def test_smoke_ot_memory(quiet, capsys):
+    load("ot_memory").main(["--cases", "1,16,2", "1,32,784"])
+    table = rows(capsys.readouterr().out, "| cpu |")
+    assert len(table) == 2
+    assert all(0 < float(line.split("|")[-2]) <= 1 for line in table)  # measured peak never above the estimate
+
+
+def test_smoke_pool_build(quiet, capsys):
+    load("pool_build").main(["--device", "cpu", "--batches", "2", "--ref-batches", "1", "--steps", "2", "--n2d", "16",
+                             "--nimg", "8", "--repeats", "1"])
+    out_rows = rows(capsys.readouterr().out, ("| 2d |", "| mnist-shaped |"))
+    assert len(out_rows) == 2
+    for line in out_rows:
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        assert float(cells[10].rstrip("x")) > 0 and float(cells[11]) <= 1e-4 * float(cells[12])  # same velocities
+
+
+def test_smoke_sampling(quiet, capsys):
+    load("sampling").main(["--smoke", "--device", "cpu", "--batches", "2", "--nfe", "3"])
+    out = capsys.readouterr().out
+    assert "batch  NFE  fp32 img/s  bf16+CL img/s  speed-up" in out
+    batch, nfe, speedup = numbers(rows(out, "     2 ")[0])
+    assert (batch, nfe) == (2, 3) and speedup > 0  # NFE as counted by the forward hooks
+
+
+def test_smoke_sinkhorn_solver(quiet, capsys):
+    load("sinkhorn_solver").main(["--batches", "1", "--n", "16", "--progress", "0.5", "--blur", "0.5"])
+    table = rows(capsys.readouterr().out, "| 50% |")
+    assert len(table) == 6
+    rel = [float(line.split("|")[5]) for line in table]
+    assert all(math.isfinite(r) for r in rel) and rel[-1] < min(0.01, rel[0])  # converged beats one GeomLoss pass
+
+
+def test_smoke_train_throughput(quiet, capsys):
+    bench = load("train_throughput")
+    bench.main(["--smoke", "--device", "cpu", "--batch", "2", "--steps", "1", "--warmup", "1"])
+    out = capsys.readouterr().out
+    assert "path               params   images/s  vs fp32-eager  vs torchcfm" in out
+    base, fast = rows(out, "fp32-eager "), rows(out, "fast ")
+    assert len(base) == 1 and len(fast) == 1 and base[0].split()[-2] == "1.00x"
+    assert float(fast[0].split()[-2].rstrip("x")) > 0
+    torchcfm = rows(out, "torchcfm ")
+    assert torchcfm and (math.isfinite(float(torchcfm[0].split()[-2].rstrip("x"))) or "not importable" in out)
+    cfg = bench.train_config(7, precision="bf16", channels_last=True, compile_=False)  # the schema's own keys
+    assert cfg["train"]["velocity"]["iters"] == 7 and cfg["train"]["velocity"]["precision"] == "bf16"
