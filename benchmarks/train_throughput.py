@@ -29,6 +29,7 @@ import torch
 from sinkflow import config
 from sinkflow.methods.flow_matching import InterpolantStep
 from sinkflow.models import UNET_PRESETS, build_model, count_parameters
+from sinkflow.runner.finite import skips_on_device
 from sinkflow.runner.trainer import Trainer
 
 SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_heads": 1, "num_head_channels": -1,
@@ -67,6 +68,9 @@ def sinkflow_phase(unet_cfg, shape, device, steps, *, precision, channels_last, 
     if plain_adam:
         phase.optimizer = torch.optim.Adam(phase.model.parameters(), lr=2e-4, foreach=False)
         phase.scheduler = torch.optim.lr_scheduler.LambdaLR(phase.optimizer, lambda s: 1.0)
+        # the for-loop Adam cannot skip a non-finite update on the device (fused Adam's found_inf): the Trainer
+        # must check on the host for it, as it does for any such optimizer
+        phase.skip_on_device = skips_on_device(phase.optimizer) and not phase.scaler.is_enabled()
     return phase, count_parameters(phase.model)
 
 

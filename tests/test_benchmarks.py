@@ -326,3 +326,13 @@ def test_smoke_train_throughput(quiet, capsys):
     assert torchcfm and (math.isfinite(float(torchcfm[0].split()[-2].rstrip("x"))) or "not importable" in out)
     cfg = bench.train_config(7, precision="bf16", channels_last=True, compile_=False)  # the schema's own keys
     assert cfg["train"]["velocity"]["iters"] == 7 and cfg["train"]["velocity"]["precision"] == "bf16"
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="fused Adam's on-device skip needs a GPU")
+def test_smoke_train_throughput_on_cuda(quiet, capsys):
+    """On CUDA the Trainer's Adam is fused and skips non-finite steps on the device; the fp32-eager row swaps in a
+    for-loop Adam, which must then be checked on the host (the CPU run never takes that path)."""
+    load("train_throughput").main(["--smoke", "--device", "cuda", "--batch", "2", "--steps", "2", "--warmup", "1"])
+    out = capsys.readouterr().out
+    assert rows(out, "fp32-eager ")[0].split()[-2] == "1.00x" and math.isfinite(
+        float(rows(out, "fast ")[0].split()[-2].rstrip("x")))
