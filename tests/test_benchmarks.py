@@ -24,8 +24,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # every script in benchmarks/ with its smoke test below (test_smoke_<name>); the meta-test keeps this list and the
 # folder equal, so a new script cannot be added without one
 SMOKE_TESTED = ("digits", "flow_bpd", "flow_digits_ablation", "flow_memory", "gpu_checks", "memory_estimate",
-                "nsgf_2d", "ot_memory", "pool_build", "sampling", "sinkhorn_solver", "train_throughput",
-                "w2_mode_counts")
+                "nsgf_2d", "ot_memory", "pool_build", "preset_throughput", "sampling", "sinkhorn_solver",
+                "train_throughput", "w2_mode_counts")
 # scripts added on other branches together with their own smoke tests in this file (allowed once they exist)
 SMOKE_TESTED_ELSEWHERE = ("mnist", "nsgf_suite", "suite2d")
 
@@ -336,3 +336,16 @@ def test_smoke_train_throughput_on_cuda(quiet, capsys):
     out = capsys.readouterr().out
     assert rows(out, "fp32-eager ")[0].split()[-2] == "1.00x" and math.isfinite(
         float(rows(out, "fast ")[0].split()[-2].rstrip("x")))
+
+
+def test_smoke_preset_throughput(quiet, capsys):
+    """OT-CFM only (its exact OT pairs are drawn on the prefetch thread); FM's row is the same code path."""
+    load("preset_throughput").main(["--smoke", "--device", "cpu", "--configs", "baseline", "+prefetch",
+                                    "--methods", "otcfm", "--steps", "1", "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert "method  config                       steps/s  x base  wait %  busy %  % peak" in out
+    table = {tuple(line.split()[:2]): line.split() for line in out.splitlines() if line.startswith("otcfm ")}
+    assert set(table) == {("otcfm", "baseline"), ("otcfm", "+prefetch")}
+    for (method, name), cells in table.items():
+        assert float(cells[2]) > 0 and float(cells[3].rstrip("x")) > 0
+        assert name != "baseline" or cells[3] == "1.00x"  # ratios to the baseline of the same run
