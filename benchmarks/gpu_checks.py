@@ -2,7 +2,10 @@
 
 1. the pool built with in_flight=1 and with in_flight chosen from free device memory: max |difference|;
 2. device noise from ``device_generator`` is fixed by the CPU generator's state;
-3. fused Adam (CUDA default) vs for-loop Adam after 20 steps: max |weight difference|.
+3. fused Adam (CUDA default) vs for-loop Adam after 20 steps: max |weight difference|;
+4. an OT-CFM phase with batches drawn ahead (prefetch thread + its own CUDA stream) vs inline: identical final
+   weights, and no host sync on an ordinary step (``torch.cuda.set_sync_debug_mode("error")`` between log steps;
+   on the CPU the reads are counted instead).
 
 The checks are meant for a GPU; ``--device cpu`` runs the same code on the CPU (where ``device_generator`` is
 the CPU generator itself and fused Adam is torch's CPU kernel), which is how the test suite keeps the script
@@ -24,12 +27,15 @@ import torch
 from sinkflow import config
 from sinkflow.methods import distributions, nsgf
 from sinkflow.methods.pool import choose_in_flight
+from sinkflow.runner.callbacks import Callback
 from sinkflow.runner.rng import device_generator
 from sinkflow.runner.run import Run
 from sinkflow.runner.trainer import Trainer
 
-FULL = {"batches": 16, "steps": 10, "batch_size": 256, "noise": 4096, "adam_steps": 20, "width": 256, "rows": 128}
-SMOKE = {"batches": 4, "steps": 2, "batch_size": 16, "noise": 64, "adam_steps": 3, "width": 16, "rows": 8}
+FULL = {"batches": 16, "steps": 10, "batch_size": 256, "noise": 4096, "adam_steps": 20, "width": 256, "rows": 128,
+        "train_steps": 40}
+SMOKE = {"batches": 4, "steps": 2, "batch_size": 16, "noise": 64, "adam_steps": 3, "width": 16, "rows": 8,
+         "train_steps": 6}
 
 
 def pool_check(device: torch.device, size: dict) -> None:
@@ -77,6 +83,50 @@ def adam_check(device: torch.device, size: dict) -> None:
     print(f"fused vs for-loop Adam, {size['adam_steps']} steps: max|dw| {float((outs[0] - outs[1]).abs().max()):.2e}")
 
 
+class NoSyncOnOrdinarySteps(Callback):
+    """A callback that makes any host sync an error (CUDA) between the log/checkpoint steps of a phase."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.steps = device, 0
+
+    def on_train_batch_start(self, trainer, batch) -> None:
+        nxt = trainer.step + 1
+        ordinary = nxt % trainer.cfg["log_every"] and nxt % trainer.cfg["ckpt_every"] and nxt < trainer.cfg["iters"]
+        if ordinary and self.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        self.steps += bool(ordinary)
+
+    def on_train_batch_end(self, trainer, batch, outputs) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def prefetch_check(device: torch.device, size: dict) -> None:
+    from sinkflow.methods.flow_matching import InterpolantStep
+    from sinkflow.runner.checkpoint import load
+
+    here = os.getcwd()
+    weights, synced = {}, None
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        try:
+            for mode in ("never", "always"):
+                cfg = config.resolve("moons", [f"experiment.device={device.type}", "experiment.method=otcfm",
+                                               f"train.velocity.iters={size['train_steps']}", "train.velocity.log_every=5",
+                                               f"train.velocity.prefetch={mode}", f"experiment.name={mode}"])
+                run = Run.create(cfg)
+                guard = NoSyncOnOrdinarySteps(device)
+                Trainer(run, InterpolantStep("velocity", *distributions(cfg), ot_pairs=True), [guard]).fit()
+                run.logger.close()
+                weights[mode] = load(run.dir / "checkpoints" / "velocity" / "final.pt")["model"]
+                synced = guard.steps
+        finally:
+            os.chdir(here)
+    dw = max(float((weights["never"][k].float() - weights["always"][k].float()).abs().max()) for k in weights["never"])
+    print(f"OT-CFM batches drawn ahead vs inline, {size['train_steps']} steps: max|dw| {dw:.2e}; "
+          f"{synced} ordinary steps ran {'with host syncs made errors' if device.type == 'cuda' else 'on the CPU'}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="cuda (the point of the checks) or cpu")
@@ -91,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     pool_check(device, size)
     noise_check(device, size)
     adam_check(device, size)
+    prefetch_check(device, size)
 
 
 if __name__ == "__main__":

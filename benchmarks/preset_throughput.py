@@ -53,12 +53,14 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", default="mnist")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--methods", nargs="+", default=["fm", "otcfm"])
-    ap.add_argument("--configs", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    ap.add_argument("--configs", nargs="+", default=None, choices=list(CANDIDATES),
+                    help="default: all (smoke: baseline and +prefetch)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per phase (default 100; smoke 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 20, compile needs them; smoke 1)")
     ap.add_argument("--smoke", action="store_true", help="tiny UNet on synthetic digits, batch 4 (CPU check)")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. train.velocity.batch_size=256")
     args = ap.parse_args(argv)
+    configs = args.configs or (["baseline", "+prefetch"] if args.smoke else list(CANDIDATES))
     steps = args.steps or (2 if args.smoke else 100)
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 20)
     base = [f"experiment.device={args.device}", "pool.batches=4", *args.overrides]
@@ -73,7 +75,7 @@ def main(argv=None) -> None:
     with ctx:
         for method in args.methods:
             ref = None
-            for name in args.configs:
+            for name in configs:
                 row = measure(args.preset, method, CANDIDATES[name], base, steps, warmup)[0]  # the first UNet phase
                 ref = ref or row["steps_per_s"]
                 busy = f"{100 * row['busy_fraction']:.0f}%" if row.get("busy_fraction") is not None else "-"

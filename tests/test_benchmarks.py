@@ -213,6 +213,7 @@ def test_smoke_gpu_checks(quiet, capsys):
     assert dx <= 1e-6 and dv <= 1e-5  # one pool batch at a time or all in flight: the same pool
     assert "device noise reproducible from the CPU state: True" in out
     assert float(re.search(r"Adam, 3 steps: max\|dw\| (\S+)", out).group(1)) < 1e-5
+    assert float(re.search(r"drawn ahead vs inline, 6 steps: max\|dw\| ([0-9.e+-]+)", out).group(1)) == 0.0
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the CUDA half of gpu_checks needs a GPU")
@@ -220,6 +221,7 @@ def test_smoke_gpu_checks_on_cuda(quiet, capsys):
     load("gpu_checks").main(["--device", "cuda", "--smoke"])
     out = capsys.readouterr().out
     assert "device noise reproducible from the CPU state: True" in out
+    assert "with host syncs made errors" in out
     assert float(re.search(r"max\|dv\| (\S+)", out).group(1)) < 1e-3
 
 
