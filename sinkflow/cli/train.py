@@ -6,6 +6,7 @@ import logging
 
 from sinkflow import data, methods
 from sinkflow.cli.common import add_config_args, resolve_args, shorthands, split_preset
+from sinkflow.errors import SinkflowError
 from sinkflow.runner import dist
 from sinkflow.runner.experiment import run_phases
 from sinkflow.runner.lock import unlock_run
@@ -65,5 +66,9 @@ def run(args):
 
 
 def _check(cfg: dict) -> None:
-    data.distributions(cfg)
+    _, target = data.distributions(cfg)
+    held = getattr(target, "test_rows", 0)  # a point file's held-out rows are the only test points
+    if held and cfg["eval"]["n"] > held:
+        raise SinkflowError(f"eval.n={cfg['eval']['n']} test points, but data.test_rows holds out only {held}",
+                            f"set eval.n={held} (or less), or hold out more rows")
     methods.of(cfg).check(cfg, data.sample_shape(cfg))  # e.g. NSGF++: T <= 5, pool size

@@ -262,6 +262,7 @@ FOLDER = When("data.target=folder", lambda t: t["data"]["target"] == "folder")
 GEOMLOSS = When("sinkhorn.solver=geomloss", lambda t: POOL(t) and t["sinkhorn"]["solver"] == "geomloss")
 CONVERGED = When("sinkhorn.solver=converged", lambda t: POOL(t) and t["sinkhorn"]["solver"] == "converged")
 NOT_FLOW = When("every method but flow", lambda t: _method(t) != "flow")
+NOT_IMAGES = When("a point target (not an image set)", lambda t: not IMAGES(t))
 IMAGES_NOT_FLOW = When("an image target, every method but flow", lambda t: IMAGES(t) and NOT_FLOW(t))
 STEPS_SAMPLERS = _methods("nsgf", "fm", "otcfm")
 
@@ -283,6 +284,8 @@ DATA = {
     "source": Key("normal", Str(), "normal | 8gaussians | moons | scurve | checkerboard | path/to/points.npy "
                   "(the shape of normal follows the target)"),
     "target": Key("moons", Str(), "as source, or an image set: digits | mnist | cifar10 | folder"),
+    "test_rows": Key(0, NONNEG_INT, "a target point file (.npy): its last test_rows rows are held out, never trained on, "
+                     "and are the W2 test points (0 = nothing held out)"),
     "root": Key("data", Str(), "where image sets are downloaded to and cached", when=IMAGES),
     "path": Key(None, Str(), "image folder for target=folder", nullable=True, when=FOLDER),
     "image_size": Key(None, POS_INT, "resize + center-crop folder images to this size (null = native)",
@@ -482,6 +485,9 @@ EVAL = {
     "n": Key(1024, POS_INT, "test samples for W2 / FID / bits/dim"),
     "steps": Key([10, 100], ListOf(POS_INT), "Euler steps to evaluate at", when=NOT_FLOW),
     "seeds": Key(3, POS_INT, "sampling seeds: mean and spread"),
+    "protocol": Key("qmc", Options("qmc", "iid"), "2D W2: qmc = scrambled-Sobol source draws against stratified "
+                    "test draws (low floor) | iid = i.i.d. source draws against i.i.d. test draws (a point file's "
+                    "held-out rows): the draws a user makes", when=NOT_IMAGES),
     "class_n": Key(None, POS_INT, "generated samples per seed for the classifier's class-histogram TV and confidence "
                    "(null = eval.n): a perfect sampler's TV is ~1.2/sqrt(n) at 10 classes, 0.06 at n = 359",
                    nullable=True, when=IMAGES_NOT_FLOW),

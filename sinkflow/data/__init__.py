@@ -25,7 +25,7 @@ from sinkflow.errors import SinkflowError
 __all__ = [
     "Distribution", "build_distribution", "SPECS",
     "Normal", "EightGaussians", "Moons", "SCurve", "Checkerboard", "PointFile", "ImageDistribution",
-    "distributions", "sample_shape", "substituted", "qmc_source", "qmc_twin",
+    "distributions", "sample_shape", "substituted", "qmc_source", "qmc_twin", "iid_twin",
 ]
 
 SPECS = ("normal", "normal-qmc", "8gaussians", "8gaussians-qmc", *[k for k in TOY2D if k != "8gaussians"],
@@ -59,7 +59,7 @@ def build_distribution(spec: str, *, data_cfg: dict | None = None) -> Distributi
     if spec in IMAGE_SETS:
         return build_image_distribution(spec, data_cfg)
     if spec.endswith(".npy") or os.sep in spec or "/" in spec or os.path.exists(spec):
-        return PointFile(spec)
+        return PointFile(spec, test_rows=data_cfg.get("test_rows", 0))
     close = difflib.get_close_matches(spec, SPECS, n=1)
     hint = f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(SPECS)} or a path to a .npy file"
     raise SinkflowError(f"unknown data spec '{spec}'", hint)
@@ -75,7 +75,8 @@ def _data_key(cfg: dict) -> tuple:
 def _distributions(key: tuple):
     data_cfg = dict(key)
     target = build_distribution(data_cfg["target"], data_cfg=data_cfg)
-    source = build_distribution(data_cfg["source"], data_cfg={**data_cfg, "shape": tuple(target.shape)})
+    # data.test_rows holds out rows of the target only (a source file is drawn from whole)
+    source = build_distribution(data_cfg["source"], data_cfg={**data_cfg, "shape": tuple(target.shape), "test_rows": 0})
     if tuple(source.shape) != tuple(target.shape):
         raise SinkflowError(
             f"data.source {data_cfg['source']} has samples of shape {tuple(source.shape)} but data.target "
@@ -107,6 +108,22 @@ def qmc_twin(dist: Distribution) -> Distribution:
         return Normal(dist.shape, qmc=True)
     if isinstance(dist, EightGaussians) and not dist.qmc:
         return EightGaussians(dist.radius, dist.std, dist.stratified, qmc=True)
+    return dist
+
+
+def iid_twin(dist: Distribution) -> Distribution:
+    """``dist`` drawn i.i.d.: no QMC, no stratified counts (the built-in 2D samplers stratify by default). A
+    point file already draws i.i.d. rows. The ``iid`` evaluation protocol draws what a user's own sampling would."""
+    if isinstance(dist, Normal):
+        return Normal(dist.shape, qmc=False) if dist.qmc else dist
+    if isinstance(dist, EightGaussians):
+        return EightGaussians(dist.radius, dist.std, stratified=False, qmc=False)
+    if isinstance(dist, Moons):
+        return Moons(dist.noise, dist.scale, tuple(dist.shift.tolist()), stratified=False)
+    if isinstance(dist, SCurve):
+        return SCurve(dist.noise, dist.scale, stratified=False)
+    if isinstance(dist, Checkerboard):
+        return Checkerboard(dist.scale, stratified=False)
     return dist
 
 

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import torch
 
-from sinkflow.data.base import Distribution, check_sample_args
+from sinkflow.data.base import DEFAULT_TEST_SEED, Distribution, check_sample_args
 from sinkflow.errors import SinkflowError
 
 MIN_POINT_ROWS = 16
@@ -17,21 +17,46 @@ NPY_MAGIC = b"\x93NUMPY"
 class PointFile(Distribution):
     """Points from an ``(N, D)`` (or ``(N, *shape)``) float array in a ``.npy`` file, drawn by index.
 
-    ``sample`` draws N-independent indices with replacement from the caller's generator; ``test_set``
-    does the same with a fixed seed (there is no held-out split for user points). Whether ``shape``
-    matches the other side of the transport problem is the caller's check: it is exposed here.
+    ``sample`` draws i.i.d. indices with replacement from the caller's generator. With ``test_rows`` = m > 0
+    (``data.test_rows``) the file's last m rows are held out: ``sample`` (every training draw: the NSGF pool,
+    the FM / OT-CFM batches) never returns them and ``test_set`` returns only them, so a W2 against them
+    measures the model on points it never saw. With m = 0 ``test_set`` draws from all rows with a fixed seed
+    (nothing is held out). Whether ``shape`` matches the other side of the transport problem is the
+    caller's check: it is exposed here.
     """
 
-    def __init__(self, path: str, min_rows: int = MIN_POINT_ROWS):
+    def __init__(self, path: str, min_rows: int = MIN_POINT_ROWS, test_rows: int = 0):
         self.path = str(path)
         self.name = os.path.basename(self.path)
-        self.points = load_points(self.path, min_rows)
+        if isinstance(test_rows, bool) or not isinstance(test_rows, int) or test_rows < 0:
+            raise SinkflowError(f"data.test_rows={test_rows!r} is not a row count", "use 0 (nothing held out) or "
+                                "the number of rows at the end of the file to hold out, e.g. 1024")
+        points = load_points(self.path, min_rows)
+        self.test_rows = test_rows
+        if len(points) - test_rows < min_rows:
+            raise SinkflowError(f"point file {path} has {len(points)} rows; data.test_rows={test_rows} holds out "
+                                f"too many to leave {min_rows} for training", "hold out fewer rows or add points")
+        cut = len(points) - self.test_rows
+        self.points, self.held_out = points[:cut], points[cut:]
         self.shape = tuple(self.points.shape[1:])
 
     def sample(self, n, generator, device="cpu"):
         check_sample_args(n, generator)
         idx = torch.randint(0, len(self.points), (n,), generator=generator)
         return self.points[idx].to(device)
+
+    def test_set(self, n: int, seed: int = DEFAULT_TEST_SEED) -> torch.Tensor:
+        """The held-out rows (n of them: all when n = test_rows, else a seeded subset without replacement);
+        without held-out rows, ``n`` fixed-seed draws from all rows."""
+        if not self.test_rows:
+            return super().test_set(n, seed)
+        if n > self.test_rows:
+            raise SinkflowError(f"{n} test points asked of {self.path}, which holds out only data.test_rows="
+                                f"{self.test_rows}", f"set eval.n <= {self.test_rows} or hold out more rows")
+        if n == self.test_rows:
+            return self.held_out.clone()
+        idx = torch.randperm(self.test_rows, generator=torch.Generator().manual_seed(seed))[:n]
+        return self.held_out[idx]
 
 
 def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:

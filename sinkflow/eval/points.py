@@ -20,9 +20,26 @@ def eval_source(cfg: dict):
     return data.qmc_source(cfg)
 
 
-def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool = True):
-    """n samples in chunks of ``sample.batch_size`` (so eval.n=10000 fits a small card); info merged."""
-    source = eval_source(run.cfg) if qmc else data.distributions(run.cfg)[0]
+def protocol_pair(cfg: dict, protocol: str | None = None):
+    """(source, target) of the evaluation ``protocol`` (``eval.protocol`` when None): ``qmc`` = the source's
+    scrambled-Sobol twin and the stratified target (its ``test_set``); ``iid`` = i.i.d. twins of both, the
+    draws a user makes (a point file's ``test_set`` is its held-out rows, i.i.d. already)."""
+    protocol = protocol or cfg["eval"].get("protocol", "qmc")
+    source, target = data.distributions(cfg)
+    if protocol == "iid":
+        return data.iid_twin(source), data.iid_twin(target)
+    return data.qmc_twin(source), target
+
+
+def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool = True, protocol: str | None = None):
+    """n samples in chunks of ``sample.batch_size`` (so eval.n=10000 fits a small card); info merged.
+
+    The source draw is the ``protocol``'s (:func:`protocol_pair`); without one, ``qmc`` picks the QMC twin
+    (True) or the run's own source sampler (False)."""
+    if protocol is not None:
+        source = protocol_pair(run.cfg, protocol)[0]
+    else:
+        source = eval_source(run.cfg) if qmc else data.distributions(run.cfg)[0]
     x0 = source.sample(n, phase_generator(seed, "sample"), "cpu")
     sample = methods.of(run.cfg).sample
     chunk = max(1, run.cfg["sample"]["batch_size"])
@@ -45,20 +62,23 @@ def merge_info(infos: list[dict]) -> dict:
     return merged
 
 
-def w2_table(run, n: int | None = None, seeds: int | None = None, steps_list=None) -> list[dict]:
-    """For each step count: W2 mean/std over ``seeds`` sampling seeds, each against its own test draw."""
+def w2_table(run, n: int | None = None, seeds: int | None = None, steps_list=None,
+             protocol: str | None = None) -> list[dict]:
+    """For each step count: W2 mean/std over ``seeds`` sampling seeds, each against its own test draw
+    (under ``protocol``, default ``eval.protocol``: :func:`protocol_pair`)."""
     from sinkflow.ot import w2
 
     cfg = run.cfg
     n = n or cfg["eval"]["n"]
     seeds = seeds or cfg["eval"]["seeds"]
-    _, target = data.distributions(cfg)
+    protocol = protocol or cfg["eval"].get("protocol", "qmc")
+    _, target = protocol_pair(cfg, protocol)
     method = methods.of(cfg)
     rows = []
     for steps in steps_list or cfg["eval"]["steps"]:
         values, nfe = [], 0
         for s in range(seeds):
-            x, info = generate(run, n, steps, seed=1000 + s)
+            x, info = generate(run, n, steps, seed=1000 + s, protocol=protocol)
             values.append(w2(x.cpu(), target.test_set(n, seed=2000 + s)))
             nfe = info["nfe"]
         rows.append({
@@ -82,8 +102,11 @@ def is_paper_task(cfg: dict) -> bool:
     return all(cfg["data"].get(k) == own.get(k) for k in ("source", "target"))
 
 
-def format_table(rows: list[dict], method: str, task: str) -> str:
-    lines = [f"W2 on {task} ({method}), exact OT (POT emd2), mean +- std over seeds:",
+def format_table(rows: list[dict], method: str, task: str, protocol: str = "qmc") -> str:
+    draws = ("i.i.d. source draws vs i.i.d. test points" if protocol == "iid"
+             else "QMC source draws vs stratified test points")
+    lines = [f"W2 on {task} ({method}), exact OT (POT emd2), {draws} (eval.protocol={protocol}), "
+             "mean +- std over seeds:",
              f"{'steps':>6} {'NFE':>5} {'W2':>16} {'paper NSGF':>11}"]
     for r in rows:
         paper = "" if r["paper"] is None else f"{r['paper']:.3f}"

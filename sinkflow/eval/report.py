@@ -35,7 +35,7 @@ def standard_evaluation(run, method, seeds: int | None = None, n: int | None = N
         rows = w2_table(run, n=n, seeds=seeds)
         run.logger.log("eval", 0, {f"w2_{r['steps']}": r["w2_mean"] for r in rows})
         task = cfg["experiment"]["preset"] if is_paper_task(cfg) else f"{cfg['data']['source']} -> {cfg['data']['target']}"
-        return format_table(rows, method.name, task)
+        return format_table(rows, method.name, task, run.cfg["eval"].get("protocol", "qmc"))
     from sinkflow.eval.images import evaluate_images
 
     return evaluate_images(run, seeds=seeds, n=n)
