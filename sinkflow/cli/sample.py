@@ -46,8 +46,9 @@ def run(args):
         np.save(out, x.numpy())
     elif is_points(run_.cfg):
         from sinkflow.eval.plots import scatter_samples
+        from sinkflow.eval.points import reference
 
-        scatter_samples(x, data.distributions(run_.cfg)[1].test_set(args.n), out, f"{steps} steps")
+        scatter_samples(x, reference(data.distributions(run_.cfg)[1], args.n), out, f"{steps} steps")
     else:
         from sinkflow.eval.images import save_grid
 

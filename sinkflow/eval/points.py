@@ -114,6 +114,12 @@ def format_table(rows: list[dict], method: str, task: str, protocol: str = "qmc"
     return "\n".join(lines)
 
 
+def reference(target, n: int) -> torch.Tensor:
+    """Up to n test points to draw next to generated ones (a point file holds out only ``data.test_rows``)."""
+    held = getattr(target, "test_rows", 0)
+    return target.test_set(min(n, held) if held else n)
+
+
 @torch.no_grad()
 def plots(run, n: int = 1024, steps: int = 100) -> list:
     """samples.png (generated vs target) and trajectories.png (particle paths) in the run folder."""
@@ -122,6 +128,6 @@ def plots(run, n: int = 1024, steps: int = 100) -> list:
     x, info = generate(run, n, steps, seed=7, record=True)
     _, target = data.distributions(run.cfg)
     title = f"{run.cfg['experiment']['preset']} ({methods.of(run.cfg).name}, {steps} steps)"
-    out1 = scatter_samples(x.cpu(), target.test_set(n), run.dir / "samples.png", title)
+    out1 = scatter_samples(x.cpu(), reference(target, n), run.dir / "samples.png", title)
     out2 = trajectories(torch.stack(info["path"]), run.dir / "trajectories.png", title)
     return [out1, out2]

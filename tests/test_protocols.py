@@ -1,0 +1,134 @@
+"""The two 2D evaluation protocols (issue 26): eval.protocol=iid draws i.i.d. (not QMC, not stratified), and a point
+file's held-out rows (data.test_rows) are the test points and are never drawn for training."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import numpy as np
+import pytest
+import torch
+
+from sinkflow import config, data
+from sinkflow.cli import main
+from sinkflow.data import EightGaussians, Normal, build_distribution, iid_twin, qmc_twin
+from sinkflow.data.toy2d import EIGHT_CENTRES
+from sinkflow.errors import SinkflowError
+from sinkflow.eval.points import protocol_pair
+from helpers import TINY_2D
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_an_iid_normal_draw_is_iid_not_qmc():
+    """The mean of n i.i.d. N(0, 1) points varies by 1/sqrt(n) between draws; a scrambled-Sobol draw's by far less."""
+    iid, qmc = iid_twin(Normal((2,), qmc=True)), qmc_twin(Normal((2,)))
+    assert not iid.qmc and qmc.qmc
+    n = 1024
+    iid_means = [float(iid.sample(n, gen(s))[:, 0].mean()) for s in range(40)]
+    qmc_means = [float(qmc.sample(n, gen(s))[:, 0].mean()) for s in range(40)]
+    assert 0.6 / n**0.5 < statistics.stdev(iid_means) < 1.5 / n**0.5
+    assert statistics.stdev(qmc_means) < 0.2 / n**0.5
+
+
+def _mode_imbalance(x: torch.Tensor, radius: float) -> float:
+    labels = torch.cdist(x.double(), radius * EIGHT_CENTRES).argmin(1)
+    counts = torch.bincount(labels, minlength=8).double()
+    return float((counts - len(x) / 8).abs().sum())
+
+
+def test_an_iid_8gaussians_draw_has_multinomial_mode_counts():
+    """The stratified sampler puts n/8 points in each mode; its i.i.d. twin has multinomial counts (sum of
+    |n_k - n/8| about 68 at n = 1024), as a user's own sampling would."""
+    strat = EightGaussians()
+    iid = iid_twin(strat)
+    assert not iid.stratified and not iid.qmc and strat.stratified
+    n = 1024
+    assert max(_mode_imbalance(strat.sample(n, gen(s)), strat.radius) for s in range(10)) <= 8
+    imb = statistics.fmean(_mode_imbalance(iid.sample(n, gen(s)), iid.radius) for s in range(10))
+    assert 35 < imb < 110, imb
+
+
+@pytest.mark.parametrize("spec", ["moons", "scurve", "checkerboard"])
+def test_iid_twins_of_the_stratified_samplers_are_unstratified(spec):
+    d = build_distribution(spec)
+    twin = iid_twin(d)
+    assert d.stratified and not twin.stratified and type(twin) is type(d)
+
+
+def test_protocol_pair_follows_eval_protocol():
+    cfg = config.resolve("8gaussians")
+    src, tgt = protocol_pair(cfg)  # the default: qmc
+    assert cfg["eval"]["protocol"] == "qmc" and src.qmc and tgt.stratified
+    src, tgt = protocol_pair(config.resolve("8gaussians", ["eval.protocol=iid"]))
+    assert isinstance(src, Normal) and not src.qmc and not tgt.stratified
+
+
+def _marked_file(path, rows=200, held=64):
+    """Training rows near the origin, then ``held`` rows far away at x = 1000 + i: any draw of one is visible."""
+    pts = np.random.default_rng(0).normal(size=(rows, 2))
+    pts[rows - held:] = np.stack([1000.0 + np.arange(held), np.zeros(held)], 1)
+    np.save(path, pts.astype(np.float32))
+    return pts.astype(np.float32)
+
+
+def test_held_out_rows_are_the_test_set_and_never_sampled(tmp_path):
+    pts = _marked_file(tmp_path / "p.npy")
+    d = build_distribution(str(tmp_path / "p.npy"), data_cfg={"test_rows": 64})
+    assert float(d.sample(100_000, gen(0))[:, 0].max()) < 100  # no training draw is a held-out row
+    assert torch.equal(d.test_set(64), torch.from_numpy(pts[-64:]))  # all of them, whatever the seed
+    sub = d.test_set(32, seed=3)
+    assert len({tuple(r) for r in sub.tolist()}) == 32 and float(sub[:, 0].min()) >= 1000
+    with pytest.raises(SinkflowError, match="holds out only data.test_rows=64"):
+        d.test_set(65)
+    whole = build_distribution(str(tmp_path / "p.npy"), data_cfg={})  # test_rows=0: nothing held out
+    assert float(whole.sample(100_000, gen(0))[:, 0].max()) >= 1000
+    with pytest.raises(SinkflowError, match="too many"):
+        build_distribution(str(tmp_path / "p.npy"), data_cfg={"test_rows": 190})
+    # a source file is drawn from whole: test_rows is the target's
+    src, tgt = data.distributions(config.resolve("moons", [f"data.source={tmp_path / 'p.npy'}",
+                                                           f"data.target={tmp_path / 'p.npy'}", "data.test_rows=64"]))
+    assert len(src.points) == 200 and len(tgt.points) == 136
+
+
+@pytest.mark.parametrize("method", ["nsgf", "otcfm"])
+def test_runs_never_train_on_the_held_out_rows(method, runs_dir, tmp_path):
+    """End to end: every training draw (the NSGF pool's target batches, OT-CFM's pairs) misses the held-out rows."""
+    _marked_file(tmp_path / "p.npy")
+    args = ["train", "moons", "--method", method, *TINY_2D, f"data.target={tmp_path / 'p.npy'}",
+            "data.test_rows=64", "eval.protocol=iid", "--no-report"]
+    assert main([*args, "--name", "held"]) == 0
+    run = runs_dir / "held"
+    if method == "nsgf":  # the pool's Sinkhorn diameter spans every source and target point its batches drew
+        assert json.loads((run / "pool" / "progress.json").read_text())["diameter"] < 100
+        assert main([a for a in args if a != "data.test_rows=64"] + ["--name", "all", "eval.n=64"]) == 0
+        assert json.loads((runs_dir / "all" / "pool" / "progress.json").read_text())["diameter"] > 900
+    else:  # OT-CFM's training batches: x_t + (1 - t) v is the target endpoint
+        from sinkflow import methods
+
+        cfg = config.resolve("moons", [
+            "experiment.method=otcfm", f"data.target={tmp_path / 'p.npy'}", "data.test_rows=64"])
+        source, target = data.distributions(cfg)
+        step = methods.of(cfg).phases(cfg, source, target)[0]
+        x, t, v = step.batch(gen(0), 4096, "cpu")
+        assert float((x + (1 - t.view(-1, 1)) * v)[:, 0].max()) < 100
+
+
+def test_eval_n_above_the_held_out_rows_is_refused_before_work(runs_dir, tmp_path, capsys):
+    _marked_file(tmp_path / "p.npy")
+    code = main(["train", "moons", *TINY_2D, f"data.target={tmp_path / 'p.npy'}", "data.test_rows=32",
+                 "--name", "refused"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "eval.n=64" in err and "data.test_rows" in err and len(err.strip().splitlines()) == 1
+    assert not (runs_dir / "refused").exists()
+
+
+def test_eval_protocol_iid_is_named_in_the_report(runs_dir, tmp_path, capsys):
+    _marked_file(tmp_path / "p.npy", held=64)
+    assert main(["train", "moons", *TINY_2D, f"data.target={tmp_path / 'p.npy'}", "data.test_rows=64",
+                 "eval.protocol=iid", "--name", "r"]) == 0
+    assert "eval.protocol=iid" in capsys.readouterr().out
