@@ -351,3 +351,41 @@ def test_smoke_preset_throughput(quiet, capsys):
     for (method, name), cells in table.items():
         assert float(cells[2]) > 0 and float(cells[3].rstrip("x")) > 0
         assert name != "baseline" or cells[3] == "1.00x"  # ratios to the baseline of the same run
+
+
+def test_suite_families_are_deterministic_with_iid_and_stratified_draws(tmp_path):
+    import numpy as np
+
+    suite = load("suite2d")
+    assert len(suite.FAMILIES) >= 8
+    files = suite.write_suite(tmp_path, ["unequal", "8g-roll"])
+    x = np.load(files["unequal"])
+    assert x.shape == (suite.TRAIN_ROWS + suite.TEST_ROWS, 2) and x.dtype == np.float32
+    assert np.array_equal(x, np.load(suite.write_suite(tmp_path / "again", ["unequal"])["unequal"]))
+    rng = np.random.default_rng(0)
+    assert list(suite.counts([0.62, 0.31, 0.07], 1024, rng, stratified=True)) == [635, 317, 72]
+    iid = [suite.counts([0.62, 0.31, 0.07], 1024, np.random.default_rng(s), False)[2] for s in range(20)]
+    assert len(set(iid)) > 5 and abs(np.mean(iid) - 71.7) < 5  # multinomial: the small mode's count varies
+    assert suite.FAMILIES["8g-roll"][0] == "8gaussians" and min(suite.FAMILIES["unequal"][1]) < 0.1
+
+
+@pytest.mark.slow
+def test_suite_benchmark_smoke(tmp_path, monkeypatch):
+    """One tiny NSGF and OT-CFM run of the suite's runner, scored under both protocols, and the verdict's counting."""
+    monkeypatch.chdir(tmp_path)
+    bench = load("nsgf_suite")
+    files = load("suite2d").write_suite(tmp_path / "suite", ["unequal"])
+    tiny = ["pool.batches=2", "pool.batch_size=32", "pool.chunk=1", "eval.steps=[10, 100]"]
+    results = [bench.one_run("unequal", str(files["unequal"]), m, 0, 4, str(tmp_path / "runs"), tiny, 1)
+               for m in ("nsgf", "otcfm")]
+    for r in results:
+        assert set(r["w2"]) == {"iid", "qmc"} and all(len(r["w2"][p]["10"]) == 1 for p in ("iid", "qmc"))
+    cfg = json.loads((tmp_path / "runs" / "unequal-nsgf-s0" / "bench.json").read_text())
+    assert cfg["w2"] == results[0]["w2"]  # kept: a rerun is not retrained
+    again = bench.one_run("unequal", str(files["unequal"]), "nsgf", 0, 4, str(tmp_path / "runs"), tiny, 1)
+    assert again["train_s"] == results[0]["train_s"]
+    fake = [{"family": "a", "method": m, "seed": s, "w2": {"iid": {"10": [w10], "100": [w100]}}}
+            for m, s, w10, w100 in [("nsgf", 0, 0.30, 0.33), ("nsgf", 1, 0.31, 0.34),
+                                    ("otcfm", 0, 0.32, 0.31), ("otcfm", 1, 0.33, 0.32)]]
+    v = bench.verdict(fake, ["a"], "iid")
+    assert v["wins"] == 1 and v["cells"] == 2 and abs(v["worst_gap"] - 0.02) < 1e-9 and v["finer_worse"] == ["a"]
