@@ -113,6 +113,42 @@ def floors(family: str, test: "np.ndarray", pairs: int = 5) -> dict:  # noqa: F8
     return {"iid": statistics.fmean(iid), "qmc": statistics.fmean(qmc)}
 
 
+def diagnose(run_dir: Path, family: str, n: int = 20_000) -> dict:
+    """Where a model's W2 comes from: the mass each mixture component gets and the share of points off the
+    support, from n generated points (QMC source) at 10 and 100 steps. A point is given the component of its
+    nearest neighbour in 200,000 labelled target points; "off" = farther from them than 99% of fresh target
+    points are (so the target itself scores 1%). ``w2_4096``: i.i.d. protocol with 4x the points (4096 i.i.d.
+    source draws vs a fresh i.i.d. 4096-point draw of the family, 2 seeds), beside the target's own score there."""
+    import numpy as np
+    from scipy.spatial import cKDTree
+
+    from sinkflow.eval.points import generate
+    from sinkflow.runner.run import Run
+
+    ref, labels = suite2d.sample_with_labels(family, 200_000, seed=9000)
+    tree = cKDTree(ref)
+    threshold = np.quantile(tree.query(suite2d.sample(family, n, seed=9001))[0], 0.99)
+    k = len(suite2d.FAMILIES[family][1])
+    out = {"true_mass": [round(m, 4) for m in suite2d.FAMILIES[family][1]]}
+    import torch
+
+    from sinkflow.ot import w2
+
+    t = lambda a: torch.as_tensor(a, dtype=torch.float32)  # noqa: E731
+    big = [suite2d.sample(family, 4096, seed=9100 + s) for s in range(2)]
+    out["w2_4096_target"] = round(statistics.fmean(w2(t(suite2d.sample(family, 4096, seed=9200 + s)), t(b))
+                                                   for s, b in enumerate(big)), 4)
+    run = Run.open(run_dir)
+    for steps in (10, 100):
+        x = generate(run, n, steps, seed=1000, protocol="qmc")[0].numpy()
+        d, idx = tree.query(x)
+        out[steps] = {"mass": [round(float(v), 4) for v in np.bincount(labels[idx], minlength=k) / n],
+                      "off": round(float((d > threshold).mean()), 4),
+                      "w2_4096": round(statistics.fmean(w2(generate(run, 4096, steps, seed=1100 + s, protocol="iid")[0],
+                                                           t(b)) for s, b in enumerate(big)), 4)}
+    return out
+
+
 def cell(results, family, method, protocol, steps):
     """Per training seed: the mean over sampling seeds."""
     return [statistics.fmean(r["w2"][protocol][str(steps)]) for r in results
@@ -186,14 +222,20 @@ def main() -> None:
     p.add_argument("--runs-dir", required=True, help="runs and the suite's .npy files live here (resumable)")
     p.add_argument("--collect", action="store_true", help="train nothing: tabulate the runs finished in --runs-dir")
     p.add_argument("--write", action="store_true", help="replace the nsgf_suite section of benchmarks/RESULTS.md")
+    p.add_argument("--diagnose", action="store_true",
+                   help="train nothing: print component masses and off-support shares of the finished runs")
     p.add_argument("extra", nargs="*", help="config overrides for every run (probes), e.g. sinkhorn.blur=0.2")
     args = p.parse_args()
     runs_dir = Path(args.runs_dir).resolve()
     files = suite2d.write_suite(runs_dir / "suite", args.families)
     seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
     jobs = [(f, m, s) for s in seeds for f in args.families for m in args.methods]  # seed-major
-    if args.collect:
+    if args.collect or args.diagnose:
         jobs = [j for j in jobs if (runs_dir / f"{j[0]}-{j[1]}-s{j[2]}" / "bench.json").exists()]
+    if args.diagnose:
+        for f, m, s in jobs:
+            print(f"{f:>8} {m:>6} seed {s}: {json.dumps(diagnose(runs_dir / f'{f}-{m}-s{s}', f))}", flush=True)
+        return
     start = time.perf_counter()
     results = []
     with cf.ProcessPoolExecutor(1) as pool:  # one run at a time, one thread: the machine is shared

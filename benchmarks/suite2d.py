@@ -105,10 +105,15 @@ def counts(masses, n: int, rng: np.random.Generator, stratified: bool) -> np.nda
 
 def sample(name: str, n: int, seed: int, stratified: bool = False) -> np.ndarray:
     """n points (float64, shuffled) of family ``name``: an i.i.d. draw, or the stratified (QMC) one."""
+    return sample_with_labels(name, n, seed, stratified)[0]
+
+
+def sample_with_labels(name: str, n: int, seed: int, stratified: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``sample`` and each point's component index (for the mode-mass diagnostics)."""
     _, masses, comps, _ = FAMILIES[name]
     rng = np.random.default_rng(seed)
-    parts = []
-    for m, comp in zip(counts(masses, n, rng, stratified), comps):
+    parts, labels = [], []
+    for k, (m, comp) in enumerate(zip(counts(masses, n, rng, stratified), comps)):
         if m == 0:
             continue
         if stratified:
@@ -118,8 +123,9 @@ def sample(name: str, n: int, seed: int, stratified: bool = False) -> np.ndarray
         else:
             u = rng.random((m, 3))
         parts.append(comp(u))
-    x = np.concatenate(parts)
-    return x[rng.permutation(n)]
+        labels.append(np.full(m, k))
+    order = rng.permutation(n)
+    return np.concatenate(parts)[order], np.concatenate(labels)[order]
 
 
 def write_suite(folder: Path, names=None) -> dict[str, Path]:
