@@ -279,13 +279,58 @@ def apply_shorthands(tree: dict, values: dict[str, Any]) -> dict:
 
 
 def resolve(preset: str, overrides: list[str] | None = None, shorthands: dict[str, Any] | None = None) -> dict:
-    """Preset -> shorthands -> explicit overrides (explicit keys win), validated."""
+    """Preset -> shorthands -> explicit overrides (explicit keys win), validated; an explicit override of a
+    key the resolved run does not read is an error (``check_read``)."""
     tree = load_preset(preset)
     tree["experiment"]["preset"] = preset
     tree = apply_shorthands(tree, shorthands or {})
     tree = apply_overrides(tree, overrides or [])
     validate(tree)
+    check_read(tree, override_keys(overrides or []))
     return tree
+
+
+def override_keys(overrides: list[str]) -> list[str]:
+    """The keys ``key.sub=value`` overrides name."""
+    return [item.partition("=")[0].strip() for item in overrides if "=" in item]
+
+
+def check_read(tree: dict, names: list[str], where: str = "") -> None:
+    """Refuse a key the user set that the run of ``tree`` does not read (``sinkflow train moons
+    train.nsf.ema=0.5``: NSGF has no nsf phase): one line naming the method and when the key is read.
+
+    Only keys the user names count: shorthands set every phase's key on purpose, and a preset may set keys for
+    another method than the one run (``unread_preset_keys``: a warning, not an error)."""
+    used = schema.used(tree)
+    specs = schema.keys(tree)
+    for name in names:
+        if name in used or name not in specs:
+            continue
+        method = tree["experiment"]["method"]
+        when = specs[name].when.text if specs[name].when is not None else "never"
+        readers = schema.READERS.get(name) or next(
+            (tuple(m for m, ph in schema.METHOD_PHASES.items() if name.split(".")[1] in ph)
+             for s in ("model", "train") if name.startswith(s + ".")), ())
+        other = [m for m in readers if m != method]
+        fix = (f"drop it, or train a method that reads it (--method {other[0]})" if other
+               else "drop it: it matters only when " + when)
+        raise SinkflowError(f"{where}config key '{name}' is not read by method {method} on this data (read when: "
+                            f"{when})", fix)
+
+
+def unread_preset_keys(tree: dict) -> list[str]:
+    """Keys the run's preset (with its ``inherit`` chain) sets that the resolved run does not read: a preset may
+    hold keys for several methods (``digits``: NSGF++'s nsf and time phases), so ``--method fm`` on it is
+    allowed; ``sinkflow train`` names them in a warning."""
+    preset = tree["experiment"].get("preset")
+    if not preset or preset == "_base":
+        return []
+    try:
+        raw = flatten(_raw_preset(preset))
+    except SinkflowError:
+        return []
+    used = schema.used(tree)
+    return [k for k in raw if k in schema.keys(tree) and k not in used]
 
 
 def read_run_config(cfg: Any, path) -> dict:
@@ -305,7 +350,10 @@ def read_run_config(cfg: Any, path) -> dict:
         raise SinkflowError(problem, exc.fix or "fix it or start a new run") from None
 
 
-METHODS = schema.METHODS
+def __getattr__(name: str):
+    if name == "METHODS":  # the registry may grow at run time (schema.register_method)
+        return schema.METHODS
+    raise AttributeError(f"module 'sinkflow.config' has no attribute {name!r}")
 
 
 def validate(tree: dict) -> None:
