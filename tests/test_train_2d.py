@@ -22,7 +22,8 @@ def test_preset_end_to_end(preset, runs_dir, capsys):
     assert train("r", preset) == 0
     out = capsys.readouterr().out
     run = runs_dir / "r"
-    assert "W2" in out and "paper NSGF" in out
+    assert "W2" in out and "eval.qmc=true" in out
+    assert "paper" not in out  # the paper has W2 at 10 and 100 steps only: no column at 2 / 4
     for f in ("config.yaml", "meta.json", "metrics.jsonl", "samples.png", "trajectories.png", "status.json",
               "checkpoints/pool/final.pt", "checkpoints/velocity/final.pt", "pool/x.npy"):
         assert (run / f).is_file(), f

@@ -7,23 +7,35 @@ import statistics
 import torch
 
 from sinkflow import data, methods
-from sinkflow.eval.paper import paper_w2
 from sinkflow.runner.rng import phase_generator
 
 
 def eval_source(cfg: dict):
-    """The source for evaluation draws: its scrambled-Sobol twin when one exists (``data.qmc_source``).
+    """The source for evaluation draws: its scrambled-Sobol twin when one exists and ``eval.qmc`` (the default).
 
     The test sets are stratified draws (docs/data.md); an i.i.d. source would put a ~0.2 finite-sample
     floor under every W2 number. A QMC source removes that floor for every method alike.
     """
-    return data.qmc_source(cfg)
+    return data.sampling_source(cfg, cfg["eval"]["qmc"])
 
 
-def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool = True):
-    """n samples in chunks of ``sample.batch_size`` (so eval.n=10000 fits a small card); info merged."""
-    source = eval_source(run.cfg) if qmc else data.distributions(run.cfg)[0]
-    x0 = source.sample(n, phase_generator(seed, "sample"), "cpu")
+def source_protocol(cfg: dict, qmc: bool) -> str:
+    """One line naming how the source is drawn (evaluation output says which protocol it used)."""
+    source = data.distributions(cfg)[0]
+    if not qmc:
+        return f"source {source.name} drawn i.i.d."
+    if data.qmc_twin(source) is source:
+        return f"source {source.name} drawn i.i.d. (QMC asked for, but it has no scrambled-Sobol twin)"
+    return f"source {source.name} drawn by randomised QMC (scrambled Sobol)"
+
+
+def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool | None = None):
+    """n samples in chunks of ``sample.batch_size`` (so eval.n=10000 fits a small card); info merged.
+
+    ``qmc``: draw the source by randomised QMC; None = the evaluation protocol's choice, ``eval.qmc``.
+    ``sinkflow sample`` and ``Run.sample`` pass ``sample.qmc`` (default false: i.i.d. draws)."""
+    qmc = run.cfg["eval"]["qmc"] if qmc is None else qmc
+    x0 = data.sampling_source(run.cfg, qmc).sample(n, phase_generator(seed, "sample"), "cpu")
     sample = methods.of(run.cfg).sample
     chunk = max(1, run.cfg["sample"]["batch_size"])
     outs, infos = [], []
@@ -64,8 +76,7 @@ def w2_table(run, n: int | None = None, seeds: int | None = None, steps_list=Non
         rows.append({
             "steps": steps, "nfe": nfe, "w2_mean": statistics.fmean(values),
             "w2_std": statistics.stdev(values) if len(values) > 1 else 0.0, "w2_all": values,
-            "paper": paper_w2(method.name, cfg["experiment"]["preset"], steps)
-            if is_paper_task(cfg) else None,
+            "paper": method.paper_w2(cfg["experiment"]["preset"], steps) if is_paper_task(cfg) else None,
         })
     return rows
 
@@ -82,12 +93,16 @@ def is_paper_task(cfg: dict) -> bool:
     return all(cfg["data"].get(k) == own.get(k) for k in ("source", "target"))
 
 
-def format_table(rows: list[dict], method: str, task: str) -> str:
-    lines = [f"W2 on {task} ({method}), exact OT (POT emd2), mean +- std over seeds:",
-             f"{'steps':>6} {'NFE':>5} {'W2':>16} {'paper NSGF':>11}"]
+def format_table(rows: list[dict], method: str, task: str, paper_label: str = "",
+                 protocol: str = "source as eval.qmc") -> str:
+    """The W2 table; a "paper <label>" column only where the method has the paper's numbers for the task."""
+    has_paper = any(r.get("paper") is not None for r in rows)
+    head = f" {'paper ' + paper_label:>11}" if has_paper else ""
+    lines = [f"W2 on {task} ({method}), exact OT (POT emd2), mean +- std over seeds; {protocol}:",
+             f"{'steps':>6} {'NFE':>5} {'W2':>16}{head}"]
     for r in rows:
-        paper = "" if r["paper"] is None else f"{r['paper']:.3f}"
-        lines.append(f"{r['steps']:>6} {r['nfe']:>5} {r['w2_mean']:>9.3f} +- {r['w2_std']:.3f} {paper:>11}")
+        paper = "" if r.get("paper") is None else f" {r['paper']:>11.3f}"
+        lines.append(f"{r['steps']:>6} {r['nfe']:>5} {r['w2_mean']:>9.3f} +- {r['w2_std']:.3f}{paper}".rstrip())
     return "\n".join(lines)
 
 

@@ -102,6 +102,14 @@ class Method:
 
     name: str = ""
     draws_path = True  # sampling integrates a path that trajectory plots can draw
+    # The paper's own W2 numbers for this method, {task (preset): {euler_steps: w2}}, and the label the report
+    # prints them under; a method the paper has no numbers for keeps both empty and reports none.
+    paper: dict = {}
+    paper_label: str = ""
+
+    def paper_w2(self, task: str, steps: int) -> float | None:
+        """The paper's W2 for this method on ``task`` at ``steps`` Euler steps, or None (never raises)."""
+        return (self.paper.get(task) or {}).get(steps)
 
     def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
         """Refuse, before any work, a config this method cannot run (one line naming the key)."""

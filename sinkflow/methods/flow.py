@@ -297,7 +297,8 @@ class NormalizingFlow(Method):
         metrics = ev.image_metrics(run, seeds=seeds, n=n, steps_list=self.eval_steps(run.cfg))
         for row in metrics["rows"]:
             run.logger.log("eval", 0, {k: row[k] for k in ("w2", "tv", "confidence", "fid") if k in row})
-        lines.append(f"Samples at temperature {run.cfg['sample']['temperature']} (steps = 1 inverse pass):")
+        lines.append(f"Samples at temperature {run.cfg['sample']['temperature']} (steps = 1 inverse pass; "
+                     f"{'QMC' if run.cfg['eval']['qmc'] else 'i.i.d.'} prior noise, eval.qmc):")
         lines.append(ev.format_metrics(metrics))
         return "\n".join(lines)
 

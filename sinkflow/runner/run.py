@@ -130,6 +130,7 @@ class Run:
         cfg = read_config(run_dir)
         new = config_mod.apply_overrides(config_mod.apply_shorthands(cfg, shorthands or {}), overrides or [])
         config_mod.validate(new)
+        config_mod.check_read(new, config_mod.override_keys(overrides or []))
         check_frozen(cfg, new, Path(run_dir))
         run = cls(run_dir, new)
         if new != cfg:
