@@ -49,7 +49,7 @@ def measure_train(cfg, phase_name, device, workdir) -> int:
     from sinkflow.tools.phases import workspace
 
     run, phase = workspace(cfg, phase_name, workdir)
-    batch = phase.first_batch
+    batch = phase.batch
     phase.train_step(batch)  # Adam's moments exist from here on, as in a running phase
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

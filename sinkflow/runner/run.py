@@ -82,12 +82,13 @@ def _versions() -> dict:
 class Run:
     """Everything a phase needs: config, device, folder, logger, checkpoints, finished phases' models."""
 
-    def __init__(self, run_dir: Path, cfg: dict):
+    def __init__(self, run_dir: Path, cfg: dict, log: bool = True):
+        """``log=False``: a read-only look at a run (doctor, lr-find on a user's run) logs nothing into it."""
         self.dir = Path(run_dir)
         self.cfg = cfg
         self.dist = dist.current()
         self.device = dist.device_for(self.dist, resolve_device(cfg["experiment"]["device"]))
-        self.logger = MetricsLogger(self.dir, enabled=self.dist.is_main)
+        self.logger = MetricsLogger(self.dir, enabled=self.dist.is_main and log)
         self._models: dict[str, torch.nn.Module] = {}
         self._pending_config: dict | None = None  # a resume's new config.yaml, written by start()
         self._checked_finals: set[tuple] = set()
