@@ -8,7 +8,7 @@ import torch
 
 from sinkflow import config
 from sinkflow.cli import main
-from helpers import TINY_2D, tiny_2d
+from helpers import tiny_2d
 
 PRESETS_2D = [p for p in config.preset_names() if config.load_preset(p)["experiment"]["method"] == "nsgf"]
 

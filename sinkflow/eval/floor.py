@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
              "|---|---|---|---|---|"]
     for r in floor_table(a.n, a.pairs):
         f = lambda ms: f"{ms[0]:.3f} ± {ms[1]:.3f}"  # noqa: E731
+        paper = "—" if r["paper"] is None else f"{r['paper'][0]} / {r['paper'][1]}"
         lines.append(f"| {r['name']} | {f(r['stratified'])} | {f(r['iid'])} | {f(r['iid_vs_stratified'])} | "
-                     ("—" if r["paper"] is None else f"{r['paper'][0]} / {r['paper'][1]}") + " |")
+                     f"{paper} |")
     print("\n".join(lines))  # CLI output, not library logging
 
 
