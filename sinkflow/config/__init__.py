@@ -312,10 +312,11 @@ def check_read(tree: dict, names: list[str], where: str = "") -> None:
             (tuple(m for m, ph in schema.METHOD_PHASES.items() if name.split(".")[1] in ph)
              for s in ("model", "train") if name.startswith(s + ".")), ())
         other = [m for m in readers if m != method]
-        fix = (f"drop it, or train a method that reads it (--method {other[0]})" if other
-               else "drop it: it matters only when " + when)
-        raise SinkflowError(f"{where}config key '{name}' is not read by method {method} on this data (read when: "
-                            f"{when})", fix)
+        if other:
+            raise SinkflowError(f"{where}config key '{name}' is not read by method {method} (read when: {when})",
+                                f"drop it, or train a method that reads it (--method {other[0]})")
+        raise SinkflowError(f"{where}config key '{name}' is not read by this run of method {method} (read when: "
+                            f"{when})", "drop it: it matters only then")
 
 
 def unread_preset_keys(tree: dict) -> list[str]:
