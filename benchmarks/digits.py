@@ -160,7 +160,8 @@ def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int,
     unet_steps = run.cfg["train"]["velocity"]["iters"] + run.cfg["train"]["nsf"]["iters"]
     for method in baselines:
         label = LABEL[method]
-        run, res["wall"][label] = train(out, method, "--method", method, *common, f"train.velocity.iters={unet_steps}")
+        base = [a for a in common if not a.startswith(("pool.", "train.time.", "train.nsf."))]  # FM reads none
+        run, res["wall"][label] = train(out, method, "--method", method, *base, f"train.velocity.iters={unet_steps}")
         for steps in [*nfe, 100]:
             result, res["sample_s"][(label, steps)] = timed_metrics(run, seeds, steps)
             res["scores"][label][steps] = scores(result)

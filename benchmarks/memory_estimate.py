@@ -73,7 +73,8 @@ def main():
     cuda = device.type == "cuda"
     rows = ["| preset | phase | estimate | measured | estimate / measured | terms |", "|---|---|---|---|---|---|"]
     for preset in args.presets:
-        cfg = config.resolve(preset, [f"experiment.device={args.device}", "pool.in_flight=1", "data.download=false"])
+        cfg = config.resolve(preset, [f"experiment.device={args.device}", "pool.in_flight=1", "data.download=false"],
+                             unread="ignore")  # one list for every preset: a flow has no pool, 2D no download
         with real_or_synthetic(cfg, force=True), tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             mems = memory_plan.estimate(cfg)

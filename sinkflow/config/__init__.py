@@ -278,15 +278,20 @@ def apply_shorthands(tree: dict, values: dict[str, Any]) -> dict:
     return tree
 
 
-def resolve(preset: str, overrides: list[str] | None = None, shorthands: dict[str, Any] | None = None) -> dict:
+def resolve(preset: str, overrides: list[str] | None = None, shorthands: dict[str, Any] | None = None,
+            unread: str = "error") -> dict:
     """Preset -> shorthands -> explicit overrides (explicit keys win), validated; an explicit override of a
-    key the resolved run does not read is an error (``check_read``)."""
+    key the resolved run does not read is an error (``check_read``), unless ``unread="ignore"`` (a script that
+    applies one list of overrides to several methods: the unread ones stay in the tree, unused)."""
+    if unread not in ("error", "ignore"):
+        raise ValueError(f"unread={unread!r}: use 'error' or 'ignore'")
     tree = load_preset(preset)
     tree["experiment"]["preset"] = preset
     tree = apply_shorthands(tree, shorthands or {})
     tree = apply_overrides(tree, overrides or [])
     validate(tree)
-    check_read(tree, override_keys(overrides or []))
+    if unread == "error":
+        check_read(tree, override_keys(overrides or []))
     return tree
 
 
