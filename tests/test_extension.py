@@ -171,7 +171,7 @@ def test_cli_and_api_sample_iid_by_default_and_qmc_on_request(runs_dir, capsys):
     assert main(["train", "moons", "--method", "fm", *TINY_FM, "--name", "s", "--no-report"]) == 0
     run = sinkflow.open_run(runs_dir / "s")
     assert main(["sample", str(run.dir), "--n", "40", "--steps", "2", "--out", "iid.npy"]) == 0
-    assert "i.i.d. source" in capsys.readouterr().out
+    assert "from an i.i.d. source draw" in capsys.readouterr().out
     assert main(["sample", str(run.dir), "--n", "40", "--steps", "2", "--qmc", "--out", "qmc.npy"]) == 0
     iid, qmc = np.load("iid.npy"), np.load("qmc.npy")
     assert not np.allclose(iid, qmc)

@@ -55,5 +55,5 @@ def run(args):
         from sinkflow.eval.images import save_grid
 
         save_grid(x, out)
-    print(f"wrote {args.n} samples ({steps} steps, {info['nfe']} network evaluations, "
-          f"{'QMC' if qmc else 'i.i.d.'} source) to {out}")
+    print(f"wrote {args.n} samples ({steps} steps, {info['nfe']} network evaluations) from "
+          f"{'a QMC' if qmc else 'an i.i.d.'} source draw to {out}")
