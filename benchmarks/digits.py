@@ -161,7 +161,9 @@ def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int,
     unet_steps = run.cfg["train"]["velocity"]["iters"] + run.cfg["train"]["nsf"]["iters"]
     for method in baselines:
         label = LABEL[method]
-        run, res["wall"][label] = train(out, method, "--method", method, *common, f"train.velocity.iters={unet_steps}")
+        keys = [a for a in common if "=" in a]  # the baseline gets only the overrides it reads (no pool, nsf, time)
+        base = [a for a in common if "=" not in a] + config.read_overrides("digits", method, keys)
+        run, res["wall"][label] = train(out, method, "--method", method, *base, f"train.velocity.iters={unet_steps}")
         for steps in [*nfe, ref_steps]:
             result, res["sample_s"][(label, steps)] = timed_metrics(run, seeds, steps)
             res["scores"][label][steps] = scores(result)
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         quick = ["--train-iters", "2", "pool.batches=1", "pool.batch_size=32", "pool.steps=2", "train.time.iters=2",
                  *[f"train.{p}.batch_size=8" for p in ("velocity", "nsf", "time")], "model.velocity.channels=8",
-                 "model.nsf.channels=8", "model.time.channels=[4,4,4,4]", "model.time.hidden=16", "eval.n=32",
+                 "model.nsf.channels=8", "model.time.channels=[4,4,4,4]", "eval.n=32",
                  "eval.class_n=32", "sample.nsgf_steps=1", "sample.nsf_steps=1"]
     iters = {"train_iters": int(quick[1])} if quick else {}
     cfg = config.resolve("digits", [a for a in [*quick, *args.extra] if "=" in a], iters)

@@ -49,7 +49,7 @@ def measure_train(cfg, phase_name, device, workdir) -> int:
     from sinkflow.tools.phases import workspace
 
     run, phase = workspace(cfg, phase_name, workdir)
-    batch = phase.first_batch
+    batch = phase.batch
     phase.train_step(batch)  # Adam's moments exist from here on, as in a running phase
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     cuda = device.type == "cuda"
     rows = ["| preset | phase | estimate | measured | estimate / measured | terms |", "|---|---|---|---|---|---|"]
     for preset in args.presets:
-        cfg = config.resolve(preset, [f"experiment.device={args.device}", "pool.in_flight=1", "data.download=false"])
+        cfg = config.resolve(preset, [f"experiment.device={args.device}", "pool.in_flight=1", "data.download=false"],
+                             unread="ignore")  # one list for every preset: a flow has no pool, 2D no download
         with real_or_synthetic(cfg, force=True), tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             mems = memory_plan.estimate(cfg)

@@ -35,6 +35,7 @@ def one_run(task: str, method: str, seed: int, iters: int, runs_dir: str, extra:
 
     torch.set_num_threads(1)
     os.environ["SINKFLOW_PROGRESS"] = "0"
+    from sinkflow import config
     from sinkflow.cli import main
 
     name = f"{task}-{method}-s{seed}"
@@ -51,7 +52,8 @@ def one_run(task: str, method: str, seed: int, iters: int, runs_dir: str, extra:
         code = main(["train", "--resume", str(run_dir), "--no-report"])
     else:
         code = main(["train", task, "--method", method, "--seed", str(seed), "--train-iters", str(iters),
-                     "--device", "cpu", "--name", name, "--no-report", f"experiment.runs_dir={runs_dir}", *extra])
+                     "--device", "cpu", "--name", name, "--no-report", f"experiment.runs_dir={runs_dir}",
+                     *config.read_overrides(task, method, list(extra))])
     train_s = time.perf_counter() - start
     if code != 0:
         raise RuntimeError(f"training {name} failed with exit code {code}")

@@ -34,6 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite2d  # noqa: E402
 
+from sinkflow import config  # noqa: E402
+
 RESULTS = Path(__file__).with_name("RESULTS.md")
 BEGIN, END = "<!-- nsgf_suite:begin -->", "<!-- nsgf_suite:end -->"
 PROTOCOLS = ("iid", "qmc")
@@ -46,7 +48,7 @@ def train_args(family: str, path: Path, method: str, seed: int, iters: int, runs
     return ["train", "moons", "--method", method, "--seed", str(seed), "--train-iters", str(iters),
             "--device", "cpu", "--name", f"{family}-{method}-s{seed}", "--no-report",
             f"experiment.runs_dir={runs_dir}", f"data.target={path}", f"data.source={source}",
-            f"data.test_rows={suite2d.TEST_ROWS}", *extra]
+            f"data.test_rows={suite2d.TEST_ROWS}", *config.read_overrides("moons", method, list(extra))]
 
 
 def evaluate(run_dir: Path, family: str, eval_seeds: int, n: int = suite2d.TEST_ROWS) -> dict:

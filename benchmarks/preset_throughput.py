@@ -42,7 +42,7 @@ def machine(device: str) -> str:
 
 
 def measure(preset: str, method: str, setting: list[str], base: list[str], steps: int, warmup: int) -> list[dict]:
-    cfg = config.resolve(preset, [f"experiment.method={method}", *base])
+    cfg = config.resolve(preset, [f"experiment.method={method}", *base], unread="ignore")  # one base list for every method
     phases = [p for p in cfg["train"] if p in ("velocity", "nsf")]
     overrides = [f"train.{p}.{kv}" for p in phases for kv in setting]
     return throughput(config.apply_overrides(cfg, overrides), steps, warmup)

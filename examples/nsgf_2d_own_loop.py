@@ -1,5 +1,9 @@
 """NSGF on 2D in your own training loop: Sinkhorn particle flow -> trajectory pool -> velocity regression -> Euler.
 
+Every step is a sinkflow piece on plain tensors (no run folder, no config): ``simulate_sinkhorn_flow`` builds
+the pool, ``PoolGrid`` says how the network reads it, ``sample_pool`` draws a training batch, ``velocity_loss``
+is NSGF's loss, and ``euler`` samples your network.
+
     python examples/nsgf_2d_own_loop.py            # ~1-2 min on a CPU
     python examples/nsgf_2d_own_loop.py --tiny     # seconds (what the test runs)
 """
@@ -25,27 +29,22 @@ y = torch.stack([target.sample(256, g) for _ in range(batches)])   # (B, 256, 2)
 T = 5
 xs, vs = sinkflow.simulate_sinkhorn_flow(x0, y, steps=T, eta=1.0, schedule="harmonic", blur=0.1, scaling=0.8,
                                          solver="converged", max_iters=30, tol=0.01, batched=True)
-etas = torch.tensor([1.0 / (T - k) for k in range(T)])
-pool_x, pool_v = xs.reshape(T, -1, 2), vs.reshape(T, -1, 2)      # (T, B*256, 2)
+pool_x, pool_v = xs.reshape(T, -1, 2), vs.reshape(T, -1, 2)      # (T, B*256, 2): the trajectory pool
+grid = sinkflow.PoolGrid.of([1.0 / (T - k) for k in range(T)], time="fraction")  # network time s = k/T in [0, 1]
 
-# 2. Regress the velocity on points of the Euler segments, time = fraction of the flow (s in [0, 1]).
+# 2. Regress the velocity on points of the Euler segments (segment=1: always a point along the step).
 net = sinkflow.build_model("mlp", {"hidden": 256, "depth": 3}, (2,))
 opt = torch.optim.Adam(net.parameters(), lr=1e-3)
 sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, iters)
 for it in range(iters):
-    k = torch.randint(T, (256,))
-    i = torch.randint(pool_x.shape[1], (256,))
-    u = torch.rand(256)
-    v = pool_v[k, i]
-    x = pool_x[k, i] + (u * etas[k])[:, None] * v                 # a point on segment k
-    s = (k + u) / T                                                 # its time
-    loss = (net(x, s) - T * etas[k][:, None] * v).pow(2).mean()     # dx/ds along the segment
+    batch = sinkflow.sample_pool(pool_x, pool_v, 256, grid, segment=1.0)  # (x, s, target dx/ds)
+    loss = sinkflow.velocity_loss(net, batch)
     opt.zero_grad()
     loss.backward()
     opt.step()
     sched.step()
 
-# 3. Sample with 10 Euler steps and compare with a fresh test draw of the target.
-with torch.no_grad():
-    samples, _ = sinkflow.euler(net, source.sample(1024, torch.Generator().manual_seed(1)), 0.0, 1.0, 10)
+# 3. Sample with 10 Euler steps over the grid's span (s from 0 to 1) and compare with a fresh test draw.
+x0 = source.sample(1024, torch.Generator().manual_seed(1))
+samples, _ = sinkflow.euler(net, x0, 0.0, float(grid.times[-1]), 10)
 print(f"final loss {loss.item():.4f}  W2(samples, fresh moons) {sinkflow.w2(samples, target.test_set(1024)):.3f}")

@@ -1,6 +1,6 @@
 """The Python API: the whole pipeline in two calls, or its parts in your own training loop.
 
-    run = sinkflow.train("moons", train_iters=2000)         # same presets, keys and checks as `sinkflow train`
+    run = sinkflow.train("moons", train_iters=2000)         # same presets, keys, checks and engine as `sinkflow train`
     x = run.sample(1024, steps=10)                          # (1024, 2) samples from the trained model
 
 The parts (``sinkhorn_velocity``, ``simulate_sinkhorn_flow``, ``w2``, ``build_model``, ``euler``, the
@@ -15,11 +15,8 @@ from pathlib import Path
 
 import torch
 
-from sinkflow import data, methods
+from sinkflow import methods
 from sinkflow.errors import SinkflowError
-
-SHORTHANDS = {"train_iters": "--train-iters", "batch_size": "--batch-size", "lr": "--lr", "seed": "--seed",
-              "method": "--method"}
 
 
 class Run:
@@ -41,15 +38,17 @@ class Run:
         return self._run.model(phase)
 
     @torch.no_grad()
-    def sample(self, n: int, steps: int | None = None, seed: int = 0, x0: torch.Tensor | None = None) -> torch.Tensor:
+    def sample(self, n: int, steps: int | None = None, seed: int = 0, x0: torch.Tensor | None = None,
+               qmc: bool | None = None) -> torch.Tensor:
         """``n`` samples (CPU tensor shaped like the data) with ``steps`` integration steps (default: the
-        method's own, e.g. sample.steps; NSF steps for NSGF++), from ``x0`` or a seeded source draw."""
-        from sinkflow.runner.rng import phase_generator
-
+        method's own, e.g. sample.steps; NSF steps for NSGF++), from ``x0`` or a seeded source draw: i.i.d.
+        by default, randomised QMC with ``qmc=True`` (None: ``sample.qmc``), as `sinkflow sample` draws."""
         method = methods.of(self.cfg)
         if x0 is None:
-            source, _ = data.distributions(self.cfg)
-            x0 = source.sample(n, phase_generator(seed, "sample"), "cpu")
+            from sinkflow.eval.points import generate
+
+            qmc = self.cfg["sample"]["qmc"] if qmc is None else qmc
+            return generate(self._run, n, steps or method.default_steps(self.cfg), seed, qmc=qmc)[0]
         x, _ = method.sample(self._run, x0.to(self._run.device), steps)
         return x.cpu()
 
@@ -63,36 +62,34 @@ class Run:
         return f"sinkflow.Run({str(self.dir)!r})"
 
 
-def _argv(preset: str, runs_dir: str | Path, name: str, device: str, overrides: dict) -> list[str]:
-    argv = ["train", preset, "--device", device, "--name", name, "--no-report", f"experiment.runs_dir={runs_dir}"]
-    for key, value in overrides.items():
-        if key in SHORTHANDS:
-            argv += [SHORTHANDS[key], str(value)]
-        elif "." in key:
-            argv.append(f"{key}={value}")
-        else:
-            raise SinkflowError(f"unknown override {key!r}",
-                                f"use a dotted config key as a dict, e.g. **{{'pool.batches': 4}}, or one of "
-                                f"{', '.join(SHORTHANDS)}")
-    return argv
-
-
 def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", name: str | None = None,
           device: str = "auto", **overrides) -> Run:
     """Train every phase of ``preset`` exactly as `sinkflow train` does and return the finished ``Run``.
 
-    ``overrides``: shorthands (``train_iters=2000``, ``batch_size``, ``lr``, ``seed``, ``method="otcfm"``) or
-    dotted config keys passed as a dict (``**{"pool.batches": 64}``); the same one-line errors as the CLI,
-    raised as ``SinkflowError``. The run folder is ``runs_dir/name`` (default: preset, method and time).
+    ``overrides``: shorthands (``train_iters=2000``, ``batch_size``, ``lr``, ``seed``, ``method="otcfm"``, every
+    ``sinkflow.config.SHORTHANDS`` name) or dotted config keys passed as a dict (``**{"pool.batches": 64}``);
+    the same resolution, checks and one-line errors as the CLI (``SinkflowError``), through the same engine
+    entry point (``sinkflow.runner.experiment.train_run``), no argument parsing. The run folder is
+    ``runs_dir/name`` (default: preset, method and time).
     """
-    from sinkflow.cli import build_parser
+    from sinkflow import config
+    from sinkflow.config.render import scalar
+    from sinkflow.runner.experiment import train_run
 
-    name = name or f"{preset}-{overrides.get('method', 'default')}-{time.strftime('%Y%m%d-%H%M%S')}"
-    parser = build_parser()
-    args, extra = parser.parse_known_args(_argv(preset, runs_dir, name, device, overrides))
-    args.overrides = [*args.overrides, *extra]
-    args.func(args)  # SinkflowError / Interrupted propagate to the caller
-    return open_run(Path(runs_dir) / name)
+    short = {"device": device, "name": name or f"{preset}-{overrides.get('method', 'default')}-"
+                                               f"{time.strftime('%Y%m%d-%H%M%S')}"}
+    dotted = [f"experiment.runs_dir={scalar(str(runs_dir))}"]
+    for key, value in overrides.items():
+        if key in config.SHORTHANDS:
+            short[key] = value
+        elif "." in key:
+            dotted.append(f"{key}={scalar(value)}")
+        else:
+            raise SinkflowError(f"unknown override {key!r}",
+                                f"use a dotted config key as a dict, e.g. **{{'pool.batches': 4}}, or one of "
+                                f"{', '.join(config.SHORTHANDS)}")
+    cfg = config.resolve(preset, dotted, short)
+    return open_run(train_run(cfg, device=device).dir)  # SinkflowError / Interrupted propagate to the caller
 
 
 def open_run(path: str | Path) -> Run:

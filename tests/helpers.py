@@ -10,6 +10,16 @@ TINY_2D = ["pool.batches=2", "pool.steps=4", "pool.batch_size=32", "pool.chunk=1
            "eval.steps=[2, 4]", "--device", "cpu"]
 
 
+def tiny_2d(method: str) -> list[str]:
+    """TINY_2D without the overrides ``method`` does not read (FM / OT-CFM: no pool): setting a key the run
+    does not read is an error (sinkflow.config.check_read)."""
+    from sinkflow import config
+    from sinkflow.config import schema
+
+    used = schema.used(config.resolve("moons", [], {"method": method}))
+    return [o for o in TINY_2D if "=" not in o or o.partition("=")[0] in used]
+
+
 def cli(*args, cwd, timeout=300, env=None):
     """Run `python -m sinkflow ...` in a subprocess (for kills and exit codes)."""
     full_env = {**os.environ, "SINKFLOW_PROGRESS": "0", "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -222,7 +222,7 @@ def one_line(capsys, *needles):
     (["model.flow.levels=4"], ["cannot squeeze"]),
     (["model.flow.n_bins=300"], ["n_bins"]),
     (["model.flow.memory=sideways"], ["model.flow.memory", "must be one of standard, checkpoint, invertible"]),
-    (["data.target=moons"], ["images"]),
+    (["data.target=moons"], ["data.download", "not read", "an image target"]),  # refused while resolving
     (["sample.temperature=-1.0"], ["temperature"]),
 ])
 def test_bad_flow_config_fails_before_work(args, needles, runs_dir, capsys):

@@ -23,6 +23,9 @@ TINY = ["pool.batches=3", "pool.batch_size=8", "pool.chunk=1", "pool.in_flight=1
         "train.nsf.ckpt_every=3", "train.time.ckpt_every=3", "--batch-size", "4", "sample.nsf_steps=3",
         "eval.n=8", "eval.seeds=1", "data.download=false", "--device", "cpu", *TINY_UNET]
 PHASES = ("velocity", "nsf", "time")
+# FM / OT-CFM read no pool, NSF or time-predictor key: setting one is an error (config.check_read)
+TINY_FM = [o for o in TINY if not o.startswith(("pool.", "model.nsf.", "model.time.", "train.nsf.", "train.time.",
+                                                "sample.nsf_"))]
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +101,7 @@ def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys):
 @pytest.mark.parametrize("method", ["fm", "otcfm"])
 def test_baselines_use_the_image_unet(method, runs_dir, tmp_path, capsys):
     extra, shape = setup_data("digits", tmp_path)
-    assert main(["train", "digits", "--method", method, *TINY, *extra, "sample.steps=4", "eval.steps=[4]",
+    assert main(["train", "digits", "--method", method, *TINY_FM, *extra, "sample.steps=4", "eval.steps=[4]",
                  "--name", method]) == 0
     out = capsys.readouterr().out
     assert any(line.split()[:2] == ["4", "4"] for line in out.splitlines()), out  # steps 4, counted NFE 4
@@ -117,7 +120,7 @@ def test_class_columns_use_eval_class_n_samples(runs_dir, tmp_path, monkeypatch)
     import sinkflow.ot
 
     extra, _ = setup_data("digits", tmp_path)
-    assert main(["train", "digits", "--method", "fm", *TINY, *extra, "sample.steps=2", "--no-report",
+    assert main(["train", "digits", "--method", "fm", *TINY_FM, *extra, "sample.steps=2", "--no-report",
                  "--name", "c"]) == 0
     run = Run.open(runs_dir / "c", ["eval.class_n=40"])
     seen = {"w2": [], "clf": []}

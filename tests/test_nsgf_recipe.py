@@ -14,7 +14,7 @@ from sinkflow.errors import SinkflowError
 from sinkflow.methods import nsgf
 from sinkflow.ot import eta_schedule, simulate_sinkhorn_flow
 from sinkflow.runner.trainer import lr_factor
-from helpers import TINY_2D
+from helpers import TINY_2D, tiny_2d
 
 
 def test_cosine_schedule_warms_up_then_decays_to_zero():
@@ -245,7 +245,7 @@ def test_sample_time_warp_reaches_the_euler_samplers(runs_dir, capsys):
     from sinkflow.runner.run import Run
 
     for method in ("otcfm", "nsgf"):  # the moons preset's NSGF reads fraction time: its span is [0, 1] too
-        assert main(["train", "moons", "--method", method, *TINY_2D, "--name", method, "--no-report"]) == 0
+        assert main(["train", "moons", "--method", method, *tiny_2d(method), "--name", method, "--no-report"]) == 0
         run = Run.open(runs_dir / method)
         outs = {}
         for warp in (1.0, 0.5):

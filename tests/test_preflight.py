@@ -91,7 +91,8 @@ def test_planted_checkpoint_that_does_not_restore_the_optimizer(tmp_path, monkey
 def test_override_of_a_section_no_phase_reads(tmp_path):
     report = preflight("moons", ["train.nsf.lr=0.01"], workdir=tmp_path, memory=False)
     (phase, name, detail), = failed(report)
-    assert name == "override reaches a phase" and "train.nsf.lr" in detail and "nsgf" in detail
+    # refused while resolving (config.check_read), naming the method and the one that reads the key
+    assert name == "config resolves" and "train.nsf.lr" in detail and "method nsgf" in detail and "nsgfpp" in detail
 
 
 def test_memory_estimate_matches_measured_cpu_allocations():

@@ -8,13 +8,13 @@ import torch
 
 from sinkflow import config
 from sinkflow.cli import main
-from helpers import TINY_2D
+from helpers import tiny_2d
 
 PRESETS_2D = [p for p in config.preset_names() if config.load_preset(p)["experiment"]["method"] == "nsgf"]
 
 
-def train(name, *extra):
-    return main(["train", *extra, *TINY_2D, "--name", name])
+def train(name, *extra, method="nsgf"):
+    return main(["train", *extra, *tiny_2d(method), "--name", name])
 
 
 @pytest.mark.parametrize("preset", PRESETS_2D)
@@ -22,7 +22,8 @@ def test_preset_end_to_end(preset, runs_dir, capsys):
     assert train("r", preset) == 0
     out = capsys.readouterr().out
     run = runs_dir / "r"
-    assert "W2" in out and "paper NSGF" in out
+    assert "W2" in out and "eval.protocol=qmc" in out
+    assert "paper" not in out  # the paper has W2 at 10 and 100 steps only: no column at 2 / 4
     for f in ("config.yaml", "meta.json", "metrics.jsonl", "samples.png", "trajectories.png", "status.json",
               "checkpoints/pool/final.pt", "checkpoints/velocity/final.pt", "pool/x.npy"):
         assert (run / f).is_file(), f
@@ -51,7 +52,7 @@ def test_preset_end_to_end(preset, runs_dir, capsys):
 
 @pytest.mark.parametrize("method", ["fm", "otcfm"])
 def test_baselines_in_the_same_runner(method, runs_dir):
-    assert train("b", "moons", "--method", method) == 0
+    assert train("b", "moons", "--method", method, method=method) == 0
     run = runs_dir / "b"
     assert (run / "checkpoints/velocity/final.pt").is_file()
     assert not (run / "pool").exists()  # flow matching is simulation-free

@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sinkflow: error: {os_error_line(exc)}", file=sys.stderr)
         return 2
     except Interrupted as exc:
-        print(f"sinkflow: {exc}; resume with `sinkflow train --resume {getattr(args, 'run_dir_used', 'RUN')}`",
+        where = getattr(exc, "run_dir", None) or getattr(args, "run_dir_used", "RUN")
+        print(f"sinkflow: {exc}; resume with `sinkflow train --resume {where}`",
               file=sys.stderr)
         return 128 + exc.signum
 

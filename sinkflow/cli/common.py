@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from sinkflow import config
+from sinkflow.config import schema
 
 DEFAULT_PRESET = "8gaussians-moons"
 
@@ -19,7 +20,7 @@ def add_config_args(p: argparse.ArgumentParser, preset_required: bool = False) -
     g.add_argument("--lr", type=float, help="train.*.lr: every training phase")
     g.add_argument("--seed", type=int, help="experiment.seed")
     g.add_argument("--device", help="experiment.device (auto, cpu, cuda, cuda:1)")
-    g.add_argument("--method", help=f"experiment.method ({', '.join(config.METHODS)})")
+    g.add_argument("--method", help=f"experiment.method ({', '.join(schema.METHODS)})")
     g.add_argument("--pool-batches", type=int, help="pool.batches")
     g.add_argument("--sinkhorn-batch", type=int, help="pool.batch_size (the Sinkhorn batch)")
     g.add_argument("--name", help="experiment.name (the run folder's name)")

@@ -22,6 +22,8 @@ def add_parser(sub):
     p.add_argument("--n", type=int, default=1024)
     p.add_argument("--steps", type=int, help="Euler steps (default sample.steps)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--qmc", action="store_true", help="draw the source by randomised QMC (scrambled Sobol) instead "
+                   "of i.i.d. (= sample.qmc=true; the evaluation's own choice is eval.qmc)")
     p.add_argument("--out", required=True, help="output file, .npy or .png")
     p.set_defaults(func=run)
 
@@ -39,7 +41,8 @@ def run(args):
                             f"change other keys with `sinkflow train --resume {args.run_dir} ...`")
     run_.cfg = config.apply_overrides(run_.cfg, args.overrides)  # in memory: config.yaml stays as trained
     steps = args.steps or methods.of(run_.cfg).default_steps(run_.cfg)  # NSGF++: the straight-flow steps
-    x, info = generate(run_, args.n, steps, seed=args.seed)
+    qmc = args.qmc or run_.cfg["sample"]["qmc"]
+    x, info = generate(run_, args.n, steps, seed=args.seed, qmc=qmc)
     x = x.cpu()
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".npy":
@@ -53,4 +56,5 @@ def run(args):
         from sinkflow.eval.images import save_grid
 
         save_grid(x, out)
-    print(f"wrote {args.n} samples ({steps} steps, {info['nfe']} network evaluations) to {out}")
+    print(f"wrote {args.n} samples ({steps} steps, {info['nfe']} network evaluations) from "
+          f"{'a QMC' if qmc else 'an i.i.d.'} source draw to {out}")

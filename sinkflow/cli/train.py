@@ -1,18 +1,11 @@
-"""`sinkflow train [PRESET] [overrides]` and `sinkflow train --resume RUN`."""
+"""`sinkflow train [PRESET] [overrides]` and `sinkflow train --resume RUN`: argument handling over
+``sinkflow.runner.experiment.train_run``, the entry point ``sinkflow.train`` shares."""
 
 from __future__ import annotations
 
-import logging
-
-from sinkflow import data, methods
 from sinkflow.cli.common import add_config_args, resolve_args, shorthands, split_preset
-from sinkflow.errors import SinkflowError
 from sinkflow.runner import dist
-from sinkflow.runner.experiment import run_phases
-from sinkflow.runner.lock import unlock_run
-from sinkflow.runner.run import Run
-
-log = logging.getLogger("sinkflow")
+from sinkflow.runner.experiment import train_run
 
 
 def add_parser(sub):
@@ -31,44 +24,19 @@ def add_parser(sub):
 
 
 def run(args):
-    info = dist.init(getattr(args, "device", None) or "auto")
-    # every check comes first; nothing is written into a run folder before run_.start() (docs/reliability.md)
+    remember = lambda r: setattr(args, "run_dir_used", str(r.dir))  # noqa: E731  (the Interrupted hint)
+    kw = dict(device=getattr(args, "device", None), on_open=remember, then=None if args.no_report else report)
     if args.resume:
         split_preset(args)  # with --resume, positional arguments are overrides only
-        run_ = Run.open(args.resume, args.overrides, shorthands(args))  # frozen keys, device: no writes
+        train_run(resume=args.resume, overrides=args.overrides, shorthands=shorthands(args), **kw)
     else:
-        cfg = resolve_args(args)
-        _check(cfg)  # the data and the method's limits before the run folder exists
-        run_ = Run.create(cfg)
-    args.run_dir_used = str(run_.dir)
-    try:
-        cfg = run_.cfg
-        if args.resume:
-            _check(cfg)
-        source, target = data.distributions(cfg)
-        method = methods.of(cfg)
-        phases = method.phases(cfg, source, target)
-        if args.resume:
-            run_.verify(phases)  # finished phases' final.pt and the newest step checkpoint: safe, this run's
-        run_.start()  # the lock (one writer per run folder), the resumed config, orphaned temp files
-        if info.is_main:
-            log.info("run folder: %s", run_.dir)
-            log.info("method %s", method.describe(cfg))
-        run_phases(run_, phases)
-        if info.is_main and not args.no_report:
-            from sinkflow.eval.report import final_report
-
-            print(final_report(run_))
-    finally:
-        run_.logger.close()
-        unlock_run(run_.dir)
+        train_run(resolve_args(args), **kw)
     return 0
 
 
-def _check(cfg: dict) -> None:
-    _, target = data.distributions(cfg)
-    held = getattr(target, "test_rows", 0)  # a point file's held-out rows are the only test points
-    if held and cfg["eval"]["n"] > held:
-        raise SinkflowError(f"eval.n={cfg['eval']['n']} test points, but data.test_rows holds out only {held}",
-                            f"set eval.n={held} (or less), or hold out more rows")
-    methods.of(cfg).check(cfg, data.sample_shape(cfg))  # e.g. NSGF++: T <= 5, pool size
+def report(run) -> None:
+    """The evaluation and plots `sinkflow train` prints when it finishes (main process)."""
+    if dist.current().is_main:
+        from sinkflow.eval.report import final_report
+
+        print(final_report(run))

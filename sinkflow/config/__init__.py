@@ -278,14 +278,73 @@ def apply_shorthands(tree: dict, values: dict[str, Any]) -> dict:
     return tree
 
 
-def resolve(preset: str, overrides: list[str] | None = None, shorthands: dict[str, Any] | None = None) -> dict:
-    """Preset -> shorthands -> explicit overrides (explicit keys win), validated."""
+def resolve(preset: str, overrides: list[str] | None = None, shorthands: dict[str, Any] | None = None,
+            unread: str = "error") -> dict:
+    """Preset -> shorthands -> explicit overrides (explicit keys win), validated; an explicit override of a
+    key the resolved run does not read is an error (``check_read``), unless ``unread="ignore"`` (a script that
+    applies one list of overrides to several methods: the unread ones stay in the tree, unused)."""
+    if unread not in ("error", "ignore"):
+        raise ValueError(f"unread={unread!r}: use 'error' or 'ignore'")
     tree = load_preset(preset)
     tree["experiment"]["preset"] = preset
     tree = apply_shorthands(tree, shorthands or {})
     tree = apply_overrides(tree, overrides or [])
     validate(tree)
+    if unread == "error":
+        check_read(tree, override_keys(overrides or []))
     return tree
+
+
+def override_keys(overrides: list[str]) -> list[str]:
+    """The keys ``key.sub=value`` overrides name."""
+    return [item.partition("=")[0].strip() for item in overrides if "=" in item]
+
+
+def check_read(tree: dict, names: list[str], where: str = "") -> None:
+    """Refuse a key the user set that the run of ``tree`` does not read (``sinkflow train moons
+    train.nsf.ema=0.5``: NSGF has no nsf phase): one line naming the method and when the key is read.
+
+    Only keys the user names count: shorthands set every phase's key on purpose, and a preset may set keys for
+    another method than the one run (``unread_preset_keys``: a warning, not an error)."""
+    used = schema.used(tree)
+    specs = schema.keys(tree)
+    for name in names:
+        if name in used or name not in specs:
+            continue
+        method = tree["experiment"]["method"]
+        when = specs[name].when.text if specs[name].when is not None else "never"
+        readers = schema.READERS.get(name) or next(
+            (tuple(m for m, ph in schema.METHOD_PHASES.items() if name.split(".")[1] in ph)
+             for s in ("model", "train") if name.startswith(s + ".")), ())
+        other = [m for m in readers if m != method]
+        if other:
+            raise SinkflowError(f"{where}config key '{name}' is not read by method {method} (read when: {when})",
+                                f"drop it, or train a method that reads it (--method {other[0]})")
+        raise SinkflowError(f"{where}config key '{name}' is not read by this run of method {method} (read when: "
+                            f"{when})", "drop it: it matters only then")
+
+
+def read_overrides(preset: str, method: str, overrides: list[str]) -> list[str]:
+    """The ``key=value`` overrides a run of ``method`` on ``preset`` reads (a script that applies one list to
+    several methods, e.g. a benchmark's pool keys to OT-CFM too, passes each method only its own)."""
+    tree = resolve(preset, [f"experiment.method={method}", *overrides], unread="ignore")
+    used = schema.used(tree)
+    return [item for item in overrides if item.partition("=")[0].strip() in used]
+
+
+def unread_preset_keys(tree: dict) -> list[str]:
+    """Keys the run's preset (with its ``inherit`` chain) sets that the resolved run does not read: a preset may
+    hold keys for several methods (``digits``: NSGF++'s nsf and time phases), so ``--method fm`` on it is
+    allowed; ``sinkflow train`` names them in a warning."""
+    preset = tree["experiment"].get("preset")
+    if not preset or preset == "_base":
+        return []
+    try:
+        raw = flatten(_raw_preset(preset))
+    except SinkflowError:
+        return []
+    used = schema.used(tree)
+    return [k for k in raw if k in schema.keys(tree) and k not in used]
 
 
 def read_run_config(cfg: Any, path) -> dict:
@@ -305,7 +364,10 @@ def read_run_config(cfg: Any, path) -> dict:
         raise SinkflowError(problem, exc.fix or "fix it or start a new run") from None
 
 
-METHODS = schema.METHODS
+def __getattr__(name: str):
+    if name == "METHODS":  # the registry may grow at run time (schema.register_method)
+        return schema.METHODS
+    raise AttributeError(f"module 'sinkflow.config' has no attribute {name!r}")
 
 
 def validate(tree: dict) -> None:

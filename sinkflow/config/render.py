@@ -108,8 +108,10 @@ choices, default and meaning. Defaults, validation, `presets/_base.yaml` and thi
 - A model section `model.<phase>` has a `kind`, and its other keys are that kind's. Setting
   `model.<phase>.kind` starts the section from the new kind's defaults, so set the kind first:
   `model.velocity.kind=unet model.velocity.channels=64`.
-- "read when" says which runs read a key (`sinkflow config` hides the others); the methods' phases are
-  `sinkflow.config.schema.METHOD_REGISTRY`.
+- "read when" says which runs read a key (`sinkflow config` hides the others). Each method declares its
+  phases, its own keys and the shared keys it reads in `sinkflow.config.schema.METHOD_REGISTRY`.
+- Overriding a key the run does not read (`sinkflow train moons train.nsf.ema=0.5`: NSGF has no `nsf` phase) is
+  an error naming the method; a preset may set keys for other methods (a warning lists them).
 """
 
 

@@ -17,22 +17,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-# The one method registry: name -> ("module:attribute" of its Method instance in sinkflow.methods, the phases
-# its ``phases()`` returns). Adding a method is its file plus one line here. The phases are known without
-# building data or models, so the schema shows and checks only the sections a method uses (a training phase's
-# name is also its ``model.<name>`` and ``train.<name>`` section). It lives here, not in sinkflow.methods,
-# because config sits below the methods and must not import them; the location is a string, imported by
-# ``sinkflow.methods.get`` on first use. tests/test_config.py checks the phases against ``phases()``.
-METHOD_REGISTRY: dict[str, tuple[str, tuple[str, ...]]] = {
-    "nsgf": ("nsgf:METHOD", ("pool", "velocity")),
-    "nsgfpp": ("nsgfpp:METHOD", ("pool", "velocity", "nsf", "time")),
-    "fm": ("flow_matching:FM", ("velocity",)),
-    "otcfm": ("flow_matching:OTCFM", ("velocity",)),
-    "flow": ("flow:METHOD", ("flow",)),
-}
-METHOD_PHASES: dict[str, tuple[str, ...]] = {m: phases for m, (_, phases) in METHOD_REGISTRY.items()}
-
-METHODS = tuple(METHOD_PHASES)
 IMAGE_TARGETS = ("digits", "mnist", "cifar10", "folder")  # = sinkflow.data.images.IMAGE_SETS (a test checks)
 
 
@@ -234,37 +218,37 @@ class When:
         return self.test(tree)
 
 
+def both(a: When | None, b: When | None) -> When | None:
+    """``a`` and ``b`` (either may be None: always)."""
+    if a is None or b is None:
+        return a or b
+    return When(f"{a.text}; {b.text}", lambda t: a(t) and b(t))
+
+
 @dataclass(frozen=True)
 class Key:
     default: Any
     rule: Constraint
     doc: str
     nullable: bool = False
-    when: When | None = None
+    when: When | None = None  # besides which methods read it (below): a data kind, a solver...
+    opt_in: bool = False  # a shared key that only the methods listing it in their ``reads`` read
 
 
 def _method(tree: dict) -> str:
     return tree["experiment"]["method"]
 
 
-def _methods(*names: str) -> When:
-    return When(f"method {', '.join(names)}", lambda t: _method(t) in names)
+def _with_when(key: Key, when: When | None) -> Key:
+    """``key`` read only when ``when`` holds too."""
+    return key if when is None else Key(key.default, key.rule, key.doc, key.nullable, both(when, key.when), key.opt_in)
 
 
-def _has_phase(phase: str) -> When:
-    users = [m for m, phases in METHOD_PHASES.items() if phase in phases]
-    return When(f"method {', '.join(users)}", lambda t: phase in METHOD_PHASES.get(_method(t), ()))
-
-
-POOL = _has_phase("pool")
 IMAGES = When("an image target (" + ", ".join(IMAGE_TARGETS) + ")", lambda t: t["data"]["target"] in IMAGE_TARGETS)
+POINTS = When("a point target (2D, .npy)", lambda t: t["data"]["target"] not in IMAGE_TARGETS)
 FOLDER = When("data.target=folder", lambda t: t["data"]["target"] == "folder")
-GEOMLOSS = When("sinkhorn.solver=geomloss", lambda t: POOL(t) and t["sinkhorn"]["solver"] == "geomloss")
-CONVERGED = When("sinkhorn.solver=converged", lambda t: POOL(t) and t["sinkhorn"]["solver"] == "converged")
-NOT_FLOW = When("every method but flow", lambda t: _method(t) != "flow")
-NOT_IMAGES = When("a point target (not an image set)", lambda t: not IMAGES(t))
-IMAGES_NOT_FLOW = When("an image target, every method but flow", lambda t: IMAGES(t) and NOT_FLOW(t))
-STEPS_SAMPLERS = _methods("nsgf", "fm", "otcfm")
+GEOMLOSS = When("sinkhorn.solver=geomloss", lambda t: t["sinkhorn"]["solver"] == "geomloss")
+CONVERGED = When("sinkhorn.solver=converged", lambda t: t["sinkhorn"]["solver"] == "converged")
 
 POS_INT = Int(lo=1)
 NONNEG_INT = Int(lo=0)
@@ -272,7 +256,7 @@ POS_FLOAT = Float(lo=0, lo_open=True)
 NONNEG_FLOAT = Float(lo=0)
 
 EXPERIMENT = {
-    "method": Key("nsgf", Options(*METHODS), "what trains: NSGF, NSGF++, flow matching, OT-CFM or a normalizing flow"),
+    "method": Key("nsgf", Str(), "what trains: NSGF, NSGF++, flow matching, OT-CFM or a normalizing flow"),
     "preset": Key("", Str(), "filled in with the preset's name"),
     "seed": Key(0, Int(), "seed of every random number generator of the run"),
     "device": Key("auto", Str(), "auto (cuda if available) | cpu | cuda | cuda:N"),
@@ -298,6 +282,8 @@ DATA = {
     "download": Key(True, Bool(), "torchvision download of mnist/cifar10 when missing", when=IMAGES),
 }
 
+# Opt-in sections: the Sinkhorn flow's trajectory pool (sinkflow/methods/pool.py), read by the methods that
+# list them in their ``reads``.
 SINKHORN = {
     "blur": Key(0.05, POS_FLOAT, "Sinkhorn blur: eps = blur^2 (cost |x-y|^2/2); paper candidates 0.5, 1, 2"),
     "scaling": Key(0.9, Float(0, 1, lo_open=True, hi_open=True), "eps-annealing ratio per Sinkhorn stage"),
@@ -336,28 +322,33 @@ NSGF = {
                 "fraction: s_k = k/T, target T*eta_k*v_k"),
     "segment": Key(0.0, Float(0, 1), "probability that a training point is drawn on its Euler segment "
                    "x_k + u*eta_k*v_k, u~U[0,1)"),
-    "nsf_pairs": Key("independent", Options("independent", "ot"), "NSGF++'s straight flow pairs its source and "
-                     "target samples independently (paper) or by an exact minibatch OT plan (as OT-CFM)",
-                     when=_methods("nsgfpp")),
-    "nsf_t_min": Key(0.0, Float(0, 1, hi_open=True), "NSGF++'s straight flow is trained on times t ~ U[nsf_t_min, 1): it only runs "
-                     "from the predictor's t_hat to 1, so 0 (paper) spends most of its steps on times it never sees",
-                     when=_methods("nsgfpp")),
 }
 
 # ---- model kinds: the keys of a model section depend on its kind ----------------------------------------
 
 ACTIVATIONS = ("selu", "silu", "relu", "gelu")  # = sinkflow.models.mlp.ACTIVATIONS (a test checks)
 
+
+class Network(dict):
+    """A model kind: its keys (``{name: Key}``, the dict itself) and the ``role`` it can play in a phase
+    (``velocity``: forward(x, t); ``time``: forward(x) -> t; ``flow``: an invertible density). A phase offers
+    every kind of its role, so a new network is its file ``models/<kind>.py`` plus one entry here."""
+
+    def __init__(self, role: str, keys: dict[str, Key]):
+        super().__init__(keys)
+        self.role = role
+
+
 MODEL_KINDS: dict[str, dict[str, Key]] = {
-    "mlp": {
+    "mlp": Network("velocity", {
         "hidden": Key(256, POS_INT, "units per hidden layer (paper: 256)"),
         "depth": Key(3, POS_INT, "hidden layers (paper: 3)"),
         "activation": Key("selu", Options(*ACTIVATIONS), "nonlinearity after each hidden layer"),
         "time_freqs": Key(0, NONNEG_INT, "0: the raw t is one extra input; K > 0: also sin/cos(2^k pi t) for k < K"),
         "time_bins": Key(0, NONNEG_INT, "K > 0: also a one-hot of t's bin [k/K, (k+1)/K) (NSGF: K = pool.steps "
                          "with nsgf.time=fraction, so the field can jump at the pool's grid times)"),
-    },
-    "unet": {
+    }),
+    "unet": Network("velocity", {
         "channels": Key(32, POS_INT, "base channels"),
         "res_blocks": Key(1, POS_INT, "residual blocks per level"),
         "channel_mult": Key([1, 2, 2], ListOf(Real(lo=0, lo_open=True)), "width multiplier per level"),
@@ -369,14 +360,15 @@ MODEL_KINDS: dict[str, dict[str, Key]] = {
         "use_scale_shift_norm": Key(False, Bool(), "FiLM scale-shift time conditioning instead of additive"),
         "pad_mode": Key("reflect", Options("reflect", "replicate", "zeros"),
                         "padding to a multiple of 2^(levels-1)"),
-    },
-    "time_predictor": {
-        "channels": Key([32, 64, 128, 256], ListOf(POS_INT), "images: filters of the conv layers (paper: 4 layers)"),
-        "hidden": Key(256, POS_INT, "points: MLP width"),
-        "depth": Key(3, POS_INT, "points: MLP hidden layers"),
-        "activation": Key("selu", Options(*ACTIVATIONS), "points: MLP nonlinearity"),
-    },
-    "flow": {
+    }),
+    "time_predictor": Network("time", {
+        "channels": Key([32, 64, 128, 256], ListOf(POS_INT), "images: filters of the conv layers (paper: 4 layers)",
+                        when=IMAGES),
+        "hidden": Key(256, POS_INT, "points: MLP width", when=POINTS),
+        "depth": Key(3, POS_INT, "points: MLP hidden layers", when=POINTS),
+        "activation": Key("selu", Options(*ACTIVATIONS), "points: MLP nonlinearity", when=POINTS),
+    }),
+    "flow": Network("flow", {
         "arch": Key("glow", Options("glow", "realnvp"), "flow architecture"),
         "levels": Key(3, POS_INT, "multi-scale levels: image sides must be divisible by 2**levels"),
         "depth_per_level": Key(8, POS_INT, "flow steps per level (glow: ActNorm, 1x1 conv, coupling)"),
@@ -395,45 +387,17 @@ MODEL_KINDS: dict[str, dict[str, Key]] = {
         "logit_alpha": Key(0.0, Float(0, 0.5, hi_open=True), "> 0: RealNVP logit preprocessing of pixels "
                            "before the levels (0 = off)"),
         "n_bins": Key(256, Int(2, 256), "pixel levels the density is over (bits/dim convention): 256 = 8-bit"),
-    },
+    }),
 }
 
 
-@dataclass(frozen=True)
-class ModelSection:
-    """``model.<phase>``: a ``kind`` (one of ``kinds``) and that kind's keys."""
-
-    kinds: tuple[str, ...]
-    doc: str
-    when: When
-
-    @property
-    def default_kind(self) -> str:
-        return self.kinds[0]
-
-    def kind_key(self) -> Key:
-        return Key(self.default_kind, Options(*self.kinds), "network kind; the other keys of this section are "
-                   "this kind's", when=self.when)
-
-    def keys(self, kind: str) -> dict[str, Key]:
-        return {"kind": self.kind_key(), **{k: _with_when(v, self.when) for k, v in MODEL_KINDS[kind].items()}}
+def kinds_of(role: str, default: str | None = None) -> tuple[str, ...]:
+    """Every model kind that plays ``role``, ``default`` first."""
+    kinds = [k for k, net in MODEL_KINDS.items() if getattr(net, "role", None) == role]
+    return tuple(sorted(kinds, key=lambda k: k != default))
 
 
-def _with_when(key: Key, when: When | None) -> Key:
-    return key if key.when is not None or when is None else Key(key.default, key.rule, key.doc, key.nullable, when)
-
-
-MODEL = {
-    "velocity": ModelSection(("mlp", "unet"), "the NSGF velocity network v_theta(x, t) (also FM / OT-CFM's)",
-                             _has_phase("velocity")),
-    "nsf": ModelSection(("mlp", "unet"), "NSGF++ Neural Straight Flow u_delta(x, t)", _has_phase("nsf")),
-    "time": ModelSection(("time_predictor",), "NSGF++ phase-transition time predictor t_phi(x) in [0, 1]",
-                         _has_phase("time")),
-    "flow": ModelSection(("flow",), "normalizing flow (docs/flows.md)", _has_phase("flow")),
-}
-
-
-def _train(phase: str, iters=20000, batch_size=256, lr=0.001, warmup=0, schedule="cosine", grad_clip=0.0):
+def _train(iters=20000, batch_size=256, lr=0.001, warmup=0, schedule="cosine", grad_clip=0.0):
     """One training phase's keys; phases differ only in a few defaults (the paper's time predictor, Glow)."""
     return {
         "iters": Key(iters, POS_INT, "optimizer steps"),
@@ -456,63 +420,258 @@ def _train(phase: str, iters=20000, batch_size=256, lr=0.001, warmup=0, schedule
     }
 
 
-TRAIN = {
-    "velocity": _train("velocity"),
-    "nsf": _train("nsf"),
-    "time": _train("time", iters=40000, batch_size=128, lr=0.0001),
-    "flow": _train("flow", batch_size=64, warmup=500, schedule="constant", grad_clip=100.0),
-}
-TRAIN_DOCS = {
-    "velocity": "the velocity network (NSGF: velocity matching on the pool; FM / OT-CFM: on the interpolant)",
-    "nsf": "NSGF++ straight flow (velocity matching on X_t = t Y + (1-t) X0)",
-    "time": "NSGF++ time predictor (regress t from X_t, MSE); paper: batch 128, lr 1e-4, 40k",
-    "flow": "maximum likelihood with uniform dequantisation; the logged loss is bits/dim",
+@dataclass(frozen=True)
+class Phase:
+    """A training phase: its network section ``model.<name>`` (a kind of ``role``, ``kind`` by default) and
+    its optimiser section ``train.<name>`` (the common keys, ``train`` changes their defaults)."""
+
+    role: str
+    kind: str
+    doc: str
+    train_doc: str
+    train: dict = field(default_factory=dict)
+
+
+# Phases more than one method trains; a method declares its own phases in its ``MethodSpec``.
+PHASES: dict[str, Phase] = {
+    "velocity": Phase("velocity", "mlp", "the NSGF velocity network v_theta(x, t) (also FM / OT-CFM's)",
+                      "the velocity network (NSGF: velocity matching on the pool; FM / OT-CFM: on the interpolant)"),
 }
 
 SAMPLE = {
-    "steps": Key(100, POS_INT, "Euler steps of the velocity network at sampling time", when=STEPS_SAMPLERS),
+    "steps": Key(100, POS_INT, "Euler steps of the velocity network at sampling time", opt_in=True),
     "time_warp": Key(1.0, POS_FLOAT, "Euler grid t_i = 1 - (1 - i/N)^warp: 1 = uniform (the paper's); < 1 makes the "
-                     "early steps shorter and the last one a longer jump to the end point", when=STEPS_SAMPLERS),
+                     "early steps shorter and the last one a longer jump to the end point", opt_in=True),
     "batch_size": Key(500, POS_INT, "samples generated per network call (eval.n is split into chunks of this)"),
-    "nsf_steps": Key(50, POS_INT, "Euler steps of the straight flow from t_hat to 1", when=_methods("nsgfpp")),
-    "nsgf_steps": Key(None, POS_INT, "Euler steps of the NSGF part (null: the pool's own T steps; else uniform "
-                      "steps, needs nsgf.segment > 0)", nullable=True, when=_methods("nsgfpp")),
-    "temperature": Key(1.0, NONNEG_FLOAT, "prior std multiplier when sampling (1 = the model; Glow shows 0.7)",
-                       when=_methods("flow")),
+    "qmc": Key(False, Bool(), "`sinkflow sample` / Run.sample draw the source by randomised QMC (scrambled Sobol, "
+               "where the source has a twin: normal, 8gaussians) instead of i.i.d.; the evaluation has its own "
+               "eval.qmc"),
 }
 
 EVAL = {
     "n": Key(1024, POS_INT, "test samples for W2 / FID / bits/dim"),
-    "steps": Key([10, 100], ListOf(POS_INT), "Euler steps to evaluate at", when=NOT_FLOW),
+    "steps": Key([10, 100], ListOf(POS_INT), "Euler steps to evaluate at", opt_in=True),
     "seeds": Key(3, POS_INT, "sampling seeds: mean and spread"),
-    "protocol": Key("qmc", Options("qmc", "iid"), "2D W2: qmc = scrambled-Sobol source draws against stratified "
-                    "test draws (low floor) | iid = i.i.d. source draws against i.i.d. test draws (a point file's "
-                    "held-out rows): the draws a user makes", when=NOT_IMAGES),
+    "protocol": Key("qmc", Options("qmc", "iid"), "qmc = scrambled-Sobol source draws (2D: against stratified test "
+                    "draws, a low W2 floor) | iid = i.i.d. source draws (2D: against i.i.d. test draws, a point file's "
+                    "held-out rows): the draws a user makes (sinkflow sample draws i.i.d. unless sample.qmc)"),
     "class_n": Key(None, POS_INT, "generated samples per seed for the classifier's class-histogram TV and confidence "
                    "(null = eval.n): a perfect sampler's TV is ~1.2/sqrt(n) at 10 classes, 0.06 at n = 359",
-                   nullable=True, when=IMAGES_NOT_FLOW),
+                   nullable=True, when=IMAGES),
     "inception_weights": Key(None, Str(), "local Inception-v3 weights file (pt_inception-2015-12-05) for FID; "
-                             "null = FID skipped", nullable=True, when=IMAGES_NOT_FLOW),
+                             "null = FID skipped", nullable=True, when=IMAGES),
 }
 
 CHECKPOINT = {
     "keep": Key(3, POS_INT, "keep-last-k rotation inside a phase"),
 }
 
-# section -> (doc, keys | {phase: ModelSection} | {phase: keys}, when)
-SECTIONS: dict[str, tuple[str, dict, When | None]] = {
-    "experiment": ("what runs, where it writes", EXPERIMENT, None),
-    "data": ("source and target distributions", DATA, None),
-    "sinkhorn": ("GeomLoss SamplesLoss(loss=\"sinkhorn\", p=2) of the pool's Sinkhorn flow", SINKHORN, POOL),
-    "pool": ("NSGF trajectory pool (Algorithm 1)", POOL_KEYS, POOL),
-    "nsgf": ("how the velocity network reads the pool (NSGF, and NSGF++'s NSGF phase): docs/nsgf.md", NSGF, POOL),
-    "model": ("one network per training phase; its keys depend on its kind", MODEL, None),
-    "train": ("one optimiser setup per training phase", TRAIN, None),
-    "sample": ("sampling", SAMPLE, None),
-    "eval": ("evaluation", EVAL, None),
-    "checkpoint": ("checkpoints", CHECKPOINT, None),
+# Shared sections in order: (doc, keys). The methods' own sections go before ``model``.
+SHARED: dict[str, tuple[str, dict[str, Key]]] = {
+    "experiment": ("what runs, where it writes", EXPERIMENT),
+    "data": ("source and target distributions", DATA),
+    "sinkhorn": ("GeomLoss SamplesLoss(loss=\"sinkhorn\", p=2) of the pool's Sinkhorn flow",
+                 {k: Key(v.default, v.rule, v.doc, v.nullable, v.when, True) for k, v in SINKHORN.items()}),
+    "pool": ("NSGF trajectory pool (Algorithm 1)",
+             {k: Key(v.default, v.rule, v.doc, v.nullable, v.when, True) for k, v in POOL_KEYS.items()}),
+    "nsgf": ("how the velocity network reads the pool (NSGF, and NSGF++'s NSGF phase): docs/nsgf.md",
+             {k: Key(v.default, v.rule, v.doc, v.nullable, v.when, True) for k, v in NSGF.items()}),
+    "sample": ("sampling", SAMPLE),
+    "eval": ("evaluation", EVAL),
+    "checkpoint": ("checkpoints", CHECKPOINT),
 }
-PHASE_WHEN = {phase: MODEL[phase].when for phase in MODEL}
+
+
+# ---- methods: each declares its phases, its own keys and the opt-in shared keys it reads -------------------
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What the config needs to know of a method, without importing it (config sits below the methods).
+
+    ``where``: ``"module:attribute"`` of its ``Method`` instance (``module`` relative to ``sinkflow.methods``
+    unless it holds a dot). ``phases``: the names its ``phases()`` returns, in order; a training phase has
+    sections ``model.<name>`` / ``train.<name>`` (shared ``PHASES`` or its own ``new_phases``). ``reads``: the
+    opt-in shared keys it reads, as sections (``"pool"``) or keys (``"sample.steps"``). ``keys``: its own keys,
+    ``{section: {name: Key}}``, read by it alone (a new section needs a line in ``section_docs``)."""
+
+    where: str
+    phases: tuple[str, ...]
+    reads: tuple[str, ...] = ()
+    keys: dict[str, dict[str, Key]] = field(default_factory=dict)
+    new_phases: dict[str, Phase] = field(default_factory=dict)
+    section_docs: dict[str, str] = field(default_factory=dict)
+    doc: str = ""
+
+
+NSGF_READS = ("pool", "sinkhorn", "nsgf")
+EULER_READS = ("sample.steps", "sample.time_warp", "eval.steps")
+
+# The one method registry: adding a method is its file plus one entry here.
+METHOD_REGISTRY: dict[str, MethodSpec] = {
+    "nsgf": MethodSpec("nsgf:METHOD", ("pool", "velocity"), NSGF_READS + EULER_READS,
+                       doc="Neural Sinkhorn Gradient Flow: a Sinkhorn-flow trajectory pool, then velocity matching"),
+    "nsgfpp": MethodSpec(
+        "nsgfpp:METHOD", ("pool", "velocity", "nsf", "time"), NSGF_READS,
+        keys={
+            "nsgf": {
+                "nsf_pairs": Key("independent", Options("independent", "ot"), "NSGF++'s straight flow pairs its "
+                                 "source and target samples independently (paper) or by an exact minibatch OT plan "
+                                 "(as OT-CFM)"),
+                "nsf_t_min": Key(0.0, Float(0, 1, hi_open=True), "NSGF++'s straight flow is trained on times t ~ "
+                                 "U[nsf_t_min, 1): it only runs from the predictor's t_hat to 1, so 0 (paper) spends "
+                                 "most of its steps on times it never sees"),
+            },
+            "sample": {
+                "nsf_steps": Key(50, POS_INT, "Euler steps of the straight flow from t_hat to 1"),
+                "nsgf_steps": Key(None, POS_INT, "Euler steps of the NSGF part (null: the pool's own T steps; else "
+                                  "uniform steps, needs nsgf.segment > 0)", nullable=True),
+            },
+        },
+        new_phases={
+            "nsf": Phase("velocity", "mlp", "NSGF++ Neural Straight Flow u_delta(x, t)",
+                         "NSGF++ straight flow (velocity matching on X_t = t Y + (1-t) X0)"),
+            "time": Phase("time", "time_predictor", "NSGF++ phase-transition time predictor t_phi(x) in [0, 1]",
+                          "NSGF++ time predictor (regress t from X_t, MSE); paper: batch 128, lr 1e-4, 40k",
+                          {"iters": 40000, "batch_size": 128, "lr": 0.0001}),
+        },
+        doc="NSGF++: a <=5-step NSGF, a time predictor, then a Neural Straight Flow"),
+    "fm": MethodSpec("flow_matching:FM", ("velocity",), EULER_READS,
+                     doc="flow matching, independent pairs"),
+    "otcfm": MethodSpec("flow_matching:OTCFM", ("velocity",), EULER_READS,
+                        doc="OT-CFM, exact minibatch OT pairs"),
+    "flow": MethodSpec(
+        "flow:METHOD", ("flow",),
+        keys={"sample": {"temperature": Key(1.0, NONNEG_FLOAT, "prior std multiplier when sampling (1 = the model; "
+                                                                "Glow shows 0.7)")}},
+        new_phases={"flow": Phase("flow", "flow", "normalizing flow (docs/flows.md)",
+                                  "maximum likelihood with uniform dequantisation; the logged loss is bits/dim",
+                                  {"batch_size": 64, "warmup": 500, "schedule": "constant", "grad_clip": 100.0})},
+        doc="a normalizing flow (Glow / RealNVP) by maximum likelihood"),
+}
+
+
+# ---- the schema, assembled from the shared declarations and the registry ------------------------------------
+
+@dataclass(frozen=True)
+class ModelSection:
+    """``model.<phase>``: a ``kind`` (one of ``kinds``) and that kind's keys."""
+
+    kinds: tuple[str, ...]
+    doc: str
+    when: When
+
+    @property
+    def default_kind(self) -> str:
+        return self.kinds[0]
+
+    def kind_key(self) -> Key:
+        return Key(self.default_kind, Options(*self.kinds), "network kind; the other keys of this section are "
+                   "this kind's", when=self.when)
+
+    def keys(self, kind: str) -> dict[str, Key]:
+        return {"kind": self.kind_key(), **{k: _with_when(v, self.when) for k, v in MODEL_KINDS[kind].items()}}
+
+
+def _readers_when(readers: list[str]) -> When:
+    names = tuple(readers)
+    return When(f"method {', '.join(names)}", lambda t: _method(t) in names)
+
+
+def _reads(spec: MethodSpec, section: str, name: str) -> bool:
+    return section in spec.reads or f"{section}.{name}" in spec.reads
+
+
+def _assemble() -> None:
+    """Build ``SECTIONS``, ``MODEL``, ``TRAIN`` and friends from ``SHARED``, ``PHASES`` and ``METHOD_REGISTRY``.
+
+    Which methods read a key is decided here, once, from the declarations: a shared key every method, an
+    opt-in key the methods whose ``reads`` name it, a method's own key that method; no method is named."""
+    global SECTIONS, MODEL, TRAIN, TRAIN_DOCS, PHASE_WHEN, METHOD_PHASES, METHODS, READERS
+    registry = METHOD_REGISTRY
+    METHOD_PHASES = {m: spec.phases for m, spec in registry.items()}
+    METHODS = tuple(registry)
+    phases: dict[str, Phase] = dict(PHASES)
+    for spec in registry.values():
+        for name, phase in spec.new_phases.items():
+            if phases.setdefault(name, phase) != phase:
+                raise ValueError(f"phase {name!r} is declared twice with different sections")
+    sections: dict[str, tuple[str, dict[str, Key]]] = {s: (doc, dict(keys)) for s, (doc, keys) in SHARED.items()
+                                                       if s not in ("sample", "eval", "checkpoint")}
+    owned: dict[str, dict[str, str]] = {}
+    for m, spec in registry.items():
+        for section, keys in spec.keys.items():
+            if section not in sections and section not in SHARED:
+                sections[section] = (spec.section_docs.get(section, section), {})
+            for k in keys:
+                owned.setdefault(section, {})[k] = m
+    for s in ("sample", "eval", "checkpoint"):
+        doc, keys = SHARED[s]
+        sections[s] = (doc, dict(keys))
+    for m, spec in registry.items():
+        for section, keys in spec.keys.items():
+            sections[section][1].update(keys)
+    readers: dict[str, tuple[str, ...] | None] = {}
+    out: dict[str, tuple[str, dict, When | None]] = {}
+    for section, (doc, keys) in sections.items():
+        composed = {}
+        for k, key in keys.items():
+            owner = owned.get(section, {}).get(k)
+            if owner is not None:  # another method may name it in ``reads``, but not by its section
+                who = [owner] + [m for m, spec in registry.items() if m != owner and f"{section}.{k}" in spec.reads]
+            elif key.opt_in:
+                who = [m for m, spec in registry.items() if _reads(spec, section, k)]
+            else:
+                who = None
+            readers[f"{section}.{k}"] = tuple(who) if who is not None else None
+            composed[k] = key if who is None else _with_when(key, _readers_when(who))
+        who_all = [readers[f"{section}.{k}"] for k in keys]
+        when = None  # the section's own "read when" (docs): only where no key of it is read by every method
+        if who_all and all(w is not None for w in who_all):
+            when = _readers_when([m for m in registry if any(m in w for w in who_all)])
+        out[section] = (doc, composed, when)
+    MODEL = {}
+    TRAIN = {}
+    TRAIN_DOCS = {}
+    for name, phase in phases.items():
+        users = [m for m, spec in registry.items() if name in spec.phases]
+        when = _readers_when(users)
+        MODEL[name] = ModelSection(kinds_of(phase.role, phase.kind), phase.doc, when)
+        TRAIN[name] = _train(**phase.train)
+        TRAIN_DOCS[name] = phase.train_doc
+    PHASE_WHEN = {name: sec.when for name, sec in MODEL.items()}
+    order = [s for s in out if s not in ("sample", "eval", "checkpoint")]
+    SECTIONS = {s: out[s] for s in order}
+    SECTIONS["model"] = ("one network per training phase; its keys depend on its kind", MODEL, None)
+    SECTIONS["train"] = ("one optimiser setup per training phase", TRAIN, None)
+    for s in ("sample", "eval", "checkpoint"):
+        SECTIONS[s] = out[s]
+    READERS = readers
+    EXPERIMENT["method"] = Key(EXPERIMENT["method"].default, Options(*METHODS), EXPERIMENT["method"].doc)
+    SECTIONS["experiment"] = (SECTIONS["experiment"][0], dict(EXPERIMENT), None)
+
+
+SECTIONS: dict[str, tuple[str, dict, When | None]] = {}
+MODEL: dict[str, ModelSection] = {}
+TRAIN: dict[str, dict[str, Key]] = {}
+TRAIN_DOCS: dict[str, str] = {}
+PHASE_WHEN: dict[str, When] = {}
+METHOD_PHASES: dict[str, tuple[str, ...]] = {}
+METHODS: tuple[str, ...] = ()
+READERS: dict[str, tuple[str, ...] | None] = {}
+_assemble()
+
+
+def register_method(name: str, spec: MethodSpec) -> None:
+    """Add a method at run time (a plugin, a test): the schema, ``sinkflow config`` and validation follow.
+
+    A method shipped with sinkflow is an entry of ``METHOD_REGISTRY`` instead (one line)."""
+    METHOD_REGISTRY[name] = spec
+    _assemble()
+
+
+def unregister_method(name: str) -> None:
+    METHOD_REGISTRY.pop(name, None)
+    _assemble()
 
 
 def _section_keys(section: str, tree: dict | None) -> dict[str, Key]:
@@ -529,8 +688,7 @@ def _section_keys(section: str, tree: dict | None) -> dict[str, Key]:
             for k, key in sub.items():
                 out[f"{phase}.{k}"] = _with_when(key, PHASE_WHEN[phase])
     else:
-        for k, key in keys.items():
-            out[k] = _with_when(key, when)
+        out.update(keys)
     return out
 
 

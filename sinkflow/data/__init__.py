@@ -25,7 +25,7 @@ from sinkflow.errors import SinkflowError
 __all__ = [
     "Distribution", "build_distribution", "SPECS",
     "Normal", "EightGaussians", "Moons", "SCurve", "Checkerboard", "PointFile", "ImageDistribution",
-    "distributions", "sample_shape", "substituted", "qmc_source", "qmc_twin", "iid_twin",
+    "distributions", "sample_shape", "substituted", "qmc_source", "qmc_twin", "iid_twin", "sampling_source",
 ]
 
 SPECS = ("normal", "normal-qmc", "8gaussians", "8gaussians-qmc", *[k for k in TOY2D if k != "8gaussians"],
@@ -130,6 +130,13 @@ def iid_twin(dist: Distribution) -> Distribution:
 def qmc_source(cfg: dict) -> Distribution:
     """The run's source, drawn by QMC where it has a twin (:func:`qmc_twin`)."""
     return qmc_twin(distributions(cfg)[0])
+
+
+def sampling_source(cfg: dict, qmc: bool = False) -> Distribution:
+    """The run's source as sampling draws it: i.i.d. (the default, what a user asking for samples expects), or
+    with ``qmc`` its randomised-QMC twin (an evaluation protocol's choice: ``eval.qmc``, ``sample.qmc``)."""
+    source = distributions(cfg)[0]
+    return qmc_twin(source) if qmc else source
 
 
 def sample_shape(cfg: dict) -> tuple[int, ...]:

@@ -7,39 +7,55 @@ import statistics
 import torch
 
 from sinkflow import data, methods
-from sinkflow.eval.paper import paper_w2
 from sinkflow.runner.rng import phase_generator
 
 
 def eval_source(cfg: dict):
-    """The source for evaluation draws: its scrambled-Sobol twin when one exists (``data.qmc_source``).
+    """The source for evaluation draws: its scrambled-Sobol twin when one exists and ``eval.protocol`` is ``qmc`` (the default).
 
     The test sets are stratified draws (docs/data.md); an i.i.d. source would put a ~0.2 finite-sample
     floor under every W2 number. A QMC source removes that floor for every method alike.
     """
-    return data.qmc_source(cfg)
+    return data.sampling_source(cfg, eval_qmc(cfg))
+
+
+def eval_qmc(cfg: dict) -> bool:
+    """Does the evaluation protocol (``eval.protocol``) draw the source by randomised QMC?"""
+    return cfg["eval"]["protocol"] == "qmc"
 
 
 def protocol_pair(cfg: dict, protocol: str | None = None):
     """(source, target) of the evaluation ``protocol`` (``eval.protocol`` when None): ``qmc`` = the source's
     scrambled-Sobol twin and the stratified target (its ``test_set``); ``iid`` = i.i.d. twins of both, the
     draws a user makes (a point file's ``test_set`` is its held-out rows, i.i.d. already)."""
-    protocol = protocol or cfg["eval"].get("protocol", "qmc")
+    protocol = protocol or cfg["eval"]["protocol"]
     source, target = data.distributions(cfg)
     if protocol == "iid":
         return data.iid_twin(source), data.iid_twin(target)
     return data.qmc_twin(source), target
 
 
-def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool = True, protocol: str | None = None):
+def source_protocol(cfg: dict, qmc: bool) -> str:
+    """One line naming how the source is drawn (evaluation output says which protocol it used)."""
+    source = data.distributions(cfg)[0]
+    if not qmc:
+        return f"source {source.name} drawn i.i.d."
+    if data.qmc_twin(source) is source:
+        return f"source {source.name} drawn i.i.d. (QMC asked for, but it has no scrambled-Sobol twin)"
+    return f"source {source.name} drawn by randomised QMC (scrambled Sobol)"
+
+
+def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool | None = None,
+             protocol: str | None = None):
     """n samples in chunks of ``sample.batch_size`` (so eval.n=10000 fits a small card); info merged.
 
-    The source draw is the ``protocol``'s (:func:`protocol_pair`); without one, ``qmc`` picks the QMC twin
-    (True) or the run's own source sampler (False)."""
+    The source draw is the ``protocol``'s (:func:`protocol_pair`) when one is given; otherwise ``qmc`` says
+    whether it is drawn by randomised QMC; None = the evaluation protocol's choice (``eval.protocol``).
+    ``sinkflow sample`` and ``Run.sample`` pass ``sample.qmc`` (default false: i.i.d. draws)."""
     if protocol is not None:
         source = protocol_pair(run.cfg, protocol)[0]
     else:
-        source = eval_source(run.cfg) if qmc else data.distributions(run.cfg)[0]
+        source = data.sampling_source(run.cfg, eval_qmc(run.cfg) if qmc is None else qmc)
     x0 = source.sample(n, phase_generator(seed, "sample"), "cpu")
     sample = methods.of(run.cfg).sample
     chunk = max(1, run.cfg["sample"]["batch_size"])
@@ -84,8 +100,7 @@ def w2_table(run, n: int | None = None, seeds: int | None = None, steps_list=Non
         rows.append({
             "steps": steps, "nfe": nfe, "w2_mean": statistics.fmean(values),
             "w2_std": statistics.stdev(values) if len(values) > 1 else 0.0, "w2_all": values,
-            "paper": paper_w2(method.name, cfg["experiment"]["preset"], steps)
-            if is_paper_task(cfg) else None,
+            "paper": method.paper_w2(cfg["experiment"]["preset"], steps) if is_paper_task(cfg) else None,
         })
     return rows
 
@@ -102,15 +117,18 @@ def is_paper_task(cfg: dict) -> bool:
     return all(cfg["data"].get(k) == own.get(k) for k in ("source", "target"))
 
 
-def format_table(rows: list[dict], method: str, task: str, protocol: str = "qmc") -> str:
+def format_table(rows: list[dict], method: str, task: str, paper_label: str = "", protocol: str = "qmc") -> str:
+    """The W2 table; a "paper <label>" column only where the method has the paper's numbers for the task."""
     draws = ("i.i.d. source draws vs i.i.d. test points" if protocol == "iid"
              else "QMC source draws vs stratified test points")
+    has_paper = any(r.get("paper") is not None for r in rows)
+    head = f" {'paper ' + paper_label:>11}" if has_paper else ""
     lines = [f"W2 on {task} ({method}), exact OT (POT emd2), {draws} (eval.protocol={protocol}), "
              "mean +- std over seeds:",
-             f"{'steps':>6} {'NFE':>5} {'W2':>16} {'paper NSGF':>11}"]
+             f"{'steps':>6} {'NFE':>5} {'W2':>16}{head}"]
     for r in rows:
-        paper = "" if r["paper"] is None else f"{r['paper']:.3f}"
-        lines.append(f"{r['steps']:>6} {r['nfe']:>5} {r['w2_mean']:>9.3f} +- {r['w2_std']:.3f} {paper:>11}")
+        paper = "" if r.get("paper") is None else f" {r['paper']:>11.3f}"
+        lines.append(f"{r['steps']:>6} {r['nfe']:>5} {r['w2_mean']:>9.3f} +- {r['w2_std']:.3f}{paper}".rstrip())
     return "\n".join(lines)
 
 

@@ -35,10 +35,17 @@ def standard_evaluation(run, method, seeds: int | None = None, n: int | None = N
         rows = w2_table(run, n=n, seeds=seeds)
         run.logger.log("eval", 0, {f"w2_{r['steps']}": r["w2_mean"] for r in rows})
         task = cfg["experiment"]["preset"] if is_paper_task(cfg) else f"{cfg['data']['source']} -> {cfg['data']['target']}"
-        return format_table(rows, method.name, task, run.cfg["eval"].get("protocol", "qmc"))
+        return format_table(rows, method.name, task, method.paper_label, cfg["eval"]["protocol"])
     from sinkflow.eval.images import evaluate_images
 
-    return evaluate_images(run, seeds=seeds, n=n)
+    return evaluate_images(run, seeds=seeds, n=n) + f"\n{protocol(cfg)}"
+
+
+def protocol(cfg: dict) -> str:
+    """How the evaluation drew its source (``eval.protocol``), said in its output."""
+    from sinkflow.eval.points import eval_qmc, source_protocol
+
+    return f"{source_protocol(cfg, eval_qmc(cfg))} (eval.protocol={cfg['eval']['protocol']})"
 
 
 def standard_plots(run, method) -> list:
@@ -54,7 +61,7 @@ def standard_plots(run, method) -> list:
 
 # ---- the building blocks a method's own evaluation may use ----------------------------------------
 
-def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool = True):
+def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool | None = None):
     from sinkflow.eval.points import generate as _generate
 
     return _generate(run, n, steps, seed, record=record, qmc=qmc)

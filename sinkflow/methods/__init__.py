@@ -3,7 +3,8 @@
 A method knows its phases (tasks the engine runs), how it samples, evaluates and describes itself.
 Nothing outside a method tests its name: callers ask ``methods.of(cfg)`` for the object and call it.
 Adding a method = its own file with a ``Method`` instance + one line in
-``sinkflow.config.schema.METHOD_REGISTRY`` (where it lives and the phases it builds).
+``sinkflow.config.schema.METHOD_REGISTRY`` (where it lives, the phases it builds, its own keys and the
+shared keys it reads).
 """
 
 from __future__ import annotations
@@ -18,18 +19,24 @@ from sinkflow.methods.base import ChunkedTask, Method, Task, TrainingStep
 __all__ = ["REGISTRY", "get", "of", "Method", "Task", "TrainingStep", "ChunkedTask",
            "distributions", "sample_shape", "_distributions"]
 
-# name -> "module:attribute" of its Method instance (imported on first use: POT, flows... load lazily).
-# Declared once, with each method's phases, in sinkflow.config.schema.METHOD_REGISTRY.
-REGISTRY = {m: where for m, (where, _) in schema.METHOD_REGISTRY.items()}
-METHOD_PHASES = schema.METHOD_PHASES
+# Declared once, with each method's phases and keys, in sinkflow.config.schema.METHOD_REGISTRY: name ->
+# "module:attribute" of its Method instance (imported on first use: POT, flows... load lazily).
+
+
+def __getattr__(name: str):
+    if name == "REGISTRY":
+        return {m: spec.where for m, spec in schema.METHOD_REGISTRY.items()}
+    if name == "METHOD_PHASES":
+        return schema.METHOD_PHASES
+    raise AttributeError(f"module 'sinkflow.methods' has no attribute {name!r}")
 
 
 def get(method: str) -> Method:
     """The registered ``Method`` called ``method``."""
-    if method not in REGISTRY:
-        raise SinkflowError(f"unknown method '{method}'", f"choose one of {', '.join(REGISTRY)}")
-    module, attr = REGISTRY[method].split(":")
-    return getattr(importlib.import_module(f"sinkflow.methods.{module}"), attr)
+    if method not in schema.METHOD_REGISTRY:
+        raise SinkflowError(f"unknown method '{method}'", f"choose one of {', '.join(schema.METHOD_REGISTRY)}")
+    module, attr = schema.METHOD_REGISTRY[method].where.split(":")
+    return getattr(importlib.import_module(module if "." in module else f"sinkflow.methods.{module}"), attr)
 
 
 def of(cfg: dict) -> Method:

@@ -91,10 +91,20 @@ class ChunkedTask(Task):
         """Release what ``open`` held (memory maps...), before ``final.pt`` is written."""
 
 
+class RunNets:
+    """``nets[phase]``: a run's finished, frozen network of that phase (loaded on first use)."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def __getitem__(self, phase: str) -> torch.nn.Module:
+        return self.run.model(phase)
+
+
 class Method:
     """A generative method: its phases, how it samples, evaluates and describes itself.
 
-    Required: ``phases`` and ``sample`` (and a ``name``, the registry key). ``evaluate`` / ``plots`` get the
+    Required: ``phases`` and ``sample_nets`` (and a ``name``, the registry key). ``evaluate`` / ``plots`` get the
     evaluation layer as ``ev`` (``sinkflow.eval.report``), so a method never imports it; their defaults are
     the standard sample-based evaluation. Everything a caller may ask a method is a method of this class:
     callers never test a method's name nor probe for optional functions.
@@ -102,6 +112,14 @@ class Method:
 
     name: str = ""
     draws_path = True  # sampling integrates a path that trajectory plots can draw
+    # The paper's own W2 numbers for this method, {task (preset): {euler_steps: w2}}, and the label the report
+    # prints them under; a method the paper has no numbers for keeps both empty and reports none.
+    paper: dict = {}
+    paper_label: str = ""
+
+    def paper_w2(self, task: str, steps: int) -> float | None:
+        """The paper's W2 for this method on ``task`` at ``steps`` Euler steps, or None (never raises)."""
+        return (self.paper.get(task) or {}).get(steps)
 
     def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
         """Refuse, before any work, a config this method cannot run (one line naming the key)."""
@@ -110,7 +128,13 @@ class Method:
         raise NotImplementedError
 
     def sample(self, run, x0: torch.Tensor, steps: int | None = None, record: bool = False) -> tuple:
-        """``(x, info)``: ``info["nfe"]`` counted by instrumentation, ``info["path"]`` the states if ``record``."""
+        """``(x, info)`` from a run's finished models: ``sample_nets`` with the run's networks and config."""
+        return self.sample_nets(RunNets(run), run.cfg, x0, steps, record)
+
+    def sample_nets(self, nets, cfg: dict, x0: torch.Tensor, steps: int | None = None, record: bool = False) -> tuple:
+        """``(x, info)`` from networks you hold: ``nets[phase]`` is the network of a training phase (a dict of
+        your own modules, or a run's), ``cfg`` the config they were trained with. ``info["nfe"]`` is counted by
+        instrumentation, ``info["path"]`` holds the states if ``record``."""
         raise NotImplementedError
 
     def default_steps(self, cfg: dict) -> int:

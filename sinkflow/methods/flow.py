@@ -259,7 +259,7 @@ class NormalizingFlow(Method):
         return [1]
 
     @torch.no_grad()
-    def sample(self, run, x0, steps=None, record=False):
+    def sample_nets(self, nets, cfg, x0, steps=None, record=False):
         """Images in [-1, 1] from the prior noise ``x0`` at ``sample.temperature``; ``steps`` is ignored.
 
         A Glow's inverse expands where its forward contracts (sigmoid couplings divide by a scale in (0, 1)),
@@ -268,12 +268,13 @@ class NormalizingFlow(Method):
         mid-grey), they count in ``info["nonfinite"]``, and a warning says how many. Lower
         ``sample.temperature`` or train longer.
         """
-        model = run.model("flow")
-        x = postprocess(decode(model, x0.to(run.device), run.cfg["sample"]["temperature"]))
+        model = nets["flow"]
+        temperature = cfg["sample"]["temperature"]
+        x = postprocess(decode(model, x0.to(next(model.parameters()).device), temperature))
         bad = int((~torch.isfinite(x.flatten(1))).any(1).sum())
         if bad:
             log.warning("flow sampling: %d of %d samples overflowed in the inverse (temperature %g); their pixels "
-                        "are clamped, NaN shown as mid-grey", bad, len(x), run.cfg["sample"]["temperature"])
+                        "are clamped, NaN shown as mid-grey", bad, len(x), temperature)
             x = torch.nan_to_num(x, nan=0.5).clamp_(0, 1)
         x = x * 2 - 1
         return x, {"nfe": 1, "path": [x.cpu()] if record else [], "nonfinite": bad}
@@ -297,7 +298,8 @@ class NormalizingFlow(Method):
         metrics = ev.image_metrics(run, seeds=seeds, n=n, steps_list=self.eval_steps(run.cfg))
         for row in metrics["rows"]:
             run.logger.log("eval", 0, {k: row[k] for k in ("w2", "tv", "confidence", "fid") if k in row})
-        lines.append(f"Samples at temperature {run.cfg['sample']['temperature']} (steps = 1 inverse pass):")
+        lines.append(f"Samples at temperature {run.cfg['sample']['temperature']} (steps = 1 inverse pass; "
+                     f"{'QMC' if run.cfg['eval']['protocol'] == 'qmc' else 'i.i.d.'} prior noise, eval.protocol):")
         lines.append(ev.format_metrics(metrics))
         return "\n".join(lines)
 

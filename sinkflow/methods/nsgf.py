@@ -16,6 +16,8 @@ path the Euler flow really takes, so a fine sampler integrates the same field th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sinkflow.data import qmc_twin
@@ -25,6 +27,16 @@ from sinkflow.methods.flow_matching import velocity_loss
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.methods.pool import PoolTask, TrajectoryPool
 from sinkflow.runner import dist
+
+
+# arXiv:2401.14069v1 Table 1, NSGF row: W2 on 1024 test samples, {task: {euler_steps: w2}}.
+PAPER_W2 = {
+    "8gaussians": {10: 0.285, 100: 0.278},
+    "8gaussians-moons": {10: 0.144, 100: 0.144},
+    "moons": {10: 0.077, 100: 0.067},
+    "scurve": {10: 0.117, 100: 0.110},
+    "checkerboard": {10: 0.252, 100: 0.147},
+}
 
 
 def step_sizes(pool_cfg: dict) -> torch.Tensor:
@@ -44,17 +56,13 @@ def network_grid(cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(times (T + 1,), steps (T,)): the pool's grid in the network's time, and the Euler step in that time.
 
     ``x_{k+1} = x_k + steps[k] * net(x_k, times[k])`` replays the pool's own flow."""
-    pool = cfg["pool"]
-    if cfg["nsgf"]["time"] == "fraction":
-        T = pool["steps"]
-        return torch.arange(T + 1, dtype=torch.float32) / T, torch.full((T,), 1.0 / T)
-    return flow_times(pool), step_sizes(pool)
+    grid = PoolGrid.from_config(cfg)
+    return grid.times, grid.steps
 
 
 def target_scale(cfg: dict) -> torch.Tensor:
     """Per-step factor from the pool's velocity v_k to the network's target (d x / d network time)."""
-    etas = step_sizes(cfg["pool"])
-    return etas * cfg["pool"]["steps"] if cfg["nsgf"]["time"] == "fraction" else torch.ones_like(etas)
+    return PoolGrid.from_config(cfg).scale
 
 
 def make_simulator(cfg: dict, device):
@@ -95,6 +103,59 @@ def pool_task(cfg, source, target) -> PoolTask:
     return PoolTask(qmc_twin(source) if cfg["pool"]["qmc"] else source, target, make_simulator(cfg, None))
 
 
+@dataclass(frozen=True)
+class PoolGrid:
+    """How a velocity network reads a pool of T Euler steps, as plain tensors: ``etas`` (T,) the pool's step
+    sizes, ``times`` (T + 1,) the network time of each grid point, ``steps`` (T,) each Euler step in network
+    time and ``scale`` (T,) the factor from the pool's velocity v_k to the network's target."""
+
+    etas: torch.Tensor
+    times: torch.Tensor
+    steps: torch.Tensor
+    scale: torch.Tensor
+
+    @classmethod
+    def of(cls, etas: torch.Tensor, time: str = "flow") -> "PoolGrid":
+        """``time="flow"``: t_k = eta_0 + ... + eta_{k-1}, target v_k; ``"fraction"``: s_k = k / T, target
+        T eta_k v_k (docs/nsgf.md)."""
+        etas = torch.as_tensor(etas, dtype=torch.float32)
+        T = len(etas)
+        if time == "fraction":
+            return cls(etas, torch.arange(T + 1, dtype=torch.float32) / T, torch.full((T,), 1.0 / T), etas * T)
+        return cls(etas, torch.cat([torch.zeros(1), torch.cumsum(etas, 0)]), etas, torch.ones_like(etas))
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "PoolGrid":
+        return cls.of(step_sizes(cfg["pool"]), cfg["nsgf"]["time"])
+
+
+def pool_batch(x: torch.Tensor, v: torch.Tensor, k: torch.Tensor, u: torch.Tensor, grid: PoolGrid):
+    """(x, network time, target) of pool entries ``x``, ``v`` at steps ``k``, moved ``u`` in [0, 1) of the way
+    along their Euler segment (u = 0: the grid point): what NSGF's velocity network regresses on."""
+    shape = (-1,) + (1,) * (x.ndim - 1)
+    dev = x.device
+    u = u.to(dev)
+    x = x + (u * grid.etas.to(dev)[k]).view(shape) * v
+    return x, grid.times.to(dev)[k] + u * grid.steps.to(dev)[k], v * grid.scale.to(dev)[k].view(shape)
+
+
+def sample_pool(xs: torch.Tensor, vs: torch.Tensor, n: int, grid: PoolGrid, segment: float = 0.0,
+                generator: torch.Generator | None = None):
+    """A training batch of ``n`` entries drawn from a pool held as tensors ``xs``, ``vs`` (T, M, *): the step,
+    the particle and (with probability ``segment``) a point along the Euler segment, then ``pool_batch``."""
+    T, M = xs.shape[:2]
+    k = torch.randint(T, (n,), generator=generator)
+    i = torch.randint(M, (n,), generator=generator)
+    u = torch.rand(n, generator=generator) * (torch.rand(n, generator=generator) < segment)
+    k, i = k.to(xs.device), i.to(xs.device)
+    return pool_batch(xs[k, i], vs[k, i], k, u, grid)
+
+
+def pool_loss(model, x: torch.Tensor, v: torch.Tensor, k: torch.Tensor, u: torch.Tensor, grid: PoolGrid):
+    """NSGF's training loss on pool entries (see ``pool_batch``)."""
+    return velocity_loss(model, pool_batch(x, v, k, u, grid))
+
+
 def pool_batches(run):
     """Training batches (x, network time, target) drawn by index from the finished pool.
 
@@ -105,8 +166,7 @@ def pool_batches(run):
     pool = TrajectoryPool(run.dir / "pool", cfg["pool"]["storage"])
     t_flow = flow_times(cfg["pool"])
     mids = (t_flow[1:-1] + t_flow[:-2]) / 2  # bucket boundaries between consecutive grid times
-    etas, scale = step_sizes(cfg["pool"]), target_scale(cfg)
-    times, steps = network_grid(cfg)
+    grid = PoolGrid.from_config(cfg)
     segment = float(cfg["nsgf"]["segment"])
 
     def make_batch(gen, n, device):
@@ -115,11 +175,8 @@ def pool_batches(run):
         on_segment = torch.rand(n, generator=gen) < segment
         idx, u = dist.shard(idx), dist.shard(torch.where(on_segment, u, torch.zeros_like(u)))
         x, t, v = pool.batch(idx, device)  # pinned, non-blocking copies on CUDA
-        k = torch.bucketize(t.cpu(), mids)
-        u = u.to(x.device)
-        shape = (-1,) + (1,) * (x.ndim - 1)
-        x = x + (u * etas[k].to(x.device)).view(shape) * v
-        return x, times[k].to(x.device) + u * steps[k].to(x.device), v * scale[k].to(x.device).view(shape)
+        k = torch.bucketize(t.cpu(), mids).to(x.device)
+        return pool_batch(x, v, k, u, grid)
 
     return make_batch
 
@@ -145,6 +202,7 @@ class NSGF(Method):
     """Neural Sinkhorn Gradient Flow: the trajectory pool, then velocity matching; Euler sampling."""
 
     name = "nsgf"
+    paper, paper_label = PAPER_W2, "NSGF"
 
     def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
         check(cfg)
@@ -153,12 +211,12 @@ class NSGF(Method):
         check(cfg)
         return [pool_task(cfg, source, target), PoolVelocityStep()]
 
-    def sample(self, run, x0, steps=None, record=False):
-        model = run.model("velocity")
-        t_end = float(network_grid(run.cfg)[0][-1])
+    def sample_nets(self, nets, cfg, x0, steps=None, record=False):
+        model = nets["velocity"]
+        t_end = float(network_grid(cfg)[0][-1])
         with count_nfe(model) as nfe:
-            x, path = euler(model, x0, 0.0, t_end, steps or self.default_steps(run.cfg), record,
-                            run.cfg["sample"]["time_warp"])
+            x, path = euler(model, x0, 0.0, t_end, steps or self.default_steps(cfg), record,
+                            cfg["sample"]["time_warp"])
         return x, {"nfe": nfe.count, "path": path}
 
     def describe(self, cfg: dict) -> str:

@@ -27,7 +27,8 @@ __all__ = [
 # Defaults per kind, from the config schema (sinkflow/config/schema.py, the one place they are declared).
 # Keys of *other* kinds are ignored here, so a library caller's dict may carry all of them (the config
 # tree holds only its kind's); a key no kind knows is an error naming the closest valid key.
-MODEL_KEYS: dict[str, dict] = {kind: model_defaults(kind) for kind in MODEL_KINDS if kind != "flow"}
+MODEL_KEYS: dict[str, dict] = {kind: model_defaults(kind) for kind, net in MODEL_KINDS.items()
+                              if getattr(net, "role", None) != "flow"}  # flows check their own keys
 IGNORED_KEYS = {"kind"}  # the config may say which kind it is; build_model's argument decides
 
 # The paper's UNets (nsgf_paper.md section 3.2; torchcfm's MNIST notebook / CIFAR-10 recipe).

@@ -15,7 +15,15 @@ Order of the hooks in one phase::
       on_log                 on log steps: add entries to the metrics dict before it is written
       on_checkpoint          after a step checkpoint was written (every ckpt_every, and on a stop request)
     on_phase_end             after final.pt was written (not when the phase stopped early)
+    on_exception             an exception (a stop by signal: ``Interrupted``) leaves the phase; it is re-raised
     teardown                 always, last (also after an exception or a stop)
+
+A callback with state to keep across a resume returns it from ``state_dict()`` (plain values and tensors: it
+goes into every step checkpoint under ``callbacks[state_key]``) and gets it back in ``load_state_dict``,
+before ``on_load_checkpoint``. To end a phase, a callback calls ``trainer.request_stop()`` (checkpoint, then
+``Interrupted``, as on SIGTERM) or ``trainer.stop()`` (the loop ends after the current hook, nothing is written,
+``fit()`` returns with ``trainer.stopped`` set); it never raises to stop the loop nor sets another object's
+attributes.
 
 This module is a leaf (torch and tqdm only): methods subclass ``Callback`` without importing the engine.
 """
@@ -49,7 +57,21 @@ class Callback:
 
     def on_phase_end(self, trainer) -> None: ...
 
+    def on_exception(self, trainer, exception: BaseException) -> None: ...
+
     def teardown(self, trainer) -> None: ...
+
+    # ---- state kept in the phase's step checkpoints ------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        """Where this callback's state lives in a checkpoint (one instance per class by default)."""
+        return type(self).__qualname__
+
+    def state_dict(self) -> dict:
+        """State to restore on resume (empty: nothing is saved)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class ProgressBar(Callback):

@@ -1,12 +1,20 @@
-"""Run an experiment's phases in order: finished phases are skipped, the interrupted one continues."""
+"""Run an experiment: ``train_run`` (the one entry point of `sinkflow train` and ``sinkflow.train``) and
+``run_phases`` (each unfinished phase through its ``Trainer``; finished phases are skipped)."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Iterable
 
+from sinkflow import config as config_mod
+from sinkflow import data, methods
+from sinkflow.errors import SinkflowError
+from sinkflow.runner import dist
 from sinkflow.runner.callbacks import Callback
-from sinkflow.runner.signals import graceful_stop
+from sinkflow.runner.lock import unlock_run
+from sinkflow.runner.run import Run
+from sinkflow.runner.signals import Interrupted, graceful_stop
 from sinkflow.runner.trainer import Trainer
 
 log = logging.getLogger("sinkflow")
@@ -25,3 +33,64 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = ()) -> None:
             run.release()
         run.logger.heartbeat(phase="done", state="finished")
         run.logger.flush()
+
+
+def check_run(cfg: dict) -> None:
+    """The data and the method's limits (e.g. NSGF++: T <= 5, the pool's size), before any folder exists."""
+    _, target = data.distributions(cfg)
+    held = getattr(target, "test_rows", 0)  # a point file's held-out rows are the only test points
+    if held and cfg["eval"]["n"] > held:
+        raise SinkflowError(f"eval.n={cfg['eval']['n']} test points, but data.test_rows holds out only {held}",
+                            f"set eval.n={held} (or less), or hold out more rows")
+    methods.of(cfg).check(cfg, data.sample_shape(cfg))
+
+
+def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, overrides: list[str] | None = None,
+              shorthands: dict | None = None, callbacks: Iterable[Callback] = (), device: str | None = None,
+              on_open=None, then=None) -> Run:
+    """Train every unfinished phase of a resolved config ``cfg`` (``sinkflow.config.resolve``), or continue the
+    run folder ``resume`` (with ``overrides`` / ``shorthands`` of keys it may still change); returns the run.
+
+    Every check comes first: nothing is written into a run folder before ``Run.start()`` (docs/reliability.md).
+    ``on_open(run)`` is called once the folder is known (the CLI remembers it for its resume hint); a stop by
+    signal raises ``Interrupted`` with ``run_dir`` set. ``then(run)`` runs after the last phase, while the run
+    still holds its folder's lock and logger (the CLI's evaluation report, unless ``--no-report``)."""
+    if (cfg is None) == (resume is None):
+        raise ValueError("train_run needs exactly one of cfg (a new run) or resume (a run folder)")
+    info = dist.init(device or "auto")
+    if resume is not None:
+        run = Run.open(Path(resume), overrides, shorthands)  # frozen keys, device: no writes
+    else:
+        check_run(cfg)
+        run = Run.create(cfg)
+    if on_open is not None:
+        on_open(run)
+    try:
+        cfg = run.cfg
+        if resume is not None:
+            check_run(cfg)
+        source, target = data.distributions(cfg)
+        method = methods.of(cfg)
+        phases = method.phases(cfg, source, target)
+        if resume is not None:
+            run.verify(phases)  # finished phases' final.pt and the newest step checkpoint: safe, this run's
+        run.start()  # the lock (one writer per run folder), the resumed config, orphaned temp files
+        if info.is_main:
+            log.info("run folder: %s", run.dir)
+            log.info("method %s", method.describe(cfg))
+            unread = config_mod.unread_preset_keys(cfg)
+            if unread and resume is None:
+                log.warning("preset %s sets %d key(s) that method %s does not read (%s): kept in config.yaml, "
+                            "unused", cfg["experiment"]["preset"], len(unread), method.name,
+                            ", ".join(unread[:4]) + (", ..." if len(unread) > 4 else ""))
+        try:
+            run_phases(run, phases, callbacks)
+        except Interrupted as exc:
+            exc.run_dir = run.dir
+            raise
+        if then is not None:
+            then(run)
+    finally:
+        run.logger.close()
+        unlock_run(run.dir)
+    return run

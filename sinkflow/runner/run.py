@@ -82,12 +82,13 @@ def _versions() -> dict:
 class Run:
     """Everything a phase needs: config, device, folder, logger, checkpoints, finished phases' models."""
 
-    def __init__(self, run_dir: Path, cfg: dict):
+    def __init__(self, run_dir: Path, cfg: dict, log: bool = True):
+        """``log=False``: a read-only look at a run (doctor, lr-find on a user's run) logs nothing into it."""
         self.dir = Path(run_dir)
         self.cfg = cfg
         self.dist = dist.current()
         self.device = dist.device_for(self.dist, resolve_device(cfg["experiment"]["device"]))
-        self.logger = MetricsLogger(self.dir, enabled=self.dist.is_main)
+        self.logger = MetricsLogger(self.dir, enabled=self.dist.is_main and log)
         self._models: dict[str, torch.nn.Module] = {}
         self._pending_config: dict | None = None  # a resume's new config.yaml, written by start()
         self._checked_finals: set[tuple] = set()
@@ -130,6 +131,7 @@ class Run:
         cfg = read_config(run_dir)
         new = config_mod.apply_overrides(config_mod.apply_shorthands(cfg, shorthands or {}), overrides or [])
         config_mod.validate(new)
+        config_mod.check_read(new, config_mod.override_keys(overrides or []))
         check_frozen(cfg, new, Path(run_dir))
         run = cls(run_dir, new)
         if new != cfg:

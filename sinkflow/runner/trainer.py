@@ -61,6 +61,8 @@ class Trainer:
         self.guard: NonFiniteGuard | None = None
         self.step = 0
         self.last_units = 0  # progress-bar items the last unit did
+        self.batch: Any = None  # the batch of the current (last) step, for callbacks and tools
+        self.stopped = False  # ``stop()`` ended the phase early (no final.pt)
         self._stop: int | None = None
 
     # ---- construction ---------------------------------------------------------------------------
@@ -124,6 +126,7 @@ class Trainer:
             "generator": self.batches.generator_state() if self.batches is not None else self.generator.get_state(),
             "rng": rng_state(),
             "world_size": self.info.world,
+            "callbacks": {cb.state_key: st for cb in self.callbacks if (st := cb.state_dict())},
         }
 
     def load_state_dict(self, state: dict, where: str) -> None:
@@ -142,12 +145,16 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["initial_lr"] = base
             self.scheduler.base_lrs = [base for _ in self.scheduler.base_lrs]
-            for group, fn in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
-                group["lr"] = base * fn(self.scheduler.last_epoch)
-            self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+            # a new schedule at the same position: lr = base * factor(step), through the scheduler's own API
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.scheduler.lr_lambdas,
+                                                               last_epoch=self.scheduler.last_epoch - 1)
         self.generator.set_state(state["generator"])
         set_rng_state(state["rng"])
         self.step = state["step"]
+        saved = state.get("callbacks") or {}
+        for cb in self.callbacks:
+            if cb.state_key in saved:
+                cb.load_state_dict(saved[cb.state_key])
 
     # ---- one optimizer step ---------------------------------------------------------------------
     def draw_batch(self, n: int | None = None) -> Any:
@@ -208,13 +215,19 @@ class Trainer:
     def stop_non_finite(self, what: str, step: int) -> None:
         """Stop with a non-finite step unapplied, saying which checkpoint a resume would use."""
         kept = self.ckpts.last_good() if self.ckpts is not None else "no checkpoint was written"
-        raise SinkflowError(f"{what} in phase '{self.name}' at step {step}; the step was not applied and "
+        raise NonFiniteStep(f"{what} in phase '{self.name}' at step {step}; the step was not applied and "
                             f"{kept}", "lower the learning rate (sinkflow lr-find), set a grad_clip, or check the data")
 
     # ---- the loop -------------------------------------------------------------------------------
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop at the next unit boundary exactly as on a signal: checkpoint, then ``Interrupted``."""
         self._stop = signum
+
+    def stop(self) -> None:
+        """End the phase after the current hook, writing nothing: called in ``on_train_batch_start`` the
+        step is not taken. ``fit()`` returns with ``stopped`` set; no ``final.pt``, no ``on_phase_end``
+        (doctor and lr-find stop a trainer ready before its first step this way)."""
+        self.stopped = True
 
     @property
     def total(self) -> int:
@@ -237,6 +250,9 @@ class Trainer:
                 self._fit_training()
             else:
                 self._fit_chunks()
+        except BaseException as exc:
+            self._call("on_exception", exc)
+            raise
         finally:
             self._call("teardown")
 
@@ -258,8 +274,10 @@ class Trainer:
         try:
             self._call("on_phase_start")
             while self.step < iters:
-                batch = self.batches.next(more=self.step + 1 < iters)
+                batch = self.batch = self.batches.next(more=self.step + 1 < iters)
                 self._call("on_train_batch_start", batch)
+                if self.stopped:
+                    return
                 loss, grad_norm = self.train_step(batch)
                 self.step += 1
                 self.last_units = 1
@@ -288,6 +306,8 @@ class Trainer:
                     self.save()
                 if signum is not None:
                     raise Interrupted(signum, self.name, self.step)
+                if self.stopped:
+                    return
             self.raise_if_non_finite()
             if self.info.is_main:
                 ckpts.save_final({"step": self.step, **self.state_dict()})
@@ -302,6 +322,8 @@ class Trainer:
         while not task.finished():
             unit = task.next_unit()
             self._call("on_train_batch_start", unit)
+            if self.stopped:
+                return
             self.last_units = task.run_unit(unit)  # persists the task's progress before it returns
             self.step = task.position
             self._call("on_train_batch_end", unit, self.last_units)
@@ -309,6 +331,8 @@ class Trainer:
             signum = self._agree_stop()
             if signum is not None:
                 raise Interrupted(signum, self.name, task.position)
+            if self.stopped:
+                return
         task.close()
         dist.barrier()
         if self.info.is_main:
@@ -326,6 +350,10 @@ class Trainer:
             self.ckpts.save(self.state_dict(), self.step)
         dist.barrier()
         self._call("on_checkpoint")
+
+
+class NonFiniteStep(SinkflowError):
+    """A step stopped before a non-finite loss or gradient was applied (lr-find records it as a gap)."""
 
 
 def use_channels_last(cfg: dict, device: torch.device, shape: tuple[int, ...]) -> bool:

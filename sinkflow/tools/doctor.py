@@ -427,7 +427,7 @@ def check_phase(run, trainer, overfit_steps: int = 300, overfit_batch: int = 16,
 
     images = run.cfg["data"]["target"] in NATIVE_CHW
     model, opt = trainer.model, trainer.optimizer
-    batch = trainer.first_batch
+    batch = trainer.batch
     device = next(model.parameters()).device
     out = [check_batch_values(batch, images=False)]
     from sinkflow import data
@@ -501,8 +501,7 @@ def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = 300
         for name in names:
             run, ph = open_run_phase(Path(run_dir), name)
             findings += check_phase(run, ph, overfit_steps, overfit_batch, factor)
-        final_run = Run(Path(run_dir), cfg)
-        final_run.logger.enabled = False
+        final_run = Run(Path(run_dir), cfg, log=False)
     else:
         names = phases or train_phase_names(cfg)
         run = None

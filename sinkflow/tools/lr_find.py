@@ -75,12 +75,14 @@ def _restore(model, optimizer, snap) -> None:
     model.train(snap["training"])
 
 
-def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, batch_fn: Callable,
-                  start_lr: float = 1e-7, end_lr: float = 10.0, steps: int = 100, beta: float = 0.98,
-                  diverge: float = 4.0, max_nan: int = 3, restore: bool = True, step_fn: Callable | None = None,
-                  ) -> LRFindResult:
+def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable | None,
+                  batch_fn: Callable, start_lr: float = 1e-7, end_lr: float = 10.0, steps: int = 100,
+                  beta: float = 0.98, diverge: float = 4.0, max_nan: int = 3, restore: bool = True,
+                  step_fn: Callable | None = None, train_step: Callable | None = None) -> LRFindResult:
     """Exponential LR sweep; ``batch_fn(i)`` gives step i's batch; ``step_fn(loss)`` may replace
-    backward + ``optimizer.step()`` (e.g. with a GradScaler)."""
+    backward + ``optimizer.step()`` (e.g. with a GradScaler). ``train_step(batch) -> loss`` replaces the
+    whole step (the engine's ``Trainer.train_step``: accumulation, clipping, precision...); a non-finite step
+    raises ``NonFiniteStep`` before it is applied and is recorded as a gap."""
     if not (0 < start_lr < end_lr) or steps < 2:
         raise ValueError("need 0 < start_lr < end_lr and steps >= 2")
     res = LRFindResult()
@@ -93,9 +95,17 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
             lr = start_lr * mult**i
             for g in optimizer.param_groups:
                 g["lr"] = lr
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model, batch_fn(i))
-            value = float(loss.detach())
+            if train_step is not None:
+                from sinkflow.runner.trainer import NonFiniteStep
+
+                try:
+                    value, loss = float(train_step(batch_fn(i))), None
+                except NonFiniteStep:
+                    value = math.nan
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(model, batch_fn(i))
+                value = float(loss.detach())
             res.lrs.append(lr)
             if not math.isfinite(value):
                 res.losses.append(math.nan)
@@ -106,7 +116,9 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
                     break
                 continue
             nan_run = 0
-            if step_fn is None:
+            if loss is None:
+                pass  # train_step took the step
+            elif step_fn is None:
                 loss.backward()
                 optimizer.step()
             else:
@@ -181,33 +193,26 @@ def plot(res: LRFindResult, path: Path, title: str = "") -> Path:
 
 
 def phase_lr_find(trainer, **kwargs) -> LRFindResult:
-    """``lr_range_test`` on a ready Trainer (``sinkflow.tools.phases.ready_trainer``), with its own batches,
-    loss, autocast precision and GradScaler; restores the phase's generator too."""
-    gen_state = trainer.generator.get_state()
-    batches = [trainer.first_batch]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(trainer.precision)
-    device = next(trainer.model.parameters()).device
+    """``lr_range_test`` on a ready Trainer (``sinkflow.tools.phases.ready_trainer``) through its own
+    ``train_step`` (accumulation, clipping, autocast, GradScaler, channels_last, EMA: the step its loop takes),
+    on its own batches; the trainer's whole state (model, optimizer, scheduler, scaler, EMA, generator, RNG,
+    step) is restored afterwards from its ``state_dict``."""
+    saved = copy.deepcopy({"step": trainer.step, **trainer.state_dict()})
+    batches = [trainer.batch]
 
     def batch_fn(i):
         if i < len(batches):
             return batches[i]
         return trainer.draw_batch(trainer.cfg["batch_size"])
 
-    def loss_fn(model, batch):
-        with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            return trainer.task.loss(model, batch).float()
+    def step(batch):
+        return trainer.train_step(batch)[0]
 
-    def step_fn(loss):
-        trainer.scaler.scale(loss).backward()
-        trainer.scaler.step(trainer.optimizer)
-        trainer.scaler.update()
-
-    scaler_state = copy.deepcopy(trainer.scaler.state_dict())
     try:
-        return lr_range_test(trainer.model, trainer.optimizer, loss_fn, batch_fn, step_fn=step_fn, **kwargs)
+        return lr_range_test(trainer.model, trainer.optimizer, None, batch_fn, train_step=step,
+                             restore=False, **kwargs)
     finally:
-        trainer.generator.set_state(gen_state)
-        trainer.scaler.load_state_dict(scaler_state) if scaler_state else None
+        trainer.load_state_dict(saved, "the state before lr-find")
 
 
 def write_lr(target: Path, key: str, lr: float) -> Path:

@@ -1,7 +1,7 @@
 """A training phase made ready to poke at (doctor, lr-find): its ``Trainer`` before the first step.
 
 ``ready_trainer`` runs the phase's own ``Trainer.fit`` up to its first optimizer step and stops there (a
-callback raises at ``on_train_batch_start``), so any method's training step gets exactly the state its loop
+callback calls ``trainer.stop()`` at ``on_train_batch_start``), so any method's training step gets exactly the state its loop
 would use (a pool opened, a checkpoint resumed), without knowing how the method prepares it.
 """
 
@@ -19,28 +19,22 @@ from sinkflow.runner.callbacks import Callback
 FOREVER = 10**9
 
 
-class _Ready(Exception):
-    def __init__(self, batch):
-        self.batch = batch
-
-
 class StopBeforeFirstStep(Callback):
-    """Leave the trainer set up (resumed, first batch drawn) and stop before its first optimizer step."""
+    """Leave the trainer set up (resumed, first batch drawn: ``trainer.batch``) and end the phase before its
+    first optimizer step, through the engine's supported stop (``Trainer.stop``)."""
 
     def on_train_batch_start(self, trainer, batch) -> None:
-        raise _Ready(batch)
+        trainer.stop()
 
 
 def ready_trainer(run, task):
-    """``task``'s Trainer set up as its own loop would, with ``trainer.first_batch``; no step is taken."""
+    """``task``'s Trainer set up as its own loop would, with its first batch in ``trainer.batch``; no step
+    is taken."""
     from sinkflow.runner.trainer import Trainer
 
     trainer = Trainer(run, task, [StopBeforeFirstStep()])
-    try:
-        trainer.fit()
-    except _Ready as r:
-        trainer.first_batch = r.batch
-    else:
+    trainer.fit()
+    if not trainer.stopped:
         raise SinkflowError(f"phase {task.name} finished without taking a step", "check train.*.iters")
     return trainer
 
@@ -113,8 +107,7 @@ def open_run_phase(run_dir: Path, phase_name: str | None):
     key = next(p.model_key for p in phases if isinstance(p, TrainingStep) and p.name == phase_name)
     cfg = config_mod.apply_overrides(cfg, [f"train.{key}.iters={FOREVER}", f"train.{key}.log_every={FOREVER}",
                                            f"train.{key}.ckpt_every={FOREVER}"])
-    run = Run(Path(run_dir), cfg)
-    run.logger.enabled = False
+    run = Run(Path(run_dir), cfg, log=False)  # read only: nothing is logged into the user's run
     ph = next(p for p in _phases(cfg) if p.name == phase_name)
     return run, ready_trainer(run, ph)
 

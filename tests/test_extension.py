@@ -1,0 +1,260 @@
+"""Extending sinkflow as docs/architecture.md says: a method is its file plus one registry entry, a network its
+file plus one schema entry; the CLI and the API share one engine entry point; the tensor-level pieces work on
+plain tensors; the callback protocol carries state, exceptions and stop requests."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import sinkflow
+from sinkflow import config
+from sinkflow.cli import main
+from sinkflow.config import schema
+from sinkflow.errors import SinkflowError
+from sinkflow.methods.base import Method, TrainingStep
+from sinkflow.methods.ode import count_nfe, euler
+from sinkflow.runner.callbacks import Callback
+
+TINY_FM = ["--train-iters", "6", "--batch-size", "16", "train.velocity.ckpt_every=3", "train.velocity.log_every=2",
+           "eval.n=32", "eval.seeds=1", "eval.steps=[2]", "sample.steps=2", "--device", "cpu"]
+
+
+# ---- a new method: I-CFM with a sigma key, added through the registry alone ---------------------------------
+
+class ICFMStep(TrainingStep):
+    """I-CFM (Tong et al.): x_t = t x1 + (1 - t) x0 + sigma * eps, target x1 - x0."""
+
+    def __init__(self, source, target, sigma):
+        super().__init__("velocity")
+        self.source, self.target, self.sigma = source, target, sigma
+
+    def batch(self, generator, n, device):
+        x0, x1 = self.source.sample(n, generator, "cpu"), self.target.sample(n, generator, "cpu")
+        t = torch.rand(n, generator=generator)
+        xt, ut = sinkflow.straight_path(x0, x1, t)
+        xt = xt + self.sigma * torch.randn(xt.shape, generator=generator)
+        return xt.to(device), t.to(device), ut.to(device)
+
+    def loss(self, model, batch):
+        return sinkflow.velocity_loss(model, batch)
+
+
+class ICFM(Method):
+    name = "icfm"
+
+    def phases(self, cfg, source, target):
+        return [ICFMStep(source, target, cfg["icfm"]["sigma"])]
+
+    def sample_nets(self, nets, cfg, x0, steps=None, record=False):
+        with count_nfe(nets["velocity"]) as nfe:
+            x, path = euler(nets["velocity"], x0, 0.0, 1.0, steps or self.default_steps(cfg), record)
+        return x, {"nfe": nfe.count, "path": path}
+
+
+ICFM_SPEC = schema.MethodSpec(
+    "sinkflow_toy.icfm:METHOD", ("velocity",), reads=("sample.steps", "sample.time_warp", "eval.steps"),
+    keys={"icfm": {"sigma": schema.Key(0.1, schema.NONNEG_FLOAT, "I-CFM path noise")}},
+    section_docs={"icfm": "I-CFM (a toy method added by a test)"})
+
+
+@pytest.fixture
+def icfm(monkeypatch):
+    module = types.ModuleType("sinkflow_toy.icfm")
+    module.METHOD = ICFM()
+    monkeypatch.setitem(sys.modules, "sinkflow_toy.icfm", module)
+    schema.register_method("icfm", ICFM_SPEC)
+    yield module.METHOD
+    schema.unregister_method("icfm")
+
+
+def test_a_new_method_is_its_file_plus_one_registry_entry(icfm, runs_dir, capsys):
+    cfg = config.resolve("moons", ["icfm.sigma=0.2"], {"method": "icfm"})
+    assert cfg["icfm"]["sigma"] == 0.2 and "icfm.sigma" in schema.used(cfg)
+    # the schema follows: `sinkflow config` shows what icfm reads (sample.steps), hides the pool
+    assert main(["config", "moons", "--method", "icfm"]) == 0
+    out = capsys.readouterr().out
+    assert "sigma: 0.1" in out and "steps: 100" in out and "pool:" not in out
+    # its key is an error on another method, naming the method that reads it
+    with pytest.raises(SinkflowError, match="'icfm.sigma' is not read by method nsgf.*--method icfm"):
+        config.resolve("moons", ["icfm.sigma=0.2"])
+    with pytest.raises(SinkflowError, match="must be >= 0"):
+        config.resolve("moons", ["icfm.sigma=-1"], {"method": "icfm"})
+    # and it trains 20 steps through the same engine entry point as the CLI, then samples
+    run = sinkflow.train("moons", method="icfm", train_iters=20, batch_size=32, device="cpu", name="icfm",
+                         runs_dir=runs_dir, **{"icfm.sigma": 0.05, "train.velocity.log_every": 10})
+    assert (run.dir / "checkpoints" / "velocity" / "final.pt").is_file()
+    steps = [r for r in (run.dir / "metrics.jsonl").read_text().splitlines() if '"velocity"' in r]
+    assert len(steps) == 2
+    x = run.sample(64, steps=3)
+    assert x.shape == (64, 2) and torch.isfinite(x).all()
+    assert "icfm" not in schema.METHODS or schema.METHOD_REGISTRY["icfm"] is ICFM_SPEC
+
+
+def test_a_new_network_is_its_file_plus_one_schema_entry(monkeypatch):
+    """One entry in MODEL_KINDS (with its role): every phase of that role offers it; build_model finds the file."""
+    module = types.ModuleType("sinkflow.models.tinynet")
+    module.build = lambda c, shape: torch.nn.Linear(shape[0] + 1, shape[0])
+    monkeypatch.setitem(sys.modules, "sinkflow.models.tinynet", module)
+    monkeypatch.setitem(schema.MODEL_KINDS, "tinynet", schema.Network("velocity", {
+        "width": schema.Key(4, schema.POS_INT, "units")}))
+    schema._assemble()
+    try:
+        assert "tinynet" in schema.MODEL["velocity"].kinds and "tinynet" in schema.MODEL["nsf"].kinds
+        assert "tinynet" not in schema.MODEL["time"].kinds
+        cfg = config.resolve("moons", ["model.velocity.kind=tinynet", "model.velocity.width=8"])
+        assert cfg["model"]["velocity"] == {"kind": "tinynet", "width": 8}
+    finally:
+        monkeypatch.undo()
+        schema._assemble()
+    assert "tinynet" not in schema.MODEL["velocity"].kinds
+
+
+# ---- keys a run does not read --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset,override,method", [
+    ("moons", "train.nsf.ema=0.5", "nsgfpp"),
+    ("moons", "nsgf.nsf_pairs=ot", "nsgfpp"),
+    ("digits", "eval.steps=[5]", "nsgf"),  # NSGF++ evaluates at its sample.nsf_steps
+    ("flow-digits", "pool.batches=4", "nsgf"),
+])
+def test_an_override_the_run_does_not_read_is_an_error(preset, override, method):
+    with pytest.raises(SinkflowError, match=f"'{override.split('=')[0]}' is not read by method .*--method {method}"):
+        config.resolve(preset, [override, "data.download=false"] if preset != "moons" else [override])
+
+
+def test_a_preset_may_set_keys_for_another_method():
+    """digits sets NSGF++'s phases; --method fm on it is allowed and the unread keys are listed (a warning)."""
+    cfg = config.resolve("digits", [], {"method": "fm"})
+    unread = config.unread_preset_keys(cfg)
+    assert any(k.startswith("model.nsf.") for k in unread) and "model.velocity.channels" not in unread
+    # digits' own method (NSGF++) reads all but the Euler steps it sets for the FM / OT-CFM baselines
+    assert config.unread_preset_keys(config.resolve("digits")) == ["sample.steps", "eval.steps"]
+
+
+def test_config_shows_what_nsgfpp_reads():
+    shown = schema.used(config.resolve("digits"))
+    assert "eval.steps" not in shown and "sample.nsf_steps" in shown
+    assert "model.time.channels" in shown and "model.time.hidden" not in shown  # the MLP-only keys: points
+    assert "model.time.hidden" in schema.used(config.resolve("moons", [], {"method": "nsgfpp"}))
+    assert "eval.class_n" in schema.used(config.resolve("flow-digits"))  # flows' image metrics read it
+
+
+# ---- paper numbers belong to their method -----------------------------------------------------------------
+
+def test_paper_numbers_belong_to_the_method_and_a_task_without_them_reports_none(monkeypatch):
+    from sinkflow import methods
+    from sinkflow.data.toy2d import TOY2D, Moons
+    from sinkflow.eval import floor
+    from sinkflow.eval.points import format_table
+
+    assert methods.get("nsgf").paper_w2("moons", 10) == 0.077
+    assert methods.get("otcfm").paper_w2("moons", 10) == 0.088
+    assert methods.get("flow").paper_w2("moons", 10) is None and methods.get("nsgf").paper_w2("spiral", 10) is None
+    rows = [{"steps": 10, "nfe": 10, "w2_mean": 0.1, "w2_std": 0.01, "paper": methods.get("fm").paper_w2("moons", 10)}]
+    text = format_table(rows, "fm", "moons", methods.get("fm").paper_label)
+    assert "paper FM" in text and "0.111" in text and "NSGF" not in text
+    none = format_table([{**rows[0], "paper": None}], "fm", "spiral", "FM")
+    assert "paper" not in none
+    monkeypatch.setitem(TOY2D, "moons-again", Moons)  # a 2D data set the paper never used
+    table = {r["name"]: r for r in floor.floor_table(n=32, pairs=2)}
+    assert table["moons-again"]["paper"] is None and table["moons"]["paper"] == (0.077, 0.067)
+
+
+# ---- one sampling default; tensor-level pieces ----------------------------------------------------------
+
+def test_cli_and_api_sample_iid_by_default_and_qmc_on_request(runs_dir, capsys):
+    assert main(["train", "moons", "--method", "fm", *TINY_FM, "--name", "s", "--no-report"]) == 0
+    run = sinkflow.open_run(runs_dir / "s")
+    assert main(["sample", str(run.dir), "--n", "40", "--steps", "2", "--out", "iid.npy"]) == 0
+    assert "from an i.i.d. source draw" in capsys.readouterr().out
+    assert main(["sample", str(run.dir), "--n", "40", "--steps", "2", "--qmc", "--out", "qmc.npy"]) == 0
+    iid, qmc = np.load("iid.npy"), np.load("qmc.npy")
+    assert not np.allclose(iid, qmc)
+    np.testing.assert_allclose(run.sample(40, steps=2).numpy(), iid, rtol=1e-6, atol=1e-6)  # one default
+    np.testing.assert_allclose(run.sample(40, steps=2, qmc=True).numpy(), qmc, rtol=1e-6, atol=1e-6)
+    report = run.evaluate()
+    assert "QMC source draws" in report and "eval.protocol=qmc" in report
+
+
+def test_flow_matching_on_plain_tensors_matches_the_training_phase():
+    """FM / OT-CFM's (t, x_t, u_t) on plain tensors is the batch its training phase draws (torchcfm's API)."""
+    from sinkflow.data import build_distribution
+    from sinkflow.methods.flow_matching import OTCFM, interpolant_batch
+
+    src, tgt = build_distribution("8gaussians"), build_distribution("moons")
+    xt, t, ut = interpolant_batch(src, tgt, torch.Generator().manual_seed(3), 64, "cpu", ot_pairs=True)
+    g = torch.Generator().manual_seed(3)
+    x0, x1 = src.sample(64, g, "cpu"), tgt.sample(64, g, "cpu")
+    t2, xt2, ut2 = OTCFM.sample_location_and_conditional_flow(x0, x1, generator=g)
+    assert torch.equal(t, t2) and torch.equal(xt, xt2) and torch.equal(ut, ut2)
+    net = sinkflow.build_model("mlp", {"hidden": 8, "depth": 1}, (2,))
+    assert torch.isclose(OTCFM.loss(net, x0, x1, t=t2), sinkflow.velocity_loss(net, (xt, t, ut)))
+
+
+def test_pool_batch_on_plain_tensors_follows_the_grid():
+    """x_k + u eta_k v_k at network time times[k] + u steps[k], target scale[k] v_k (fraction time: T eta_k)."""
+    etas = torch.tensor([0.25, 1 / 3, 0.5, 1.0])
+    grid = sinkflow.PoolGrid.of(etas, "fraction")
+    x, v = torch.zeros(2, 2), torch.ones(2, 2)
+    k, u = torch.tensor([0, 3]), torch.tensor([0.0, 0.5])
+    xb, tb, target = sinkflow.pool_batch(x, v, k, u, grid)
+    assert torch.allclose(xb[1], torch.full((2,), 0.5)) and torch.allclose(xb[0], torch.zeros(2))
+    assert torch.allclose(tb, torch.tensor([0.0, 0.875])) and torch.allclose(target[1], torch.full((2,), 4.0))
+    xs, vs = torch.randn(4, 10, 2), torch.randn(4, 10, 2)
+    batch = sinkflow.sample_pool(xs, vs, 8, grid, segment=0.0, generator=torch.Generator().manual_seed(0))
+    assert batch[0].shape == (8, 2) and all(float(t) in grid.times[:-1].tolist() for t in batch[1])
+
+
+# ---- the callback protocol --------------------------------------------------------------------------------
+
+class Counter(Callback):
+    """Counts optimizer steps across a resume (its state rides in the step checkpoints)."""
+
+    def __init__(self, stop_at=None):
+        self.seen, self.stop_at, self.errors = 0, stop_at, []
+
+    def on_train_batch_end(self, trainer, batch, outputs):
+        self.seen += 1
+        if self.stop_at is not None and trainer.step == self.stop_at:
+            trainer.request_stop()
+
+    def on_exception(self, trainer, exception):
+        self.errors.append(type(exception).__name__)
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = state["seen"]
+
+
+def test_callback_state_is_checkpointed_and_exceptions_reach_callbacks(runs_dir):
+    from sinkflow.runner.experiment import train_run
+    from sinkflow.runner.signals import Interrupted
+
+    cfg = config.resolve("moons", ["train.velocity.ckpt_every=100", "experiment.name=cb"],
+                         {"method": "fm", "train_iters": 6, "batch_size": 8, "device": "cpu"})
+    first = Counter(stop_at=4)
+    with pytest.raises(Interrupted) as stopped:
+        train_run(cfg, callbacks=[first])
+    assert first.errors == ["Interrupted"] and stopped.value.run_dir.resolve() == runs_dir / "cb"
+    second = Counter()
+    train_run(resume=runs_dir / "cb", callbacks=[second])
+    assert second.seen == 6  # 4 restored from the checkpoint + 2 steps after the resume
+
+
+def test_stop_ends_a_phase_before_its_step_writing_nothing(runs_dir):
+    from sinkflow.runner.run import Run
+    from sinkflow.tools.phases import ready_trainer
+
+    cfg = config.resolve("moons", ["experiment.name=stop"], {"method": "fm", "train_iters": 5, "device": "cpu"})
+    run = Run.create(cfg)
+    phase = sinkflow.get_method("fm").phases(cfg, *sinkflow.methods.distributions(cfg))[0]
+    trainer = ready_trainer(run, phase)
+    assert trainer.stopped and trainer.step == 0 and trainer.batch is not None
+    assert not (run.dir / "checkpoints" / "velocity" / "final.pt").exists()
