@@ -1,7 +1,7 @@
 """The `sinkflow` command. Each sub-command lives in its own module with ``add_parser`` and ``run``.
 
-User errors (``SinkflowError``) and operating-system errors (``OSError``: a full disk, a read-only
-folder, a missing file) print one line and exit 2; a SIGTERM/SIGINT checkpoints and exits 128+signal;
+User errors (``SinkflowError``), operating-system errors (``OSError``: a full disk, a read-only
+folder, a missing file) and a CUDA out-of-memory error (``sinkflow.cli.oom``) print one line and exit 2; a SIGTERM/SIGINT checkpoints and exits 128+signal;
 anything else is a bug and keeps its traceback.
 """
 
@@ -47,12 +47,24 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     try:
+        from sinkflow.cli.common import check_counts
+
+        check_counts(args)  # --n, --steps, --seeds of every command: one place, one line
         return args.func(args) or 0
     except SinkflowError as exc:
         print(f"sinkflow: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"sinkflow: error: {os_error_line(exc)}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(exc, torch.OutOfMemoryError):
+            raise  # anything else is a bug: keep its traceback
+        from sinkflow.cli.oom import oom_line
+
+        run_dir = getattr(args, "run_dir_used", None) or getattr(args, "run_dir", None)
+        print(f"sinkflow: error: {oom_line(exc, args.command, run_dir, getattr(args, 'preset', None))}", file=sys.stderr)
         return 2
     except Interrupted as exc:
         print(f"sinkflow: {exc}; resume with `sinkflow train --resume {getattr(args, 'run_dir_used', 'RUN')}`",

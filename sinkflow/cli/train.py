@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 
 from sinkflow import data, methods
-from sinkflow.cli.common import add_config_args, resolve_args, shorthands, split_preset
+from sinkflow.cli.common import add_config_args, preset_given, resolve_args, shorthands, split_preset
+from sinkflow.errors import SinkflowError
 from sinkflow.runner import dist
-from sinkflow.runner.experiment import run_phases
+from sinkflow.runner.experiment import run_phases, verify
 from sinkflow.runner.lock import unlock_run
 from sinkflow.runner.run import Run
 
@@ -33,8 +34,14 @@ def run(args):
     info = dist.init(getattr(args, "device", None) or "auto")
     # every check comes first; nothing is written into a run folder before run_.start() (docs/reliability.md)
     if args.resume:
-        split_preset(args)  # with --resume, positional arguments are overrides only
+        named = args.preset if preset_given(args) else None
+        split_preset(args)  # with --resume, positional arguments are overrides (and a preset must be the run's)
         run_ = Run.open(args.resume, args.overrides, shorthands(args))  # frozen keys, device: no writes
+        if named is not None and named != run_.cfg["experiment"]["preset"]:
+            raise SinkflowError(f"cannot resume {args.resume} as preset '{named}': it is a run of preset "
+                                f"'{run_.cfg['experiment']['preset']}'",
+                                f"drop the preset name (`sinkflow train --resume {args.resume}`) or start a new run "
+                                f"with `sinkflow train {named}`")
     else:
         cfg = resolve_args(args)
         _check(cfg)  # the data and the method's limits before the run folder exists
@@ -48,7 +55,7 @@ def run(args):
         method = methods.of(cfg)
         phases = method.phases(cfg, source, target)
         if args.resume:
-            run_.verify(phases)  # finished phases' final.pt and the newest step checkpoint: safe, this run's
+            verify(run_, phases)  # finished phases' final.pt and the newest step checkpoint: safe, this run's
         run_.start()  # the lock (one writer per run folder), the resumed config, orphaned temp files
         if info.is_main:
             log.info("run folder: %s", run_.dir)
