@@ -20,8 +20,18 @@ from sinkflow.runner.signals import Interrupted
 COMMANDS = ["train", "sample", "eval", "config", "presets", "preflight", "doctor", "lr_find", "status", "bench"]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's own errors (a missing argument, ``--n abc``) in the one-line form of every other error,
+    without the usage block (``--help`` still prints it)."""
+
+    def error(self, message: str):
+        print(f"sinkflow: error: {self.prog}: {message}; see `{self.prog} --help`".replace(os.linesep, " "),
+              file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="sinkflow", description="Optimal-transport and flow-based generative models, smoke-tested on CPU.",
         epilog="example: sinkflow train moons --train-iters 2000")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -62,9 +62,11 @@ class DivergenceGuard(Callback):
             return  # non-finite losses are the Trainer's own guard
         if abs(loss) > self.limit:
             key = f"train.{trainer.task.model_key}"
-            kept = trainer.ckpts.last_good() if trainer.ckpts is not None else "no checkpoint was written"
+            steps = trainer.ckpts.steps() if trainer.ckpts is not None else []
+            kept = f"its checkpoints up to step {steps[-1][0]} are kept" if steps else "no checkpoint of it was written"
             raise SinkflowError(
                 f"training diverged in phase '{trainer.name}' at step {trainer.step}: loss {loss:.3g} is over "
                 f"{LOSS_LIMIT:.0e} x the data's scale squared ({self.scale:.3g}^2); {kept}",
-                f"lower {key}.lr (now {trainer.cfg['lr']:g}; `sinkflow lr-find` picks one) or set {key}.grad_clip, "
-                "then start a new run or resume from a checkpoint before the divergence")
+                f"lower {key}.lr (now {trainer.cfg['lr']:g}; `sinkflow lr-find` picks one) or set {key}.grad_clip: "
+                f"start a new run with it, or resume with it after deleting the checkpoints written after the loss "
+                f"grew (metrics.jsonl)")

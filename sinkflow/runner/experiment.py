@@ -68,8 +68,9 @@ def verify(run, phases) -> None:
                 if latest is not None:
                     step = latest["step"]
                     generator = phase_generator(run.cfg["experiment"]["seed"], "train", task.name)
+                    train = run.cfg["train"][task.model_key]
                     check_step_state(latest, _meta_model(run, task), generator, str(ckpts.steps()[-1][1]),
-                                     ema=run.cfg["train"][task.model_key]["ema"] > 0)
+                                     ema=train["ema"] > 0, scaler=train["precision"] == "fp16")
             at = (task.name, step)
     run.resume_at = at or ("done", None)
 

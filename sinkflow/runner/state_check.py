@@ -9,7 +9,7 @@ builds (a model built on the ``meta`` device is enough: only names, shapes and d
 in one line which entry is wrong. RNG states are checked by setting them on throwaway generators, so
 the checks never touch the process's own random streams.
 
-A leaf of the runtime layer: torch, numpy and ``sinkflow.errors`` only.
+Runtime layer: torch, numpy, ``sinkflow.errors`` and ``runner.checkpoint`` only.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from sinkflow.errors import SinkflowError
+from sinkflow.runner.checkpoint import non_finite
 
 FIX = "delete it to resume from the checkpoint before it (or start a new run); sinkflow only resumes checkpoints it wrote"
 
@@ -65,6 +66,13 @@ def check_weights(weights: Any, expected: dict[str, torch.Tensor], where: str, w
             raise _bad(where, f"{what}.{key}", "is not a dense tensor")
 
 
+def _finite(state: dict, where: str) -> None:
+    """sinkflow never writes a non-finite checkpoint (``checkpoint.atomic_save``): one is damaged or crafted."""
+    bad = non_finite(state)
+    if bad:
+        raise _bad(where, bad, "holds NaN or Inf (sinkflow never writes such a checkpoint)")
+
+
 def expected_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
@@ -73,12 +81,52 @@ def check_final(state: Any, model: torch.nn.Module, where: str) -> None:
     """A training phase's ``final.pt``: what later phases and sampling read (``model`` and ``ema`` weights)."""
     if not isinstance(state, dict):
         raise _bad(where, "the checkpoint", f"is {_kind(state)}")
+    _finite(state, where)
     expected = expected_weights(model)
     if "model" not in state:
         raise _bad(where, "the entry 'model'", "is missing")
     check_weights(state["model"], expected, where, "model")
     if state.get("ema") is not None:
         check_weights(state["ema"], expected, where, "ema")
+
+
+def like(value: Any, template: Any, where: str, what: str) -> None:
+    """``value`` has ``template``'s structure: the same keys, list lengths, and kinds of leaves (a bool for a
+    bool, a whole number for an int, a finite number for a float, a tensor of the same dtype and shape)."""
+    if isinstance(template, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(template, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(template, float):
+        ok = _number(value)
+    elif template is None:
+        ok = value is None
+    elif isinstance(template, str):
+        ok = isinstance(value, str)
+    elif isinstance(template, torch.Tensor):
+        ok = isinstance(value, torch.Tensor) and value.dtype == template.dtype and value.shape == template.shape
+    elif isinstance(template, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or len(value) != len(template):
+            raise _bad(where, what, f"is {_kind(value)}; expected a list of {len(template)}")
+        for i, (v, t) in enumerate(zip(value, template)):
+            like(v, t, where, f"{what}.{i}")
+        return
+    elif isinstance(template, dict):
+        if not isinstance(value, dict):
+            raise _bad(where, what, f"is {_kind(value)}, not a dict")
+        for key, t in template.items():
+            if key not in value:
+                raise _bad(where, f"{what}.{key}", "is missing")
+            like(value[key], t, where, f"{what}.{key}")
+        return
+    else:
+        ok = type(value) is type(template)
+    if not ok:
+        raise _bad(where, what, f"is {_kind(value)}; expected {_kind(template)}")
+
+
+# Adam's flags that pick its code path: they must be what sinkflow builds (amsgrad would need a third moment)
+_ADAM_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay")
 
 
 def _check_adam(opt: Any, params: list[torch.Tensor], where: str) -> None:
@@ -90,12 +138,19 @@ def _check_adam(opt: Any, params: list[torch.Tensor], where: str) -> None:
     group = groups[0]
     if group.get("params") != list(range(len(params))):
         raise _bad(where, "optimizer.param_groups.0.params", f"does not list the model's {len(params)} parameters")
-    for key in ("lr", "eps", "weight_decay"):
-        if not _number(group.get(key)):
-            raise _bad(where, f"optimizer.param_groups.0.{key}", f"is {_kind(group.get(key))}, not a finite number")
+    for key in ("lr", "eps", "weight_decay", "initial_lr"):
+        if key in group or key != "initial_lr":
+            if not _number(group.get(key)) or group[key] < 0:
+                raise _bad(where, f"optimizer.param_groups.0.{key}", f"is {_kind(group.get(key))}, not a number >= 0")
     betas = group.get("betas")
-    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_number(b) for b in betas)):
-        raise _bad(where, "optimizer.param_groups.0.betas", "is not two numbers")
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)):
+        raise _bad(where, "optimizer.param_groups.0.betas", "is not two numbers in [0, 1)")
+    for key in _ADAM_FLAGS:
+        if key in group and group[key] is not False:
+            raise _bad(where, f"optimizer.param_groups.0.{key}", f"is {group[key]!r}; sinkflow's Adam has False")
+    for key in ("foreach", "fused"):
+        if key in group and group[key] not in (None, True, False):
+            raise _bad(where, f"optimizer.param_groups.0.{key}", f"is {_kind(group[key])}, not a bool or null")
     for index, entry in opt["state"].items():
         name = f"optimizer.state.{index}"
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(params):
@@ -103,24 +158,36 @@ def _check_adam(opt: Any, params: list[torch.Tensor], where: str) -> None:
         if not isinstance(entry, dict):
             raise _bad(where, name, f"is {_kind(entry)}, not a dict")
         step = entry.get("step")
-        if not ((isinstance(step, torch.Tensor) and step.numel() == 1 and step.is_floating_point()) or _number(step)):
-            raise _bad(where, f"{name}.step", f"is {_kind(step)}, not a step count")
+        if not (isinstance(step, torch.Tensor) and step.shape == () and step.dtype == torch.float32):
+            raise _bad(where, f"{name}.step", f"is {_kind(step)}, not a float32 step count")
         for moment in ("exp_avg", "exp_avg_sq"):
             value, ref = entry.get(moment), params[index]
             if not isinstance(value, torch.Tensor):
                 raise _bad(where, f"{name}.{moment}", f"is {_kind(value)}, not a tensor")
-            if value.shape != ref.shape or not value.is_floating_point():
+            if value.shape != ref.shape or value.dtype != ref.dtype:
                 raise _bad(where, f"{name}.{moment}", f"is {_kind(value)}; its parameter is {_kind(ref)}")
 
 
 def _check_scheduler(sched: Any, where: str) -> None:
-    if not isinstance(sched, dict):
-        raise _bad(where, "scheduler", f"is {_kind(sched)}, not a dict")
-    epoch, base = sched.get("last_epoch"), sched.get("base_lrs")
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < -1:
-        raise _bad(where, "scheduler.last_epoch", f"is {_kind(epoch)}, not a step count")
-    if not (isinstance(base, list) and len(base) == 1 and _number(base[0])):
-        raise _bad(where, "scheduler.base_lrs", "is not one learning rate")
+    """The LambdaLR state sinkflow saves (its lambdas are rebuilt from the config, saved as None)."""
+    template = {"base_lrs": [1.0], "last_epoch": 0, "_step_count": 1, "_last_lr": [1.0], "lr_lambdas": [None]}
+    like(sched, template, where, "scheduler")
+    if sched["last_epoch"] < 0 or sched["_step_count"] < 0 or sched["base_lrs"][0] < 0:
+        raise _bad(where, "scheduler", "holds a negative step count or learning rate")
+    for key in ("_is_initial", "_get_lr_called_within_step"):
+        if key in sched and not isinstance(sched[key], bool):
+            raise _bad(where, f"scheduler.{key}", f"is {_kind(sched[key])}, not a bool")
+
+
+def _check_scaler(scaler: Any, enabled: bool, where: str) -> None:
+    """GradScaler's state: empty when it was disabled (a fresh scaler is used if fp16 is on now)."""
+    if not isinstance(scaler, dict):
+        raise _bad(where, "scaler", f"is {_kind(scaler)}, not a dict")
+    if scaler and enabled:
+        like(scaler, {"scale": 1.0, "growth_factor": 1.0, "backoff_factor": 1.0, "growth_interval": 1,
+                      "_growth_tracker": 0}, where, "scaler")
+        if not scaler["scale"] > 0:
+            raise _bad(where, "scaler.scale", "is not a positive number")
 
 
 def check_generator_state(state: Any, template: torch.Generator, where: str, what: str = "generator") -> None:
@@ -153,7 +220,7 @@ def check_rng_state(rng: Any, where: str) -> None:
             raise ValueError("key outside uint32")
         np.random.RandomState().set_state((npy["name"], key.astype(np.uint32), npy["pos"], npy["has_gauss"],
                                            npy["cached_gaussian"]))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise _bad(where, "rng.numpy", f"is not a numpy RNG state ({exc})") from None
     py = rng["python"]
     try:
@@ -169,10 +236,11 @@ def check_rng_state(rng: Any, where: str) -> None:
 
 
 def check_step_state(state: Any, model: torch.nn.Module, generator: torch.Generator, where: str, *,
-                     ema: bool) -> None:
+                     ema: bool, scaler: bool) -> None:
     """A step checkpoint of a training phase: everything ``Trainer.load_state_dict`` restores."""
     if not isinstance(state, dict):
         raise _bad(where, "the checkpoint", f"is {_kind(state)}")
+    _finite(state, where)
     for key in ("model", "optimizer", "scheduler", "scaler", "generator", "rng", "step"):
         if key not in state:
             raise _bad(where, f"the entry '{key}'", "is missing")
@@ -180,8 +248,7 @@ def check_step_state(state: Any, model: torch.nn.Module, generator: torch.Genera
     check_weights(state["model"], expected, where, "model")
     _check_adam(state["optimizer"], [p for p in model.parameters()], where)
     _check_scheduler(state["scheduler"], where)
-    if not isinstance(state["scaler"], dict):
-        raise _bad(where, "scaler", f"is {_kind(state['scaler'])}, not a dict")
+    _check_scaler(state["scaler"], scaler, where)
     if ema and state.get("ema_state") is not None:
         ema_state = state["ema_state"]
         if not isinstance(ema_state, dict):

@@ -129,7 +129,8 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict, where: str) -> None:
-        check_step_state(state, self.model, self.generator, where, ema=self.ema is not None)
+        check_step_state(state, self.model, self.generator, where, ema=self.ema is not None,
+                         scaler=self.scaler.is_enabled())
         load_model_state(self.model, state["model"], where)
         try:
             self.optimizer.load_state_dict(state["optimizer"])
