@@ -54,17 +54,22 @@ def resolve_args(args) -> dict:
 
 # ---- counts and sizes: one place, the same one-line errors for every command ------------------------------
 
-COUNT_FLAGS = {"n": ("--n", 1024), "steps": ("--steps", 10), "seeds": ("--seeds", 3)}
+# flag: (example, sanity bound). --n is bounded by memory (check_sample_memory, once the data shape is known);
+# --steps / --seeds by time: 10^5 Euler steps or 10^3 sampling seeds is far past any use, a typo past it would
+# run for days
+COUNT_FLAGS = {"n": ("--n", 1024, None), "steps": ("--steps", 10, 100_000), "seeds": ("--seeds", 3, 1000)}
 
 
 def check_counts(args) -> None:
     """Every count flag a command has (``--n``, ``--steps``, ``--seeds``) is >= 1 when given: a 0 never means
     "the default" in silence and a negative never runs (``sample --steps -1`` used to write the source noise)."""
-    for attr, (flag, example) in COUNT_FLAGS.items():
+    for attr, (flag, example, most) in COUNT_FLAGS.items():
         value = getattr(args, attr, None)
         if value is not None and value < 1:
             raise SinkflowError(f"{flag} {value} must be a whole number >= 1",
                                 f"e.g. {flag} {example}, or leave it out for the run's default")
+        if value is not None and most is not None and value > most:
+            raise SinkflowError(f"{flag} {value} is more than {most:,}", f"use {flag} {most:,} or fewer")
 
 
 def available_memory() -> int:
