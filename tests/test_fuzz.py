@@ -11,6 +11,7 @@ few examples, deterministic (``derandomize``), one shared tiny run copied per ex
 
 import contextlib
 import io
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,7 +24,9 @@ from hypothesis import strategies as st
 from helpers import bytes_snapshot
 from sinkflow.cli import main
 
-FAST = settings(max_examples=12, deadline=None, derandomize=True, database=None,
+# SINKFLOW_FUZZ=N: N random (not derandomized) examples per test, for a longer hunt than the suite's
+_LONG = int(os.environ.get("SINKFLOW_FUZZ", "0"))
+FAST = settings(max_examples=_LONG or 12, deadline=None, derandomize=not _LONG, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 DELETE = object()
 

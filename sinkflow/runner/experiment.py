@@ -49,7 +49,8 @@ def verify(run, phases) -> None:
         training = isinstance(task, TrainingStep)
         if training:
             run.phase_keys[task.name] = task.model_key
-        if run.phase_done(task.name):
+        content = (lambda state, where, task=task: check_final(state, _meta_model(run, task), where)) if training else None
+        if run.phase_done(task.name, check=content):
             if training:
                 prefix = f"train.{task.model_key}."
                 for key, (old, new) in changed.items():
@@ -58,7 +59,6 @@ def verify(run, phases) -> None:
                             f"cannot resume {run.dir} with {key}={new!r}: phase '{task.name}' has finished (trained "
                             f"with {key}={old!r}), so the change would have no effect",
                             "drop that override, or start a new run with it")
-                check_final(run.final_state(task.name), _meta_model(run, task), str(run.checkpoints(task.name).final_path))
             continue
         if at is None:
             step = 0

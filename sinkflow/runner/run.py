@@ -202,15 +202,18 @@ class Run:
         return PhaseCheckpoints(self.dir / "checkpoints" / phase, keep=self.cfg["checkpoint"]["keep"],
                                 identity=identity(self.cfg, phase))
 
-    def phase_done(self, phase: str) -> bool:
-        """A phase is finished when its final.pt exists, loads, and belongs to this run (else: an error)."""
+    def phase_done(self, phase: str, check=None) -> bool:
+        """A phase is finished when its final.pt exists, loads, and belongs to this run (else: an error).
+        ``check(state, where)`` also checks its content (``experiment.verify``), in the same single load."""
         path = self.checkpoints(phase).final_path
         if not path.is_file():
             return False
         st = path.stat()
         key = (str(path), st.st_size, st.st_mtime_ns)
-        if key not in self._checked_finals:
-            self.checkpoints(phase).final()
+        if key not in self._checked_finals or check is not None:
+            state = self.checkpoints(phase).final()
+            if check is not None:
+                check(state, str(path))
             self._checked_finals.add(key)
         return True
 
