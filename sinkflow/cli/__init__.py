@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         check_counts(args)  # --n, --steps, --seeds of every command: one place, one line
         return args.func(args) or 0
     except SinkflowError as exc:
-        print(f"sinkflow: error: {exc}", file=sys.stderr)
+        print(f"sinkflow: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"sinkflow: error: {os_error_line(exc)}", file=sys.stderr)
+        print(f"sinkflow: error: {one_line(os_error_line(exc))}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
         torch = sys.modules.get("torch")
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         from sinkflow.cli.oom import oom_line
 
         run_dir = getattr(args, "run_dir_used", None) or getattr(args, "run_dir", None)
-        print(f"sinkflow: error: {oom_line(exc, args.command, run_dir, getattr(args, 'preset', None))}", file=sys.stderr)
+        print(f"sinkflow: error: {one_line(oom_line(exc, args.command, run_dir, getattr(args, 'preset', None)))}",
+              file=sys.stderr)
         return 2
     except Interrupted as exc:
         print(f"sinkflow: {exc}; resume with `sinkflow train --resume {getattr(args, 'run_dir_used', 'RUN')}`",
@@ -95,6 +96,11 @@ _OS_FIXES = {
     errno.ENOTDIR: "a part of the path is a file, not a folder: check the path",
     errno.EISDIR: "the path is a folder, a file was expected: check the path",
 }
+
+
+def one_line(text: str) -> str:
+    """An error is one line, whatever a value quoted in it held (a tensor's repr spans several)."""
+    return " ".join(text.split())
 
 
 def os_error_line(exc: OSError) -> str:

@@ -147,7 +147,8 @@ def _check_adam(opt: Any, params: list[torch.Tensor], where: str) -> None:
         raise _bad(where, "optimizer.param_groups.0.betas", "is not two numbers in [0, 1)")
     for key in _ADAM_FLAGS:
         if key in group and group[key] is not False:
-            raise _bad(where, f"optimizer.param_groups.0.{key}", f"is {group[key]!r}; sinkflow's Adam has False")
+            raise _bad(where, f"optimizer.param_groups.0.{key}",
+                       f"is {group[key] if group[key] is True else _kind(group[key])}; sinkflow's Adam has False")
     for key in ("foreach", "fused"):
         if key in group and group[key] not in (None, True, False):
             raise _bad(where, f"optimizer.param_groups.0.{key}", f"is {_kind(group[key])}, not a bool or null")
