@@ -136,7 +136,9 @@ def _check_adam(opt: Any, params: list[torch.Tensor], where: str) -> None:
     if len(groups) != 1 or not isinstance(groups[0], dict):
         raise _bad(where, "optimizer.param_groups", f"has {len(groups)} groups; this phase's Adam has 1")
     group = groups[0]
-    if group.get("params") != list(range(len(params))):
+    ids = group.get("params")
+    if not (isinstance(ids, list) and len(ids) == len(params)
+            and all(type(i) is int and i == k for k, i in enumerate(ids))):
         raise _bad(where, "optimizer.param_groups.0.params", f"does not list the model's {len(params)} parameters")
     for key in ("lr", "eps", "weight_decay", "initial_lr"):
         if key in group or key != "initial_lr":
@@ -150,7 +152,7 @@ def _check_adam(opt: Any, params: list[torch.Tensor], where: str) -> None:
             raise _bad(where, f"optimizer.param_groups.0.{key}",
                        f"is {group[key] if group[key] is True else _kind(group[key])}; sinkflow's Adam has False")
     for key in ("foreach", "fused"):
-        if key in group and group[key] not in (None, True, False):
+        if key in group and not (group[key] is None or isinstance(group[key], bool)):
             raise _bad(where, f"optimizer.param_groups.0.{key}", f"is {_kind(group[key])}, not a bool or null")
     for index, entry in opt["state"].items():
         name = f"optimizer.state.{index}"
