@@ -18,3 +18,12 @@ def require(condition: bool, problem: str, fix: str | None = None) -> None:
     """Raise ``SinkflowError(problem, fix)`` unless ``condition`` holds."""
     if not condition:
         raise SinkflowError(problem, fix)
+
+
+def human_bytes(n: float) -> str:
+    """A size in the unit that keeps it readable: "12 B", "3.5 KiB", "1.2 MiB", "40.0 GiB", "1.6 PiB"."""
+    n = float(n)
+    for unit, size in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"

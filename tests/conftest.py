@@ -12,3 +12,20 @@ def runs_dir(tmp_path, monkeypatch):
     """Run everything inside a temp folder (runs/, data/ are relative to the working directory)."""
     monkeypatch.chdir(tmp_path)
     return tmp_path / "runs"
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A finished tiny moons NSGF run (pool; velocity steps 3 and 6 and final.pt), built once per worker.
+    Tests copy it (``shutil.copytree``) before changing anything."""
+    from helpers import TINY_2D
+    from sinkflow.cli import main
+
+    cwd = tmp_path_factory.mktemp("tiny")
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        assert main(["train", "moons", *TINY_2D, "--name", "base", "--no-report"]) == 0
+    finally:
+        os.chdir(old)
+    return cwd / "runs" / "base"

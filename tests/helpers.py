@@ -32,3 +32,10 @@ def snapshot(folder: Path) -> dict:
     status.json is left out: it is the heartbeat, rewritten by every attempt (that is its job)."""
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
             for p in sorted(Path(folder).rglob("*")) if p.is_file() and p.name != "status.json"}
+
+
+def bytes_snapshot(folder: Path) -> dict:
+    """Every file and folder under a run folder with its bytes (status.json and .lock included): a refused
+    command must leave the run folder byte-identical."""
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else "dir")
+            for p in sorted(Path(folder).rglob("*"))}

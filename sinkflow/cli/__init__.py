@@ -1,7 +1,7 @@
 """The `sinkflow` command. Each sub-command lives in its own module with ``add_parser`` and ``run``.
 
-User errors (``SinkflowError``) and operating-system errors (``OSError``: a full disk, a read-only
-folder, a missing file) print one line and exit 2; a SIGTERM/SIGINT checkpoints and exits 128+signal;
+User errors (``SinkflowError``), operating-system errors (``OSError``: a full disk, a read-only
+folder, a missing file) and a CUDA out-of-memory error (``sinkflow.cli.oom``) print one line and exit 2; a SIGTERM/SIGINT checkpoints and exits 128+signal;
 anything else is a bug and keeps its traceback.
 """
 
@@ -20,8 +20,18 @@ from sinkflow.runner.signals import Interrupted
 COMMANDS = ["train", "sample", "eval", "config", "presets", "preflight", "doctor", "lr_find", "status", "bench"]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's own errors (a missing argument, ``--n abc``) in the one-line form of every other error,
+    without the usage block (``--help`` still prints it)."""
+
+    def error(self, message: str):
+        print(f"sinkflow: error: {self.prog}: {message}; see `{self.prog} --help`".replace(os.linesep, " "),
+              file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="sinkflow", description="Optimal-transport and flow-based generative models, smoke-tested on CPU.",
         epilog="example: sinkflow train moons --train-iters 2000")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -47,12 +57,25 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     try:
+        from sinkflow.cli.common import check_counts
+
+        check_counts(args)  # --n, --steps, --seeds of every command: one place, one line
         return args.func(args) or 0
     except SinkflowError as exc:
-        print(f"sinkflow: error: {exc}", file=sys.stderr)
+        print(f"sinkflow: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"sinkflow: error: {os_error_line(exc)}", file=sys.stderr)
+        print(f"sinkflow: error: {one_line(os_error_line(exc))}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(exc, torch.OutOfMemoryError):
+            raise  # anything else is a bug: keep its traceback
+        from sinkflow.cli.oom import oom_line
+
+        run_dir = getattr(args, "run_dir_used", None) or getattr(args, "run_dir", None)
+        print(f"sinkflow: error: {one_line(oom_line(exc, args.command, run_dir, getattr(args, 'preset', None)))}",
+              file=sys.stderr)
         return 2
     except Interrupted as exc:
         where = getattr(exc, "run_dir", None) or getattr(args, "run_dir_used", "RUN")
@@ -74,6 +97,11 @@ _OS_FIXES = {
     errno.ENOTDIR: "a part of the path is a file, not a folder: check the path",
     errno.EISDIR: "the path is a folder, a file was expected: check the path",
 }
+
+
+def one_line(text: str) -> str:
+    """An error is one line, whatever a value quoted in it held (a tensor's repr spans several)."""
+    return " ".join(text.split())
 
 
 def os_error_line(exc: OSError) -> str:

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 
 from sinkflow import config
 from sinkflow.config import schema
+from sinkflow.errors import SinkflowError, human_bytes
 
 DEFAULT_PRESET = "8gaussians-moons"
 
 
+class _Default(str):
+    """The preset argparse fills in when none is named (so `train --resume RUN` can tell it was not given)."""
+
+
+def preset_given(args) -> bool:
+    return bool(args.preset) and not isinstance(args.preset, _Default) and "=" not in args.preset
+
+
 def add_config_args(p: argparse.ArgumentParser, preset_required: bool = False) -> None:
-    p.add_argument("preset", nargs=None if preset_required else "?", default=DEFAULT_PRESET,
+    p.add_argument("preset", nargs=None if preset_required else "?", default=_Default(DEFAULT_PRESET),
                    help=f"preset name (see `sinkflow presets`; default {DEFAULT_PRESET})")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, e.g. pool.eta=0.05")
     g = p.add_argument_group("shorthands (each sets every key it names)")
@@ -40,3 +51,48 @@ def split_preset(args) -> None:
 def resolve_args(args) -> dict:
     split_preset(args)
     return config.resolve(args.preset, args.overrides, shorthands(args))
+
+
+# ---- counts and sizes: one place, the same one-line errors for every command ------------------------------
+
+# flag: (example, sanity bound). --n is bounded by memory (check_sample_memory, once the data shape is known);
+# --steps / --seeds by time: 10^5 Euler steps or 10^3 sampling seeds is far past any use, a typo past it would
+# run for days
+COUNT_FLAGS = {"n": ("--n", 1024, None), "steps": ("--steps", 10, 100_000), "seeds": ("--seeds", 3, 1000)}
+
+
+def check_counts(args) -> None:
+    """Every count flag a command has (``--n``, ``--steps``, ``--seeds``) is >= 1 when given: a 0 never means
+    "the default" in silence and a negative never runs (``sample --steps -1`` used to write the source noise)."""
+    for attr, (flag, example, most) in COUNT_FLAGS.items():
+        value = getattr(args, attr, None)
+        if value is not None and value < 1:
+            raise SinkflowError(f"{flag} {value} must be a whole number >= 1",
+                                f"e.g. {flag} {example}, or leave it out for the run's default")
+        if value is not None and most is not None and value > most:
+            raise SinkflowError(f"{flag} {value} is more than {most:,}", f"use {flag} {most:,} or fewer")
+
+
+def available_memory() -> int:
+    """Bytes of RAM this process can still get (MemAvailable; total RAM where /proc is not there)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_sample_memory(n: int, cfg: dict, flag: str = "--n", exact_w2: bool = False) -> None:
+    """Refuse ``n`` samples that cannot fit in memory, before any work: the samples and their source noise
+    (float32, x4 for the working copies), plus the n x n cost matrix of an exact W2 (float64) for points."""
+    from sinkflow import data
+
+    dim = math.prod(data.sample_shape(cfg))
+    need = 4 * n * dim * 4 + (8 * n * n if exact_w2 else 0)
+    have = available_memory()
+    if need > have:
+        what = "samples and an exact-W2 cost matrix" if exact_w2 else "samples"
+        raise SinkflowError(f"{flag} {n} needs about {human_bytes(need)} of memory for its {what} but this machine "
+                            f"has {human_bytes(have)} available", f"use a smaller {flag}")

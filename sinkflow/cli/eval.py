@@ -1,6 +1,10 @@
 """`sinkflow eval RUN`: the paper's metric for the run's data, over several sampling seeds."""
 
-from sinkflow.eval.report import evaluate
+import sys
+
+from sinkflow.cli import os_error_line
+from sinkflow.cli.common import check_sample_memory
+from sinkflow.eval.report import evaluate, is_points
 from sinkflow.runner.run import Run
 
 
@@ -17,4 +21,14 @@ def add_parser(sub):
 
 
 def run(args):
-    print(evaluate(Run.open(args.run_dir), seeds=args.seeds, n=args.n))
+    run_ = Run.open(args.run_dir)
+    n = args.n or run_.cfg["eval"]["n"]
+    check_sample_memory(n, run_.cfg, "--n" if args.n else "eval.n", exact_w2=is_points(run_.cfg))
+    run_.logger.best_effort = True  # a read-only run folder: the scores are printed, the record is skipped
+    try:
+        print(evaluate(run_, seeds=args.seeds, n=args.n))
+    finally:
+        run_.logger.close()
+    if run_.logger.failed is not None:
+        print(f"sinkflow: warning: could not record the scores in {run_.dir / 'metrics.jsonl'} "
+              f"({os_error_line(run_.logger.failed)})", file=sys.stderr)

@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 
 from sinkflow import config, data, methods
+from sinkflow.cli.common import check_sample_memory
 from sinkflow.errors import SinkflowError
 from sinkflow.eval.points import generate
 from sinkflow.eval.report import is_points
@@ -32,9 +33,8 @@ def run(args):
     out = Path(args.out)
     if out.suffix not in (".npy", ".png"):
         raise SinkflowError(f"--out {out} must end in .npy or .png", "e.g. --out samples.png")
-    if args.n < 1:
-        raise SinkflowError(f"--n {args.n} must be >= 1", "e.g. --n 1024")
     run_ = Run.open(args.run_dir)
+    check_sample_memory(args.n, run_.cfg)
     bad = [o for o in args.overrides if not o.startswith("sample.")]
     if bad:
         raise SinkflowError(f"`sinkflow sample` only takes sample.* overrides, not '{bad[0]}'",

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from sinkflow.cli.common import add_config_args, resolve_args, shorthands, split_preset
+from sinkflow.cli.common import add_config_args, preset_given, resolve_args, shorthands, split_preset
 from sinkflow.runner import dist
 from sinkflow.runner.experiment import train_run
 
@@ -27,8 +27,9 @@ def run(args):
     remember = lambda r: setattr(args, "run_dir_used", str(r.dir))  # noqa: E731  (the Interrupted hint)
     kw = dict(device=getattr(args, "device", None), on_open=remember, then=None if args.no_report else report)
     if args.resume:
-        split_preset(args)  # with --resume, positional arguments are overrides only
-        train_run(resume=args.resume, overrides=args.overrides, shorthands=shorthands(args), **kw)
+        named = args.preset if preset_given(args) else None
+        split_preset(args)  # with --resume, positional arguments are overrides (and a preset must be the run's)
+        train_run(resume=args.resume, overrides=args.overrides, shorthands=shorthands(args), preset=named, **kw)
     else:
         train_run(resolve_args(args), **kw)
     return 0

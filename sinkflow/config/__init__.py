@@ -188,12 +188,39 @@ def unknown_key(tree: dict, key: str, where: str = "") -> SinkflowError:
         if owners:
             return SinkflowError(f"{where}config key '{key}' is a {' / '.join(owners)} key but model.{parts[1]}.kind "
                                  f"is {kind}", f"set model.{parts[1]}.kind={owners[0]} first, or drop the key")
-    leaves = list(schema.keys(tree))
-    close = difflib.get_close_matches(key, leaves, n=1, cutoff=0.5)
-    if not close:  # match on the last component, e.g. "iters" -> "train.velocity.iters"
-        close = [k for k in leaves if k.split(".")[-1] == parts[-1]][:1]
-    hint = f"did you mean '{close[0]}'?" if close else "run `sinkflow config PRESET` to list the keys"
+    close = closest_key(key, list(schema.keys(tree)))
+    hint = f"did you mean '{close}'?" if close else "run `sinkflow config PRESET` to list the keys"
     return SinkflowError(f"{where}unknown config key '{key}'", hint)
+
+
+# Keys users look for in another section (where the paper or older sinkflow put them): leaf name -> the key.
+MOVED = {"eta": "pool.eta", "eta_growth": "pool.eta_growth", "blur": "sinkhorn.blur", "scaling": "sinkhorn.scaling",
+         "steps": "pool.steps", "seed": "experiment.seed", "device": "experiment.device"}
+
+
+def closest_key(key: str, leaves: list[str]) -> str | None:
+    """The key a typo most likely meant, in this order: a close key of the same section (``pool.etaa`` ->
+    ``pool.eta``); a key whose last part is the same or nearly (``nsgf.eta`` -> ``pool.eta``,
+    ``nsgf.blurr`` -> ``sinkhorn.blur``; the same section first, then the known moved keys of ``MOVED``);
+    then any close key."""
+    parts = key.split(".")
+    depth = 2 if parts[0] in ("model", "train") and len(parts) > 2 else 1
+    section = ".".join(parts[:depth]) + "."
+    same = [k for k in leaves if k.startswith(section)]
+    close = difflib.get_close_matches(key, same, n=1, cutoff=0.8)
+    if close:
+        return close[0]
+    names = sorted({k.split(".")[-1] for k in leaves})
+    for name in [parts[-1], *difflib.get_close_matches(parts[-1], names, n=3, cutoff=0.75)]:
+        owners = [k for k in leaves if k.split(".")[-1] == name]
+        if not owners:
+            continue
+        for pick in ([k for k in owners if k.startswith(section)], [MOVED[name]] if MOVED.get(name) in owners else [],
+                     owners):
+            if pick:
+                return pick[0]
+    close = difflib.get_close_matches(key, same, n=1, cutoff=0.6) or difflib.get_close_matches(key, leaves, n=1, cutoff=0.5)
+    return close[0] if close else None
 
 
 def _reset_model(tree: dict, phase: str, kind: str) -> None:

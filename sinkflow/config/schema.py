@@ -258,7 +258,7 @@ NONNEG_FLOAT = Float(lo=0)
 EXPERIMENT = {
     "method": Key("nsgf", Str(), "what trains: NSGF, NSGF++, flow matching, OT-CFM or a normalizing flow"),
     "preset": Key("", Str(), "filled in with the preset's name"),
-    "seed": Key(0, Int(), "seed of every random number generator of the run"),
+    "seed": Key(0, Int(0, 2**63 - 1), "seed of every random number generator of the run"),
     "device": Key("auto", Str(), "auto (cuda if available) | cpu | cuda | cuda:N"),
     "runs_dir": Key("runs", Str(), "run folders are created under this directory"),
     "name": Key(None, Str(), "run folder name; null = <preset>-<method>-<timestamp>", nullable=True),

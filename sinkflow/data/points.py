@@ -64,8 +64,12 @@ def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
     fix_shape = "save an (N, 2) float array with numpy.save(path, points.astype('float32'))"
     if not path.endswith(".npy"):
         raise SinkflowError(f"point file {path} is not a .npy file", fix_shape)
+    if os.path.isdir(path):
+        raise SinkflowError(f"point file {path} is a folder, not a file", "point data.source/data.target at the .npy "
+                            "file itself")
     if not os.path.isfile(path):
-        raise SinkflowError(f"point file {path} does not exist", "check data.source/data.target (paths are relative "
+        what = "is not a file" if os.path.exists(path) else "does not exist"
+        raise SinkflowError(f"point file {path} {what}", "check data.source/data.target (paths are relative "
                             "to the directory you run sinkflow from)")
     try:
         with open(path, "rb") as f:

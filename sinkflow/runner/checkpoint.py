@@ -57,7 +57,9 @@ def atomic_save(obj: Any, path: Path) -> None:
     atomic_write_bytes(Path(path), lambda f: torch.save(obj, f))
 
 
-_UNSAFE = re.compile(r"Unsupported (global|operand|class)|not an allowed global")
+# how the weights-only unpickler words a refused payload (torch 2.4-2.13: "Unsupported global"; 2.14: "unsupported
+# GLOBAL posix.system whose module posix is blocked")
+_UNSAFE = re.compile(r"unsupported (global|operand|class)|not an allowed global|is blocked", re.IGNORECASE)
 
 
 def load(path: Path, map_location="cpu") -> dict:

@@ -7,14 +7,20 @@ import logging
 from pathlib import Path
 from typing import Iterable
 
+import torch
+
 from sinkflow import config as config_mod
 from sinkflow import data, methods
+from sinkflow.data import sample_shape
 from sinkflow.errors import SinkflowError
+from sinkflow.methods.base import TrainingStep
 from sinkflow.runner import dist
 from sinkflow.runner.callbacks import Callback
 from sinkflow.runner.lock import unlock_run
-from sinkflow.runner.run import Run
+from sinkflow.runner.rng import phase_generator
+from sinkflow.runner.run import Run, build_phase_model
 from sinkflow.runner.signals import Interrupted, graceful_stop
+from sinkflow.runner.state_check import check_final, check_step_state
 from sinkflow.runner.trainer import Trainer
 
 log = logging.getLogger("sinkflow")
@@ -47,19 +53,25 @@ def check_run(cfg: dict) -> None:
 
 def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, overrides: list[str] | None = None,
               shorthands: dict | None = None, callbacks: Iterable[Callback] = (), device: str | None = None,
-              on_open=None, then=None) -> Run:
+              on_open=None, then=None, preset: str | None = None) -> Run:
     """Train every unfinished phase of a resolved config ``cfg`` (``sinkflow.config.resolve``), or continue the
     run folder ``resume`` (with ``overrides`` / ``shorthands`` of keys it may still change); returns the run.
 
     Every check comes first: nothing is written into a run folder before ``Run.start()`` (docs/reliability.md).
     ``on_open(run)`` is called once the folder is known (the CLI remembers it for its resume hint); a stop by
     signal raises ``Interrupted`` with ``run_dir`` set. ``then(run)`` runs after the last phase, while the run
-    still holds its folder's lock and logger (the CLI's evaluation report, unless ``--no-report``)."""
+    still holds its folder's lock and logger (the CLI's evaluation report, unless ``--no-report``). A ``preset``
+    named beside ``resume`` must be the run's own."""
     if (cfg is None) == (resume is None):
         raise ValueError("train_run needs exactly one of cfg (a new run) or resume (a run folder)")
     info = dist.init(device or "auto")
     if resume is not None:
         run = Run.open(Path(resume), overrides, shorthands)  # frozen keys, device: no writes
+        if preset is not None and preset != run.cfg["experiment"]["preset"]:
+            raise SinkflowError(f"cannot resume {resume} as preset '{preset}': it is a run of preset "
+                                f"'{run.cfg['experiment']['preset']}'",
+                                f"drop the preset name (`sinkflow train --resume {resume}`) or start a new run "
+                                f"with `sinkflow train {preset}`")
     else:
         check_run(cfg)
         run = Run.create(cfg)
@@ -73,7 +85,7 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         method = methods.of(cfg)
         phases = method.phases(cfg, source, target)
         if resume is not None:
-            run.verify(phases)  # finished phases' final.pt and the newest step checkpoint: safe, this run's
+            verify(run, phases)  # finished phases' final.pt and the newest step checkpoint: safe, this run's
         run.start()  # the lock (one writer per run folder), the resumed config, orphaned temp files
         if info.is_main:
             log.info("run folder: %s", run.dir)
@@ -94,3 +106,49 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         run.logger.close()
         unlock_run(run.dir)
     return run
+
+
+def verify(run, phases) -> None:
+    """Everything a resume will read, checked before anything in the run folder changes (docs/reliability.md).
+
+    Every finished phase's ``final.pt`` loads, belongs to the run and holds weights of the configured
+    model's names, shapes and dtypes; the first unfinished phase's newest step checkpoint holds everything
+    the Trainer restores (weights, Adam moments, schedule, generator and RNG states); and no override changes
+    a training key of a phase that has already finished (it would have no effect, so config.yaml would lie).
+    Records where the run resumes (``run.resume_at``) for the change log ``Run.start`` writes."""
+    changed = run.changes()
+    at = None
+    for task in phases:
+        training = isinstance(task, TrainingStep)
+        if training:
+            run.phase_keys[task.name] = task.model_key
+        content = (lambda state, where, task=task: check_final(state, _meta_model(run, task), where)) if training else None
+        if run.phase_done(task.name, check=content):
+            if training:
+                prefix = f"train.{task.model_key}."
+                for key, (old, new) in changed.items():
+                    if key.startswith(prefix):
+                        raise SinkflowError(
+                            f"cannot resume {run.dir} with {key}={new!r}: phase '{task.name}' has finished (trained "
+                            f"with {key}={old!r}), so the change would have no effect",
+                            "drop that override, or start a new run with it")
+            continue
+        if at is None:
+            step = 0
+            if training:
+                ckpts = run.checkpoints(task.name)
+                latest = ckpts.latest()
+                if latest is not None:
+                    step = latest["step"]
+                    generator = phase_generator(run.cfg["experiment"]["seed"], "train", task.name)
+                    train = run.cfg["train"][task.model_key]
+                    check_step_state(latest, _meta_model(run, task), generator, str(ckpts.steps()[-1][1]),
+                                     ema=train["ema"] > 0, scaler=train["precision"] == "fp16")
+            at = (task.name, step)
+    run.resume_at = at or ("done", None)
+
+
+def _meta_model(run, task) -> torch.nn.Module:
+    """The phase's network on the meta device: its names, shapes and dtypes without allocating it."""
+    with torch.device("meta"):
+        return build_phase_model(run.cfg, task.model_key, sample_shape(run.cfg))

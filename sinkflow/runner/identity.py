@@ -68,6 +68,21 @@ def identity(cfg: dict, phase: str) -> dict:
             "frozen": frozen}
 
 
+def _same(a: Any, b: Any) -> bool:
+    """``a == b`` for the plain values an identity holds; anything else (a tensor put there) is not the same."""
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    try:
+        if number(a) and number(b):
+            return a == b  # 1 and 1.0: a value written before its key was coerced to a float
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # a tensor or other object whose == is not a bool
+        return False
+
+
 def check_checkpoint(obj: dict, expected: dict, path: Path, step: int | None = None) -> None:
     """Refuse a checkpoint that belongs to another run or phase, or whose step is not its file's."""
     got = obj.get("identity")
@@ -75,15 +90,16 @@ def check_checkpoint(obj: dict, expected: dict, path: Path, step: int | None = N
     if not isinstance(got, dict):
         raise SinkflowError(f"checkpoint {path} carries no run identity (written by an older sinkflow or another tool)",
                             "start a new run; sinkflow only resumes checkpoints it wrote for this run")
-    if got.get("phase") != expected["phase"]:
+    if not _same(got.get("phase"), expected["phase"]):
         raise SinkflowError(f"checkpoint {path} is phase '{got.get('phase')}', not '{expected['phase']}'", foreign)
     for key in ("preset", "method"):
-        if got.get(key) != expected[key]:
+        if not _same(got.get(key), expected[key]):
             raise SinkflowError(f"checkpoint {path} was written by a run of {key} '{got.get(key)}', "
                                 f"this run's {key} is '{expected[key]}'", foreign)
-    theirs, ours = got.get("frozen") or {}, expected["frozen"]
-    for key in sorted(set(theirs) & set(ours)):  # keys added to sinkflow later take their default: skipped
-        if theirs[key] != ours[key]:
+    theirs, ours = got.get("frozen"), expected["frozen"]
+    theirs = theirs if isinstance(theirs, dict) else {}
+    for key in sorted(set(theirs) & set(ours), key=str):  # keys added to sinkflow later take their default: skipped
+        if not _same(theirs[key], ours[key]):
             raise SinkflowError(f"checkpoint {path} was written with {key}={theirs[key]!r} but this run has "
                                 f"{key}={ours[key]!r}", foreign)
     if not isinstance(obj.get("step"), int) or isinstance(obj.get("step"), bool):

@@ -7,6 +7,7 @@ TensorBoard gets the same scalars; ``status.json`` is rewritten atomically on ev
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -19,9 +20,15 @@ from sinkflow.data.atomic_write import atomic_write_text
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, enabled: bool = True):
+    """``best_effort`` (``sinkflow eval``): a run folder that cannot be written (read-only, another owner)
+    does not stop the caller; the first ``OSError`` is kept in ``failed`` and nothing more is attempted
+    (TensorBoard's writer thread is never started there, so nothing is printed from it)."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True, best_effort: bool = False):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
+        self.best_effort = best_effort
+        self.failed: OSError | None = None
         self._tb = None
         self._jsonl = None  # opened on the first record: creating a logger writes nothing
 
@@ -48,9 +55,23 @@ class MetricsLogger:
         for key, value in values.items():
             value = float(value) if hasattr(value, "__float__") and not isinstance(value, (str, bool)) else value
             record[key] = value
-            if isinstance(value, float) and math.isfinite(value):
-                self.tb.add_scalar(f"{phase}/{key}", value, step)
-        self.jsonl.write(json.dumps(record) + "\n")
+        try:
+            if self.best_effort:
+                self._check_writable()
+            self.jsonl.write(json.dumps(record) + "\n")  # first: a folder we cannot write fails here, synchronously
+            for key, value in record.items():
+                if key not in ("time", "phase", "step") and isinstance(value, float) and math.isfinite(value):
+                    self.tb.add_scalar(f"{phase}/{key}", value, step)
+        except OSError as exc:
+            if not self.best_effort:
+                raise
+            self.failed, self.enabled = exc, False
+
+    def _check_writable(self) -> None:
+        """Raise the OSError a write would meet, before TensorBoard's writer thread could meet it."""
+        for path in (self.run_dir, self.run_dir / "metrics.jsonl", self.run_dir / "tb"):
+            if path.exists() and not os.access(path, os.W_OK):
+                raise PermissionError(errno.EACCES, "Permission denied (or a read-only file system)", str(path))
 
     def histogram(self, tag: str, values, step: int) -> None:
         if self.enabled:

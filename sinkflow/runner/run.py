@@ -35,6 +35,7 @@ from sinkflow.runner.checkpoint import PhaseCheckpoints, remove_orphans
 from sinkflow.runner.identity import check_frozen, identity
 from sinkflow.runner.lock import lock_run, run_lock
 from sinkflow.runner.metrics import MetricsLogger
+from sinkflow.runner.state_check import check_final, check_weights
 
 log = logging.getLogger("sinkflow")
 
@@ -92,6 +93,9 @@ class Run:
         self._models: dict[str, torch.nn.Module] = {}
         self._pending_config: dict | None = None  # a resume's new config.yaml, written by start()
         self._checked_finals: set[tuple] = set()
+        self._disk_config: dict = cfg
+        self.resume_at: tuple | None = None  # (phase, step) where a resume continues (set by verify)
+        self.phase_keys: dict[str, str] = {}  # phase name -> its model key (set by verify)
 
     # ---- creation and resume -------------------------------------------------------------------
     @classmethod
@@ -103,10 +107,17 @@ class Run:
         run_dir = Path(exp["runs_dir"]) / name
 
         def refuse_existing():
-            raise SinkflowError(f"run folder {run_dir} already exists",
-                                f"resume it with `sinkflow train --resume {run_dir}` or pick another experiment.name")
+            if (run_dir / "config.yaml").exists():
+                raise SinkflowError(f"run folder {run_dir} already exists",
+                                    f"resume it with `sinkflow train --resume {run_dir}` or pick another experiment.name")
+            raise SinkflowError(f"run folder {run_dir} already exists and is not empty, but has no config.yaml "
+                                "(a damaged run?); nothing in it was changed",
+                                "restore its config.yaml to resume it, or pick another experiment.name")
 
-        if dist.broadcast_object((run_dir / "config.yaml").exists()):  # every rank refuses, none waits
+        def occupied() -> bool:  # anything but a lock file left by a refused start: never write over it
+            return run_dir.is_dir() and any(p.name != ".lock" for p in run_dir.iterdir())
+
+        if dist.broadcast_object(occupied()):  # every rank refuses, none waits
             refuse_existing()
         if dist.current().is_main:
             try:
@@ -115,7 +126,7 @@ class Run:
                 raise SinkflowError(f"cannot create the run folder {run_dir} ({exc.strerror})",
                                     "point experiment.runs_dir at a writable folder") from None
             with run_lock(run_dir):  # two `train --name X` at once: the second stops here (start() re-locks)
-                if (run_dir / "config.yaml").exists():
+                if occupied():
                     refuse_existing()
                 atomic_write_text(run_dir / "config.yaml", config_mod.dump(cfg))
                 meta = {"seed": exp["seed"], "created": time.strftime("%Y-%m-%d %H:%M:%S"), "git": _git_hash(),
@@ -134,44 +145,77 @@ class Run:
         config_mod.check_read(new, config_mod.override_keys(overrides or []))
         check_frozen(cfg, new, Path(run_dir))
         run = cls(run_dir, new)
+        run._disk_config = cfg
         if new != cfg:
             run._pending_config = new
         return run
 
-    def verify(self, phases) -> None:
-        """Before anything is written: every finished phase's final.pt loads and belongs to this run, and
-        the first unfinished phase's newest step checkpoint does too."""
-        for phase in phases:
-            if self.phase_done(phase.name):
-                continue
-            self.checkpoints(phase.name).latest()
-            break
+    def changes(self) -> dict[str, tuple]:
+        """{key: (value on disk, new value)} for every key a resume's overrides change."""
+        if self._pending_config is None:
+            return {}
+        from sinkflow.config import schema
+
+        old, new = config_mod.flatten(self._disk_config), config_mod.flatten(self._pending_config)
+        read = schema.used(self._pending_config)  # a shorthand also sets keys of phases this method has not
+        return {k: (old.get(k), v) for k, v in sorted(new.items()) if old.get(k) != v and k in read}
 
     def start(self) -> None:
-        """The run really starts: take the folder's lock, write the resumed config, drop orphaned temp files."""
+        """The run really starts: take the folder's lock, write the resumed config and record what it changed
+        (meta.json ``changes``: key, old and new value, the phase and step it took effect), drop orphaned
+        temp files."""
         if self.dist.is_main:
             lock_run(self.dir)
             if self._pending_config is not None:
+                changes = self.changes()
                 atomic_write_text(self.dir / "config.yaml", config_mod.dump(self._pending_config))
+                self._record_changes(changes)
                 self._pending_config = None
             for path in remove_orphans(self.dir):
                 log.info("removed %s (left by a killed write)", path)
         dist.barrier()
+
+    def _record_changes(self, changes: dict[str, tuple]) -> None:
+        if not changes:
+            return
+        path = self.dir / "meta.json"
+        try:
+            meta = json.loads(path.read_text())
+        except (OSError, ValueError):
+            meta = {}
+        meta = meta if isinstance(meta, dict) else {}
+        phase, step = self.resume_at or (None, None)
+        when = time.strftime("%Y-%m-%d %H:%M:%S")
+        for key, (old, new) in changes.items():
+            parts = key.split(".")
+            key_phase, key_step = phase, step
+            if parts[0] == "train" and parts[1] != self._phase_key(phase):
+                key_phase, key_step = parts[1], 0  # a later phase's key: from its first step
+            meta.setdefault("changes", []).append({"key": key, "from": old, "to": new, "phase": key_phase,
+                                                   "step": key_step, "time": when})
+            log.info("resume: %s %r -> %r from phase %s step %s", key, old, new, key_phase, key_step)
+        atomic_write_text(path, json.dumps(meta, indent=2, default=str))
+
+    def _phase_key(self, phase: str | None) -> str | None:
+        return self.phase_keys.get(phase, phase)
 
     # ---- phases --------------------------------------------------------------------------------
     def checkpoints(self, phase: str) -> PhaseCheckpoints:
         return PhaseCheckpoints(self.dir / "checkpoints" / phase, keep=self.cfg["checkpoint"]["keep"],
                                 identity=identity(self.cfg, phase))
 
-    def phase_done(self, phase: str) -> bool:
-        """A phase is finished when its final.pt exists, loads, and belongs to this run (else: an error)."""
+    def phase_done(self, phase: str, check=None) -> bool:
+        """A phase is finished when its final.pt exists, loads, and belongs to this run (else: an error).
+        ``check(state, where)`` also checks its content (``experiment.verify``), in the same single load."""
         path = self.checkpoints(phase).final_path
         if not path.is_file():
             return False
         st = path.stat()
         key = (str(path), st.st_size, st.st_mtime_ns)
-        if key not in self._checked_finals:
-            self.checkpoints(phase).final()
+        if key not in self._checked_finals or check is not None:
+            state = self.checkpoints(phase).final()
+            if check is not None:
+                check(state, str(path))
             self._checked_finals.add(key)
         return True
 
@@ -187,8 +231,10 @@ class Run:
         if phase not in self._models:
             state = self.final_state(phase)
             model = build_phase_model(self.cfg, phase, sample_shape(self.cfg))
-            weights = state.get("ema") or state["model"]
-            load_model_state(model, weights, f"{self.checkpoints(phase).final_path}")
+            where = str(self.checkpoints(phase).final_path)
+            check_final(state, model, where)
+            use_ema = state.get("ema") is not None
+            load_model_state(model, state["ema"] if use_ema else state["model"], where, "ema" if use_ema else "model")
             model.to(self.device).eval().requires_grad_(False)
             self._models[phase] = model
         return self._models[phase]
@@ -222,18 +268,8 @@ def build_phase_model(cfg: dict, key: str, shape: tuple[int, ...]) -> torch.nn.M
     return build_model(model_cfg.pop("kind"), model_cfg, tuple(shape))
 
 
-def load_model_state(model: torch.nn.Module, state: dict, where: str) -> None:
-    """``load_state_dict`` whose shape mismatch is a one-line error naming the first bad tensor."""
-    own = model.state_dict()
-    for key, value in state.items():
-        if key in own and own[key].shape != value.shape:
-            raise SinkflowError(
-                f"checkpoint {where} holds {key} of shape {tuple(value.shape)} but the configured model needs "
-                f"{tuple(own[key].shape)}", "resume with the model config the run was trained with")
-    missing = set(own) - set(state)
-    extra = set(state) - set(own)
-    if missing or extra:
-        key = sorted(missing or extra)[0]
-        raise SinkflowError(f"checkpoint {where} does not match the configured model ({'missing' if missing else 'unexpected'} {key})",
-                            "resume with the model config the run was trained with")
+def load_model_state(model: torch.nn.Module, state: dict, where: str, what: str = "model") -> None:
+    """``load_state_dict`` after checking every entry (names, tensors, dtypes, shapes): one line naming the
+    first bad one (``sinkflow.runner.state_check``), never a traceback or a silent int64/bool cast."""
+    check_weights(state, model.state_dict(), where, what)
     model.load_state_dict(state)

@@ -29,12 +29,14 @@ from sinkflow.methods.base import TrainingStep
 from sinkflow.runner import dist
 from sinkflow.runner.callbacks import Callback, ProgressBar
 from sinkflow.runner.checkpoint import rng_state, set_rng_state
+from sinkflow.runner.divergence import DivergenceGuard
 from sinkflow.runner.finite import NonFiniteGuard, skips_on_device
 from sinkflow.runner.health import Health
 from sinkflow.runner.prefetch import BatchPrefetcher, use_prefetch
 from sinkflow.runner.rng import phase_generator, seed_everything
 from sinkflow.runner.run import build_phase_model, load_model_state
 from sinkflow.runner.signals import Interrupted, stop_requested
+from sinkflow.runner.state_check import check_step_state
 
 
 class Trainer:
@@ -48,7 +50,7 @@ class Trainer:
                  model: torch.nn.Module | None = None):
         self.run, self.task, self.name = run, task, task.name
         self.training = isinstance(task, TrainingStep)
-        defaults: list[Callback] = [ProgressBar()] + ([Health()] if self.training else [])
+        defaults: list[Callback] = [ProgressBar()] + ([Health(), DivergenceGuard()] if self.training else [])
         self.callbacks: list[Callback] = [task, *task.callbacks(), *defaults, *callbacks]
         self.device = run.device
         self.info = dist.current()
@@ -130,20 +132,28 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict, where: str) -> None:
+        check_step_state(state, self.model, self.generator, where, ema=self.ema is not None,
+                         scaler=self.scaler.is_enabled())
         load_model_state(self.model, state["model"], where)
         try:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-            self.scaler.load_state_dict(state["scaler"])
+            if state["scaler"] or not self.scaler.is_enabled():  # fp16 switched on at resume: a fresh scaler
+                self.scaler.load_state_dict(state["scaler"])
             if self.ema is not None and state.get("ema_state") is not None:
                 self.ema.load_state_dict(state["ema_state"])
         except (ValueError, KeyError, RuntimeError) as exc:
             raise SinkflowError(f"checkpoint {where} does not match this phase's optimizer ({exc})",
                                 "resume with the config the run was trained with") from None
-        if state.get("world_size", 1) != self.info.world:  # lr follows the documented scaling rule
-            base = self.cfg["lr"] * lr_scale(self.cfg["lr_scaling"], self.info.world)
-            for group in self.optimizer.param_groups:
-                group["initial_lr"] = base
+        # the learning rate the config asks for now (train.*.lr, lr_scaling, world size) replaces the restored
+        # one for real: the optimizer and the schedule follow it (Run.start records the change in meta.json)
+        # (and a changed schedule / warmup / iters takes effect at this step, not one step late)
+        base = self.cfg["lr"] * lr_scale(self.cfg["lr_scaling"], self.info.world)
+        wanted = [base * fn(self.scheduler.last_epoch) for fn in self.scheduler.lr_lambdas]
+        groups = self.optimizer.param_groups
+        if any(b != base for b in self.scheduler.base_lrs) or [g["lr"] for g in groups] != wanted:
+            for group, lr in zip(groups, wanted):
+                group["initial_lr"], group["lr"] = base, lr
             self.scheduler.base_lrs = [base for _ in self.scheduler.base_lrs]
             # a new schedule at the same position: lr = base * factor(step), through the scheduler's own API
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.scheduler.lr_lambdas,
@@ -251,6 +261,10 @@ class Trainer:
             else:
                 self._fit_chunks()
         except BaseException as exc:
+            if isinstance(exc, torch.OutOfMemoryError):  # the CLI turns it into one line (sinkflow.cli.oom)
+                kept = self.ckpts.last_good() if self.ckpts is not None else None
+                exc.sinkflow_where = {"phase": self.name, "step": self.step + 1, "training": self.training,
+                                      "kept": kept}
             self._call("on_exception", exc)
             raise
         finally:

@@ -1,0 +1,60 @@
+"""A CUDA out-of-memory error at run time, as one line: where, the planner's estimate, the fix.
+
+The planner (``sinkflow preflight --fit``) sizes a run before it starts; at run time another process on
+the card, fragmentation or a larger evaluation batch can still exhaust it. Every command's OOM reaches
+``sinkflow.cli.main``, which prints ``oom_line``: the phase and step (the Trainer attaches them to the
+exception), the planner's estimate for that phase beside the card's memory, the checkpoint a resume
+continues from, and the change that fits.
+
+Why a stop and not Composer-style automatic micro-batch halving: a halved micro-batch with doubled
+``accum`` changes the summation order of every later step, so the run would no longer match its
+``config.yaml`` nor resume bit for bit; and an OOM caused by another process on the card comes back at the
+next allocation anyway. The stop keeps the last checkpoint, and the fix is one override on resume
+(``train.*`` keys may change on resume; the change is recorded in ``meta.json``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _estimate(run_dir: str | None, phase: str, training: bool) -> str:
+    """"the planner estimates X for this phase on a card of Y" (or why there is no estimate)."""
+    if not run_dir:
+        return "no planner estimate (no run folder)"
+    try:
+        import torch
+
+        from sinkflow.runner.run import read_config
+        from sinkflow.tools import memory_plan
+
+        cfg = read_config(Path(run_dir))
+        mems = memory_plan.estimate(cfg)
+        pm = next((m for m in mems if m.phase == phase), None) or next(m for m in mems if m.kind == "sample")
+        card = ""
+        if torch.cuda.is_available():
+            card = f" of the card's {memory_plan.fmt_bytes(torch.cuda.get_device_properties(0).total_memory)}"
+        return f"the planner estimates {memory_plan.fmt_bytes(pm.total)} for {pm.phase}{card}"
+    except Exception as exc:  # the estimate is advice: its own failure must not hide the OOM line
+        return f"no planner estimate ({type(exc).__name__})"
+
+
+def oom_line(exc: BaseException, command: str, run_dir: str | None, preset: str | None = None) -> str:
+    where = getattr(exc, "sinkflow_where", None) or {}
+    phase = where.get("phase") or command
+    training = bool(where.get("training"))
+    at = f" at step {where['step']}" if where.get("step") is not None and where.get("phase") else ""
+    estimate = _estimate(run_dir, phase, training)
+    preflight = f"`sinkflow preflight {preset or 'PRESET'} --gpu-mem GiB --fit`"
+    if training:
+        key = f"train.{phase}"
+        fix = (f"resume with a smaller micro-batch and the same global batch (halve {key}.batch_size and double "
+               f"{key}.accum), or run {preflight} for settings that fit")
+    elif phase == "pool":
+        fix = f"resume with pool.in_flight=1, or run {preflight} (smaller Sinkhorn batch, more pool batches)"
+    else:
+        fix = "lower sample.batch_size (samples per network call), e.g. sample.batch_size=100"
+    kept = where.get("kept") or ("the finished pool chunks are kept" if phase == "pool" else "")
+    kept = f"; {kept}" if kept else ""
+    resume = f" (`sinkflow train --resume {run_dir}`)" if where.get("phase") and run_dir else ""
+    return f"CUDA out of memory in {phase}{at} ({estimate}){kept}; {fix}{resume}"

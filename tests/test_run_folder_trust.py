@@ -1,0 +1,343 @@
+"""Trust the run folder, round 2 (issue 27, docs/reliability.md): checkpoint contents are validated before a
+resume changes anything, resume overrides are applied for real or refused, divergence that stays finite
+stops, count arguments are checked in one place, a CUDA OOM is one line, eval works on a folder it cannot
+write, and the messages name the right thing."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import TINY_2D, bytes_snapshot
+from sinkflow.cli import main
+
+
+def one_line(rc, err, *needles):
+    assert rc == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("sinkflow: error: "), err
+    assert "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def run_main(capsys, *argv):
+    capsys.readouterr()
+    try:
+        rc = main(list(argv))
+    except SystemExit as exc:  # argparse's own errors (printed as one line by sinkflow.cli.Parser)
+        rc = exc.code
+    return rc, capsys.readouterr().err
+
+
+@pytest.fixture
+def base_run(tiny_run):
+    return tiny_run
+
+
+@pytest.fixture
+def run(base_run, tmp_path, monkeypatch):
+    """A private copy of the finished tiny moons run (pool; velocity steps 3 and 6 and final)."""
+    monkeypatch.chdir(tmp_path)
+    dst = tmp_path / "runs" / "r"
+    shutil.copytree(base_run, dst)
+    return dst
+
+
+def edit(path: Path, change) -> None:
+    state = torch.load(path, weights_only=True)
+    change(state)
+    torch.save(state, path)
+
+
+# ---- 1. checkpoint contents, validated before anything in the run folder changes ----------------------------
+
+def _set(*keys, value):
+    def change(state):
+        d = state
+        for k in keys[:-1]:
+            d = d[k]
+        d[keys[-1]] = value(d[keys[-1]]) if callable(value) else value
+    return change
+
+
+def _drop(key):
+    return lambda state: state.pop(key)
+
+
+STEP_DAMAGE = {
+    "weight is a list": (_set("model", "net.0.weight", value=lambda t: t.tolist()), "model.net.0.weight"),
+    "weight is a string": (_set("model", "net.0.bias", value="oops"), "model.net.0.bias"),
+    "int64 weight": (_set("model", "net.2.weight", value=lambda t: t.long()), "int64"),
+    "bool weight": (_set("model", "net.2.bias", value=lambda t: t > 0), "bool"),
+    "model missing": (_drop("model"), "'model'"),
+    "wrong-shape Adam moment": (_set("optimizer", "state", 0, "exp_avg", value=torch.zeros(3, 3)), "exp_avg"),
+    "Adam amsgrad flag": (_set("optimizer", "param_groups", 0, "amsgrad", value=True), "amsgrad"),
+    "generator of another size": (_set("generator", value=torch.zeros(16, dtype=torch.uint8)), "generator"),
+    "generator as floats": (_set("generator", value=lambda t: t.float()), "generator"),
+    "numpy RNG key": (_set("rng", "numpy", "key", value=torch.zeros(5, dtype=torch.int64)), "rng.numpy"),
+    "python RNG state": (_set("rng", "python", "state", value=[1, 2, 3]), "rng.python"),
+    "scheduler step": (_set("scheduler", "_step_count", value="x"), "scheduler._step_count"),
+    "NaN weight": (_set("model", "net.6.bias", value=torch.tensor([float("nan"), 0.0])), "NaN"),
+}
+
+
+@pytest.mark.parametrize("damage", list(STEP_DAMAGE))
+def test_bad_step_checkpoint_is_refused_before_the_folder_changes(run, capsys, damage):
+    change, needle = STEP_DAMAGE[damage]
+    ck = run / "checkpoints" / "velocity"
+    (ck / "final.pt").unlink()
+    edit(ck / "step_00000006.pt", change)
+    before = bytes_snapshot(run)  # status.json and .lock included: main rewrote both before failing
+    one_line(*run_main(capsys, "train", "--resume", str(run), "--no-report"), "step_00000006.pt", needle)
+    assert bytes_snapshot(run) == before
+
+
+FINAL_DAMAGE = {k: STEP_DAMAGE[k] for k in ("weight is a list", "weight is a string", "int64 weight", "bool weight",
+                                            "model missing", "NaN weight")}
+
+
+@pytest.mark.parametrize("command", ["sample", "eval"])
+@pytest.mark.parametrize("damage", list(FINAL_DAMAGE))
+def test_bad_final_is_refused_by_sample_and_eval(run, capsys, tmp_path, command, damage):
+    change, needle = FINAL_DAMAGE[damage]
+    edit(run / "checkpoints/velocity/final.pt", change)
+    before = bytes_snapshot(run)
+    argv = (["sample", str(run), "--n", "4", "--out", str(tmp_path / "s.npy")] if command == "sample"
+            else ["eval", str(run), "--seeds", "1"])
+    one_line(*run_main(capsys, *argv), "final.pt", needle)
+    assert bytes_snapshot(run) == before
+    assert not (tmp_path / "s.npy").exists()
+
+
+def test_resume_of_a_finished_run_checks_its_final(run, capsys):
+    edit(run / "checkpoints/velocity/final.pt", _set("model", "net.0.weight", value=torch.zeros(256, 5)))
+    before = bytes_snapshot(run)
+    one_line(*run_main(capsys, "train", "--resume", str(run), "--no-report"), "final.pt", "shape (256, 5)")
+    assert bytes_snapshot(run) == before
+
+
+# ---- 2. resume overrides: applied for real (and recorded) or refused -----------------------------------------
+
+def test_resume_lr_is_applied_to_the_optimizer_and_recorded(run, capsys):
+    ck = run / "checkpoints" / "velocity"
+    (ck / "final.pt").unlink()
+    (ck / "step_00000006.pt").unlink()  # resume from step 3
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--lr", "0.01", "--no-report")
+    assert rc == 0, err
+    final = torch.load(ck / "final.pt", weights_only=True)
+    assert final["scheduler"]["base_lrs"] == [0.01]
+    assert final["optimizer"]["param_groups"][0]["initial_lr"] == 0.01
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    after = [r for r in logged if r["phase"] == "velocity" and r["step"] == 4][-1]  # cosine over 6 steps, from 0.01
+    assert after["lr"] == pytest.approx(0.01 * 0.5 * (1 + __import__("math").cos(__import__("math").pi * 4 / 6)))
+    changes = json.loads((run / "meta.json").read_text())["changes"]
+    assert {(c["key"], c["from"], c["to"], c["phase"], c["step"]) for c in changes} == {
+        ("train.velocity.lr", 0.001, 0.01, "velocity", 3)}
+
+
+def test_training_key_of_a_finished_phase_is_refused(run, capsys):
+    before = bytes_snapshot(run)
+    one_line(*run_main(capsys, "train", "--resume", str(run), "train.velocity.lr=0.5", "--no-report"),
+             "train.velocity.lr=0.5", "finished", "no effect")
+    assert bytes_snapshot(run) == before
+
+
+def test_a_preset_beside_resume_must_be_the_runs(run, capsys):
+    before = bytes_snapshot(run)
+    one_line(*run_main(capsys, "train", "checkerboard", "--resume", str(run), "--no-report"),
+             "checkerboard", "preset 'moons'")
+    assert bytes_snapshot(run) == before
+    rc, err = run_main(capsys, "train", "moons", "--resume", str(run), "--no-report")  # the run's own: fine
+    assert rc == 0, err
+
+
+def test_new_run_over_a_folder_without_config_is_refused_untouched(run, capsys):
+    (run / "config.yaml").unlink()
+    before = bytes_snapshot(run)
+    one_line(*run_main(capsys, "train", "moons", *TINY_2D, "--name", "r", "--no-report"), "no config.yaml")
+    assert bytes_snapshot(run) == before  # meta.json and .lock too
+
+
+# ---- 3. divergence that stays finite -------------------------------------------------------------------------
+
+def test_pool_that_leaves_the_data_stops_naming_pool_eta(runs_dir, capsys):
+    line = one_line(*run_main(capsys, "train", "moons", *TINY_2D, "pool.eta=100", "--name", "d", "--no-report"),
+                    "diverged", "pool.eta")
+    assert "Inf" not in line
+    assert not (runs_dir / "d" / "checkpoints" / "pool" / "final.pt").exists()
+    assert json.loads((runs_dir / "d" / "pool" / "progress.json").read_text()
+                      if (runs_dir / "d" / "pool" / "progress.json").exists() else '{"chunks": []}')["chunks"] == []
+
+
+def test_finite_loss_blow_up_stops_naming_the_lr(runs_dir, capsys):
+    """FM on moons at lr 1: the loss reaches ~1e12 and falls back to ~1e6; main trained on and exited 0."""
+    line = one_line(*run_main(capsys, "train", "moons", "experiment.method=fm", "--lr", "1", "--train-iters", "30",
+                              "train.velocity.log_every=5", "train.velocity.ckpt_every=2",
+                              "train.velocity.schedule=constant", "--device", "cpu", "--name", "l", "--no-report"),
+                    "diverged", "train.velocity.lr", "step 5")
+    assert "up to step 4 are kept" in line
+    assert not (runs_dir / "l" / "checkpoints" / "velocity" / "final.pt").exists()
+
+
+def test_divergence_guard_leaves_a_sound_run_bit_equal(runs_dir, base_run):
+    """The guard's probe batch uses its own generator and restores the global RNG: the tiny run's weights
+    equal the ones the fixture trained (same config), so resume stays bit-for-bit."""
+    assert main(["train", "moons", *TINY_2D, "--name", "again", "--no-report"]) == 0
+    a = torch.load(runs_dir / "again/checkpoints/velocity/final.pt", weights_only=True)["model"]
+    b = torch.load(base_run / "checkpoints/velocity/final.pt", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- 4. count arguments: one place, one line -----------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,needle", [
+    (["sample", "RUN", "--steps", "0", "--out", "s.npy"], "--steps 0"),
+    (["sample", "RUN", "--steps", "-1", "--out", "s.npy"], "--steps -1"),
+    (["sample", "RUN", "--n", "99999999999999", "--out", "s.npy"], "available"),
+    (["sample", "RUN", "--n", "abc", "--out", "s.npy"], "invalid int value"),
+    (["eval", "RUN", "--seeds", "-2"], "--seeds -2"),
+    (["eval", "RUN", "--seeds", "0"], "--seeds 0"),
+    (["eval", "RUN", "--n", "0"], "--n 0"),
+    (["eval", "RUN", "--n", "1000000"], "exact-W2 cost matrix"),
+    (["doctor", "RUN", "--steps", "0"], "--steps 0"),
+    (["lr-find", "RUN", "--steps", "-3"], "--steps -3"),
+])
+def test_count_arguments_are_checked_in_one_place(run, capsys, argv, needle):
+    argv = [str(run) if a == "RUN" else a for a in argv]
+    before = bytes_snapshot(run)
+    one_line(*run_main(capsys, *argv), needle)
+    assert bytes_snapshot(run) == before
+    assert not Path("s.npy").exists()
+
+
+# ---- 5. CUDA out of memory at run time ------------------------------------------------------------------------
+
+def test_out_of_memory_in_training_is_one_line_and_keeps_the_checkpoint(runs_dir, capsys, monkeypatch):
+    from sinkflow.methods.nsgf import PoolVelocityStep
+
+    calls = []
+    real = PoolVelocityStep.loss
+
+    def loss(self, model, batch):
+        calls.append(1)
+        if len(calls) == 5:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, model, batch)
+
+    monkeypatch.setattr(PoolVelocityStep, "loss", loss)
+    line = one_line(*run_main(capsys, "train", "moons", *TINY_2D, "--name", "o", "--no-report"),
+                    "CUDA out of memory in velocity at step 5", "the planner estimates", "step_00000003.pt",
+                    "train.velocity.accum", "preflight moons", "--resume")
+    assert "Tried to allocate" not in line
+    ck = runs_dir / "o" / "checkpoints" / "velocity"
+    assert sorted(p.name for p in ck.iterdir()) == ["step_00000003.pt"]
+    monkeypatch.setattr(PoolVelocityStep, "loss", real)
+    rc, err = run_main(capsys, "train", "--resume", str(runs_dir / "o"), "--no-report")  # the fix: resume
+    assert rc == 0, err
+
+
+def test_out_of_memory_while_sampling_names_the_sampling_batch(run, capsys, monkeypatch, tmp_path):
+    from sinkflow.methods.nsgf import NSGF
+
+    def sample(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(NSGF, "sample", sample)
+    before = bytes_snapshot(run)
+    one_line(*run_main(capsys, "sample", str(run), "--n", "8", "--out", str(tmp_path / "s.npy")),
+             "CUDA out of memory in sample", "sample.batch_size")
+    assert bytes_snapshot(run) == before
+
+
+# ---- 6. eval on a run folder it cannot write -----------------------------------------------------------------
+
+def _unwritable_by_a_folder(run):
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()  # any user (root included) fails to open it for appending
+
+
+def _unwritable_by_permissions(run):
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    for p in [run, *run.rglob("*")]:
+        p.chmod(0o555 if p.is_dir() else 0o444)
+
+
+@pytest.mark.parametrize("make_unwritable", [_unwritable_by_a_folder, _unwritable_by_permissions])
+def test_eval_on_an_unwritable_run_prints_scores_and_says_so(run, capfd, make_unwritable):
+    make_unwritable(run)
+    try:
+        capfd.readouterr()
+        rc = main(["eval", str(run), "--seeds", "1"])
+        out, err = capfd.readouterr()  # file descriptors: a TensorBoard writer thread's output would show here
+    finally:
+        for p in [run, *run.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+    assert rc == 0, err
+    assert "W2 on moons" in out
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "could not record the scores" in lines[0], err
+    assert "Traceback" not in err and "Exception" not in err
+
+
+# ---- 7. messages ----------------------------------------------------------------------------------------------
+
+class SystemCall:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_os_system_payload_is_called_refused_not_corrupt(tmp_path):
+    from sinkflow.errors import SinkflowError
+    from sinkflow.runner.checkpoint import load
+
+    torch.save({"format": 2, "x": SystemCall()}, tmp_path / "p.pt")
+    with pytest.raises(SinkflowError, match="refused .loading it could run code") as e:
+        load(tmp_path / "p.pt")
+    assert "corrupt" not in str(e.value)
+
+
+@pytest.mark.parametrize("override,hint", [("nsgf.blurr=0.5", "sinkhorn.blur"), ("nsgf.eta=1", "pool.eta"),
+                                           ("pool.blur=1", "sinkhorn.blur"), ("pool.etaa=1", "pool.eta"),
+                                           ("train.velocity.itres=3", "train.velocity.iters")])
+def test_key_hints_prefer_the_section_and_moved_keys(override, hint):
+    from sinkflow import config
+    from sinkflow.errors import SinkflowError
+
+    with pytest.raises(SinkflowError, match=f"did you mean '{hint}'"):
+        config.resolve("moons", [override])
+
+
+def test_folder_named_npy_is_not_a_file(runs_dir, tmp_path, capsys):
+    (tmp_path / "x.npy").mkdir()
+    one_line(*run_main(capsys, "train", "moons", f"data.target={tmp_path / 'x.npy'}"), "is a folder, not a file")
+    assert not runs_dir.exists()
+
+
+def test_free_space_message_has_readable_units(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    from sinkflow import config
+    from sinkflow.errors import SinkflowError
+    from sinkflow.methods import pool
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: usage(10_000, 9_000, 1_000))
+    cfg = config.resolve("moons", ["pool.batches=2", "pool.steps=4", "pool.batch_size=32"])["pool"]
+    with pytest.raises(SinkflowError) as e:
+        pool.check_pool_fits(cfg, (2,), tmp_path / "pool")
+    msg = str(e.value)
+    assert f"needs {pool.pool_bytes(cfg, (2,)) / 1024:.1f} KiB of disk but the disk has only 1000 B" in msg, msg
+    assert "0.0 GiB" not in msg
+
+
+def test_human_bytes():
+    from sinkflow.errors import human_bytes
+
+    assert [human_bytes(b) for b in (0, 1000, 4352, 3 * 2**20, 40 * 2**30, 2.5 * 2**50)] == [
+        "0 B", "1000 B", "4.2 KiB", "3.0 MiB", "40.0 GiB", "2.5 PiB"]
