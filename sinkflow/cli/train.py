@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from sinkflow import data, methods
 from sinkflow.cli.common import add_config_args, resolve_args, shorthands, split_preset
+from sinkflow.data.atomic_write import atomic_write_text
 from sinkflow.errors import SinkflowError
 from sinkflow.runner import dist
 from sinkflow.runner.experiment import run_phases
@@ -51,6 +53,7 @@ def run(args):
         if args.resume:
             run_.verify(phases)  # finished phases' final.pt and the newest step checkpoint: safe, this run's
         run_.start()  # the lock (one writer per run folder), the resumed config, orphaned temp files
+        record_split(run_, target)
         if info.is_main:
             log.info("run folder: %s", run_.dir)
             log.info("method %s", method.describe(cfg))
@@ -63,6 +66,14 @@ def run(args):
         run_.logger.close()
         unlock_run(run_.dir)
     return 0
+
+
+def record_split(run_, target) -> None:
+    """RUN/data_split.json: which images trained and which are held out (image sets only), so a result can
+    be traced to its split; rewritten identically on resume."""
+    info = getattr(target, "split_info", None)
+    if info and run_.dist.is_main:
+        atomic_write_text(run_.dir / "data_split.json", json.dumps(info, indent=1))
 
 
 def _check(cfg: dict) -> None:
