@@ -52,7 +52,7 @@ PAPER = {"velocity": 50000, "nsf": 100000, "time": 40000, "pool": 1500}  # mnist
 SCALES = {
     # CPU: a small UNet (8 ch, 28-14-7, attention only in the middle block) and a budget one shared CPU
     # thread finishes in about an hour per training seed (measured: benchmarks/RESULTS.md).
-    "cpu": {"channels": 8, "velocity": 250, "nsf": 250, "time": 200, "pool": 6, "batch": 32, "n": 250, "val_n": 150},
+    "cpu": {"channels": 8, "velocity": 250, "nsf": 250, "time": 200, "pool": 6, "batch": 32, "n": 200, "val_n": 100},
     # GPU: the mnist preset's UNet and batch, the paper's iterations x --gpu-fraction.
     "gpu": {"channels": 32, "velocity": PAPER["velocity"], "nsf": PAPER["nsf"], "time": PAPER["time"],
             "pool": PAPER["pool"], "batch": 128, "n": 2000, "val_n": 800},
@@ -120,6 +120,7 @@ def train(out: Path, name: str, args: list[str]) -> tuple[Run, float]:
     """Train (or reuse, or resume) run ``out/name``; returns the run and the wall seconds spent now."""
     t0 = time.perf_counter()
     folder = out / name
+    wait_unlocked(folder)
     if (folder / "config.yaml").exists():
         run = Run.open(folder)
         if all(run.phase_done(p) for p in phase_names(run.cfg)):
@@ -132,16 +133,35 @@ def train(out: Path, name: str, args: list[str]) -> tuple[Run, float]:
     return Run.open(folder), time.perf_counter() - t0
 
 
+def wait_unlocked(folder: Path, poll_s: float = 30.0) -> None:
+    """Wait while another process writes the run folder (e.g. the same run started by hand to use a free core),
+    then resume or reuse what it left instead of failing on its lock."""
+    import fcntl
+
+    lock = folder / ".lock"
+    while lock.is_file():
+        with open(lock) as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                log(f"{folder} is being written by pid {lock.read_text().strip()}; waiting")
+                time.sleep(poll_s)
+                continue
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            return
+
+
 def phase_names(cfg: dict) -> list[str]:
     return ["pool", "velocity", "time", "nsf"] if cfg["experiment"]["method"] == "nsgfpp" else ["velocity"]
 
 
 def split_candidates(total: int) -> list[int]:
-    """NSGF step counts k tried for a total NFE budget: about 1/4, 1/2 and 3/4 of it, each leaving one
-    predictor call and at least one NSF step (k > pool.steps integrates the pool's span more finely)."""
+    """NSGF step counts k tried for a total NFE budget: about 1/4 and 1/2 of it, and all but one NSF step
+    (the best on the 8x8 digits, docs/nsgfpp.md); each leaves one predictor call and at least one NSF step
+    (k > pool.steps integrates the pool's span more finely)."""
     if total < 3:
         raise SystemExit(f"an NFE budget of {total} leaves no NSF step: use at least 3")
-    return sorted({min(total - 2, max(1, round(total * f))) for f in (0.25, 0.5, 0.75)})
+    return sorted({min(total - 2, max(1, round(total * f))) for f in (0.25, 0.5)} | {total - 2})
 
 
 def choose_split(val_fd: dict) -> int:

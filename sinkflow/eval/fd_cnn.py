@@ -131,7 +131,7 @@ def features(net: DigitCNN, x) -> np.ndarray:
 
 def gaussian(feats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Mean and (unbiased, N-1) covariance of (N, d) features, as FID computes them."""
-    return feats.mean(0), np.cov(feats, rowvar=False)
+    return feats.mean(0), np.atleast_2d(np.cov(feats, rowvar=False))
 
 
 def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
