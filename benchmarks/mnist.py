@@ -170,15 +170,21 @@ def choose_split(val_fd: dict) -> int:
 
 
 class Scores:
-    """``scores.json`` of one training seed: every finished score, written atomically as it is made."""
+    """``scores.json`` of one training seed: every finished score, written atomically as it is made. Re-read
+    before each item and merged on write, so runs with different ``--methods`` can fill one file side by side."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.data = json.loads(path.read_text()) if path.is_file() else {}
+        self.data = self._read()
+
+    def _read(self) -> dict:
+        return json.loads(self.path.read_text()) if self.path.is_file() else {}
 
     def get(self, key: str, make):
+        self.data.update(self._read())
         if key not in self.data:
-            self.data[key] = make()
+            value = make()
+            self.data = {**self._read(), key: value}
             atomic_write_text(self.path, json.dumps(self.data, indent=1))
         return self.data[key]
 
@@ -201,7 +207,8 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def bench_seed(out: Path, seed: int, b: dict, data_root: Path, nfe: list[int], device: str) -> dict:
+def bench_seed(out: Path, seed: int, b: dict, data_root: Path, nfe: list[int], device: str,
+               which: tuple = ("nsgfpp", *BASELINES)) -> dict:
     """One training seed: NSGF++ (split per budget chosen on validation), OT-CFM and FM, scored on the test
     digits. Resumable: scores.json and the run folders are reused."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -211,6 +218,22 @@ def bench_seed(out: Path, seed: int, b: dict, data_root: Path, nfe: list[int], d
     sc = Scores(out / "scores.json")
     common = common_overrides(b, data_root, seed, device)
     res = {"scores": {}, "split": {}, "val": {}, "wall": {}}
+    if "nsgfpp" in which:
+        nsgfpp_seed(out, seed, b, nfe, sc, common, res)
+    for method in [m for m in BASELINES if m in which]:
+        label = LABEL[method]
+        log(f"seed {seed}: {label} training")
+        run, wall = train(out, method, [*common, "--method", method, f"train.velocity.iters={unet_budget(b)}"])
+        res["wall"][label] = sc.get(f"wall {label}", lambda: wall)
+        res["scores"][label] = {}
+        for steps in [*nfe, 100]:
+            res["scores"][label][steps] = sc.get(f"test {label} {steps}", lambda: score(run, steps, b["n"]))
+            save_samples(run, steps, out / f"samples-{method}-{steps}.npy")
+            log(f"seed {seed}: {label} NFE {steps}: {res['scores'][label][steps]}")
+    return res
+
+
+def nsgfpp_seed(out: Path, seed: int, b: dict, nfe: list[int], sc: Scores, common: list[str], res: dict) -> None:
     log(f"seed {seed}: NSGF++ training")
     run, wall = train(out, "nsgfpp", [*common, *nsgfpp_overrides(b)])
     res["wall"]["NSGF++"] = sc.get("wall NSGF++", lambda: wall)
@@ -230,17 +253,6 @@ def bench_seed(out: Path, seed: int, b: dict, data_root: Path, nfe: list[int], d
         save_samples(run, total - 1 - k, out / f"samples-nsgfpp-{total}.npy")
         log(f"seed {seed}: NSGF++ NFE {total}: k={k} (val FD {val}) test {res['scores']['NSGF++'][total]}")
     run.cfg["sample"]["nsgf_steps"] = preset_k
-    for method in BASELINES:
-        label = LABEL[method]
-        log(f"seed {seed}: {label} training")
-        run, wall = train(out, method, [*common, "--method", method, f"train.velocity.iters={unet_budget(b)}"])
-        res["wall"][label] = sc.get(f"wall {label}", lambda: wall)
-        res["scores"][label] = {}
-        for steps in [*nfe, 100]:
-            res["scores"][label][steps] = sc.get(f"test {label} {steps}", lambda: score(run, steps, b["n"]))
-            save_samples(run, steps, out / f"samples-{method}-{steps}.npy")
-            log(f"seed {seed}: {label} NFE {steps}: {res['scores'][label][steps]}")
-    return res
 
 
 def plain(obj):
@@ -254,20 +266,27 @@ def ms(values: list[float], fmt: str = ".2f") -> str:
     return f"{statistics.fmean(values):{fmt}} ± {sd:{fmt}}"
 
 
+def cells(per_seed: list[dict], label: str, total: int, metric: str) -> list[float]:
+    """``metric`` of ``label`` at ``total`` NFE for every training seed that has it (a partial report skips
+    the rest and says how many seeds a cell holds)."""
+    return [r["scores"][label][total][metric] for r in per_seed if total in r["scores"].get(label, {})]
+
+
 def table(per_seed: list[dict], nfe: list[int]) -> str:
     lines = ["| method | NFE | FD-CNN ↓ | pixel W2 ↓ | class TV ↓ | confidence ↑ | NSGF steps k (per seed) |",
              "|---|---|---|---|---|---|---|"]
-    col = lambda label, n, m, f=".3f": ms([r["scores"][label][n][m] for r in per_seed], f)  # noqa: E731
     for total in [*nfe, 100]:
         for label in ("NSGF++", "OT-CFM", "FM"):
-            if total not in per_seed[0]["scores"][label]:
+            got = {m: cells(per_seed, label, total, m) for m in ("fd_cnn", "w2", "tv", "conf")}
+            if not got["fd_cnn"]:
                 continue
-            ks = "/".join(str(r["split"][total]) for r in per_seed) if label == "NSGF++" else ""
-            lines.append(f"| {label} | {total} | {col(label, total, 'fd_cnn', '.2f')} | {col(label, total, 'w2')} | "
-                         f"{col(label, total, 'tv')} | {col(label, total, 'conf')} | {ks} |")
-    r0 = per_seed[0]["scores"]["OT-CFM"][nfe[0]]
-    lines.append(f"| real training digits (floor) | - | {ms([r['scores']['OT-CFM'][nfe[0]]['floor'] for r in per_seed])}"
-                 f" | | | {r0['real_conf']:.3f} (held-out) | |")
+            name = label if len(got["fd_cnn"]) == len(per_seed) else f"{label} ({len(got['fd_cnn'])} seeds)"
+            ks = "/".join(str(r["split"][total]) for r in per_seed if total in r["split"]) if label == "NSGF++" else ""
+            lines.append(f"| {name} | {total} | {ms(got['fd_cnn'], '.2f')} | {ms(got['w2'], '.3f')} | "
+                         f"{ms(got['tv'], '.3f')} | {ms(got['conf'], '.3f')} | {ks} |")
+    any_score = next(v for r in per_seed for m in r["scores"].values() for v in m.values())
+    lines.append(f"| real training digits (FD floor, same n) | - | {any_score['floor']:.2f} | | | "
+                 f"{any_score['real_conf']:.3f} (held-out digits) | |")
     return "\n".join(lines)
 
 
@@ -275,26 +294,45 @@ def per_seed_rows(per_seed: list[dict], seeds: list[int], nfe: list[int]) -> str
     lines = ["| NFE | " + " | ".join(f"seed {s}: NSGF++ / OT-CFM / FM" for s in seeds) + " |",
              "|---|" + "---|" * len(seeds)]
     for total in nfe:
-        cells = [" / ".join(f"{r['scores'][lb][total]['fd_cnn']:.2f}" for lb in ("NSGF++", "OT-CFM", "FM"))
-                 for r in per_seed]
-        lines.append(f"| {total} | " + " | ".join(cells) + " |")
+        row = [" / ".join(f"{r['scores'][lb][total]['fd_cnn']:.2f}" if total in r["scores"].get(lb, {}) else "-"
+                          for lb in ("NSGF++", "OT-CFM", "FM")) for r in per_seed]
+        lines.append(f"| {total} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
 def verdict(per_seed: list[dict], nfe: list[int]) -> list[str]:
     """The issue's targets on means over training seeds: NSGF++ FD-CNN below OT-CFM's at each NFE < 60,
     and at 60 within 10% of OT-CFM at 100."""
-    mean = lambda label, n: statistics.fmean(r["scores"][label][n]["fd_cnn"] for r in per_seed)  # noqa: E731
     lines = []
     for total in nfe:
+        a, o = cells(per_seed, "NSGF++", total, "fd_cnn"), cells(per_seed, "OT-CFM", 100 if total == 60 else total, "fd_cnn")
+        if not a or not o or total > 60:
+            continue
+        a, o = statistics.fmean(a), statistics.fmean(o)
         if total < 60:
-            a, o = mean("NSGF++", total), mean("OT-CFM", total)
             lines.append(f"NFE {total}: NSGF++ {a:.2f} vs OT-CFM {o:.2f}: {'MET' if a < o else 'MISSED'}")
-        elif total == 60:
-            a, o = mean("NSGF++", 60), mean("OT-CFM", 100)
+        else:
             lines.append(f"NFE 60 vs OT-CFM at 100: {a:.2f} vs {o:.2f} (ratio {a / o:.3f}): "
                          f"{'MET' if a <= 1.1 * o else 'MISSED'} (target: within 10%)")
     return lines
+
+
+def from_scores(out: Path, seed: int, nfe: list[int]) -> dict:
+    """A training seed's result rebuilt from its scores.json alone (``--report-only``: whatever is finished)."""
+    path = out / f"seed{seed}" / "scores.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    res = {"scores": {lb: {} for lb in LABEL.values()}, "split": {}, "val": {}, "wall": {}}
+    for key, v in data.items():
+        kind, *rest = key.split(" ")
+        if kind == "test":
+            res["scores"][rest[0]][int(rest[1])] = v
+        elif kind == "val":
+            res["val"].setdefault(int(rest[1]), {})[int(rest[2][1:])] = v
+        elif kind == "wall":
+            res["wall"][rest[0]] = v
+    for total in res["scores"]["NSGF++"]:
+        res["split"][total] = choose_split(res["val"][total])
+    return res
 
 
 def grids(out: Path, seed: int, nfe: list[int]) -> Path:
@@ -357,6 +395,11 @@ def main(argv=None) -> None:
     ap.add_argument("--data-root", help="data.root holding MNIST/raw (default: <out>/data, linked from --mnist-dir)")
     ap.add_argument("--mnist-dir", help="folder with the MNIST IDX files (.gz or not) to link into <out>/data")
     ap.add_argument("--grid-seed", type=int, default=None, help="training seed shown in grids.png (default: first)")
+    ap.add_argument("--methods", nargs="+", choices=("nsgfpp", *BASELINES), default=["nsgfpp", *BASELINES],
+                    help="methods this invocation trains and scores (run several side by side to use more cores; "
+                         "they share seed*/scores.json); the table reads every score there")
+    ap.add_argument("--report-only", action="store_true", help="write the table from the scores finished so far "
+                    "(<out>/seed*/scores.json); trains and samples nothing")
     for k in ("velocity", "nsf", "time", "pool", "n"):
         ap.add_argument(f"--{k}", type=int, help=f"override the scale's {k} budget")
     args = ap.parse_args(argv)
@@ -373,13 +416,16 @@ def main(argv=None) -> None:
         data_root = link_mnist(src, out / "data")
     nfe = sorted(set(args.nfe))
     start = time.perf_counter()
-    prepare_scorers(data_root.resolve())
-    jobs = [(out, s, b, data_root.resolve(), nfe, args.device) for s in args.train_seeds]
-    if args.workers > 1:
+    if not args.report_only:
+        prepare_scorers(data_root.resolve())
+    jobs = [(out, s, b, data_root.resolve(), nfe, args.device, tuple(args.methods)) for s in args.train_seeds]
+    if not args.report_only and args.workers > 1:
         with ProcessPoolExecutor(args.workers) as pool:
-            per_seed = list(pool.map(bench_seed, *zip(*jobs)))
-    else:
-        per_seed = [bench_seed(*j) for j in jobs]
+            list(pool.map(bench_seed, *zip(*jobs)))
+    elif not args.report_only:
+        for j in jobs:
+            bench_seed(*j)
+    per_seed = [from_scores(out, s, nfe) for s in args.train_seeds]  # every method's scores, whoever made them
     png = grids(out, args.grid_seed if args.grid_seed is not None else args.train_seeds[0], nfe)
     split = json.loads((out / f"seed{args.train_seeds[0]}" / "nsgfpp" / "data_split.json").read_text())
     head = [f"Command: `python benchmarks/mnist.py {' '.join(sys.argv[1:] if argv is None else argv)}`; machine "
@@ -393,12 +439,14 @@ def main(argv=None) -> None:
             f"(NSGF++'s k chosen on {b['val_n']} generated vs the {split['n_val']} validation digits).", ""]
     text = "\n".join([*head, table(per_seed, nfe), "", "FD-CNN per training seed:", "",
                       per_seed_rows(per_seed, args.train_seeds, nfe), "", *verdict(per_seed, nfe)])
-    atomic_write_text(out / "results.json", json.dumps({"argv": sys.argv[1:] if argv is None else argv, "budget": b,
+    partial = args.report_only or set(args.methods) != {"nsgfpp", *BASELINES}
+    tag = "-partial" if partial else ""  # a partial report never replaces the finished one
+    atomic_write_text(out / f"results{tag}.json", json.dumps({"argv": sys.argv[1:] if argv is None else argv, "budget": b,
                       "train_seeds": args.train_seeds, "nfe": nfe, "data_split": split,
                       "per_seed": plain(per_seed)}, indent=1))
-    atomic_write_text(out / "table.md", text + "\n")
+    atomic_write_text(out / f"table{tag}.md", text + "\n")
     print(text)
-    print(f"\nwrote {out / 'results.json'}, {out / 'table.md'}, {png}")
+    print(f"\nwrote {out / f'results{tag}.json'}, {out / f'table{tag}.md'}, {png}")
 
 
 if __name__ == "__main__":
