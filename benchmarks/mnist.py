@@ -208,7 +208,7 @@ def log(msg: str) -> None:
 
 
 def bench_seed(out: Path, seed: int, b: dict, data_root: Path, nfe: list[int], device: str,
-               which: tuple = ("nsgfpp", *BASELINES)) -> dict:
+               which: tuple = ("nsgfpp", *BASELINES), extra: tuple = ()) -> dict:
     """One training seed: NSGF++ (split per budget chosen on validation), OT-CFM and FM, scored on the test
     digits. Resumable: scores.json and the run folders are reused."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -219,7 +219,7 @@ def bench_seed(out: Path, seed: int, b: dict, data_root: Path, nfe: list[int], d
     common = common_overrides(b, data_root, seed, device)
     res = {"scores": {}, "split": {}, "val": {}, "wall": {}}
     if "nsgfpp" in which:
-        nsgfpp_seed(out, seed, b, nfe, sc, common, res)
+        nsgfpp_seed(out, seed, b, nfe, sc, common, res, extra)
     for method in [m for m in BASELINES if m in which]:
         label = LABEL[method]
         log(f"seed {seed}: {label} training")
@@ -233,9 +233,12 @@ def bench_seed(out: Path, seed: int, b: dict, data_root: Path, nfe: list[int], d
     return res
 
 
-def nsgfpp_seed(out: Path, seed: int, b: dict, nfe: list[int], sc: Scores, common: list[str], res: dict) -> None:
+def nsgfpp_seed(out: Path, seed: int, b: dict, nfe: list[int], sc: Scores, common: list[str], res: dict,
+                extra: tuple = ()) -> None:
+    """NSGF++ of one training seed: trained (``extra`` overrides last), its split per budget chosen on the
+    validation digits, then scored once on the test digits with that split."""
     log(f"seed {seed}: NSGF++ training")
-    run, wall = train(out, "nsgfpp", [*common, *nsgfpp_overrides(b)])
+    run, wall = train(out, "nsgfpp", [*common, *nsgfpp_overrides(b), *extra])
     res["wall"]["NSGF++"] = sc.get("wall NSGF++", lambda: wall)
     preset_k = run.cfg["sample"]["nsgf_steps"]
     res["scores"]["NSGF++"] = {}
@@ -400,6 +403,8 @@ def main(argv=None) -> None:
                          "they share seed*/scores.json); the table reads every score there")
     ap.add_argument("--report-only", action="store_true", help="write the table from the scores finished so far "
                     "(<out>/seed*/scores.json); trains and samples nothing")
+    ap.add_argument("extra", nargs="*", help="config overrides for the NSGF++ runs only (probes), e.g. "
+                    "nsgf.nsf_t_min=0.5 sinkhorn.blur=0.5")
     for k in ("velocity", "nsf", "time", "pool", "n"):
         ap.add_argument(f"--{k}", type=int, help=f"override the scale's {k} budget")
     args = ap.parse_args(argv)
@@ -418,7 +423,8 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     if not args.report_only:
         prepare_scorers(data_root.resolve())
-    jobs = [(out, s, b, data_root.resolve(), nfe, args.device, tuple(args.methods)) for s in args.train_seeds]
+    jobs = [(out, s, b, data_root.resolve(), nfe, args.device, tuple(args.methods), tuple(args.extra))
+            for s in args.train_seeds]
     if not args.report_only and args.workers > 1:
         with ProcessPoolExecutor(args.workers) as pool:
             list(pool.map(bench_seed, *zip(*jobs)))
@@ -433,7 +439,8 @@ def main(argv=None) -> None:
             f"{time.strftime('%Y-%m-%d %H:%M')}; this invocation's wall {(time.perf_counter() - start) / 60:.1f} min.",
             f"Budget ({args.scale}{f' x {args.gpu_fraction}' if args.scale == 'gpu' else ''}): UNet {b['channels']} ch "
             f"[1,2,2], batch {b['batch']}; NSGF++ = pool {b['pool']}x256x5 + {b['velocity']} velocity + {b['nsf']} NSF "
-            f"UNet steps + {b['time']} time-predictor steps; OT-CFM / FM = {unet_budget(b)} UNet steps.",
+            f"UNet steps + {b['time']} time-predictor steps; OT-CFM / FM = {unet_budget(b)} UNet steps"
+            + (f"; NSGF++ overrides: {' '.join(args.extra)}." if args.extra else "."),
             f"Data: {split['layout']} layout, {split['n_train']} train ({split['n_val']} of them validation) / "
             f"{split['n_test']} test digits; FD-CNN of {b['n']} generated digits vs all {split['n_test']} test digits "
             f"(NSGF++'s k chosen on {b['val_n']} generated vs the {split['n_val']} validation digits).", ""]
