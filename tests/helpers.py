@@ -39,3 +39,25 @@ def bytes_snapshot(folder: Path) -> dict:
     command must leave the run folder byte-identical."""
     return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else "dir")
             for p in sorted(Path(folder).rglob("*"))}
+
+
+def mnist_t10k_dir() -> Path | None:
+    """The real MNIST t10k files (official IDX .gz): $SINKFLOW_MNIST_DIR, else a ``shared/data/mnist-t10k``
+    folder above this checkout (the main checkout and every worktree sit beside ``shared``), else None (a
+    user's checkout: the real-data tests skip)."""
+    env = os.environ.get("SINKFLOW_MNIST_DIR")
+    candidates = [Path(env)] if env else [p / "shared" / "data" / "mnist-t10k" for p in Path(__file__).resolve().parents]
+    for cand in candidates:
+        if (cand / "t10k-images-idx3-ubyte.gz").is_file() and (cand / "t10k-labels-idx1-ubyte.gz").is_file():
+            return cand
+    return None
+
+
+def link_t10k(root: Path) -> Path:
+    """``root/MNIST/raw`` with links to the real t10k .gz files (the t10k-only layout); returns root."""
+    src = mnist_t10k_dir()
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        (raw / name).symlink_to(src / name)
+    return root

@@ -17,6 +17,7 @@ import sys
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -25,9 +26,9 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # folder equal, so a new script cannot be added without one
 SMOKE_TESTED = ("digits", "flow_bpd", "flow_digits_ablation", "flow_memory", "gpu_checks", "memory_estimate",
                 "nsgf_2d", "ot_memory", "pool_build", "preset_throughput", "sampling", "sinkhorn_solver",
-                "train_throughput", "w2_mode_counts")
+                "train_throughput", "w2_mode_counts", "mnist", "mnist_probes")
 # scripts added on other branches together with their own smoke tests in this file (allowed once they exist)
-SMOKE_TESTED_ELSEWHERE = ("mnist", "nsgf_suite", "suite2d")
+SMOKE_TESTED_ELSEWHERE = ("nsgf_suite", "suite2d")
 
 
 def load(name):
@@ -389,3 +390,102 @@ def test_suite_benchmark_smoke(tmp_path, monkeypatch):
                                     ("otcfm", 0, 0.32, 0.31), ("otcfm", 1, 0.33, 0.32)]]
     v = bench.verdict(fake, ["a"], "iid")
     assert v["wins"] == 1 and v["cells"] == 2 and abs(v["worst_gap"] - 0.02) < 1e-9 and v["finer_worse"] == ["a"]
+# ------------------------------------------------------------------------------------ benchmarks/mnist.py
+
+@pytest.fixture(scope="module")
+def mnist_bench():
+    return load("mnist")
+
+
+def test_mnist_budget_gives_every_method_the_same_unet_steps(mnist_bench):
+    for scale in ("cpu", "gpu", "quick"):
+        b = mnist_bench.budget(scale, 0.1)
+        assert mnist_bench.unet_budget(b) == b["velocity"] + b["nsf"]
+    gpu = mnist_bench.budget("gpu", 0.1)  # the paper's iterations, scaled
+    assert (gpu["velocity"], gpu["nsf"], gpu["time"]) == (5000, 10000, 4000)
+    for total in (3, 6, 13, 26, 60):
+        assert all(1 <= k and k + 1 + 1 <= total for k in mnist_bench.split_candidates(total))
+    assert mnist_bench.split_candidates(13) == [3, 6, 11]
+
+
+def test_mnist_split_is_chosen_on_validation_never_on_test(mnist_bench, monkeypatch, tmp_path):
+    """Validation FD ranks k one way, test FD the opposite way: the reported k is validation's best, and the
+    test digits are scored only once, for that k."""
+    calls = []
+
+    def fake_score(run, steps, n, split="test"):
+        k = run.cfg["sample"]["nsgf_steps"]
+        calls.append((split, k))
+        if k is None:  # a baseline
+            fd = 1.0
+        else:  # val: best k=3; test: k=3 is the worst
+            fd = float(abs(k - 3)) if split == "val" else float(-abs(k - 3))
+        return {"nfe": 13, "fd_cnn": fd, "w2": 0.0, "tv": 0.0, "conf": 0.0, "floor": 0.0, "real_conf": 0.0}
+
+    fake_run = type("R", (), {"cfg": {"sample": {"nsgf_steps": None}}})()
+    monkeypatch.setattr(mnist_bench, "train", lambda out, name, args: (fake_run, 0.0))
+    monkeypatch.setattr(mnist_bench, "score", fake_score)
+    monkeypatch.setattr(mnist_bench, "save_samples", lambda run, steps, path: None)
+    b = mnist_bench.budget("quick")
+    res = mnist_bench.bench_seed(tmp_path, 0, b, tmp_path, [13], "cpu")
+    assert res["split"][13] == 3 and set(res["val"][13]) == {3, 6, 11}
+    nsgf_calls = [c for c in calls if c[1] is not None]
+    assert [c for c in nsgf_calls if c[0] == "test"] == [("test", 3)]
+    assert sorted(k for s, k in nsgf_calls if s == "val") == [3, 6, 11]
+
+
+@pytest.fixture(scope="module")
+def mnist_quick(mnist_bench, tmp_path_factory):
+    """One tiny benchmark run on generated official-layout IDX files (real (N, 1, 28, 28) shapes)."""
+    from test_data import make_mnist
+
+    from sinkflow import methods
+
+    tmp_path = tmp_path_factory.mktemp("mnist")
+    make_mnist(tmp_path / "data", n_train=40, n_test=12)
+    out = tmp_path / "out"
+    argv = ["--scale", "quick", "--out", str(out), "--data-root", str(tmp_path / "data"), "--train-seeds", "0",
+            "--nfe", "3"]
+    methods._distributions.cache_clear()
+    mnist_bench.main(argv)
+    return out, argv
+
+
+@pytest.mark.slow
+def test_smoke_mnist(mnist_bench, mnist_quick):
+    """Every method trains, is scored and gridded; a second invocation reuses every run and score."""
+    from sinkflow.runner.run import read_config
+
+    out, argv = mnist_quick
+    res = json.loads((out / "results.json").read_text())
+    scores = res["per_seed"][0]["scores"]
+    assert scores["NSGF++"]["3"]["nfe"] == 3 and set(scores["OT-CFM"]) == set(scores["FM"]) == {"3", "100"}
+    assert all(s["fd_cnn"] >= 0 for m in scores.values() for s in m.values())
+    for method, nfes in (("nsgfpp", [3]), ("otcfm", [3, 100]), ("fm", [3, 100])):
+        for n in nfes:
+            x = np.load(out / "seed0" / f"samples-{method}-{n}.npy", allow_pickle=False)
+            assert x.shape == (64, 1, 28, 28) and x.dtype == np.uint8
+    assert (out / "grids.png").is_file() and "| NSGF++ | 3 |" in (out / "table.md").read_text()
+    cfgs = {m: read_config(out / "seed0" / m) for m in ("nsgfpp", "otcfm", "fm")}
+    pp = cfgs["nsgfpp"]["train"]
+    for m in ("otcfm", "fm"):  # equal UNet steps, batch and lr schedule
+        t = cfgs[m]["train"]["velocity"]
+        assert t["iters"] == pp["velocity"]["iters"] + pp["nsf"]["iters"]
+        assert all(t[k] == pp["velocity"][k] == pp["nsf"][k] for k in ("batch_size", "lr", "warmup", "schedule", "ema"))
+        assert cfgs[m]["model"]["velocity"] == cfgs["nsgfpp"]["model"]["velocity"]
+    assert json.loads((out / "seed0" / "nsgfpp" / "data_split.json").read_text())["layout"] == "official"
+
+    finals = {p: p.stat().st_mtime_ns for p in out.rglob("final.pt")}
+    saved = (out / "seed0" / "scores.json").read_text()
+    mnist_bench.main(argv)  # resumable: nothing retrained or rescored
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("final.pt")} == finals
+    assert (out / "seed0" / "scores.json").read_text() == saved
+
+
+@pytest.mark.slow
+def test_smoke_mnist_probes(mnist_quick, capsys):
+    out, _ = mnist_quick
+    load("mnist_probes").main(["--out", str(out), "--seed", "0", "--nfe", "3", "--n", "6"])
+    res = json.loads((out / "probes-seed0-nfe3.json").read_text())
+    assert set(res["probes"]) == {"as benchmarked", "t̂ = batch mean", "t̂ − 0.15", "t̂ + 0.15"}
+    assert res["k"] == 1 and "| as benchmarked |" in capsys.readouterr().out

@@ -341,9 +341,73 @@ def test_mnist_idx_through_torchvision(tmp_path):
     t = d.test_set(5)
     np.testing.assert_allclose(t[:, 0].numpy(), data["t10k"][0] / 127.5 - 1, atol=1e-6)
     assert (tmp_path / "cache" / "mnist-train-28-1.npy").is_file()
+    assert d.split_info["layout"] == "official" and (d.split_info["n_train"], d.split_info["n_test"]) == (12, 5)
     rgb = build_distribution("mnist", data_cfg=cfg(tmp_path, channels=3, image_size=20))
     assert rgb.shape == (3, 20, 20) and rgb.sample(2, gen()).shape == (2, 3, 20, 20)
     assert torch.equal(rgb.test_set(5)[:, 0], rgb.test_set(5)[:, 2])  # gray replicated into RGB
+
+
+def make_t10k_only(root, n=2100, seed=0):
+    """Only the two t10k IDX files (the layout our machines have), ``n`` random digits; returns (images, labels)."""
+    rng = np.random.default_rng(seed)
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    imgs = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=n, dtype=np.uint8)
+    write_idx(raw / "t10k-images-idx3-ubyte", imgs, gz=True)
+    write_idx(raw / "t10k-labels-idx1-ubyte", labels, gz=True)
+    return imgs, labels
+
+
+def test_mnist_t10k_only_split_is_fixed_disjoint_and_recorded(tmp_path):
+    imgs, labels = make_t10k_only(tmp_path / "a")
+    d = build_distribution("mnist", data_cfg=cfg(tmp_path / "a", val_fraction=0.1))
+    assert len(d.images) == 100 and len(d.test_images) == sources.T10K_TEST == 2000
+    train, test = sources.t10k_split_indices(2100, "train"), sources.t10k_split_indices(2100, "test")
+    assert not set(train) & set(test) and sorted({*train, *test}) == list(range(2100))  # disjoint, covering
+    np.testing.assert_array_equal(d.images[:, 0], imgs[train])  # rows are the file's digits at those indices
+    np.testing.assert_array_equal(d.test_images[:, 0], imgs[test])
+    np.testing.assert_array_equal(d.test_labels, labels[test])
+    info = d.split_info
+    assert info["layout"] == "t10k-only" and info["seed"] == sources.T10K_SPLIT_SEED
+    assert info["test_indices_sha256"] == sources.indices_sha256(test) and (info["n_train"], info["n_test"]) == (100, 2000)
+    assert info["n_val"] == 10 and info["val_indices_sha256"] == sources.indices_sha256(d.val_index.numpy())
+    # fixed: another folder with the same file gives the same split, whatever the global RNG state
+    np.random.seed(123)
+    torch.manual_seed(123)
+    make_t10k_only(tmp_path / "b")
+    again = build_distribution("mnist", data_cfg=cfg(tmp_path / "b", val_fraction=0.1))
+    assert again.split_info == info
+    np.testing.assert_array_equal(again.test_images, d.test_images)
+    # the train files appearing switch to the official layout (and the cache is rebuilt, not reused)
+    for prefix in ("images-idx3", "labels-idx1"):
+        os.symlink(tmp_path / "a" / "MNIST" / "raw" / f"t10k-{prefix}-ubyte", tmp_path / "a" / "MNIST" / "raw" / f"train-{prefix}-ubyte")
+    full = build_distribution("mnist", data_cfg=cfg(tmp_path / "a"))
+    assert full.split_info["layout"] == "official" and len(full.images) == len(full.test_images) == 2100
+
+
+def test_mnist_t10k_only_needs_more_than_the_test_count(tmp_path):
+    make_t10k_only(tmp_path, n=50)
+    with pytest.raises(SinkflowError, match="t10k-only split needs more than 2000"):
+        build_distribution("mnist", data_cfg=cfg(tmp_path))
+
+
+def test_real_t10k_digits_split(tmp_path):
+    """The real MNIST test files (shared/data/mnist-t10k): 8,000 train / 2,000 test, the README's class counts,
+    no test digit among the training digits."""
+    from helpers import link_t10k, mnist_t10k_dir
+
+    if mnist_t10k_dir() is None:
+        pytest.skip("the real MNIST t10k files are not here (set SINKFLOW_MNIST_DIR or add ../shared/data/mnist-t10k)")
+    d = build_distribution("mnist", data_cfg=cfg(link_t10k(tmp_path), val_fraction=0.1))
+    assert d.images.shape == (8000, 1, 28, 28) and d.test_images.shape == (2000, 1, 28, 28)
+    counts = np.bincount(np.concatenate([d.labels, d.test_labels]), minlength=10)
+    assert counts.tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]  # the README's, i.e. all of t10k
+    assert np.bincount(d.test_labels).min() >= 150  # every class held out
+    train_rows = {bytes(r) for r in np.asarray(d.images).reshape(8000, -1)}
+    assert not any(bytes(r) in train_rows for r in np.asarray(d.test_images).reshape(2000, -1))
+    assert d.split_info["layout"] == "t10k-only" and d.split_info["n_val"] == 800
+    assert d.split_info["test_indices_sha256"] == sources.indices_sha256(sources.t10k_split_indices(10000, "test"))
 
 
 def test_mnist_missing_offline_and_no_download(tmp_path, monkeypatch):

@@ -64,6 +64,11 @@ def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys):
     run = runs_dir / "r"
     k = 10 if preset == "digits" else 5  # digits samples 10 NSGF steps over its 5-step pool (sample.nsgf_steps)
     assert f"NFE = {k} velocity + 1 time + 3 nsf" in out and "FID skipped" in out
+    if preset in ("digits", "mnist"):  # digit sets: FD-CNN beside W2 / TV / confidence, with its floor
+        assert "FD-CNN (not Inception FID)" in out and "floor (real training digits, same n)" in out
+    split = json.loads((runs_dir / "r" / "data_split.json").read_text())  # what trained, recorded in the run
+    assert split["n_train"] > 0 and split["n_test"] == (359 if preset == "digits" else 6)
+    assert preset != "mnist" or split["layout"] == "official"
     assert (run / "grid.png").is_file() and (run / "trajectory_strip.png").is_file()
     pool_x = np.load(run / "pool/x.npy", mmap_mode="r")
     assert pool_x.dtype == np.float16 and pool_x.shape == (3 * 5 * 8, *shape)
@@ -301,3 +306,25 @@ def test_classifier_cache_is_arrays_never_unpickled(tmp_path):
     refit = digit_classifier(target, str(tmp_path))
     assert not marker.exists()
     np.testing.assert_allclose(refit.predict_proba(x.numpy()), clf.predict_proba(x.numpy()), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_fd_cnn_on_the_real_digits(tmp_path):
+    """On the real t10k split: the classifier is accurate on the held-out digits, and FD-CNN tells real digits
+    (the floor) from noise and from blurred digits by orders of magnitude."""
+    from helpers import link_t10k, mnist_t10k_dir
+
+    from sinkflow import data
+    from sinkflow.eval import fd_cnn
+
+    if mnist_t10k_dir() is None:
+        pytest.skip("the real MNIST t10k files are not here (set SINKFLOW_MNIST_DIR or add ../shared/data/mnist-t10k)")
+    target = data.build_distribution("mnist", data_cfg={"root": str(link_t10k(tmp_path)), "download": False})
+    net, acc = fd_cnn.train_cnn(target, tmp_path)
+    assert acc > 0.95
+    held_out = fd_cnn.features(net, target.test_images)
+    floor = fd_cnn.fd(fd_cnn.features(net, target.images[:500]), held_out)
+    noise = fd_cnn.fd(fd_cnn.features(net, torch.rand(500, 1, 28, 28) * 2 - 1), held_out)
+    real = torch.from_numpy(np.asarray(target.images[:500], np.float32)) / 127.5 - 1
+    blurred = fd_cnn.fd(fd_cnn.features(net, torch.nn.functional.avg_pool2d(real, 5, 1, 2)), held_out)
+    assert floor < blurred / 3 and blurred < noise

@@ -65,6 +65,7 @@ class ImageDistribution(Distribution):
         self._serve = train if split == "train" else test
         self._map = self.fit_index if split == "train" and len(self.val_index) else None
         self.shape = tuple(int(s) for s in train.shape[1:])
+        self.split_info: dict | None = None  # set by build_image_distribution (RUN/data_split.json)
 
     def __len__(self) -> int:
         return len(self._serve) if self._map is None else len(self._map)
@@ -161,5 +162,20 @@ def build_image_distribution(name: str, data_cfg: dict) -> ImageDistribution:
             raise SinkflowError(f"{name}: the {split} split is empty", "add images (or check the data files)")
         arrays[split] = hit
     (train, train_labels), (test, test_labels) = arrays["train"], arrays["test"]
-    return ImageDistribution(name, train, test, train_labels, test_labels, flip=cfg["flip"], split=cfg["split"],
+    dist = ImageDistribution(name, train, test, train_labels, test_labels, flip=cfg["flip"], split=cfg["split"],
                              val_fraction=cfg["val_fraction"])
+    dist.split_info = split_record(src, dist)
+    return dist
+
+
+def split_record(src, dist: ImageDistribution) -> dict:
+    """The splits a run trains and is scored on, for RUN/data_split.json: the source's layout (MNIST's
+    t10k-only split: seed and index hashes), sizes, and the validation split's seed and index hash."""
+    from sinkflow.data.sources import indices_sha256
+
+    info = src.split_info() if hasattr(src, "split_info") else {"set": dist.name}
+    info.update({"n_train": len(dist.images), "n_test": len(dist.test_images), "val_fraction": dist.val_fraction,
+                 "n_val": len(dist.val_index)})
+    if len(dist.val_index):
+        info.update({"val_seed": VAL_SEED, "val_indices_sha256": indices_sha256(dist.val_index.numpy())})
+    return info

@@ -147,8 +147,34 @@ class DigitsSource(ArraySource):
         return images[idx], d.target[idx].astype(np.int64)
 
 
+T10K_SPLIT_SEED = 20261125  # fixed: the t10k-only split depends on nothing but the file's 10,000 digits
+T10K_TEST = 2000  # held-out digits of the t10k-only split; the other 8,000 train
+
+
+def t10k_split_indices(n: int, split: str) -> np.ndarray:
+    """Sorted indices into MNIST's t10k file for the ``split`` ("train" or "test") of the t10k-only layout: a
+    permutation seeded with ``T10K_SPLIT_SEED``; its first ``T10K_TEST`` digits are the test split, the rest
+    train. Disjoint, together they cover the file; the same on every machine (numpy's PCG64 stream is fixed)."""
+    if n <= T10K_TEST:
+        raise SinkflowError(f"MNIST t10k file has {n} digits; the t10k-only split needs more than {T10K_TEST}",
+                            "place the original t10k files (10,000 digits)")
+    perm = np.random.Generator(np.random.PCG64(T10K_SPLIT_SEED)).permutation(n)
+    return np.sort(perm[:T10K_TEST] if split == "test" else perm[T10K_TEST:])
+
+
+def indices_sha256(idx) -> str:
+    return hashlib.sha256(np.asarray(idx, dtype="<i8").tobytes()).hexdigest()
+
+
 class MNISTSource(ArraySource):
-    """torchvision MNIST under ``<root>/MNIST/raw``; ``.gz`` files placed there are unpacked first."""
+    """torchvision MNIST under ``<root>/MNIST/raw``; ``.gz`` files placed there are unpacked first.
+
+    Two layouts, one loader: the official one (train-* and t10k-* files: 60,000 train / 10,000 test digits),
+    and t10k-only (just the two t10k-* files, e.g. when only the test set can be had): then the 10,000 digits
+    are split once, by ``t10k_split_indices``, into 8,000 train and 2,000 test digits, and a warning says so.
+    ``split_info()`` describes the layout (seed and index hashes for t10k-only); training records it in the run
+    folder (data_split.json).
+    """
 
     name = "mnist"
     native_chw = (1, 28, 28)
@@ -159,8 +185,16 @@ class MNISTSource(ArraySource):
     def raw(self) -> Path:
         return Path(self.root) / "MNIST" / "raw"
 
-    def _missing(self) -> list[str]:
-        return [f for pair in self.FILES.values() for f in pair if not (self.raw / f).is_file()]
+    def _missing(self, splits=("train", "test")) -> list[str]:
+        return [f for s in splits for f in self.FILES[s] if not (self.raw / f).is_file()]
+
+    def _has(self, split: str) -> bool:
+        return all((self.raw / f).is_file() or (self.raw / f"{f}.gz").is_file() for f in self.FILES[split])
+
+    @property
+    def t10k_only(self) -> bool:
+        """Only the test files are there (unpacked or .gz): serve the fixed 8,000 / 2,000 split of them."""
+        return self._has("test") and not self._has("train")
 
     def prepare(self):
         for f in self._missing():
@@ -173,6 +207,11 @@ class MNISTSource(ArraySource):
                     except (OSError, EOFError) as e:
                         raise SinkflowError(f"MNIST file {gz} is not a valid gzip file ({e})",
                                             "delete it and place the original file there") from None
+        if self.t10k_only:
+            log.warning("MNIST: only the t10k files are in %s; training on a fixed split of them (%d train / %d "
+                        "test digits, seed %d); place the train-* files there for the official 60k/10k split",
+                        self.raw, 10000 - T10K_TEST, T10K_TEST, T10K_SPLIT_SEED)
+            return
         missing = self._missing()
         if not missing:
             return
@@ -183,17 +222,45 @@ class MNISTSource(ArraySource):
         self._fetch("MNIST", self.raw, missing, how, lambda: MNIST(self.root, train=True, download=True))
 
     def fingerprint(self, split):
+        if self.t10k_only:
+            return (f"mnist-t10k-split:{T10K_SPLIT_SEED}:{T10K_TEST}:"
+                    + _file_stats([self.raw / f for f in self.FILES["test"]]))
         return "mnist-idx:" + _file_stats([self.raw / f for f in self.FILES[split]])
 
-    def load(self, split):
-        from torchvision.datasets import MNIST
+    def split_info(self) -> dict:
+        """What a run trained on: the layout, and for t10k-only the split's seed, sizes and index hashes."""
+        if not self.t10k_only:
+            return {"set": "mnist", "layout": "official", "train_file": self.FILES["train"][0],
+                    "test_file": self.FILES["test"][0]}
+        n = self._read(False)[0].shape[0]
+        train, test = t10k_split_indices(n, "train"), t10k_split_indices(n, "test")
+        return {"set": "mnist", "layout": "t10k-only", "file": self.FILES["test"][0], "seed": T10K_SPLIT_SEED,
+                "rule": "numpy PCG64(seed).permutation(n): the first n_test indices are the test split, sorted",
+                "n_train": len(train), "n_test": len(test), "train_indices_sha256": indices_sha256(train),
+                "test_indices_sha256": indices_sha256(test)}
 
+    def _read(self, train: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The IDX files of one official split, by torchvision's MNIST readers (the class itself insists on all
+        four files, which the t10k-only layout lacks)."""
+        from torchvision.datasets.mnist import read_image_file, read_label_file
+
+        images, labels = self.FILES["train" if train else "test"]
         try:
-            ds = MNIST(self.root, train=split == "train", download=False)
+            data, targets = read_image_file(str(self.raw / images)), read_label_file(str(self.raw / labels))
         except Exception as e:
             raise SinkflowError(f"MNIST files in {self.raw} cannot be read ({type(e).__name__}: {e})",
                                 "replace them with the original IDX files") from None
-        return ds.data.numpy(), ds.targets.numpy().astype(np.int64)
+        if len(data) != len(targets):
+            raise SinkflowError(f"MNIST files in {self.raw}: {images} has {len(data)} digits, {labels} {len(targets)}",
+                                "replace them with the original IDX files")
+        return data.numpy(), targets.numpy().astype(np.int64)
+
+    def load(self, split):
+        if self.t10k_only:
+            images, labels = self._read(False)
+            idx = t10k_split_indices(len(images), split)
+            return images[idx], labels[idx]
+        return self._read(split == "train")
 
 
 class _ArrayUnpickler(pickle.Unpickler):

@@ -5,7 +5,10 @@ between generated and held-out real images. For digit sets (sklearn digits, MNIS
 logistic-regression classifier trained on the training split (its arrays cached under ``<data.root>/cache``)
 gives the class histogram and mean confidence of generated vs held-out real images. FID runs only
 when ``eval.inception_weights`` names a local weights file (torchmetrics' FrechetInceptionDistance,
-which uses torch-fidelity's Inception-v3); otherwise one line says it was skipped and why.
+which uses torch-fidelity's Inception-v3); otherwise one line says it was skipped and why. For digit sets,
+FD-CNN (sinkflow.eval.fd_cnn) is the offline stand-in: the same Fréchet formula on the features of a small
+CNN trained on the training split, with its floor (real training digits vs the held-out ones at the same n);
+it is not Inception FID and is never labelled so.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from sinkflow import data, methods
 from sinkflow.data.atomic_write import atomic_path
 from sinkflow.errors import SinkflowError
+from sinkflow.eval import fd_cnn
 from sinkflow.eval.points import generate
 
 log = logging.getLogger(__name__)
@@ -155,17 +159,24 @@ def class_stats(clf, x) -> dict:
     return {"hist": hist, "confidence": float(probs.max(1).mean())}
 
 
-def fid(generated: torch.Tensor, real: torch.Tensor, weights: str) -> float:
-    """FID by torchmetrics (torch-fidelity Inception-v3, 2048-d pool features) from a local weights file."""
+def fid(generated: torch.Tensor, real: torch.Tensor, weights: str | None, extractor: torch.nn.Module | None = None
+        ) -> float:
+    """FID by torchmetrics (torch-fidelity Inception-v3, 2048-d pool features) from a local weights file.
+
+    ``extractor``: any module of torchmetrics' custom-feature interface (float images in [0, 1], 3 channels,
+    -> (N, d), ``num_features``) in place of Inception; the tests use a tiny one, since the weights are not here."""
     try:
         from torchmetrics.image.fid import FrechetInceptionDistance
     except ImportError:
         raise SinkflowError("FID needs torchmetrics and torch-fidelity, which are not installed",
                             "pip install torchmetrics torch-fidelity, or unset eval.inception_weights") from None
-    if not Path(weights).is_file():
-        raise SinkflowError(f"eval.inception_weights={weights} is not a file",
-                            "point it at a local pt_inception-2015-12-05 weights file or set it to null")
-    metric = FrechetInceptionDistance(feature=2048, normalize=True, feature_extractor_weights_path=str(weights))
+    if extractor is not None:
+        metric = FrechetInceptionDistance(feature=extractor, normalize=True)
+    else:
+        if not Path(weights).is_file():
+            raise SinkflowError(f"eval.inception_weights={weights} is not a file",
+                                "point it at a local pt_inception-2015-12-05 weights file or set it to null")
+        metric = FrechetInceptionDistance(feature=2048, normalize=True, feature_extractor_weights_path=str(weights))
     for imgs, is_real in ((real, True), (generated, False)):
         for chunk in _to_unit(imgs).split(256):
             metric.update(chunk.expand(-1, 3, -1, -1) if chunk.shape[1] == 1 else chunk, real=is_real)
@@ -191,10 +202,14 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
     clf = digit_classifier(target, cfg["data"]["root"])
     real = target.test_set(n) if held_out is None else held_out[:n]
     real_stats = class_stats(clf, real) if clf is not None else None
+    cnn = None
+    if clf is not None:  # FD-CNN against every held-out image (its covariance needs them), not the W2 subset
+        every = target.test_set(n_test) if held_out is None else held_out
+        cnn = fd_cnn_reference(target, cfg["data"]["root"], every, class_n, held_out is not None)
     weights = cfg["eval"]["inception_weights"]
     rows = []
     for steps in steps_list:
-        vals: dict[str, list] = {"w2": [], "tv": [], "confidence": [], "fid": []}
+        vals: dict[str, list] = {"w2": [], "tv": [], "confidence": [], "fd_cnn": [], "fid": []}
         info = {}
         for s in range(seeds):
             x_all, info = generate(run, class_n if clf is not None else n, steps, seed=1000 + s)
@@ -208,6 +223,7 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
                 st = class_stats(clf, x_all)
                 vals["tv"].append(0.5 * float(np.abs(st["hist"] - real_stats["hist"]).sum()))
                 vals["confidence"].append(st["confidence"])
+                vals["fd_cnn"].append(fd_cnn.fd(fd_cnn.features(cnn["net"], x_all), cnn["real"]))
             if weights:
                 vals["fid"].append(fid(x, real, weights))
         row = {"steps": steps, "nfe": info["nfe"],
@@ -229,10 +245,25 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
         if clf is not None else None,
         "real_confidence": real_stats["confidence"] if real_stats else None,
         "real_hist": real_stats["hist"].round(3).tolist() if real_stats else None,
+        "fd_cnn": (f"FD-CNN (not Inception FID): Fréchet distance of {fd_cnn.FEATURES}-d features of a small CNN "
+                   f"trained on the training split (held-out accuracy {cnn['accuracy']:.4f}), {class_n} generated vs "
+                   f"all {n_test} held-out real") if cnn else None,
+        "fd_cnn_floor": cnn["floor"] if cnn else None,
         "fid": (f"torchmetrics FrechetInceptionDistance (2048-d, torch-fidelity Inception-v3 from {weights}), "
                 f"{n} generated vs {n} held-out real") if weights else None,
     }
     return {"rows": rows, "protocol": protocol, "method": method, "preset": cfg["experiment"]["preset"]}
+
+
+def fd_cnn_reference(target, data_root, real: torch.Tensor, n_gen: int, val: bool) -> dict:
+    """The FD-CNN network, the held-out features and the floor: ``n_gen`` real training digits (a fixed
+    subset; with a validation split, only the digits models are fitted to) against the same held-out digits."""
+    net, acc = fd_cnn.train_cnn(target, data_root)
+    pool = target.fit_images() if val else np.asarray(target.images)
+    idx = np.sort(np.random.default_rng(4242).choice(len(pool), size=min(n_gen, len(pool)), replace=False))
+    real_feats = fd_cnn.features(net, real)
+    floor = fd_cnn.fd(fd_cnn.features(net, np.asarray(pool[idx])), real_feats)
+    return {"net": net, "accuracy": acc, "real": real_feats, "floor": floor, "floor_n": len(idx)}
 
 
 def format_metrics(result: dict) -> str:
@@ -242,6 +273,8 @@ def format_metrics(result: dict) -> str:
              f"  W2: {p['w2']}"]
     if p["classifier"]:
         lines.append(f"  classifier: {p['classifier']}; real held-out confidence {p['real_confidence']:.3f}")
+    if p.get("fd_cnn"):
+        lines.append(f"  {p['fd_cnn']}; floor (real training digits, same n) {p['fd_cnn_floor']:.3f}")
     if p["fid"]:
         lines.append(f"  FID: {p['fid']}")
     else:
@@ -250,6 +283,8 @@ def format_metrics(result: dict) -> str:
     head = f"  {'steps':>5} {'NFE':>4} {'W2 (pixels)':>16}"
     if p["classifier"]:
         head += f" {'class TV':>15} {'confidence':>15}"
+    if p.get("fd_cnn"):
+        head += f" {'FD-CNN':>15}"
     if p["fid"]:
         head += f" {'FID':>15}"
     lines.append(head)
@@ -257,6 +292,8 @@ def format_metrics(result: dict) -> str:
         line = f"  {r['steps']:>5} {r['nfe']:>4} {r['w2']:>8.3f} +- {r['w2_std']:.3f}"
         if p["classifier"]:
             line += f" {r['tv']:>7.3f} +- {r['tv_std']:.3f} {r['confidence']:>7.3f} +- {r['confidence_std']:.3f}"
+        if "fd_cnn" in r:
+            line += f" {r['fd_cnn']:>7.3f} +- {r['fd_cnn_std']:.3f}"
         if p["fid"]:
             line += f" {r['fid']:>7.2f} +- {r['fid_std']:.2f}"
         if r["nfe_breakdown"]:
@@ -268,6 +305,6 @@ def format_metrics(result: dict) -> str:
 def evaluate_images(run, seeds: int | None = None, n: int | None = None) -> str:
     result = image_metrics(run, seeds=seeds, n=n)
     for r in result["rows"]:
-        run.logger.log("eval", 0, {f"{k}_{r['steps']}": r[k] for k in ("w2", "tv", "confidence", "fid", "nfe")
+        run.logger.log("eval", 0, {f"{k}_{r['steps']}": r[k] for k in ("w2", "tv", "confidence", "fd_cnn", "fid", "nfe")
                                    if k in r})
     return format_metrics(result)

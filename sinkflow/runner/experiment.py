@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Iterable
@@ -12,6 +13,7 @@ import torch
 from sinkflow import config as config_mod
 from sinkflow import data, methods
 from sinkflow.data import sample_shape
+from sinkflow.data.atomic_write import atomic_write_text
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import TrainingStep
 from sinkflow.runner import dist
@@ -88,6 +90,8 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
             verify(run, phases)  # finished phases' final.pt and the newest step checkpoint: safe, this run's
         run.start()  # the lock (one writer per run folder), the resumed config, orphaned temp files
         if info.is_main:
+            record_split(run, target)
+        if info.is_main:
             log.info("run folder: %s", run.dir)
             log.info("method %s", method.describe(cfg))
             unread = config_mod.unread_preset_keys(cfg)
@@ -106,6 +110,14 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         run.logger.close()
         unlock_run(run.dir)
     return run
+
+
+def record_split(run, target) -> None:
+    """RUN/data_split.json: which images trained and which are held out (image sets only), so a result can
+    be traced to its split; rewritten identically on resume."""
+    info = getattr(target, "split_info", None)
+    if info:
+        atomic_write_text(run.dir / "data_split.json", json.dumps(info, indent=1))
 
 
 def verify(run, phases) -> None:

@@ -1,0 +1,460 @@
+"""NSGF++ vs OT-CFM vs FM on real 28x28 MNIST digits, scored by FD-CNN, at equal UNet steps and equal NFE.
+
+    OMP_NUM_THREADS=1 nohup python benchmarks/mnist.py --scale cpu --out runs/bench-mnist > mnist.log 2>&1 &
+    python benchmarks/mnist.py --scale gpu --gpu-fraction 0.1 --device cuda    # the paper's budget x 0.1
+
+Data: ``<data-root>/MNIST/raw`` through sinkflow's MNIST loader. With only the official t10k files there (as on
+our machines) that is the fixed, seeded 8,000 train / 2,000 test split of them (sinkflow.data.sources); with all
+four files, the official 60k/10k. ``--mnist-dir`` (default: $SINKFLOW_MNIST_DIR, else a ``shared/data/mnist-t10k``
+folder above this checkout) is linked into ``<out>/data`` when ``--data-root`` is not given.
+
+Budget: every method trains the same UNet config with the same batch, lr, warm-up, cosine schedule and EMA.
+NSGF++ trains the velocity UNet for V steps and the NSF UNet for N steps (plus its pool and a small
+time-predictor CNN, not UNet steps); FM and OT-CFM train one UNet for V + N steps (``unet_budget``).
+Sampling: FM / OT-CFM with uniform Euler at each NFE of --nfe and 100; NSGF++ at each total NFE as k NSGF steps
++ 1 predictor call + (total - 1 - k) NSF steps, k chosen per budget by FD-CNN on a validation split carved from
+the TRAINING digits (data.val_fraction; every method trains without them), never the test digits
+(``choose_split``). Score: FD-CNN (sinkflow.eval.fd_cnn: Fréchet distance in the features of a small CNN trained
+on the training split; not Inception FID) of --n generated digits against all held-out test digits, with its
+floor (--n real training digits against the same test digits); pixel W2, class-histogram TV and confidence
+beside it. Every method is trained per training seed; the table is mean ± std over training seeds.
+
+Resumable: finished training runs are reused (an unfinished one is resumed), and every score is written to
+``<out>/seed<S>/scores.json`` as soon as it exists, so a killed run repeats only the unfinished item.
+Outputs: ``<out>/results.json``, ``<out>/grids.png`` (64 samples of each method at each NFE, training seed of
+--grid-seed), ``<out>/table.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sinkflow.cli import main as cli
+from sinkflow.data.atomic_write import atomic_write_text
+from sinkflow.eval.images import image_metrics
+from sinkflow.eval.points import generate
+from sinkflow.runner.run import Run
+
+BASELINES = ("otcfm", "fm")
+LABEL = {"nsgfpp": "NSGF++", "otcfm": "OT-CFM", "fm": "FM"}
+PAPER = {"velocity": 50000, "nsf": 100000, "time": 40000, "pool": 1500}  # mnist preset (paper App. E.2)
+SCALES = {
+    # CPU: a small UNet (8 ch, 28-14-7, attention only in the middle block) and a budget one shared CPU
+    # thread finishes in about an hour per training seed (measured: benchmarks/RESULTS.md).
+    "cpu": {"channels": 8, "velocity": 250, "nsf": 250, "time": 200, "pool": 6, "batch": 32, "n": 200, "val_n": 100},
+    # GPU: the mnist preset's UNet and batch, the paper's iterations x --gpu-fraction.
+    "gpu": {"channels": 32, "velocity": PAPER["velocity"], "nsf": PAPER["nsf"], "time": PAPER["time"],
+            "pool": PAPER["pool"], "batch": 128, "n": 2000, "val_n": 800},
+    "quick": {"channels": 4, "velocity": 3, "nsf": 3, "time": 3, "pool": 2, "batch": 8, "n": 12, "val_n": 6},
+}
+
+
+def find_mnist_dir() -> Path | None:
+    """$SINKFLOW_MNIST_DIR, else the first ``shared/data/mnist-t10k`` in a folder above this file (worktrees
+    included), else None."""
+    env = os.environ.get("SINKFLOW_MNIST_DIR")
+    if env:
+        return Path(env)
+    for parent in Path(__file__).resolve().parents:
+        cand = parent / "shared" / "data" / "mnist-t10k"
+        if (cand / "t10k-images-idx3-ubyte.gz").is_file():
+            return cand
+    return None
+
+
+def link_mnist(src: Path, root: Path) -> Path:
+    """``root/MNIST/raw`` holding links to every MNIST IDX file (.gz or not) in ``src``; returns root."""
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for f in sorted(Path(src).iterdir()):
+        if "idx" in f.name and not (raw / f.name).exists():
+            (raw / f.name).symlink_to(f.resolve())
+    return root
+
+
+def budget(scale: str, fraction: float = 1.0) -> dict:
+    """The scale's sizes; on GPU the paper's iteration counts times ``fraction`` (at least 1 each)."""
+    b = dict(SCALES[scale])
+    if scale == "gpu":
+        for k in ("velocity", "nsf", "time", "pool"):
+            b[k] = max(1, round(b[k] * fraction))
+    return b
+
+
+def unet_budget(b: dict) -> int:
+    """UNet gradient steps every method gets: NSGF++'s velocity + NSF steps = a baseline's steps."""
+    return b["velocity"] + b["nsf"]
+
+
+def common_overrides(b: dict, data_root: Path, seed: int, device: str) -> list[str]:
+    unet = [f"model.{p}.{k}={v}" for p in ("velocity", "nsf") for k, v in
+            (("channels", b["channels"]), ("channel_mult", "[1,2,2]"), ("attention_resolutions", "[]"))]
+    train = [f"train.{p}.{k}={v}" for p in ("velocity", "nsf") for k, v in
+             (("batch_size", b["batch"]), ("lr", 0.002 if b["channels"] < 32 else 0.0002), ("warmup", 50),
+              ("schedule", "cosine"), ("ema", 0.99 if b["channels"] < 32 else 0.9999),
+              ("ckpt_every", max(1, b["velocity"] // 4)), ("log_every", 50))]
+    return [*unet, *train, f"data.root={data_root}", "data.download=false", "data.val_fraction=0.1",
+            f"experiment.seed={seed}", f"experiment.device={device}", "eval.class_n=null", "sample.batch_size=500"]
+
+
+def nsgfpp_overrides(b: dict) -> list[str]:
+    return [f"train.velocity.iters={b['velocity']}", f"train.nsf.iters={b['nsf']}", f"train.time.iters={b['time']}",
+            f"train.time.batch_size={min(128, 4 * b['batch'])}", f"train.time.ckpt_every={max(1, b['time'] // 2)}",
+            "model.time.channels=[8,16,32,32]" if b["channels"] < 32 else "model.time.channels=[32,64,128,256]",
+            f"pool.batches={b['pool']}", f"pool.chunk={max(1, min(50, b['pool']))}", "pool.storage=memory",
+            "pool.dtype=float32", "nsgf.segment=0.5"]
+
+
+def train(out: Path, name: str, args: list[str]) -> tuple[Run, float]:
+    """Train (or reuse, or resume) run ``out/name``; returns the run and the wall seconds spent now."""
+    t0 = time.perf_counter()
+    folder = out / name
+    wait_unlocked(folder)
+    if (folder / "config.yaml").exists():
+        run = Run.open(folder)
+        if all(run.phase_done(p) for p in phase_names(run.cfg)):
+            return run, 0.0
+        rc = cli(["train", "--resume", str(folder), "--no-report"])
+    else:
+        rc = cli(["train", "mnist", *args, f"experiment.runs_dir={out}", "--name", name, "--no-report"])
+    if rc != 0:
+        sys.exit(f"training {folder} failed (exit {rc})")
+    return Run.open(folder), time.perf_counter() - t0
+
+
+def wait_unlocked(folder: Path, poll_s: float = 30.0) -> None:
+    """Wait while another process writes the run folder (e.g. the same run started by hand to use a free core),
+    then resume or reuse what it left instead of failing on its lock."""
+    import fcntl
+
+    lock = folder / ".lock"
+    while lock.is_file():
+        with open(lock) as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                log(f"{folder} is being written by pid {lock.read_text().strip()}; waiting")
+                time.sleep(poll_s)
+                continue
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            return
+
+
+def phase_names(cfg: dict) -> list[str]:
+    return ["pool", "velocity", "time", "nsf"] if cfg["experiment"]["method"] == "nsgfpp" else ["velocity"]
+
+
+def split_candidates(total: int) -> list[int]:
+    """NSGF step counts k tried for a total NFE budget: about 1/4 and 1/2 of it, and all but one NSF step
+    (the best on the 8x8 digits, docs/nsgfpp.md); each leaves one predictor call and at least one NSF step
+    (k > pool.steps integrates the pool's span more finely)."""
+    if total < 3:
+        raise SystemExit(f"an NFE budget of {total} leaves no NSF step: use at least 3")
+    return sorted({min(total - 2, max(1, round(total * f))) for f in (0.25, 0.5)} | {total - 2})
+
+
+def choose_split(val_fd: dict) -> int:
+    """The k with the lowest validation FD-CNN (ties to fewer NSGF steps)."""
+    return min(val_fd, key=lambda k: (val_fd[k], k))
+
+
+class Scores:
+    """``scores.json`` of one training seed: every finished score, written atomically as it is made. Re-read
+    before each item and merged on write, so runs with different ``--methods`` can fill one file side by side."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.data = self._read()
+
+    def _read(self) -> dict:
+        return json.loads(self.path.read_text()) if self.path.is_file() else {}
+
+    def get(self, key: str, make):
+        self.data.update(self._read())
+        if key not in self.data:
+            value = make()
+            self.data = {**self._read(), key: value}
+            atomic_write_text(self.path, json.dumps(self.data, indent=1))
+        return self.data[key]
+
+
+def score(run, steps: int, n: int, split: str = "test") -> dict:
+    t0 = time.perf_counter()
+    r = image_metrics(run, seeds=1, n=n, steps_list=[steps], split=split)
+    row, p = r["rows"][0], r["protocol"]
+    return {"nfe": row["nfe"], "fd_cnn": row["fd_cnn"], "w2": row["w2"], "tv": row["tv"], "conf": row["confidence"],
+            "floor": p["fd_cnn_floor"], "real_conf": p["real_confidence"], "sample_s": time.perf_counter() - t0}
+
+
+def save_samples(run, steps: int, path: Path) -> None:
+    if not path.is_file():
+        x = generate(run, 64, steps, seed=7)[0].clamp(-1, 1)
+        np.save(path, ((x + 1) * 127.5).round().to(torch.uint8).numpy(), allow_pickle=False)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def bench_seed(out: Path, seed: int, b: dict, data_root: Path, nfe: list[int], device: str,
+               which: tuple = ("nsgfpp", *BASELINES), extra: tuple = ()) -> dict:
+    """One training seed: NSGF++ (split per budget chosen on validation), OT-CFM and FM, scored on the test
+    digits. Resumable: scores.json and the run folders are reused."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    os.environ.setdefault("SINKFLOW_PROGRESS", "0")
+    out = out / f"seed{seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    sc = Scores(out / "scores.json")
+    common = common_overrides(b, data_root, seed, device)
+    res = {"scores": {}, "split": {}, "val": {}, "wall": {}}
+    if "nsgfpp" in which:
+        nsgfpp_seed(out, seed, b, nfe, sc, common, res, extra)
+    for method in [m for m in BASELINES if m in which]:
+        label = LABEL[method]
+        log(f"seed {seed}: {label} training")
+        run, wall = train(out, method, [*common, "--method", method, f"train.velocity.iters={unet_budget(b)}"])
+        res["wall"][label] = sc.get(f"wall {label}", lambda: wall)
+        res["scores"][label] = {}
+        for steps in [*nfe, 100]:
+            res["scores"][label][steps] = sc.get(f"test {label} {steps}", lambda: score(run, steps, b["n"]))
+            save_samples(run, steps, out / f"samples-{method}-{steps}.npy")
+            log(f"seed {seed}: {label} NFE {steps}: {res['scores'][label][steps]}")
+    return res
+
+
+def nsgfpp_seed(out: Path, seed: int, b: dict, nfe: list[int], sc: Scores, common: list[str], res: dict,
+                extra: tuple = ()) -> None:
+    """NSGF++ of one training seed: trained (``extra`` overrides last), its split per budget chosen on the
+    validation digits, then scored once on the test digits with that split."""
+    log(f"seed {seed}: NSGF++ training")
+    run, wall = train(out, "nsgfpp", [*common, *nsgfpp_overrides(b), *extra])
+    res["wall"]["NSGF++"] = sc.get("wall NSGF++", lambda: wall)
+    preset_k = run.cfg["sample"]["nsgf_steps"]
+    res["scores"]["NSGF++"] = {}
+    for total in nfe:
+        val = {}
+        for k in split_candidates(total):
+            def val_fd(k=k):
+                run.cfg["sample"]["nsgf_steps"] = k
+                return score(run, total - 1 - k, b["val_n"], split="val")["fd_cnn"]
+            val[k] = sc.get(f"val NSGF++ {total} k{k}", val_fd)
+        k = choose_split(val)
+        res["split"][total], res["val"][total] = k, val
+        run.cfg["sample"]["nsgf_steps"] = k
+        res["scores"]["NSGF++"][total] = sc.get(f"test NSGF++ {total}", lambda: score(run, total - 1 - k, b["n"]))
+        save_samples(run, total - 1 - k, out / f"samples-nsgfpp-{total}.npy")
+        log(f"seed {seed}: NSGF++ NFE {total}: k={k} (val FD {val}) test {res['scores']['NSGF++'][total]}")
+    run.cfg["sample"]["nsgf_steps"] = preset_k
+
+
+def plain(obj):
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    return [plain(v) for v in obj] if isinstance(obj, (list, tuple)) else obj
+
+
+def ms(values: list[float], fmt: str = ".2f") -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):{fmt}} ± {sd:{fmt}}"
+
+
+def cells(per_seed: list[dict], label: str, total: int, metric: str) -> list[float]:
+    """``metric`` of ``label`` at ``total`` NFE for every training seed that has it (a partial report skips
+    the rest and says how many seeds a cell holds)."""
+    return [r["scores"][label][total][metric] for r in per_seed if total in r["scores"].get(label, {})]
+
+
+def table(per_seed: list[dict], nfe: list[int]) -> str:
+    lines = ["| method | NFE | FD-CNN ↓ | pixel W2 ↓ | class TV ↓ | confidence ↑ | NSGF steps k (per seed) |",
+             "|---|---|---|---|---|---|---|"]
+    for total in [*nfe, 100]:
+        for label in ("NSGF++", "OT-CFM", "FM"):
+            got = {m: cells(per_seed, label, total, m) for m in ("fd_cnn", "w2", "tv", "conf")}
+            if not got["fd_cnn"]:
+                continue
+            name = label if len(got["fd_cnn"]) == len(per_seed) else f"{label} ({len(got['fd_cnn'])} seeds)"
+            ks = "/".join(str(r["split"][total]) for r in per_seed if total in r["split"]) if label == "NSGF++" else ""
+            lines.append(f"| {name} | {total} | {ms(got['fd_cnn'], '.2f')} | {ms(got['w2'], '.3f')} | "
+                         f"{ms(got['tv'], '.3f')} | {ms(got['conf'], '.3f')} | {ks} |")
+    any_score = next(v for r in per_seed for m in r["scores"].values() for v in m.values())
+    lines.append(f"| real training digits (FD floor, same n) | - | {any_score['floor']:.2f} | | | "
+                 f"{any_score['real_conf']:.3f} (held-out digits) | |")
+    return "\n".join(lines)
+
+
+def per_seed_rows(per_seed: list[dict], seeds: list[int], nfe: list[int]) -> str:
+    lines = ["| NFE | " + " | ".join(f"seed {s}: NSGF++ / OT-CFM / FM" for s in seeds) + " |",
+             "|---|" + "---|" * len(seeds)]
+    for total in nfe:
+        row = [" / ".join(f"{r['scores'][lb][total]['fd_cnn']:.2f}" if total in r["scores"].get(lb, {}) else "-"
+                          for lb in ("NSGF++", "OT-CFM", "FM")) for r in per_seed]
+        lines.append(f"| {total} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def verdict(per_seed: list[dict], nfe: list[int]) -> list[str]:
+    """The issue's targets on means over training seeds: NSGF++ FD-CNN below OT-CFM's at each NFE < 60,
+    and at 60 within 10% of OT-CFM at 100."""
+    lines = []
+    for total in nfe:
+        a, o = cells(per_seed, "NSGF++", total, "fd_cnn"), cells(per_seed, "OT-CFM", 100 if total == 60 else total, "fd_cnn")
+        if not a or not o or total > 60:
+            continue
+        a, o = statistics.fmean(a), statistics.fmean(o)
+        if total < 60:
+            lines.append(f"NFE {total}: NSGF++ {a:.2f} vs OT-CFM {o:.2f}: {'MET' if a < o else 'MISSED'}")
+        else:
+            lines.append(f"NFE 60 vs OT-CFM at 100: {a:.2f} vs {o:.2f} (ratio {a / o:.3f}): "
+                         f"{'MET' if a <= 1.1 * o else 'MISSED'} (target: within 10%)")
+    return lines
+
+
+def from_scores(out: Path, seed: int, nfe: list[int]) -> dict:
+    """A training seed's result rebuilt from its scores.json alone (``--report-only``: whatever is finished)."""
+    path = out / f"seed{seed}" / "scores.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    res = {"scores": {lb: {} for lb in LABEL.values()}, "split": {}, "val": {}, "wall": {}}
+    for key, v in data.items():
+        kind, *rest = key.split(" ")
+        if kind == "test":
+            res["scores"][rest[0]][int(rest[1])] = v
+        elif kind == "val":
+            res["val"].setdefault(int(rest[1]), {})[int(rest[2][1:])] = v
+        elif kind == "wall":
+            res["wall"][rest[0]] = v
+    for total in res["scores"]["NSGF++"]:
+        res["split"][total] = choose_split(res["val"][total])
+    return res
+
+
+def grids(out: Path, seed: int, nfe: list[int]) -> Path:
+    """One PNG: a row per method, a column per NFE, each cell 64 samples of training seed ``seed``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from torchvision.utils import make_grid
+
+    cols = [*nfe, 100]
+    fig, axes = plt.subplots(3, len(cols), figsize=(2.2 * len(cols), 7), squeeze=False)
+    for r, method in enumerate(("nsgfpp", *BASELINES)):
+        for c, n in enumerate(cols):
+            ax = axes[r][c]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            f = out / f"seed{seed}" / f"samples-{method}-{n}.npy"
+            if f.is_file():
+                x = torch.from_numpy(np.load(f, allow_pickle=False)).float() / 255
+                ax.imshow(make_grid(x, nrow=8, padding=1, pad_value=1.0)[0].numpy(), cmap="gray", vmin=0, vmax=1)
+            else:
+                ax.axis("off")
+            if r == 0 or (n == 100 and r == 1):
+                ax.set_title(f"NFE {n}", fontsize=10)
+            if c == 0:
+                ax.set_ylabel(LABEL[method], fontsize=11)
+    fig.suptitle(f"MNIST samples (training seed {seed}); NSGF++ at each budget with its validation-chosen split")
+    fig.tight_layout()
+    path = out / "grids.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def prepare_scorers(data_root: Path) -> None:
+    """Decode the digits and fit the scoring classifiers once, before the workers (which then read the caches)."""
+    from sinkflow.data.images import build_image_distribution
+    from sinkflow.eval.fd_cnn import train_cnn
+    from sinkflow.eval.images import digit_classifier
+
+    target = build_image_distribution("mnist", {"root": str(data_root), "val_fraction": 0.1})
+    digit_classifier(target, str(data_root))
+    acc = train_cnn(target, str(data_root))[1]
+    log(f"FD-CNN classifier: held-out accuracy {acc:.4f} ({len(target.images)} training digits)")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/bench-mnist")
+    ap.add_argument("--scale", choices=("cpu", "gpu", "quick"), default="cpu",
+                    help="cpu: small UNet budget for a CPU session; gpu: the paper's budget x --gpu-fraction; "
+                         "quick: tiny, to check the script runs")
+    ap.add_argument("--gpu-fraction", type=float, default=0.1, help="--scale gpu: fraction of the paper's iterations")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--train-seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--workers", type=int, default=1, help="training seeds run in parallel, one thread each")
+    ap.add_argument("--nfe", type=int, nargs="+", default=[6, 13, 26, 60], help="total NFE budgets (100 is added "
+                    "for the baselines)")
+    ap.add_argument("--data-root", help="data.root holding MNIST/raw (default: <out>/data, linked from --mnist-dir)")
+    ap.add_argument("--mnist-dir", help="folder with the MNIST IDX files (.gz or not) to link into <out>/data")
+    ap.add_argument("--grid-seed", type=int, default=None, help="training seed shown in grids.png (default: first)")
+    ap.add_argument("--methods", nargs="+", choices=("nsgfpp", *BASELINES), default=["nsgfpp", *BASELINES],
+                    help="methods this invocation trains and scores (run several side by side to use more cores; "
+                         "they share seed*/scores.json); the table reads every score there")
+    ap.add_argument("--report-only", action="store_true", help="write the table from the scores finished so far "
+                    "(<out>/seed*/scores.json); trains and samples nothing")
+    ap.add_argument("extra", nargs="*", help="config overrides for the NSGF++ runs only (probes), e.g. "
+                    "nsgf.nsf_t_min=0.5 sinkhorn.blur=0.5")
+    for k in ("velocity", "nsf", "time", "pool", "n"):
+        ap.add_argument(f"--{k}", type=int, help=f"override the scale's {k} budget")
+    args = ap.parse_args(argv)
+    b = budget(args.scale, args.gpu_fraction)
+    b.update({k: getattr(args, k) for k in ("velocity", "nsf", "time", "pool", "n") if getattr(args, k)})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.data_root:
+        data_root = Path(args.data_root)
+    else:
+        src = Path(args.mnist_dir) if args.mnist_dir else find_mnist_dir()
+        if src is None or not src.is_dir():
+            ap.error("no MNIST files: pass --data-root (holding MNIST/raw) or --mnist-dir, or set SINKFLOW_MNIST_DIR")
+        data_root = link_mnist(src, out / "data")
+    nfe = sorted(set(args.nfe))
+    start = time.perf_counter()
+    if not args.report_only:
+        prepare_scorers(data_root.resolve())
+    jobs = [(out, s, b, data_root.resolve(), nfe, args.device, tuple(args.methods), tuple(args.extra))
+            for s in args.train_seeds]
+    if not args.report_only and args.workers > 1:
+        with ProcessPoolExecutor(args.workers) as pool:
+            list(pool.map(bench_seed, *zip(*jobs)))
+    elif not args.report_only:
+        for j in jobs:
+            bench_seed(*j)
+    per_seed = [from_scores(out, s, nfe) for s in args.train_seeds]  # every method's scores, whoever made them
+    png = grids(out, args.grid_seed if args.grid_seed is not None else args.train_seeds[0], nfe)
+    split = json.loads((out / f"seed{args.train_seeds[0]}" / "nsgfpp" / "data_split.json").read_text())
+    head = [f"Command: `python benchmarks/mnist.py {' '.join(sys.argv[1:] if argv is None else argv)}`; machine "
+            f"{platform.node()} ({os.cpu_count()} cores, {args.device}), torch {torch.__version__}; "
+            f"{time.strftime('%Y-%m-%d %H:%M')}; this invocation's wall {(time.perf_counter() - start) / 60:.1f} min.",
+            f"Budget ({args.scale}{f' x {args.gpu_fraction}' if args.scale == 'gpu' else ''}): UNet {b['channels']} ch "
+            f"[1,2,2], batch {b['batch']}; NSGF++ = pool {b['pool']}x256x5 + {b['velocity']} velocity + {b['nsf']} NSF "
+            f"UNet steps + {b['time']} time-predictor steps; OT-CFM / FM = {unet_budget(b)} UNet steps"
+            + (f"; NSGF++ overrides: {' '.join(args.extra)}." if args.extra else "."),
+            f"Data: {split['layout']} layout, {split['n_train']} train ({split['n_val']} of them validation) / "
+            f"{split['n_test']} test digits; FD-CNN of {b['n']} generated digits vs all {split['n_test']} test digits "
+            f"(NSGF++'s k chosen on {b['val_n']} generated vs the {split['n_val']} validation digits).", ""]
+    text = "\n".join([*head, table(per_seed, nfe), "", "FD-CNN per training seed:", "",
+                      per_seed_rows(per_seed, args.train_seeds, nfe), "", *verdict(per_seed, nfe)])
+    partial = args.report_only or set(args.methods) != {"nsgfpp", *BASELINES}
+    tag = "-partial" if partial else ""  # a partial report never replaces the finished one
+    atomic_write_text(out / f"results{tag}.json", json.dumps({"argv": sys.argv[1:] if argv is None else argv, "budget": b,
+                      "train_seeds": args.train_seeds, "nfe": nfe, "data_split": split,
+                      "per_seed": plain(per_seed)}, indent=1))
+    atomic_write_text(out / f"table{tag}.md", text + "\n")
+    print(text)
+    print(f"\nwrote {out / f'results{tag}.json'}, {out / f'table{tag}.md'}, {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""FD-CNN (sinkflow.eval.fd_cnn): the Fréchet formula against direct numpy computations, its classifier cache
+(arrays only, keyed on the data), and the Inception-FID path through a tiny network of the same interface."""
+
+import pickle
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from sinkflow.eval import fd_cnn
+
+
+def direct_fd(a: np.ndarray, b: np.ndarray) -> float:
+    """The Fréchet distance by an eigen-decomposition: tr (S1 S2)^1/2 = sum sqrt(eig(S1^1/2 S2 S1^1/2))."""
+    m1, m2 = a.mean(0), b.mean(0)
+    s1, s2 = np.atleast_2d(np.cov(a, rowvar=False)), np.atleast_2d(np.cov(b, rowvar=False))
+    w, v = np.linalg.eigh(s1)
+    root = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+    cross = np.linalg.eigvalsh(root @ s2 @ root)
+    return float(((m1 - m2) ** 2).sum() + np.trace(s1) + np.trace(s2) - 2 * np.sqrt(np.clip(cross, 0, None)).sum())
+
+
+def test_frechet_distance_is_zero_for_identical_sets():
+    a = np.random.default_rng(0).normal(size=(200, 8))
+    assert fd_cnn.fd(a, a) == pytest.approx(0.0, abs=1e-8)
+    assert fd_cnn.fd(a, a + 0.5) == pytest.approx(8 * 0.25, rel=1e-6)  # a shift costs exactly |shift|^2
+
+
+def test_frechet_distance_matches_a_direct_numpy_computation():
+    rng = np.random.default_rng(1)
+    for d in (1, 3, 6):
+        mix = rng.normal(size=(d, d))
+        a = rng.normal(size=(300, d)) @ mix + 1.0
+        b = rng.normal(size=(250, d)) * rng.uniform(0.5, 2, size=d)
+        assert fd_cnn.fd(a, b) == pytest.approx(direct_fd(a, b), rel=1e-6, abs=1e-8)
+    # closed forms: 1-d Gaussians (m1 - m2)^2 + (s1 - s2)^2; diagonal covariances sum (sqrt(a) - sqrt(b))^2
+    assert fd_cnn.frechet_distance([1.0], [[4.0]], [3.0], [[9.0]]) == pytest.approx(4 + 1)
+    assert fd_cnn.frechet_distance(np.zeros(2), np.diag([1.0, 4.0]), np.zeros(2), np.diag([9.0, 1.0])) == pytest.approx(4 + 1)
+
+
+def toy_target(seed=0, n=1024, n_test=60):
+    """A labelled 8x8 'digit' set the CNN can learn: class c lights row c of the image."""
+    rng = np.random.default_rng(seed)
+
+    def make(k):
+        y = rng.integers(0, 8, size=k)
+        x = rng.integers(0, 60, size=(k, 1, 8, 8)).astype(np.uint8)
+        x[np.arange(k), 0, y, :] = 255
+        return x, y
+
+    (x, y), (xt, yt) = make(n), make(n_test)
+    return SimpleNamespace(name="toy", shape=(1, 8, 8), images=x, labels=y, test_images=xt, test_labels=yt)
+
+
+def test_classifier_cache_is_arrays_only_and_rebuilt_when_the_data_changes(tmp_path, monkeypatch):
+    target = toy_target()
+    net, acc = fd_cnn.train_cnn(target, tmp_path)
+    assert acc > 0.5  # the held-out accuracy it reports is real (chance: 1/8)
+    (cache,) = (tmp_path / "cache").glob("fdcnn-toy-*.npz")
+    with np.load(cache, allow_pickle=False) as z:  # plain arrays: loads with pickles refused
+        assert all(z[k].dtype != object for k in z.files) and "accuracy" in z.files
+    feats = fd_cnn.features(net, target.test_images)
+    assert feats.shape == (60, fd_cnn.FEATURES)
+
+    trained = []
+    real_adam = torch.optim.Adam
+    monkeypatch.setattr(torch.optim, "Adam", lambda *a, **k: trained.append(1) or real_adam(*a, **k))
+    again, acc2 = fd_cnn.train_cnn(target, tmp_path)  # same data: read back, not retrained
+    assert not trained and acc2 == acc
+    np.testing.assert_array_equal(fd_cnn.features(again, target.test_images), feats)
+
+    changed = toy_target()
+    changed.images = changed.images.copy()
+    changed.images[0, 0, 0, 0] ^= 1  # one pixel of one training digit
+    fd_cnn.train_cnn(changed, tmp_path)
+    assert trained and len(list((tmp_path / "cache").glob("fdcnn-toy-*.npz"))) == 2  # a new key, a new network
+
+    marker = tmp_path / "pwned"
+    cache.write_bytes(pickle.dumps(_Planted(marker)))  # a planted pickle under the cache's name is never unpickled
+    _, acc3 = fd_cnn.train_cnn(target, tmp_path)
+    assert not marker.exists() and acc3 == acc  # retrained (seeded: the same network) and rewritten
+    with np.load(cache, allow_pickle=False) as z:
+        assert "accuracy" in z.files
+
+
+class _Planted:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+class TinyExtractor(torch.nn.Module):
+    """torchmetrics' custom feature-extractor interface, as the Inception network: (N, 3, H, W) floats in
+    [0, 1] -> (N, d) features, ``num_features`` = d."""
+
+    num_features = 4
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(3 * 4, 4)
+        torch.nn.init.orthogonal_(self.proj.weight)
+
+    def forward(self, x):
+        return self.proj(torch.nn.functional.adaptive_avg_pool2d(x.float(), 2).flatten(1))
+
+
+def test_inception_fid_path_with_a_tiny_network_of_the_same_interface():
+    pytest.importorskip("torchmetrics")
+    from sinkflow.eval.images import fid
+
+    torch.manual_seed(0)
+    net = TinyExtractor()
+    real = torch.rand(64, 1, 8, 8) * 2 - 1
+    fake = (torch.rand(64, 1, 8, 8) * 1.5 - 0.9).clamp(-1, 1)
+    with torch.no_grad():
+        feats = lambda x: net(((x + 1) / 2).expand(-1, 3, -1, -1)).double().numpy()  # noqa: E731
+        want = direct_fd(feats(fake), feats(real))
+    assert fid(fake, real, None, extractor=net) == pytest.approx(want, rel=1e-4)
+    assert fid(real, real, None, extractor=net) == pytest.approx(0.0, abs=1e-6)
