@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sinkflow import config
 from sinkflow.cli import main as cli
 from sinkflow.data.atomic_write import atomic_write_text
 from sinkflow.eval.images import image_metrics
@@ -223,7 +224,9 @@ def bench_seed(out: Path, seed: int, b: dict, data_root: Path, nfe: list[int], d
     for method in [m for m in BASELINES if m in which]:
         label = LABEL[method]
         log(f"seed {seed}: {label} training")
-        run, wall = train(out, method, [*common, "--method", method, f"train.velocity.iters={unet_budget(b)}"])
+        keys = [a for a in common if "=" in a]  # a baseline gets only the overrides it reads (no pool, nsf, time)
+        base = [a for a in common if "=" not in a] + config.read_overrides("mnist", method, keys)
+        run, wall = train(out, method, [*base, "--method", method, f"train.velocity.iters={unet_budget(b)}"])
         res["wall"][label] = sc.get(f"wall {label}", lambda: wall)
         res["scores"][label] = {}
         for steps in [*nfe, 100]:

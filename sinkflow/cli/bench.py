@@ -21,6 +21,7 @@ from sinkflow.errors import SinkflowError
 from sinkflow.runner.callbacks import Callback
 from sinkflow.runner.experiment import run_phases
 from sinkflow.runner.run import Run
+from sinkflow.tools.throughput import batch_rows
 
 
 def add_parser(sub):
@@ -65,7 +66,7 @@ class StepTimer(Callback):
         if self._last_end is not None:
             self.data.append(self._start - self._last_end)
             self.compute.append(end - self._start)
-            self.samples = _batch_rows(batch)
+            self.samples = batch_rows(batch)
         self._last_end = end
 
     def on_phase_end(self, trainer) -> None:
@@ -80,14 +81,6 @@ class StepTimer(Callback):
         d, c = sum(data) / len(data), sum(compute) / len(compute)
         return {"phase": phase, "steps": len(data), "step_ms": 1e3 * (d + c), "data_ms": 1e3 * d,
                 "compute_ms": 1e3 * c, "data_fraction": d / (d + c), "samples_per_s": self.samples / (d + c)}
-
-
-def _batch_rows(batch) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
-    if isinstance(batch, dict):
-        return _batch_rows(next(iter(batch.values())))
-    return _batch_rows(batch[0])
 
 
 def run_cut(cfg: dict, total: int, callbacks: list) -> None:
