@@ -17,6 +17,15 @@ def train(name, *extra, method="nsgf"):
     return main(["train", *extra, *tiny_2d(method), "--name", name])
 
 
+def test_no_preset_named_trains_the_default_preset(runs_dir, capsys):
+    """`make demo` runs `sinkflow train` with no preset: the default preset, its name written into config.yaml."""
+    tiny = [a for a in tiny_2d("nsgf") if not a.startswith("--name")]
+    assert main(["train", *tiny, "--name", "d", "--no-report"]) == 0
+    from sinkflow.runner.run import read_config
+
+    assert read_config(runs_dir / "d")["experiment"]["preset"] == "8gaussians-moons"
+
+
 @pytest.mark.parametrize("preset", PRESETS_2D)
 def test_preset_end_to_end(preset, runs_dir, capsys):
     assert train("r", preset) == 0

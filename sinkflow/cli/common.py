@@ -50,7 +50,7 @@ def split_preset(args) -> None:
 
 def resolve_args(args) -> dict:
     split_preset(args)
-    return config.resolve(args.preset, args.overrides, shorthands(args))
+    return config.resolve(str(args.preset), args.overrides, shorthands(args))  # a plain str: config.yaml dumps it
 
 
 # ---- counts and sizes: one place, the same one-line errors for every command ------------------------------
