@@ -61,3 +61,25 @@ def link_t10k(root: Path) -> Path:
     for name in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
         (raw / name).symlink_to(src / name)
     return root
+
+
+def nan_gradient_phase(cfg, bad_call, ot_pairs=False):
+    """A velocity phase whose loss stays finite but whose gradients are NaN on call ``bad_call`` (sqrt at 0:
+    value 0, gradient inf * 0 = NaN)."""
+    import torch
+
+    from sinkflow import methods
+    from sinkflow.methods.flow_matching import InterpolantStep, velocity_loss
+
+    source, target = methods.distributions(cfg)
+    calls = []
+
+    class Poisoned(InterpolantStep):
+        def loss(self, model, batch):
+            calls.append(1)
+            value = velocity_loss(model, batch)
+            if len(calls) == bad_call:
+                value = value + torch.sqrt(0.0 * sum(p.sum() for p in model.parameters()))
+            return value
+
+    return Poisoned("velocity", source, target, ot_pairs=ot_pairs)

@@ -18,6 +18,7 @@ from sinkflow.runner.prefetch import BatchPrefetcher, use_prefetch
 from sinkflow.runner.run import Run
 from sinkflow.runner.signals import Interrupted
 from sinkflow.runner.trainer import Trainer
+from helpers import nan_gradient_phase
 
 
 def moons_cfg(*overrides, method="otcfm", iters=12):
@@ -130,22 +131,6 @@ def test_prefetch_on_trains_the_same_weights_and_resumes_bit_equal(runs_dir):
     assert all(torch.equal(plain[k], resumed[k]) for k in plain)
 
 
-def poisoned_step(cfg, bad_call):
-    """Loss finite, gradients NaN on call ``bad_call`` (sqrt at 0)."""
-    source, target = methods.distributions(cfg)
-    calls = []
-
-    class Poisoned(InterpolantStep):
-        def loss(self, model, batch):
-            calls.append(1)
-            value = velocity_loss(model, batch)
-            if len(calls) == bad_call:
-                value = value + torch.sqrt(0.0 * sum(p.sum() for p in model.parameters()))
-            return value
-
-    return Poisoned("velocity", source, target, ot_pairs=True)
-
-
 class Snapshots(Callback):
     def __init__(self):
         self.weights = {}
@@ -171,7 +156,7 @@ def test_device_skip_never_applies_a_bad_update_and_stops_at_the_next_check(runs
     cfg["experiment"]["name"] = "skip"
     run = Run.create(cfg)
     snaps = Snapshots()
-    trainer = Trainer(run, poisoned_step(cfg, 3), [snaps])
+    trainer = Trainer(run, nan_gradient_phase(cfg, 3, ot_pairs=True), [snaps])
     with pytest.raises(SinkflowError) as e:
         trainer.fit()
     assert trainer.skip_on_device

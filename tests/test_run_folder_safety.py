@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import TINY_2D, cli, snapshot
+from helpers import TINY_2D, cli, nan_gradient_phase, snapshot
 from sinkflow.cli import main
 from sinkflow.errors import SinkflowError
 
@@ -116,25 +116,6 @@ def test_sinkflow_checkpoints_load_with_weights_only(base_run):
 
 
 # ---- 2. the last good checkpoint is good -------------------------------------------------------------
-
-def nan_gradient_phase(cfg, bad_call):
-    """A velocity phase whose loss stays finite but whose gradients are NaN on call ``bad_call``."""
-    from sinkflow import methods
-    from sinkflow.methods.flow_matching import InterpolantStep, velocity_loss
-
-    source, target = methods.distributions(cfg)
-    calls = []
-
-    class Poisoned(InterpolantStep):
-        def loss(self, model, batch):
-            calls.append(1)
-            value = velocity_loss(model, batch)
-            if len(calls) == bad_call:  # sqrt at 0: value 0, gradient inf * 0 = NaN
-                value = value + torch.sqrt(0.0 * sum(p.sum() for p in model.parameters()))
-            return value
-
-    return Poisoned("velocity", source, target)
-
 
 @pytest.mark.parametrize("bad_step,kept", [(6, "step_00000004.pt (step 4) is kept"), (1, "no checkpoint")])
 def test_non_finite_gradient_is_never_applied_nor_checkpointed(runs_dir, bad_step, kept):
