@@ -38,17 +38,17 @@ from sinkflow.cli import main as cli
 from sinkflow.eval.images import class_stats, digit_classifier, image_metrics, save_grid
 from sinkflow.eval.points import generate
 from sinkflow.ot import w2
-from sinkflow.runner.run import Run
+from sinkflow.runtime.run_folder import RunFolder
 
 HOLD_OUT = ["data.val_fraction=0.1"]  # every method fits the same images; the validation split picks NSGF++'s split
 
 
-def train(out: Path, name: str, *args) -> tuple[Run, float]:
+def train(out: Path, name: str, *args) -> tuple[RunFolder, float]:
     t0 = time.perf_counter()
     rc = cli(["train", "digits", *args, f"experiment.runs_dir={out}", "--name", name, "--device", "cpu", "--no-report"])
     if rc != 0:
         sys.exit(f"training {name} failed (exit {rc})")
-    return Run.open(out / name), time.perf_counter() - t0
+    return RunFolder.open(out / name), time.perf_counter() - t0
 
 
 def scores(result) -> dict:

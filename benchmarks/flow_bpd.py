@@ -44,7 +44,7 @@ def level_array(images, n_bins: int):
     import torch
 
     from sinkflow.flows import to_levels
-    from sinkflow.methods.flow import pixel_levels
+    from sinkflow.methods.normalizing_flow import pixel_levels
 
     x = torch.from_numpy(np.array(images)).float() * (2 / 255) - 1
     return to_levels(pixel_levels(x, n_bins), n_bins).reshape(len(x), -1).numpy()
@@ -53,11 +53,11 @@ def level_array(images, n_bins: int):
 def checkpoint_bpd(run, path, images, seeds: int = 3) -> tuple[float, float]:
     import torch
 
-    from sinkflow.methods.flow import test_bpd
+    from sinkflow.methods.normalizing_flow import test_bpd
     from sinkflow.data import sample_shape
-    from sinkflow.runner.run import build_phase_model
+    from sinkflow.runtime.run_folder import build_phase_model
 
-    from sinkflow.runner.checkpoint import load
+    from sinkflow.runtime.checkpoint import load
 
     state = load(path)  # weights only: a checkpoint never runs code
     model = build_phase_model(run.cfg, "flow", sample_shape(run.cfg))
@@ -73,11 +73,11 @@ def temperature_grid(run, path, out, temps=(1.0, 0.8, 0.6), n: int = 64) -> Path
     from torchvision.utils import make_grid, save_image
 
     from sinkflow.flows import postprocess
-    from sinkflow.methods.flow import decode
+    from sinkflow.methods.normalizing_flow import decode
     from sinkflow.data import sample_shape
-    from sinkflow.runner.run import build_phase_model
+    from sinkflow.runtime.run_folder import build_phase_model
 
-    from sinkflow.runner.checkpoint import load
+    from sinkflow.runtime.checkpoint import load
 
     state = load(path)  # weights only: a checkpoint never runs code
     model = build_phase_model(run.cfg, "flow", sample_shape(run.cfg))
@@ -99,9 +99,9 @@ def train_and_measure(preset: str, mode: str, runs_dir: Path, iters: int | None,
     from sinkflow import methods
     from sinkflow.cli import main
     from sinkflow.flows.baselines import baselines
-    from sinkflow.methods.flow import select_checkpoint
+    from sinkflow.methods.normalizing_flow import select_checkpoint
     from sinkflow.models import count_parameters
-    from sinkflow.runner.run import Run
+    from sinkflow.runtime.run_folder import RunFolder
 
     name = f"{preset}-{mode}"
     args = ["train", preset, f"model.flow.memory={mode}", f"experiment.runs_dir={runs_dir}", "--name", name,
@@ -112,7 +112,7 @@ def train_and_measure(preset: str, mode: str, runs_dir: Path, iters: int | None,
     if main(args) != 0:
         raise SystemExit(f"training {name} failed")
     wall = time.perf_counter() - start
-    run = Run.open(runs_dir / name)
+    run = RunFolder.open(runs_dir / name)
     cfg = run.cfg
     n_bins = cfg["model"]["flow"]["n_bins"]
     _, target = methods.distributions(cfg)

@@ -27,10 +27,10 @@ import torch
 from sinkflow import config
 from sinkflow.methods import distributions, nsgf
 from sinkflow.methods.pool import choose_in_flight
-from sinkflow.runner.callbacks import Callback
-from sinkflow.runner.rng import device_generator
-from sinkflow.runner.run import Run
-from sinkflow.runner.trainer import Trainer
+from sinkflow.runtime.callbacks import Callback
+from sinkflow.runtime.rng import device_generator
+from sinkflow.runtime.run_folder import RunFolder
+from sinkflow.engine.trainer import Trainer
 
 FULL = {"batches": 16, "steps": 10, "batch_size": 256, "noise": 4096, "adam_steps": 20, "width": 256, "rows": 128,
         "train_steps": 40}
@@ -48,7 +48,7 @@ def pool_check(device: torch.device, size: dict) -> None:
             out = {}
             for name, k in (("one", 1), ("auto", 0)):
                 cfg = config.resolve("moons", [*args, f"pool.in_flight={k}", f"experiment.name={name}"], {})
-                run = Run.create(cfg)
+                run = RunFolder.create(cfg)
                 Trainer(run, nsgf.pool_task(cfg, *distributions(cfg))).fit()
                 out[name] = {a: np.load(run.dir / "pool" / f"{a}.npy", allow_pickle=False) for a in "xv"}
         finally:
@@ -103,7 +103,7 @@ class NoSyncOnOrdinarySteps(Callback):
 
 def prefetch_check(device: torch.device, size: dict) -> None:
     from sinkflow.methods.flow_matching import InterpolantStep
-    from sinkflow.runner.checkpoint import load
+    from sinkflow.runtime.checkpoint import load
 
     here = os.getcwd()
     weights, synced = {}, None
@@ -114,7 +114,7 @@ def prefetch_check(device: torch.device, size: dict) -> None:
                 cfg = config.resolve("moons", [f"experiment.device={device.type}", "experiment.method=otcfm",
                                                f"train.velocity.iters={size['train_steps']}", "train.velocity.log_every=5",
                                                f"train.velocity.prefetch={mode}", f"experiment.name={mode}"])
-                run = Run.create(cfg)
+                run = RunFolder.create(cfg)
                 guard = NoSyncOnOrdinarySteps(device)
                 Trainer(run, InterpolantStep("velocity", *distributions(cfg), ot_pairs=True), [guard]).fit()
                 run.logger.close()

@@ -45,7 +45,7 @@ from sinkflow.cli import main as cli
 from sinkflow.data.atomic_write import atomic_write_text
 from sinkflow.eval.images import image_metrics
 from sinkflow.eval.points import generate
-from sinkflow.runner.run import Run
+from sinkflow.runtime.run_folder import RunFolder
 
 BASELINES = ("otcfm", "fm")
 LABEL = {"nsgfpp": "NSGF++", "otcfm": "OT-CFM", "fm": "FM"}
@@ -117,13 +117,13 @@ def nsgfpp_overrides(b: dict) -> list[str]:
             "pool.dtype=float32", "nsgf.segment=0.5"]
 
 
-def train(out: Path, name: str, args: list[str]) -> tuple[Run, float]:
+def train(out: Path, name: str, args: list[str]) -> tuple[RunFolder, float]:
     """Train (or reuse, or resume) run ``out/name``; returns the run and the wall seconds spent now."""
     t0 = time.perf_counter()
     folder = out / name
     wait_unlocked(folder)
     if (folder / "config.yaml").exists():
-        run = Run.open(folder)
+        run = RunFolder.open(folder)
         if all(run.phase_done(p) for p in phase_names(run.cfg)):
             return run, 0.0
         rc = cli(["train", "--resume", str(folder), "--no-report"])
@@ -131,7 +131,7 @@ def train(out: Path, name: str, args: list[str]) -> tuple[Run, float]:
         rc = cli(["train", "mnist", *args, f"experiment.runs_dir={out}", "--name", name, "--no-report"])
     if rc != 0:
         sys.exit(f"training {folder} failed (exit {rc})")
-    return Run.open(folder), time.perf_counter() - t0
+    return RunFolder.open(folder), time.perf_counter() - t0
 
 
 def wait_unlocked(folder: Path, poll_s: float = 30.0) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from sinkflow.data.atomic_write import atomic_write_text
-from sinkflow.runner.run import Run
+from sinkflow.runtime.run_folder import RunFolder
 
 
 def bench():
@@ -65,7 +65,7 @@ def main(argv=None) -> None:
         sys.exit(f"no validation scores for NSGF++ at {args.nfe} NFE in {out}/seed{args.seed}/scores.json")
     k = m.choose_split(val)
     n = args.n or res[f"test NSGF++ {args.nfe}"].get("n") or m.SCALES["cpu"]["n"]
-    run = Run.open(out / f"seed{args.seed}" / "nsgfpp")
+    run = RunFolder.open(out / f"seed{args.seed}" / "nsgfpp")
     predictor = run.model("time")
     t_min = float(run.cfg["nsgf"]["nsf_t_min"])
     probes = {

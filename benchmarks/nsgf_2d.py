@@ -76,9 +76,9 @@ def evaluate(run_dir: Path, eval_seeds: int, eval_n: int = 1024) -> dict:
     its own source draw and test draw of ``eval_n`` points (one draw of 1024 points varies by ~0.05 on the
     multimodal tasks; the paper's n is 1024)."""
     from sinkflow.eval.points import w2_table
-    from sinkflow.runner.run import Run
+    from sinkflow.runtime.run_folder import RunFolder
 
-    rows = w2_table(Run.open(run_dir), n=eval_n, seeds=eval_seeds)
+    rows = w2_table(RunFolder.open(run_dir), n=eval_n, seeds=eval_seeds)
     out = {"eval_seeds": eval_seeds, "eval_n": eval_n}
     for r in rows:
         out[f"w2_{r['steps']}"] = r["w2_mean"]

@@ -57,9 +57,9 @@ def evaluate(run_dir: Path, family: str, eval_seeds: int, n: int = suite2d.TEST_
 
     from sinkflow.eval.points import generate, w2_table
     from sinkflow.ot import w2
-    from sinkflow.runner.run import Run
+    from sinkflow.runtime.run_folder import RunFolder
 
-    run = Run.open(run_dir)
+    run = RunFolder.open(run_dir)
     out = {"iid": {str(r["steps"]): r["w2_all"] for r in w2_table(run, n=n, seeds=eval_seeds, protocol="iid")}}
     out["qmc"] = {}
     for steps in run.cfg["eval"]["steps"]:
@@ -131,7 +131,7 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000) -> dict:
     from scipy.spatial import cKDTree
 
     from sinkflow.eval.points import generate
-    from sinkflow.runner.run import Run
+    from sinkflow.runtime.run_folder import RunFolder
 
     ref, labels = suite2d.sample_with_labels(family, 200_000, seed=9000)
     tree = cKDTree(ref)
@@ -146,7 +146,7 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000) -> dict:
     big = [suite2d.sample(family, 4096, seed=9100 + s) for s in range(2)]
     out["w2_4096_target"] = round(statistics.fmean(w2(t(suite2d.sample(family, 4096, seed=9200 + s)), t(b))
                                                    for s, b in enumerate(big)), 4)
-    run = Run.open(run_dir)
+    run = RunFolder.open(run_dir)
     for steps in (10, 100):
         x = generate(run, n, steps, seed=1000, protocol="qmc")[0].numpy()
         d, idx = tree.query(x)

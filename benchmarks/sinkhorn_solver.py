@@ -22,7 +22,7 @@ import torch
 from sinkflow import config, methods
 from sinkflow.ot.sinkhorn import converged_velocity
 from sinkflow.ot.velocity import _velocity_flat
-from sinkflow.runner.rng import phase_generator
+from sinkflow.runtime.rng import phase_generator
 
 ROWS = [
     ("GeomLoss, scaling 0.9", dict(scaling=0.9)),

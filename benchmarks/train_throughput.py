@@ -29,8 +29,8 @@ import torch
 from sinkflow import config
 from sinkflow.methods.flow_matching import InterpolantStep
 from sinkflow.models import UNET_PRESETS, build_model, count_parameters
-from sinkflow.runner.finite import skips_on_device
-from sinkflow.runner.trainer import Trainer
+from sinkflow.engine.finite import skips_on_device
+from sinkflow.engine.trainer import Trainer
 
 SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_heads": 1, "num_head_channels": -1,
               "attention_resolutions": [4], "dropout": 0.1}

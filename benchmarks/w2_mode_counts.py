@@ -63,11 +63,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {statistics.fmean(off):.1f} | {statistics.fmean(w):.3f} ± {statistics.stdev(w):.3f} |")
     if args.runs:
         from sinkflow.eval.points import generate
-        from sinkflow.runner.run import Run
+        from sinkflow.runtime.run_folder import RunFolder
 
         print("\n| run | steps | imbalance per sampling seed (1000, 1001, 1002) |\n|---|---|---|")
         for folder in args.runs:
-            run = Run.open(folder)
+            run = RunFolder.open(folder)
             for steps in (10, 100):
                 off = [imbalance(target, generate(run, args.n, steps, seed=1000 + s)[0]) for s in range(3)]
                 print(f"| {folder} | {steps} | {', '.join(map(str, off))} |")

@@ -69,12 +69,12 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     ``overrides``: shorthands (``train_iters=2000``, ``batch_size``, ``lr``, ``seed``, ``method="otcfm"``, every
     ``sinkflow.config.SHORTHANDS`` name) or dotted config keys passed as a dict (``**{"pool.batches": 64}``);
     the same resolution, checks and one-line errors as the CLI (``SinkflowError``), through the same engine
-    entry point (``sinkflow.runner.experiment.train_run``), no argument parsing. The run folder is
+    entry point (``sinkflow.engine.experiment.train_run``), no argument parsing. The run folder is
     ``runs_dir/name`` (default: preset, method and time).
     """
     from sinkflow import config
     from sinkflow.config.render import scalar
-    from sinkflow.runner.experiment import train_run
+    from sinkflow.engine.experiment import train_run
 
     short = {"device": device, "name": name or f"{preset}-{overrides.get('method', 'default')}-"
                                                f"{time.strftime('%Y%m%d-%H%M%S')}"}
@@ -94,6 +94,6 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
 
 def open_run(path: str | Path) -> Run:
     """Reopen a run folder (read only): sample from it or evaluate it."""
-    from sinkflow.runner.run import Run as RunFolder
+    from sinkflow.runtime.run_folder import RunFolder
 
     return Run(RunFolder.open(Path(path)))

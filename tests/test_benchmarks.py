@@ -454,7 +454,7 @@ def mnist_quick(mnist_bench, tmp_path_factory):
 @pytest.mark.slow
 def test_smoke_mnist(mnist_bench, mnist_quick):
     """Every method trains, is scored and gridded; a second invocation reuses every run and score."""
-    from sinkflow.runner.run import read_config
+    from sinkflow.runtime.run_folder import read_config
 
     out, argv = mnist_quick
     res = json.loads((out / "results.json").read_text())

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sinkflow.errors import SinkflowError
-from sinkflow.runner.checkpoint import PhaseCheckpoints, atomic_save, load
+from sinkflow.runtime.checkpoint import PhaseCheckpoints, atomic_save, load
 
 
 def test_rotation_keeps_newest_k(tmp_path):

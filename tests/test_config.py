@@ -275,7 +275,7 @@ def test_choice_lists_agree_with_the_code():
 
 def test_an_old_run_folders_config_reads_back(tmp_path):
     """config.yaml as sinkflow wrote it before the schema (every kind's keys in each model section)."""
-    from sinkflow.runner.run import read_config
+    from sinkflow.runtime.run_folder import read_config
 
     (tmp_path / "config.yaml").write_text((Path(__file__).parent / "data" / "run_config_6a93012.yaml").read_text())
     cfg = read_config(tmp_path)

@@ -178,7 +178,7 @@ def test_doctor_on_a_preset_phase(runs_dir):
 
 def test_doctor_catches_a_phase_left_in_eval_mode(runs_dir, monkeypatch):
     from sinkflow import config
-    from sinkflow.runner.trainer import Trainer
+    from sinkflow.engine.trainer import Trainer
     from sinkflow.tools.doctor import doctor_run
 
     original = Trainer.setup

@@ -18,7 +18,7 @@ from sinkflow.config import schema
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import Method, TrainingStep
 from sinkflow.methods.ode import count_nfe, euler
-from sinkflow.runner.callbacks import Callback
+from sinkflow.runtime.callbacks import Callback
 
 TINY_FM = ["--train-iters", "6", "--batch-size", "16", "train.velocity.ckpt_every=3", "train.velocity.log_every=2",
            "eval.n=32", "eval.seeds=1", "eval.steps=[2]", "sample.steps=2", "--device", "cpu"]
@@ -234,8 +234,8 @@ class Counter(Callback):
 
 
 def test_callback_state_is_checkpointed_and_exceptions_reach_callbacks(runs_dir):
-    from sinkflow.runner.experiment import train_run
-    from sinkflow.runner.signals import Interrupted
+    from sinkflow.engine.experiment import train_run
+    from sinkflow.runtime.signals import Interrupted
 
     cfg = config.resolve("moons", ["train.velocity.ckpt_every=100", "experiment.name=cb"],
                          {"method": "fm", "train_iters": 6, "batch_size": 8, "device": "cpu"})
@@ -249,11 +249,11 @@ def test_callback_state_is_checkpointed_and_exceptions_reach_callbacks(runs_dir)
 
 
 def test_stop_ends_a_phase_before_its_step_writing_nothing(runs_dir):
-    from sinkflow.runner.run import Run
+    from sinkflow.runtime.run_folder import RunFolder
     from sinkflow.tools.phases import ready_trainer
 
     cfg = config.resolve("moons", ["experiment.name=stop"], {"method": "fm", "train_iters": 5, "device": "cpu"})
-    run = Run.create(cfg)
+    run = RunFolder.create(cfg)
     phase = sinkflow.get_method("fm").phases(cfg, *sinkflow.methods.distributions(cfg))[0]
     trainer = ready_trainer(run, phase)
     assert trainer.stopped and trainer.step == 0 and trainer.batch is not None

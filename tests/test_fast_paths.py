@@ -12,16 +12,16 @@ from sinkflow import config
 from sinkflow.methods import distributions, nsgf
 from sinkflow.methods.pool import choose_in_flight
 from sinkflow.models import build_model
-from sinkflow.runner.rng import device_generator
-from sinkflow.runner.trainer import Trainer, to_channels_last, use_channels_last
-from sinkflow.runner.run import Run
+from sinkflow.runtime.rng import device_generator
+from sinkflow.engine.trainer import Trainer, to_channels_last, use_channels_last
+from sinkflow.runtime.run_folder import RunFolder
 
 POOL = ["pool.batches=6", "pool.steps=3", "pool.batch_size=24", "pool.chunk=3", "experiment.device=cpu"]
 
 
 def _pool(name, *overrides):
     cfg = config.resolve("moons", [*POOL, f"experiment.name={name}", *overrides], {})
-    run = Run.create(cfg)
+    run = RunFolder.create(cfg)
     Trainer(run, nsgf.pool_task(cfg, *distributions(cfg))).fit()
     return run, {k: np.load(run.dir / "pool" / f"{k}.npy") for k in "xvt"}
 

@@ -39,6 +39,24 @@ def test_frechet_distance_matches_a_direct_numpy_computation():
     assert fd_cnn.frechet_distance(np.zeros(2), np.diag([1.0, 4.0]), np.zeros(2), np.diag([9.0, 1.0])) == pytest.approx(4 + 1)
 
 
+def test_frechet_distance_agrees_with_scipy_sqrtm_and_is_silent_on_singular_covariances():
+    """The usual FID formula (scipy.linalg.sqrtm of S1 S2) on full-rank sets; on sets with a constant feature
+    (a dead ReLU: singular covariance, where sqrtm warns) no warning and the same value as without the feature."""
+    import warnings
+
+    from scipy import linalg
+
+    rng = np.random.default_rng(2)
+    a, b = rng.normal(size=(400, 5)) @ rng.normal(size=(5, 5)), rng.normal(size=(300, 5)) + 0.3
+    (m1, s1), (m2, s2) = fd_cnn.gaussian(a), fd_cnn.gaussian(b)
+    scipy_fd = ((m1 - m2) ** 2).sum() + np.trace(s1 + s2) - 2 * np.trace(np.real(linalg.sqrtm(s1 @ s2)))
+    assert fd_cnn.fd(a, b) == pytest.approx(scipy_fd, rel=1e-8)
+    dead_a, dead_b = np.hstack([a, np.zeros((400, 2))]), np.hstack([b, np.zeros((300, 2))])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fd_cnn.fd(dead_a, dead_b) == pytest.approx(fd_cnn.fd(a, b), rel=1e-8)
+
+
 def toy_target(seed=0, n=1024, n_test=60):
     """A labelled 8x8 'digit' set the CNN can learn: class c lights row c of the image."""
     rng = np.random.default_rng(seed)

@@ -13,8 +13,8 @@ from sinkflow.cli import main
 from sinkflow.data import build_distribution
 from sinkflow.data.images import val_split
 from sinkflow.flows import baselines, build_flow
-from sinkflow.methods import flow
-from sinkflow.runner.run import Run
+from sinkflow.methods import normalizing_flow as flow_method
+from sinkflow.runtime.run_folder import RunFolder
 
 TINY = ["model.flow.levels=2", "model.flow.depth_per_level=2", "model.flow.hidden_channels=16", "--batch-size", "4",
         "train.flow.ckpt_every=2", "train.flow.log_every=1", "train.flow.warmup=2", "eval.n=8", "eval.seeds=1",
@@ -83,7 +83,7 @@ def test_selection_never_reads_test(runs_dir, tmp_path, monkeypatch):
     args = ["train", "flow-digits", *TINY, f"data.root={tmp_path / 'data'}", "--train-iters", "4", "--name", "s",
             "--no-report", "checkpoint.keep=10"]
     assert main(args) == 0
-    run = Run.open(runs_dir / "s")
+    run = RunFolder.open(runs_dir / "s")
     _, target = methods.distributions(run.cfg)
 
     class NoTest:
@@ -99,7 +99,7 @@ def test_selection_never_reads_test(runs_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(target, "test_images", NoTest())
     monkeypatch.setattr(target, "test_set", no_test_set)
     paths = sorted((run.dir / "checkpoints/flow").glob("step_*.pt"))
-    best, curve = flow.select_checkpoint(run, paths, seeds=1)
+    best, curve = flow_method.select_checkpoint(run, paths, seeds=1)
     assert [r["step"] for r in curve] == [2, 4] and best in paths
     assert all(math.isfinite(r["val_bpd"]) for r in curve)
 

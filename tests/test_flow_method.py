@@ -18,8 +18,8 @@ from sinkflow import config, methods
 from sinkflow.cli import main
 from sinkflow.data import build_distribution
 from sinkflow.flows import ActNorm, build_flow
-from sinkflow.methods import flow
-from sinkflow.runner.run import Run
+from sinkflow.methods import normalizing_flow as flow_method
+from sinkflow.runtime.run_folder import RunFolder
 from test_data import make_cifar, make_mnist
 
 TINY_FLOW = ["model.flow.levels=2", "model.flow.depth_per_level=2", "model.flow.hidden_channels=16"]
@@ -154,8 +154,8 @@ def test_actnorm_initialised_on_first_batch(runs_dir):
     """After setup (before any step) every ActNorm is initialised from the first training batch, and the
     batch the loop then draws is that same batch: the first ActNorm normalises it per channel."""
     cfg = config.resolve("flow-digits", TINY_FLOW + ["train.flow.batch_size=32"], {"device": "cpu"})
-    run = Run.create(cfg)
-    from sinkflow.runner.trainer import Trainer
+    run = RunFolder.create(cfg)
+    from sinkflow.engine.trainer import Trainer
 
     phase = Trainer(run, methods.get("flow").phases(cfg, *methods.distributions(cfg))[0])
     phase.setup()
@@ -165,7 +165,7 @@ def test_actnorm_initialised_on_first_batch(runs_dir):
     batch = phase.draw_batch(32)
     level0 = phase.model.levels[0].layers
     with torch.no_grad():
-        x = flow.preprocess(batch, 17)
+        x = flow_method.preprocess(batch, 17)
         if phase.model.pre is not None:  # flow-digits' logit preprocessing comes before the first level
             x, _ = phase.model.pre(x)
         h, _ = level0[0](x)  # squeeze
@@ -178,10 +178,10 @@ def test_pixel_levels_are_exact(tmp_path):
     from sinkflow.data.images import to_unit_range
 
     k = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16)
-    assert torch.equal(flow.pixel_levels(to_unit_range(k), 256), k)  # the data layer's k*2/255 - 1, undone
+    assert torch.equal(flow_method.pixel_levels(to_unit_range(k), 256), k)  # the data layer's k*2/255 - 1, undone
     digits = build_distribution("digits", data_cfg={"root": str(tmp_path)})
     x = digits.test_set(359)
-    levels = flow.dequantize(flow.pixel_levels(x, 17), None, 17).floor()
+    levels = flow_method.dequantize(flow_method.pixel_levels(x, 17), None, 17).floor()
     assert set(levels.unique().tolist()) == set(range(17))  # sklearn's native 0..16, every one present
     native = torch.from_numpy(np.rint(np.asarray(digits.test_images, np.float64) * 16 / 255))
     assert torch.equal(levels.double(), native)
@@ -206,8 +206,8 @@ def test_decode_is_the_prior_reparameterisation():
                 h = torch.cat([h, zs[i]], 1)
             h = model.levels[i].inverse(h)
         noise = torch.cat([e.flatten(1) for e in eps], 1).view(6, 1, 8, 8)
-        assert torch.allclose(flow.decode(model, noise, 1.0), x, atol=1e-9)
-        assert torch.allclose(flow.decode(model, noise, 0.0), model.sample(6, temperature=0.0), atol=1e-9)
+        assert torch.allclose(flow_method.decode(model, noise, 1.0), x, atol=1e-9)
+        assert torch.allclose(flow_method.decode(model, noise, 0.0), model.sample(6, temperature=0.0), atol=1e-9)
 
 
 def one_line(capsys, *needles):

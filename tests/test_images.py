@@ -14,7 +14,7 @@ from PIL import Image
 
 from sinkflow import methods
 from sinkflow.cli import main
-from sinkflow.runner.run import Run
+from sinkflow.runtime.run_folder import RunFolder
 from test_data import make_cifar, make_folder, make_mnist
 
 TINY_UNET = ["model.velocity.channels=8", "model.nsf.channels=8", "model.velocity.res_blocks=1",
@@ -111,7 +111,7 @@ def test_baselines_use_the_image_unet(method, runs_dir, tmp_path, capsys):
                  "--name", method]) == 0
     out = capsys.readouterr().out
     assert any(line.split()[:2] == ["4", "4"] for line in out.splitlines()), out  # steps 4, counted NFE 4
-    run = Run.open(runs_dir / method)
+    run = RunFolder.open(runs_dir / method)
     model = run.model("velocity")
     assert type(model).__name__ == "UNet"
     x, info = methods.get(method).sample(run, torch.randn(3, *shape), 4, record=True)
@@ -128,7 +128,7 @@ def test_class_columns_use_eval_class_n_samples(runs_dir, tmp_path, monkeypatch)
     extra, _ = setup_data("digits", tmp_path)
     assert main(["train", "digits", "--method", "fm", *TINY_FM, *extra, "sample.steps=2", "--no-report",
                  "--name", "c"]) == 0
-    run = Run.open(runs_dir / "c", ["eval.class_n=40"])
+    run = RunFolder.open(runs_dir / "c", ["eval.class_n=40"])
     seen = {"w2": [], "clf": []}
     real_w2, real_stats = sinkflow.ot.w2, images.class_stats
     monkeypatch.setattr(sinkflow.ot, "w2", lambda x, y: seen["w2"].append((len(x), len(y))) or real_w2(x, y))
@@ -144,7 +144,7 @@ def test_nfe_is_counted_per_network(runs_dir, tmp_path):
     extra, shape = setup_data("digits", tmp_path)
     assert main(["train", "digits", *TINY, *extra, "pool.steps=3", "sample.nsgf_steps=null", "--no-report",
                  "--name", "n"]) == 0
-    run = Run.open(runs_dir / "n")
+    run = RunFolder.open(runs_dir / "n")
     x0 = torch.randn(5, *shape)
     for nsf_steps in (1, 7):
         x, info = methods.get("nsgfpp").sample(run, x0, nsf_steps, record=True)
@@ -175,7 +175,7 @@ def test_nsgf_steps_at_sampling(runs_dir, tmp_path):
     extra, shape = setup_data("digits", tmp_path)
     assert main(["train", "digits", *TINY, *extra, "pool.steps=3", "nsgf.segment=0.5", "sample.nsgf_steps=null",
                  "--no-report", "--name", "k"]) == 0
-    run = Run.open(runs_dir / "k")
+    run = RunFolder.open(runs_dir / "k")
     x0 = torch.randn(4, *shape)
     base, info = methods.get("nsgfpp").sample(run, x0, 2, record=True)
     assert info["nfe_velocity"] == 3

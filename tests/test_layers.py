@@ -1,12 +1,12 @@
-"""Imports go one way (docs/architecture.md): a module may import its own layer or lower ones, never higher.
+"""Imports go one way (docs/architecture.md): a module may import its own layer or lower ones, never higher,
+and no set of modules imports itself round in a cycle.
 
-    errors -> config -> data -> ot / models / flows -> runtime -> methods -> engine -> eval -> tools -> cli -> api
+    errors -> config -> data -> ot -> flows -> models -> runtime -> methods -> engine -> eval -> tools -> cli -> api
 
-"runtime" is the part of ``sinkflow.runner`` that methods build on (run folder, checkpoints, signals, dist,
-callbacks, metrics); "engine" is the loop that runs the methods' tasks (``runner.trainer``,
-``runner.experiment``). Every import counts, including those inside functions: a lazy import that runs
-upwards is still a dependency upwards. The Python API (``sinkflow.api``, re-exported lazily by
-``sinkflow/__init__.py``) sits on top, beside the CLI it shares its argument handling with.
+Each layer is a package of ``sinkflow`` (``runtime``: the run folder, checkpoints, signals, dist, callbacks that
+methods build on; ``engine``: the loop that runs the methods' tasks). Every import counts, including those inside
+functions: a lazy import that runs upwards, or round in a cycle, is still a dependency. The Python API
+(``sinkflow.api``, re-exported lazily by ``sinkflow/__init__.py``) sits on top, beside the CLI.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "sinkflow"
-LAYERS = ["errors", "config", "data", "numerics", "runtime", "methods", "engine", "eval", "tools", "cli", "api"]
-ENGINE = {"sinkflow.runner.trainer", "sinkflow.runner.experiment"}
+LAYERS = ["errors", "config", "data", "ot", "flows", "models", "runtime", "methods", "engine", "eval", "tools",
+          "cli", "api"]
 
 
 def layer_of(module: str) -> str | None:
@@ -26,53 +26,98 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "sinkflow" or len(parts) < 2:
         return None
-    top = parts[1]
-    if top == "runner":
-        return "engine" if ".".join(parts[:3]) in ENGINE else "runtime"
-    if top in ("ot", "models", "flows"):
-        return "numerics"
-    if top in ("__main__",):
+    if parts[1] == "__main__":
         return "cli"
-    return top if top in LAYERS else None
+    return parts[1] if parts[1] in LAYERS else None
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT.parent).with_suffix("")
+def module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
     name = ".".join(rel.parts)
     return name[: -len(".__init__")] if name.endswith(".__init__") else name
 
 
-def imports(path: Path) -> list[tuple[str, int]]:
-    """(imported sinkflow module, line) for every import statement in the file, at any depth."""
+def modules(root: Path) -> dict[str, Path]:
+    return {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+
+
+def imports(path: Path, known: set[str]) -> list[tuple[str, int]]:
+    """(imported sinkflow module, line) for every import statement in the file, at any depth.
+
+    ``from sinkflow.pkg import name`` counts as an import of ``sinkflow.pkg.name`` where that is a module (a
+    submodule is what it loads), else of the package ``sinkflow.pkg`` itself."""
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names if a.name.startswith("sinkflow")]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("sinkflow"):
-            if node.module == "sinkflow":  # from sinkflow import config, methods
-                out += [(f"sinkflow.{a.name}", node.lineno) for a in node.names]
-            else:
-                out.append((node.module, node.lineno))
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.append((sub if sub in known else node.module, node.lineno))
     return out
+
+
+def graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """module -> {imported sinkflow module: first line}, the package root excluded (it only re-exports lazily)."""
+    mods = modules(root)
+    g = {}
+    for me, path in mods.items():
+        if me == "sinkflow":
+            continue
+        g[me] = {}
+        for target, line in imports(path, set(mods)):
+            if target != me and target in mods and target != "sinkflow":
+                g[me].setdefault(target, line)
+    return g
 
 
 def upward_imports(root: Path = ROOT) -> list[str]:
     bad = []
-    for path in sorted(root.rglob("*.py")):
-        me = module_name(path)
+    for me, targets in graph(root).items():
         mine = layer_of(me)
-        if mine is None:
-            continue
-        for target, line in imports(path):
+        for target, line in targets.items():
             theirs = layer_of(target)
-            if theirs is not None and LAYERS.index(theirs) > LAYERS.index(mine):
+            if mine is not None and theirs is not None and LAYERS.index(theirs) > LAYERS.index(mine):
                 bad.append(f"{me} ({mine}) imports {target} ({theirs}) at line {line}")
     return bad
 
 
+def import_cycles(root: Path = ROOT) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted; a package and its own
+    submodule count too (``config/__init__`` importing ``config.schema`` which imports back from ``config``)."""
+    g = graph(root)
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
 def test_every_module_has_a_layer():
-    unknown = [module_name(p) for p in ROOT.rglob("*.py")
-               if layer_of(module_name(p)) is None and module_name(p) != "sinkflow"]
+    unknown = [m for m in modules(ROOT) if layer_of(m) is None and m != "sinkflow"]
     assert not unknown, f"modules outside the layer map: {unknown}"
 
 
@@ -81,22 +126,52 @@ def test_imports_go_one_way():
     assert not bad, "upward imports:\n" + "\n".join(bad)
 
 
-def test_checker_catches_an_upward_import(tmp_path):
-    """The checker itself: a planted data -> methods import must be reported."""
+def test_no_import_cycles():
+    cycles = import_cycles()
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def plant(tmp_path: Path, files: dict[str, str]) -> Path:
     pkg = tmp_path / "sinkflow"
-    (pkg / "data").mkdir(parents=True)
-    (pkg / "data" / "bad.py").write_text("def f():\n    from sinkflow.methods import nsgf\n")
-    (pkg / "data" / "ok.py").write_text("from sinkflow.config import schema\nfrom sinkflow.errors import SinkflowError\n")
-    global ROOT
-    saved, ROOT = ROOT, pkg
-    try:
-        bad = upward_imports(pkg)
-    finally:
-        ROOT = saved
-    assert bad == ["sinkflow.data.bad (data) imports sinkflow.methods (methods) at line 2"]
+    for rel, text in files.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        for parent in (pkg / rel).parents:
+            if parent == pkg.parent:
+                break
+            (parent / "__init__.py").touch()
+        (pkg / rel).write_text(text)
+    return pkg
 
 
-@pytest.mark.parametrize("module,layer", [("sinkflow.runner.trainer", "engine"), ("sinkflow.runner.checkpoint", "runtime"),
-                                          ("sinkflow.ot.sinkhorn", "numerics"), ("sinkflow.cli.train", "cli")])
+def test_checker_catches_an_upward_import(tmp_path):
+    """The checker itself: a planted data -> methods import must be reported, a downward one must not."""
+    pkg = plant(tmp_path, {"data/bad.py": "def f():\n    from sinkflow.methods import nsgf\n",
+                           "data/ok.py": "from sinkflow.config import schema\nfrom sinkflow.errors import SinkflowError\n",
+                           "methods/nsgf.py": "", "config/schema.py": "", "errors.py": ""})
+    assert upward_imports(pkg) == ["sinkflow.data.bad (data) imports sinkflow.methods.nsgf (methods) at line 2"]
+
+
+def test_checker_orders_ot_flows_models(tmp_path):
+    """ot, flows and models are layers of their own: models may use flows, flows never models, ot neither."""
+    pkg = plant(tmp_path, {"models/flow.py": "from sinkflow.flows import model\n",
+                           "flows/model.py": "from sinkflow.ot import sinkhorn\n",
+                           "ot/sinkhorn.py": "import sinkflow.models.flow\n"})
+    assert upward_imports(pkg) == ["sinkflow.ot.sinkhorn (ot) imports sinkflow.models.flow (models) at line 1"]
+
+
+def test_checker_catches_a_cycle(tmp_path):
+    """A planted three-module cycle inside one layer (no upward import) and a package <-> submodule cycle."""
+    pkg = plant(tmp_path, {"ot/a.py": "from sinkflow.ot import b\n", "ot/b.py": "def f():\n    import sinkflow.ot.c\n",
+                           "ot/c.py": "from sinkflow.ot.a import thing\n", "ot/d.py": "from sinkflow.ot import a\n",
+                           "config/__init__.py": "from sinkflow.config import schema\n",
+                           "config/schema.py": "def g():\n    from sinkflow.config import parse_value\n"})
+    assert upward_imports(pkg) == []
+    assert import_cycles(pkg) == [["sinkflow.config", "sinkflow.config.schema"],
+                                  ["sinkflow.ot.a", "sinkflow.ot.b", "sinkflow.ot.c"]]
+
+
+@pytest.mark.parametrize("module,layer", [("sinkflow.engine.trainer", "engine"), ("sinkflow.runtime.checkpoint", "runtime"),
+                                          ("sinkflow.ot.sinkhorn", "ot"), ("sinkflow.models.flow", "models"),
+                                          ("sinkflow.cli.train", "cli"), ("sinkflow.__main__", "cli")])
 def test_layer_map(module, layer):
     assert layer_of(module) == layer

@@ -13,7 +13,7 @@ from sinkflow.cli import main
 from sinkflow.errors import SinkflowError
 from sinkflow.methods import nsgf
 from sinkflow.ot import eta_schedule, simulate_sinkhorn_flow
-from sinkflow.runner.trainer import lr_factor
+from sinkflow.engine.trainer import lr_factor
 from helpers import TINY_2D, tiny_2d
 
 
@@ -113,9 +113,9 @@ def test_fraction_time_samples_on_the_pool_grid(runs_dir):
     assert main(["train", "moons", *TINY_2D, "--name", "g", "--no-report", "nsgf.time=fraction",
                  "pool.schedule=harmonic", "pool.eta=1.0"]) == 0
     from sinkflow.eval.points import generate
-    from sinkflow.runner.run import Run
+    from sinkflow.runtime.run_folder import RunFolder
 
-    run = Run.open(runs_dir / "g")
+    run = RunFolder.open(runs_dir / "g")
     seen = []
     hook = run.model("velocity").register_forward_hook(lambda m, args, out: seen.append(float(args[1][0])))
     _, info = generate(run, 8, 4, seed=0)  # pool.steps=4 in TINY_2D: 4 steps are its own grid
@@ -130,11 +130,11 @@ def test_time_bins_give_each_euler_step_its_pool_segment(runs_dir):
     gets the one-hot of the pool segment its Euler step lies in (float times like 0.6 - 1e-8 included)."""
     from sinkflow.eval.points import generate
     from sinkflow.models.mlp import time_bin_features
-    from sinkflow.runner.run import Run
+    from sinkflow.runtime.run_folder import RunFolder
 
     assert main(["train", "moons", *TINY_2D, "--name", "b", "--no-report", "pool.steps=5",
                  "model.velocity.time_bins=5", "eval.steps=[5]"]) == 0
-    run = Run.open(runs_dir / "b")
+    run = RunFolder.open(runs_dir / "b")
     for steps in (10, 100):
         seen = []
         hook = run.model("velocity").register_forward_hook(lambda m, args, out: seen.append(args[1]))
@@ -242,11 +242,11 @@ def test_time_warp_grid_keeps_its_ends_and_moves_the_long_step_to_the_end():
 def test_sample_time_warp_reaches_the_euler_samplers(runs_dir, capsys):
     """FM / OT-CFM / NSGF read sample.time_warp at sampling (same NFE, other times); a bad value is one line."""
     from sinkflow.eval.points import generate
-    from sinkflow.runner.run import Run
+    from sinkflow.runtime.run_folder import RunFolder
 
     for method in ("otcfm", "nsgf"):  # the moons preset's NSGF reads fraction time: its span is [0, 1] too
         assert main(["train", "moons", "--method", method, *tiny_2d(method), "--name", method, "--no-report"]) == 0
-        run = Run.open(runs_dir / method)
+        run = RunFolder.open(runs_dir / method)
         outs = {}
         for warp in (1.0, 0.5):
             run.cfg["sample"]["time_warp"] = warp

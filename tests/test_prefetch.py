@@ -12,12 +12,12 @@ import torch
 from sinkflow import config, methods
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.flow_matching import InterpolantStep, ot_permutation, velocity_loss
-from sinkflow.runner import trainer as trainer_mod
-from sinkflow.runner.callbacks import Callback
-from sinkflow.runner.prefetch import BatchPrefetcher, use_prefetch
-from sinkflow.runner.run import Run
-from sinkflow.runner.signals import Interrupted
-from sinkflow.runner.trainer import Trainer
+from sinkflow.engine import trainer as trainer_mod
+from sinkflow.runtime.callbacks import Callback
+from sinkflow.engine.prefetch import BatchPrefetcher, use_prefetch
+from sinkflow.runtime.run_folder import RunFolder
+from sinkflow.runtime.signals import Interrupted
+from sinkflow.engine.trainer import Trainer
 from helpers import nan_gradient_phase
 
 
@@ -93,14 +93,14 @@ def test_the_ot_pairs_drawn_ahead_are_the_exact_plan():
 
 
 def final_weights(run):
-    from sinkflow.runner.checkpoint import load
+    from sinkflow.runtime.checkpoint import load
 
     return load(run.dir / "checkpoints" / "velocity" / "final.pt")["model"]
 
 
 def train(cfg, name, callbacks=()):
     cfg["experiment"]["name"] = name
-    run = Run.create(cfg)
+    run = RunFolder.create(cfg)
     Trainer(run, otcfm_step(cfg), callbacks).fit()
     run.logger.close()
     return run
@@ -122,7 +122,7 @@ def test_prefetch_on_trains_the_same_weights_and_resumes_bit_equal(runs_dir):
 
     cfg = moons_cfg("train.velocity.prefetch=always")
     cfg["experiment"]["name"] = "stopped"
-    run = Run.create(cfg)
+    run = RunFolder.create(cfg)
     with pytest.raises(Interrupted):  # stopped at step 6 with batch 7 already drawn on the worker
         Trainer(run, otcfm_step(cfg), [StopAt(6)]).fit()
     Trainer(run, otcfm_step(cfg)).fit()  # resumes from step 6's checkpoint
@@ -154,7 +154,7 @@ def fused_on_cpu(monkeypatch):
 def test_device_skip_never_applies_a_bad_update_and_stops_at_the_next_check(runs_dir, fused_on_cpu):
     cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100")
     cfg["experiment"]["name"] = "skip"
-    run = Run.create(cfg)
+    run = RunFolder.create(cfg)
     snaps = Snapshots()
     trainer = Trainer(run, nan_gradient_phase(cfg, 3, ot_pairs=True), [snaps])
     with pytest.raises(SinkflowError) as e:
@@ -199,7 +199,7 @@ def test_no_value_is_read_from_the_device_on_an_ordinary_step(runs_dir, fused_on
     counter = CountReads(monkeypatch)
     cfg = moons_cfg("train.velocity.log_every=10", "train.velocity.ckpt_every=100", method="fm", iters=20)
     cfg["experiment"]["name"] = "nosync"
-    run = Run.create(cfg)
+    run = RunFolder.create(cfg)
     source, target = methods.distributions(cfg)
     Trainer(run, InterpolantStep("velocity", source, target), [counter]).fit()
     run.logger.close()
@@ -252,7 +252,7 @@ def test_fp16_device_guard_lets_gradscaler_skip_and_still_stops_on_a_nan_loss(ru
     on the device and stops at the next check, with finite weights."""
     cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100", "train.velocity.precision=fp16")
     cfg["experiment"]["name"] = "fp16"
-    run = Run.create(cfg)
+    run = RunFolder.create(cfg)
     source, target = methods.distributions(cfg)
     calls = []
 

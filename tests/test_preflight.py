@@ -74,7 +74,7 @@ def test_planted_shorthand_that_misses_a_phase(tmp_path, monkeypatch):
 
 
 def test_planted_checkpoint_that_does_not_restore_the_optimizer(tmp_path, monkeypatch):
-    from sinkflow.runner.trainer import Trainer
+    from sinkflow.engine.trainer import Trainer
 
     original = Trainer.load_state_dict
 

@@ -100,7 +100,7 @@ def test_checkpoint_that_would_run_code_is_refused_by_every_command(run, tmp_pat
 def test_plain_pickle_is_refused_and_checkpoints_load_weights_only(tmp_path):
     import pickle
 
-    from sinkflow.runner.checkpoint import load
+    from sinkflow.runtime.checkpoint import load
 
     marker = tmp_path / "m"
     (tmp_path / "legacy.pt").write_bytes(pickle.dumps({"format": 1, "x": CreatesFile(marker)}))
@@ -120,13 +120,13 @@ def test_sinkflow_checkpoints_load_with_weights_only(base_run):
 @pytest.mark.parametrize("bad_step,kept", [(6, "step_00000004.pt (step 4) is kept"), (1, "no checkpoint")])
 def test_non_finite_gradient_is_never_applied_nor_checkpointed(runs_dir, bad_step, kept):
     from sinkflow import config
-    from sinkflow.runner.checkpoint import load
-    from sinkflow.runner.run import Run
-    from sinkflow.runner.trainer import Trainer
+    from sinkflow.runtime.checkpoint import load
+    from sinkflow.runtime.run_folder import RunFolder
+    from sinkflow.engine.trainer import Trainer
 
     cfg = config.resolve("moons", ["experiment.method=fm", "train.velocity.iters=8", "train.velocity.ckpt_every=2",
                                    "train.velocity.log_every=1", "experiment.device=cpu", "experiment.name=nan"])
-    run = Run.create(cfg)
+    run = RunFolder.create(cfg)
     with pytest.raises(SinkflowError) as e:
         Trainer(run, nan_gradient_phase(cfg, bad_step)).fit()
     msg = str(e.value)
@@ -141,7 +141,7 @@ def test_non_finite_gradient_is_never_applied_nor_checkpointed(runs_dir, bad_ste
 
 
 def test_a_non_finite_checkpoint_is_never_written(tmp_path):
-    from sinkflow.runner.checkpoint import PhaseCheckpoints
+    from sinkflow.runtime.checkpoint import PhaseCheckpoints
 
     ck = PhaseCheckpoints(tmp_path / "p")
     ck.save({"model": {"w": torch.ones(3)}}, 1)
@@ -231,7 +231,7 @@ def test_truncated_pool_final_is_reported(run, capsys):
 # ---- 5. one writer per run folder --------------------------------------------------------------------
 
 def test_second_writer_is_refused_and_a_dead_holder_does_not_block(tmp_path):
-    from sinkflow.runner.lock import lock_run, unlock_run
+    from sinkflow.runtime.lock import lock_run, unlock_run
 
     env = {**os.environ, "SINKFLOW_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
     args = ["moons", *TINY_2D, "--train-iters", "1000000", "train.velocity.ckpt_every=50", "--no-report"]

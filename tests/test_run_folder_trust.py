@@ -294,7 +294,7 @@ class SystemCall:
 
 def test_os_system_payload_is_called_refused_not_corrupt(tmp_path):
     from sinkflow.errors import SinkflowError
-    from sinkflow.runner.checkpoint import load
+    from sinkflow.runtime.checkpoint import load
 
     torch.save({"format": 2, "x": SystemCall()}, tmp_path / "p.pt")
     with pytest.raises(SinkflowError, match="refused .loading it could run code") as e:

@@ -77,8 +77,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(runs_dir, monkeypat
     from sinkflow import config, methods
     from sinkflow.errors import SinkflowError
     from sinkflow.methods import flow_matching
-    from sinkflow.runner.experiment import run_phases
-    from sinkflow.runner.run import Run
+    from sinkflow.engine.experiment import run_phases
+    from sinkflow.runtime.run_folder import RunFolder
 
     calls = {"n": 0}
     real_loss = flow_matching.velocity_loss
@@ -91,7 +91,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(runs_dir, monkeypat
     monkeypatch.setattr(flow_matching, "velocity_loss", poisoned)
     cfg = config.resolve("moons", ["train.velocity.ckpt_every=2", "train.velocity.log_every=1", "checkpoint.keep=5"],
                          {"method": "fm", "train_iters": 10, "batch_size": 32, "device": "cpu", "name": "nan"})
-    run = Run.create(cfg)
+    run = RunFolder.create(cfg)
     source, target = methods.distributions(cfg)
     phases = methods.get("fm").phases(cfg, source, target)
     ck = run.checkpoints("velocity")

@@ -21,7 +21,7 @@ def test_no_preset_named_trains_the_default_preset(runs_dir, capsys):
     """`make demo` runs `sinkflow train` with no preset: the default preset, its name written into config.yaml."""
     tiny = [a for a in tiny_2d("nsgf") if not a.startswith("--name")]
     assert main(["train", *tiny, "--name", "d", "--no-report"]) == 0
-    from sinkflow.runner.run import read_config
+    from sinkflow.runtime.run_folder import read_config
 
     assert read_config(runs_dir / "d")["experiment"]["preset"] == "8gaussians-moons"
 
@@ -69,10 +69,10 @@ def test_baselines_in_the_same_runner(method, runs_dir):
 
 def test_sampling_counts_network_evaluations(runs_dir):
     from sinkflow.eval.points import generate
-    from sinkflow.runner.run import Run
+    from sinkflow.runtime.run_folder import RunFolder
 
     assert train("n", "moons", "--no-report") == 0
-    x, info = generate(Run.open(runs_dir / "n"), 16, 7, seed=0)
+    x, info = generate(RunFolder.open(runs_dir / "n"), 16, 7, seed=0)
     assert info["nfe"] == 7 and x.shape == (16, 2)
 
 

@@ -15,7 +15,7 @@ import logging
 import sys
 
 from sinkflow.errors import SinkflowError
-from sinkflow.runner.signals import Interrupted
+from sinkflow.runtime.signals import Interrupted
 
 COMMANDS = ["train", "sample", "eval", "config", "presets", "preflight", "doctor", "lr_find", "status", "bench"]
 

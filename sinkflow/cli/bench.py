@@ -18,9 +18,9 @@ import torch
 from sinkflow import config, data, methods
 from sinkflow.cli.common import add_config_args, resolve_args
 from sinkflow.errors import SinkflowError
-from sinkflow.runner.callbacks import Callback
-from sinkflow.runner.experiment import run_phases
-from sinkflow.runner.run import Run
+from sinkflow.runtime.callbacks import Callback
+from sinkflow.engine.experiment import run_phases
+from sinkflow.runtime.run_folder import RunFolder
 from sinkflow.tools.throughput import batch_rows
 
 
@@ -91,7 +91,7 @@ def run_cut(cfg: dict, total: int, callbacks: list) -> None:
                       f"train.{name}.log_every={total}"]
     with tempfile.TemporaryDirectory(prefix="sinkflow-bench-") as tmp:
         cfg = config.apply_overrides(cfg, [*overrides, f"experiment.runs_dir={tmp}", "experiment.name=bench"])
-        run = Run.create(cfg)
+        run = RunFolder.create(cfg)
         source, target = data.distributions(cfg)
         run_phases(run, methods.of(cfg).phases(cfg, source, target), callbacks=callbacks)
         run.logger.close()

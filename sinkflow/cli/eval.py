@@ -5,7 +5,7 @@ import sys
 from sinkflow.cli import os_error_line
 from sinkflow.cli.common import check_sample_memory
 from sinkflow.eval.report import evaluate, is_points
-from sinkflow.runner.run import Run
+from sinkflow.runtime.run_folder import RunFolder
 
 
 def add_parser(sub):
@@ -21,7 +21,7 @@ def add_parser(sub):
 
 
 def run(args):
-    run_ = Run.open(args.run_dir)
+    run_ = RunFolder.open(args.run_dir)
     n = args.n or run_.cfg["eval"]["n"]
     check_sample_memory(n, run_.cfg, "--n" if args.n else "eval.n", exact_w2=is_points(run_.cfg))
     run_.logger.best_effort = True  # a read-only run folder: the scores are printed, the record is skipped

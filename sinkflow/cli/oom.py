@@ -25,7 +25,7 @@ def _estimate(run_dir: str | None, phase: str, training: bool) -> str:
     try:
         import torch
 
-        from sinkflow.runner.run import read_config
+        from sinkflow.runtime.run_folder import read_config
         from sinkflow.tools import memory_plan
 
         cfg = read_config(Path(run_dir))

@@ -9,7 +9,7 @@ from sinkflow.cli.common import check_sample_memory
 from sinkflow.errors import SinkflowError
 from sinkflow.eval.points import generate
 from sinkflow.eval.report import is_points
-from sinkflow.runner.run import Run
+from sinkflow.runtime.run_folder import RunFolder
 
 
 def add_parser(sub):
@@ -33,7 +33,7 @@ def run(args):
     out = Path(args.out)
     if out.suffix not in (".npy", ".png"):
         raise SinkflowError(f"--out {out} must end in .npy or .png", "e.g. --out samples.png")
-    run_ = Run.open(args.run_dir)
+    run_ = RunFolder.open(args.run_dir)
     check_sample_memory(args.n, run_.cfg)
     bad = [o for o in args.overrides if not o.startswith("sample.")]
     if bad:

@@ -1,11 +1,11 @@
 """`sinkflow train [PRESET] [overrides]` and `sinkflow train --resume RUN`: argument handling over
-``sinkflow.runner.experiment.train_run``, the entry point ``sinkflow.train`` shares."""
+``sinkflow.engine.experiment.train_run``, the entry point ``sinkflow.train`` shares."""
 
 from __future__ import annotations
 
 from sinkflow.cli.common import add_config_args, preset_given, resolve_args, shorthands, split_preset
-from sinkflow.runner import dist
-from sinkflow.runner.experiment import train_run
+from sinkflow.runtime import dist
+from sinkflow.engine.experiment import train_run
 
 
 def add_parser(sub):

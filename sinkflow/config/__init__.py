@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from sinkflow.config import schema
-from sinkflow.config.schema import Key
+from sinkflow.config.schema import Key, parse_value  # noqa: F401  (config.parse_value is public)
 from sinkflow.errors import SinkflowError
 
 PRESET_PACKAGE = "sinkflow.config.presets"
@@ -113,20 +113,6 @@ def _set(tree: dict, key: str, value: Any) -> None:
     for part in parents:
         node = node[part]
     node[leaf] = value
-
-
-def parse_value(text: str) -> Any:
-    """Parse an override's value the way YAML would, accepting ``1e-3`` as a float too."""
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    if isinstance(value, str):
-        try:
-            return float(value) if value.lower() not in ("nan", "inf", "-inf", "infinity") else value
-        except ValueError:
-            return value
-    return value
 
 
 def _type_name(value: Any) -> str:

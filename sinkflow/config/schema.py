@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import yaml
+
 IMAGE_TARGETS = ("digits", "mnist", "cifar10", "folder")  # = sinkflow.data.images.IMAGE_SETS (a test checks)
 
 
@@ -173,6 +175,20 @@ class Options(Constraint):
         return " | ".join(f"`{c}`" for c in self.choices)
 
 
+def parse_value(text: str) -> Any:
+    """Parse an override's value the way YAML would, accepting ``1e-3`` as a float too."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        try:
+            return float(value) if value.lower() not in ("nan", "inf", "-inf", "infinity") else value
+        except ValueError:
+            return value
+    return value
+
+
 @dataclass(frozen=True)
 class ListOf(Constraint):
     """A list; a scalar means a list of one, and a string "16,8" the list [16, 8] (torchcfm's spelling)."""
@@ -183,8 +199,6 @@ class ListOf(Constraint):
 
     def coerce(self, value):
         if isinstance(value, str) and "," in value:
-            from sinkflow.config import parse_value
-
             value = [parse_value(v.strip()) for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             if isinstance(value, bool) or value is None or isinstance(value, dict):
@@ -540,7 +554,7 @@ METHOD_REGISTRY: dict[str, MethodSpec] = {
     "otcfm": MethodSpec("flow_matching:OTCFM", ("velocity",), EULER_READS,
                         doc="OT-CFM, exact minibatch OT pairs"),
     "flow": MethodSpec(
-        "flow:METHOD", ("flow",),
+        "normalizing_flow:METHOD", ("flow",),
         keys={"sample": {"temperature": Key(1.0, NONNEG_FLOAT, "prior std multiplier when sampling (1 = the model; "
                                                                 "Glow shows 0.7)")}},
         new_phases={"flow": Phase("flow", "flow", "normalizing flow (docs/flows.md)",

@@ -4,7 +4,7 @@ Every writer of a file that a later process reads (checkpoints, status.json, con
 progress and arrays, the decoded image cache, the unpacked MNIST files, the classifier cache) writes a temporary
 ``.NAME.tmp-PID`` next to it, fsyncs it, renames it over ``NAME`` and fsyncs the folder. A killed or failing
 write leaves the old file (or none), never a half-written one; a failing write removes its temp file, and
-``sinkflow.runner.checkpoint.remove_orphans`` deletes those a killed process left. It lives in the data layer,
+``sinkflow.runtime.checkpoint.remove_orphans`` deletes those a killed process left. It lives in the data layer,
 the lowest one that writes files.
 """
 

@@ -136,18 +136,17 @@ def gaussian(feats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
     """||mu1 - mu2||^2 + tr(S1 + S2 - 2 (S1 S2)^1/2), the Fréchet (2-Wasserstein) distance between two
-    Gaussians; (S1 S2)^1/2 by scipy.linalg.sqrtm, with the usual small diagonal offset when it is singular."""
-    from scipy import linalg
-
+    Gaussians. tr (S1 S2)^1/2 = sum of sqrt(eigenvalues of S1^1/2 S2 S1^1/2), a symmetric PSD matrix, by two
+    ``eigh``: exact where ``scipy.linalg.sqrtm`` of the non-symmetric S1 S2 warns and needs a diagonal offset
+    (feature covariances are singular when a feature is constant, e.g. a ReLU that never fires)."""
     mu1, mu2, sigma1, sigma2 = (np.atleast_1d(np.asarray(a, np.float64)) for a in (mu1, mu2, sigma1, sigma2))
     sigma1, sigma2 = np.atleast_2d(sigma1), np.atleast_2d(sigma2)
-    covmean = linalg.sqrtm(sigma1 @ sigma2)
-    if not np.isfinite(covmean).all():
-        offset = np.eye(len(sigma1)) * 1e-6
-        covmean = linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
-    covmean = np.real(covmean)
+    w, v = np.linalg.eigh((sigma1 + sigma1.T) / 2)
+    root1 = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+    inner = root1 @ sigma2 @ root1
+    tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh((inner + inner.T) / 2), 0, None)).sum()
     diff = mu1 - mu2
-    return float(max(0.0, diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2 * np.trace(covmean)))
+    return float(max(0.0, diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2 * tr_covmean))
 
 
 def fd(feats_a: np.ndarray, feats_b: np.ndarray) -> float:

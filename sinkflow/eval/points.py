@@ -7,7 +7,7 @@ import statistics
 import torch
 
 from sinkflow import data, methods
-from sinkflow.runner.rng import phase_generator
+from sinkflow.runtime.rng import phase_generator
 
 
 def eval_source(cfg: dict):

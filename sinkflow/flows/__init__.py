@@ -13,7 +13,7 @@ from sinkflow.flows.layers import ActNorm, InvConv1x1, InvertibleLayer, Squeeze
 from sinkflow.flows.memory_modes import MEMORY_MODES, FlowSequence
 from sinkflow.flows.model import (FLOW_DEFAULTS, FlowModel, Split, TopPrior, build_flow, build_glow,
                                   build_realnvp)
-from sinkflow.flows.train import bits_per_dim, dequantize, flow_loss, postprocess, preprocess, to_levels
+from sinkflow.flows.losses import bits_per_dim, dequantize, flow_loss, postprocess, preprocess, to_levels
 
 __all__ = [
     "ActNorm", "AdditiveCoupling", "AffineCoupling", "ConditionerNet", "FLOW_DEFAULTS", "FlowModel",

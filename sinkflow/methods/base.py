@@ -1,5 +1,5 @@
 """What a method is: a ``Method`` (phases, sampling, evaluation, a description) whose phases are tasks
-the engine runs (``sinkflow.runner.trainer.Trainer``).
+the engine runs (``sinkflow.engine.trainer.Trainer``).
 
 Two kinds of task:
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from sinkflow.runner.callbacks import Callback
+from sinkflow.runtime.callbacks import Callback
 
 
 class Task(Callback):
@@ -89,6 +89,22 @@ class ChunkedTask(Task):
 
     def close(self) -> None:
         """Release what ``open`` held (memory maps...), before ``final.pt`` is written."""
+
+    # ---- what the planner and preflight ask of a task, so they never name one ----------------------------
+
+    def memory(self, cfg: dict, shape: tuple[int, ...]) -> dict | None:
+        """Peak device bytes of one unit by term, plus what the task stores: ``{"terms": {name: bytes},
+        "host_bytes": n, "disk_bytes": n, "note": str}``; None: not estimated."""
+        return None
+
+    def fit_memory(self, cfg: dict, shape: tuple[int, ...], device_bytes: int) -> tuple[dict, list[str]]:
+        """(overrides, reasons) that keep one unit within ``device_bytes`` and the stored output within its
+        RAM budget, computing the same thing; ({}, []) when nothing can be changed."""
+        return {}, []
+
+    def output(self, run) -> Any:
+        """A copy of what the finished units wrote so far (preflight checks a resume keeps it); None: nothing."""
+        return None
 
 
 class RunNets:

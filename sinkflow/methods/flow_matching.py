@@ -13,7 +13,7 @@ import torch
 
 from sinkflow.methods.base import Method, TrainingStep
 from sinkflow.methods.ode import count_nfe, euler
-from sinkflow.runner import dist
+from sinkflow.runtime import dist
 
 
 def ot_permutation(x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:

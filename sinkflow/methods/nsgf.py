@@ -26,7 +26,7 @@ from sinkflow.methods.base import Method, TrainingStep
 from sinkflow.methods.flow_matching import velocity_loss
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.methods.pool import PoolTask, TrajectoryPool
-from sinkflow.runner import dist
+from sinkflow.runtime import dist
 
 
 # arXiv:2401.14069v1 Table 1, NSGF row: W2 on 1024 test samples, {task: {euler_steps: w2}}.

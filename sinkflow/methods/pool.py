@@ -23,8 +23,8 @@ import torch
 from sinkflow.data.atomic_write import atomic_path, atomic_write_text
 from sinkflow.errors import SinkflowError, human_bytes
 from sinkflow.methods.base import ChunkedTask
-from sinkflow.runner import dist
-from sinkflow.runner.rng import phase_generator
+from sinkflow.runtime import dist
+from sinkflow.runtime.rng import phase_generator
 
 log = logging.getLogger("sinkflow")
 
@@ -163,7 +163,7 @@ class PoolTask(ChunkedTask):
     in_flight beyond float rounding and the shared annealing diameter (see docs/performance.md).
     A simulator without a ``batched`` argument is called one pool batch at a time.
 
-    A task of the engine (``sinkflow.runner.trainer.Trainer``) whose unit is a round of chunks: in each
+    A task of the engine (``sinkflow.engine.trainer.Trainer``) whose unit is a round of chunks: in each
     round rank k builds the k-th chunk left, then ``progress.json`` is rewritten atomically, so a stopped or
     killed build resumes at the first unfinished chunk.
     """
@@ -303,6 +303,58 @@ class PoolTask(ChunkedTask):
 
     def final_state(self) -> dict:
         return {"pool": str(self.folder), "entries": self.entries, "chunks": self.total, "step": self.total}
+
+    def memory(self, cfg: dict, shape: tuple[int, ...]) -> dict:
+        """GeomLoss's working set for ``in_flight`` pool batches (``sinkflow.ot.sinkhorn_peak_bytes``, calibrated
+        against measured allocations) + the group's float32 trajectory (x_t, v_t for every step) kept on the
+        device until it is copied to the pool, which lives in host RAM or on disk (``pool_bytes``)."""
+        from sinkflow.ot import sinkhorn_peak_bytes
+
+        p, dim = cfg["pool"], math.prod(shape)
+        flight = max(1, p["in_flight"])
+        stored = pool_bytes(p, shape)
+        return {"terms": {"sinkhorn": sinkhorn_peak_bytes(flight, p["batch_size"], dim),
+                          "trajectory": 2 * p["steps"] * flight * p["batch_size"] * dim * 4},
+                "host_bytes": 0 if p["storage"] == "disk" else stored,
+                "disk_bytes": stored if p["storage"] == "disk" else 0,
+                "note": f"{flight} batch(es) of {p['batch_size']} in flight"
+                        + (" (pool.in_flight=0 adapts to the card; this is the minimum)" if p["in_flight"] == 0 else "")}
+
+    def fit_memory(self, cfg: dict, shape: tuple[int, ...], device_bytes: int) -> tuple[dict, list[str]]:
+        """One pool batch in flight, then halve the Sinkhorn batch (doubling pool.batches: the same trajectories)
+        until one batch fits; float16, then disk, when the pool exceeds pool.ram_gb."""
+        from sinkflow.ot import sinkhorn_peak_bytes
+
+        p, dim = dict(cfg["pool"]), math.prod(shape)
+        overrides, reasons = {}, []
+        mem = self.memory(cfg, shape)
+        if sum(mem["terms"].values()) > device_bytes:
+            if p["in_flight"] > 1:
+                p["in_flight"] = 0
+                overrides["pool.in_flight"] = 0
+            while (sinkhorn_peak_bytes(1, p["batch_size"], dim) + 8 * p["steps"] * p["batch_size"] * dim > device_bytes
+                   and p["batch_size"] > 2):
+                p["batch_size"] //= 2
+                p["batches"] *= 2
+            if p["batch_size"] != cfg["pool"]["batch_size"]:
+                overrides["pool.batch_size"] = p["batch_size"]
+                overrides["pool.batches"] = p["batches"]
+                reasons.append(f"pool: Sinkhorn batch {cfg['pool']['batch_size']} -> {p['batch_size']} with "
+                               f"{p['batches']} pool batches (same {p['batches'] * p['batch_size']} trajectories)")
+        ram = cfg["pool"]["ram_gb"] * 2**30
+        if mem["host_bytes"] > ram:
+            if cfg["pool"]["dtype"] != "float16":
+                overrides["pool.dtype"] = "float16"
+            if mem["host_bytes"] / (2 if cfg["pool"]["dtype"] != "float16" else 1) > ram:
+                overrides["pool.storage"] = "disk"
+            reasons.append(f"pool: {mem['host_bytes'] / 2**30:.1f} GiB > pool.ram_gb={cfg['pool']['ram_gb']}: "
+                           + ", ".join(f"{k}={v}" for k, v in overrides.items() if k in ("pool.dtype", "pool.storage")))
+        return overrides, reasons
+
+    def output(self, run) -> np.ndarray | None:
+        """The pool's particle positions as written so far (rows of unfinished chunks are zero)."""
+        path = run.dir / "pool" / "x.npy"
+        return np.array(np.load(path, mmap_mode="r", allow_pickle=False)) if path.exists() else None
 
 
 def _chunk_batches(c: int, chunk: int, batches: int) -> range:

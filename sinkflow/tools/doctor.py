@@ -11,10 +11,13 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from sinkflow.flows import FlowModel
 
 
 @dataclass
@@ -205,7 +208,7 @@ def flow_dataset_bpd(target, n_bins: int, n: int = 2048) -> float:
     scored on) ``n`` training images. Any flow that fits one batch must get well below it."""
     from sinkflow.flows import to_levels
     from sinkflow.flows.baselines import independent_pixel_bpd
-    from sinkflow.methods.flow import pixel_levels
+    from sinkflow.methods.normalizing_flow import pixel_levels
 
     x = target.sample(n, torch.Generator().manual_seed(0), "cpu")
     k = to_levels(pixel_levels(x, n_bins), n_bins).reshape(n, -1).numpy()
@@ -227,7 +230,7 @@ def check_flow_trainable(model: nn.Module) -> Finding:
 
 
 @torch.no_grad()
-def check_flow_logdet(model: nn.Module, x: torch.Tensor, max_dims: int = 1024, tol: float = 1e-3) -> Finding:
+def check_flow_logdet(model: "FlowModel", x: torch.Tensor, max_dims: int = 1024, tol: float = 1e-3) -> Finding:
     """The flow's log-det (``encode``) equals slogdet of the brute-force Jacobian of ``x -> latents`` on one
     sample, in float64 on a copy of the model (skipped above ``max_dims`` dimensions)."""
     check = "log-det matches Jacobian"
@@ -235,8 +238,7 @@ def check_flow_logdet(model: nn.Module, x: torch.Tensor, max_dims: int = 1024, t
     if dims > max_dims:
         return Finding(check, None, f"{dims} dimensions per sample (brute-force Jacobian only up to {max_dims})")
     m = copy.deepcopy(model).double().eval()
-    if hasattr(m, "set_memory"):
-        m.set_memory("standard")
+    m.set_memory("standard")
     x0 = x[:1].double()
 
     def f(v):
@@ -494,14 +496,14 @@ def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = 300
 
     findings: list[Finding] = []
     if run_dir is not None:
-        from sinkflow.runner.run import Run, read_config
+        from sinkflow.runtime.run_folder import RunFolder, read_config
 
         cfg = read_config(run_dir)
         names = phases or train_phase_names(cfg)
         for name in names:
             run, ph = open_run_phase(Path(run_dir), name)
             findings += check_phase(run, ph, overfit_steps, overfit_batch, factor)
-        final_run = Run(Path(run_dir), cfg, log=False)
+        final_run = RunFolder(Path(run_dir), cfg, log=False)
     else:
         names = phases or train_phase_names(cfg)
         run = None
@@ -512,15 +514,15 @@ def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = 300
             run.logger.close()
         final_run = None
         if names == train_phase_names(cfg):  # a full tiny run for the sampling check
-            from sinkflow.runner.experiment import run_phases
+            from sinkflow.engine.experiment import run_phases
 
             tiny = [f"experiment.runs_dir={Path(workdir) / 'full'}", "experiment.name=tiny", "pool.batches=1",
                     f"pool.steps={min(cfg['pool']['steps'], 3)}", "pool.in_flight=0"]
             tiny += [f"train.{k}.iters=2" for k in cfg["train"]]
             from sinkflow import config as config_mod
-            from sinkflow.runner.run import Run
+            from sinkflow.runtime.run_folder import RunFolder
 
-            final_run = Run.create(config_mod.apply_overrides(cfg, tiny))
+            final_run = RunFolder.create(config_mod.apply_overrides(cfg, tiny))
             source, target = data.distributions(final_run.cfg)
             run_phases(final_run, methods.of(final_run.cfg).phases(final_run.cfg, source, target))
     if final_run is not None and all(final_run.phase_done(n) for n in train_phase_names(final_run.cfg)):

@@ -96,7 +96,7 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
             for g in optimizer.param_groups:
                 g["lr"] = lr
             if train_step is not None:
-                from sinkflow.runner.trainer import NonFiniteStep
+                from sinkflow.engine.trainer import NonFiniteStep
 
                 try:
                     value, loss = float(train_step(batch_fn(i))), None
@@ -220,12 +220,12 @@ def write_lr(target: Path, key: str, lr: float) -> Path:
     import yaml
 
     from sinkflow import config as config_mod
-    from sinkflow.runner.run import read_config
+    from sinkflow.runtime.run_folder import read_config
 
     target = Path(target)
     if target.is_dir():
         from sinkflow.data.atomic_write import atomic_write_text
-        from sinkflow.runner.lock import run_lock
+        from sinkflow.runtime.lock import run_lock
 
         with run_lock(target):  # not while a `sinkflow train` writes the same run
             cfg = read_config(target)

@@ -2,10 +2,9 @@
 
 Terms (per process; one GPU per process):
 
-* pool phase: GeomLoss's working set for ``in_flight`` pool batches (``sinkflow.ot.sinkhorn_peak_bytes``,
-  calibrated against measured allocations) + the group's float32 trajectory (x_t, v_t for every step)
-  kept on the device until it is copied to the pool. The pool itself lives in host RAM or on disk
-  (``sinkflow.methods.pool.pool_bytes``).
+* a chunked phase (the pool): the task's own estimate (``ChunkedTask.memory``; for the pool GeomLoss's
+  working set for ``in_flight`` pool batches and the trajectory kept on the device, plus the pool in host RAM
+  or on disk) and its own fit (``ChunkedTask.fit_memory``): the planner never names a method's task.
 * a training phase: parameters + gradients + Adam's two moments (+ an EMA copy)
   (``sinkflow.models.model_memory_bytes``); the activations autograd saves for backward, measured by
   running the real forward on CPU at micro-batch 1 and 2 with ``saved_tensors_hooks`` and
@@ -24,6 +23,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -68,7 +68,7 @@ class PhaseMemory:
     """Estimated device bytes of one phase, by term, plus host RAM / disk it needs."""
 
     phase: str
-    kind: str  # pool | train | sample
+    kind: str  # chunked (the pool) | train | sample | other
     terms: dict[str, int] = field(default_factory=dict)
     host_bytes: int = 0
     disk_bytes: int = 0
@@ -79,6 +79,8 @@ class PhaseMemory:
     act_per_sample: int = 0
     act_max_per_sample: int = 0
     batch_item_bytes: int = 0
+    # chunked phases: (cfg, usable device bytes) -> (overrides, reasons), from ChunkedTask.fit_memory
+    fit: Callable[[dict, int], tuple[dict, list[str]]] | None = field(default=None, repr=False)
 
     @property
     def total(self) -> int:
@@ -125,24 +127,14 @@ def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int) ->
     return pm
 
 
-def _pool_phase_memory(cfg: dict, shape: tuple[int, ...]) -> PhaseMemory:
-    from sinkflow.methods.pool import pool_bytes
-    from sinkflow.ot import sinkhorn_peak_bytes
-
-    p = cfg["pool"]
-    dim = math.prod(shape)
-    flight = max(1, p["in_flight"])
-    pm = PhaseMemory("pool", "pool")
-    pm.terms["sinkhorn"] = sinkhorn_peak_bytes(flight, p["batch_size"], dim)
-    pm.terms["trajectory"] = 2 * p["steps"] * flight * p["batch_size"] * dim * 4
+def _chunked_phase_memory(cfg: dict, task, shape: tuple[int, ...]) -> PhaseMemory:
+    """A chunked task's own estimate (``ChunkedTask.memory``) plus the CUDA workspaces every phase has."""
+    est = task.memory(cfg, shape)
+    if est is None:
+        return PhaseMemory(task.name, "other", note="not estimated")
+    pm = PhaseMemory(task.name, "chunked", dict(est["terms"]), est["host_bytes"], est["disk_bytes"], est["note"])
     pm.terms["cuda workspaces"] = WORKSPACE_BYTES
-    stored = pool_bytes(p, shape)
-    if p["storage"] == "disk":
-        pm.disk_bytes = stored
-    else:
-        pm.host_bytes = stored
-    pm.note = (f"{flight} batch(es) of {p['batch_size']} in flight" +
-               (" (pool.in_flight=0 adapts to the card; this is the minimum)" if p["in_flight"] == 0 else ""))
+    pm.fit = lambda c, limit: task.fit_memory(c, shape, limit - WORKSPACE_BYTES)
     return pm
 
 
@@ -160,8 +152,7 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
 def estimate(cfg: dict, world: int = 1) -> list[PhaseMemory]:
     """Per-phase memory of the config (real sizes), measured on CPU. Uses synthetic data of the real shape
     when the image set is not available here."""
-    from sinkflow.methods.base import TrainingStep
-    from sinkflow.methods.pool import PoolTask
+    from sinkflow.methods.base import ChunkedTask, TrainingStep
     from sinkflow.models import build_model
     from sinkflow.tools.data import real_or_synthetic
 
@@ -172,8 +163,8 @@ def estimate(cfg: dict, world: int = 1) -> list[PhaseMemory]:
         out: list[PhaseMemory] = []
         models = {}
         for ph in phases:
-            if isinstance(ph, PoolTask):
-                out.append(_pool_phase_memory(cfg, shape))
+            if isinstance(ph, ChunkedTask):
+                out.append(_chunked_phase_memory(cfg, ph, shape))
             elif isinstance(ph, TrainingStep):
                 out.append(_train_phase_memory(cfg, ph, shape, world))
                 m = dict(cfg["model"][ph.model_key])
@@ -196,37 +187,14 @@ def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int
     Keeps what the experiment computes: the total pool entries (pool.batches x pool.batch_size) and every
     effective training batch (train.X.batch_size, split into more accumulation micro-batches).
     """
-    from sinkflow.ot import sinkhorn_peak_bytes
-
     overrides: dict[str, object] = {}
     reasons: list[str] = []
     limit = usable_bytes(total_bytes)
     for pm in mems:
-        if pm.kind == "pool":
-            p = dict(cfg["pool"])
-            shape_dim = None
-            if pm.total > limit:
-                dim = (pm.terms["trajectory"] // (2 * p["steps"] * max(1, p["in_flight"]) * p["batch_size"] * 4))
-                shape_dim = max(1, dim)
-                if p["in_flight"] > 1:
-                    p["in_flight"] = 0
-                    overrides["pool.in_flight"] = 0
-                while (sinkhorn_peak_bytes(1, p["batch_size"], shape_dim) + 8 * p["steps"] * p["batch_size"] * shape_dim
-                       + WORKSPACE_BYTES > limit and p["batch_size"] > 2):
-                    p["batch_size"] //= 2
-                    p["batches"] *= 2
-                if p["batch_size"] != cfg["pool"]["batch_size"]:
-                    overrides["pool.batch_size"] = p["batch_size"]
-                    overrides["pool.batches"] = p["batches"]
-                    reasons.append(f"pool: Sinkhorn batch {cfg['pool']['batch_size']} -> {p['batch_size']} with "
-                                   f"{p['batches']} pool batches (same {p['batches'] * p['batch_size']} trajectories)")
-            if pm.host_bytes > cfg["pool"]["ram_gb"] * GiB:
-                if cfg["pool"]["dtype"] != "float16":
-                    overrides["pool.dtype"] = "float16"
-                if pm.host_bytes / (2 if cfg["pool"]["dtype"] != "float16" else 1) > cfg["pool"]["ram_gb"] * GiB:
-                    overrides["pool.storage"] = "disk"
-                reasons.append(f"pool: {pm.host_bytes / GiB:.1f} GiB > pool.ram_gb={cfg['pool']['ram_gb']}: "
-                               + ", ".join(f"{k}={v}" for k, v in overrides.items() if k in ("pool.dtype", "pool.storage")))
+        if pm.kind == "chunked" and pm.fit is not None:
+            changed, why = pm.fit(cfg, limit)
+            overrides.update(changed)
+            reasons += why
         elif pm.kind == "train" and pm.total > limit:
             t = cfg["train"][pm.model_key]
             accum, trial = t["accum"], copy.copy(pm)

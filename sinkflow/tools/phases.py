@@ -14,7 +14,7 @@ from sinkflow import config as config_mod
 from sinkflow import data, methods
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import TrainingStep
-from sinkflow.runner.callbacks import Callback
+from sinkflow.runtime.callbacks import Callback
 
 FOREVER = 10**9
 
@@ -30,7 +30,7 @@ class StopBeforeFirstStep(Callback):
 def ready_trainer(run, task):
     """``task``'s Trainer set up as its own loop would, with its first batch in ``trainer.batch``; no step
     is taken."""
-    from sinkflow.runner.trainer import Trainer
+    from sinkflow.engine.trainer import Trainer
 
     trainer = Trainer(run, task, [StopBeforeFirstStep()])
     trainer.fit()
@@ -57,8 +57,8 @@ def workspace(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: in
     its real Sinkhorn batch size but only ``pool_batches`` batches of at most ``pool_steps`` Euler steps
     (the first ``pool_steps`` steps of the real flow: a CPU pool of the real length can take many minutes).
     """
-    from sinkflow.runner.run import Run
-    from sinkflow.runner.trainer import Trainer
+    from sinkflow.runtime.run_folder import RunFolder
+    from sinkflow.engine.trainer import Trainer
 
     cfg = copy.deepcopy(cfg)
     names = train_phase_names(cfg)
@@ -79,7 +79,7 @@ def workspace(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: in
             elif not _later(phases, ph.name, phase_name):
                 ov += [f"train.{k}.iters={prior_iters}", f"train.{k}.ckpt_every={FOREVER}"]
     cfg = config_mod.apply_overrides(cfg, ov + list(overrides or []))
-    run = Run.create(cfg)
+    run = RunFolder.create(cfg)
     for ph in _phases(cfg):
         if ph.name == phase_name:
             return run, ready_trainer(run, ph)
@@ -90,7 +90,7 @@ def workspace(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: in
 
 def open_run_phase(run_dir: Path, phase_name: str | None):
     """(run, ready trainer) of an existing run, without writing to it; earlier phases must be finished."""
-    from sinkflow.runner.run import Run, read_config
+    from sinkflow.runtime.run_folder import RunFolder, read_config
 
     cfg = read_config(run_dir)
     names = train_phase_names(cfg)
@@ -107,7 +107,7 @@ def open_run_phase(run_dir: Path, phase_name: str | None):
     key = next(p.model_key for p in phases if isinstance(p, TrainingStep) and p.name == phase_name)
     cfg = config_mod.apply_overrides(cfg, [f"train.{key}.iters={FOREVER}", f"train.{key}.log_every={FOREVER}",
                                            f"train.{key}.ckpt_every={FOREVER}"])
-    run = Run(Path(run_dir), cfg, log=False)  # read only: nothing is logged into the user's run
+    run = RunFolder(Path(run_dir), cfg, log=False)  # read only: nothing is logged into the user's run
     ph = next(p for p in _phases(cfg) if p.name == phase_name)
     return run, ready_trainer(run, ph)
 

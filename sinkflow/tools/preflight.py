@@ -29,12 +29,13 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from sinkflow import config as config_mod
 from sinkflow import data, methods
 from sinkflow.errors import SinkflowError
-from sinkflow.runner.callbacks import Callback
+from sinkflow.runtime.callbacks import Callback
 
 log = logging.getLogger("sinkflow")
 
@@ -223,12 +224,16 @@ class _CaptureResume(Callback):
         self.state.update(_live_state(trainer))
 
 
-def _interrupt_and_resume(report: Report, run, tiny: dict, index: int, build, guard: Callback) -> None:
+def _written_rows(a) -> np.ndarray:
+    """Which rows of a chunked task's output hold something (unfinished units' rows are zero)."""
+    return np.abs(np.asarray(a, dtype=np.float32).reshape(len(a), -1)).sum(1) > 0
+
+
+def _interrupt_and_resume(report: Report, run, index: int, build, guard: Callback) -> None:
     """Run phase ``index`` with a stop requested after its first step/chunk, then resume it fresh."""
-    from sinkflow.methods.base import TrainingStep
-    from sinkflow.methods.pool import PoolTask
-    from sinkflow.runner import signals
-    from sinkflow.runner.trainer import Trainer
+    from sinkflow.methods.base import ChunkedTask, TrainingStep
+    from sinkflow.runtime import signals
+    from sinkflow.engine.trainer import Trainer
 
     ph = build()[index]
     name = ph.name
@@ -243,11 +248,7 @@ def _interrupt_and_resume(report: Report, run, tiny: dict, index: int, build, gu
         report.add("stops on SIGTERM", name, False, "the phase ran to the end although a stop was requested")
         return
     before = _live_state(trainer) if isinstance(ph, TrainingStep) else None
-    pool_rows = None
-    if isinstance(ph, PoolTask):
-        import numpy as np
-
-        pool_rows = np.array(np.load(run.dir / "pool" / "x.npy", mmap_mode="r", allow_pickle=False))
+    written = ph.output(run) if isinstance(ph, ChunkedTask) else None
     del ph, trainer
     fresh = build()[index]
     captured = _CaptureResume()
@@ -266,17 +267,15 @@ def _interrupt_and_resume(report: Report, run, tiny: dict, index: int, build, gu
         report.add("kill and resume", name, not bad,
                    "; ".join(bad) or f"stopped at step {before['step']}, resumed step/weights/Adam moments/generator "
                    f"identical, finished {trainer.cfg['iters']} steps", dt)
-    elif isinstance(fresh, PoolTask):
-        import numpy as np
-
-        x = np.load(run.dir / "pool" / "x.npy", mmap_mode="r", allow_pickle=False)
-        per_batch = tiny["pool"]["steps"] * tiny["pool"]["batch_size"]
-        kept = np.array_equal(x[:per_batch], pool_rows[:per_batch])
-        filled = bool(np.abs(np.asarray(x[per_batch:], dtype=np.float32)).sum() > 0)
+    elif written is not None:
+        after, done = fresh.output(run), _written_rows(written)
+        kept = bool(done.any()) and np.array_equal(after[done], written[done])
+        filled = bool(_written_rows(after[~done]).all())
         ok = kept and filled and run.phase_done(name)
         report.add("kill and resume", name, ok,
-                   "stopped after chunk 1, resumed: finished chunk kept, rest built" if ok else
-                   f"finished chunk kept={kept}, rest built={filled}, done={run.phase_done(name)}", dt)
+                   f"stopped after unit 1, resumed: the {int(done.sum())} rows written before kept, the other "
+                   f"{int((~done).sum())} built" if ok else
+                   f"rows written before kept={kept}, rest built={filled}, done={run.phase_done(name)}", dt)
     else:
         report.add("kill and resume", name, run.phase_done(name), "resumed and finished", dt)
 
@@ -284,11 +283,11 @@ def _interrupt_and_resume(report: Report, run, tiny: dict, index: int, build, gu
 def run_tiny(report: Report, real: dict, workdir: Path) -> None:
     """Every phase with tiny counts and real shapes, each stopped and resumed once; then sample and evaluate."""
     from sinkflow.methods.base import TrainingStep
-    from sinkflow.runner.run import Run
+    from sinkflow.runtime.run_folder import RunFolder
 
     tiny, sh = tiny_config(real, workdir / "runs", "preflight")
     expected = {"iters": sh["train_iters"], "batch_size": sh["batch_size"]}
-    run = Run.create(tiny)
+    run = RunFolder.create(tiny)
     source, target = data.distributions(tiny)
     method = methods.of(tiny)
 
@@ -304,7 +303,7 @@ def run_tiny(report: Report, real: dict, workdir: Path) -> None:
             continue
         t0 = time.perf_counter()
         try:
-            _interrupt_and_resume(report, run, tiny, i, build, guard)
+            _interrupt_and_resume(report, run, i, build, guard)
         except _Unreached as exc:
             report.add("shorthands reach phase", ph.name, False, f"{exc}: the phase would run with its real "
                        "value; add the key to sinkflow.config.SHORTHANDS")

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from sinkflow.runner.callbacks import Callback
+from sinkflow.runtime.callbacks import Callback
 
 
 def _sync(device: torch.device) -> None:

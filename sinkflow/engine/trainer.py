@@ -7,7 +7,7 @@ RNG states) is in every step checkpoint. For a ``ChunkedTask`` (the pool) it run
 same protocol: resume where the task's own progress says, heartbeat after every unit, stop between units on
 SIGTERM/SIGINT (or ``request_stop``), and write ``final.pt`` at the end.
 
-Tools watch and steer the loop through ``Callback`` hooks (``sinkflow.runner.callbacks``), never by
+Tools watch and steer the loop through ``Callback`` hooks (``sinkflow.runtime.callbacks``), never by
 patching it. The network of a training phase is built from ``model.<key>`` and the sample shape, which
 the caller may pass in (``shape``); by default it comes from the data section (``sinkflow.data``).
 """
@@ -26,17 +26,17 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from sinkflow.data import sample_shape
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import TrainingStep
-from sinkflow.runner import dist
-from sinkflow.runner.callbacks import Callback, ProgressBar
-from sinkflow.runner.checkpoint import rng_state, set_rng_state
-from sinkflow.runner.divergence import DivergenceGuard
-from sinkflow.runner.finite import NonFiniteGuard, skips_on_device
-from sinkflow.runner.health import Health
-from sinkflow.runner.prefetch import BatchPrefetcher, use_prefetch
-from sinkflow.runner.rng import phase_generator, seed_everything
-from sinkflow.runner.run import build_phase_model, load_model_state
-from sinkflow.runner.signals import Interrupted, stop_requested
-from sinkflow.runner.state_check import check_step_state
+from sinkflow.runtime import dist
+from sinkflow.runtime.callbacks import Callback, ProgressBar
+from sinkflow.runtime.checkpoint import rng_state, set_rng_state
+from sinkflow.engine.divergence import DivergenceGuard
+from sinkflow.engine.finite import NonFiniteGuard, skips_on_device
+from sinkflow.engine.health import Health
+from sinkflow.engine.prefetch import BatchPrefetcher, use_prefetch
+from sinkflow.runtime.rng import phase_generator, seed_everything
+from sinkflow.runtime.run_folder import build_phase_model, load_model_state
+from sinkflow.runtime.signals import Interrupted, stop_requested
+from sinkflow.runtime.state_check import check_step_state
 
 
 class Trainer:
@@ -105,7 +105,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(run.device.type, enabled=self.precision == "fp16")
         # fp16: GradScaler skips steps with Inf/NaN gradients by design, so only the loss is guarded
         self.guard = NonFiniteGuard(run.device, check_grad=not self.scaler.is_enabled())
-        self.skip_on_device = skips_on_device(self.optimizer)  # no per-step read of the loss (sinkflow.runner.finite)
+        self.skip_on_device = skips_on_device(self.optimizer)  # no per-step read of the loss (sinkflow.engine.finite)
         self.ddp_model = self.model
         if self.info.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -146,7 +146,7 @@ class Trainer:
             raise SinkflowError(f"checkpoint {where} does not match this phase's optimizer ({exc})",
                                 "resume with the config the run was trained with") from None
         # the learning rate the config asks for now (train.*.lr, lr_scaling, world size) replaces the restored
-        # one for real: the optimizer and the schedule follow it (Run.start records the change in meta.json)
+        # one for real: the optimizer and the schedule follow it (RunFolder.start records the change in meta.json)
         # (and a changed schedule / warmup / iters takes effect at this step, not one step late)
         base = self.cfg["lr"] * lr_scale(self.cfg["lr_scaling"], self.info.world)
         wanted = [base * fn(self.scheduler.last_epoch) for fn in self.scheduler.lr_lambdas]
@@ -175,7 +175,7 @@ class Trainer:
     def train_step(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step (with accumulation); returns (loss, grad-norm) as 0-dim device tensors.
 
-        Nothing here waits for the device: the non-finite guard (``sinkflow.runner.finite``) decides on the
+        Nothing here waits for the device: the non-finite guard (``sinkflow.engine.finite``) decides on the
         device whether the update is applied. Where the optimizer cannot take that decision (foreach Adam on
         a CPU, where reading a value costs nothing) the guard is read at once, as before."""
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)

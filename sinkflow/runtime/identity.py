@@ -46,13 +46,16 @@ ALWAYS_FROZEN = ("experiment.preset", "experiment.method")
 TRAIN_SECTIONS = ("nsgf.",)
 
 
-def frozen_prefixes(phase: str) -> tuple[str, ...]:
-    return COMMON + POOL_SECTIONS + (() if phase == "pool" else TRAIN_SECTIONS + (f"model.{phase}.",))
+def frozen_prefixes(cfg: dict, phase: str) -> tuple[str, ...]:
+    """A phase that trains a network (it has a ``model.<phase>`` section) is also shaped by that section and by
+    how it reads the pool; a phase without one (the pool build) only by the data and the pool's problem."""
+    trains = phase in cfg.get("model", {})
+    return COMMON + POOL_SECTIONS + (TRAIN_SECTIONS + (f"model.{phase}.",) if trains else ())
 
 
 def frozen_keys(cfg: dict, phase: str) -> dict[str, Any]:
     """The flattened keys (and values) that shaped ``phase``'s artifact."""
-    prefixes = frozen_prefixes(phase)
+    prefixes = frozen_prefixes(cfg, phase)
     flat = config_mod.flatten(cfg)
     return {k: flat[k] for k in sorted(flat) if k.startswith(prefixes) and k not in RUNTIME_KEYS}
 
@@ -143,7 +146,7 @@ def check_frozen(old: dict, new: dict, run_dir: Path) -> None:
             why = "the run folder was made for it"
         else:
             shaped = [what for phase, what in on_disk.items()
-                      if key.startswith(frozen_prefixes(phase)) and key not in RUNTIME_KEYS]
+                      if key.startswith(frozen_prefixes(old, phase)) and key not in RUNTIME_KEYS]
             if key in HALF_BUILT_POOL_KEYS and on_disk.get("pool") == "the half-built pool":
                 shaped.append("the half-built pool (its finished chunks are numbered by it)")
             if not shaped:

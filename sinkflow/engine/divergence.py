@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from sinkflow.errors import SinkflowError
-from sinkflow.runner import dist
-from sinkflow.runner.callbacks import Callback
-from sinkflow.runner.checkpoint import rng_state, set_rng_state
+from sinkflow.runtime import dist
+from sinkflow.runtime.callbacks import Callback
+from sinkflow.runtime.checkpoint import rng_state, set_rng_state
 
 LOSS_LIMIT = 1e6  # x max(1, scale^2): sound losses stay many orders of magnitude below
 

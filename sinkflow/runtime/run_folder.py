@@ -9,7 +9,7 @@ Layout::
     RUN/metrics.jsonl, RUN/tb/, RUN/status.json
     RUN/.lock              held (fcntl.flock) by the one process writing the run, with its pid
 
-Nothing is written into a run folder until every check has passed (``Run.start``); docs/reliability.md.
+Nothing is written into a run folder until every check has passed (``RunFolder.start``); docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from sinkflow import config as config_mod
 from sinkflow.data import sample_shape
 from sinkflow.data.atomic_write import atomic_write_text
 from sinkflow.errors import SinkflowError
-from sinkflow.runner import dist
-from sinkflow.runner.checkpoint import PhaseCheckpoints, remove_orphans
-from sinkflow.runner.identity import check_frozen, identity
-from sinkflow.runner.lock import lock_run, run_lock
-from sinkflow.runner.metrics import MetricsLogger
-from sinkflow.runner.state_check import check_final, check_weights
+from sinkflow.runtime import dist
+from sinkflow.runtime.checkpoint import PhaseCheckpoints, remove_orphans
+from sinkflow.runtime.identity import check_frozen, identity
+from sinkflow.runtime.lock import lock_run, run_lock
+from sinkflow.runtime.metrics import MetricsLogger
+from sinkflow.runtime.state_check import check_final, check_weights
 
 log = logging.getLogger("sinkflow")
 
@@ -80,7 +80,7 @@ def _versions() -> dict:
     return versions
 
 
-class Run:
+class RunFolder:
     """Everything a phase needs: config, device, folder, logger, checkpoints, finished phases' models."""
 
     def __init__(self, run_dir: Path, cfg: dict, log: bool = True):
@@ -99,7 +99,7 @@ class Run:
 
     # ---- creation and resume -------------------------------------------------------------------
     @classmethod
-    def create(cls, cfg: dict) -> "Run":
+    def create(cls, cfg: dict) -> "RunFolder":
         exp = cfg["experiment"]
         resolve_device(exp["device"])  # a bad device is refused before the folder exists
         name = exp["name"] or f"{exp['preset']}-{exp['method']}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -136,9 +136,9 @@ class Run:
         return cls(run_dir, cfg)
 
     @classmethod
-    def open(cls, run_dir: Path, overrides: list[str] | None = None, shorthands: dict | None = None) -> "Run":
+    def open(cls, run_dir: Path, overrides: list[str] | None = None, shorthands: dict | None = None) -> "RunFolder":
         """Re-open a run folder (nothing is written). Overrides of keys frozen by what is already on disk
-        are refused (``sinkflow.runner.identity``); ``start()`` writes the new config once the run starts."""
+        are refused (``sinkflow.runtime.identity``); ``start()`` writes the new config once the run starts."""
         cfg = read_config(run_dir)
         new = config_mod.apply_overrides(config_mod.apply_shorthands(cfg, shorthands or {}), overrides or [])
         config_mod.validate(new)
@@ -270,6 +270,6 @@ def build_phase_model(cfg: dict, key: str, shape: tuple[int, ...]) -> torch.nn.M
 
 def load_model_state(model: torch.nn.Module, state: dict, where: str, what: str = "model") -> None:
     """``load_state_dict`` after checking every entry (names, tensors, dtypes, shapes): one line naming the
-    first bad one (``sinkflow.runner.state_check``), never a traceback or a silent int64/bool cast."""
+    first bad one (``sinkflow.runtime.state_check``), never a traceback or a silent int64/bool cast."""
     check_weights(state, model.state_dict(), where, what)
     model.load_state_dict(state)

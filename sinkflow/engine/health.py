@@ -1,6 +1,6 @@
 """Training-dynamics dashboard: what the Trainer logs next to loss, LR, grad norm and throughput.
 
-A ``Callback`` the engine adds to every training phase (``sinkflow.runner.trainer``).
+A ``Callback`` the engine adds to every training phase (``sinkflow.engine.trainer``).
 
 Only on log steps (the cost is paid once every ``log_every`` steps):
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sinkflow.runner.callbacks import Callback
+from sinkflow.runtime.callbacks import Callback
 
 RELU_LIKE = (nn.ReLU, nn.ReLU6)
 SMOOTH = (nn.SiLU, nn.GELU, nn.SELU, nn.ELU, nn.Mish, nn.CELU)

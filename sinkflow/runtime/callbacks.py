@@ -1,4 +1,4 @@
-"""Named hooks into the engine's loop (``sinkflow.runner.trainer.Trainer``), after Lightning's ``Callback``.
+"""Named hooks into the engine's loop (``sinkflow.engine.trainer.Trainer``), after Lightning's ``Callback``.
 
 Everything that watches or steers a phase without being the phase (the progress bar, the health dashboard,
 ``bench``'s step timer, preflight's stop-and-resume probe, doctor's and lr-find's "stop before the first
@@ -35,7 +35,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from sinkflow.runner import dist
+from sinkflow.runtime import dist
 
 
 class Callback:

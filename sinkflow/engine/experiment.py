@@ -16,14 +16,14 @@ from sinkflow.data import sample_shape
 from sinkflow.data.atomic_write import atomic_write_text
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import TrainingStep
-from sinkflow.runner import dist
-from sinkflow.runner.callbacks import Callback
-from sinkflow.runner.lock import unlock_run
-from sinkflow.runner.rng import phase_generator
-from sinkflow.runner.run import Run, build_phase_model
-from sinkflow.runner.signals import Interrupted, graceful_stop
-from sinkflow.runner.state_check import check_final, check_step_state
-from sinkflow.runner.trainer import Trainer
+from sinkflow.runtime import dist
+from sinkflow.runtime.callbacks import Callback
+from sinkflow.runtime.lock import unlock_run
+from sinkflow.runtime.rng import phase_generator
+from sinkflow.runtime.run_folder import RunFolder, build_phase_model
+from sinkflow.runtime.signals import Interrupted, graceful_stop
+from sinkflow.runtime.state_check import check_final, check_step_state
+from sinkflow.engine.trainer import Trainer
 
 log = logging.getLogger("sinkflow")
 
@@ -55,11 +55,11 @@ def check_run(cfg: dict) -> None:
 
 def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, overrides: list[str] | None = None,
               shorthands: dict | None = None, callbacks: Iterable[Callback] = (), device: str | None = None,
-              on_open=None, then=None, preset: str | None = None) -> Run:
+              on_open=None, then=None, preset: str | None = None) -> RunFolder:
     """Train every unfinished phase of a resolved config ``cfg`` (``sinkflow.config.resolve``), or continue the
     run folder ``resume`` (with ``overrides`` / ``shorthands`` of keys it may still change); returns the run.
 
-    Every check comes first: nothing is written into a run folder before ``Run.start()`` (docs/reliability.md).
+    Every check comes first: nothing is written into a run folder before ``RunFolder.start()`` (docs/reliability.md).
     ``on_open(run)`` is called once the folder is known (the CLI remembers it for its resume hint); a stop by
     signal raises ``Interrupted`` with ``run_dir`` set. ``then(run)`` runs after the last phase, while the run
     still holds its folder's lock and logger (the CLI's evaluation report, unless ``--no-report``). A ``preset``
@@ -68,7 +68,7 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         raise ValueError("train_run needs exactly one of cfg (a new run) or resume (a run folder)")
     info = dist.init(device or "auto")
     if resume is not None:
-        run = Run.open(Path(resume), overrides, shorthands)  # frozen keys, device: no writes
+        run = RunFolder.open(Path(resume), overrides, shorthands)  # frozen keys, device: no writes
         if preset is not None and preset != run.cfg["experiment"]["preset"]:
             raise SinkflowError(f"cannot resume {resume} as preset '{preset}': it is a run of preset "
                                 f"'{run.cfg['experiment']['preset']}'",
@@ -76,7 +76,7 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
                                 f"with `sinkflow train {preset}`")
     else:
         check_run(cfg)
-        run = Run.create(cfg)
+        run = RunFolder.create(cfg)
     if on_open is not None:
         on_open(run)
     try:
@@ -127,7 +127,7 @@ def verify(run, phases) -> None:
     model's names, shapes and dtypes; the first unfinished phase's newest step checkpoint holds everything
     the Trainer restores (weights, Adam moments, schedule, generator and RNG states); and no override changes
     a training key of a phase that has already finished (it would have no effect, so config.yaml would lie).
-    Records where the run resumes (``run.resume_at``) for the change log ``Run.start`` writes."""
+    Records where the run resumes (``run.resume_at``) for the change log ``RunFolder.start`` writes."""
     changed = run.changes()
     at = None
     for task in phases:

@@ -26,8 +26,8 @@ from sinkflow import data
 from sinkflow.errors import SinkflowError
 from sinkflow.flows import bits_per_dim, dequantize, flow_loss, postprocess, preprocess
 from sinkflow.methods.base import Method, TrainingStep
-from sinkflow.runner import dist
-from sinkflow.runner.rng import phase_generator
+from sinkflow.runtime import dist
+from sinkflow.runtime.rng import phase_generator
 
 log = logging.getLogger("sinkflow")
 
@@ -221,7 +221,7 @@ def select_checkpoint(run, paths, seeds: int | None = None) -> tuple[Path, list[
     Returns the best path and the curve ``[{"path", "step", "val_bpd", "val_bpd_std"}]``. Never reads the
     test split (a test replaces it with one that raises).
     """
-    from sinkflow.runner.run import build_phase_model
+    from sinkflow.runtime.run_folder import build_phase_model
 
     curve = []
     for path in paths:

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from sinkflow.runner import dist
+from sinkflow.runtime import dist
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:

@@ -8,7 +8,7 @@ always survives.
 Checkpoints hold only tensors, numbers, strings, lists and dicts (RNG states included), and every load
 goes through ``torch.load(..., weights_only=True)``: a crafted file cannot run code, it is refused. A
 checkpoint with a non-finite tensor is never written. Each checkpoint carries the run's identity
-(``sinkflow.runner.identity``) and the step it holds; ``PhaseCheckpoints.load`` checks both.
+(``sinkflow.runtime.identity``) and the step it holds; ``PhaseCheckpoints.load`` checks both.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def remove_orphans(folder: Path) -> list[Path]:
 class PhaseCheckpoints:
     """Step checkpoints of one phase (``step_XXXXXXXX.pt``) and its ``final.pt``.
 
-    ``identity`` (``sinkflow.runner.identity.identity``) is written into every checkpoint, and every
+    ``identity`` (``sinkflow.runtime.identity.identity``) is written into every checkpoint, and every
     checkpoint loaded through this object must carry the same one and the step its file name says."""
 
     def __init__(self, folder: Path, keep: int = 3, identity: dict | None = None):
@@ -178,7 +178,7 @@ class PhaseCheckpoints:
         path = Path(path)
         obj = load(path)
         if self.identity is not None:
-            from sinkflow.runner.identity import check_checkpoint
+            from sinkflow.runtime.identity import check_checkpoint
 
             m = STEP_FILE.match(path.name)
             check_checkpoint(obj, self.identity, path, step=int(m.group(1)) if m else None)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from sinkflow.errors import SinkflowError
-from sinkflow.runner.checkpoint import non_finite
+from sinkflow.runtime.checkpoint import non_finite
 
 FIX = "delete it to resume from the checkpoint before it (or start a new run); sinkflow only resumes checkpoints it wrote"
 
