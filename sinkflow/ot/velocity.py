@@ -192,16 +192,18 @@ def _velocity_flat(
     if solver == "converged":
         from sinkflow.ot.sinkhorn import converged_velocity
 
-        chunk = max(1, CONVERGED_CHUNK_BYTES // (N * max(N, M) * 4))
-        return torch.cat([converged_velocity(x[s : s + chunk], y[s : s + chunk], blur=blur, scaling=scaling,
-                                             diameter=diameter, max_iters=max_iters, tol=tol)[0]
-                          for s in range(0, B, chunk)])
+        return _in_chunks(lambda a, b: converged_velocity(a, b, blur=blur, scaling=scaling, diameter=diameter,
+                                                         max_iters=max_iters, tol=tol)[0],
+                          x, y, max(1, CONVERGED_CHUNK_BYTES // (N * max(N, M) * 4)))
     chunk = B if x.device.type != "cpu" else max(1, CPU_CHUNK_BYTES // (2 * N * M * 4))
-    if chunk >= B:
-        return _velocity_solve(x, y, blur, scaling, diameter, backend)
-    return torch.cat(
-        [_velocity_solve(x[s : s + chunk], y[s : s + chunk], blur, scaling, diameter, backend) for s in range(0, B, chunk)]
-    )
+    return _in_chunks(lambda a, b: _velocity_solve(a, b, blur, scaling, diameter, backend), x, y, chunk)
+
+
+def _in_chunks(solve, x: torch.Tensor, y: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``solve(x, y)`` over the batch dimension in slices of ``chunk`` problems (one call when it fits)."""
+    if chunk >= x.shape[0]:
+        return solve(x, y)
+    return torch.cat([solve(x[s : s + chunk], y[s : s + chunk]) for s in range(0, x.shape[0], chunk)])
 
 
 def _velocity_solve(
