@@ -22,10 +22,11 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_md import RESULTS, write_section  # noqa: E402
+
 TASKS = ["8gaussians", "8gaussians-moons", "moons", "scurve", "checkerboard"]
 METHODS = ["nsgf", "fm", "otcfm"]
-RESULTS = Path(__file__).with_name("RESULTS.md")
-BEGIN, END = "<!-- nsgf_2d:begin -->", "<!-- nsgf_2d:end -->"
 
 
 def one_run(task: str, method: str, seed: int, iters: int, runs_dir: str, extra: list[str], eval_seeds: int,
@@ -189,13 +190,7 @@ def main(argv: list[str] | None = None) -> None:
             f"\n\n{table(results, floors, args)}\n")
     print(body)
     if args.write:
-        text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-        section = f"{BEGIN}\n{body}{END}"
-        if BEGIN in text:
-            text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-        else:
-            text += f"\n## NSGF on the 2D tasks (issue 2, Table 1)\n\n{section}\n"
-        RESULTS.write_text(text)
+        write_section("nsgf_2d", body, "NSGF on the 2D tasks (issue 2, Table 1)", RESULTS)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite2d  # noqa: E402
+from results_md import RESULTS, write_section  # noqa: E402
 
 from sinkflow import config  # noqa: E402
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
-BEGIN, END = "<!-- nsgf_suite:begin -->", "<!-- nsgf_suite:end -->"
 PROTOCOLS = ("iid", "qmc")
 METHODS = ("nsgf", "otcfm")
 
@@ -277,13 +276,7 @@ def main() -> None:
             f"{table(results, args.families, fl)}\n")
     print(body)
     if args.write:
-        text = RESULTS.read_text()
-        section = f"{BEGIN}\n{body}{END}"
-        if BEGIN in text:
-            text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-        else:
-            text += f"\n## NSGF on users' 2D targets (issue 26)\n\n{section}\n"
-        RESULTS.write_text(text)
+        write_section("nsgf_suite", body, "NSGF on users' 2D targets (issue 26)", RESULTS)
 
 
 if __name__ == "__main__":

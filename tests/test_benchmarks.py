@@ -26,9 +26,9 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # folder equal, so a new script cannot be added without one
 SMOKE_TESTED = ("digits", "flow_bpd", "flow_digits_ablation", "flow_memory", "gpu_checks", "memory_estimate",
                 "nsgf_2d", "ot_memory", "pool_build", "preset_throughput", "sampling", "sinkhorn_solver",
-                "train_throughput", "w2_mode_counts", "mnist", "mnist_probes")
-# scripts added on other branches together with their own smoke tests in this file (allowed once they exist)
-SMOKE_TESTED_ELSEWHERE = ("nsgf_suite", "suite2d")
+                "train_throughput", "w2_mode_counts", "mnist", "mnist_probes", "nsgf_suite")
+# modules the scripts import (no command line of their own), each with its own test here: test_helper_<name>
+HELPERS = ("suite2d", "results_md")
 
 
 def load(name):
@@ -84,14 +84,12 @@ def quiet(tmp_path, monkeypatch):
 
 def test_every_benchmark_script_has_a_smoke_test():
     scripts = {p.stem for p in BENCHMARKS.glob("*.py")}
-    elsewhere = {name for name in SMOKE_TESTED_ELSEWHERE if name in scripts}
-    assert scripts == set(SMOKE_TESTED) | elsewhere, (
-        f"benchmarks/ without a smoke test here: {sorted(scripts - set(SMOKE_TESTED) - elsewhere)}; "
-        f"listed but missing: {sorted(set(SMOKE_TESTED) - scripts)}")
+    assert scripts == set(SMOKE_TESTED) | set(HELPERS), (
+        f"benchmarks/ without a smoke test here: {sorted(scripts - set(SMOKE_TESTED) - set(HELPERS))}; "
+        f"listed but missing: {sorted((set(SMOKE_TESTED) | set(HELPERS)) - scripts)}")
     here = globals()
     assert [n for n in SMOKE_TESTED if not callable(here.get(f"test_smoke_{n}"))] == []
-    source = Path(__file__).read_text()
-    assert [n for n in elsewhere if f'load("{n}")' not in source] == []
+    assert [n for n in HELPERS if not callable(here.get(f"test_helper_{n}"))] == []
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +260,7 @@ def test_smoke_nsgf_2d(runs_2d, quiet, capsys, monkeypatch):
     assert "NSGF <= OT-CFM (means) on " in out and " of 2 cells" in out
     assert json.loads((runs / "8gaussians-nsgf-s0" / "bench.json").read_text())["eval_n"] == 64
     results = quiet / "RESULTS.md"  # --write, into a copy: never benchmarks/RESULTS.md
-    results.write_text(f"# Benchmark results\n\nbefore\n{bench.BEGIN}\nold\n{bench.END}\nafter\n")
+    results.write_text("# Benchmark results\n\nbefore\n<!-- nsgf_2d:begin -->\nold\n<!-- nsgf_2d:end -->\nafter\n")
     monkeypatch.setattr(bench, "RESULTS", results)
     monkeypatch.setattr(bench, "ProcessPoolExecutor", InProcessPool)
     bench.main(["--tasks", "8gaussians", "--methods", "nsgf", "otcfm", "--seeds", "1", "--eval-seeds", "1",
@@ -354,7 +352,7 @@ def test_smoke_preset_throughput(quiet, capsys):
         assert name != "baseline" or cells[3] == "1.00x"  # ratios to the baseline of the same run
 
 
-def test_suite_families_are_deterministic_with_iid_and_stratified_draws(tmp_path):
+def test_helper_suite2d(tmp_path):
     import numpy as np
 
     suite = load("suite2d")
@@ -371,7 +369,7 @@ def test_suite_families_are_deterministic_with_iid_and_stratified_draws(tmp_path
 
 
 @pytest.mark.slow
-def test_suite_benchmark_smoke(tmp_path, monkeypatch):
+def test_smoke_nsgf_suite(tmp_path, monkeypatch):
     """One tiny NSGF and OT-CFM run of the suite's runner, scored under both protocols, and the verdict's counting."""
     monkeypatch.chdir(tmp_path)
     bench = load("nsgf_suite")
@@ -390,6 +388,20 @@ def test_suite_benchmark_smoke(tmp_path, monkeypatch):
                                     ("otcfm", 0, 0.32, 0.31), ("otcfm", 1, 0.33, 0.32)]]
     v = bench.verdict(fake, ["a"], "iid")
     assert v["wins"] == 1 and v["cells"] == 2 and abs(v["worst_gap"] - 0.02) < 1e-9 and v["finer_worse"] == ["a"]
+
+
+def test_helper_results_md(tmp_path):
+    """A script's section is appended once under its heading, then replaced in place; other text is kept."""
+    write_section = load("results_md").write_section
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Benchmark results\n\nhand-written\n<!-- other:begin -->\nkeep\n<!-- other:end -->\n")
+    write_section("mine", "first\n", "Mine", path)
+    write_section("mine", "second\n", "Mine", path)
+    text = path.read_text()
+    assert text.count("## Mine") == 1 and "first" not in text and "<!-- mine:begin -->\nsecond\n<!-- mine:end -->" in text
+    assert "hand-written" in text and "<!-- other:begin -->\nkeep\n<!-- other:end -->" in text
+
+
 # ------------------------------------------------------------------------------------ benchmarks/mnist.py
 
 @pytest.fixture(scope="module")
