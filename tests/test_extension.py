@@ -134,6 +134,10 @@ def test_a_preset_may_set_keys_for_another_method():
     assert any(k.startswith("model.nsf.") for k in unread) and "model.velocity.channels" not in unread
     # digits' own method (NSGF++) reads all but the Euler steps it sets for the FM / OT-CFM baselines
     assert config.unread_preset_keys(config.resolve("digits")) == ["sample.steps", "eval.steps"]
+    # both are read by another method (a note, not a warning); a key no method reads would be a warning
+    assert config.read_by_other_methods(config.resolve("digits"), ["sample.steps", "eval.steps"])
+    assert config.read_by_other_methods(cfg, unread)
+    assert not config.read_by_other_methods(config.resolve("moons"), ["data.flip"])  # images only: no method on points
 
 
 def test_config_shows_what_nsgfpp_reads():

@@ -360,6 +360,16 @@ def unread_preset_keys(tree: dict) -> list[str]:
     return [k for k in raw if k in schema.keys(tree) and k not in used]
 
 
+def read_by_other_methods(tree: dict, keys: list[str]) -> bool:
+    """Whether every key in ``keys`` is read by some other registered method on the same tree: a preset's keys for
+    its ``--method`` alternatives (``mnist``'s ``sample.steps`` for FM / OT-CFM), not a slip in the preset."""
+    others = [m for m in schema.METHOD_REGISTRY if m != tree["experiment"]["method"]]
+    read = set()
+    for m in others:
+        read |= set(schema.used({**tree, "experiment": {**tree["experiment"], "method": m}}))
+    return all(k in read for k in keys)
+
+
 def read_run_config(cfg: Any, path) -> dict:
     """A run folder's config.yaml as a full tree: keys added to sinkflow since the run was made take the
     schema's default (a key is added with the default that keeps the behaviour before it, so a resumed

@@ -111,7 +111,8 @@ choices, default and meaning. Defaults, validation, `presets/_base.yaml` and thi
 - "read when" says which runs read a key (`sinkflow config` hides the others). Each method declares its
   phases, its own keys and the shared keys it reads in `sinkflow.config.schema.METHOD_REGISTRY`.
 - Overriding a key the run does not read (`sinkflow train moons train.nsf.ema=0.5`: NSGF has no `nsf` phase) is
-  an error naming the method; a preset may set keys for other methods (a warning lists them).
+  an error naming the method; a preset may set keys for other methods (listed in one line at the start of a run: a note when another
+  method reads them, else a warning).
 """
 
 
