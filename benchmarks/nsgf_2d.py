@@ -141,7 +141,7 @@ def verdict(results: list[dict], tasks: list[str]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", nargs="+", default=TASKS)
-    p.add_argument("--methods", nargs="+", default=METHODS)
+    p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--seed-list", type=int, nargs="+", default=None,
                    help="train only these training seeds (e.g. a second process taking the last seed)")

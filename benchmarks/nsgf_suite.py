@@ -226,7 +226,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", default=list(suite2d.FAMILIES), choices=list(suite2d.FAMILIES))
-    p.add_argument("--methods", nargs="+", default=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--seed-list", type=int, nargs="+", default=None)
     p.add_argument("--iters", type=int, default=20000)

@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="mnist")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--methods", nargs="+", default=["fm", "otcfm"])
+    ap.add_argument("--methods", nargs="+", default=["fm", "otcfm"], choices=list(config.schema.METHOD_REGISTRY))
     ap.add_argument("--configs", nargs="+", default=None, choices=list(CANDIDATES),
                     help="default: all (smoke: baseline and +prefetch)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per phase (default 100; smoke 2)")
