@@ -204,8 +204,13 @@ def table(results, families, fl) -> str:
                 na, nb = fmt(a), fmt(b)
                 if a and b and statistics.fmean(a) <= statistics.fmean(b):
                     na = f"**{na}**"
+                na, nb = (f"{v} †" if vals and statistics.fmean(vals) < fl[f][p][0] else v
+                          for v, vals in ((na, a), (nb, b)))
                 row += [f"{fl[f][p][0]:.3f} ± {fl[f][p][1]:.3f}", na, nb]
             lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    lines.append("†: below the floor, i.e. closer to the test draw than a draw of the exact distribution is: there the "
+                 "empirical W2 rewards spreading points between modes and cannot rank the samplers (see --diagnose).")
     lines.append("")
     lines.append("The exact distribution's stratified draw vs the held-out rows (the i.i.d. floor without the "
                  "generated draw's own count noise): " + ", ".join(

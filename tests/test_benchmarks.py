@@ -388,6 +388,13 @@ def test_smoke_nsgf_suite(tmp_path, monkeypatch):
                                     ("otcfm", 0, 0.32, 0.31), ("otcfm", 1, 0.33, 0.32)]]
     v = bench.verdict(fake, ["a"], "iid")
     assert v["wins"] == 1 and v["cells"] == 2 and abs(v["worst_gap"] - 0.02) < 1e-9 and v["finer_worse"] == ["a"]
+    for r in fake:
+        r["w2"]["qmc"] = r["w2"]["iid"]
+    floors = {"a": {"iid": (0.315, 0.1), "qmc": (0.1, 0.01), "strat_vs_test": (0.2, 0.01)}}
+    rows = [line for line in bench.table(fake, ["a"], floors).splitlines() if line.startswith("| a |")]
+    iid_nsgf, iid_otcfm = (rows[0].split("|")[4], rows[0].split("|")[5])  # 10 steps: 0.305 vs 0.325
+    assert "†" in iid_nsgf and "†" not in iid_otcfm  # only the cell below the exact distribution's own score
+    assert "†" not in rows[1].split("|")[4]  # NSGF at 100 steps: 0.335, above the floor
 
 
 def test_helper_results_md(tmp_path):
