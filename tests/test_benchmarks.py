@@ -378,23 +378,35 @@ def test_smoke_nsgf_suite(tmp_path, monkeypatch):
     results = [bench.one_run("unequal", str(files["unequal"]), m, 0, 4, str(tmp_path / "runs"), tiny, 1)
                for m in ("nsgf", "otcfm")]
     for r in results:
-        assert set(r["w2"]) == {"iid", "qmc"} and all(len(r["w2"][p]["10"]) == 1 for p in ("iid", "qmc"))
-    cfg = json.loads((tmp_path / "runs" / "unequal-nsgf-s0" / "bench.json").read_text())
-    assert cfg["w2"] == results[0]["w2"]  # kept: a rerun is not retrained
+        assert set(r["scores"]) == {"iid", "qmc", "energy"}
+        assert all(len(r["scores"][c]["10"]) == 1 for c in ("iid", "qmc", "energy"))
+    done = tmp_path / "runs" / "unequal-nsgf-s0" / "bench.json"
+    assert json.loads(done.read_text())["scores"] == results[0]["scores"]  # kept: a rerun is not retrained
     again = bench.one_run("unequal", str(files["unequal"]), "nsgf", 0, 4, str(tmp_path / "runs"), tiny, 1)
     assert again["train_s"] == results[0]["train_s"]
-    fake = [{"family": "a", "method": m, "seed": s, "w2": {"iid": {"10": [w10], "100": [w100]}}}
+    # a result file missing a column (an older script's) is scored again, not retrained
+    old = json.loads(done.read_text())
+    del old["scores"]["energy"]
+    done.write_text(json.dumps(old))
+    rescored = bench.one_run("unequal", str(files["unequal"]), "nsgf", 0, 4, str(tmp_path / "runs"), tiny, 1)
+    assert rescored["scores"] == results[0]["scores"] and rescored["train_s"] == results[0]["train_s"]
+    fake = [{"family": "a", "method": m, "seed": s, "scores": {"iid": {"10": [w10], "100": [w100]}}}
             for m, s, w10, w100 in [("nsgf", 0, 0.30, 0.33), ("nsgf", 1, 0.31, 0.34),
                                     ("otcfm", 0, 0.32, 0.31), ("otcfm", 1, 0.33, 0.32)]]
     v = bench.verdict(fake, ["a"], "iid")
     assert v["wins"] == 1 and v["cells"] == 2 and abs(v["worst_gap"] - 0.02) < 1e-9 and v["finer_worse"] == ["a"]
     for r in fake:
-        r["w2"]["qmc"] = r["w2"]["iid"]
-    floors = {"a": {"iid": (0.315, 0.1), "qmc": (0.1, 0.01), "strat_vs_test": (0.2, 0.01)}}
-    rows = [line for line in bench.table(fake, ["a"], floors).splitlines() if line.startswith("| a |")]
+        r["scores"]["qmc"] = r["scores"]["energy"] = r["scores"]["iid"]
+    floors = {"a": {"iid": (0.315, 0.1), "qmc": (0.1, 0.01), "strat_vs_test": (0.2, 0.01), "energy": (0.4, 0.01)}}
+    text = bench.table(fake, ["a"], floors)
+    rows = [line for line in text.splitlines() if line.startswith("| a |")]
     iid_nsgf, iid_otcfm = (rows[0].split("|")[4], rows[0].split("|")[5])  # 10 steps: 0.305 vs 0.325
     assert "†" in iid_nsgf and "†" not in iid_otcfm  # only the cell below the exact distribution's own score
     assert "†" not in rows[1].split("|")[4]  # NSGF at 100 steps: 0.335, above the floor
+    assert "†" not in rows[0].split("|")[7]  # energy: 0 in expectation for the exact distribution, no marker
+    # the exact distribution (floor 0.315) vs OT-CFM's 0.325 at 10 and 0.315 at 100 steps: <= on both
+    assert bench.exact_wins(fake, ["a"], floors, "iid") == {"wins": 2, "cells": 2}
+    assert "would be <= OT-CFM on 2 of 2" in text
 
 
 def test_helper_results_md(tmp_path):

@@ -13,6 +13,7 @@ from scipy.optimize import linear_sum_assignment
 
 from sinkflow.errors import SinkflowError
 from sinkflow.ot import (
+    energy_distance,
     eta_schedule,
     max_batches_in_flight,
     safe_diameter,
@@ -231,6 +232,50 @@ def test_w2_bad_input():
         w2(x, torch.full((8, 2), float("nan")))
     with pytest.raises(SinkflowError, match="per-sample shapes differ"):
         w2(x, torch.randn(8, 3))
+
+
+def test_energy_distance_against_brute_force():
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(7, 2)), rng.normal(size=(5, 2)) * 2 + 1
+    d = lambda a, b: math.dist(a, b)  # noqa: E731
+    cross = sum(d(a, b) for a in x for b in y) / 35
+    xx = sum(d(x[i], x[j]) for i in range(7) for j in range(7) if i != j) / 42
+    yy = sum(d(y[i], y[j]) for i in range(5) for j in range(5) if i != j) / 20
+    assert energy_distance(x, y) == pytest.approx(2 * cross - xx - yy, rel=1e-12)
+    assert energy_distance(torch.from_numpy(x), torch.from_numpy(y)) == pytest.approx(energy_distance(y, x), rel=1e-12)
+    # image-shaped samples are flattened; row blocks do not change the sums
+    imgs = rng.normal(size=(1500, 1, 2, 2))
+    flat = imgs.reshape(1500, -1)
+    cross = np.linalg.norm(flat[:, None] - flat[None, :40], axis=-1).mean()
+    self_ = np.linalg.norm(flat[:, None] - flat[None], axis=-1).sum() / (1500 * 1499)
+    self_40 = np.linalg.norm(flat[:40, None] - flat[None, :40], axis=-1).sum() / (40 * 39)
+    assert energy_distance(imgs, imgs[:40]) == pytest.approx(2 * cross - self_ - self_40, abs=1e-7)
+
+
+def test_energy_distance_is_unbiased_and_prefers_the_exact_distribution():
+    """Averaged over many small draws, two draws of one distribution score 0 (the V-statistic, with the self
+    terms' zero diagonals kept, does not), and a contracted sampler scores above the exact one."""
+    rng = np.random.default_rng(2)
+    centres = np.array([[-2.0, 0.0], [2.0, 0.0]])
+    draw = lambda n: centres[rng.integers(0, 2, n)] + 0.3 * rng.normal(size=(n, 2))  # noqa: E731
+    same = [energy_distance(draw(16), draw(16)) for _ in range(400)]
+    se = np.std(same) / math.sqrt(len(same))
+    assert abs(np.mean(same)) < 3 * se
+    v_stat = [2 * SamplesLoss("energy")(torch.from_numpy(a), torch.from_numpy(b)).item()
+              for a, b in ((draw(16), draw(16)) for _ in range(400))]
+    assert np.mean(v_stat) > 10 * se  # the biased estimator is off by O(1/n)
+    hedged = [energy_distance(0.8 * draw(16), draw(16)) for _ in range(400)]
+    assert np.mean(hedged) - np.mean(same) > 3 * se
+
+
+def test_energy_distance_bad_input():
+    x = torch.randn(8, 2)
+    with pytest.raises(SinkflowError, match="NaN"):
+        energy_distance(x, torch.full((8, 2), float("nan")))
+    with pytest.raises(SinkflowError, match="per-sample sizes differ"):
+        energy_distance(x, torch.randn(8, 3))
+    with pytest.raises(SinkflowError, match="at least 2 points"):
+        energy_distance(x[:1], x)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""Optimal-transport core: NSGF Sinkhorn velocities, the particle flow, exact W2, memory sizing."""
+"""Optimal-transport core: NSGF Sinkhorn velocities, the particle flow, exact W2 and the energy distance, memory sizing."""
 
 from sinkflow.ot.sinkhorn_peak import max_batches_in_flight, sinkhorn_peak_bytes
-from sinkflow.ot.metrics import w2
+from sinkflow.ot.metrics import energy_distance, w2
 from sinkflow.ot.velocity import (
     eta_schedule,
     safe_diameter,
@@ -11,6 +11,7 @@ from sinkflow.ot.velocity import (
 )
 
 __all__ = [
+    "energy_distance",
     "eta_schedule",
     "max_batches_in_flight",
     "safe_diameter",

@@ -1,4 +1,5 @@
-"""Exact 2-Wasserstein distance between two empirical measures: the paper's (and torchcfm's) metric."""
+"""Distances between two point samples: the exact 2-Wasserstein distance (the paper's and torchcfm's metric) and
+the unbiased energy distance (a score whose expectation only the exact distribution minimises)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,32 @@ def w2(x: torch.Tensor | np.ndarray, y: torch.Tensor | np.ndarray) -> float:
     if info.get("warning"):
         log.warning("POT emd2 did not fully converge: %s", info["warning"])
     return math.sqrt(max(float(value), 0.0))
+
+
+def energy_distance(x: torch.Tensor | np.ndarray, y: torch.Tensor | np.ndarray) -> float:
+    """Szekely's energy distance 2 E|X - Y| - E|X - X'| - E|Y - Y'|, estimated without bias (U-statistics).
+
+    Why beside W2: the expected empirical W2 between a model's n-point draw and n test points is *not* smallest
+    for the exact distribution (a sampler that leaves points between modes absorbs the draws' multinomial count
+    noise and scores below the exact distribution's own draw, docs/nsgf.md), whereas this estimator's expectation
+    is the population energy distance: zero exactly when the two distributions are equal, positive otherwise
+    (Szekely & Rizzo 2013). The self terms average over i != j; with their diagonals kept (GeomLoss's
+    ``SamplesLoss("energy")``, which is half the V-statistic) the score would reward a contracted sample by
+    O(1/n). It can be slightly negative for two draws of one distribution. Any per-sample shape (N, *) is
+    flattened; float64 on the CPU, in row blocks so 10^4 x 10^4 points need no more than ~100 MB.
+    """
+    xa, ya = _as_points("x", x), _as_points("y", y)
+    require(xa.shape[1] == ya.shape[1], f"per-sample sizes differ: x {xa.shape[1]} vs y {ya.shape[1]}",
+            "compare samples of the same shape")
+    require(xa.shape[0] >= 2 and ya.shape[0] >= 2, "the energy distance needs at least 2 points per sample",
+            "pass at least 2 samples of each")
+    a, b = torch.from_numpy(xa), torch.from_numpy(ya)
+    cross = _mean_distance(a, b, same=False)
+    return 2.0 * cross - _mean_distance(a, a, same=True) - _mean_distance(b, b, same=True)
+
+
+def _mean_distance(a: torch.Tensor, b: torch.Tensor, same: bool, block: int = 1024) -> float:
+    """Mean Euclidean distance over pairs (i, j) of a x b; over i != j when ``same`` (the diagonal is 0)."""
+    total = sum(float(torch.cdist(a[s : s + block], b).sum()) for s in range(0, a.shape[0], block))
+    pairs = a.shape[0] * (b.shape[0] - 1) if same else a.shape[0] * b.shape[0]
+    return total / pairs
