@@ -279,8 +279,10 @@ def test_an_old_run_folders_config_reads_back(tmp_path):
 
     (tmp_path / "config.yaml").write_text((Path(__file__).parent / "data" / "run_config_6a93012.yaml").read_text())
     cfg = read_config(tmp_path)
-    # as written then (nsgf.segment 0.5); keys added since (pool.qmc, nsgf.nsf_pairs) take the schema default
-    assert cfg == config.resolve("moons", ["experiment.name=old", "nsgf.segment=0.5", "pool.qmc=false"])
+    # as written then (nsgf.segment 0.5, the blur-0.1 solver); keys added since (pool.qmc, nsgf.nsf_pairs) take
+    # the schema default
+    assert cfg == config.resolve("moons", ["experiment.name=old", "nsgf.segment=0.5", "pool.qmc=false",
+                                           "sinkhorn.blur=0.1", "sinkhorn.max_iters=30"])
     (tmp_path / "config.yaml").write_text("experiment: {preset: moons}\npool: {etaa: 1}\n")
     with pytest.raises(SinkflowError, match="has unknown key 'pool.etaa'; did you mean 'pool.eta'"):
         read_config(tmp_path)

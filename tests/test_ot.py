@@ -420,3 +420,19 @@ def test_clamped_log_sum_exp_matches_torch_far_below_float_range():
         ref = -eps * torch.logsumexp(logits, dim=2)
         assert torch.allclose(_softmin(eps, cost, h), ref, rtol=1e-6, atol=0)
         assert torch.allclose(_plan_rows(eps, cost, h), torch.softmax(logits, dim=2), atol=1e-7)
+
+
+def test_converged_solver_warns_when_it_stops_at_max_iters():
+    """A pool that silently stops short of tol puts the error in its end points (docs/nsgf.md): say so."""
+    from sinkflow.ot.sinkhorn import SinkhornConvergenceWarning, converged_velocity
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 64, 2, generator=g), torch.randn(2, 64, 2, generator=g) * 3 + 2
+    with pytest.warns(SinkhornConvergenceWarning, match="raise sinkhorn.max_iters"):
+        converged_velocity(x, y, blur=0.05, scaling=0.8, diameter=12.0, max_iters=2, tol=1e-6)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SinkhornConvergenceWarning)
+        _, done = converged_velocity(x, y, blur=0.5, scaling=0.8, diameter=12.0, max_iters=2000, tol=1e-3)
+    assert done < 2000

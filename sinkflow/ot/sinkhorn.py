@@ -19,8 +19,14 @@ entropic barycentric projection onto the target batch minus the self-projection.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
+
+class SinkhornConvergenceWarning(UserWarning):
+    """Some Sinkhorn problems stopped at ``max_iters`` before ``tol``: their velocities (and, along a harmonic
+    flow whose last step moves the whole way, the pool's end points) are off by the unconverged part."""
+
 
 OMEGA = 1.9  # over-relaxation of the final-epsilon Sinkhorn updates (1 = plain Sinkhorn; < 2 for stability)
 
@@ -97,6 +103,11 @@ def converged_velocity(x: torch.Tensor, y: torch.Tensor, *, blur: float, scaling
         active = active & (moved >= tol * eps)
         if not bool(active.any()):
             break
+    if bool(active.any()):  # one constant message: Python shows it once per run, not once per call
+        warnings.warn(SinkhornConvergenceWarning(
+            f"Sinkhorn problems stopped at sinkhorn.max_iters={max_iters} before sinkhorn.tol={tol}: the flow's "
+            f"velocities are not converged; raise sinkhorn.max_iters (or sinkhorn.blur: a larger epsilon converges "
+            f"faster)"), stacklevel=2)
     plan_y = _plan_rows(eps, c_xy, b_log + g / eps)
     plan_x = _plan_rows(eps, c_xx, a_log + p / eps)
     return torch.bmm(plan_y, y) - torch.bmm(plan_x, x), done
