@@ -26,7 +26,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # folder equal, so a new script cannot be added without one
 SMOKE_TESTED = ("digits", "flow_bpd", "flow_digits_ablation", "flow_memory", "gpu_checks", "memory_estimate",
                 "nsgf_2d", "ot_memory", "pool_build", "preset_throughput", "sampling", "sinkhorn_solver",
-                "train_throughput", "w2_mode_counts", "mnist", "mnist_probes", "nsgf_suite")
+                "train_throughput", "w2_mode_counts", "mnist", "mnist_probes", "nsgf_suite",
+                "pool_convergence")
 # modules the scripts import (no command line of their own), each with its own test here: test_helper_<name>
 HELPERS = ("suite2d", "results_md")
 
@@ -525,3 +526,19 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
     res = json.loads((out / "probes-seed0-nfe3.json").read_text())
     assert set(res["probes"]) == {"as benchmarked", "t̂ = batch mean", "t̂ − 0.15", "t̂ + 0.15"}
     assert res["k"] == 1 and "| as benchmarked |" in capsys.readouterr().out
+
+
+def test_smoke_pool_convergence(tmp_path, monkeypatch, capsys):
+    """Two targets (a preset task and a suite family), tiny batches: the table names each setting, a cap of 1
+    iteration leaves end points off and the reference setting itself is exact."""
+    bench = load("pool_convergence")
+    monkeypatch.setattr(bench, "RESULTS", tmp_path / "RESULTS.md")
+    bench.main(["--tasks", "moons", "spiral", "--batches", "1", "--n", "16", "--cap", "300", "--blur", "0.2:1",
+                "0.2:300", "--write"])
+    text = (tmp_path / "RESULTS.md").read_text()
+    rows = {line.split("|")[1].strip(): line.split("|") for line in text.splitlines() if line.startswith("| moons")
+            or line.startswith("| spiral")}
+    assert set(rows) == {"moons", "spiral"}
+    capped, converged = rows["moons"][3], rows["moons"][4]  # end-point error: cap 1, then the reference's own cap
+    assert float(capped.split("/")[0]) > 1e-3 and float(converged.split("/")[0]) == 0.0
+    assert "<!-- pool_convergence:begin -->" in text
