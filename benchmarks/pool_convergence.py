@@ -120,11 +120,15 @@ def main(argv=None) -> None:
     settings = [(float(b), int(i)) for b, i in (s.split(":") for s in args.blur)]
     start = time.perf_counter()
     rows = measure(args.tasks, settings, args.batches, args.n, args.cap)
+    from sinkflow import config
+
+    recipe = config.resolve("moons")
+    pool, sk = recipe["pool"], recipe["sinkhorn"]
     body = (f"Command: `python benchmarks/pool_convergence.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
             f"Machine: {platform.machine()}, {os.cpu_count()} cores visible (shared), torch {torch.__version__}, "
             f"{torch.get_num_threads()} thread(s)  \nDate: {datetime.date.today()}  \n"
             f"Protocol: {args.batches} batches of {args.n} i.i.d. source points and target points per target, the 2D "
-            f"recipe's flow (harmonic, 5 steps, scaling 0.8, tol 0.01); each setting's end points against the same "
+            f"recipe's flow ({pool['schedule']}, {pool['steps']} steps, scaling {sk['scaling']}, tol {sk['tol']}); each setting's end points against the same "
             f"setting solved to tol (cap {args.cap}). Wall time {(time.perf_counter() - start) / 60:.1f} min.\n\n"
             f"{table(rows, settings)}\n")
     print(body)
