@@ -1,8 +1,18 @@
 """Table 1 of arXiv:2401.14069 with NSGF, FM and OT-CFM trained by the same runner.
 
 For every 2D task and method, trains with the paper's budget (batch 256, 20k steps) over 3 training seeds,
-then measures exact W2 (POT) at 10 and 100 Euler steps on 1024 samples against a held-out test draw.
-Prints a markdown table and (with --write) replaces the matching section of benchmarks/RESULTS.md.
+then scores each model at 10 and 100 Euler steps in the columns of ``scoring.py``, as the suite of users' targets
+(``nsgf_suite.py``) does:
+
+- **W2 iid** (the draws a user makes): exact W2 (POT) between 1024 samples from i.i.d. source draws and a fresh
+  i.i.d. 1024-point draw of the task (never trained on: the toy samplers are infinite), ``--iid-seeds`` draws;
+- **energy iid**: the unbiased energy distance of 4096 such samples to a fresh i.i.d. 1024-point draw (a proper
+  score: 0 in expectation only for the exact distribution);
+- **W2 qmc** (the paper's table's protocol here): 1024 samples from scrambled-Sobol source draws against a
+  stratified 1024-point test draw, ``--eval-seeds`` draws.
+
+Prints a markdown table and (with --write) replaces the matching section of benchmarks/RESULTS.md. A kept run
+(``--runs-dir``) is never retrained; one scored by an older version of this script is scored again.
 
     python benchmarks/nsgf_2d.py                      # full protocol, 2 runs in parallel
     python benchmarks/nsgf_2d.py --iters 2000 --tasks moons --methods nsgf   # quick look
@@ -24,13 +34,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_md import RESULTS, write_section  # noqa: E402
+from scoring import COLUMNS, DIGITS, ENERGY_N, ENERGY_SEEDS  # noqa: E402
+import scoring  # noqa: E402
 
 TASKS = ["8gaussians", "8gaussians-moons", "moons", "scurve", "checkerboard"]
 METHODS = ["nsgf", "fm", "otcfm"]
 
 
+IID_SEEDS = 20  # one i.i.d. draw of 1024 points varies by ~0.05-0.1 W2 on the multimodal tasks
+
+
 def one_run(task: str, method: str, seed: int, iters: int, runs_dir: str, extra: list[str], eval_seeds: int,
-            eval_n: int = 1024) -> dict:
+            eval_n: int = 1024, iid_seeds: int = IID_SEEDS) -> dict:
     """Train one (task, method, seed) in this process and evaluate it; returns numbers and wall time."""
     import torch
 
@@ -44,8 +59,10 @@ def one_run(task: str, method: str, seed: int, iters: int, runs_dir: str, extra:
     done = run_dir / "bench.json"
     if done.exists():  # a kept --runs-dir: finished runs are not retrained (the benchmark resumes)
         result = json.loads(done.read_text())
-        if (result.get("eval_seeds", 1), result.get("eval_n", 1024)) != (eval_seeds, eval_n):  # another protocol
-            result.update(evaluate(run_dir, eval_seeds, eval_n))
+        protocol = (result.get("eval_seeds", 1), result.get("eval_n", 1024), result.get("iid_seeds"),
+                    set(result.get("scores", {})))
+        if protocol != (eval_seeds, eval_n, iid_seeds, set(COLUMNS)):  # scored by another protocol: score again
+            result.update(evaluate(run_dir, eval_seeds, eval_n, iid_seeds))
             done.write_text(json.dumps(result))
         return result
     start = time.perf_counter()
@@ -58,7 +75,8 @@ def one_run(task: str, method: str, seed: int, iters: int, runs_dir: str, extra:
     train_s = time.perf_counter() - start
     if code != 0:
         raise RuntimeError(f"training {name} failed with exit code {code}")
-    result = {"task": task, "method": method, "seed": seed, "train_s": train_s, **evaluate(run_dir, eval_seeds, eval_n)}
+    result = {"task": task, "method": method, "seed": seed, "train_s": train_s,
+              **evaluate(run_dir, eval_seeds, eval_n, iid_seeds)}
     done.write_text(json.dumps(result))
     return result
 
@@ -72,70 +90,58 @@ def _finished(run_dir: Path) -> bool:
         return False
 
 
-def evaluate(run_dir: Path, eval_seeds: int, eval_n: int = 1024) -> dict:
-    """W2 at 10 and 100 steps of one trained model: the mean over ``eval_seeds`` sampling seeds, each with
-    its own source draw and test draw of ``eval_n`` points (one draw of 1024 points varies by ~0.05 on the
-    multimodal tasks; the paper's n is 1024)."""
-    from sinkflow.eval.points import w2_table
+def evaluate(run_dir: Path, eval_seeds: int, eval_n: int = 1024, iid_seeds: int = IID_SEEDS) -> dict:
+    """Every column of ``scoring`` at 10 and 100 steps, one value per sampling seed (``scores``), each draw with its
+    own source and test draw of ``eval_n`` points; ``w2_<steps>`` keeps the QMC mean (older result files)."""
+    from sinkflow.eval.points import generate, protocol_pair, w2_table
+    from sinkflow.ot import energy_distance
     from sinkflow.runtime.run_folder import RunFolder
 
-    rows = w2_table(RunFolder.open(run_dir), n=eval_n, seeds=eval_seeds)
-    out = {"eval_seeds": eval_seeds, "eval_n": eval_n}
-    for r in rows:
+    run = RunFolder.open(run_dir)
+    steps_list = run.cfg["eval"]["steps"]
+    qmc = w2_table(run, n=eval_n, seeds=eval_seeds, protocol="qmc")
+    test = protocol_pair(run.cfg, "iid")[1]
+    scores = {"qmc": {str(r["steps"]): r["w2_all"] for r in qmc},
+              "iid": {str(r["steps"]): r["w2_all"] for r in w2_table(run, n=eval_n, seeds=iid_seeds, protocol="iid")},
+              "energy": {str(k): [energy_distance(generate(run, ENERGY_N, k, seed=3000 + s, protocol="iid")[0],
+                                                  test.test_set(eval_n, seed=4000 + s)) for s in range(ENERGY_SEEDS)]
+                         for k in steps_list}}
+    out = {"eval_seeds": eval_seeds, "eval_n": eval_n, "iid_seeds": iid_seeds, "scores": scores}
+    for r in qmc:
         out[f"w2_{r['steps']}"] = r["w2_mean"]
         out[f"w2_{r['steps']}_all"] = r["w2_all"]
     return out
 
 
-def floor(task: str, n: int = 1024) -> tuple[float, float]:
-    from sinkflow import config, methods
+def floors(task: str, n: int = 1024, pairs: int = 12) -> dict:
+    """What the exact distribution scores in each column, (mean, std) over ``pairs`` draws: two stratified draws
+    (qmc), two i.i.d. draws (iid), an i.i.d. ENERGY_N-point draw against an i.i.d. n-point one (energy, 0 in
+    expectation)."""
+    import torch
+
+    from sinkflow import config, data
     from sinkflow.eval.floor import measure_floor
+    from sinkflow.ot import energy_distance
 
-    cfg = config.resolve(task)
-    mean, std, _ = measure_floor(methods.distributions(cfg)[1], n=n, pairs=5)
-    return mean, std
-
-
-def fmt(values: list[float]) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.3f} (1 seed)"
-    seeds = "" if len(values) >= 3 else f" ({len(values)} seeds)"
-    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}{seeds}"
+    target = data.distributions(config.resolve(task))[1]
+    iid = data.iid_twin(target)
+    energy = [energy_distance(iid.sample(ENERGY_N, torch.Generator().manual_seed(8000 + i)), iid.test_set(n, seed=8500 + i))
+              for i in range(pairs)]
+    return {"qmc": measure_floor(target, n=n, pairs=pairs)[:2], "iid": measure_floor(iid, n=n, pairs=pairs)[:2],
+            "energy": (statistics.fmean(energy), statistics.stdev(energy))}
 
 
-def table(results: list[dict], floors: dict, args) -> str:
+def table(results: list[dict], fl: dict, args) -> str:
+    """``scoring.table`` with the paper's NSGF row (its protocol: the qmc column's) and NSGF's training time."""
     from sinkflow.eval.paper import TABLE1_NSGF
 
-    head = ["task", "steps", "floor", "paper NSGF"] + [m.upper() for m in args.methods] + ["NSGF train s (mean)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for task in args.tasks:
-        for steps in (10, 100):
-            cells = [task, str(steps), f"{floors[task][0]:.3f}", f"{TABLE1_NSGF[task][steps]:.3f}"]
-            for m in args.methods:
-                cells.append(fmt([r[f"w2_{steps}"] for r in results if r["task"] == task and r["method"] == m]))
-            times = [r["train_s"] for r in results if r["task"] == task and r["method"] == "nsgf"]
-            cells.append(f"{statistics.fmean(times):.0f}" if times else "-")
-            lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", verdict(results, args.tasks)]
-    return "\n".join(lines)
+    def train_s(task, steps):
+        times = [r["train_s"] for r in results if r["task"] == task and r["method"] == "nsgf"]
+        return f"{statistics.fmean(times):.0f}" if times else "-"
 
-
-def verdict(results: list[dict], tasks: list[str]) -> str:
-    """The issue's targets, counted from the means: NSGF <= OT-CFM per cell, NSGF's 100 steps <= its 10."""
-    def mean(task, method, steps):
-        vals = [r[f"w2_{steps}"] for r in results if r["task"] == task and r["method"] == method]
-        return statistics.fmean(vals) if vals else None
-
-    cells = [(t, s) for t in tasks for s in (10, 100)]
-    pairs = [(mean(t, "nsgf", s), mean(t, "otcfm", s)) for t, s in cells]
-    wins = sum(1 for a, b in pairs if a is not None and b is not None and a <= b)
-    known = sum(1 for a, b in pairs if a is not None and b is not None)
-    finer = sum(1 for t in tasks if None not in (mean(t, "nsgf", 10), mean(t, "nsgf", 100))
-                and mean(t, "nsgf", 100) <= mean(t, "nsgf", 10))
-    return (f"NSGF <= OT-CFM (means) on {wins} of {known} cells; NSGF at 100 steps <= at 10 steps on {finer} of "
-            f"{len(tasks)} tasks.")
+    return scoring.table(results, args.tasks, fl, methods=args.methods,
+                         extra=[("paper NSGF (W2 qmc)", lambda t, k: f"{TABLE1_NSGF[t][k]:.3f}"),
+                                ("NSGF pool + train s (mean)", train_s)])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed-list", type=int, nargs="+", default=None,
                    help="train only these training seeds (e.g. a second process taking the last seed)")
     p.add_argument("--iters", type=int, default=20000)
-    p.add_argument("--eval-seeds", type=int, default=3, help="sampling seeds averaged per trained model")
+    p.add_argument("--eval-seeds", type=int, default=3, help="QMC sampling seeds averaged per trained model")
+    p.add_argument("--iid-seeds", type=int, default=IID_SEEDS, help="i.i.d. sampling seeds averaged per trained model")
     p.add_argument("--eval-n", type=int, default=1024,
                    help="generated and test points per W2 (the paper's 1024; more points shrink the draw's noise)")
     p.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each")
@@ -165,16 +172,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.collect:  # runs evaluated before, or trained to the end but not evaluated (e.g. a killed benchmark)
         jobs = [(t, m, s) for t, m, s in jobs if _finished(Path(runs_dir) / f"{t}-{m}-s{s}")]
     with ProcessPoolExecutor(args.workers) as pool:
-        futures = [pool.submit(one_run, t, m, s, args.iters, runs_dir, args.extra, args.eval_seeds, args.eval_n)
-                   for t, m, s in jobs]
-        floors_f = {t: pool.submit(floor, t, args.eval_n) for t in args.tasks}
+        futures = [pool.submit(one_run, t, m, s, args.iters, runs_dir, args.extra, args.eval_seeds, args.eval_n,
+                               args.iid_seeds) for t, m, s in jobs]
+        floors_f = {t: pool.submit(floors, t, args.eval_n) for t in args.tasks}
         results = []
         for f in futures:
             r = f.result()
             results.append(r)
-            print(f"{r['task']:>17} {r['method']:>6} seed {r['seed']}: W2@10 {r['w2_10']:.3f}  W2@100 {r['w2_100']:.3f}"
-                  f"  ({r['train_s']:.0f} s)", flush=True)
-        floors = {t: f.result() for t, f in floors_f.items()}
+            w = {c: [statistics.fmean(r["scores"][c][k]) for k in ("10", "100")] for c in COLUMNS}
+            print(f"{r['task']:>17} {r['method']:>6} seed {r['seed']}: " + "  ".join(
+                f"{c} {w[c][0]:.{DIGITS[c]}f} / {w[c][1]:.{DIGITS[c]}f}" for c in COLUMNS) + f"  ({r['train_s']:.0f} s)",
+                flush=True)
+        fl = {t: f.result() for t, f in floors_f.items()}
     total = time.perf_counter() - start
     import torch
 
@@ -182,12 +191,14 @@ def main(argv: list[str] | None = None) -> None:
                f"{args.workers} runs in parallel with 1 torch thread each, torch {torch.__version__}")
     cmd = "python benchmarks/nsgf_2d.py " + " ".join(argv)
     body = (f"Command: `{cmd}`  \nMachine: {machine}  \nDate: {datetime.date.today()}  \n"
-            f"Protocol: {args.seeds} training seeds, {args.iters} steps, batch 256; W2 = exact OT (POT emd2) between "
-            f"{args.eval_n} generated samples (QMC source draw) and {args.eval_n} stratified test samples, averaged over "
-            f"{args.eval_seeds} sampling seeds (each its own source and test draw) per trained model; "
-            f"mean ± std over training seeds. "
-            f"Floor = W2 between two independent {args.eval_n}-sample test draws (5 pairs). Total wall time {total / 60:.1f} min."
-            f"\n\n{table(results, floors, args)}\n")
+            f"Protocol: training seeds {sorted({r['seed'] for r in results})}, {args.iters} steps, batch 256. **W2 iid** "
+            f"(primary): exact W2 (POT emd2) between {args.eval_n} samples from i.i.d. source draws and a fresh i.i.d. "
+            f"{args.eval_n}-point draw of the task, mean over {args.iid_seeds} sampling seeds; **energy iid**: the unbiased "
+            f"energy distance of {ENERGY_N} such samples to a fresh i.i.d. {args.eval_n}-point draw, mean over "
+            f"{ENERGY_SEEDS}; **W2 qmc** (the protocol of the paper column here): scrambled-Sobol source draws vs a "
+            f"stratified test draw, mean over {args.eval_seeds} sampling seeds; then mean ± std over training seeds. "
+            f"Floors: the exact distribution's own score in each column, mean ± std over 12 draws. Bold: NSGF <= OT-CFM. "
+            f"Total wall time {total / 60:.1f} min.\n\n{table(results, fl, args)}\n")
     print(body)
     if args.write:
         write_section("nsgf_2d", body, "NSGF on the 2D tasks (issue 2, Table 1)", RESULTS)

@@ -38,13 +38,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite2d  # noqa: E402
 from results_md import RESULTS, write_section  # noqa: E402
+from scoring import COLUMNS, DIGITS, ENERGY_N, ENERGY_SEEDS  # noqa: E402
+import scoring  # noqa: E402
 
 from sinkflow import config  # noqa: E402
 
-PROTOCOLS = ("iid", "qmc")  # W2 of 1,024 points under each protocol
-COLUMNS = ("iid", "energy", "qmc")  # the table's scores, the primary first
-ENERGY_N = 4096  # generated points per energy-distance draw
-ENERGY_SEEDS = 5  # energy draws per model (each 4x the points of a W2 draw: 100 Euler steps of 4,096 points cost ~10 s)
 METHODS = ("nsgf", "otcfm")
 
 
@@ -173,93 +171,12 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000) -> dict:
     return out
 
 
-def cell(results, family, method, protocol, steps):
-    """Per training seed: the mean over sampling seeds."""
-    return [statistics.fmean(r["scores"][protocol][str(steps)]) for r in results
-            if r["family"] == family and r["method"] == method]
-
-
-DIGITS = {"iid": 3, "qmc": 3, "energy": 4}  # energy distances are ~100x smaller than W2 here
-
-
-def fmt(vals: list[float], digits: int = 3) -> str:
-    if not vals:
-        return "-"
-    if len(vals) == 1:
-        return f"{vals[0]:.{digits}f} (1 seed)"
-    return (f"{statistics.fmean(vals):.{digits}f} ± {statistics.stdev(vals):.{digits}f}"
-            + ("" if len(vals) >= 3 else f" ({len(vals)} seeds)"))
-
-
-def verdict(results, families, protocol="iid") -> dict:
-    """The issue's targets on the means over training seeds: NSGF <= OT-CFM per (family, steps) cell, the
-    largest amount NSGF is behind, and NSGF's 100 steps not worse than its 10 by more than the seed spread
-    (the larger of the two cells' std over training seeds; 0 with one seed)."""
-    wins = known = 0
-    worst, finer_bad = 0.0, []
-    for f in families:
-        for steps in (10, 100):
-            a, b = cell(results, f, "nsgf", protocol, steps), cell(results, f, "otcfm", protocol, steps)
-            if a and b:
-                known += 1
-                gap = statistics.fmean(a) - statistics.fmean(b)
-                wins += gap <= 0
-                worst = max(worst, gap)
-        a10, a100 = cell(results, f, "nsgf", protocol, 10), cell(results, f, "nsgf", protocol, 100)
-        if a10 and a100:
-            spread = max(statistics.stdev(v) if len(v) > 1 else 0.0 for v in (a10, a100))
-            if statistics.fmean(a100) - statistics.fmean(a10) > spread:
-                finer_bad.append(f)
-    return {"wins": wins, "cells": known, "worst_gap": worst, "finer_worse": finer_bad}
-
-
-LABELS = {"iid": "W2 iid", "energy": "energy iid", "qmc": "W2 qmc"}
-
-
 def table(results, families, fl) -> str:
-    head = ["target", "steps"]
-    for c in COLUMNS:
-        head += [f"{LABELS[c]} floor (one draw)", f"NSGF ({LABELS[c]})", f"OT-CFM ({LABELS[c]})"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for f in families:
-        for steps in (10, 100):
-            row = [f, str(steps)]
-            for c in COLUMNS:
-                a, b = cell(results, f, "nsgf", c, steps), cell(results, f, "otcfm", c, steps)
-                na, nb = fmt(a, DIGITS[c]), fmt(b, DIGITS[c])
-                if a and b and statistics.fmean(a) <= statistics.fmean(b):
-                    na = f"**{na}**"
-                if c in PROTOCOLS:  # the energy distance is 0 in expectation for the exact distribution: no marker
-                    na, nb = (f"{v} †" if vals and statistics.fmean(vals) < fl[f][c][0] else v
-                              for v, vals in ((na, a), (nb, b)))
-                row += [f"{fl[f][c][0]:.{DIGITS[c]}f} ± {fl[f][c][1]:.{DIGITS[c]}f}", na, nb]
-            lines.append("| " + " | ".join(row) + " |")
-    lines.append("")
-    lines.append("†: below the floor, i.e. closer to the test draw than a draw of the exact distribution is: there the "
-                 "empirical W2 rewards spreading points between modes and cannot rank the samplers (see --diagnose).")
-    lines.append("")
-    lines.append("The exact distribution's stratified draw vs the held-out rows (the i.i.d. floor without the "
-                 "generated draw's own count noise): " + ", ".join(
-                     f"{f} {fl[f]['strat_vs_test'][0]:.3f} ± {fl[f]['strat_vs_test'][1]:.3f}" for f in families) + ".")
-    for c in COLUMNS:
-        v = verdict(results, families, c)
-        lines.append("")
-        lines.append(f"{LABELS[c]}: NSGF <= OT-CFM (means) on {v['wins']} of {v['cells']} cells; NSGF at most "
-                     f"{max(v['worst_gap'], 0):.{DIGITS[c]}f} behind; NSGF at 100 steps worse than at 10 by more than the seed "
-                     f"spread on: {', '.join(v['finer_worse']) or 'none'}.")
-        exact = exact_wins(results, families, fl, c)
-        if c in PROTOCOLS and exact["cells"]:
-            lines.append(f"A sampler of the exact distribution (its expected score: the floor) would be <= OT-CFM on "
-                         f"{exact['wins']} of {exact['cells']} of these cells.")
-    return "\n".join(lines)
-
-
-def exact_wins(results, families, fl, column) -> dict:
-    """On how many cells a perfect sampler, scoring the floor, would be <= OT-CFM: what a target on this column
-    can ask of a faithful method."""
-    cells = [(f, steps) for f in families for steps in (10, 100) if cell(results, f, "otcfm", column, steps)]
-    wins = sum(fl[f][column][0] <= statistics.fmean(cell(results, f, "otcfm", column, steps)) for f, steps in cells)
-    return {"wins": wins, "cells": len(cells)}
+    """The shared score table (``scoring.table``) and how much of the i.i.d. floor is the draw's own mode counts."""
+    return (scoring.table(results, families, fl) + "\n\nThe exact distribution's stratified draw vs the held-out rows "
+            "(the i.i.d. floor without the generated draw's own count noise): " + ", ".join(
+                f"{f} {fl[f]['strat_vs_test'][0]:.3f} ± {fl[f]['strat_vs_test'][1]:.3f}" for f in families)
+            + ". Where a model sits below a W2 floor, `--diagnose` shows the mass each of its modes gets.")
 
 
 def main() -> None:

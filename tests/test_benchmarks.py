@@ -29,7 +29,7 @@ SMOKE_TESTED = ("digits", "flow_bpd", "flow_digits_ablation", "flow_memory", "gp
                 "train_throughput", "w2_mode_counts", "mnist", "mnist_probes", "nsgf_suite",
                 "pool_convergence")
 # modules the scripts import (no command line of their own), each with its own test here: test_helper_<name>
-HELPERS = ("suite2d", "results_md")
+HELPERS = ("suite2d", "results_md", "scoring")
 
 
 def load(name):
@@ -247,29 +247,37 @@ def runs_2d(tmp_path_factory):
         mp.chdir(folder)
         mp.setattr(bench, "ProcessPoolExecutor", InProcessPool)
         bench.main(["--tasks", "8gaussians", "--methods", "nsgf", "otcfm", "--seeds", "1", "--iters", "2",
-                    "--eval-seeds", "1", "--eval-n", "64", "--runs-dir", str(folder / "runs"), "pool.batches=1",
+                    "--eval-seeds", "1", "--iid-seeds", "2", "--eval-n", "64", "--runs-dir", str(folder / "runs"), "pool.batches=1",
                     "pool.batch_size=64", "model.velocity.hidden=16", "train.velocity.batch_size=16"])
     return bench, folder / "runs", out.getvalue()
 
 
 def test_smoke_nsgf_2d(runs_2d, quiet, capsys, monkeypatch):
     bench, runs, out = runs_2d
-    assert "| task | steps | floor | paper NSGF | NSGF | OTCFM | NSGF train s (mean) |" in out
+    assert ("| target | steps | W2 iid floor (one draw) | NSGF (W2 iid) | OT-CFM (W2 iid) | energy iid floor (one draw) "
+            "| NSGF (energy iid) | OT-CFM (energy iid) | W2 qmc floor (one draw) | NSGF (W2 qmc) | OT-CFM (W2 qmc) | "
+            "paper NSGF (W2 qmc) | NSGF pool + train s (mean) |") in out
     for steps in (10, 100):
-        cells = rows(out, f"| 8gaussians | {steps} |")[0].split("|")
-        assert all(0 < float(c.split()[0]) < 20 for c in cells[3:7])  # floor, paper, NSGF, OT-CFM
-    assert "NSGF <= OT-CFM (means) on " in out and " of 2 cells" in out
-    assert json.loads((runs / "8gaussians-nsgf-s0" / "bench.json").read_text())["eval_n"] == 64
+        cells = [c.replace("*", "").replace("†", "").split() for c in rows(out, f"| 8gaussians | {steps} |")[0].split("|")]
+        w2_cells = [float(c[0]) for c in cells[3:6] + cells[9:13]]  # floors, NSGF, OT-CFM, paper
+        assert all(0 < v < 20 for v in w2_cells) and abs(float(cells[7][0])) < 20
+    for label in ("W2 iid", "energy iid", "W2 qmc"):
+        assert f"{label}: NSGF <= OT-CFM (means) on " in out
+    kept = json.loads((runs / "8gaussians-nsgf-s0" / "bench.json").read_text())
+    assert kept["eval_n"] == 64 and len(kept["scores"]["iid"]["100"]) == 2 and len(kept["scores"]["qmc"]["10"]) == 1
+    assert kept["w2_10"] == kept["scores"]["qmc"]["10"][0]
+    del kept["scores"]["energy"]  # a result file of an older version of the script: scored again, not retrained
+    (runs / "8gaussians-nsgf-s0" / "bench.json").write_text(json.dumps(kept))
     results = quiet / "RESULTS.md"  # --write, into a copy: never benchmarks/RESULTS.md
-    results.write_text("# Benchmark results\n\nbefore\n<!-- nsgf_2d:begin -->\nold\n<!-- nsgf_2d:end -->\nafter\n")
+    results.write_text("# Benchmark results\n\nbefore\n<!-- nsgf_2d:begin -->\nstale table\n<!-- nsgf_2d:end -->\nafter\n")
     monkeypatch.setattr(bench, "RESULTS", results)
     monkeypatch.setattr(bench, "ProcessPoolExecutor", InProcessPool)
     bench.main(["--tasks", "8gaussians", "--methods", "nsgf", "otcfm", "--seeds", "1", "--eval-seeds", "1",
-                "--eval-n", "64", "--runs-dir", str(runs), "--collect", "--write"])
+                "--iid-seeds", "2", "--eval-n", "64", "--runs-dir", str(runs), "--collect", "--write"])
     again = capsys.readouterr().out  # --collect: nothing retrained, the kept results tabulated again
     assert rows(again, "| 8gaussians | ") == rows(out, "| 8gaussians | ")
     text = results.read_text()
-    assert "before" in text and "after" in text and "old" not in text and "| 8gaussians | 100 |" in text
+    assert "before" in text and "after" in text and "stale table" not in text and "| 8gaussians | 100 |" in text
 
 
 def test_smoke_w2_mode_counts(runs_2d, quiet, capsys):
@@ -391,23 +399,36 @@ def test_smoke_nsgf_suite(tmp_path, monkeypatch):
     done.write_text(json.dumps(old))
     rescored = bench.one_run("unequal", str(files["unequal"]), "nsgf", 0, 4, str(tmp_path / "runs"), tiny, 1)
     assert rescored["scores"] == results[0]["scores"] and rescored["train_s"] == results[0]["train_s"]
+    assert "| unequal | 10 |" in bench.table(results, ["unequal"], {"unequal": bench.floors("unequal", np.load(files["unequal"])[-64:], pairs=2)})
+
+
+def test_helper_scoring():
+    """The 2D tables' counting: wins on means, the largest gap, 100 steps worse than 10 beyond the seed spread, the
+    floor marker only on W2 columns, and how many cells the exact distribution itself would win."""
+    scoring = load("scoring")
     fake = [{"family": "a", "method": m, "seed": s, "scores": {"iid": {"10": [w10], "100": [w100]}}}
             for m, s, w10, w100 in [("nsgf", 0, 0.30, 0.33), ("nsgf", 1, 0.31, 0.34),
                                     ("otcfm", 0, 0.32, 0.31), ("otcfm", 1, 0.33, 0.32)]]
-    v = bench.verdict(fake, ["a"], "iid")
+    v = scoring.verdict(fake, ["a"], "iid")
     assert v["wins"] == 1 and v["cells"] == 2 and abs(v["worst_gap"] - 0.02) < 1e-9 and v["finer_worse"] == ["a"]
     for r in fake:
         r["scores"]["qmc"] = r["scores"]["energy"] = r["scores"]["iid"]
     floors = {"a": {"iid": (0.315, 0.1), "qmc": (0.1, 0.01), "strat_vs_test": (0.2, 0.01), "energy": (0.4, 0.01)}}
-    text = bench.table(fake, ["a"], floors)
+    text = scoring.table(fake, ["a"], floors)
     rows = [line for line in text.splitlines() if line.startswith("| a |")]
     iid_nsgf, iid_otcfm = (rows[0].split("|")[4], rows[0].split("|")[5])  # 10 steps: 0.305 vs 0.325
     assert "†" in iid_nsgf and "†" not in iid_otcfm  # only the cell below the exact distribution's own score
     assert "†" not in rows[1].split("|")[4]  # NSGF at 100 steps: 0.335, above the floor
     assert "†" not in rows[0].split("|")[7]  # energy: 0 in expectation for the exact distribution, no marker
     # the exact distribution (floor 0.315) vs OT-CFM's 0.325 at 10 and 0.315 at 100 steps: <= on both
-    assert bench.exact_wins(fake, ["a"], floors, "iid") == {"wins": 2, "cells": 2}
+    assert scoring.exact_wins(fake, ["a"], floors, "iid") == {"wins": 2, "cells": 2}
     assert "would be <= OT-CFM on 2 of 2" in text
+    # nsgf_2d's results name their target "task"; a method missing from a cell prints "-"
+    task = [{**{k: v for k, v in r.items() if k != "family"}, "task": r["family"]} for r in fake]
+    text = scoring.table(task, ["a"], floors, methods=("nsgf", "fm", "otcfm"), extra=[("paper", lambda t, s: str(s))])
+    row = [line for line in text.splitlines() if line.startswith("| a | 100 |")][0].split("|")
+    assert row[4].strip() == "0.335 ± 0.007 (2 seeds)" and row[5].strip() == "-"  # NSGF (not <= OT-CFM), FM
+    assert row[-2].strip() == "100"
 
 
 def test_helper_results_md(tmp_path):
