@@ -62,7 +62,7 @@ def flow(x0, y, recipe: dict, blur: float, max_iters: int):
         for eta in eta_schedule(pool["eta"], pool["steps"], pool["eta_growth"] or None, pool["schedule"]):
             v, done = converged_velocity(x, y, blur=blur, scaling=sk["scaling"], diameter=_bbox_diameter(x, y),
                                          max_iters=max_iters, tol=sk["tol"])
-            used.append(done)
+            used.append(int(done.max()))
             x = x + eta * v
     return x, used
 

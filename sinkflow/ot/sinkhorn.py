@@ -68,12 +68,15 @@ def epsilon_schedule(diameter: float, blur: float, scaling: float) -> list[float
 
 
 def converged_velocity(x: torch.Tensor, y: torch.Tensor, *, blur: float, scaling: float, diameter: float,
-                       max_iters: int = 200, tol: float = 1e-3, omega: float = OMEGA) -> tuple[torch.Tensor, int]:
-    """(v, iterations at the final epsilon) for clouds x (B, N, D), y (B, M, D) of any float dtype.
+                       max_iters: int = 200, tol: float = 1e-3, omega: float = OMEGA) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v, iterations) for clouds x (B, N, D), y (B, M, D) of any float dtype; ``iterations`` (B,) counts each
+    batch's updates at the final epsilon (``max_iters`` where it stopped short of ``tol``).
 
     Each batch stops when one more Sinkhorn update moves none of its potentials by more than ``tol * eps``
     (then the plan's row marginals are within a factor exp(tol) of uniform), or after ``max_iters``; a
-    stopped batch is frozen, so a batch's result does not depend on which batches share the call.
+    stopped batch leaves the computation, so a batch's result does not depend on which batches share the call
+    (bit for bit) and a call costs the sum of its batches' iterations, not B times the slowest one's (1.4x
+    faster on a pool group of 16 batches of 8gaussians-moons, where the slowest needs 151 and most about 65).
     The final-epsilon updates are over-relaxed (``omega``): plain Sinkhorn at eps = 0.01 on 256 points
     needs thousands of iterations, over-relaxed about a hundred (benchmarks/sinkhorn_solver.py).
     """
@@ -92,22 +95,32 @@ def converged_velocity(x: torch.Tensor, y: torch.Tensor, *, blur: float, scaling
         pt = _softmin(eps, c_xx, a_log + p / eps)
         f, g, p = (f + ft) / 2, (g + gt) / 2, (p + pt) / 2
     eps = blur**2
-    done, active = 0, torch.ones(B, dtype=torch.bool, device=x.device)
+    iters = torch.full((B,), max_iters, dtype=torch.long, device=x.device)
+    # the batches still iterating, with their own slices of everything they read: a converged batch leaves the set
+    # (its potentials written back), so the work is the sum of the batches' iterations, not B x the slowest's
+    live = torch.arange(B, device=x.device)
+    fs, gs, ps, cs_xy, cs_yx, cs_xx = f, g, p, c_xy, c_yx, c_xx
     for done in range(1, max_iters + 1):  # alternating updates at the final epsilon, to convergence
-        keep = active[:, None]  # a batch that has converged stops changing: results do not depend on batching
-        g = torch.where(keep, (1 - omega) * g + omega * _softmin(eps, c_yx, a_log + f / eps), g)
-        f_new = torch.where(keep, (1 - omega) * f + omega * _softmin(eps, c_xy, b_log + g / eps), f)
-        p_new = torch.where(keep, (p + _softmin(eps, c_xx, a_log + p / eps)) / 2, p)
-        moved = torch.maximum((f_new - f).abs().amax(1), (p_new - p).abs().amax(1))
-        f, p = f_new, p_new
-        active = active & (moved >= tol * eps)
-        if not bool(active.any()):
-            break
-    if bool(active.any()):  # one constant message: Python shows it once per run, not once per call
+        gs = (1 - omega) * gs + omega * _softmin(eps, cs_yx, a_log[: len(live)] + fs / eps)
+        f_new = (1 - omega) * fs + omega * _softmin(eps, cs_xy, b_log[: len(live)] + gs / eps)
+        p_new = (ps + _softmin(eps, cs_xx, a_log[: len(live)] + ps / eps)) / 2
+        still = torch.maximum((f_new - fs).abs().amax(1), (p_new - ps).abs().amax(1)) >= tol * eps
+        fs, ps = f_new, p_new
+        if not bool(still.all()):  # some batches converged: keep their potentials, drop them from the set
+            stop = ~still
+            f, g, p = f.index_copy(0, live[stop], fs[stop]), g.index_copy(0, live[stop], gs[stop]), \
+                p.index_copy(0, live[stop], ps[stop])
+            iters[live[stop]] = done
+            live, fs, gs, ps = live[still], fs[still], gs[still], ps[still]
+            cs_xy, cs_yx, cs_xx = cs_xy[still], cs_yx[still], cs_xx[still]
+            if len(live) == 0:
+                break
+    if len(live):  # stopped at max_iters: their potentials as they are; one constant message per run
+        f, g, p = f.index_copy(0, live, fs), g.index_copy(0, live, gs), p.index_copy(0, live, ps)
         warnings.warn(SinkhornConvergenceWarning(
             f"Sinkhorn problems stopped at sinkhorn.max_iters={max_iters} before sinkhorn.tol={tol}: the flow's "
             f"velocities are not converged; raise sinkhorn.max_iters (or sinkhorn.blur: a larger epsilon converges "
             f"faster)"), stacklevel=2)
     plan_y = _plan_rows(eps, c_xy, b_log + g / eps)
     plan_x = _plan_rows(eps, c_xx, a_log + p / eps)
-    return torch.bmm(plan_y, y) - torch.bmm(plan_x, x), done
+    return torch.bmm(plan_y, y) - torch.bmm(plan_x, x), iters
