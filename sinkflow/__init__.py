@@ -13,7 +13,7 @@ _API = {
     "build_flow": "sinkflow.flows", "SinkflowError": "sinkflow.errors",
     # tensor-level pieces of the methods, for a training loop of your own (examples/nsgf_2d_own_loop.py)
     "get_method": "sinkflow.methods", "FM": "sinkflow.methods.flow_matching", "OTCFM": "sinkflow.methods.flow_matching",
-    "straight_path": "sinkflow.methods.flow_matching", "ot_permutation": "sinkflow.methods.flow_matching",
+    "straight_path": "sinkflow.methods.flow_matching", "ot_permutation": "sinkflow.ot.exact",
     "velocity_loss": "sinkflow.methods.flow_matching", "PoolGrid": "sinkflow.methods.nsgf",
     "pool_batch": "sinkflow.methods.nsgf", "sample_pool": "sinkflow.methods.nsgf", "pool_loss": "sinkflow.methods.nsgf",
     "sample_nsgfpp": "sinkflow.methods.nsgfpp", "time_loss": "sinkflow.methods.nsgfpp",

@@ -59,6 +59,33 @@ def test_harmonic_sinkhorn_flow_lands_on_a_small_target_batch():
     assert torch.cdist(x0, y).min(1).values.median() > 2
 
 
+def test_exact_landing_ends_on_a_permutation_of_the_target_batch():
+    """pool.landing=exact: the steps before the last are the Sinkhorn flow's, the last moves each particle onto its
+    exact-OT partner, so the end points are the target batch itself (an entropic landing is blurred)."""
+    gen = torch.Generator().manual_seed(0)
+    x0, y = torch.randn(3, 48, 2, generator=gen), torch.randn(3, 48, 2, generator=gen) * 0.3 + 2
+    kw = dict(steps=4, eta=1.0, schedule="harmonic", blur=0.2, scaling=0.8, batched=True, solver="converged", tol=0.01)
+    xs, vs = simulate_sinkhorn_flow(x0, y, landing="exact", **kw)
+    xs_s, vs_s = simulate_sinkhorn_flow(x0, y, **kw)
+    assert torch.equal(xs, xs_s) and torch.equal(vs[:-1], vs_s[:-1])
+    for b in range(3):
+        end, blurred = xs[-1, b] + vs[-1, b], xs_s[-1, b] + vs_s[-1, b]
+        d = (end[:, None] - y[b][None]).norm(dim=-1)  # not cdist: its matmul form is off by ~1e-3 near 0
+        assert d.min(1).values.max() < 1e-5 and len(set(d.argmin(1).tolist())) == 48  # every target point once
+        assert (blurred[:, None] - y[b][None]).norm(dim=-1).min(1).values.median() > 1e-3
+    with pytest.raises(SinkflowError, match="as many particles"):
+        simulate_sinkhorn_flow(x0[0], y[0, :40], landing="exact", steps=2, eta=1.0, schedule="harmonic", blur=0.2)
+
+
+def test_exact_landing_trains_end_to_end_and_needs_the_harmonic_schedule(runs_dir, capsys):
+    assert main(["train", "moons", *TINY_2D, "--name", "exact", "--no-report", "pool.landing=exact"]) == 0
+    x, v = (np.load(runs_dir / "exact" / "pool" / f"{k}.npy", allow_pickle=False) for k in ("x", "v"))
+    assert x.shape == v.shape == (2 * 4 * 32, 2) and np.isfinite(v).all()
+    assert main(["train", "moons", *TINY_2D, "--name", "bad", "pool.landing=exact", "pool.schedule=constant"]) == 2
+    err = capsys.readouterr().err
+    assert "pool.landing=exact" in err and "Traceback" not in err and not (runs_dir / "bad").exists()
+
+
 def _fake_run(tmp_path, time, segment, storage="memory"):
     """A finished pool of 2 trajectories x T=4 steps x n=3 particles (x, v, t as the pool phase writes them)."""
     cfg = config.resolve("moons", [f"nsgf.time={time}", f"nsgf.segment={segment}", "pool.steps=4",

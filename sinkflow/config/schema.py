@@ -322,6 +322,8 @@ POOL_KEYS = {
                     "null = incremental if eta_growth > 0, else constant", nullable=True),
     "qmc": Key(False, Bool(), "draw each batch's source points by randomised QMC (scrambled Sobol) where the source "
                "has a twin (normal, 8gaussians): even coverage of the source in every Sinkhorn batch"),
+    "landing": Key("sinkhorn", Options("sinkhorn", "exact"), "the flow's last step: a Sinkhorn step, or exact = onto "
+                   "each particle's exact-OT partner in the target batch (the blur -> 0 limit; harmonic schedule)"),
     "storage": Key("memory", Options("memory", "disk"), "where the pool lives: memory, or disk (a numpy memmap in the run folder)"),
     "dtype": Key("float32", Options("float32", "float16"), "dtype the pool is stored in (training computes in float32)"),
     "chunk": Key(50, POS_INT, "pool batches per resumable chunk"),

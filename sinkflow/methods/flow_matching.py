@@ -7,22 +7,12 @@ minibatch by POT's exact EMD plan (a permutation for equal uniform batches).
 
 from __future__ import annotations
 
-import numpy as np
-import ot
 import torch
 
 from sinkflow.methods.base import Method, TrainingStep
 from sinkflow.methods.ode import count_nfe, euler
+from sinkflow.ot.exact import ot_permutation
 from sinkflow.runtime import dist
-
-
-def ot_permutation(x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
-    """Indices j(i) such that (x0[i], x1[j(i)]) is an exact OT matching (squared Euclidean cost)."""
-    a, b = x0.flatten(1).double().cpu(), x1.flatten(1).double().cpu()
-    cost = torch.cdist(a, b) ** 2
-    n = a.shape[0]
-    plan = ot.emd(np.full(n, 1.0 / n), np.full(n, 1.0 / n), cost.numpy(), numItermax=int(1e7))
-    return torch.from_numpy(plan.argmax(axis=1))
 
 
 def straight_path(x0: torch.Tensor, x1: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -77,7 +77,7 @@ def make_simulator(cfg: dict, device):
             x0, y, steps=pool["steps"], eta=pool["eta"], eta_growth=pool["eta_growth"] or None,
             schedule=pool.get("schedule"), blur=sk["blur"], scaling=sk["scaling"],
             diameter=sk["diameter"] if diameter is None else diameter, backend=sk["backend"], batched=batched,
-            solver=sk["solver"], max_iters=sk["max_iters"], tol=sk["tol"])
+            solver=sk["solver"], max_iters=sk["max_iters"], tol=sk["tol"], landing=pool["landing"])
         return xs, vs, times
 
     return simulate
@@ -90,6 +90,10 @@ def check(cfg: dict, sample_shape: tuple[int, ...] | None = None) -> None:
     if not 0.0 <= float(cfg["nsgf"]["segment"]) <= 1.0:
         raise SinkflowError(f"nsgf.segment={cfg['nsgf']['segment']!r} is not a probability", "use a value in [0, 1]")
     step_sizes(cfg["pool"])  # the schedule's own checks (unknown name, eta_growth)
+    if cfg["pool"]["landing"] == "exact" and cfg["pool"]["schedule"] != "harmonic":
+        raise SinkflowError(f"pool.landing=exact lands the flow's last step, which only pool.schedule=harmonic takes "
+                            f"the whole remaining way (pool.schedule={cfg['pool']['schedule']})",
+                            "set pool.schedule=harmonic, or pool.landing=sinkhorn")
     bins = cfg["model"]["velocity"].get("time_bins", 0)
     if bins and (bins != cfg["pool"]["steps"] or cfg["nsgf"]["time"] != "fraction"):
         raise SinkflowError(f"model.velocity.time_bins={bins} does not match the pool's grid (pool.steps="

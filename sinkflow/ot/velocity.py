@@ -289,6 +289,14 @@ def sinkhorn_velocity_batched(x: torch.Tensor, y: torch.Tensor, **kwargs) -> tor
 
 
 SCHEDULES = ("constant", "incremental", "harmonic")
+LANDINGS = ("sinkhorn", "exact")
+
+
+def _exact_landing(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y_j(i) - x_i per batch of x, y (B, N, D): the displacement onto each particle's exact-OT partner."""
+    from sinkflow.ot.exact import ot_permutation
+
+    return torch.stack([y[b][ot_permutation(x[b], y[b]).to(y.device)] - x[b] for b in range(x.shape[0])])
 
 
 def eta_schedule(eta: float, steps: int, growth: float | None = None, schedule: str | None = None) -> list[float]:
@@ -330,8 +338,14 @@ def simulate_sinkhorn_flow(
     solver: str = "geomloss",
     max_iters: int = 200,
     tol: float = 1e-3,
+    landing: str = "sinkhorn",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Explicit Euler x_{k+1} = x_k + eta_k v(x_k; y) for exactly ``steps`` updates.
+
+    ``landing="exact"``: the last step moves each particle onto its partner in the exact OT matching of the
+    particles to the target batch (POT's EMD; v = (y_j(i) - x_i) / eta_{T-1}), the blur -> 0 limit of the last
+    Sinkhorn step. Along the harmonic schedule the last step lands, and an entropic one lands blurred: the end
+    points spread at the blur's scale (docs/nsgf.md).
 
     Step sizes come from ``eta_schedule(eta, steps, eta_growth, schedule)``. The same target batch y is
     used at every step (paper Alg. 1). Returns (xs, vs), float32, each
@@ -350,7 +364,10 @@ def simulate_sinkhorn_flow(
         "use a step size in (0, 1]",
     )
     _check_params(blur, scaling, diameter, backend, solver)
+    require(landing in LANDINGS, f"unknown landing {landing!r}", f"use one of {', '.join(LANDINGS)}")
     B, N, M, D = _check_clouds(x0, y, batched)
+    require(landing != "exact" or N == M, f"an exact landing needs as many particles as target points, got {N} and {M}",
+            "use equal batch sizes")
     etas = eta_schedule(eta, steps, eta_growth, schedule)
     device = x0.device
     xs = torch.empty((steps, *x0.shape), dtype=torch.float32, device=device)
@@ -360,6 +377,10 @@ def simulate_sinkhorn_flow(
         yf = y.detach().reshape(B, M, D).float()
     with strict_float32(device.type):
         for k in range(steps):
+            if landing == "exact" and k == steps - 1:
+                v = _exact_landing(x, yf) / etas[k]
+                xs[k], vs[k] = x.reshape(x0.shape), v.reshape(x0.shape)
+                break
             diam = float(diameter) if diameter is not None else _bbox_diameter(x, yf)
             v = _velocity_flat(x, yf, float(blur), float(scaling), diam, backend, solver, max_iters, tol)
             with torch.no_grad():
