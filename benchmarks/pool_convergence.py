@@ -6,7 +6,9 @@ iterations at the final epsilon (the reference: solved to tol) and once with eac
 prints, per target, the iterations the converged solve needed at each flow step (the most over the batches) and
 how far each setting's end points lie from that setting's own converged end points (mean and largest distance):
 a solve stopped at max_iters puts its error straight into the pool's end points, since the harmonic schedule's
-last step moves the whole remaining way (docs/nsgf.md). Also the time per batch, which is what a larger cap costs.
+last step moves the whole remaining way (docs/nsgf.md). Also the time per batch, which is what a larger cap costs,
+and the landing error: W2 between each batch's end points and its own target points (0 for ``pool.landing=exact``;
+an entropic last step lands blurred, at the blur's scale).
 
     OMP_NUM_THREADS=1 python benchmarks/pool_convergence.py --blur 0.1:30 0.2:30 0.2:200 --write
 """
@@ -69,6 +71,7 @@ def flow(x0, y, recipe: dict, blur: float, max_iters: int):
 
 def measure(tasks, settings, batches: int, n: int, cap: int) -> list[dict]:
     from sinkflow import config
+    from sinkflow.ot import w2
 
     recipe = config.resolve("moons")
     rows = []
@@ -82,7 +85,8 @@ def measure(tasks, settings, batches: int, n: int, cap: int) -> list[dict]:
             seconds = (time.perf_counter() - start) / batches
             dist = (end - ref).norm(dim=-1)
             row["settings"][f"{blur}:{iters}"] = {"needed": used, "mean": float(dist.mean()), "max": float(dist.max()),
-                                                  "s_per_batch": seconds}
+                                                  "s_per_batch": seconds,
+                                                  "landing": sum(w2(end[b], y[b]) for b in range(batches)) / batches}
         rows.append(row)
         print(task, {k: (v["needed"], round(v["mean"], 4), round(v["max"], 3)) for k, v in row["settings"].items()},
               flush=True)
@@ -93,13 +97,15 @@ def table(rows, settings) -> str:
     keys = [f"{b}:{i}" for b, i in settings]
     head = ["target"] + [f"blur {k.split(':')[0]}: iterations needed per step" for k in dict.fromkeys(
         k.split(":")[0] for k in keys)] + [f"end-point error, blur {k.replace(':', ', cap ')} (mean / max)" for k in keys] \
-        + [f"s per batch, blur {k.replace(':', ', cap ')}" for k in keys]
+        + [f"s per batch, blur {k.replace(':', ', cap ')}" for k in keys] \
+        + [f"landing W2, blur {k.replace(':', ', cap ')}" for k in keys]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         s = r["settings"]
         needed = {k.split(":")[0]: s[k]["needed"] for k in keys}
         cells = [r["task"]] + [" / ".join(map(str, v)) for v in needed.values()]
         cells += [f"{s[k]['mean']:.4f} / {s[k]['max']:.2f}" for k in keys] + [f"{s[k]['s_per_batch']:.2f}" for k in keys]
+        cells += [f"{s[k]['landing']:.3f}" for k in keys]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -562,4 +562,6 @@ def test_smoke_pool_convergence(tmp_path, monkeypatch, capsys):
     assert set(rows) == {"moons", "spiral"}
     capped, converged = rows["moons"][3], rows["moons"][4]  # end-point error: cap 1, then the reference's own cap
     assert float(capped.split("/")[0]) > 1e-3 and float(converged.split("/")[0]) == 0.0
+    landing = [float(c) for c in rows["spiral"][7:9]]  # W2 of the end points to their own target batch, per setting
+    assert 0 < landing[1] < 1 and landing[0] > landing[1]  # stopped after 1 iteration it lands farther off
     assert "<!-- pool_convergence:begin -->" in text
