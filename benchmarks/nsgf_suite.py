@@ -113,11 +113,14 @@ def one_run(family: str, path: str, method: str, seed: int, iters: int, runs_dir
     return result
 
 
-def floors(family: str, test: "np.ndarray", pairs: int = 12) -> dict:  # noqa: F821
+def floors(family: str, test: "np.ndarray", pairs: int = 12, train: "np.ndarray | None" = None) -> dict:  # noqa: F821
     """What the exact distribution scores, mean and std over ``pairs`` draws: i.i.d. draws vs the held-out
     rows (the i.i.d. protocol's floor), stratified draw vs stratified draw (the QMC protocol's), and a stratified
     draw vs the held-out rows (how much of the i.i.d. floor is the draw's own mode counts), and the energy
-    distance of an i.i.d. ENERGY_N-point draw to the held-out rows (zero in expectation)."""
+    distance of an i.i.d. ENERGY_N-point draw to the held-out rows (zero in expectation). With ``train``: the
+    energy distance of ENERGY_N of the training rows (drawn without replacement) to the held-out rows, what a model
+    that reproduced its training data exactly would score (the file is one finite draw of the family)."""
+    import numpy as np
     import torch
 
     from sinkflow.ot import energy_distance, w2
@@ -132,6 +135,10 @@ def floors(family: str, test: "np.ndarray", pairs: int = 12) -> dict:  # noqa: F
                           for i in range(pairs)],
         "energy": [energy_distance(suite2d.sample(family, ENERGY_N, seed=8000 + i), test) for i in range(pairs)],
     }
+    if train is not None:
+        pick = [np.random.default_rng(8500 + i).choice(len(train), min(ENERGY_N, len(train)), replace=False)
+                for i in range(pairs)]
+        vals["train_energy"] = [energy_distance(train[p], test) for p in pick]
     return {k: (statistics.fmean(v), statistics.stdev(v)) for k, v in vals.items()}
 
 
@@ -176,7 +183,11 @@ def table(results, families, fl) -> str:
     return (scoring.table(results, families, fl) + "\n\nThe exact distribution's stratified draw vs the held-out rows "
             "(the i.i.d. floor without the generated draw's own count noise): " + ", ".join(
                 f"{f} {fl[f]['strat_vs_test'][0]:.3f} ± {fl[f]['strat_vs_test'][1]:.3f}" for f in families)
-            + ". Where a model sits below a W2 floor, `--diagnose` shows the mass each of its modes gets.")
+            + ". Where a model sits below a W2 floor, `--diagnose` shows the mass each of its modes gets."
+            + ("" if not all("train_energy" in fl[f] for f in families) else
+               "\n\nThe training rows' own energy distance to the held-out rows (4096 of them; what a model that reproduced "
+               "its training file exactly would score, the file being one finite draw): " + ", ".join(
+                   f"{f} {fl[f]['train_energy'][0]:.4f} ± {fl[f]['train_energy'][1]:.4f}" for f in families) + "."))
 
 
 def main() -> None:
@@ -219,7 +230,8 @@ def main() -> None:
             w = {c: [statistics.fmean(r["scores"][c][k]) for k in ("10", "100")] for c in COLUMNS}
             print(f"{f:>8} {m:>6} seed {s}: " + "  ".join(f"{c} {w[c][0]:.{DIGITS[c]}f} / {w[c][1]:.{DIGITS[c]}f}" for c in COLUMNS)
                   + f"  ({r['train_s']:.0f} s)", flush=True)
-    fl = {f: floors(f, np.load(files[f])[-suite2d.TEST_ROWS:]) for f in args.families}
+    rows = {f: np.load(files[f]) for f in args.families}
+    fl = {f: floors(f, rows[f][-suite2d.TEST_ROWS:], train=rows[f][:-suite2d.TEST_ROWS]) for f in args.families}
     import torch
 
     machine = (f"{platform.machine()}, {os.cpu_count()} cores visible (shared), 1 run at a time with 1 torch thread, "

@@ -399,7 +399,11 @@ def test_smoke_nsgf_suite(tmp_path, monkeypatch):
     done.write_text(json.dumps(old))
     rescored = bench.one_run("unequal", str(files["unequal"]), "nsgf", 0, 4, str(tmp_path / "runs"), tiny, 1)
     assert rescored["scores"] == results[0]["scores"] and rescored["train_s"] == results[0]["train_s"]
-    assert "| unequal | 10 |" in bench.table(results, ["unequal"], {"unequal": bench.floors("unequal", np.load(files["unequal"])[-64:], pairs=2)})
+    rows = np.load(files["unequal"])
+    fl = bench.floors("unequal", rows[-64:], pairs=2, train=rows[:200])
+    assert fl["train_energy"][0] > -1 and fl["train_energy"] != fl["energy"]
+    text = bench.table(results, ["unequal"], {"unequal": fl})
+    assert "| unequal | 10 |" in text and "The training rows' own energy distance" in text
 
 
 def test_helper_scoring():
