@@ -59,10 +59,12 @@ def one_run(task: str, method: str, seed: int, iters: int, runs_dir: str, extra:
     done = run_dir / "bench.json"
     if done.exists():  # a kept --runs-dir: finished runs are not retrained (the benchmark resumes)
         result = json.loads(done.read_text())
-        protocol = (result.get("eval_seeds", 1), result.get("eval_n", 1024), result.get("iid_seeds"),
-                    set(result.get("scores", {})))
-        if protocol != (eval_seeds, eval_n, iid_seeds, set(COLUMNS)):  # scored by another protocol: score again
-            result.update(evaluate(run_dir, eval_seeds, eval_n, iid_seeds))
+        # scored with another n: every column again; with other draws or a column missing: those columns
+        redo = (list(COLUMNS) if result.get("eval_n", 1024) != eval_n
+                else scoring.stale(result.get("scores", {}), draws(eval_seeds, iid_seeds)))
+        if redo:
+            new = evaluate(run_dir, eval_seeds, eval_n, iid_seeds, columns=redo)
+            result.update({**new, "scores": {**result.get("scores", {}), **new["scores"]}})
             done.write_text(json.dumps(result))
         return result
     start = time.perf_counter()
@@ -90,8 +92,12 @@ def _finished(run_dir: Path) -> bool:
         return False
 
 
-def evaluate(run_dir: Path, eval_seeds: int, eval_n: int = 1024, iid_seeds: int = IID_SEEDS) -> dict:
-    """Every column of ``scoring`` at 10 and 100 steps, one value per sampling seed (``scores``), each draw with its
+def draws(eval_seeds: int, iid_seeds: int) -> dict:
+    return {"iid": iid_seeds, "qmc": eval_seeds, "energy": ENERGY_SEEDS}
+
+
+def evaluate(run_dir: Path, eval_seeds: int, eval_n: int = 1024, iid_seeds: int = IID_SEEDS, columns=COLUMNS) -> dict:
+    """The ``columns`` of ``scoring`` at 10 and 100 steps, one value per sampling seed (``scores``), each draw with its
     own source and test draw of ``eval_n`` points; ``w2_<steps>`` keeps the QMC mean (older result files)."""
     from sinkflow.eval.points import generate, protocol_pair, w2_table
     from sinkflow.ot import energy_distance
@@ -99,13 +105,15 @@ def evaluate(run_dir: Path, eval_seeds: int, eval_n: int = 1024, iid_seeds: int 
 
     run = RunFolder.open(run_dir)
     steps_list = run.cfg["eval"]["steps"]
-    qmc = w2_table(run, n=eval_n, seeds=eval_seeds, protocol="qmc")
+    qmc = w2_table(run, n=eval_n, seeds=eval_seeds, protocol="qmc") if "qmc" in columns else []
     test = protocol_pair(run.cfg, "iid")[1]
-    scores = {"qmc": {str(r["steps"]): r["w2_all"] for r in qmc},
-              "iid": {str(r["steps"]): r["w2_all"] for r in w2_table(run, n=eval_n, seeds=iid_seeds, protocol="iid")},
-              "energy": {str(k): [energy_distance(generate(run, ENERGY_N, k, seed=3000 + s, protocol="iid")[0],
-                                                  test.test_set(eval_n, seed=4000 + s)) for s in range(ENERGY_SEEDS)]
-                         for k in steps_list}}
+    scores = {"qmc": {str(r["steps"]): r["w2_all"] for r in qmc}} if qmc else {}
+    if "iid" in columns:
+        scores["iid"] = {str(r["steps"]): r["w2_all"] for r in w2_table(run, n=eval_n, seeds=iid_seeds, protocol="iid")}
+    if "energy" in columns:
+        scores["energy"] = {str(k): [energy_distance(generate(run, ENERGY_N, k, seed=3000 + s, protocol="iid")[0],
+                                                     test.test_set(eval_n, seed=4000 + s)) for s in range(ENERGY_SEEDS)]
+                            for k in steps_list}
     out = {"eval_seeds": eval_seeds, "eval_n": eval_n, "iid_seeds": iid_seeds, "scores": scores}
     for r in qmc:
         out[f"w2_{r['steps']}"] = r["w2_mean"]

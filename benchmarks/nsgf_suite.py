@@ -55,8 +55,13 @@ def train_args(family: str, path: Path, method: str, seed: int, iters: int, runs
             f"data.test_rows={suite2d.TEST_ROWS}", *config.read_overrides("moons", method, list(extra))]
 
 
-def evaluate(run_dir: Path, family: str, eval_seeds: int, n: int = suite2d.TEST_ROWS) -> dict:
-    """Every column at 10 and 100 steps, one value per sampling seed: {"iid": {"10": [...], "100": [...]},
+def draws(eval_seeds: int) -> dict:
+    """Draws per column: ``eval_seeds`` W2 draws under each protocol, up to ENERGY_SEEDS energy draws."""
+    return {"iid": eval_seeds, "qmc": eval_seeds, "energy": min(eval_seeds, ENERGY_SEEDS)}
+
+
+def evaluate(run_dir: Path, family: str, eval_seeds: int, n: int = suite2d.TEST_ROWS, columns=COLUMNS) -> dict:
+    """The ``columns`` at 10 and 100 steps, one value per sampling seed: {"iid": {"10": [...], "100": [...]},
     "energy": {...}, "qmc": {...}} (W2 under both protocols, the energy distance on i.i.d. draws)."""
     import numpy as np
     import torch
@@ -66,18 +71,20 @@ def evaluate(run_dir: Path, family: str, eval_seeds: int, n: int = suite2d.TEST_
     from sinkflow.runtime.run_folder import RunFolder
 
     run = RunFolder.open(run_dir)
-    out = {"iid": {str(r["steps"]): r["w2_all"] for r in w2_table(run, n=n, seeds=eval_seeds, protocol="iid")}}
-    out["qmc"] = {}
-    for steps in run.cfg["eval"]["steps"]:
+    out = {}
+    if "iid" in columns:
+        out["iid"] = {str(r["steps"]): r["w2_all"] for r in w2_table(run, n=n, seeds=eval_seeds, protocol="iid")}
+    for steps in run.cfg["eval"]["steps"] if "qmc" in columns else ():
         vals = []
         for s in range(eval_seeds):
             x, _ = generate(run, n, steps, seed=1000 + s, protocol="qmc")
             test = torch.as_tensor(suite2d.sample(family, n, seed=2000 + s, stratified=True), dtype=torch.float32)
             vals.append(w2(x, test))
-        out["qmc"][str(steps)] = vals
-    test_rows = np.load(run.cfg["data"]["target"])[-suite2d.TEST_ROWS:]
-    out["energy"] = {str(steps): [energy_distance(generate(run, ENERGY_N, steps, seed=3000 + s, protocol="iid")[0], test_rows)
-                                  for s in range(min(eval_seeds, ENERGY_SEEDS))] for steps in run.cfg["eval"]["steps"]}
+        out.setdefault("qmc", {})[str(steps)] = vals
+    if "energy" in columns:
+        test_rows = np.load(run.cfg["data"]["target"])[-suite2d.TEST_ROWS:]
+        out["energy"] = {str(k): [energy_distance(generate(run, ENERGY_N, k, seed=3000 + s, protocol="iid")[0], test_rows)
+                                  for s in range(draws(eval_seeds)["energy"])] for k in run.cfg["eval"]["steps"]}
     return out
 
 
@@ -92,12 +99,14 @@ def one_run(family: str, path: str, method: str, seed: int, iters: int, runs_dir
 
     run_dir = Path(runs_dir) / f"{family}-{method}-s{seed}"
     done = run_dir / "bench.json"
-    train_s = None
-    if done.exists():  # a finished run is scored again (not retrained) when a column or sampling seeds are missing
+    if done.exists():  # a finished run is not retrained; a column missing or with other draws is scored again
         result = json.loads(done.read_text())
-        if result.get("eval_seeds") == eval_seeds and set(result.get("scores", {})) == set(COLUMNS):
-            return result
-        train_s = result.get("train_s")
+        redo = scoring.stale(result.get("scores", {}), draws(eval_seeds))
+        if redo:
+            result["scores"] = {**result.get("scores", {}), **evaluate(run_dir, family, eval_seeds, columns=redo)}
+            result["eval_seeds"] = eval_seeds
+            done.write_text(json.dumps(result))
+        return result
     start = time.perf_counter()
     if not (run_dir / "status.json").exists() or json.loads((run_dir / "status.json").read_text()).get("state") != "finished":
         if run_dir.exists():
@@ -106,8 +115,7 @@ def one_run(family: str, path: str, method: str, seed: int, iters: int, runs_dir
             code = main(train_args(family, Path(path), method, seed, iters, Path(runs_dir), extra))
         if code != 0:
             raise RuntimeError(f"training {run_dir.name} failed with exit code {code}")
-    result = {"family": family, "method": method, "seed": seed,
-              "train_s": train_s if train_s is not None else time.perf_counter() - start,
+    result = {"family": family, "method": method, "seed": seed, "train_s": time.perf_counter() - start,
               "eval_seeds": eval_seeds, "scores": evaluate(run_dir, family, eval_seeds)}
     done.write_text(json.dumps(result))
     return result

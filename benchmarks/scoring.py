@@ -15,9 +15,16 @@ COLUMNS = ("iid", "energy", "qmc")  # the table's scores, the primary first
 LABELS = {"iid": "W2 iid", "energy": "energy iid", "qmc": "W2 qmc"}
 DIGITS = {"iid": 3, "qmc": 3, "energy": 4}  # energy distances are ~100x smaller than W2 here
 ENERGY_N = 4096  # generated points per energy-distance draw
-ENERGY_SEEDS = 5  # energy draws per model (each 4x the points of a W2 draw: 100 Euler steps of 4,096 points cost ~10 s)
+ENERGY_SEEDS = 20  # energy draws per model: one draw's score varies by ~0.003 on the suite's targets, so 5 draws
+# (until 2026-11-26) resolved only ~0.0013 and aniso's 0.0014 "loss" was draw noise; 20 resolve ~0.0007 (~70 s a model)
 STEPS = (10, 100)
 NAMES = {"nsgf": "NSGF", "otcfm": "OT-CFM", "fm": "FM"}
+
+
+def stale(scores: dict, draws: dict) -> list[str]:
+    """The columns of ``scores`` missing or scored with another number of draws than ``draws[column]``: what a
+    kept result file needs scored again (its other columns are kept, and the model is not retrained)."""
+    return [c for c in COLUMNS if c not in scores or any(len(v) != draws[c] for v in scores[c].values())]
 
 
 def target_of(result: dict) -> str:
