@@ -263,12 +263,13 @@ def test_choice_lists_agree_with_the_code():
     from sinkflow.flows import MEMORY_MODES
     from sinkflow.flows.coupling import SCALE_MAPS
     from sinkflow.models.mlp import ACTIVATIONS
-    from sinkflow.ot.velocity import SCHEDULES
+    from sinkflow.ot.velocity import LANDINGS, SCHEDULES
 
     assert schema.ACTIVATIONS == tuple(ACTIVATIONS)
     assert schema.IMAGE_TARGETS == tuple(IMAGE_SETS)
     assert schema.DATA["split"].rule.choices == SPLITS
     assert schema.POOL_KEYS["schedule"].rule.choices == SCHEDULES
+    assert schema.POOL_KEYS["landing"].rule.choices == LANDINGS
     assert schema.MODEL_KINDS["flow"]["memory"].rule.choices == MEMORY_MODES
     assert schema.MODEL_KINDS["flow"]["scale"].rule.choices == SCALE_MAPS
 
@@ -282,7 +283,7 @@ def test_an_old_run_folders_config_reads_back(tmp_path):
     # as written then (nsgf.segment 0.5, the blur-0.1 solver); keys added since (pool.qmc, nsgf.nsf_pairs) take
     # the schema default
     assert cfg == config.resolve("moons", ["experiment.name=old", "nsgf.segment=0.5", "pool.qmc=false",
-                                           "sinkhorn.blur=0.1", "sinkhorn.max_iters=30"])
+                                           "sinkhorn.blur=0.1", "sinkhorn.max_iters=30", "pool.landing=sinkhorn"])
     (tmp_path / "config.yaml").write_text("experiment: {preset: moons}\npool: {etaa: 1}\n")
     with pytest.raises(SinkflowError, match="has unknown key 'pool.etaa'; did you mean 'pool.eta'"):
         read_config(tmp_path)
