@@ -427,6 +427,10 @@ def test_helper_scoring():
     # the exact distribution (floor 0.315) vs OT-CFM's 0.325 at 10 and 0.315 at 100 steps: <= on both
     assert scoring.exact_wins(fake, ["a"], floors, "iid") == {"wins": 2, "cells": 2}
     assert "would be <= OT-CFM on 2 of 2" in text
+    # a kept result is re-scored only in the columns missing or drawn another number of times
+    scores = {"iid": {"10": [0.1] * 3, "100": [0.1] * 3}, "energy": {"10": [0.0] * 5, "100": [0.0] * 5}}
+    assert scoring.stale(scores, {"iid": 3, "energy": 20, "qmc": 3}) == ["energy", "qmc"]
+    assert scoring.stale(scores, {"iid": 3, "energy": 5, "qmc": 3}) == ["qmc"]
     # nsgf_2d's results name their target "task"; a method missing from a cell prints "-"
     task = [{**{k: v for k, v in r.items() if k != "family"}, "task": r["family"]} for r in fake]
     text = scoring.table(task, ["a"], floors, methods=("nsgf", "fm", "otcfm"), extra=[("paper", lambda t, s: str(s))])
