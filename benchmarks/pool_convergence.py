@@ -53,7 +53,9 @@ def clouds(task: str, batches: int, n: int, seed: int = 0):
 
 
 def flow(x0, y, recipe: dict, blur: float, max_iters: int):
-    """End points of the recipe's harmonic flow and the iterations each step's solve ran (the most over batches)."""
+    """End points of the recipe's harmonic flow with a Sinkhorn solve at every step, the last one included (what this
+    script measures is the solver; the recipe's ``pool.landing=exact`` replaces the last solve), and the iterations
+    each step's solve ran (the most over batches)."""
     from sinkflow.ot.sinkhorn import converged_velocity
     from sinkflow.ot.velocity import _bbox_diameter, eta_schedule
 
@@ -134,7 +136,7 @@ def main(argv=None) -> None:
             f"Machine: {platform.machine()}, {os.cpu_count()} cores visible (shared), torch {torch.__version__}, "
             f"{torch.get_num_threads()} thread(s)  \nDate: {datetime.date.today()}  \n"
             f"Protocol: {args.batches} batches of {args.n} i.i.d. source points and target points per target, the 2D "
-            f"recipe's flow ({pool['schedule']}, {pool['steps']} steps, scaling {sk['scaling']}, tol {sk['tol']}); each setting's end points against the same "
+            f"recipe's flow ({pool['schedule']}, {pool['steps']} steps, scaling {sk['scaling']}, tol {sk['tol']}; a Sinkhorn solve at every step, the last one included); each setting's end points against the same "
             f"setting solved to tol (cap {args.cap}). Wall time {(time.perf_counter() - start) / 60:.1f} min.\n\n"
             f"{table(rows, settings)}\n")
     print(body)
