@@ -61,7 +61,7 @@ def one_run(task: str, method: str, seed: int, iters: int, runs_dir: str, extra:
         result = json.loads(done.read_text())
         # scored with another n: every column again; with other draws or a column missing: those columns
         redo = (list(COLUMNS) if result.get("eval_n", 1024) != eval_n
-                else scoring.stale(result.get("scores", {}), draws(eval_seeds, iid_seeds)))
+                else scoring.stale(result.get("scores", {}), scoring.draws(iid_seeds, eval_seeds)))
         if redo:
             new = evaluate(run_dir, eval_seeds, eval_n, iid_seeds, columns=redo)
             result.update({**new, "scores": {**result.get("scores", {}), **new["scores"]}})
@@ -90,10 +90,6 @@ def _finished(run_dir: Path) -> bool:
         return json.loads((run_dir / "status.json").read_text()).get("state") == "finished"
     except (OSError, ValueError):
         return False
-
-
-def draws(eval_seeds: int, iid_seeds: int) -> dict:
-    return {"iid": iid_seeds, "qmc": eval_seeds, "energy": ENERGY_SEEDS}
 
 
 def evaluate(run_dir: Path, eval_seeds: int, eval_n: int = 1024, iid_seeds: int = IID_SEEDS, columns=COLUMNS) -> dict:

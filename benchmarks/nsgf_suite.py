@@ -55,11 +55,6 @@ def train_args(family: str, path: Path, method: str, seed: int, iters: int, runs
             f"data.test_rows={suite2d.TEST_ROWS}", *config.read_overrides("moons", method, list(extra))]
 
 
-def draws(eval_seeds: int) -> dict:
-    """Draws per column: ``eval_seeds`` W2 draws under each protocol, up to ENERGY_SEEDS energy draws."""
-    return {"iid": eval_seeds, "qmc": eval_seeds, "energy": min(eval_seeds, ENERGY_SEEDS)}
-
-
 def evaluate(run_dir: Path, family: str, eval_seeds: int, n: int = suite2d.TEST_ROWS, columns=COLUMNS) -> dict:
     """The ``columns`` at 10 and 100 steps, one value per sampling seed: {"iid": {"10": [...], "100": [...]},
     "energy": {...}, "qmc": {...}} (W2 under both protocols, the energy distance on i.i.d. draws)."""
@@ -84,7 +79,7 @@ def evaluate(run_dir: Path, family: str, eval_seeds: int, n: int = suite2d.TEST_
     if "energy" in columns:
         test_rows = np.load(run.cfg["data"]["target"])[-suite2d.TEST_ROWS:]
         out["energy"] = {str(k): [energy_distance(generate(run, ENERGY_N, k, seed=3000 + s, protocol="iid")[0], test_rows)
-                                  for s in range(draws(eval_seeds)["energy"])] for k in run.cfg["eval"]["steps"]}
+                                  for s in range(scoring.draws(eval_seeds, eval_seeds, eval_seeds)["energy"])] for k in run.cfg["eval"]["steps"]}
     return out
 
 
@@ -101,7 +96,7 @@ def one_run(family: str, path: str, method: str, seed: int, iters: int, runs_dir
     done = run_dir / "bench.json"
     if done.exists():  # a finished run is not retrained; a column missing or with other draws is scored again
         result = json.loads(done.read_text())
-        redo = scoring.stale(result.get("scores", {}), draws(eval_seeds))
+        redo = scoring.stale(result.get("scores", {}), scoring.draws(eval_seeds, eval_seeds, eval_seeds))
         if redo:
             result["scores"] = {**result.get("scores", {}), **evaluate(run_dir, family, eval_seeds, columns=redo)}
             result["eval_seeds"] = eval_seeds

@@ -21,6 +21,12 @@ STEPS = (10, 100)
 NAMES = {"nsgf": "NSGF", "otcfm": "OT-CFM", "fm": "FM"}
 
 
+def draws(iid: int, qmc: int, energy: int = ENERGY_SEEDS) -> dict:
+    """Draws per column a model is scored with: ``iid`` and ``qmc`` W2 draws, at most ENERGY_SEEDS energy draws
+    (a smoke run with fewer W2 draws caps the energy draws too)."""
+    return {"iid": iid, "qmc": qmc, "energy": min(energy, ENERGY_SEEDS)}
+
+
 def stale(scores: dict, draws: dict) -> list[str]:
     """The columns of ``scores`` missing or scored with another number of draws than ``draws[column]``: what a
     kept result file needs scored again (its other columns are kept, and the model is not retrained)."""

@@ -431,6 +431,10 @@ def test_helper_scoring():
     scores = {"iid": {"10": [0.1] * 3, "100": [0.1] * 3}, "energy": {"10": [0.0] * 5, "100": [0.0] * 5}}
     assert scoring.stale(scores, {"iid": 3, "energy": 20, "qmc": 3}) == ["energy", "qmc"]
     assert scoring.stale(scores, {"iid": 3, "energy": 5, "qmc": 3}) == ["qmc"]
+    # both scripts ask scoring for the draws: a smoke run's few W2 draws cap the energy draws, a full one gets 20
+    assert scoring.draws(3, 3, 3) == {"iid": 3, "qmc": 3, "energy": 3}
+    assert scoring.draws(20, 3) == {"iid": 20, "qmc": 3, "energy": scoring.ENERGY_SEEDS}
+    assert scoring.stale(scores, scoring.draws(3, 3, 5)) == ["qmc"]
     # nsgf_2d's results name their target "task"; a method missing from a cell prints "-"
     task = [{**{k: v for k, v in r.items() if k != "family"}, "task": r["family"]} for r in fake]
     text = scoring.table(task, ["a"], floors, methods=("nsgf", "fm", "otcfm"), extra=[("paper", lambda t, s: str(s))])
