@@ -139,19 +139,55 @@ class Snapshots(Callback):
         self.weights[trainer.step] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
 
+def test_a_run_saved_with_foreach_adam_resumes_on_the_fused_kernel(runs_dir, monkeypatch):
+    """Checkpoints written before fused Adam was the CPU default (or on a CPU, resumed on a GPU) name foreach in
+    their param groups; resumed as saved, Adam would refuse the skip flag (found_inf) the Trainer now passes."""
+    cfg = moons_cfg()
+    cfg["experiment"]["name"] = "oldopt"
+    run = RunFolder.create(cfg)
+    real = torch.optim.Adam
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod.torch.optim, "Adam", lambda params, **kw: real(params, foreach=True,
+                                                                          **{k: v for k, v in kw.items() if k != "fused"}))
+        with pytest.raises(Interrupted):
+            Trainer(run, otcfm_step(cfg), [StopAt(6)]).fit()
+    saved = run.checkpoints("velocity").latest()
+    assert saved["optimizer"]["param_groups"][0]["foreach"] is True
+    trainer = Trainer(run, otcfm_step(cfg))
+    trainer.fit()
+    run.logger.close()
+    assert trainer.step == 12 and trainer.skip_on_device
+    assert trainer.optimizer.param_groups[0]["fused"] is True and not trainer.optimizer.param_groups[0]["foreach"]
+
+
 @pytest.fixture
-def fused_on_cpu(monkeypatch):
-    """Adam as on CUDA (fused: it takes the skip flag as found_inf), here on the CPU."""
+def foreach_adam(monkeypatch):
+    """Adam without a found_inf input (foreach): the Trainer falls back to reading each step's loss and norm."""
     real = torch.optim.Adam
 
-    def fused_adam(params, **kw):
-        kw.pop("foreach", None)
-        return real(params, fused=True, **kw)
+    def foreach(params, **kw):
+        kw.pop("fused", None)
+        return real(params, foreach=True, **kw)
 
-    monkeypatch.setattr(trainer_mod.torch.optim, "Adam", fused_adam)
+    monkeypatch.setattr(trainer_mod.torch.optim, "Adam", foreach)
 
 
-def test_device_skip_never_applies_a_bad_update_and_stops_at_the_next_check(runs_dir, fused_on_cpu):
+def test_host_check_stops_before_the_bad_update_where_the_optimizer_cannot_skip(runs_dir, foreach_adam):
+    cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100")
+    cfg["experiment"]["name"] = "hostcheck"
+    run = RunFolder.create(cfg)
+    snaps = Snapshots()
+    trainer = Trainer(run, nan_gradient_phase(cfg, 3, ot_pairs=True), [snaps])
+    with pytest.raises(SinkflowError) as e:
+        trainer.fit()
+    assert not trainer.skip_on_device
+    assert "non-finite gradient norm" in str(e.value) and "at step 3" in str(e.value), str(e.value)
+    assert max(snaps.weights) == 2  # stopped inside step 3, before its update: step 2's weights are the last
+    assert not (run.dir / "checkpoints" / "velocity" / "final.pt").exists()
+    run.logger.close()
+
+
+def test_device_skip_never_applies_a_bad_update_and_stops_at_the_next_check(runs_dir):
     cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100")
     cfg["experiment"]["name"] = "skip"
     run = RunFolder.create(cfg)
@@ -193,8 +229,8 @@ class CountReads(Callback):
         self.active = False
 
 
-def test_no_value_is_read_from_the_device_on_an_ordinary_step(runs_dir, fused_on_cpu, monkeypatch):
-    """With a fused optimizer (CUDA's default) an ordinary step reads nothing back from the device: the loss,
+def test_no_value_is_read_from_the_device_on_an_ordinary_step(runs_dir, monkeypatch):
+    """With the fused optimizer (the default on every device) an ordinary step reads nothing back from the device: the loss,
     grad norm and non-finite flag stay tensors until a log or checkpoint step."""
     counter = CountReads(monkeypatch)
     cfg = moons_cfg("train.velocity.log_every=10", "train.velocity.ckpt_every=100", method="fm", iters=20)
@@ -247,7 +283,7 @@ def test_step_flops_counts_forward_and_backward_of_a_linear_model():
     assert step_flops(trainer, torch.randn(32, 10)) == 2 * (2 * 32 * 10 * 4)
 
 
-def test_fp16_device_guard_lets_gradscaler_skip_and_still_stops_on_a_nan_loss(runs_dir, fused_on_cpu):
+def test_fp16_device_guard_lets_gradscaler_skip_and_still_stops_on_a_nan_loss(runs_dir):
     """Under float16 GradScaler hands the fused kernel its own Inf/NaN flag; the guard still records a NaN loss
     on the device and stops at the next check, with finite weights."""
     cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100", "train.velocity.precision=fp16")
