@@ -27,7 +27,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SMOKE_TESTED = ("digits", "flow_bpd", "flow_digits_ablation", "flow_memory", "gpu_checks", "memory_estimate",
                 "nsgf_2d", "ot_memory", "pool_build", "preset_throughput", "sampling", "sinkhorn_solver",
                 "train_throughput", "w2_mode_counts", "mnist", "mnist_probes", "nsgf_suite",
-                "pool_convergence")
+                "pool_convergence", "cpu_step")
 # modules the scripts import (no command line of their own), each with its own test here: test_helper_<name>
 HELPERS = ("suite2d", "results_md", "scoring")
 
@@ -577,3 +577,23 @@ def test_smoke_pool_convergence(tmp_path, monkeypatch, capsys):
     landing = [float(c) for c in rows["spiral"][7:9]]  # W2 of the end points to their own target batch, per setting
     assert 0 < landing[1] < 1 and landing[0] > landing[1]  # stopped after 1 iteration it lands farther off
     assert "<!-- pool_convergence:begin -->" in text
+
+
+def test_smoke_cpu_step(tmp_path, monkeypatch, capsys):
+    """One thread, a few calls: every time is positive, both Adam kinds are timed side by side, and the floor column
+    is the forward + backward time times --iters."""
+    bench = load("cpu_step")
+    monkeypatch.setattr(bench, "RESULTS", tmp_path / "RESULTS.md")
+    torch_threads = __import__("torch").get_num_threads()
+    try:
+        bench.main(["--threads", "1", "--steps", "3", "--iters", "5000", "--write"])
+    finally:
+        __import__("torch").set_num_threads(torch_threads)
+    text = (tmp_path / "RESULTS.md").read_text()
+    row = [line for line in text.splitlines() if line.startswith("| 1 |")][0].split("|")
+    matmul, forward, fwd_bwd, foreach, fused = (float(row[2].split()[0]), float(row[3]), float(row[4]), float(row[5]),
+                                                float(row[6]))
+    assert min(matmul, forward, fwd_bwd, foreach, fused) > 0 and fwd_bwd > forward
+    assert row[7].strip() == f"{foreach / fused:.2f}x"
+    assert int(row[8]) == round(5000 * fwd_bwd / 1e3)
+    assert "<!-- cpu_step:begin -->" in text and "batch 256" in text

@@ -90,8 +90,8 @@ class Trainer:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.model.train()
         lr = cfg["lr"] * lr_scale(cfg["lr_scaling"], self.info.world)
-        # fused: one kernel per step on CUDA, and on the CPU 2.2x faster than foreach (0.98 -> 0.44 ms for the 2D
-        # MLP's Adam step, the whole step 7.4 -> 6.5 ms on 2 threads; docs/performance.md)
+        # fused: one kernel per step on CUDA; on the CPU the 2D MLP's Adam step is 2.2x faster than foreach's and
+        # the whole step 1.05-1.08x (benchmarks/cpu_step.py)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0,
                                           fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
