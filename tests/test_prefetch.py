@@ -172,14 +172,20 @@ def foreach_adam(monkeypatch):
     monkeypatch.setattr(trainer_mod.torch.optim, "Adam", foreach)
 
 
-def test_host_check_stops_before_the_bad_update_where_the_optimizer_cannot_skip(runs_dir, foreach_adam):
+def fit_with_nan_gradients_at_step_3(name):
+    """(run, trainer, weight snapshots per step, the error) of a run whose step 3 has NaN gradients."""
     cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100")
-    cfg["experiment"]["name"] = "hostcheck"
+    cfg["experiment"]["name"] = name
     run = RunFolder.create(cfg)
     snaps = Snapshots()
     trainer = Trainer(run, nan_gradient_phase(cfg, 3, ot_pairs=True), [snaps])
     with pytest.raises(SinkflowError) as e:
         trainer.fit()
+    return run, trainer, snaps, e
+
+
+def test_host_check_stops_before_the_bad_update_where_the_optimizer_cannot_skip(runs_dir, foreach_adam):
+    run, trainer, snaps, e = fit_with_nan_gradients_at_step_3("hostcheck")
     assert not trainer.skip_on_device
     assert "non-finite gradient norm" in str(e.value) and "at step 3" in str(e.value), str(e.value)
     assert max(snaps.weights) == 2  # stopped inside step 3, before its update: step 2's weights are the last
@@ -188,13 +194,7 @@ def test_host_check_stops_before_the_bad_update_where_the_optimizer_cannot_skip(
 
 
 def test_device_skip_never_applies_a_bad_update_and_stops_at_the_next_check(runs_dir):
-    cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100")
-    cfg["experiment"]["name"] = "skip"
-    run = RunFolder.create(cfg)
-    snaps = Snapshots()
-    trainer = Trainer(run, nan_gradient_phase(cfg, 3, ot_pairs=True), [snaps])
-    with pytest.raises(SinkflowError) as e:
-        trainer.fit()
+    run, trainer, snaps, e = fit_with_nan_gradients_at_step_3("skip")
     assert trainer.skip_on_device
     msg = str(e.value)
     assert "non-finite gradient norm" in msg and "at step 3" in msg, msg
