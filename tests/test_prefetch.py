@@ -139,37 +139,35 @@ class Snapshots(Callback):
         self.weights[trainer.step] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
 
-def test_a_run_saved_with_foreach_adam_resumes_on_the_fused_kernel(runs_dir, monkeypatch):
-    """Checkpoints written before fused Adam was the CPU default (or on a CPU, resumed on a GPU) name foreach in
-    their param groups; resumed as saved, Adam would refuse the skip flag (found_inf) the Trainer now passes."""
-    cfg = moons_cfg()
-    cfg["experiment"]["name"] = "oldopt"
-    run = RunFolder.create(cfg)
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """Adam as on CUDA (fused: it takes the skip flag as found_inf), here on the CPU."""
     real = torch.optim.Adam
-    with monkeypatch.context() as m:
-        m.setattr(trainer_mod.torch.optim, "Adam", lambda params, **kw: real(params, foreach=True,
-                                                                          **{k: v for k, v in kw.items() if k != "fused"}))
-        with pytest.raises(Interrupted):
-            Trainer(run, otcfm_step(cfg), [StopAt(6)]).fit()
-    saved = run.checkpoints("velocity").latest()
-    assert saved["optimizer"]["param_groups"][0]["foreach"] is True
+
+    def fused_adam(params, **kw):
+        kw.pop("foreach", None)
+        return real(params, fused=True, **kw)
+
+    monkeypatch.setattr(trainer_mod.torch.optim, "Adam", fused_adam)
+
+
+def test_a_run_saved_with_foreach_adam_resumes_on_the_fused_kernel(runs_dir, monkeypatch):
+    """A CPU run's checkpoint names foreach in its param groups; resumed as saved on a GPU (fused Adam, the skip
+    flag passed as found_inf), Adam refused the flag. Resume puts this device's kernel back."""
+    cfg = moons_cfg()
+    cfg["experiment"]["name"] = "cpu-then-gpu"
+    run = RunFolder.create(cfg)
+    with pytest.raises(Interrupted):
+        Trainer(run, otcfm_step(cfg), [StopAt(6)]).fit()  # the CPU default: foreach
+    assert run.checkpoints("velocity").latest()["optimizer"]["param_groups"][0]["foreach"] is True
+    real = torch.optim.Adam
+    monkeypatch.setattr(trainer_mod.torch.optim, "Adam",
+                        lambda params, **kw: real(params, fused=True, **{k: v for k, v in kw.items() if k != "foreach"}))
     trainer = Trainer(run, otcfm_step(cfg))
     trainer.fit()
     run.logger.close()
     assert trainer.step == 12 and trainer.skip_on_device
     assert trainer.optimizer.param_groups[0]["fused"] is True and not trainer.optimizer.param_groups[0]["foreach"]
-
-
-@pytest.fixture
-def foreach_adam(monkeypatch):
-    """Adam without a found_inf input (foreach): the Trainer falls back to reading each step's loss and norm."""
-    real = torch.optim.Adam
-
-    def foreach(params, **kw):
-        kw.pop("fused", None)
-        return real(params, foreach=True, **kw)
-
-    monkeypatch.setattr(trainer_mod.torch.optim, "Adam", foreach)
 
 
 def fit_with_nan_gradients_at_step_3(name):
@@ -184,7 +182,7 @@ def fit_with_nan_gradients_at_step_3(name):
     return run, trainer, snaps, e
 
 
-def test_host_check_stops_before_the_bad_update_where_the_optimizer_cannot_skip(runs_dir, foreach_adam):
+def test_host_check_stops_before_the_bad_update_where_the_optimizer_cannot_skip(runs_dir):
     run, trainer, snaps, e = fit_with_nan_gradients_at_step_3("hostcheck")
     assert not trainer.skip_on_device
     assert "non-finite gradient norm" in str(e.value) and "at step 3" in str(e.value), str(e.value)
@@ -193,7 +191,7 @@ def test_host_check_stops_before_the_bad_update_where_the_optimizer_cannot_skip(
     run.logger.close()
 
 
-def test_device_skip_never_applies_a_bad_update_and_stops_at_the_next_check(runs_dir):
+def test_device_skip_never_applies_a_bad_update_and_stops_at_the_next_check(runs_dir, fused_on_cpu):
     run, trainer, snaps, e = fit_with_nan_gradients_at_step_3("skip")
     assert trainer.skip_on_device
     msg = str(e.value)
@@ -229,8 +227,8 @@ class CountReads(Callback):
         self.active = False
 
 
-def test_no_value_is_read_from_the_device_on_an_ordinary_step(runs_dir, monkeypatch):
-    """With the fused optimizer (the default on every device) an ordinary step reads nothing back from the device: the loss,
+def test_no_value_is_read_from_the_device_on_an_ordinary_step(runs_dir, fused_on_cpu, monkeypatch):
+    """With a fused optimizer (CUDA's default) an ordinary step reads nothing back from the device: the loss,
     grad norm and non-finite flag stay tensors until a log or checkpoint step."""
     counter = CountReads(monkeypatch)
     cfg = moons_cfg("train.velocity.log_every=10", "train.velocity.ckpt_every=100", method="fm", iters=20)
@@ -283,7 +281,7 @@ def test_step_flops_counts_forward_and_backward_of_a_linear_model():
     assert step_flops(trainer, torch.randn(32, 10)) == 2 * (2 * 32 * 10 * 4)
 
 
-def test_fp16_device_guard_lets_gradscaler_skip_and_still_stops_on_a_nan_loss(runs_dir):
+def test_fp16_device_guard_lets_gradscaler_skip_and_still_stops_on_a_nan_loss(runs_dir, fused_on_cpu):
     """Under float16 GradScaler hands the fused kernel its own Inf/NaN flag; the guard still records a NaN loss
     on the device and stops at the next check, with finite weights."""
     cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100", "train.velocity.precision=fp16")

@@ -90,10 +90,12 @@ class Trainer:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.model.train()
         lr = cfg["lr"] * lr_scale(cfg["lr_scaling"], self.info.world)
-        # fused: one kernel per step on CUDA; on the CPU the 2D MLP's Adam step is 2.2x faster than foreach's and
-        # the whole step 1.05-1.08x (benchmarks/cpu_step.py)
+        # fused on CUDA (one kernel per step). On the CPU fused is faster too (the 2D MLP's Adam step 2.2x, the whole
+        # step 1.03-1.10x: benchmarks/cpu_step.py) but not the default: with it, flow-cifar10's resumed losses left
+        # the uninterrupted run's (rel 1e-3 at step 5) in tests/test_flow_method.py, not yet explained
+        fused = run.device.type == "cuda"
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0,
-                                          fused=True)
+                                          **({"fused": True} if fused else {"foreach": True}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(cfg.get("schedule", "constant"), cfg["warmup"], cfg["iters"], key))
         self.ema = None
@@ -146,8 +148,8 @@ class Trainer:
         except (ValueError, KeyError, RuntimeError) as exc:
             raise SinkflowError(f"checkpoint {where} does not match this phase's optimizer ({exc})",
                                 "resume with the config the run was trained with") from None
-        for group in self.optimizer.param_groups:  # the kernel is this machine's choice, not the checkpoint's: a
-            # run saved with foreach Adam (on the CPU before 2026-11-26) resumed here would not take the skip flag
+        for group in self.optimizer.param_groups:  # the kernel is this device's choice, not the checkpoint's: a run
+            # saved with foreach Adam (on a CPU) and resumed on a GPU would otherwise refuse the skip flag
             group["fused"], group["foreach"] = self.optimizer.defaults["fused"], self.optimizer.defaults["foreach"]
         # the learning rate the config asks for now (train.*.lr, lr_scaling, world size) replaces the restored
         # one for real: the optimizer and the schedule follow it (RunFolder.start records the change in meta.json)
