@@ -78,8 +78,9 @@ def evaluate(run_dir: Path, family: str, eval_seeds: int, n: int = suite2d.TEST_
         out.setdefault("qmc", {})[str(steps)] = vals
     if "energy" in columns:
         test_rows = np.load(run.cfg["data"]["target"])[-suite2d.TEST_ROWS:]
+        n_draws = scoring.draws(eval_seeds, eval_seeds, eval_seeds)["energy"]
         out["energy"] = {str(k): [energy_distance(generate(run, ENERGY_N, k, seed=3000 + s, protocol="iid")[0], test_rows)
-                                  for s in range(scoring.draws(eval_seeds, eval_seeds, eval_seeds)["energy"])] for k in run.cfg["eval"]["steps"]}
+                                  for s in range(n_draws)] for k in run.cfg["eval"]["steps"]}
     return out
 
 

@@ -91,8 +91,8 @@ class Trainer:
         self.model.train()
         lr = cfg["lr"] * lr_scale(cfg["lr_scaling"], self.info.world)
         # fused on CUDA (one kernel per step). On the CPU fused is faster too (the 2D MLP's Adam step 2.2x, the whole
-        # step 1.03-1.10x: benchmarks/cpu_step.py) but not the default: with it, flow-cifar10's resumed losses left
-        # the uninterrupted run's (rel 1e-3 at step 5) in tests/test_flow_method.py, not yet explained
+        # step 1.03-1.10x: benchmarks/cpu_step.py) but not the default: with it, flow-cifar10's resumed loss left the
+        # uninterrupted run's (8.278 vs 8.266 at step 5, tests/test_flow_method.py), not yet explained
         fused = run.device.type == "cuda"
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0,
                                           **({"fused": True} if fused else {"foreach": True}))
