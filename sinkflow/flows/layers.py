@@ -25,6 +25,12 @@ class InvertibleLayer(nn.Module):
     def inverse(self, y: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def drop_cache(self) -> None:
+        """Forget values derived from the parameters. ``FlowSequence`` calls it at the start of every pass,
+        because a fused optimizer step (``Adam(fused=True)``, the Trainer's kernel on CUDA) writes the
+        parameters without moving their version counter: a cache keyed on that counter alone served the first
+        step's 1x1-conv weights to every later step."""
+
     def rebuild(self, y: torch.Tensor):
         """Rebuild the input from ``y`` and re-run forward with grad.
 
@@ -128,6 +134,9 @@ class InvConv1x1(InvertibleLayer):
         self._eye_cache = None
         self._fcache = None
 
+    def drop_cache(self) -> None:
+        self._fcache = None
+
     def _eye(self) -> torch.Tensor:
         eye = self._eye_cache
         if eye is None or eye.dtype != self.lower.dtype or eye.device != self.lower.device:
@@ -135,9 +144,9 @@ class InvConv1x1(InvertibleLayer):
         return eye
 
     def _factors(self):
-        """``(P L, U, sign(s) e^log|s|, W)``. Without grad they are cached until a parameter changes (its
-        version counter moves, e.g. an optimizer step or a load), so the constant-memory backward reuses the
-        forward's ``W`` and the float64 inverse is built once per step."""
+        """``(P L, U, sign(s) e^log|s|, W)``. Without grad they are cached for one pass of the chain (dropped by
+        ``drop_cache``, and whenever a parameter's version counter moves: an in-place update, a load), so the
+        constant-memory backward reuses the forward's ``W`` and the float64 inverse is built once per step."""
         grad = torch.is_grad_enabled()
         key = None
         if not grad:

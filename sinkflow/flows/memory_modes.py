@@ -73,7 +73,13 @@ class FlowSequence(nn.Module):
             logdet = logdet + ld
         return x, logdet
 
+    def drop_caches(self) -> None:
+        """A new pass: the parameters may have changed since the last (see ``InvertibleLayer.drop_cache``)."""
+        for layer in self.layers:
+            layer.drop_cache()
+
     def forward(self, x):
+        self.drop_caches()
         if self.memory == "standard" or not torch.is_grad_enabled() or len(self.layers) == 0:
             return self._run(x)
         if self.memory == "checkpoint":
@@ -87,6 +93,7 @@ class FlowSequence(nn.Module):
         return _InvertibleChain.apply(self, x, *params)
 
     def inverse(self, y):
+        self.drop_caches()
         for layer in reversed(self.layers):
             y = layer.inverse(y)
         return y
