@@ -140,29 +140,34 @@ class Snapshots(Callback):
 
 
 @pytest.fixture
-def fused_on_cpu(monkeypatch):
-    """Adam as on CUDA (fused: it takes the skip flag as found_inf), here on the CPU."""
-    real = torch.optim.Adam
+def foreach_adam(monkeypatch):
+    """Adam without a fused kernel (torch < 2.4 on the CPU, devices without one): it cannot take the skip flag."""
+    monkeypatch.setattr(trainer_mod, "adam_kernel", lambda device: {"foreach": True})
 
-    def fused_adam(params, **kw):
-        kw.pop("foreach", None)
-        return real(params, fused=True, **kw)
 
-    monkeypatch.setattr(trainer_mod.torch.optim, "Adam", fused_adam)
+def test_the_cpu_runs_the_gpus_optimizer_kernel(runs_dir):
+    """Fused Adam on the CPU as on CUDA (torch >= 2.4): the CPU suite covers the path a GPU run takes."""
+    cfg = moons_cfg()
+    cfg["experiment"]["name"] = "kernel"
+    run = RunFolder.create(cfg)
+    trainer = Trainer(run, otcfm_step(cfg), [StopAt(1)])
+    with pytest.raises(Interrupted):
+        trainer.fit()
+    run.logger.close()
+    assert trainer.optimizer.defaults["fused"] is True and trainer.skip_on_device
 
 
 def test_a_run_saved_with_foreach_adam_resumes_on_the_fused_kernel(runs_dir, monkeypatch):
-    """A CPU run's checkpoint names foreach in its param groups; resumed as saved on a GPU (fused Adam, the skip
-    flag passed as found_inf), Adam refused the flag. Resume puts this device's kernel back."""
+    """A checkpoint of foreach Adam names foreach in its param groups; resumed as saved on the fused kernel (the
+    skip flag passed as found_inf), Adam refused the flag. Resume puts this device's kernel back."""
     cfg = moons_cfg()
-    cfg["experiment"]["name"] = "cpu-then-gpu"
+    cfg["experiment"]["name"] = "foreach-then-fused"
     run = RunFolder.create(cfg)
-    with pytest.raises(Interrupted):
-        Trainer(run, otcfm_step(cfg), [StopAt(6)]).fit()  # the CPU default: foreach
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod, "adam_kernel", lambda device: {"foreach": True})
+        with pytest.raises(Interrupted):
+            Trainer(run, otcfm_step(cfg), [StopAt(6)]).fit()
     assert run.checkpoints("velocity").latest()["optimizer"]["param_groups"][0]["foreach"] is True
-    real = torch.optim.Adam
-    monkeypatch.setattr(trainer_mod.torch.optim, "Adam",
-                        lambda params, **kw: real(params, fused=True, **{k: v for k, v in kw.items() if k != "foreach"}))
     trainer = Trainer(run, otcfm_step(cfg))
     trainer.fit()
     run.logger.close()
@@ -182,7 +187,7 @@ def fit_with_nan_gradients_at_step_3(name):
     return run, trainer, snaps, e
 
 
-def test_host_check_stops_before_the_bad_update_where_the_optimizer_cannot_skip(runs_dir):
+def test_host_check_stops_before_the_bad_update_where_the_optimizer_cannot_skip(runs_dir, foreach_adam):
     run, trainer, snaps, e = fit_with_nan_gradients_at_step_3("hostcheck")
     assert not trainer.skip_on_device
     assert "non-finite gradient norm" in str(e.value) and "at step 3" in str(e.value), str(e.value)
@@ -191,7 +196,7 @@ def test_host_check_stops_before_the_bad_update_where_the_optimizer_cannot_skip(
     run.logger.close()
 
 
-def test_device_skip_never_applies_a_bad_update_and_stops_at_the_next_check(runs_dir, fused_on_cpu):
+def test_device_skip_never_applies_a_bad_update_and_stops_at_the_next_check(runs_dir):
     run, trainer, snaps, e = fit_with_nan_gradients_at_step_3("skip")
     assert trainer.skip_on_device
     msg = str(e.value)
@@ -227,8 +232,8 @@ class CountReads(Callback):
         self.active = False
 
 
-def test_no_value_is_read_from_the_device_on_an_ordinary_step(runs_dir, fused_on_cpu, monkeypatch):
-    """With a fused optimizer (CUDA's default) an ordinary step reads nothing back from the device: the loss,
+def test_no_value_is_read_from_the_device_on_an_ordinary_step(runs_dir, monkeypatch):
+    """With the fused optimizer (the default on CUDA and the CPU) an ordinary step reads nothing back from the device: the loss,
     grad norm and non-finite flag stay tensors until a log or checkpoint step."""
     counter = CountReads(monkeypatch)
     cfg = moons_cfg("train.velocity.log_every=10", "train.velocity.ckpt_every=100", method="fm", iters=20)
@@ -281,7 +286,7 @@ def test_step_flops_counts_forward_and_backward_of_a_linear_model():
     assert step_flops(trainer, torch.randn(32, 10)) == 2 * (2 * 32 * 10 * 4)
 
 
-def test_fp16_device_guard_lets_gradscaler_skip_and_still_stops_on_a_nan_loss(runs_dir, fused_on_cpu):
+def test_fp16_device_guard_lets_gradscaler_skip_and_still_stops_on_a_nan_loss(runs_dir):
     """Under float16 GradScaler hands the fused kernel its own Inf/NaN flag; the guard still records a NaN loss
     on the device and stops at the next check, with finite weights."""
     cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100", "train.velocity.precision=fp16")

@@ -39,6 +39,19 @@ from sinkflow.runtime.signals import Interrupted, stop_requested
 from sinkflow.runtime.state_check import check_step_state
 
 
+def adam_kernel(device: torch.device) -> dict:
+    """Adam's kernel for ``device``: fused wherever this torch has it (CUDA; the CPU from torch 2.4), else foreach.
+
+    Fused is one kernel per step and takes the non-finite flag as ``found_inf``, so a step needs no host sync
+    (``sinkflow.engine.finite``). On the CPU it is faster too (the 2D MLP's Adam step 2.2x, the whole step
+    1.03-1.10x: ``benchmarks/cpu_step.py``), and the CPU test suite then runs the GPU's optimizer path: while the
+    CPU ran foreach, a cache keyed on the version counter, which fused Adam does not move, broke invertible flows
+    on GPUs only (``InvertibleLayer.drop_cache``)."""
+    cpu_fused = torch.torch_version.TorchVersion(torch.__version__) >= "2.4"
+    fused = device.type == "cuda" or (device.type == "cpu" and cpu_fused)
+    return {"fused": True} if fused else {"foreach": True}
+
+
 class Trainer:
     """Runs ``task`` in ``run``: ``Trainer(run, task, callbacks).fit()``.
 
@@ -90,12 +103,8 @@ class Trainer:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.model.train()
         lr = cfg["lr"] * lr_scale(cfg["lr_scaling"], self.info.world)
-        # fused on CUDA (one kernel per step). On the CPU fused is faster too (the 2D MLP's Adam step 2.2x, the whole
-        # step 1.03-1.10x: benchmarks/cpu_step.py) but not the default: with it, flow-cifar10's resumed loss left the
-        # uninterrupted run's (8.278 vs 8.266 at step 5, tests/test_flow_method.py), not yet explained
-        fused = run.device.type == "cuda"
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0,
-                                          **({"fused": True} if fused else {"foreach": True}))
+                                          **adam_kernel(run.device))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(cfg.get("schedule", "constant"), cfg["warmup"], cfg["iters"], key))
         self.ema = None
