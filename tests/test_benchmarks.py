@@ -415,6 +415,14 @@ def test_helper_scoring():
                                     ("otcfm", 0, 0.32, 0.31), ("otcfm", 1, 0.33, 0.32)]]
     v = scoring.verdict(fake, ["a"], "iid")
     assert v["wins"] == 1 and v["cells"] == 2 and abs(v["worst_gap"] - 0.02) < 1e-9 and v["finer_worse"] == ["a"]
+    # 100 steps: NSGF 0.335 vs 0.315, behind by 0.02 against a standard error of 0.0071: a loss the seeds resolve
+    assert v["behind_beyond_noise"] == ["a@100"]
+    assert abs(scoring.standard_error([0.33, 0.34], [0.31, 0.32]) - 0.005 ** 0.5 / 10) < 1e-9
+    noisy = [{**r, "scores": {"iid": {"10": r["scores"]["iid"]["10"], "100": [r["scores"]["iid"]["100"][0]
+                                                                                 + (0.05 if r["seed"] else -0.05)]}}}
+             for r in fake]  # the same means, a seed spread of 0.07: the 0.02 is inside the noise
+    assert scoring.verdict(noisy, ["a"], "iid")["behind_beyond_noise"] == []
+    assert scoring.standard_error([0.3], [0.2, 0.4]) == 0.0  # one seed: no estimate, every loss counts
     for r in fake:
         r["scores"]["qmc"] = r["scores"]["energy"] = r["scores"]["iid"]
     floors = {"a": {"iid": (0.315, 0.1), "qmc": (0.1, 0.01), "strat_vs_test": (0.2, 0.01), "energy": (0.4, 0.01)}}
@@ -427,6 +435,7 @@ def test_helper_scoring():
     # the exact distribution (floor 0.315) vs OT-CFM's 0.325 at 10 and 0.315 at 100 steps: <= on both
     assert scoring.exact_wins(fake, ["a"], floors, "iid") == {"wins": 2, "cells": 2}
     assert "would be <= OT-CFM on 2 of 2" in text
+    assert "standard error of the difference over training seeds on: a@100." in text
     # a kept result is re-scored only in the columns missing or drawn another number of times
     scores = {"iid": {"10": [0.1] * 3, "100": [0.1] * 3}, "energy": {"10": [0.0] * 5, "100": [0.0] * 5}}
     assert scoring.stale(scores, {"iid": 3, "energy": 20, "qmc": 3}) == ["energy", "qmc"]
