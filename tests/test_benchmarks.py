@@ -214,6 +214,8 @@ def test_smoke_gpu_checks(quiet, capsys):
     assert "device noise reproducible from the CPU state: True" in out
     assert float(re.search(r"Adam, 3 steps: max\|dw\| (\S+)", out).group(1)) < 1e-5
     assert float(re.search(r"drawn ahead vs inline, 6 steps: max\|dw\| ([0-9.e+-]+)", out).group(1)) == 0.0
+    fresh, loop = (float(v) for v in re.search(r"fresh copy \|dnll\| (\S+), fused vs for-loop \|dnll\| (\S+)", out).groups())
+    assert fresh < 1e-5 and loop < 1e-3  # with the old version-keyed W cache: 0.17 apart on both
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the CUDA half of gpu_checks needs a GPU")
