@@ -262,8 +262,11 @@ def format_table(mems: list[PhaseMemory], cards: dict[str, int] | None = None) -
 
 def measured_train_step_bytes(model: torch.nn.Module, shape: tuple[int, ...], batch: int, ema: bool = False) -> int:
     """Parameters + the CPU peak of one first Adam step (forward, MSE backward, step) at ``batch``: what
-    the train-phase estimate models (weights+grads+adam, activations, backward transient, batch)."""
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
+    the train-phase estimate models (weights+grads+adam, activations, backward transient, batch). Adam runs the
+    Trainer's kernel (``adam_kernel``: fused, which adds no transient copies of the gradients)."""
+    from sinkflow.engine.trainer import adam_kernel
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, **adam_kernel(torch.device("cpu")))
     x, t, v = torch.randn(batch, *shape), torch.rand(batch), torch.randn(batch, *shape)
     model.train()
 
