@@ -2,6 +2,7 @@
 the OT coupling computed off the training thread (still the exact plan), and the non-finite guard that skips a bad
 update on the device instead of reading the loss every step."""
 
+import logging
 import signal
 
 import numpy as np
@@ -155,6 +156,19 @@ def test_the_cpu_runs_the_gpus_optimizer_kernel(runs_dir):
         trainer.fit()
     run.logger.close()
     assert trainer.optimizer.defaults["fused"] is True and trainer.skip_on_device
+
+
+def test_a_phase_prints_its_speed_settings_at_the_start(runs_dir, caplog):
+    """What the phase runs with, each one key away, before its first step."""
+    cfg = moons_cfg("train.velocity.precision=bf16", "train.velocity.prefetch=always")
+    cfg["experiment"]["name"] = "settings"
+    run = RunFolder.create(cfg)
+    with caplog.at_level(logging.INFO, logger="sinkflow"), pytest.raises(Interrupted):
+        Trainer(run, otcfm_step(cfg), [StopAt(1)]).fit()
+    run.logger.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("velocity on cpu:")]
+    assert lines == ["velocity on cpu: bf16, fused Adam, plain layout, eager, batches drawn one step ahead "
+                     "(train.velocity.precision / channels_last / compile / prefetch)"]
 
 
 def test_a_run_saved_with_foreach_adam_resumes_on_the_fused_kernel(runs_dir, monkeypatch):

@@ -15,6 +15,7 @@ the caller may pass in (``shape``); by default it comes from the data section (`
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import signal
 import time
@@ -35,6 +36,8 @@ from sinkflow.engine.health import Health
 from sinkflow.engine.prefetch import BatchPrefetcher, use_prefetch
 from sinkflow.runtime.rng import phase_generator, seed_everything
 from sinkflow.runtime.run_folder import build_phase_model, load_model_state
+
+log = logging.getLogger(__name__)
 from sinkflow.runtime.signals import Interrupted, stop_requested
 from sinkflow.runtime.state_check import check_step_state
 
@@ -127,6 +130,18 @@ class Trainer:
             self.ddp_model = torch.compile(self.ddp_model)
         self.generator = phase_generator(seed, "train", self.name)
         self.step = 0
+        if self.info.is_main:
+            log.info("%s", self.speed_settings())
+
+    def speed_settings(self) -> str:
+        """The fast-path choices this phase runs with, printed at its start (each one key away)."""
+        key, kernel = self.task.model_key, "fused" if self.optimizer.defaults.get("fused") else "foreach"
+        ahead = use_prefetch(self.cfg.get("prefetch", "auto"), self.device)
+        return (f"{self.name} on {self.device.type}: {self.precision}, {kernel} Adam, "
+                f"{'channels_last' if self.channels_last else 'NCHW' if len(self.shape) == 3 else 'plain layout'}, "
+                f"{'compiled' if self.cfg.get('compile', False) else 'eager'}, batches drawn "
+                f"{'one step ahead' if ahead else 'inline'} (train.{key}.precision / channels_last / compile / "
+                f"prefetch)")
 
     def state_dict(self) -> dict:
         return {
