@@ -36,10 +36,10 @@ from sinkflow.engine.health import Health
 from sinkflow.engine.prefetch import BatchPrefetcher, use_prefetch
 from sinkflow.runtime.rng import phase_generator, seed_everything
 from sinkflow.runtime.run_folder import build_phase_model, load_model_state
-
-log = logging.getLogger(__name__)
 from sinkflow.runtime.signals import Interrupted, stop_requested
 from sinkflow.runtime.state_check import check_step_state
+
+log = logging.getLogger(__name__)
 
 
 def adam_kernel(device: torch.device) -> dict:

@@ -27,7 +27,7 @@ class InvertibleLayer(nn.Module):
 
     def drop_cache(self) -> None:
         """Forget values derived from the parameters. ``FlowSequence`` calls it at the start of every pass,
-        because a fused optimizer step (``Adam(fused=True)``, the Trainer's kernel on CUDA) writes the
+        because a fused optimizer step (``Adam(fused=True)``, the Trainer's kernel) writes the
         parameters without moving their version counter: a cache keyed on that counter alone served the first
         step's 1x1-conv weights to every later step."""
 
