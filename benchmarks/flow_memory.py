@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import sys
 import time
@@ -28,23 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sinkflow.flows import build_glow, preprocess  # noqa: E402
 from sinkflow.models.footprint import SavedTensorCounter  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_md import machine  # noqa: E402
 
 MODES = ("standard", "checkpoint", "invertible")
 
-
-def machine(device: torch.device) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    s = f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
-    if device.type == "cuda":
-        s = f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}); host {s}"
-    return s
 
 
 def sync(device):

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import platform
+import sys
+from pathlib import Path
 
 import torch
 
 from sinkflow import config
 from sinkflow.cli.bench import throughput
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_md import machine  # noqa: E402
 
 CANDIDATES = {
     "baseline": ["precision=fp32", "channels_last=false", "prefetch=never"],
@@ -34,11 +38,6 @@ CANDIDATES = {
 SMOKE_MODEL = ["model.velocity.channels=8", "model.velocity.attention_resolutions=[]", "model.nsf.channels=8",
                "model.nsf.attention_resolutions=[]"]
 
-
-def machine(device: str) -> str:
-    if device == "cuda":
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    return f"CPU {platform.machine()} x{torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def measure(preset: str, method: str, setting: list[str], base: list[str], steps: int, warmup: int) -> list[dict]:

@@ -11,22 +11,21 @@ sizes. Weights are random: the cost of a forward pass does not depend on them.
 from __future__ import annotations
 
 import argparse
-import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.models import UNET_PRESETS, build_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_md import machine  # noqa: E402
+
 SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_heads": 1, "num_head_channels": -1,
               "attention_resolutions": [4], "dropout": 0.0}
 
-
-def machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    return f"CPU {platform.machine()} x{torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def images_per_s(model, n, shape, nfe, device, fast: bool, repeats: int) -> tuple[float, int]:

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
+import sys
 import time
 import types
+from pathlib import Path
 
 import torch
 
@@ -32,14 +33,12 @@ from sinkflow.models import UNET_PRESETS, build_model, count_parameters
 from sinkflow.engine.finite import skips_on_device
 from sinkflow.engine.trainer import Trainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_md import machine  # noqa: E402
+
 SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_heads": 1, "num_head_channels": -1,
               "attention_resolutions": [4], "dropout": 0.1}
 
-
-def machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def train_config(steps: int, *, precision: str, channels_last: bool, compile_: bool) -> dict:

@@ -455,7 +455,8 @@ def test_helper_scoring():
 
 
 def test_helper_results_md(tmp_path):
-    """A script's section is appended once under its heading, then replaced in place; other text is kept."""
+    """A script's section is appended once under its heading, then replaced in place; other text is kept; the
+    machine line."""
     write_section = load("results_md").write_section
     path = tmp_path / "RESULTS.md"
     path.write_text("# Benchmark results\n\nhand-written\n<!-- other:begin -->\nkeep\n<!-- other:end -->\n")
@@ -464,6 +465,10 @@ def test_helper_results_md(tmp_path):
     text = path.read_text()
     assert text.count("## Mine") == 1 and "first" not in text and "<!-- mine:begin -->\nsecond\n<!-- mine:end -->" in text
     assert "hand-written" in text and "<!-- other:begin -->\nkeep\n<!-- other:end -->" in text
+    # every script names its machine the same way: the CPU model, threads and torch version (and the card on CUDA)
+    line = load("results_md").machine("cpu")
+    assert line.startswith("CPU ") and f"{__import__('torch').get_num_threads()} torch threads" in line
+    assert line.endswith(f"torch {__import__('torch').__version__}")
 
 
 # ------------------------------------------------------------------------------------ benchmarks/mnist.py
