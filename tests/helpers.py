@@ -63,9 +63,9 @@ def link_t10k(root: Path) -> Path:
     return root
 
 
-def nan_gradient_phase(cfg, bad_call, ot_pairs=False):
-    """A velocity phase whose loss stays finite but whose gradients are NaN on call ``bad_call`` (sqrt at 0:
-    value 0, gradient inf * 0 = NaN)."""
+def nan_gradient_phase(cfg, bad_call, ot_pairs=False, poison="gradient"):
+    """A velocity phase poisoned on call ``bad_call``: ``poison="gradient"`` keeps the loss finite but makes its
+    gradients NaN (sqrt at 0: value 0, gradient inf * 0 = NaN); ``poison="loss"`` makes the loss itself NaN."""
     import torch
 
     from sinkflow import methods
@@ -79,6 +79,8 @@ def nan_gradient_phase(cfg, bad_call, ot_pairs=False):
             calls.append(1)
             value = velocity_loss(model, batch)
             if len(calls) == bad_call:
+                if poison == "loss":
+                    return value * float("nan")
                 value = value + torch.sqrt(0.0 * sum(p.sum() for p in model.parameters()))
             return value
 

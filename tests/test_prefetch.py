@@ -12,7 +12,7 @@ import torch
 
 from sinkflow import config, methods
 from sinkflow.errors import SinkflowError
-from sinkflow.methods.flow_matching import InterpolantStep, ot_permutation, velocity_loss
+from sinkflow.methods.flow_matching import InterpolantStep, ot_permutation
 from sinkflow.engine import trainer as trainer_mod
 from sinkflow.runtime.callbacks import Callback
 from sinkflow.engine.prefetch import BatchPrefetcher, use_prefetch
@@ -306,16 +306,7 @@ def test_fp16_device_guard_lets_gradscaler_skip_and_still_stops_on_a_nan_loss(ru
     cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100", "train.velocity.precision=fp16")
     cfg["experiment"]["name"] = "fp16"
     run = RunFolder.create(cfg)
-    source, target = methods.distributions(cfg)
-    calls = []
-
-    class NanAt3(InterpolantStep):
-        def loss(self, model, batch):
-            calls.append(1)
-            value = velocity_loss(model, batch)
-            return value * float("nan") if len(calls) == 3 else value
-
-    trainer = Trainer(run, NanAt3("velocity", source, target))
+    trainer = Trainer(run, nan_gradient_phase(cfg, 3, poison="loss"))
     with pytest.raises(SinkflowError, match=r"non-finite loss \(nan\) in phase 'velocity' at step 3"):
         trainer.fit()
     assert trainer.skip_on_device and trainer.step == 5
