@@ -3,9 +3,9 @@
 The 2D presets train the paper's MLP (3 x 256, batch 256) for 20k steps, and on a CPU that is most of ``make demo``.
 For each thread count this times (after warm-up, the mean over ``--steps`` calls) one ``hidden``^3 float32 matmul, the
 MLP's forward, forward + backward, and the whole step (zero_grad, forward, backward, Adam) with foreach Adam (the CPU
-default) and with fused Adam (CUDA's; not the CPU default: docs/performance.md), and prints the ratio foreach / fused of the whole step,
-measured side by side in the same run. The last column is the floor the arithmetic sets: ``--iters`` steps of forward
-+ backward alone, before the optimizer, the pool or the evaluation.
+default until 2026-11-26) and with fused Adam (the Trainer's kernel now: ``adam_kernel``), and prints the ratio
+foreach / fused of the whole step, measured side by side in the same run. The last column is the floor the
+arithmetic sets: ``--iters`` steps of forward + backward alone, before the optimizer, the pool or the evaluation.
 
     python benchmarks/cpu_step.py --threads 1 2 --write     # nothing else running
 """

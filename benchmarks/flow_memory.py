@@ -33,7 +33,6 @@ from results_md import machine  # noqa: E402
 MODES = ("standard", "checkpoint", "invertible")
 
 
-
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -39,7 +39,6 @@ SMOKE_MODEL = ["model.velocity.channels=8", "model.velocity.attention_resolution
                "model.nsf.attention_resolutions=[]"]
 
 
-
 def measure(preset: str, method: str, setting: list[str], base: list[str], steps: int, warmup: int) -> list[dict]:
     cfg = config.resolve(preset, [f"experiment.method={method}", *base], unread="ignore")  # one base list for every method
     phases = [p for p in cfg["train"] if p in ("velocity", "nsf")]

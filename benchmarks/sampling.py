@@ -27,7 +27,6 @@ SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_head
               "attention_resolutions": [4], "dropout": 0.0}
 
 
-
 def images_per_s(model, n, shape, nfe, device, fast: bool, repeats: int) -> tuple[float, int]:
     x0 = torch.randn(n, *shape, device=device)
     if fast:

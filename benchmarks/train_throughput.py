@@ -40,7 +40,6 @@ SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_head
               "attention_resolutions": [4], "dropout": 0.1}
 
 
-
 def train_config(steps: int, *, precision: str, channels_last: bool, compile_: bool) -> dict:
     """The cifar10 preset's resolved config with the benchmark's recipe (torchcfm's: lr 2e-4, no warm-up, constant
     LR, grad clip 1.0, EMA 0.9999) as overrides: every key the schema adds later comes with its default, so a new

@@ -324,7 +324,7 @@ def test_invconv_factor_cache_follows_parameter_updates():
 
 @pytest.mark.parametrize("memory", ["standard", "checkpoint", "invertible"])
 def test_a_fused_adam_step_reaches_the_next_pass_in_every_memory_mode(memory):
-    """Fused Adam (the Trainer's kernel on CUDA) writes parameters without moving their version counter. The
+    """Fused Adam (the Trainer's kernel) writes parameters without moving their version counter. The
     invertible chain's forward runs without grad, where the 1x1 conv caches W: keyed on that counter alone, every
     later step ran on the first step's W (flow-cifar10's straight and resumed losses parted at step 5). Each pass
     now sees the weights the optimizer wrote: the same log-likelihood as a fresh copy of the model."""

@@ -7,10 +7,11 @@ keeps everything on the device instead:
 * ``update(step, loss, grad_norm)`` marks the step bad when either value is not finite (under float16 only
   the loss: GradScaler already skips Inf/NaN gradients by design), remembers the first bad step and its
   values, and returns a *sticky* skip flag: from the first bad step on, every optimizer update is skipped.
-* A fused optimizer (the Trainer's Adam on CUDA) takes the flag as its ``found_inf`` input, the protocol
-  GradScaler uses: the kernel leaves weights, moments and step counts untouched when it is set, with no sync. An
-  optimizer without that input (foreach Adam on the CPU, where a read costs nothing) is guarded by ``check_now``
-  instead: the step's loss and gradient norm are read and the run stops before the update.
+* A fused optimizer (the Trainer's Adam on CUDA, and on the CPU from torch 2.4: ``trainer.adam_kernel``) takes
+  the flag as its ``found_inf`` input, the protocol GradScaler uses: the kernel leaves weights, moments and step
+  counts untouched when it is set, with no sync. An optimizer without that input (foreach Adam, where this torch
+  has no fused kernel) is guarded by ``check_now`` instead: the step's loss and gradient norm are read and the run
+  stops before the update.
 * ``raise_if_bad()`` reads the flag (one sync). The engine calls it on log steps and before every
   checkpoint, so a non-finite step stops the run there, naming the first bad step; the weights it stops
   with, and every checkpoint, hold only finite updates.

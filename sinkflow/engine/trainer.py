@@ -173,7 +173,8 @@ class Trainer:
             raise SinkflowError(f"checkpoint {where} does not match this phase's optimizer ({exc})",
                                 "resume with the config the run was trained with") from None
         for group in self.optimizer.param_groups:  # the kernel is this device's choice, not the checkpoint's: a run
-            # saved with foreach Adam (on a CPU) and resumed on a GPU would otherwise refuse the skip flag
+            # saved with foreach Adam (a CPU run before 2026-11-26, or an older torch) and resumed on the fused kernel
+            # would otherwise refuse the skip flag
             group["fused"], group["foreach"] = self.optimizer.defaults["fused"], self.optimizer.defaults["foreach"]
         # the learning rate the config asks for now (train.*.lr, lr_scaling, world size) replaces the restored
         # one for real: the optimizer and the schedule follow it (RunFolder.start records the change in meta.json)
