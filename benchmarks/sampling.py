@@ -1,10 +1,12 @@
 """Sampling throughput (images/s) of the CIFAR-10 UNet at the NSGF++ NFE (~60 UNet evaluations per image).
 
 Euler integration with sinkflow.methods.ode.euler (the sampler `sinkflow sample` uses), NFE counted by
-forward hooks, in inference mode; fp32 NCHW versus bf16 autocast + channels_last, at several batch
-sizes. Weights are random: the cost of a forward pass does not depend on them.
+forward hooks, in inference mode; fp32 NCHW versus bf16 autocast + channels_last, and with ``--compile`` the
+fp32 network as ``sample.compile=true`` runs it (``compiled_for_sampling``: on CUDA each batch shape captured
+once as a CUDA graph, replayed every Euler step; compile time excluded, reported apart), at several batch sizes.
+Weights are random: the cost of a forward pass does not depend on them.
 
-    python benchmarks/sampling.py                 # GPU: CIFAR UNet, batches 64 256 1024, 60 NFE
+    python benchmarks/sampling.py --compile       # GPU: CIFAR UNet, batches 64 256 1024, 60 NFE
     python benchmarks/sampling.py --smoke         # CPU: tiny UNet, ratios only
 """
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from sinkflow.methods.ode import count_nfe, euler
+from sinkflow.methods.ode import compiled_for_sampling, count_nfe, euler
 from sinkflow.models import UNET_PRESETS, build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,9 +40,11 @@ def images_per_s(model, n, shape, nfe, device, fast: bool, repeats: int) -> tupl
             x, _ = euler(model, x0, 0.0, 1.0, nfe)
         return counter.count
 
-    go()  # warm-up (cudnn autotune, allocator)
+    start = time.perf_counter()
+    go()  # warm-up (cudnn autotune, allocator, compile)
     if device.type == "cuda":
         torch.cuda.synchronize()
+    images_per_s.warmup_s = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(repeats):
         count = go()
@@ -55,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nfe", type=int, default=None, help="UNet evaluations per image (default 60; smoke 2)")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default 64 256 1024 (smoke 4)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats (default 3; smoke 1)")
+    ap.add_argument("--compile", action="store_true", help="also the fp32 network compiled as sample.compile=true "
+                    "runs it (on a CPU: minutes of compiling even at smoke sizes)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -71,12 +77,19 @@ def main(argv: list[str] | None = None) -> None:
     fast_model = fast_model.to(memory_format=torch.channels_last)
     print(f"sampling: {'smoke UNet 16x16' if smoke else 'CIFAR-10 UNet'}, Euler, {nfe} NFE (NSGF++ CIFAR: 59), "
           f"on {machine(device)}")
-    print(f"{'batch':>6} {'NFE':>4} {'fp32 img/s':>11} {'bf16+CL img/s':>14} {'speed-up':>9}")
+    compiled = compiled_for_sampling(model, device) if args.compile else None
+    print(f"{'batch':>6} {'NFE':>4} {'fp32 img/s':>11} {'bf16+CL':>8}" + (f" {'compiled':>9} {'compile s':>9}"
+                                                                          if compiled is not None else ""))
     for n in batches:
         plain, count = images_per_s(model, n, shape, nfe, device, False, repeats)
         fast, _ = images_per_s(fast_model, n, shape, nfe, device, True, repeats)
-        a, b = (f"{plain:>11.1f}", f"{fast:>14.1f}") if device.type == "cuda" else (f"{'(cpu)':>11}", f"{'(cpu)':>14}")
-        print(f"{n:>6} {count:>4} {a} {b} {fast / plain:>8.2f}x")
+        line = f"{n:>6} {count:>4} {plain:>11.1f} {fast / plain:>7.2f}x" if device.type == "cuda" else \
+            f"{n:>6} {count:>4} {'(cpu)':>11} {fast / plain:>7.2f}x"
+        if compiled is not None:
+            comp, comp_count = images_per_s(compiled, n, shape, nfe, device, False, repeats)
+            assert comp_count == count, f"the compiled network was called {comp_count} times, not {count}"
+            line += f" {comp / plain:>8.2f}x {images_per_s.warmup_s:>9.1f}"
+        print(line)
 
 
 if __name__ == "__main__":

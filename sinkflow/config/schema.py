@@ -459,6 +459,9 @@ SAMPLE = {
     "time_warp": Key(1.0, POS_FLOAT, "Euler grid t_i = 1 - (1 - i/N)^warp: 1 = uniform (the paper's); < 1 makes the "
                      "early steps shorter and the last one a longer jump to the end point", opt_in=True),
     "batch_size": Key(500, POS_INT, "samples generated per network call (eval.n is split into chunks of this)"),
+    "compile": Key(False, Bool(), "torch.compile the networks the sampler calls (CUDA: each batch shape captured "
+                   "once as a CUDA graph and replayed at every Euler step); opt-in: one compile per batch shape "
+                   "first, paid back on long evaluations (docs/performance.md)"),
     "qmc": Key(False, Bool(), "`sinkflow sample` / Run.sample draw the source by randomised QMC (scrambled Sobol, "
                "where the source has a twin: normal, 8gaussians) instead of i.i.d.; the evaluation has its own "
                "eval.qmc"),

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from sinkflow.methods.ode import compiled_for_sampling
 from sinkflow.runtime.callbacks import Callback
 
 
@@ -108,13 +109,16 @@ class ChunkedTask(Task):
 
 
 class RunNets:
-    """``nets[phase]``: a run's finished, frozen network of that phase (loaded on first use)."""
+    """``nets[phase]``: a run's finished, frozen network of that phase (loaded on first use), wrapped by
+    ``compiled_for_sampling`` when ``sample.compile`` (a new wrapper per call is free: torch.compile keeps the
+    compiled code with the network's class, so only a new batch shape compiles again)."""
 
     def __init__(self, run):
         self.run = run
 
     def __getitem__(self, phase: str) -> torch.nn.Module:
-        return self.run.model(phase)
+        model = self.run.model(phase)
+        return compiled_for_sampling(model, self.run.device) if self.run.cfg["sample"]["compile"] else model
 
 
 class Method:

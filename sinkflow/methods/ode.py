@@ -31,6 +31,18 @@ def count_nfe(*modules: torch.nn.Module):
         counter.close()
 
 
+def compiled_for_sampling(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` wrapped by torch.compile for a sampler's calls: many calls of one shape per batch. On CUDA the
+    mode is "reduce-overhead": each batch shape is captured once as a CUDA graph and every Euler step replays
+    it, so a step costs the network's kernels, not one Python-dispatched launch per kernel (the cost that
+    dominates small batches). Elsewhere inductor's default. Shapes are static: one compile per batch shape (an
+    evaluation's smaller last chunk adds one). Forward hooks on the returned module fire at every call, so
+    ``count_nfe`` counts it as it counts the eager network; a replay's output lives in the graph's memory until
+    the next replay, which is why the samplers use each call's output before the next call."""
+    mode = "reduce-overhead" if torch.device(device).type == "cuda" else "default"
+    return torch.compile(model, mode=mode, dynamic=False)
+
+
 def _expand(t, x: torch.Tensor) -> torch.Tensor:
     t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
     return t.expand(x.shape[0]).clone() if t.ndim == 0 else t
