@@ -8,7 +8,8 @@ card, and is OT-CFM's step (exact OT pairs, drawn ahead on the prefetch thread) 
     python benchmarks/preset_throughput.py --smoke                                # CPU: tiny UNet, 2 configs
 
 Rows: ``baseline`` = fp32, NCHW, no prefetch (each step reads nothing back from the device: that part is
-not optional any more); then one factor changed at a time, then all of them together.
+not optional any more); then one factor changed at a time, then all of them together; ``graphs`` rows compile
+with ``compile_mode=reduce-overhead`` (CUDA graphs: one replay per step instead of one launch per kernel).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ CANDIDATES = {
     "bf16+prefetch": ["precision=bf16", "channels_last=false", "prefetch=always"],
     "bf16+CL+prefetch": ["precision=bf16", "channels_last=true", "prefetch=always"],
     "bf16+CL+prefetch+compile": ["precision=bf16", "channels_last=true", "prefetch=always", "compile=true"],
+    "+graphs": ["precision=fp32", "channels_last=false", "prefetch=never", "compile=true",
+                "compile_mode=reduce-overhead"],
+    "bf16+CL+prefetch+graphs": ["precision=bf16", "channels_last=true", "prefetch=always", "compile=true",
+                                "compile_mode=reduce-overhead"],
 }
 SMOKE_MODEL = ["model.velocity.channels=8", "model.velocity.attention_resolutions=[]", "model.nsf.channels=8",
                "model.nsf.attention_resolutions=[]"]

@@ -132,6 +132,28 @@ def test_prefetch_on_trains_the_same_weights_and_resumes_bit_equal(runs_dir):
     assert all(torch.equal(plain[k], resumed[k]) for k in plain)
 
 
+def test_compiled_training_with_cuda_graph_mode_trains_what_eager_trains_and_resumes(runs_dir, caplog):
+    """`train.*.compile=true compile_mode=reduce-overhead` (CUDA graphs on a GPU; inductor alone on a CPU): the
+    same weights as eager within float rounding, checkpoints under the raw module's keys, a resume that picks the
+    compiled step up again, and the mode in the phase's first line."""
+    from torch._dynamo.utils import counters
+
+    plain = final_weights(train(moons_cfg(iters=6), "eager"))
+    graphs = counters["stats"]["unique_graphs"]
+    cfg = moons_cfg("train.velocity.compile=true", "train.velocity.compile_mode=reduce-overhead", iters=6)
+    cfg["experiment"]["name"] = "compiled"
+    run = RunFolder.create(cfg)
+    with caplog.at_level(logging.INFO), pytest.raises(Interrupted):
+        Trainer(run, otcfm_step(cfg), [StopAt(4)]).fit()
+    assert "compiled (reduce-overhead)" in caplog.text
+    Trainer(run, otcfm_step(cfg)).fit()  # resumes from step 4's checkpoint
+    run.logger.close()
+    compiled = final_weights(run)
+    assert counters["stats"]["unique_graphs"] > graphs  # the steps really ran compiled code
+    assert compiled.keys() == plain.keys()  # no torch.compile prefix in what is saved
+    assert max((plain[k] - compiled[k]).abs().max().item() for k in plain) < 1e-5
+
+
 class Snapshots(Callback):
     def __init__(self):
         self.weights = {}

@@ -431,6 +431,9 @@ def _train(iters=20000, batch_size=256, lr=0.001, warmup=0, schedule="cosine", g
         "hist_every": Key(0, NONNEG_INT, "TensorBoard weight/grad histograms every N steps (0 = off)"),
         "channels_last": Key(True, Bool(), "NHWC model + inputs; only takes effect on CUDA with image batches"),
         "compile": Key(False, Bool(), "torch.compile the model (opt-in: compile time, see docs/performance.md)"),
+        "compile_mode": Key("default", Options("default", "reduce-overhead", "max-autotune"), "torch.compile's mode "
+                            "when compile: reduce-overhead = CUDA graphs, one replay per step instead of a launch per "
+                            "kernel (small networks whose step is launch-bound; fixed batch shapes)"),
         "prefetch": Key("auto", Options("auto", "always", "never"), "draw the next batch on a background thread while "
                         "the step runs (auto: on CUDA only; same batches either way)"),
     }

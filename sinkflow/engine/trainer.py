@@ -126,8 +126,11 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.ddp_model = DDP(self.model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
-        if cfg.get("compile", False):  # opt-in: minutes of compilation before the first step
-            self.ddp_model = torch.compile(self.ddp_model)
+        # opt-in: minutes of compilation before the first step. A CUDA-graph mode (reduce-overhead, max-autotune)
+        # replays one captured graph per step; each step then starts with cudagraph_mark_step_begin.
+        self.graphs = cfg.get("compile", False) and cfg.get("compile_mode", "default") != "default"
+        if cfg.get("compile", False):
+            self.ddp_model = torch.compile(self.ddp_model, mode=cfg.get("compile_mode", "default"))
         self.generator = phase_generator(seed, "train", self.name)
         self.step = 0
         if self.info.is_main:
@@ -139,9 +142,15 @@ class Trainer:
         ahead = use_prefetch(self.cfg.get("prefetch", "auto"), self.device)
         return (f"{self.name} on {self.device.type}: {self.precision}, {kernel} Adam, "
                 f"{'channels_last' if self.channels_last else 'NCHW' if len(self.shape) == 3 else 'plain layout'}, "
-                f"{'compiled' if self.cfg.get('compile', False) else 'eager'}, batches drawn "
+                f"{self.compile_label()}, batches drawn "
                 f"{'one step ahead' if ahead else 'inline'} (train.{key}.precision / channels_last / compile / "
                 f"prefetch)")
+
+    def compile_label(self) -> str:
+        if not self.cfg.get("compile", False):
+            return "eager"
+        mode = self.cfg.get("compile_mode", "default")
+        return "compiled" if mode == "default" else f"compiled ({mode})"
 
     def state_dict(self) -> dict:
         return {
@@ -212,6 +221,8 @@ class Trainer:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         micro = split_batch(batch, self.cfg["accum"])
         self.optimizer.zero_grad(set_to_none=True)
+        if self.graphs:  # a new iteration: the last step's graph outputs may be overwritten from here on
+            torch.compiler.cudagraph_mark_step_begin()
         total = torch.zeros((), device=self.device)
         for i, part in enumerate(micro):
             if self.channels_last:
