@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from sinkflow.config.schema import METHOD_REGISTRY
 from sinkflow.methods.ode import compiled_for_sampling
 from sinkflow.runtime.callbacks import Callback
 
@@ -110,15 +111,15 @@ class ChunkedTask(Task):
 
 class RunNets:
     """``nets[phase]``: a run's finished, frozen network of that phase (loaded on first use), wrapped by
-    ``compiled_for_sampling`` when ``sample.compile`` (a new wrapper per call is free: torch.compile keeps the
-    compiled code with the network's class, so only a new batch shape compiles again)."""
+    ``compiled_for_sampling`` if ``compiled`` (a new wrapper per call is free: torch.compile keeps the compiled
+    code with the network's class, so only a new batch shape compiles again)."""
 
-    def __init__(self, run):
-        self.run = run
+    def __init__(self, run, compiled: bool = False):
+        self.run, self.compiled = run, compiled
 
     def __getitem__(self, phase: str) -> torch.nn.Module:
         model = self.run.model(phase)
-        return compiled_for_sampling(model, self.run.device) if self.run.cfg["sample"]["compile"] else model
+        return compiled_for_sampling(model, self.run.device) if self.compiled else model
 
 
 class Method:
@@ -148,8 +149,10 @@ class Method:
         raise NotImplementedError
 
     def sample(self, run, x0: torch.Tensor, steps: int | None = None, record: bool = False) -> tuple:
-        """``(x, info)`` from a run's finished models: ``sample_nets`` with the run's networks and config."""
-        return self.sample_nets(RunNets(run), run.cfg, x0, steps, record)
+        """``(x, info)`` from a run's finished models: ``sample_nets`` with the run's networks and config,
+        compiled where ``sample.compile`` is set and this method reads it (the Euler samplers)."""
+        compiled = bool(run.cfg["sample"].get("compile")) and "sample.compile" in METHOD_REGISTRY[self.name].reads
+        return self.sample_nets(RunNets(run, compiled), run.cfg, x0, steps, record)
 
     def sample_nets(self, nets, cfg: dict, x0: torch.Tensor, steps: int | None = None, record: bool = False) -> tuple:
         """``(x, info)`` from networks you hold: ``nets[phase]`` is the network of a training phase (a dict of
