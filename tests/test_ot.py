@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
+import re
 
 import numpy as np
 import pytest
@@ -450,3 +452,45 @@ def test_converged_solver_warns_when_it_stops_at_max_iters():
         warnings.simplefilter("error", SinkhornConvergenceWarning)
         _, done = converged_velocity(x, y, blur=0.5, scaling=0.8, diameter=12.0, max_iters=2000, tol=1e-3)
     assert done.shape == (2,) and int(done.max()) < 2000
+
+
+def test_solve_stats_count_the_capped_problems_instead_of_warning():
+    """Inside ``solve_stats`` the converged solver reports to the collector (problems, capped, iterations), not
+    by a warning per call: the pool build says once what share of its solves hit the cap."""
+    import warnings
+
+    from sinkflow.ot.sinkhorn import SinkhornConvergenceWarning, converged_velocity, solve_stats
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 64, 2, generator=g), torch.randn(3, 64, 2, generator=g) * 3 + 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SinkhornConvergenceWarning)
+        with solve_stats() as stats:
+            _, capped = converged_velocity(x, y, blur=0.05, scaling=0.8, diameter=12.0, max_iters=2, tol=1e-6)
+            _, done = converged_velocity(x[:2], y[:2], blur=0.5, scaling=0.8, diameter=12.0, max_iters=2000, tol=1e-3)
+    assert (stats.problems, stats.capped) == (5, 3) and stats.max_iters == 2000
+    assert stats.iterations == capped.tolist() + done.tolist()
+
+
+@pytest.mark.parametrize("max_iters, level", [(200, logging.INFO), (3, logging.WARNING)])
+def test_a_pool_build_reports_its_capped_sinkhorn_solves_once(runs_dir, caplog, max_iters, level):
+    """One line at the end of the pool build: a few capped solves are information, a large share a warning that
+    names the keys to raise."""
+    import warnings
+
+    from sinkflow import config
+    from sinkflow.engine.trainer import Trainer
+    from sinkflow.methods import distributions, nsgf
+    from sinkflow.ot.sinkhorn import SinkhornConvergenceWarning
+    from sinkflow.runtime.run_folder import RunFolder
+
+    cfg = config.resolve("moons", ["pool.batches=4", "pool.steps=3", "pool.batch_size=32", "pool.chunk=2",
+                                   "experiment.device=cpu", f"sinkhorn.max_iters={max_iters}"])
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="sinkflow"):
+        warnings.simplefilter("error", SinkhornConvergenceWarning)
+        Trainer(RunFolder.create(cfg), nsgf.pool_task(cfg, *distributions(cfg))).fit()
+    lines = [r for r in caplog.records if "Sinkhorn solves" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == level
+    assert re.search(r"pool: \d+ of 8 Sinkhorn solves \(\d+\.\d%\) stopped at sinkhorn.max_iters=" + str(max_iters),
+                     lines[0].getMessage())
+    assert ("raise sinkhorn.max_iters" in lines[0].getMessage()) == (level == logging.WARNING)
