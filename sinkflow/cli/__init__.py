@@ -14,6 +14,8 @@ import os
 import logging
 import sys
 
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from sinkflow.errors import SinkflowError
 from sinkflow.runtime.signals import Interrupted
 
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         from sinkflow.cli.common import check_counts
 
         check_counts(args)  # --n, --steps, --seeds of every command: one place, one line
-        return args.func(args) or 0
+        with logging_redirect_tqdm():  # a line logged while a progress bar is open goes above it, not into it
+            return args.func(args) or 0
     except SinkflowError as exc:
         print(f"sinkflow: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
