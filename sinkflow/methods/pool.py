@@ -309,9 +309,9 @@ class PoolTask(ChunkedTask):
     def report_solves(self) -> None:
         """One line on the converged solver's problems of this build (the health of the pool's velocities),
         instead of a warning per call: how many stopped at ``sinkhorn.max_iters`` before ``sinkhorn.tol``. A
-        warning above ``CAPPED_WARN_SHARE``; below it the capped ones are nearly converged (the 2D recipe's pools
-        cap 0-4 % of their solves, and its 200-iteration cap leaves end points within 3e-4 of converged,
-        benchmarks/pool_convergence.py)."""
+        warning above ``CAPPED_WARN_SHARE``; below it the capped ones are nearly converged (a 192-batch pool of the
+        suite's `spiral` with the 2D recipe caps 3.5 % of its solves, and the recipe's 200-iteration cap leaves end
+        points within 3e-4 of converged: docs/nsgf.md, benchmarks/pool_convergence.py)."""
         st = self.solves
         if not st.problems or not self.info.is_main:
             return
