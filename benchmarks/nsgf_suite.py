@@ -146,12 +146,14 @@ def floors(family: str, test: "np.ndarray", pairs: int = 12, train: "np.ndarray 
     return {k: (statistics.fmean(v), statistics.stdev(v)) for k, v in vals.items()}
 
 
-def diagnose(run_dir: Path, family: str, n: int = 20_000) -> dict:
+def diagnose(run_dir: Path, family: str, n: int = 20_000, big_n: int = 4096) -> dict:
     """Where a model's W2 comes from: the mass each mixture component gets and the share of points off the
     support, from n generated points (QMC source) at 10 and 100 steps. A point is given the component of its
     nearest neighbour in 200,000 labelled target points; "off" = farther from them than 99% of fresh target
     points are (so the target itself scores 1%). ``w2_4096``: i.i.d. protocol with 4x the points (4096 i.i.d.
-    source draws vs a fresh i.i.d. 4096-point draw of the family, 2 seeds), beside the target's own score there."""
+    source draws vs a fresh i.i.d. 4096-point draw of the family, 2 seeds), beside the target's own score there.
+    ``tail``: the 99 % and 99.9 % quantiles of the distance to the family's mean of n i.i.d.-source samples, beside
+    the target's (how far the extreme draws land: a heavy-tailed family's score is decided there)."""
     import numpy as np
     from scipy.spatial import cKDTree
 
@@ -163,13 +165,19 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000) -> dict:
     threshold = np.quantile(tree.query(suite2d.sample(family, n, seed=9001))[0], 0.99)
     k = len(suite2d.FAMILIES[family][1])
     out = {"true_mass": [round(m, 4) for m in suite2d.FAMILIES[family][1]]}
+    centre = ref.mean(0)
+
+    def tail(points):
+        return [round(float(q), 2) for q in np.quantile(np.linalg.norm(points - centre, axis=1), [0.99, 0.999])]
+
+    out["true_tail"] = tail(ref)
     import torch
 
     from sinkflow.ot import w2
 
     t = lambda a: torch.as_tensor(a, dtype=torch.float32)  # noqa: E731
-    big = [suite2d.sample(family, 4096, seed=9100 + s) for s in range(2)]
-    out["w2_4096_target"] = round(statistics.fmean(w2(t(suite2d.sample(family, 4096, seed=9200 + s)), t(b))
+    big = [suite2d.sample(family, big_n, seed=9100 + s) for s in range(2)]
+    out["w2_4096_target"] = round(statistics.fmean(w2(t(suite2d.sample(family, big_n, seed=9200 + s)), t(b))
                                                    for s, b in enumerate(big)), 4)
     run = RunFolder.open(run_dir)
     for steps in (10, 100):
@@ -177,8 +185,9 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000) -> dict:
         d, idx = tree.query(x)
         out[steps] = {"mass": [round(float(v), 4) for v in np.bincount(labels[idx], minlength=k) / n],
                       "off": round(float((d > threshold).mean()), 4),
-                      "w2_4096": round(statistics.fmean(w2(generate(run, 4096, steps, seed=1100 + s, protocol="iid")[0],
-                                                           t(b)) for s, b in enumerate(big)), 4)}
+                      "w2_4096": round(statistics.fmean(w2(generate(run, big_n, steps, seed=1100 + s, protocol="iid")[0],
+                                                           t(b)) for s, b in enumerate(big)), 4),
+                      "tail": tail(generate(run, n, steps, seed=1200, protocol="iid")[0].numpy())}
     return out
 
 
