@@ -115,3 +115,22 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(runs_dir, monkeypat
     for k, v in state["model"].items():
         assert torch.equal(v, before[4][k]) and torch.isfinite(v).all(), k
     assert snapshot(ck.folder) == files
+
+
+def test_console_log_lines_go_above_an_open_progress_bar(monkeypatch):
+    """Where the CLI logs to the console, records go through tqdm (above the bar, not into its line); where a
+    host captures records itself (this test runner), its handlers are left alone."""
+    import logging
+    import sys
+
+    from sinkflow.cli import bars_above_logs
+
+    before = list(logging.root.handlers)
+    with bars_above_logs():
+        assert logging.root.handlers == before  # pytest's capture: nothing added
+    console = logging.StreamHandler(sys.stderr)
+    monkeypatch.setattr(logging.root, "handlers", [*before, console])
+    with bars_above_logs():
+        names = [type(h).__name__ for h in logging.root.handlers]
+        assert console not in logging.root.handlers and "_TqdmLoggingHandler" in names
+    assert console in logging.root.handlers

@@ -8,6 +8,7 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import os
@@ -48,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def bars_above_logs():
+    """A line logged to the console while a progress bar is open goes above the bar, not into it (tqdm's
+    ``logging_redirect_tqdm``). Only where this process logs to the console: a host that captures the records
+    itself (a test runner, an embedding application) keeps its handlers as they are."""
+    console = any(isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr)
+                  for h in logging.root.handlers)
+    return logging_redirect_tqdm() if console else contextlib.nullcontext()
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = build_parser()
@@ -62,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         from sinkflow.cli.common import check_counts
 
         check_counts(args)  # --n, --steps, --seeds of every command: one place, one line
-        with logging_redirect_tqdm():  # a line logged while a progress bar is open goes above it, not into it
+        with bars_above_logs():
             return args.func(args) or 0
     except SinkflowError as exc:
         print(f"sinkflow: error: {one_line(str(exc))}", file=sys.stderr)
