@@ -128,9 +128,9 @@ class Trainer:
             self.ddp_model = DDP(self.model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
         # opt-in: minutes of compilation before the first step. A CUDA-graph mode (reduce-overhead, max-autotune)
         # replays one captured graph per step; each step then starts with cudagraph_mark_step_begin.
-        self.graphs = cfg.get("compile", False) and cfg.get("compile_mode", "default") != "default"
-        if cfg.get("compile", False):
-            self.ddp_model = torch.compile(self.ddp_model, mode=cfg.get("compile_mode", "default"))
+        self.compile_mode = cfg.get("compile_mode", "default") if cfg.get("compile", False) else None
+        if self.compile_mode is not None:
+            self.ddp_model = torch.compile(self.ddp_model, mode=self.compile_mode)
         self.generator = phase_generator(seed, "train", self.name)
         self.step = 0
         if self.info.is_main:
@@ -140,17 +140,13 @@ class Trainer:
         """The fast-path choices this phase runs with, printed at its start (each one key away)."""
         key, kernel = self.task.model_key, "fused" if self.optimizer.defaults.get("fused") else "foreach"
         ahead = use_prefetch(self.cfg.get("prefetch", "auto"), self.device)
+        mode = self.compile_mode
+        compiled = "eager" if mode is None else "compiled" if mode == "default" else f"compiled ({mode})"
         return (f"{self.name} on {self.device.type}: {self.precision}, {kernel} Adam, "
                 f"{'channels_last' if self.channels_last else 'NCHW' if len(self.shape) == 3 else 'plain layout'}, "
-                f"{self.compile_label()}, batches drawn "
+                f"{compiled}, batches drawn "
                 f"{'one step ahead' if ahead else 'inline'} (train.{key}.precision / channels_last / compile / "
                 f"prefetch)")
-
-    def compile_label(self) -> str:
-        if not self.cfg.get("compile", False):
-            return "eager"
-        mode = self.cfg.get("compile_mode", "default")
-        return "compiled" if mode == "default" else f"compiled ({mode})"
 
     def state_dict(self) -> dict:
         return {
@@ -221,7 +217,8 @@ class Trainer:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         micro = split_batch(batch, self.cfg["accum"])
         self.optimizer.zero_grad(set_to_none=True)
-        if self.graphs:  # a new iteration: the last step's graph outputs may be overwritten from here on
+        if self.compile_mode not in (None, "default"):  # CUDA graphs: a new iteration, the last step's outputs
+            # may be overwritten from here on
             torch.compiler.cudagraph_mark_step_begin()
         total = torch.zeros((), device=self.device)
         for i, part in enumerate(micro):

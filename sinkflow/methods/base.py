@@ -111,8 +111,8 @@ class ChunkedTask(Task):
 
 class RunNets:
     """``nets[phase]``: a run's finished, frozen network of that phase (loaded on first use), wrapped by
-    ``compiled_for_sampling`` if ``compiled`` (a new wrapper per call is free: torch.compile keeps the compiled
-    code with the network's class, so only a new batch shape compiles again)."""
+    ``compiled_for_sampling`` if ``compiled`` (a new wrapper per call is free: dynamo caches the compiled
+    code per forward function, guarded on shapes, so only a new batch shape compiles again; measured on CPU)."""
 
     def __init__(self, run, compiled: bool = False):
         self.run, self.compiled = run, compiled
