@@ -44,11 +44,15 @@ SMOKE_MODEL = ["model.velocity.channels=8", "model.velocity.attention_resolution
                "model.nsf.attention_resolutions=[]"]
 
 
+UNET_PHASES = ("velocity", "nsf")
+
+
 def measure(preset: str, method: str, setting: list[str], base: list[str], steps: int, warmup: int) -> list[dict]:
+    """The rows of the method's UNet phases (velocity; NSGF++ also nsf) with ``setting`` applied to each."""
     cfg = config.resolve(preset, [f"experiment.method={method}", *base], unread="ignore")  # one base list for every method
-    phases = [p for p in cfg["train"] if p in ("velocity", "nsf")]
+    phases = [p for p in cfg["train"] if p in UNET_PHASES]
     overrides = [f"train.{p}.{kv}" for p in phases for kv in setting]
-    return throughput(config.apply_overrides(cfg, overrides), steps, warmup)
+    return [r for r in throughput(config.apply_overrides(cfg, overrides), steps, warmup) if r["phase"] in UNET_PHASES]
 
 
 def main(argv=None) -> None:
@@ -74,17 +78,22 @@ def main(argv=None) -> None:
         base += [*SMOKE_MODEL, "train.velocity.batch_size=4"]
         ctx = real_or_synthetic(config.resolve(args.preset), force=True)
     print(f"preset {args.preset}, {steps} timed steps after {warmup}, on {machine(args.device)}")
-    print(f"{'method':<7} {'config':<26} {'steps/s':>9} {'x base':>7} {'wait %':>7} {'busy %':>7} {'% peak':>7}")
+    print("loss = mean training loss of the timed steps (same seed and batches in every row: a fast path that "
+          "trains something else shows here)")
+    print(f"{'method':<7} {'phase':<9} {'config':<24} {'steps/s':>9} {'x base':>7} {'wait %':>7} {'busy %':>7} "
+          f"{'% peak':>7} {'loss':>8}")
     with ctx:
         for method in args.methods:
-            ref = None
+            ref = {}
             for name in configs:
-                row = measure(args.preset, method, CANDIDATES[name], base, steps, warmup)[0]  # the first UNet phase
-                ref = ref or row["steps_per_s"]
-                busy = f"{100 * row['busy_fraction']:.0f}%" if row.get("busy_fraction") is not None else "-"
-                peak = f"{100 * row['peak_fraction']:.1f}%" if row.get("peak_fraction") is not None else "-"
-                print(f"{method:<7} {name:<26} {row['steps_per_s']:>9.2f} {row['steps_per_s'] / ref:>6.2f}x "
-                      f"{100 * row['wait_fraction']:>6.1f}% {busy:>7} {peak:>7}", flush=True)
+                for row in measure(args.preset, method, CANDIDATES[name], base, steps, warmup):
+                    phase = row["phase"]
+                    ref.setdefault(phase, row["steps_per_s"])
+                    busy = f"{100 * row['busy_fraction']:.0f}%" if row.get("busy_fraction") is not None else "-"
+                    peak = f"{100 * row['peak_fraction']:.1f}%" if row.get("peak_fraction") is not None else "-"
+                    print(f"{method:<7} {phase:<9} {name:<24} {row['steps_per_s']:>9.2f} "
+                          f"{row['steps_per_s'] / ref[phase]:>6.2f}x {100 * row['wait_fraction']:>6.1f}% {busy:>7} "
+                          f"{peak:>7} {row['loss']:>8.4f}", flush=True)
 
 
 if __name__ == "__main__":

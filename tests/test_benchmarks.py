@@ -351,16 +351,20 @@ def test_smoke_train_throughput_on_cuda(quiet, capsys):
 
 
 def test_smoke_preset_throughput(quiet, capsys):
-    """OT-CFM only (its exact OT pairs are drawn on the prefetch thread); FM's row is the same code path."""
+    """OT-CFM (its exact OT pairs drawn on the prefetch thread) and NSGF++ (a row for each UNet phase); FM's row
+    is OT-CFM's code path. The same seed gives both configs the same batches, so the timed loss must agree."""
     load("preset_throughput").main(["--smoke", "--device", "cpu", "--configs", "baseline", "+prefetch",
-                                    "--methods", "otcfm", "--steps", "1", "--warmup", "0"])
+                                    "--methods", "otcfm", "nsgfpp", "--steps", "2", "--warmup", "0"])
     out = capsys.readouterr().out
-    assert "method  config                       steps/s  x base  wait %  busy %  % peak" in out
-    table = {tuple(line.split()[:2]): line.split() for line in out.splitlines() if line.startswith("otcfm ")}
-    assert set(table) == {("otcfm", "baseline"), ("otcfm", "+prefetch")}
-    for (method, name), cells in table.items():
-        assert float(cells[2]) > 0 and float(cells[3].rstrip("x")) > 0
-        assert name != "baseline" or cells[3] == "1.00x"  # ratios to the baseline of the same run
+    assert "method  phase     config                     steps/s  x base  wait %  busy %  % peak     loss" in out
+    table = {tuple(line.split()[:3]): line.split() for line in out.splitlines()
+             if line.startswith(("otcfm ", "nsgfpp "))}
+    assert set(table) == {(m, p, c) for m, p in [("otcfm", "velocity"), ("nsgfpp", "velocity"), ("nsgfpp", "nsf")]
+                          for c in ("baseline", "+prefetch")}
+    for (method, phase, name), cells in table.items():
+        assert float(cells[3]) > 0 and float(cells[4].rstrip("x")) > 0
+        assert name != "baseline" or cells[4] == "1.00x"  # ratios to the baseline of the same phase and run
+        assert float(cells[-1]) == pytest.approx(float(table[method, phase, "baseline"][-1]), rel=1e-5)
 
 
 def test_helper_suite2d(tmp_path):

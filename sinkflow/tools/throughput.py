@@ -90,6 +90,7 @@ class Throughput(Callback):
         self.prof = None
         self.prof_t0 = None
         self.busy: float | None = None
+        self.loss_sum = None  # summed on the device over the timed steps, read once at the end
 
     def _index(self, trainer) -> int:
         return trainer.step - self.first  # steps done in this phase before the current one
@@ -99,7 +100,7 @@ class Throughput(Callback):
             return
         i = self._index(trainer)
         now = time.perf_counter()
-        if i == 0 and self.flops and not trainer.cfg.get("compile", False):
+        if i == 0 and self.flops:  # counted on the eager module: compiling changes the kernels, not the arithmetic
             self.step_flops = step_flops(trainer, batch)
         if i == self.warmup:
             _sync(trainer.device)
@@ -120,6 +121,8 @@ class Throughput(Callback):
         self._end = time.perf_counter()
         if self.t0 is not None and self.t1 is None:
             self.samples += batch_rows(batch)
+            loss = outputs[0].detach().float()
+            self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
             if i == self.warmup + self.steps:
                 _sync(trainer.device)
                 self.t1 = time.perf_counter()
@@ -145,7 +148,7 @@ class Throughput(Callback):
             wall = self.t1 - self.t0
             row.update(steps=self.steps, steps_per_s=self.steps / wall, samples_per_s=self.samples / wall,
                        wait_fraction=self.wait / wall, step_flops=self.step_flops,
-                       busy_fraction=self.busy)
+                       busy_fraction=self.busy, loss=float(self.loss_sum) / self.steps)
         self.rows.append(row)
 
 
