@@ -37,6 +37,8 @@ CANDIDATES = {
     "bf16+CL+prefetch+compile": ["precision=bf16", "channels_last=true", "prefetch=always", "compile=true"],
     "+graphs": ["precision=fp32", "channels_last=false", "prefetch=never", "compile=true",
                 "compile_mode=reduce-overhead"],
+    "bf16+prefetch+graphs": ["precision=bf16", "channels_last=false", "prefetch=always", "compile=true",
+                             "compile_mode=reduce-overhead"],
     "bf16+CL+prefetch+graphs": ["precision=bf16", "channels_last=true", "prefetch=always", "compile=true",
                                 "compile_mode=reduce-overhead"],
 }

@@ -144,6 +144,47 @@ def test_channels_last_matches_plain_and_is_gated():
     assert not use_channels_last({"channels_last": True}, cuda, (2,))  # point clouds: no 4-D tensors
     assert not use_channels_last({"channels_last": False}, cuda, (3, 32, 32))
     assert not use_channels_last({"channels_last": True}, torch.device("cpu"), (3, 32, 32))
+    assert not use_channels_last({}, cuda, (3, 32, 32))  # off unless asked: measured slower (docs/performance.md)
+
+
+def test_auto_speed_settings_resolve_per_device_network_and_process_count(monkeypatch):
+    """auto = bf16 + CUDA graphs for a UNet on a bf16 CUDA card in one process; the plain path everywhere else;
+    an explicit value is never changed. The card is faked: only its compute capability is read."""
+    from sinkflow.engine.fast_path import resolve
+
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    auto = config.resolve("mnist", [])["train"]["velocity"]
+    assert (auto["precision"], auto["compile"], auto["compile_mode"], auto["channels_last"]) == \
+        ("auto", "auto", "auto", False)
+
+    def speed(tcfg, kind="unet", device="cuda", world=1):
+        r = resolve(tcfg, kind, device, world)
+        return r["precision"], r["compile"], r["compile_mode"]
+
+    assert speed(auto) == ("bf16", True, "reduce-overhead")
+    assert speed(auto, device="cuda:1") == ("bf16", True, "reduce-overhead")
+    assert speed(auto, device="cpu") == ("fp32", False, "default")
+    assert speed(auto, kind="mlp") == ("fp32", False, "reduce-overhead")  # mode only matters where compile is on
+    assert speed(auto, kind="flow") == ("fp32", False, "reduce-overhead")
+    assert speed(auto, world=2) == ("bf16", False, "default")  # DDP: CUDA graphs with NCCL unmeasured
+    capability["value"] = (7, 5)  # a T4: no bf16 tensor cores
+    assert speed(auto) == ("fp32", True, "reduce-overhead")
+    assert resolve(auto, "unet", "cuda", bf16=True)["precision"] == "bf16"  # the planner's card, not this one
+    explicit = {**auto, "precision": "fp16", "compile": False, "compile_mode": "max-autotune"}
+    assert speed(explicit) == ("fp16", False, "max-autotune")
+    assert speed({**auto, "compile": True}, device="cpu") == ("fp32", True, "default")
+
+
+def test_a_plain_cuda_device_gets_the_current_index_for_the_prefetch_worker(monkeypatch):
+    """The worker thread's set_device refuses an index-less ``cuda`` (it killed a plain-``cuda`` run's first
+    step on an H100): the prefetcher names the training thread's current device."""
+    from sinkflow.engine.prefetch import indexed
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert indexed(torch.device("cuda")) == torch.device("cuda", 3)
+    assert indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert indexed(torch.device("cpu")) == torch.device("cpu")
 
 
 def test_bf16_autocast_close_to_fp32_and_master_weights_fp32():

@@ -135,6 +135,21 @@ class Bool(Constraint):
 
 
 @dataclass(frozen=True)
+class AutoBool(Constraint):
+    """``auto`` (decided at run time for the device: sinkflow.engine.fast_path) or a boolean."""
+
+    type_name = "auto | bool"
+
+    def coerce(self, value):
+        if isinstance(value, bool) or value == "auto":
+            return value
+        raise TypeError
+
+    def describe(self):
+        return "`auto` | bool"
+
+
+@dataclass(frozen=True)
 class Str(Constraint):
     type_name = "str"
 
@@ -425,15 +440,19 @@ def _train(iters=20000, batch_size=256, lr=0.001, warmup=0, schedule="cosine", g
         "grad_clip": Key(grad_clip, NONNEG_FLOAT, "gradient norm clip (0 = off)"),
         "ema": Key(0.0, Float(0, 1, hi_open=True), "EMA decay of the weights (0 = off, e.g. 0.9999)"),
         "accum": Key(1, POS_INT, "gradient accumulation micro-batches"),
-        "precision": Key("fp32", Options("fp32", "bf16", "fp16"), "autocast dtype; master weights stay fp32"),
+        "precision": Key("auto", Options("auto", "fp32", "bf16", "fp16"), "autocast dtype; master weights stay fp32; "
+                         "auto: bf16 for a UNet on a CUDA card with bf16 tensor cores, else fp32 (docs/performance.md)"),
         "ckpt_every": Key(1000, POS_INT, "checkpoint every N steps"),
         "log_every": Key(100, POS_INT, "metrics every N steps"),
         "hist_every": Key(0, NONNEG_INT, "TensorBoard weight/grad histograms every N steps (0 = off)"),
-        "channels_last": Key(True, Bool(), "NHWC model + inputs; only takes effect on CUDA with image batches"),
-        "compile": Key(False, Bool(), "torch.compile the model (opt-in: compile time, see docs/performance.md)"),
-        "compile_mode": Key("default", Options("default", "reduce-overhead", "max-autotune"), "torch.compile's mode "
-                            "when compile: reduce-overhead = CUDA graphs, one replay per step instead of a launch per "
-                            "kernel (small networks whose step is launch-bound; fixed batch shapes)"),
+        "channels_last": Key(False, Bool(), "NHWC model + inputs; only takes effect on CUDA with image batches "
+                             "(off: measured slower for sinkflow's GroupNorm UNets, docs/performance.md)"),
+        "compile": Key("auto", AutoBool(), "torch.compile the model; auto: on for a UNet on CUDA in one process "
+                       "(tens of seconds of compiling, measured to pay back within a phase), off elsewhere"),
+        "compile_mode": Key("auto", Options("auto", "default", "reduce-overhead", "max-autotune"), "torch.compile's "
+                            "mode when compile: reduce-overhead = CUDA graphs, one replay per step instead of a launch "
+                            "per kernel (launch-bound steps; fixed batch shapes); auto: reduce-overhead on CUDA in "
+                            "one process, default otherwise"),
         "prefetch": Key("auto", Options("auto", "always", "never"), "draw the next batch on a background thread while "
                         "the step runs (auto: on CUDA only; same batches either way)"),
     }

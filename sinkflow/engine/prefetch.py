@@ -73,6 +73,7 @@ class BatchPrefetcher:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sinkflow-prefetch")
             if self.device.type == "cuda":
+                self.device = indexed(self.device)
                 self._stream = torch.cuda.Stream(self.device)
         state = self.generator.get_state()  # the worker is idle here: the last draw has been consumed
         self._pending = (state, self._pool.submit(self._draw_one))
@@ -92,6 +93,14 @@ class BatchPrefetcher:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:N``, N the calling thread's current device: the worker thread's ``set_device`` refuses
+    an index-less device (a ValueError on an H100, torch 2.11; a plain ``cuda`` run died on its first step)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def use_prefetch(setting: str, device: torch.device) -> bool:

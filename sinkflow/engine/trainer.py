@@ -30,6 +30,7 @@ from sinkflow.methods.base import TrainingStep
 from sinkflow.runtime import dist
 from sinkflow.runtime.callbacks import Callback, ProgressBar
 from sinkflow.runtime.checkpoint import rng_state, set_rng_state
+from sinkflow.engine import fast_path
 from sinkflow.engine.divergence import DivergenceGuard
 from sinkflow.engine.finite import NonFiniteGuard, skips_on_device
 from sinkflow.engine.health import Health
@@ -71,7 +72,10 @@ class Trainer:
         self.device = run.device
         self.info = dist.current()
         self._shape, self._model = shape, model
-        self.cfg: dict = run.cfg["train"][task.model_key] if self.training else {}
+        # the phase's train section, its ``auto`` speed settings decided for this device and network
+        self.cfg: dict = fast_path.resolve(run.cfg["train"][task.model_key],
+                                           run.cfg["model"].get(task.model_key, {}).get("kind", ""), run.device,
+                                           self.info.world) if self.training else {}
         self.model = self.ddp_model = self.optimizer = self.scheduler = self.scaler = self.ema = None
         self.generator: torch.Generator | None = None
         self.ckpts = None
@@ -126,8 +130,9 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.ddp_model = DDP(self.model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
-        # opt-in: minutes of compilation before the first step. A CUDA-graph mode (reduce-overhead, max-autotune)
-        # replays one captured graph per step; each step then starts with cudagraph_mark_step_begin.
+        # compiling costs tens of seconds before the first step (fast_path: auto = a UNet on CUDA). A CUDA-graph
+        # mode (reduce-overhead, max-autotune) replays one captured graph per step; each step then starts with
+        # cudagraph_mark_step_begin.
         self.compile_mode = cfg.get("compile_mode", "default") if cfg.get("compile", False) else None
         if self.compile_mode is not None:
             self.ddp_model = torch.compile(self.ddp_model, mode=self.compile_mode)
@@ -411,7 +416,7 @@ class NonFiniteStep(SinkflowError):
 
 def use_channels_last(cfg: dict, device: torch.device, shape: tuple[int, ...]) -> bool:
     """channels_last pays off for convolutions on CUDA (NHWC tensor-core kernels); only 4-D batches."""
-    return bool(cfg.get("channels_last", True)) and device.type == "cuda" and len(shape) == 3
+    return bool(cfg.get("channels_last", False)) and device.type == "cuda" and len(shape) == 3
 
 
 def to_channels_last(batch: Any) -> Any:

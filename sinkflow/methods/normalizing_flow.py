@@ -130,7 +130,7 @@ def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
     if isinstance(n_bins, bool) or not isinstance(n_bins, int) or not 2 <= n_bins <= 256:
         raise SinkflowError(f"model.flow.n_bins={n_bins!r} must be an integer in [2, 256]",
                             "use 256 for 8-bit images (or 17 for sklearn digits' native 0..16 levels)")
-    if m["memory"] == "invertible" and t["precision"] != "fp32":
+    if m["memory"] == "invertible" and t["precision"] not in ("fp32", "auto"):  # auto: fp32 for a flow
         raise SinkflowError(f"model.flow.memory=invertible cannot train with train.flow.precision={t['precision']}",
                             "set train.flow.precision=fp32 or model.flow.memory=checkpoint")
     temp = cfg["sample"]["temperature"]

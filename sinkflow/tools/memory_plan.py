@@ -106,11 +106,20 @@ def train_terms(pm: PhaseMemory, batch_size: int, accum: int, world: int = 1) ->
 
 # ---- the estimate -------------------------------------------------------------------------------
 
+def planned_train(cfg: dict, key: str, world: int = 1) -> dict:
+    """``train.<key>`` as it runs on the card being planned for: ``auto`` speed settings as on a CUDA card with
+    bf16 tensor cores (the A100 / L4 / H100 class; on a T4 ``auto`` trains in fp32, so set precision=fp32 to
+    plan for one)."""
+    from sinkflow.engine import fast_path
+
+    return fast_path.resolve(cfg["train"][key], cfg["model"][key]["kind"], "cuda", world, bf16=True)
+
+
 def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int) -> PhaseMemory:
     from sinkflow.models import build_model, model_memory_bytes
 
     key = phase.model_key
-    tcfg = cfg["train"][key]
+    tcfg = planned_train(cfg, key, world)
     mcfg = dict(cfg["model"][key])
     torch.manual_seed(0)
     model = build_model(mcfg.pop("kind"), mcfg, shape)
@@ -196,7 +205,7 @@ def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int
             overrides.update(changed)
             reasons += why
         elif pm.kind == "train" and pm.total > limit:
-            t = cfg["train"][pm.model_key]
+            t = planned_train(cfg, pm.model_key, world)
             accum, trial = t["accum"], copy.copy(pm)
             trial.terms = dict(pm.terms)
             while trial.total > limit and t["batch_size"] % (accum * 2) == 0 and t["batch_size"] // world // (accum * 2) >= 1:
