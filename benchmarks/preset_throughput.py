@@ -7,7 +7,8 @@ card, and is OT-CFM's step (exact OT pairs, drawn ahead on the prefetch thread) 
     python benchmarks/preset_throughput.py --preset mnist --device cuda          # one GPU call, a few minutes
     python benchmarks/preset_throughput.py --smoke                                # CPU: tiny UNet, 2 configs
 
-Rows: ``baseline`` = fp32, NCHW, no prefetch (each step reads nothing back from the device: that part is
+Rows: ``default`` = the preset untouched (``auto`` settings, on CUDA bf16 + CUDA graphs for UNet phases);
+``baseline`` = fp32, NCHW, no prefetch (each step reads nothing back from the device: that part is
 not optional any more); then one factor changed at a time, then all of them together; ``graphs`` rows compile
 with ``compile_mode=reduce-overhead`` (CUDA graphs: one replay per step instead of one launch per kernel).
 """
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_md import machine  # noqa: E402
 
 CANDIDATES = {
+    "default": [],  # the preset as a user runs it: auto precision / compile resolved for this device
     "baseline": ["precision=fp32", "channels_last=false", "prefetch=never"],
     "+prefetch": ["precision=fp32", "channels_last=false", "prefetch=always"],
     "+bf16": ["precision=bf16", "channels_last=false", "prefetch=never"],

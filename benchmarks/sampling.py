@@ -1,9 +1,10 @@
 """Sampling throughput (images/s) of the CIFAR-10 UNet at the NSGF++ NFE (~60 UNet evaluations per image).
 
 Euler integration with sinkflow.methods.ode.euler (the sampler `sinkflow sample` uses), NFE counted by
-forward hooks, in inference mode; fp32 NCHW versus bf16 autocast + channels_last, and with ``--compile`` the
-fp32 network as ``sample.compile=true`` runs it (``compiled_for_sampling``: on CUDA each batch shape captured
-once as a CUDA graph, replayed every Euler step; compile time excluded, reported apart), at several batch sizes.
+forward hooks, in inference mode; fp32 NCHW versus bf16 autocast (NCHW, and channels_last), and with
+``--compile`` the network as ``sample.compile=true`` runs it, in fp32 and under bf16 autocast
+(``compiled_for_sampling``: on CUDA each batch shape captured once as a CUDA graph, replayed every Euler step;
+compile time excluded, reported apart), at several batch sizes.
 Weights are random: the cost of a forward pass does not depend on them.
 
     python benchmarks/sampling.py --compile       # GPU: CIFAR UNet, batches 64 256 1024, 60 NFE
@@ -29,14 +30,15 @@ SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_head
               "attention_resolutions": [4], "dropout": 0.0}
 
 
-def images_per_s(model, n, shape, nfe, device, fast: bool, repeats: int) -> tuple[float, int, float]:
+def images_per_s(model, n, shape, nfe, device, bf16: bool, channels_last: bool,
+                 repeats: int) -> tuple[float, int, float]:
     """(images/s, NFE counted by the hooks, seconds of the untimed first pass: warm-up and any compile)."""
     x0 = torch.randn(n, *shape, device=device)
-    if fast:
+    if channels_last:
         x0 = x0.contiguous(memory_format=torch.channels_last)
 
     def go():
-        with torch.inference_mode(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast), \
+        with torch.inference_mode(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), \
                 count_nfe(model) as counter:
             x, _ = euler(model, x0, 0.0, 1.0, nfe)
         return counter.count
@@ -79,17 +81,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"sampling: {'smoke UNet 16x16' if smoke else 'CIFAR-10 UNet'}, Euler, {nfe} NFE (NSGF++ CIFAR: 59), "
           f"on {machine(device)}")
     compiled = compiled_for_sampling(model, device) if args.compile else None
-    print(f"{'batch':>6} {'NFE':>4} {'fp32 img/s':>11} {'bf16+CL':>8}" + (f" {'compiled':>9} {'compile s':>9}"
-                                                                          if compiled is not None else ""))
+    print(f"{'batch':>6} {'NFE':>4} {'fp32 img/s':>11} {'bf16':>6} {'bf16+CL':>8}"
+          + (f" {'compiled':>9} {'compiled bf16':>14} {'compile s':>10}" if compiled is not None else ""))
     for n in batches:
-        plain, count, _ = images_per_s(model, n, shape, nfe, device, False, repeats)
-        fast, _, _ = images_per_s(fast_model, n, shape, nfe, device, True, repeats)
-        line = f"{n:>6} {count:>4} {plain:>11.1f} {fast / plain:>7.2f}x" if device.type == "cuda" else \
-            f"{n:>6} {count:>4} {'(cpu)':>11} {fast / plain:>7.2f}x"
+        plain, count, _ = images_per_s(model, n, shape, nfe, device, False, False, repeats)
+        bf16, _, _ = images_per_s(model, n, shape, nfe, device, True, False, repeats)
+        fast, _, _ = images_per_s(fast_model, n, shape, nfe, device, True, True, repeats)
+        shown = f"{plain:>11.1f}" if device.type == "cuda" else f"{'(cpu)':>11}"
+        line = f"{n:>6} {count:>4} {shown} {bf16 / plain:>5.2f}x {fast / plain:>7.2f}x"
         if compiled is not None:
-            comp, comp_count, compile_s = images_per_s(compiled, n, shape, nfe, device, False, repeats)
+            comp, comp_count, compile_s = images_per_s(compiled, n, shape, nfe, device, False, False, repeats)
             assert comp_count == count, f"the compiled network was called {comp_count} times, not {count}"
-            line += f" {comp / plain:>8.2f}x {compile_s:>9.1f}"
+            comp16, _, compile16_s = images_per_s(compiled, n, shape, nfe, device, True, False, repeats)
+            line += f" {comp / plain:>8.2f}x {comp16 / plain:>13.2f}x {compile_s + compile16_s:>10.1f}"
         print(line)
 
 

@@ -6,9 +6,10 @@ already on the device, so this measures the training step, not the data path; se
 
 - ``fp32-eager``: sinkflow's Trainer.train_step with precision=fp32, NCHW, a plain for-loop Adam
   (foreach=False), the EMA, grad clip 1.0: the slow baseline every fast path is compared with.
-- ``fast``: the same Trainer.train_step with the defaults on CUDA: bf16 autocast (fp32 master
-  weights), channels_last model and inputs, fused Adam, foreach-lerp EMA; ``--compile`` adds
-  ``fast+compile`` (torch.compile, default mode).
+- ``fast``: the same Trainer.train_step with bf16 autocast (fp32 master weights), NCHW, fused Adam,
+  foreach-lerp EMA; ``fast+CL`` the same in channels_last (the CUDA default until 2026-11-26, measured
+  slower on the ``mnist`` UNet); ``--compile`` adds ``fast+compile`` (torch.compile, default mode) and
+  ``fast+graphs`` (mode reduce-overhead: CUDA graphs, the CUDA default for UNet phases since 2026-11-26).
 - ``torchcfm``: torchcfm's own train_cifar10.py step on its UNetModelWrapper of the same size
   (fp32, ConditionalFlowMatcher, Adam, grad clip, its per-tensor EMA copy), when torchcfm is installed.
 
@@ -40,7 +41,7 @@ SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_head
               "attention_resolutions": [4], "dropout": 0.1}
 
 
-def train_config(steps: int, *, precision: str, channels_last: bool, compile_: bool) -> dict:
+def train_config(steps: int, *, precision: str, channels_last: bool, compile_: bool, mode: str = "default") -> dict:
     """The cifar10 preset's resolved config with the benchmark's recipe (torchcfm's: lr 2e-4, no warm-up, constant
     LR, grad clip 1.0, EMA 0.9999) as overrides: every key the schema adds later comes with its default, so a new
     train key can never break the benchmark again (a hand-built dict once lacked ``iters``)."""
@@ -48,14 +49,16 @@ def train_config(steps: int, *, precision: str, channels_last: bool, compile_: b
     return config.resolve("cifar10", [f"{v}iters={steps}", f"{v}lr=2e-4", f"{v}lr_scaling=none", f"{v}warmup=0",
                                       f"{v}schedule=constant", f"{v}grad_clip=1.0", f"{v}ema=0.9999", f"{v}accum=1",
                                       f"{v}precision={precision}", f"{v}channels_last={str(channels_last).lower()}",
-                                      f"{v}compile={str(compile_).lower()}", "experiment.seed=0"])
+                                      f"{v}compile={str(compile_).lower()}", f"{v}compile_mode={mode}",
+                                      "experiment.seed=0"])
 
 
-def sinkflow_phase(unet_cfg, shape, device, steps, *, precision, channels_last, compile_, plain_adam):
+def sinkflow_phase(unet_cfg, shape, device, steps, *, precision, channels_last, compile_, plain_adam,
+                   mode="default"):
     """A Trainer set up exactly as `sinkflow train` does, with the model and shape passed in."""
     torch.manual_seed(0)
     model = build_model("unet", unet_cfg, shape)
-    cfg = train_config(steps, precision=precision, channels_last=channels_last, compile_=compile_)
+    cfg = train_config(steps, precision=precision, channels_last=channels_last, compile_=compile_, mode=mode)
     run = types.SimpleNamespace(cfg=cfg, device=device)
     phase = Trainer(run, InterpolantStep("velocity", None, None), shape=shape, model=model)
     phase.setup()
@@ -156,10 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cudnn.benchmark = True
 
     rows = []
+    fast = dict(precision="bf16", channels_last=False, compile_=False, plain_adam=False)
     configs = [("fp32-eager", dict(precision="fp32", channels_last=False, compile_=False, plain_adam=True)),
-               ("fast", dict(precision="bf16", channels_last=True, compile_=False, plain_adam=False))]
+               ("fast", fast), ("fast+CL", {**fast, "channels_last": True})]
     if args.compile:
-        configs.append(("fast+compile", dict(precision="bf16", channels_last=True, compile_=True, plain_adam=False)))
+        configs += [("fast+compile", {**fast, "compile_": True}),
+                    ("fast+graphs", {**fast, "compile_": True, "mode": "reduce-overhead"})]
     for name, kw in configs:
         phase, params = sinkflow_phase(unet, shape, device, warmup + steps, **kw)
         seconds = time_steps(bench_sinkflow(phase, x1s, device), x1s, warmup, device)

@@ -313,9 +313,9 @@ def test_smoke_pool_build(quiet, capsys):
 def test_smoke_sampling(quiet, capsys):
     load("sampling").main(["--smoke", "--device", "cpu", "--batches", "2", "--nfe", "3"])
     out = capsys.readouterr().out
-    assert " batch  NFE  fp32 img/s  bf16+CL" in out
-    batch, nfe, speedup = numbers(rows(out, "     2 ")[0])
-    assert (batch, nfe) == (2, 3) and speedup > 0  # NFE as counted by the forward hooks
+    assert " batch  NFE  fp32 img/s   bf16  bf16+CL" in out
+    batch, nfe, bf16, channels_last = numbers(rows(out, "     2 ")[0])
+    assert (batch, nfe) == (2, 3) and bf16 > 0 and channels_last > 0  # NFE as counted by the forward hooks
 
 
 def test_smoke_sinkhorn_solver(quiet, capsys):
@@ -331,9 +331,9 @@ def test_smoke_train_throughput(quiet, capsys):
     bench.main(["--smoke", "--device", "cpu", "--batch", "2", "--steps", "1", "--warmup", "1"])
     out = capsys.readouterr().out
     assert "path               params   images/s  vs fp32-eager  vs torchcfm" in out
-    base, fast = rows(out, "fp32-eager "), rows(out, "fast ")
-    assert len(base) == 1 and len(fast) == 1 and base[0].split()[-2] == "1.00x"
-    assert float(fast[0].split()[-2].rstrip("x")) > 0
+    base, fast, cl = rows(out, "fp32-eager "), rows(out, "fast "), rows(out, "fast+CL ")
+    assert len(base) == 1 and len(fast) == 1 and len(cl) == 1 and base[0].split()[-2] == "1.00x"
+    assert float(fast[0].split()[-2].rstrip("x")) > 0 and float(cl[0].split()[-2].rstrip("x")) > 0
     torchcfm = rows(out, "torchcfm ")
     assert torchcfm and (math.isfinite(float(torchcfm[0].split()[-2].rstrip("x"))) or "not importable" in out)
     cfg = bench.train_config(7, precision="bf16", channels_last=True, compile_=False)  # the schema's own keys
