@@ -153,7 +153,9 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000, big_n: int = 4096) -> 
     points are (so the target itself scores 1%). ``w2_4096``: i.i.d. protocol with 4x the points (4096 i.i.d.
     source draws vs a fresh i.i.d. 4096-point draw of the family, 2 seeds), beside the target's own score there.
     ``tail``: the 99 % and 99.9 % quantiles of the distance to the family's mean of n i.i.d.-source samples, beside
-    the target's (how far the extreme draws land: a heavy-tailed family's score is decided there)."""
+    the target's (how far the extreme draws land: a heavy-tailed family's score is decided there); ``beyond``: the
+    share of those samples farther out than the target's 99 % and 99.9 % distances (the target: 0.01, 0.001), i.e.
+    how much mass, not just how far."""
     import numpy as np
     from scipy.spatial import cKDTree
 
@@ -171,6 +173,12 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000, big_n: int = 4096) -> 
         return [round(float(q), 2) for q in np.quantile(np.linalg.norm(points - centre, axis=1), [0.99, 0.999])]
 
     out["true_tail"] = tail(ref)
+    radii = np.quantile(np.linalg.norm(ref - centre, axis=1), [0.99, 0.999])
+
+    def beyond(points):
+        r = np.linalg.norm(points - centre, axis=1)
+        return [round(float((r > q).mean()), 5) for q in radii]
+
     import torch
 
     from sinkflow.ot import w2
@@ -187,7 +195,8 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000, big_n: int = 4096) -> 
                       "off": round(float((d > threshold).mean()), 4),
                       "w2_4096": round(statistics.fmean(w2(generate(run, big_n, steps, seed=1100 + s, protocol="iid")[0],
                                                            t(b)) for s, b in enumerate(big)), 4),
-                      "tail": tail(generate(run, n, steps, seed=1200, protocol="iid")[0].numpy())}
+                      "tail": tail(iid := generate(run, n, steps, seed=1200, protocol="iid")[0].numpy()),
+                      "beyond": beyond(iid)}
     return out
 
 
@@ -221,6 +230,8 @@ def main() -> None:
     p.add_argument("--write", action="store_true", help="replace the nsgf_suite section of benchmarks/RESULTS.md")
     p.add_argument("--diagnose", action="store_true",
                    help="train nothing: print component masses and off-support shares of the finished runs")
+    p.add_argument("--diagnose-n", type=int, default=20_000,
+                   help="generated points per diagnosis (the tail shares want 100000: 0.1 %% of 20000 is 20 points)")
     p.add_argument("extra", nargs="*", help="config overrides for every run (probes), e.g. sinkhorn.blur=0.2")
     args = p.parse_args()
     runs_dir = Path(args.runs_dir).resolve()
@@ -231,7 +242,7 @@ def main() -> None:
         jobs = [j for j in jobs if (runs_dir / f"{j[0]}-{j[1]}-s{j[2]}" / "bench.json").exists()]
     if args.diagnose:
         for f, m, s in jobs:
-            print(f"{f:>8} {m:>6} seed {s}: {json.dumps(diagnose(runs_dir / f'{f}-{m}-s{s}', f))}", flush=True)
+            print(f"{f:>8} {m:>6} seed {s}: {json.dumps(diagnose(runs_dir / f'{f}-{m}-s{s}', f, args.diagnose_n))}", flush=True)
         return
     start = time.perf_counter()
     results = []

@@ -413,6 +413,7 @@ def test_smoke_nsgf_suite(tmp_path, monkeypatch):
     d = bench.diagnose(tmp_path / "runs" / "unequal-nsgf-s0", "unequal", n=400, big_n=64)
     assert len(d[10]["mass"]) == len(d["true_mass"]) and abs(sum(d[100]["mass"]) - 1) < 1e-3 and 0 <= d[10]["off"] <= 1
     assert d["true_tail"][0] < d["true_tail"][1] and len(d[100]["tail"]) == 2 and d[10]["w2_4096"] > 0
+    assert len(d[10]["beyond"]) == 2 and 1 >= d[10]["beyond"][0] >= d[10]["beyond"][1] >= 0
 
 
 def test_helper_scoring():
