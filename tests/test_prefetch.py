@@ -154,6 +154,45 @@ def test_compiled_training_with_cuda_graph_mode_trains_what_eager_trains_and_res
     assert max((plain[k] - compiled[k]).abs().max().item() for k in plain) < 1e-5
 
 
+def test_a_compile_that_fails_falls_back_to_eager_under_auto_and_stops_with_the_fix_when_asked(runs_dir, caplog,
+                                                                                                 monkeypatch):
+    """A user's machine that cannot compile (no Triton for the card, no C compiler) must not lose the run to the
+    new CUDA default: `compile: auto` trains eager after one warning and ends with eager's weights; an explicit
+    `compile: true` stops with one line naming the key, before any step is applied. The compiler's failure is
+    planted (torch.compile returns a module whose first call raises dynamo's error); `auto` is made to resolve to
+    compile on this CPU."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    from sinkflow.engine import fast_path
+
+    class CannotCompile(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args):
+            raise TorchDynamoException("backend='inductor' raised: no working C compiler")
+
+    monkeypatch.setattr(torch, "compile", lambda module, **kw: CannotCompile(module))
+    real_resolve = fast_path.resolve
+    monkeypatch.setattr(fast_path, "resolve", lambda tcfg, *a, **k: {**real_resolve(tcfg, *a, **k), "compile": True}
+                        if tcfg["compile"] == "auto" else real_resolve(tcfg, *a, **k))
+    plain = final_weights(train(moons_cfg("train.velocity.compile=false", iters=6), "eager"))
+    with caplog.at_level(logging.WARNING):
+        fallback = final_weights(train(moons_cfg(iters=6), "auto"))
+    assert "velocity: torch.compile failed (backend='inductor' raised: no working C compiler); training eager" \
+        in caplog.text
+    assert all(torch.equal(plain[k], fallback[k]) for k in plain)  # nothing of the failed attempt was applied
+    cfg = moons_cfg("train.velocity.compile=true", iters=6)
+    cfg["experiment"]["name"] = "asked"
+    run = RunFolder.create(cfg)
+    with pytest.raises(SinkflowError, match=r"torch.compile failed in phase 'velocity'.*compile=false") as err:
+        Trainer(run, otcfm_step(cfg)).fit()
+    ckpts = run.dir / "checkpoints" / "velocity"
+    assert not ckpts.exists() or not any(ckpts.iterdir())  # it stopped before any step was saved
+    assert "\n" not in str(err.value)  # one line: the problem and the fix
+
+
 class Snapshots(Callback):
     def __init__(self):
         self.weights = {}

@@ -76,6 +76,9 @@ class Trainer:
         self.cfg: dict = fast_path.resolve(run.cfg["train"][task.model_key],
                                            run.cfg["model"].get(task.model_key, {}).get("kind", ""), run.device,
                                            self.info.world) if self.training else {}
+        # `compile: auto` falls back to eager if compiling fails; an explicit `compile: true` stops instead
+        self.compile_auto = self.training and run.cfg["train"][task.model_key].get("compile") == "auto"
+        self._compile_proven = False
         self.model = self.ddp_model = self.optimizer = self.scheduler = self.scaler = self.ema = None
         self.generator: torch.Generator | None = None
         self.ckpts = None
@@ -134,6 +137,7 @@ class Trainer:
         # mode (reduce-overhead, max-autotune) replays one captured graph per step; each step then starts with
         # cudagraph_mark_step_begin.
         self.compile_mode = cfg.get("compile_mode", "default") if cfg.get("compile", False) else None
+        self.eager_model = self.ddp_model
         if self.compile_mode is not None:
             self.ddp_model = torch.compile(self.ddp_model, mode=self.compile_mode)
         self.generator = phase_generator(seed, "train", self.name)
@@ -259,6 +263,30 @@ class Trainer:
             self.ema.update_parameters(self.model)
         return total, grad_norm
 
+    def first_step_compiles(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``train_step``; the first one of a compiled phase compiles (the forward call traces and builds the forward
+        and backward graphs, before any gradient exists). If that fails (no Triton for this card, no C compiler, an
+        unsupported op): with ``compile: auto`` the phase goes on eager, saying so once; with ``compile: true`` it
+        stops with the fix. Nothing was applied to the weights either way."""
+        if self.compile_mode is None or self._compile_proven:
+            return self.train_step(batch)
+        from torch._dynamo.exc import TorchDynamoException, TritonUnavailableError
+
+        try:
+            out = self.train_step(batch)
+        except (TorchDynamoException, TritonUnavailableError) as exc:
+            what = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            key = self.task.model_key
+            if not self.compile_auto:
+                raise SinkflowError(f"torch.compile failed in phase '{self.name}': {what}",
+                                    f"set train.{key}.compile=false to train eager") from exc
+            log.warning("%s: torch.compile failed (%s); training eager instead (set train.%s.compile=false to "
+                        "skip the attempt)", self.name, what, key)
+            self.ddp_model, self.compile_mode = self.eager_model, None
+            out = self.train_step(batch)
+        self._compile_proven = True
+        return out
+
     def raise_if_non_finite(self) -> None:
         """Stop (one sync) if a step the device skipped was non-finite; its update was not applied."""
         if self.skip_on_device:
@@ -336,7 +364,7 @@ class Trainer:
                 self._call("on_train_batch_start", batch)
                 if self.stopped:
                     return
-                loss, grad_norm = self.train_step(batch)
+                loss, grad_norm = self.first_step_compiles(batch)
                 self.step += 1
                 self.last_units = 1
                 loss_sum, loss_count = loss_sum + loss, loss_count + 1
