@@ -27,7 +27,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SMOKE_TESTED = ("digits", "flow_bpd", "flow_digits_ablation", "flow_memory", "gpu_checks", "memory_estimate",
                 "nsgf_2d", "ot_memory", "pool_build", "preset_throughput", "sampling", "sinkhorn_solver",
                 "train_throughput", "w2_mode_counts", "mnist", "mnist_probes", "nsgf_suite",
-                "pool_convergence", "cpu_step")
+                "pool_convergence", "cpu_step", "loss_curve")
 # modules the scripts import (no command line of their own), each with its own test here: test_helper_<name>
 HELPERS = ("suite2d", "results_md", "scoring")
 
@@ -324,6 +324,21 @@ def test_smoke_sinkhorn_solver(quiet, capsys):
     assert len(table) == 6
     rel = [float(line.split("|")[5]) for line in table]
     assert all(math.isfinite(r) for r in rel) and rel[-1] < min(0.01, rel[0])  # converged beats one GeomLoss pass
+
+
+def test_smoke_loss_curve(quiet, capsys):
+    """On a CPU `auto` resolves to fp32 eager, so the default's curve is fp32 seed 0's own: inside at every step.
+    The band test itself: a value outside the widened band is flagged."""
+    bench = load("loss_curve")
+    bench.main(["--smoke", "--device", "cpu", "--steps", "8", "--log-every", "4"])
+    out = capsys.readouterr().out
+    table = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
+    assert [int(r[0]) for r in table] == [4, 8] and all(r[-1] == "yes" for r in table)
+    assert all(float(r[1]) <= float(r[3]) <= float(r[2]) for r in table)  # seed 0 is one of the band's seeds
+    assert "inside the fp32 band (widened by half its width): 2 of 2 log steps" in out
+    ref = [[(1, 1.0), (2, 0.5)], [(1, 1.2), (2, 0.6)]]
+    rows = bench.compare(ref, [(1, 1.25), (2, 0.7)])
+    assert [r["inside"] for r in rows] == [True, False]  # 1.25 <= 1.2 + 0.1; 0.7 > 0.6 + 0.05
 
 
 def test_smoke_train_throughput(quiet, capsys):

@@ -83,12 +83,13 @@ class StepTimer(Callback):
                 "compute_ms": 1e3 * c, "data_fraction": d / (d + c), "samples_per_s": self.samples / (d + c)}
 
 
-def run_cut(cfg: dict, total: int, callbacks: list) -> None:
-    """Run the experiment in a temp folder with every training phase cut to ``total`` steps."""
+def run_cut(cfg: dict, total: int, callbacks: list, log_every: int | None = None) -> None:
+    """Run the experiment in a temp folder with every training phase cut to ``total`` steps (logged once at the
+    end, or every ``log_every`` steps)."""
     overrides = []
     for name in cfg["train"]:
         overrides += [f"train.{name}.iters={total}", f"train.{name}.ckpt_every={10 * total}",
-                      f"train.{name}.log_every={total}"]
+                      f"train.{name}.log_every={log_every or total}"]
     with tempfile.TemporaryDirectory(prefix="sinkflow-bench-") as tmp:
         cfg = config.apply_overrides(cfg, [*overrides, f"experiment.runs_dir={tmp}", "experiment.name=bench"])
         run = RunFolder.create(cfg)
