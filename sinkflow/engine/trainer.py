@@ -270,11 +270,13 @@ class Trainer:
         stops with the fix. Nothing was applied to the weights either way."""
         if self.compile_mode is None or self._compile_proven:
             return self.train_step(batch)
-        from torch._dynamo.exc import TorchDynamoException, TritonUnavailableError
+        from torch._dynamo import exc as dynamo_exc
 
+        failures = (dynamo_exc.TorchDynamoException,  # + the no-Triton error where this torch has it
+                    getattr(dynamo_exc, "TritonUnavailableError", dynamo_exc.TorchDynamoException))
         try:
             out = self.train_step(batch)
-        except (TorchDynamoException, TritonUnavailableError) as exc:
+        except failures as exc:
             what = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             key = self.task.model_key
             if not self.compile_auto:
