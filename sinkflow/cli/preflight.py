@@ -51,7 +51,7 @@ def _one(preset, args, card) -> bool:
             print("  command:   " + fit_command(preset, args.overrides, sh, report.fit_overrides))
         if args.fit and report.fit_overrides:
             cfg = config.resolve(preset, [*args.overrides, *report.fit_overrides], sh)
-            mems = memory_plan.estimate(cfg, world=args.world)
+            mems = memory_plan.estimate(cfg, world=args.world, bf16=memory_plan.card_bf16(card[0]))
             print("\nwith --fit applied:")
             print(memory_plan.format_table(mems, {card[0]: card[1]}))
             others = all(c.ok is not False for c in report.checks if not c.name.startswith("fits "))

@@ -106,20 +106,28 @@ def train_terms(pm: PhaseMemory, batch_size: int, accum: int, world: int = 1) ->
 
 # ---- the estimate -------------------------------------------------------------------------------
 
-def planned_train(cfg: dict, key: str, world: int = 1) -> dict:
-    """``train.<key>`` as it runs on the card being planned for: ``auto`` speed settings as on a CUDA card with
-    bf16 tensor cores (the A100 / L4 / H100 class; on a T4 ``auto`` trains in fp32, so set precision=fp32 to
-    plan for one)."""
+NO_BF16 = ("T4",)  # cards of GPUS without bf16 tensor cores: `auto` precision trains fp32 there
+
+
+def card_bf16(label: str | None) -> bool:
+    """Does the planned card run ``auto`` precision as bf16? A named card of ``GPUS`` says; a bare memory size
+    (``--gpu-mem``) or no card plans for fp32, the larger activations."""
+    return label in GPUS and label not in NO_BF16
+
+
+def planned_train(cfg: dict, key: str, world: int = 1, bf16: bool = True) -> dict:
+    """``train.<key>`` as it runs on the card being planned for: ``auto`` speed settings as on a CUDA card, with
+    bf16 tensor cores or without (``bf16``: ``card_bf16``)."""
     from sinkflow.engine import fast_path
 
-    return fast_path.resolve(cfg["train"][key], cfg["model"][key]["kind"], "cuda", world, bf16=True)
+    return fast_path.resolve(cfg["train"][key], cfg["model"][key]["kind"], "cuda", world, bf16=bf16)
 
 
-def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int) -> PhaseMemory:
+def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int, bf16: bool = True) -> PhaseMemory:
     from sinkflow.models import build_model, model_memory_bytes
 
     key = phase.model_key
-    tcfg = planned_train(cfg, key, world)
+    tcfg = planned_train(cfg, key, world, bf16)
     mcfg = dict(cfg["model"][key])
     torch.manual_seed(0)
     model = build_model(mcfg.pop("kind"), mcfg, shape)
@@ -158,9 +166,10 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
     return pm
 
 
-def estimate(cfg: dict, world: int = 1) -> list[PhaseMemory]:
-    """Per-phase memory of the config (real sizes), measured on CPU. Uses synthetic data of the real shape
-    when the image set is not available here."""
+def estimate(cfg: dict, world: int = 1, bf16: bool = True) -> list[PhaseMemory]:
+    """Per-phase memory of the config (real sizes), measured on CPU, for a CUDA card with bf16 tensor cores or
+    without (what ``auto`` precision becomes there). Uses synthetic data of the real shape when the image set
+    is not available here."""
     from sinkflow.methods.base import ChunkedTask, TrainingStep
     from sinkflow.models import build_model
     from sinkflow.tools.data import real_or_synthetic
@@ -175,7 +184,7 @@ def estimate(cfg: dict, world: int = 1) -> list[PhaseMemory]:
             if isinstance(ph, ChunkedTask):
                 out.append(_chunked_phase_memory(cfg, ph, shape))
             elif isinstance(ph, TrainingStep):
-                out.append(_train_phase_memory(cfg, ph, shape, world))
+                out.append(_train_phase_memory(cfg, ph, shape, world, bf16))
                 m = dict(cfg["model"][ph.model_key])
                 models[ph.model_key] = build_model(m.pop("kind"), m, shape)
             else:
@@ -190,7 +199,8 @@ def fits(pm: PhaseMemory, total_bytes: int) -> bool:
     return pm.total <= usable_bytes(total_bytes)
 
 
-def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int = 1) -> tuple[list[str], list[str]]:
+def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int = 1,
+                bf16: bool = True) -> tuple[list[str], list[str]]:
     """(overrides, reasons) that make every phase fit ``total_bytes`` and the pool fit its RAM/disk budget.
 
     Keeps what the experiment computes: the total pool entries (pool.batches x pool.batch_size) and every
@@ -205,7 +215,7 @@ def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int
             overrides.update(changed)
             reasons += why
         elif pm.kind == "train" and pm.total > limit:
-            t = planned_train(cfg, pm.model_key, world)
+            t = planned_train(cfg, pm.model_key, world, bf16)
             accum, trial = t["accum"], copy.copy(pm)
             trial.terms = dict(pm.terms)
             while trial.total > limit and t["batch_size"] % (accum * 2) == 0 and t["batch_size"] // world // (accum * 2) >= 1:

@@ -387,7 +387,8 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
             if memory:
                 t0 = time.perf_counter()
                 try:
-                    report.memory = memory_plan.estimate(real, world=world)
+                    report.memory = memory_plan.estimate(real, world=world, bf16=memory_plan.card_bf16(
+                        gpu[0] if gpu is not None else None))
                     report.add("memory estimate", "all", True, f"{len(report.memory)} phases",
                                time.perf_counter() - t0)
                 except Exception as exc:
@@ -396,7 +397,7 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
                     label, total = gpu
                     over = [m.phase for m in report.memory if m.terms and not memory_plan.fits(m, total)]
                     report.fit_overrides, report.fit_reasons = memory_plan.propose_fit(
-                        real, report.memory, total, world)
+                        real, report.memory, total, world, memory_plan.card_bf16(label))
                     pool_ram = any(m.host_bytes > real["pool"]["ram_gb"] * memory_plan.GiB for m in report.memory)
                     ok = not over and not pool_ram
                     report.add(f"fits {label}", "all", ok, "every phase fits" if ok else
