@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sinkflow import config, methods  # noqa: E402
+from sinkflow.engine.fast_path import bf16_tensor_cores  # noqa: E402
 from sinkflow.tools import memory_plan  # noqa: E402
 from sinkflow.tools.data import real_or_synthetic  # noqa: E402
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
                              unread="ignore")  # one list for every preset: a flow has no pool, 2D no download
         with real_or_synthetic(cfg, force=True), tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            mems = memory_plan.estimate(cfg)
+            mems = memory_plan.estimate(cfg, bf16=cuda and bf16_tensor_cores(device))  # what `auto` runs here
             print(f"{preset}: estimated in {time.perf_counter() - t0:.1f}s", flush=True)
             for i, pm in enumerate(mems):
                 measured = None

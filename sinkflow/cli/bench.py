@@ -107,9 +107,8 @@ def profile(cfg: dict, steps: int, warmup: int) -> list[dict]:
 
 def throughput(cfg: dict, steps: int, warmup: int, busy_steps: int = 5) -> list[dict]:
     """Every training phase cut to warmup + steps (+ busy_steps on CUDA) steps, timed without per-step syncs."""
-    from sinkflow.tools.throughput import Throughput, add_peak, peak_flops
-
     from sinkflow.runtime.run_folder import resolve_device
+    from sinkflow.tools.throughput import Throughput, add_peak, peak_flops
 
     if resolve_device(cfg["experiment"]["device"]).type != "cuda":
         busy_steps = 0  # the profiled busy share is a CUDA measurement: no extra steps elsewhere

@@ -25,10 +25,9 @@ def _estimate(run_dir: str | None, phase: str, training: bool) -> str:
     try:
         import torch
 
+        from sinkflow.engine.fast_path import bf16_tensor_cores
         from sinkflow.runtime.run_folder import read_config
         from sinkflow.tools import memory_plan
-
-        from sinkflow.engine.fast_path import bf16_tensor_cores
 
         cfg = read_config(Path(run_dir))
         mems = memory_plan.estimate(cfg, bf16=torch.cuda.is_available() and bf16_tensor_cores(torch.device("cuda")))

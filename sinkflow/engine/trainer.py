@@ -222,7 +222,34 @@ class Trainer:
 
         Nothing here waits for the device: the non-finite guard (``sinkflow.engine.finite``) decides on the
         device whether the update is applied. Where the optimizer cannot take that decision (one without a
-        ``found_inf`` input, e.g. foreach Adam) the guard is read at once, before the update."""
+        ``found_inf`` input, e.g. foreach Adam) the guard is read at once, before the update.
+
+        The first step of a compiled phase compiles (forward and backward, before the optimizer step). If that
+        fails (no Triton for this card, no C compiler, an unsupported op): with ``compile: auto`` the phase goes
+        on eager, saying so once; with ``compile: true`` it stops with the fix. Every caller (the loop, doctor,
+        lr-find) gets this, and no update was applied either way."""
+        if self.compile_mode is None or self._compile_proven:
+            return self._step(batch)
+        from torch._dynamo import exc as dynamo_exc
+
+        failures = (dynamo_exc.TorchDynamoException,  # + the no-Triton error where this torch has it
+                    getattr(dynamo_exc, "TritonUnavailableError", dynamo_exc.TorchDynamoException))
+        try:
+            out = self._step(batch)
+        except failures as exc:
+            what = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            key = self.task.model_key
+            if not self.compile_auto:
+                raise SinkflowError(f"torch.compile failed in phase '{self.name}': {what}",
+                                    f"set train.{key}.compile=false to train eager") from exc
+            log.warning("%s: torch.compile failed (%s); training eager instead (set train.%s.compile=false to "
+                        "skip the attempt)", self.name, what, key)
+            self.ddp_model, self.compile_mode = self.eager_model, None
+            out = self._step(batch)
+        self._compile_proven = True
+        return out
+
+    def _step(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         micro = split_batch(batch, self.cfg["accum"])
         self.optimizer.zero_grad(set_to_none=True)
@@ -262,32 +289,6 @@ class Trainer:
         if self.ema is not None:
             self.ema.update_parameters(self.model)
         return total, grad_norm
-
-    def first_step_compiles(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``train_step``; the first one of a compiled phase compiles (the forward call traces and builds the forward
-        and backward graphs, before any gradient exists). If that fails (no Triton for this card, no C compiler, an
-        unsupported op): with ``compile: auto`` the phase goes on eager, saying so once; with ``compile: true`` it
-        stops with the fix. Nothing was applied to the weights either way."""
-        if self.compile_mode is None or self._compile_proven:
-            return self.train_step(batch)
-        from torch._dynamo import exc as dynamo_exc
-
-        failures = (dynamo_exc.TorchDynamoException,  # + the no-Triton error where this torch has it
-                    getattr(dynamo_exc, "TritonUnavailableError", dynamo_exc.TorchDynamoException))
-        try:
-            out = self.train_step(batch)
-        except failures as exc:
-            what = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            key = self.task.model_key
-            if not self.compile_auto:
-                raise SinkflowError(f"torch.compile failed in phase '{self.name}': {what}",
-                                    f"set train.{key}.compile=false to train eager") from exc
-            log.warning("%s: torch.compile failed (%s); training eager instead (set train.%s.compile=false to "
-                        "skip the attempt)", self.name, what, key)
-            self.ddp_model, self.compile_mode = self.eager_model, None
-            out = self.train_step(batch)
-        self._compile_proven = True
-        return out
 
     def raise_if_non_finite(self) -> None:
         """Stop (one sync) if a step the device skipped was non-finite; its update was not applied."""
@@ -366,7 +367,7 @@ class Trainer:
                 self._call("on_train_batch_start", batch)
                 if self.stopped:
                     return
-                loss, grad_norm = self.first_step_compiles(batch)
+                loss, grad_norm = self.train_step(batch)
                 self.step += 1
                 self.last_units = 1
                 loss_sum, loss_count = loss_sum + loss, loss_count + 1

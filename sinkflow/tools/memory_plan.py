@@ -115,7 +115,7 @@ def card_bf16(label: str | None) -> bool:
     return label in GPUS and label not in NO_BF16
 
 
-def planned_train(cfg: dict, key: str, world: int = 1, bf16: bool = True) -> dict:
+def planned_train(cfg: dict, key: str, world: int = 1, bf16: bool = False) -> dict:
     """``train.<key>`` as it runs on the card being planned for: ``auto`` speed settings as on a CUDA card, with
     bf16 tensor cores or without (``bf16``: ``card_bf16``)."""
     from sinkflow.engine import fast_path
@@ -123,7 +123,7 @@ def planned_train(cfg: dict, key: str, world: int = 1, bf16: bool = True) -> dic
     return fast_path.resolve(cfg["train"][key], cfg["model"][key]["kind"], "cuda", world, bf16=bf16)
 
 
-def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int, bf16: bool = True) -> PhaseMemory:
+def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int, bf16: bool = False) -> PhaseMemory:
     from sinkflow.models import build_model, model_memory_bytes
 
     key = phase.model_key
@@ -166,9 +166,9 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
     return pm
 
 
-def estimate(cfg: dict, world: int = 1, bf16: bool = True) -> list[PhaseMemory]:
+def estimate(cfg: dict, world: int = 1, bf16: bool = False) -> list[PhaseMemory]:
     """Per-phase memory of the config (real sizes), measured on CPU, for a CUDA card with bf16 tensor cores or
-    without (what ``auto`` precision becomes there). Uses synthetic data of the real shape when the image set
+    without (what ``auto`` precision becomes there; by default without, as ``card_bf16`` plans for no card). Uses synthetic data of the real shape when the image set
     is not available here."""
     from sinkflow.methods.base import ChunkedTask, TrainingStep
     from sinkflow.models import build_model
@@ -200,7 +200,7 @@ def fits(pm: PhaseMemory, total_bytes: int) -> bool:
 
 
 def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int = 1,
-                bf16: bool = True) -> tuple[list[str], list[str]]:
+                bf16: bool = False) -> tuple[list[str], list[str]]:
     """(overrides, reasons) that make every phase fit ``total_bytes`` and the pool fit its RAM/disk budget.
 
     Keeps what the experiment computes: the total pool entries (pool.batches x pool.batch_size) and every
