@@ -6,7 +6,9 @@
 4. an OT-CFM phase with batches drawn ahead (prefetch thread + its own CUDA stream) vs inline: identical final
    weights, and no host sync on an ordinary step (``torch.cuda.set_sync_debug_mode("error")`` between log steps;
    on the CPU the reads are counted instead);
-5. an invertible-mode Glow trained with fused Adam: its log-likelihood after the steps equals a freshly loaded
+5. OT-CFM's exact plan with its cost matrix computed on the device (as the prefetch thread does) vs on the host:
+   the same permutation for `mnist`-shaped batches (and the same matched cost);
+6. an invertible-mode Glow trained with fused Adam: its log-likelihood after the steps equals a freshly loaded
    copy's (fused Adam moves no version counter, so a stale parameter cache would show here) and the for-loop
    Adam run's.
 
@@ -130,6 +132,24 @@ def prefetch_check(device: torch.device, size: dict) -> None:
           f"{synced} ordinary steps ran {'with host syncs made errors' if device.type == 'cuda' else 'on the CPU'}")
 
 
+def ot_plan_check(device: torch.device, size: dict) -> None:
+    from sinkflow.ot.exact import ot_permutation
+
+    g = torch.Generator().manual_seed(5)
+    same, gap = 0, 0.0
+    trials = 3 if size is SMOKE else 20
+    for _ in range(trials):
+        x0 = torch.randn(size["rows"], 1, 28, 28, generator=g)
+        x1 = torch.rand(size["rows"], 1, 28, 28, generator=g) * 2 - 1
+        host, there = ot_permutation(x0, x1), ot_permutation(x0.to(device), x1.to(device)).cpu()
+        same += bool(torch.equal(host, there))
+        cost = torch.cdist(x0.flatten(1).double(), x1.flatten(1).double()) ** 2
+        idx = torch.arange(size["rows"])
+        gap = max(gap, abs(float(cost[idx, host].sum() - cost[idx, there].sum())))
+    print(f"OT plan with the cost on {device.type} vs on the host, {trials} batches of {size['rows']} (1,28,28): "
+          f"same permutation {same}/{trials}, max matched-cost difference {gap:.2e}")
+
+
 def flow_check(device: torch.device, size: dict) -> None:
     from sinkflow.flows import build_flow
 
@@ -168,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     noise_check(device, size)
     adam_check(device, size)
     prefetch_check(device, size)
+    ot_plan_check(device, size)
     flow_check(device, size)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import torch
 
 from sinkflow import config
 from sinkflow.cli.bench import throughput
+from sinkflow.tools.throughput import draw_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_md import machine  # noqa: E402
@@ -68,6 +70,12 @@ def main(argv=None) -> None:
                     help="default: all (smoke: baseline and +prefetch)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per phase (default 100; smoke 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 20, compile needs them; smoke 1)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every method and config this many times, interleaved, and print the medians (and OT-CFM "
+                         "/ FM): one 100-step window varies by up to 25 %% between runs on an H100")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the runs (s; Python's default 0.005): how much the prefetch "
+                         "worker and the training thread wait for each other's GIL")
     ap.add_argument("--smoke", action="store_true", help="tiny UNet on synthetic digits, batch 4 (CPU check)")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. train.velocity.batch_size=256")
     args = ap.parse_args(argv)
@@ -81,24 +89,45 @@ def main(argv=None) -> None:
 
         base += [*SMOKE_MODEL, "train.velocity.batch_size=4"]
         ctx = real_or_synthetic(config.resolve(args.preset), force=True)
-    print(f"preset {args.preset}, {steps} timed steps after {warmup}, on {machine(args.device)}")
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    print(f"preset {args.preset}, {steps} timed steps after {warmup}, on {machine(args.device)}, "
+          f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms")
     print("loss = mean training loss of the timed steps (same seed and batches in every row: a fast path that "
           "trains something else shows here)")
     print(f"{'method':<7} {'phase':<9} {'config':<24} {'steps/s':>9} {'x base':>7} {'wait %':>7} {'busy %':>7} "
-          f"{'% peak':>7} {'loss':>8}")
+          f"{'% peak':>7} {'loss':>8} {'draw ms':>8}")
+    rates: dict[tuple[str, str, str], list[float]] = {}
+    ref: dict[tuple[str, str], float] = {}
     with ctx:
-        for method in args.methods:
-            ref = {}
-            for name in configs:
-                for row in measure(args.preset, method, CANDIDATES[name], base, steps, warmup):
-                    phase = row["phase"]
-                    ref.setdefault(phase, row["steps_per_s"])
-                    busy = f"{100 * row['busy_fraction']:.0f}%" if row.get("busy_fraction") is not None else "-"
-                    peak = f"{100 * row['peak_fraction']:.1f}%" if row.get("peak_fraction") is not None else "-"
-                    print(f"{method:<7} {phase:<9} {name:<24} {row['steps_per_s']:>9.2f} "
-                          f"{row['steps_per_s'] / ref[phase]:>6.2f}x {100 * row['wait_fraction']:>6.1f}% {busy:>7} "
-                          f"{peak:>7} {row['loss']:>8.4f}", flush=True)
+        for _ in range(args.repeats):  # methods interleaved: a drift of the machine hits every method alike
+            for method in args.methods:
+                for name in configs:
+                    for row in measure(args.preset, method, CANDIDATES[name], base, steps, warmup):
+                        phase = row["phase"]
+                        ref.setdefault((method, phase), row["steps_per_s"])
+                        rates.setdefault((method, phase, name), []).append(row["steps_per_s"])
+                        busy = f"{100 * row['busy_fraction']:.0f}%" if row.get("busy_fraction") is not None else "-"
+                        peak = f"{100 * row['peak_fraction']:.1f}%" if row.get("peak_fraction") is not None else "-"
+                        print(f"{method:<7} {phase:<9} {name:<24} {row['steps_per_s']:>9.2f} "
+                              f"{row['steps_per_s'] / ref[method, phase]:>6.2f}x {100 * row['wait_fraction']:>6.1f}% "
+                              f"{busy:>7} {peak:>7} {row['loss']:>8.4f} {draw_ms(row):>8}", flush=True)
+    if args.repeats > 1:
+        print(summary(rates))
 
+
+def summary(rates: dict[tuple[str, str, str], list[float]]) -> str:
+    """The median steps/s of every (method, phase, config) over the repeats, and OT-CFM's median against FM's (the
+    issue's "OT-CFM within 10 % of FM": the exact OT plan drawn ahead should cost the step nothing)."""
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    lines = [f"median over {max(len(v) for v in rates.values())} interleaved runs:"]
+    for (method, phase, name), m in med.items():
+        spread = f"{min(rates[method, phase, name]):.1f}-{max(rates[method, phase, name]):.1f}"
+        line = f"{method:<7} {phase:<9} {name:<24} {m:>9.2f} steps/s (range {spread})"
+        if method == "otcfm" and ("fm", phase, name) in med:
+            line += f"   otcfm / fm {m / med['fm', phase, name]:.2f}"
+        lines.append(line)
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     main()

@@ -33,6 +33,7 @@ from sinkflow.methods.flow_matching import InterpolantStep
 from sinkflow.models import UNET_PRESETS, build_model, count_parameters
 from sinkflow.engine.finite import skips_on_device
 from sinkflow.engine.trainer import Trainer
+from sinkflow.tools.throughput import peak_flops, step_flops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_md import machine  # noqa: E402
@@ -140,6 +141,24 @@ def torchcfm_step(unet_cfg, shape, device):
     return step, sum(p.numel() for p in net.parameters())
 
 
+PROFILED = 3  # steps run under the profiler for --profile (each Trainer's budget covers them)
+
+
+def kernel_table(step, x1s, device, rows: int = 20) -> str:
+    """The top kernels (CUDA) or ops (CPU) by self time over ``PROFILED`` steps: convolutions vs normalisation vs
+    elementwise vs optimizer, the split that says which fast path can still pay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        for i in range(PROFILED):
+            step(x1s[i % len(x1s)])
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -147,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 30 GPU, 3 smoke)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 10 GPU, 1 smoke)")
     ap.add_argument("--compile", action="store_true", help="also time fast + torch.compile")
+    ap.add_argument("--profile", default=None, metavar="PATH",
+                    help="after timing, run a few steps of this path (e.g. fast+graphs) under the PyTorch profiler and "
+                         "print where the device time goes (top kernels)")
     ap.add_argument("--smoke", action="store_true", help="tiny UNet on 16x16 images (CPU check of the script)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -158,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     x1s = make_batches(batch, shape, device, steps)
     torch.backends.cudnn.benchmark = True
 
-    rows = []
+    rows, flops, profiled = [], None, None
     fast = dict(precision="bf16", channels_last=False, compile_=False, plain_adam=False)
     configs = [("fp32-eager", dict(precision="fp32", channels_last=False, compile_=False, plain_adam=True)),
                ("fast", fast), ("fast+CL", {**fast, "channels_last": True})]
@@ -166,9 +188,15 @@ def main(argv: list[str] | None = None) -> None:
         configs += [("fast+compile", {**fast, "compile_": True}),
                     ("fast+graphs", {**fast, "compile_": True, "mode": "reduce-overhead"})]
     for name, kw in configs:
-        phase, params = sinkflow_phase(unet, shape, device, warmup + steps, **kw)
-        seconds = time_steps(bench_sinkflow(phase, x1s, device), x1s, warmup, device)
+        phase, params = sinkflow_phase(unet, shape, device, warmup + steps + PROFILED, **kw)
+        if flops is None:  # forward + backward of one step, counted on the eager module (the same arithmetic)
+            x1 = x1s[0]
+            flops = step_flops(phase, (x1, torch.rand(batch, device=device), x1))
+        step = bench_sinkflow(phase, x1s, device)
+        seconds = time_steps(step, x1s, warmup, device)
         rows.append((name, params, steps * batch / seconds))
+        if name == args.profile:
+            profiled = kernel_table(step, x1s, device)
         del phase
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -184,10 +212,18 @@ def main(argv: list[str] | None = None) -> None:
           f"batch {batch}, {steps} timed steps after {warmup} warm-up, on {machine(device)}")
     base = rows[0][2]
     ref = dict((r[0], r[2]) for r in rows).get("torchcfm", float("nan"))
-    print(f"{'path':<14} {'params':>10} {'images/s':>10} {'vs fp32-eager':>14} {'vs torchcfm':>12}")
+    peak = peak_flops(device, "bf16")
+    print(f"model FLOPs per training step (forward + backward, torch's FLOP counter): {flops / 1e9:.1f} G "
+          f"({flops / batch / 1e9:.2f} G per image); this card's measured bf16 matrix-product peak "
+          f"{peak / 1e12:.0f} TFLOP/s")
+    print(f"{'path':<14} {'params':>10} {'images/s':>10} {'vs fp32-eager':>14} {'vs torchcfm':>12} {'% bf16 peak':>12}")
     for name, params, ips in rows:
         shown = f"{ips:>10.1f}" if device.type == "cuda" else f"{'(cpu)':>10}"
-        print(f"{name:<14} {params:>10,} {shown} {ips / base:>13.2f}x {ips / ref:>11.2f}x")
+        print(f"{name:<14} {params:>10,} {shown} {ips / base:>13.2f}x {ips / ref:>11.2f}x "
+              f"{100 * flops / batch * ips / peak:>11.1f}%")
+    if profiled is not None:
+        print(f"where the time of a {args.profile} step goes ({PROFILED} steps under the PyTorch profiler):")
+        print(profiled)
 
 
 if __name__ == "__main__":

@@ -214,6 +214,7 @@ def test_smoke_gpu_checks(quiet, capsys):
     assert "device noise reproducible from the CPU state: True" in out
     assert float(re.search(r"Adam, 3 steps: max\|dw\| (\S+)", out).group(1)) < 1e-5
     assert float(re.search(r"drawn ahead vs inline, 6 steps: max\|dw\| ([0-9.e+-]+)", out).group(1)) == 0.0
+    assert re.search(r"same permutation 3/3, max matched-cost difference 0.00e\+00", out)
     fresh, loop = (float(v) for v in re.search(r"fresh copy \|dnll\| (\S+), fused vs for-loop \|dnll\| (\S+)", out).groups())
     assert fresh < 1e-5 and loop < 1e-3  # with the old version-keyed W cache: 0.17 apart on both
 
@@ -343,14 +344,17 @@ def test_smoke_loss_curve(quiet, capsys):
 
 def test_smoke_train_throughput(quiet, capsys):
     bench = load("train_throughput")
-    bench.main(["--smoke", "--device", "cpu", "--batch", "2", "--steps", "1", "--warmup", "1"])
+    bench.main(["--smoke", "--device", "cpu", "--batch", "2", "--steps", "1", "--warmup", "1", "--profile", "fast"])
     out = capsys.readouterr().out
-    assert "path               params   images/s  vs fp32-eager  vs torchcfm" in out
+    assert "path               params   images/s  vs fp32-eager  vs torchcfm  % bf16 peak" in out
     base, fast, cl = rows(out, "fp32-eager "), rows(out, "fast "), rows(out, "fast+CL ")
-    assert len(base) == 1 and len(fast) == 1 and len(cl) == 1 and base[0].split()[-2] == "1.00x"
-    assert float(fast[0].split()[-2].rstrip("x")) > 0 and float(cl[0].split()[-2].rstrip("x")) > 0
+    assert len(base) == 1 and len(fast) == 1 and len(cl) == 1 and base[0].split()[-3] == "1.00x"
+    assert float(fast[0].split()[-3].rstrip("x")) > 0 and float(cl[0].split()[-3].rstrip("x")) > 0
+    assert all(0 < float(r.split()[-1].rstrip("%")) < 100 for r in (*base, *fast, *cl))  # FLOPs counted, peak measured
     torchcfm = rows(out, "torchcfm ")
-    assert torchcfm and (math.isfinite(float(torchcfm[0].split()[-2].rstrip("x"))) or "not importable" in out)
+    assert torchcfm and (math.isfinite(float(torchcfm[0].split()[-3].rstrip("x"))) or "not importable" in out)
+    # --profile: the kernels (here CPU ops) of the named path, convolutions among them
+    assert "where the time of a fast step goes" in out and "conv" in out.split("where the time of")[1]
     cfg = bench.train_config(7, precision="bf16", channels_last=True, compile_=False)  # the schema's own keys
     assert cfg["train"]["velocity"]["iters"] == 7 and cfg["train"]["velocity"]["precision"] == "bf16"
 
@@ -361,8 +365,8 @@ def test_smoke_train_throughput_on_cuda(quiet, capsys):
     for-loop Adam, which must then be checked on the host (the CPU run never takes that path)."""
     load("train_throughput").main(["--smoke", "--device", "cuda", "--batch", "2", "--steps", "2", "--warmup", "1"])
     out = capsys.readouterr().out
-    assert rows(out, "fp32-eager ")[0].split()[-2] == "1.00x" and math.isfinite(
-        float(rows(out, "fast ")[0].split()[-2].rstrip("x")))
+    assert rows(out, "fp32-eager ")[0].split()[-3] == "1.00x" and math.isfinite(
+        float(rows(out, "fast ")[0].split()[-3].rstrip("x")))
 
 
 def test_smoke_preset_throughput(quiet, capsys):
@@ -371,7 +375,7 @@ def test_smoke_preset_throughput(quiet, capsys):
     load("preset_throughput").main(["--smoke", "--device", "cpu", "--configs", "baseline", "+prefetch",
                                     "--methods", "otcfm", "nsgfpp", "--steps", "2", "--warmup", "0"])
     out = capsys.readouterr().out
-    assert "method  phase     config                     steps/s  x base  wait %  busy %  % peak     loss" in out
+    assert "method  phase     config                     steps/s  x base  wait %  busy %  % peak     loss  draw ms" in out
     table = {tuple(line.split()[:3]): line.split() for line in out.splitlines()
              if line.startswith(("otcfm ", "nsgfpp "))}
     assert set(table) == {(m, p, c) for m, p in [("otcfm", "velocity"), ("nsgfpp", "velocity"), ("nsgfpp", "nsf")]
@@ -379,7 +383,19 @@ def test_smoke_preset_throughput(quiet, capsys):
     for (method, phase, name), cells in table.items():
         assert float(cells[3]) > 0 and float(cells[4].rstrip("x")) > 0
         assert name != "baseline" or cells[4] == "1.00x"  # ratios to the baseline of the same phase and run
-        assert float(cells[-1]) == pytest.approx(float(table[method, phase, "baseline"][-1]), rel=1e-5)
+        assert float(cells[-2]) == pytest.approx(float(table[method, phase, "baseline"][-2]), rel=1e-5)
+        # the worker's draw time: only where batches are drawn ahead
+        assert (cells[-1] == "-") == (name == "baseline") and (name == "baseline" or float(cells[-1]) > 0)
+
+
+def test_preset_throughput_summary_takes_medians_of_interleaved_runs_and_otcfm_over_fm():
+    bench = load("preset_throughput")
+    text = bench.summary({("fm", "velocity", "default"): [90.0, 140.0, 100.0],
+                          ("otcfm", "velocity", "default"): [80.0, 95.0, 104.0]})
+    lines = text.splitlines()
+    assert lines[0] == "median over 3 interleaved runs:"
+    assert "100.00 steps/s (range 90.0-140.0)" in lines[1] and "otcfm / fm" not in lines[1]
+    assert lines[2].split()[3] == "95.00" and lines[2].endswith("otcfm / fm 0.95")
 
 
 def test_helper_suite2d(tmp_path):

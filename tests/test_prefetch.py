@@ -45,10 +45,12 @@ def test_prefetched_batches_equal_inline_ones_in_order_and_resume_point():
             states.append(pf.generator_state().clone())  # where a checkpoint written now would resume
             out.append(pf.next(more=i + 1 < n))
         pf.close()
-        return out, states
+        return out, states, pf
 
-    inline, inline_states = draws(False)
-    ahead, ahead_states = draws(True)
+    inline, inline_states, inline_pf = draws(False)
+    ahead, ahead_states, ahead_pf = draws(True)
+    # the worker's draws are timed (bench's "draw ms"); inline draws have no worker to time
+    assert (inline_pf.draws, ahead_pf.draws) == (0, 6) and ahead_pf.draw_s > 0
     for a, b in zip(inline, ahead):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert all(torch.equal(a, b) for a, b in zip(inline_states, ahead_states))
@@ -342,9 +344,10 @@ def test_bench_throughput_reports_rates_wait_and_peak_fraction(runs_dir, capsys,
                      "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("velocity")).split()
-    steps_s, samples_s, wait, busy, gflop, tflops, peak = row[2:9]
+    steps_s, samples_s, wait, draw, busy, gflop, tflops, peak = row[2:10]
     assert float(steps_s) > 0 and float(samples_s) == pytest.approx(4 * float(steps_s), rel=0.01, abs=0.6)
     assert 0 <= float(wait.rstrip("%")) < 100 and busy == "-"  # busy is a CUDA measurement
+    assert draw == "-"  # batches are drawn inline on a CPU (prefetch: auto): no worker to time
     assert float(gflop) > 0 and 0 < float(peak.rstrip("%")) < 100
     assert not runs_dir.exists()
 

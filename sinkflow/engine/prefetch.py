@@ -18,6 +18,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
+import time
+
 import torch
 
 
@@ -44,7 +46,7 @@ class BatchPrefetcher:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: tuple[torch.Tensor, Future] | None = None
         self._stream = None
-        self.wait_s = 0.0  # time the training thread spent blocked on a batch (bench reads it)
+        self.draw_s, self.draws = 0.0, 0  # time the worker spent drawing, and how many draws (bench reads them)
 
     def generator_state(self) -> torch.Tensor:
         """The generator state from which the next batch the loop has not consumed is drawn (checkpoints)."""
@@ -79,14 +81,18 @@ class BatchPrefetcher:
         self._pending = (state, self._pool.submit(self._draw_one))
 
     def _draw_one(self) -> tuple[Any, Any]:
-        if self._stream is None:
-            return self.draw(), None
-        torch.cuda.set_device(self.device)  # the current device is per thread
-        with torch.cuda.stream(self._stream):
-            batch = self.draw()
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return batch, event
+        start = time.perf_counter()
+        try:
+            if self._stream is None:
+                return self.draw(), None
+            torch.cuda.set_device(self.device)  # the current device is per thread
+            with torch.cuda.stream(self._stream):
+                batch = self.draw()
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            return batch, event
+        finally:
+            self.draw_s, self.draws = self.draw_s + time.perf_counter() - start, self.draws + 1
 
     def close(self) -> None:
         """Wait for a draw in flight (its batch is dropped; ``generator_state`` still points before it)."""

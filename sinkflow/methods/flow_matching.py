@@ -27,7 +27,8 @@ def interpolant_batch(source, target, generator, n, device, ot_pairs=False, t_mi
     x0 = source.sample(n, generator, "cpu")
     x1 = target.sample(n, generator, "cpu")
     t = t_min + (1.0 - t_min) * torch.rand(n, generator=generator)
-    if ot_pairs:
+    if ot_pairs:  # the global batch on the device first: the plan's cost matrix is computed there (ot_permutation)
+        x0, x1 = x0.to(device, non_blocking=True), x1.to(device, non_blocking=True)
         x1 = x1[ot_permutation(x0, x1)]
     x0, x1, t = (dist.shard(v).to(device, non_blocking=True) for v in (x0, x1, t))
     xt, ut = straight_path(x0, x1, t)
@@ -80,7 +81,7 @@ class FlowMatching(Method):
         if t is None:
             t = torch.rand(x0.shape[0], generator=generator).to(x0.device)
         if self.coupling == "ot":
-            x1 = x1[ot_permutation(x0, x1).to(x1.device)]
+            x1 = x1[ot_permutation(x0, x1)]
         xt, ut = straight_path(x0, x1, t)
         return t, xt, ut
 

@@ -296,7 +296,7 @@ def _exact_landing(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """y_j(i) - x_i per batch of x, y (B, N, D): the displacement onto each particle's exact-OT partner."""
     from sinkflow.ot.exact import ot_permutation
 
-    return torch.stack([y[b][ot_permutation(x[b], y[b]).to(y.device)] - x[b] for b in range(x.shape[0])])
+    return torch.stack([y[b][ot_permutation(x[b], y[b])] - x[b] for b in range(x.shape[0])])
 
 
 def eta_schedule(eta: float, steps: int, growth: float | None = None, schedule: str | None = None) -> list[float]:

@@ -7,6 +7,9 @@ Per training phase of a preset, with the phase's own config (precision, memory f
   slow a small network down).
 * **data wait %**: the share of that wall time the training thread spent between one step's end and the next
   step's start (waiting for a batch the prefetcher has not finished, or drawing it inline, plus callbacks).
+* **draw ms**: with batches drawn ahead, the worker thread's mean time per batch (sampling, OT-CFM's exact plan,
+  the copy): beside the step time it says whether the worker keeps up, or slows the step by competing for the
+  GIL and the cores while it runs.
 * **device busy %** (CUDA): the share of the timed steps' wall time in which kernels ran, from the PyTorch
   profiler over a few extra steps; ``100 - busy`` is the time the GPU waited on the host (launch overhead,
   syncs, Python). On a CPU the host *is* the device, so it is not reported.
@@ -70,6 +73,12 @@ def peak_flops(device: torch.device, precision: str, size: int | None = None, re
     return 2 * n**3 / best
 
 
+def worker_draws(trainer) -> tuple[float, int]:
+    """(seconds, count) of the batches the prefetch worker has drawn so far in this phase."""
+    batches = trainer.batches
+    return (batches.draw_s, batches.draws) if batches is not None else (0.0, 0)
+
+
 class Throughput(Callback):
     """Times ``steps`` steps of every training phase after ``warmup`` untimed ones; ``rows`` gets a dict per phase.
 
@@ -91,6 +100,7 @@ class Throughput(Callback):
         self.prof_t0 = None
         self.busy: float | None = None
         self.loss_sum = None  # summed on the device over the timed steps, read once at the end
+        self.draw0 = self.draw_ms = None
 
     def _index(self, trainer) -> int:
         return trainer.step - self.first  # steps done in this phase before the current one
@@ -105,6 +115,7 @@ class Throughput(Callback):
         if i == self.warmup:
             _sync(trainer.device)
             self.t0 = now = time.perf_counter()
+            self.draw0 = worker_draws(trainer)
         elif self.t0 is not None and self.t1 is None and self._end is not None:
             self.wait += now - self._end
         if i == self.warmup + self.steps and self.busy_steps and trainer.device.type == "cuda":
@@ -126,6 +137,11 @@ class Throughput(Callback):
             if i == self.warmup + self.steps:
                 _sync(trainer.device)
                 self.t1 = time.perf_counter()
+                (s0, n0), (s1, n1) = self.draw0, worker_draws(trainer)
+                if n1 > n0:  # the draws of the timed window; a window too short for one: every draw so far
+                    self.draw_ms = 1e3 * (s1 - s0) / (n1 - n0)
+                elif n1:
+                    self.draw_ms = 1e3 * s1 / n1
         if self.prof is not None and i == self.warmup + self.steps + self.busy_steps:
             _sync(trainer.device)
             wall = time.perf_counter() - self.prof_t0
@@ -148,7 +164,7 @@ class Throughput(Callback):
             wall = self.t1 - self.t0
             row.update(steps=self.steps, steps_per_s=self.steps / wall, samples_per_s=self.samples / wall,
                        wait_fraction=self.wait / wall, step_flops=self.step_flops,
-                       busy_fraction=self.busy, loss=float(self.loss_sum) / self.steps)
+                       busy_fraction=self.busy, loss=float(self.loss_sum) / self.steps, draw_ms=self.draw_ms)
         self.rows.append(row)
 
 
@@ -162,8 +178,13 @@ def add_peak(rows: list[dict], peaks: dict) -> list[dict]:
     return rows
 
 
+def draw_ms(row: dict) -> str:
+    """The worker's mean draw time, or - where batches were drawn inline."""
+    return f"{row['draw_ms']:.2f}" if row.get("draw_ms") is not None else "-"
+
+
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'phase':<10} {'prec':<5} {'steps/s':>9} {'samples/s':>10} {'wait %':>7} {'busy %':>7} "
+    lines = [f"{'phase':<10} {'prec':<5} {'steps/s':>9} {'samples/s':>10} {'wait %':>7} {'draw ms':>8} {'busy %':>7} "
              f"{'GFLOP/step':>11} {'TFLOP/s':>8} {'% peak':>7}"]
     for r in rows:
         if not r.get("steps"):
@@ -174,5 +195,5 @@ def format_rows(rows: list[dict]) -> str:
         tf = f"{r['flops_per_s'] / 1e12:.3g}" if r.get("flops_per_s") else "-"
         pk = f"{100 * r['peak_fraction']:.1f}%" if r.get("peak_fraction") is not None else "-"
         lines.append(f"{r['phase']:<10} {r['precision']:<5} {r['steps_per_s']:>9.2f} {r['samples_per_s']:>10.0f} "
-                     f"{100 * r['wait_fraction']:>6.1f}% {busy:>7} {gf:>11} {tf:>8} {pk:>7}")
+                     f"{100 * r['wait_fraction']:>6.1f}% {draw_ms(r):>8} {busy:>7} {gf:>11} {tf:>8} {pk:>7}")
     return "\n".join(lines)
