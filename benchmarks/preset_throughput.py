@@ -53,12 +53,14 @@ SMOKE_MODEL = ["model.velocity.channels=8", "model.velocity.attention_resolution
 UNET_PHASES = ("velocity", "nsf")
 
 
-def measure(preset: str, method: str, setting: list[str], base: list[str], steps: int, warmup: int) -> list[dict]:
-    """The rows of the method's UNet phases (velocity; NSGF++ also nsf) with ``setting`` applied to each."""
+def measure(preset: str, method: str, setting: list[str], base: list[str], steps: int, warmup: int,
+            phases: tuple[str, ...] = UNET_PHASES) -> list[dict]:
+    """The rows of the method's ``phases`` (default its UNet phases: velocity; NSGF++ also nsf) with ``setting``
+    applied to each (NSGF++'s time predictor, a small CNN, is the third phase of a full run: ``--phases``)."""
     cfg = config.resolve(preset, [f"experiment.method={method}", *base], unread="ignore")  # one base list for every method
-    phases = [p for p in cfg["train"] if p in UNET_PHASES]
-    overrides = [f"train.{p}.{kv}" for p in phases for kv in setting]
-    return [r for r in throughput(config.apply_overrides(cfg, overrides), steps, warmup) if r["phase"] in UNET_PHASES]
+    chosen = [p for p in cfg["train"] if p in phases]
+    overrides = [f"train.{p}.{kv}" for p in chosen for kv in setting]
+    return [r for r in throughput(config.apply_overrides(cfg, overrides), steps, warmup) if r["phase"] in phases]
 
 
 def main(argv=None) -> None:
@@ -70,6 +72,8 @@ def main(argv=None) -> None:
                     help="default: all (smoke: baseline and +prefetch)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per phase (default 100; smoke 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 20, compile needs them; smoke 1)")
+    ap.add_argument("--phases", nargs="+", default=list(UNET_PHASES),
+                    help="training phases to time (default the UNet phases; NSGF++'s time predictor: time)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every method and config this many times, interleaved, and print the medians (and OT-CFM "
                          "/ FM): one 100-step window varies by up to 25 %% between runs on an H100")
@@ -103,7 +107,8 @@ def main(argv=None) -> None:
         for _ in range(args.repeats):  # methods interleaved: a drift of the machine hits every method alike
             for method in args.methods:
                 for name in configs:
-                    for row in measure(args.preset, method, CANDIDATES[name], base, steps, warmup):
+                    for row in measure(args.preset, method, CANDIDATES[name], base, steps, warmup,
+                                       tuple(args.phases)):
                         phase = row["phase"]
                         ref.setdefault((method, phase), row["steps_per_s"])
                         rates.setdefault((method, phase, name), []).append(row["steps_per_s"])

@@ -9,7 +9,8 @@ already on the device, so this measures the training step, not the data path; se
 - ``fast``: the same Trainer.train_step with bf16 autocast (fp32 master weights), NCHW, fused Adam,
   foreach-lerp EMA; ``fast+CL`` the same in channels_last (the CUDA default until 2026-11-26, measured
   slower on the ``mnist`` UNet); ``--compile`` adds ``fast+compile`` (torch.compile, default mode) and
-  ``fast+graphs`` (mode reduce-overhead: CUDA graphs, the CUDA default for UNet phases since 2026-11-26).
+  ``fast+graphs`` (mode reduce-overhead: CUDA graphs, the CUDA default for UNet phases since 2026-11-26) and
+  ``fast+CL+graphs`` (the same in channels_last: no cuDNN layout transposes around each convolution).
 - ``torchcfm``: torchcfm's own train_cifar10.py step on its UNetModelWrapper of the same size
   (fp32, ConditionalFlowMatcher, Adam, grad clip, its per-tensor EMA copy), when torchcfm is installed.
 
@@ -186,7 +187,10 @@ def main(argv: list[str] | None = None) -> None:
                ("fast", fast), ("fast+CL", {**fast, "channels_last": True})]
     if args.compile:
         configs += [("fast+compile", {**fast, "compile_": True}),
-                    ("fast+graphs", {**fast, "compile_": True, "mode": "reduce-overhead"})]
+                    ("fast+graphs", {**fast, "compile_": True, "mode": "reduce-overhead"}),
+                    # fast+graphs spent 22 % of its device time in cuDNN's NCHW <-> NHWC transposes (H100, 2026-11-26);
+                    # channels_last lost in eager only through GroupNorm, which inductor fuses here
+                    ("fast+CL+graphs", {**fast, "channels_last": True, "compile_": True, "mode": "reduce-overhead"})]
     for name, kw in configs:
         phase, params = sinkflow_phase(unet, shape, device, warmup + steps + PROFILED, **kw)
         if flops is None:  # forward + backward of one step, counted on the eager module (the same arithmetic)

@@ -373,13 +373,14 @@ def test_smoke_preset_throughput(quiet, capsys):
     """OT-CFM (its exact OT pairs drawn on the prefetch thread) and NSGF++ (a row for each UNet phase); FM's row
     is OT-CFM's code path. The same seed gives both configs the same batches, so the timed loss must agree."""
     load("preset_throughput").main(["--smoke", "--device", "cpu", "--configs", "baseline", "+prefetch",
-                                    "--methods", "otcfm", "nsgfpp", "--steps", "2", "--warmup", "0"])
+                                    "--methods", "otcfm", "nsgfpp", "--steps", "2", "--warmup", "0",
+                                    "--phases", "velocity", "nsf", "time"])
     out = capsys.readouterr().out
     assert "method  phase     config                     steps/s  x base  wait %  busy %  % peak     loss  draw ms" in out
     table = {tuple(line.split()[:3]): line.split() for line in out.splitlines()
              if line.startswith(("otcfm ", "nsgfpp "))}
-    assert set(table) == {(m, p, c) for m, p in [("otcfm", "velocity"), ("nsgfpp", "velocity"), ("nsgfpp", "nsf")]
-                          for c in ("baseline", "+prefetch")}
+    assert set(table) == {(m, p, c) for m, p in [("otcfm", "velocity"), ("nsgfpp", "velocity"), ("nsgfpp", "nsf"),
+                                                 ("nsgfpp", "time")] for c in ("baseline", "+prefetch")}
     for (method, phase, name), cells in table.items():
         assert float(cells[3]) > 0 and float(cells[4].rstrip("x")) > 0
         assert name != "baseline" or cells[4] == "1.00x"  # ratios to the baseline of the same phase and run
