@@ -15,10 +15,9 @@ kernels release the GIL, so the OT plan of OT-CFM (and NSGF++'s NSF pairs) is co
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
-
-import time
 
 import torch
 
