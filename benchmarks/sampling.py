@@ -1,7 +1,8 @@
 """Sampling throughput (images/s) of the CIFAR-10 UNet at the NSGF++ NFE (~60 UNet evaluations per image).
 
 Euler integration with sinkflow.methods.ode.euler (the sampler `sinkflow sample` uses), NFE counted by
-forward hooks, in inference mode; fp32 NCHW versus bf16 autocast (NCHW, and channels_last), and with
+forward hooks, in inference mode; fp32 NCHW versus bf16 autocast (NCHW: what `sample.precision=bf16` runs; and
+channels_last), and with
 ``--compile`` the network as ``sample.compile=true`` runs it, in fp32 and under bf16 autocast
 (``compiled_for_sampling``: on CUDA each batch shape captured once as a CUDA graph, replayed every Euler step;
 compile time excluded, reported apart), at several batch sizes.

@@ -484,6 +484,10 @@ SAMPLE = {
     "compile": Key(False, Bool(), "torch.compile the networks the sampler calls (CUDA: each batch shape captured "
                    "once as a CUDA graph and replayed at every Euler step); opt-in: one compile per batch shape "
                    "first, paid back on long evaluations (docs/performance.md)", opt_in=True),
+    "precision": Key("fp32", Options("fp32", "bf16"), "autocast dtype of the sampled networks (the Euler state and "
+                     "every step's update stay float32): bf16 runs the networks' convolutions and matrix products on "
+                     "bf16 tensor cores; opt-in until its speed and its samples are measured against fp32 "
+                     "(docs/performance.md)", opt_in=True),
     "qmc": Key(False, Bool(), "`sinkflow sample` / Run.sample draw the source by randomised QMC (scrambled Sobol, "
                "where the source has a twin: normal, 8gaussians) instead of i.i.d.; the evaluation has its own "
                "eval.qmc"),
@@ -545,14 +549,14 @@ class MethodSpec:
 
 
 NSGF_READS = ("pool", "sinkhorn", "nsgf")
-EULER_READS = ("sample.steps", "sample.time_warp", "eval.steps", "sample.compile")
+EULER_READS = ("sample.steps", "sample.time_warp", "eval.steps", "sample.compile", "sample.precision")
 
 # The one method registry: adding a method is its file plus one entry here.
 METHOD_REGISTRY: dict[str, MethodSpec] = {
     "nsgf": MethodSpec("nsgf:METHOD", ("pool", "velocity"), NSGF_READS + EULER_READS,
                        doc="Neural Sinkhorn Gradient Flow: a Sinkhorn-flow trajectory pool, then velocity matching"),
     "nsgfpp": MethodSpec(
-        "nsgfpp:METHOD", ("pool", "velocity", "nsf", "time"), NSGF_READS + ("sample.compile",),
+        "nsgfpp:METHOD", ("pool", "velocity", "nsf", "time"), NSGF_READS + ("sample.compile", "sample.precision"),
         keys={
             "nsgf": {
                 "nsf_pairs": Key("independent", Options("independent", "ot"), "NSGF++'s straight flow pairs its "
