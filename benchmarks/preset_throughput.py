@@ -134,5 +134,6 @@ def summary(rates: dict[tuple[str, str, str], list[float]]) -> str:
         lines.append(line)
     return "\n".join(lines)
 
+
 if __name__ == "__main__":
     main()
