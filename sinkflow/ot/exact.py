@@ -15,7 +15,9 @@ def ot_permutation(x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
     prefetch thread (H100 host, cProfile, 2026-11-26): only the n x n cost goes to the host for POT's solver."""
     import ot  # POT: imported here so the velocity code does not pay for it
 
-    cost = (torch.cdist(x0.flatten(1).double(), x1.flatten(1).double()) ** 2).cpu()
+    where = x0.device if x0.device.type in ("cpu", "cuda") else torch.device("cpu")  # MPS has no float64
+    a, b = (x.flatten(1).to(where, torch.float64) for x in (x0, x1))
+    cost = (torch.cdist(a, b) ** 2).cpu()
     n = x0.shape[0]
     plan = ot.emd(np.full(n, 1.0 / n), np.full(n, 1.0 / n), cost.numpy(), numItermax=int(1e7))
     return torch.from_numpy(plan.argmax(axis=1)).to(x1.device)
