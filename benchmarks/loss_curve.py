@@ -98,7 +98,8 @@ def main(argv=None) -> None:
     print(f"{'step':>6} {'fp32 min':>9} {'fp32 max':>9} {'default':>9}  inside")
     for r in rows:
         print(f"{r['step']:>6} {r['lo']:>9.4f} {r['hi']:>9.4f} {r['loss']:>9.4f}  {'yes' if r['inside'] else 'NO'}")
-    print(f"inside the fp32 band (widened by half its width): {sum(r['inside'] for r in rows)} of {len(rows)} log steps")
+    inside = sum(r["inside"] for r in rows)
+    print(f"inside the fp32 band (widened by half its width): {inside} of {len(rows)} log steps")
 
 
 if __name__ == "__main__":

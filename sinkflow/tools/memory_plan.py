@@ -168,8 +168,8 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
 
 def estimate(cfg: dict, world: int = 1, bf16: bool = False) -> list[PhaseMemory]:
     """Per-phase memory of the config (real sizes), measured on CPU, for a CUDA card with bf16 tensor cores or
-    without (what ``auto`` precision becomes there; by default without, as ``card_bf16`` plans for no card). Uses synthetic data of the real shape when the image set
-    is not available here."""
+    without (what ``auto`` precision becomes there; by default without, as ``card_bf16`` plans for no card). Uses
+    synthetic data of the real shape when the image set is not available here."""
     from sinkflow.methods.base import ChunkedTask, TrainingStep
     from sinkflow.models import build_model
     from sinkflow.tools.data import real_or_synthetic
