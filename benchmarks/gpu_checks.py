@@ -8,7 +8,10 @@
    on the CPU the reads are counted instead);
 5. OT-CFM's exact plan with its cost matrix computed on the device (as the prefetch thread does) vs on the host:
    the same permutation for `mnist`-shaped batches (and the same matched cost);
-6. an invertible-mode Glow trained with fused Adam: its log-likelihood after the steps equals a freshly loaded
+6. the whole step as one CUDA graph (``train.velocity.graph=step``) vs the plain step: OT-CFM on moons (batches drawn
+   ahead while the step is captured, EMA on) and FM through a UNet on `mnist`-shaped batches in bf16: max |weight
+   difference| after the steps, the capture made, and no host sync on an ordinary step after the capture;
+7. an invertible-mode Glow trained with fused Adam: its log-likelihood after the steps equals a freshly loaded
    copy's (fused Adam moves no version counter, so a stale parameter cache would show here) and the for-loop
    Adam run's.
 
@@ -91,12 +94,13 @@ def adam_check(device: torch.device, size: dict) -> None:
 class NoSyncOnOrdinarySteps(Callback):
     """A callback that makes any host sync an error (CUDA) between the log/checkpoint steps of a phase."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.steps = device, 0
+    def __init__(self, device: torch.device, after: int = 0):
+        self.device, self.steps, self.after = device, 0, after
 
     def on_train_batch_start(self, trainer, batch) -> None:
         nxt = trainer.step + 1
-        ordinary = nxt % trainer.cfg["log_every"] and nxt % trainer.cfg["ckpt_every"] and nxt < trainer.cfg["iters"]
+        ordinary = (nxt % trainer.cfg["log_every"] and nxt % trainer.cfg["ckpt_every"] and nxt < trainer.cfg["iters"]
+                    and nxt > self.after)
         if ordinary and self.device.type == "cuda":
             torch.cuda.set_sync_debug_mode("error")
         self.steps += bool(ordinary)
@@ -130,6 +134,50 @@ def prefetch_check(device: torch.device, size: dict) -> None:
     dw = max(float((weights["never"][k].float() - weights["always"][k].float()).abs().max()) for k in weights["never"])
     print(f"OT-CFM batches drawn ahead vs inline, {size['train_steps']} steps: max|dw| {dw:.2e}; "
           f"{synced} ordinary steps ran {'with host syncs made errors' if device.type == 'cuda' else 'on the CPU'}")
+
+
+def step_graph_check(device: torch.device, size: dict) -> None:
+    from sinkflow.engine.step_graph import WARMUP
+    from sinkflow.methods.flow_matching import InterpolantStep
+    from sinkflow.runtime.checkpoint import load
+    from sinkflow.tools.data import real_or_synthetic
+
+    cases = {"moons otcfm fp32 +prefetch +ema": ("moons", ["experiment.method=otcfm", "train.velocity.precision=fp32",
+                                                            "train.velocity.prefetch=always", "train.velocity.ema=0.99"]),
+             "mnist-shaped fm bf16 UNet": ("mnist", ["experiment.method=fm", "train.velocity.precision=bf16",
+                                                     "train.velocity.compile=false", "model.velocity.channels=16",
+                                                     "train.velocity.batch_size=32"])}
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        try:
+            for case, (label, (preset, overrides)) in enumerate(cases.items()):
+                final, captured, synced = {}, None, 0
+                with real_or_synthetic(config.resolve(preset), force=preset == "mnist"):
+                    for mode in ("none", "step"):
+                        cfg = config.resolve(preset, [f"experiment.device={device.type}", *overrides,
+                                                      f"train.velocity.iters={size['train_steps']}",
+                                                      "train.velocity.log_every=5", f"train.velocity.graph={mode}",
+                                                      f"experiment.name=graph{case}-{mode}"])
+                        run = RunFolder.create(cfg)
+                        guard = NoSyncOnOrdinarySteps(device, after=WARMUP + 1)  # the capture itself syncs once
+                        trainer = Trainer(run, InterpolantStep("velocity", *distributions(cfg),
+                                                               ot_pairs=cfg["experiment"]["method"] == "otcfm"), [guard])
+                        trainer.fit()
+                        run.logger.close()
+                        final[mode] = load(run.dir / "checkpoints" / "velocity" / "final.pt")
+                        if mode == "step":
+                            captured, synced = trainer.step_graph.graph is not None, guard.steps
+                dw = max(float((final["none"]["model"][k].float() - final["step"]["model"][k].float()).abs().max())
+                         for k in final["none"]["model"])
+                ema = final["none"]["ema"]
+                de = "" if ema is None else ", EMA max|dw| %.2e" % max(
+                    float((ema[k].float() - final["step"]["ema"][k].float()).abs().max()) for k in ema)
+                print(f"step graph vs plain step, {label}, {size['train_steps']} steps: max|dw| {dw:.2e}{de}; "
+                      f"captured: {captured}; {synced} ordinary steps after the capture "
+                      f"{'with host syncs made errors' if device.type == 'cuda' else 'on the CPU'}")
+        finally:
+            os.chdir(here)
 
 
 def ot_plan_check(device: torch.device, size: dict) -> None:
@@ -189,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     adam_check(device, size)
     prefetch_check(device, size)
     ot_plan_check(device, size)
+    step_graph_check(device, size)
     flow_check(device, size)
 
 

@@ -10,7 +10,8 @@ card, and is OT-CFM's step (exact OT pairs, drawn ahead on the prefetch thread) 
 Rows: ``default`` = the preset untouched (``auto`` settings, on CUDA bf16 + CUDA graphs for UNet phases);
 ``baseline`` = fp32, NCHW, no prefetch (each step reads nothing back from the device: that part is
 not optional any more); then one factor changed at a time, then all of them together; ``graphs`` rows compile
-with ``compile_mode=reduce-overhead`` (CUDA graphs: one replay per step instead of one launch per kernel).
+with ``compile_mode=reduce-overhead`` (CUDA graphs of the model: one replay per forward and backward instead of one
+launch per kernel); ``+stepgraph`` rows capture the whole step, optimizer included (``train.<phase>.graph=step``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ CANDIDATES = {
                              "compile_mode=reduce-overhead"],
     "bf16+CL+prefetch+graphs": ["precision=bf16", "channels_last=true", "prefetch=always", "compile=true",
                                 "compile_mode=reduce-overhead"],
+    # the whole step (loss, backward, clip, guard, Adam) as one CUDA graph: the default's settings otherwise
+    # (compile then runs in mode default inside the graph), and the same without compiling
+    "+stepgraph": ["graph=step"],
+    "+stepgraph-nocompile": ["graph=step", "compile=false"],
 }
 SMOKE_MODEL = ["model.velocity.channels=8", "model.velocity.attention_resolutions=[]", "model.nsf.channels=8",
                "model.nsf.attention_resolutions=[]"]

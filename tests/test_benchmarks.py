@@ -215,6 +215,9 @@ def test_smoke_gpu_checks(quiet, capsys):
     assert float(re.search(r"Adam, 3 steps: max\|dw\| (\S+)", out).group(1)) < 1e-5
     assert float(re.search(r"drawn ahead vs inline, 6 steps: max\|dw\| ([0-9.e+-]+)", out).group(1)) == 0.0
     assert re.search(r"same permutation 3/3, max matched-cost difference 0.00e\+00", out)
+    graphs = re.findall(r"step graph vs plain step, (.+?), 6 steps: max\|dw\| (\S+?)[;,]", out)
+    assert [g[0] for g in graphs] == ["moons otcfm fp32 +prefetch +ema", "mnist-shaped fm bf16 UNet"]
+    assert all(float(dw) == 0.0 for _, dw in graphs)  # on the CPU the graph's path runs eagerly: the same step
     fresh, loop = (float(v) for v in re.search(r"fresh copy \|dnll\| (\S+), fused vs for-loop \|dnll\| (\S+)", out).groups())
     assert fresh < 1e-5 and loop < 1e-3  # with the old version-keyed W cache: 0.17 apart on both
 
@@ -373,20 +376,21 @@ def test_smoke_preset_throughput(quiet, capsys):
     """OT-CFM (its exact OT pairs drawn on the prefetch thread) and NSGF++ (a row for each UNet phase); FM's row
     is OT-CFM's code path. The same seed gives both configs the same batches, so the timed loss must agree."""
     load("preset_throughput").main(["--smoke", "--device", "cpu", "--configs", "baseline", "+prefetch",
-                                    "--methods", "otcfm", "nsgfpp", "--steps", "2", "--warmup", "0",
+                                    "+stepgraph-nocompile", "--methods", "otcfm", "nsgfpp", "--steps", "2", "--warmup", "0",
                                     "--phases", "velocity", "nsf", "time"])
     out = capsys.readouterr().out
     assert "method  phase     config                     steps/s  x base  wait %  busy %  % peak     loss  draw ms" in out
     table = {tuple(line.split()[:3]): line.split() for line in out.splitlines()
              if line.startswith(("otcfm ", "nsgfpp "))}
     assert set(table) == {(m, p, c) for m, p in [("otcfm", "velocity"), ("nsgfpp", "velocity"), ("nsgfpp", "nsf"),
-                                                 ("nsgfpp", "time")] for c in ("baseline", "+prefetch")}
+                                                 ("nsgfpp", "time")] for c in ("baseline", "+prefetch",
+                                                                               "+stepgraph-nocompile")}
     for (method, phase, name), cells in table.items():
         assert float(cells[3]) > 0 and float(cells[4].rstrip("x")) > 0
         assert name != "baseline" or cells[4] == "1.00x"  # ratios to the baseline of the same phase and run
         assert float(cells[-2]) == pytest.approx(float(table[method, phase, "baseline"][-2]), rel=1e-5)
-        # the worker's draw time: only where batches are drawn ahead
-        assert (cells[-1] == "-") == (name == "baseline") and (name == "baseline" or float(cells[-1]) > 0)
+        # the worker's draw time: only where batches are drawn ahead (prefetch auto: inline on a CPU)
+        assert (cells[-1] == "-") == (name != "+prefetch") and (name != "+prefetch" or float(cells[-1]) > 0)
 
 
 def test_preset_throughput_summary_takes_medians_of_interleaved_runs_and_otcfm_over_fm():

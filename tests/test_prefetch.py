@@ -231,7 +231,7 @@ def test_a_phase_prints_its_speed_settings_at_the_start(runs_dir, caplog):
     run.logger.close()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("velocity on cpu:")]
     assert lines == ["velocity on cpu: bf16, fused Adam, plain layout, eager, batches drawn one step ahead "
-                     "(train.velocity.precision / channels_last / compile / prefetch)"]
+                     "(train.velocity.precision / channels_last / compile / graph / prefetch)"]
 
 
 def test_a_run_saved_with_foreach_adam_resumes_on_the_fused_kernel(runs_dir, monkeypatch):

@@ -8,7 +8,8 @@ timed-window loss as fp32 eager to three decimals. So ``auto`` means, for a UNet
 
 * precision: bf16 where the card has bf16 tensor cores (compute capability 8.0+, Ampere on); fp32 on older
   cards (a T4 would emulate bf16) and for every other network (2D MLPs, flows, the time predictor: unmeasured);
-* compile: on, in mode ``reduce-overhead`` for one process; off under DDP (CUDA graphs with NCCL unmeasured);
+* compile: on, in mode ``reduce-overhead`` for one process (``default`` under ``graph: step``, which captures the
+  whole step itself); off under DDP (CUDA graphs with NCCL unmeasured);
 * off on a CPU, where compiling costs minutes and buys little (docs/performance.md).
 
 Each setting stays one key away (``precision=fp32``, ``compile=false``), and the phase's first log line prints
@@ -39,6 +40,7 @@ def resolve(tcfg: dict, kind: str, device: torch.device | str, world: int = 1, b
         out["precision"] = "bf16" if fast and native else "fp32"
     if out.get("compile", False) == "auto":
         out["compile"] = fast and world == 1
-    if out.get("compile_mode", "default") == "auto":
-        out["compile_mode"] = "reduce-overhead" if device.type == "cuda" and world == 1 else "default"
+    if out.get("compile_mode", "default") == "auto":  # graph=step captures the whole step: no graphs inside it
+        graphs = device.type == "cuda" and world == 1 and out.get("graph", "none") != "step"
+        out["compile_mode"] = "reduce-overhead" if graphs else "default"
     return out

@@ -40,17 +40,22 @@ class NonFiniteGuard:
         self.loss = torch.zeros((), dtype=torch.float32, device=device)
         self.norm = torch.zeros((), dtype=torch.float32, device=device)
 
-    def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        """Record step ``step`` (1-based); returns the float32 skip flag (1 = do not apply this update)."""
+    def update(self, step: int | torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Record step ``step`` (1-based; an int, or a 0-dim int64 tensor on the device: a captured step reads it
+        there); returns the float32 skip flag (1 = do not apply this update).
+
+        The record is updated in place: a CUDA graph of the step (``sinkflow.engine.step_graph``) reads and writes
+        these same tensors at every replay, so the flag stays sticky across replays."""
         loss, grad_norm = loss.detach().float(), grad_norm.detach().float()
         bad = ~torch.isfinite(loss)
         if self.check_grad:
             bad = bad | ~torch.isfinite(grad_norm)
         bad = dist.any_over_ranks(bad)
         new = bad & (self.first == 0)
-        self.first = torch.where(new, torch.full_like(self.first, step), self.first)
-        self.loss = torch.where(new, loss, self.loss)
-        self.norm = torch.where(new, grad_norm, self.norm)
+        step = step if isinstance(step, torch.Tensor) else torch.full_like(self.first, step)
+        self.loss.copy_(torch.where(new, loss, self.loss))
+        self.norm.copy_(torch.where(new, grad_norm, self.norm))
+        self.first.copy_(torch.where(new, step, self.first))
         return (self.first > 0).float()
 
     def failure(self) -> tuple[str, int] | None:

@@ -12,7 +12,8 @@ Only on log steps (the cost is paid once every ``log_every`` steps):
 * ``dead_frac``: fraction of activation inputs in the flat region of their nonlinearity (ReLU: x <= 0;
   SiLU/GELU/SELU/ELU/Mish: x < -4, where the derivative is below ~0.07), and ``dead_units``: the
   fraction of units (channels / features) that are flat for the whole batch; measured with forward
-  hooks on the activation modules during the logged step only.
+  hooks on the activation modules during the logged step only (not where the step is a CUDA-graph replay,
+  ``train.<phase>.graph: step``: no Python runs inside it).
 
 Every ``train.<phase>.hist_every`` steps (0 = off) weight and gradient histograms go to TensorBoard.
 """
@@ -94,7 +95,8 @@ class Health(Callback):
             return
         with torch.no_grad():
             self.before = [[p.detach().clone() for p in g["params"]] for g in trainer.optimizer.param_groups]
-        self.dead.attach()
+        if not trainer.captures_steps:  # a CUDA-graph replay runs no Python: the hooks would not fire
+            self.dead.attach()
 
     def on_train_batch_end(self, trainer, batch, outputs) -> None:
         self.histograms()

@@ -22,7 +22,6 @@ import time
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from sinkflow.data import sample_shape
 from sinkflow.errors import SinkflowError
@@ -32,9 +31,11 @@ from sinkflow.runtime.callbacks import Callback, ProgressBar
 from sinkflow.runtime.checkpoint import rng_state, set_rng_state
 from sinkflow.engine import fast_path
 from sinkflow.engine.divergence import DivergenceGuard
+from sinkflow.engine.ema import EMA
 from sinkflow.engine.finite import NonFiniteGuard, skips_on_device
 from sinkflow.engine.health import Health
 from sinkflow.engine.prefetch import BatchPrefetcher, use_prefetch
+from sinkflow.engine.step_graph import StepGraph
 from sinkflow.runtime.rng import phase_generator, seed_everything
 from sinkflow.runtime.run_folder import build_phase_model, load_model_state
 from sinkflow.runtime.signals import Interrupted, stop_requested
@@ -80,6 +81,7 @@ class Trainer:
         self.compile_auto = self.training and run.cfg["train"][task.model_key].get("compile") == "auto"
         self._compile_proven = False
         self.model = self.ddp_model = self.optimizer = self.scheduler = self.scaler = self.ema = None
+        self.step_graph: StepGraph | None = None  # train.<phase>.graph=step: the whole step as one CUDA graph
         self.params: list[torch.nn.Parameter] = []
         self.generator: torch.Generator | None = None
         self.ckpts = None
@@ -123,7 +125,7 @@ class Trainer:
             self.optimizer, lr_factor(cfg.get("schedule", "constant"), cfg["warmup"], cfg["iters"], key))
         self.ema = None
         if cfg["ema"] > 0:
-            self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(cfg["ema"]), use_buffers=True)
+            self.ema = EMA(self.model, cfg["ema"])
         self.precision = cfg["precision"]
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise SinkflowError(f"train.{key}.precision={self.precision!r} is not one of fp32, bf16, fp16",
@@ -144,6 +146,10 @@ class Trainer:
         self.eager_model = self.ddp_model
         if self.compile_mode is not None:
             self.ddp_model = torch.compile(self.ddp_model, mode=self.compile_mode)
+        self.step_graph = None
+        if cfg.get("graph", "none") == "step":
+            check_step_graph(cfg, key, self.info.world, self.compile_mode, self.skip_on_device)
+            self.step_graph = StepGraph(self._update, self.optimizer, run.device, self.name)
         self.generator = phase_generator(seed, "train", self.name)
         self.step = 0
         if self.info.is_main:
@@ -155,11 +161,18 @@ class Trainer:
         ahead = use_prefetch(self.cfg.get("prefetch", "auto"), self.device)
         mode = self.compile_mode
         compiled = "eager" if mode is None else "compiled" if mode == "default" else f"compiled ({mode})"
+        graph = "" if self.step_graph is None else (
+            ", the whole step one CUDA graph" if self.step_graph.captures else ", the step graph's path run eagerly")
         return (f"{self.name} on {self.device.type}: {self.precision}, {kernel} Adam, "
                 f"{'channels_last' if self.channels_last else 'NCHW' if len(self.shape) == 3 else 'plain layout'}, "
-                f"{compiled}, batches drawn "
+                f"{compiled}{graph}, batches drawn "
                 f"{'one step ahead' if ahead else 'inline'} (train.{key}.precision / channels_last / compile / "
-                f"prefetch)")
+                f"graph / prefetch)")
+
+    @property
+    def captures_steps(self) -> bool:
+        """Are this phase's steps CUDA-graph replays (no Python runs inside them: forward hooks do not fire)?"""
+        return self.step_graph is not None and self.step_graph.captures
 
     def state_dict(self) -> dict:
         return {
@@ -254,6 +267,18 @@ class Trainer:
         return out
 
     def _step(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.step_graph is not None:
+            out = self.step_graph(batch, self.step + 1)
+        else:
+            out = self._update(batch, self.step + 1)
+        self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
+        return out
+
+    def _update(self, batch: Any, step: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, backward, clip, the non-finite guard and the optimizer for step ``step`` (1-based): what a
+        step graph captures (no host reads where the optimizer skips on the device)."""
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         micro = split_batch(batch, self.cfg["accum"])
         self.optimizer.zero_grad(set_to_none=True)
@@ -261,12 +286,14 @@ class Trainer:
             # may be overwritten from here on
             torch.compiler.cudagraph_mark_step_begin()
         total = torch.zeros((), device=self.device)
+        cache = self.step_graph is None  # a cached weight cast would outlive a capture
         for i, part in enumerate(micro):
             if self.channels_last:
                 part = to_channels_last(part)
             sync = i == len(micro) - 1 or not self.info.enabled
             ctx = self.ddp_model.no_sync() if not sync else contextlib.nullcontext()
-            with ctx, torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            with ctx, torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None,
+                                     cache_enabled=cache):
                 loss = self.task.loss(self.ddp_model, part) / len(micro)
             self.scaler.scale(loss).backward()
             total = total + loss.detach().float()
@@ -274,7 +301,7 @@ class Trainer:
         clip = self.cfg["grad_clip"]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else float("inf"))
         if self.skip_on_device:  # the fused kernel leaves weights and moments untouched where the flag is set
-            flag = self.guard.update(self.step + 1, total, grad_norm)
+            flag = self.guard.update(step, total, grad_norm)
             if self.scaler.is_enabled():  # fp16: GradScaler hands the kernel its own Inf/NaN-gradient flag
                 self.scaler.step(self.optimizer)
             else:
@@ -286,12 +313,9 @@ class Trainer:
         else:
             failure = self.guard.check_now(total, grad_norm)
             if failure is not None:  # never apply it: the weights (and the next checkpoint) would be NaN
-                self.stop_non_finite(failure, self.step + 1)
+                self.stop_non_finite(failure, int(step))
             self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.scheduler.step()
-        if self.ema is not None:
-            self.ema.update_parameters(self.model)
         return total, grad_norm
 
     def raise_if_non_finite(self) -> None:
@@ -447,6 +471,22 @@ class Trainer:
 
 class NonFiniteStep(SinkflowError):
     """A step stopped before a non-finite loss or gradient was applied (lr-find records it as a gap)."""
+
+
+def check_step_graph(cfg: dict, key: str, world: int, compile_mode: str | None, skips_on_device: bool) -> None:
+    """Refuse, before the first step, a ``graph: step`` phase whose step a CUDA graph cannot hold."""
+    if world > 1:
+        raise SinkflowError(f"train.{key}.graph=step runs one process; this run has {world} (DDP's all-reduce is "
+                            "not captured)", f"set train.{key}.graph=none under torchrun")
+    if cfg["precision"] == "fp16":
+        raise SinkflowError(f"train.{key}.graph=step does not capture float16's loss scaling",
+                            f"set train.{key}.precision=bf16 (or fp32)")
+    if compile_mode not in (None, "default"):
+        raise SinkflowError(f"train.{key}.graph=step captures the whole step; compile_mode={compile_mode} would "
+                            "capture graphs inside it", f"set train.{key}.compile_mode=default (or compile=false)")
+    if not skips_on_device:
+        raise SinkflowError(f"train.{key}.graph=step needs Adam's fused kernel (it skips a non-finite update on the "
+                            f"device); this torch has none for this device", f"set train.{key}.graph=none")
 
 
 def use_channels_last(cfg: dict, device: torch.device, shape: tuple[int, ...]) -> bool:

@@ -1,0 +1,127 @@
+"""The whole optimizer step as one CUDA graph (``train.<phase>.graph: step``).
+
+Why: a small network's step is launch-bound. ``compile_mode=reduce-overhead`` graphs the model's forward and
+backward, but the loss, the gradient clip, the non-finite guard and Adam still launch kernel by kernel from
+Python, and CUDA-graph trees check the graphs' outputs every step: on the ``mnist`` preset the GPU was busy 34-46 %
+of a step on an H100 (docs/gpu_results/h100_2026-11-26b.md). Captured whole, a step is one ``graph.replay()``.
+
+How (PyTorch's whole-network capture, "CUDA Graphs" in its docs): every batch is copied into static tensors
+(allocated from the first batch); the first ``WARMUP`` steps run eagerly on a side stream (they are real training
+steps: they create Adam's state, compile a compiled model and let cuBLAS / cuDNN choose their kernels); the next
+step is captured and replayed, every later one is a replay. What changes between steps without a kernel of its own
+enters through device tensors written before each replay: the learning rate (the schedule, lr-find) and the step
+number (the non-finite guard's record). Adam is the fused kernel, which takes the guard's skip flag on the device
+(``found_inf``), so a replayed step never applies a non-finite update, exactly as an eager one. Autocast runs
+without its weight-cast cache (a cached cast would outlive the capture).
+
+On a CPU nothing is captured: the same step runs eagerly on the same static tensors (the CPU suite runs this path).
+What a replay skips: Python forward hooks (``Health``'s dead-activation counts are not measured) and anything the
+step would read back to the host (none: ``sinkflow.engine.finite``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from sinkflow.errors import SinkflowError
+
+WARMUP = 3  # eager steps before the capture (PyTorch's recipe: "a few"; DDP would need 11)
+
+
+def _static_copy(batch: Any) -> Any:
+    """Fresh tensors shaped, typed and laid out as ``batch``'s, holding its values."""
+    if isinstance(batch, torch.Tensor):
+        return batch.detach().clone(memory_format=torch.preserve_format)
+    if isinstance(batch, dict):
+        return {k: _static_copy(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_static_copy(v) for v in batch)
+    raise SinkflowError(f"a captured step needs a batch of tensors, got a {type(batch).__name__}",
+                        "set train.<phase>.graph=none for this phase")
+
+
+def _fill(static: Any, batch: Any) -> None:
+    """Copy ``batch`` into the static tensors (the same structure and shapes: a fixed-shape phase)."""
+    if isinstance(static, torch.Tensor):
+        if batch.shape != static.shape:
+            raise SinkflowError(f"a captured step got a batch of shape {tuple(batch.shape)} after "
+                                f"{tuple(static.shape)}", "set train.<phase>.graph=none for a phase whose batches vary")
+        static.copy_(batch, non_blocking=True)
+    elif isinstance(static, dict):
+        for k, v in static.items():
+            _fill(v, batch[k])
+    else:
+        for s, b in zip(static, batch, strict=True):
+            _fill(s, b)
+
+
+class StepGraph:
+    """``StepGraph(update, optimizer, device)(batch, step) -> outputs``: ``update(batch, step)`` (forward, backward,
+    clip, guard, optimizer; no host reads) run on static copies of the batches, as CUDA-graph replays on CUDA.
+
+    ``step`` reaches ``update`` as a 0-dim int64 device tensor; the optimizer's learning rates are read from its
+    param groups before every call (whoever set them: the schedule, lr-find). The outputs (0-dim tensors) are
+    returned as copies: the next replay overwrites the graph's own."""
+
+    def __init__(self, update: Callable[[Any, torch.Tensor], tuple], optimizer: torch.optim.Optimizer,
+                 device: torch.device, phase: str = "velocity"):
+        self.update, self.optimizer, self.device, self.phase = update, optimizer, torch.device(device), phase
+        self.captures = self.device.type == "cuda"
+        self.static: Any = None
+        self.step = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.lrs = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in optimizer.param_groups]
+        self.graph = None
+        self.outputs: tuple | None = None
+        self.eager_steps = 0
+
+    def __call__(self, batch: Any, step: int) -> tuple:
+        if self.static is None:
+            self.static = _static_copy(batch)
+        else:
+            _fill(self.static, batch)
+        self.step.fill_(step)
+        if not self.captures:
+            return self.update(self.static, self.step)
+        for lr, group in zip(self.lrs, self.optimizer.param_groups):
+            lr.fill_(float(group["lr"]))
+        if self.graph is None and self.eager_steps < WARMUP:
+            out = self._warmup()
+        else:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+            out = self.outputs
+        return tuple(o.clone() for o in out)
+
+    def _warmup(self) -> tuple:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            out = self.update(self.static, self.step)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.eager_steps += 1
+        return out
+
+    def _capture(self) -> None:
+        """Record one step; Adam reads its learning rate from ``self.lrs`` while recording (as a tensor it is read
+        at every replay) and is marked capturable only meanwhile (elsewhere it runs uncaptured, warm-up included)."""
+        groups = self.optimizer.param_groups
+        saved = [(g["lr"], g.get("capturable", False)) for g in groups]
+        graph = torch.cuda.CUDAGraph()
+        try:
+            for g, lr in zip(groups, self.lrs):
+                g["lr"], g["capturable"] = lr, True
+            self.optimizer.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients it reuses
+            # thread_local: the prefetch worker keeps drawing (and copying) the next batch on its own stream meanwhile
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.outputs = self.update(self.static, self.step)
+        except RuntimeError as exc:
+            what = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise SinkflowError(f"capturing phase '{self.phase}''s training step as a CUDA graph failed: {what}",
+                                f"set train.{self.phase}.graph=none") from exc
+        finally:
+            for g, (lr, cap) in zip(groups, saved):
+                g["lr"], g["capturable"] = lr, cap
+        self.graph = graph

@@ -1,0 +1,161 @@
+"""``train.<phase>.graph: step`` (the whole step as one CUDA graph, sinkflow.engine.step_graph) and the EMA without
+host reads. On a CPU nothing is captured, but the step runs through the same static tensors: these tests pin that
+path to the plain one bit for bit, at every experiment shape, with a resume, a skipped non-finite step and no host
+read; the capture itself is checked where CUDA is (the last test, and benchmarks/gpu_checks.py)."""
+
+import pytest
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from sinkflow import config, methods
+from sinkflow.engine import fast_path
+from sinkflow.engine.ema import EMA
+from sinkflow.engine.step_graph import StepGraph
+from sinkflow.engine.trainer import Trainer, check_step_graph
+from sinkflow.errors import SinkflowError
+from sinkflow.methods.flow_matching import InterpolantStep
+from sinkflow.runtime.run_folder import RunFolder
+from sinkflow.runtime.signals import Interrupted
+from helpers import nan_gradient_phase
+from test_prefetch import CountReads, Snapshots, StopAt, final_weights, moons_cfg, otcfm_step
+
+
+def fit(cfg, name, callbacks=(), task=None):
+    cfg["experiment"]["name"] = name
+    run = RunFolder.create(cfg)
+    trainer = Trainer(run, task or otcfm_step(cfg), callbacks)
+    trainer.fit()
+    run.logger.close()
+    return run, trainer
+
+
+def test_a_graphed_step_trains_the_plain_weights_and_resumes_bit_equal(runs_dir, caplog):
+    """(N, 2), OT-CFM, with EMA: the same final weights and EMA weights as graph=none, also across a SIGTERM resume."""
+    ema = "train.velocity.ema=0.9"
+    plain_run, _ = fit(moons_cfg(ema), "plain")
+    with caplog.at_level("INFO"):
+        graph_run, trainer = fit(moons_cfg(ema, "train.velocity.graph=step"), "graph")
+    assert isinstance(trainer.step_graph, StepGraph) and not trainer.captures_steps  # a CPU: run eagerly
+    assert "the step graph's path run eagerly" in caplog.text
+    plain, graphed = final_weights(plain_run), final_weights(graph_run)
+    assert all(torch.equal(plain[k], graphed[k]) for k in plain)
+    from sinkflow.runtime.checkpoint import load
+
+    ema_plain = load(plain_run.dir / "checkpoints" / "velocity" / "final.pt")["ema"]
+    ema_graph = load(graph_run.dir / "checkpoints" / "velocity" / "final.pt")["ema"]
+    assert all(torch.equal(ema_plain[k], ema_graph[k]) for k in ema_plain)
+
+    cfg = moons_cfg(ema, "train.velocity.graph=step")
+    cfg["experiment"]["name"] = "stopped"
+    run = RunFolder.create(cfg)
+    with pytest.raises(Interrupted):
+        Trainer(run, otcfm_step(cfg), [StopAt(6)]).fit()
+    Trainer(run, otcfm_step(cfg)).fit()
+    run.logger.close()
+    resumed = final_weights(run)
+    assert all(torch.equal(plain[k], resumed[k]) for k in plain)
+
+
+@pytest.mark.parametrize("preset", ["mnist", "cifar10"])
+def test_a_graphed_step_at_the_image_shapes_with_accumulation(runs_dir, preset):
+    """(N, 1, 28, 28) and (N, 3, 32, 32) through a tiny UNet, two micro-batches: bit-equal to graph=none."""
+    from sinkflow.tools.data import real_or_synthetic
+
+    def cfg(*extra):
+        return config.resolve(preset, ["experiment.method=fm", "experiment.device=cpu",
+                                       "model.velocity.channels=8", "model.velocity.attention_resolutions=[]",
+                                       "model.velocity.num_head_channels=-1", "model.velocity.channel_mult=[1,2]",
+                                       "train.velocity.iters=3", "train.velocity.batch_size=4",
+                                       "train.velocity.accum=2", "train.velocity.log_every=2", *extra])
+
+    with real_or_synthetic(config.resolve(preset), force=True):
+        runs = []
+        for name, extra in (("plain", ()), ("graph", ("train.velocity.graph=step",))):
+            c = cfg(*extra)
+            source, target = methods.distributions(c)
+            runs.append(fit(c, f"{preset}-{name}", task=InterpolantStep("velocity", source, target))[0])
+    plain, graphed = final_weights(runs[0]), final_weights(runs[1])
+    assert next(v for k, v in plain.items() if v.dim() == 4).dim() == 4  # really a conv net
+    assert all(torch.equal(plain[k], graphed[k]) for k in plain)
+
+
+def test_a_graphed_step_reads_nothing_from_the_device(runs_dir, monkeypatch):
+    counter = CountReads(monkeypatch)
+    cfg = moons_cfg("train.velocity.log_every=10", "train.velocity.ckpt_every=100", "train.velocity.graph=step",
+                    method="fm", iters=20)
+    source, target = methods.distributions(cfg)
+    fit(cfg, "nosync", [counter], InterpolantStep("velocity", source, target))
+    assert counter.count == 0
+
+
+def test_a_graphed_step_skips_a_non_finite_update_on_the_device(runs_dir):
+    cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100", "train.velocity.graph=step")
+    cfg["experiment"]["name"] = "nan"
+    run = RunFolder.create(cfg)
+    snaps = Snapshots()
+    trainer = Trainer(run, nan_gradient_phase(cfg, 3, ot_pairs=True), [snaps])
+    with pytest.raises(SinkflowError) as e:
+        trainer.fit()
+    run.logger.close()
+    assert "non-finite gradient norm" in str(e.value) and "at step 3" in str(e.value), str(e.value)
+    assert trainer.step == 5  # ran on to the log step, where the device's record is read
+    for step in (3, 4, 5):  # the bad update and every later one were skipped on the device
+        assert all(torch.equal(snaps.weights[2][k], snaps.weights[step][k]) for k in snaps.weights[2])
+    assert not any(torch.equal(snaps.weights[1][k], snaps.weights[2][k]) for k in snaps.weights[1] if "weight" in k)
+
+
+def test_a_graphed_step_is_refused_where_a_graph_cannot_hold_it():
+    ok = {"precision": "bf16"}
+    check_step_graph(ok, "velocity", 1, "default", True)
+    check_step_graph(ok, "velocity", 1, None, True)
+    for args, words in [((ok, "velocity", 2, None, True), "graph=none under torchrun"),
+                        (({"precision": "fp16"}, "velocity", 1, None, True), "precision=bf16"),
+                        ((ok, "nsf", 1, "reduce-overhead", True), "train.nsf.compile_mode=default"),
+                        ((ok, "velocity", 1, None, False), "fused kernel")]:
+        with pytest.raises(SinkflowError, match=words):
+            check_step_graph(*args)
+    # auto's compile mode leaves the graphs to the step graph
+    auto = config.resolve("mnist", ["train.velocity.graph=step"])["train"]["velocity"]
+    assert fast_path.resolve(auto, "unet", "cpu")["compile_mode"] == "default"
+    graph = StepGraph(lambda batch, step: (batch[0].sum(), step), torch.optim.SGD([torch.zeros(1)], lr=0.1), "cpu")
+    graph((torch.ones(3, 2),), 1)
+    with pytest.raises(SinkflowError, match="graph=none for a phase whose batches vary"):
+        graph((torch.ones(4, 2),), 2)
+
+
+def test_ema_is_torchs_averaged_model_without_reading_the_device():
+    """The same weights as AveragedModel's EMA after every update, its checkpoint loads either way, and no update
+    reads the counter (it lives on the meta device here: any read would raise)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    ours, theirs = EMA(model, 0.9), AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    for i in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * (i + 1))
+        model(torch.randn(16, 4))  # moves the BatchNorm buffers
+        ours.update_parameters(model)
+        theirs.update_parameters(model)
+        for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()):
+            assert torch.equal(a, b)
+    fresh = EMA(model, 0.9)
+    fresh.load_state_dict(theirs.state_dict())
+    assert fresh.started
+    blind = EMA(model, 0.9)
+    blind.n_averaged = torch.zeros((), dtype=torch.long, device="meta")
+    for _ in range(3):
+        blind.update_parameters(model)  # a read of the meta counter would raise here
+    theirs.n_averaged = torch.zeros((), dtype=torch.long, device="meta")
+    with pytest.raises(RuntimeError, match="meta"):
+        theirs.update_parameters(model)  # torch's reads it, twice an update: a host sync each on a GPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph: needs CUDA")
+def test_on_cuda_the_step_is_captured_and_trains_what_eager_trains(runs_dir):
+    cfg = moons_cfg("experiment.device=cuda", "train.velocity.precision=fp32", iters=12)
+    plain_run, _ = fit(cfg, "cuda-plain")
+    cfg = moons_cfg("experiment.device=cuda", "train.velocity.precision=fp32", "train.velocity.graph=step", iters=12)
+    graph_run, trainer = fit(cfg, "cuda-graph")
+    assert trainer.captures_steps and trainer.step_graph.graph is not None
+    plain, graphed = final_weights(plain_run), final_weights(graph_run)
+    assert max((plain[k] - graphed[k]).abs().max().item() for k in plain) < 1e-5
