@@ -6,13 +6,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from sinkflow import config
 from sinkflow.methods import distributions, nsgf
 from sinkflow.methods.pool import choose_in_flight
 from sinkflow.models import build_model
 from sinkflow.runtime.rng import device_generator
+from sinkflow.engine.ema import EMA
 from sinkflow.engine.trainer import Trainer, to_channels_last, use_channels_last
 from sinkflow.runtime.run_folder import RunFolder
 
@@ -93,7 +93,7 @@ def test_fast_adam_matches_plain(kind):
 def test_ema_uses_foreach_lerp_and_matches_formula(monkeypatch):
     model = torch.nn.Linear(4, 3)
     decay = 0.9
-    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    ema = EMA(model, decay)  # the Trainer's EMA
     calls = []
     real = torch._foreach_lerp_
     monkeypatch.setattr(torch, "_foreach_lerp_", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
