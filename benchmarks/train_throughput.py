@@ -11,6 +11,8 @@ already on the device, so this measures the training step, not the data path; se
   slower on the ``mnist`` UNet); ``--compile`` adds ``fast+compile`` (torch.compile, default mode) and
   ``fast+graphs`` (mode reduce-overhead: CUDA graphs, the CUDA default for UNet phases since 2026-11-26) and
   ``fast+CL+graphs`` (the same in channels_last: no cuDNN layout transposes around each convolution).
+  ``fast+stepgraph``: ``fast`` with the whole step (loss, backward, clip, Adam) one CUDA graph
+  (``train.velocity.graph=step``); ``--compile`` adds ``fast+compile+stepgraph`` (compile's default mode inside it).
 - ``torchcfm``: torchcfm's own train_cifar10.py step on its UNetModelWrapper of the same size
   (fp32, ConditionalFlowMatcher, Adam, grad clip, its per-tensor EMA copy), when torchcfm is installed.
 
@@ -43,7 +45,8 @@ SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_head
               "attention_resolutions": [4], "dropout": 0.1}
 
 
-def train_config(steps: int, *, precision: str, channels_last: bool, compile_: bool, mode: str = "default") -> dict:
+def train_config(steps: int, *, precision: str, channels_last: bool, compile_: bool, mode: str = "default",
+                 graph: str = "none") -> dict:
     """The cifar10 preset's resolved config with the benchmark's recipe (torchcfm's: lr 2e-4, no warm-up, constant
     LR, grad clip 1.0, EMA 0.9999) as overrides: every key the schema adds later comes with its default, so a new
     train key can never break the benchmark again (a hand-built dict once lacked ``iters``)."""
@@ -52,15 +55,16 @@ def train_config(steps: int, *, precision: str, channels_last: bool, compile_: b
                                       f"{v}schedule=constant", f"{v}grad_clip=1.0", f"{v}ema=0.9999", f"{v}accum=1",
                                       f"{v}precision={precision}", f"{v}channels_last={str(channels_last).lower()}",
                                       f"{v}compile={str(compile_).lower()}", f"{v}compile_mode={mode}",
-                                      "experiment.seed=0"])
+                                      f"{v}graph={graph}", "experiment.seed=0"])
 
 
 def sinkflow_phase(unet_cfg, shape, device, steps, *, precision, channels_last, compile_, plain_adam,
-                   mode="default"):
+                   mode="default", graph="none"):
     """A Trainer set up exactly as `sinkflow train` does, with the model and shape passed in."""
     torch.manual_seed(0)
     model = build_model("unet", unet_cfg, shape)
-    cfg = train_config(steps, precision=precision, channels_last=channels_last, compile_=compile_, mode=mode)
+    cfg = train_config(steps, precision=precision, channels_last=channels_last, compile_=compile_, mode=mode,
+                       graph=graph)
     run = types.SimpleNamespace(cfg=cfg, device=device)
     phase = Trainer(run, InterpolantStep("velocity", None, None), shape=shape, model=model)
     phase.setup()
@@ -184,13 +188,15 @@ def main(argv: list[str] | None = None) -> None:
     rows, flops, profiled = [], None, None
     fast = dict(precision="bf16", channels_last=False, compile_=False, plain_adam=False)
     configs = [("fp32-eager", dict(precision="fp32", channels_last=False, compile_=False, plain_adam=True)),
-               ("fast", fast), ("fast+CL", {**fast, "channels_last": True})]
+               ("fast", fast), ("fast+CL", {**fast, "channels_last": True}),
+               ("fast+stepgraph", {**fast, "graph": "step"})]
     if args.compile:
         configs += [("fast+compile", {**fast, "compile_": True}),
                     ("fast+graphs", {**fast, "compile_": True, "mode": "reduce-overhead"}),
                     # fast+graphs spent 22 % of its device time in cuDNN's NCHW <-> NHWC transposes (H100, 2026-11-26);
                     # channels_last lost in eager only through GroupNorm, which inductor fuses here
-                    ("fast+CL+graphs", {**fast, "channels_last": True, "compile_": True, "mode": "reduce-overhead"})]
+                    ("fast+CL+graphs", {**fast, "channels_last": True, "compile_": True, "mode": "reduce-overhead"}),
+                    ("fast+compile+stepgraph", {**fast, "compile_": True, "graph": "step"})]
     for name, kw in configs:
         phase, params = sinkflow_phase(unet, shape, device, warmup + steps + PROFILED, **kw)
         if flops is None:  # forward + backward of one step, counted on the eager module (the same arithmetic)

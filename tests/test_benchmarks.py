@@ -351,9 +351,10 @@ def test_smoke_train_throughput(quiet, capsys):
     out = capsys.readouterr().out
     assert "path               params   images/s  vs fp32-eager  vs torchcfm  % bf16 peak" in out
     base, fast, cl = rows(out, "fp32-eager "), rows(out, "fast "), rows(out, "fast+CL ")
-    assert len(base) == 1 and len(fast) == 1 and len(cl) == 1 and base[0].split()[-3] == "1.00x"
-    assert float(fast[0].split()[-3].rstrip("x")) > 0 and float(cl[0].split()[-3].rstrip("x")) > 0
-    assert all(0 < float(r.split()[-1].rstrip("%")) < 100 for r in (*base, *fast, *cl))  # FLOPs counted, peak measured
+    graph = rows(out, "fast+stepgraph ")
+    assert len(base) == 1 and len(fast) == 1 and len(cl) == 1 and len(graph) == 1 and base[0].split()[-3] == "1.00x"
+    assert all(float(r[0].split()[-3].rstrip("x")) > 0 for r in (fast, cl, graph))
+    assert all(0 < float(r.split()[-1].rstrip("%")) < 100 for r in (*base, *fast, *cl, *graph))  # FLOPs, peak
     torchcfm = rows(out, "torchcfm ")
     assert torchcfm and (math.isfinite(float(torchcfm[0].split()[-3].rstrip("x"))) or "not importable" in out)
     # --profile: the kernels (here CPU ops) of the named path, convolutions among them
