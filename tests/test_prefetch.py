@@ -4,6 +4,7 @@ update on the device instead of reading the loss every step."""
 
 import logging
 import signal
+import threading
 
 import numpy as np
 import ot
@@ -33,29 +34,88 @@ def otcfm_step(cfg):
     return InterpolantStep("velocity", source, target, ot_pairs=True)
 
 
-def test_prefetched_batches_equal_inline_ones_in_order_and_resume_point():
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_prefetched_batches_equal_inline_ones_in_order_and_resume_point(depth):
+    """OT-CFM's batch split into its draw and its OT plan, made ``depth`` at a time on worker threads: the same
+    batches in the same order as drawn inline in one piece, the same resume point before every step, and no batch
+    made past the last one wanted."""
     cfg = moons_cfg()
     step = otcfm_step(cfg)
 
     def draws(ahead, n=6):
         gen = torch.Generator().manual_seed(7)
-        pf = BatchPrefetcher(lambda: step.batch(gen, 64, "cpu"), gen, torch.device("cpu"), ahead=ahead)
+        if ahead:
+            pf = BatchPrefetcher(lambda: step.draw(gen, 64, "cpu"), gen, torch.device("cpu"), ahead=True,
+                                 prepare=lambda drawn: step.prepare(drawn, "cpu"), depth=depth)
+        else:
+            pf = BatchPrefetcher(lambda: step.batch(gen, 64, "cpu"), gen, torch.device("cpu"), ahead=False)
         out, states = [], []
         for i in range(n):
             states.append(pf.generator_state().clone())  # where a checkpoint written now would resume
-            out.append(pf.next(more=i + 1 < n))
+            out.append(pf.next(wanted=n - i - 1))
         pf.close()
-        return out, states, pf
+        return out, states, pf, gen.get_state()
 
-    inline, inline_states, inline_pf = draws(False)
-    ahead, ahead_states, ahead_pf = draws(True)
-    # the worker's draws are timed (bench's "draw ms"); inline draws have no worker to time
+    inline, inline_states, inline_pf, inline_end = draws(False)
+    ahead, ahead_states, ahead_pf, ahead_end = draws(True)
+    # the workers' batches are timed (bench's "draw ms"); inline draws have no worker to time
     assert (inline_pf.draws, ahead_pf.draws) == (0, 6) and ahead_pf.draw_s > 0
     for a, b in zip(inline, ahead):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert all(torch.equal(a, b) for a, b in zip(inline_states, ahead_states))
+    assert torch.equal(inline_end, ahead_end)  # nothing drawn beyond the sixth batch
     # the batches really differ from step to step (the test would pass trivially otherwise)
     assert not torch.equal(inline[0][0], inline[1][0])
+
+
+def test_the_next_batch_is_drawn_while_one_is_prepared():
+    """The pipeline itself: each batch's prepare waits (on an event, not a clock) until the next batch is drawn; made
+    one stage after the other this would hang, and the test fails after 10 s."""
+    gen = torch.Generator().manual_seed(0)
+    drawn = [threading.Event() for _ in range(5)]
+
+    def draw():
+        i = sum(e.is_set() for e in drawn)
+        torch.rand(1, generator=gen)
+        drawn[i].set()
+        return i
+
+    def prepare(i):
+        if i < 3:
+            assert drawn[i + 1].wait(timeout=10), f"batch {i} was prepared before batch {i + 1} was drawn"
+        return i
+
+    pf = BatchPrefetcher(draw, gen, torch.device("cpu"), ahead=True, prepare=prepare, depth=2)
+    assert [pf.next(wanted=3 - k) for k in range(4)] == [0, 1, 2, 3]
+    pf.close()
+    assert not drawn[4].is_set()  # nothing made past the last batch wanted
+
+
+def test_a_prepare_that_fails_raises_on_the_training_thread_and_does_not_hang():
+    gen = torch.Generator().manual_seed(0)
+    pf = BatchPrefetcher(lambda: torch.rand(1, generator=gen), gen, torch.device("cpu"), ahead=True,
+                         prepare=lambda drawn: 1 / 0, depth=2)
+    with pytest.raises(ZeroDivisionError):
+        pf.next(wanted=5)
+    pf.close()
+
+
+def test_a_checkpoint_taken_with_batches_in_the_making_resumes_before_the_first_of_them():
+    """Three batches in the making when the state is read: it is the state before the first unconsumed draw, and
+    drawing from it gives that batch (then close() drops them all)."""
+    step = otcfm_step(moons_cfg())
+    gen = torch.Generator().manual_seed(3)
+    pf = BatchPrefetcher(lambda: step.draw(gen, 64, "cpu"), gen, torch.device("cpu"), ahead=True,
+                         prepare=lambda drawn: step.prepare(drawn, "cpu"), depth=3)
+    first = pf.next(wanted=10)
+    state = pf.generator_state().clone()
+    second = pf.next(wanted=9)
+    pf.close()
+    replay = torch.Generator()
+    replay.set_state(state)
+    again = step.batch(replay, 64, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(second, again))
+    assert not torch.equal(first[0], second[0])
 
 
 def test_a_draw_that_fails_raises_on_the_training_thread():

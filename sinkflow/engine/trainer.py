@@ -386,12 +386,14 @@ class Trainer:
         loss_sum, loss_count = torch.zeros((), device=self.device), 0  # on the device until a log step reads it
         tick, tick_step = time.perf_counter(), self.step
         n_global = self.cfg["batch_size"] * self.info.world
-        self.batches = BatchPrefetcher(lambda: self.draw_batch(n_global), self.generator, self.device,
-                                       ahead=use_prefetch(self.cfg.get("prefetch", "auto"), self.device))
+        task, device = self.task, self.device
+        self.batches = BatchPrefetcher(lambda: task.draw(self.generator, n_global, device), self.generator, device,
+                                       ahead=use_prefetch(self.cfg.get("prefetch", "auto"), device),
+                                       prepare=lambda drawn: task.prepare(drawn, device))
         try:
             self._call("on_phase_start")
             while self.step < iters:
-                batch = self.batch = self.batches.next(more=self.step + 1 < iters)
+                batch = self.batch = self.batches.next(wanted=iters - self.step - 1)
                 self._call("on_train_batch_start", batch)
                 if self.stopped:
                     return

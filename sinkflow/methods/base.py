@@ -56,6 +56,16 @@ class TrainingStep(Task):
     def batch(self, generator: torch.Generator, n: int, device) -> Any:
         raise NotImplementedError
 
+    def draw(self, generator: torch.Generator, n: int, device) -> Any:
+        """The part of ``batch`` that reads ``generator``; ``prepare`` finishes it, and ``prepare(draw(...))`` is
+        ``batch(...)``. A task splits the two where the rest is heavy and reads no generator (OT-CFM's exact plan),
+        so the prefetcher can finish one batch while it draws the next. Default: all of ``batch``."""
+        return self.batch(generator, n, device)
+
+    def prepare(self, drawn: Any, device) -> Any:
+        """The batch from what ``draw`` returned (no randomness); default: ``drawn`` itself."""
+        return drawn
+
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         raise NotImplementedError
 

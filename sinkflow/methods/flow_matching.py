@@ -21,18 +21,31 @@ def straight_path(x0: torch.Tensor, x1: torch.Tensor, t: torch.Tensor) -> tuple[
     return tb * x1 + (1 - tb) * x0, x1 - x0
 
 
-def interpolant_batch(source, target, generator, n, device, ot_pairs=False, t_min=0.0):
-    """(x_t, t, target velocity) for the straight noise-data path, t ~ U[t_min, 1); the global batch, then
-    this rank's shard."""
+def interpolant_draw(source, target, generator, n, t_min=0.0):
+    """The randomness of a global batch of the straight noise-data path: x0, x1 and t ~ U[t_min, 1), on the CPU."""
     x0 = source.sample(n, generator, "cpu")
     x1 = target.sample(n, generator, "cpu")
     t = t_min + (1.0 - t_min) * torch.rand(n, generator=generator)
+    return x0, x1, t
+
+
+def interpolant_finish(drawn, device, ot_pairs=False):
+    """(x_t, t, target velocity) of a drawn global batch (``interpolant_draw``): paired by the exact OT plan if
+    ``ot_pairs``, then this rank's shard on ``device``. Reads no generator: it may run on another thread than the
+    draw (``sinkflow.engine.prefetch``)."""
+    x0, x1, t = drawn
     if ot_pairs:  # the global batch on the device first: the plan's cost matrix is computed there (ot_permutation)
         x0, x1 = x0.to(device, non_blocking=True), x1.to(device, non_blocking=True)
         x1 = x1[ot_permutation(x0, x1)]
     x0, x1, t = (dist.shard(v).to(device, non_blocking=True) for v in (x0, x1, t))
     xt, ut = straight_path(x0, x1, t)
     return xt, t, ut
+
+
+def interpolant_batch(source, target, generator, n, device, ot_pairs=False, t_min=0.0):
+    """(x_t, t, target velocity) for the straight noise-data path, t ~ U[t_min, 1); the global batch, then
+    this rank's shard."""
+    return interpolant_finish(interpolant_draw(source, target, generator, n, t_min), device, ot_pairs)
 
 
 def velocity_loss(model, batch):
@@ -50,8 +63,14 @@ class InterpolantStep(TrainingStep):
         super().__init__(name)
         self.source, self.target, self.ot_pairs, self.t_min = source, target, ot_pairs, float(t_min)
 
+    def draw(self, generator, n, device):
+        return interpolant_draw(self.source, self.target, generator, n, self.t_min)
+
+    def prepare(self, drawn, device):  # the OT plan (OT-CFM, NSGF++'s NSF pairs): the heavy, generator-free part
+        return interpolant_finish(drawn, device, self.ot_pairs)
+
     def batch(self, generator, n, device):
-        return interpolant_batch(self.source, self.target, generator, n, device, self.ot_pairs, self.t_min)
+        return self.prepare(self.draw(generator, n, device), device)
 
     def loss(self, model, batch):
         return velocity_loss(model, batch)

@@ -7,9 +7,10 @@ Per training phase of a preset, with the phase's own config (precision, memory f
   slow a small network down).
 * **data wait %**: the share of that wall time the training thread spent between one step's end and the next
   step's start (waiting for a batch the prefetcher has not finished, or drawing it inline, plus callbacks).
-* **draw ms**: with batches drawn ahead, the worker thread's mean time per batch (sampling, OT-CFM's exact plan,
-  the copy): beside the step time it says whether the worker keeps up, or slows the step by competing for the
-  GIL and the cores while it runs.
+* **draw ms**: with batches made ahead, a worker's mean time per batch (sampling, OT-CFM's exact plan, the copy),
+  from the start of its draw to the end of its prepare: beside the step time it says whether the workers keep up
+  (two batches are in the making, their stages overlapping: about half of it per step where the prepare is the
+  larger part), or slow the step by competing for the GIL and the cores while they run.
 * **device busy %** (CUDA): the share of the timed steps' wall time in which kernels ran, from the PyTorch
   profiler over a few extra steps; ``100 - busy`` is the time the GPU waited on the host (launch overhead,
   syncs, Python). On a CPU the host *is* the device, so it is not reported.
