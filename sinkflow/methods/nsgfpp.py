@@ -26,7 +26,7 @@ import torch
 from sinkflow.errors import SinkflowError
 from sinkflow.methods import nsgf
 from sinkflow.methods.base import Method, TrainingStep
-from sinkflow.methods.flow_matching import InterpolantStep, interpolant_batch
+from sinkflow.methods.flow_matching import InterpolantStep, interpolant_draw, interpolant_finish
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.methods.pool import check_pool_fits
 
@@ -88,9 +88,15 @@ class TimeStep(TrainingStep):
         super().__init__("time")
         self.source, self.target = source, target
 
-    def batch(self, generator, n, device):
-        x, t, _ = interpolant_batch(self.source, self.target, generator, n, device)
+    def draw(self, generator, n, device):
+        return interpolant_draw(self.source, self.target, generator, n)
+
+    def prepare(self, drawn, device):
+        x, t, _ = interpolant_finish(drawn, device)
         return x, t
+
+    def batch(self, generator, n, device):
+        return self.prepare(self.draw(generator, n, device), device)
 
     def loss(self, model, batch):
         return time_loss(model, batch)
