@@ -41,9 +41,10 @@ from sinkflow.runtime.run_folder import RunFolder
 from sinkflow.engine.trainer import Trainer
 
 FULL = {"batches": 16, "steps": 10, "batch_size": 256, "noise": 4096, "adam_steps": 20, "width": 256, "rows": 128,
-        "train_steps": 40}
+        "train_steps": 40, "unet": ["model.velocity.channels=16", "train.velocity.batch_size=32"]}
 SMOKE = {"batches": 4, "steps": 2, "batch_size": 16, "noise": 64, "adam_steps": 3, "width": 16, "rows": 8,
-         "train_steps": 6}
+         "train_steps": 6, "unet": ["model.velocity.channels=8", "model.velocity.attention_resolutions=[]",
+                                    "train.velocity.batch_size=4"]}
 
 
 def pool_check(device: torch.device, size: dict) -> None:
@@ -145,8 +146,7 @@ def step_graph_check(device: torch.device, size: dict) -> None:
     cases = {"moons otcfm fp32 +prefetch +ema": ("moons", ["experiment.method=otcfm", "train.velocity.precision=fp32",
                                                             "train.velocity.prefetch=always", "train.velocity.ema=0.99"]),
              "mnist-shaped fm bf16 UNet": ("mnist", ["experiment.method=fm", "train.velocity.precision=bf16",
-                                                     "train.velocity.compile=false", "model.velocity.channels=16",
-                                                     "train.velocity.batch_size=32"])}
+                                                     "train.velocity.compile=false", *size["unet"]])}
     here = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)
