@@ -290,7 +290,7 @@ def test_a_phase_prints_its_speed_settings_at_the_start(runs_dir, caplog):
         Trainer(run, otcfm_step(cfg), [StopAt(1)]).fit()
     run.logger.close()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("velocity on cpu:")]
-    assert lines == ["velocity on cpu: bf16, fused Adam, plain layout, eager, batches drawn one step ahead "
+    assert lines == ["velocity on cpu: bf16, fused Adam, plain layout, eager, batches drawn ahead (two in the making) "
                      "(train.velocity.precision / channels_last / compile / graph / prefetch)"]
 
 

@@ -85,7 +85,7 @@ class Trainer:
         self.params: list[torch.nn.Parameter] = []
         self.generator: torch.Generator | None = None
         self.ckpts = None
-        self.batches: BatchPrefetcher | None = None  # the loop's batch source (one step ahead where enabled)
+        self.batches: BatchPrefetcher | None = None  # the loop's batch source (made ahead where enabled)
         self.guard: NonFiniteGuard | None = None
         self.step = 0
         self.last_units = 0  # progress-bar items the last unit did
@@ -165,9 +165,8 @@ class Trainer:
             ", the whole step one CUDA graph" if self.step_graph.captures else ", the step graph's path run eagerly")
         return (f"{self.name} on {self.device.type}: {self.precision}, {kernel} Adam, "
                 f"{'channels_last' if self.channels_last else 'NCHW' if len(self.shape) == 3 else 'plain layout'}, "
-                f"{compiled}{graph}, batches drawn "
-                f"{'one step ahead' if ahead else 'inline'} (train.{key}.precision / channels_last / compile / "
-                f"graph / prefetch)")
+                f"{compiled}{graph}, batches drawn {'ahead (two in the making)' if ahead else 'inline'} "
+                f"(train.{key}.precision / channels_last / compile / graph / prefetch)")
 
     @property
     def captures_steps(self) -> bool:
