@@ -30,31 +30,31 @@ from sinkflow.errors import SinkflowError
 WARMUP = 3  # eager steps before the capture (PyTorch's recipe: "a few"; DDP would need 11)
 
 
-def _static_copy(batch: Any) -> Any:
+def _static_copy(batch: Any, phase: str) -> Any:
     """Fresh tensors shaped, typed and laid out as ``batch``'s, holding its values."""
     if isinstance(batch, torch.Tensor):
         return batch.detach().clone(memory_format=torch.preserve_format)
     if isinstance(batch, dict):
-        return {k: _static_copy(v) for k, v in batch.items()}
+        return {k: _static_copy(v, phase) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_static_copy(v) for v in batch)
+        return type(batch)(_static_copy(v, phase) for v in batch)
     raise SinkflowError(f"a captured step needs a batch of tensors, got a {type(batch).__name__}",
-                        "set train.<phase>.graph=none for this phase")
+                        f"set train.{phase}.graph=none")
 
 
-def _fill(static: Any, batch: Any) -> None:
+def _fill(static: Any, batch: Any, phase: str) -> None:
     """Copy ``batch`` into the static tensors (the same structure and shapes: a fixed-shape phase)."""
     if isinstance(static, torch.Tensor):
         if batch.shape != static.shape:
             raise SinkflowError(f"a captured step got a batch of shape {tuple(batch.shape)} after "
-                                f"{tuple(static.shape)}", "set train.<phase>.graph=none for a phase whose batches vary")
+                                f"{tuple(static.shape)}", f"set train.{phase}.graph=none for a phase whose batches vary")
         static.copy_(batch, non_blocking=True)
     elif isinstance(static, dict):
         for k, v in static.items():
-            _fill(v, batch[k])
+            _fill(v, batch[k], phase)
     else:
         for s, b in zip(static, batch, strict=True):
-            _fill(s, b)
+            _fill(s, b, phase)
 
 
 class StepGraph:
@@ -78,9 +78,9 @@ class StepGraph:
 
     def __call__(self, batch: Any, step: int) -> tuple:
         if self.static is None:
-            self.static = _static_copy(batch)
+            self.static = _static_copy(batch, self.phase)
         else:
-            _fill(self.static, batch)
+            _fill(self.static, batch, self.phase)
         self.step.fill_(step)
         if not self.captures:
             return self.update(self.static, self.step)

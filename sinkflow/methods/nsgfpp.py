@@ -25,8 +25,8 @@ import torch
 
 from sinkflow.errors import SinkflowError
 from sinkflow.methods import nsgf
-from sinkflow.methods.base import Method, TrainingStep
-from sinkflow.methods.flow_matching import InterpolantStep, interpolant_draw, interpolant_finish
+from sinkflow.methods.base import Method
+from sinkflow.methods.flow_matching import InterpolantStep
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.methods.pool import check_pool_fits
 
@@ -81,22 +81,16 @@ def time_loss(model, batch):
     return (model(x).float() - t).pow(2).mean()
 
 
-class TimeStep(TrainingStep):
-    """The phase-transition predictor: regress t from X_t on the straight path (independent pairs)."""
+class TimeStep(InterpolantStep):
+    """The phase-transition predictor: regress t from X_t on the straight path (independent pairs); its batches
+    are the interpolant's without the target velocity."""
 
     def __init__(self, source, target):
-        super().__init__("time")
-        self.source, self.target = source, target
-
-    def draw(self, generator, n, device):
-        return interpolant_draw(self.source, self.target, generator, n)
+        super().__init__("time", source, target)
 
     def prepare(self, drawn, device):
-        x, t, _ = interpolant_finish(drawn, device)
+        x, t, _ = super().prepare(drawn, device)
         return x, t
-
-    def batch(self, generator, n, device):
-        return self.prepare(self.draw(generator, n, device), device)
 
     def loss(self, model, batch):
         return time_loss(model, batch)
