@@ -12,7 +12,9 @@ then scores each model at 10 and 100 Euler steps in the columns of ``scoring.py`
   stratified 1024-point test draw, ``--eval-seeds`` draws.
 
 Prints a markdown table and (with --write) replaces the matching section of benchmarks/RESULTS.md. A kept run
-(``--runs-dir``) is never retrained; one scored by an older version of this script is scored again.
+(``--runs-dir``) is never retrained; one scored by an older version of this script is scored again. ``--keep DIR``
+copies each run's scores (``bench.json``) to DIR, from which ``--collect --runs-dir DIR`` makes the table again
+without the run folders: ``benchmarks/scores/`` holds those of the tables in RESULTS.md.
 
     python benchmarks/nsgf_2d.py                      # full protocol, 2 runs in parallel
     python benchmarks/nsgf_2d.py --iters 2000 --tasks moons --methods nsgf   # quick look
@@ -163,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each")
     p.add_argument("--runs-dir", default=None, help="keep the runs here (default: a temp folder)")
     p.add_argument("--write", action="store_true", help="replace the nsgf_2d section of benchmarks/RESULTS.md")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="also copy each run's scores (bench.json) to DIR/<run>/: --collect --runs-dir DIR tabulates "
+                        "them again once the run folders are gone (benchmarks/scores/ keeps the tables' own)")
     p.add_argument("--collect", action="store_true",
                    help="train nothing: tabulate (evaluating where needed) the runs finished in --runs-dir")
     p.add_argument("extra", nargs="*", help="config overrides applied to every run, e.g. pool.eta=0.1")
@@ -183,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         for f in futures:
             r = f.result()
             results.append(r)
+            scoring.keep(Path(runs_dir) / f"{r['task']}-{r['method']}-s{r['seed']}" / "bench.json", args.keep)
             w = {c: [statistics.fmean(r["scores"][c][k]) for k in ("10", "100")] for c in COLUMNS}
             print(f"{r['task']:>17} {r['method']:>6} seed {r['seed']}: " + "  ".join(
                 f"{c} {w[c][0]:.{DIGITS[c]}f} / {w[c][1]:.{DIGITS[c]}f}" for c in COLUMNS) + f"  ({r['train_s']:.0f} s)",

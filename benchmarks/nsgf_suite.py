@@ -15,7 +15,8 @@ nothing keyed on the target. Each trained model is scored at 10 and 100 Euler st
   table's † marks); floor = the exact distribution's own i.i.d. 4,096-point draw against the same rows.
 
 Each W2 is the mean over ``--eval-seeds`` sampling seeds; runs are kept in ``--runs-dir`` and a finished run is
-never retrained (kill and rerun the same command to resume). ``--write`` replaces the nsgf_suite section of
+never retrained (kill and rerun the same command to resume); ``--keep DIR`` copies each run's scores to DIR
+(``benchmarks/scores/``: a collect needs only them). ``--write`` replaces the nsgf_suite section of
 benchmarks/RESULTS.md.
 
     OMP_NUM_THREADS=1 python benchmarks/nsgf_suite.py --runs-dir R --seeds 3 --write
@@ -228,6 +229,8 @@ def main() -> None:
     p.add_argument("--runs-dir", required=True, help="runs and the suite's .npy files live here (resumable)")
     p.add_argument("--collect", action="store_true", help="train nothing: tabulate the runs finished in --runs-dir")
     p.add_argument("--write", action="store_true", help="replace the nsgf_suite section of benchmarks/RESULTS.md")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="also copy each run's scores (bench.json) to DIR/<run>/ (see nsgf_2d.py --keep)")
     p.add_argument("--diagnose", action="store_true",
                    help="train nothing: print component masses and off-support shares of the finished runs")
     p.add_argument("--diagnose-n", type=int, default=20_000,
@@ -251,6 +254,7 @@ def main() -> None:
             r = pool.submit(one_run, f, str(files[f]), m, s, args.iters, str(runs_dir), args.extra,
                             args.eval_seeds).result()
             results.append(r)
+            scoring.keep(runs_dir / f"{f}-{m}-s{s}" / "bench.json", args.keep)
             w = {c: [statistics.fmean(r["scores"][c][k]) for k in ("10", "100")] for c in COLUMNS}
             print(f"{f:>8} {m:>6} seed {s}: " + "  ".join(f"{c} {w[c][0]:.{DIGITS[c]}f} / {w[c][1]:.{DIGITS[c]}f}" for c in COLUMNS)
                   + f"  ({r['train_s']:.0f} s)", flush=True)

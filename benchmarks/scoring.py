@@ -8,7 +8,9 @@ the mean over sampling seeds per training seed, then mean ± std over training s
 
 from __future__ import annotations
 
+import shutil
 import statistics
+from pathlib import Path
 
 PROTOCOLS = ("iid", "qmc")  # W2 of 1,024 points under each protocol
 COLUMNS = ("iid", "energy", "qmc")  # the table's scores, the primary first
@@ -31,6 +33,16 @@ def stale(scores: dict, draws: dict) -> list[str]:
     """The columns of ``scores`` missing or scored with another number of draws than ``draws[column]``: what a
     kept result file needs scored again (its other columns are kept, and the model is not retrained)."""
     return [c for c in COLUMNS if c not in scores or any(len(v) != draws[c] for v in scores[c].values())]
+
+
+def keep(result_file: Path, keep_dir: str | None) -> None:
+    """Copy a run's scored result (``RUN/bench.json``, a few KB) to ``KEEP/RUN/bench.json``, so a table can be made
+    again from the repository (``--collect --runs-dir KEEP``) after the run folders (checkpoints, pools: hundreds
+    of MB) are gone: a collect reads only ``bench.json``, and recomputes the floors."""
+    if keep_dir:
+        dest = Path(keep_dir) / result_file.parent.name / result_file.name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(result_file, dest)
 
 
 def target_of(result: dict) -> str:

@@ -278,10 +278,17 @@ def test_smoke_nsgf_2d(runs_2d, quiet, capsys, monkeypatch):
     results.write_text("# Benchmark results\n\nbefore\n<!-- nsgf_2d:begin -->\nstale table\n<!-- nsgf_2d:end -->\nafter\n")
     monkeypatch.setattr(bench, "RESULTS", results)
     monkeypatch.setattr(bench, "ProcessPoolExecutor", InProcessPool)
+    kept_dir = quiet / "scores"
     bench.main(["--tasks", "8gaussians", "--methods", "nsgf", "otcfm", "--seeds", "1", "--eval-seeds", "1",
-                "--iid-seeds", "2", "--eval-n", "64", "--runs-dir", str(runs), "--collect", "--write"])
+                "--iid-seeds", "2", "--eval-n", "64", "--runs-dir", str(runs), "--collect", "--write", "--keep", str(kept_dir)])
     again = capsys.readouterr().out  # --collect: nothing retrained, the kept results tabulated again
     assert rows(again, "| 8gaussians | ") == rows(out, "| 8gaussians | ")
+    # --keep: the scores alone (no checkpoints, no pool) make the same table once the run folders are gone
+    assert sorted(p.relative_to(kept_dir).as_posix() for p in kept_dir.rglob("*") if p.is_file()) == [
+        "8gaussians-nsgf-s0/bench.json", "8gaussians-otcfm-s0/bench.json"]
+    bench.main(["--tasks", "8gaussians", "--methods", "nsgf", "otcfm", "--seeds", "1", "--eval-seeds", "1",
+                "--iid-seeds", "2", "--eval-n", "64", "--runs-dir", str(kept_dir), "--collect"])
+    assert rows(capsys.readouterr().out, "| 8gaussians | ") == rows(out, "| 8gaussians | ")
     text = results.read_text()
     assert "before" in text and "after" in text and "stale table" not in text and "| 8gaussians | 100 |" in text
 
