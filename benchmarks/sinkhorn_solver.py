@@ -28,9 +28,11 @@ ROWS = [
     ("GeomLoss, scaling 0.9", dict(scaling=0.9)),
     ("GeomLoss, scaling 0.95", dict(scaling=0.95)),
     ("GeomLoss, scaling 0.99", dict(scaling=0.99)),
-    ("converged, scaling 0.8, <=30 iters, tol 1e-2 (2D preset)", dict(scaling=0.8, solver="converged", max_iters=30,
-                                                                  tol=1e-2)),
+    ("converged, scaling 0.8, <=30 iters, tol 1e-2 (2D preset until 2026-11-25)", dict(scaling=0.8, solver="converged",
+                                                                                    max_iters=30, tol=1e-2)),
     ("converged, scaling 0.8, <=100 iters, tol 1e-2", dict(scaling=0.8, solver="converged", max_iters=100, tol=1e-2)),
+    ("converged, scaling 0.8, <=200 iters, tol 1e-2 (2D preset)", dict(scaling=0.8, solver="converged", max_iters=200,
+                                                                   tol=1e-2)),
     ("converged, scaling 0.9, <=200 iters, tol 1e-3", dict(scaling=0.9, solver="converged", max_iters=200, tol=1e-3)),
 ]
 

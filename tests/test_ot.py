@@ -415,6 +415,35 @@ def test_converged_solver_drops_finished_batches_without_changing_any_bit():
         assert torch.equal(together[b], alone[0]) and int(n) == int(iters[b])
 
 
+def test_self_potential_is_solved_first_to_its_fixed_point_and_stops_early(monkeypatch):
+    """The debiasing potential is solved on its own before the cross problem: it meets its own (1000x tighter)
+    tolerance, each batch as alone, in far fewer c-transforms than the cross potentials need, and stops at the
+    dtype's rounding when its tolerance is below it (tol 0 in float32 must not run to max_iters)."""
+    from sinkflow.ot import sinkhorn as S
+
+    xs, _ = zip(*(_clouds_2d(48, seed=s) for s in range(3)))
+    x = torch.stack(xs) * torch.tensor([1.0, 3.0, 0.5])[:, None, None]
+    a_log, c_xx, eps = x.new_full((3, 48), -math.log(48)), S._cost(x, x), 0.04
+    start = S._softmin(1.0, c_xx, a_log)
+    p = S._self_potential(eps, c_xx, a_log, start, 1e-6 * eps, 500)
+    fixed = (p + S._softmin(eps, c_xx, a_log + p / eps)) / 2
+    assert (fixed - p).abs().max() < 1e-6 * eps
+    for b in range(3):
+        alone = S._self_potential(eps, c_xx[b : b + 1], a_log[b : b + 1], start[b : b + 1], 1e-6 * eps, 500)
+        assert torch.equal(alone[0], p[b])
+    calls = []
+    real = S._softmin
+    monkeypatch.setattr(S, "_softmin", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    S._self_potential(eps, c_xx, a_log, start, 0.0, 10_000)  # only the float32 floor can stop it
+    assert len(calls) < 200
+    calls.clear()
+    y = torch.stack([_clouds_2d(48, seed=10 + s)[1] for s in range(3)]) * 2 + 1
+    _, iters = S.converged_velocity(x, y, blur=0.2, scaling=0.8, diameter=15.0, max_iters=400, tol=1e-4)
+    final = len(calls) - 3 * (len(S.epsilon_schedule(15.0, 0.2, 0.8)) + 1)  # after the annealing's c-transforms
+    # updating p along with f and g took 3 c-transforms per cross update; solved first, p adds a few, then 2 each
+    assert 2 * int(iters.max()) < final < 3 * int(iters.max()), (final, iters)
+
+
 def test_unknown_solver_is_a_clear_error():
     x, y = _clouds_2d(8, seed=0)
     with pytest.raises(SinkflowError, match="unknown Sinkhorn solver"):
