@@ -35,14 +35,20 @@ def stale(scores: dict, draws: dict) -> list[str]:
     return [c for c in COLUMNS if c not in scores or any(len(v) != draws[c] for v in scores[c].values())]
 
 
+KEPT = ("bench.json", "config.yaml", "meta.json")  # the scores, and what made them: the config, the commit, versions
+
+
 def keep(result_file: Path, keep_dir: str | None) -> None:
-    """Copy a run's scored result (``RUN/bench.json``, a few KB) to ``KEEP/RUN/bench.json``, so a table can be made
-    again from the repository (``--collect --runs-dir KEEP``) after the run folders (checkpoints, pools: hundreds
-    of MB) are gone: a collect reads only ``bench.json``, and recomputes the floors."""
+    """Copy a run's scored result (``RUN/bench.json``) with its ``config.yaml`` and ``meta.json`` (a few KB in all)
+    to ``KEEP/RUN/``, so a table can be made again from the repository (``--collect --runs-dir KEEP``) after the run
+    folders (checkpoints, pools: hundreds of MB) are gone: a collect reads only ``bench.json`` and recomputes the
+    floors; the other two say which config and commit trained the model."""
     if keep_dir:
-        dest = Path(keep_dir) / result_file.parent.name / result_file.name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(result_file, dest)
+        dest = Path(keep_dir) / result_file.parent.name
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in KEPT:
+            if (result_file.parent / name).exists():
+                shutil.copyfile(result_file.parent / name, dest / name)
 
 
 def target_of(result: dict) -> str:

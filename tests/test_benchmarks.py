@@ -285,7 +285,7 @@ def test_smoke_nsgf_2d(runs_2d, quiet, capsys, monkeypatch):
     assert rows(again, "| 8gaussians | ") == rows(out, "| 8gaussians | ")
     # --keep: the scores alone (no checkpoints, no pool) make the same table once the run folders are gone
     assert sorted(p.relative_to(kept_dir).as_posix() for p in kept_dir.rglob("*") if p.is_file()) == [
-        "8gaussians-nsgf-s0/bench.json", "8gaussians-otcfm-s0/bench.json"]
+        f"8gaussians-{m}-s0/{f}" for m in ("nsgf", "otcfm") for f in ("bench.json", "config.yaml", "meta.json")]
     bench.main(["--tasks", "8gaussians", "--methods", "nsgf", "otcfm", "--seeds", "1", "--eval-seeds", "1",
                 "--iid-seeds", "2", "--eval-n", "64", "--runs-dir", str(kept_dir), "--collect"])
     assert rows(capsys.readouterr().out, "| 8gaussians | ") == rows(out, "| 8gaussians | ")
