@@ -330,9 +330,10 @@ def test_smoke_sampling(quiet, capsys):
 
 
 def test_smoke_sinkhorn_solver(quiet, capsys):
-    load("sinkhorn_solver").main(["--batches", "1", "--n", "16", "--progress", "0.5", "--blur", "0.5"])
+    bench = load("sinkhorn_solver")
+    bench.main(["--batches", "1", "--n", "16", "--progress", "0.5", "--blur", "0.5"])
     table = rows(capsys.readouterr().out, "| 50% |")
-    assert len(table) == 6
+    assert len(table) == len(bench.ROWS)
     rel = [float(line.split("|")[5]) for line in table]
     assert all(math.isfinite(r) for r in rel) and rel[-1] < min(0.01, rel[0])  # converged beats one GeomLoss pass
 
