@@ -425,12 +425,13 @@ def test_self_potential_is_solved_first_to_its_fixed_point_and_stops_early(monke
     x = torch.stack(xs) * torch.tensor([1.0, 3.0, 0.5])[:, None, None]
     a_log, c_xx, eps = x.new_full((3, 48), -math.log(48)), S._cost(x, x), 0.04
     start = S._softmin(1.0, c_xx, a_log)
-    p = S._self_potential(eps, c_xx, a_log, start, 1e-6 * eps, 500)
+    p, iters = S._self_potential(eps, c_xx, a_log, start, 1e-6 * eps, 500)
+    assert int(iters.max()) < 500
     fixed = (p + S._softmin(eps, c_xx, a_log + p / eps)) / 2
     assert (fixed - p).abs().max() < 1e-6 * eps
     for b in range(3):
-        alone = S._self_potential(eps, c_xx[b : b + 1], a_log[b : b + 1], start[b : b + 1], 1e-6 * eps, 500)
-        assert torch.equal(alone[0], p[b])
+        alone, n = S._self_potential(eps, c_xx[b : b + 1], a_log[b : b + 1], start[b : b + 1], 1e-6 * eps, 500)
+        assert torch.equal(alone[0], p[b]) and int(n) == int(iters[b])
     calls = []
     real = S._softmin
     monkeypatch.setattr(S, "_softmin", lambda *a: calls.append(a[1].shape[0]) or real(*a))
@@ -442,6 +443,30 @@ def test_self_potential_is_solved_first_to_its_fixed_point_and_stops_early(monke
     final = len(calls) - 3 * (len(S.epsilon_schedule(15.0, 0.2, 0.8)) + 1)  # after the annealing's c-transforms
     # updating p along with f and g took 3 c-transforms per cross update; solved first, p adds a few, then 2 each
     assert 2 * int(iters.max()) < final < 3 * int(iters.max()), (final, iters)
+
+
+def test_a_capped_self_potential_counts_as_a_capped_solve(monkeypatch):
+    """The self (debiasing) potential is part of the velocity: a batch whose self solve stops at max_iters is
+    reported like a capped cross solve (iterations = max_iters, SolveStats.capped, or the warning), not passed
+    silently because its cross potentials converged. At blur 4 in float64 the cross problem converges in ~19
+    updates; the self problem at a 1e-10 x tolerance needs ~36, so a cap of 25 stops only the self solve."""
+    import warnings
+
+    from sinkflow.ot import sinkhorn as S
+
+    xs, ys = zip(*(_clouds_2d(48, seed=s) for s in range(2)))
+    x, y = torch.stack(xs).double(), torch.stack(ys).double() * 2 + 1
+    kw = dict(blur=4.0, scaling=0.8, diameter=12.0, max_iters=25, tol=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", S.SinkhornConvergenceWarning)
+        _, iters = S.converged_velocity(x, y, **kw)
+    assert int(iters.max()) < 25
+    monkeypatch.setattr(S, "SELF_TOL", 1e-10)
+    with S.solve_stats() as stats:
+        _, capped = S.converged_velocity(x, y, **kw)
+    assert (stats.problems, stats.capped) == (2, 2) and capped.tolist() == [25, 25]
+    with pytest.warns(S.SinkhornConvergenceWarning, match="raise sinkhorn.max_iters"):
+        S.converged_velocity(x, y, **kw)
 
 
 def test_unknown_solver_is_a_clear_error():

@@ -97,10 +97,35 @@ def _plan_rows(eps: float, cost: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 SELF_TOL = 1e-3  # the self potential is solved to SELF_TOL x the cross potentials' tolerance (see _self_potential)
 
 
+def _until_converged(update, state: tuple, fixed: tuple, max_iters: int) -> tuple[tuple, torch.Tensor]:
+    """Iterate ``state, still = update(*state, *fixed)`` over a batch of problems, each until its own ``still``
+    (B,) turns False or ``max_iters``; returns (state, iterations (B,), ``max_iters`` where it stopped short).
+
+    A converged problem leaves the set (its state written back), and every tensor of ``state`` and ``fixed`` is
+    sliced to the problems still iterating, so a problem's result does not depend on which problems share the
+    call (bit for bit) and a call costs the sum of its problems' iterations, not B times the slowest one's (1.4x
+    faster on a pool group of 16 batches of 8gaussians-moons, where the slowest needs 151 and most about 65)."""
+    out, live = state, torch.arange(state[0].shape[0], device=state[0].device)
+    iters = torch.full((len(live),), max_iters, dtype=torch.long, device=live.device)
+    for done in range(1, max_iters + 1):
+        state, still = update(*state, *fixed)
+        if not bool(still.all()):
+            stop = ~still
+            out = tuple(o.index_copy(0, live[stop], s[stop]) for o, s in zip(out, state))
+            iters[live[stop]] = done
+            live, state, fixed = live[still], tuple(s[still] for s in state), tuple(t[still] for t in fixed)
+            if len(live) == 0:
+                return out, iters
+    return tuple(o.index_copy(0, live, s) for o, s in zip(out, state)), iters
+
+
+SELF_TOL = 1e-3  # the self potential is solved to SELF_TOL x the cross potentials' tolerance (see _self_potential)
+
+
 def _self_potential(eps: float, c_xx: torch.Tensor, a_log: torch.Tensor, p: torch.Tensor, tol: float,
-                    max_iters: int) -> torch.Tensor:
-    """The debiasing (self) potential p of OT_eps(x, x) at the final epsilon, each batch iterated until no entry
-    moves by more than ``tol`` or than the dtype's rounding at p's magnitude (or ``max_iters``).
+                    max_iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p, iterations): the debiasing (self) potential p of OT_eps(x, x) at the final epsilon, each batch iterated
+    until no entry moves by more than ``tol`` or than the dtype's rounding at p's magnitude (or ``max_iters``).
 
     Its symmetric update reads nothing of the cross problem's f and g, so it is solved on its own, first: from the
     annealed start it converges in about ten updates where the cross potentials need tens to hundreds (8gaussians-
@@ -108,20 +133,15 @@ def _self_potential(eps: float, c_xx: torch.Tensor, a_log: torch.Tensor, p: torc
     with them spent a third of the final-epsilon work on a solved problem. Solved to 1000x the cross tolerance, its
     remaining error changes the plan's weights by under 1e-5 (benchmarks/sinkhorn_solver.py measures the velocities
     against a converged float64 solve)."""
-    out, live, ps, cs = p, torch.arange(p.shape[0], device=p.device), p, c_xx
-    for _ in range(max_iters):
-        p_new = (ps + _softmin(eps, cs, a_log[: len(live)] + ps / eps)) / 2
+
+    def update(p, c_xx, a_log):
+        p_new = (p + _softmin(eps, c_xx, a_log + p / eps)) / 2
         # below tol, or below the rounding of the dtype at the potentials' magnitude (where float32 stops moving)
-        floor = (4 * torch.finfo(ps.dtype).eps) * p_new.abs().amax(1)
-        still = (p_new - ps).abs().amax(1) >= torch.clamp(floor, min=tol)
-        ps = p_new
-        if not bool(still.all()):
-            stop = ~still
-            out = out.index_copy(0, live[stop], ps[stop])
-            live, ps, cs = live[still], ps[still], cs[still]
-            if len(live) == 0:
-                return out
-    return out.index_copy(0, live, ps)
+        floor = (4 * torch.finfo(p.dtype).eps) * p_new.abs().amax(1)
+        return (p_new,), (p_new - p).abs().amax(1) >= torch.clamp(floor, min=tol)
+
+    (p,), iters = _until_converged(update, (p,), (c_xx, a_log), max_iters)
+    return p, iters
 
 
 def epsilon_schedule(diameter: float, blur: float, scaling: float) -> list[float]:
@@ -137,12 +157,10 @@ def converged_velocity(x: torch.Tensor, y: torch.Tensor, *, blur: float, scaling
 
     Each batch stops when one more Sinkhorn update moves none of its potentials by more than ``tol * eps``
     (then the plan's row marginals are within a factor exp(tol) of uniform), or after ``max_iters``; a
-    stopped batch leaves the computation, so a batch's result does not depend on which batches share the call
-    (bit for bit) and a call costs the sum of its batches' iterations, not B times the slowest one's (1.4x
-    faster on a pool group of 16 batches of 8gaussians-moons, where the slowest needs 151 and most about 65).
-    The self (debiasing) potential is solved first, on its own (``_self_potential``), to a tighter tolerance. The
-    final-epsilon updates are over-relaxed (``omega``): plain Sinkhorn at eps = 0.01 on 256 points
-    needs thousands of iterations, over-relaxed about a hundred (benchmarks/sinkhorn_solver.py).
+    stopped batch leaves the computation (``_until_converged``). The self (debiasing) potential is solved first, on
+    its own (``_self_potential``), to a tighter tolerance; a batch whose self solve hit ``max_iters`` counts as
+    stopped short too. The final-epsilon updates are over-relaxed (``omega``): plain Sinkhorn at eps = 0.01 on 256
+    points needs thousands of iterations, over-relaxed about a hundred (benchmarks/sinkhorn_solver.py).
     """
     B, N, _ = x.shape
     M = y.shape[1]
@@ -159,30 +177,19 @@ def converged_velocity(x: torch.Tensor, y: torch.Tensor, *, blur: float, scaling
         pt = _softmin(eps, c_xx, a_log + p / eps)
         f, g, p = (f + ft) / 2, (g + gt) / 2, (p + pt) / 2
     eps = blur**2
-    p = _self_potential(eps, c_xx, a_log, p, SELF_TOL * tol * eps, max_iters)
-    iters = torch.full((B,), max_iters, dtype=torch.long, device=x.device)
-    # the batches still iterating, with their own slices of everything they read: a converged batch leaves the set
-    # (its potentials written back), so the work is the sum of the batches' iterations, not B x the slowest's
-    live = torch.arange(B, device=x.device)
-    fs, gs, cs_xy, cs_yx = f, g, c_xy, c_yx
-    for done in range(1, max_iters + 1):  # alternating updates at the final epsilon, to convergence
-        gs = (1 - omega) * gs + omega * _softmin(eps, cs_yx, a_log[: len(live)] + fs / eps)
-        f_new = (1 - omega) * fs + omega * _softmin(eps, cs_xy, b_log[: len(live)] + gs / eps)
-        still = (f_new - fs).abs().amax(1) >= tol * eps
-        fs = f_new
-        if not bool(still.all()):  # some batches converged: keep their potentials, drop them from the set
-            stop = ~still
-            f, g = f.index_copy(0, live[stop], fs[stop]), g.index_copy(0, live[stop], gs[stop])
-            iters[live[stop]] = done
-            live, fs, gs = live[still], fs[still], gs[still]
-            cs_xy, cs_yx = cs_xy[still], cs_yx[still]
-            if len(live) == 0:
-                break
-    if len(live):  # stopped at max_iters: their potentials as they are
-        f, g = f.index_copy(0, live, fs), g.index_copy(0, live, gs)
+    p, self_iters = _self_potential(eps, c_xx, a_log, p, SELF_TOL * tol * eps, max_iters)
+
+    def update(f, g, c_xy, c_yx, a_log, b_log):  # alternating over-relaxed updates at the final epsilon
+        g = (1 - omega) * g + omega * _softmin(eps, c_yx, a_log + f / eps)
+        f_new = (1 - omega) * f + omega * _softmin(eps, c_xy, b_log + g / eps)
+        return (f_new, g), (f_new - f).abs().amax(1) >= tol * eps
+
+    (f, g), iters = _until_converged(update, (f, g), (c_xy, c_yx, a_log, b_log), max_iters)
+    iters[self_iters >= max_iters] = max_iters  # a capped self solve leaves the velocity unconverged too
+    capped = bool((iters >= max_iters).any())
     if _ACTIVE:  # a caller counts and reports them
         _ACTIVE[-1].add(iters.cpu(), max_iters, tol)
-    elif len(live):  # one constant message per run
+    elif capped:  # one constant message per run
         warnings.warn(SinkhornConvergenceWarning(
             f"Sinkhorn problems stopped at sinkhorn.max_iters={max_iters} before sinkhorn.tol={tol}: the flow's "
             f"velocities are not converged; raise sinkhorn.max_iters (or sinkhorn.blur: a larger epsilon converges "
