@@ -14,7 +14,8 @@ then scores each model at 10 and 100 Euler steps in the columns of ``scoring.py`
 Prints a markdown table and (with --write) replaces the matching section of benchmarks/RESULTS.md. A kept run
 (``--runs-dir``) is never retrained; one scored by an older version of this script is scored again. ``--keep DIR``
 copies each run's scores (``bench.json``) to DIR, from which ``--collect --runs-dir DIR`` makes the table again
-without the run folders: ``benchmarks/scores/`` holds those of the tables in RESULTS.md.
+without the run folders: ``benchmarks/scores/`` holds those of the tables in RESULTS.md. A run whose scores are kept
+in DIR is not trained again, so the same command resumes the benchmark on a machine without the old run folders.
 
     python benchmarks/nsgf_2d.py                      # full protocol, 2 runs in parallel
     python benchmarks/nsgf_2d.py --iters 2000 --tasks moons --methods nsgf   # quick look
@@ -65,6 +66,7 @@ def one_run(task: str, method: str, seed: int, iters: int, runs_dir: str, extra:
         redo = (list(COLUMNS) if result.get("eval_n", 1024) != eval_n
                 else scoring.stale(result.get("scores", {}), scoring.draws(iid_seeds, eval_seeds)))
         if redo:
+            scoring.rescorable(run_dir, redo)
             new = evaluate(run_dir, eval_seeds, eval_n, iid_seeds, columns=redo)
             result.update({**new, "scores": {**result.get("scores", {}), **new["scores"]}})
             done.write_text(json.dumps(result))
@@ -177,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     # seed-major: an interrupted benchmark has every task and method for its first seeds
     seeds = args.seed_list if args.seed_list is not None else range(args.seeds)
     jobs = [(t, m, s) for s in seeds for t in args.tasks for m in args.methods]
+    for t, m, s in jobs:  # scores kept from another machine's runs are not made again
+        scoring.restore(Path(runs_dir) / f"{t}-{m}-s{s}", args.keep)
     start = time.perf_counter()
     if args.collect:  # runs evaluated before, or trained to the end but not evaluated (e.g. a killed benchmark)
         jobs = [(t, m, s) for t, m, s in jobs if _finished(Path(runs_dir) / f"{t}-{m}-s{s}")]

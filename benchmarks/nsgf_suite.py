@@ -16,7 +16,7 @@ nothing keyed on the target. Each trained model is scored at 10 and 100 Euler st
 
 Each W2 is the mean over ``--eval-seeds`` sampling seeds; runs are kept in ``--runs-dir`` and a finished run is
 never retrained (kill and rerun the same command to resume); ``--keep DIR`` copies each run's scores to DIR
-(``benchmarks/scores/``: a collect needs only them). ``--write`` replaces the nsgf_suite section of
+(``benchmarks/scores/``: a collect needs only them), and a run kept there is not trained again, on any machine. ``--write`` replaces the nsgf_suite section of
 benchmarks/RESULTS.md.
 
     OMP_NUM_THREADS=1 python benchmarks/nsgf_suite.py --runs-dir R --seeds 3 --write
@@ -100,6 +100,7 @@ def one_run(family: str, path: str, method: str, seed: int, iters: int, runs_dir
         result = json.loads(done.read_text())
         redo = scoring.stale(result.get("scores", {}), scoring.draws(eval_seeds, eval_seeds, eval_seeds))
         if redo:
+            scoring.rescorable(run_dir, redo)
             result["scores"] = {**result.get("scores", {}), **evaluate(run_dir, family, eval_seeds, columns=redo)}
             result["eval_seeds"] = eval_seeds
             done.write_text(json.dumps(result))
@@ -241,6 +242,8 @@ def main() -> None:
     files = suite2d.write_suite(runs_dir / "suite", args.families)
     seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
     jobs = [(f, m, s) for s in seeds for f in args.families for m in args.methods]  # seed-major
+    for f, m, s in jobs:  # scores kept from another machine's runs are not made again
+        scoring.restore(runs_dir / f"{f}-{m}-s{s}", args.keep)
     if args.collect or args.diagnose:
         jobs = [j for j in jobs if (runs_dir / f"{j[0]}-{j[1]}-s{j[2]}" / "bench.json").exists()]
     if args.diagnose:

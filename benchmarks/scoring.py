@@ -51,6 +51,29 @@ def keep(result_file: Path, keep_dir: str | None) -> None:
                 shutil.copyfile(result_file.parent / name, dest / name)
 
 
+def restore(run_dir: Path, keep_dir: str | None) -> bool:
+    """Copy ``KEEP/RUN/`` back into ``run_dir`` when the run has no scores there but kept ones exist, so a benchmark
+    started again with the same ``--keep`` on a machine without the old run folders (a new VM) scores and retrains
+    only what it has not kept: True if it did. The kept model is not there, so such a run cannot be scored again
+    with other draws (``one_run`` says so)."""
+    src = Path(keep_dir) / run_dir.name if keep_dir else None
+    if src is None or (run_dir / "bench.json").exists() or not (src / "bench.json").exists():
+        return False
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in KEPT:
+        if (src / name).exists():
+            shutil.copyfile(src / name, run_dir / name)
+    return True
+
+
+def rescorable(run_dir: Path, columns: list[str]) -> None:
+    """Raise if ``columns`` need scoring again but ``run_dir`` holds only kept scores (no checkpoints)."""
+    if columns and not (run_dir / "checkpoints").exists():
+        raise RuntimeError(f"{run_dir.name}: its kept scores lack {', '.join(columns)} at these draws and its model is "
+                           f"not in {run_dir.parent}; rerun with the draws it was scored with, or delete its kept "
+                           f"folder to train it again")
+
+
 def target_of(result: dict) -> str:
     return result.get("family") or result["task"]
 

@@ -289,6 +289,16 @@ def test_smoke_nsgf_2d(runs_2d, quiet, capsys, monkeypatch):
     bench.main(["--tasks", "8gaussians", "--methods", "nsgf", "otcfm", "--seeds", "1", "--eval-seeds", "1",
                 "--iid-seeds", "2", "--eval-n", "64", "--runs-dir", str(kept_dir), "--collect"])
     assert rows(capsys.readouterr().out, "| 8gaussians | ") == rows(out, "| 8gaussians | ")
+    # a new machine (no run folders) given the same --keep trains nothing that is kept, and says so if it is asked
+    # for draws the kept scores lack (their model is not there to score again)
+    fresh = quiet / "new-machine"
+    bench.main(["--tasks", "8gaussians", "--methods", "nsgf", "otcfm", "--seeds", "1", "--eval-seeds", "1",
+                "--iid-seeds", "2", "--eval-n", "64", "--runs-dir", str(fresh), "--keep", str(kept_dir)])
+    assert rows(capsys.readouterr().out, "| 8gaussians | ") == rows(out, "| 8gaussians | ")
+    assert not list(fresh.rglob("*.pt")) and not list(fresh.glob("*/checkpoints"))
+    with pytest.raises(RuntimeError, match="kept scores lack .* and its model is not in"):
+        bench.main(["--tasks", "8gaussians", "--methods", "nsgf", "--seeds", "1", "--eval-seeds", "2",
+                    "--iid-seeds", "2", "--eval-n", "64", "--runs-dir", str(fresh), "--keep", str(kept_dir)])
     text = results.read_text()
     assert "before" in text and "after" in text and "stale table" not in text and "| 8gaussians | 100 |" in text
 
@@ -450,6 +460,15 @@ def test_smoke_nsgf_suite(tmp_path, monkeypatch):
     done.write_text(json.dumps(old))
     rescored = bench.one_run("unequal", str(files["unequal"]), "nsgf", 0, 4, str(tmp_path / "runs"), tiny, 1)
     assert rescored["scores"] == results[0]["scores"] and rescored["train_s"] == results[0]["train_s"]
+    # --keep on a new machine: the kept scores come back into the runs folder once, and are not trained again
+    bench.scoring.keep(done, str(tmp_path / "kept"))
+    elsewhere = tmp_path / "new-machine" / "unequal-nsgf-s0"
+    assert bench.scoring.restore(elsewhere, str(tmp_path / "kept"))
+    assert not bench.scoring.restore(elsewhere, str(tmp_path / "kept")) and not bench.scoring.restore(elsewhere, None)
+    back = bench.one_run("unequal", str(files["unequal"]), "nsgf", 0, 4, str(elsewhere.parent), tiny, 1)
+    assert back["scores"] == results[0]["scores"] and not (elsewhere / "checkpoints").exists()
+    with pytest.raises(RuntimeError, match="kept scores lack"):  # other draws need the model, which is not there
+        bench.one_run("unequal", str(files["unequal"]), "nsgf", 0, 4, str(elsewhere.parent), tiny, 2)
     rows = np.load(files["unequal"])
     fl = bench.floors("unequal", rows[-64:], pairs=2, train=rows[:200])
     assert fl["train_energy"][0] > -1 and fl["train_energy"] != fl["energy"]
