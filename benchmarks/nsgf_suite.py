@@ -1,7 +1,8 @@
 """NSGF vs OT-CFM on eight 2D target families users bring (issue 26), under the i.i.d. and QMC protocols.
 
 Each family of ``benchmarks/suite2d.py`` is written as an (N, 2) ``.npy`` (10,000 training rows, then 1,024
-held-out rows) and trained exactly as a user would: ``sinkflow train moons --method M data.target=F.npy
+held-out rows; training seed s gets its own i.i.d. draw s of the family, ``--one-draw`` gives every seed draw 0) and
+trained exactly as a user would: ``sinkflow train moons --method M data.target=F.npy
 data.test_rows=1024`` (the 8-Gaussian-source family also ``data.source=8gaussians``): the preset's recipe,
 nothing keyed on the target. Each trained model is scored at 10 and 100 Euler steps under two protocols:
 
@@ -34,6 +35,7 @@ import statistics
 import sys
 import time
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -148,6 +150,12 @@ def floors(family: str, test: "np.ndarray", pairs: int = 12, train: "np.ndarray 
     return {k: (statistics.fmean(v), statistics.stdev(v)) for k, v in vals.items()}
 
 
+def pooled(per_draw: list[dict]) -> dict:
+    """Floors of several draws of a family as one: the mean of their means and of their one-draw stds."""
+    return {k: (statistics.fmean(d[k][0] for d in per_draw), statistics.fmean(d[k][1] for d in per_draw))
+            for k in per_draw[0]}
+
+
 def diagnose(run_dir: Path, family: str, n: int = 20_000, big_n: int = 4096) -> dict:
     """Where a model's W2 comes from: the mass each mixture component gets and the share of points off the
     support, from n generated points (QMC source) at 10 and 100 steps. A point is given the component of its
@@ -157,7 +165,8 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000, big_n: int = 4096) -> 
     ``tail``: the 99 % and 99.9 % quantiles of the distance to the family's mean of n i.i.d.-source samples, beside
     the target's (how far the extreme draws land: a heavy-tailed family's score is decided there); ``beyond``: the
     share of those samples farther out than the target's 99 % and 99.9 % distances (the target: 0.01, 0.001), i.e.
-    how much mass, not just how far."""
+    how much mass, not just how far. ``file_mass``, ``file_tail``, ``file_beyond``: the same of the run's own
+    training rows, the finite draw the model learned from (a model faithful to it inherits its noise)."""
     import numpy as np
     from scipy.spatial import cKDTree
 
@@ -190,6 +199,9 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000, big_n: int = 4096) -> 
     out["w2_4096_target"] = round(statistics.fmean(w2(t(suite2d.sample(family, big_n, seed=9200 + s)), t(b))
                                                    for s, b in enumerate(big)), 4)
     run = RunFolder.open(run_dir)
+    rows = np.load(run.cfg["data"]["target"], allow_pickle=False)[: -suite2d.TEST_ROWS]  # what the model was given
+    out["file_mass"] = [round(float(v), 4) for v in np.bincount(labels[tree.query(rows)[1]], minlength=k) / len(rows)]
+    out["file_tail"], out["file_beyond"] = tail(rows), beyond(rows)
     for steps in (10, 100):
         x = generate(run, n, steps, seed=1000, protocol="qmc")[0].numpy()
         d, idx = tree.query(x)
@@ -214,9 +226,7 @@ def table(results, families, fl) -> str:
                    f"{f} {fl[f]['train_energy'][0]:.4f} ± {fl[f]['train_energy'][1]:.4f}" for f in families) + "."))
 
 
-def main() -> None:
-    import concurrent.futures as cf
-
+def main(argv: list[str] | None = None) -> None:
     import numpy as np
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -236,11 +246,16 @@ def main() -> None:
                    help="train nothing: print component masses and off-support shares of the finished runs")
     p.add_argument("--diagnose-n", type=int, default=20_000,
                    help="generated points per diagnosis (the tail shares want 100000: 0.1 %% of 20000 is 20 points)")
+    p.add_argument("--one-draw", action="store_true",
+                   help="every training seed trains on the family's draw 0 (the protocol until 2026-11-27); by default "
+                        "seed s trains on its own i.i.d. draw s, so the seed spread includes the data's own noise")
     p.add_argument("extra", nargs="*", help="config overrides for every run (probes), e.g. sinkhorn.blur=0.2")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     runs_dir = Path(args.runs_dir).resolve()
-    files = suite2d.write_suite(runs_dir / "suite", args.families)
     seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
+    draw_of = (lambda s: 0) if args.one_draw else (lambda s: s)  # noqa: E731
+    files = {d: suite2d.write_suite(runs_dir / "suite", args.families, draw=d) for d in {draw_of(s) for s in seeds}}
     jobs = [(f, m, s) for s in seeds for f in args.families for m in args.methods]  # seed-major
     for f, m, s in jobs:  # scores kept from another machine's runs are not made again
         scoring.restore(runs_dir / f"{f}-{m}-s{s}", args.keep)
@@ -252,25 +267,31 @@ def main() -> None:
         return
     start = time.perf_counter()
     results = []
-    with cf.ProcessPoolExecutor(1) as pool:  # one run at a time, one thread: the machine is shared
+    with ProcessPoolExecutor(1) as pool:  # one run at a time, one thread: the machine is shared
         for f, m, s in jobs:
-            r = pool.submit(one_run, f, str(files[f]), m, s, args.iters, str(runs_dir), args.extra,
+            r = pool.submit(one_run, f, str(files[draw_of(s)][f]), m, s, args.iters, str(runs_dir), args.extra,
                             args.eval_seeds).result()
             results.append(r)
             scoring.keep(runs_dir / f"{f}-{m}-s{s}" / "bench.json", args.keep)
             w = {c: [statistics.fmean(r["scores"][c][k]) for k in ("10", "100")] for c in COLUMNS}
             print(f"{f:>8} {m:>6} seed {s}: " + "  ".join(f"{c} {w[c][0]:.{DIGITS[c]}f} / {w[c][1]:.{DIGITS[c]}f}" for c in COLUMNS)
                   + f"  ({r['train_s']:.0f} s)", flush=True)
-    rows = {f: np.load(files[f]) for f in args.families}
-    fl = {f: floors(f, rows[f][-suite2d.TEST_ROWS:], train=rows[f][:-suite2d.TEST_ROWS]) for f in args.families}
+    rows = {(f, d): np.load(files[d][f]) for d in {draw_of(r["seed"]) for r in results} or {0} for f in args.families
+            if d in files}
+    fl = {f: pooled([floors(f, x[-suite2d.TEST_ROWS:], train=x[:-suite2d.TEST_ROWS]) for (g, _), x in rows.items()
+                     if g == f]) for f in args.families}
     import torch
 
     machine = (f"{platform.machine()}, {os.cpu_count()} cores visible (shared), 1 run at a time with 1 torch thread, "
                f"torch {torch.__version__}")
-    body = (f"Command: `python benchmarks/nsgf_suite.py {' '.join(sys.argv[1:])}`  \nMachine: {machine}  \n"
+    body = (f"Command: `python benchmarks/nsgf_suite.py {' '.join(argv)}`  \nMachine: {machine}  \n"
             f"Date: {datetime.date.today()}  \nProtocol: `sinkflow train moons --method nsgf|otcfm data.target=F.npy "
             f"data.test_rows=1024` ({args.iters} steps, batch 256, the preset's recipe); training seeds "
-            f"{sorted({r['seed'] for r in results})}; each W2 (exact, POT emd2, 1024 vs 1024 points) is the mean over "
+            f"{sorted({r['seed'] for r in results})}, "
+            + ("all on the family's draw 0 (one file of 10,000 + 1,024 rows)" if args.one_draw else
+               "seed s on its own i.i.d. draw s of the family (10,000 training + 1,024 held-out rows), so the spread "
+               "over seeds includes the data's own noise; floors averaged over those draws")
+            + f"; each W2 (exact, POT emd2, 1024 vs 1024 points) is the mean over "
             f"{args.eval_seeds} sampling seeds, then mean ± std over training seeds. **iid** (primary): i.i.d. source "
             f"draws vs the 1024 held-out rows of the file (never trained on); floor: a fresh i.i.d. draw of the family vs "
             f"those rows. **qmc**: scrambled-Sobol source draws vs a stratified draw of the family; floor: two stratified "

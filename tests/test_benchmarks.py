@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -431,6 +432,14 @@ def test_helper_suite2d(tmp_path):
     x = np.load(files["unequal"])
     assert x.shape == (suite.TRAIN_ROWS + suite.TEST_ROWS, 2) and x.dtype == np.float32
     assert np.array_equal(x, np.load(suite.write_suite(tmp_path / "again", ["unequal"])["unequal"]))
+    # each training seed's own draw: another file of the same family, with its own finite-sample mode counts
+    d1 = suite.write_suite(tmp_path, ["unequal"], draw=1)["unequal"]
+    assert d1.name == "unequal-d1.npy" and np.array_equal(np.load(files["unequal"]), x)
+    y = np.load(d1)
+    assert y.shape == x.shape and not np.array_equal(x, y) and abs(x.mean() - y.mean()) < 0.1
+    before = d1.stat().st_mtime_ns
+    suite.write_suite(tmp_path, ["unequal"], draw=1)  # the same draw again is not rewritten (runs may be reading it)
+    assert d1.stat().st_mtime_ns == before
     rng = np.random.default_rng(0)
     assert list(suite.counts([0.62, 0.31, 0.07], 1024, rng, stratified=True)) == [635, 317, 72]
     iid = [suite.counts([0.62, 0.31, 0.07], 1024, np.random.default_rng(s), False)[2] for s in range(20)]
@@ -478,6 +487,31 @@ def test_smoke_nsgf_suite(tmp_path, monkeypatch):
     assert len(d[10]["mass"]) == len(d["true_mass"]) and abs(sum(d[100]["mass"]) - 1) < 1e-3 and 0 <= d[10]["off"] <= 1
     assert d["true_tail"][0] < d["true_tail"][1] and len(d[100]["tail"]) == 2 and d[10]["w2_4096"] > 0
     assert len(d[10]["beyond"]) == 2 and 1 >= d[10]["beyond"][0] >= d[10]["beyond"][1] >= 0
+    # the model's training rows beside it: the file's own masses (one finite draw, near the family's)
+    assert len(d["file_mass"]) == 3 and abs(sum(d["file_mass"]) - 1) < 1e-3 and d["file_mass"] != d["true_mass"]
+    assert max(abs(a - b) for a, b in zip(d["file_mass"], d["true_mass"])) < 0.02 and len(d["file_beyond"]) == 2
+    pooled = bench.pooled([fl, {k: (v[0] + 1, v[1] + 1) for k, v in fl.items()}])
+    assert pooled["iid"] == (fl["iid"][0] + 0.5, fl["iid"][1] + 0.5)
+
+
+@pytest.mark.slow
+def test_smoke_nsgf_suite_gives_each_training_seed_its_own_draw(tmp_path, monkeypatch, capsys):
+    """The suite's runner end to end (tiny): seed s trains and is scored on draw s of the family, so the seed spread
+    includes the data's own noise; ``--one-draw`` puts every seed on draw 0."""
+    monkeypatch.chdir(tmp_path)
+    bench = load("nsgf_suite")
+    monkeypatch.setattr(bench, "ProcessPoolExecutor", InProcessPool)
+    floors = bench.floors
+    monkeypatch.setattr(bench, "floors", lambda *a, **k: floors(*a, **k, pairs=2))  # the floors' cost is not tested here
+    tiny = ["pool.batches=2", "pool.batch_size=32", "pool.chunk=1", "eval.steps=[10, 100]"]
+    for flag, runs, seeds, files in (([], "per-seed", ["0", "1"], ["unequal.npy", "unequal-d1.npy"]),
+                                     (["--one-draw"], "one", ["1"], ["unequal.npy"])):
+        bench.main(["--families", "unequal", "--methods", "nsgf", "--seed-list", *seeds, "--iters", "4",
+                    "--eval-seeds", "1", "--runs-dir", str(tmp_path / runs), *flag, *tiny])
+        out = capsys.readouterr().out
+        assert files == [Path(yaml.safe_load((tmp_path / runs / f"unequal-nsgf-s{s}" / "config.yaml").read_text())
+                              ["data"]["target"]).name for s in seeds]
+        assert ("seed s on its own i.i.d. draw s" in out) == (not flag) and "| unequal | 100 |" in out
 
 
 def test_helper_scoring():
