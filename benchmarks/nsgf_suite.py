@@ -127,7 +127,9 @@ def floors(family: str, test: "np.ndarray", pairs: int = 12, train: "np.ndarray 
     draw vs the held-out rows (how much of the i.i.d. floor is the draw's own mode counts), and the energy
     distance of an i.i.d. ENERGY_N-point draw to the held-out rows (zero in expectation). With ``train``: the
     energy distance of ENERGY_N of the training rows (drawn without replacement) to the held-out rows, what a model
-    that reproduced its training data exactly would score (the file is one finite draw of the family)."""
+    that reproduced its training data exactly would score (the file is one finite draw of the family), and
+    ``file_mass_qmc``: the W2 qmc of the family reweighted to the file's own mode masses (``suite2d.file_masses``),
+    what a model that learned its file's masses exactly scores against the population's stratified test draw."""
     import numpy as np
     import torch
 
@@ -147,6 +149,9 @@ def floors(family: str, test: "np.ndarray", pairs: int = 12, train: "np.ndarray 
         pick = [np.random.default_rng(8500 + i).choice(len(train), min(ENERGY_N, len(train)), replace=False)
                 for i in range(pairs)]
         vals["train_energy"] = [energy_distance(train[p], test) for p in pick]
+        masses = suite2d.file_masses(family, train)
+        vals["file_mass_qmc"] = [w2(t(suite2d.sample(family, n, seed=6500 + i, stratified=True, masses=masses)),
+                                    t(suite2d.sample(family, n, seed=7000 + i, stratified=True))) for i in range(pairs)]
     return {k: (statistics.fmean(v), statistics.stdev(v)) for k, v in vals.items()}
 
 
@@ -200,7 +205,7 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000, big_n: int = 4096) -> 
                                                    for s, b in enumerate(big)), 4)
     run = RunFolder.open(run_dir)
     rows = np.load(run.cfg["data"]["target"], allow_pickle=False)[: -suite2d.TEST_ROWS]  # what the model was given
-    out["file_mass"] = [round(float(v), 4) for v in np.bincount(labels[tree.query(rows)[1]], minlength=k) / len(rows)]
+    out["file_mass"] = [round(v, 4) for v in suite2d.file_masses(family, rows)]
     out["file_tail"], out["file_beyond"] = tail(rows), beyond(rows)
     for steps in (10, 100):
         x = generate(run, n, steps, seed=1000, protocol="qmc")[0].numpy()
@@ -223,7 +228,12 @@ def table(results, families, fl) -> str:
             + ("" if not all("train_energy" in fl[f] for f in families) else
                "\n\nThe training rows' own energy distance to the held-out rows (4096 of them; what a model that reproduced "
                "its training file exactly would score, the file being one finite draw): " + ", ".join(
-                   f"{f} {fl[f]['train_energy'][0]:.4f} ± {fl[f]['train_energy'][1]:.4f}" for f in families) + "."))
+                   f"{f} {fl[f]['train_energy'][0]:.4f} ± {fl[f]['train_energy'][1]:.4f}" for f in families) + ".")
+            + ("" if not all("file_mass_qmc" in fl[f] for f in families) else
+               "\n\nW2 qmc of the family with its training file's own mode masses (a stratified draw weighted as the "
+               "file's 10,000 rows are, against the stratified test draw): what a model that learned its file perfectly "
+               "would score in the W2 qmc column, the file being one finite draw: " + ", ".join(
+                   f"{f} {fl[f]['file_mass_qmc'][0]:.3f} ± {fl[f]['file_mass_qmc'][1]:.3f}" for f in families) + "."))
 
 
 def main(argv: list[str] | None = None) -> None:

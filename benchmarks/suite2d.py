@@ -103,14 +103,17 @@ def counts(masses, n: int, rng: np.random.Generator, stratified: bool) -> np.nda
     return c
 
 
-def sample(name: str, n: int, seed: int, stratified: bool = False) -> np.ndarray:
-    """n points (float64, shuffled) of family ``name``: an i.i.d. draw, or the stratified (QMC) one."""
-    return sample_with_labels(name, n, seed, stratified)[0]
+def sample(name: str, n: int, seed: int, stratified: bool = False, masses=None) -> np.ndarray:
+    """n points (float64, shuffled) of family ``name``: an i.i.d. draw, or the stratified (QMC) one; ``masses``
+    replaces the family's mode masses (the family as a finite draw of it weighs its modes: ``file_masses``)."""
+    return sample_with_labels(name, n, seed, stratified, masses)[0]
 
 
-def sample_with_labels(name: str, n: int, seed: int, stratified: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def sample_with_labels(name: str, n: int, seed: int, stratified: bool = False,
+                       masses=None) -> tuple[np.ndarray, np.ndarray]:
     """``sample`` and each point's component index (for the mode-mass diagnostics)."""
-    _, masses, comps, _ = FAMILIES[name]
+    _, family_masses, comps, _ = FAMILIES[name]
+    masses = family_masses if masses is None else masses
     rng = np.random.default_rng(seed)
     parts, labels = [], []
     for k, (m, comp) in enumerate(zip(counts(masses, n, rng, stratified), comps)):
@@ -126,6 +129,16 @@ def sample_with_labels(name: str, n: int, seed: int, stratified: bool = False) -
         labels.append(np.full(m, k))
     order = rng.permutation(n)
     return np.concatenate(parts)[order], np.concatenate(labels)[order]
+
+
+def file_masses(name: str, rows: np.ndarray, reference: int = 200_000) -> list[float]:
+    """The share of ``rows`` in each mode of family ``name``: each row takes the mode of its nearest neighbour in a
+    labelled ``reference``-point draw (as ``nsgf_suite.diagnose`` assigns generated points)."""
+    from scipy.spatial import cKDTree
+
+    ref, labels = sample_with_labels(name, reference, seed=9000)
+    idx = cKDTree(ref).query(rows)[1]
+    return [float(v) for v in np.bincount(labels[idx], minlength=len(FAMILIES[name][1])) / len(rows)]
 
 
 DRAW_STRIDE = 1000  # draw d of a family uses seed 26_000 + family index + DRAW_STRIDE * d (draw 0: the original files)

@@ -445,6 +445,11 @@ def test_helper_suite2d(tmp_path):
     iid = [suite.counts([0.62, 0.31, 0.07], 1024, np.random.default_rng(s), False)[2] for s in range(20)]
     assert len(set(iid)) > 5 and abs(np.mean(iid) - 71.7) < 5  # multinomial: the small mode's count varies
     assert suite.FAMILIES["8g-roll"][0] == "8gaussians" and min(suite.FAMILIES["unequal"][1]) < 0.1
+    # a file's own mode masses: one i.i.d. draw's, near the family's; a draw made with them has exactly those counts
+    m = suite.file_masses("unequal", x[: suite.TRAIN_ROWS], reference=20_000)
+    assert abs(sum(m) - 1) < 1e-9 and max(abs(a - b) for a, b in zip(m, [0.62, 0.31, 0.07])) < 0.02
+    _, lab = suite.sample_with_labels("unequal", 1000, seed=1, stratified=True, masses=[0.5, 0.25, 0.25])
+    assert list(np.bincount(lab)) == [500, 250, 250]
 
 
 @pytest.mark.slow
@@ -483,6 +488,7 @@ def test_smoke_nsgf_suite(tmp_path, monkeypatch):
     assert fl["train_energy"][0] > -1 and fl["train_energy"] != fl["energy"]
     text = bench.table(results, ["unequal"], {"unequal": fl})
     assert "| unequal | 10 |" in text and "The training rows' own energy distance" in text
+    assert "its training file's own mode masses" in text and fl["file_mass_qmc"][0] > 0
     d = bench.diagnose(tmp_path / "runs" / "unequal-nsgf-s0", "unequal", n=400, big_n=64)
     assert len(d[10]["mass"]) == len(d["true_mass"]) and abs(sum(d[100]["mass"]) - 1) < 1e-3 and 0 <= d[10]["off"] <= 1
     assert d["true_tail"][0] < d["true_tail"][1] and len(d[100]["tail"]) == 2 and d[10]["w2_4096"] > 0
