@@ -171,7 +171,8 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000, big_n: int = 4096) -> 
     the target's (how far the extreme draws land: a heavy-tailed family's score is decided there); ``beyond``: the
     share of those samples farther out than the target's 99 % and 99.9 % distances (the target: 0.01, 0.001), i.e.
     how much mass, not just how far. ``file_mass``, ``file_tail``, ``file_beyond``: the same of the run's own
-    training rows, the finite draw the model learned from (a model faithful to it inherits its noise)."""
+    training rows, the finite draw the model learned from (a model faithful to it inherits its noise). ``spread``:
+    per mode, the RMS of the std along x and y of the points given to it (``true_spread``: the family's)."""
     import numpy as np
     from scipy.spatial import cKDTree
 
@@ -207,10 +208,16 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000, big_n: int = 4096) -> 
     rows = np.load(run.cfg["data"]["target"], allow_pickle=False)[: -suite2d.TEST_ROWS]  # what the model was given
     out["file_mass"] = [round(v, 4) for v in suite2d.file_masses(family, rows)]
     out["file_tail"], out["file_beyond"] = tail(rows), beyond(rows)
+    def spread(points, lab):  # per mode: the root mean square of its points' std along x and y
+        return [round(float(np.sqrt((points[lab == j].std(0) ** 2).mean())), 3) if (lab == j).sum() > 1 else None
+                for j in range(k)]
+
+    out["true_spread"] = spread(ref, labels)
     for steps in (10, 100):
         x = generate(run, n, steps, seed=1000, protocol="qmc")[0].numpy()
         d, idx = tree.query(x)
         out[steps] = {"mass": [round(float(v), 4) for v in np.bincount(labels[idx], minlength=k) / n],
+                      "spread": spread(x, labels[idx]),
                       "off": round(float((d > threshold).mean()), 4),
                       "w2_4096": round(statistics.fmean(w2(generate(run, big_n, steps, seed=1100 + s, protocol="iid")[0],
                                                            t(b)) for s, b in enumerate(big)), 4),

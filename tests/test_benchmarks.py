@@ -496,6 +496,7 @@ def test_smoke_nsgf_suite(tmp_path, monkeypatch):
     # the model's training rows beside it: the file's own masses (one finite draw, near the family's)
     assert len(d["file_mass"]) == 3 and abs(sum(d["file_mass"]) - 1) < 1e-3 and d["file_mass"] != d["true_mass"]
     assert max(abs(a - b) for a, b in zip(d["file_mass"], d["true_mass"])) < 0.02 and len(d["file_beyond"]) == 2
+    assert abs(d["true_spread"][0] - 0.6) < 0.01 and len(d[10]["spread"]) == 3
     pooled = bench.pooled([fl, {k: (v[0] + 1, v[1] + 1) for k, v in fl.items()}])
     assert pooled["iid"] == (fl["iid"][0] + 0.5, fl["iid"][1] + 0.5)
 
