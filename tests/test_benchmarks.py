@@ -501,23 +501,38 @@ def test_smoke_nsgf_suite(tmp_path, monkeypatch):
     assert pooled["iid"] == (fl["iid"][0] + 0.5, fl["iid"][1] + 0.5)
 
 
-@pytest.mark.slow
-def test_smoke_nsgf_suite_gives_each_training_seed_its_own_draw(tmp_path, monkeypatch, capsys):
-    """The suite's runner end to end (tiny): seed s trains and is scored on draw s of the family, so the seed spread
-    includes the data's own noise; ``--one-draw`` puts every seed on draw 0."""
+_RECORDED_RUNS: list = []
+
+
+def _recorded_run(family, path, method, seed, iters, runs_dir, *rest):
+    """Stands in for nsgf_suite.one_run (module level: InProcessPool pickles it): records the seed and the file it
+    was given, and returns scores that differ by seed."""
+    _RECORDED_RUNS.append((seed, Path(path).name))
+    (Path(runs_dir) / f"{family}-{method}-s{seed}").mkdir(parents=True, exist_ok=True)
+    cell = {"10": [0.1 + seed], "100": [0.2 + seed]}
+    return {"family": family, "method": method, "seed": seed, "train_s": 1.0,
+            "scores": {"iid": cell, "qmc": cell, "energy": cell}}
+
+
+def test_nsgf_suite_gives_each_training_seed_its_own_draw(tmp_path, monkeypatch, capsys):
+    """The suite's runner trains seed s on draw s of the family (the seed spread then includes the data's own noise),
+    with ``--one-draw`` every seed on draw 0, and pools the floors over the draws it used. ``one_run`` (training and
+    scoring, covered by test_smoke_nsgf_suite) is replaced by a recorder here."""
     monkeypatch.chdir(tmp_path)
     bench = load("nsgf_suite")
     monkeypatch.setattr(bench, "ProcessPoolExecutor", InProcessPool)
-    floors = bench.floors
-    monkeypatch.setattr(bench, "floors", lambda *a, **k: floors(*a, **k, pairs=2))  # the floors' cost is not tested here
-    tiny = ["pool.batches=2", "pool.batch_size=32", "pool.chunk=1", "eval.steps=[10, 100]"]
-    for flag, runs, seeds, files in (([], "per-seed", ["0", "1"], ["unequal.npy", "unequal-d1.npy"]),
-                                     (["--one-draw"], "one", ["1"], ["unequal.npy"])):
-        bench.main(["--families", "unequal", "--methods", "nsgf", "--seed-list", *seeds, "--iters", "4",
-                    "--eval-seeds", "1", "--runs-dir", str(tmp_path / runs), *flag, *tiny])
+    floors, pooled, seen = bench.floors, [], _RECORDED_RUNS
+    monkeypatch.setattr(bench, "floors", lambda *a, **k: floors(*a, **k, pairs=2))
+    monkeypatch.setattr(bench, "pooled", lambda per_draw: pooled.append(len(per_draw)) or per_draw[0])
+
+    monkeypatch.setattr(bench, "one_run", _recorded_run)
+    for flag, seeds, files in (([], ["0", "1"], ["unequal.npy", "unequal-d1.npy"]),
+                               (["--one-draw"], ["1"], ["unequal.npy"])):
+        seen.clear(), pooled.clear()
+        bench.main(["--families", "unequal", "--methods", "nsgf", "--seed-list", *seeds,
+                    "--runs-dir", str(tmp_path / "runs"), *flag])
         out = capsys.readouterr().out
-        assert files == [Path(yaml.safe_load((tmp_path / runs / f"unequal-nsgf-s{s}" / "config.yaml").read_text())
-                              ["data"]["target"]).name for s in seeds]
+        assert seen == [(int(s), f) for s, f in zip(seeds, files)] and pooled == [len(set(files))]
         assert ("seed s on its own i.i.d. draw s" in out) == (not flag) and "| unequal | 100 |" in out
 
 
