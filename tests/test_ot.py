@@ -439,10 +439,41 @@ def test_self_potential_is_solved_first_to_its_fixed_point_and_stops_early(monke
     assert len(calls) < 200
     calls.clear()
     y = torch.stack([_clouds_2d(48, seed=10 + s)[1] for s in range(3)]) * 2 + 1
-    _, iters = S.converged_velocity(x, y, blur=0.2, scaling=0.8, diameter=15.0, max_iters=400, tol=1e-4)
+    kw = dict(blur=0.2, scaling=0.8, diameter=15.0, max_iters=400, tol=1e-4)
+    _, iters = S.converged_velocity(x, y, **kw, final="log")
     final = len(calls) - 3 * (len(S.epsilon_schedule(15.0, 0.2, 0.8)) + 1)  # after the annealing's c-transforms
     # updating p along with f and g took 3 c-transforms per cross update; solved first, p adds a few, then 2 each
     assert 2 * int(iters.max()) < final < 3 * int(iters.max()), (final, iters)
+    calls.clear()
+    S.converged_velocity(x, y, **kw)  # on the absorbed kernel the cross iterations make no c-transform at all
+    assert len(calls) - 3 * (len(S.epsilon_schedule(15.0, 0.2, 0.8)) + 1) < 0.2 * final
+
+
+def test_kernel_iterations_match_the_log_domain_and_fall_back_per_batch(monkeypatch):
+    """The final-epsilon iterations on the absorbed kernel are the log-domain ones up to float rounding (the same
+    iteration counts, velocities within 1e-3 in float32, 1e-9 in float64), and a batch whose annealed logits or scalings leave float32's safe range
+    is solved in the log domain instead, alone: every other batch keeps its kernel result, bit for bit."""
+    from sinkflow.ot import sinkhorn as S
+
+    xs, ys = zip(*(_clouds_2d(48, seed=s) for s in range(4)))
+    x, y = torch.stack(xs), torch.stack(ys) * torch.tensor([1.0, 3.0, 0.5, 2.0])[:, None, None]
+    kw = dict(blur=0.2, scaling=0.8, diameter=15.0, max_iters=400, tol=1e-3)
+    v_log, it_log = S.converged_velocity(x, y, **kw, final="log")
+    v_ker, it_ker = S.converged_velocity(x, y, **kw)
+    # float32 rounding, carried through up to 400 iterations (batch 1 hits the cap): far below the solve's own error
+    assert torch.equal(it_ker, it_log) and (v_ker - v_log).abs().max() < 1e-3
+    assert all(not torch.equal(v_ker[b], v_log[b]) for b in range(4))  # two paths, so the checks below can tell
+    xd, yd = x.double(), y.double()
+    assert (S.converged_velocity(xd, yd, **kw)[0] - S.converged_velocity(xd, yd, **kw, final="log")[0]).abs().max() < 1e-9
+    # these batches' annealed logits all peak near 3.87 and their scalings reach 1.4 / 5-11 while iterating:
+    for limit, kernel_batches in ((6.0, [0, 2]), (3.85, [2])):  # scalings past 6 in 1 and 3; logits past 3.85 in 0, 1, 3
+        monkeypatch.setattr(S, "KERNEL_SAFE", limit)
+        v, it = S.converged_velocity(x, y, **kw)
+        for b in range(4):
+            assert torch.equal(v[b], (v_ker if b in kernel_batches else v_log)[b]), (limit, b)
+        assert torch.equal(it, it_log)
+    with pytest.raises(ValueError, match="final must be"):
+        S.converged_velocity(x, y, **kw, final="exact")
 
 
 def test_a_capped_self_potential_counts_as_a_capped_solve(monkeypatch):
