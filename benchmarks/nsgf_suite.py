@@ -17,8 +17,8 @@ nothing keyed on the target. Each trained model is scored at 10 and 100 Euler st
 
 Each W2 is the mean over ``--eval-seeds`` sampling seeds; runs are kept in ``--runs-dir`` and a finished run is
 never retrained (kill and rerun the same command to resume); ``--keep DIR`` copies each run's scores to DIR
-(``benchmarks/scores/``: a collect needs only them), and a run kept there is not trained again, on any machine. ``--write`` replaces the nsgf_suite section of
-benchmarks/RESULTS.md.
+(``benchmarks/scores/``: a collect needs only them), and a run kept there is not trained again, on any machine.
+``--write`` replaces the nsgf_suite section of benchmarks/RESULTS.md.
 
     OMP_NUM_THREADS=1 python benchmarks/nsgf_suite.py --runs-dir R --seeds 3 --write
     python benchmarks/nsgf_suite.py --runs-dir R --collect --write     # tabulate what has finished
@@ -208,6 +208,7 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000, big_n: int = 4096) -> 
     rows = np.load(run.cfg["data"]["target"], allow_pickle=False)[: -suite2d.TEST_ROWS]  # what the model was given
     out["file_mass"] = [round(v, 4) for v in suite2d.file_masses(family, rows)]
     out["file_tail"], out["file_beyond"] = tail(rows), beyond(rows)
+
     def spread(points, lab):  # per mode: the root mean square of its points' std along x and y
         return [round(float(np.sqrt((points[lab == j].std(0) ** 2).mean())), 3) if (lab == j).sum() > 1 else None
                 for j in range(k)]
