@@ -155,6 +155,19 @@ def floors(family: str, test: "np.ndarray", pairs: int = 12, train: "np.ndarray 
     return {k: (statistics.fmean(v), statistics.stdev(v)) for k, v in vals.items()}
 
 
+def trained_on(run_dir: Path, expected: Path) -> None:
+    """Refuse a run (kept or in ``--runs-dir``) that trained on another draw of its family than this protocol gives
+    its seed, before anything runs: a table mixing the one-file and the per-seed protocols would not say so."""
+    import yaml
+
+    if (run_dir / "config.yaml").exists():
+        name = Path(yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["target"]).name
+        if name != expected.name:
+            raise SystemExit(f"{run_dir.name} was trained on {name}, but this protocol gives its seed {expected.name} "
+                             f"(--one-draw: every seed on draw 0); rerun with the protocol it was trained with, or "
+                             f"delete the run and its kept scores to train it again")
+
+
 def pooled(per_draw: list[dict]) -> dict:
     """Floors of several draws of a family as one: the mean of their means and of their one-draw stds."""
     return {k: (statistics.fmean(d[k][0] for d in per_draw), statistics.fmean(d[k][1] for d in per_draw))
@@ -277,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     jobs = [(f, m, s) for s in seeds for f in args.families for m in args.methods]  # seed-major
     for f, m, s in jobs:  # scores kept from another machine's runs are not made again
         scoring.restore(runs_dir / f"{f}-{m}-s{s}", args.keep)
+        trained_on(runs_dir / f"{f}-{m}-s{s}", files[draw_of(s)][f])
     if args.collect or args.diagnose:
         jobs = [j for j in jobs if (runs_dir / f"{j[0]}-{j[1]}-s{j[2]}" / "bench.json").exists()]
     if args.diagnose:

@@ -105,7 +105,7 @@ def counts(masses, n: int, rng: np.random.Generator, stratified: bool) -> np.nda
 
 def sample(name: str, n: int, seed: int, stratified: bool = False, masses=None) -> np.ndarray:
     """n points (float64, shuffled) of family ``name``: an i.i.d. draw, or the stratified (QMC) one; ``masses``
-    replaces the family's mode masses (the family as a finite draw of it weighs its modes: ``file_masses``)."""
+    replaces the family's mode masses (a training file's own, say: ``file_masses``)."""
     return sample_with_labels(name, n, seed, stratified, masses)[0]
 
 

@@ -534,6 +534,15 @@ def test_nsgf_suite_gives_each_training_seed_its_own_draw(tmp_path, monkeypatch,
         out = capsys.readouterr().out
         assert seen == [(int(s), f) for s, f in zip(seeds, files)] and pooled == [len(set(files))]
         assert ("seed s on its own i.i.d. draw s" in out) == (not flag) and "| unequal | 100 |" in out
+    # a run trained under the other protocol is refused before anything runs, not mixed into the table
+    (tmp_path / "runs" / "unequal-nsgf-s1" / "config.yaml").write_text(
+        yaml.safe_dump({"data": {"target": str(tmp_path / "runs" / "suite" / "unequal.npy")}}))
+    seen.clear()
+    with pytest.raises(SystemExit, match="unequal-nsgf-s1 was trained on unequal.npy, but this protocol gives its seed "
+                                         "unequal-d1.npy"):
+        bench.main(["--families", "unequal", "--methods", "nsgf", "--seed-list", "0", "1",
+                    "--runs-dir", str(tmp_path / "runs")])
+    assert seen == []
 
 
 def test_helper_scoring():
