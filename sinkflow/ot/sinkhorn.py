@@ -1,11 +1,13 @@
-"""A converged batched log-domain Sinkhorn solver for the NSGF velocity (``sinkhorn.solver=converged``).
+"""A converged batched Sinkhorn solver for the NSGF velocity (``sinkhorn.solver=converged``).
 
 Why not GeomLoss alone: its epsilon-scaling loop does one (averaged) update per epsilon and then stops,
 so at the final epsilon the potentials are not converged. Along a flow whose last step moves the whole
 remaining distance (the harmonic schedule, eta_{T-1} = 1), that error lands in the samples: on moons
 the flowed particles end W2 0.150 from their own target batch at scaling 0.95 and 0.078 at scaling 0.99
-(docs/nsgf.md). This solver runs the same annealing (GeomLoss's schedule and symmetric averaged updates),
-then keeps iterating at the final epsilon until the marginals are met to ``tol``.
+(docs/nsgf.md). This solver runs the same annealing (GeomLoss's schedule and symmetric averaged updates, in the
+log domain), solves the self (debiasing) potential, then keeps iterating the cross potentials at the final epsilon
+until the marginals are met to ``tol``: on the kernel with the annealed potentials absorbed (one exp per solve,
+matrix-vector products per update) where float32 allows it, in the log domain where it does not.
 
 Conventions are GeomLoss's (p = 2): cost C(x, y) = |x - y|^2 / 2, epsilon = blur^2, uniform weights.
 With converged potentials the velocity has a closed form (the envelope theorem):
