@@ -573,7 +573,11 @@ def test_helper_scoring():
     assert "†" not in rows[0].split("|")[7]  # energy: 0 in expectation for the exact distribution, no marker
     # the exact distribution (floor 0.315) vs OT-CFM's 0.325 at 10 and 0.315 at 100 steps: <= on both
     assert scoring.exact_wins(fake, ["a"], floors, "iid") == {"wins": 2, "cells": 2}
-    assert "would be <= OT-CFM on 2 of 2" in text
+    assert "would be <= OT-CFM on 2 of 2" in text and "(its expected score: the floor)" in text
+    # scored on the models' own test draws where the floors have it: that one decides (0.32: loses at 100 steps)
+    paired = {"a": {**floors["a"], "iid_paired": (0.32, 0.1)}}
+    assert scoring.exact_wins(fake, ["a"], paired, "iid") == {"wins": 1, "cells": 2}
+    assert "(scored on the models' own test draws) would be <= OT-CFM on 1 of 2" in scoring.table(fake, ["a"], paired)
     assert "standard error of the difference over training seeds on: a@100." in text
     # a kept result is re-scored only in the columns missing or drawn another number of times
     scores = {"iid": {"10": [0.1] * 3, "100": [0.1] * 3}, "energy": {"10": [0.0] * 5, "100": [0.0] * 5}}
