@@ -221,10 +221,16 @@ def flow_check(device: torch.device, size: dict) -> None:
           f"{abs(nll['fused'] - nll['for-loop']):.2e}")
 
 
+CHECKS = {"pool": pool_check, "noise": noise_check, "adam": adam_check, "prefetch": prefetch_check,
+          "ot_plan": ot_plan_check, "step_graph": step_graph_check, "flow": flow_check}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="cuda (the point of the checks) or cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny pool and Adam run (a check of the script)")
+    ap.add_argument("--checks", nargs="+", default=list(CHECKS), choices=list(CHECKS),
+                    help="run only these checks (default all; a short device call runs the ones not yet run there)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -232,13 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     size = SMOKE if args.smoke else FULL
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"gpu_checks on {where}, torch {torch.__version__}{' (smoke sizes)' if args.smoke else ''}")
-    pool_check(device, size)
-    noise_check(device, size)
-    adam_check(device, size)
-    prefetch_check(device, size)
-    ot_plan_check(device, size)
-    step_graph_check(device, size)
-    flow_check(device, size)
+    for name in args.checks:
+        CHECKS[name](device, size)
 
 
 if __name__ == "__main__":

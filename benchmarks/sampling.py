@@ -5,7 +5,8 @@ forward hooks, in inference mode; fp32 NCHW versus bf16 autocast (NCHW: what `sa
 channels_last), and with
 ``--compile`` the network as ``sample.compile=true`` runs it, in fp32 and under bf16 autocast
 (``compiled_for_sampling``: on CUDA each batch shape captured once as a CUDA graph, replayed every Euler step;
-compile time excluded, reported apart), at several batch sizes.
+compile time excluded, reported apart), also channels_last under bf16 (inductor fuses GroupNorm there, which is
+what made channels_last lose in eager), at several batch sizes.
 Weights are random: the cost of a forward pass does not depend on them.
 
     python benchmarks/sampling.py --compile       # GPU: CIFAR UNet, batches 64 256 1024, 60 NFE
@@ -82,8 +83,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"sampling: {'smoke UNet 16x16' if smoke else 'CIFAR-10 UNet'}, Euler, {nfe} NFE (NSGF++ CIFAR: 59), "
           f"on {machine(device)}")
     compiled = compiled_for_sampling(model, device) if args.compile else None
+    compiled_cl = compiled_for_sampling(fast_model, device) if args.compile else None
     print(f"{'batch':>6} {'NFE':>4} {'fp32 img/s':>11} {'bf16':>6} {'bf16+CL':>8}"
-          + (f" {'compiled':>9} {'compiled bf16':>14} {'compile s':>10}" if compiled is not None else ""))
+          + (f" {'compiled':>9} {'compiled bf16':>14} {'compiled bf16+CL':>17} {'compile s':>10}"
+             if compiled is not None else ""))
     for n in batches:
         plain, count, _ = images_per_s(model, n, shape, nfe, device, False, False, repeats)
         bf16, _, _ = images_per_s(model, n, shape, nfe, device, True, False, repeats)
@@ -94,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
             comp, comp_count, compile_s = images_per_s(compiled, n, shape, nfe, device, False, False, repeats)
             assert comp_count == count, f"the compiled network was called {comp_count} times, not {count}"
             comp16, _, compile16_s = images_per_s(compiled, n, shape, nfe, device, True, False, repeats)
-            line += f" {comp / plain:>8.2f}x {comp16 / plain:>13.2f}x {compile_s + compile16_s:>10.1f}"
+            comp_cl, _, compile_cl_s = images_per_s(compiled_cl, n, shape, nfe, device, True, True, repeats)
+            line += (f" {comp / plain:>8.2f}x {comp16 / plain:>13.2f}x {comp_cl / plain:>16.2f}x "
+                     f"{compile_s + compile16_s + compile_cl_s:>10.1f}")
         print(line)
 
 

@@ -223,6 +223,14 @@ def test_smoke_gpu_checks(quiet, capsys):
     assert fresh < 1e-5 and loop < 1e-3  # with the old version-keyed W cache: 0.17 apart on both
 
 
+def test_gpu_checks_runs_only_the_named_checks(quiet, capsys):
+    """A short device call names the checks it needs: the others do not run."""
+    load("gpu_checks").main(["--device", "cpu", "--smoke", "--checks", "noise", "ot_plan"])
+    out = capsys.readouterr().out
+    assert "device noise reproducible" in out and "same permutation" in out
+    assert "pool in_flight" not in out and "step graph" not in out and "invertible Glow" not in out
+
+
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the CUDA half of gpu_checks needs a GPU")
 def test_smoke_gpu_checks_on_cuda(quiet, capsys):
     load("gpu_checks").main(["--device", "cuda", "--smoke"])
