@@ -29,10 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from preset_throughput import SMOKE_MODEL, UNET_PHASES  # noqa: E402
 from results_md import machine  # noqa: E402
 
-FP32 = {"eager": ["precision=fp32", "channels_last=false", "compile=false"],
+FP32 = {"eager": ["precision=fp32", "channels_last=false", "compile=false", "graph=none"],
         # fp32 with CUDA graphs: the same arithmetic as eager (timed-window loss equal to four decimals on an H100,
         # docs/gpu_results/h100_2026-11-26.md) at 2.5x the speed, for a band that fits one device call
-        "graphs": ["precision=fp32", "channels_last=false", "compile=true", "compile_mode=reduce-overhead"]}
+        "graphs": ["precision=fp32", "channels_last=false", "compile=true", "compile_mode=reduce-overhead",
+                   "graph=none"]}
 
 
 class LossLog(Callback):

@@ -7,7 +7,8 @@ card, and is OT-CFM's step (exact OT pairs, drawn ahead on the prefetch thread) 
     python benchmarks/preset_throughput.py --preset mnist --device cuda          # one GPU call, a few minutes
     python benchmarks/preset_throughput.py --smoke                                # CPU: tiny UNet, 2 configs
 
-Rows: ``default`` = the preset untouched (``auto`` settings, on CUDA bf16 + CUDA graphs for UNet phases);
+Rows: ``default`` = the preset untouched (``auto`` settings, on CUDA bf16 + the whole step one CUDA graph for UNet
+phases);
 ``baseline`` = fp32, NCHW, no prefetch (each step reads nothing back from the device: that part is
 not optional any more); then one factor changed at a time, then all of them together; ``graphs`` rows compile
 with ``compile_mode=reduce-overhead`` (CUDA graphs of the model: one replay per forward and backward instead of one
@@ -32,22 +33,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_md import machine  # noqa: E402
 
 CANDIDATES = {
-    "default": [],  # the preset as a user runs it: auto precision / compile resolved for this device
-    "baseline": ["precision=fp32", "channels_last=false", "prefetch=never"],
-    "+prefetch": ["precision=fp32", "channels_last=false", "prefetch=always"],
-    "+bf16": ["precision=bf16", "channels_last=false", "prefetch=never"],
-    "+channels_last": ["precision=fp32", "channels_last=true", "prefetch=never"],
-    "bf16+prefetch": ["precision=bf16", "channels_last=false", "prefetch=always"],
-    "bf16+CL+prefetch": ["precision=bf16", "channels_last=true", "prefetch=always"],
-    "bf16+CL+prefetch+compile": ["precision=bf16", "channels_last=true", "prefetch=always", "compile=true"],
+    "default": [],  # the preset as a user runs it: auto precision / compile / graph resolved for this device
+    "baseline": ["precision=fp32", "channels_last=false", "prefetch=never", "graph=none"],
+    "+prefetch": ["precision=fp32", "channels_last=false", "prefetch=always", "graph=none"],
+    "+bf16": ["precision=bf16", "channels_last=false", "prefetch=never", "graph=none"],
+    "+channels_last": ["precision=fp32", "channels_last=true", "prefetch=never", "graph=none"],
+    "bf16+prefetch": ["precision=bf16", "channels_last=false", "prefetch=always", "graph=none"],
+    "bf16+CL+prefetch": ["precision=bf16", "channels_last=true", "prefetch=always", "graph=none"],
+    "bf16+CL+prefetch+compile": ["precision=bf16", "channels_last=true", "prefetch=always", "compile=true",
+                                 "graph=none"],
     "+graphs": ["precision=fp32", "channels_last=false", "prefetch=never", "compile=true",
-                "compile_mode=reduce-overhead"],
+                "compile_mode=reduce-overhead", "graph=none"],
+    # the CUDA default until 2026-11-27: CUDA graphs of the model only (compile mode reduce-overhead)
     "bf16+prefetch+graphs": ["precision=bf16", "channels_last=false", "prefetch=always", "compile=true",
-                             "compile_mode=reduce-overhead"],
+                             "compile_mode=reduce-overhead", "graph=none"],
     "bf16+CL+prefetch+graphs": ["precision=bf16", "channels_last=true", "prefetch=always", "compile=true",
-                                "compile_mode=reduce-overhead"],
-    # the whole step (loss, backward, clip, guard, Adam) as one CUDA graph: the default's settings otherwise
-    # (compile then runs in mode default inside the graph), and the same without compiling
+                                "compile_mode=reduce-overhead", "graph=none"],
+    # the whole step (loss, backward, clip, guard, Adam) as one CUDA graph (the CUDA default since 2026-11-27 for
+    # the UNet phases and the time predictor), and the same without compiling
     "+stepgraph": ["graph=step"],
     "+stepgraph-nocompile": ["graph=step", "compile=false"],
 }

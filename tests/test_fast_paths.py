@@ -148,32 +148,36 @@ def test_channels_last_matches_plain_and_is_gated():
 
 
 def test_auto_speed_settings_resolve_per_device_network_and_process_count(monkeypatch):
-    """auto = bf16 + CUDA graphs for a UNet on a bf16 CUDA card in one process; the plain path everywhere else;
-    an explicit value is never changed. The card is faked: only its compute capability is read."""
+    """auto = bf16 + the whole step one CUDA graph for a UNet on a bf16 CUDA card in one process (the time predictor:
+    the step graph in fp32); the plain path everywhere else; an explicit value is never changed. The card is faked:
+    only its compute capability is read."""
     from sinkflow.engine.fast_path import resolve
 
     capability = {"value": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
     auto = config.resolve("mnist", [])["train"]["velocity"]
-    assert (auto["precision"], auto["compile"], auto["compile_mode"], auto["channels_last"]) == \
-        ("auto", "auto", "auto", False)
+    assert (auto["precision"], auto["compile"], auto["compile_mode"], auto["graph"], auto["channels_last"]) == \
+        ("auto", "auto", "auto", "auto", False)
 
     def speed(tcfg, kind="unet", device="cuda", world=1):
         r = resolve(tcfg, kind, device, world)
-        return r["precision"], r["compile"], r["compile_mode"]
+        return r["precision"], r["compile"], r["compile_mode"], r["graph"]
 
-    assert speed(auto) == ("bf16", True, "reduce-overhead")
-    assert speed(auto, device="cuda:1") == ("bf16", True, "reduce-overhead")
-    assert speed(auto, device="cpu") == ("fp32", False, "default")
-    assert speed(auto, kind="mlp") == ("fp32", False, "reduce-overhead")  # mode only matters where compile is on
-    assert speed(auto, kind="flow") == ("fp32", False, "reduce-overhead")
-    assert speed(auto, world=2) == ("bf16", False, "default")  # DDP: CUDA graphs with NCCL unmeasured
+    assert speed(auto) == ("bf16", True, "default", "step")  # compiled inside the captured step
+    assert speed(auto, device="cuda:1") == ("bf16", True, "default", "step")
+    assert speed(auto, device="cpu") == ("fp32", False, "default", "none")
+    assert speed(auto, kind="time_predictor") == ("fp32", False, "default", "step")
+    assert speed(auto, kind="mlp") == ("fp32", False, "reduce-overhead", "none")  # mode only matters if compiled
+    assert speed(auto, kind="flow") == ("fp32", False, "reduce-overhead", "none")
+    assert speed(auto, world=2) == ("bf16", False, "default", "none")  # DDP: the all-reduce is not captured
     capability["value"] = (7, 5)  # a T4: no bf16 tensor cores
-    assert speed(auto) == ("fp32", True, "reduce-overhead")
+    assert speed(auto) == ("fp32", True, "default", "step")
     assert resolve(auto, "unet", "cuda", bf16=True)["precision"] == "bf16"  # the planner's card, not this one
     explicit = {**auto, "precision": "fp16", "compile": False, "compile_mode": "max-autotune"}
-    assert speed(explicit) == ("fp16", False, "max-autotune")
-    assert speed({**auto, "compile": True}, device="cpu") == ("fp32", True, "default")
+    assert speed(explicit) == ("fp16", False, "max-autotune", "none")  # fp16's loss scaling is not captured
+    assert speed({**auto, "graph": "none"}) == ("fp32", True, "reduce-overhead", "none")  # graphs of the model
+    assert speed({**auto, "compile_mode": "reduce-overhead"}) == ("fp32", True, "reduce-overhead", "none")
+    assert speed({**auto, "compile": True}, device="cpu") == ("fp32", True, "default", "none")
 
 
 def test_a_plain_cuda_device_gets_the_current_index_for_the_prefetch_worker(monkeypatch):

@@ -8,6 +8,10 @@ timed-window loss as fp32 eager to three decimals. So ``auto`` means, for a UNet
 
 * precision: bf16 where the card has bf16 tensor cores (compute capability 8.0+, Ampere on); fp32 on older
   cards (a T4 would emulate bf16) and for every other network (2D MLPs, flows, the time predictor: unmeasured);
+* graph: ``step`` (the whole step, Adam included, one CUDA graph: ``sinkflow.engine.step_graph``) for one process
+  and a network it was measured on: the UNet phases 1.5x / 1.9x and the time predictor 3.6x faster than the
+  model-only graphs below, the same timed-window loss to four decimals (H100, 2026-11-27); not under fp16 (loss
+  scaling reads back) or DDP (the all-reduce is not captured);
 * compile: on, in mode ``reduce-overhead`` for one process (``default`` under ``graph: step``, which captures the
   whole step itself); off under DDP (CUDA graphs with NCCL unmeasured);
 * off on a CPU, where compiling costs minutes and buys little (docs/performance.md).
@@ -21,6 +25,7 @@ from __future__ import annotations
 import torch
 
 FAST_KINDS = ("unet",)  # the networks the fast path was measured on
+GRAPH_KINDS = ("unet", "time_predictor")  # the networks whole-step capture was measured on (both faster)
 
 
 def bf16_tensor_cores(device: torch.device) -> bool:
@@ -38,6 +43,10 @@ def resolve(tcfg: dict, kind: str, device: torch.device | str, world: int = 1, b
     if out.get("precision", "fp32") == "auto":
         native = bf16_tensor_cores(device) if bf16 is None else bf16
         out["precision"] = "bf16" if fast and native else "fp32"
+    if out.get("graph", "none") == "auto":
+        captured = (device.type == "cuda" and world == 1 and kind in GRAPH_KINDS and out["precision"] != "fp16"
+                    and out.get("compile_mode", "auto") in ("auto", "default"))  # an asked-for graphs mode wins
+        out["graph"] = "step" if captured else "none"
     if out.get("compile", False) == "auto":
         out["compile"] = fast and world == 1
     if out.get("compile_mode", "default") == "auto":  # graph=step captures the whole step: no graphs inside it

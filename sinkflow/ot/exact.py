@@ -17,7 +17,21 @@ def ot_permutation(x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
 
     where = x0.device if x0.device.type in ("cpu", "cuda") else torch.device("cpu")  # MPS has no float64
     a, b = (x.flatten(1).to(where, torch.float64) for x in (x0, x1))
-    cost = (torch.cdist(a, b) ** 2).cpu()
+    cost = _to_host(torch.cdist(a, b) ** 2)
     n = x0.shape[0]
     plan = ot.emd(np.full(n, 1.0 / n), np.full(n, 1.0 / n), cost.numpy(), numItermax=int(1e7))
-    return torch.from_numpy(plan.argmax(axis=1)).to(x1.device)
+    return torch.from_numpy(plan.argmax(axis=1)).to(x1.device, non_blocking=True)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host, waiting for this thread's stream only: a copy into pinned memory and an event. A plain
+    ``.cpu()`` is a stream sync, which ``torch.cuda.set_sync_debug_mode`` (process-wide) flags when the prefetch
+    worker makes it while the training thread is checked for syncs (benchmarks/gpu_checks.py)."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host
