@@ -9,10 +9,10 @@ already on the device, so this measures the training step, not the data path; se
 - ``fast``: the same Trainer.train_step with bf16 autocast (fp32 master weights), NCHW, fused Adam,
   foreach-lerp EMA; ``fast+CL`` the same in channels_last (the CUDA default until 2026-11-26, measured
   slower on the ``mnist`` UNet); ``--compile`` adds ``fast+compile`` (torch.compile, default mode) and
-  ``fast+graphs`` (mode reduce-overhead: CUDA graphs, the CUDA default for UNet phases since 2026-11-26) and
+  ``fast+graphs`` (mode reduce-overhead: CUDA graphs of the model, the CUDA default for UNet phases 2026-11-26 to 27) and
   ``fast+CL+graphs`` (the same in channels_last: no cuDNN layout transposes around each convolution).
   ``fast+stepgraph``: ``fast`` with the whole step (loss, backward, clip, Adam) one CUDA graph
-  (``train.velocity.graph=step``); ``--compile`` adds ``fast+compile+stepgraph`` (compile's default mode inside it).
+  (``train.velocity.graph=step``, the CUDA default since 2026-11-27); ``--compile`` adds ``fast+compile+stepgraph`` (compile's default mode inside it).
 - ``torchcfm``: torchcfm's own train_cifar10.py step on its UNetModelWrapper of the same size
   (fp32, ConditionalFlowMatcher, Adam, grad clip, its per-tensor EMA copy), when torchcfm is installed.
 

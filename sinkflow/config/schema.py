@@ -451,8 +451,8 @@ def _train(iters=20000, batch_size=256, lr=0.001, warmup=0, schedule="cosine", g
                        "(tens of seconds of compiling, measured to pay back within a phase), off elsewhere"),
         "compile_mode": Key("auto", Options("auto", "default", "reduce-overhead", "max-autotune"), "torch.compile's "
                             "mode when compile: reduce-overhead = CUDA graphs, one replay per step instead of a launch "
-                            "per kernel (launch-bound steps; fixed batch shapes); auto: reduce-overhead on CUDA in "
-                            "one process, default otherwise"),
+                            "per kernel (launch-bound steps; fixed batch shapes); auto: default inside a whole-step "
+                            "graph (graph: step), else reduce-overhead on CUDA in one process, default otherwise"),
         "graph": Key("auto", Options("auto", "none", "step"), "step: capture the whole step (forward, backward, "
                      "clip, non-finite guard, fused Adam) as one CUDA graph and replay it, one launch a step; one "
                      "process, fixed batch shapes (sinkflow/engine/step_graph.py); auto: step for a UNet or the time "
