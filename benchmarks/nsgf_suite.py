@@ -187,13 +187,12 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000, big_n: int = 4096) -> 
     training rows, the finite draw the model learned from (a model faithful to it inherits its noise). ``spread``:
     per mode, the RMS of the std along x and y of the points given to it (``true_spread``: the family's)."""
     import numpy as np
-    from scipy.spatial import cKDTree
 
     from sinkflow.eval.points import generate
     from sinkflow.runtime.run_folder import RunFolder
 
-    ref, labels = suite2d.sample_with_labels(family, 200_000, seed=9000)
-    tree = cKDTree(ref)
+    tree, labels = suite2d.labelled_reference(family)
+    ref = tree.data
     threshold = np.quantile(tree.query(suite2d.sample(family, n, seed=9001))[0], 0.99)
     k = len(suite2d.FAMILIES[family][1])
     out = {"true_mass": [round(m, 4) for m in suite2d.FAMILIES[family][1]]}
@@ -219,7 +218,7 @@ def diagnose(run_dir: Path, family: str, n: int = 20_000, big_n: int = 4096) -> 
                                                    for s, b in enumerate(big)), 4)
     run = RunFolder.open(run_dir)
     rows = np.load(run.cfg["data"]["target"], allow_pickle=False)[: -suite2d.TEST_ROWS]  # what the model was given
-    out["file_mass"] = [round(v, 4) for v in suite2d.file_masses(family, rows)]
+    out["file_mass"] = [round(v, 4) for v in suite2d.file_masses(family, rows, (tree, labels))]
     out["file_tail"], out["file_beyond"] = tail(rows), beyond(rows)
 
     def spread(points, lab):  # per mode: the root mean square of its points' std along x and y

@@ -131,13 +131,20 @@ def sample_with_labels(name: str, n: int, seed: int, stratified: bool = False,
     return np.concatenate(parts)[order], np.concatenate(labels)[order]
 
 
-def file_masses(name: str, rows: np.ndarray, reference: int = 200_000) -> list[float]:
-    """The share of ``rows`` in each mode of family ``name``: each row takes the mode of its nearest neighbour in a
-    labelled ``reference``-point draw (as ``nsgf_suite.diagnose`` assigns generated points)."""
+def labelled_reference(name: str, n: int = 200_000):
+    """A KD-tree over an n-point draw of family ``name`` (seed 9000) and each point's mode: nearest-neighbour mode
+    assignment for ``file_masses`` and ``nsgf_suite.diagnose`` (built once, about a second at 200,000 points)."""
     from scipy.spatial import cKDTree
 
-    ref, labels = sample_with_labels(name, reference, seed=9000)
-    idx = cKDTree(ref).query(rows)[1]
+    ref, labels = sample_with_labels(name, n, seed=9000)
+    return cKDTree(ref), labels
+
+
+def file_masses(name: str, rows: np.ndarray, reference=None) -> list[float]:
+    """The share of ``rows`` in each mode of family ``name``: each row takes the mode of its nearest neighbour in a
+    labelled reference draw (``labelled_reference``; pass one already built to reuse it)."""
+    tree, labels = reference if reference is not None else labelled_reference(name)
+    idx = tree.query(rows)[1]
     return [float(v) for v in np.bincount(labels[idx], minlength=len(FAMILIES[name][1])) / len(rows)]
 
 

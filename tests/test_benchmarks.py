@@ -454,7 +454,7 @@ def test_helper_suite2d(tmp_path):
     assert len(set(iid)) > 5 and abs(np.mean(iid) - 71.7) < 5  # multinomial: the small mode's count varies
     assert suite.FAMILIES["8g-roll"][0] == "8gaussians" and min(suite.FAMILIES["unequal"][1]) < 0.1
     # a file's own mode masses: one i.i.d. draw's, near the family's; a draw made with them has exactly those counts
-    m = suite.file_masses("unequal", x[: suite.TRAIN_ROWS], reference=20_000)
+    m = suite.file_masses("unequal", x[: suite.TRAIN_ROWS], reference=suite.labelled_reference("unequal", 20_000))
     assert abs(sum(m) - 1) < 1e-9 and max(abs(a - b) for a, b in zip(m, [0.62, 0.31, 0.07])) < 0.02
     _, lab = suite.sample_with_labels("unequal", 1000, seed=1, stratified=True, masses=[0.5, 0.25, 0.25])
     assert list(np.bincount(lab)) == [500, 250, 250]
