@@ -159,3 +159,27 @@ def test_on_cuda_the_step_is_captured_and_trains_what_eager_trains(runs_dir):
     assert trainer.captures_steps and trainer.step_graph.graph is not None
     plain, graphed = final_weights(plain_run), final_weights(graph_run)
     assert max((plain[k] - graphed[k]).abs().max().item() for k in plain) < 1e-5
+
+
+def test_health_counts_dead_activations_also_where_the_step_is_a_replay(runs_dir, monkeypatch):
+    """A captured step runs no Python, so its forward hooks would not fire: on a logged replay Health watches a
+    no-grad probe forward of the same batch instead. On a CPU nothing is captured, so the replay is faked
+    (``captures_steps`` forced): the probe's counts are logged where the hooks saw nothing of the step itself, they
+    are near the eager step's own (the probe sees the weights one update later), and the weights are unchanged."""
+    import json
+
+    def logged(run):
+        rows = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if "dead_frac" in r]
+
+    relu = ["model.velocity.activation=relu"]
+    eager_run, _ = fit(moons_cfg(*relu), "eager")
+    monkeypatch.setattr(Trainer, "captures_steps", property(lambda self: True))
+    probed_run, trainer = fit(moons_cfg(*relu), "probed")
+    eager, probed = logged(eager_run), logged(probed_run)
+    assert [r["step"] for r in probed] == [r["step"] for r in eager] == [5, 10, 12]
+    assert all(0.05 < r["dead_frac"] < 0.95 for r in probed)  # ReLU on a fresh MLP: a real share, not 0 or 1
+    assert all(abs(p["dead_frac"] - e["dead_frac"]) < 0.05 for p, e in zip(probed, eager))
+    assert trainer.model.training  # the probe's eval mode is undone
+    plain, with_probe = final_weights(eager_run), final_weights(probed_run)
+    assert all(torch.equal(plain[k], with_probe[k]) for k in plain)

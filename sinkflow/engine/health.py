@@ -12,8 +12,10 @@ Only on log steps (the cost is paid once every ``log_every`` steps):
 * ``dead_frac``: fraction of activation inputs in the flat region of their nonlinearity (ReLU: x <= 0;
   SiLU/GELU/SELU/ELU/Mish: x < -4, where the derivative is below ~0.07), and ``dead_units``: the
   fraction of units (channels / features) that are flat for the whole batch; measured with forward
-  hooks on the activation modules during the logged step only (not where the step is a CUDA-graph replay,
-  ``train.<phase>.graph: step``: no Python runs inside it).
+  hooks on the activation modules during the logged step only. Where the step is a CUDA-graph replay
+  (``train.<phase>.graph: step``, the CUDA default for UNet phases) no Python runs inside it, so the hooks watch a
+  no-grad forward of the same batch through the eager model right after the step instead
+  (``Trainer.probe_forward``: one forward every ``log_every`` steps, on the updated weights, dropout off).
 
 Every ``train.<phase>.hist_every`` steps (0 = off) weight and gradient histograms go to TensorBoard.
 """
@@ -56,10 +58,14 @@ class DeadActivations:
                 self.dead_units += int(per_unit.sum())
                 self.units += per_unit.numel()
 
-    def detach(self) -> dict:
+    def pause(self) -> None:
+        """Remove the hooks and keep the counts (``detach`` reads them)."""
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+    def detach(self) -> dict:
+        self.pause()
         out = {}
         if self.total:
             out["dead_frac"] = self.flat / self.total
@@ -99,6 +105,12 @@ class Health(Callback):
             self.dead.attach()
 
     def on_train_batch_end(self, trainer, batch, outputs) -> None:
+        if trainer.captures_steps and self.before is not None:  # a logged replay: watch the probe forward
+            self.dead.attach()
+            try:
+                trainer.probe_forward(batch)
+            finally:
+                self.dead.pause()
         self.histograms()
 
     def on_log(self, trainer, metrics: dict) -> None:

@@ -275,6 +275,23 @@ class Trainer:
             self.ema.update_parameters(self.model)
         return out
 
+    @torch.no_grad()
+    def probe_forward(self, batch: Any) -> None:
+        """The phase's loss on ``batch`` through the eager model, no gradient, under the phase's autocast: what
+        ``Health``'s activation hooks watch when the step itself is a CUDA-graph replay (no Python runs inside).
+        In eval mode: dropout off, so the probe draws no random numbers and the training that follows is unchanged
+        (sinkflow's networks have no batch statistics that eval mode would swap)."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        if self.channels_last:
+            batch = to_channels_last(batch)
+        training = self.model.training
+        self.model.eval()
+        try:
+            with torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                self.task.loss(self.model, batch)
+        finally:
+            self.model.train(training)
+
     def _update(self, batch: Any, step: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, backward, clip, the non-finite guard and the optimizer for step ``step`` (1-based): what a
         step graph captures (no host reads where the optimizer skips on the device)."""
