@@ -15,8 +15,8 @@ number (the non-finite guard's record). Adam is the fused kernel, which takes th
 without its weight-cast cache (a cached cast would outlive the capture).
 
 On a CPU nothing is captured: the same step runs eagerly on the same static tensors (the CPU suite runs this path).
-What a replay skips: Python forward hooks (``Health``'s dead-activation counts are not measured) and anything the
-step would read back to the host (none: ``sinkflow.engine.finite``).
+What a replay skips: Python forward hooks (``Health`` counts dead activations on a probe forward instead:
+``Trainer.probe_forward``) and anything the step would read back to the host (none: ``sinkflow.engine.finite``).
 """
 
 from __future__ import annotations
