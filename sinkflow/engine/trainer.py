@@ -281,21 +281,25 @@ class Trainer:
         ``Health``'s activation hooks watch when the step itself is a CUDA-graph replay (no Python runs inside).
         In eval mode: dropout off, so the probe draws no random numbers and the training that follows is unchanged
         (sinkflow's networks have no batch statistics that eval mode would swap)."""
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         if self.channels_last:
             batch = to_channels_last(batch)
         training = self.model.training
         self.model.eval()
         try:
-            with torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            with self._autocast():
                 self.task.loss(self.model, batch)
         finally:
             self.model.train(training)
 
+    def _autocast(self, cache: bool = True) -> torch.autocast:
+        """The phase's autocast (``precision``: bf16 / fp16; fp32 = disabled)."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        return torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None,
+                              cache_enabled=cache)
+
     def _update(self, batch: Any, step: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, backward, clip, the non-finite guard and the optimizer for step ``step`` (1-based): what a
         step graph captures (no host reads where the optimizer skips on the device)."""
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         micro = split_batch(batch, self.cfg["accum"])
         self.optimizer.zero_grad(set_to_none=True)
         if self.compile_mode not in (None, "default"):  # CUDA graphs: a new iteration, the last step's outputs
@@ -308,8 +312,7 @@ class Trainer:
                 part = to_channels_last(part)
             sync = i == len(micro) - 1 or not self.info.enabled
             ctx = self.ddp_model.no_sync() if not sync else contextlib.nullcontext()
-            with ctx, torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None,
-                                     cache_enabled=cache):
+            with ctx, self._autocast(cache):
                 loss = self.task.loss(self.ddp_model, part) / len(micro)
             self.scaler.scale(loss).backward()
             total = total + loss.detach().float()
