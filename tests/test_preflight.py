@@ -147,3 +147,15 @@ def test_the_plan_follows_auto_precision_on_the_card_planned_for():
     off = {m.phase: m for m in memory_plan.estimate(cfg, bf16=False)}
     assert "bf16" in on[unet].note and "fp32" in off[unet].note
     assert off[unet].terms["activations"] > on[unet].terms["activations"]
+
+
+def test_the_plan_counts_every_batch_the_cuda_defaults_hold():
+    """On CUDA `auto` draws two batches ahead and a UNet phase's captured step reads a static copy of its batch:
+    four batches on the device, not one; with prefetch=never and graph=none, one."""
+    cfg = config.resolve("digits", [])
+    unet = [k for k, m in cfg["model"].items() if m.get("kind") == "unet" and k in cfg["train"]][0]
+    plain = config.apply_overrides(cfg, [f"train.{unet}.prefetch=never", f"train.{unet}.graph=none"])
+    auto = {m.phase: m for m in memory_plan.estimate(cfg, bf16=True)}[unet]
+    one = {m.phase: m for m in memory_plan.estimate(plain, bf16=True)}[unet]
+    assert (auto.batch_copies, one.batch_copies) == (4, 1) and "4 batches held" in auto.note
+    assert auto.terms["batch"] == 4 * one.terms["batch"] > 0

@@ -41,6 +41,9 @@ def tensors(batch: Any):
             yield from tensors(v)
 
 
+DEPTH = 2  # batches in the making beside the one the step trains on (the memory planner counts them)
+
+
 class _Pending:
     """One batch in the making: the generator state its draw starts from, and whether the draw is done."""
 
@@ -62,7 +65,7 @@ class BatchPrefetcher:
     on another, so the two stages of consecutive batches overlap."""
 
     def __init__(self, draw: Callable[[], Any], generator: torch.Generator, device: torch.device, ahead: bool,
-                 prepare: Callable[[Any], Any] | None = None, depth: int = 2):
+                 prepare: Callable[[Any], Any] | None = None, depth: int = DEPTH):
         self.draw, self.generator, self.device = draw, generator, torch.device(device)
         self.prepare = prepare if prepare is not None else (lambda drawn: drawn)
         self.ahead, self.depth = ahead, max(1, int(depth))

@@ -29,6 +29,7 @@ import torch
 
 from sinkflow import config as config_mod
 from sinkflow import data, methods
+from sinkflow.engine import prefetch
 from sinkflow.errors import SinkflowError
 from sinkflow.models.footprint import activation_terms
 from sinkflow.ot.sinkhorn_peak import cpu_peak_bytes  # also used by tests/test_preflight.py
@@ -79,6 +80,7 @@ class PhaseMemory:
     act_per_sample: int = 0
     act_max_per_sample: int = 0
     batch_item_bytes: int = 0
+    batch_copies: int = 1  # batches on the device at once: the step's, those in the making, a step graph's copy
     # chunked phases: (cfg, usable device bytes) -> (overrides, reasons), from ChunkedTask.fit_memory
     fit: Callable[[dict, int], tuple[dict, list[str]]] | None = field(default=None, repr=False)
 
@@ -101,7 +103,7 @@ def train_terms(pm: PhaseMemory, batch_size: int, accum: int, world: int = 1) ->
     micro = max(1, math.ceil(batch_size / world / max(1, accum)))
     pm.terms["activations"] = pm.act_fixed + pm.act_per_sample * micro
     pm.terms["backward transient"] = pm.act_max_per_sample * micro
-    pm.terms["batch"] = pm.batch_item_bytes * math.ceil(batch_size / world)
+    pm.terms["batch"] = pm.batch_item_bytes * math.ceil(batch_size / world) * pm.batch_copies
 
 
 # ---- the estimate -------------------------------------------------------------------------------
@@ -137,10 +139,12 @@ def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int, bf
     pm.act_fixed, pm.act_per_sample, pm.act_max_per_sample = measure_activations(model, shape, tcfg["precision"])
     dim = math.prod(shape)
     pm.batch_item_bytes = 4 * (3 * dim + 1)  # x_t, target, prediction + t
+    ahead = prefetch.DEPTH if prefetch.use_prefetch(tcfg["prefetch"], torch.device("cuda")) else 0
+    pm.batch_copies = 1 + ahead + (tcfg["graph"] == "step")  # a captured step reads a static copy
     train_terms(pm, tcfg["batch_size"], tcfg["accum"], world)
     pm.terms["cuda workspaces"] = WORKSPACE_BYTES
     micro = max(1, math.ceil(tcfg["batch_size"] / world / max(1, tcfg["accum"])))
-    pm.note = f"micro-batch {micro}, {tcfg['precision']}"
+    pm.note = f"micro-batch {micro}, {tcfg['precision']}, {pm.batch_copies} batches held"
     return pm
 
 
