@@ -34,8 +34,10 @@ def test_preflight_all_presets(tmp_path):
             assert [m.phase for m in mems][-1] == "sample+eval" and all(m.total > 0 for m in mems if m.terms)
 
 
-def test_preflight_image_preset_shapes(tmp_path):
-    """mnist with synthetic images of the real shape (no download here): every phase, real UNet config."""
+def test_preflight_image_preset_shapes(tmp_path, monkeypatch):
+    """mnist with synthetic images of the real shape (no download here): every phase, real UNet config. Run from
+    an empty folder: a checkout with the MNIST files in data/ (as a GPU session copies them) would use them."""
+    monkeypatch.chdir(tmp_path)
     report = preflight("mnist", workdir=tmp_path, memory=False)
     assert report.ok, format_report(report)
     assert "synthetic mnist" in report.data_note
