@@ -544,3 +544,18 @@ def test_folder_errors(tmp_path, case, match):
     if case == "mixed":
         assert "23x31" in msg and "16x16" in msg and "data.image_size" in msg
     assert not list((tmp_path / "cache").glob(".*tmp*")) if (tmp_path / "cache").exists() else True
+
+
+def test_the_data_cache_key_follows_a_relative_root_across_a_chdir(tmp_path, monkeypatch):
+    """`data.root: data` is relative: after a chdir it names another folder, so the built-distribution cache must
+    not serve the old folder's data (a test that chdirs to an empty folder got the checkout's real MNIST)."""
+    from sinkflow import config, data
+
+    cfg = config.resolve("mnist", [])
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    key_a = data._data_key(cfg)
+    monkeypatch.chdir(tmp_path / "b")
+    key_b = data._data_key(cfg)
+    assert key_a != key_b and dict(key_b)["root"] == str((tmp_path / "b" / "data").resolve())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
+from pathlib import Path
 from functools import lru_cache
 from typing import Callable
 
@@ -68,7 +69,13 @@ def build_distribution(spec: str, *, data_cfg: dict | None = None) -> Distributi
 # ---- a config's (source, target) -------------------------------------------------------------------
 
 def _data_key(cfg: dict) -> tuple:
-    return tuple(sorted((k, v if not isinstance(v, list) else tuple(v)) for k, v in cfg["data"].items()))
+    """The data section as a hashable key, ``root`` made absolute: a relative root (the default ``data``) names
+    another folder after a chdir, which a key of the bare string would serve from the old one's cache."""
+    def value(k, v):
+        if k == "root" and isinstance(v, str):
+            return str(Path(v).expanduser().resolve())
+        return tuple(v) if isinstance(v, list) else v
+    return tuple(sorted((k, value(k, v)) for k, v in cfg["data"].items()))
 
 
 @lru_cache(maxsize=8)
