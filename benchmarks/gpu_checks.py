@@ -9,8 +9,9 @@
 5. OT-CFM's exact plan with its cost matrix computed on the device (as the prefetch thread does) vs on the host:
    the same permutation for `mnist`-shaped batches (and the same matched cost);
 6. the whole step as one CUDA graph (``train.velocity.graph=step``) vs the plain step: OT-CFM on moons (batches drawn
-   ahead while the step is captured, EMA on) and FM through a UNet on `mnist`-shaped batches in bf16: max |weight
-   difference| after the steps, the capture made, and no host sync on an ordinary step after the capture;
+   ahead while the step is captured, EMA on) and FM through a UNet on `mnist`-shaped batches in bf16 and in fp16
+   (GradScaler inside the graph): max |weight difference| after the steps, the capture made, and no host sync on an
+   ordinary step after the capture;
 7. an invertible-mode Glow trained with fused Adam: its log-likelihood after the steps equals a freshly loaded
    copy's (fused Adam moves no version counter, so a stale parameter cache would show here) and the for-loop
    Adam run's.
@@ -146,6 +147,9 @@ def step_graph_check(device: torch.device, size: dict) -> None:
     cases = {"moons otcfm fp32 +prefetch +ema": ("moons", ["experiment.method=otcfm", "train.velocity.precision=fp32",
                                                             "train.velocity.prefetch=always", "train.velocity.ema=0.99"]),
              "mnist-shaped fm bf16 UNet": ("mnist", ["experiment.method=fm", "train.velocity.precision=bf16",
+                                                     "train.velocity.compile=false", *size["unet"]]),
+             # float16: GradScaler's unscale, skip and scale update captured with the step
+             "mnist-shaped fm fp16 UNet": ("mnist", ["experiment.method=fm", "train.velocity.precision=fp16",
                                                      "train.velocity.compile=false", *size["unet"]])}
     here = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:

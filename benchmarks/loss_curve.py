@@ -1,14 +1,18 @@
 """Does the fast default train what fp32 trains? The loss curve of a fixed-seed run against fp32's seed spread.
 
-Issue 23 asks that the `mnist` preset's default config (on CUDA: bf16 autocast + CUDA graphs) reach the speed
+Issue 23 asks that the `mnist` preset's default config (on CUDA: bf16 autocast + the step graph) reach the speed
 target "with the loss curve of a fixed-seed 2,000-step run matching fp32's within its seed spread". This runs the
 preset's first UNet phase (cut to ``--steps``; the other phases too, as a run would, but only the first is read)
-with fp32 eager NCHW for ``--seeds`` training seeds (the spread: each seed draws its own init and batches) and
-with the default config for seed 0, and prints the mean training loss of every ``--log-every`` steps: the fp32
-band (min..max over seeds), the default's value, and whether it lies inside the band widened by half its width.
+with fp32 NCHW for ``--seeds`` training seeds (the spread: each seed draws its own init and batches) and each of
+``--candidates`` (the default config; bf16 or fp16 one key away) for seeds 0..``--candidate-seeds``-1, and prints
+the mean training loss of every ``--log-every`` steps: the fp32 band (min..max over seeds), each candidate's seed-0
+value, and whether it lies inside the band widened by half its width. Then the paired view: a candidate at seed s
+sees fp32 seed s's init and batches, so (candidate - fp32) at the same seed is what the arithmetic alone moves,
+printed beside fp32's seed-to-seed spread (both on the mean of the last 5 log steps).
 
     python benchmarks/loss_curve.py                           # GPU: mnist, FM, 2000 steps, 3 fp32 seeds
     python benchmarks/loss_curve.py --reference graphs        # the fp32 band with CUDA graphs: one device call
+    python benchmarks/loss_curve.py --reference step --seeds 5 --candidates default fp16 --candidate-seeds 3
     python benchmarks/loss_curve.py --smoke                   # CPU: tiny UNet on synthetic digits
 """
 
@@ -16,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,7 +39,12 @@ FP32 = {"eager": ["precision=fp32", "channels_last=false", "compile=false", "gra
         # fp32 with CUDA graphs: the same arithmetic as eager (timed-window loss equal to four decimals on an H100,
         # docs/gpu_results/h100_2026-11-26.md) at 2.5x the speed, for a band that fits one device call
         "graphs": ["precision=fp32", "channels_last=false", "compile=true", "compile_mode=reduce-overhead",
-                   "graph=none"]}
+                   "graph=none"],
+        # fp32 with the whole step one CUDA graph (the default's own path, fp32 arithmetic)
+        "step": ["precision=fp32", "channels_last=false", "graph=step"]}
+# the configs a band can judge: the default (on an H100 bf16 + the step graph) and the precisions one key away
+CANDIDATES = {"default": [], "bf16": ["precision=bf16"], "fp16": ["precision=fp16"]}
+LATE = 5  # the paired summary averages the last LATE log steps (steps 1,600-2,000 of the default 2,000)
 
 
 class LossLog(Callback):
@@ -70,6 +81,20 @@ def compare(reference: list[list[tuple[int, float]]], candidate: list[tuple[int,
     return rows
 
 
+def late_mean(points: list[tuple[int, float]], late: int = LATE) -> float:
+    return statistics.fmean(loss for _, loss in points[-late:])
+
+
+def paired(reference: list[list[tuple[int, float]]], candidate: list[list[tuple[int, float]]],
+           late: int = LATE) -> dict:
+    """The candidate's shift against fp32 at the same seeds (same init draw, same batches: only the arithmetic
+    differs) beside fp32's own seed-to-seed spread, both on the mean loss of the last ``late`` log steps."""
+    ref = [late_mean(r, late) for r in reference]
+    diffs = [late_mean(c, late) - ref[s] for s, c in enumerate(candidate)]
+    return {"diffs": diffs, "mean_diff": statistics.fmean(diffs), "ref_mean": statistics.fmean(ref),
+            "ref_sd": statistics.stdev(ref) if len(ref) > 1 else float("nan"), "ref_range": max(ref) - min(ref)}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="mnist")
@@ -79,10 +104,17 @@ def main(argv=None) -> None:
     ap.add_argument("--log-every", type=int, default=None, help="default 100 (smoke 4)")
     ap.add_argument("--seeds", type=int, default=3, help="fp32 training seeds for the band (smoke 2)")
     ap.add_argument("--reference", choices=list(FP32), default="eager", help="how the fp32 band is trained")
+    ap.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=["default"],
+                    help="the configs judged against the band (default: the default config)")
+    ap.add_argument("--candidate-seeds", type=int, default=1,
+                    help="seeds 0..N-1 of each candidate, each paired with fp32's run at the same seed")
     ap.add_argument("--smoke", action="store_true", help="tiny UNet on synthetic digits, batch 8 (CPU check)")
     args = ap.parse_args(argv)
     steps, every = args.steps or (12 if args.smoke else 2000), args.log_every or (4 if args.smoke else 100)
     seeds = 2 if args.smoke and args.seeds == 3 else args.seeds
+    if args.candidate_seeds > seeds:
+        ap.error(f"--candidate-seeds {args.candidate_seeds} > --seeds {seeds}: each candidate seed is paired with "
+                 f"fp32's run at that seed; raise --seeds")
     base = [f"experiment.device={args.device}", "pool.batches=4"]
     ctx = contextlib.nullcontext()
     if args.smoke:
@@ -90,17 +122,43 @@ def main(argv=None) -> None:
 
         base += [*SMOKE_MODEL, "train.velocity.batch_size=8", "train.nsf.batch_size=8"]
         ctx = real_or_synthetic(config.resolve(args.preset), force=True)
-    with ctx:
-        reference = [curve(args.preset, args.method, s, FP32[args.reference], base, steps, every) for s in range(seeds)]
-        default = curve(args.preset, args.method, 0, [], base, steps, every)
-    rows = compare(reference, default)
+    seconds: dict[str, list[float]] = {}
+
+    def timed(name: str, seed: int, setting: list[str]) -> list[tuple[int, float]]:
+        start = time.perf_counter()
+        points = curve(args.preset, args.method, seed, setting, base, steps, every)
+        seconds.setdefault(name, []).append(time.perf_counter() - start)
+        # each run's curve as it ends: a device call cut short by its time limit keeps the runs it finished
+        print(f"run {name} seed {seed} ({seconds[name][-1]:.0f} s): " + " ".join(f"{v:.4f}" for _, v in points),
+              flush=True)
+        return points
+
+    reference, runs = [], {c: [] for c in args.candidates}
+    with ctx:  # seed by seed, so a cut-short call still holds pairs
+        for s in range(seeds):
+            reference.append(timed("fp32", s, FP32[args.reference]))
+            for c in args.candidates if s < args.candidate_seeds else ():
+                runs[c].append(timed(c, s, CANDIDATES[c]))
     print(f"loss_curve: {args.preset} --method {args.method}, {steps} steps, mean loss per {every} steps; fp32 "
-          f"{args.reference} NCHW over seeds 0-{seeds - 1} vs the default config (seed 0), on {machine(args.device)}")
-    print(f"{'step':>6} {'fp32 min':>9} {'fp32 max':>9} {'default':>9}  inside")
-    for r in rows:
-        print(f"{r['step']:>6} {r['lo']:>9.4f} {r['hi']:>9.4f} {r['loss']:>9.4f}  {'yes' if r['inside'] else 'NO'}")
-    inside = sum(r["inside"] for r in rows)
-    print(f"inside the fp32 band (widened by half its width): {inside} of {len(rows)} log steps")
+          f"{args.reference} NCHW over seeds 0-{seeds - 1} vs {', '.join(args.candidates)} (seed 0 in the table), "
+          f"on {machine(args.device)}")
+    tables = {c: compare(reference, r[0]) for c, r in runs.items()}
+    print(f"{'step':>6} {'fp32 min':>9} {'fp32 max':>9} " + " ".join(f"{c:>9}  inside" for c in tables))
+    for i, r in enumerate(next(iter(tables.values()))):
+        cells = " ".join(f"{t[i]['loss']:>9.4f}  {'yes' if t[i]['inside'] else 'NO':>6}" for t in tables.values())
+        print(f"{r['step']:>6} {r['lo']:>9.4f} {r['hi']:>9.4f} {cells}")
+    for c, t in tables.items():
+        print(f"{c}: inside the fp32 band (widened by half its width): {sum(r['inside'] for r in t)} of {len(t)} "
+              f"log steps")
+    late = min(LATE, len(reference[0]))
+    print(f"paired, mean loss of the last {late} log steps (steps {reference[0][-late][0]}-{reference[0][-1][0]}), "
+          f"candidate minus fp32 at the same seed:")
+    for c, r in runs.items():
+        p = paired(reference, r, late)
+        print(f"{c}: per seed {' '.join(f'{d:+.5f}' for d in p['diffs'])}, mean {p['mean_diff']:+.5f}; fp32 over "
+              f"{seeds} seeds {p['ref_mean']:.5f}, sd {p['ref_sd']:.5f}, range {p['ref_range']:.5f}")
+    print("seconds per run (compile and capture included): " + ", ".join(
+        f"{name} {statistics.fmean(v):.0f}" for name, v in seconds.items()))
 
 
 if __name__ == "__main__":

@@ -53,6 +53,9 @@ CANDIDATES = {
     # the UNet phases and the time predictor), and the same without compiling
     "+stepgraph": ["graph=step"],
     "+stepgraph-nocompile": ["graph=step", "compile=false"],
+    # the default's path in the other precisions: float16 (GradScaler inside the graph) and fp32
+    "fp16+stepgraph": ["precision=fp16", "graph=step"],
+    "fp32+stepgraph": ["precision=fp32", "graph=step"],
 }
 SMOKE_MODEL = ["model.velocity.channels=8", "model.velocity.attention_resolutions=[]", "model.nsf.channels=8",
                "model.nsf.attention_resolutions=[]"]

@@ -12,7 +12,9 @@ already on the device, so this measures the training step, not the data path; se
   ``fast+graphs`` (mode reduce-overhead: CUDA graphs of the model, the CUDA default for UNet phases 2026-11-26 to 27) and
   ``fast+CL+graphs`` (the same in channels_last: no cuDNN layout transposes around each convolution).
   ``fast+stepgraph``: ``fast`` with the whole step (loss, backward, clip, Adam) one CUDA graph
-  (``train.velocity.graph=step``, the CUDA default since 2026-11-27); ``--compile`` adds ``fast+compile+stepgraph`` (compile's default mode inside it).
+  (``train.velocity.graph=step``, the CUDA default since 2026-11-27); ``--compile`` adds ``fast+compile+stepgraph``
+  (compile's default mode inside it), the same in channels_last, and ``fp16+CL+compile+stepgraph`` (float16
+  autocast, GradScaler inside the graph). ``--paths`` times a chosen few (fp32-eager always: the baseline).
 - ``torchcfm``: torchcfm's own train_cifar10.py step on its UNetModelWrapper of the same size
   (fp32, ConditionalFlowMatcher, Adam, grad clip, its per-tensor EMA copy), when torchcfm is installed.
 
@@ -174,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", default=None, metavar="PATH",
                     help="after timing, run a few steps of this path (e.g. fast+graphs) under the PyTorch profiler and "
                          "print where the device time goes (top kernels)")
+    ap.add_argument("--paths", nargs="+", default=None, metavar="PATH",
+                    help="time only these paths (and fp32-eager, the baseline); default all")
     ap.add_argument("--smoke", action="store_true", help="tiny UNet on 16x16 images (CPU check of the script)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -196,7 +200,17 @@ def main(argv: list[str] | None = None) -> None:
                     # fast+graphs spent 22 % of its device time in cuDNN's NCHW <-> NHWC transposes (H100, 2026-11-26);
                     # channels_last lost in eager only through GroupNorm, which inductor fuses here
                     ("fast+CL+graphs", {**fast, "channels_last": True, "compile_": True, "mode": "reduce-overhead"}),
-                    ("fast+compile+stepgraph", {**fast, "compile_": True, "graph": "step"})]
+                    ("fast+compile+stepgraph", {**fast, "compile_": True, "graph": "step"}),
+                    ("fast+CL+compile+stepgraph", {**fast, "channels_last": True, "compile_": True, "graph": "step"}),
+                    # float16 autocast with GradScaler inside the captured step (fp16 tensor cores: as fast as bf16's)
+                    ("fp16+CL+compile+stepgraph", {**fast, "precision": "fp16", "channels_last": True,
+                                                   "compile_": True, "graph": "step"})]
+    if args.paths:  # fp32-eager stays: every ratio is against it
+        unknown = set(args.paths) - {name for name, _ in configs}
+        if unknown:
+            ap.error(f"--paths {' '.join(sorted(unknown))}: not one of {', '.join(n for n, _ in configs)} "
+                     f"(the compiled ones need --compile)")
+        configs = [(name, kw) for name, kw in configs if name == "fp32-eager" or name in args.paths]
     for name, kw in configs:
         phase, params = sinkflow_phase(unet, shape, device, warmup + steps + PROFILED, **kw)
         if flops is None:  # forward + backward of one step, counted on the eager module (the same arithmetic)
@@ -205,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         step = bench_sinkflow(phase, x1s, device)
         seconds = time_steps(step, x1s, warmup, device)
         rows.append((name, params, steps * batch / seconds))
+        print(f"timed {name}: {rows[-1][2]:.1f} images/s", flush=True)  # kept if a device call is cut short
         if name == args.profile:
             profiled = kernel_table(step, x1s, device)
         del phase
@@ -226,10 +241,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model FLOPs per training step (forward + backward, torch's FLOP counter): {flops / 1e9:.1f} G "
           f"({flops / batch / 1e9:.2f} G per image); this card's measured bf16 matrix-product peak "
           f"{peak / 1e12:.0f} TFLOP/s")
-    print(f"{'path':<14} {'params':>10} {'images/s':>10} {'vs fp32-eager':>14} {'vs torchcfm':>12} {'% bf16 peak':>12}")
+    print(f"{'path':<25} {'params':>10} {'images/s':>10} {'vs fp32-eager':>14} {'vs torchcfm':>12} {'% bf16 peak':>12}")
     for name, params, ips in rows:
         shown = f"{ips:>10.1f}" if device.type == "cuda" else f"{'(cpu)':>10}"
-        print(f"{name:<14} {params:>10,} {shown} {ips / base:>13.2f}x {ips / ref:>11.2f}x "
+        print(f"{name:<25} {params:>10,} {shown} {ips / base:>13.2f}x {ips / ref:>11.2f}x "
               f"{100 * flops / batch * ips / peak:>11.1f}%")
     if profiled is not None:
         print(f"where the time of a {args.profile} step goes ({PROFILED} steps under the PyTorch profiler):")

@@ -217,7 +217,8 @@ def test_smoke_gpu_checks(quiet, capsys):
     assert float(re.search(r"drawn ahead vs inline, 6 steps: max\|dw\| ([0-9.e+-]+)", out).group(1)) == 0.0
     assert re.search(r"same permutation 3/3, max matched-cost difference 0.00e\+00", out)
     graphs = re.findall(r"step graph vs plain step, (.+?), 6 steps: max\|dw\| (\S+?)[;,]", out)
-    assert [g[0] for g in graphs] == ["moons otcfm fp32 +prefetch +ema", "mnist-shaped fm bf16 UNet"]
+    assert [g[0] for g in graphs] == ["moons otcfm fp32 +prefetch +ema", "mnist-shaped fm bf16 UNet",
+                                  "mnist-shaped fm fp16 UNet"]
     assert all(float(dw) == 0.0 for _, dw in graphs)  # on the CPU the graph's path runs eagerly: the same step
     fresh, loop = (float(v) for v in re.search(r"fresh copy \|dnll\| (\S+), fused vs for-loop \|dnll\| (\S+)", out).groups())
     assert fresh < 1e-5 and loop < 1e-3  # with the old version-keyed W cache: 0.17 apart on both
@@ -358,25 +359,33 @@ def test_smoke_sinkhorn_solver(quiet, capsys):
 
 
 def test_smoke_loss_curve(quiet, capsys):
-    """On a CPU `auto` resolves to fp32 eager, so the default's curve is fp32 seed 0's own: inside at every step.
-    The band test itself: a value outside the widened band is flagged."""
+    """On a CPU `auto` resolves to fp32 eager, so the default's curve is fp32 seed 0's own: inside at every step,
+    paired difference 0. fp16 (CPU autocast) is judged beside it. The band test itself: a value outside the
+    widened band is flagged; the paired view subtracts fp32's run at the same seed."""
     bench = load("loss_curve")
-    bench.main(["--smoke", "--device", "cpu", "--steps", "8", "--log-every", "4"])
+    bench.main(["--smoke", "--device", "cpu", "--steps", "8", "--log-every", "4", "--candidates", "default", "fp16",
+                "--candidate-seeds", "2"])
     out = capsys.readouterr().out
     table = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
-    assert [int(r[0]) for r in table] == [4, 8] and all(r[-1] == "yes" for r in table)
+    assert [int(r[0]) for r in table] == [4, 8] and all(r[4] == "yes" for r in table)
     assert all(float(r[1]) <= float(r[3]) <= float(r[2]) for r in table)  # seed 0 is one of the band's seeds
-    assert "inside the fp32 band (widened by half its width): 2 of 2 log steps" in out
+    assert "default: inside the fp32 band (widened by half its width): 2 of 2 log steps" in out
+    assert "default: per seed +0.00000 +0.00000, mean +0.00000" in out
+    assert re.search(r"fp16: per seed [+-]\S+ [+-]\S+, mean [+-]\S+; fp32 over 2 seeds", out)
     ref = [[(1, 1.0), (2, 0.5)], [(1, 1.2), (2, 0.6)]]
     rows = bench.compare(ref, [(1, 1.25), (2, 0.7)])
     assert [r["inside"] for r in rows] == [True, False]  # 1.25 <= 1.2 + 0.1; 0.7 > 0.6 + 0.05
+    p = bench.paired(ref, [[(1, 1.1), (2, 0.7)]], late=1)
+    assert p["diffs"] == pytest.approx([0.2]) and p["ref_range"] == pytest.approx(0.1)
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--device", "cpu", "--seeds", "2", "--candidate-seeds", "3"])
 
 
 def test_smoke_train_throughput(quiet, capsys):
     bench = load("train_throughput")
     bench.main(["--smoke", "--device", "cpu", "--batch", "2", "--steps", "1", "--warmup", "1", "--profile", "fast"])
     out = capsys.readouterr().out
-    assert "path               params   images/s  vs fp32-eager  vs torchcfm  % bf16 peak" in out
+    assert f"{'path':<25}     params   images/s  vs fp32-eager  vs torchcfm  % bf16 peak" in out
     base, fast, cl = rows(out, "fp32-eager "), rows(out, "fast "), rows(out, "fast+CL ")
     graph = rows(out, "fast+stepgraph ")
     assert len(base) == 1 and len(fast) == 1 and len(cl) == 1 and len(graph) == 1 and base[0].split()[-3] == "1.00x"
@@ -388,6 +397,13 @@ def test_smoke_train_throughput(quiet, capsys):
     assert "where the time of a fast step goes" in out and "conv" in out.split("where the time of")[1]
     cfg = bench.train_config(7, precision="bf16", channels_last=True, compile_=False)  # the schema's own keys
     assert cfg["train"]["velocity"]["iters"] == 7 and cfg["train"]["velocity"]["precision"] == "bf16"
+    # --paths: the named paths beside the baseline (and torchcfm's step), no others; an unknown name is refused
+    bench.main(["--smoke", "--device", "cpu", "--batch", "2", "--steps", "1", "--warmup", "1", "--paths", "fast+CL"])
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.split()[1:2] and
+             line.split()[1].replace(",", "").isdigit()]
+    assert names == ["fp32-eager", "fast+CL", "torchcfm"]
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--device", "cpu", "--paths", "fast+CL+compile+stepgraph"])  # needs --compile
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="fused Adam's on-device skip needs a GPU")

@@ -174,7 +174,8 @@ def test_auto_speed_settings_resolve_per_device_network_and_process_count(monkey
     assert speed(auto) == ("fp32", True, "default", "step")
     assert resolve(auto, "unet", "cuda", bf16=True)["precision"] == "bf16"  # the planner's card, not this one
     explicit = {**auto, "precision": "fp16", "compile": False, "compile_mode": "max-autotune"}
-    assert speed(explicit) == ("fp16", False, "max-autotune", "none")  # fp16's loss scaling is not captured
+    assert speed(explicit) == ("fp16", False, "max-autotune", "none")  # an asked-for graphs mode wins
+    assert speed({**auto, "precision": "fp16"}) == ("fp16", True, "default", "step")  # loss scaling is captured
     assert speed({**auto, "graph": "none"}) == ("fp32", True, "reduce-overhead", "none")  # graphs of the model
     assert speed({**auto, "compile_mode": "reduce-overhead"}) == ("fp32", True, "reduce-overhead", "none")
     assert speed({**auto, "compile": True}, device="cpu") == ("fp32", True, "default", "none")

@@ -10,8 +10,9 @@ timed-window loss as fp32 eager to three decimals. So ``auto`` means, for a UNet
   cards (a T4 would emulate bf16) and for every other network (2D MLPs, flows, the time predictor: unmeasured);
 * graph: ``step`` (the whole step, Adam included, one CUDA graph: ``sinkflow.engine.step_graph``) for one process
   and a network it was measured on: the UNet phases 1.5x / 1.9x and the time predictor 3.6x faster than the
-  model-only graphs below, the same timed-window loss to four decimals (H100, 2026-11-27); not under fp16 (loss
-  scaling reads back) or DDP (the all-reduce is not captured);
+  model-only graphs below, the same timed-window loss to four decimals (H100, 2026-11-27); also under fp16
+  (GradScaler's unscale, skip and scale update are device ops the graph holds); not under DDP (the all-reduce is
+  not captured);
 * compile: on, in mode ``reduce-overhead`` for one process (``default`` under ``graph: step``, which captures the
   whole step itself); off under DDP (CUDA graphs with NCCL unmeasured);
 * off on a CPU, where compiling costs minutes and buys little (docs/performance.md).
@@ -44,7 +45,7 @@ def resolve(tcfg: dict, kind: str, device: torch.device | str, world: int = 1, b
         native = bf16_tensor_cores(device) if bf16 is None else bf16
         out["precision"] = "bf16" if fast and native else "fp32"
     if out.get("graph", "none") == "auto":
-        captured = (device.type == "cuda" and world == 1 and kind in GRAPH_KINDS and out["precision"] != "fp16"
+        captured = (device.type == "cuda" and world == 1 and kind in GRAPH_KINDS
                     and out.get("compile_mode", "auto") in ("auto", "default"))  # an asked-for graphs mode wins
         out["graph"] = "step" if captured else "none"
     if out.get("compile", False) == "auto":

@@ -499,9 +499,6 @@ def check_step_graph(cfg: dict, key: str, world: int, compile_mode: str | None, 
     if world > 1:
         raise SinkflowError(f"train.{key}.graph=step runs one process; this run has {world} (DDP's all-reduce is "
                             "not captured)", f"set train.{key}.graph=none under torchrun")
-    if cfg["precision"] == "fp16":
-        raise SinkflowError(f"train.{key}.graph=step does not capture float16's loss scaling",
-                            f"set train.{key}.precision=bf16 (or fp32)")
     if compile_mode not in (None, "default"):
         raise SinkflowError(f"train.{key}.graph=step captures the whole step; compile_mode={compile_mode} would "
                             "capture graphs inside it", f"set train.{key}.compile_mode=default (or compile=false)")
