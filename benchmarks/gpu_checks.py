@@ -14,7 +14,9 @@
    ordinary step after the capture;
 7. an invertible-mode Glow trained with fused Adam: its log-likelihood after the steps equals a freshly loaded
    copy's (fused Adam moves no version counter, so a stale parameter cache would show here) and the for-loop
-   Adam run's.
+   Adam run's;
+8. twelve captured phases in one process with batches drawn ahead (CUDA's stream pool comes round: a worker's
+   stream must never be the capture stream).
 
 The checks are meant for a GPU; ``--device cpu`` runs the same code on the CPU (where ``device_generator`` is
 the CPU generator itself and fused Adam is torch's CPU kernel), which is how the test suite keeps the script
@@ -42,10 +44,10 @@ from sinkflow.runtime.run_folder import RunFolder
 from sinkflow.engine.trainer import Trainer
 
 FULL = {"batches": 16, "steps": 10, "batch_size": 256, "noise": 4096, "adam_steps": 20, "width": 256, "rows": 128,
-        "train_steps": 40, "unet": ["model.velocity.channels=16", "train.velocity.batch_size=32"]}
+        "train_steps": 40, "unet": ["model.velocity.channels=16", "train.velocity.batch_size=32"], "phases": 12}
 SMOKE = {"batches": 4, "steps": 2, "batch_size": 16, "noise": 64, "adam_steps": 3, "width": 16, "rows": 8,
          "train_steps": 6, "unet": ["model.velocity.channels=8", "model.velocity.attention_resolutions=[]",
-                                    "train.velocity.batch_size=4"]}
+                                    "train.velocity.batch_size=4"], "phases": 2}
 
 
 def pool_check(device: torch.device, size: dict) -> None:
@@ -171,7 +173,7 @@ def step_graph_check(device: torch.device, size: dict) -> None:
                         run.logger.close()
                         final[mode] = load(run.dir / "checkpoints" / "velocity" / "final.pt")
                         if mode == "step":
-                            captured, synced = trainer.step_graph.graph is not None, guard.steps
+                            captured, synced = trainer.step_graph.replays > 0, guard.steps
                 dw = max(float((final["none"]["model"][k].float() - final["step"]["model"][k].float()).abs().max())
                          for k in final["none"]["model"])
                 ema = final["none"]["ema"]
@@ -225,8 +227,39 @@ def flow_check(device: torch.device, size: dict) -> None:
           f"{abs(nll['fused'] - nll['for-loop']):.2e}")
 
 
+def many_phases_check(device: torch.device, size: dict) -> None:
+    """Many captured phases in one process, batches drawn ahead: each phase makes new prefetch-worker streams, and
+    CUDA's stream pool hands out 32 round-robin. While the capture used a stream of that pool, the 8th phase of a
+    process died in the prefetcher's event wait ("CUDA error: invalid argument", H100, 2026-11-27): a worker's stream
+    had come round to be the capture stream. The capture stream now comes from the high-priority pool."""
+    from sinkflow.methods.flow_matching import InterpolantStep
+
+    phases = size["phases"]
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        try:
+            replays, fresh = 0, 0
+            for i in range(phases):
+                cfg = config.resolve("moons", [f"experiment.device={device.type}", "experiment.method=otcfm",
+                                               "train.velocity.iters=12", "train.velocity.prefetch=always",
+                                               "train.velocity.graph=step", f"experiment.name=phase{i}"])
+                run = RunFolder.create(cfg)
+                trainer = Trainer(run, InterpolantStep("velocity", *distributions(cfg), ot_pairs=True))
+                trainer.fit()
+                run.logger.close()
+                replays += trainer.step_graph.replays
+                if trainer.step_graph.stream is not None:  # 64 plain streams: two turns of the pool
+                    fresh += sum(torch.cuda.Stream(device) == trainer.step_graph.stream for _ in range(64))
+        finally:
+            os.chdir(here)
+    print(f"{phases} captured phases in one process with batches drawn ahead: all finished, {replays} replays; "
+          f"plain streams equal to a capture stream: {fresh}")
+
+
 CHECKS = {"pool": pool_check, "noise": noise_check, "adam": adam_check, "prefetch": prefetch_check,
-          "ot_plan": ot_plan_check, "step_graph": step_graph_check, "flow": flow_check}
+          "ot_plan": ot_plan_check, "step_graph": step_graph_check, "flow": flow_check,
+          "many_phases": many_phases_check}
 
 
 def main(argv: list[str] | None = None) -> None:

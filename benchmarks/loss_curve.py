@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import sys
 import time
@@ -42,7 +43,8 @@ FP32 = {"eager": ["precision=fp32", "channels_last=false", "compile=false", "gra
                    "graph=none"],
         # fp32 with the whole step one CUDA graph (the default's own path, fp32 arithmetic)
         "step": ["precision=fp32", "channels_last=false", "graph=step"]}
-# the configs a band can judge: the default (on an H100 bf16 + the step graph) and the precisions one key away
+# the configs a band can judge: the default (on an H100 fp16 + the step graph since 2026-11-27, bf16 before) and
+# the precisions one key away
 CANDIDATES = {"default": [], "bf16": ["precision=bf16"], "fp16": ["precision=fp16"]}
 LATE = 5  # the paired summary averages the last LATE log steps (steps 1,600-2,000 of the default 2,000)
 
@@ -108,6 +110,11 @@ def main(argv=None) -> None:
                     help="the configs judged against the band (default: the default config)")
     ap.add_argument("--candidate-seeds", type=int, default=1,
                     help="seeds 0..N-1 of each candidate, each paired with fp32's run at the same seed")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="start at this seed (a second device call goes on where the first stopped: --save, --load)")
+    ap.add_argument("--save", metavar="FILE", help="append each run's curve to FILE as it ends (JSON lines)")
+    ap.add_argument("--load", nargs="+", metavar="FILE",
+                    help="train nothing: judge the runs saved in these files (e.g. two device calls' runs together)")
     ap.add_argument("--smoke", action="store_true", help="tiny UNet on synthetic digits, batch 8 (CPU check)")
     args = ap.parse_args(argv)
     steps, every = args.steps or (12 if args.smoke else 2000), args.log_every or (4 if args.smoke else 100)
@@ -122,26 +129,46 @@ def main(argv=None) -> None:
 
         base += [*SMOKE_MODEL, "train.velocity.batch_size=8", "train.nsf.batch_size=8"]
         ctx = real_or_synthetic(config.resolve(args.preset), force=True)
-    seconds: dict[str, list[float]] = {}
+    records = []  # {"name", "seed", "seconds", "points"} per run
 
-    def timed(name: str, seed: int, setting: list[str]) -> list[tuple[int, float]]:
+    def timed(name: str, seed: int, setting: list[str]) -> None:
         start = time.perf_counter()
         points = curve(args.preset, args.method, seed, setting, base, steps, every)
-        seconds.setdefault(name, []).append(time.perf_counter() - start)
+        records.append({"name": name, "seed": seed, "seconds": time.perf_counter() - start, "points": points,
+                        "setting": setting, "machine": machine(args.device)})
         # each run's curve as it ends: a device call cut short by its time limit keeps the runs it finished
-        print(f"run {name} seed {seed} ({seconds[name][-1]:.0f} s): " + " ".join(f"{v:.4f}" for _, v in points),
+        print(f"run {name} seed {seed} ({records[-1]['seconds']:.0f} s): " + " ".join(f"{v:.4f}" for _, v in points),
               flush=True)
-        return points
+        if args.save:
+            with open(args.save, "a") as f:
+                f.write(json.dumps(records[-1]) + "\n")
 
-    reference, runs = [], {c: [] for c in args.candidates}
-    with ctx:  # seed by seed, so a cut-short call still holds pairs
-        for s in range(seeds):
-            reference.append(timed("fp32", s, FP32[args.reference]))
-            for c in args.candidates if s < args.candidate_seeds else ():
-                runs[c].append(timed(c, s, CANDIDATES[c]))
+    if args.load:
+        records = [json.loads(line) for path in args.load for line in Path(path).read_text().splitlines() if line]
+        names = list(dict.fromkeys(r["name"] for r in records if r["name"] != "fp32"))
+        args.candidates = [c for c in names if c in CANDIDATES]
+    else:
+        with ctx:  # seed by seed, so a cut-short call still holds pairs
+            for s in range(args.first_seed, seeds):
+                timed("fp32", s, FP32[args.reference])
+                for c in args.candidates if s < args.candidate_seeds else ():
+                    timed(c, s, CANDIDATES[c])
+    if args.first_seed and not args.load:
+        return  # the runs are saved; --load judges them together with the earlier seeds'
+    by_seed = {name: {r["seed"]: [tuple(p) for p in r["points"]] for r in records if r["name"] == name}
+               for name in ["fp32", *args.candidates]}
+    seeds = len(by_seed["fp32"])
+    if sorted(by_seed["fp32"]) != list(range(seeds)):
+        raise SystemExit(f"the fp32 runs are seeds {sorted(by_seed['fp32'])}: the band needs seeds 0-{seeds - 1}")
+    reference = [by_seed["fp32"][s] for s in range(seeds)]
+    runs = {c: [by_seed[c][s] for s in sorted(by_seed[c]) if s < seeds] for c in args.candidates}
+    steps, every = reference[0][-1][0], reference[0][0][0]
+    seconds = {name: [r["seconds"] for r in records if r["name"] == name] for name in by_seed}
+    fp32 = next(r for r in records if r["name"] == "fp32")
+    where = f"runs of {', '.join(args.load)}" if args.load else "one process"
     print(f"loss_curve: {args.preset} --method {args.method}, {steps} steps, mean loss per {every} steps; fp32 "
-          f"{args.reference} NCHW over seeds 0-{seeds - 1} vs {', '.join(args.candidates)} (seed 0 in the table), "
-          f"on {machine(args.device)}")
+          f"({' '.join(fp32.get('setting', []))}) over seeds 0-{seeds - 1} vs {', '.join(args.candidates)} (seed 0 in "
+          f"the table), {where}, on {fp32.get('machine', '?')}")
     tables = {c: compare(reference, r[0]) for c, r in runs.items()}
     print(f"{'step':>6} {'fp32 min':>9} {'fp32 max':>9} " + " ".join(f"{c:>9}  inside" for c in tables))
     for i, r in enumerate(next(iter(tables.values()))):

@@ -14,6 +14,7 @@ earlier phases that a phase holds are counted in the measurement, not in the est
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -65,6 +66,7 @@ def measure_train(cfg, phase_name, device, workdir) -> int:
     peak = torch.cuda.max_memory_allocated(device)
     run.logger.close()
     del phase, run
+    gc.collect()  # as run_phases does between phases: the trainer's reference cycles hold its model and optimizer
     torch.cuda.empty_cache()
     return peak
 

@@ -63,9 +63,10 @@ def link_t10k(root: Path) -> Path:
     return root
 
 
-def nan_gradient_phase(cfg, bad_call, ot_pairs=False, poison="gradient"):
-    """A velocity phase poisoned on call ``bad_call``: ``poison="gradient"`` keeps the loss finite but makes its
-    gradients NaN (sqrt at 0: value 0, gradient inf * 0 = NaN); ``poison="loss"`` makes the loss itself NaN."""
+def nan_gradient_phase(cfg, bad_call, ot_pairs=False, poison="gradient", persist=False):
+    """A velocity phase poisoned on call ``bad_call`` (``persist``: and every later call): ``poison="gradient"``
+    keeps the loss finite but makes its gradients NaN (sqrt at 0: value 0, gradient inf * 0 = NaN);
+    ``poison="loss"`` makes the loss itself NaN."""
     import torch
 
     from sinkflow import methods
@@ -78,7 +79,7 @@ def nan_gradient_phase(cfg, bad_call, ot_pairs=False, poison="gradient"):
         def loss(self, model, batch):
             calls.append(1)
             value = velocity_loss(model, batch)
-            if len(calls) == bad_call:
+            if len(calls) == bad_call or (persist and len(calls) > bad_call):
                 if poison == "loss":
                     return value * float("nan")
                 value = value + torch.sqrt(0.0 * sum(p.sum() for p in model.parameters()))

@@ -220,6 +220,8 @@ def test_smoke_gpu_checks(quiet, capsys):
     assert [g[0] for g in graphs] == ["moons otcfm fp32 +prefetch +ema", "mnist-shaped fm bf16 UNet",
                                   "mnist-shaped fm fp16 UNet"]
     assert all(float(dw) == 0.0 for _, dw in graphs)  # on the CPU the graph's path runs eagerly: the same step
+    assert re.search(r"2 captured phases in one process with batches drawn ahead: all finished, 0 replays; plain "
+                     r"streams equal to a capture stream: 0", out)  # CPU: nothing captured
     fresh, loop = (float(v) for v in re.search(r"fresh copy \|dnll\| (\S+), fused vs for-loop \|dnll\| (\S+)", out).groups())
     assert fresh < 1e-5 and loop < 1e-3  # with the old version-keyed W cache: 0.17 apart on both
 
@@ -363,8 +365,9 @@ def test_smoke_loss_curve(quiet, capsys):
     paired difference 0. fp16 (CPU autocast) is judged beside it. The band test itself: a value outside the
     widened band is flagged; the paired view subtracts fp32's run at the same seed."""
     bench = load("loss_curve")
+    saved = quiet / "curves.jsonl"
     bench.main(["--smoke", "--device", "cpu", "--steps", "8", "--log-every", "4", "--candidates", "default", "fp16",
-                "--candidate-seeds", "2"])
+                "--candidate-seeds", "2", "--save", str(saved)])
     out = capsys.readouterr().out
     table = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
     assert [int(r[0]) for r in table] == [4, 8] and all(r[4] == "yes" for r in table)
@@ -372,6 +375,13 @@ def test_smoke_loss_curve(quiet, capsys):
     assert "default: inside the fp32 band (widened by half its width): 2 of 2 log steps" in out
     assert "default: per seed +0.00000 +0.00000, mean +0.00000" in out
     assert re.search(r"fp16: per seed [+-]\S+ [+-]\S+, mean [+-]\S+; fp32 over 2 seeds", out)
+    # the saved runs judged again (as two device calls' runs are): the same table and paired view
+    bench.main(["--load", str(saved)])
+    again = capsys.readouterr().out
+    def judged(text):  # the table and the paired view: below the header line, above the timings
+        return text.split("loss_curve:", 1)[1].split("\n", 1)[1].split("seconds per run")[0]
+
+    assert "runs of" in again and judged(again) == judged(out)
     ref = [[(1, 1.0), (2, 0.5)], [(1, 1.2), (2, 0.6)]]
     rows = bench.compare(ref, [(1, 1.25), (2, 0.7)])
     assert [r["inside"] for r in rows] == [True, False]  # 1.25 <= 1.2 + 0.1; 0.7 > 0.6 + 0.05

@@ -163,16 +163,16 @@ def test_auto_speed_settings_resolve_per_device_network_and_process_count(monkey
         r = resolve(tcfg, kind, device, world)
         return r["precision"], r["compile"], r["compile_mode"], r["graph"]
 
-    assert speed(auto) == ("bf16", True, "default", "step")  # compiled inside the captured step
-    assert speed(auto, device="cuda:1") == ("bf16", True, "default", "step")
+    assert speed(auto) == ("fp16", True, "default", "step")  # compiled inside the captured step
+    assert speed(auto, device="cuda:1") == ("fp16", True, "default", "step")
     assert speed(auto, device="cpu") == ("fp32", False, "default", "none")
     assert speed(auto, kind="time_predictor") == ("fp32", False, "default", "step")
     assert speed(auto, kind="mlp") == ("fp32", False, "reduce-overhead", "none")  # mode only matters if compiled
     assert speed(auto, kind="flow") == ("fp32", False, "reduce-overhead", "none")
-    assert speed(auto, world=2) == ("bf16", False, "default", "none")  # DDP: the all-reduce is not captured
+    assert speed(auto, world=2) == ("fp16", False, "default", "none")  # DDP: the all-reduce is not captured
     capability["value"] = (7, 5)  # a T4: no bf16 tensor cores
     assert speed(auto) == ("fp32", True, "default", "step")
-    assert resolve(auto, "unet", "cuda", bf16=True)["precision"] == "bf16"  # the planner's card, not this one
+    assert resolve(auto, "unet", "cuda", bf16=True)["precision"] == "fp16"  # the planner's card, not this one
     explicit = {**auto, "precision": "fp16", "compile": False, "compile_mode": "max-autotune"}
     assert speed(explicit) == ("fp16", False, "max-autotune", "none")  # an asked-for graphs mode wins
     assert speed({**auto, "precision": "fp16"}) == ("fp16", True, "default", "step")  # loss scaling is captured

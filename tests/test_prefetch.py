@@ -11,6 +11,7 @@ import ot
 import pytest
 import torch
 
+from sinkflow.engine.finite import optimizer_steps
 from sinkflow import config, methods
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.flow_matching import InterpolantStep, ot_permutation
@@ -422,6 +423,24 @@ def test_step_flops_counts_forward_and_backward_of_a_linear_model():
     trainer = SimpleNamespace(precision="fp32", device=torch.device("cpu"), task=task, model=model)
     # forward 2*N*in*out; backward: the weight gradient only (the input needs none) = another 2*N*in*out
     assert step_flops(trainer, torch.randn(32, 10)) == 2 * (2 * 32 * 10 * 4)
+
+
+def test_fp16_stops_when_loss_scaling_gives_up_instead_of_skipping_for_ever(runs_dir):
+    """NaN gradients on every step from the 2nd: GradScaler skips each update and halves its scale (2**16 at the
+    start). A run would go on without learning; at the first log step with the scale below 1 it stops, with the
+    fix."""
+    cfg = moons_cfg("train.velocity.log_every=10", "train.velocity.ckpt_every=100", "train.velocity.precision=fp16",
+                    iters=40)
+    cfg["experiment"]["name"] = "fp16-gives-up"
+    run = RunFolder.create(cfg)
+    trainer = Trainer(run, nan_gradient_phase(cfg, 2, persist=True))
+    with pytest.raises(SinkflowError) as e:
+        trainer.fit()
+    run.logger.close()
+    # every step skipped (the first overflows at the starting scale, as unpoisoned): step 10 at 2**6, step 20 at 2**-4
+    assert trainer.step == 20 and optimizer_steps(trainer.optimizer) == 0
+    assert "float16 loss scale 0.062 (20 of 20 updates skipped" in str(e.value) and "at step 20" in str(e.value)
+    assert "precision=bf16" in e.value.fix
 
 
 def test_fp16_device_guard_lets_gradscaler_skip_and_still_stops_on_a_nan_loss(runs_dir):

@@ -137,9 +137,9 @@ def test_fit_proposes_a_config_that_fits_and_keeps_the_totals():
 
 
 def test_the_plan_follows_auto_precision_on_the_card_planned_for():
-    """`auto` trains a UNet in bf16 on a bf16 card and in fp32 on a T4: the planner estimates what will run there
-    (a T4 plan with bf16 activations would promise a fit the run then loses to an OOM); a bare memory size plans
-    for fp32, the larger."""
+    """`auto` trains a UNet in fp16 on an Ampere-or-newer card (bf16 tensor cores) and in fp32 on a T4: the planner
+    estimates what will run there (a T4 plan with half-precision activations would promise a fit the run then
+    loses to an OOM); a bare memory size plans for fp32, the larger."""
     assert memory_plan.card_bf16("H100-80GB") and memory_plan.card_bf16("L4")
     assert not memory_plan.card_bf16("T4") and not memory_plan.card_bf16("16 GiB") and not memory_plan.card_bf16(None)
     cfg = config.resolve("digits", [])  # embedded: a UNet phase with auto precision
@@ -147,7 +147,7 @@ def test_the_plan_follows_auto_precision_on_the_card_planned_for():
     assert cfg["train"][unet]["precision"] == "auto"
     on = {m.phase: m for m in memory_plan.estimate(cfg, bf16=True)}
     off = {m.phase: m for m in memory_plan.estimate(cfg, bf16=False)}
-    assert "bf16" in on[unet].note and "fp32" in off[unet].note
+    assert "fp16" in on[unet].note and "fp32" in off[unet].note
     assert off[unet].terms["activations"] > on[unet].terms["activations"]
 
 

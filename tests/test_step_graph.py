@@ -107,7 +107,7 @@ def test_a_graphed_step_skips_a_non_finite_update_on_the_device(runs_dir):
 def test_a_graphed_fp16_step_scales_skips_and_trains_the_plain_weights(runs_dir):
     """float16: GradScaler's scale, unscale, skip and scale update run inside the step (no host read): the same
     weights, scale and applied updates as graph=none; the NaN-gradient step 4 is skipped and the scale halved."""
-    from sinkflow.engine.health import optimizer_steps
+    from sinkflow.engine.finite import optimizer_steps
 
     results = {}
     for mode in ("none", "step"):
@@ -118,6 +118,16 @@ def test_a_graphed_fp16_step_scales_skips_and_trains_the_plain_weights(runs_dir)
     assert all(torch.isfinite(plain[k]).all() and torch.equal(plain[k], graphed[k]) for k in plain)
     # 12 steps, two skipped: one overflow at GradScaler's starting scale 2**16 (as unpoisoned) and the poisoned step
     assert scale == graph_scale == 2.0 ** 14 and steps == graph_steps == 10
+
+
+def test_a_finished_graphed_phase_releases_its_graph_and_batch(runs_dir):
+    """The graph, its static batch and the gradients its replays wrote are dropped when ``fit`` ends, as is the
+    graph's hold on the Trainer (its update, a bound method): a caller that keeps the trainer (lr-find, doctor, a
+    benchmark) keeps no captured step, and nothing waits for the cyclic garbage collector."""
+    run, trainer = fit(moons_cfg("train.velocity.graph=step", iters=6), "released")
+    graph = trainer.step_graph
+    assert graph.graph is None and graph.static is None and graph.outputs is None and graph.update is None
+    assert all(p.grad is None for p in trainer.params)
 
 
 def test_a_graphed_step_is_refused_where_a_graph_cannot_hold_it():
@@ -172,7 +182,8 @@ def test_on_cuda_the_step_is_captured_and_trains_what_eager_trains(runs_dir):
     plain_run, _ = fit(cfg, "cuda-plain")
     cfg = moons_cfg("experiment.device=cuda", "train.velocity.precision=fp32", "train.velocity.graph=step", iters=12)
     graph_run, trainer = fit(cfg, "cuda-graph")
-    assert trainer.captures_steps and trainer.step_graph.graph is not None
+    assert trainer.captures_steps and trainer.step_graph.replays == 12 - 3 - 1 + 1  # all but the warm-up steps
+    assert trainer.step_graph.graph is None  # released when the phase ended
     plain, graphed = final_weights(plain_run), final_weights(graph_run)
     assert max((plain[k] - graphed[k]).abs().max().item() for k in plain) < 1e-5
 

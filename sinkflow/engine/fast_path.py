@@ -6,8 +6,13 @@ measured faster, the plain path everywhere else. Measured on one H100 (docs/perf
 (``torch.compile(mode="reduce-overhead")``; the 1.1M-parameter UNet's step is launch-bound), with the same
 timed-window loss as fp32 eager to three decimals. So ``auto`` means, for a UNet phase on a CUDA card:
 
-* precision: bf16 where the card has bf16 tensor cores (compute capability 8.0+, Ampere on); fp32 on older
-  cards (a T4 would emulate bf16) and for every other network (2D MLPs, flows, the time predictor: unmeasured);
+* precision: fp16 (autocast + GradScaler) on a card of compute capability 8.0+ (Ampere on, where half precision
+  was measured); fp32 on older cards (unmeasured there: a T4 has fp16 tensor cores, ``precision=fp16`` is one key
+  away) and for every other network (2D MLPs, flows, the time predictor: unmeasured). Why fp16 and not bf16 (the
+  default until 2026-11-27): the same speed on an H100 (174.5 steps/s each, the step graph), but bf16's 8-bit
+  mantissa moved the 2,000-step loss curve +0.0007 above fp32's at the same seed (0.9 of fp32's seed-to-seed sd),
+  fp16's 11 bits +0.00002 (``benchmarks/loss_curve.py``, RESULTS.md). A run whose gradients overflow float16 even
+  unscaled stops at its next log step with the fix (``Trainer.raise_if_non_finite``);
 * graph: ``step`` (the whole step, Adam included, one CUDA graph: ``sinkflow.engine.step_graph``) for one process
   and a network it was measured on: the UNet phases 1.5x / 1.9x and the time predictor 3.6x faster than the
   model-only graphs below, the same timed-window loss to four decimals (H100, 2026-11-27); also under fp16
@@ -37,13 +42,14 @@ def bf16_tensor_cores(device: torch.device) -> bool:
 def resolve(tcfg: dict, kind: str, device: torch.device | str, world: int = 1, bf16: bool | None = None) -> dict:
     """``tcfg`` (a ``train.<phase>`` section) with ``auto`` precision / compile / compile_mode made concrete.
 
-    ``bf16`` overrides the card check (the memory planner plans for a card it does not have in hand)."""
+    ``bf16`` overrides the card check, "has bf16 tensor cores" = compute capability 8.0+ (the memory planner plans
+    for a card it does not have in hand; fp16 and bf16 take the same bytes)."""
     device = torch.device(device)
     fast = device.type == "cuda" and kind in FAST_KINDS
     out = dict(tcfg)
     if out.get("precision", "fp32") == "auto":
         native = bf16_tensor_cores(device) if bf16 is None else bf16
-        out["precision"] = "bf16" if fast and native else "fp32"
+        out["precision"] = "fp16" if fast and native else "fp32"
     if out.get("graph", "none") == "auto":
         captured = (device.type == "cuda" and world == 1 and kind in GRAPH_KINDS
                     and out.get("compile_mode", "auto") in ("auto", "default"))  # an asked-for graphs mode wins

@@ -74,3 +74,11 @@ class NonFiniteGuard:
         if not math.isfinite(loss):
             return f"non-finite loss ({loss})"
         return f"non-finite gradient norm ({norm}) with a finite loss ({loss:.4g})"
+
+
+def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Updates the optimizer actually applied (GradScaler skips ``step`` on Inf/NaN gradients)."""
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(float(state["step"]))
+    return 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from sinkflow.engine.finite import optimizer_steps
 from sinkflow.runtime.callbacks import Callback
 
 RELU_LIKE = (nn.ReLU, nn.ReLU6)
@@ -153,11 +154,3 @@ class Health(Callback):
             trainer.run.logger.histogram(f"{name}/weights/{pname}", p.detach().float().cpu(), step)
             if p.grad is not None:
                 trainer.run.logger.histogram(f"{name}/grads/{pname}", p.grad.detach().float().cpu(), step)
-
-
-def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
-    """Updates the optimizer actually applied (GradScaler skips ``step`` on Inf/NaN gradients)."""
-    for state in optimizer.state.values():
-        if "step" in state:
-            return int(float(state["step"]))
-    return 0

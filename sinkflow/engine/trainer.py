@@ -32,7 +32,7 @@ from sinkflow.runtime.checkpoint import rng_state, set_rng_state
 from sinkflow.engine import fast_path
 from sinkflow.engine.divergence import DivergenceGuard
 from sinkflow.engine.ema import EMA
-from sinkflow.engine.finite import NonFiniteGuard, skips_on_device
+from sinkflow.engine.finite import NonFiniteGuard, optimizer_steps, skips_on_device
 from sinkflow.engine.health import Health
 from sinkflow.engine.prefetch import BatchPrefetcher, use_prefetch
 from sinkflow.engine.step_graph import StepGraph
@@ -338,17 +338,26 @@ class Trainer:
         return total, grad_norm
 
     def raise_if_non_finite(self) -> None:
-        """Stop (one sync) if a step the device skipped was non-finite; its update was not applied."""
+        """Stop (one sync) if a step the device skipped was non-finite; its update was not applied. Under float16
+        also if GradScaler's scale fell below 1: the gradients are Inf/NaN even unscaled, so it skips every update
+        and halves the scale again (a run that would go on without learning, its loss flat)."""
         if self.skip_on_device:
             failure = self.guard.failure()
             if failure is not None:
                 self.stop_non_finite(*failure)
+        if self.scaler.is_enabled() and self.scaler.get_scale() < 1.0:
+            skipped = self.step - optimizer_steps(self.optimizer)
+            self.stop_non_finite(f"float16 loss scale {self.scaler.get_scale():.2g} ({skipped} of {self.step} "
+                                 "updates skipped: Inf/NaN gradients even unscaled)", self.step,
+                                 f"set train.{self.task.model_key}.precision=bf16 (or fp32), or lower the learning "
+                                 f"rate")
 
-    def stop_non_finite(self, what: str, step: int) -> None:
+    def stop_non_finite(self, what: str, step: int, fix: str = "lower the learning rate (sinkflow lr-find), set a "
+                        "grad_clip, or check the data") -> None:
         """Stop with a non-finite step unapplied, saying which checkpoint a resume would use."""
         kept = self.ckpts.last_good() if self.ckpts is not None else "no checkpoint was written"
         raise NonFiniteStep(f"{what} in phase '{self.name}' at step {step}; the step was not applied and "
-                            f"{kept}", "lower the learning rate (sinkflow lr-find), set a grad_clip, or check the data")
+                            f"{kept}", fix)
 
     # ---- the loop -------------------------------------------------------------------------------
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
@@ -391,6 +400,8 @@ class Trainer:
             raise
         finally:
             self._call("teardown")
+            if self.step_graph is not None:  # the phase is over: its graph's memory goes back now
+                self.step_graph.release()
 
     def _fit_training(self) -> None:
         run = self.run
