@@ -130,6 +130,20 @@ def test_a_finished_graphed_phase_releases_its_graph_and_batch(runs_dir):
     assert all(p.grad is None for p in trainer.params)
 
 
+def test_a_ready_trainer_keeps_its_step_graph_for_the_steps_taken_after_fit(runs_dir, tmp_path):
+    """lr-find, doctor and memory_estimate.py stop a phase before its first step and then step the trainer
+    themselves: a stop is not the phase's end, so the step graph stays (releasing it there broke them on an H100)."""
+    from sinkflow.tools.phases import workspace
+
+    run, trainer = workspace(moons_cfg("train.velocity.graph=step"), "velocity", tmp_path)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    for _ in range(3):
+        loss, _ = trainer.train_step(trainer.batch)
+    assert torch.isfinite(loss) and trainer.step_graph.update is not None
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    run.logger.close()
+
+
 def test_a_graphed_step_is_refused_where_a_graph_cannot_hold_it():
     ok = {"precision": "bf16"}
     check_step_graph(ok, "velocity", 1, "default", True)

@@ -400,7 +400,9 @@ class Trainer:
             raise
         finally:
             self._call("teardown")
-            if self.step_graph is not None:  # the phase is over: its graph's memory goes back now
+            # the phase is over: its graph's memory goes back now. Not after stop() before a step (lr-find,
+            # doctor and the memory benchmark take their steps on the ready trainer afterwards)
+            if self.step_graph is not None and not self.stopped:
                 self.step_graph.release()
 
     def _fit_training(self) -> None:
