@@ -13,8 +13,8 @@ already on the device, so this measures the training step, not the data path; se
   ``fast+CL+graphs`` (the same in channels_last: no cuDNN layout transposes around each convolution).
   ``fast+stepgraph``: ``fast`` with the whole step (loss, backward, clip, Adam) one CUDA graph
   (``train.velocity.graph=step``, the CUDA default since 2026-11-27); ``--compile`` adds ``fast+compile+stepgraph``
-  (compile's default mode inside it), the same in channels_last, and ``fp16+CL+compile+stepgraph`` (float16
-  autocast, GradScaler inside the graph). ``--paths`` times a chosen few (fp32-eager always: the baseline).
+  (compile's default mode inside it), the same in channels_last, and ``fp16+compile+stepgraph`` (float16
+  autocast, GradScaler inside the graph: the CUDA default since 2026-11-27) with its channels_last twin. ``--paths`` times a chosen few (fp32-eager always: the baseline).
 - ``torchcfm``: torchcfm's own train_cifar10.py step on its UNetModelWrapper of the same size
   (fp32, ConditionalFlowMatcher, Adam, grad clip, its per-tensor EMA copy), when torchcfm is installed.
 
@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> None:
                     ("fast+CL+graphs", {**fast, "channels_last": True, "compile_": True, "mode": "reduce-overhead"}),
                     ("fast+compile+stepgraph", {**fast, "compile_": True, "graph": "step"}),
                     ("fast+CL+compile+stepgraph", {**fast, "channels_last": True, "compile_": True, "graph": "step"}),
-                    # float16 autocast with GradScaler inside the captured step (fp16 tensor cores: as fast as bf16's)
+                    # float16 autocast with GradScaler inside the captured step (fp16 tensor cores: as fast as bf16's);
+                    # fp16+compile+stepgraph is the CUDA default for this UNet since 2026-11-27 (channels_last off)
+                    ("fp16+compile+stepgraph", {**fast, "precision": "fp16", "compile_": True, "graph": "step"}),
                     ("fp16+CL+compile+stepgraph", {**fast, "precision": "fp16", "channels_last": True,
                                                    "compile_": True, "graph": "step"})]
     if args.paths:  # fp32-eager stays: every ratio is against it
