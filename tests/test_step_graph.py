@@ -56,9 +56,11 @@ def test_a_graphed_step_trains_the_plain_weights_and_resumes_bit_equal(runs_dir,
     assert all(torch.equal(plain[k], resumed[k]) for k in plain)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
 @pytest.mark.parametrize("preset", ["mnist", "cifar10"])
-def test_a_graphed_step_at_the_image_shapes_with_accumulation(runs_dir, preset):
-    """(N, 1, 28, 28) and (N, 3, 32, 32) through a tiny UNet, two micro-batches: bit-equal to graph=none."""
+def test_a_graphed_step_at_the_image_shapes_with_accumulation(runs_dir, preset, precision):
+    """(N, 1, 28, 28) and (N, 3, 32, 32) through a tiny UNet, two micro-batches: bit-equal to graph=none; also in
+    float16 (the CUDA default for UNets: GradScaler scales each micro-batch's loss and unscales their sum)."""
     from sinkflow.tools.data import real_or_synthetic
 
     def cfg(*extra):
@@ -66,14 +68,15 @@ def test_a_graphed_step_at_the_image_shapes_with_accumulation(runs_dir, preset):
                                        "model.velocity.channels=8", "model.velocity.attention_resolutions=[]",
                                        "model.velocity.num_head_channels=-1", "model.velocity.channel_mult=[1,2]",
                                        "train.velocity.iters=3", "train.velocity.batch_size=4",
-                                       "train.velocity.accum=2", "train.velocity.log_every=2", *extra])
+                                       "train.velocity.accum=2", "train.velocity.log_every=2",
+                                       f"train.velocity.precision={precision}", *extra])
 
     with real_or_synthetic(config.resolve(preset), force=True):
         runs = []
         for name, extra in (("plain", ()), ("graph", ("train.velocity.graph=step",))):
             c = cfg(*extra)
             source, target = methods.distributions(c)
-            runs.append(fit(c, f"{preset}-{name}", task=InterpolantStep("velocity", source, target))[0])
+            runs.append(fit(c, f"{preset}-{precision}-{name}", task=InterpolantStep("velocity", source, target))[0])
     plain, graphed = final_weights(runs[0]), final_weights(runs[1])
     assert next(v for k, v in plain.items() if v.dim() == 4).dim() == 4  # really a conv net
     assert all(torch.equal(plain[k], graphed[k]) for k in plain)

@@ -161,6 +161,6 @@ def run(args):
           f"data = batch creation + host-to-device copy between steps; compute = forward/backward/optimizer")
     print(format_table(rows))
     print("data-bound (> 30 % waiting): raise pool.storage=memory, keep the image cache in RAM, or use fewer "
-          "but larger batches; compute-bound: a UNet on CUDA already runs bf16 with the whole step one CUDA "
+          "but larger batches; compute-bound: a UNet on CUDA already runs fp16 with the whole step one CUDA "
           "graph (the phase's first line says what ran); other networks can try train.*.precision=bf16, train.*.compile=true")
     return 0

@@ -108,11 +108,12 @@ def train_terms(pm: PhaseMemory, batch_size: int, accum: int, world: int = 1) ->
 
 # ---- the estimate -------------------------------------------------------------------------------
 
-NO_BF16 = ("T4",)  # cards of GPUS without bf16 tensor cores: `auto` precision trains fp32 there
+NO_BF16 = ("T4",)  # cards of GPUS without bf16 tensor cores (pre-Ampere): `auto` precision trains fp32 there
 
 
 def card_bf16(label: str | None) -> bool:
-    """Does the planned card run ``auto`` precision as bf16? A named card of ``GPUS`` says; a bare memory size
+    """Does the planned card run ``auto`` precision in half precision (fp16, on cards with bf16 tensor cores: Ampere
+    on)? A named card of ``GPUS`` says; a bare memory size
     (``--gpu-mem``) or no card plans for fp32, the larger activations."""
     return label in GPUS and label not in NO_BF16
 
