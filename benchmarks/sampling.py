@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats (default 3; smoke 1)")
     ap.add_argument("--compile", action="store_true", help="also the fp32 network compiled as sample.compile=true "
                     "runs it (on a CPU: minutes of compiling even at smoke sizes)")
+    ap.add_argument("--cudnn-benchmark", action="store_true",
+                    help="let cuDNN time its convolution algorithms (torch.backends.cudnn.benchmark); off by default, "
+                         "as in `sinkflow train` / `sample` (the rows of 2026-11-22 to 27 were measured with it on)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -74,14 +77,14 @@ def main(argv: list[str] | None = None) -> None:
     nfe = args.nfe or (2 if smoke else 60)
     batches = args.batches or ([4] if smoke else [64, 256, 1024])
     repeats = args.repeats or (1 if smoke else 3)
-    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark  # what sinkflow's runner uses: off unless asked
     torch.manual_seed(0)
     model = build_model("unet", SMOKE_UNET if smoke else UNET_PRESETS["cifar10"], shape).to(device).eval()
     fast_model = build_model("unet", SMOKE_UNET if smoke else UNET_PRESETS["cifar10"], shape).to(device).eval()
     fast_model.load_state_dict(model.state_dict())
     fast_model = fast_model.to(memory_format=torch.channels_last)
     print(f"sampling: {'smoke UNet 16x16' if smoke else 'CIFAR-10 UNet'}, Euler, {nfe} NFE (NSGF++ CIFAR: 59), "
-          f"on {machine(device)}")
+          f"cudnn.benchmark {'on' if args.cudnn_benchmark else 'off'}, on {machine(device)}")
     compiled = compiled_for_sampling(model, device) if args.compile else None
     compiled_cl = compiled_for_sampling(fast_model, device) if args.compile else None
     print(f"{'batch':>6} {'NFE':>4} {'fp32 img/s':>11} {'bf16':>6} {'bf16+CL':>8}"

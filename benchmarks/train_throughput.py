@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> None:
                          "print where the device time goes (top kernels)")
     ap.add_argument("--paths", nargs="+", default=None, metavar="PATH",
                     help="time only these paths (and fp32-eager, the baseline); default all")
+    ap.add_argument("--cudnn-benchmark", action="store_true",
+                    help="let cuDNN time its convolution algorithms (torch.backends.cudnn.benchmark); off by default, "
+                         "as in `sinkflow train` / `sample` (the rows of 2026-11-22 to 27 were measured with it on)")
     ap.add_argument("--smoke", action="store_true", help="tiny UNet on 16x16 images (CPU check of the script)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     batch = args.batch or (4 if smoke else 128)
     steps, warmup = args.steps or (3 if smoke else 30), args.warmup or (1 if smoke else 10)
     x1s = make_batches(batch, shape, device, steps)
-    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark  # what sinkflow's runner uses: off unless asked
 
     rows, flops, profiled = [], None, None
     fast = dict(precision="bf16", channels_last=False, compile_=False, plain_adam=False)
@@ -236,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"torchcfm not importable ({exc}): its row is skipped")
 
     print(f"train_throughput: {'smoke UNet 16x16' if smoke else 'CIFAR-10 UNet (UNET_PRESETS[cifar10], dropout 0.1)'}, "
-          f"batch {batch}, {steps} timed steps after {warmup} warm-up, on {machine(device)}")
+          f"batch {batch}, {steps} timed steps after {warmup} warm-up, cudnn.benchmark "
+          f"{'on' if args.cudnn_benchmark else 'off'}, on {machine(device)}")
     base = rows[0][2]
     ref = dict((r[0], r[2]) for r in rows).get("torchcfm", float("nan"))
     peak = peak_flops(device, "bf16")

@@ -346,7 +346,7 @@ def test_smoke_pool_build(quiet, capsys):
 def test_smoke_sampling(quiet, capsys):
     load("sampling").main(["--smoke", "--device", "cpu", "--batches", "2", "--nfe", "3"])
     out = capsys.readouterr().out
-    assert " batch  NFE  fp32 img/s   bf16  bf16+CL" in out
+    assert " batch  NFE  fp32 img/s   bf16  bf16+CL" in out and "cudnn.benchmark off" in out
     batch, nfe, bf16, channels_last = numbers(rows(out, "     2 ")[0])
     assert (batch, nfe) == (2, 3) and bf16 > 0 and channels_last > 0  # NFE as counted by the forward hooks
 
@@ -396,6 +396,7 @@ def test_smoke_train_throughput(quiet, capsys):
     bench.main(["--smoke", "--device", "cpu", "--batch", "2", "--steps", "1", "--warmup", "1", "--profile", "fast"])
     out = capsys.readouterr().out
     assert f"{'path':<25}     params   images/s  vs fp32-eager  vs torchcfm  % bf16 peak" in out
+    assert "cudnn.benchmark off" in out  # as sinkflow's runner: the measured step is the user's
     base, fast, cl = rows(out, "fp32-eager "), rows(out, "fast "), rows(out, "fast+CL ")
     graph = rows(out, "fast+stepgraph ")
     assert len(base) == 1 and len(fast) == 1 and len(cl) == 1 and len(graph) == 1 and base[0].split()[-3] == "1.00x"
