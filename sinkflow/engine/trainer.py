@@ -345,9 +345,10 @@ class Trainer:
             failure = self.guard.failure()
             if failure is not None:
                 self.stop_non_finite(*failure)
-        if self.scaler.is_enabled() and self.scaler.get_scale() < 1.0:
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0  # one more read, on the same step
+        if scale < 1.0:
             skipped = self.step - optimizer_steps(self.optimizer)
-            self.stop_non_finite(f"float16 loss scale {self.scaler.get_scale():.2g} ({skipped} of {self.step} "
+            self.stop_non_finite(f"float16 loss scale {scale:.2g} ({skipped} of {self.step} "
                                  "updates skipped: Inf/NaN gradients even unscaled)", self.step,
                                  f"set train.{self.task.model_key}.precision=bf16 (or fp32), or lower the learning "
                                  f"rate")
