@@ -87,14 +87,54 @@ def late_mean(points: list[tuple[int, float]], late: int = LATE) -> float:
     return statistics.fmean(loss for _, loss in points[-late:])
 
 
-def paired(reference: list[list[tuple[int, float]]], candidate: list[list[tuple[int, float]]],
+def paired(reference: list[list[tuple[int, float]]], candidate: dict[int, list[tuple[int, float]]],
            late: int = LATE) -> dict:
     """The candidate's shift against fp32 at the same seeds (same init draw, same batches: only the arithmetic
-    differs) beside fp32's own seed-to-seed spread, both on the mean loss of the last ``late`` log steps."""
+    differs) beside fp32's own seed-to-seed spread, both on the mean loss of the last ``late`` log steps.
+    ``candidate`` maps a seed to its run."""
     ref = [late_mean(r, late) for r in reference]
-    diffs = [late_mean(c, late) - ref[s] for s, c in enumerate(candidate)]
+    diffs = [late_mean(points, late) - ref[seed] for seed, points in sorted(candidate.items())]
     return {"diffs": diffs, "mean_diff": statistics.fmean(diffs), "ref_mean": statistics.fmean(ref),
             "ref_sd": statistics.stdev(ref) if len(ref) > 1 else float("nan"), "ref_range": max(ref) - min(ref)}
+
+
+def report(records: list[dict], preset: str, method: str, where: str) -> None:
+    """The band table (each candidate's lowest seed against fp32's seeds), the paired view and the timings of the
+    runs in ``records`` ({"name", "seed", "seconds", "points", "setting", "machine"} each; fp32's are the band)."""
+    by_seed: dict[str, dict[int, list[tuple[int, float]]]] = {}
+    for r in records:
+        by_seed.setdefault(r["name"], {})[r["seed"]] = [tuple(p) for p in r["points"]]
+    seeds = len(by_seed.get("fp32", {}))
+    if not seeds or sorted(by_seed["fp32"]) != list(range(seeds)):
+        raise SystemExit(f"the fp32 runs are seeds {sorted(by_seed.get('fp32', {}))}: the band needs seeds 0..N-1")
+    reference = [by_seed["fp32"][s] for s in range(seeds)]
+    runs = {name: {s: v for s, v in runs.items() if s < seeds} for name, runs in by_seed.items() if name != "fp32"}
+    steps, every = reference[0][-1][0], reference[0][0][0]
+    fp32 = next(r for r in records if r["name"] == "fp32")
+    shown = {name: min(r) for name, r in runs.items()}
+    print(f"loss_curve: {preset} --method {method}, {steps} steps, mean loss per {every} steps; fp32 "
+          f"({' '.join(fp32.get('setting', []))}) over seeds 0-{seeds - 1} vs "
+          f"{', '.join(f'{n} (seed {s} in the table)' for n, s in shown.items())}, {where}, on {fp32.get('machine', '?')}")
+    tables = {name: compare(reference, runs[name][seed]) for name, seed in shown.items()}
+    print(f"{'step':>6} {'fp32 min':>9} {'fp32 max':>9} " + " ".join(f"{c:>9}  inside" for c in tables))
+    for i, r in enumerate(next(iter(tables.values()))):
+        cells = " ".join(f"{t[i]['loss']:>9.4f}  {'yes' if t[i]['inside'] else 'NO':>6}" for t in tables.values())
+        print(f"{r['step']:>6} {r['lo']:>9.4f} {r['hi']:>9.4f} {cells}")
+    for c, t in tables.items():
+        print(f"{c}: inside the fp32 band (widened by half its width): {sum(r['inside'] for r in t)} of {len(t)} "
+              f"log steps")
+    late = min(LATE, len(reference[0]))
+    print(f"paired, mean loss of the last {late} log steps (steps {reference[0][-late][0]}-{reference[0][-1][0]}), "
+          f"candidate minus fp32 at the same seed:")
+    for c, r in runs.items():
+        p = paired(reference, r, late)
+        print(f"{c}: per seed {' '.join(f'{d:+.5f}' for d in p['diffs'])}, mean {p['mean_diff']:+.5f}; fp32 over "
+              f"{seeds} seeds {p['ref_mean']:.5f}, sd {p['ref_sd']:.5f}, range {p['ref_range']:.5f}")
+    seconds = {}
+    for r in records:
+        seconds.setdefault(r["name"], []).append(r["seconds"])
+    print("seconds per run (compile and capture included): " + ", ".join(
+        f"{name} {statistics.fmean(v):.0f}" for name, v in seconds.items()))
 
 
 def main(argv=None) -> None:
@@ -145,48 +185,15 @@ def main(argv=None) -> None:
 
     if args.load:
         records = [json.loads(line) for path in args.load for line in Path(path).read_text().splitlines() if line]
-        names = list(dict.fromkeys(r["name"] for r in records if r["name"] != "fp32"))
-        args.candidates = [c for c in names if c in CANDIDATES]
-    else:
-        with ctx:  # seed by seed, so a cut-short call still holds pairs
-            for s in range(args.first_seed, seeds):
-                timed("fp32", s, FP32[args.reference])
-                for c in args.candidates if s < args.candidate_seeds else ():
-                    timed(c, s, CANDIDATES[c])
-    if args.first_seed and not args.load:
-        return  # the runs are saved; --load judges them together with the earlier seeds'
-    by_seed = {name: {r["seed"]: [tuple(p) for p in r["points"]] for r in records if r["name"] == name}
-               for name in ["fp32", *args.candidates]}
-    seeds = len(by_seed["fp32"])
-    if sorted(by_seed["fp32"]) != list(range(seeds)):
-        raise SystemExit(f"the fp32 runs are seeds {sorted(by_seed['fp32'])}: the band needs seeds 0-{seeds - 1}")
-    reference = [by_seed["fp32"][s] for s in range(seeds)]
-    runs = {c: [by_seed[c][s] for s in sorted(by_seed[c]) if s < seeds] for c in args.candidates}
-    steps, every = reference[0][-1][0], reference[0][0][0]
-    seconds = {name: [r["seconds"] for r in records if r["name"] == name] for name in by_seed}
-    fp32 = next(r for r in records if r["name"] == "fp32")
-    where = f"runs of {', '.join(args.load)}" if args.load else "one process"
-    print(f"loss_curve: {args.preset} --method {args.method}, {steps} steps, mean loss per {every} steps; fp32 "
-          f"({' '.join(fp32.get('setting', []))}) over seeds 0-{seeds - 1} vs {', '.join(args.candidates)} (seed 0 in "
-          f"the table), {where}, on {fp32.get('machine', '?')}")
-    tables = {c: compare(reference, r[0]) for c, r in runs.items()}
-    print(f"{'step':>6} {'fp32 min':>9} {'fp32 max':>9} " + " ".join(f"{c:>9}  inside" for c in tables))
-    for i, r in enumerate(next(iter(tables.values()))):
-        cells = " ".join(f"{t[i]['loss']:>9.4f}  {'yes' if t[i]['inside'] else 'NO':>6}" for t in tables.values())
-        print(f"{r['step']:>6} {r['lo']:>9.4f} {r['hi']:>9.4f} {cells}")
-    for c, t in tables.items():
-        print(f"{c}: inside the fp32 band (widened by half its width): {sum(r['inside'] for r in t)} of {len(t)} "
-              f"log steps")
-    late = min(LATE, len(reference[0]))
-    print(f"paired, mean loss of the last {late} log steps (steps {reference[0][-late][0]}-{reference[0][-1][0]}), "
-          f"candidate minus fp32 at the same seed:")
-    for c, r in runs.items():
-        p = paired(reference, r, late)
-        print(f"{c}: per seed {' '.join(f'{d:+.5f}' for d in p['diffs'])}, mean {p['mean_diff']:+.5f}; fp32 over "
-              f"{seeds} seeds {p['ref_mean']:.5f}, sd {p['ref_sd']:.5f}, range {p['ref_range']:.5f}")
-    print("seconds per run (compile and capture included): " + ", ".join(
-        f"{name} {statistics.fmean(v):.0f}" for name, v in seconds.items()))
-
+        report(records, args.preset, args.method, f"runs of {', '.join(args.load)}")
+        return
+    with ctx:  # seed by seed, so a cut-short call still holds pairs
+        for s in range(args.first_seed, seeds):
+            timed("fp32", s, FP32[args.reference])
+            for c in args.candidates if s < args.candidate_seeds else ():
+                timed(c, s, CANDIDATES[c])
+    if not args.first_seed:  # otherwise the runs are saved; --load judges them with the earlier seeds'
+        report(records, args.preset, args.method, "one process")
 
 if __name__ == "__main__":
     main()

@@ -385,8 +385,8 @@ def test_smoke_loss_curve(quiet, capsys):
     ref = [[(1, 1.0), (2, 0.5)], [(1, 1.2), (2, 0.6)]]
     rows = bench.compare(ref, [(1, 1.25), (2, 0.7)])
     assert [r["inside"] for r in rows] == [True, False]  # 1.25 <= 1.2 + 0.1; 0.7 > 0.6 + 0.05
-    p = bench.paired(ref, [[(1, 1.1), (2, 0.7)]], late=1)
-    assert p["diffs"] == pytest.approx([0.2]) and p["ref_range"] == pytest.approx(0.1)
+    p = bench.paired(ref, {1: [(1, 1.3), (2, 0.7)]}, late=1)  # seed 1 is paired with fp32 seed 1
+    assert p["diffs"] == pytest.approx([0.1]) and p["ref_range"] == pytest.approx(0.1)
     with pytest.raises(SystemExit):
         bench.main(["--smoke", "--device", "cpu", "--seeds", "2", "--candidate-seeds", "3"])
 
