@@ -122,6 +122,18 @@ def test_a_graphed_fp16_step_scales_skips_and_trains_the_plain_weights(runs_dir)
     # 12 steps, two skipped: one overflow at GradScaler's starting scale 2**16 (as unpoisoned) and the poisoned step
     assert scale == graph_scale == 2.0 ** 14 and steps == graph_steps == 10
 
+    # stopped by SIGTERM after step 6 and resumed: the scale comes back from the checkpoint, the weights are the same
+    cfg = moons_cfg("train.velocity.precision=fp16", "train.velocity.graph=step")
+    cfg["experiment"]["name"] = "fp16-stopped"
+    run = RunFolder.create(cfg)
+    with pytest.raises(Interrupted):
+        Trainer(run, nan_gradient_phase(cfg, 4, ot_pairs=True), [StopAt(6)]).fit()
+    trainer = Trainer(run, nan_gradient_phase(cfg, 99, ot_pairs=True))  # step 4 is behind it: nothing to poison
+    trainer.fit()
+    run.logger.close()
+    resumed = final_weights(run)
+    assert all(torch.equal(plain[k], resumed[k]) for k in plain) and float(trainer.scaler.get_scale()) == 2.0 ** 14
+
 
 def test_a_finished_graphed_phase_releases_its_graph_and_batch(runs_dir):
     """The graph, its static batch and the gradients its replays wrote are dropped when ``fit`` ends, as is the
