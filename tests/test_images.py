@@ -113,6 +113,29 @@ def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys):
     assert "W2" in capsys.readouterr().out
 
 
+# what `auto` resolves to on an Ampere+ CUDA card: fp16 UNets and every training phase one captured step (on a CPU
+# the step graph's path runs eagerly; the time predictor stays fp32)
+CUDA_DEFAULT_PATH = ["train.velocity.precision=fp16", "train.nsf.precision=fp16", "train.velocity.graph=step",
+                     "train.nsf.graph=step", "train.time.graph=step"]
+
+
+@pytest.mark.parametrize("preset", ["mnist", "cifar10"])
+def test_nsgfpp_on_the_cuda_default_path_at_the_image_shapes(preset, runs_dir, tmp_path, capsys):
+    """NSGF++'s three phases in float16 with loss scaling through the whole-step path, (N, 1, 28, 28) and
+    (N, 3, 32, 32): trained, checkpointed (the scale with them), sampled to finite images."""
+    extra, shape = setup_data(preset, tmp_path)
+    assert main(["train", preset, *TINY, *extra, *CUDA_DEFAULT_PATH, "--name", "h", "--no-report"]) == 0
+    run = runs_dir / "h"
+    for phase in PHASES:
+        state = torch.load(run / "checkpoints" / phase / "final.pt", weights_only=True)
+        assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point()), phase
+        assert bool(state["scaler"]) == (phase != "time"), phase  # fp16's GradScaler state is saved
+    capsys.readouterr()
+    assert main(["sample", str(run), "--n", "4", "--out", str(tmp_path / "s.npy")]) == 0
+    samples = np.load(tmp_path / "s.npy")
+    assert samples.shape == (4, *shape) and np.isfinite(samples).all()
+
+
 @pytest.mark.parametrize("method", ["fm", "otcfm"])
 def test_baselines_use_the_image_unet(method, runs_dir, tmp_path, capsys):
     extra, shape = setup_data("digits", tmp_path)
