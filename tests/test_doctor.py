@@ -40,6 +40,33 @@ def test_correct_loop_passes_every_wiring_check():
     assert doctor.overfit_one_batch(step, steps=300).ok
 
 
+def test_weights_change_waits_for_zero_initialised_layers():
+    """A UNet's zero-initialised output convolutions pass no gradient upstream on the first step: one step left
+    72 of its 110 tensors unmoved (a false alarm on `sinkflow doctor digits`). Within three steps all move; a
+    tensor no gradient reaches still fails."""
+    from sinkflow.models.unet import zero_module
+
+    torch.manual_seed(0)
+
+    def zero_headed():  # the first layer gets no gradient until the zero head has moved once
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), zero_module(nn.Linear(8, 2)))
+
+    batch = (torch.randn(16, 4), torch.randn(16, 2))
+    model = zero_headed()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    one = doctor.check_weights_change(model, stepper(model, opt, mse, batch), steps=1)
+    assert one.ok is False and "2 of 4 tensors unchanged after 1 step(s) (e.g. 0.weight)" in one.symptom
+    model = zero_headed()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    f = doctor.check_weights_change(model, stepper(model, opt, mse, batch))
+    assert f.ok and "within 2 step(s)" in f.symptom
+    unused = nn.Sequential(model, nn.Identity())
+    unused.extra = nn.Linear(2, 2)  # in the optimizer, never in the forward pass
+    opt = torch.optim.Adam(unused.parameters(), lr=1e-2)
+    f = doctor.check_weights_change(unused, stepper(unused[0], opt, mse, batch))
+    assert f.ok is False and "2 of" in f.symptom and "extra" in f.symptom
+
+
 def test_parameter_left_out_of_the_optimizer():
     model, batch = make()
     opt = torch.optim.Adam(model[0].parameters(), lr=1e-2)  # the head is missing
@@ -191,3 +218,18 @@ def test_doctor_catches_a_phase_left_in_eval_mode(runs_dir, monkeypatch):
     cfg = config.resolve("moons", ["pool.batch_size=32", "train.velocity.batch_size=32"], {"device": "cpu"})
     findings = doctor_run(cfg, runs_dir, overfit_steps=20, phases=["velocity"])
     assert "train mode while training" in [f.check for f in findings if f.ok is False]
+
+
+def test_doctor_on_an_image_preset_through_the_cuda_default_path(runs_dir):
+    """digits' UNet (zero-initialised output layers) in float16 through the step graph's path, as `auto` runs a
+    UNet on an Ampere+ card: no false alarm. The weights-change check waits out GradScaler's first skipped steps and
+    the zero layers; the overfit runs on the whole first batch (a captured step takes one batch shape)."""
+    from sinkflow import config
+    from sinkflow.tools.doctor import doctor_run
+
+    cfg = config.resolve("digits", ["train.velocity.precision=fp16", "train.velocity.graph=step",
+                                    "train.velocity.batch_size=32"], {"device": "cpu"})
+    findings = doctor_run(cfg, runs_dir, overfit_steps=60, phases=["velocity"])
+    failed = [f.line() for f in findings if f.ok is False]
+    assert not failed, failed
+    assert any(f.check == "weights change" and f.ok for f in findings)
