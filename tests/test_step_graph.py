@@ -159,6 +159,22 @@ def test_a_ready_trainer_keeps_its_step_graph_for_the_steps_taken_after_fit(runs
     run.logger.close()
 
 
+def test_a_loaded_state_makes_the_step_graph_capture_anew(runs_dir, tmp_path):
+    """lr-find restores the trainer's state after its range test: Adam's moments become new tensors, so a graph
+    recorded before would update the old ones. Loading a state drops the graph (here a stand-in: a CPU captures
+    nothing); the steps after it train as the plain path's."""
+    from sinkflow.tools.lr_find import phase_lr_find
+    from sinkflow.tools.phases import workspace
+
+    run, trainer = workspace(moons_cfg("train.velocity.graph=step"), "velocity", tmp_path)
+    trainer.step_graph.graph = "recorded before"  # what a CUDA capture would have left
+    phase_lr_find(trainer, steps=8)
+    assert trainer.step_graph.graph is None and trainer.step_graph.update is not None
+    loss, _ = trainer.train_step(trainer.batch)
+    assert torch.isfinite(loss)
+    run.logger.close()
+
+
 def test_a_graphed_step_is_refused_where_a_graph_cannot_hold_it():
     ok = {"precision": "bf16"}
     check_step_graph(ok, "velocity", 1, "default", True)

@@ -133,6 +133,12 @@ class StepGraph:
                 g["lr"], g["capturable"] = lr, cap
         self.graph = graph
 
+    def invalidate(self) -> None:
+        """The optimizer's state was loaded (``Trainer.load_state_dict``: lr-find's restore, a rollback): Adam's
+        moments are new tensors now, which a replay of the old graph would not touch. The graph is dropped and the
+        next step captures anew (the warm-up steps were taken already)."""
+        self.graph = self.outputs = None
+
     def release(self) -> None:
         """Free the graph, its private memory pool (the gradients the replays wrote included) and the static
         batch when the phase ends (``Trainer.fit``), whoever keeps the trainer (lr-find, doctor, a benchmark).

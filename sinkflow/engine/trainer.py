@@ -202,6 +202,8 @@ class Trainer:
         except (ValueError, KeyError, RuntimeError) as exc:
             raise SinkflowError(f"checkpoint {where} does not match this phase's optimizer ({exc})",
                                 "resume with the config the run was trained with") from None
+        if self.step_graph is not None:  # a captured step writes the optimizer state it was recorded with
+            self.step_graph.invalidate()
         for group in self.optimizer.param_groups:  # the kernel is this device's choice, not the checkpoint's: a run
             # saved with foreach Adam (a CPU run before 2026-11-26, or an older torch) and resumed on the fused kernel
             # would otherwise refuse the skip flag
