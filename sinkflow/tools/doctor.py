@@ -74,15 +74,16 @@ def check_loss_graph(model: nn.Module, loss_fn: Callable, batch) -> Finding:
     return _ok("loss has a graph", f"gradients reach all {len(trainable)} trainable tensors")
 
 
-ZERO_INIT_DEPTH = 3  # optimizer steps before every tensor of a net with zero-initialised layers has moved
+ZERO_INIT_DEPTH = 10  # optimizer steps within which every tensor must have moved (most nets: one)
 
 
 def check_weights_change(model: nn.Module, step_fn: Callable[[], object], steps: int = ZERO_INIT_DEPTH) -> Finding:
-    """Every trainable tensor moves within ``steps`` optimizer steps. Not one step: a zero-initialised layer
-    (the UNets' ``zero_module`` output convolutions, as in guided diffusion) passes no gradient upstream until its
-    own first update, so each one delays the layers behind it by a step (sinkflow's UNet: the final convolution
-    at step 1, the residual blocks' output convolutions at 2, the rest at 3; after one step 72 of its 110 tensors
-    had not moved, a false alarm)."""
+    """Every trainable tensor moves within ``steps`` optimizer steps (the check stops at the first step after
+    which all have). Not one step: a zero-initialised layer (the UNets' ``zero_module`` output convolutions, as in
+    guided diffusion) passes no gradient upstream until its own first update, and then a gradient about as small
+    as that update, so the layers behind it move one or more steps later, under an LR warm-up later still. On the
+    ``digits`` UNet (warm-up 50) 72 of 110 tensors had not moved after the first step, a false alarm; all had
+    within 7."""
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     for taken in range(1, steps + 1):
         step_fn()
