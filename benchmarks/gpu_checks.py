@@ -29,7 +29,7 @@ working without one. ``--smoke`` shrinks the pool and the Adam run.
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import tempfile
 
 import numpy as np
@@ -50,21 +50,23 @@ SMOKE = {"batches": 4, "steps": 2, "batch_size": 16, "noise": 64, "adam_steps": 
                                     "train.velocity.batch_size=4"], "phases": 2}
 
 
+@contextlib.contextmanager
+def scratch_dir():
+    """Run inside a fresh temporary folder (the checks' run folders go there), back where we were after."""
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):
+        yield tmp
+
+
 def pool_check(device: torch.device, size: dict) -> None:
     args = [f"pool.batches={size['batches']}", f"pool.steps={size['steps']}", f"pool.batch_size={size['batch_size']}",
             f"pool.chunk={size['batches']}", f"experiment.device={device.type}"]
-    here = os.getcwd()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)  # run folders are relative to the working directory
-        try:
-            out = {}
-            for name, k in (("one", 1), ("auto", 0)):
-                cfg = config.resolve("moons", [*args, f"pool.in_flight={k}", f"experiment.name={name}"], {})
-                run = RunFolder.create(cfg)
-                Trainer(run, nsgf.pool_task(cfg, *distributions(cfg))).fit()
-                out[name] = {a: np.load(run.dir / "pool" / f"{a}.npy", allow_pickle=False) for a in "xv"}
-        finally:
-            os.chdir(here)
+    with scratch_dir():  # run folders are relative to the working directory
+        out = {}
+        for name, k in (("one", 1), ("auto", 0)):
+            cfg = config.resolve("moons", [*args, f"pool.in_flight={k}", f"experiment.name={name}"], {})
+            run = RunFolder.create(cfg)
+            Trainer(run, nsgf.pool_task(cfg, *distributions(cfg))).fit()
+            out[name] = {a: np.load(run.dir / "pool" / f"{a}.npy", allow_pickle=False) for a in "xv"}
     auto = choose_in_flight(cfg["pool"], (2,), device)
     dx = np.abs(out["one"]["x"] - out["auto"]["x"]).max()
     dv = np.abs(out["one"]["v"] - out["auto"]["v"]).max()
@@ -118,23 +120,18 @@ def prefetch_check(device: torch.device, size: dict) -> None:
     from sinkflow.methods.flow_matching import InterpolantStep
     from sinkflow.runtime.checkpoint import load
 
-    here = os.getcwd()
     weights, synced = {}, None
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)
-        try:
-            for mode in ("never", "always"):
-                cfg = config.resolve("moons", [f"experiment.device={device.type}", "experiment.method=otcfm",
-                                               f"train.velocity.iters={size['train_steps']}", "train.velocity.log_every=5",
-                                               f"train.velocity.prefetch={mode}", f"experiment.name={mode}"])
-                run = RunFolder.create(cfg)
-                guard = NoSyncOnOrdinarySteps(device)
-                Trainer(run, InterpolantStep("velocity", *distributions(cfg), ot_pairs=True), [guard]).fit()
-                run.logger.close()
-                weights[mode] = load(run.dir / "checkpoints" / "velocity" / "final.pt")["model"]
-                synced = guard.steps
-        finally:
-            os.chdir(here)
+    with scratch_dir():  # run folders are relative to the working directory
+        for mode in ("never", "always"):
+            cfg = config.resolve("moons", [f"experiment.device={device.type}", "experiment.method=otcfm",
+                                           f"train.velocity.iters={size['train_steps']}", "train.velocity.log_every=5",
+                                           f"train.velocity.prefetch={mode}", f"experiment.name={mode}"])
+            run = RunFolder.create(cfg)
+            guard = NoSyncOnOrdinarySteps(device)
+            Trainer(run, InterpolantStep("velocity", *distributions(cfg), ot_pairs=True), [guard]).fit()
+            run.logger.close()
+            weights[mode] = load(run.dir / "checkpoints" / "velocity" / "final.pt")["model"]
+            synced = guard.steps
     dw = max(float((weights["never"][k].float() - weights["always"][k].float()).abs().max()) for k in weights["never"])
     print(f"OT-CFM batches drawn ahead vs inline, {size['train_steps']} steps: max|dw| {dw:.2e}; "
           f"{synced} ordinary steps ran {'with host syncs made errors' if device.type == 'cuda' else 'on the CPU'}")
@@ -153,37 +150,32 @@ def step_graph_check(device: torch.device, size: dict) -> None:
              # float16: GradScaler's unscale, skip and scale update captured with the step
              "mnist-shaped fm fp16 UNet": ("mnist", ["experiment.method=fm", "train.velocity.precision=fp16",
                                                      "train.velocity.compile=false", *size["unet"]])}
-    here = os.getcwd()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)
-        try:
-            for case, (label, (preset, overrides)) in enumerate(cases.items()):
-                final, captured, synced = {}, None, 0
-                with real_or_synthetic(config.resolve(preset), force=preset == "mnist"):
-                    for mode in ("none", "step"):
-                        cfg = config.resolve(preset, [f"experiment.device={device.type}", *overrides,
-                                                      f"train.velocity.iters={size['train_steps']}",
-                                                      "train.velocity.log_every=5", f"train.velocity.graph={mode}",
-                                                      f"experiment.name=graph{case}-{mode}"])
-                        run = RunFolder.create(cfg)
-                        guard = NoSyncOnOrdinarySteps(device, after=WARMUP + 1)  # the capture itself syncs once
-                        trainer = Trainer(run, InterpolantStep("velocity", *distributions(cfg),
-                                                               ot_pairs=cfg["experiment"]["method"] == "otcfm"), [guard])
-                        trainer.fit()
-                        run.logger.close()
-                        final[mode] = load(run.dir / "checkpoints" / "velocity" / "final.pt")
-                        if mode == "step":
-                            captured, synced = trainer.step_graph.replays > 0, guard.steps
-                dw = max(float((final["none"]["model"][k].float() - final["step"]["model"][k].float()).abs().max())
-                         for k in final["none"]["model"])
-                ema = final["none"]["ema"]
-                de = "" if ema is None else ", EMA max|dw| %.2e" % max(
-                    float((ema[k].float() - final["step"]["ema"][k].float()).abs().max()) for k in ema)
-                print(f"step graph vs plain step, {label}, {size['train_steps']} steps: max|dw| {dw:.2e}{de}; "
-                      f"captured: {captured}; {synced} ordinary steps after the capture "
-                      f"{'with host syncs made errors' if device.type == 'cuda' else 'on the CPU'}")
-        finally:
-            os.chdir(here)
+    with scratch_dir():  # run folders are relative to the working directory
+        for case, (label, (preset, overrides)) in enumerate(cases.items()):
+            final, captured, synced = {}, None, 0
+            with real_or_synthetic(config.resolve(preset), force=preset == "mnist"):
+                for mode in ("none", "step"):
+                    cfg = config.resolve(preset, [f"experiment.device={device.type}", *overrides,
+                                                  f"train.velocity.iters={size['train_steps']}",
+                                                  "train.velocity.log_every=5", f"train.velocity.graph={mode}",
+                                                  f"experiment.name=graph{case}-{mode}"])
+                    run = RunFolder.create(cfg)
+                    guard = NoSyncOnOrdinarySteps(device, after=WARMUP + 1)  # the capture itself syncs once
+                    trainer = Trainer(run, InterpolantStep("velocity", *distributions(cfg),
+                                                           ot_pairs=cfg["experiment"]["method"] == "otcfm"), [guard])
+                    trainer.fit()
+                    run.logger.close()
+                    final[mode] = load(run.dir / "checkpoints" / "velocity" / "final.pt")
+                    if mode == "step":
+                        captured, synced = trainer.step_graph.replays > 0, guard.steps
+            dw = max(float((final["none"]["model"][k].float() - final["step"]["model"][k].float()).abs().max())
+                     for k in final["none"]["model"])
+            ema = final["none"]["ema"]
+            de = "" if ema is None else ", EMA max|dw| %.2e" % max(
+                float((ema[k].float() - final["step"]["ema"][k].float()).abs().max()) for k in ema)
+            print(f"step graph vs plain step, {label}, {size['train_steps']} steps: max|dw| {dw:.2e}{de}; "
+                  f"captured: {captured}; {synced} ordinary steps after the capture "
+                  f"{'with host syncs made errors' if device.type == 'cuda' else 'on the CPU'}")
 
 
 def ot_plan_check(device: torch.device, size: dict) -> None:
@@ -235,24 +227,19 @@ def many_phases_check(device: torch.device, size: dict) -> None:
     from sinkflow.methods.flow_matching import InterpolantStep
 
     phases = size["phases"]
-    here = os.getcwd()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)
-        try:
-            replays, fresh = 0, 0
-            for i in range(phases):
-                cfg = config.resolve("moons", [f"experiment.device={device.type}", "experiment.method=otcfm",
-                                               "train.velocity.iters=12", "train.velocity.prefetch=always",
-                                               "train.velocity.graph=step", f"experiment.name=phase{i}"])
-                run = RunFolder.create(cfg)
-                trainer = Trainer(run, InterpolantStep("velocity", *distributions(cfg), ot_pairs=True))
-                trainer.fit()
-                run.logger.close()
-                replays += trainer.step_graph.replays
-                if trainer.step_graph.stream is not None:  # 64 plain streams: two turns of the pool
-                    fresh += sum(torch.cuda.Stream(device) == trainer.step_graph.stream for _ in range(64))
-        finally:
-            os.chdir(here)
+    with scratch_dir():  # run folders are relative to the working directory
+        replays, fresh = 0, 0
+        for i in range(phases):
+            cfg = config.resolve("moons", [f"experiment.device={device.type}", "experiment.method=otcfm",
+                                           "train.velocity.iters=12", "train.velocity.prefetch=always",
+                                           "train.velocity.graph=step", f"experiment.name=phase{i}"])
+            run = RunFolder.create(cfg)
+            trainer = Trainer(run, InterpolantStep("velocity", *distributions(cfg), ot_pairs=True))
+            trainer.fit()
+            run.logger.close()
+            replays += trainer.step_graph.replays
+            if trainer.step_graph.stream is not None:  # 64 plain streams: two turns of the pool
+                fresh += sum(torch.cuda.Stream(device) == trainer.step_graph.stream for _ in range(64))
     print(f"{phases} captured phases in one process with batches drawn ahead: all finished, {replays} replays; "
           f"plain streams equal to a capture stream: {fresh}")
 

@@ -114,7 +114,8 @@ def report(records: list[dict], preset: str, method: str, where: str) -> None:
     shown = {name: min(r) for name, r in runs.items()}
     print(f"loss_curve: {preset} --method {method}, {steps} steps, mean loss per {every} steps; fp32 "
           f"({' '.join(fp32.get('setting', []))}) over seeds 0-{seeds - 1} vs "
-          f"{', '.join(f'{n} (seed {s} in the table)' for n, s in shown.items())}, {where}, on {fp32.get('machine', '?')}")
+          f"{', '.join(f'{n} (seed {s} in the table)' for n, s in shown.items())}, {where}, "
+          f"on {fp32.get('machine', '?')}")
     tables = {name: compare(reference, runs[name][seed]) for name, seed in shown.items()}
     print(f"{'step':>6} {'fp32 min':>9} {'fp32 max':>9} " + " ".join(f"{c:>9}  inside" for c in tables))
     for i, r in enumerate(next(iter(tables.values()))):

@@ -14,7 +14,8 @@ already on the device, so this measures the training step, not the data path; se
   ``fast+stepgraph``: ``fast`` with the whole step (loss, backward, clip, Adam) one CUDA graph
   (``train.velocity.graph=step``, the CUDA default since 2026-11-27); ``--compile`` adds ``fast+compile+stepgraph``
   (compile's default mode inside it), the same in channels_last, and ``fp16+compile+stepgraph`` (float16
-  autocast, GradScaler inside the graph: the CUDA default since 2026-11-27) with its channels_last twin. ``--paths`` times a chosen few (fp32-eager always: the baseline).
+  autocast, GradScaler inside the graph: the CUDA default since 2026-11-27) with its channels_last twin.
+  ``--paths`` times a chosen few (fp32-eager always: the baseline).
 - ``torchcfm``: torchcfm's own train_cifar10.py step on its UNetModelWrapper of the same size
   (fp32, ConditionalFlowMatcher, Adam, grad clip, its per-tensor EMA copy), when torchcfm is installed.
 

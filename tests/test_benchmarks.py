@@ -432,7 +432,8 @@ def test_smoke_preset_throughput(quiet, capsys):
     is OT-CFM's code path. The same seed gives both configs the same batches, so the timed loss must agree."""
     load("preset_throughput").main(["--smoke", "--device", "cpu", "--configs", "baseline", "+prefetch",
                                     "+stepgraph-nocompile", "--methods", "otcfm", "nsgfpp", "--steps", "2", "--warmup", "0",
-                                    "--phases", "velocity", "nsf", "time", "--profiler-first"])  # the profiler opened once first
+                                    "--phases", "velocity", "nsf", "time",
+                                    "--profiler-first"])  # the profiler opened (and closed) once first
     out = capsys.readouterr().out
     assert "method  phase     config                     steps/s  x base  wait %  busy %  % peak     loss  draw ms" in out
     table = {tuple(line.split()[:3]): line.split() for line in out.splitlines()

@@ -242,8 +242,8 @@ def test_doctor_under_float16_takes_again_the_steps_gradscaler_skips(runs_dir):
     from sinkflow import config
     from sinkflow.tools.doctor import doctor_run
 
-    cfg = config.resolve("moons", ["pool.batch_size=32", "train.velocity.batch_size=32", "train.velocity.precision=fp16",
-                                   "train.velocity.graph=step"], {"device": "cpu"})
+    cfg = config.resolve("moons", ["pool.batch_size=32", "train.velocity.batch_size=32",
+                                   "train.velocity.precision=fp16", "train.velocity.graph=step"], {"device": "cpu"})
     findings = doctor_run(cfg, runs_dir, overfit_steps=100, phases=["velocity"])
     failed = [f.line() for f in findings if f.ok is False]
     assert not failed, failed

@@ -442,7 +442,8 @@ def _train(iters=20000, batch_size=256, lr=0.001, warmup=0, schedule="cosine", g
         "accum": Key(1, POS_INT, "gradient accumulation micro-batches"),
         "precision": Key("auto", Options("auto", "fp32", "bf16", "fp16"), "autocast dtype; master weights stay fp32; "
                          "fp16 scales the loss (GradScaler); auto: fp16 for a UNet on a CUDA card of compute "
-                         "capability 8.0+ (Ampere on: bf16's speed, fp32's loss curve), else fp32 (docs/performance.md)"),
+                         "capability 8.0+ (Ampere on: bf16's speed, fp32's loss curve), else fp32 "
+                         "(docs/performance.md)"),
         "ckpt_every": Key(1000, POS_INT, "checkpoint every N steps"),
         "log_every": Key(100, POS_INT, "metrics every N steps"),
         "hist_every": Key(0, NONNEG_INT, "TensorBoard weight/grad histograms every N steps (0 = off)"),

@@ -11,8 +11,9 @@ timed-window loss as fp32 eager to three decimals. So ``auto`` means, for a UNet
   away) and for every other network (2D MLPs, flows, the time predictor: unmeasured). Why fp16 and not bf16 (the
   default until 2026-11-27): the same speed on an H100 (174.5 steps/s each, the step graph), but bf16's 8-bit
   mantissa moved the 2,000-step ``mnist`` loss curve +0.00067 above fp32's at the same seed, at each of 3 seeds
-  (0.73 of fp32's seed-to-seed sd), fp16's 11 bits +0.00002 (``benchmarks/loss_curve.py``, RESULTS.md). A run whose gradients overflow float16 even
-  unscaled stops at its next log step with the fix (``Trainer.raise_if_non_finite``);
+  (0.73 of fp32's seed-to-seed sd), fp16's 11 bits +0.00002 (``benchmarks/loss_curve.py``, RESULTS.md). A run
+  whose gradients overflow float16 even unscaled stops at its next log step with the fix
+  (``Trainer.raise_if_non_finite``);
 * graph: ``step`` (the whole step, Adam included, one CUDA graph: ``sinkflow.engine.step_graph``) for one process
   and a network it was measured on: the UNet phases 1.5x / 1.9x and the time predictor 3.6x faster than the
   model-only graphs below, the same timed-window loss to four decimals (H100, 2026-11-27); also under fp16

@@ -438,14 +438,17 @@ FP16_SKIPS = 24  # GradScaler's scale starts at 2**16 and halves on each skipped
 
 def applied_step(trainer, batch) -> None:
     """One optimizer step that is applied: under float16 GradScaler skips the steps whose scaled gradients overflow
-    (the first few of a run, while the scale comes down from 2**16), which is not a wiring fault, so those are
-    taken again; any other precision takes exactly one step."""
+    (the first few of a run, while the scale comes down from 2**16), which is not a wiring fault, so a step it
+    skipped (its scale halved) is taken again; a step not applied for any other reason is the finding's, and any
+    other precision takes exactly one step."""
     from sinkflow.engine.finite import optimizer_steps
 
+    scaler = trainer.scaler
     before = optimizer_steps(trainer.optimizer)
-    for _ in range(FP16_SKIPS if trainer.scaler.is_enabled() else 1):
+    for _ in range(FP16_SKIPS if scaler.is_enabled() else 1):
+        scale = scaler.get_scale() if scaler.is_enabled() else 0.0
         trainer.train_step(batch)
-        if optimizer_steps(trainer.optimizer) > before:
+        if optimizer_steps(trainer.optimizer) > before or not scaler.is_enabled() or scaler.get_scale() >= scale:
             return
 
 
