@@ -28,7 +28,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SMOKE_TESTED = ("digits", "flow_bpd", "flow_digits_ablation", "flow_memory", "gpu_checks", "memory_estimate",
                 "nsgf_2d", "ot_memory", "pool_build", "preset_throughput", "sampling", "sinkhorn_solver",
                 "train_throughput", "w2_mode_counts", "mnist", "mnist_probes", "nsgf_suite",
-                "pool_convergence", "cpu_step", "loss_curve")
+                "pool_convergence", "cpu_step", "loss_curve", "ot_coupling")
 # modules the scripts import (no command line of their own), each with its own test here: test_helper_<name>
 HELPERS = ("suite2d", "results_md", "scoring")
 
@@ -770,6 +770,20 @@ def test_smoke_pool_convergence(tmp_path, monkeypatch, capsys):
     landing = [float(c) for c in rows["spiral"][7:9]]  # W2 of the end points to their own target batch, per setting
     assert 0 < landing[1] < 1 and landing[0] > landing[1]  # stopped after 1 iteration it lands farther off
     assert "<!-- pool_convergence:begin -->" in text
+
+
+def test_smoke_ot_coupling(tmp_path, monkeypatch, capsys):
+    """Two tiny sizes: both solvers agree on every batch, the times are positive, the ratio column is their
+    quotient; the import timer measures a statement in a fresh interpreter."""
+    bench = load("ot_coupling")
+    monkeypatch.setattr(bench, "RESULTS", tmp_path / "RESULTS.md")
+    rows = bench.main(["--sizes", "8x2", "16x784", "--batches", "3", "--import-repeats", "0", "--write"])
+    assert [(r["n"], r["dim"], r["same"]) for r in rows] == [(8, 2, 3), (16, 784, 3)]
+    assert all(r["lsa_ms"] > 0 and r["emd_ms"] > 0 for r in rows)
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "| 16 x 784 | 3 of 3 |" in text and f"{rows[1]['emd_ms'] / rows[1]['lsa_ms']:.2f}x |" in text
+    assert "<!-- ot_coupling:begin -->" in text and "import after torch" not in text
+    assert 0 < bench.import_seconds("import json", 1, before="pass") < 10
 
 
 def test_smoke_cpu_step(tmp_path, monkeypatch, capsys):

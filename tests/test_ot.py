@@ -228,6 +228,33 @@ def test_w2_against_brute_force_permutations():
     assert w2(x, x) == pytest.approx(0.0, abs=1e-6)  # sqrt of float64 round-off
 
 
+@pytest.mark.parametrize("shape", [(2,), (1, 28, 28), (3, 32, 32)])
+def test_ot_permutation_is_pots_exact_plan(shape):
+    """The minibatch coupling (SciPy's assignment solver) is POT's EMD plan, row for row, at the experiments'
+    shapes; at 6 points it is the brute-force optimum."""
+    import ot
+
+    from sinkflow.ot.exact import ot_permutation
+
+    gen = torch.Generator().manual_seed(len(shape))
+    for n in (6, 64):
+        x0, x1 = torch.randn(n, *shape, generator=gen), torch.randn(n, *shape, generator=gen) + 0.5
+        cost = (torch.cdist(x0.flatten(1).double(), x1.flatten(1).double()) ** 2).numpy()
+        plan = ot.emd(np.full(n, 1 / n), np.full(n, 1 / n), cost)
+        perm = ot_permutation(x0, x1)
+        assert perm.dtype == torch.int64 and perm.tolist() == plan.argmax(axis=1).tolist()
+        if n == 6:
+            best = min(itertools.permutations(range(6)), key=lambda p: cost[range(6), list(p)].sum())
+            assert perm.tolist() == list(best)
+
+
+def test_ot_permutation_refuses_unequal_batches():
+    from sinkflow.ot.exact import ot_permutation
+
+    with pytest.raises(SinkflowError, match="equal-size batches; got 8 and 9 rows; draw as many"):
+        ot_permutation(torch.randn(8, 2), torch.randn(9, 2))
+
+
 def test_w2_bad_input():
     x = torch.randn(8, 2)
     with pytest.raises(SinkflowError, match="NaN"):

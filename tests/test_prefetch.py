@@ -136,8 +136,8 @@ def test_prefetch_setting():
 
 
 def test_the_ot_pairs_drawn_ahead_are_the_exact_plan():
-    """OT-CFM's coupling, now computed on the prefetch thread, is still POT's exact minibatch plan: the matched
-    cost equals the EMD optimum."""
+    """OT-CFM's coupling, now computed on the prefetch thread, is still the exact minibatch plan: the matched
+    cost equals POT's EMD optimum."""
     cfg = moons_cfg()
     step = otcfm_step(cfg)
     gen = torch.Generator().manual_seed(3)

@@ -13,7 +13,7 @@ them, bit for bit.
 
 On CUDA each worker works on its own stream and the training stream waits on an event recorded after the batch,
 so the copies overlap compute; the batch's tensors are marked as used by the training stream so the caching
-allocator does not hand their memory back to the worker too early. POT's EMD solver and torch's kernels release
+allocator does not hand their memory back to the worker too early. The exact OT solver and torch's kernels release
 the GIL, so the OT plan is computed off the critical path.
 """
 

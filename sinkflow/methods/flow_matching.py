@@ -2,7 +2,7 @@
 
 Both regress u(x_t, t) onto x1 - x0 along x_t = t x1 + (1 - t) x0, t ~ U(0, 1), sigma = 0, with the
 same network, budget and sampler as NSGF, so every comparison is like for like. OT-CFM pairs the
-minibatch by POT's exact EMD plan (a permutation for equal uniform batches).
+minibatch by the exact OT plan (a permutation for equal uniform batches: ``sinkflow.ot.exact``).
 """
 
 from __future__ import annotations

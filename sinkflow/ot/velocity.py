@@ -343,9 +343,9 @@ def simulate_sinkhorn_flow(
     """Explicit Euler x_{k+1} = x_k + eta_k v(x_k; y) for exactly ``steps`` updates.
 
     ``landing="exact"``: the last step moves each particle onto its partner in the exact OT matching of the
-    particles to the target batch (POT's EMD; v = (y_j(i) - x_i) / eta_{T-1}), the blur -> 0 limit of the last
-    Sinkhorn step. Along the harmonic schedule the last step lands, and an entropic one lands blurred: the end
-    points spread at the blur's scale (docs/nsgf.md).
+    particles to the target batch (the exact assignment; v = (y_j(i) - x_i) / eta_{T-1}), the blur -> 0 limit of
+    the last Sinkhorn step. Along the harmonic schedule the last step lands, and an entropic one lands blurred: the
+    end points spread at the blur's scale (docs/nsgf.md).
 
     Step sizes come from ``eta_schedule(eta, steps, eta_growth, schedule)``. The same target batch y is
     used at every step (paper Alg. 1). Returns (xs, vs), float32, each

@@ -1,0 +1,99 @@
+"""The exact minibatch OT coupling: SciPy's assignment solver (sinkflow's) against POT's EMD, on the same batches.
+
+OT-CFM's pairs and the NSGF pool's landing step need the exact OT plan between two equal-size uniform batches, a
+permutation. For each (batch, dimension) this draws ``--batches`` pairs of Gaussian batches, builds the float64
+squared-Euclidean cost once, and times ``scipy.optimize.linear_sum_assignment`` and ``ot.emd`` on it (the mean per
+solve; the cost matrix's time is common to both and left out), counting the batches where both give the same
+permutation. It also times each library's import in a fresh interpreter after ``import torch`` (the median of
+``--import-repeats``): a process that pairs by OT pays it once, at its first batch.
+
+    python benchmarks/ot_coupling.py --write        # nothing else running
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_md import RESULTS, machine, write_section  # noqa: E402
+
+SIZES = [(128, 2), (1024, 2), (128, 784), (256, 784), (128, 3072)]
+IMPORTS = {"scipy": "from scipy.optimize import linear_sum_assignment", "pot": "import ot"}
+
+
+def import_seconds(statement: str, repeats: int, before: str = "import torch") -> float:
+    """Median wall seconds of ``statement`` in a fresh interpreter that has run ``before`` already."""
+    code = f"import time; {before}; t = time.perf_counter(); {statement}; print(time.perf_counter() - t)"
+    return statistics.median(float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                  check=True).stdout) for _ in range(repeats))
+
+
+def measure(n: int, dim: int, batches: int, seed: int = 0) -> dict:
+    import numpy as np
+    import ot
+    import torch
+    from scipy.optimize import linear_sum_assignment
+
+    gen = torch.Generator().manual_seed(seed)
+    same, lsa_s, emd_s = 0, 0.0, 0.0
+    weights = np.full(n, 1.0 / n)
+    for _ in range(batches):
+        x0, x1 = torch.randn(n, dim, generator=gen, dtype=torch.float64), torch.randn(n, dim, generator=gen,
+                                                                                     dtype=torch.float64)
+        cost = (torch.cdist(x0, x1) ** 2).numpy()
+        start = time.perf_counter()
+        _, cols = linear_sum_assignment(cost)
+        lsa_s += time.perf_counter() - start
+        start = time.perf_counter()
+        plan = ot.emd(weights, weights, cost, numItermax=int(1e7))
+        emd_s += time.perf_counter() - start
+        same += int(np.array_equal(cols, plan.argmax(axis=1)))
+    return {"n": n, "dim": dim, "batches": batches, "same": same, "lsa_ms": 1e3 * lsa_s / batches,
+            "emd_ms": 1e3 * emd_s / batches}
+
+
+def table(rows: list[dict], imports: dict) -> str:
+    lines = ["| batch x dim | same permutation | SciPy LSA ms | POT emd ms | emd / LSA |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['n']} x {r['dim']} | {r['same']} of {r['batches']} | {r['lsa_ms']:.2f} | "
+                     f"{r['emd_ms']:.2f} | {r['emd_ms'] / r['lsa_ms']:.2f}x |")
+    if imports:
+        lines.append(f"| import after torch, s | | {imports['scipy']:.2f} | {imports['pot']:.2f} | "
+                     f"{imports['pot'] / imports['scipy']:.1f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=[f"{n}x{d}" for n, d in SIZES], help="BATCHxDIM, e.g. 128x784")
+    ap.add_argument("--batches", type=int, default=20, help="random batch pairs per size")
+    ap.add_argument("--import-repeats", type=int, default=3, help="0: no import row")
+    ap.add_argument("--write", action="store_true", help="replace the ot_coupling section of benchmarks/RESULTS.md")
+    args = ap.parse_args(argv)
+    import torch
+
+    sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes]
+    rows = [measure(n, d, args.batches) for n, d in sizes]
+    imports = {name: import_seconds(stmt, args.import_repeats) for name, stmt in IMPORTS.items()
+               if args.import_repeats > 0}
+    stamp = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
+    body = (f"Command: `python benchmarks/{Path(__file__).name} --sizes {' '.join(args.sizes)} --batches "
+            f"{args.batches} --import-repeats {args.import_repeats}`  \nMachine: {machine(torch.device('cpu'))}  \n"
+            f"Date: {stamp}  \nProtocol: float64 squared-Euclidean cost between two N(0, I) batches, built once a "
+            "pair; the mean solve time per pair; the import row: median wall time in a fresh interpreter after "
+            "`import torch`.\n\n" + table(rows, imports))
+    print(body)
+    if args.write:
+        write_section("ot_coupling", body, "The exact OT coupling: SciPy's assignment vs POT's EMD (ot_coupling.py)",
+                      RESULTS)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
