@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from sinkflow import config
-from sinkflow.cli.bench import run_cut
+from sinkflow.tools.bench import run_cut
 from sinkflow.runtime.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

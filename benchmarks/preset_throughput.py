@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from sinkflow import config
-from sinkflow.cli.bench import throughput
+from sinkflow.tools.bench import throughput
 from sinkflow.tools.throughput import draw_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

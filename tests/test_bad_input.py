@@ -28,6 +28,23 @@ def test_unknown_key(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_help_status_and_config_errors_answer_before_torch_loads(tmp_path):
+    """`--help`, `status` and a bad key answer without importing torch (seconds on a login node or a busy box):
+    each command module loads the engine inside its run(), after the arguments are checked."""
+    import subprocess
+    import sys
+
+    calls = [["status", str(tmp_path)], ["train", "moons", "pool.stepz=3"], ["sample", "RUN", "--out", "x.txt"],
+             ["eval"], ["bench", "moons", "--warmup", "-1"]]
+    code = ("import sys\nfrom sinkflow.cli import main\nfor argv in %r:\n    try:\n        print(main(argv))\n"
+            "    except SystemExit as exc:\n        print(exc.code)\nprint('torch' in sys.modules)\n" % calls)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.stdout.split() == ["2"] * len(calls) + ["False"], out.stdout + out.stderr
+    assert "not a sinkflow run folder" in out.stderr and "unknown config key 'pool.stepz'" in out.stderr
+    assert "must end in .npy or .png" in out.stderr and "required: RUN" in out.stderr
+    assert "--warmup -1 is not a valid budget" in out.stderr
+
+
 def test_wrong_type(tmp_path):
     one_line_error(cli("train", "moons", "pool.steps=many", cwd=tmp_path), "pool.steps", "expects int")
 

@@ -13,7 +13,7 @@ import torch
 from helpers import cli
 
 ARGS = ["moons", "pool.batches=4", "pool.steps=5", "pool.batch_size=64", "pool.chunk=1",
-        "--train-iters", "1500", "train.velocity.ckpt_every=100", "train.velocity.log_every=100",
+        "--train-iters", "600", "train.velocity.ckpt_every=100", "train.velocity.log_every=100",
         "--device", "cpu", "--no-report"]
 
 
@@ -52,7 +52,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     resumed = cli("train", "--resume", str(tmp_path / "runs/killed"), "--no-report", cwd=tmp_path, env=env)
     assert resumed.returncode == 0, resumed.stderr
     a, b = final_weights(tmp_path / "runs/ref"), final_weights(tmp_path / "runs/killed")
-    assert a["step"] == b["step"] == 1500
+    assert a["step"] == b["step"] == 600
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
 
@@ -70,7 +70,7 @@ def test_sigterm_writes_a_checkpoint_then_resume_finishes(tmp_path):
     assert len(steps) == 1  # written on SIGTERM even though ckpt_every was never reached
     resumed = cli("train", "--resume", str(tmp_path / "runs/term"), "--no-report", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    assert final_weights(tmp_path / "runs/term")["step"] == 1500
+    assert final_weights(tmp_path / "runs/term")["step"] == 600
 
 
 def test_pool_build_resumes_from_last_finished_chunk(tmp_path):

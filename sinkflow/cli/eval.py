@@ -4,8 +4,6 @@ import sys
 
 from sinkflow.cli import os_error_line
 from sinkflow.cli.common import check_sample_memory
-from sinkflow.eval.report import evaluate, is_points
-from sinkflow.runtime.run_folder import RunFolder
 
 
 def add_parser(sub):
@@ -21,6 +19,9 @@ def add_parser(sub):
 
 
 def run(args):
+    from sinkflow.eval.report import evaluate, is_points  # torch loads here: `--help` stays fast
+    from sinkflow.runtime.run_folder import RunFolder
+
     run_ = RunFolder.open(args.run_dir)
     n = args.n or run_.cfg["eval"]["n"]
     check_sample_memory(n, run_.cfg, "--n" if args.n else "eval.n", exact_w2=is_points(run_.cfg))

@@ -2,14 +2,9 @@
 
 from pathlib import Path
 
-import numpy as np
-
-from sinkflow import config, data, methods
+from sinkflow import config
 from sinkflow.cli.common import check_sample_memory
 from sinkflow.errors import SinkflowError
-from sinkflow.eval.points import generate
-from sinkflow.eval.report import is_points
-from sinkflow.runtime.run_folder import RunFolder
 
 
 def add_parser(sub):
@@ -33,6 +28,13 @@ def run(args):
     out = Path(args.out)
     if out.suffix not in (".npy", ".png"):
         raise SinkflowError(f"--out {out} must end in .npy or .png", "e.g. --out samples.png")
+    import numpy as np  # torch loads with these: `--help` and bad arguments stay fast
+
+    from sinkflow import data, methods
+    from sinkflow.eval.points import generate
+    from sinkflow.eval.report import is_points
+    from sinkflow.runtime.run_folder import RunFolder
+
     run_ = RunFolder.open(args.run_dir)
     check_sample_memory(args.n, run_.cfg)
     bad = [o for o in args.overrides if not o.startswith("sample.")]

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 from sinkflow.cli.common import add_config_args, preset_given, resolve_args, shorthands, split_preset
-from sinkflow.runtime import dist
-from sinkflow.engine.experiment import train_run
 
 
 def add_parser(sub):
@@ -27,16 +25,23 @@ def run(args):
     remember = lambda r: setattr(args, "run_dir_used", str(r.dir))  # noqa: E731  (the Interrupted hint)
     kw = dict(device=getattr(args, "device", None), on_open=remember, then=None if args.no_report else report)
     if args.resume:
+        from sinkflow.engine.experiment import train_run
+
         named = args.preset if preset_given(args) else None
         split_preset(args)  # with --resume, positional arguments are overrides (and a preset must be the run's)
         train_run(resume=args.resume, overrides=args.overrides, shorthands=shorthands(args), preset=named, **kw)
     else:
-        train_run(resolve_args(args), **kw)
+        cfg = resolve_args(args)  # a bad key or value fails here, before torch loads (seconds)
+        from sinkflow.engine.experiment import train_run
+
+        train_run(cfg, **kw)
     return 0
 
 
 def report(run) -> None:
     """The evaluation and plots `sinkflow train` prints when it finishes (main process)."""
+    from sinkflow.runtime import dist
+
     if dist.current().is_main:
         from sinkflow.eval.report import final_report
 
