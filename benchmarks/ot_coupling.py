@@ -1,4 +1,7 @@
-"""The exact minibatch OT coupling: SciPy's assignment solver (sinkflow's) against POT's EMD, on the same batches.
+"""The exact minibatch OT coupling: SciPy's assignment solver against POT's EMD, on the same batches.
+
+sinkflow.ot.exact uses the assignment solver up to ``ASSIGNMENT_MAX_N`` rows and POT's EMD above: this is the
+measurement that sets the switch.
 
 OT-CFM's pairs and the NSGF pool's landing step need the exact OT plan between two equal-size uniform batches, a
 permutation. For each (batch, dimension) this draws ``--batches`` pairs of Gaussian batches, builds the float64
@@ -23,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_md import RESULTS, machine, write_section  # noqa: E402
 
-SIZES = [(128, 2), (1024, 2), (128, 784), (256, 784), (128, 3072)]
+SIZES = [(128, 2), (1024, 2), (2048, 2), (128, 784), (256, 784), (1024, 784), (128, 3072)]
 IMPORTS = {"scipy": "from scipy.optimize import linear_sum_assignment", "pot": "import ot"}
 
 

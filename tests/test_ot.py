@@ -228,13 +228,17 @@ def test_w2_against_brute_force_permutations():
     assert w2(x, x) == pytest.approx(0.0, abs=1e-6)  # sqrt of float64 round-off
 
 
+@pytest.mark.parametrize("solver", ["assignment", "emd"])
 @pytest.mark.parametrize("shape", [(2,), (1, 28, 28), (3, 32, 32)])
-def test_ot_permutation_is_pots_exact_plan(shape):
-    """The minibatch coupling (SciPy's assignment solver) is POT's EMD plan, row for row, at the experiments'
-    shapes; at 6 points it is the brute-force optimum."""
+def test_ot_permutation_is_pots_exact_plan(shape, solver, monkeypatch):
+    """The minibatch coupling, by either of its solvers (SciPy's assignment up to ASSIGNMENT_MAX_N rows, POT's EMD
+    above), is POT's EMD plan row for row at the experiments' shapes; at 6 points it is the brute-force optimum."""
     import ot
 
+    from sinkflow.ot import exact
     from sinkflow.ot.exact import ot_permutation
+
+    monkeypatch.setattr(exact, "ASSIGNMENT_MAX_N", 64 if solver == "assignment" else 0)
 
     gen = torch.Generator().manual_seed(len(shape))
     for n in (6, 64):

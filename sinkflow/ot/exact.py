@@ -1,13 +1,17 @@
 """The exact minibatch OT coupling: OT-CFM's pairs and the NSGF pool's exact landing step.
 
 Between two equal-size batches with uniform weights the exact OT plan is a permutation (a vertex of the Birkhoff
-polytope), so the problem is a linear assignment: SciPy's ``linear_sum_assignment`` solves it exactly. It replaced
-POT's ``ot.emd`` here (POT still computes every W2, whose weights need not be uniform) because, measured side by
-side (``benchmarks/ot_coupling.py``, RESULTS.md, 2026-11-27, this project's CPU box): the same permutation as
-``ot.emd`` on all 100 random batch pairs, 2.4-2.7x faster at batch 128-256 (1.4 against 3.7 ms at 128 x 784, an
-``mnist`` batch), as fast at 1024 x 2, and an import of 0.5 s against POT's 2.8 s (POT loads scikit-learn), which
-every process that pairs by OT paid at its first batch. Both release the GIL while they solve, so the prefetch
-thread's plan does not hold up the training thread."""
+polytope), so the problem is a linear assignment. Two exact solvers, chosen by batch size from a side-by-side
+measurement (``benchmarks/ot_coupling.py``, RESULTS.md, 2026-11-27, this project's CPU box), both returning the same
+permutation on every batch pair tried:
+
+* up to ``ASSIGNMENT_MAX_N`` rows, SciPy's ``linear_sum_assignment``: 1.9-2.6x faster than POT's ``ot.emd`` at batch
+  128-256 (1.3 against 3.2 ms at 128 x 784, an ``mnist`` batch), 1.6x at 1024 x 784, as fast at 1024 x 2; and its
+  import takes 0.35 s against POT's 2.5 s (POT loads scikit-learn), which every process that pairs by OT paid;
+* above it, POT's network simplex (``ot.emd``): 1.2x faster at 2048 x 2 (and 1.6x at 4096 x 2, two pairs).
+
+Both release the GIL while they solve, so the prefetch thread's plan does not hold up the training thread.
+POT computes every W2 (``sinkflow.ot.metrics``), whose weights need not be uniform."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import numpy as np
 import torch
 
 from sinkflow.errors import require
+
+ASSIGNMENT_MAX_N = 1024  # the largest batch solved by SciPy's assignment; larger ones go to POT's EMD
 
 
 def ot_permutation(x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
@@ -24,14 +30,20 @@ def ot_permutation(x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
     The cost matrix is computed in float64 where the batches are: on a GPU that is one small kernel, where on the
     host the float64 copies and the distance product took 2.1 ms of the 7.7 ms an `mnist` OT-CFM batch cost the
     prefetch thread (H100 host, cProfile, 2026-11-26): only the n x n cost goes to the host for the solver."""
-    from scipy.optimize import linear_sum_assignment
-
     require(x0.shape[0] == x1.shape[0], f"ot_permutation pairs equal-size batches; got {x0.shape[0]} and "
             f"{x1.shape[0]} rows", "draw as many target as source samples")
     where = x0.device if x0.device.type in ("cpu", "cuda") else torch.device("cpu")  # MPS has no float64
     a, b = (x.flatten(1).to(where, torch.float64) for x in (x0, x1))
     cost = _to_host(torch.cdist(a, b) ** 2)
-    rows, cols = linear_sum_assignment(cost.numpy())  # rows come back as 0..n-1, in order
+    n = x0.shape[0]
+    if n <= ASSIGNMENT_MAX_N:
+        from scipy.optimize import linear_sum_assignment
+
+        cols = linear_sum_assignment(cost.numpy())[1]  # the rows come back as 0..n-1, in order
+    else:
+        import ot  # POT: imported here so the velocity code does not pay for it
+
+        cols = ot.emd(np.full(n, 1.0 / n), np.full(n, 1.0 / n), cost.numpy(), numItermax=int(1e7)).argmax(axis=1)
     return torch.from_numpy(cols.astype(np.int64)).to(x1.device, non_blocking=True)
 
 
