@@ -94,7 +94,8 @@ def main(argv=None) -> None:
     ap.add_argument("--profiler-first", action="store_true",
                     help="open and close the PyTorch profiler once before any graph is captured: its documented "
                          "workaround for graphs captured before the profiler's first use, whose kernels it may not "
-                         "record (the busy %% column read 3-4 %% for captured steps on 2026-11-27, 81-87 %% earlier)")
+                         "record (the busy %% column read 3-4 %% for captured steps on 2026-11-27, 81-87 %% earlier; "
+                         "the window also held the phase's log step then, no longer)")
     ap.add_argument("--smoke", action="store_true", help="tiny UNet on synthetic digits, batch 4 (CPU check)")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. train.velocity.batch_size=256")
     args = ap.parse_args(argv)

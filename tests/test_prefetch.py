@@ -413,6 +413,32 @@ def test_bench_throughput_reports_rates_wait_and_peak_fraction(runs_dir, capsys,
     assert not runs_dir.exists()
 
 
+def test_bench_windows_end_before_the_phase_log_step(runs_dir, monkeypatch):
+    """The engine's own callbacks do a log step's work (weight snapshot, histograms, a captured step's probe
+    forward) before a measuring callback's hook runs: no measured window may hold that step. With the log step
+    made 0.5 s slower, both `bench` tables time the 3 steps in far less than that."""
+    import time
+
+    from sinkflow.engine.health import Health
+    from sinkflow.tools.bench import profile, throughput
+
+    logged = []
+    original = Health.on_train_batch_end
+
+    def slow_log_step(self, trainer, batch, outputs):
+        original(self, trainer, batch, outputs)
+        if trainer.log_step():
+            logged.append(trainer.step)
+            time.sleep(0.5)
+
+    monkeypatch.setattr(Health, "on_train_batch_end", slow_log_step)
+    cfg = moons_cfg("train.velocity.batch_size=8")
+    row = throughput(cfg, steps=3, warmup=1)[0]
+    assert row["steps"] == 3 and 3 / row["steps_per_s"] < 0.5 and logged == [5]  # warm-up 1 + 3 timed + log step
+    row = profile(cfg, steps=3, warmup=1)[0]
+    assert row["steps"] == 3 and row["compute_ms"] < 500 and row["data_ms"] < 500 and logged == [5, 6]
+
+
 def test_step_flops_counts_forward_and_backward_of_a_linear_model():
     from types import SimpleNamespace
 

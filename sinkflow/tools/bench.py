@@ -18,10 +18,12 @@ from sinkflow.tools.throughput import batch_rows
 
 class StepTimer(Callback):
     """Times every training phase's steps: compute = the optimizer step (device synchronised after it);
-    data = from the end of one step to the start of the next. ``rows`` gets one report per phase."""
+    data = from the end of one step to the start of the next. ``rows`` gets one report per phase, over the
+    ``steps`` steps after ``warmup`` (a phase needs two more: the first has no previous end, the last is the
+    phase's log step, see ``LOG_STEP``)."""
 
-    def __init__(self, warmup: int):
-        self.warmup = warmup
+    def __init__(self, warmup: int, steps: int):
+        self.warmup, self.steps = warmup, steps
         self.rows: list[dict] = []
 
     def on_phase_start(self, trainer) -> None:
@@ -53,12 +55,21 @@ class StepTimer(Callback):
                               "precision": trainer.precision, "channels_last": trainer.channels_last})
 
     def report(self, phase: str) -> dict:
-        data, compute = self.data[self.warmup :], self.compute[self.warmup :]
+        window = slice(self.warmup, self.warmup + self.steps)
+        data, compute = self.data[window], self.compute[window]
         if not data:
             return {"phase": phase, "steps": 0}
         d, c = sum(data) / len(data), sum(compute) / len(compute)
         return {"phase": phase, "steps": len(data), "step_ms": 1e3 * (d + c), "data_ms": 1e3 * d,
                 "compute_ms": 1e3 * c, "data_fraction": d / (d + c), "samples_per_s": self.samples / (d + c)}
+
+
+# A phase cut to ``total`` steps logs its last step, and the engine's own callbacks run before a measuring one on
+# it: Health clones the weights, writes histograms and, on a captured step, runs an eager probe forward (the first
+# in its mode: cuDNN/cuBLAS set-up), all inside the step a measuring callback brackets. So every measurement ends
+# one step before the last. Until 2026-11-27 the busy window (``Throughput``) ended on that step: the busy share
+# read 3-4 % on an H100 where a session before, without the probe, read 81-87 % for the same path and rate.
+LOG_STEP = 1
 
 
 def run_cut(cfg: dict, total: int, callbacks: list, log_every: int | None = None) -> None:
@@ -78,20 +89,21 @@ def run_cut(cfg: dict, total: int, callbacks: list, log_every: int | None = None
 
 def profile(cfg: dict, steps: int, warmup: int) -> list[dict]:
     """Every training phase cut to warmup + steps steps, each step timed in a data and a compute part."""
-    timer = StepTimer(warmup)
-    run_cut(cfg, warmup + steps + 1, [timer])  # the first step has no "previous end": not counted
+    timer = StepTimer(warmup, steps)
+    run_cut(cfg, 1 + warmup + steps + LOG_STEP, [timer])  # the first step has no "previous end": not counted
     return timer.rows
 
 
 def throughput(cfg: dict, steps: int, warmup: int, busy_steps: int = 5) -> list[dict]:
-    """Every training phase cut to warmup + steps (+ busy_steps on CUDA) steps, timed without per-step syncs."""
+    """Every training phase cut to warmup + steps (+ busy_steps on CUDA) + its log step, timed without per-step
+    syncs."""
     from sinkflow.runtime.run_folder import resolve_device
     from sinkflow.tools.throughput import Throughput, add_peak, peak_flops
 
     if resolve_device(cfg["experiment"]["device"]).type != "cuda":
         busy_steps = 0  # the profiled busy share is a CUDA measurement: no extra steps elsewhere
     meter = Throughput(warmup, steps, busy_steps)
-    run_cut(cfg, warmup + steps + busy_steps, [meter])
+    run_cut(cfg, warmup + steps + busy_steps + LOG_STEP, [meter])
     peaks = {}
     for r in meter.rows:
         key = (r["device"], r["precision"])
