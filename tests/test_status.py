@@ -65,6 +65,10 @@ def test_status_finished(runs_dir):
     assert out.returncode == 0 and st["state"] == "finished"
     assert [name for name, *_ in st["checkpoints"]["velocity"]] == ["final.pt", "step_00000003.pt", "step_00000006.pt"]
     assert st["disk"]["total"] >= st["disk"]["checkpoints"] > 0
+    # it reads the folder without torch (a login node, a busy box: 0.4 s, not 4)
+    code = "import sys\nfrom sinkflow.cli import main\nprint(main(['status', sys.argv[1]]), 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code, str(runs_dir / "done")], capture_output=True, text=True)
+    assert out.stdout.split()[-2:] == ["0", "False"] and "FINISHED" in out.stdout, out.stdout + out.stderr
 
 
 def test_status_not_a_run(tmp_path):
