@@ -252,11 +252,20 @@ def test_ot_permutation_is_pots_exact_plan(shape, solver, monkeypatch):
             assert perm.tolist() == list(best)
 
 
-def test_ot_permutation_refuses_unequal_batches():
+def test_ot_permutation_refuses_unequal_or_non_finite_batches():
     from sinkflow.ot.exact import ot_permutation
 
     with pytest.raises(SinkflowError, match="equal-size batches; got 8 and 9 rows; draw as many"):
         ot_permutation(torch.randn(8, 2), torch.randn(9, 2))
+    with pytest.raises(SinkflowError, match="holds NaN/Inf values; check the data"):
+        ot_permutation(torch.randn(8, 2), torch.full((8, 2), float("inf")))
+
+
+def test_a_flow_that_overflows_before_its_exact_landing_is_a_clear_error():
+    """eta = 1e38 sends the particles to Inf after the first step: the landing's OT solver is never handed them."""
+    x, y = torch.randn(64, 2), torch.randn(64, 2) + 3
+    with pytest.raises(SinkflowError, match=r"NaN/Inf before its exact landing \(step 1 of 2\); lower eta"):
+        simulate_sinkhorn_flow(x, y, steps=2, eta=1e38, blur=0.5, landing="exact")
 
 
 def test_w2_bad_input():

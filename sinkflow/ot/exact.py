@@ -35,6 +35,8 @@ def ot_permutation(x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
     where = x0.device if x0.device.type in ("cpu", "cuda") else torch.device("cpu")  # MPS has no float64
     a, b = (x.flatten(1).to(where, torch.float64) for x in (x0, x1))
     cost = _to_host(torch.cdist(a, b) ** 2)
+    require(bool(np.isfinite(cost.numpy()).all()), "a batch paired by exact OT holds NaN/Inf values",
+            "check the data, or the step that produced the batch")
     n = x0.shape[0]
     if n <= ASSIGNMENT_MAX_N:
         from scipy.optimize import linear_sum_assignment

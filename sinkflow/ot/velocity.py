@@ -378,6 +378,8 @@ def simulate_sinkhorn_flow(
     with strict_float32(device.type):
         for k in range(steps):
             if landing == "exact" and k == steps - 1:
+                require(bool(torch.isfinite(x).all()), f"the Sinkhorn flow's particles reached NaN/Inf before its "
+                        f"exact landing (step {k} of {steps})", "lower eta or raise blur")
                 v = _exact_landing(x, yf) / etas[k]
                 xs[k], vs[k] = x.reshape(x0.shape), v.reshape(x0.shape)
                 break
