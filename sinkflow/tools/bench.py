@@ -121,5 +121,6 @@ def format_table(rows: list[dict]) -> str:
             continue
         verdict = "data-bound" if r["data_fraction"] > 0.3 else "compute-bound"
         lines.append(f"{r['phase']:<10} {r['steps']:>5} {r['step_ms']:>9.2f} {r['data_ms']:>9.2f} "
-                     f"{r['compute_ms']:>10.2f} {100 * r['data_fraction']:>6.1f}% {r['samples_per_s']:>10.0f}  {verdict}")
+                     f"{r['compute_ms']:>10.2f} {100 * r['data_fraction']:>6.1f}% {r['samples_per_s']:>10.0f}  "
+                     f"{verdict}")
     return "\n".join(lines)

@@ -94,8 +94,8 @@ def tiny_overrides(real: dict, runs_dir: Path, name: str) -> list[str]:
     flat = config_mod.flatten(real)
     out = [f"experiment.runs_dir={runs_dir}", f"experiment.name={name}"]
     want = {"pool.chunk": 1, "pool.in_flight": 1, "pool.steps": min(real["pool"]["steps"], 3), "checkpoint.keep": 2,
-            "eval.n": TINY_EVAL_N, "eval.class_n": TINY_EVAL_N, "eval.seeds": 1, "eval.steps": "[2]", "sample.steps": 2, "sample.nsf_steps": 2,
-            "pool.storage": real["pool"]["storage"]}
+            "eval.n": TINY_EVAL_N, "eval.class_n": TINY_EVAL_N, "eval.seeds": 1, "eval.steps": "[2]",
+            "sample.steps": 2, "sample.nsf_steps": 2, "pool.storage": real["pool"]["storage"]}
     for sec in _train_sections(real):
         want.update({f"train.{sec}.log_every": 1, f"train.{sec}.ckpt_every": 1000, f"train.{sec}.hist_every": 2})
     for key, value in want.items():
