@@ -74,11 +74,12 @@ LOG_STEP = 1
 
 def run_cut(cfg: dict, total: int, callbacks: list, log_every: int | None = None) -> None:
     """Run the experiment in a temp folder with every training phase cut to ``total`` steps (logged once at the
-    end, or every ``log_every`` steps)."""
+    end, or every ``log_every`` steps; no checkpoint but the final one, no histograms: nothing but steps in a
+    measured window)."""
     overrides = []
     for name in cfg["train"]:
         overrides += [f"train.{name}.iters={total}", f"train.{name}.ckpt_every={10 * total}",
-                      f"train.{name}.log_every={log_every or total}"]
+                      f"train.{name}.log_every={log_every or total}", f"train.{name}.hist_every=0"]
     with tempfile.TemporaryDirectory(prefix="sinkflow-bench-") as tmp:
         cfg = config.apply_overrides(cfg, [*overrides, f"experiment.runs_dir={tmp}", "experiment.name=bench"])
         run = RunFolder.create(cfg)
