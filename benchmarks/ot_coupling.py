@@ -6,11 +6,14 @@ measurement that sets the switch.
 OT-CFM's pairs and the NSGF pool's landing step need the exact OT plan between two equal-size uniform batches, a
 permutation. For each (batch, dimension) this draws ``--batches`` pairs of Gaussian batches, builds the float64
 squared-Euclidean cost once, and times ``scipy.optimize.linear_sum_assignment`` and ``ot.emd`` on it (the mean per
-solve; the cost matrix's time is common to both and left out), counting the batches where both give the same
-permutation. It also times each library's import in a fresh interpreter after ``import torch`` (the median of
-``--import-repeats``): a process that pairs by OT pays it once, at its first batch.
+solve; the cost matrix's time is common to both and left out), and sinkflow's whole ``ot_permutation`` on the same
+batches on ``--device`` (cost, copy, solve), counting the batches where all three give the same permutation. It also
+times each library's import in a fresh interpreter after ``import torch`` (the median of ``--import-repeats``): a
+process that pairs by OT pays it once, at its first batch. On a GPU (``--device cuda``) the last column is the
+whole plan as OT-CFM's prefetch worker makes it.
 
     python benchmarks/ot_coupling.py --write        # nothing else running
+    python benchmarks/ot_coupling.py --device cuda --sizes 128x784 128x3072 --import-repeats 0
 """
 
 from __future__ import annotations
@@ -37,38 +40,49 @@ def import_seconds(statement: str, repeats: int, before: str = "import torch") -
                                                   check=True).stdout) for _ in range(repeats))
 
 
-def measure(n: int, dim: int, batches: int, seed: int = 0) -> dict:
+def measure(n: int, dim: int, batches: int, device: str = "cpu", seed: int = 0) -> dict:
+    """Both solvers on the same float64 cost, and sinkflow's whole ``ot_permutation`` (the cost made on
+    ``device`` from float32 batches, as a run hands them, copied to the host, solved) on the same batches."""
     import numpy as np
     import ot
     import torch
     from scipy.optimize import linear_sum_assignment
 
+    from sinkflow.ot.exact import ot_permutation
+
     gen = torch.Generator().manual_seed(seed)
-    same, lsa_s, emd_s = 0, 0.0, 0.0
+    same, lsa_s, emd_s, path_s = 0, 0.0, 0.0, 0.0
     weights = np.full(n, 1.0 / n)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for _ in range(batches):
-        x0, x1 = torch.randn(n, dim, generator=gen, dtype=torch.float64), torch.randn(n, dim, generator=gen,
-                                                                                     dtype=torch.float64)
-        cost = (torch.cdist(x0, x1) ** 2).numpy()
+        x0, x1 = torch.randn(n, dim, generator=gen), torch.randn(n, dim, generator=gen)
+        cost = (torch.cdist(x0.double(), x1.double()) ** 2).numpy()
         start = time.perf_counter()
         _, cols = linear_sum_assignment(cost)
         lsa_s += time.perf_counter() - start
         start = time.perf_counter()
         plan = ot.emd(weights, weights, cost, numItermax=int(1e7))
         emd_s += time.perf_counter() - start
-        same += int(np.array_equal(cols, plan.argmax(axis=1)))
+        d0, d1 = x0.to(device), x1.to(device)
+        sync()
+        start = time.perf_counter()
+        perm = ot_permutation(d0, d1)
+        sync()
+        path_s += time.perf_counter() - start
+        same += int(np.array_equal(cols, plan.argmax(axis=1)) and np.array_equal(cols, perm.cpu().numpy()))
     return {"n": n, "dim": dim, "batches": batches, "same": same, "lsa_ms": 1e3 * lsa_s / batches,
-            "emd_ms": 1e3 * emd_s / batches}
+            "emd_ms": 1e3 * emd_s / batches, "path_ms": 1e3 * path_s / batches, "device": str(device)}
 
 
 def table(rows: list[dict], imports: dict) -> str:
-    lines = ["| batch x dim | same permutation | SciPy LSA ms | POT emd ms | emd / LSA |", "|---|---|---|---|---|"]
+    lines = ["| batch x dim | same permutation (all three) | SciPy LSA ms | POT emd ms | emd / LSA | "
+             f"ot_permutation ms ({rows[0]['device']}) |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['n']} x {r['dim']} | {r['same']} of {r['batches']} | {r['lsa_ms']:.2f} | "
-                     f"{r['emd_ms']:.2f} | {r['emd_ms'] / r['lsa_ms']:.2f}x |")
+                     f"{r['emd_ms']:.2f} | {r['emd_ms'] / r['lsa_ms']:.2f}x | {r['path_ms']:.2f} |")
     if imports:
         lines.append(f"| import after torch, s | | {imports['scipy']:.2f} | {imports['pot']:.2f} | "
-                     f"{imports['pot'] / imports['scipy']:.1f}x |")
+                     f"{imports['pot'] / imports['scipy']:.1f}x | |")
     return "\n".join(lines) + "\n"
 
 
@@ -77,20 +91,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--sizes", nargs="+", default=[f"{n}x{d}" for n, d in SIZES], help="BATCHxDIM, e.g. 128x784")
     ap.add_argument("--batches", type=int, default=20, help="random batch pairs per size")
     ap.add_argument("--import-repeats", type=int, default=3, help="0: no import row")
+    ap.add_argument("--device", default="cpu",
+                    help="where ot_permutation's batches live (cuda: its cost is made there)")
     ap.add_argument("--write", action="store_true", help="replace the ot_coupling section of benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
     import torch
 
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes]
-    rows = [measure(n, d, args.batches) for n, d in sizes]
+    rows = [measure(n, d, args.batches, args.device) for n, d in sizes]
     imports = {name: import_seconds(stmt, args.import_repeats) for name, stmt in IMPORTS.items()
                if args.import_repeats > 0}
     stamp = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
     body = (f"Command: `python benchmarks/{Path(__file__).name} --sizes {' '.join(args.sizes)} --batches "
-            f"{args.batches} --import-repeats {args.import_repeats}`  \nMachine: {machine(torch.device('cpu'))}  \n"
-            f"Date: {stamp}  \nProtocol: float64 squared-Euclidean cost between two N(0, I) batches, built once a "
-            "pair; the mean solve time per pair; the import row: median wall time in a fresh interpreter after "
-            "`import torch`.\n\n" + table(rows, imports))
+            f"{args.batches} --import-repeats {args.import_repeats} --device {args.device}`  \n"
+            f"Machine: {machine(torch.device(args.device))}  \nDate: {stamp}  \nProtocol: float64 squared-Euclidean "
+            "cost between two N(0, I) float32 batches, built once a pair; the mean solve time per pair; the last "
+            "column: `sinkflow.ot.exact.ot_permutation` on the batches on the device (the float64 cost made there, "
+            "copied to the host, solved by the solver its size picks), synchronised; the import row: median wall "
+            "time in a fresh interpreter after `import torch`.\n\n" + table(rows, imports))
     print(body)
     if args.write:
         write_section("ot_coupling", body, "The exact OT coupling: SciPy's assignment vs POT's EMD (ot_coupling.py)",

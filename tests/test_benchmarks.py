@@ -773,15 +773,16 @@ def test_smoke_pool_convergence(tmp_path, monkeypatch, capsys):
 
 
 def test_smoke_ot_coupling(tmp_path, monkeypatch, capsys):
-    """Two tiny sizes: both solvers agree on every batch, the times are positive, the ratio column is their
-    quotient; the import timer measures a statement in a fresh interpreter."""
+    """Two tiny sizes: both solvers and sinkflow's ot_permutation agree on every batch, the times are positive, the
+    ratio column is their quotient; the import timer measures a statement in a fresh interpreter."""
     bench = load("ot_coupling")
     monkeypatch.setattr(bench, "RESULTS", tmp_path / "RESULTS.md")
     rows = bench.main(["--sizes", "8x2", "16x784", "--batches", "3", "--import-repeats", "0", "--write"])
     assert [(r["n"], r["dim"], r["same"]) for r in rows] == [(8, 2, 3), (16, 784, 3)]
-    assert all(r["lsa_ms"] > 0 and r["emd_ms"] > 0 for r in rows)
+    assert all(r["lsa_ms"] > 0 and r["emd_ms"] > 0 and r["path_ms"] > 0 for r in rows)
     text = (tmp_path / "RESULTS.md").read_text()
     assert "| 16 x 784 | 3 of 3 |" in text and f"{rows[1]['emd_ms'] / rows[1]['lsa_ms']:.2f}x |" in text
+    assert "ot_permutation ms (cpu)" in text and f"| {rows[1]['path_ms']:.2f} |" in text
     assert "<!-- ot_coupling:begin -->" in text and "import after torch" not in text
     assert 0 < bench.import_seconds("import json", 1, before="pass") < 10
 
