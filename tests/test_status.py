@@ -138,3 +138,32 @@ def test_console_log_lines_go_above_an_open_progress_bar(monkeypatch):
         names = [type(h).__name__ for h in logging.root.handlers]
         assert console not in logging.root.handlers and "_TqdmLoggingHandler" in names
     assert console in logging.root.handlers
+
+
+def test_status_lists_the_phases_still_to_come_with_their_time_at_this_rate(tmp_path):
+    """An NSGF++ run in its velocity phase (pool done): nsf (the same UNet at the same batch) gets a time at the
+    velocity phase's rate, the time predictor (another network) only its steps; a finished phase is not listed."""
+    import socket
+
+    import yaml
+
+    from sinkflow import config
+    from sinkflow.tools.status import format_status
+
+    cfg = config.resolve("mnist", ["experiment.method=nsgfpp", "train.velocity.iters=1000",
+                                   "train.nsf.iters=3000", "train.time.iters=500"])
+    run = tmp_path / "run"
+    (run / "checkpoints" / "pool").mkdir(parents=True)
+    (run / "checkpoints" / "pool" / "final.pt").write_bytes(b"x")
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (run / "status.json").write_text(json.dumps({"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
+                                                 "phase": "velocity", "step": 400, "total": 1000, "rate": 150.0,
+                                                 "eta_s": 4.0, "state": "running"}))
+    st = read_status(run)
+    assert st["phases_left"] == [{"phase": "nsf", "steps": 3000, "eta_s": 20.0}, {"phase": "time", "steps": 500}]
+    assert "then         nsf 3,000 steps (~20s at velocity's rate), time 500 steps" in format_status(st)
+    # before the pool is built, every phase is still to come
+    (run / "checkpoints" / "pool" / "final.pt").unlink()
+    (run / "status.json").write_text(json.dumps({"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
+                                                 "phase": "pool", "step": 3, "total": 10, "state": "running"}))
+    assert [p["phase"] for p in read_status(run)["phases_left"]] == ["velocity", "nsf", "time"]

@@ -7,6 +7,11 @@ works while the run is going, after it finished, and after it died. A run is
 * ``running``: the heartbeat is younger than ``stale_after`` and its pid is alive (when on this host);
 * ``stale``: the heartbeat is older than ``stale_after`` (hung, or a very long log interval);
 * ``dead``: the pid of the heartbeat is not alive on this host and the run did not finish.
+
+The ETA is the current phase's; the phases still to come after it are listed with their size (from the run's
+``config.yaml`` and its method's phase list, ``config.schema.METHOD_REGISTRY``), and where one trains the same
+network kind at the same batch size as the current phase, with the time it takes at the current rate (NSGF++'s nsf
+phase ran at its velocity phase's rate on an H100: 174.5 and 174.4 steps/s, RESULTS.md, 2026-11-27).
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import socket
 import time
 from pathlib import Path
 
+import yaml
+
+from sinkflow.config import schema
 from sinkflow.errors import SinkflowError
 
 STALE_AFTER_S = 300.0
@@ -111,6 +119,36 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     out["disk"]["total"] = dir_bytes(run_dir)
     eta = hb.get("eta_s")
     out["eta_s"] = max(0.0, eta - (age or 0.0)) if eta is not None and state == "running" else None
+    out["phases_left"] = [] if state == "finished" else phases_left(run_dir, hb, ckpts)
+    return out
+
+
+def phases_left(run_dir: Path, hb: dict, ckpts: dict) -> list[dict]:
+    """The method's phases after the heartbeat's, not finished: name, size, and (same network kind and batch as
+    the current phase) the seconds they take at the current rate."""
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        spec = schema.METHOD_REGISTRY[cfg["experiment"]["method"]]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return []  # a config this version cannot read: the rest of the status still stands
+    train, model = cfg.get("train", {}), cfg.get("model", {})
+    current, rate = hb.get("phase"), hb.get("rate")
+    order = list(spec.phases)
+    after = order[order.index(current) + 1:] if current in order else order
+    out = []
+    for name in after:
+        if any(f[0] == "final.pt" for f in ckpts.get(name, [])):
+            continue
+        item: dict = {"phase": name}
+        if name in train:
+            item["steps"] = int(train[name]["iters"])
+            same_net = current in train and model.get(name, {}).get("kind") == model.get(current, {}).get("kind") \
+                and train[name].get("batch_size") == train[current].get("batch_size")
+            if same_net and rate:
+                item["eta_s"] = item["steps"] / rate
+        elif name == "pool" and "pool" in cfg:
+            item["batches"] = int(cfg["pool"]["batches"])
+        out.append(item)
     return out
 
 
@@ -134,6 +172,13 @@ def _size(b: float) -> str:
     return f"{int(b)} B"
 
 
+def _left(item: dict, current: str | None) -> str:
+    size = f" {item['steps']:,} steps" if "steps" in item else (f" {item['batches']:,} batches" if "batches" in item
+                                                                 else "")
+    eta = f" (~{_dur(item['eta_s'])} at {current}'s rate)" if "eta_s" in item else ""
+    return f"{item['phase']}{size}{eta}"
+
+
 def format_status(st: dict) -> str:
     hb = st["heartbeat"]
     lines = [f"run          {st['run']}"]
@@ -154,6 +199,8 @@ def format_status(st: dict) -> str:
         rate = f"{hb['rate']:.2f} steps/s" if hb.get("rate") else ""
         eta = f"ETA {_dur(st['eta_s'])}" if st["eta_s"] is not None else ""
         lines.append("phase        " + "  ".join(x for x in (str(phase), prog, rate, eta) if x))
+    if st.get("phases_left"):
+        lines.append("then         " + ", ".join(_left(item, hb.get("phase")) for item in st["phases_left"]))
     for phase, rec in st["latest_metrics"].items():
         vals = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()
                          if k not in ("time", "phase", "step"))
