@@ -66,7 +66,7 @@ class StepTimer(Callback):
 
 # A phase cut to ``total`` steps logs its last step, and the engine's own callbacks run before a measuring one on
 # it: Health clones the weights, writes histograms and, on a captured step, runs an eager probe forward (the first
-# in its mode: cuDNN/cuBLAS set-up), all inside the step a measuring callback brackets. So every measurement ends
+# in its mode, which may pay cuDNN/cuBLAS set-up), all inside the step a measuring callback brackets. So every measurement ends
 # one step before the last. Until 2026-11-27 the busy window (``Throughput``) ended on that step: the busy share
 # read 3-4 % on an H100 where a session before, without the probe, read 81-87 % for the same path and rate.
 LOG_STEP = 1
