@@ -121,6 +121,25 @@ def test_missing_optimizer_step_fails_overfit_and_weight_change():
     assert f.ok is False and "loop is broken" in f.cause
 
 
+def test_a_falling_loss_on_a_short_budget_blames_the_budget_not_the_wiring():
+    """`sinkflow doctor --steps 20`: a loss still falling when the budget ends points at the budget (rerun with the
+    default); a flat loss on the same budget still points at the loop. Both overfit rules; the CLI's default is the
+    rules' own."""
+    from sinkflow.cli import build_parser
+
+    falling = iter(3.0 - 0.01 * i for i in range(1000))
+    f = doctor.overfit_one_batch(lambda: next(falling), steps=20)
+    assert f.ok is False and "20 steps may be too few" in f.cause and f"--steps {doctor.OVERFIT_STEPS}" in f.fix
+    flat = doctor.overfit_one_batch(lambda: 3.0, steps=20)
+    assert flat.ok is False and "loop is broken" in flat.cause
+    falling = iter(3.0 - 0.01 * i for i in range(1000))
+    f = doctor.overfit_one_batch_bpd(lambda: next(falling), dataset_bpd=2.4, steps=20)
+    assert f.ok is False and "20 steps may be too few" in f.cause
+    f = doctor.overfit_one_batch_bpd(lambda: 3.0, dataset_bpd=2.4, steps=20)
+    assert f.ok is False and "cannot fit even one batch" in f.cause
+    assert build_parser().parse_args(["doctor", "moons"]).steps == doctor.OVERFIT_STEPS
+
+
 def test_frozen_model_that_trains_is_caught():
     model, batch = make()
     frozen = nn.Linear(4, 4)

@@ -22,6 +22,7 @@ def add_parser(sub):
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
     p.add_argument("--phase", action="append", help="only this training phase (repeatable)")
+    # 300 = sinkflow.tools.doctor.OVERFIT_STEPS, not imported here: that module loads torch (--help stays fast)
     p.add_argument("--steps", type=int, default=300, help="overfit-one-batch steps (default 300)")
     p.add_argument("--overfit-batch", type=int, default=16, help="samples in the fixed batch (default 16)")
     p.add_argument("--factor", type=float, default=10.0, help="the loss must fall by this factor (default 10)")

@@ -74,6 +74,7 @@ def check_loss_graph(model: nn.Module, loss_fn: Callable, batch) -> Finding:
     return _ok("loss has a graph", f"gradients reach all {len(trainable)} trainable tensors")
 
 
+OVERFIT_STEPS = 300  # the overfit rules' default budget: every preset's phases pass within it (tests/test_doctor.py)
 ZERO_INIT_DEPTH = 10  # optimizer steps within which every tensor must have moved (most nets: one)
 
 
@@ -152,7 +153,23 @@ def check_frozen(frozen: dict[str, nn.Module], optimizer: torch.optim.Optimizer,
     return _ok("frozen phases stay frozen", f"{', '.join(frozen)} unchanged")
 
 
-def overfit_one_batch(step_fn: Callable[[], float], steps: int = 300, factor: float = 10.0) -> Finding:
+def _short_budget(steps: int, losses: list[float]) -> tuple[str, str] | None:
+    """(cause, fix) when a failed overfit rule ran on fewer steps than its default and its loss was still falling
+    at the end (the last quarter of the run still gave over a tenth of the drop so far): the budget, not the
+    wiring, is then the first suspect. A loss that has levelled off (a flow whose couplings are all frozen still
+    fits its linear parts for a while, then stops) keeps the wiring diagnosis."""
+    if steps >= OVERFIT_STEPS or len(losses) < 2:
+        return None
+    q = max(1, len(losses) // 4)
+    first, last = sum(losses[:3]) / len(losses[:3]), sum(losses[-q:]) / q
+    before = sum(losses[-2 * q:-q]) / len(losses[-2 * q:-q]) if len(losses) >= 2 * q else first
+    if last < first and before - last > 0.1 * (first - last):
+        return (f"{steps} steps may be too few: the loss was still falling (the check's default is {OVERFIT_STEPS})",
+                f"rerun with --steps {OVERFIT_STEPS} before suspecting the wiring")
+    return None
+
+
+def overfit_one_batch(step_fn: Callable[[], float], steps: int = OVERFIT_STEPS, factor: float = 10.0) -> Finding:
     """``step_fn()`` takes one optimizer step on the same fixed batch and returns its loss."""
     losses = []
     for _ in range(steps):
@@ -163,15 +180,18 @@ def overfit_one_batch(step_fn: Callable[[], float], steps: int = 300, factor: fl
     first = sum(losses[:3]) / 3
     last = sum(losses[-10:]) / len(losses[-10:])
     if not last < first / factor:
+        cause, fix = _short_budget(steps, losses) or (
+            "the loop is broken (wiring above) or the LR is far off", "fix the wiring findings first, then try "
+            "sinkflow lr-find")
         return Finding("overfit one batch", False, f"the loss on one fixed batch went {first:.3g} -> {last:.3g} in "
-                       f"{steps} steps (< {factor:g}x)", "the loop is broken (wiring above) or the LR is far off",
-                       "fix the wiring findings first, then try sinkflow lr-find")
+                       f"{steps} steps (< {factor:g}x)", cause, fix)
     return _ok("overfit one batch", f"loss {first:.3g} -> {last:.3g} in {steps} steps ({first / max(last, 1e-30):.0f}x)")
 
 
 # ---- likelihood models (normalizing flows) ------------------------------------------------------
 
-def overfit_one_batch_bpd(step_fn: Callable[[], float], dataset_bpd: float, steps: int = 300, ratio: float = 0.75,
+def overfit_one_batch_bpd(step_fn: Callable[[], float], dataset_bpd: float, steps: int = OVERFIT_STEPS,
+                          ratio: float = 0.75,
                           floor: float = -0.05) -> Finding:
     """The overfit rule for a likelihood model. ``step_fn()`` takes one optimizer step on the same fixed
     images, *freshly dequantised every step*, and returns their bits/dim.
@@ -206,10 +226,11 @@ def overfit_one_batch_bpd(step_fn: Callable[[], float], dataset_bpd: float, step
     last = sum(losses[-10:]) / len(losses[-10:])
     ref = f" = {ratio:g} x the data set's independent-pixel {dataset_bpd:.3f}"
     if not last < target:
+        cause, fix = _short_budget(steps, losses) or (
+            "the flow cannot fit even one batch: a frozen or disconnected layer, a conditioner that never sees its "
+            "input, or an LR far off", "fix the wiring findings first, then try sinkflow lr-find")
         return Finding(check, False, f"bits/dim on one fixed batch went {first:.3f} -> {last:.3f} in {steps} steps "
-                       f"(target < {target:.3f}{ref})", "the flow cannot fit even one batch: a frozen or "
-                       "disconnected layer, a conditioner that never sees its input, or an LR far off",
-                       "fix the wiring findings first, then try sinkflow lr-find")
+                       f"(target < {target:.3f}{ref})", cause, fix)
     return _ok(check, f"bits/dim {first:.3f} -> {last:.3f} in {len(losses)} steps (target < {target:.3f}{ref})")
 
 
@@ -452,7 +473,7 @@ def applied_step(trainer, batch) -> None:
             return
 
 
-def check_phase(run, trainer, overfit_steps: int = 300, overfit_batch: int = 16, factor: float = 10.0) -> list[Finding]:
+def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch: int = 16, factor: float = 10.0) -> list[Finding]:
     """Every check on a ready Trainer (``sinkflow.tools.phases.ready_trainer``), using its real train_step."""
     from sinkflow.tools.data import NATIVE_CHW
 
@@ -517,7 +538,7 @@ def _flow_checks(run, trainer, fixed, overfit_steps: int) -> list[Finding]:
     return out
 
 
-def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = 300, overfit_batch: int = 16,
+def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = OVERFIT_STEPS, overfit_batch: int = 16,
                factor: float = 10.0, phases: list[str] | None = None) -> list[Finding]:
     """All checks on every training phase (a scratch run of ``cfg``, or the existing ``run_dir``), then sampling."""
     from pathlib import Path
