@@ -74,7 +74,7 @@ def check_loss_graph(model: nn.Module, loss_fn: Callable, batch) -> Finding:
     return _ok("loss has a graph", f"gradients reach all {len(trainable)} trainable tensors")
 
 
-OVERFIT_STEPS = 300  # the overfit rules' default budget: every preset's phases pass within it (tests/test_doctor.py)
+OVERFIT_STEPS = 300  # the overfit rules' default budget (`sinkflow doctor --steps`)
 ZERO_INIT_DEPTH = 10  # optimizer steps within which every tensor must have moved (most nets: one)
 
 
@@ -191,8 +191,7 @@ def overfit_one_batch(step_fn: Callable[[], float], steps: int = OVERFIT_STEPS, 
 # ---- likelihood models (normalizing flows) ------------------------------------------------------
 
 def overfit_one_batch_bpd(step_fn: Callable[[], float], dataset_bpd: float, steps: int = OVERFIT_STEPS,
-                          ratio: float = 0.75,
-                          floor: float = -0.05) -> Finding:
+                          ratio: float = 0.75, floor: float = -0.05) -> Finding:
     """The overfit rule for a likelihood model. ``step_fn()`` takes one optimizer step on the same fixed
     images, *freshly dequantised every step*, and returns their bits/dim.
 
@@ -473,7 +472,8 @@ def applied_step(trainer, batch) -> None:
             return
 
 
-def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch: int = 16, factor: float = 10.0) -> list[Finding]:
+def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch: int = 16,
+                factor: float = 10.0) -> list[Finding]:
     """Every check on a ready Trainer (``sinkflow.tools.phases.ready_trainer``), using its real train_step."""
     from sinkflow.tools.data import NATIVE_CHW
 
