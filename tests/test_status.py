@@ -141,7 +141,7 @@ def test_console_log_lines_go_above_an_open_progress_bar(monkeypatch):
 
 
 def test_status_lists_the_phases_still_to_come_with_their_time_at_this_rate(tmp_path):
-    """An NSGF++ run in its velocity phase (pool done): nsf (the same UNet at the same batch) gets a time at the
+    """An NSGF++ run in its velocity phase (pool done): nsf (the same UNet, trained the same way) gets a time at the
     velocity phase's rate, the time predictor (another network) only its steps; a finished phase is not listed."""
     import socket
 
@@ -162,6 +162,10 @@ def test_status_lists_the_phases_still_to_come_with_their_time_at_this_rate(tmp_
     st = read_status(run)
     assert st["phases_left"] == [{"phase": "nsf", "steps": 3000, "eta_s": 20.0}, {"phase": "time", "steps": 500}]
     assert "then         nsf 3,000 steps (~20s at velocity's rate), time 500 steps" in format_status(st)
+    # a smaller nsf network is another network: its steps only, no time at the velocity phase's rate
+    cfg["model"]["nsf"]["channels"] = 16
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert read_status(run)["phases_left"][0] == {"phase": "nsf", "steps": 3000}
     # before the pool is built, every phase is still to come
     (run / "checkpoints" / "pool" / "final.pt").unlink()
     (run / "status.json").write_text(json.dumps({"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(),

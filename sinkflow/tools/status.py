@@ -9,9 +9,9 @@ works while the run is going, after it finished, and after it died. A run is
 * ``dead``: the pid of the heartbeat is not alive on this host and the run did not finish.
 
 The ETA is the current phase's; the phases still to come after it are listed with their size (from the run's
-``config.yaml`` and its method's phase list, ``config.schema.METHOD_REGISTRY``), and where one trains the same
-network kind at the same batch size as the current phase, with the time it takes at the current rate (NSGF++'s nsf
-phase ran at its velocity phase's rate on an H100: 174.5 and 174.4 steps/s, RESULTS.md, 2026-11-27).
+``config.yaml`` and its method's phase list, ``config.schema.METHOD_REGISTRY``), and where one trains the current
+phase's network with its training settings (its step count apart), with the time it takes at the current rate
+(NSGF++'s nsf phase ran at its velocity phase's rate on an H100: 174.5 and 174.4 steps/s, RESULTS.md, 2026-11-27).
 """
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
 
 
 def phases_left(run_dir: Path, hb: dict, ckpts: dict) -> list[dict]:
-    """The method's phases after the heartbeat's, not finished: name, size, and (same network kind and batch as
-    the current phase) the seconds they take at the current rate."""
+    """The method's phases after the heartbeat's, not finished: name, size, and (the current phase's network and
+    training settings, the step count apart) the seconds they take at the current rate."""
     try:
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
         spec = schema.METHOD_REGISTRY[cfg["experiment"]["method"]]
@@ -142,9 +142,9 @@ def phases_left(run_dir: Path, hb: dict, ckpts: dict) -> list[dict]:
         item: dict = {"phase": name}
         if name in train:
             item["steps"] = int(train[name]["iters"])
-            same_net = current in train and model.get(name, {}).get("kind") == model.get(current, {}).get("kind") \
-                and train[name].get("batch_size") == train[current].get("batch_size")
-            if same_net and rate:
+            same = current in train and model.get(name) == model.get(current) and \
+                {**train[name], "iters": 0} == {**train[current], "iters": 0}
+            if same and rate:
                 item["eta_s"] = item["steps"] / rate
         elif name == "pool" and "pool" in cfg:
             item["batches"] = int(cfg["pool"]["batches"])
