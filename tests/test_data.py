@@ -175,6 +175,24 @@ def test_point_file_loads_and_samples_rows(tmp_path):
     assert build_distribution(str(tmp_path / "img.npy"), data_cfg={}).shape == (3, 4)
 
 
+@pytest.mark.parametrize("name,text", [
+    ("pts.csv", "x,y\n# a comment line\n{rows}"),  # a header of column names, a comment
+    ("pts.CSV", "{rows}"),
+    ("pts.tsv", "{rows}"),
+    ("pts.txt", "{rows}"),
+])
+def test_point_file_reads_text_tables(tmp_path, name, text):
+    """The same points from a .npy and from a text table (the file type's delimiter, an optional header line)."""
+    pts = np.random.default_rng(0).normal(size=(40, 2))
+    delimiter = {".csv": ",", ".tsv": "\t", ".txt": "  "}[os.path.splitext(name)[1].lower()]
+    rows = "".join(f"{float(a)!r}{delimiter}{float(b)!r}\n" for a, b in pts)
+    (tmp_path / name).write_text(text.format(rows=rows))
+    np.save(tmp_path / "pts.npy", pts)
+    table = build_distribution(str(tmp_path / name), data_cfg={"test_rows": 8})
+    assert torch.equal(table.points, build_distribution(str(tmp_path / "pts.npy"), data_cfg={"test_rows": 8}).points)
+    assert table.shape == (2,) and table.held_out.shape == (8, 2)
+
+
 @pytest.mark.parametrize("case,match", [
     ("missing", "does not exist"),
     ("1d", "not a 2-D"),
@@ -184,8 +202,15 @@ def test_point_file_loads_and_samples_rows(tmp_path):
     ("object", "not a plain numeric"),
     ("complex", "not a real number"),
     ("garbage", "not a .npy file"),  # a text file named .npy: never advice about pickles
-    ("txt", "not a .npy"),
+    ("json", "not a .npy, .csv, .tsv or .txt file"),
     ("empty_dim", "no coordinates"),
+    ("csv_text", "not a table of numbers: line 6 holds '0.5,oops'"),  # the file's line, below the header line
+    ("csv_ragged", "3 values on line 6 and 2 on line 2"),
+    ("csv_binary", "not a text file"),
+    ("csv_npy", "rename it to .npy"),
+    ("csv_nan", "NaN or Inf"),
+    ("csv_few", "at least 16"),
+    ("csv_empty", "holds no points"),
 ])
 def test_point_file_errors(tmp_path, case, match):
     f = tmp_path / "bad.npy"
@@ -203,9 +228,28 @@ def test_point_file_errors(tmp_path, case, match):
         np.save(f, good.astype(np.complex64))
     elif case == "garbage":
         f.write_bytes(b"not numpy at all")
-    elif case == "txt":
-        f = tmp_path / "pts.csv"
-        f.write_text("1,2\n")
+    elif case == "json":
+        f = tmp_path / "pts.json"
+        f.write_text("[[1, 2]]\n")
+    elif case.startswith("csv"):
+        f = tmp_path / "bad.csv"
+        lines = ["x,y", *(f"{a},{b}" for a, b in good)]
+        if case == "csv_text":
+            lines[5] = "0.5,oops"
+        elif case == "csv_ragged":
+            lines[5] = "0.5,0.25,1.0"
+        elif case == "csv_nan":
+            lines[5] = "0.5,nan"
+        elif case == "csv_few":
+            lines = lines[:6]
+        elif case == "csv_empty":
+            lines = ["x,y"]
+        f.write_text("\n".join(lines) + "\n")
+        if case == "csv_binary":
+            f.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+        elif case == "csv_npy":
+            with open(f, "wb") as fh:
+                np.save(fh, good)
     elif case == "empty_dim":
         np.save(f, np.zeros((30, 0)))
     with pytest.raises(SinkflowError, match=match) as e:

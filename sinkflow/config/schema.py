@@ -294,10 +294,10 @@ EXPERIMENT = {
 }
 
 DATA = {
-    "source": Key("normal", Str(), "normal | 8gaussians | moons | scurve | checkerboard | path/to/points.npy "
+    "source": Key("normal", Str(), "normal | 8gaussians | moons | scurve | checkerboard | path/to/points.npy (or .csv / .tsv / .txt) "
                   "(the shape of normal follows the target)"),
     "target": Key("moons", Str(), "as source, or an image set: digits | mnist | cifar10 | folder"),
-    "test_rows": Key(0, NONNEG_INT, "a target point file (.npy): its last test_rows rows are held out, never trained on, "
+    "test_rows": Key(0, NONNEG_INT, "a target point file: its last test_rows rows are held out, never trained on, "
                      "and are the W2 test points (0 = nothing held out)"),
     "root": Key("data", Str(), "where image sets are downloaded to and cached", when=IMAGES),
     "path": Key(None, Str(), "image folder for target=folder", nullable=True, when=FOLDER),

@@ -19,7 +19,7 @@ from typing import Callable
 
 from sinkflow.data.base import Distribution
 from sinkflow.data.images import IMAGE_SETS, ImageDistribution, build_image_distribution
-from sinkflow.data.points import PointFile
+from sinkflow.data.points import POINT_SUFFIXES, PointFile
 from sinkflow.data.toy2d import TOY2D, Checkerboard, EightGaussians, Moons, Normal, SCurve
 from sinkflow.errors import SinkflowError
 
@@ -59,10 +59,10 @@ def build_distribution(spec: str, *, data_cfg: dict | None = None) -> Distributi
         return TOY2D[spec]()
     if spec in IMAGE_SETS:
         return build_image_distribution(spec, data_cfg)
-    if spec.endswith(".npy") or os.sep in spec or "/" in spec or os.path.exists(spec):
+    if spec.lower().endswith(POINT_SUFFIXES) or os.sep in spec or "/" in spec or os.path.exists(spec):
         return PointFile(spec, test_rows=data_cfg.get("test_rows", 0))
     close = difflib.get_close_matches(spec, SPECS, n=1)
-    hint = f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(SPECS)} or a path to a .npy file"
+    hint = f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(SPECS)} or a path to a .npy or .csv point file"
     raise SinkflowError(f"unknown data spec '{spec}'", hint)
 
 

@@ -1,4 +1,4 @@
-"""A user's own point cloud (``data.target=points.npy``), validated before any work starts."""
+"""A user's own point cloud (``data.target=points.npy`` or ``points.csv``), validated before any work starts."""
 
 from __future__ import annotations
 
@@ -12,6 +12,45 @@ from sinkflow.errors import SinkflowError
 
 MIN_POINT_ROWS = 16
 NPY_MAGIC = b"\x93NUMPY"
+POINT_SUFFIXES = (".npy", ".csv", ".tsv", ".txt")
+DELIMITERS = {".csv": ",", ".tsv": "\t", ".txt": None}  # None: any whitespace
+
+
+def load_table(path: str, binary: bool = False) -> np.ndarray:
+    """A text table of points as float64 (N, D): one point per line, an optional header line, ``#`` comments."""
+    fix = "write one point per line, its coordinates separated by the file type's delimiter"
+    if binary:
+        raise SinkflowError(f"point file {path} is a .npy array named {os.path.splitext(path)[1]}",
+                            "rename it to .npy")
+    delimiter = DELIMITERS[os.path.splitext(path)[1].lower()]
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(n, line.split("#")[0].strip()) for n, line in enumerate(f, 1)]
+    except UnicodeDecodeError:
+        raise SinkflowError(f"point file {path} is not a text file", fix) from None
+    lines = [(n, text.split(delimiter)) for n, text in lines if text]
+    header = 0  # a first line of column names is skipped
+    if lines and not all(is_number(v) for v in lines[0][1]):
+        header, lines = lines[0][0], lines[1:]
+    for n, fields in lines:  # numpy's own message counts rows after the header and comments: name the line instead
+        if not all(is_number(v) for v in fields):
+            raise SinkflowError(f"point file {path} is not a table of numbers: line {n} holds "
+                                f"{delimiter.join(fields) if delimiter else ' '.join(fields)!r}", fix)
+        if len(fields) != len(lines[0][1]):
+            raise SinkflowError(f"point file {path} has {len(fields)} values on line {n} and {len(lines[0][1])} on "
+                                f"line {lines[0][0]}", "give every point the same number of coordinates")
+    if not lines:
+        raise SinkflowError(f"point file {path} holds no points", fix)
+    return np.loadtxt(path, delimiter=delimiter, skiprows=header, ndmin=2, dtype=np.float64, comments="#",
+                      encoding="utf-8")
+
+
+def is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 class PointFile(Distribution):
@@ -60,13 +99,17 @@ class PointFile(Distribution):
 
 
 def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
-    """Load and validate a point file; every problem is a one-line SinkflowError naming file and fix."""
+    """Load and validate a point file; every problem is a one-line SinkflowError naming file and fix.
+
+    A ``.npy`` array, or a text table (``.csv`` comma-separated, ``.tsv`` tab-separated, ``.txt`` whitespace) of one
+    point per line, with an optional header line of column names and ``#`` comments (numpy.loadtxt)."""
     fix_shape = "save an (N, 2) float array with numpy.save(path, points.astype('float32'))"
-    if not path.endswith(".npy"):
-        raise SinkflowError(f"point file {path} is not a .npy file", fix_shape)
+    if not path.lower().endswith(POINT_SUFFIXES):
+        raise SinkflowError(f"point file {path} is not a .npy, .csv, .tsv or .txt file",
+                            f"{fix_shape}, or write one point per line to a .csv")
     if os.path.isdir(path):
-        raise SinkflowError(f"point file {path} is a folder, not a file", "point data.source/data.target at the .npy "
-                            "file itself")
+        raise SinkflowError(f"point file {path} is a folder, not a file", "point data.source/data.target at the "
+                            "point file itself")
     if not os.path.isfile(path):
         what = "is not a file" if os.path.exists(path) else "does not exist"
         raise SinkflowError(f"point file {path} {what}", "check data.source/data.target (paths are relative "
@@ -76,15 +119,19 @@ def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
             magic = f.read(len(NPY_MAGIC))
     except OSError as e:
         raise SinkflowError(f"point file {path} cannot be read ({e.strerror})", "check its permissions") from None
-    if magic != NPY_MAGIC:  # a text/CSV file, an .npz, a pickle renamed to .npy...
-        raise SinkflowError(f"point file {path} is not a .npy file (no NumPy header)", fix_shape)
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except ValueError as e:  # object arrays (they would need unpickling: never done), bad headers
-        reason = "it holds Python objects, not numbers" if "pickle" in str(e) else str(e)
-        raise SinkflowError(f"point file {path} is not a plain numeric .npy array ({reason})", fix_shape) from None
-    except (OSError, EOFError) as e:
-        raise SinkflowError(f"point file {path} cannot be read as .npy ({e})", fix_shape) from None
+    if not path.lower().endswith(".npy"):
+        arr = load_table(path, binary=magic == NPY_MAGIC)
+    elif magic != NPY_MAGIC:  # a text/CSV file, an .npz, a pickle renamed to .npy...
+        raise SinkflowError(f"point file {path} is not a .npy file (no NumPy header)",
+                            f"{fix_shape} (a text table of points is read from a .csv or .txt file)")
+    else:
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except ValueError as e:  # object arrays (they would need unpickling: never done), bad headers
+            reason = "it holds Python objects, not numbers" if "pickle" in str(e) else str(e)
+            raise SinkflowError(f"point file {path} is not a plain numeric .npy array ({reason})", fix_shape) from None
+        except (OSError, EOFError) as e:
+            raise SinkflowError(f"point file {path} cannot be read as .npy ({e})", fix_shape) from None
     if not isinstance(arr, np.ndarray):
         raise SinkflowError(f"point file {path} holds an archive, not one array", fix_shape)
     if arr.dtype.kind not in "fiu":
@@ -102,9 +149,6 @@ def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
         first = int(np.flatnonzero(bad)[0])
         raise SinkflowError(f"point file {path} has NaN or Inf in {int(bad.sum())} rows (first: row {first})",
                             "drop or fix those rows, e.g. points[np.isfinite(points).all(1)]")
-    if len(arr) < min_rows:
-        raise SinkflowError(f"point file {path} has {len(arr)} rows; at least {min_rows} are needed",
-                            "add more points (each row is one sample)")
     x = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
     if not torch.isfinite(x).all():
         raise SinkflowError(f"point file {path} has values too large for float32",
