@@ -71,12 +71,17 @@ def measure_train(cfg, phase_name, device, workdir) -> int:
     return peak
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The script's arguments, checked (benchmarks/gpu_session.py checks its plan with this before a GPU call)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--presets", nargs="*", default=["mnist", "cifar10"])
     ap.add_argument("--out", help="write the markdown table here too")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     rows = ["| preset | phase | estimate | measured | estimate / measured | terms |", "|---|---|---|---|---|---|"]

@@ -86,7 +86,8 @@ def table(rows: list[dict], imports: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The script's arguments, checked (benchmarks/gpu_session.py checks its plan with this before a GPU call)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=[f"{n}x{d}" for n, d in SIZES], help="BATCHxDIM, e.g. 128x784")
     ap.add_argument("--batches", type=int, default=20, help="random batch pairs per size")
@@ -94,7 +95,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", default="cpu",
                     help="where ot_permutation's batches live (cuda: its cost is made there)")
     ap.add_argument("--write", action="store_true", help="replace the ot_coupling section of benchmarks/RESULTS.md")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
     import torch
 
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes]

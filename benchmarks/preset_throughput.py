@@ -74,7 +74,8 @@ def measure(preset: str, method: str, setting: list[str], base: list[str], steps
     return [r for r in throughput(config.apply_overrides(cfg, overrides), steps, warmup) if r["phase"] in phases]
 
 
-def main(argv=None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The script's arguments, checked (benchmarks/gpu_session.py checks its plan with this before a GPU call)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="mnist")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -98,7 +99,11 @@ def main(argv=None) -> None:
                          "the window also held the phase's log step then, no longer)")
     ap.add_argument("--smoke", action="store_true", help="tiny UNet on synthetic digits, batch 4 (CPU check)")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. train.velocity.batch_size=256")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.profiler_first:
         from torch.profiler._utils import _init_for_cuda_graphs
 

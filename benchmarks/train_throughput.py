@@ -167,7 +167,30 @@ def kernel_table(step, x1s, device, rows: int = 20) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
-def main(argv: list[str] | None = None) -> None:
+def path_configs(compile_: bool) -> list[tuple[str, dict]]:
+    """The timed paths by name (``--compile`` adds the compiled ones), each the keywords of ``sinkflow_phase``."""
+    fast = dict(precision="bf16", channels_last=False, compile_=False, plain_adam=False)
+    configs = [("fp32-eager", dict(precision="fp32", channels_last=False, compile_=False, plain_adam=True)),
+               ("fast", fast), ("fast+CL", {**fast, "channels_last": True}),
+               ("fast+stepgraph", {**fast, "graph": "step"})]
+    if compile_:
+        configs += [("fast+compile", {**fast, "compile_": True}),
+                    ("fast+graphs", {**fast, "compile_": True, "mode": "reduce-overhead"}),
+                    # fast+graphs spent 22 % of its device time in cuDNN's NCHW <-> NHWC transposes (H100, 2026-11-26);
+                    # channels_last lost in eager only through GroupNorm, which inductor fuses here
+                    ("fast+CL+graphs", {**fast, "channels_last": True, "compile_": True, "mode": "reduce-overhead"}),
+                    ("fast+compile+stepgraph", {**fast, "compile_": True, "graph": "step"}),
+                    ("fast+CL+compile+stepgraph", {**fast, "channels_last": True, "compile_": True, "graph": "step"}),
+                    # float16 autocast with GradScaler inside the captured step (fp16 tensor cores: as fast as bf16's);
+                    # fp16+compile+stepgraph is the CUDA default for this UNet since 2026-11-27 (channels_last off)
+                    ("fp16+compile+stepgraph", {**fast, "precision": "fp16", "compile_": True, "graph": "step"}),
+                    ("fp16+CL+compile+stepgraph", {**fast, "precision": "fp16", "channels_last": True,
+                                                   "compile_": True, "graph": "step"})]
+    return configs
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The script's arguments, checked (benchmarks/gpu_session.py checks its plan with this before a GPU call)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, default=None, help="default 128 (GPU), 4 (smoke)")
@@ -184,6 +207,15 @@ def main(argv: list[str] | None = None) -> None:
                          "as in `sinkflow train` / `sample` (the rows of 2026-11-22 to 27 were measured with it on)")
     ap.add_argument("--smoke", action="store_true", help="tiny UNet on 16x16 images (CPU check of the script)")
     args = ap.parse_args(argv)
+    unknown = set(args.paths or ()) - {name for name, _ in path_configs(args.compile)}
+    if unknown:
+        ap.error(f"--paths {' '.join(sorted(unknown))}: not one of "
+                 f"{', '.join(n for n, _ in path_configs(args.compile))} (the compiled ones need --compile)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     device = torch.device(args.device)
     smoke = args.smoke or device.type == "cpu"
     unet = dict(SMOKE_UNET) if smoke else {**UNET_PRESETS["cifar10"], "dropout": 0.1}
@@ -194,29 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cudnn.benchmark = args.cudnn_benchmark  # what sinkflow's runner uses: off unless asked
 
     rows, flops, profiled = [], None, None
-    fast = dict(precision="bf16", channels_last=False, compile_=False, plain_adam=False)
-    configs = [("fp32-eager", dict(precision="fp32", channels_last=False, compile_=False, plain_adam=True)),
-               ("fast", fast), ("fast+CL", {**fast, "channels_last": True}),
-               ("fast+stepgraph", {**fast, "graph": "step"})]
-    if args.compile:
-        configs += [("fast+compile", {**fast, "compile_": True}),
-                    ("fast+graphs", {**fast, "compile_": True, "mode": "reduce-overhead"}),
-                    # fast+graphs spent 22 % of its device time in cuDNN's NCHW <-> NHWC transposes (H100, 2026-11-26);
-                    # channels_last lost in eager only through GroupNorm, which inductor fuses here
-                    ("fast+CL+graphs", {**fast, "channels_last": True, "compile_": True, "mode": "reduce-overhead"}),
-                    ("fast+compile+stepgraph", {**fast, "compile_": True, "graph": "step"}),
-                    ("fast+CL+compile+stepgraph", {**fast, "channels_last": True, "compile_": True, "graph": "step"}),
-                    # float16 autocast with GradScaler inside the captured step (fp16 tensor cores: as fast as bf16's);
-                    # fp16+compile+stepgraph is the CUDA default for this UNet since 2026-11-27 (channels_last off)
-                    ("fp16+compile+stepgraph", {**fast, "precision": "fp16", "compile_": True, "graph": "step"}),
-                    ("fp16+CL+compile+stepgraph", {**fast, "precision": "fp16", "channels_last": True,
-                                                   "compile_": True, "graph": "step"})]
-    if args.paths:  # fp32-eager stays: every ratio is against it
-        unknown = set(args.paths) - {name for name, _ in configs}
-        if unknown:
-            ap.error(f"--paths {' '.join(sorted(unknown))}: not one of {', '.join(n for n, _ in configs)} "
-                     f"(the compiled ones need --compile)")
-        configs = [(name, kw) for name, kw in configs if name == "fp32-eager" or name in args.paths]
+    configs = [(name, kw) for name, kw in path_configs(args.compile)
+               if not args.paths or name == "fp32-eager" or name in args.paths]  # fp32-eager stays: the baseline
     for name, kw in configs:
         phase, params = sinkflow_phase(unet, shape, device, warmup + steps + PROFILED, **kw)
         if flops is None:  # forward + backward of one step, counted on the eager module (the same arithmetic)

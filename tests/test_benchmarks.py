@@ -28,7 +28,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SMOKE_TESTED = ("digits", "flow_bpd", "flow_digits_ablation", "flow_memory", "gpu_checks", "memory_estimate",
                 "nsgf_2d", "ot_memory", "pool_build", "preset_throughput", "sampling", "sinkhorn_solver",
                 "train_throughput", "w2_mode_counts", "mnist", "mnist_probes", "nsgf_suite",
-                "pool_convergence", "cpu_step", "loss_curve", "ot_coupling")
+                "pool_convergence", "cpu_step", "loss_curve", "ot_coupling", "gpu_session")
 # modules the scripts import (no command line of their own), each with its own test here: test_helper_<name>
 HELPERS = ("suite2d", "results_md", "scoring")
 
@@ -806,3 +806,46 @@ def test_smoke_cpu_step(tmp_path, monkeypatch, capsys):
     assert (foreach - half) / (fused + half) - half <= ratio <= (foreach + half) / (fused - half) + half
     assert int(row[8]) == round(5000 * fwd_bwd / 1e3)
     assert "<!-- cpu_step:begin -->" in text and "batch 256" in text
+
+
+def test_smoke_gpu_session(tmp_path, capsys):
+    """The prepared GPU plan: every step's arguments (GPU and CPU variants) pass its script's own parser, and the
+    runner runs a step's CPU variant in a process of its own, its log and the summary written, the tail printed."""
+    bench = load("gpu_session")
+    assert bench.check(bench.PLAN, smoke=True) == []
+    rows = bench.main(["--smoke", "--only", "ot-coupling", "--out", str(tmp_path / "out")])
+    assert [(r["step"], r["result"]) for r in rows] == [("ot-coupling", "ok")]
+    assert "| 8 x 4 | 2 of 2 |" in (tmp_path / "out" / "ot-coupling.log").read_text()
+    assert "| ot-coupling | ok |" in (tmp_path / "out" / "summary.md").read_text()
+    assert "| 8 x 4 | 2 of 2 |" in capsys.readouterr().out
+
+
+def test_gpu_session_refuses_a_plan_its_scripts_would_refuse(capsys):
+    """A step the script's parser refuses (a path name train_throughput does not have, a CLI flag sinkflow lacks) is
+    found before the call, named, and nothing runs."""
+    bench = load("gpu_session")
+    plan = (bench.Step("typo", ("train_throughput.py", "--compile", "--paths", "fp16+compile+stepgraf"), 1, "-"),
+            bench.Step("cli", ("sinkflow", "doctor", "mnist", "--stpes", "100"), 1, "-"),
+            bench.Step("fine", ("ot_coupling.py", "--sizes", "8x4"), 1, "-"))
+    assert [p.split(":")[0] for p in bench.check(plan, smoke=True)] == ["typo", "cli"]
+    assert "fp16+compile+stepgraf" in capsys.readouterr().err  # argparse's own message names the bad value
+    with pytest.raises(SystemExit):
+        bench.main(["--only", "no-such-step", "--check"])
+
+
+def test_gpu_session_runs_what_fits_and_stops_what_overruns(tmp_path):
+    """Steps run in order; one whose expected time exceeds what is left is skipped (a later one still runs), a failing
+    one is recorded with its exit status, and one that overruns the budget is stopped with its process group."""
+    bench = load("gpu_session")
+    script = tmp_path / "step.py"
+    script.write_text("import sys, time\nprint('step', sys.argv[1]); time.sleep(float(sys.argv[2]))\n"
+                      "sys.exit(int(sys.argv[3]))\n")
+    plan = (bench.Step("ok", (str(script), "a", "0", "0"), 1, "-"),
+            bench.Step("too-long", (str(script), "b", "0", "0"), 10_000, "-"),
+            bench.Step("fails", (str(script), "c", "0", "3"), 1, "-"),
+            bench.Step("overruns", (str(script), "d", "60", "0"), 1, "-"))
+    rows = bench.run_plan(plan, budget=3, out=tmp_path / "out", env=dict(os.environ))
+    assert [(r["step"], r["result"].split(" (")[0]) for r in rows] == [
+        ("ok", "ok"), ("too-long", "skipped"), ("fails", "rc 3"), ("overruns", "timed out")]
+    assert rows[3]["seconds"] < 20
+    assert (tmp_path / "out" / "ok.log").read_text() == "step a\n" and not (tmp_path / "out" / "too-long.log").exists()
