@@ -603,3 +603,25 @@ def test_the_data_cache_key_follows_a_relative_root_across_a_chdir(tmp_path, mon
     monkeypatch.chdir(tmp_path / "b")
     key_b = data._data_key(cfg)
     assert key_a != key_b and dict(key_b)["root"] == str((tmp_path / "b" / "data").resolve())
+
+
+def test_a_point_file_rewritten_or_renamed_by_a_chdir_is_read_again(tmp_path, monkeypatch):
+    """The built-distribution cache serves a point file only while it is the same file unchanged: a notebook that
+    rewrites pts.csv between two runs, or a relative name after a chdir, gets the new points, never stale ones."""
+    from sinkflow import config, data
+
+    cfg = config.resolve("moons", ["data.target=pts.csv"])
+    rng = np.random.default_rng(0)
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        np.savetxt(tmp_path / folder / "pts.csv", rng.normal(size=(40, 2)), delimiter=",")
+    monkeypatch.chdir(tmp_path / "a")
+    first = data.distributions(cfg)[1].points
+    assert data.distributions(cfg)[1].points is first  # unchanged: served from the cache
+    np.savetxt(tmp_path / "a" / "pts.csv", rng.normal(size=(40, 2)) + 5, delimiter=",")
+    rewritten = data.distributions(cfg)[1].points
+    assert rewritten.mean() > 4
+    monkeypatch.chdir(tmp_path / "b")
+    other = data.distributions(cfg)[1].points
+    assert not torch.equal(other, rewritten) and not torch.equal(other, first)
+    assert torch.equal(other, torch.from_numpy(np.loadtxt(tmp_path / "b" / "pts.csv", delimiter=",")).float())

@@ -282,6 +282,29 @@ def test_failed_resume_keeps_status_and_config(run, capsys):
     assert full_snapshot(run) == before
 
 
+
+def test_resume_refuses_a_point_file_whose_points_changed(tmp_path, monkeypatch, capsys):
+    """A run on the user's points.csv records a hash of its points; a resume after the file was rewritten with other
+    points is one line before anything is written (the finished phases trained on the old ones), one with the same
+    values in another layout resumes, and a new run on the new points is what the fix says."""
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    pts = rng.normal(size=(64, 2))
+    np.savetxt("pts.csv", pts, delimiter=",", header="x,y", comments="")
+    assert main(["train", "moons", *TINY_2D, "data.target=pts.csv", "--name", "p", "--no-report"]) == 0
+    run = tmp_path / "runs" / "p"
+    split = __import__("json").loads((run / "data_split.json").read_text())
+    assert split["points"] == str(tmp_path / "pts.csv") and split["rows"] == 64 and len(split["points_sha256"]) == 64
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()  # velocity resumes from its last step checkpoint
+    np.savetxt("pts.csv", pts + 0.5, delimiter=",")
+    before = full_snapshot(run)
+    one_line(*run_main(capsys, "train", "--resume", str(run), "--no-report"), "cannot resume", "pts.csv",
+             "points_sha256", "data changed")
+    assert full_snapshot(run) == before
+    np.savetxt("pts.csv", pts, delimiter=",", fmt="%.17g")  # the same values, no header, another format
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
+    assert rc == 0, err
+
 # ---- 7. no tracebacks --------------------------------------------------------------------------------
 
 def test_empty_point_file(runs_dir, tmp_path, capsys):

@@ -78,8 +78,21 @@ def _data_key(cfg: dict) -> tuple:
     return tuple(sorted((k, value(k, v)) for k, v in cfg["data"].items()))
 
 
+def _files_key(cfg: dict) -> tuple:
+    """(absolute path, mtime, size) of the point files a data section names: a file rewritten between two runs of
+    one process (a notebook) is read again, and a relative name after a chdir is another file."""
+    key = []
+    for spec in (cfg["data"].get("source"), cfg["data"].get("target")):
+        path = Path(spec).expanduser() if isinstance(spec, str) else None
+        if path is not None and path.is_file():
+            stat = path.stat()
+            key.append((str(path.resolve()), stat.st_mtime_ns, stat.st_size))
+    return tuple(key)
+
+
 @lru_cache(maxsize=8)
-def _distributions(key: tuple):
+def _distributions(key: tuple, files: tuple = ()):
+    """``files`` (``_files_key``) is part of the cache key only."""
     data_cfg = dict(key)
     target = build_distribution(data_cfg["target"], data_cfg=data_cfg)
     # data.test_rows holds out rows of the target only (a source file is drawn from whole)
@@ -103,7 +116,7 @@ def distributions(cfg: dict):
         pair = builder(dict(key))
         if pair is not None:
             return pair
-    return _distributions(key)
+    return _distributions(key, _files_key(cfg))
 
 
 def qmc_twin(dist: Distribution) -> Distribution:

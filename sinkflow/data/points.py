@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
@@ -78,6 +79,9 @@ class PointFile(Distribution):
         cut = len(points) - self.test_rows
         self.points, self.held_out = points[:cut], points[cut:]
         self.shape = tuple(self.points.shape[1:])
+        # RUN/data_split.json: a resume refuses a file whose points changed (the values, not the file's bytes)
+        self.split_info = {"points": os.path.abspath(self.path), "rows": len(points), "test_rows": test_rows,
+                           "points_sha256": hashlib.sha256(points.numpy().tobytes()).hexdigest()}
 
     def sample(self, n, generator, device="cpu"):
         check_sample_args(n, generator)

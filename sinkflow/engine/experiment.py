@@ -88,9 +88,10 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         phases = method.phases(cfg, source, target)
         if resume is not None:
             verify(run, phases)  # finished phases' final.pt and the newest step checkpoint: safe, this run's
+            check_split(run, source, target)
         run.start()  # the lock (one writer per run folder), the resumed config, orphaned temp files
         if info.is_main:
-            record_split(run, target)
+            record_split(run, source, target)
         if info.is_main:
             log.info("run folder: %s", run.dir)
             log.info("method %s", method.describe(cfg))
@@ -113,12 +114,50 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
     return run
 
 
-def record_split(run, target) -> None:
-    """RUN/data_split.json: which images trained and which are held out (image sets only), so a result can
-    be traced to its split; rewritten identically on resume."""
-    info = getattr(target, "split_info", None)
+def split_record(source, target) -> dict:
+    """What a run trains on: the image set's splits (index hashes), a point file's path, rows and a hash of its
+    points (a point-file source under ``source``); empty for built-in 2D distributions."""
+    info = dict(getattr(target, "split_info", None) or {})
+    if getattr(source, "split_info", None):
+        info["source"] = source.split_info
+    return info
+
+
+def record_split(run, source, target) -> None:
+    """RUN/data_split.json (``split_record``), so a result can be traced to its data; rewritten identically on
+    resume, which ``check_split`` makes sure of first."""
+    info = split_record(source, target)
     if info:
         atomic_write_text(run.dir / "data_split.json", json.dumps(info, indent=1))
+
+
+def check_split(run, source, target) -> None:
+    """Refuse a resume whose data changed since the run started (a point file rewritten, another split): the
+    finished phases were trained on the recorded data, and a resume promises the uninterrupted run."""
+    path = run.dir / "data_split.json"
+    if not path.exists():
+        return
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # unreadable: rewritten after the checks, as before this record existed
+
+    def hashes(info: dict, where: str = "") -> dict:
+        out = {}
+        for k, v in info.items():
+            if isinstance(v, dict):
+                out.update(hashes(v, f"{where}{k}."))
+            elif k.endswith("sha256"):
+                out[where + k] = v
+        return out
+
+    old, new = hashes(recorded), hashes(split_record(source, target))
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    if changed:
+        what = recorded.get("points") or recorded.get("source", {}).get("points") or "the data"
+        raise SinkflowError(f"cannot resume {run.dir}: its data changed since the run started ({what}: "
+                            f"{', '.join(changed)} differ from {path.name})",
+                            "restore the data the run was trained on, or start a new run")
 
 
 def verify(run, phases) -> None:
