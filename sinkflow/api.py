@@ -10,12 +10,14 @@ distributions and the methods' tasks) are the same objects the CLI uses, re-expo
 
 from __future__ import annotations
 
+import numbers
 import time
 from pathlib import Path
 
 import torch
 
 from sinkflow import methods
+from sinkflow.config import schema
 from sinkflow.errors import SinkflowError
 
 
@@ -33,17 +35,31 @@ class Run:
     def cfg(self) -> dict:
         return self._run.cfg
 
-    def model(self, phase: str = "velocity") -> torch.nn.Module:
-        """The frozen network a finished phase produced (EMA weights when the phase kept them)."""
+    def model(self, phase: str | None = None) -> torch.nn.Module:
+        """The frozen network a finished phase produced (EMA weights when the phase kept them); None: the method's
+        first network (velocity; a flow's flow). A name that is not one of the method's network phases is refused
+        as such: "has not finished" would send the user to `train --resume`, which never makes it."""
+        method = methods.of(self.cfg).name
+        phases = schema.METHOD_REGISTRY[method].phases  # the method's phases in order, as `sinkflow status`
+        networks = [p for p in phases if p in schema.MODEL]  # those that train a network (model.<phase>)
+        phase = networks[0] if phase is None else phase
+        if phase not in networks:
+            problem = (f"phase {phase!r} of method {method} trains no network" if phase in phases else
+                       f"method {method} has no network phase {phase!r}")
+            raise SinkflowError(problem, f"its networks: {', '.join(networks)}")
         return self._run.model(phase)
 
     @torch.no_grad()
     def sample(self, n: int, steps: int | None = None, seed: int = 0, x0: torch.Tensor | None = None,
                qmc: bool | None = None) -> torch.Tensor:
-        """``n`` samples (CPU tensor shaped like the data) with ``steps`` integration steps (default: the
-        method's own, e.g. sample.steps; NSF steps for NSGF++), from ``x0`` or a seeded source draw: i.i.d.
+        """``n`` samples (CPU tensor shaped like the data) with ``steps`` integration steps (a whole number >= 1;
+        None: the method's own, e.g. sample.steps; NSF steps for NSGF++), from ``x0`` or a seeded source draw: i.i.d.
         by default, randomised QMC with ``qmc=True`` (None: ``sample.qmc``), as `sinkflow sample` draws."""
         method = methods.of(self.cfg)
+        if steps is not None and not (isinstance(steps, numbers.Integral) and not isinstance(steps, bool)
+                                      and steps >= 1):  # as `sinkflow sample --steps`: 0 is not "the default"
+            raise SinkflowError(f"steps={steps!r} must be a whole number >= 1",
+                                "e.g. steps=10, or leave it out (None) for the run's default")
         if x0 is None:
             from sinkflow.eval.points import generate
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 import torch
+
+from sinkflow.errors import require
 
 
 class NFECounter:
@@ -60,7 +63,10 @@ def warped_fractions(steps: int, warp: float = 1.0) -> list[float]:
 @torch.no_grad()
 def euler(model, x: torch.Tensor, t0, t1, steps: int, record: bool = False, warp: float = 1.0):
     """Integrate dx/dt = model(x, t) from t0 to t1 (scalars or per-sample (N,) tensors) in ``steps`` Euler
-    steps on the grid ``warped_fractions(steps, warp)`` of each span (uniform by default)."""
+    steps on the grid ``warped_fractions(steps, warp)`` of each span (uniform by default). ``steps`` < 1 is
+    refused (as ``simulate_sinkhorn_flow`` does) rather than returning ``x`` unmoved as if it were a sample."""
+    require(isinstance(steps, numbers.Integral) and not isinstance(steps, bool) and steps >= 1,
+            f"steps must be a positive integer, got {steps!r}", "use at least one Euler step")
     t0, t1 = _expand(t0, x), _expand(t1, x)
     span = t1 - t0
     if warp == 1.0:  # the uniform grid as t0 + k h, bit-identical to the sampler before warps existed
