@@ -379,6 +379,22 @@ def test_text_file_named_npy(runs_dir, tmp_path, capsys):
     assert "pickle" not in line
 
 
+@pytest.mark.parametrize("shape", [(300, 1), (300, 1, 4, 4)])
+def test_point_files_of_one_coordinate_or_image_rows_report_sample_and_eval(runs_dir, tmp_path, capsys, shape):
+    """A point file's rows of any shape are points: W2 on them flattened, a histogram for one coordinate, the first
+    two coordinates' plane otherwise. Both trained and then crashed in the report (an (N, 1) file in the scatter
+    plot, an (N, 1, 4, 4) file in the image metrics, which need an image set's test split)."""
+    np.save(tmp_path / "p.npy", np.random.default_rng(0).normal(size=shape).astype(np.float32))
+    rc, err = run_main(capsys, "train", "moons", *TINY_2D, "eval.steps=[2]", f"data.target={tmp_path / 'p.npy'}",
+                       "--name", "p")
+    assert rc == 0, err
+    assert (runs_dir / "p" / "samples.png").stat().st_size > 0 and (runs_dir / "p" / "trajectories.png").exists()
+    rc, err = run_main(capsys, "sample", str(runs_dir / "p"), "--n", "32", "--out", str(tmp_path / "s.png"))
+    assert rc == 0 and (tmp_path / "s.png").exists(), err
+    assert main(["eval", str(runs_dir / "p"), "--seeds", "1"]) == 0
+    assert "W2 on normal -> " in capsys.readouterr().out
+
+
 def test_report_on_user_points_has_no_paper_number(runs_dir, tmp_path, capsys):
     np.save(tmp_path / "points.npy", np.random.default_rng(0).normal(size=(300, 2)).astype(np.float32))
     args = ["moons", *TINY_2D, "eval.steps=[10]", f"data.target={tmp_path / 'points.npy'}", "--name", "u"]

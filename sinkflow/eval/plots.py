@@ -12,26 +12,54 @@ import torch  # noqa: E402
 
 
 def scatter_samples(generated: torch.Tensor, target: torch.Tensor, path: Path, title: str = "") -> Path:
+    """Generated over target points: a scatter of the first two coordinates (rows of any shape are flattened), or
+    two histograms for one-dimensional points."""
+    generated, target = flat(generated), flat(target)
     fig, ax = plt.subplots(figsize=(5, 5))
+    if generated.shape[1] == 1:
+        bins = torch.linspace(float(min(generated.min(), target.min())), float(max(generated.max(), target.max())), 61)
+        ax.hist(target[:, 0].numpy(), bins=bins.numpy(), density=True, alpha=0.5, label="target", color="tab:blue")
+        ax.hist(generated[:, 0].numpy(), bins=bins.numpy(), density=True, alpha=0.5, label="generated",
+                color="tab:orange")
+        return _save(fig, ax, title, path, markerscale=1, equal=False)
     ax.scatter(target[:, 0], target[:, 1], s=3, alpha=0.5, label="target", c="tab:blue")
     ax.scatter(generated[:, 0], generated[:, 1], s=3, alpha=0.5, label="generated", c="tab:orange")
-    return _save(fig, ax, title, path, markerscale=4)
+    return _save(fig, ax, title + two_of(generated), path, markerscale=4)
 
 
 def trajectories(path_states: torch.Tensor, path: Path, title: str = "", n_paths: int = 256) -> Path:
-    """``path_states``: (steps+1, N, 2). Source in black, paths in grey, end points in orange."""
-    p = path_states[:, :n_paths]
+    """``path_states``: (steps+1, N, *shape). Source in black, paths in grey, end points in orange: in the plane of
+    the first two coordinates, or against time for one-dimensional points."""
+    p = path_states[:, :n_paths].reshape(path_states.shape[0], min(n_paths, path_states.shape[1]), -1)
     fig, ax = plt.subplots(figsize=(5, 5))
+    if p.shape[2] == 1:
+        t = torch.linspace(0, 1, p.shape[0])
+        ax.plot(t, p[:, :, 0], c="grey", alpha=0.3, lw=0.5)
+        ax.scatter(torch.zeros(p.shape[1]), p[0, :, 0], s=4, c="black", label="source")
+        ax.scatter(torch.ones(p.shape[1]), p[-1, :, 0], s=4, c="tab:orange", label="generated")
+        ax.set_xlabel("flow time")
+        return _save(fig, ax, title, path, markerscale=3, equal=False)
     ax.plot(p[:, :, 0], p[:, :, 1], c="grey", alpha=0.3, lw=0.5)
     ax.scatter(p[0, :, 0], p[0, :, 1], s=4, c="black", label="source")
     ax.scatter(p[-1, :, 0], p[-1, :, 1], s=4, c="tab:orange", label="generated")
-    return _save(fig, ax, title, path, markerscale=3)
+    return _save(fig, ax, title + two_of(p[0]), path, markerscale=3)
 
 
-def _save(fig, ax, title: str, path: Path, markerscale: int) -> Path:
+def flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(len(x), -1)
+
+
+def two_of(x: torch.Tensor) -> str:
+    """A title's note when the plane shown is two of more coordinates."""
+    d = flat(x).shape[1]
+    return f"\n(coordinates 1-2 of {d})" if d > 2 else ""
+
+
+def _save(fig, ax, title: str, path: Path, markerscale: int, equal: bool = True) -> Path:
     ax.set_title(title, fontsize=9)
     ax.legend(loc="upper right", markerscale=markerscale)
-    ax.set_aspect("equal")
+    if equal:
+        ax.set_aspect("equal")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -13,7 +13,9 @@ from sinkflow import data, methods
 
 
 def is_points(cfg: dict) -> bool:
-    return len(data.sample_shape(cfg)) == 1
+    """Evaluated as a point cloud (exact W2, scatter plots): vectors, and a user's point file of any row shape
+    (an (N, C, H, W) array has no image set's test split or classifier: its rows are points, W2 on them flattened)."""
+    return len(data.sample_shape(cfg)) == 1 or isinstance(data.distributions(cfg)[1], data.PointFile)
 
 
 def evaluate(run, seeds: int | None = None, n: int | None = None) -> str:
