@@ -93,3 +93,32 @@ def test_pool_build_resumes_from_last_finished_chunk(tmp_path):
     for key in ("x", "v", "t"):
         np.testing.assert_array_equal(np.load(tmp_path / f"runs/ref/pool/{key}.npy"),
                                       np.load(tmp_path / f"runs/k/pool/{key}.npy"))
+
+
+def test_a_signal_after_the_last_step_skips_the_report_and_keeps_the_run(tmp_path, monkeypatch):
+    """A SIGTERM that lands after the last phase's last step check (while final.pt is written) used to be dropped:
+    the evaluation report then ran for minutes on an image run. It now stops before the report, with the usual
+    resume line; everything is saved, and the resume of the finished run only reports."""
+    import pytest
+
+    from helpers import TINY_2D
+    from sinkflow import config
+    from sinkflow.engine.experiment import train_run
+    from sinkflow.runtime.callbacks import Callback
+    from sinkflow.runtime.signals import Interrupted
+
+    class SigtermAtTheEnd(Callback):
+        def on_phase_end(self, trainer):
+            if trainer.name == "velocity":
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler only records it: nothing checks it any more
+
+    monkeypatch.chdir(tmp_path)
+    reports = []
+    cfg = config.resolve("moons", ["experiment.name=t", *[a for a in TINY_2D if "=" in a], "train.velocity.iters=6",
+                                   "experiment.device=cpu"])
+    with pytest.raises(Interrupted) as e:
+        train_run(cfg, callbacks=[SigtermAtTheEnd()], then=reports.append)
+    assert (e.value.signum, e.value.phase, e.value.step) == (signal.SIGTERM, "velocity", 6) and reports == []
+    assert (tmp_path / "runs" / "t" / "checkpoints" / "velocity" / "final.pt").exists()
+    run = train_run(resume=tmp_path / "runs" / "t", then=reports.append)
+    assert reports == [run]

@@ -21,7 +21,7 @@ from sinkflow.runtime.callbacks import Callback
 from sinkflow.runtime.lock import unlock_run
 from sinkflow.runtime.rng import phase_generator
 from sinkflow.runtime.run_folder import RunFolder, build_phase_model
-from sinkflow.runtime.signals import Interrupted, graceful_stop
+from sinkflow.runtime.signals import Interrupted, graceful_stop, stop_requested
 from sinkflow.runtime.state_check import check_final, check_step_state
 from sinkflow.engine.trainer import Trainer
 
@@ -31,16 +31,22 @@ log = logging.getLogger("sinkflow")
 def run_phases(run, phases, callbacks: Iterable[Callback] = ()) -> None:
     """Each unfinished task through its own ``Trainer`` (``callbacks`` go to every one of them)."""
     callbacks = list(callbacks)
+    last = None
     with graceful_stop():
         for task in phases:
             if run.phase_done(task.name):
                 log.info("phase %s already finished: skipped", task.name)
                 continue
             run.logger.heartbeat(phase=task.name, step=0, state="starting")
-            Trainer(run, task, callbacks).fit()  # the trainer (model, optimizer, buffers) is dropped here
+            trainer = Trainer(run, task, callbacks)
+            trainer.fit()
+            last = (task.name, trainer.progress)
+            del trainer  # the trainer (model, optimizer, buffers) is dropped here
             run.release()
         run.logger.heartbeat(phase="done", state="finished")
         run.logger.flush()
+        if stop_requested() is not None and last is not None:  # a signal after the last step check: the report
+            raise Interrupted(stop_requested(), *last)  # (minutes on images) is skipped as asked; all is saved
 
 
 def check_run(cfg: dict) -> None:
