@@ -395,6 +395,24 @@ def test_point_files_of_one_coordinate_or_image_rows_report_sample_and_eval(runs
     assert "W2 on normal -> " in capsys.readouterr().out
 
 
+def test_points_far_larger_than_the_blur_are_warned_about_before_the_pool(runs_dir, tmp_path, caplog):
+    """Points at a scale of 1e6 with the default blur 0.2 trained to garbage (W2 1.4e6) with only the max_iters
+    warning's advice; the pool now says, before its first solve, that blur is a length in the data's units."""
+    import logging
+
+    pts = np.random.default_rng(0).normal(size=(300, 2)).astype(np.float32)
+    np.save(tmp_path / "huge.npy", pts * 1e6)
+    np.save(tmp_path / "unit.npy", pts)
+    for name in ("huge", "unit"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sinkflow"):
+            assert main(["train", "moons", *TINY_2D, f"data.target={tmp_path / name}.npy", "--name", name,
+                         "--no-report"]) == 0
+        warned = [r.getMessage() for r in caplog.records if "standardise the data" in r.getMessage()]
+        assert len(warned) == (1 if name == "huge" else 0), warned
+        assert all("x sinkhorn.blur=0.2: blur is a length in the data's units" in w for w in warned)
+
+
 def test_report_on_user_points_has_no_paper_number(runs_dir, tmp_path, capsys):
     np.save(tmp_path / "points.npy", np.random.default_rng(0).normal(size=(300, 2)).astype(np.float32))
     args = ["moons", *TINY_2D, "eval.steps=[10]", f"data.target={tmp_path / 'points.npy'}", "--name", "u"]
