@@ -68,6 +68,9 @@ def test_sigterm_writes_a_checkpoint_then_resume_finishes(tmp_path):
     assert "resume with" in err
     steps = list((ckdir / "velocity").glob("step_*.pt"))
     assert len(steps) == 1  # written on SIGTERM even though ckpt_every was never reached
+    status = cli("status", str(tmp_path / "runs/term"), cwd=tmp_path)  # a clean stop is not a dead run
+    assert status.returncode == 1 and "STOPPED (by signal 15 at velocity step" in status.stdout, status.stdout
+    assert "checkpoint saved; resume with `sinkflow train --resume" in status.stdout and "DEAD" not in status.stdout
     resumed = cli("train", "--resume", str(tmp_path / "runs/term"), "--no-report", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert final_weights(tmp_path / "runs/term")["step"] == 600

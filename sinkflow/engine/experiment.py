@@ -39,14 +39,19 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = ()) -> None:
                 continue
             run.logger.heartbeat(phase=task.name, step=0, state="starting")
             trainer = Trainer(run, task, callbacks)
-            trainer.fit()
+            try:
+                trainer.fit()
+            except Interrupted as exc:  # `sinkflow status` says STOPPED (checkpoint saved), not DEAD
+                run.logger.heartbeat(phase=exc.phase, step=exc.step, state="stopped", signal=exc.signum)
+                raise
             last = (task.name, trainer.progress)
             del trainer  # the trainer (model, optimizer, buffers) is dropped here
             run.release()
         run.logger.heartbeat(phase="done", state="finished")
         run.logger.flush()
         if stop_requested() is not None and last is not None:  # a signal after the last step check: the report
-            raise Interrupted(stop_requested(), *last)  # (minutes on images) is skipped as asked; all is saved
+            # (minutes on images) is skipped as asked; all is saved, and status says FINISHED
+            raise Interrupted(stop_requested(), *last)
 
 
 def check_run(cfg: dict) -> None:

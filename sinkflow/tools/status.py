@@ -7,6 +7,7 @@ works while the run is going, after it finished, and after it died. A run is
 * ``running``: the heartbeat is younger than ``stale_after`` and its pid is alive (when on this host);
 * ``stale``: the heartbeat is older than ``stale_after`` (hung, or a very long log interval);
 * ``dead``: the pid of the heartbeat is not alive on this host and the run did not finish.
+* ``stopped``: a signal stopped it after its checkpoint was written (``sinkflow train --resume`` continues).
 
 The ETA is the current phase's; the phases still to come after it are listed with their size (from the run's
 ``config.yaml`` and its method's phase list, ``config.schema.METHOD_REGISTRY``), and where one trains the current
@@ -94,6 +95,8 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     out["pid_alive"] = alive
     if hb.get("state") == "finished":
         state = "finished"
+    elif hb.get("state") == "stopped" and alive is not True:  # by a signal, after its checkpoint was written
+        state = "stopped"
     elif not hb:
         state = "not started"
     elif alive is False:
@@ -187,6 +190,9 @@ def format_status(st: dict) -> str:
     why = ""
     if state == "dead":
         why = f" (pid {hb.get('pid')} is not running; resume with `sinkflow train --resume {st['run']}`)"
+    elif state == "stopped":
+        why = (f" (by signal {hb.get('signal')} at {hb.get('phase')} step {hb.get('step')}, checkpoint saved; "
+               f"resume with `sinkflow train --resume {st['run']}`)")
     elif state == "stale":
         why = f" (no heartbeat for {_dur(age)}; hung, or log_every is very long)"
     host = f" on {hb['host']}" if hb.get("host") else ""
