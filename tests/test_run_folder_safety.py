@@ -421,3 +421,5 @@ def test_report_on_user_points_has_no_paper_number(runs_dir, tmp_path, capsys):
     assert main(["eval", str(runs_dir / "u"), "--seeds", "1"]) == 0
     out = capsys.readouterr().out
     assert "points.npy" in out and "0.077" not in out, out  # 0.077: the paper's NSGF W2 on moons at 10 steps
+    # what the W2 compared, said as it is: no held-out rows, so not "stratified test points"
+    assert "QMC source draws vs test points drawn from the file's training rows (data.test_rows=0)" in out, out

@@ -117,10 +117,29 @@ def is_paper_task(cfg: dict) -> bool:
     return all(cfg["data"].get(k) == own.get(k) for k in ("source", "target"))
 
 
-def format_table(rows: list[dict], method: str, task: str, paper_label: str = "", protocol: str = "qmc") -> str:
-    """The W2 table; a "paper <label>" column only where the method has the paper's numbers for the task."""
-    draws = ("i.i.d. source draws vs i.i.d. test points" if protocol == "iid"
-             else "QMC source draws vs stratified test points")
+def draws(cfg: dict, protocol: str | None = None) -> str:
+    """What the W2 compared, in words: how the source was drawn (QMC only where it has a twin) and what the test
+    points are (a point file's held-out rows, or draws from its rows, are neither stratified nor fresh)."""
+    protocol = protocol or cfg["eval"]["protocol"]
+    source, target = data.distributions(cfg)
+    if protocol == "iid":
+        drawn = "i.i.d. source draws"
+    else:
+        drawn = "QMC source draws" if data.qmc_twin(source) is not source else "i.i.d. source draws (no QMC twin)"
+    if isinstance(target, data.PointFile):
+        test = (f"the file's {target.test_rows} held-out rows" if target.test_rows
+                else "test points drawn from the file's training rows (data.test_rows=0)")
+    else:
+        test = "i.i.d. test points" if protocol == "iid" else "stratified test points"
+    return f"{drawn} vs {test}"
+
+
+def format_table(rows: list[dict], method: str, task: str, paper_label: str = "", protocol: str = "qmc",
+                 compared: str | None = None) -> str:
+    """The W2 table; a "paper <label>" column only where the method has the paper's numbers for the task.
+    ``compared``: :func:`draws` of the run (default: the protocol's words for a built-in distribution)."""
+    draws = compared or ("i.i.d. source draws vs i.i.d. test points" if protocol == "iid"
+                         else "QMC source draws vs stratified test points")
     has_paper = any(r.get("paper") is not None for r in rows)
     head = f" {'paper ' + paper_label:>11}" if has_paper else ""
     lines = [f"W2 on {task} ({method}), exact OT (POT emd2), {draws} (eval.protocol={protocol}), "
