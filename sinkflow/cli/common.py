@@ -68,7 +68,7 @@ def check_counts(args) -> None:
         value = getattr(args, attr, None)
         if value is not None and value < 1:
             raise SinkflowError(f"{flag} {value} must be a whole number >= 1",
-                                f"e.g. {flag} {example}, or leave it out for the run's default")
+                                f"e.g. {flag} {example}, or leave it out for the default")
         if value is not None and most is not None and value > most:
             raise SinkflowError(f"{flag} {value} is more than {most:,}", f"use {flag} {most:,} or fewer")
 
