@@ -35,7 +35,7 @@ def test_help_status_and_config_errors_answer_before_torch_loads(tmp_path):
     import sys
 
     calls = [["status", str(tmp_path)], ["train", "moons", "pool.stepz=3"], ["sample", "RUN", "--out", "x.txt"],
-             ["eval"], ["bench", "moons", "--warmup", "-1"]]
+             ["eval"], ["bench", "moons", "--warmup", "-1"], ["bench", "moons", "--profile", "--throughput"]]
     code = ("import sys\nfrom sinkflow.cli import main\nfor argv in %r:\n    try:\n        print(main(argv))\n"
             "    except SystemExit as exc:\n        print(exc.code)\nprint('torch' in sys.modules)\n" % calls)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
@@ -43,6 +43,7 @@ def test_help_status_and_config_errors_answer_before_torch_loads(tmp_path):
     assert "not a sinkflow run folder" in out.stderr and "unknown config key 'pool.stepz'" in out.stderr
     assert "must end in .npy or .png" in out.stderr and "required: RUN" in out.stderr
     assert "--warmup -1 is not a valid budget" in out.stderr
+    assert "--throughput: not allowed with argument --profile" in out.stderr  # was: throughput, silently
 
 
 def test_wrong_type(tmp_path):

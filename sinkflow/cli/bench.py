@@ -20,10 +20,11 @@ def add_parser(sub):
                        description="Run N steps of every training phase and report the fraction of step time spent "
                                    "waiting for data (batch creation + host-to-device copy) versus compute.")
     add_config_args(p)
-    p.add_argument("--profile", action="store_true", help="split each step into data wait and compute, with a "
-                   "device sync per step (the default)")
-    p.add_argument("--throughput", action="store_true", help="steps/s, samples/s, data wait, device busy and "
-                   "the fraction of the device's peak FLOP/s per phase, with no per-step sync")
+    mode = p.add_mutually_exclusive_group()  # one measurement per call: each is its own set of timed steps
+    mode.add_argument("--profile", action="store_true", help="split each step into data wait and compute, with a "
+                      "device sync per step (the default)")
+    mode.add_argument("--throughput", action="store_true", help="steps/s, samples/s, data wait, device busy and "
+                      "the fraction of the device's peak FLOP/s per phase, with no per-step sync")
     p.add_argument("--steps", type=int, default=30, help="timed steps per training phase (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (allocation, compile; default 5)")
     p.set_defaults(func=run)
