@@ -229,3 +229,30 @@ def test_bad_flow_config_fails_before_work(args, needles, runs_dir, capsys):
     assert main(["train", "flow-digits", *TINY, *args]) == 2
     one_line(capsys, *needles)
     assert not runs_dir.exists()
+
+
+def test_a_level_count_that_rounds_the_data_away_is_warned_about(caplog):
+    """flow-digits' n_bins=17 (sklearn digits' native levels) kept on a folder of 8-bit images fitted and scored a
+    density over images rounded to 17 levels in silence; the flow now warns before its phase runs. 17 on the digits
+    themselves, 256 on 8-bit images and 32 (a divisor of 256: Glow's deliberate bit reduction) stay quiet."""
+    import logging
+
+    from sinkflow.data.images import ImageDistribution
+
+    rng = np.random.default_rng(0)
+    eight_bit = rng.integers(0, 256, size=(40, 1, 8, 8), dtype=np.uint8)
+    digits_like = np.round(rng.integers(0, 17, size=(40, 1, 8, 8)) * 255 / 16).astype(np.uint8)
+    cases = [(eight_bit, 17, 1), (digits_like, 17, 0), (eight_bit, 256, 0), (eight_bit, 32, 0)]
+    for images, n_bins, expected in cases:
+        target = ImageDistribution("x", images, images[:8], None, None)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sinkflow"):
+            flow_method.warn_levels(target, n_bins, "folder")
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == expected, (n_bins, warned)
+    cfg = config.resolve("flow-digits", ["data.target=folder", "data.path=x"], unread="ignore")
+    with caplog.at_level(logging.WARNING, logger="sinkflow"):
+        caplog.clear()
+        methods.of(cfg).phases(cfg, None, ImageDistribution("folder", eight_bit, eight_bit[:8], None, None))
+    assert ["model.flow.n_bins=17 but data.target=folder has 256 pixel levels in its first 40 images" in r.getMessage()
+            for r in caplog.records] == [True]

@@ -20,6 +20,7 @@ import math
 import statistics
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from sinkflow import data
@@ -140,6 +141,20 @@ def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
     build_model("flow", {**m, "depth_per_level": 1, "hidden_channels": 2}, sample_shape)
 
 
+def warn_levels(target, n_bins: int, name: str, first: int = 2000) -> None:
+    """Warn when ``n_bins`` rounds the data's pixel levels away: ``n_bins`` that does not divide 256 (flow-digits'
+    17, sklearn digits' native levels) on images with more levels than that (a folder's 8-bit images) would fit and
+    score a density over rounded images. A divisor of 256 is Glow's deliberate bit reduction: no warning."""
+    images = getattr(target, "images", None)
+    if images is None or 256 % n_bins == 0:
+        return
+    levels = int(np.count_nonzero(np.bincount(np.asarray(images[:first]).ravel(), minlength=256)))
+    if levels > n_bins:
+        log.warning("model.flow.n_bins=%d but data.target=%s has %d pixel levels in its first %d images: the flow "
+                    "fits and scores them rounded to %d levels; set model.flow.n_bins=256 for 8-bit images",
+                    n_bins, name, levels, min(first, len(images)), n_bins)
+
+
 @torch.no_grad()
 def decode(model, eps: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Model-space sample from standard-normal noise ``eps`` (N, *in_shape): the prior's reparameterisation.
@@ -250,6 +265,7 @@ class NormalizingFlow(Method):
 
     def phases(self, cfg, source, target):
         check(cfg, tuple(target.shape))
+        warn_levels(target, cfg["model"]["flow"]["n_bins"], cfg["data"]["target"])
         return [FlowStep(target, cfg["model"]["flow"]["n_bins"])]
 
     def default_steps(self, cfg: dict) -> int:
