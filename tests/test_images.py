@@ -170,6 +170,9 @@ def test_class_columns_use_eval_class_n_samples(runs_dir, tmp_path, monkeypatch)
     assert seen["clf"] == [8, 40, 40]  # the held-out reference once, then class_n generated per seed
     assert result["protocol"]["class_n"] == 40 and "40 generated" in result["protocol"]["classifier"]
     assert 0.0 <= result["rows"][0]["tv"] <= 1.0
+    seen["clf"].clear()  # `sinkflow eval --n` is every metric's sample count: not the run's class_n as well
+    assert main(["eval", str(runs_dir / "c"), "--seeds", "1", "--n", "6"]) == 0  # the run: digits' class_n 3,590
+    assert seen["clf"] == [6, 6]
 
 
 def test_nfe_is_counted_per_network(runs_dir, tmp_path):

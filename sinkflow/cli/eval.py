@@ -14,7 +14,8 @@ def add_parser(sub):
                        epilog="example: sinkflow eval runs/moons-nsgf-20261122-120000 --seeds 5")
     p.add_argument("run_dir", metavar="RUN")
     p.add_argument("--seeds", type=int, help="sampling seeds (default eval.seeds)")
-    p.add_argument("--n", type=int, help="test samples (default eval.n)")
+    p.add_argument("--n", type=int, help="samples per seed for every metric (default eval.n, and eval.class_n for "
+                   "the image classifier's columns)")
     p.set_defaults(func=run)
 
 
@@ -23,6 +24,8 @@ def run(args):
     from sinkflow.runtime.run_folder import RunFolder
 
     run_ = RunFolder.open(args.run_dir)
+    if args.n:  # --n 32 is a quick look: the classifier columns too (digits' class_n is 3,590 samples a seed)
+        run_.cfg = {**run_.cfg, "eval": {**run_.cfg["eval"], "class_n": None}}
     n = args.n or run_.cfg["eval"]["n"]
     check_sample_memory(n, run_.cfg, "--n" if args.n else "eval.n", exact_w2=is_points(run_.cfg))
     run_.logger.best_effort = True  # a read-only run folder: the scores are printed, the record is skipped
