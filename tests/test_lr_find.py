@@ -3,6 +3,7 @@
 import copy
 import math
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -106,11 +107,12 @@ def test_plot_and_write(tmp_path):
     assert "0.0003" in cfg.read_text()
 
 
-def test_lr_find_cli_on_a_preset_writes_the_run_config(runs_dir):
+def test_lr_find_cli_on_a_run_writes_the_config_of_an_unfinished_phase(runs_dir):
     from helpers import TINY_2D, cli
 
     assert cli("train", "moons", *TINY_2D, "--name", "r", "--no-report", cwd=runs_dir.parent).returncode == 0
     run = runs_dir / "r"
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()  # stopped after step 6: velocity has not finished
     out = cli("lr-find", str(run), "--steps", "40", "--end-lr", "1", "--out", "lr.png", "--write", str(run),
               cwd=runs_dir.parent)
     assert out.returncode == 0, out.stderr
@@ -119,3 +121,114 @@ def test_lr_find_cli_on_a_preset_writes_the_run_config(runs_dir):
 
     lr = yaml.safe_load((run / "config.yaml").read_text())["train"]["velocity"]["lr"]
     assert lr != 0.001 and f"train.velocity.lr={lr:.3g}" in out.stdout
+
+
+# ---- bad arguments and write targets: one line, before a pool is built or a step taken ---------------------
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if lr-find gets as far as building a workspace, opening a run's phase or sweeping."""
+    from sinkflow.tools import lr_find, phases
+
+    def forbidden(*a, **k):
+        raise AssertionError("lr-find started work before refusing its arguments")
+
+    for mod, name in ((phases, "workspace"), (phases, "open_run_phase"), (lr_find, "phase_lr_find")):
+        monkeypatch.setattr(mod, name, forbidden)
+
+
+def refused(capsys, *argv) -> str:
+    from sinkflow.cli import main
+
+    rc = main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("sinkflow: error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--start-lr", "1", "--end-lr", "1e-3"], ["--end-lr 0.001", "above --start-lr 1"]),
+    (["--start-lr", "0"], ["--start-lr 0", "positive"]),
+    (["--start-lr", "nan"], ["--start-lr nan"]),
+    (["--end-lr", "inf"], ["--end-lr inf"]),
+    (["--steps", "1"], ["--steps 1", "--steps 2 or more"]),
+    (["--diverge", "0.5"], ["--diverge 0.5", "above 1"]),
+    (["--out", "lr.txt"], ["--out lr.txt", ".png"]),
+    (["--out", "lr"], ["--out lr", ".png"]),
+    (["--write", "nope"], ["--write nope", "run folder", ".yaml"]),
+])
+def test_bad_arguments_are_one_line_before_any_work(runs_dir, capsys, no_work, args, needles):
+    runs_dir.mkdir()
+    line = refused(capsys, "lr-find", "moons", "--device", "cpu", *args)
+    for needle in needles:
+        assert needle in line, line
+    assert sorted(p.name for p in runs_dir.parent.iterdir()) == ["runs"]  # no plot, no stray `nope`, no run
+
+
+def test_write_to_a_folder_that_is_not_a_run_is_refused(runs_dir, capsys, no_work):
+    (runs_dir / "empty").mkdir(parents=True)
+    line = refused(capsys, "lr-find", "moons", "--write", str(runs_dir / "empty"))
+    assert "not a sinkflow run folder (no config.yaml)" in line
+    assert list((runs_dir / "empty").iterdir()) == []
+
+
+@pytest.mark.parametrize("target", ["RUN", "RUN/config.yaml"])
+def test_write_to_a_finished_phase_is_refused_before_the_sweep(tiny_run, tmp_path, monkeypatch, capsys, no_work,
+                                                                 target):
+    """As `train --resume RUN train.velocity.lr=X` is refused once velocity has finished: the run trained with
+    the rate config.yaml holds, so a new one would have no effect and make config.yaml lie."""
+    import shutil
+
+    from helpers import bytes_snapshot
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "base"
+    shutil.copytree(tiny_run, run)
+    before = bytes_snapshot(run)
+    where = str(run) if target == "RUN" else str(run / "config.yaml")
+    for source in ("moons", str(run)):
+        line = refused(capsys, "lr-find", source, "--device", "cpu", "--write", where)
+        assert "phase 'velocity' has finished (trained with train.velocity.lr=0.001)" in line, line
+        assert "drop --write" in line
+    assert bytes_snapshot(run) == before and not (tmp_path / "lr_find.png").exists()
+
+
+def test_library_refuses_the_same_way(tiny_run, tmp_path):
+    """The API keeps its own checks: write_lr refuses a finished phase and a non-run target, and
+    lr_range_test a bad range, as SinkflowError (one line), not ValueError."""
+    import shutil
+
+    from sinkflow.errors import SinkflowError
+
+    run = tmp_path / "base"
+    shutil.copytree(tiny_run, run)
+    with pytest.raises(SinkflowError, match="has finished"):
+        write_lr(run, "train.velocity.lr", 3e-4)
+    with pytest.raises(SinkflowError, match="neither a run folder"):
+        write_lr(tmp_path / "nope", "train.velocity.lr", 3e-4)
+    assert not (tmp_path / "nope").exists()
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()
+    assert write_lr(run, "train.velocity.lr", 3e-4) == run / "config.yaml"
+    model, batch_fn, loss_fn = problem()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for kw in ({"start_lr": 1.0, "end_lr": 1e-3}, {"start_lr": 0.0}, {"steps": 1}):
+        with pytest.raises(SinkflowError, match="start_lr|end_lr|steps") as e:
+            lr_range_test(model, opt, loss_fn, batch_fn, **kw)
+        assert "\n" not in str(e.value)
+    with pytest.raises(SinkflowError, match="does not end in an image format"):
+        plot(lr_range_test(model, opt, loss_fn, batch_fn, steps=10), tmp_path / "lr.txt")
+
+
+def test_bad_arguments_answer_before_torch_loads(tmp_path):
+    """The range, the plot file and a non-run --write target are refused without importing torch (seconds
+    on a busy box), as `sample` and `bench` refuse theirs."""
+    import subprocess
+    import sys
+
+    calls = [["lr-find", "moons", "--steps", "1"], ["lr-find", "moons", "--start-lr", "1", "--end-lr", "1e-3"],
+             ["lr-find", "moons", "--out", "lr.txt"], ["lr-find", "moons", "--write", "nope"]]
+    code = ("import sys\nfrom sinkflow.cli import main\nfor argv in %r:\n    print(main(argv))\n"
+            "print('torch' in sys.modules)\n" % calls)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.stdout.split() == ["2"] * len(calls) + ["False"], out.stdout + out.stderr
+    assert list(tmp_path.iterdir()) == []

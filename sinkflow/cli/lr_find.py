@@ -26,21 +26,56 @@ def add_parser(sub):
     p.add_argument("--diverge", type=float, default=4.0, help="stop when the smoothed loss exceeds this x best")
     p.add_argument("--out", default="lr_find.png", help="plot file (default lr_find.png)")
     p.add_argument("--choose", choices=("conservative", "moderate", "aggressive"), default="moderate")
-    p.add_argument("--write", metavar="RUN_OR_CONFIG", help="write the chosen rate as train.<phase>.lr there")
+    p.add_argument("--write", metavar="RUN_OR_CONFIG", help="write the chosen rate as train.<phase>.lr into a run "
+                   "folder whose phase has not finished, or a .yaml file")
     p.set_defaults(func=run, command_name="lr-find")
 
 
-def run(args):
+def check_args(args) -> Path | None:
+    """The sweep range, the plot file and where --write goes, checked before torch loads or a pool is built (each
+    used to fail with a traceback, the plot file only after the whole sweep); returns the --write run folder."""
+    from sinkflow.tools.lr_find import check_plot_path, check_sweep, write_target
+
+    check_sweep(args.start_lr, args.end_lr, args.steps, args.diverge, flags=True)
+    check_plot_path(Path(args.out))
+    if args.write:
+        target, is_run = write_target(Path(args.write))
+        return target if is_run else None
+    return None
+
+
+def phase_and_key(cfg: dict, name: str | None) -> tuple[str, str]:
+    """(phase, its model key) lr-find will sweep: the named training phase or the first."""
+    from sinkflow import data, methods
     from sinkflow.errors import SinkflowError
-    from sinkflow.tools.lr_find import phase_lr_find, plot, write_lr
+    from sinkflow.methods.base import TrainingStep
+
+    steps = [p for p in methods.of(cfg).phases(cfg, *data.distributions(cfg)) if isinstance(p, TrainingStep)]
+    if not steps:
+        raise SinkflowError(f"method {methods.of(cfg).name} has no training phase", "pick another method")
+    chosen = next((p for p in steps if p.name == (name or steps[0].name)), None)
+    if chosen is None:
+        raise SinkflowError(f"no training phase '{name}'", f"choose one of: {', '.join(p.name for p in steps)}")
+    return chosen.name, chosen.model_key
+
+
+def run(args):
+    write_run = check_args(args)
+    from sinkflow.errors import SinkflowError
+    from sinkflow.runtime.run_folder import read_config
+    from sinkflow.tools.lr_find import phase_lr_find, plot, refuse_finished_phase, write_lr
     from sinkflow.tools.phases import open_run_phase, workspace
 
+    from_run = Path(args.preset).is_dir()
+    cfg = None if from_run else resolve_args(args)
+    if write_run is not None:  # before the pool and the sweep: a finished phase's rate is not rewritten
+        name, key = phase_and_key(cfg or read_config(Path(args.preset)), args.phase)
+        refuse_finished_phase(write_run, f"train.{key}.lr", name)
     with tempfile.TemporaryDirectory(prefix="sinkflow-lrfind-") as tmp:
-        if Path(args.preset).is_dir():
+        if from_run:
             run_, phase = open_run_phase(Path(args.preset), args.phase)
             label = args.preset
         else:
-            cfg = resolve_args(args)
             run_, phase = workspace(cfg, args.phase, Path(tmp))
             label = cfg["experiment"]["preset"]
         res = phase_lr_find(phase, start_lr=args.start_lr, end_lr=args.end_lr, steps=args.steps, diverge=args.diverge)
@@ -54,6 +89,6 @@ def run(args):
             raise SinkflowError("the sweep gave no suggestion, nothing written",
                                 "widen --start-lr/--end-lr or raise --steps")
         lr = res.suggestions[args.choose]
-        where = write_lr(Path(args.write), f"train.{phase.task.model_key}.lr", lr)
+        where = write_lr(Path(args.write), f"train.{phase.task.model_key}.lr", lr, phase.task.name)
         print(f"  wrote train.{phase.task.model_key}.lr={lr:.3g} ({args.choose}) to {where}")
     return 0

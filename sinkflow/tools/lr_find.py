@@ -17,6 +17,9 @@ Changing the number of processes: the runner multiplies ``train.<phase>.lr`` by 
 world)`` (``train.<phase>.lr_scaling``): ``linear`` (x N, Goyal et al. for SGD at large batch),
 ``sqrt`` (x sqrt(N), the default: Adam's update size does not grow linearly with the batch), or
 ``none``. Run lr-find at the batch you will train with per process and write the per-1-process rate.
+
+torch and numpy are imported where they are used: the CLI checks its arguments with ``check_sweep``,
+``check_plot_path`` and ``write_target`` before any of them loads (a bad argument is refused in a moment).
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import numpy as np
-import torch
+from sinkflow.errors import SinkflowError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -51,6 +56,9 @@ class LRFindResult:
 
 
 def _snapshot(model, optimizer):
+    import numpy as np
+    import torch
+
     return {
         "model": copy.deepcopy(model.state_dict()),
         "optimizer": copy.deepcopy(optimizer.state_dict()),
@@ -62,6 +70,9 @@ def _snapshot(model, optimizer):
 
 
 def _restore(model, optimizer, snap) -> None:
+    import numpy as np
+    import torch
+
     model.load_state_dict(snap["model"])
     optimizer.load_state_dict(snap["optimizer"])
     for p, g in zip(model.parameters(), snap["grads"]):
@@ -75,6 +86,26 @@ def _restore(model, optimizer, snap) -> None:
     model.train(snap["training"])
 
 
+def check_sweep(start_lr: float, end_lr: float, steps: int, diverge: float, flags: bool = False) -> None:
+    """Refuse a sweep that cannot run or cannot stop sensibly, before any step (``flags``: name the CLI's
+    ``--start-lr`` ... instead of the parameters). ``diverge`` <= 1 would end the sweep at the first noisy uptick."""
+    def name(param: str) -> str:
+        return "--" + param.replace("_", "-") if flags else param
+
+    if not (math.isfinite(start_lr) and start_lr > 0):
+        raise SinkflowError(f"{name('start_lr')} {start_lr:g} must be a positive learning rate",
+                            f"e.g. {name('start_lr')} 1e-7 (the default)")
+    if not (math.isfinite(end_lr) and end_lr > start_lr):
+        raise SinkflowError(f"{name('end_lr')} {end_lr:g} must be above {name('start_lr')} {start_lr:g} (the sweep "
+                            "goes up)", f"e.g. {name('start_lr')} 1e-7 {name('end_lr')} 10 (the defaults)")
+    if steps < 2:
+        raise SinkflowError(f"{name('steps')} {steps} is too few for a sweep (it needs a first and a last rate)",
+                            f"use {name('steps')} 2 or more (default 100)")
+    if not (math.isfinite(diverge) and diverge > 1):
+        raise SinkflowError(f"{name('diverge')} {diverge:g} must be above 1 (the sweep stops when the smoothed loss "
+                            "exceeds this many times its best)", f"e.g. {name('diverge')} 4 (the default)")
+
+
 def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable | None,
                   batch_fn: Callable, start_lr: float = 1e-7, end_lr: float = 10.0, steps: int = 100,
                   beta: float = 0.98, diverge: float = 4.0, max_nan: int = 3, restore: bool = True,
@@ -83,8 +114,7 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
     backward + ``optimizer.step()`` (e.g. with a GradScaler). ``train_step(batch) -> loss`` replaces the
     whole step (the engine's ``Trainer.train_step``: accumulation, clipping, precision...); a non-finite step
     raises ``NonFiniteStep`` before it is applied and is recorded as a gap."""
-    if not (0 < start_lr < end_lr) or steps < 2:
-        raise ValueError("need 0 < start_lr < end_lr and steps >= 2")
+    check_sweep(start_lr, end_lr, steps, diverge)
     res = LRFindResult()
     snap = _snapshot(model, optimizer)
     mult = (end_lr / start_lr) ** (1.0 / (steps - 1))
@@ -141,6 +171,8 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
 
 def suggest(res: LRFindResult) -> None:
     """Fill ``res.suggestions`` from the smoothed curve (see the module docstring)."""
+    import numpy as np
+
     lrs = np.array(res.lrs)
     sm = np.array(res.smoothed, dtype=float)
     ok = np.isfinite(sm)
@@ -164,7 +196,23 @@ def suggest(res: LRFindResult) -> None:
     res.suggestions = {"conservative": lo / 3, "moderate": math.sqrt(lo * hi), "aggressive": hi}
 
 
+def check_plot_path(path: Path, flag: str = "--out") -> None:
+    """Refuse a plot file matplotlib cannot write (a suffix it does not know, a folder) before the sweep, not
+    after it; the formats are matplotlib's own list."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = Path(path)
+    formats = FigureCanvasBase.get_supported_filetypes()
+    cli = f"{flag} " if flag.startswith("--") else ""
+    if path.suffix[1:].lower() not in formats:
+        raise SinkflowError(f"{flag} {path} does not end in an image format matplotlib writes",
+                            f"use one of .{', .'.join(sorted(formats))}, e.g. {cli}lr_find.png")
+    if path.is_dir():
+        raise SinkflowError(f"{flag} {path} is a folder", f"name a file, e.g. {cli}{path / 'lr_find.png'}")
+
+
 def plot(res: LRFindResult, path: Path, title: str = "") -> Path:
+    check_plot_path(path, "plot path")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,26 +263,70 @@ def phase_lr_find(trainer, **kwargs) -> LRFindResult:
         trainer.load_state_dict(saved, "the state before lr-find")
 
 
-def write_lr(target: Path, key: str, lr: float) -> Path:
-    """Write ``key=lr`` into a run folder's config.yaml or a YAML config file (type-checked for runs)."""
+def write_target(target: Path, flag: str = "--write") -> tuple[Path, bool]:
+    """(path, is a run folder) for ``--write``: a run folder (it holds config.yaml; ``RUN/config.yaml`` means
+    ``RUN``, so the run's lock and checks apply) or a YAML config file (a name ending in .yaml/.yml). Anything
+    else is refused, so a typo never leaves a stray YAML file under the name typed."""
+    target = Path(target)
+    if target.name == "config.yaml" and target.is_file() and (target.parent / "meta.json").is_file():
+        target = target.parent  # a run folder's own config file: written as the run, never around its checks
+    if target.is_dir():
+        if not (target / "config.yaml").is_file():
+            raise SinkflowError(f"{flag} {target} is a folder but not a sinkflow run folder (no config.yaml)",
+                                "pass the run folder `sinkflow train` printed when it started, or a .yaml file")
+        return target, True
+    if target.suffix.lower() not in (".yaml", ".yml"):
+        raise SinkflowError(f"{flag} {target} is neither a run folder nor a YAML config file (.yaml)",
+                            "pass the run folder `sinkflow train` printed when it started (it holds config.yaml), "
+                            "or a file name ending in .yaml")
+    return target, False
+
+
+def refuse_finished_phase(run_dir: Path, key: str, phase: str | None = None) -> None:
+    """Refuse to write ``key`` (``train.<model>.lr``) into a run whose phase has finished: it trained with the rate
+    config.yaml holds, a new one would have no effect and make config.yaml lie; ``train --resume`` refuses the
+    same change (``sinkflow.engine.experiment.verify``). ``phase`` defaults to the model key (a phase's name, as
+    ``TrainingStep`` defaults it)."""
+    from sinkflow.runtime.run_folder import read_config
+
+    cfg = read_config(run_dir)
+    phase = phase or key.split(".")[1]
+    if (Path(run_dir) / "checkpoints" / phase / "final.pt").is_file():
+        old = cfg
+        for part in key.split("."):
+            old = old.get(part) if isinstance(old, dict) else None
+        raise SinkflowError(f"cannot write {key} to {run_dir}: phase '{phase}' has finished (trained with "
+                            f"{key}={old!r}), so the change would have no effect",
+                            f"drop --write, or start a new run with {key}=RATE (the rates are printed without it)")
+
+
+def write_lr(target: Path, key: str, lr: float, phase: str | None = None) -> Path:
+    """Write ``key=lr`` into a run folder's config.yaml (type-checked, under the run's lock, refused when the
+    phase has finished: ``refuse_finished_phase``) or a YAML config file (``write_target``)."""
     import yaml
 
     from sinkflow import config as config_mod
     from sinkflow.runtime.run_folder import read_config
 
-    target = Path(target)
-    if target.is_dir():
+    target, is_run = write_target(target, "write target")
+    if is_run:
         from sinkflow.data.atomic_write import atomic_write_text
         from sinkflow.runtime.lock import run_lock
 
         with run_lock(target):  # not while a `sinkflow train` writes the same run
+            refuse_finished_phase(target, key, phase)  # again: a train may have finished it during the sweep
             cfg = read_config(target)
             config_mod.set_key(cfg, key, float(lr))
             path = target / "config.yaml"
             atomic_write_text(path, config_mod.dump(cfg))
         return path
-    tree = yaml.safe_load(target.read_text()) if target.is_file() else {}
+    try:
+        tree = yaml.safe_load(target.read_text()) if target.is_file() else {}
+    except yaml.YAMLError:
+        raise SinkflowError(f"{target} is not valid YAML", "fix it, or write to a new .yaml file") from None
     node = tree = tree or {}
+    if not isinstance(tree, dict):
+        raise SinkflowError(f"{target} does not hold a config tree", "write to a YAML file of key: value sections")
     *parents, leaf = key.split(".")
     for part in parents:
         node = node.setdefault(part, {})
