@@ -625,3 +625,31 @@ def test_a_point_file_rewritten_or_renamed_by_a_chdir_is_read_again(tmp_path, mo
     other = data.distributions(cfg)[1].points
     assert not torch.equal(other, rewritten) and not torch.equal(other, first)
     assert torch.equal(other, torch.from_numpy(np.loadtxt(tmp_path / "b" / "pts.csv", delimiter=",")).float())
+
+
+def test_a_16_bit_folder_is_scaled_to_8_bits_not_clipped_white(tmp_path):
+    """PIL's convert("L"/"RGB") clips 16-bit samples above 255 (a 16-bit PNG decoded nearly white): the folder
+    loader keeps their high byte (value >> 8), gray and RGB alike; 32-bit "I" images by their range."""
+    folder = tmp_path / "deep"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    arrs = [rng.integers(0, 65536, (20, 20), dtype=np.uint16) for _ in range(4)]
+    for i, a in enumerate(arrs):
+        Image.fromarray(a).save(folder / f"{i}.png")
+    assert Image.open(folder / "0.png").mode.startswith("I")  # really a 16-bit image, as PIL opens it
+    want = np.stack([a >> 8 for a in arrs]).astype(int)
+    gray = build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder), channels=1))
+    rgb = build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder)))
+    assert gray.shape == (1, 20, 20) and rgb.shape == (3, 20, 20)
+    assert np.abs(gray.images[:, 0].astype(int) - want[:3]).max() <= 1
+    assert np.abs(gray.test_images[0, 0].astype(int) - want[3]).max() <= 1
+    for c in range(3):
+        assert np.abs(rgb.images[:, c].astype(int) - want[:3]).max() <= 1
+    assert 100 < rgb.images.mean() < 155  # uniform 16-bit noise stays mid-gray, not ~253
+    # mode "I" (int32; older Pillow opens a 16-bit PNG so): 16-bit samples by their high byte, wider ones by 23 bits
+    a = arrs[0].astype(np.int32)
+    np.testing.assert_array_equal(sources.fit_image(Image.fromarray(a), 1, None)[0], a >> 8)
+    wide = rng.integers(0, 2**31 - 1, (20, 20)).astype(np.int32)
+    np.testing.assert_array_equal(sources.fit_image(Image.fromarray(wide), 3, None)[1], wide >> 23)
+    small = rng.integers(0, 256, (20, 20)).astype(np.int32)  # an 8-bit image held as int32 stays as it is
+    np.testing.assert_array_equal(sources.fit_image(Image.fromarray(small), 1, None)[0], small)

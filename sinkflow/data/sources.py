@@ -28,7 +28,19 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
 
 def fit_image(img: Image.Image, channels: int, image_size: int | None) -> np.ndarray:
-    """PIL image -> uint8 (C, H, W): convert to L/RGB, resize the shorter side, center-crop to a square."""
+    """PIL image -> uint8 (C, H, W): convert to L/RGB, resize the shorter side, center-crop to a square.
+
+    16-bit ("I;16*") and 32-bit integer ("I") images are brought to 8 bits by their high byte first: PIL's own
+    convert clips every sample above 255, so a 16-bit PNG came out nearly white. "I" holds 16-bit samples when
+    they all lie in 0..65535 (a 16-bit grayscale PNG in Pillow before "I;16"), 8-bit ones when all lie in 0..255,
+    else the int32 range."""
+    if img.mode.startswith("I;16"):
+        img = Image.fromarray((np.asarray(img).astype(np.uint16) >> 8).astype(np.uint8), "L")
+    elif img.mode == "I":
+        a = np.asarray(img)
+        top = int(a.max()) if a.size else 0
+        bits = 8 if top <= 0xFF else 16 if top <= 0xFFFF else 31
+        img = Image.fromarray((np.clip(a, 0, None) >> (bits - 8)).astype(np.uint8), "L")
     img = img.convert("L" if channels == 1 else "RGB")
     if image_size is not None and img.size != (image_size, image_size):
         w, h = img.size
@@ -411,8 +423,8 @@ class FolderSource:
     def split_files(self, split: str) -> list[Path]:
         return self.files[-self.n_test:] if split == "test" else self.files[: len(self.files) - self.n_test]
 
-    def fingerprint(self, split):
-        return f"{self._fp}:{split}:{self.n_test}"
+    def fingerprint(self, split):  # "decode2": 16-bit images scaled, not clipped (folders decoded before rebuild)
+        return f"{self._fp}:{split}:{self.n_test}:decode2"
 
     def decode_into(self, split: str, write):
         files = self.split_files(split)
