@@ -186,8 +186,8 @@ def test_write_to_a_finished_phase_is_refused_before_the_sweep(tiny_run, tmp_pat
     shutil.copytree(tiny_run, run)
     before = bytes_snapshot(run)
     where = str(run) if target == "RUN" else str(run / "config.yaml")
-    for source in ("moons", str(run)):
-        line = refused(capsys, "lr-find", source, "--device", "cpu", "--write", where)
+    for source in (["moons", "--device", "cpu"], [str(run)]):  # a run folder runs on its own config: no --device
+        line = refused(capsys, "lr-find", *source, "--write", where)
         assert "phase 'velocity' has finished (trained with train.velocity.lr=0.001)" in line, line
         assert "drop --write" in line
     assert bytes_snapshot(run) == before and not (tmp_path / "lr_find.png").exists()

@@ -305,6 +305,18 @@ def test_resume_refuses_a_point_file_whose_points_changed(tmp_path, monkeypatch,
     rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
     assert rc == 0, err
 
+
+@pytest.mark.parametrize("argv", [["doctor", "RUN", "train.velocity.lr=0.5"], ["lr-find", "RUN", "--lr", "0.5"],
+                                  ["lr-find", "RUN", "--device", "cpu"]])
+def test_a_tool_on_a_run_folder_refuses_overrides_it_would_drop(run, capsys, argv):
+    """doctor and lr-find on a run folder read its own config.yaml: a key or shorthand beside it was ignored in
+    silence (the user believed it was checked with it). Refused in one line, nothing written."""
+    before = full_snapshot(run)
+    argv = [str(run) if a == "RUN" else a for a in argv]
+    line = one_line(*run_main(capsys, *argv), "runs on the run's own config.yaml", "would be ignored")
+    assert argv[2] in line
+    assert full_snapshot(run) == before
+
 # ---- 7. no tracebacks --------------------------------------------------------------------------------
 
 def test_empty_point_file(runs_dir, tmp_path, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import math
 import os
 
@@ -46,6 +47,18 @@ def split_preset(args) -> None:
     if args.preset and "=" in args.preset:
         args.overrides = [args.preset, *args.overrides]
         args.preset = DEFAULT_PRESET
+
+
+def run_folder_arg(args, command: str) -> Path | None:
+    """The run folder a tool (doctor, lr-find) was pointed at in place of a preset, or None. Such a tool reads the
+    run's own config.yaml, so an override or shorthand given beside it would be dropped in silence: refused."""
+    if not Path(str(args.preset)).is_dir():
+        return None
+    given = [*args.overrides, *(f"--{k.replace('_', '-')}" for k, v in shorthands(args).items() if v is not None)]
+    if given:
+        raise SinkflowError(f"`sinkflow {command} RUN` runs on the run's own config.yaml; {given[0]} would be ignored",
+                            f"drop it, or check a new config: `sinkflow {command} PRESET {given[0]} ...`")
+    return Path(str(args.preset))
 
 
 def resolve_args(args) -> dict:

@@ -6,7 +6,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from sinkflow.cli.common import add_config_args, resolve_args
+from sinkflow.cli.common import add_config_args, resolve_args, run_folder_arg
 
 
 def add_parser(sub):
@@ -33,9 +33,10 @@ def run(args):
     from sinkflow.tools.data import real_or_synthetic
     from sinkflow.tools.doctor import doctor_run
 
+    run_dir = run_folder_arg(args, "doctor")
     with tempfile.TemporaryDirectory(prefix="sinkflow-doctor-") as tmp:
-        if Path(args.preset).is_dir():
-            findings = doctor_run(None, tmp, run_dir=Path(args.preset), overfit_steps=args.steps,
+        if run_dir is not None:
+            findings = doctor_run(None, tmp, run_dir=run_dir, overfit_steps=args.steps,
                                   overfit_batch=args.overfit_batch, factor=args.factor, phases=args.phase)
             label = args.preset
         else:

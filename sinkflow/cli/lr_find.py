@@ -6,7 +6,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from sinkflow.cli.common import add_config_args, resolve_args
+from sinkflow.cli.common import add_config_args, resolve_args, run_folder_arg
 
 
 def add_parser(sub):
@@ -66,7 +66,7 @@ def run(args):
     from sinkflow.tools.lr_find import phase_lr_find, plot, refuse_finished_phase, write_lr
     from sinkflow.tools.phases import open_run_phase, workspace
 
-    from_run = Path(args.preset).is_dir()
+    from_run = run_folder_arg(args, "lr-find") is not None
     cfg = None if from_run else resolve_args(args)
     if write_run is not None:  # before the pool and the sweep: a finished phase's rate is not rewritten
         name, key = phase_and_key(cfg or read_config(Path(args.preset)), args.phase)
