@@ -317,6 +317,17 @@ def test_a_tool_on_a_run_folder_refuses_overrides_it_would_drop(run, capsys, arg
     assert argv[2] in line
     assert full_snapshot(run) == before
 
+
+@pytest.mark.parametrize("override, needles", [
+    ("sample.temperature=0.5", ["sample.temperature", "not read by method nsgf", "--method flow"]),  # a flow's key
+    ("sample.steps=many", ["sample.steps", "expects int"]),
+])
+def test_sample_refuses_an_override_the_run_would_not_read_or_cannot_take(run, capsys, tmp_path, override, needles):
+    """`sinkflow sample RUN sample.temperature=0.5` on an NSGF run was accepted and ignored (a flow's key), and a
+    badly typed value reached the sampler; both are one line, as `sinkflow train` gives them."""
+    one_line(*run_main(capsys, "sample", str(run), "--n", "4", override, "--out", str(tmp_path / "s.npy")), *needles)
+    assert not (tmp_path / "s.npy").exists()
+
 # ---- 7. no tracebacks --------------------------------------------------------------------------------
 
 def test_empty_point_file(runs_dir, tmp_path, capsys):

@@ -42,6 +42,8 @@ def run(args):
         raise SinkflowError(f"`sinkflow sample` only takes sample.* overrides, not '{bad[0]}'",
                             f"change other keys with `sinkflow train --resume {args.run_dir} ...`")
     run_.cfg = config.apply_overrides(run_.cfg, args.overrides)  # in memory: config.yaml stays as trained
+    config.validate(run_.cfg)  # the key's type and range, and a key this method never reads, as `train` refuses them
+    config.check_read(run_.cfg, config.override_keys(args.overrides))
     steps = args.steps or methods.of(run_.cfg).default_steps(run_.cfg)  # NSGF++: the straight-flow steps
     qmc = args.qmc or run_.cfg["sample"]["qmc"]
     x, info = generate(run_, args.n, steps, seed=args.seed, qmc=qmc)
