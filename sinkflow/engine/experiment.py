@@ -165,7 +165,8 @@ def check_split(run, source, target) -> None:
     old, new = hashes(recorded), hashes(split_record(source, target))
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     if changed:
-        what = recorded.get("points") or recorded.get("source", {}).get("points") or "the data"
+        src = recorded.get("source")
+        what = recorded.get("points") or (src.get("points") if isinstance(src, dict) else None) or "the data"
         raise SinkflowError(f"cannot resume {run.dir}: its data changed since the run started ({what}: "
                             f"{', '.join(changed)} differ from {path.name})",
                             "restore the data the run was trained on, or start a new run")
