@@ -328,6 +328,24 @@ def test_sample_refuses_an_override_the_run_would_not_read_or_cannot_take(run, c
     one_line(*run_main(capsys, "sample", str(run), "--n", "4", override, "--out", str(tmp_path / "s.npy")), *needles)
     assert not (tmp_path / "s.npy").exists()
 
+
+def test_a_resume_whose_finished_pool_lost_a_file_is_refused_untouched(run, capsys):
+    """A deleted pool array was found only after run.start(): status.json reset to 'starting', a change logged in
+    meta.json that never took effect. The finished pool's arrays are now checked with the other artifacts."""
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()
+    (run / "pool" / "x.npy").unlink()
+    before = full_snapshot(run), (run / "meta.json").read_bytes()
+    one_line(*run_main(capsys, "train", "--resume", str(run), "--train-iters", "9", "--no-report"),
+             "pool file", "x.npy", "missing or damaged")
+    assert (full_snapshot(run), (run / "meta.json").read_bytes()) == before
+
+
+def test_a_pool_that_cannot_fit_leaves_no_run_folder(runs_dir, capsys):
+    """NSGF on 2D refused a pool larger than pool.ram_gb only once the run folder existed (an orphan folder
+    whose name a retry could not reuse); NSGF++ already refused it first. Now both do."""
+    one_line(*run_main(capsys, "train", "moons", *TINY_2D, "pool.ram_gb=0.000001", "--name", "r"), "pool.ram_gb")
+    assert not (runs_dir / "r").exists()
+
 # ---- 7. no tracebacks --------------------------------------------------------------------------------
 
 def test_empty_point_file(runs_dir, tmp_path, capsys):

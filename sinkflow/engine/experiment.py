@@ -188,6 +188,7 @@ def verify(run, phases) -> None:
             run.phase_keys[task.name] = task.model_key
         content = (lambda state, where, task=task: check_final(state, _meta_model(run, task), where)) if training else None
         if run.phase_done(task.name, check=content):
+            task.check_done(run)  # what later phases read of its output (the pool's arrays)
             if training:
                 prefix = f"train.{task.model_key}."
                 for key, (old, new) in changed.items():

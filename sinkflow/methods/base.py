@@ -32,6 +32,10 @@ class Task(Callback):
     def open(self, run) -> None:
         """Prepare what the task needs from the run folder, once, when it really runs (before setup)."""
 
+    def check_done(self, run) -> None:
+        """A resume of a run whose task has finished: check what later tasks will read of its output (beyond its
+        final.pt), before the run folder is touched. Raise a one-line SinkflowError to refuse."""
+
     def callbacks(self) -> list[Callback]:
         """Extra hook objects the method runs with this task (besides the task itself)."""
         return []

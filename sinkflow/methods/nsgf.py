@@ -17,6 +17,7 @@ path the Euler flow really takes, so a fine sampler integrates the same field th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -25,7 +26,7 @@ from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import Method, TrainingStep
 from sinkflow.methods.flow_matching import velocity_loss
 from sinkflow.methods.ode import count_nfe, euler
-from sinkflow.methods.pool import PoolTask, TrajectoryPool
+from sinkflow.methods.pool import PoolTask, TrajectoryPool, check_pool_fits
 from sinkflow.runtime import dist
 
 
@@ -210,6 +211,7 @@ class NSGF(Method):
 
     def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
         check(cfg)
+        check_pool_fits(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]))  # before any run folder
 
     def phases(self, cfg, source, target):
         check(cfg)

@@ -223,6 +223,12 @@ class PoolTask(ChunkedTask):
                 outs[0][2].cpu())
 
     # ---- the engine's protocol ------------------------------------------------------------------
+    def check_done(self, run) -> None:
+        """The finished pool's arrays load (headers only: memory-mapped), so a resume whose pool file was deleted
+        or damaged is refused before the run folder changes, not after ``run.start()``."""
+        for key in ("x", "v", "t"):
+            load_pool_array(run.dir / "pool" / f"{key}.npy", "r")
+
     def open(self, run) -> None:
         """Check the budget, read the progress, create the arrays once, and plan the rounds left."""
         cfg = run.cfg["pool"]
