@@ -11,7 +11,6 @@ distributions and the methods' tasks) are the same objects the CLI uses, re-expo
 from __future__ import annotations
 
 import numbers
-import time
 from pathlib import Path
 
 import torch
@@ -92,8 +91,7 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     from sinkflow.config.render import scalar
     from sinkflow.engine.experiment import train_run
 
-    short = {"device": device, "name": name or f"{preset}-{overrides.get('method', 'default')}-"
-                                               f"{time.strftime('%Y%m%d-%H%M%S')}"}
+    short = {"device": device, "name": name}  # None: the run folder's own name, from the resolved method
     dotted = [f"experiment.runs_dir={scalar(str(runs_dir))}"]
     for key, value in overrides.items():
         if key in config.SHORTHANDS:

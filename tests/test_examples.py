@@ -36,6 +36,7 @@ def test_nsgfpp_digits_through_the_api(tmp_path):
     grids = list((tmp_path / "runs").glob("*/example_grid.png"))
     assert len(grids) == 1 and grids[0].stat().st_size > 0
     assert (grids[0].parent / "checkpoints" / "time" / "final.pt").is_file()  # every NSGF++ phase finished
+    assert grids[0].parent.name.startswith("digits-nsgfpp-")  # named by the resolved method, as the CLI names it
 
 
 @pytest.mark.slow
