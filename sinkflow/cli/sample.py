@@ -19,7 +19,7 @@ def add_parser(sub):
     p.add_argument("--steps", type=int, help="Euler steps (default sample.steps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--qmc", action="store_true", help="draw the source by randomised QMC (scrambled Sobol) instead "
-                   "of i.i.d. (= sample.qmc=true; the evaluation's own choice is eval.qmc)")
+                   "of i.i.d. (= sample.qmc=true; the evaluation's own choice is eval.protocol)")
     p.add_argument("--out", required=True, help="output file, .npy or .png")
     p.set_defaults(func=run)
 

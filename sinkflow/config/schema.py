@@ -432,7 +432,7 @@ def _train(iters=20000, batch_size=256, lr=0.001, warmup=0, schedule="cosine", g
     """One training phase's keys; phases differ only in a few defaults (the paper's time predictor, Glow)."""
     return {
         "iters": Key(iters, POS_INT, "optimizer steps"),
-        "batch_size": Key(batch_size, POS_INT, "global batch (split over processes)"),
+        "batch_size": Key(batch_size, POS_INT, "batch per process (the global batch is this x the number of processes)"),
         "lr": Key(lr, POS_FLOAT, "Adam learning rate"),
         "lr_scaling": Key("sqrt", Options("none", "linear", "sqrt"), "how lr follows the number of processes"),
         "warmup": Key(warmup, NONNEG_INT, "linear lr warm-up steps"),
@@ -496,7 +496,7 @@ SAMPLE = {
                      "(docs/performance.md)", opt_in=True),
     "qmc": Key(False, Bool(), "`sinkflow sample` / Run.sample draw the source by randomised QMC (scrambled Sobol, "
                "where the source has a twin: normal, 8gaussians) instead of i.i.d.; the evaluation has its own "
-               "eval.qmc"),
+               "eval.protocol"),
 }
 
 EVAL = {

@@ -154,7 +154,7 @@ def qmc_source(cfg: dict) -> Distribution:
 
 def sampling_source(cfg: dict, qmc: bool = False) -> Distribution:
     """The run's source as sampling draws it: i.i.d. (the default, what a user asking for samples expects), or
-    with ``qmc`` its randomised-QMC twin (an evaluation protocol's choice: ``eval.qmc``, ``sample.qmc``)."""
+    with ``qmc`` its randomised-QMC twin (an evaluation protocol's choice: ``eval.protocol``, ``sample.qmc``)."""
     source = distributions(cfg)[0]
     return qmc_twin(source) if qmc else source
 
