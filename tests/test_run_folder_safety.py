@@ -454,6 +454,19 @@ def test_points_far_larger_than_the_blur_are_warned_about_before_the_pool(runs_d
         assert all("x sinkhorn.blur=0.2: blur is a length in the data's units" in w for w in warned)
 
 
+def test_nsgfpp_on_2d_is_evaluated_at_its_own_nsf_steps(runs_dir, capsys):
+    """NSGF++'s 2D report and `sinkflow eval` ran eval.steps ([10, 100]) as its straight-flow steps, although
+    eval.steps is not NSGF++'s key (setting it is refused) and sample.nsf_steps is: they now evaluate at
+    sample.nsf_steps, as its image report does."""
+    tiny = [a for a in TINY_2D if not a.startswith("eval.steps")]
+    assert main(["train", "moons", *tiny, "--method", "nsgfpp", "sample.nsf_steps=3", "--name", "pp",
+                 "--no-report"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(runs_dir / "pp"), "--seeds", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["3"], rows
+
+
 def test_report_on_user_points_has_no_paper_number(runs_dir, tmp_path, capsys):
     np.save(tmp_path / "points.npy", np.random.default_rng(0).normal(size=(300, 2)).astype(np.float32))
     args = ["moons", *TINY_2D, "eval.steps=[10]", f"data.target={tmp_path / 'points.npy'}", "--name", "u"]

@@ -91,7 +91,7 @@ def w2_table(run, n: int | None = None, seeds: int | None = None, steps_list=Non
     _, target = protocol_pair(cfg, protocol)
     method = methods.of(cfg)
     rows = []
-    for steps in steps_list or cfg["eval"]["steps"]:
+    for steps in steps_list or method.eval_steps(cfg):  # NSGF++: its sample.nsf_steps (eval.steps is not its key)
         values, nfe = [], 0
         for s in range(seeds):
             x, info = generate(run, n, steps, seed=1000 + s, protocol=protocol)
