@@ -246,6 +246,7 @@ def one_line(capsys, *needles):
     assert len(err) == 1, err
     for needle in needles:
         assert needle in err[0], err[0]
+    return err[0]
 
 
 def bad(capsys, *args):
@@ -296,6 +297,21 @@ def test_mixed_sizes_without_image_size(runs_dir, tmp_path, capsys):
 def test_missing_dataset_offline(preset, needle, runs_dir, tmp_path, capsys):
     bad(capsys, preset, "data.download=false", f"data.root={tmp_path / 'data'}")
     one_line(capsys, needle, "data.download")
+    assert not runs_dir.exists()
+
+
+def test_a_failed_download_does_not_advise_turning_the_download_on(runs_dir, tmp_path, capsys, monkeypatch):
+    """data.download is true by default: when the download itself fails (offline), the fix said "or set
+    data.download=true", which it already was."""
+    import torchvision.datasets
+
+    def offline(*args, **kwargs):
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
+
+    monkeypatch.setattr(torchvision.datasets, "MNIST", offline)
+    bad(capsys, "mnist", f"data.root={tmp_path / 'data'}")
+    line = one_line(capsys, "MNIST download into", "failed (RuntimeError", "run once on a machine with internet")
+    assert "set data.download=true" not in line
     assert not runs_dir.exists()
 
 

@@ -82,6 +82,11 @@ class ArraySource:
     def prepare(self) -> None:
         """Check (or fetch) the files; raise a SinkflowError naming the folder and the fix."""
 
+    def online_fix(self) -> str:
+        """The end of a missing-files fix: how the download could help (it was on and failed, or it was off)."""
+        return (" or run once on a machine with internet (data.download=true, as here, fetches them)" if self.download
+                else " or set data.download=true on a machine with internet")
+
     def _fetch(self, label: str, folder: Path, missing: list[str], how: str, download) -> None:
         """Files are ``missing`` from ``folder``: refuse unless data.download, else call ``download()``; either
         way a failure is one SinkflowError naming the folder, with ``how`` as the fix."""
@@ -228,7 +233,7 @@ class MNISTSource(ArraySource):
         if not missing:
             return
         how = (f"place {', '.join(f for pair in self.FILES.values() for f in pair)} (or their .gz) in {self.raw}"
-               " or set data.download=true on a machine with internet")
+               + self.online_fix())
         from torchvision.datasets import MNIST
 
         self._fetch("MNIST", self.raw, missing, how, lambda: MNIST(self.root, train=True, download=True))
@@ -327,7 +332,7 @@ class CIFAR10Source(ArraySource):
         if not missing:
             return
         how = (f"extract cifar-10-python.tar.gz so that {self.folder} holds data_batch_1..5, test_batch and "
-               "batches.meta, or set data.download=true on a machine with internet")
+               "batches.meta," + self.online_fix())
         from torchvision.datasets import CIFAR10
 
         self._fetch("CIFAR-10", self.folder, missing, how, lambda: CIFAR10(self.root, train=True, download=True))
