@@ -100,3 +100,23 @@ def test_truncated_step_checkpoint_on_resume(finished_run, tmp_path):
 
 def test_not_a_run_folder(tmp_path):
     one_line_error(cli("eval", str(tmp_path), cwd=tmp_path), "not a sinkflow run folder")
+
+
+def test_an_unrecognized_argument_is_named_as_the_sub_commands(capsys):
+    """The top-level parser reported a sub-command's stray argument as its own ("sinkflow: error: sinkflow: ...",
+    see `sinkflow --help`); it is now the sub-command's, and a key=value given to a command without config keys
+    says so."""
+    import pytest
+
+    from sinkflow.cli import main
+
+    for argv, needle in ((["eval", "RUN", "eval.protocol=iid"],
+                          "sinkflow: error: sinkflow eval: unrecognized arguments: eval.protocol=iid (it takes no "
+                          "config keys); see `sinkflow eval --help`"),
+                         (["train", "moons", "--bogus"],
+                          "sinkflow: error: sinkflow train: unrecognized arguments: --bogus; see `sinkflow train --help`"),
+                         (["evl"], "sinkflow: error: argument COMMAND: invalid choice: 'evl'")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.startswith(needle) and len(err.splitlines()) == 1, err

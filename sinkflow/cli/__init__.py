@@ -28,7 +28,8 @@ class Parser(argparse.ArgumentParser):
     without the usage block (``--help`` still prints it)."""
 
     def error(self, message: str):
-        print(f"sinkflow: error: {self.prog}: {message}; see `{self.prog} --help`".replace(os.linesep, " "),
+        where = "" if self.prog == "sinkflow" else f"{self.prog}: "  # a sub-command's parser names itself
+        print(f"sinkflow: error: {where}{message}; see `{self.prog} --help`".replace(os.linesep, " "),
               file=sys.stderr)
         sys.exit(2)
 
@@ -64,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # overrides may follow options (`train moons --train-iters 5 pool.eta=0.1`): argparse leaves them over
     stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
-    if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if stray:  # named as the sub-command's, with its --help (a key=value where it takes none: said so)
+        keys = "" if hasattr(args, "overrides") or not any("=" in e for e in stray) else " (it takes no config keys)"
+        sub = Parser(prog=f"sinkflow {args.command}")
+        sub.error(f"unrecognized arguments: {' '.join(stray)}{keys}")
     if extra:
         args.overrides = [*args.overrides, *extra]
     try:
