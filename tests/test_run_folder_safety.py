@@ -346,6 +346,16 @@ def test_a_pool_that_cannot_fit_leaves_no_run_folder(runs_dir, capsys):
     one_line(*run_main(capsys, "train", "moons", *TINY_2D, "pool.ram_gb=0.000001", "--name", "r"), "pool.ram_gb")
     assert not (runs_dir / "r").exists()
 
+
+def test_a_resume_with_iters_below_the_phases_step_is_refused(run, capsys):
+    """velocity stopped at step 6; `--train-iters 4` ended the phase at once with final.pt at step 6 while
+    config.yaml said 4 (and 6 itself finishes it as it stands): refused, the folder untouched."""
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()
+    before = full_snapshot(run)
+    one_line(*run_main(capsys, "train", "--resume", str(run), "--train-iters", "4", "--no-report"),
+             "train.velocity.iters=4", "already at step 6", "iters=6 or more")
+    assert full_snapshot(run) == before
+
 # ---- 7. no tracebacks --------------------------------------------------------------------------------
 
 def test_empty_point_file(runs_dir, tmp_path, capsys):

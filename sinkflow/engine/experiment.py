@@ -205,6 +205,12 @@ def verify(run, phases) -> None:
                 latest = ckpts.latest()
                 if latest is not None:
                     step = latest["step"]
+                    iters = run.cfg["train"][task.model_key]["iters"]
+                    if step > iters:  # the phase would end at once, its final.pt at `step`, config.yaml saying iters
+                        raise SinkflowError(
+                            f"cannot resume {run.dir} with train.{task.model_key}.iters={iters}: phase '{task.name}' "
+                            f"is already at step {step}", f"set train.{task.model_key}.iters={step} or more (or "
+                            "leave it as it was)")
                     generator = phase_generator(run.cfg["experiment"]["seed"], "train", task.name)
                     train = run.cfg["train"][task.model_key]
                     check_step_state(latest, _meta_model(run, task), generator, str(ckpts.steps()[-1][1]),
