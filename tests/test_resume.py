@@ -125,3 +125,29 @@ def test_a_signal_after_the_last_step_skips_the_report_and_keeps_the_run(tmp_pat
     assert (tmp_path / "runs" / "t" / "checkpoints" / "velocity" / "final.pt").exists()
     run = train_run(resume=tmp_path / "runs" / "t", then=reports.append)
     assert reports == [run]
+
+
+def test_a_signal_during_the_final_report_says_the_run_is_saved(tmp_path, monkeypatch, capsys):
+    """SIGTERM's default ended a long evaluation report in silence (Ctrl+C with a traceback): one line now says
+    training is finished and saved and which command reports it, with the usual exit status."""
+    import pytest
+
+    import sinkflow.eval.report
+    from helpers import TINY_2D
+    from sinkflow.cli import main
+
+    def interrupted_report(run):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here
+        raise AssertionError("the report went on after SIGTERM")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sinkflow.eval.report, "final_report", interrupted_report)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        main(["train", "moons", *TINY_2D, "--name", "r"])
+    err = capsys.readouterr().err
+    assert e.value.code == 128 + signal.SIGTERM, err
+    assert "report was stopped by signal 15; training is finished and saved: `sinkflow eval" in err
+    assert (tmp_path / "runs" / "r" / "checkpoints" / "velocity" / "final.pt").exists()
+    assert signal.getsignal(signal.SIGTERM) is before  # the process's own handler is back

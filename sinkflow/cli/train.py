@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
+
 from sinkflow.cli.common import add_config_args, preset_given, resolve_args, shorthands, split_preset
 
 
@@ -38,11 +42,33 @@ def run(args):
     return 0
 
 
+class ReportStopped(Exception):
+    """A SIGTERM while the final report runs (the training is finished and saved)."""
+
+
+def _stop_report(signum, frame):
+    raise ReportStopped
+
+
 def report(run) -> None:
-    """The evaluation and plots `sinkflow train` prints when it finishes (main process)."""
+    """The evaluation and plots `sinkflow train` prints when it finishes (main process). A SIGTERM or Ctrl+C during
+    it (minutes on images) ends it with one line saying the run is finished and how to get the report, not in
+    silence (SIGTERM's default) or with a traceback (Ctrl+C's)."""
     from sinkflow.runtime import dist
 
-    if dist.current().is_main:
-        from sinkflow.eval.report import final_report
+    if not dist.current().is_main:
+        return
+    from sinkflow.eval.report import final_report
 
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _stop_report) if main_thread else None
+    try:
         print(final_report(run))
+    except (ReportStopped, KeyboardInterrupt) as exc:
+        signum = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
+        print(f"sinkflow: the evaluation report was stopped by signal {int(signum)}; training is finished and saved: "
+              f"`sinkflow eval {run.dir}` reports it", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)
