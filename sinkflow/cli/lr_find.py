@@ -44,33 +44,18 @@ def check_args(args) -> Path | None:
     return None
 
 
-def phase_and_key(cfg: dict, name: str | None) -> tuple[str, str]:
-    """(phase, its model key) lr-find will sweep: the named training phase or the first."""
-    from sinkflow import data, methods
-    from sinkflow.errors import SinkflowError
-    from sinkflow.methods.base import TrainingStep
-
-    steps = [p for p in methods.of(cfg).phases(cfg, *data.distributions(cfg)) if isinstance(p, TrainingStep)]
-    if not steps:
-        raise SinkflowError(f"method {methods.of(cfg).name} has no training phase", "pick another method")
-    chosen = next((p for p in steps if p.name == (name or steps[0].name)), None)
-    if chosen is None:
-        raise SinkflowError(f"no training phase '{name}'", f"choose one of: {', '.join(p.name for p in steps)}")
-    return chosen.name, chosen.model_key
-
-
 def run(args):
     write_run = check_args(args)
     from sinkflow.errors import SinkflowError
     from sinkflow.runtime.run_folder import read_config
     from sinkflow.tools.lr_find import phase_lr_find, plot, refuse_finished_phase, write_lr
-    from sinkflow.tools.phases import open_run_phase, workspace
+    from sinkflow.tools.phases import open_run_phase, training_phase, workspace
 
     from_run = run_folder_arg(args, "lr-find") is not None
     cfg = None if from_run else resolve_args(args)
     if write_run is not None:  # before the pool and the sweep: a finished phase's rate is not rewritten
-        name, key = phase_and_key(cfg or read_config(Path(args.preset)), args.phase)
-        refuse_finished_phase(write_run, f"train.{key}.lr", name)
+        swept = training_phase(cfg or read_config(Path(args.preset)), args.phase)
+        refuse_finished_phase(write_run, f"train.{swept.model_key}.lr", swept.name)
     with tempfile.TemporaryDirectory(prefix="sinkflow-lrfind-") as tmp:
         if from_run:
             run_, phase = open_run_phase(Path(args.preset), args.phase)

@@ -18,7 +18,9 @@ DELIMITERS = {".csv": ",", ".tsv": "\t", ".txt": None}  # None: any whitespace
 
 
 def load_table(path: str, binary: bool = False) -> np.ndarray:
-    """A text table of points as float64 (N, D): one point per line, an optional header line, ``#`` comments."""
+    """A text table of points as float64 (N, D): one point per line, an optional header line, ``#`` comments.
+    Parsed once, here, so that a bad value is named by its line in the file (numpy.loadtxt counts rows after the
+    header and comments)."""
     fix = "write one point per line, its coordinates separated by the file type's delimiter"
     if binary:
         raise SinkflowError(f"point file {path} is a .npy array named {os.path.splitext(path)[1]}",
@@ -30,20 +32,21 @@ def load_table(path: str, binary: bool = False) -> np.ndarray:
     except UnicodeDecodeError:
         raise SinkflowError(f"point file {path} is not a text file", fix) from None
     lines = [(n, text.split(delimiter)) for n, text in lines if text]
-    header = 0  # a first line of column names is skipped
     if lines and not all(is_number(v) for v in lines[0][1]):
-        header, lines = lines[0][0], lines[1:]
-    for n, fields in lines:  # numpy's own message counts rows after the header and comments: name the line instead
-        if not all(is_number(v) for v in fields):
-            raise SinkflowError(f"point file {path} is not a table of numbers: line {n} holds "
-                                f"{delimiter.join(fields) if delimiter else ' '.join(fields)!r}", fix)
-        if len(fields) != len(lines[0][1]):
-            raise SinkflowError(f"point file {path} has {len(fields)} values on line {n} and {len(lines[0][1])} on "
-                                f"line {lines[0][0]}", "give every point the same number of coordinates")
+        lines = lines[1:]  # a first line of column names
     if not lines:
         raise SinkflowError(f"point file {path} holds no points", fix)
-    return np.loadtxt(path, delimiter=delimiter, skiprows=header, ndmin=2, dtype=np.float64, comments="#",
-                      encoding="utf-8")
+    (first, head), rows = lines[0], []
+    for n, fields in lines:
+        try:
+            rows.append([float(v) for v in fields])
+        except ValueError:
+            raise SinkflowError(f"point file {path} is not a table of numbers: line {n} holds "
+                                f"{(delimiter or ' ').join(fields)!r}", fix) from None
+        if len(fields) != len(head):
+            raise SinkflowError(f"point file {path} has {len(fields)} values on line {n} and {len(head)} on "
+                                f"line {first}", "give every point the same number of coordinates")
+    return np.array(rows, dtype=np.float64)
 
 
 def is_number(text: str) -> bool:

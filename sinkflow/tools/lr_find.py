@@ -287,14 +287,13 @@ def refuse_finished_phase(run_dir: Path, key: str, phase: str | None = None) -> 
     config.yaml holds, a new one would have no effect and make config.yaml lie; ``train --resume`` refuses the
     same change (``sinkflow.engine.experiment.verify``). ``phase`` defaults to the model key (a phase's name, as
     ``TrainingStep`` defaults it)."""
+    from sinkflow import config as config_mod
     from sinkflow.runtime.run_folder import read_config
 
     cfg = read_config(run_dir)
     phase = phase or key.split(".")[1]
     if (Path(run_dir) / "checkpoints" / phase / "final.pt").is_file():
-        old = cfg
-        for part in key.split("."):
-            old = old.get(part) if isinstance(old, dict) else None
+        old = config_mod.get(cfg, key)
         raise SinkflowError(f"cannot write {key} to {run_dir}: phase '{phase}' has finished (trained with "
                             f"{key}={old!r}), so the change would have no effect",
                             f"drop --write, or start a new run with {key}=RATE (the rates are printed without it)")

@@ -48,6 +48,17 @@ def train_phase_names(cfg: dict) -> list[str]:
     return [p.name for p in _phases(cfg) if isinstance(p, TrainingStep)]
 
 
+def training_phase(cfg: dict, phase_name: str | None) -> TrainingStep:
+    """The training phase ``phase_name`` of the run of ``cfg`` (None: its first), or a one-line error naming them."""
+    steps = [p for p in _phases(cfg) if isinstance(p, TrainingStep)]
+    if not steps:
+        raise SinkflowError(f"method {methods.of(cfg).name} has no training phase", "pick another method")
+    chosen = next((p for p in steps if p.name == (phase_name or steps[0].name)), None)
+    if chosen is None:
+        raise SinkflowError(f"no training phase '{phase_name}'", f"choose one of: {', '.join(p.name for p in steps)}")
+    return chosen
+
+
 def workspace(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: int = 1, pool_steps: int = 10,
               prior_iters: int = 2,
               overrides: list[str] | None = None):
@@ -61,12 +72,7 @@ def workspace(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: in
     from sinkflow.engine.trainer import Trainer
 
     cfg = copy.deepcopy(cfg)
-    names = train_phase_names(cfg)
-    if not names:
-        raise SinkflowError(f"method {methods.of(cfg).name} has no training phase", "pick another method")
-    phase_name = phase_name or names[0]
-    if phase_name not in names:
-        raise SinkflowError(f"no training phase '{phase_name}'", f"choose one of: {', '.join(names)}")
+    phase_name = training_phase(cfg, phase_name).name
     phases = _phases(cfg)
     ov = [f"experiment.runs_dir={workdir}", "experiment.name=scratch",
           f"pool.batches={min(cfg['pool']['batches'], pool_batches)}", "pool.in_flight=0",
@@ -93,10 +99,8 @@ def open_run_phase(run_dir: Path, phase_name: str | None):
     from sinkflow.runtime.run_folder import RunFolder, read_config
 
     cfg = read_config(run_dir)
-    names = train_phase_names(cfg)
-    phase_name = phase_name or names[0]
-    if phase_name not in names:
-        raise SinkflowError(f"no training phase '{phase_name}'", f"choose one of: {', '.join(names)}")
+    chosen = training_phase(cfg, phase_name)
+    phase_name, key = chosen.name, chosen.model_key
     phases = _phases(cfg)
     for ph in phases:
         if ph.name == phase_name:
@@ -104,7 +108,6 @@ def open_run_phase(run_dir: Path, phase_name: str | None):
         if not (Path(run_dir) / "checkpoints" / ph.name / "final.pt").is_file():
             raise SinkflowError(f"phase {ph.name} of {run_dir} has not finished, {phase_name} needs it",
                                 f"finish it with `sinkflow train --resume {run_dir}`, or pass the preset instead")
-    key = next(p.model_key for p in phases if isinstance(p, TrainingStep) and p.name == phase_name)
     cfg = config_mod.apply_overrides(cfg, [f"train.{key}.iters={FOREVER}", f"train.{key}.log_every={FOREVER}",
                                            f"train.{key}.ckpt_every={FOREVER}"])
     run = RunFolder(Path(run_dir), cfg, log=False)  # read only: nothing is logged into the user's run
