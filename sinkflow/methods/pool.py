@@ -195,8 +195,8 @@ class PoolTask(ChunkedTask):
     def warn_scale(self, blur: float | None) -> None:
         """Warn, before any solve, when the data spans far more than ``sinkhorn.blur``: blur is a length in the
         data's units, and points at a scale of 1e6 with the default 0.2 left every solve at max_iters and the flow
-        untrained, with only the max_iters warning's advice. The presets span 53 (scurve) to 206 (mnist) blurs: the
-        warning is at 10^4."""
+        untrained, with only the max_iters warning's advice. The presets span 53 (scurve) to 206 (mnist, on synthetic
+        images of its shape) blurs: the warning is at 10^4."""
         if blur and self.diameter and self.diameter / blur > BLUR_SPAN_WARN and self.info.is_main:
             log.warning("pool: the data spans %.3g (the Sinkhorn diameter), %.2g x sinkhorn.blur=%g: blur is a length "
                         "in the data's units, so the solves will not converge; standardise the data (e.g. points - "
