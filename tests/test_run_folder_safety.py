@@ -283,6 +283,46 @@ def test_failed_resume_keeps_status_and_config(run, capsys):
 
 
 
+def read_only(folder, monkeypatch):
+    """Make ``folder`` refuse new files: chmod for a plain user, the immutable attribute for root (where the
+    filesystem and capabilities allow it); else the file creation itself fails there, as it would (EACCES)."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return lambda: folder.chmod(0o755)
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0:
+        return lambda: subprocess.run(["chattr", "-i", str(folder)], check=True)
+    import tempfile
+
+    real = tempfile.mkstemp
+
+    def refuse(*args, dir=None, **kwargs):
+        if dir is not None and os.path.samefile(dir, folder):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dir))
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    return lambda: None
+
+
+def test_a_resume_into_a_read_only_checkpoints_folder_stops_before_any_step(run, capsys, monkeypatch):
+    """The phase's checkpoints folder takes no new file: the resume is one line naming it before the phase trains
+    (it failed at the first checkpoint, after the steps it was to keep, with the advice to use another folder)."""
+    (run / "checkpoints/velocity/final.pt").unlink()
+    folder = run / "checkpoints" / "velocity"
+    before = full_snapshot(run)
+    undo = read_only(folder, monkeypatch)
+    try:
+        line = one_line(*run_main(capsys, "train", "--resume", str(run), "--no-report"), str(folder), "writable")
+    finally:
+        undo()
+    assert "nothing in the run was changed" in line
+    assert full_snapshot(run) == before
+    monkeypatch.undo()
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")  # writable again: it finishes
+    assert rc == 0, err
+    assert (folder / "final.pt").is_file()
+
+
 def test_resume_refuses_a_point_file_whose_points_changed(tmp_path, monkeypatch, capsys):
     """A run on the user's points.csv records a hash of its points; a resume after the file was rewritten with other
     points is one line before anything is written (the finished phases trained on the old ones), one with the same

@@ -17,9 +17,11 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -165,6 +167,7 @@ class RunFolder:
         (meta.json ``changes``: key, old and new value, the phase and step it took effect), drop orphaned
         temp files."""
         if self.dist.is_main:
+            check_writable(self.dir)
             lock_run(self.dir)
             if self._pending_config is not None:
                 changes = self.changes()
@@ -246,6 +249,24 @@ class RunFolder:
             torch.cuda.empty_cache()
 
 
+
+
+def check_writable(run_dir: Path) -> None:
+    """Every folder of a run that training writes into takes a new file, or a one-line error before anything is
+    written: a read-only checkpoints folder would otherwise fail at the phase's first checkpoint, after the work
+    it was to keep (minutes to hours of it). A probe file is created and removed in the run folder and in every
+    existing folder under ``checkpoints/`` and ``tb/`` (a finished pool is only read: it may stay read-only)."""
+    run_dir = Path(run_dir)
+    below = [p for sub in ("checkpoints", "tb") for p in [run_dir / sub, *(run_dir / sub).rglob("*")] if p.is_dir()]
+    for folder in [run_dir, *sorted(below)]:
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise SinkflowError(f"cannot write into {folder} ({exc.strerror or exc}); nothing in the run was changed",
+                                "make the run folder writable again (chmod -R u+w, a read-write mount), or copy it "
+                                "to a writable disk and resume the copy") from None
 
 
 def read_config(run_dir: Path) -> dict:
