@@ -380,3 +380,40 @@ def test_fd_cnn_on_the_real_digits(tmp_path):
     real = torch.from_numpy(np.asarray(target.images[:500], np.float32)) / 127.5 - 1
     blurred = fd_cnn.fd(fd_cnn.features(net, torch.nn.functional.avg_pool2d(real, 5, 1, 2)), held_out)
     assert floor < blurred / 3 and blurred < noise
+
+
+def test_a_folder_run_keeps_its_data_from_another_directory_and_refuses_a_changed_folder(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """A run on `data.path=imgs` (relative) records the folder's absolute path, so eval, sample and a resume work
+    from any directory (they found no `imgs` there and refused every override that could point at it); images added
+    to the folder since are one line before a resume trains or an evaluation scores on them (the added images became
+    the test split and the scores changed without a word)."""
+    monkeypatch.chdir(tmp_path)
+    make_folder(tmp_path / "imgs", n=10, size=(8, 8))
+    assert main(["train", "folder", "--method", "fm", *TINY_FM, "data.path=imgs",
+                 "data.root=data", "--name", "f", "--no-report"]) == 0
+    run = tmp_path / "runs" / "f"
+    cfg = RunFolder.open(run).cfg["data"]
+    assert cfg["path"] == str(tmp_path / "imgs") and cfg["root"] == str(tmp_path / "data")
+    split = json.loads((run / "data_split.json").read_text())
+    assert split["path"] == str(tmp_path / "imgs") and len(split["test_files_sha256"]) == 64
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    methods._distributions.cache_clear()
+    capsys.readouterr()
+    assert main(["eval", str(run), "--n", "4", "--seeds", "1"]) == 0, capsys.readouterr().err
+    assert main(["sample", str(run), "--n", "2", "--out", "s.npy"]) == 0
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()
+    assert main(["train", "--resume", str(run), "data.path=../imgs", "--no-report"]) == 0  # the same folder
+    capsys.readouterr()
+
+    for i in range(2):  # two more images: they sort last, into the test split
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "imgs" / f"zz{i}.png")
+    methods._distributions.cache_clear()
+    assert main(["eval", str(run), "--n", "4", "--seeds", "1"]) == 2
+    one_line(capsys, "cannot evaluate", "data changed", "files_sha256", str(tmp_path / "imgs"))
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()
+    assert main(["train", "--resume", str(run), "--no-report"]) == 2
+    one_line(capsys, "cannot resume", "data changed", "test_files_sha256")

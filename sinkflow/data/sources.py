@@ -428,6 +428,18 @@ class FolderSource:
     def split_files(self, split: str) -> list[Path]:
         return self.files[-self.n_test:] if split == "test" else self.files[: len(self.files) - self.n_test]
 
+    def split_info(self) -> dict:
+        """What a run trained on (RUN/data_split.json): the folder, the split rule and, per split, a hash of its files'
+        relative paths and sizes, so a file added, removed, renamed or replaced by one of another size is noticed
+        before a resume trains or an evaluation scores on other images (the bytes themselves are not read)."""
+        def files_sha256(split: str) -> str:
+            lines = (f"{p.relative_to(self.path).as_posix()}:{p.stat().st_size}" for p in self.split_files(split))
+            return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+        return {"set": "folder", "path": str(self.path.resolve()),
+                "rule": "image files sorted by relative path; the last 10% (at least one) are the test split",
+                "train_files_sha256": files_sha256("train"), "test_files_sha256": files_sha256("test")}
+
     def fingerprint(self, split):  # "decode2": 16-bit images scaled, not clipped (folders decoded before rebuild)
         return f"{self._fp}:{split}:{self.n_test}:decode2"
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Iterable
@@ -13,11 +12,11 @@ import torch
 from sinkflow import config as config_mod
 from sinkflow import data, methods
 from sinkflow.data import sample_shape
-from sinkflow.data.atomic_write import atomic_write_text
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import TrainingStep
 from sinkflow.runtime import dist
 from sinkflow.runtime.callbacks import Callback
+from sinkflow.runtime.data_record import check_split, record_split
 from sinkflow.runtime.lock import unlock_run
 from sinkflow.runtime.rng import phase_generator
 from sinkflow.runtime.run_folder import RunFolder, build_phase_model
@@ -123,53 +122,6 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         run.logger.close()
         unlock_run(run.dir)
     return run
-
-
-def split_record(source, target) -> dict:
-    """What a run trains on: the image set's splits (index hashes), a point file's path, rows and a hash of its
-    points (a point-file source under ``source``); empty for built-in 2D distributions."""
-    info = dict(getattr(target, "split_info", None) or {})
-    if getattr(source, "split_info", None):
-        info["source"] = source.split_info
-    return info
-
-
-def record_split(run, source, target) -> None:
-    """RUN/data_split.json (``split_record``), so a result can be traced to its data; rewritten identically on
-    resume, which ``check_split`` makes sure of first."""
-    info = split_record(source, target)
-    if info:
-        atomic_write_text(run.dir / "data_split.json", json.dumps(info, indent=1))
-
-
-def check_split(run, source, target) -> None:
-    """Refuse a resume whose data changed since the run started (a point file rewritten, another split): the
-    finished phases were trained on the recorded data, and a resume promises the uninterrupted run."""
-    path = run.dir / "data_split.json"
-    if not path.exists():
-        return
-    try:
-        recorded = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return  # unreadable: rewritten after the checks, as before this record existed
-
-    def hashes(info: dict, where: str = "") -> dict:
-        out = {}
-        for k, v in info.items():
-            if isinstance(v, dict):
-                out.update(hashes(v, f"{where}{k}."))
-            elif k.endswith("sha256"):
-                out[where + k] = v
-        return out
-
-    old, new = hashes(recorded), hashes(split_record(source, target))
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-    if changed:
-        src = recorded.get("source")
-        what = recorded.get("points") or (src.get("points") if isinstance(src, dict) else None) or "the data"
-        raise SinkflowError(f"cannot resume {run.dir}: its data changed since the run started ({what}: "
-                            f"{', '.join(changed)} differ from {path.name})",
-                            "restore the data the run was trained on, or start a new run")
 
 
 def verify(run, phases) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from sinkflow import data, methods
+from sinkflow.runtime.data_record import check_split
 
 
 def is_points(cfg: dict) -> bool:
@@ -19,6 +20,8 @@ def is_points(cfg: dict) -> bool:
 
 
 def evaluate(run, seeds: int | None = None, n: int | None = None) -> str:
+    """The run's method's evaluation, on the data the run recorded (a changed test split is refused first)."""
+    check_split(run, *data.distributions(run.cfg), doing="evaluate")
     return methods.of(run.cfg).evaluate(run, sys.modules[__name__], seeds=seeds, n=n)
 
 

@@ -106,6 +106,7 @@ class RunFolder:
         resolve_device(exp["device"])  # a bad device is refused before the folder exists
         name = exp["name"] or f"{exp['preset']}-{exp['method']}-{time.strftime('%Y%m%d-%H%M%S')}"
         name = dist.broadcast_object(name)  # rank 0's clock names the folder for every rank
+        cfg = absolute_data_paths(cfg, DATA_PATH_KEYS)
         run_dir = Path(exp["runs_dir"]) / name
 
         def refuse_existing():
@@ -143,6 +144,7 @@ class RunFolder:
         are refused (``sinkflow.runtime.identity``); ``start()`` writes the new config once the run starts."""
         cfg = read_config(run_dir)
         new = config_mod.apply_overrides(config_mod.apply_shorthands(cfg, shorthands or {}), overrides or [])
+        new = absolute_data_paths(new, [k for k in config_mod.override_keys(overrides or []) if k in DATA_PATH_KEYS])
         config_mod.validate(new)
         config_mod.check_read(new, config_mod.override_keys(overrides or []))
         check_frozen(cfg, new, Path(run_dir))
@@ -249,6 +251,31 @@ class RunFolder:
             torch.cuda.empty_cache()
 
 
+
+
+DATA_PATH_KEYS = ("data.path", "data.root", "data.source", "data.target")
+
+
+def absolute_data_paths(cfg: dict, keys) -> dict:
+    """``cfg`` with the data paths among ``keys`` made absolute (``~`` expanded): an image folder, the data root, a
+    point file named as source or target (a 2D or image set name stays a name). A run folder's config.yaml then
+    means the same data from any working directory: `sinkflow eval/sample/train --resume` run from elsewhere found
+    no `imgs/cif` and refused every override that could point them at it."""
+    from sinkflow.data.points import POINT_SUFFIXES
+
+    out = None
+    for key in keys:
+        section, name = key.split(".")
+        value = cfg[section].get(name)
+        if not isinstance(value, str) or not value:
+            continue
+        if name in ("source", "target") and not value.lower().endswith(POINT_SUFFIXES):
+            continue
+        absolute = os.path.abspath(os.path.expanduser(value))
+        if absolute != value:
+            out = out or {**cfg, section: dict(cfg[section])}
+            out[section][name] = absolute
+    return out or cfg
 
 
 def check_writable(run_dir: Path) -> None:

@@ -1,0 +1,67 @@
+"""RUN/data_split.json: what a run trains and is scored on, recorded at its start and checked before a resume or an
+evaluation reads the data again.
+
+An image set's splits (MNIST's t10k-only split: seed and index hashes; an image folder: the hashes of its train and
+test file lists), a point file's path, rows and a hash of its points. Built-in 2D distributions record nothing
+(their samples come from the seed). A resume on changed data would not continue the run it promises, and an
+evaluation on a changed test split would score against other data than the run's: both are refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+from sinkflow.data.atomic_write import atomic_write_text
+from sinkflow.errors import SinkflowError
+
+RECORD = "data_split.json"
+
+
+def split_record(source, target) -> dict:
+    """The record of a run's data (empty for built-in 2D distributions); a point-file source goes under ``source``."""
+    info = dict(getattr(target, "split_info", None) or {})
+    if getattr(source, "split_info", None):
+        info["source"] = source.split_info
+    return info
+
+
+def record_split(run, source, target) -> None:
+    """Write RUN/data_split.json; rewritten identically on resume, which ``check_split`` makes sure of first."""
+    info = split_record(source, target)
+    if info:
+        atomic_write_text(run.dir / RECORD, json.dumps(info, indent=1))
+
+
+def _hashes(info: dict, where: str = "") -> dict:
+    out = {}
+    for k, v in info.items():
+        if isinstance(v, dict):
+            out.update(_hashes(v, f"{where}{k}."))
+        elif k.endswith("sha256"):
+            out[where + k] = v
+    return out
+
+
+def check_split(run, source, target, doing: str = "resume") -> None:
+    """Refuse to ``doing`` (resume, evaluate) a run whose data changed since it started: a point file rewritten, an
+    image folder with files added, removed or replaced, another split. Every hash the record holds is compared;
+    one it lacks (a record written before sinkflow hashed that data) is not."""
+    path = run.dir / RECORD
+    if not path.exists():
+        return
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # unreadable: rewritten after the checks, as before this record existed
+    if not isinstance(recorded, dict):
+        return
+    old, new = _hashes(recorded), _hashes(split_record(source, target))
+    changed = sorted(k for k in old if old.get(k) != new.get(k))
+    if changed:
+        src = recorded.get("source")
+        what = (recorded.get("points") or (src.get("points") if isinstance(src, dict) else None)
+                or recorded.get("path") or "the data")
+        fix = ("restore the data the run was trained on, or start a new run" if doing == "resume" else
+               "restore the data the run was trained on (its scores would be against other data), or train a new run")
+        raise SinkflowError(f"cannot {doing} {run.dir}: its data changed since the run started ({what}: "
+                            f"{', '.join(changed)} differ from {RECORD})", fix)
