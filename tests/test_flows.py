@@ -269,6 +269,44 @@ def test_bits_per_dim_and_dequantize_convention():
         dequantize(torch.full((1, 3), 2.0))
 
 
+
+@pytest.mark.parametrize("n_bins", [2, 17, 32, 100, 256])
+def test_8_bit_pixels_reduce_to_every_level_count(n_bins):
+    """Integer pixels are 8-bit: 0..255 map onto all of 0..n_bins-1, monotone, Glow's k // 2**(8-n_bits) for a power
+    of two; for 17 (flow-digits) 255 // (256 // 17) = 17 was out of range and the error said to pass uint8 pixels."""
+    from sinkflow.flows.losses import to_levels
+
+    x = torch.arange(256, dtype=torch.uint8)
+    k = to_levels(x, n_bins)
+    assert k.min() == 0 and k.max() == n_bins - 1 and bool((k.diff() >= 0).all())
+    assert torch.bincount(k, minlength=n_bins).min() >= 256 // n_bins  # every level used
+    if 256 % n_bins == 0:
+        assert torch.equal(k, x.long() // (256 // n_bins))
+    assert torch.equal(to_levels(k.float() / (n_bins - 1), n_bins), k)  # floats at n_bins levels come back
+
+
+@pytest.mark.parametrize("bad, needle", [(torch.tensor([0.0, float("nan")]), "nan"),
+                                         (torch.tensor([0.0, float("inf")]), "inf"),
+                                         (torch.tensor([0, 300]), "0..300"), (torch.tensor([-1, 3]), "-1..3")])
+def test_pixels_out_of_range_are_named(bad, needle):
+    from sinkflow.flows.losses import to_levels
+
+    with pytest.raises(SinkflowError, match=needle):
+        to_levels(bad, 17)
+
+
+def test_actnorm_initialised_on_one_value_per_channel_keeps_scale_one():
+    """A batch of 1 at a 1x1 level gives each channel one value, std 0: the scale stays 1 (it was 1e6: -2 bits/dim
+    on the first step of `flow-digits --batch-size 1 model.flow.levels=3`, then 'diverged, lower the lr')."""
+    layer = ActNorm(3)
+    x = torch.randn(1, 3, 1, 1)
+    y, logdet = layer(x)
+    assert torch.equal(layer.log_scale, torch.zeros_like(layer.log_scale)) and float(logdet.abs().max()) == 0
+    torch.testing.assert_close(y, torch.zeros_like(y))  # centred by the bias
+    wide = ActNorm(3)
+    wide(torch.randn(16, 3, 4, 4) * 3)  # a spread is still normalised to unit variance
+    assert torch.allclose(wide.log_scale.exp().flatten(), torch.full((3,), 1 / 3), rtol=0.2)
+
 def test_training_lowers_bits_per_dim_and_samples_have_the_data_shape():
     torch.manual_seed(0)
     model = build_flow({"levels": 2, "depth_per_level": 2, "hidden_channels": 8, "memory": "invertible"},

@@ -80,12 +80,17 @@ class ActNorm(InvertibleLayer):
         self._init_seen = False  # re-read the loaded buffer on the next forward
         super()._load_from_state_dict(*args, **kwargs)
 
+    MIN_STD = 1e-4  # below it a channel's spread says nothing (dequantisation noise alone is ~1e-3 at 256 bins)
+
     @torch.no_grad()
     def initialize(self, x: torch.Tensor) -> None:
+        """Zero mean, unit variance per channel over the first batch; a channel whose values do not spread (one value
+        per channel: a batch of 1 at a 1x1 level) keeps scale 1: ``-log(0 + eps)`` = 13.8 scaled it by 1e6, logged
+        -2 bits/dim on the first step and diverged on the next."""
         mean = x.mean(dim=(0, 2, 3), keepdim=True)
         std = x.std(dim=(0, 2, 3), keepdim=True, unbiased=False)
         self.bias.copy_(-mean)
-        self.log_scale.copy_(-torch.log(std + self.eps))
+        self.log_scale.copy_(torch.where(std > self.MIN_STD, -torch.log(std + self.eps), torch.zeros_like(std)))
         self.initialized.fill_(True)
 
     def forward(self, x):

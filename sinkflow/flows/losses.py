@@ -20,19 +20,29 @@ from sinkflow.errors import SinkflowError
 
 
 def to_levels(x, n_bins: int = 256) -> torch.Tensor:
-    """Integer levels in ``[0, n_bins)`` from uint8/integer pixels or floats in [0, 1] (``k/255``)."""
+    """Integer levels in ``[0, n_bins)`` from 8-bit pixels or floats in [0, 1].
+
+    Integer tensors (uint8 or any integer dtype) are 8-bit pixel values 0..255, reduced to ``n_bins`` levels as
+    ``k * n_bins // 256`` (Glow's ``k // 2**(8 - n_bits)`` for a power of two, and defined for any ``n_bins``: with
+    ``256 // n_bins`` a non-divisor such as 17 sent 255 out of range). Floats in [0, 1] are
+    ``round(x * (n_bins - 1))``: ``k / 255`` for 256 levels, ``k / (n_bins - 1)`` for data already at ``n_bins``
+    levels (sklearn's digits, 0..16, as ``x / 16``)."""
     if x.dtype == torch.uint8 or not x.is_floating_point():
         k = x.long()
+        if k.numel():
+            lo, hi = torch.stack(torch.aminmax(k)).tolist()  # one read
+            if lo < 0 or hi > 255:
+                raise SinkflowError(f"integer pixels for a flow are 8-bit values 0..255, got {lo}..{hi}",
+                                    f"pass uint8 pixels, or levels 0..{n_bins - 1} as floats k/{n_bins - 1}")
         if n_bins != 256:
-            k = k // (256 // n_bins)  # Glow's n_bits < 8 reduction from 8-bit data
-    else:
-        if x.numel() and (float(x.min()) < 0 or float(x.max()) > 1):
-            raise SinkflowError("float images for a flow must lie in [0, 1]",
-                                "pass uint8 pixels or ToTensor()-style floats k/255")
-        k = torch.round(x * (n_bins - 1)).long()
-    if k.numel() and (int(k.min()) < 0 or int(k.max()) >= n_bins):
-        raise SinkflowError(f"pixel levels outside [0, {n_bins})", "pass uint8 pixels or floats in [0, 1]")
-    return k
+            k = k * n_bins // 256
+        return k
+    if x.numel():
+        lo, hi = torch.stack(torch.aminmax(x.detach())).tolist()
+        if not (lo >= 0 and hi <= 1):  # NaN fails both
+            raise SinkflowError(f"float images for a flow must lie in [0, 1], got {lo:.4g}..{hi:.4g}",
+                                "pass uint8 pixels or ToTensor()-style floats k/255 (NaN or Inf: check the data)")
+    return torch.round(x * (n_bins - 1)).long()
 
 
 def dequantize(x, generator: torch.Generator | None = None, n_bins: int = 256,
