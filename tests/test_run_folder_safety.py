@@ -452,6 +452,18 @@ def test_cli_turns_any_os_error_into_one_line(monkeypatch, capsys):
              "free disk space")
 
 
+
+def test_a_reader_that_closes_the_pipe_is_not_a_disk_error(tmp_path):
+    """`sinkflow config moons --all | head -1`: the reader stops early; no 'EPIPE ... free space' line, and the exit
+    status is a SIGPIPE stop's (141), as for any Unix tool, not the error status 2."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "sinkflow", "config", "moons", "--all"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first write (as `head` after its lines): EPIPE
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 128 + signal.SIGPIPE, err
+    assert "error" not in err and "Traceback" not in err, err
+
 # ---- 8. housekeeping and messages --------------------------------------------------------------------
 
 def test_orphaned_temp_files_are_removed_on_resume(run, capsys):

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import importlib
 import os
+import signal
 import logging
 import sys
 
@@ -80,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     except SinkflowError as exc:
         print(f"sinkflow: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `sinkflow status RUN | head -1`: the reader has what it wanted, not a disk error
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the last flush at exit must not fail
+        except (OSError, ValueError):  # stdout without a file descriptor (an embedding host's stream)
+            pass
+        return 128 + signal.SIGPIPE  # what a program stopped by SIGPIPE returns
     except OSError as exc:
         print(f"sinkflow: error: {one_line(os_error_line(exc))}", file=sys.stderr)
         return 2
