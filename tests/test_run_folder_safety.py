@@ -167,6 +167,15 @@ def test_resume_refuses_a_key_that_shaped_an_artifact(run, capsys, override, key
     assert full_snapshot(run) == before
 
 
+
+@pytest.mark.parametrize("override", [["--name", "other"], ["experiment.runs_dir=/tmp/elsewhere"]])
+def test_a_resume_neither_renames_nor_moves_its_folder(run, capsys, override):
+    """`--resume RUN --name other` was applied and recorded (config.yaml: name other) while the run stayed in RUN."""
+    before = full_snapshot(run)
+    one_line(*run_main(capsys, "train", "--resume", str(run), *override, "--no-report"), "does not rename or move",
+             "cp -r")
+    assert full_snapshot(run) == before
+
 def test_half_built_pool_freezes_its_keys_and_chunking(run, capsys):
     shutil.rmtree(run / "checkpoints")  # the pool files and progress.json are there, no final.pt yet
     before = snapshot(run)

@@ -40,6 +40,8 @@ RUNTIME_KEYS = frozenset({
 HALF_BUILT_POOL_KEYS = ("pool.chunk",)
 # Refused on resume even before any artifact exists: they decide what the run is.
 ALWAYS_FROZEN = ("experiment.preset", "experiment.method")
+# ... and where it is: a resume continues the folder it was given (config.yaml naming another would lie).
+LOCATION_KEYS = ("experiment.name", "experiment.runs_dir")
 
 
 # Frozen by a training phase's checkpoints: how a network reads the pool (nsgf.time is its input's meaning).
@@ -144,6 +146,11 @@ def check_frozen(old: dict, new: dict, run_dir: Path) -> None:
             continue
         if key in ALWAYS_FROZEN:
             why = "the run folder was made for it"
+        elif key in LOCATION_KEYS:
+            raise SinkflowError(f"cannot resume {run_dir} with {key}={new_flat[key]!r}: a resume continues the run in "
+                                "its own folder, which it does not rename or move",
+                                f"drop that override; to continue a copy elsewhere, `cp -r {run_dir} NEW` and "
+                                "`sinkflow train --resume NEW`")
         else:
             shaped = [what for phase, what in on_disk.items()
                       if key.startswith(frozen_prefixes(old, phase)) and key not in RUNTIME_KEYS]
