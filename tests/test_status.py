@@ -121,6 +121,20 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(runs_dir, monkeypat
     assert snapshot(ck.folder) == files
 
 
+
+def test_a_run_that_stopped_on_an_error_is_failed_with_the_error_not_dead(tmp_path):
+    """FM at lr 50 stops on a diverging loss; status said DEAD with only a resume hint (which fails the same way):
+    it says FAILED, where, and the error with its fix, and exits 1."""
+    r = cli("train", "moons", "--method", "fm", "--lr", "50", "--train-iters", "300", "--batch-size", "32",
+            "train.velocity.log_every=1", "--device", "cpu", "--name", "div", "--no-report", cwd=tmp_path)
+    error = next(x for x in r.stderr.splitlines() if x.startswith("sinkflow: error: "))[len("sinkflow: error: "):]
+    assert r.returncode == 2 and "velocity" in error and "lower train.velocity.lr" in error, r.stderr
+    status = cli("status", str(tmp_path / "runs/div"), cwd=tmp_path)
+    assert status.returncode == 1, status.stdout
+    line = next(x for x in status.stdout.splitlines() if x.startswith("state"))
+    assert line.startswith("state        FAILED (at velocity step") and error in line, line
+    assert "DEAD" not in status.stdout
+
 def test_console_log_lines_go_above_an_open_progress_bar(monkeypatch):
     """Where the CLI logs to the console, records go through tqdm (above the bar, not into its line); where a
     host captures records itself (this test runner), its handlers are left alone."""

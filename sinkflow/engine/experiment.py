@@ -37,11 +37,16 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = ()) -> None:
                 log.info("phase %s already finished: skipped", task.name)
                 continue
             run.logger.heartbeat(phase=task.name, step=0, state="starting")
-            trainer = Trainer(run, task, callbacks)
+            trainer = None
             try:
+                trainer = Trainer(run, task, callbacks)
                 trainer.fit()
             except Interrupted as exc:  # `sinkflow status` says STOPPED (checkpoint saved), not DEAD
                 run.logger.heartbeat(phase=exc.phase, step=exc.step, state="stopped", signal=exc.signum)
+                raise
+            except Exception as exc:  # `sinkflow status` says FAILED and why (a resume would fail the same way)
+                run.logger.heartbeat(phase=task.name, step=getattr(trainer, "progress", None), state="failed",
+                                     error=" ".join(str(exc).split())[:500] or type(exc).__name__)
                 raise
             last = (task.name, trainer.progress)
             del trainer  # the trainer (model, optimizer, buffers) is dropped here

@@ -8,6 +8,8 @@ works while the run is going, after it finished, and after it died. A run is
 * ``stale``: the heartbeat is older than ``stale_after`` (hung, or a very long log interval);
 * ``dead``: the pid of the heartbeat is not alive on this host and the run did not finish.
 * ``stopped``: a signal stopped it after its checkpoint was written (``sinkflow train --resume`` continues).
+* ``failed``: it stopped on an error (a non-finite step, out of memory, bad data...), which the heartbeat keeps:
+  a plain resume would meet it again, so the line says what to fix first.
 
 The ETA is the current phase's; the phases still to come after it are listed with their size (from the run's
 ``config.yaml`` and its method's phase list, ``config.schema.METHOD_REGISTRY``), and where one trains the current
@@ -97,6 +99,8 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
         state = "finished"
     elif hb.get("state") == "stopped" and alive is not True:  # by a signal, after its checkpoint was written
         state = "stopped"
+    elif hb.get("state") == "failed" and alive is not True:  # by an error, recorded before the process ended
+        state = "failed"
     elif not hb:
         state = "not started"
     elif alive is False:
@@ -193,6 +197,10 @@ def format_status(st: dict) -> str:
     elif state == "stopped":
         why = (f" (by signal {hb.get('signal')} at {hb.get('phase')} step {hb.get('step')}, checkpoint saved; "
                f"resume with `sinkflow train --resume {st['run']}`)")
+    elif state == "failed":
+        step = f" step {hb['step']}" if hb.get("step") is not None else ""
+        why = (f" (at {hb.get('phase')}{step}: {hb.get('error')}; the checkpoints before it are intact: fix that, then "
+               f"`sinkflow train --resume {st['run']}` continues)")
     elif state == "stale":
         why = f" (no heartbeat for {_dur(age)}; hung, or log_every is very long)"
     host = f" on {hb['host']}" if hb.get("host") else ""
