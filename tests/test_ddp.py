@@ -70,3 +70,16 @@ def test_ddp_matches_single_process_and_resumes_on_fewer(runs_dir):
     assert c["optimizer"]["param_groups"][0]["lr"] == 0.001
     logged = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in logged if r.get("phase") == "velocity" and "lr" in r][-2:] == [0.001, 0.001]
+
+    # the run's lock held by another process: rank 0's one line, and rank 1 stops with it (it waited in a barrier
+    # until the store closed, and its gloo traceback buried the line)
+    from sinkflow.runtime.lock import lock_run, unlock_run
+
+    lock_run(resumed)
+    try:
+        held = _torchrun("--resume", str(resumed), "--no-report", cwd=cwd)
+    finally:
+        unlock_run(resumed)
+    assert held.returncode != 0
+    assert held.stderr.count("is in use by another sinkflow process") == 2, held.stderr[-3000:]  # rank 0, rank 1
+    assert "rank 0 stopped" in held.stderr and "Connection closed" not in held.stderr, held.stderr[-3000:]

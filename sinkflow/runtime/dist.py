@@ -17,10 +17,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as tdist
+
+from sinkflow.errors import SinkflowError
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,28 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     tdist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def on_main(work: Callable[[], Any]) -> Any:
+    """``work()`` on rank 0 only, its outcome agreed by every rank: its result, or its one-line error raised on every
+    rank. A rank-0-only step that fails (the run folder's lock held by another process, a folder it cannot write)
+    otherwise left the other ranks waiting in the next collective until the store closed, and their gloo/NCCL
+    tracebacks buried the one line."""
+    info = current()
+    if not info.enabled:
+        return work()
+    result, failure = None, None
+    if info.is_main:
+        try:
+            result = work()
+        except (SinkflowError, OSError) as exc:
+            failure = exc
+    said = broadcast_object(None if failure is None else str(failure))
+    if failure is not None:
+        raise failure
+    if said is not None:
+        raise SinkflowError(f"rank 0 stopped: {said}")
+    return result
 
 
 def agree_stop(signum: int | None) -> int | None:

@@ -122,7 +122,7 @@ class RunFolder:
 
         if dist.broadcast_object(occupied()):  # every rank refuses, none waits
             refuse_existing()
-        if dist.current().is_main:
+        def make():
             try:
                 run_dir.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -133,9 +133,11 @@ class RunFolder:
                     refuse_existing()
                 atomic_write_text(run_dir / "config.yaml", config_mod.dump(cfg))
                 meta = {"seed": exp["seed"], "created": time.strftime("%Y-%m-%d %H:%M:%S"), "git": _git_hash(),
-                        "versions": _versions(), "argv": sys.argv, "world_size": dist.current().world}
+                        "versions": _versions(), "argv": sys.argv, "cwd": os.getcwd(),
+                        "world_size": dist.current().world}
                 atomic_write_text(run_dir / "meta.json", json.dumps(meta, indent=2))
-        dist.barrier()
+
+        dist.on_main(make)  # rank 0 writes; a failure there is every rank's one line
         return cls(run_dir, cfg)
 
     @classmethod
@@ -168,17 +170,18 @@ class RunFolder:
         """The run really starts: take the folder's lock, write the resumed config and record what it changed
         (meta.json ``changes``: key, old and new value, the phase and step it took effect), drop orphaned
         temp files."""
-        if self.dist.is_main:
+        def begin():
             check_writable(self.dir)
             lock_run(self.dir)
             if self._pending_config is not None:
                 changes = self.changes()
                 atomic_write_text(self.dir / "config.yaml", config_mod.dump(self._pending_config))
                 self._record_changes(changes)
-                self._pending_config = None
             for path in remove_orphans(self.dir):
                 log.info("removed %s (left by a killed write)", path)
-        dist.barrier()
+
+        dist.on_main(begin)  # rank 0 writes; a failure there (the lock held elsewhere) is every rank's one line
+        self._pending_config = None
 
     def _record_changes(self, changes: dict[str, tuple]) -> None:
         if not changes:
