@@ -161,3 +161,54 @@ def test_the_plan_counts_every_batch_the_cuda_defaults_hold():
     one = {m.phase: m for m in memory_plan.estimate(plain, bf16=True)}[unet]
     assert (auto.batch_copies, one.batch_copies) == (4, 1) and "4 batches held" in auto.note
     assert auto.terms["batch"] == 4 * one.terms["batch"] > 0
+
+
+def test_the_per_process_estimate_and_fit_do_not_shrink_with_world():
+    """`train.<phase>.batch_size` is per process (every rank trains its own batch_size rows, Trainer._fit_training):
+    a run on 4 GPUs needs as much memory per GPU as one on 1 GPU, and --fit gives the same advice. The plan used to
+    divide the batch by --world and call a card that runs out of memory a fit."""
+    cfg = config.resolve("moons", ["train.velocity.batch_size=65536", "model.velocity.hidden=2048"])
+    one, four = ({m.phase: m for m in memory_plan.estimate(cfg, world=w)} for w in (1, 4))
+    assert one["velocity"].terms == four["velocity"].terms and "micro-batch 65536," in four["velocity"].note
+    card = 2 * memory_plan.GiB
+    fit_one = memory_plan.propose_fit(cfg, list(one.values()), card, world=1)
+    fit_four = memory_plan.propose_fit(cfg, list(four.values()), card, world=4)
+    assert fit_four == fit_one
+    assert any(r.startswith("velocity: micro-batch 65536 -> ") for r in fit_four[1]), fit_four
+
+
+def test_out_of_memory_advice_doubles_accum_and_keeps_the_batch():
+    """`accum` splits `batch_size` into micro-batches (Trainer._update): the fix is to double accum alone. The line
+    used to say to halve batch_size as well, which halves the batch the run trains on."""
+    import re
+
+    from sinkflow.cli.oom import oom_line
+
+    exc = torch.OutOfMemoryError("CUDA out of memory")
+    exc.sinkflow_where = {"phase": "velocity", "step": 5, "training": True}
+    line = oom_line(exc, "train", None, "moons")
+    assert "double train.velocity.accum" in line and "train.velocity.batch_size stays the batch" in line, line
+    assert not re.search(r"halve\S* train\.velocity\.batch_size", line), line
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--gpu-mem", "nan"], "--gpu-mem must be a positive number of GiB, got nan"),
+    (["--gpu-mem", "inf"], "--gpu-mem must be a positive number of GiB, got inf"),
+    (["--gpu-mem", "0"], "--gpu-mem must be a positive number of GiB, got 0"),
+    (["--gpu-mem", "-3"], "--gpu-mem must be a positive number of GiB, got -3"),
+    (["--world", "0"], "--world must be >= 1, got 0"),
+    (["--world", "-2"], "--world must be >= 1, got -2"),
+])
+def test_bad_preflight_arguments_are_one_line_before_any_work(capsys, monkeypatch, argv, needle):
+    """A NaN card size used to end in a traceback, --gpu-mem 0 was ignored in silence, a negative one gave absurd
+    advice, and --world 0 ran every phase (~22 s) before failing with ZeroDivisionError: each is now one line and
+    exit status 2, before the preflight starts."""
+    from sinkflow.cli import main
+
+    def ran(*a, **k):
+        raise AssertionError("the preflight ran")
+
+    monkeypatch.setattr("sinkflow.tools.preflight.preflight", ran)
+    assert main(["preflight", "moons", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sinkflow: error: ") and needle in err[0], err

@@ -49,8 +49,10 @@ def oom_line(exc: BaseException, command: str, run_dir: str | None, preset: str 
     preflight = f"`sinkflow preflight {preset or 'PRESET'} --gpu-mem GiB --fit`"
     if training:
         key = f"train.{phase}"
-        fix = (f"resume with a smaller micro-batch and the same global batch (halve {key}.batch_size and double "
-               f"{key}.accum), or run {preflight} for settings that fit")
+        # accum splits batch_size into micro-batches (Trainer._update): doubling it halves what is on the card
+        # at once and keeps the batch; halving batch_size as well would halve the batch the run trains on
+        fix = (f"resume with double {key}.accum ({key}.batch_size stays the batch; each micro-batch halves), "
+               f"or run {preflight} for settings that fit")
     elif phase == "pool":
         fix = f"resume with pool.in_flight=1, or run {preflight} (smaller Sinkhorn batch, more pool batches)"
     else:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from sinkflow import config
 from sinkflow.cli.common import add_config_args, shorthands, split_preset
+from sinkflow.errors import SinkflowError
 
 
 def add_parser(sub):
@@ -59,12 +61,25 @@ def _one(preset, args, card) -> bool:
     return ok
 
 
+def check_args(args) -> None:
+    """``--gpu-mem`` and ``--world``, checked before torch loads or any phase runs: a NaN card size used to end in a
+    traceback, a 0 was ignored in silence, a negative gave absurd advice, and ``--world 0`` failed after every
+    phase had run."""
+    if args.gpu_mem is not None and not (math.isfinite(args.gpu_mem) and args.gpu_mem > 0):
+        raise SinkflowError(f"--gpu-mem must be a positive number of GiB, got {args.gpu_mem:g}",
+                            "e.g. --gpu-mem 16, or name the card: --gpu T4")
+    if args.world < 1:
+        raise SinkflowError(f"--world must be >= 1, got {args.world}",
+                            "give the number of processes (GPUs) the run will use, e.g. --world 4 (default 1)")
+
+
 def run(args):
+    check_args(args)
     from sinkflow.tools import memory_plan
 
     split_preset(args)
     card = None
-    if args.gpu or args.gpu_mem:
+    if args.gpu is not None or args.gpu_mem is not None:
         card = memory_plan.gpu_bytes(args.gpu, args.gpu_mem)
     presets = config.preset_names() if args.all else [args.preset]
     results = {}

@@ -1,6 +1,8 @@
 """Peak GPU memory of every phase for a config, before any GPU is rented, and the change that makes it fit.
 
-Terms (per process; one GPU per process):
+Terms (per process; one GPU per process). ``train.<phase>.batch_size`` is per process, so the number of processes
+(``world``) does not shrink a phase: it changes only what ``auto`` resolves to under DDP (no step graph, no compile:
+``planned_train``), and a rank building its pool chunks holds one in-flight group, as one process does.
 
 * a chunked phase (the pool): the task's own estimate (``ChunkedTask.memory``; for the pool GeomLoss's
   working set for ``in_flight`` pool batches and the trajectory kept on the device, plus the pool in host RAM
@@ -99,11 +101,20 @@ def measure_activations(model: torch.nn.Module, shape: tuple[int, ...], precisio
     return activation_terms(model.train(), shape, with_time=None, autocast_dtype=dtype, device="cpu")
 
 
-def train_terms(pm: PhaseMemory, batch_size: int, accum: int, world: int = 1) -> None:
-    micro = max(1, math.ceil(batch_size / world / max(1, accum)))
+def micro_batch(batch_size: int, accum: int) -> int:
+    """Rows in one accumulation micro-batch: ``Trainer._update`` chunks the step's batch (``batch_size`` rows:
+    the batch is per process, whatever the number of processes) into ``accum`` parts (``split_batch``)."""
+    return max(1, math.ceil(batch_size / max(1, accum)))
+
+
+def train_terms(pm: PhaseMemory, batch_size: int, accum: int) -> None:
+    """The terms of a training phase that grow with its batch, for ``train.<phase>.batch_size`` / ``accum``. Per
+    process and independent of the number of processes: under torchrun every rank trains ``batch_size`` rows (it
+    keeps its shard of the ``batch_size x world`` rows drawn, ``dist.shard``, before they reach the device)."""
+    micro = micro_batch(batch_size, accum)
     pm.terms["activations"] = pm.act_fixed + pm.act_per_sample * micro
     pm.terms["backward transient"] = pm.act_max_per_sample * micro
-    pm.terms["batch"] = pm.batch_item_bytes * math.ceil(batch_size / world) * pm.batch_copies
+    pm.terms["batch"] = pm.batch_item_bytes * batch_size * pm.batch_copies
 
 
 # ---- the estimate -------------------------------------------------------------------------------
@@ -142,10 +153,10 @@ def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int, bf
     pm.batch_item_bytes = 4 * (3 * dim + 1)  # x_t, target, prediction + t
     ahead = prefetch.DEPTH if prefetch.use_prefetch(tcfg["prefetch"], torch.device("cuda")) else 0
     pm.batch_copies = 1 + ahead + (tcfg["graph"] == "step")  # a captured step reads a static copy
-    train_terms(pm, tcfg["batch_size"], tcfg["accum"], world)
+    train_terms(pm, tcfg["batch_size"], tcfg["accum"])
     pm.terms["cuda workspaces"] = WORKSPACE_BYTES
-    micro = max(1, math.ceil(tcfg["batch_size"] / world / max(1, tcfg["accum"])))
-    pm.note = f"micro-batch {micro}, {tcfg['precision']}, {pm.batch_copies} batches held"
+    pm.note = (f"micro-batch {micro_batch(tcfg['batch_size'], tcfg['accum'])}, {tcfg['precision']}, "
+               f"{pm.batch_copies} batches held")
     return pm
 
 
@@ -173,8 +184,9 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
 
 def estimate(cfg: dict, world: int = 1, bf16: bool = False) -> list[PhaseMemory]:
     """Per-phase memory of the config (real sizes), measured on CPU, for a CUDA card with bf16 tensor cores or
-    without (what ``auto`` precision becomes there; by default without, as ``card_bf16`` plans for no card). Uses
-    synthetic data of the real shape when the image set is not available here."""
+    without (what ``auto`` precision becomes there; by default without, as ``card_bf16`` plans for no card), per
+    process of a run with ``world`` processes. Uses synthetic data of the real shape when the image set is not
+    available here."""
     from sinkflow.methods.base import ChunkedTask, TrainingStep
     from sinkflow.models import build_model
     from sinkflow.tools.data import real_or_synthetic
@@ -223,13 +235,14 @@ def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int
             t = planned_train(cfg, pm.model_key, world, bf16)
             accum, trial = t["accum"], copy.copy(pm)
             trial.terms = dict(pm.terms)
-            while trial.total > limit and t["batch_size"] % (accum * 2) == 0 and t["batch_size"] // world // (accum * 2) >= 1:
+            while trial.total > limit and t["batch_size"] % (accum * 2) == 0:
                 accum *= 2
-                train_terms(trial, t["batch_size"], accum, world)
+                train_terms(trial, t["batch_size"], accum)
             if accum != t["accum"]:
                 overrides[f"train.{pm.model_key}.accum"] = accum
-                reasons.append(f"{pm.phase}: micro-batch {t['batch_size'] // world // t['accum']} -> "
-                               f"{t['batch_size'] // world // accum} with accum={accum} (same effective batch {t['batch_size']})")
+                reasons.append(f"{pm.phase}: micro-batch {micro_batch(t['batch_size'], t['accum'])} -> "
+                               f"{micro_batch(t['batch_size'], accum)} with accum={accum} (same effective batch "
+                               f"{t['batch_size']})")
             if trial.total > limit:
                 if t["precision"] == "fp32":
                     overrides[f"train.{pm.model_key}.precision"] = "bf16"
