@@ -18,6 +18,7 @@ import torch
 from helpers import TINY_2D, cli, nan_gradient_phase, snapshot
 from sinkflow.cli import main
 from sinkflow.errors import SinkflowError
+from sinkflow.runtime.run_folder import RunFolder
 
 
 def one_line(rc, err, *needles):
@@ -175,6 +176,26 @@ def test_a_resume_neither_renames_nor_moves_its_folder(run, capsys, override):
     one_line(*run_main(capsys, "train", "--resume", str(run), *override, "--no-report"), "does not rename or move",
              "cp -r")
     assert full_snapshot(run) == before
+
+
+def test_a_shorthand_on_a_resume_reaches_the_phases_still_to_train(runs_dir, capsys):
+    """`--resume RUN --train-iters 9` on NSGF++ stopped in its nsf phase was refused ("train.velocity.iters: phase
+    'velocity' has finished ... drop that override"), an override the user never wrote: the shorthand now sets the
+    unfinished phases' keys and leaves the finished one's as trained; a named override of it is still refused."""
+    tiny = [a for a in TINY_2D if not a.startswith("eval.steps")]
+    assert main(["train", "moons", *tiny, "--method", "nsgfpp", "--name", "pp", "--no-report"]) == 0
+    run = runs_dir / "pp"
+    for phase in ("nsf", "time"):
+        shutil.rmtree(run / "checkpoints" / phase)  # stopped before its nsf phase began
+    one_line(*run_main(capsys, "train", "--resume", str(run), "train.velocity.iters=9", "--no-report"),
+             "train.velocity.iters", "has finished")
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--train-iters", "9", "--no-report")
+    assert rc == 0, err
+    cfg = RunFolder.open(run).cfg["train"]
+    assert (cfg["velocity"]["iters"], cfg["nsf"]["iters"], cfg["time"]["iters"]) == (6, 9, 9)
+    assert torch.load(run / "checkpoints/nsf/final.pt", weights_only=True)["step"] == 9
+    changes = __import__("json").loads((run / "meta.json").read_text())["changes"]
+    assert sorted(c["key"] for c in changes) == ["train.nsf.iters", "train.time.iters"]
 
 def test_half_built_pool_freezes_its_keys_and_chunking(run, capsys):
     shutil.rmtree(run / "checkpoints")  # the pool files and progress.json are there, no final.pt yet

@@ -149,7 +149,11 @@ def verify(run, phases) -> None:
             if training:
                 prefix = f"train.{task.model_key}."
                 for key, (old, new) in changed.items():
-                    if key.startswith(prefix):
+                    if key.startswith(prefix) and key in run.shorthand_keys:  # `--train-iters`: the phases to come
+                        run.keep_on_disk(key)
+                        log.info("resume: %s stays %r (phase '%s' has finished; the shorthand reaches the phases "
+                                 "still to train)", key, old, task.name)
+                    elif key.startswith(prefix):
                         raise SinkflowError(
                             f"cannot resume {run.dir} with {key}={new!r}: phase '{task.name}' has finished (trained "
                             f"with {key}={old!r}), so the change would have no effect",

@@ -98,6 +98,7 @@ class RunFolder:
         self._disk_config: dict = cfg
         self.resume_at: tuple | None = None  # (phase, step) where a resume continues (set by verify)
         self.phase_keys: dict[str, str] = {}  # phase name -> its model key (set by verify)
+        self.shorthand_keys: set[str] = set()  # keys a resume's shorthands changed and no override named (open)
 
     # ---- creation and resume -------------------------------------------------------------------
     @classmethod
@@ -154,7 +155,21 @@ class RunFolder:
         run._disk_config = cfg
         if new != cfg:
             run._pending_config = new
+        short = config_mod.flatten(config_mod.apply_shorthands(cfg, shorthands or {}))
+        named = set(config_mod.override_keys(overrides or []))
+        disk = config_mod.flatten(cfg)
+        run.shorthand_keys = {k for k, v in short.items() if v != disk.get(k) and k not in named}
         return run
+
+    def keep_on_disk(self, key: str) -> None:
+        """Set ``key`` back to its value on disk in the config this resume writes (a shorthand's key for a phase that
+        has finished: ``--train-iters 60`` reaches the phases still to train)."""
+        section, _, rest = key.partition(".")
+        node, disk = self.cfg[section], self._disk_config[section]
+        *path, leaf = rest.split(".")
+        for part in path:
+            node, disk = node[part], disk[part]
+        node[leaf] = disk[leaf]
 
     def changes(self) -> dict[str, tuple]:
         """{key: (value on disk, new value)} for every key a resume's overrides change."""
