@@ -121,6 +121,13 @@ def test_lr_find_cli_on_a_run_writes_the_config_of_an_unfinished_phase(runs_dir)
 
     lr = yaml.safe_load((run / "config.yaml").read_text())["train"]["velocity"]["lr"]
     assert lr != 0.001 and f"train.velocity.lr={lr:.3g}" in out.stdout
+    # recorded as a resume's change is: config.yaml says the new rate, meta.json from which step (steps 1-6 ran at
+    # 0.001); it was written into config.yaml alone, as if the whole phase had used it
+    import json
+
+    changes = json.loads((run / "meta.json").read_text())["changes"]
+    assert [(c["key"], c["from"], c["to"], c["phase"], c["step"]) for c in changes] == \
+        [("train.velocity.lr", 0.001, lr, "velocity", 6)]
 
 
 # ---- bad arguments and write targets: one line, before a pool is built or a step taken ---------------------

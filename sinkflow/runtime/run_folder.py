@@ -199,25 +199,15 @@ class RunFolder:
         self._pending_config = None
 
     def _record_changes(self, changes: dict[str, tuple]) -> None:
-        if not changes:
-            return
-        path = self.dir / "meta.json"
-        try:
-            meta = json.loads(path.read_text())
-        except (OSError, ValueError):
-            meta = {}
-        meta = meta if isinstance(meta, dict) else {}
         phase, step = self.resume_at or (None, None)
-        when = time.strftime("%Y-%m-%d %H:%M:%S")
+        entries = []
         for key, (old, new) in changes.items():
             parts = key.split(".")
             key_phase, key_step = phase, step
             if parts[0] == "train" and parts[1] != self._phase_key(phase):
                 key_phase, key_step = parts[1], 0  # a later phase's key: from its first step
-            meta.setdefault("changes", []).append({"key": key, "from": old, "to": new, "phase": key_phase,
-                                                   "step": key_step, "time": when})
-            log.info("resume: %s %r -> %r from phase %s step %s", key, old, new, key_phase, key_step)
-        atomic_write_text(path, json.dumps(meta, indent=2, default=str))
+            entries.append((key, old, new, key_phase, key_step))
+        record_changes(self.dir, entries)
 
     def _phase_key(self, phase: str | None) -> str | None:
         return self.phase_keys.get(phase, phase)
@@ -269,6 +259,25 @@ class RunFolder:
             torch.cuda.empty_cache()
 
 
+
+
+def record_changes(run_dir: Path, entries: list[tuple]) -> None:
+    """Append ``(key, old, new, phase, step)`` entries to RUN/meta.json's ``changes`` (a resume's overrides, a rate
+    `sinkflow lr-find --write` set), each logged: config.yaml holds the newest value, meta.json when it took effect."""
+    if not entries:
+        return
+    path = Path(run_dir) / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        meta = {}
+    meta = meta if isinstance(meta, dict) else {}
+    when = time.strftime("%Y-%m-%d %H:%M:%S")
+    for key, old, new, phase, step in entries:
+        meta.setdefault("changes", []).append({"key": key, "from": old, "to": new, "phase": phase, "step": step,
+                                               "time": when})
+        log.info("%s %r -> %r from phase %s step %s", key, old, new, phase, step)
+    atomic_write_text(path, json.dumps(meta, indent=2, default=str))
 
 
 DATA_PATH_KEYS = ("data.path", "data.root", "data.source", "data.target")

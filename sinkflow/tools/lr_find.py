@@ -312,12 +312,19 @@ def write_lr(target: Path, key: str, lr: float, phase: str | None = None) -> Pat
         from sinkflow.data.atomic_write import atomic_write_text
         from sinkflow.runtime.lock import run_lock
 
+        from sinkflow.runtime.checkpoint import PhaseCheckpoints
+        from sinkflow.runtime.run_folder import record_changes
+
         with run_lock(target):  # not while a `sinkflow train` writes the same run
             refuse_finished_phase(target, key, phase)  # again: a train may have finished it during the sweep
             cfg = read_config(target)
+            old = config_mod.get(cfg, key)
             config_mod.set_key(cfg, key, float(lr))
             path = target / "config.yaml"
             atomic_write_text(path, config_mod.dump(cfg))
+            phase = phase or key.split(".")[1]
+            steps = PhaseCheckpoints(target / "checkpoints" / phase).steps()  # where a resume continues it
+            record_changes(target, [(key, old, float(lr), phase, steps[-1][0] if steps else 0)])
         return path
     try:
         tree = yaml.safe_load(target.read_text()) if target.is_file() else {}
