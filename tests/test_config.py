@@ -44,6 +44,8 @@ def test_unknown_key_names_closest():
     ("experiment.method=nsfg", "did you mean 'nsgf'"),
     ("train.velocity.iters=0", "must be >= 1"),
     ("pool.eta", "not of the form"),
+    ("train.velocity.prefetch=on", "must be one of auto, always, never .got bool True, YAML for on/off"),
+    ("train.velocity.accum=3", "accum=3 does not divide train.velocity.batch_size=256.*a divisor of 256 .e.g. 2"),
 ])
 def test_bad_values(override, msg):
     with pytest.raises(SinkflowError, match=msg):

@@ -119,3 +119,15 @@ def test_sample_takes_sample_overrides_without_changing_the_run(runs_dir, capsys
     capsys.readouterr()
     assert main(["sample", str(runs_dir / "so"), "pool.eta=0.1", "--out", str(runs_dir / "b.npy")]) == 2
     assert "only takes sample.* overrides" in capsys.readouterr().err
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_about(runs_dir, caplog):
+    """`--train-iters 4` under warmup 5 ends still warming up (the cosine never decays): said before the first step;
+    warmup 3 is not warned about."""
+    args = ["train", "moons", "--method", "fm", "--train-iters", "4", "--batch-size", "8", "--device", "cpu",
+            "--no-report"]
+    with caplog.at_level("WARNING"):
+        assert main([*args, "train.velocity.warmup=5", "--name", "w5"]) == 0
+        assert main([*args, "train.velocity.warmup=3", "--name", "w3"]) == 0
+    warned = [r.getMessage() for r in caplog.records if "warmup" in r.getMessage()]
+    assert len(warned) == 1 and "warmup=5 >= train.velocity.iters=4" in warned[0], warned

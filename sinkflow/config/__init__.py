@@ -148,6 +148,10 @@ def check_value(name: str, spec: Key, value: Any) -> Any:
         out = spec.rule.coerce(value)
     except TypeError:
         expected = spec.rule.type_name + (" or null" if spec.nullable else "")
+        if isinstance(spec.rule, schema.Options):  # `prefetch=on` parses as YAML's true: name the choices
+            raise SinkflowError(f"config key '{name}' must be one of {', '.join(map(str, spec.rule.choices))} (got "
+                                f"{_type_name(value)} {value!r}{', YAML for on/off/yes/no' if isinstance(value, bool) else ''})",
+                                f"e.g. {name}={_yaml(_example(spec))}") from None
         raise SinkflowError(
             f"config key '{name}' expects {expected} (default {spec.default!r}) but got {_type_name(value)} {value!r}",
             f"pass {'an' if spec.rule.type_name[0] in 'aeiou' else 'a'} {spec.rule.type_name}, e.g. {name}={_yaml(_example(spec))}") from None
@@ -404,6 +408,13 @@ def validate(tree: dict) -> None:
         if key not in leaves:
             raise SinkflowError(f"config key '{key}' is missing", f"set it, e.g. {key}={_yaml(_example(spec))}")
         check_value(key, spec, leaves[key])
+    for phase, train in tree.get("train", {}).items():  # one rule across two keys of a phase
+        batch, accum = train.get("batch_size"), train.get("accum", 1)
+        if isinstance(batch, int) and isinstance(accum, int) and batch % accum:
+            raise SinkflowError(f"train.{phase}.accum={accum} does not divide train.{phase}.batch_size={batch}: the "
+                                "micro-batches would differ in size (their means weighted alike) or be fewer than asked",
+                                f"set train.{phase}.accum to a divisor of {batch} (e.g. "
+                                f"{max(d for d in range(1, min(accum, batch) + 1) if batch % d == 0)})")
 
 
 def dump(tree: dict) -> str:

@@ -123,6 +123,10 @@ class Trainer:
                                           **adam_kernel(run.device))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(cfg.get("schedule", "constant"), cfg["warmup"], cfg["iters"], key))
+        if cfg["warmup"] >= cfg["iters"] and self.info.is_main:  # `--train-iters 40` under a preset's warmup 50
+            log.warning("train.%s.warmup=%d >= train.%s.iters=%d: the rate is still warming up at the last step "
+                        "(%s never decays); lower train.%s.warmup", key, cfg["warmup"], key, cfg["iters"],
+                        cfg.get("schedule", "constant"), key)
         self.ema = None
         if cfg["ema"] > 0:
             self.ema = EMA(self.model, cfg["ema"])
