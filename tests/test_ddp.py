@@ -56,6 +56,10 @@ def test_ddp_matches_single_process_and_resumes_on_fewer(runs_dir):
     lines = [json.loads(x) for x in (runs_dir / "ddp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if r.get("phase") == "velocity" and "loss" in r] == [2, 4, 6]
     assert ddp.stderr.count("run folder:") == 1
+    import re  # the pool's solver line counts every rank's solves (it counted rank 0's half)
+
+    solves = [re.findall(r"of ([\d,]+) Sinkhorn solves", out.stderr) for out in (ddp, single)]
+    assert solves[0] == solves[1] == ["12"], solves  # 4 batches x 3 solving steps
     assert sorted(p.name for p in (runs_dir / "ddp" / "checkpoints" / "velocity").iterdir()) == \
         ["final.pt", "step_00000003.pt", "step_00000006.pt"]
     # preempted after step 3 on 2 processes, resumed on 1: lr follows the rule (linear: 2e-3 -> 1e-3)

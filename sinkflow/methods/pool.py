@@ -305,7 +305,7 @@ class PoolTask(ChunkedTask):
             self.done = set().union(*map(set, gathered))
         if self.info.is_main:
             atomic_write_text(self.progress_file, json.dumps({"chunks": sorted(self.done), "diameter": self.diameter}))
-        self.progress_done += len(ids)
+        self.progress_done = sum(len(_chunk_batches(c, self.chunk, self.batches)) for c in self.done)  # every rank's
         return len(ids)
 
     def check_diverged(self, xs: torch.Tensor, group: list[int]) -> None:
@@ -332,6 +332,12 @@ class PoolTask(ChunkedTask):
         suite's `spiral` with the 2D recipe caps 3.5 % of its solves, and the recipe's 200-iteration cap leaves end
         points within 3e-4 of converged: docs/nsgf.md, benchmarks/pool_convergence.py)."""
         st = self.solves
+        if self.info.enabled:  # each rank solved its own chunks: the line is about the whole pool (a collective)
+            shares: list = [None] * self.info.world
+            torch.distributed.all_gather_object(shares, st)
+            st = SolveStats()
+            for share in shares:
+                st.merge(share)
         if not st.problems or not self.info.is_main:
             return
         share = st.capped / st.problems

@@ -47,6 +47,15 @@ class SolveStats:
         self.iterations += iters.tolist()
         self.max_iters, self.tol = max_iters, tol
 
+    def merge(self, other: "SolveStats") -> "SolveStats":
+        """Add ``other``'s counts (another rank's share of a pool build) to these; returns self."""
+        self.problems += other.problems
+        self.capped += other.capped
+        self.iterations += other.iterations
+        self.max_iters = self.max_iters if other.max_iters is None else other.max_iters
+        self.tol = self.tol if other.tol is None else other.tol
+        return self
+
 
 _ACTIVE: list[SolveStats] = []
 
