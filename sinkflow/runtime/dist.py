@@ -7,7 +7,8 @@ Conventions every phase follows (docs/performance.md):
 - ``train.*.batch_size`` is the batch of ONE process; the global batch is ``batch_size * world``.
   The phase generator draws the whole global batch and each rank keeps its ``shard``, so a run on
   N processes sees exactly the batches of one process with an N-times larger batch_size.
-- Only rank 0 writes files (checkpoints, logs, plots, the run folder); the others wait at barriers.
+- Only rank 0 writes files (checkpoints, logs, plots, the run folder; each rank writes its own pool chunks into
+  the shared memmap); the others wait at barriers, and a failure there is agreed (``on_main``).
 - Decisions that end a loop (a signal, an error) are agreed by all ranks (``agree_stop``), or the
   ranks that go on would wait forever in the next collective.
 """
