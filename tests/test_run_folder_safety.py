@@ -569,3 +569,13 @@ def test_report_on_user_points_has_no_paper_number(runs_dir, tmp_path, capsys):
     assert "points.npy" in out and "0.077" not in out, out  # 0.077: the paper's NSGF W2 on moons at 10 steps
     # what the W2 compared, said as it is: no held-out rows, so not "stratified test points"
     assert "QMC source draws vs test points drawn from the file's training rows (data.test_rows=0)" in out, out
+
+
+def test_eval_n_beyond_the_held_out_rows_names_the_flag(runs_dir, tmp_path, capsys):
+    """`sinkflow eval RUN --n 100` on a point file holding out 40 rows said "set eval.n <= 40": the user set --n."""
+    np.save(tmp_path / "points.npy", np.random.default_rng(0).normal(size=(300, 2)).astype(np.float32))
+    tiny = [a for a in TINY_2D if not a.startswith("eval.n")]
+    assert main(["train", "moons", *tiny, f"data.target={tmp_path / 'points.npy'}", "data.test_rows=40", "eval.n=40",
+                 "--name", "h", "--no-report"]) == 0
+    one_line(*run_main(capsys, "eval", str(runs_dir / "h"), "--n", "100", "--seeds", "1"), "--n 100",
+             "data.test_rows=40", "use --n 40 or less")
