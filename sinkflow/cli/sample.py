@@ -44,7 +44,11 @@ def run(args):
     run_.cfg = config.apply_overrides(run_.cfg, args.overrides)  # in memory: config.yaml stays as trained
     config.validate(run_.cfg)  # the key's type and range, and a key this method never reads, as `train` refuses them
     config.check_read(run_.cfg, config.override_keys(args.overrides))
-    steps = args.steps or methods.of(run_.cfg).default_steps(run_.cfg)  # NSGF++: the straight-flow steps
+    method = methods.of(run_.cfg)
+    if args.steps and not method.takes_steps:
+        raise SinkflowError(f"--steps does not apply to a {method.name} run: it samples in one inverse pass",
+                            "drop --steps (sample.temperature sets how far from the mode it draws)")
+    steps = args.steps or method.default_steps(run_.cfg)  # NSGF++: the straight-flow steps
     qmc = args.qmc or run_.cfg["sample"]["qmc"]
     x, info = generate(run_, args.n, steps, seed=args.seed, qmc=qmc)
     x = x.cpu()
@@ -60,5 +64,6 @@ def run(args):
         from sinkflow.eval.images import save_grid
 
         save_grid(x, out)
-    print(f"wrote {args.n} samples ({steps} steps, {info['nfe']} network evaluations) from "
+    how = f"{steps} steps" if method.takes_steps else "one inverse pass"
+    print(f"wrote {args.n} samples ({how}, {info['nfe']} network evaluations) from "
           f"{'a QMC' if qmc else 'an i.i.d.'} source draw to {out}")

@@ -146,7 +146,7 @@ class Method:
     """
 
     name: str = ""
-    draws_path = True  # sampling integrates a path that trajectory plots can draw
+    takes_steps = True  # sampling integrates a path in Euler steps (`sample --steps`); a flow inverts once
     # The paper's own W2 numbers for this method, {task (preset): {euler_steps: w2}}, and the label the report
     # prints them under; a method the paper has no numbers for keeps both empty and reports none.
     paper: dict = {}

@@ -259,6 +259,7 @@ class NormalizingFlow(Method):
     """``experiment.method=flow``: one maximum-likelihood phase; sampling is one inverse pass."""
 
     name = "flow"
+    takes_steps = False
 
     def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
         check(cfg, sample_shape)
