@@ -260,3 +260,15 @@ def test_a_level_count_that_rounds_the_data_away_is_warned_about(caplog):
         methods.of(cfg).phases(cfg, None, ImageDistribution("folder", eight_bit, eight_bit[:8], None, None))
     assert ["model.flow.n_bins=17 but data.target=folder has 256 pixel levels in its first 40 images" in r.getMessage()
             for r in caplog.records] == [True]
+
+
+@pytest.mark.parametrize("overrides, needle", [(["model.flow.levels=4"], "images are 8x8; set data.image_size=16"),
+                                               (["data.image_size=10"], "images are 10x10; set data.image_size=")])
+def test_image_sides_a_flow_cannot_halve_name_the_image_size_key(runs_dir, capsys, overrides, needle):
+    """A 15x15 folder under a 3-level flow said 'use fewer levels or a size divisible by 8': fewer levels cannot fix
+    an odd side, and the data key that can was not named."""
+    capsys.readouterr()
+    assert main(["train", "flow-digits", *overrides, "--train-iters", "1", "--device", "cpu", "--no-report"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "divisible by" in err, err
+    assert not runs_dir.exists()

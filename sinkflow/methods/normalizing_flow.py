@@ -137,6 +137,13 @@ def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
     temp = cfg["sample"]["temperature"]
     if not temp >= 0:
         raise SinkflowError(f"sample.temperature={temp} must be >= 0", "e.g. sample.temperature=0.7")
+    side, levels = 2 ** m["levels"], m["levels"]
+    if m.get("squeeze", True) and any(n % side for n in sample_shape[1:]):  # the data's size is a data key
+        h, w = sample_shape[1:]
+        fit = max(side, round(max(h, w) / side) * side)
+        raise SinkflowError(f"a {levels}-level flow halves the image sides {levels} times, so they must be divisible "
+                            f"by {side}; the data's images are {h}x{w}",
+                            f"set data.image_size={fit} (resize and center-crop) or model.flow.levels to fewer")
     # every architecture key and the shape (levels vs image size), on a throwaway one-step, narrow model
     build_model("flow", {**m, "depth_per_level": 1, "hidden_channels": 2}, sample_shape)
 
