@@ -65,12 +65,13 @@ def test_sigterm_writes_a_checkpoint_then_resume_finishes(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "resume with" in err
+    assert "resume with `sinkflow train --resume" in err and "--no-report`" in err  # resumed as it was started
     steps = list((ckdir / "velocity").glob("step_*.pt"))
     assert len(steps) == 1  # written on SIGTERM even though ckpt_every was never reached
     status = cli("status", str(tmp_path / "runs/term"), cwd=tmp_path)  # a clean stop is not a dead run
     assert status.returncode == 1 and "STOPPED (by signal 15 at velocity step" in status.stdout, status.stdout
     assert "checkpoint saved; resume with `sinkflow train --resume" in status.stdout and "DEAD" not in status.stdout
+    assert "--no-report`" in status.stdout  # a plain resume ran the report the run was started without
     resumed = cli("train", "--resume", str(tmp_path / "runs/term"), "--no-report", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert final_weights(tmp_path / "runs/term")["step"] == 600

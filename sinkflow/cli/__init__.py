@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Interrupted as exc:
         where = getattr(exc, "run_dir", None) or getattr(args, "run_dir_used", "RUN")
-        print(f"sinkflow: {exc}; resume with `sinkflow train --resume {where}`",
+        skip = " --no-report" if getattr(args, "no_report", False) else ""  # resumed as it was started
+        print(f"sinkflow: {exc}; resume with `sinkflow train --resume {where}{skip}`",
               file=sys.stderr)
         return 128 + exc.signum
 

@@ -110,6 +110,7 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     else:
         state = "running"
     out["state"] = state
+    out["resume"] = resume_command(run_dir)
     records = tail_jsonl(run_dir / "metrics.jsonl")
     latest: dict[str, dict] = {}
     for r in records:
@@ -128,6 +129,16 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     out["eta_s"] = max(0.0, eta - (age or 0.0)) if eta is not None and state == "running" else None
     out["phases_left"] = [] if state == "finished" else phases_left(run_dir, hb, ckpts)
     return out
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that continues the run as it was started: with ``--no-report`` when its first command had it (a
+    plain resume of such a run ran the final report it had been asked to skip: minutes on images)."""
+    try:
+        argv = json.loads((Path(run_dir) / "meta.json").read_text()).get("argv") or []
+    except (OSError, ValueError, AttributeError):
+        argv = []
+    return f"sinkflow train --resume {run_dir}" + (" --no-report" if "--no-report" in argv else "")
 
 
 def phases_left(run_dir: Path, hb: dict, ckpts: dict) -> list[dict]:
@@ -193,14 +204,14 @@ def format_status(st: dict) -> str:
     age = st["heartbeat_age_s"]
     why = ""
     if state == "dead":
-        why = f" (pid {hb.get('pid')} is not running; resume with `sinkflow train --resume {st['run']}`)"
+        why = f" (pid {hb.get('pid')} is not running; resume with `{st['resume']}`)"
     elif state == "stopped":
         why = (f" (by signal {hb.get('signal')} at {hb.get('phase')} step {hb.get('step')}, checkpoint saved; "
-               f"resume with `sinkflow train --resume {st['run']}`)")
+               f"resume with `{st['resume']}`)")
     elif state == "failed":
         step = f" step {hb['step']}" if hb.get("step") is not None else ""
         why = (f" (at {hb.get('phase')}{step}: {hb.get('error')}; the checkpoints before it are intact: fix that, then "
-               f"`sinkflow train --resume {st['run']}` continues)")
+               f"`{st['resume']}` continues)")
     elif state == "stale":
         why = f" (no heartbeat for {_dur(age)}; hung, or log_every is very long)"
     host = f" on {hb['host']}" if hb.get("host") else ""
