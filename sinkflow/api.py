@@ -10,14 +10,14 @@ distributions and the methods' tasks) are the same objects the CLI uses, re-expo
 
 from __future__ import annotations
 
-import numbers
 from pathlib import Path
 
 import torch
 
 from sinkflow import methods
 from sinkflow.config import schema
-from sinkflow.errors import SinkflowError
+from sinkflow.config.checks import float_tensor, is_whole, shown
+from sinkflow.errors import SinkflowError, require
 
 
 class Run:
@@ -49,22 +49,46 @@ class Run:
         return self._run.model(phase)
 
     @torch.no_grad()
-    def sample(self, n: int, steps: int | None = None, seed: int = 0, x0: torch.Tensor | None = None,
-               qmc: bool | None = None) -> torch.Tensor:
-        """``n`` samples (CPU tensor shaped like the data) with ``steps`` integration steps (a whole number >= 1;
-        None: the method's own, e.g. sample.steps; NSF steps for NSGF++), from ``x0`` or a seeded source draw: i.i.d.
-        by default, randomised QMC with ``qmc=True`` (None: ``sample.qmc``), as `sinkflow sample` draws."""
+    def sample(self, n: int | None = None, steps: int | None = None, seed: int = 0,
+               x0: torch.Tensor | None = None, qmc: bool | None = None) -> torch.Tensor:
+        """``n`` samples (CPU float32 tensor shaped like the data) with ``steps`` integration steps (a whole number
+        >= 1; None: the method's own, e.g. sample.steps; NSF steps for NSGF++), from ``x0`` or a seeded source draw:
+        i.i.d. by default, randomised QMC with ``qmc=True`` (None: ``sample.qmc``), as `sinkflow sample` draws.
+
+        ``x0``: your own source draw, a tensor or numpy array shaped ``(n, *sample_shape)`` of any floating dtype
+        (cast to float32 on the run's device, the dtype its networks were trained in); ``n`` may then be left out
+        (it is ``len(x0)``), and if given must agree with it. Numbers may be numpy's. Everything is checked before
+        any network runs, so a bad ``x0`` is one line naming the expected shape rather than a torch error from
+        inside a network (or, for ``n`` != ``len(x0)``, ``len(x0)`` samples without a word)."""
+        from sinkflow.data import sample_shape
+        from sinkflow.data.base import check_sample_size
+
         method = methods.of(self.cfg)
-        if steps is not None and not (isinstance(steps, numbers.Integral) and not isinstance(steps, bool)
-                                      and steps >= 1):  # as `sinkflow sample --steps`: 0 is not "the default"
-            raise SinkflowError(f"steps={steps!r} must be a whole number >= 1",
+        if steps is not None and not is_whole(steps):  # as `sinkflow sample --steps`: 0 is not "the default"
+            raise SinkflowError(f"steps={shown(steps)} must be a whole number >= 1",
                                 "e.g. steps=10, or leave it out (None) for the run's default")
+        steps = None if steps is None else int(steps)
         if x0 is None:
             from sinkflow.eval.points import generate
 
+            if n is None:
+                raise SinkflowError("sample() needs n or x0", "e.g. run.sample(1024), or run.sample(x0=noise)")
+            check_sample_size(n)
             qmc = self.cfg["sample"]["qmc"] if qmc is None else qmc
-            return generate(self._run, n, steps or method.default_steps(self.cfg), seed, qmc=qmc)[0]
-        x, _ = method.sample(self._run, x0.to(self._run.device), steps)
+            return generate(self._run, int(n), steps or method.default_steps(self.cfg), seed, qmc=qmc)[0]
+        if n is not None:
+            check_sample_size(n)
+        shape = tuple(sample_shape(self.cfg))
+        rows = "n" if n is None else int(n)
+        expected = f"({', '.join(map(str, (rows, *shape)))})"
+        x0 = float_tensor(x0, "x0")
+        require(x0.ndim >= 1 and tuple(x0.shape[1:]) == shape,
+                f"x0 has shape {tuple(x0.shape)} but this run samples from {expected}",
+                f"pass x0 shaped {expected}: one source draw of the run's sample shape per sample")
+        require(x0.shape[0] >= 1, "x0 holds no samples", f"pass x0 shaped {expected} with at least one row")
+        require(n is None or n == x0.shape[0], f"sample(n={rows}) but x0 holds {x0.shape[0]} samples",
+                f"pass x0 shaped {expected}, or leave n out to sample one per row of x0")
+        x, _ = method.sample(self._run, x0.to(self._run.device, torch.float32), steps)
         return x.cpu()
 
     def evaluate(self) -> str:

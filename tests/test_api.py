@@ -3,12 +3,15 @@ before any work, never a raw KeyError or a sample taken at a step count the call
 
 from __future__ import annotations
 
+import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 import sinkflow
+from sinkflow import methods
 from sinkflow.errors import SinkflowError
 
 
@@ -79,3 +82,216 @@ def test_euler_integrates_with_one_step_and_more():
     torch.testing.assert_close(one, 2 * x)
     torch.testing.assert_close(two, 2.25 * x)
     assert len(path) == 3
+
+
+# ---- Run.sample(x0=...): any floating tensor or numpy array of the run's shape, else one line naming it ----------
+
+@pytest.fixture(scope="module")
+def otcfm_run(tmp_path_factory):
+    """A finished tiny moons OT-CFM run: its sampler is ``euler`` on the velocity network alone, as FM's."""
+    from helpers import tiny_2d
+    from sinkflow.cli import main
+
+    cwd = tmp_path_factory.mktemp("otcfm")
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        assert main(["train", "moons", *tiny_2d("otcfm"), "--method", "otcfm", "--name", "otcfm", "--no-report"]) == 0
+    finally:
+        os.chdir(old)
+    return cwd / "runs" / "otcfm"
+
+
+@pytest.fixture(params=["nsgf", "otcfm"])
+def any_run(request):
+    return sinkflow.open_run(request.getfixturevalue("tiny_run" if request.param == "nsgf" else "otcfm_run"))
+
+
+X0 = torch.randn(5, 2, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("convert, same_as", [
+    (lambda x: x.double(), lambda x: x),  # was "mat1 and mat2 must have the same dtype" (NSGF, FM, OT-CFM)
+    (lambda x: x.half(), lambda x: x.half().float()),
+    (lambda x: x.numpy(), lambda x: x),  # was "'numpy.ndarray' object has no attribute 'to'"
+    (lambda x: x.double().numpy(), lambda x: x),
+    (lambda x: x.numpy()[::-1], lambda x: x.flip(0)),  # negative strides: torch.from_numpy alone refuses them
+], ids=["float64", "half", "numpy", "numpy-float64", "numpy-reversed"])
+def test_sample_takes_x0_of_any_float_dtype_or_a_numpy_array(any_run, convert, same_as):
+    out = any_run.sample(5, steps=2, x0=convert(X0))
+    assert out.dtype == torch.float32 and out.shape == (5, 2)
+    torch.testing.assert_close(out, any_run.sample(5, steps=2, x0=same_as(X0)))
+
+
+def test_sample_with_x0_alone_draws_one_sample_per_row(tiny_run):
+    """``n`` may be left out when ``x0`` is given (it is ``len(x0)``); an x0 that requires grad or is a
+    non-contiguous view is fine."""
+    run = sinkflow.open_run(tiny_run)
+    view = X0.t().contiguous().t().requires_grad_()  # same values, transposed strides
+    assert not view.is_contiguous()
+    torch.testing.assert_close(run.sample(x0=view, steps=2), run.sample(5, steps=2, x0=X0))
+    with pytest.raises(SinkflowError, match=r"^sample\(\) needs n or x0; e\.g\. run\.sample\(1024\)") as e:
+        run.sample()
+    _one_line(e)
+
+
+@pytest.mark.parametrize("n, x0, expected", [
+    (3, torch.zeros(3, 5), r"x0 has shape \(3, 5\) but this run samples from \(3, 2\); pass x0 shaped \(3, 2\)"),
+    (None, torch.zeros(3), r"x0 has shape \(3,\) but this run samples from \(n, 2\); pass x0 shaped \(n, 2\)"),
+    (None, torch.zeros(3, 2, 1), r"x0 has shape \(3, 2, 1\) but this run samples from \(n, 2\)"),
+    (5, torch.zeros(2, 2), r"sample\(n=5\) but x0 holds 2 samples; pass x0 shaped \(5, 2\), or leave n out"),
+    (None, torch.zeros(0, 2), r"x0 holds no samples; pass x0 shaped \(n, 2\) with at least one row"),
+    (3, torch.zeros(3, 2, dtype=torch.long), r"x0 has non-floating dtype torch.int64; convert x0 to float"),
+    (3, np.zeros((3, 2), np.int32), r"x0 has non-floating dtype int32; convert x0 to a float array"),
+    (3, [[0.0, 0.0]] * 3, r"x0 must be a torch.Tensor or a numpy array, got list"),
+], ids=["features", "1d", "extra-dim", "n-vs-rows", "empty", "long", "numpy-int", "list"])
+def test_sample_refuses_a_bad_x0_in_one_line_before_any_network_runs(tiny_run, monkeypatch, n, x0, expected):
+    """These were raw reshape / matmul / dtype errors from inside the network, and ``sample(5, x0=<2 rows>)``
+    silently returned 2 samples."""
+    run = sinkflow.open_run(tiny_run)
+    monkeypatch.setattr(type(methods.of(run.cfg)), "sample", lambda *a, **k: pytest.fail("the sampler ran"))
+    with pytest.raises(SinkflowError, match=expected) as e:
+        run.sample(n, x0=x0)
+    _one_line(e)
+
+
+# ---- the parts: float64 / half / numpy / requires_grad batches, as sinkhorn_velocity and w2 take them -----------
+
+class _Net(torch.nn.Module):
+    """A velocity network of the usual float32 kind: a plain lambda would take any dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        torch.nn.init.eye_(self.lin.weight)
+        torch.nn.init.constant_(self.lin.bias, 0.5)
+
+    def forward(self, x, t):
+        return self.lin(x) * t.view(-1, 1)
+
+
+@pytest.mark.parametrize("convert, same_as", [
+    (lambda x: x.double(), lambda x: x),  # was "mat1 and mat2 must have the same dtype"
+    (lambda x: x.half(), lambda x: x.half().float()),
+    (lambda x: x.numpy(), lambda x: x),  # was "'numpy.ndarray' object has no attribute 'device'"
+], ids=["float64", "half", "numpy"])
+def test_euler_casts_the_state_to_the_networks_dtype(convert, same_as):
+    net = _Net()
+    x, _ = sinkflow.euler(net, convert(X0), 0.0, 1.0, steps=3)
+    assert x.dtype == torch.float32
+    torch.testing.assert_close(x, sinkflow.euler(net, same_as(X0), 0.0, 1.0, steps=3)[0])
+
+
+def test_euler_integrates_a_float64_network_in_float64():
+    net = _Net().double()
+    x, _ = sinkflow.euler(net, X0, 0.0, 1.0, steps=3)  # a float32 batch was a raw dtype error
+    assert x.dtype == torch.float64
+    torch.testing.assert_close(x, sinkflow.euler(net, X0.double(), 0.0, 1.0, steps=3)[0])
+
+
+@pytest.mark.parametrize("method", ["FM", "OTCFM"])
+@pytest.mark.parametrize("convert", [lambda x: x.double(), lambda x: x.numpy()], ids=["float64", "numpy"])
+def test_flow_matching_loss_takes_float64_and_numpy_batches(method, convert):
+    fm, net = getattr(sinkflow, method), _Net()
+    x0, x1, t = X0, X0.flip(0) + 2, torch.linspace(0.1, 0.9, 5)
+    loss = fm.loss(net, convert(x0), convert(x1), t=t)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, fm.loss(net, x0, x1, t=t))
+
+
+def test_ot_cfm_loss_keeps_the_gradient_of_a_source_that_requires_grad():
+    """The exact plan read the batch with ``.numpy()``: "Can't call numpy() on Tensor that requires grad"."""
+    x0 = X0.clone().requires_grad_()
+    sinkflow.OTCFM.loss(_Net(), x0, X0 + 2, t=torch.full((5,), 0.5)).backward()
+    assert x0.grad is not None and x0.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("t", [0.25, np.float64(0.25), np.float32(0.25), 1], ids=["float", "np.float64",
+                                                                                   "np.float32", "int"])
+def test_straight_path_takes_one_time_for_the_whole_batch(t):
+    """A Python or numpy number was "'float' object has no attribute 'view'"."""
+    xt, ut = sinkflow.straight_path(X0, X0 + 1, t)
+    want_xt, want_ut = sinkflow.straight_path(X0, X0 + 1, torch.full((5,), float(t)))
+    torch.testing.assert_close(xt, want_xt)
+    torch.testing.assert_close(ut, want_ut)
+
+
+@pytest.mark.parametrize("convert", [lambda x: x.numpy(), lambda x: x.clone().requires_grad_(),
+                                     lambda x: x.double().numpy()], ids=["numpy", "requires-grad", "numpy-float64"])
+def test_ot_permutation_takes_numpy_and_requires_grad_batches(convert):
+    y = X0.flip(0) + 0.1
+    perm = sinkflow.ot_permutation(convert(X0), convert(y))
+    assert perm.dtype == torch.int64 and perm.device.type == "cpu"
+    assert torch.equal(perm, sinkflow.ot_permutation(X0, y))
+
+
+@pytest.mark.parametrize("x0, x1, expected", [
+    (X0[:, 0], X0[:, 1], r"pairs batches shaped \(N, \*\) of one sample shape; got \(5,\) and \(5,\); add a feature"),
+    (X0, torch.zeros(5, 3), r"pairs batches shaped \(N, \*\) of one sample shape; got \(5, 2\) and \(5, 3\)"),
+    (X0.long(), X0, "x0 has non-floating dtype torch.int64; convert x0 to float"),
+    (X0.tolist(), X0, "x0 must be a torch.Tensor or a numpy array, got list"),
+], ids=["1d", "shapes", "long", "list"])
+def test_ot_permutation_refuses_what_it_cannot_pair_in_one_line(x0, x1, expected):
+    with pytest.raises(SinkflowError, match=expected) as e:
+        sinkflow.ot_permutation(x0, x1)
+    _one_line(e)
+
+
+def test_sinkhorn_velocity_takes_numpy_clouds_as_w2_does():
+    """It refused numpy clouds ("must be a torch.Tensor") where ``w2`` and now every other part takes them."""
+    y = X0.flip(0) + 1
+    v = sinkflow.sinkhorn_velocity(X0.double().numpy(), y.numpy(), blur=0.5)
+    torch.testing.assert_close(v, sinkflow.sinkhorn_velocity(X0, y, blur=0.5))
+
+
+# ---- numpy scalars: numbers.Integral / numbers.Real everywhere (one rule: sinkflow.config.checks) --------------
+
+def _flow():
+    return sinkflow.build_flow({"levels": 1, "depth_per_level": 1, "hidden_channels": 4}, (2,))
+
+
+Y0 = X0.flip(0) + 1
+NUMPY_SCALARS = {  # each was refused: "must be a positive int, got np.int64(2)", "positive number, got np.float32"
+    "Run.sample-n": lambda run: run.sample(np.int64(2), steps=np.int64(1)),
+    "Distribution.sample": lambda run: sinkflow.build_distribution("moons").sample(np.int64(2), torch.Generator()),
+    "sinkhorn_velocity-blur": lambda run: sinkflow.sinkhorn_velocity(X0, Y0, blur=np.float32(0.5)),
+    "sinkhorn_velocity-scaling-diameter": lambda run: sinkflow.sinkhorn_velocity(
+        X0, Y0, blur=0.5, scaling=np.float32(0.8), diameter=np.float64(10.0)),
+    "simulate-steps-eta": lambda run: sinkflow.simulate_sinkhorn_flow(
+        X0, Y0, steps=np.int64(2), eta=np.float32(0.5), blur=np.float64(0.5))[0],
+    "simulate-eta_growth": lambda run: sinkflow.simulate_sinkhorn_flow(
+        X0, Y0, steps=2, eta=0.5, blur=0.5, eta_growth=np.float32(4.0))[0],
+}
+
+
+@pytest.mark.parametrize("call", NUMPY_SCALARS.values(), ids=NUMPY_SCALARS.keys())
+def test_numpy_scalars_are_taken_as_the_numbers_they_are(tiny_run, call):
+    out = call(sinkflow.open_run(tiny_run))
+    assert isinstance(out, torch.Tensor) and out.shape[-1] == 2 and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("call, expected", [
+    (lambda: sinkflow.sinkhorn_velocity(X0, Y0, blur=True), "Sinkhorn blur must be a positive number, got True"),
+    (lambda: sinkflow.simulate_sinkhorn_flow(X0, Y0, steps=True, eta=0.5, blur=0.5),
+     "steps must be a positive integer, got True"),
+    (lambda: sinkflow.simulate_sinkhorn_flow(X0, Y0, steps=torch.ones(2, 2), eta=0.5, blur=0.5),
+     r"steps must be a positive integer, got a Tensor of shape \(2, 2\); use at least one Euler step"),
+    (lambda: sinkflow.build_distribution("moons").sample(torch.ones(2, 2), torch.Generator()),
+     r"sample size must be a positive int, got a Tensor of shape \(2, 2\); pass n >= 1"),
+], ids=["blur-bool", "steps-bool", "steps-tensor", "n-tensor"])
+def test_bools_and_tensors_are_refused_in_one_line(call, expected):
+    """True is not a count nor a blur (``blur=True`` was taken as 1), and a tensor's repr spans lines."""
+    with pytest.raises(SinkflowError, match=expected) as e:
+        call()
+    _one_line(e)
+
+
+# ---- FlowModel.sample(n < 1): the samplers' one line, not "cannot reshape tensor of 0 elements" ----------------
+
+def test_flow_model_sample_refuses_fewer_than_one_sample_as_every_sampler_does():
+    flow = _flow()
+    for n in (0, -1, 2.0, np.int64(0)):
+        with pytest.raises(SinkflowError, match=r"^sample size must be a positive int, got .*; pass n >= 1$") as e:
+            flow.sample(n)
+        _one_line(e)
+    assert flow.sample(np.int32(2)).shape == (2, 2)  # the check takes a numpy count, as the other samplers

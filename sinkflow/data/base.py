@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from sinkflow.config.checks import is_whole, shown
 from sinkflow.errors import SinkflowError
 
 DEFAULT_TEST_SEED = 12345
@@ -31,10 +32,17 @@ class Distribution:
         return f"{type(self).__name__}(name={self.name!r}, shape={self.shape})"
 
 
+def check_sample_size(n) -> None:
+    """Refuse a sample size that is not a whole number >= 1 (``is_whole``: numpy integers count), the one
+    message of every sampler (distributions, ``Run.sample``, ``FlowModel.sample``): an empty batch would fail
+    later as a raw reshape of 0 elements, a float size as a raw torch TypeError."""
+    if not is_whole(n):
+        raise SinkflowError(f"sample size must be a positive int, got {shown(n)}", "pass n >= 1")
+
+
 def check_sample_args(n: int, generator: torch.Generator) -> None:
     """Reject arguments that would silently draw from the global RNG or the wrong device."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise SinkflowError(f"sample size must be a positive int, got {n!r}", "pass n >= 1")
+    check_sample_size(n)
     if not isinstance(generator, torch.Generator):
         raise SinkflowError(
             f"sample() needs a torch.Generator, got {type(generator).__name__}",

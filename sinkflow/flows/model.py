@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from sinkflow.config.schema import model_defaults
+from sinkflow.data.base import check_sample_size
 from sinkflow.errors import SinkflowError, require
 from sinkflow.flows.coupling import SCALE_MAPS, AdditiveCoupling, AffineCoupling
 from sinkflow.flows.layers import ActNorm, InvConv1x1, Logit, Squeeze
@@ -180,7 +181,9 @@ class FlowModel(nn.Module):
 
     @torch.no_grad()
     def sample(self, n: int, temperature: float = 1.0, generator=None):
-        """Draw ``n`` samples; ``temperature`` scales every prior's std (Glow uses ~0.7 for images)."""
+        """Draw ``n`` samples; ``temperature`` scales every prior's std (Glow uses ~0.7 for images). ``n`` < 1 is
+        refused as every sampler refuses it (``check_sample_size``), not left to fail as a reshape of 0 elements."""
+        check_sample_size(n)
         z_top = self.top.sample(n, temperature, generator)
         return self.inverse([None] * len(self.splits) + [z_top], temperature, generator)
 

@@ -7,17 +7,26 @@ minibatch by the exact OT plan (a permutation for equal uniform batches: ``sinkf
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
+from sinkflow.config.checks import float_tensor
 from sinkflow.methods.base import Method, TrainingStep
-from sinkflow.methods.ode import count_nfe, euler
+from sinkflow.methods.ode import count_nfe, euler, network_dtype
 from sinkflow.ot.exact import ot_permutation
 from sinkflow.runtime import dist
 
 
-def straight_path(x0: torch.Tensor, x1: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x_t, u_t): the point t x1 + (1 - t) x0 of the straight path and its velocity x1 - x0 (sigma = 0)."""
-    tb = t.view(-1, *([1] * (x0.ndim - 1)))
+def straight_path(x0: torch.Tensor, x1: torch.Tensor, t: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_t, u_t): the point t x1 + (1 - t) x0 of the straight path and its velocity x1 - x0 (sigma = 0).
+
+    ``t``: one time per sample, (N,), or one for the whole batch: a 0-d tensor, or a Python or numpy number, which
+    stays a Python scalar (no tensor is made for it, so no host-to-device copy)."""
+    if isinstance(t, numbers.Real):
+        tb = float(t)
+    else:
+        tb = t.view(-1, *([1] * (x0.ndim - 1))) if t.ndim else t
     return tb * x1 + (1 - tb) * x0, x1 - x0
 
 
@@ -50,9 +59,12 @@ def interpolant_batch(source, target, generator, n, device, ot_pairs=False, t_mi
 
 def velocity_loss(model, batch):
     """Mean squared error of ``model(x, t)`` against the target velocity: ``batch = (x, t, target)``
-    (FM / OT-CFM on the straight path, NSGF on pool entries: ``pool_batch``)."""
+    (FM / OT-CFM on the straight path, NSGF on pool entries: ``pool_batch``). ``x`` is cast to the network's dtype
+    (``network_dtype``), as ``euler`` does: a float64 batch of your own trains a float32 network instead of
+    stopping at its first matmul; the error is float32 whatever the batch's dtype (both casts are no-ops for the
+    float32 batches of sinkflow's own phases)."""
     x, t, v = batch
-    return (model(x, t).float() - v).pow(2).mean()
+    return (model(x.to(network_dtype(model)), t).float() - v.float()).pow(2).mean()
 
 
 class InterpolantStep(TrainingStep):
@@ -95,8 +107,10 @@ class FlowMatching(Method):
     # ---- on plain tensors (a training loop of your own), as torchcfm's ConditionalFlowMatcher ---------------
     def sample_location_and_conditional_flow(self, x0: torch.Tensor, x1: torch.Tensor, t: torch.Tensor | None = None,
                                              generator: torch.Generator | None = None):
-        """(t, x_t, u_t) for a minibatch of source ``x0`` and target ``x1`` samples: ``x1`` re-paired by the exact
-        OT plan for OT-CFM, t ~ U[0, 1) unless given (drawn on the CPU from ``generator``)."""
+        """(t, x_t, u_t) for a minibatch of source ``x0`` and target ``x1`` samples (tensors or numpy arrays of any
+        floating dtype): ``x1`` re-paired by the exact OT plan for OT-CFM, t ~ U[0, 1) unless given (drawn on the CPU
+        from ``generator``)."""
+        x0, x1 = float_tensor(x0, "x0"), float_tensor(x1, "x1")
         if t is None:
             t = torch.rand(x0.shape[0], generator=generator).to(x0.device)
         if self.coupling == "ot":
@@ -106,7 +120,8 @@ class FlowMatching(Method):
 
     def loss(self, model, x0: torch.Tensor, x1: torch.Tensor, t: torch.Tensor | None = None,
              generator: torch.Generator | None = None) -> torch.Tensor:
-        """The training loss of one minibatch of (source, target) samples: what the velocity phase minimises."""
+        """The training loss of one minibatch of (source, target) samples: what the velocity phase minimises.
+        Samples of another floating dtype than the network's are cast to it (``velocity_loss``)."""
         t, xt, ut = self.sample_location_and_conditional_flow(x0, x1, t, generator)
         return velocity_loss(model, (xt, t, ut))
 

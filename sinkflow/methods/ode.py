@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import numbers
 
 import torch
 
+from sinkflow.config.checks import float_tensor, is_whole, shown
 from sinkflow.errors import require
 
 
@@ -60,13 +60,25 @@ def warped_fractions(steps: int, warp: float = 1.0) -> list[float]:
     return [1.0 - (1.0 - i / steps) ** warp for i in range(steps + 1)]
 
 
+def network_dtype(model) -> torch.dtype:
+    """The dtype ``model`` computes in: its first floating parameter's (a Python attribute: no device sync);
+    float32 for a callable without parameters (a lambda, a closure), the dtype every sampler's state keeps."""
+    params = model.parameters() if isinstance(model, torch.nn.Module) else ()
+    return next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+
+
 @torch.no_grad()
 def euler(model, x: torch.Tensor, t0, t1, steps: int, record: bool = False, warp: float = 1.0):
     """Integrate dx/dt = model(x, t) from t0 to t1 (scalars or per-sample (N,) tensors) in ``steps`` Euler
     steps on the grid ``warped_fractions(steps, warp)`` of each span (uniform by default). ``steps`` < 1 is
-    refused (as ``simulate_sinkhorn_flow`` does) rather than returning ``x`` unmoved as if it were a sample."""
-    require(isinstance(steps, numbers.Integral) and not isinstance(steps, bool) and steps >= 1,
-            f"steps must be a positive integer, got {steps!r}", "use at least one Euler step")
+    refused (as ``simulate_sinkhorn_flow`` does) rather than returning ``x`` unmoved as if it were a sample.
+
+    ``x`` (a tensor or numpy array of any floating dtype) is cast to the network's dtype (``network_dtype``:
+    float32 for the networks sinkflow builds), and the state stays in it: as ``sinkhorn_velocity`` computes in
+    float32 whatever it is given, a float64 or half batch is integrated rather than refused by the network's
+    first matmul as a raw dtype mismatch. The result is in that dtype."""
+    require(is_whole(steps), f"steps must be a positive integer, got {shown(steps)}", "use at least one Euler step")
+    x = float_tensor(x, "x", network_dtype(model))
     t0, t1 = _expand(t0, x), _expand(t1, x)
     span = t1 - t0
     if warp == 1.0:  # the uniform grid as t0 + k h, bit-identical to the sampler before warps existed
@@ -78,7 +90,7 @@ def euler(model, x: torch.Tensor, t0, t1, steps: int, record: bool = False, warp
     shape = (-1,) + (1,) * (x.ndim - 1)
     path = [x.cpu()] if record else []
     for t, h in grid:
-        x = x + h.view(shape) * model(x, t).float()
+        x = x + (h.view(shape) * model(x, t).float()).to(x.dtype)  # a no-op cast for float32 (the usual case)
         if record:
             path.append(x.cpu())
     return x, path

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sinkflow.config.checks import float_tensor
 from sinkflow.errors import require
 
 ASSIGNMENT_MAX_N = 1024  # the largest batch solved by SciPy's assignment; larger ones go to POT's EMD
@@ -29,7 +30,15 @@ def ot_permutation(x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
 
     The cost matrix is computed in float64 where the batches are: on a GPU that is one small kernel, where on the
     host the float64 copies and the distance product took 2.1 ms of the 7.7 ms an `mnist` OT-CFM batch cost the
-    prefetch thread (H100 host, cProfile, 2026-11-26): only the n x n cost goes to the host for the solver."""
+    prefetch thread (H100 host, cProfile, 2026-11-26): only the n x n cost goes to the host for the solver.
+
+    ``x0``, ``x1``: tensors or numpy arrays (their indices come back on the CPU) of any floating dtype, as ``w2``
+    takes them; a batch that requires grad is read detached (a matching has no gradient), where the cost's
+    ``.numpy()`` used to fail."""
+    x0, x1 = float_tensor(x0, "x0").detach(), float_tensor(x1, "x1").detach()
+    require(x0.ndim >= 2 and x0.shape[1:] == x1.shape[1:], f"ot_permutation pairs batches shaped (N, *) of one "
+            f"sample shape; got {tuple(x0.shape)} and {tuple(x1.shape)}", "add a feature axis, e.g. x[..., None] "
+            "for 1-D points, and pair samples of the same shape")
     require(x0.shape[0] == x1.shape[0], f"ot_permutation pairs equal-size batches; got {x0.shape[0]} and "
             f"{x1.shape[0]} rows", "draw as many target as source samples")
     where = x0.device if x0.device.type in ("cpu", "cuda") else torch.device("cpu")  # MPS has no float64

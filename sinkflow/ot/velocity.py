@@ -18,6 +18,7 @@ import math
 import torch
 from geomloss import SamplesLoss
 
+from sinkflow.config.checks import float_tensor, is_positive, is_real, is_whole, shown
 from sinkflow.errors import SinkflowError, require
 from sinkflow.ot.precision import strict_float32
 
@@ -32,19 +33,19 @@ SOLVERS = ("geomloss", "converged")  # converged: sinkflow.ot.sinkhorn, iterated
 def _check_params(blur: float, scaling: float, diameter: float | None, backend: str, solver: str = "geomloss") -> None:
     require(solver in SOLVERS, f"unknown Sinkhorn solver {solver!r}", f"use one of {', '.join(SOLVERS)}")
     require(
-        isinstance(blur, (int, float)) and math.isfinite(blur) and blur > 0,
-        f"Sinkhorn blur must be a positive number, got {blur!r}",
+        is_positive(blur),
+        f"Sinkhorn blur must be a positive number, got {shown(blur)}",
         "set blur > 0 (epsilon = blur^2; a scale somewhat below the typical distance between points)",
     )
     require(
-        isinstance(scaling, (int, float)) and 0 < scaling < 1,
-        f"Sinkhorn scaling must lie in (0, 1), got {scaling!r}",
+        is_real(scaling) and 0 < scaling < 1,
+        f"Sinkhorn scaling must lie in (0, 1), got {shown(scaling)}",
         "use 0.8-0.95 (closer to 1 is more accurate and slower)",
     )
     if diameter is not None:
         require(
-            isinstance(diameter, (int, float)) and math.isfinite(diameter) and diameter > 0,
-            f"Sinkhorn diameter must be a positive number or None, got {diameter!r}",
+            is_positive(diameter),
+            f"Sinkhorn diameter must be a positive number or None, got {shown(diameter)}",
             "leave diameter=None to bound it from the data",
         )
     require(
@@ -63,18 +64,8 @@ def _check_params(blur: float, scaling: float, diameter: float | None, backend: 
 
 
 def _check_clouds(x: torch.Tensor, y: torch.Tensor, batched: bool) -> tuple[int, int, int, int]:
-    """Validate a pair of point clouds; return (B, N, M, D) of their flattened (B, N, D) views."""
-    for name, t in (("x", x), ("y", y)):
-        require(
-            isinstance(t, torch.Tensor),
-            f"{name} must be a torch.Tensor, got {type(t).__name__}",
-            "convert it with torch.as_tensor",
-        )
-        require(
-            t.is_floating_point(),
-            f"{name} has non-floating dtype {t.dtype}",
-            "convert to float (and normalise) before computing Sinkhorn velocities",
-        )
+    """Validate a pair of floating point clouds (``float_tensor`` has made them tensors); return (B, N, M, D) of
+    their flattened (B, N, D) views."""
     lead = 2 if batched else 1
     layout = "(B, N, *)" if batched else "(N, *)"
     for name, t in (("x", x), ("y", y)):
@@ -265,10 +256,12 @@ def sinkhorn_velocity(
 
     x: (N, *) source particles, y: (M, *) target samples with the same per-sample shape; with
     ``batched=True`` x is (B, N, *) and y (B, M, *), B independent problems solved at once.
+    x and y are tensors or numpy arrays (these land on the CPU) of any floating dtype; scalars may be numpy's.
     Returns a float32 tensor shaped like x. Computed in float32 with autocast and TF32 off,
     whatever the input dtype or the ambient settings.
     """
     _check_params(blur, scaling, diameter, backend, solver)
+    x, y = float_tensor(x, "x"), float_tensor(y, "y")
     B, N, M, D = _check_clouds(x, y, batched)
     with torch.no_grad():
         xf = x.detach().reshape(B, N, D).float()
@@ -315,8 +308,8 @@ def eta_schedule(eta: float, steps: int, growth: float | None = None, schedule: 
     if schedule == "harmonic":
         return [float(eta) / (steps - k) for k in range(steps)]
     require(
-        isinstance(growth, (int, float)) and math.isfinite(growth) and growth > 0,
-        f"eta_growth must be a positive number for the incremental schedule, got {growth!r}",
+        is_positive(growth),
+        f"eta_growth must be a positive number for the incremental schedule, got {shown(growth)}",
         "use e.g. pool.eta_growth=4.0 (the dev-code hint), or pool.schedule=constant",
     )
     return [float(eta) * math.exp(growth * (k - steps) / steps) for k in range(steps)]
@@ -354,18 +347,20 @@ def simulate_sinkhorn_flow(
     step (the particles move).
     """
     require(
-        isinstance(steps, int) and steps >= 1,
-        f"steps must be a positive integer, got {steps!r}",
+        is_whole(steps),
+        f"steps must be a positive integer, got {shown(steps)}",
         "use at least one Euler step",
     )
     require(
-        isinstance(eta, (int, float)) and math.isfinite(eta) and eta > 0,
-        f"eta must be a positive number, got {eta!r}",
+        is_positive(eta),
+        f"eta must be a positive number, got {shown(eta)}",
         "use a step size in (0, 1]",
     )
     _check_params(blur, scaling, diameter, backend, solver)
     require(landing in LANDINGS, f"unknown landing {landing!r}", f"use one of {', '.join(LANDINGS)}")
+    x0, y = float_tensor(x0, "x"), float_tensor(y, "y")
     B, N, M, D = _check_clouds(x0, y, batched)
+    steps = int(steps)  # a numpy integer too (is_whole): shapes and list lengths below want a Python int
     require(landing != "exact" or N == M, f"an exact landing needs as many particles as target points, got {N} and {M}",
             "use equal batch sizes")
     etas = eta_schedule(eta, steps, eta_growth, schedule)
