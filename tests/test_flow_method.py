@@ -223,7 +223,7 @@ def one_line(capsys, *needles):
 
 @pytest.mark.parametrize("args,needles", [
     (["model.flow.memory=invertible", "train.flow.precision=bf16"], ["invertible", "precision=fp32"]),
-    (["model.flow.levels=4"], ["cannot squeeze"]),
+    (["model.flow.levels=4"], ["divisible by 16", "data.image_size=16"]),
     (["model.flow.n_bins=300"], ["n_bins"]),
     (["model.flow.memory=sideways"], ["model.flow.memory", "must be one of standard, checkpoint, invertible"]),
     (["data.target=moons"], ["data.download", "not read", "an image target"]),  # refused while resolving
