@@ -86,3 +86,20 @@ def nan_gradient_phase(cfg, bad_call, ot_pairs=False, poison="gradient", persist
             return value
 
     return Poisoned("velocity", source, target, ot_pairs=ot_pairs)
+
+
+def read_only(path: Path, recursive: bool = False):
+    """Make ``path`` (and with ``recursive`` everything below it) refuse writes for real, even for root: chmod for a
+    plain user, the immutable attribute (``chattr +i``) for root where the filesystem and capabilities allow it.
+    Returns the function that undoes it, or None where neither works (the caller skips or simulates)."""
+    paths = [path, *Path(path).rglob("*")] if recursive else [path]
+    if os.geteuid() != 0:
+        modes = {p: p.stat().st_mode for p in paths}
+        for p in reversed(paths):  # children before their folder
+            p.chmod(0o555 if p.is_dir() else 0o444)
+        return lambda: [p.chmod(m) for p, m in modes.items()]
+    flag = ["-R"] if recursive else []
+    if subprocess.run(["chattr", *flag, "+i", str(path)], capture_output=True).returncode != 0:
+        subprocess.run(["chattr", *flag, "-i", str(path)], capture_output=True)
+        return None
+    return lambda: subprocess.run(["chattr", *flag, "-i", str(path)], check=True)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import TINY_2D, cli, nan_gradient_phase, snapshot
+from helpers import TINY_2D, cli, nan_gradient_phase, read_only, snapshot
 from sinkflow.cli import main
 from sinkflow.errors import SinkflowError
 from sinkflow.runtime.run_folder import RunFolder
@@ -313,14 +313,12 @@ def test_failed_resume_keeps_status_and_config(run, capsys):
 
 
 
-def read_only(folder, monkeypatch):
-    """Make ``folder`` refuse new files: chmod for a plain user, the immutable attribute for root (where the
-    filesystem and capabilities allow it); else the file creation itself fails there, as it would (EACCES)."""
-    if os.geteuid() != 0:
-        folder.chmod(0o555)
-        return lambda: folder.chmod(0o755)
-    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0:
-        return lambda: subprocess.run(["chattr", "-i", str(folder)], check=True)
+def refusing_writes(folder, monkeypatch):
+    """``folder`` refuses new files (``helpers.read_only``); where no real way exists here, its file creation fails
+    as it would (EACCES)."""
+    undo = read_only(folder)
+    if undo is not None:
+        return undo
     import tempfile
 
     real = tempfile.mkstemp
@@ -340,7 +338,7 @@ def test_a_resume_into_a_read_only_checkpoints_folder_stops_before_any_step(run,
     (run / "checkpoints/velocity/final.pt").unlink()
     folder = run / "checkpoints" / "velocity"
     before = full_snapshot(run)
-    undo = read_only(folder, monkeypatch)
+    undo = refusing_writes(folder, monkeypatch)
     try:
         line = one_line(*run_main(capsys, "train", "--resume", str(run), "--no-report"), str(folder), "writable")
     finally:
@@ -436,16 +434,21 @@ def test_empty_point_file(runs_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("how", ["file-in-path", "read-only"])
 def test_unwritable_data_root(runs_dir, tmp_path, capsys, how):
+    undo = None
     if how == "read-only":
-        if os.geteuid() == 0:
-            pytest.skip("root writes into read-only folders")
         root = tmp_path / "ro"
         root.mkdir()
-        root.chmod(0o555)
+        undo = read_only(root)
+        if undo is None:
+            pytest.skip("no way to make a folder read-only for root here (chattr +i refused)")
     else:
         (tmp_path / "afile").write_text("x")
         root = tmp_path / "afile" / "data"
-    one_line(*run_main(capsys, "train", "digits", f"data.root={root}", "--train-iters", "2"), "data.root")
+    try:
+        one_line(*run_main(capsys, "train", "digits", f"data.root={root}", "--train-iters", "2"), "data.root")
+    finally:
+        if undo is not None:
+            undo()
     assert not runs_dir.exists()
 
 

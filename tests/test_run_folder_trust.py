@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_2D, bytes_snapshot
+from helpers import TINY_2D, bytes_snapshot, read_only
 from sinkflow.cli import main
 
 
@@ -259,25 +259,25 @@ def test_out_of_memory_while_sampling_names_the_sampling_batch(run, capsys, monk
 def _unwritable_by_a_folder(run):
     (run / "metrics.jsonl").unlink()
     (run / "metrics.jsonl").mkdir()  # any user (root included) fails to open it for appending
+    return lambda: None
 
 
 def _unwritable_by_permissions(run):
-    if os.geteuid() == 0:
-        pytest.skip("root writes into read-only folders")
-    for p in [run, *run.rglob("*")]:
-        p.chmod(0o555 if p.is_dir() else 0o444)
+    undo = read_only(run, recursive=True)  # chmod, or for root the immutable attribute
+    if undo is None:
+        pytest.skip("no way to make a folder read-only for root here (chattr +i refused)")
+    return undo
 
 
 @pytest.mark.parametrize("make_unwritable", [_unwritable_by_a_folder, _unwritable_by_permissions])
 def test_eval_on_an_unwritable_run_prints_scores_and_says_so(run, capfd, make_unwritable):
-    make_unwritable(run)
+    undo = make_unwritable(run)
     try:
         capfd.readouterr()
         rc = main(["eval", str(run), "--seeds", "1"])
         out, err = capfd.readouterr()  # file descriptors: a TensorBoard writer thread's output would show here
     finally:
-        for p in [run, *run.rglob("*")]:
-            p.chmod(0o755 if p.is_dir() else 0o644)
+        undo()
     assert rc == 0, err
     assert "W2 on moons" in out
     lines = [line for line in err.splitlines() if line.strip()]
