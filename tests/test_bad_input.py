@@ -35,7 +35,9 @@ def test_help_status_and_config_errors_answer_before_torch_loads(tmp_path):
     import sys
 
     calls = [["status", str(tmp_path)], ["train", "moons", "pool.stepz=3"], ["sample", "RUN", "--out", "x.txt"],
-             ["eval"], ["bench", "moons", "--warmup", "-1"], ["bench", "moons", "--profile", "--throughput"]]
+             ["eval"], ["bench", "moons", "--warmup", "-1"], ["bench", "moons", "--profile", "--throughput"],
+             ["doctor", "moons", "--overfit-batch", "0"], ["doctor", "moons", "--factor", "nan"],
+             ["doctor", "moons", "--factor", "0.5"]]
     code = ("import sys\nfrom sinkflow.cli import main\nfor argv in %r:\n    try:\n        print(main(argv))\n"
             "    except SystemExit as exc:\n        print(exc.code)\nprint('torch' in sys.modules)\n" % calls)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
@@ -44,6 +46,9 @@ def test_help_status_and_config_errors_answer_before_torch_loads(tmp_path):
     assert "must end in .npy or .png" in out.stderr and "required: RUN" in out.stderr
     assert "--warmup -1 is not a valid budget" in out.stderr
     assert "--throughput: not allowed with argument --profile" in out.stderr  # was: throughput, silently
+    # doctor's own numbers: a 0-sample batch ran the checks then crashed; --factor nan failed "the loop is broken"
+    assert "--overfit-batch 0 must be a whole number >= 1" in out.stderr
+    assert "--factor nan must be a number > 1" in out.stderr and "--factor 0.5 must be a number > 1" in out.stderr
 
 
 def test_wrong_type(tmp_path):

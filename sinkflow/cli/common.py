@@ -71,11 +71,12 @@ def resolve_args(args) -> dict:
 # flag: (example, sanity bound). --n is bounded by memory (check_sample_memory, once the data shape is known);
 # --steps / --seeds by time: 10^5 Euler steps or 10^3 sampling seeds is far past any use, a typo past it would
 # run for days
-COUNT_FLAGS = {"n": ("--n", 1024, None), "steps": ("--steps", 10, 100_000), "seeds": ("--seeds", 3, 1000)}
+COUNT_FLAGS = {"n": ("--n", 1024, None), "steps": ("--steps", 10, 100_000), "seeds": ("--seeds", 3, 1000),
+               "overfit_batch": ("--overfit-batch", 16, None)}
 
 
 def check_counts(args) -> None:
-    """Every count flag a command has (``--n``, ``--steps``, ``--seeds``) is >= 1 when given: a 0 never means
+    """Every count flag a command has (``--n``, ``--steps``, ``--seeds``, ``--overfit-batch``) is >= 1 when given: a 0 never means
     "the default" in silence and a negative never runs (``sample --steps -1`` used to write the source noise)."""
     for attr, (flag, example, most) in COUNT_FLAGS.items():
         value = getattr(args, attr, None)

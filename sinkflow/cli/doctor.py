@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 from pathlib import Path
 
 from sinkflow.cli.common import add_config_args, resolve_args, run_folder_arg
+from sinkflow.errors import SinkflowError
 
 
 def add_parser(sub):
@@ -30,6 +32,9 @@ def add_parser(sub):
 
 
 def run(args):
+    if not (math.isfinite(args.factor) and args.factor > 1):  # nan never fails a comparison; <= 1 never fails at all
+        raise SinkflowError(f"--factor {args.factor} must be a number > 1 (how many times the loss must fall)",
+                            "e.g. --factor 10 (the default)")
     from sinkflow.tools.data import real_or_synthetic
     from sinkflow.tools.doctor import doctor_run
 
