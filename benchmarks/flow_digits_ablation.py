@@ -85,9 +85,22 @@ def run(name, steps=2000, lr=1e-3, hidden=64, depth=8, levels=2, logit=0.0, aug=
 
 def main(argv=None):
     """Each argument one JSON run spec; returns each run's best (step, train bits/dim, validation bits/dim)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("specs", nargs="+", metavar="JSON", help='one run spec, e.g. \'{"name": "base"}\'')
+    specs = []
+    for spec in p.parse_args(argv).specs:  # every spec checked before the first run trains
+        try:
+            kw = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            p.error(f"{spec!r} is not a JSON run spec ({exc.msg}); e.g. '{{\"name\": \"base\", \"steps\": 500}}'")
+        if not isinstance(kw, dict) or "name" not in kw:
+            p.error(f"{spec!r} needs a \"name\" key, e.g. '{{\"name\": \"base\"}}'")
+        specs.append(kw)
     best = {}
-    for spec in (sys.argv[1:] if argv is None else argv):
-        kw = json.loads(spec); name = kw.pop("name")
+    for kw in specs:
+        name = kw.pop("name")
         best[name] = run(name, **kw)
     return best
 

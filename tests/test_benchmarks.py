@@ -188,6 +188,12 @@ def test_smoke_flow_digits_ablation(quiet, capsys):
     step, train_bpd, val_bpd = best["tiny"]
     assert step in (1, 2) and math.isfinite(train_bpd) and 0 < val_bpd < 10
     assert rows(capsys.readouterr().out, "RESULT tiny best ")
+    with pytest.raises(SystemExit) as exc:  # --help was parsed as a JSON spec: a JSONDecodeError traceback
+        bench.main(["--help"])
+    assert exc.value.code == 0 and "JSON run spec" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        bench.main(['{"name": "a"}', "steps=3"])  # checked before the first run trains
+    assert exc.value.code == 2 and "is not a JSON run spec" in capsys.readouterr().err
 
 
 def test_smoke_flow_memory(quiet, capsys):
