@@ -212,3 +212,141 @@ def test_bad_preflight_arguments_are_one_line_before_any_work(capsys, monkeypatc
     assert main(["preflight", "moons", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("sinkflow: error: ") and needle in err[0], err
+
+
+# ---- --fit proposes only what works (each of these failed before 2026-11-28) ---------------------
+
+MiB = 2**20
+
+
+def card_for(limit_bytes: int) -> int:
+    """A card whose usable memory (90% of it minus 1 GiB) is ``limit_bytes``."""
+    return math.ceil(memory_plan.CONTEXT_BYTES + limit_bytes / memory_plan.FRAGMENTATION) + 1
+
+
+def test_pool_fit_picks_float16_or_disk_from_the_proposed_pools_bytes():
+    """float16 halves x and v, not the float32 t of every entry: a 2D pool of 732 MiB becomes 439.5 MiB, still over
+    pool.ram_gb=0.4, so the fit goes to disk (it proposed float16, which `sinkflow train` then refused)."""
+    from sinkflow.methods.pool import pool_bytes
+
+    t4 = memory_plan.gpu_bytes("T4")[1]
+    for ram, want in [("0.4", "pool.storage=disk"), ("0.5", "pool.dtype=float16")]:
+        cfg = config.resolve("moons", ["pool.batches=30000", f"pool.ram_gb={ram}"])
+        mems = memory_plan.estimate(cfg)
+        assert memory_plan.over_budget(cfg, mems, t4) == ["pool RAM"]
+        overrides, reasons = memory_plan.propose_fit(cfg, mems, t4)
+        assert overrides == [want], reasons
+        new = memory_plan.apply_fit(cfg, overrides)
+        assert memory_plan.over_budget(new, memory_plan.estimate(new), t4) == []
+        if new["pool"]["storage"] == "memory":
+            assert pool_bytes(new["pool"], (2,)) <= float(ram) * 2**30
+
+
+def test_the_verdict_after_fit_checks_the_pool_ram_too(capsys, monkeypatch):
+    """`preflight --fit` re-checked only the GPU after applying the fit: a fit that left the pool over pool.ram_gb
+    printed an all-ok table and exit 0. The post-fit verdict is the pre-fit one (memory_plan.over_budget)."""
+    from sinkflow.cli import main
+    from sinkflow.tools.preflight import Report
+
+    over = ["pool.batches=30000", "pool.ram_gb=0.4"]
+
+    def fake(preset, overrides, shorthands, gpu=None, world=1, memory=True):
+        report = Report(preset)
+        report.memory = memory_plan.estimate(config.resolve(preset, overrides, shorthands))
+        report.add("fits T4", "all", False, "too large: pool RAM")
+        report.fit_overrides, report.fit_reasons = ["pool.dtype=float16"], ["pool: float16 (not enough)"]
+        return report
+
+    monkeypatch.setattr("sinkflow.tools.preflight.preflight", fake)
+    assert main(["preflight", "moons", *over, "--gpu", "T4", "--fit"]) == 1
+    assert "FAIL  fits T4 with --fit applied: too large: pool RAM" in capsys.readouterr().out
+
+
+def test_sample_fit_scales_the_chunk_the_estimate_used():
+    """The estimate samples in chunks of min(eval.n, sample.batch_size): with eval.n=50 the fit used to shrink
+    sample.batch_size=500 to a value still above 50, which changes nothing. The transient is planted larger (still
+    linear in the chunk) so the phase is larger than the workspaces every card must hold."""
+    cfg = config.resolve("digits", ["eval.n=50"])
+    sample = memory_plan.estimate(cfg)[-1]
+    assert sample.phase == "sample+eval" and "sample.batch_size=50 " in sample.note
+    sample.terms["forward transient"] = 50 * 4 * MiB  # 4 MiB a sample
+    weights = sample.terms["weights"]
+    per_sample = (sample.total - weights) / 50
+    card = card_for(weights + (sample.total - weights) // 2)
+    overrides, reasons = memory_plan.propose_fit(cfg, [sample], card)
+    (key, value), = (o.split("=") for o in overrides)
+    assert key == "sample.batch_size" and int(value) == 25, (overrides, reasons)
+    assert weights + int(value) * per_sample <= memory_plan.usable_bytes(card) < weights + 26 * per_sample
+    assert "chunks of 50 needs" in reasons[0]
+
+
+def _train(name, overrides, phase, bf16=False):
+    cfg = config.resolve(name, overrides)
+    return cfg, {m.phase: m for m in memory_plan.estimate(cfg, bf16=bf16)}[phase]
+
+
+def test_fit_proposes_no_half_precision_that_cannot_help_or_cannot_run():
+    """bf16 was proposed whenever micro-batch 1 did not fit: for weights + Adam state (which it cannot shrink), on a
+    T4 (no bf16 tensor cores) and for a flow in invertible mode (which refuses it). Now such a phase is said not to
+    fit, naming what dominates."""
+    cfg, mlp = _train("moons", ["model.velocity.hidden=2048"], "velocity")
+    low = memory_plan._at(mlp, 256, 256)  # micro-batch 1
+    for bf16 in (False, True):
+        overrides, reasons = memory_plan.propose_fit(cfg, [mlp], card_for(low - MiB), bf16=bf16, card="T4")
+        assert overrides == [], overrides
+        (line,) = reasons
+        assert line.startswith("velocity: does not fit T4 at any micro-batch") and "weights+grads+adam 128.25 MiB" in line
+    cfg, flow = _train("flow-digits", ["model.flow.memory=invertible"], "flow", bf16=True)
+    b = cfg["train"]["flow"]["batch_size"]
+    overrides, reasons = memory_plan.propose_fit(cfg, [flow], card_for(memory_plan._at(flow, b, b) - 2**14), bf16=True)
+    assert overrides == [] and "does not fit" in reasons[0], (overrides, reasons)
+    assert memory_plan.half_precision(cfg, "flow", "flow", True)[0] is None
+
+
+def test_fit_proposes_the_half_precision_the_card_and_network_can_take():
+    """Where activations are most of a phase at micro-batch 1 (here a planted fixed activation term): bf16 on a card
+    with bf16 tensor cores, fp16 for a UNet on one without, nothing for an MLP there."""
+    for name, phase, bf16, want in [("digits", "velocity", False, "fp16"), ("digits", "velocity", True, None),
+                                    ("moons", "velocity", False, None), ("moons", "velocity", True, "bf16")]:
+        cfg, pm = _train(name, [f"train.{phase}.precision=fp32"], phase, bf16=bf16)
+        pm.act_fixed = 400 * MiB
+        b = cfg["train"][phase]["batch_size"]
+        memory_plan.train_terms(pm, b, 1)
+        overrides, reasons = memory_plan.propose_fit(cfg, [pm], card_for(memory_plan._at(pm, b, b) - 100 * MiB),
+                                                     bf16=bf16)
+        got = [o for o in overrides if ".precision=" in o]
+        if name == "digits" and bf16:
+            want = "bf16"
+        assert got == ([f"train.{phase}.precision={want}"] if want else []), (name, bf16, overrides, reasons)
+
+
+def test_fit_accum_is_the_smallest_divisor_of_an_odd_batch_that_fits():
+    """Accum used to double only while it divided the batch: an odd batch got no accumulation at all."""
+    cfg, pm = _train("moons", ["model.velocity.hidden=2048", "train.velocity.batch_size=375"], "velocity")
+    card = card_for(memory_plan._at(pm, 375, 3))
+    assert not memory_plan.fits(pm, card) and memory_plan._at(pm, 375, 1) > memory_plan._at(pm, 375, 3)
+    overrides, reasons = memory_plan.propose_fit(cfg, [pm], card)
+    assert overrides == ["train.velocity.accum=3"], reasons
+    assert reasons == ["velocity: micro-batch 375 -> 125 with accum=3 (same effective batch 375)"]
+    new = memory_plan.apply_fit(cfg, overrides)  # validate: accum divides the batch
+    assert memory_plan.fits({m.phase: m for m in memory_plan.estimate(new)}["velocity"], card)
+
+
+def test_fit_on_a_card_smaller_than_the_fixed_terms_says_so():
+    """At --gpu-mem 1.05 the 64 MiB of workspaces alone exceed the usable memory: the fit used to shrink every batch
+    to its minimum (pool.batch_size=2, accum=256, bf16 for a 2D MLP)."""
+    cfg = config.resolve("moons", [])
+    label, total = memory_plan.gpu_bytes(gib=1.05)
+    overrides, reasons = memory_plan.propose_fit(cfg, memory_plan.estimate(cfg), total, card=label)
+    assert overrides == [] and len(reasons) == 1 and "too small for any batch" in reasons[0], reasons
+
+
+def test_fit_command_quotes_every_argument():
+    import shlex
+
+    from sinkflow.tools.preflight import fit_command
+
+    overrides = ["data.target=/tmp/my pts.npy", "model.velocity.dims=[64, 64]", "pool.batches=3"]
+    cmd = fit_command("moons", overrides, {"train_iters": 5, "lr": None}, ["pool.batches=6"])
+    assert shlex.split(cmd) == ["sinkflow", "train", "moons", "data.target=/tmp/my pts.npy",
+                                "model.velocity.dims=[64, 64]", "pool.batches=6", "--train-iters", "5"]

@@ -57,7 +57,10 @@ def _one(preset, args, card) -> bool:
             print("\nwith --fit applied:")
             print(memory_plan.format_table(mems, {card[0]: card[1]}))
             others = all(c.ok is not False for c in report.checks if not c.name.startswith("fits "))
-            ok = others and all(memory_plan.fits(m, card[1]) for m in mems if m.terms)
+            over = memory_plan.over_budget(cfg, mems, card[1])  # the same checks as before the fit, pool RAM included
+            print(f"  {'FAIL' if over else 'PASS'}  fits {card[0]} with --fit applied: "
+                  + (f"too large: {', '.join(over)}" if over else "every phase fits"))
+            ok = others and not over
     return ok
 
 

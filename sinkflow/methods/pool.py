@@ -372,32 +372,43 @@ class PoolTask(ChunkedTask):
 
     def fit_memory(self, cfg: dict, shape: tuple[int, ...], device_bytes: int) -> tuple[dict, list[str]]:
         """One pool batch in flight, then halve the Sinkhorn batch (doubling pool.batches: the same trajectories)
-        until one batch fits; float16, then disk, when the pool exceeds pool.ram_gb."""
+        until one batch fits (none proposed when not even a batch of 2 does); float16, then disk, when the pool
+        exceeds pool.ram_gb, decided by ``pool_bytes`` of the proposed pool itself (float16 halves x and v, not
+        the float32 t of every entry)."""
         from sinkflow.ot import sinkhorn_peak_bytes
 
         p, dim = dict(cfg["pool"]), math.prod(shape)
         overrides, reasons = {}, []
         mem = self.memory(cfg, shape)
+
+        def one_batch(n: int) -> int:
+            return sinkhorn_peak_bytes(1, n, dim) + 8 * p["steps"] * n * dim
+
         if sum(mem["terms"].values()) > device_bytes:
-            if p["in_flight"] > 1:
-                p["in_flight"] = 0
-                overrides["pool.in_flight"] = 0
-            while (sinkhorn_peak_bytes(1, p["batch_size"], dim) + 8 * p["steps"] * p["batch_size"] * dim > device_bytes
-                   and p["batch_size"] > 2):
-                p["batch_size"] //= 2
-                p["batches"] *= 2
-            if p["batch_size"] != cfg["pool"]["batch_size"]:
-                overrides["pool.batch_size"] = p["batch_size"]
-                overrides["pool.batches"] = p["batches"]
-                reasons.append(f"pool: Sinkhorn batch {cfg['pool']['batch_size']} -> {p['batch_size']} with "
-                               f"{p['batches']} pool batches (same {p['batches'] * p['batch_size']} trajectories)")
-        ram = cfg["pool"]["ram_gb"] * 2**30
-        if mem["host_bytes"] > ram:
-            if cfg["pool"]["dtype"] != "float16":
+            if one_batch(min(2, p["batch_size"])) > device_bytes:
+                reasons.append(f"pool: does not fit at any Sinkhorn batch: one batch of 2 needs "
+                               f"{human_bytes(one_batch(2))}, {human_bytes(max(device_bytes, 0))} are left beside "
+                               "the CUDA workspaces; use a larger card")
+            else:
+                if p["in_flight"] > 1:
+                    p["in_flight"] = 0
+                    overrides["pool.in_flight"] = 0
+                while one_batch(p["batch_size"]) > device_bytes and p["batch_size"] > 2:
+                    p["batch_size"] //= 2
+                    p["batches"] *= 2
+                if p["batch_size"] != cfg["pool"]["batch_size"]:
+                    overrides["pool.batch_size"] = p["batch_size"]
+                    overrides["pool.batches"] = p["batches"]
+                    reasons.append(f"pool: Sinkhorn batch {cfg['pool']['batch_size']} -> {p['batch_size']} with "
+                                   f"{p['batches']} pool batches (same {p['batches'] * p['batch_size']} trajectories)")
+        ram = p["ram_gb"] * 2**30
+        if p["storage"] != "disk" and pool_bytes(p, shape) > ram:
+            need = pool_bytes(p, shape)
+            if p["dtype"] != "float16" and pool_bytes({**p, "dtype": "float16"}, shape) <= ram:
                 overrides["pool.dtype"] = "float16"
-            if mem["host_bytes"] / (2 if cfg["pool"]["dtype"] != "float16" else 1) > ram:
+            else:
                 overrides["pool.storage"] = "disk"
-            reasons.append(f"pool: {mem['host_bytes'] / 2**30:.1f} GiB > pool.ram_gb={cfg['pool']['ram_gb']}: "
+            reasons.append(f"pool: {human_bytes(need)} of RAM > pool.ram_gb={p['ram_gb']}: "
                            + ", ".join(f"{k}={v}" for k, v in overrides.items() if k in ("pool.dtype", "pool.storage")))
         return overrides, reasons
 

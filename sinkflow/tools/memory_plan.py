@@ -216,46 +216,127 @@ def fits(pm: PhaseMemory, total_bytes: int) -> bool:
     return pm.total <= usable_bytes(total_bytes)
 
 
+def over_budget(cfg: dict, mems: list[PhaseMemory], total_bytes: int) -> list[str]:
+    """What does not fit: every phase too large for the card, and ``pool RAM`` when the pool kept in host RAM
+    exceeds ``pool.ram_gb`` (``sinkflow train`` refuses it: ``pool.check_pool_fits``). Empty when all fits. The one
+    verdict preflight gives before and after ``--fit``."""
+    over = [m.phase for m in mems if m.terms and not fits(m, total_bytes)]
+    ram = cfg.get("pool", {}).get("ram_gb")
+    if ram is not None and any(m.host_bytes > ram * GiB for m in mems):
+        over.append("pool RAM")
+    return over
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, increasing: the values ``train.<phase>.accum`` may take for a batch of ``n``."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def half_precision(cfg: dict, key: str, kind: str, bf16: bool) -> tuple[str | None, str]:
+    """(the half precision ``train.<key>`` can take on the planned card, or None; why not). bf16 on a card with bf16
+    tensor cores; on one without (a T4, a bare ``--gpu-mem``) fp16, for the networks whose fp16 path (autocast +
+    GradScaler) was measured (``fast_path.FAST_KINDS``); never for a flow with ``model.flow.memory=invertible``,
+    which trains in fp32 only (``normalizing_flow`` refuses it)."""
+    from sinkflow.engine import fast_path
+
+    if kind == "flow" and cfg["model"][key].get("memory") == "invertible":
+        return None, "model.flow.memory=invertible trains in fp32 only"
+    if bf16:
+        return "bf16", ""
+    if kind in fast_path.FAST_KINDS:
+        return "fp16", ""
+    return None, f"no bf16 on this card and fp16 is not measured for a {kind}"
+
+
+def _at(pm: PhaseMemory, batch_size: int, accum: int, act_scale: float = 1.0) -> int:
+    """The phase's total at ``accum``, with the batch-dependent activation terms scaled by ``act_scale`` (0.5:
+    half-precision autocast, roughly)."""
+    trial = copy.copy(pm)
+    trial.terms = dict(pm.terms)
+    train_terms(trial, batch_size, accum)
+    acts = trial.terms["activations"] + trial.terms["backward transient"]
+    return int(trial.total - acts + act_scale * acts)
+
+
+def _fit_train(cfg: dict, pm: PhaseMemory, limit: int, world: int, bf16: bool, card: str
+               ) -> tuple[dict, list[str]]:
+    """The smallest accum (a divisor of the batch) that fits, in the phase's precision, else in half precision
+    where the run can take it and it then fits; else why the phase cannot fit the card."""
+    t = planned_train(cfg, pm.model_key, world, bf16)
+    b, accum0, key = t["batch_size"], t["accum"], pm.model_key
+    tries = [d for d in divisors(b) if d >= accum0]
+    fp32_min = _at(pm, b, b)  # micro-batch 1: the least this precision can reach
+    options = [(t["precision"], 1.0)]
+    half, why_not = (None, "") if t["precision"] != "fp32" else half_precision(
+        cfg, key, cfg["model"][key]["kind"], bf16)
+    if half:
+        options.append((half, 0.5))
+    for precision, scale in options:
+        accum = next((d for d in tries if _at(pm, b, d, scale) <= limit), None)
+        if accum is None:
+            continue
+        overrides, reasons = {}, []
+        if accum != accum0:
+            overrides[f"train.{key}.accum"] = accum
+            reasons.append(f"{pm.phase}: micro-batch {micro_batch(b, accum0)} -> {micro_batch(b, accum)} with "
+                           f"accum={accum} (same effective batch {b})")
+        if precision != t["precision"]:
+            overrides[f"train.{key}.precision"] = precision
+            reasons.append(f"{pm.phase}: still {fmt_bytes(fp32_min)} at micro-batch 1 in {t['precision']}; {precision} "
+                           "autocast roughly halves the activations")
+        return overrides, reasons
+    low = copy.copy(pm)
+    low.terms = dict(pm.terms)
+    train_terms(low, b, b)
+    name, big = max(low.terms.items(), key=lambda kv: kv[1])
+    note = f" ({why_not})" if why_not and name in ("activations", "backward transient") else ""
+    return {}, [f"{pm.phase}: does not fit {card} at any micro-batch: {fmt_bytes(low.total)} at micro-batch 1 in "
+                f"{t['precision']}{' (half precision would not fit either)' if half else ''}, the largest term "
+                f"{name} {fmt_bytes(big)}{note}; use a smaller model or a larger card"]
+
+
 def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int = 1,
-                bf16: bool = False) -> tuple[list[str], list[str]]:
-    """(overrides, reasons) that make every phase fit ``total_bytes`` and the pool fit its RAM/disk budget.
+                bf16: bool = False, card: str = "the card") -> tuple[list[str], list[str]]:
+    """(overrides, reasons) that make every phase fit ``total_bytes`` and the pool fit its RAM/disk budget; a
+    phase that no change fits gets a reason and no override.
 
     Keeps what the experiment computes: the total pool entries (pool.batches x pool.batch_size) and every
     effective training batch (train.X.batch_size, split into more accumulation micro-batches).
     """
+    limit = usable_bytes(total_bytes)
+    if limit <= WORKSPACE_BYTES:  # every phase on the device holds the workspaces, whatever its batch
+        return [], [f"{card} leaves {fmt_bytes(max(limit, 0))} for tensors (90% of its memory minus 1 GiB), less than "
+                    f"the {fmt_bytes(WORKSPACE_BYTES)} of CUDA workspaces every phase holds: too small for any batch"]
     overrides: dict[str, object] = {}
     reasons: list[str] = []
-    limit = usable_bytes(total_bytes)
     for pm in mems:
         if pm.kind == "chunked" and pm.fit is not None:
             changed, why = pm.fit(cfg, limit)
-            overrides.update(changed)
-            reasons += why
         elif pm.kind == "train" and pm.total > limit:
-            t = planned_train(cfg, pm.model_key, world, bf16)
-            accum, trial = t["accum"], copy.copy(pm)
-            trial.terms = dict(pm.terms)
-            while trial.total > limit and t["batch_size"] % (accum * 2) == 0:
-                accum *= 2
-                train_terms(trial, t["batch_size"], accum)
-            if accum != t["accum"]:
-                overrides[f"train.{pm.model_key}.accum"] = accum
-                reasons.append(f"{pm.phase}: micro-batch {micro_batch(t['batch_size'], t['accum'])} -> "
-                               f"{micro_batch(t['batch_size'], accum)} with accum={accum} (same effective batch "
-                               f"{t['batch_size']})")
-            if trial.total > limit:
-                if t["precision"] == "fp32":
-                    overrides[f"train.{pm.model_key}.precision"] = "bf16"
-                    reasons.append(f"{pm.phase}: still {trial.total / GiB:.1f} GiB at the smallest micro-batch; bf16 "
-                                   "autocast roughly halves the activations")
-                else:
-                    reasons.append(f"{pm.phase}: does not fit even at micro-batch 1; use a smaller model or a larger card")
+            changed, why = _fit_train(cfg, pm, limit, world, bf16, card)
         elif pm.kind == "sample" and pm.total > limit:
-            chunk = max(1, cfg["sample"]["batch_size"])
-            overrides["sample.batch_size"] = max(1, int(chunk * limit / pm.total * 0.8))
-            reasons.append(f"{pm.phase}: sampling in chunks of {chunk} needs about {fmt_bytes(pm.total)}; "
-                           f"smaller chunks (sample.batch_size) fit without changing the metric protocol")
+            changed, why = _fit_sample(cfg, pm, limit, card)
+        else:
+            continue
+        overrides.update(changed)
+        reasons += why
     return [f"{k}={v}" for k, v in overrides.items()], reasons
+
+
+def _fit_sample(cfg: dict, pm: PhaseMemory, limit: int, card: str) -> tuple[dict, list[str]]:
+    """A smaller ``sample.batch_size``: the chunk the estimate used (``min(eval.n, sample.batch_size)``) scaled by
+    what is left beside the weights; the samples and the forward transient grow with the chunk, the weights not."""
+    chunk = min(cfg["eval"]["n"], max(1, cfg["sample"]["batch_size"]))
+    fixed = pm.terms.get("weights", 0)
+    per_sample = (pm.total - fixed) / chunk
+    new = int((limit - fixed) // per_sample) if per_sample > 0 else 0
+    if new < 1:
+        return {}, [f"{pm.phase}: does not fit {card} at any sample.batch_size: the trained networks' weights "
+                    f"({fmt_bytes(fixed)}) and one sample's terms take {fmt_bytes(fixed + per_sample)}; use a larger card"]
+    return {"sample.batch_size": new}, [
+        f"{pm.phase}: sampling in chunks of {chunk} needs about {fmt_bytes(pm.total)}; chunks of {new} "
+        f"(sample.batch_size) fit without changing the metric protocol"]
 
 
 def apply_fit(cfg: dict, overrides: list[str]) -> dict:

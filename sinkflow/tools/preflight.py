@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import shlex
 import signal
 import tempfile
 import time
@@ -395,13 +396,11 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
                     report.add("memory estimate", "all", False, _short(exc), time.perf_counter() - t0)
                 if gpu is not None and report.memory:
                     label, total = gpu
-                    over = [m.phase for m in report.memory if m.terms and not memory_plan.fits(m, total)]
+                    over = memory_plan.over_budget(real, report.memory, total)
                     report.fit_overrides, report.fit_reasons = memory_plan.propose_fit(
-                        real, report.memory, total, world, memory_plan.card_bf16(label))
-                    pool_ram = any(m.host_bytes > real["pool"]["ram_gb"] * memory_plan.GiB for m in report.memory)
-                    ok = not over and not pool_ram
-                    report.add(f"fits {label}", "all", ok, "every phase fits" if ok else
-                               f"too large: {', '.join(over + (['pool RAM'] if pool_ram else []))}")
+                        real, report.memory, total, world, memory_plan.card_bf16(label), card=label)
+                    report.add(f"fits {label}", "all", not over,
+                               f"too large: {', '.join(over)}" if over else "every phase fits")
     finally:
         quiet.restore()
         torch.set_num_threads(torch_threads)
@@ -426,10 +425,12 @@ def format_report(report: Report) -> str:
 
 
 def fit_command(preset: str, overrides: list[str], shorthands: dict, fit: list[str]) -> str:
-    flags = [f"--{k.replace('_', '-')} {v}" for k, v in (shorthands or {}).items() if v is not None]
+    """The ``sinkflow train`` command with the fit applied, each argument shell-quoted (a value with a space or
+    brackets pastes as one argument)."""
+    flags = [a for k, v in (shorthands or {}).items() if v is not None for a in (f"--{k.replace('_', '-')}", str(v))]
     fixed = {f.split("=", 1)[0] for f in fit}
     kept = [o for o in overrides if o.split("=", 1)[0].strip() not in fixed]  # the fit's value replaces them
-    return " ".join(["sinkflow train", preset, *kept, *fit, *flags])
+    return shlex.join(["sinkflow", "train", preset, *kept, *fit, *flags])
 
 
 class _Quiet:
