@@ -350,3 +350,18 @@ def test_fit_command_quotes_every_argument():
     cmd = fit_command("moons", overrides, {"train_iters": 5, "lr": None}, ["pool.batches=6"])
     assert shlex.split(cmd) == ["sinkflow", "train", "moons", "data.target=/tmp/my pts.npy",
                                 "model.velocity.dims=[64, 64]", "pool.batches=6", "--train-iters", "5"]
+
+
+def test_the_sampling_estimate_does_not_depend_on_the_training_autocast(tmp_path, monkeypatch):
+    """The mnist sampling transient was half as large when planned for an H100 (143.55 MiB) as for a T4 (287.11):
+    it reused activations measured under the training phases' fp16 autocast, while sampling runs fp32."""
+    from sinkflow import config
+    from sinkflow.tools import memory_plan
+
+    monkeypatch.chdir(tmp_path)  # synthetic mnist images of the real shape
+    cfg = config.resolve("mnist", ["eval.n=64"])
+    plans = {bf16: next(m for m in memory_plan.estimate(cfg, bf16=bf16) if m.phase == "sample+eval")
+             for bf16 in (False, True)}
+    assert plans[True].terms["forward transient"] == plans[False].terms["forward transient"] > 0
+    trained_half = [m for m in memory_plan.estimate(cfg, bf16=True) if m.kind == "train" and m.precision == "fp16"]
+    assert trained_half  # the Ampere plan did train the UNet phases in fp16 (the case the bug was in)

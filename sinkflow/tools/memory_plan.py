@@ -81,6 +81,7 @@ class PhaseMemory:
     act_fixed: int = 0
     act_per_sample: int = 0
     act_max_per_sample: int = 0
+    precision: str = "fp32"  # the autocast the activations were measured under (train phases)
     batch_item_bytes: int = 0
     batch_copies: int = 1  # batches on the device at once: the step's, those in the making, a step graph's copy
     # chunked phases: (cfg, usable device bytes) -> (overrides, reasons), from ChunkedTask.fit_memory
@@ -145,7 +146,7 @@ def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int, bf
     mcfg = dict(cfg["model"][key])
     torch.manual_seed(0)
     model = build_model(mcfg.pop("kind"), mcfg, shape)
-    pm = PhaseMemory(phase.name, "train", model_key=key)
+    pm = PhaseMemory(phase.name, "train", model_key=key, precision=tcfg["precision"])
     pm.terms["weights+grads+adam" + ("+ema" if tcfg["ema"] > 0 else "")] = model_memory_bytes(
         model, "adam", ema=tcfg["ema"] > 0)
     pm.act_fixed, pm.act_per_sample, pm.act_max_per_sample = measure_activations(model, shape, tcfg["precision"])
@@ -177,7 +178,12 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
     pm = PhaseMemory("sample+eval", "sample")
     pm.terms["weights"] = sum(sum(p.numel() * p.element_size() for p in m.parameters()) for m in models.values())
     pm.terms["samples"] = 4 * n * dim * 3
-    pm.terms["forward transient"] = max((2 * t.act_max_per_sample * n for t in train_mems), default=0)
+    # the training phases' activations were measured under their autocast (fp16 for a UNet on an Ampere-on card):
+    # sampled in fp32 (sample.precision's default) the same tensors take twice the bytes
+    sample_half = cfg["sample"].get("precision", "fp32") != "fp32"
+    pm.terms["forward transient"] = max((2 * t.act_max_per_sample * n * (2 if t.precision in AUTOCAST and
+                                                                        not sample_half else 1)
+                                         for t in train_mems), default=0)
     pm.note = f"chunks of sample.batch_size={n} samples; forward transient = 2 x the largest activation (rough)"
     return pm
 
