@@ -18,14 +18,6 @@ def runs_dir(tmp_path, monkeypatch):
 def tiny_run(tmp_path_factory):
     """A finished tiny moons NSGF run (pool; velocity steps 3 and 6 and final.pt), built once per worker.
     Tests copy it (``shutil.copytree``) before changing anything."""
-    from helpers import TINY_2D
-    from sinkflow.cli import main
+    from helpers import TINY_2D, train_in
 
-    cwd = tmp_path_factory.mktemp("tiny")
-    old = os.getcwd()
-    os.chdir(cwd)
-    try:
-        assert main(["train", "moons", *TINY_2D, "--name", "base", "--no-report"]) == 0
-    finally:
-        os.chdir(old)
-    return cwd / "runs" / "base"
+    return train_in(tmp_path_factory.mktemp("tiny"), ["moons", *TINY_2D, "--name", "base", "--no-report"]) / "base"

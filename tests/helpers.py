@@ -103,3 +103,18 @@ def read_only(path: Path, recursive: bool = False):
         subprocess.run(["chattr", *flag, "-i", str(path)], capture_output=True)
         return None
     return lambda: subprocess.run(["chattr", *flag, "-i", str(path)], check=True)
+
+
+def train_in(cwd: Path, *runs: list) -> Path:
+    """Train each argv of ``runs`` (`sinkflow train` arguments) in-process with ``cwd`` as the working directory
+    (module- and session-scoped fixtures cannot use monkeypatch.chdir); returns ``cwd / "runs"``."""
+    from sinkflow.cli import main
+
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        for argv in runs:
+            assert main(["train", *argv]) == 0, argv
+    finally:
+        os.chdir(old)
+    return Path(cwd) / "runs"

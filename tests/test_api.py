@@ -3,7 +3,6 @@ before any work, never a raw KeyError or a sample taken at a step count the call
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import numpy as np
@@ -89,17 +88,11 @@ def test_euler_integrates_with_one_step_and_more():
 @pytest.fixture(scope="module")
 def otcfm_run(tmp_path_factory):
     """A finished tiny moons OT-CFM run: its sampler is ``euler`` on the velocity network alone, as FM's."""
-    from helpers import tiny_2d
-    from sinkflow.cli import main
+    from helpers import tiny_2d, train_in
 
-    cwd = tmp_path_factory.mktemp("otcfm")
-    old = os.getcwd()
-    os.chdir(cwd)
-    try:
-        assert main(["train", "moons", *tiny_2d("otcfm"), "--method", "otcfm", "--name", "otcfm", "--no-report"]) == 0
-    finally:
-        os.chdir(old)
-    return cwd / "runs" / "otcfm"
+    runs = train_in(tmp_path_factory.mktemp("otcfm"),
+                    ["moons", *tiny_2d("otcfm"), "--method", "otcfm", "--name", "otcfm", "--no-report"])
+    return runs / "otcfm"
 
 
 @pytest.fixture(params=["nsgf", "otcfm"])

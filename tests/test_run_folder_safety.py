@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import TINY_2D, cli, nan_gradient_phase, read_only, snapshot
+from helpers import TINY_2D, cli, nan_gradient_phase, read_only, snapshot, train_in
 from sinkflow.cli import main
 from sinkflow.errors import SinkflowError
 from sinkflow.runtime.run_folder import RunFolder
@@ -44,15 +44,8 @@ def full_snapshot(run):
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("safety")
-    old = os.getcwd()
-    os.chdir(cwd)
-    try:
-        assert main(["train", "moons", *TINY_2D, "--name", "base", "--no-report"]) == 0
-        assert main(["train", "moons", *TINY_2D, "--seed", "1", "--name", "other", "--no-report"]) == 0
-    finally:
-        os.chdir(old)
-    return cwd / "runs"
+    return train_in(tmp_path_factory.mktemp("safety"), ["moons", *TINY_2D, "--name", "base", "--no-report"],
+                    ["moons", *TINY_2D, "--seed", "1", "--name", "other", "--no-report"])
 
 
 @pytest.fixture
