@@ -56,7 +56,8 @@ class Run:
         i.i.d. by default, randomised QMC with ``qmc=True`` (None: ``sample.qmc``), as `sinkflow sample` draws.
 
         ``x0``: your own source draw, a tensor or numpy array shaped ``(n, *sample_shape)`` of any floating dtype
-        (cast to float32 on the run's device, the dtype its networks were trained in); ``n`` may then be left out
+        (cast to float32, the dtype its networks were trained in, and moved to the run's device in chunks of
+        ``sample.batch_size``, as a seeded draw is: a large x0 fits the card the evaluation fits); ``n`` may then be left out
         (it is ``len(x0)``), and if given must agree with it. Numbers may be numpy's. Everything is checked before
         any network runs, so a bad ``x0`` is one line naming the expected shape rather than a torch error from
         inside a network (or, for ``n`` != ``len(x0)``, ``len(x0)`` samples without a word)."""
@@ -88,8 +89,9 @@ class Run:
         require(x0.shape[0] >= 1, "x0 holds no samples", f"pass x0 shaped {expected} with at least one row")
         require(n is None or n == x0.shape[0], f"sample(n={rows}) but x0 holds {x0.shape[0]} samples",
                 f"pass x0 shaped {expected}, or leave n out to sample one per row of x0")
-        x, _ = method.sample(self._run, x0.to(self._run.device, torch.float32), steps)
-        return x.cpu()
+        from sinkflow.eval.points import sample_chunks
+
+        return sample_chunks(self._run, x0.detach().to(dtype=torch.float32), steps)[0]  # as `generate`: in chunks
 
     def evaluate(self) -> str:
         """The report `sinkflow train` prints at the end (W2 table, or image / flow metrics)."""

@@ -128,6 +128,22 @@ def test_sample_with_x0_alone_draws_one_sample_per_row(tiny_run):
     _one_line(e)
 
 
+
+def test_sample_with_x0_runs_in_chunks_of_the_sample_batch_size(tiny_run, monkeypatch):
+    """A large x0 went to the device as one batch (the seeded draw is chunked by sample.batch_size): now both are,
+    and the chunks give the samples one batch gives."""
+    from sinkflow import methods
+
+    run = sinkflow.open_run(tiny_run)
+    x0 = torch.randn(7, 2, generator=torch.Generator().manual_seed(3))
+    whole = run.sample(x0=x0, steps=2)
+    sizes, real = [], methods.of(run.cfg).sample
+    monkeypatch.setattr(type(methods.of(run.cfg)), "sample",
+                        lambda self, r, x, steps=None, record=False: (sizes.append(len(x)), real(r, x, steps, record))[1])
+    monkeypatch.setitem(run.cfg["sample"], "batch_size", 3)
+    torch.testing.assert_close(run.sample(x0=x0, steps=2), whole)
+    assert sizes == [3, 3, 1]
+
 @pytest.mark.parametrize("n, x0, expected", [
     (3, torch.zeros(3, 5), r"x0 has shape \(3, 5\) but this run samples from \(3, 2\); pass x0 shaped \(3, 2\)"),
     (None, torch.zeros(3), r"x0 has shape \(3,\) but this run samples from \(n, 2\); pass x0 shaped \(n, 2\)"),
@@ -288,3 +304,8 @@ def test_flow_model_sample_refuses_fewer_than_one_sample_as_every_sampler_does()
             flow.sample(n)
         _one_line(e)
     assert flow.sample(np.int32(2)).shape == (2, 2)  # the check takes a numpy count, as the other samplers
+    for temperature in (float("nan"), -0.5, "0.7"):
+        with pytest.raises(SinkflowError, match=r"^temperature must be a number >= 0") as e:
+            flow.sample(2, temperature)
+        _one_line(e)
+    assert flow.sample(2, np.float32(0.7)).shape == (2, 2)

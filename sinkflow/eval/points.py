@@ -56,11 +56,16 @@ def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool
         source = protocol_pair(run.cfg, protocol)[0]
     else:
         source = data.sampling_source(run.cfg, eval_qmc(run.cfg) if qmc is None else qmc)
-    x0 = source.sample(n, phase_generator(seed, "sample"), "cpu")
+    return sample_chunks(run, source.sample(n, phase_generator(seed, "sample"), "cpu"), steps, record)
+
+
+def sample_chunks(run, x0: torch.Tensor, steps: int | None, record: bool = False):
+    """The run's samples from the source draw ``x0`` (on the host), in chunks of ``sample.batch_size`` moved to the
+    run's device one at a time (a draw of any size fits the card the evaluation fits); (samples on the host, info)."""
     sample = methods.of(run.cfg).sample
     chunk = max(1, run.cfg["sample"]["batch_size"])
     outs, infos = [], []
-    for lo in range(0, n, chunk):
+    for lo in range(0, len(x0), chunk):
         x, info = sample(run, x0[lo : lo + chunk].to(run.device), steps, record)
         outs.append(x.cpu())
         infos.append(info)

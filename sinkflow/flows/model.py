@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from sinkflow.config.schema import model_defaults
+from sinkflow.config.checks import is_real, shown
 from sinkflow.data.base import check_sample_size
 from sinkflow.errors import SinkflowError, require
 from sinkflow.flows.coupling import SCALE_MAPS, AdditiveCoupling, AffineCoupling
@@ -184,6 +185,8 @@ class FlowModel(nn.Module):
         """Draw ``n`` samples; ``temperature`` scales every prior's std (Glow uses ~0.7 for images). ``n`` < 1 is
         refused as every sampler refuses it (``check_sample_size``), not left to fail as a reshape of 0 elements."""
         check_sample_size(n)
+        require(is_real(temperature) and temperature >= 0, f"temperature must be a number >= 0, got {shown(temperature)}",
+                "e.g. temperature=0.7 (Glow's) or 1 (the model's own prior)")  # NaN drew NaN images, < 0 flipped z
         z_top = self.top.sample(n, temperature, generator)
         return self.inverse([None] * len(self.splits) + [z_top], temperature, generator)
 
