@@ -21,16 +21,12 @@ def add_parser(sub):
 
 def run(args):
     from sinkflow import data
-    from sinkflow.errors import SinkflowError
     from sinkflow.eval.report import evaluate, is_points  # torch loads here: `--help` stays fast
     from sinkflow.runtime.run_folder import RunFolder
 
     run_ = RunFolder.open(args.run_dir)
-    held = getattr(data.distributions(run_.cfg)[1], "test_rows", 0)  # a point file's held-out rows: all there is
-    if args.n and held and args.n > held:
-        raise SinkflowError(f"--n {args.n} test points, but the run's point file holds out only data.test_rows={held}",
-                            f"use --n {held} or less")
     if args.n:  # --n 32 is a quick look: the classifier columns too (digits' class_n is 3,590 samples a seed)
+        data.distributions(run_.cfg)[1].check_test_n(args.n, "--n")  # named as the user set it, before any sampling
         run_.cfg = {**run_.cfg, "eval": {**run_.cfg["eval"], "class_n": None}}
     n = args.n or run_.cfg["eval"]["n"]
     check_sample_memory(n, run_.cfg, "--n" if args.n else "eval.n", exact_w2=is_points(run_.cfg))

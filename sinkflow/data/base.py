@@ -28,6 +28,10 @@ class Distribution:
         """Fixed evaluation samples on CPU; the same ``(n, seed)`` always gives the same tensor."""
         return self.sample(n, torch.Generator().manual_seed(seed), device="cpu")
 
+    def check_test_n(self, n: int, flag: str = "eval.n") -> None:
+        """Refuse ``n`` test points where the distribution holds fewer (``flag``: the setting that asked for them,
+        named in the error); a sampled distribution draws any number."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, shape={self.shape})"
 

@@ -91,14 +91,20 @@ class PointFile(Distribution):
         idx = torch.randint(0, len(self.points), (n,), generator=generator)
         return self.points[idx].to(device)
 
+    def check_test_n(self, n: int, flag: str = "eval.n") -> None:
+        """The held-out rows are the only test points: more cannot be drawn (the one check of `train`'s eval.n,
+        `sinkflow eval --n` and ``test_set``)."""
+        if self.test_rows and n > self.test_rows:
+            sep = " " if flag.startswith("-") else "="
+            raise SinkflowError(f"{flag}{sep}{n} test points, but {self.path} holds out only data.test_rows="
+                                f"{self.test_rows}", f"use {flag}{sep}{self.test_rows} or less, or hold out more rows")
+
     def test_set(self, n: int, seed: int = DEFAULT_TEST_SEED) -> torch.Tensor:
         """The held-out rows (n of them: all when n = test_rows, else a seeded subset without replacement);
         without held-out rows, ``n`` fixed-seed draws from all rows."""
         if not self.test_rows:
             return super().test_set(n, seed)
-        if n > self.test_rows:
-            raise SinkflowError(f"{n} test points asked of {self.path}, which holds out only data.test_rows="
-                                f"{self.test_rows}", f"set eval.n <= {self.test_rows} or hold out more rows")
+        self.check_test_n(n)
         if n == self.test_rows:
             return self.held_out.clone()
         idx = torch.randperm(self.test_rows, generator=torch.Generator().manual_seed(seed))[:n]

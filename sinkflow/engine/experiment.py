@@ -60,11 +60,7 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = ()) -> None:
 
 def check_run(cfg: dict) -> None:
     """The data and the method's limits (e.g. NSGF++: T <= 5, the pool's size), before any folder exists."""
-    _, target = data.distributions(cfg)
-    held = getattr(target, "test_rows", 0)  # a point file's held-out rows are the only test points
-    if held and cfg["eval"]["n"] > held:
-        raise SinkflowError(f"eval.n={cfg['eval']['n']} test points, but data.test_rows holds out only {held}",
-                            f"set eval.n={held} (or less), or hold out more rows")
+    data.distributions(cfg)[1].check_test_n(cfg["eval"]["n"])  # a point file's held-out rows: the only test points
     methods.of(cfg).check(cfg, data.sample_shape(cfg))
 
 

@@ -401,9 +401,8 @@ class PoolTask(ChunkedTask):
                     overrides["pool.batches"] = p["batches"]
                     reasons.append(f"pool: Sinkhorn batch {cfg['pool']['batch_size']} -> {p['batch_size']} with "
                                    f"{p['batches']} pool batches (same {p['batches'] * p['batch_size']} trajectories)")
-        ram = p["ram_gb"] * 2**30
-        if p["storage"] != "disk" and pool_bytes(p, shape) > ram:
-            need = pool_bytes(p, shape)
+        ram, need = p["ram_gb"] * 2**30, pool_bytes(p, shape)
+        if p["storage"] != "disk" and need > ram:
             if p["dtype"] != "float16" and pool_bytes({**p, "dtype": "float16"}, shape) <= ram:
                 overrides["pool.dtype"] = "float16"
             else:

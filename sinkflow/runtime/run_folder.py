@@ -146,19 +146,19 @@ class RunFolder:
         """Re-open a run folder (nothing is written). Overrides of keys frozen by what is already on disk
         are refused (``sinkflow.runtime.identity``); ``start()`` writes the new config once the run starts."""
         cfg = read_config(run_dir)
-        new = config_mod.apply_overrides(config_mod.apply_shorthands(cfg, shorthands or {}), overrides or [])
-        new = absolute_data_paths(new, [k for k in config_mod.override_keys(overrides or []) if k in DATA_PATH_KEYS])
+        named = config_mod.override_keys(overrides or [])
+        short = config_mod.apply_shorthands(cfg, shorthands or {})
+        new = absolute_data_paths(config_mod.apply_overrides(short, overrides or []),
+                                  [k for k in named if k in DATA_PATH_KEYS])
         config_mod.validate(new)
-        config_mod.check_read(new, config_mod.override_keys(overrides or []))
+        config_mod.check_read(new, named)
         check_frozen(cfg, new, Path(run_dir))
         run = cls(run_dir, new)
         run._disk_config = cfg
         if new != cfg:
             run._pending_config = new
-        short = config_mod.flatten(config_mod.apply_shorthands(cfg, shorthands or {}))
-        named = set(config_mod.override_keys(overrides or []))
         disk = config_mod.flatten(cfg)
-        run.shorthand_keys = {k for k, v in short.items() if v != disk.get(k) and k not in named}
+        run.shorthand_keys = {k for k, v in config_mod.flatten(short).items() if v != disk.get(k) and k not in named}
         return run
 
     def keep_on_disk(self, key: str) -> None:
