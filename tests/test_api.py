@@ -3,6 +3,7 @@ before any work, never a raw KeyError or a sample taken at a step count the call
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import numpy as np
@@ -196,6 +197,39 @@ def test_euler_integrates_a_float64_network_in_float64():
     x, _ = sinkflow.euler(net, X0, 0.0, 1.0, steps=3)  # a float32 batch was a raw dtype error
     assert x.dtype == torch.float64
     torch.testing.assert_close(x, sinkflow.euler(net, X0.double(), 0.0, 1.0, steps=3)[0])
+
+
+class _TimedNet(torch.nn.Module):
+    """A network that embeds t through a layer, as the UNets and MLPs do: its dtype must match the weights'."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.time = torch.nn.Linear(2, 2), torch.nn.Linear(1, 2)
+
+    def forward(self, x, t):
+        return self.lin(x) + self.time(t.view(-1, 1))
+
+
+def test_a_float64_network_gets_float64_times_from_euler_and_the_velocity_loss():
+    """euler built t in float32 and velocity_loss passed the batch's float32 t: "mat1 and mat2 must have the same
+    dtype" from the float64 network's time layer."""
+    net = _TimedNet().double()
+    x, _ = sinkflow.euler(net, X0, 0.0, 1.0, steps=3)
+    assert x.dtype == torch.float64
+    batch = (X0, torch.linspace(0.1, 0.9, 5), X0 + 1)
+    loss = sinkflow.velocity_loss(net, batch)
+    torch.testing.assert_close(loss, sinkflow.velocity_loss(copy.deepcopy(net).float(), batch))
+
+
+@pytest.mark.parametrize("call", [lambda net: sinkflow.euler(net, X0, 0.0, 1.0, steps=2),
+                                  lambda net: sinkflow.velocity_loss(net, (X0, torch.full((5,), 0.5), X0))],
+                         ids=["euler", "velocity_loss"])
+def test_a_batch_on_another_device_than_the_network_is_one_line(call):
+    """torch's own error ("Expected all tensors to be on the same device") names neither the argument nor the fix.
+    A network on the meta device stands for a GPU one here: the check reads devices, it runs nothing."""
+    with pytest.raises(SinkflowError, match=r"is on cpu but the network is on meta; move it there first") as e:
+        call(_TimedNet().to("meta"))
+    _one_line(e)
 
 
 @pytest.mark.parametrize("method", ["FM", "OTCFM"])

@@ -13,7 +13,7 @@ import torch
 
 from sinkflow.config.checks import float_tensor
 from sinkflow.methods.base import Method, TrainingStep
-from sinkflow.methods.ode import count_nfe, euler, network_dtype
+from sinkflow.methods.ode import count_nfe, euler, network_dtype, require_network_device, time_dtype
 from sinkflow.ot.exact import ot_permutation
 from sinkflow.runtime import dist
 
@@ -62,9 +62,12 @@ def velocity_loss(model, batch):
     (FM / OT-CFM on the straight path, NSGF on pool entries: ``pool_batch``). ``x`` is cast to the network's dtype
     (``network_dtype``), as ``euler`` does: a float64 batch of your own trains a float32 network instead of
     stopping at its first matmul; the error is float32 whatever the batch's dtype (both casts are no-ops for the
-    float32 batches of sinkflow's own phases)."""
+    float32 batches of sinkflow's own phases). The times are float32 (float64 for a float64 network: ``time_dtype``);
+    a batch on another device than the network is one line (``require_network_device``)."""
     x, t, v = batch
-    return (model(x.to(network_dtype(model)), t).float() - v.float()).pow(2).mean()
+    require_network_device(model, x, "the batch")
+    dtype = network_dtype(model)
+    return (model(x.to(dtype), torch.as_tensor(t, dtype=time_dtype(dtype), device=x.device)).float() - v.float()).pow(2).mean()
 
 
 class InterpolantStep(TrainingStep):

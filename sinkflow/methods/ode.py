@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 from sinkflow.config.checks import float_tensor, is_whole, shown
-from sinkflow.errors import require
+from sinkflow.errors import SinkflowError, require
 
 
 class NFECounter:
@@ -46,8 +46,14 @@ def compiled_for_sampling(model: torch.nn.Module, device: torch.device) -> torch
     return torch.compile(model, mode=mode, dynamic=False)
 
 
+def time_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the times given to a network computing in ``dtype``: float32 (a half-precision time grid
+    would round t + k h), float64 for a float64 network (whose time embedding would refuse float32)."""
+    return torch.promote_types(torch.float32, dtype)
+
+
 def _expand(t, x: torch.Tensor) -> torch.Tensor:
-    t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+    t = torch.as_tensor(t, dtype=time_dtype(x.dtype), device=x.device)
     return t.expand(x.shape[0]).clone() if t.ndim == 0 else t
 
 
@@ -60,11 +66,25 @@ def warped_fractions(steps: int, warp: float = 1.0) -> list[float]:
     return [1.0 - (1.0 - i / steps) ** warp for i in range(steps + 1)]
 
 
+def _first_parameter(model) -> torch.Tensor | None:
+    params = model.parameters() if isinstance(model, torch.nn.Module) else ()
+    return next((p for p in params if p.is_floating_point()), None)
+
+
 def network_dtype(model) -> torch.dtype:
     """The dtype ``model`` computes in: its first floating parameter's (a Python attribute: no device sync);
     float32 for a callable without parameters (a lambda, a closure), the dtype every sampler's state keeps."""
-    params = model.parameters() if isinstance(model, torch.nn.Module) else ()
-    return next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+    p = _first_parameter(model)
+    return torch.float32 if p is None else p.dtype
+
+
+def require_network_device(model, x: torch.Tensor, name: str = "x") -> None:
+    """One line when ``x`` is not on the device of ``model``'s parameters (torch's own error names neither the
+    argument nor the fix). Reads attributes only: no device sync. A callable without parameters passes."""
+    p = _first_parameter(model)
+    if p is not None and p.device != x.device:
+        raise SinkflowError(f"{name} is on {x.device} but the network is on {p.device}",
+                            f"move it there first: {name}.to('{p.device}')")
 
 
 @torch.no_grad()
@@ -79,6 +99,7 @@ def euler(model, x: torch.Tensor, t0, t1, steps: int, record: bool = False, warp
     first matmul as a raw dtype mismatch. The result is in that dtype."""
     require(is_whole(steps), f"steps must be a positive integer, got {shown(steps)}", "use at least one Euler step")
     x = float_tensor(x, "x", network_dtype(model))
+    require_network_device(model, x)
     t0, t1 = _expand(t0, x), _expand(t1, x)
     span = t1 - t0
     if warp == 1.0:  # the uniform grid as t0 + k h, bit-identical to the sampler before warps existed
