@@ -267,6 +267,7 @@ def test_method_phases_match_the_methods():
 
 
 def test_choice_lists_agree_with_the_code():
+    from sinkflow.data import TOY2D
     from sinkflow.data.images import IMAGE_SETS, SPLITS
     from sinkflow.flows import MEMORY_MODES
     from sinkflow.flows.coupling import SCALE_MAPS
@@ -275,6 +276,7 @@ def test_choice_lists_agree_with_the_code():
 
     assert schema.ACTIVATIONS == tuple(ACTIVATIONS)
     assert schema.IMAGE_TARGETS == tuple(IMAGE_SETS)
+    assert set(schema.POINT_TARGETS_2D) == set(TOY2D) | {"8gaussians-qmc"}
     assert schema.DATA["split"].rule.choices == SPLITS
     assert schema.POOL_KEYS["schedule"].rule.choices == SCHEDULES
     assert schema.POOL_KEYS["landing"].rule.choices == LANDINGS

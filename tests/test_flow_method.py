@@ -226,12 +226,21 @@ def one_line(capsys, *needles):
     (["model.flow.levels=4"], ["divisible by 16", "data.image_size=16"]),
     (["model.flow.n_bins=300"], ["n_bins"]),
     (["model.flow.memory=sideways"], ["model.flow.memory", "must be one of standard, checkpoint, invertible"]),
-    (["data.target=moons"], ["data.download", "not read", "an image target"]),  # refused while resolving
+    (["data.target=moons"], ["models images", "an image target"]),  # refused while resolving
     (["sample.temperature=-1.0"], ["temperature"]),
 ])
 def test_bad_flow_config_fails_before_work(args, needles, runs_dir, capsys):
     assert main(["train", "flow-digits", *TINY, *args]) == 2
     one_line(capsys, *needles)
+    assert not runs_dir.exists()
+
+
+@pytest.mark.parametrize("command", ["config", "train"])
+def test_a_flow_on_a_2d_preset_is_refused_when_the_config_resolves(command, runs_dir, capsys):
+    """``sinkflow config moons --method flow`` printed a config that ``train`` then refused: the refusal was the
+    flow's data check, which needs torch and the data. The config layer knows the built-in 2D names."""
+    assert main([command, "moons", "--method", "flow"]) == 2
+    one_line(capsys, "experiment.method=flow models images", "data.target=moons gives 2-D points", "an image target")
     assert not runs_dir.exists()
 
 

@@ -408,6 +408,10 @@ def validate(tree: dict) -> None:
         if key not in leaves:
             raise SinkflowError(f"config key '{key}' is missing", f"set it, e.g. {key}={_yaml(_example(spec))}")
         check_value(key, spec, leaves[key])
+    method, target = tree["experiment"]["method"], tree["data"]["target"]
+    if schema.METHOD_REGISTRY[method].images_only and target in schema.POINT_TARGETS_2D:
+        raise SinkflowError(f"experiment.method={method} models images (C, H, W) but data.target={target} gives 2-D "
+                            "points", f"use an image target ({', '.join(schema.IMAGE_TARGETS)}) or another method")
     for phase, train in tree.get("train", {}).items():  # one rule across two keys of a phase
         batch, accum = train.get("batch_size"), train.get("accum", 1)
         if isinstance(batch, int) and isinstance(accum, int) and batch % accum:

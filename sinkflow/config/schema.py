@@ -20,6 +20,7 @@ from typing import Any, Callable
 import yaml
 
 IMAGE_TARGETS = ("digits", "mnist", "cifar10", "folder")  # = sinkflow.data.images.IMAGE_SETS (a test checks)
+POINT_TARGETS_2D = ("8gaussians", "8gaussians-qmc", "moons", "scurve", "checkerboard")  # = sinkflow.data.TOY2D's
 
 
 # ---- constraints -------------------------------------------------------------------------------------
@@ -543,11 +544,14 @@ class MethodSpec:
     unless it holds a dot). ``phases``: the names its ``phases()`` returns, in order; a training phase has
     sections ``model.<name>`` / ``train.<name>`` (shared ``PHASES`` or its own ``new_phases``). ``reads``: the
     opt-in shared keys it reads, as sections (``"pool"``) or keys (``"sample.steps"``). ``keys``: its own keys,
-    ``{section: {name: Key}}``, read by it alone (a new section needs a line in ``section_docs``)."""
+    ``{section: {name: Key}}``, read by it alone (a new section needs a line in ``section_docs``). ``images_only``:
+    it models (C, H, W) images, so a built-in 2D target is refused when the config resolves (a point file's
+    shape is known only once it is read: the method's own check)."""
 
     where: str
     phases: tuple[str, ...]
     reads: tuple[str, ...] = ()
+    images_only: bool = False
     keys: dict[str, dict[str, Key]] = field(default_factory=dict)
     new_phases: dict[str, Phase] = field(default_factory=dict)
     section_docs: dict[str, str] = field(default_factory=dict)
@@ -591,7 +595,7 @@ METHOD_REGISTRY: dict[str, MethodSpec] = {
     "otcfm": MethodSpec("flow_matching:OTCFM", ("velocity",), EULER_READS,
                         doc="OT-CFM, exact minibatch OT pairs"),
     "flow": MethodSpec(
-        "normalizing_flow:METHOD", ("flow",),
+        "normalizing_flow:METHOD", ("flow",), images_only=True,
         keys={"sample": {"temperature": Key(1.0, NONNEG_FLOAT, "prior std multiplier when sampling (1 = the model; "
                                                                 "Glow shows 0.7)")}},
         new_phases={"flow": Phase("flow", "flow", "normalizing flow (docs/flows.md)",
