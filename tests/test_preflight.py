@@ -242,6 +242,37 @@ def test_pool_fit_picks_float16_or_disk_from_the_proposed_pools_bytes():
             assert pool_bytes(new["pool"], (2,)) <= float(ram) * 2**30
 
 
+@pytest.mark.parametrize("disk, want, verdict_after", [
+    ("1.0", [], []),  # 732 MiB float32 on disk fits: exact, as before
+    ("0.5", ["pool.dtype=float16"], []),  # 439.5 MiB in float16 fits where float32 does not
+    ("0.4", [], ["pool disk"]),  # not even float16: said, and the verdict stays "too large"
+])
+def test_pool_on_disk_is_checked_against_pool_disk_gb(disk, want, verdict_after):
+    """A pool sent to disk stayed float32 whatever pool.disk_gb said, and the verdict did not check the disk: preflight
+    passed a pool that `sinkflow train` refused ("needs 732 MiB of disk but pool.disk_gb=0.5 allows only ...")."""
+    t4 = memory_plan.gpu_bytes("T4")[1]
+    cfg = config.resolve("moons", ["pool.batches=30000", "pool.storage=disk", f"pool.disk_gb={disk}"])
+    mems = memory_plan.estimate(cfg)
+    assert memory_plan.over_budget(cfg, mems, t4) == ([] if disk == "1.0" else ["pool disk"])
+    overrides, reasons = memory_plan.propose_fit(cfg, mems, t4)
+    assert overrides == want, reasons
+    if disk == "0.4":
+        assert reasons == ["pool: does not fit pool.disk_gb=0.4 on disk even in float16 (439.5 MiB); use fewer "
+                           "pool.batches or a larger pool.disk_gb"]
+    new = memory_plan.apply_fit(cfg, overrides)
+    assert memory_plan.over_budget(new, memory_plan.estimate(new), t4) == verdict_after
+
+
+def test_pool_sent_to_disk_by_the_fit_is_float16_only_where_float32_does_not_fit_the_disk():
+    t4 = memory_plan.gpu_bytes("T4")[1]
+    for disk, want in [("1.0", ["pool.storage=disk"]), ("0.5", ["pool.storage=disk", "pool.dtype=float16"])]:
+        cfg = config.resolve("moons", ["pool.batches=30000", "pool.ram_gb=0.4", f"pool.disk_gb={disk}"])
+        overrides, reasons = memory_plan.propose_fit(cfg, memory_plan.estimate(cfg), t4)
+        assert overrides == want, reasons
+        new = memory_plan.apply_fit(cfg, overrides)
+        assert memory_plan.over_budget(new, memory_plan.estimate(new), t4) == []
+
+
 def test_the_verdict_after_fit_checks_the_pool_ram_too(capsys, monkeypatch):
     """`preflight --fit` re-checked only the GPU after applying the fit: a fit that left the pool over pool.ram_gb
     printed an all-ok table and exit 0. The post-fit verdict is the pre-fit one (memory_plan.over_budget)."""

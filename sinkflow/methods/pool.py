@@ -401,15 +401,39 @@ class PoolTask(ChunkedTask):
                     overrides["pool.batches"] = p["batches"]
                     reasons.append(f"pool: Sinkhorn batch {cfg['pool']['batch_size']} -> {p['batch_size']} with "
                                    f"{p['batches']} pool batches (same {p['batches'] * p['batch_size']} trajectories)")
-        ram, need = p["ram_gb"] * 2**30, pool_bytes(p, shape)
-        if p["storage"] != "disk" and need > ram:
-            if p["dtype"] != "float16" and pool_bytes({**p, "dtype": "float16"}, shape) <= ram:
-                overrides["pool.dtype"] = "float16"
-            else:
-                overrides["pool.storage"] = "disk"
-            reasons.append(f"pool: {human_bytes(need)} of RAM > pool.ram_gb={p['ram_gb']}: "
-                           + ", ".join(f"{k}={v}" for k, v in overrides.items() if k in ("pool.dtype", "pool.storage")))
+        reasons += self._fit_storage(p, shape, overrides)
         return overrides, reasons
+
+    @staticmethod
+    def _fit_storage(p: dict, shape: tuple[int, ...], overrides: dict) -> list[str]:
+        """Where the proposed pool ``p`` is kept: in RAM while it fits ``pool.ram_gb`` (float16 first: it halves x
+        and v), else on disk, in float32 (exact) while that fits ``pool.disk_gb``, else in float16. ``p`` and
+        ``overrides`` take the changes; the reasons say why, or that not even a float16 pool on disk fits."""
+        def need() -> int:
+            return pool_bytes(p, shape)
+
+        def halved() -> int:
+            return pool_bytes({**p, "dtype": "float16"}, shape)
+
+        def change(key: str, value) -> None:
+            p[key] = overrides[f"pool.{key}"] = value
+
+        reasons = []
+        ram, disk = p["ram_gb"] * 2**30, p["disk_gb"] * 2**30
+        if p["storage"] != "disk" and need() > ram:
+            first = need()
+            change(*(("dtype", "float16") if p["dtype"] != "float16" and halved() <= ram else ("storage", "disk")))
+            reasons.append(f"pool: {human_bytes(first)} of RAM > pool.ram_gb={p['ram_gb']}: "
+                           + ", ".join(f"{k}={v}" for k, v in overrides.items() if k in ("pool.dtype", "pool.storage")))
+        if p["storage"] == "disk" and need() > disk:
+            first = need()
+            if p["dtype"] != "float16" and halved() <= disk:
+                change("dtype", "float16")
+                reasons.append(f"pool: {human_bytes(first)} of disk > pool.disk_gb={p['disk_gb']}: pool.dtype=float16")
+            else:
+                reasons.append(f"pool: does not fit pool.disk_gb={p['disk_gb']} on disk even in float16 "
+                               f"({human_bytes(halved())}); use fewer pool.batches or a larger pool.disk_gb")
+        return reasons
 
     def output(self, run) -> np.ndarray | None:
         """The pool's particle positions as written so far (rows of unfinished chunks are zero)."""

@@ -223,13 +223,15 @@ def fits(pm: PhaseMemory, total_bytes: int) -> bool:
 
 
 def over_budget(cfg: dict, mems: list[PhaseMemory], total_bytes: int) -> list[str]:
-    """What does not fit: every phase too large for the card, and ``pool RAM`` when the pool kept in host RAM
-    exceeds ``pool.ram_gb`` (``sinkflow train`` refuses it: ``pool.check_pool_fits``). Empty when all fits. The one
+    """What does not fit: every phase too large for the card, ``pool RAM`` when the pool kept in host RAM exceeds
+    ``pool.ram_gb`` and ``pool disk`` when the pool on disk exceeds ``pool.disk_gb`` (``sinkflow train`` refuses
+    both: ``pool.check_pool_fits``; the free space of the disk it runs on is checked then). Empty when all fits. The one
     verdict preflight gives before and after ``--fit``."""
     over = [m.phase for m in mems if m.terms and not fits(m, total_bytes)]
-    ram = cfg.get("pool", {}).get("ram_gb")
-    if ram is not None and any(m.host_bytes > ram * GiB for m in mems):
-        over.append("pool RAM")
+    pool = cfg.get("pool", {})
+    for budget, used, name in (("ram_gb", "host_bytes", "pool RAM"), ("disk_gb", "disk_bytes", "pool disk")):
+        if pool.get(budget) is not None and any(getattr(m, used) > pool[budget] * GiB for m in mems):
+            over.append(name)
     return over
 
 
