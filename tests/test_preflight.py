@@ -361,6 +361,9 @@ def test_fit_accum_is_the_smallest_divisor_of_an_odd_batch_that_fits():
     assert reasons == ["velocity: micro-batch 375 -> 125 with accum=3 (same effective batch 375)"]
     new = memory_plan.apply_fit(cfg, overrides)  # validate: accum divides the batch
     assert memory_plan.fits({m.phase: m for m in memory_plan.estimate(new)}["velocity"], card)
+    _, reasons = memory_plan.propose_fit(cfg, [pm], card, world=4)  # batch_size is per process under torchrun
+    assert reasons == ["velocity: micro-batch 375 -> 125 with accum=3 (same effective batch 375 per process, 1500 "
+                       "over 4 processes)"]
 
 
 def test_fit_on_a_card_smaller_than_the_fixed_terms_says_so():

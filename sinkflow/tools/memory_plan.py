@@ -288,7 +288,8 @@ def _fit_train(cfg: dict, pm: PhaseMemory, limit: int, world: int, bf16: bool, c
         if accum != accum0:
             overrides[f"train.{key}.accum"] = accum
             reasons.append(f"{pm.phase}: micro-batch {micro_batch(b, accum0)} -> {micro_batch(b, accum)} with "
-                           f"accum={accum} (same effective batch {b})")
+                           f"accum={accum} (same effective batch {b}"
+                           + (f" per process, {b * world} over {world} processes)" if world > 1 else ")"))
         if precision != t["precision"]:
             overrides[f"train.{key}.precision"] = precision
             reasons.append(f"{pm.phase}: still {fmt_bytes(fp32_min)} at micro-batch 1 in {t['precision']}; {precision} "
