@@ -6,6 +6,7 @@ import itertools
 import logging
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -487,6 +488,23 @@ def test_self_potential_is_solved_first_to_its_fixed_point_and_stops_early(monke
     calls.clear()
     S.converged_velocity(x, y, **kw)  # on the absorbed kernel the cross iterations make no c-transform at all
     assert len(calls) - 3 * (len(S.epsilon_schedule(15.0, 0.2, 0.8)) + 1) < 0.2 * final
+
+
+def test_log_domain_cross_potentials_stop_at_float32_rounding():
+    """The log-domain stopping rule had no rounding floor (the self potential's had): below float32's resolution of
+    the potentials a tight tol was never met, and every float32 solve ran to max_iters where float64's took ~120
+    (review of 2026-11-27). It now stops there, as close to the float64 velocity as float32 gets."""
+    from sinkflow.ot.sinkhorn import converged_velocity
+
+    x, y = _clouds_2d(48, seed=0)
+    x, y = x[None], y[None] * 2 + 1
+    kw = dict(blur=0.2, scaling=0.8, diameter=15.0, max_iters=2000, tol=1e-5, final="log")  # float64: 274 iterations
+    v64, it64 = converged_velocity(x.double(), y.double(), **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a capped solve warns
+        v32, it32 = converged_velocity(x, y, **kw)
+    assert int(it64.max()) < 2000 and int(it32.max()) <= int(it64.max())
+    assert (v32.double() - v64).abs().max() < 1e-4 * v64.abs().max()
 
 
 def test_kernel_iterations_match_the_log_domain_and_fall_back_per_batch(monkeypatch):

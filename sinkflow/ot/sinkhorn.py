@@ -105,9 +105,6 @@ def _plan_rows(eps: float, cost: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return e.div_(e.sum(-1, keepdim=True))
 
 
-SELF_TOL = 1e-3  # the self potential is solved to SELF_TOL x the cross potentials' tolerance (see _self_potential)
-
-
 def _until_converged(update, state: tuple, fixed: tuple, max_iters: int) -> tuple[tuple, torch.Tensor]:
     """Iterate ``state, still = update(*state, *fixed)`` over a batch of problems, each until its own ``still``
     (B,) turns False or ``max_iters``; returns (state, iterations (B,), ``max_iters`` where it stopped short).
@@ -148,11 +145,18 @@ def _self_potential(eps: float, c_xx: torch.Tensor, a_log: torch.Tensor, p: torc
     def update(p, c_xx, a_log):
         p_new = (p + _softmin(eps, c_xx, a_log + p / eps)) / 2
         # below tol, or below the rounding of the dtype at the potentials' magnitude (where float32 stops moving)
-        floor = (4 * torch.finfo(p.dtype).eps) * p_new.abs().amax(1)
-        return (p_new,), (p_new - p).abs().amax(1) >= torch.clamp(floor, min=tol)
+        return (p_new,), (p_new - p).abs().amax(1) >= _stop_below(p_new, tol)
 
     (p,), iters = _until_converged(update, (p,), (c_xx, a_log), max_iters)
     return p, iters
+
+
+def _stop_below(potential: torch.Tensor, tol: float) -> torch.Tensor:
+    """(B,) the change below which a potential has converged: ``tol``, or the dtype's rounding at the potential's
+    magnitude where that is larger (float32 stops moving there: in the log domain a tol of 1e-5 eps is below
+    float32's resolution of potentials of size ~1, and such solves ran to max_iters where float64 took 119)."""
+    floor = (4 * torch.finfo(potential.dtype).eps) * potential.abs().amax(1)
+    return torch.clamp(floor, min=tol)
 
 
 KERNEL_SAFE = 30.0  # the absorbed kernel is used while every logit (f_i + g_j - C_ij) / eps and log-scaling stays below
@@ -165,7 +169,7 @@ def _log_domain_final(eps, c_xy, c_yx, a_log, b_log, f, g, tol, max_iters, omega
     def update(f, g, c_xy, c_yx, a_log, b_log):
         g = (1 - omega) * g + omega * _softmin(eps, c_yx, a_log + f / eps)
         f_new = (1 - omega) * f + omega * _softmin(eps, c_xy, b_log + g / eps)
-        return (f_new, g), (f_new - f).abs().amax(1) >= tol * eps
+        return (f_new, g), (f_new - f).abs().amax(1) >= _stop_below(f_new, tol * eps)
 
     (f, g), iters = _until_converged(update, (f, g), (c_xy, c_yx, a_log, b_log), max_iters)
     return f, g, iters, _plan_rows(eps, c_xy, b_log + g / eps)
