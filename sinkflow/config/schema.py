@@ -333,7 +333,7 @@ POOL_KEYS = {
     "steps": Key(100, POS_INT, "T Euler steps per trajectory"),
     "eta": Key(0.02, POS_FLOAT, "Euler step size of the Sinkhorn flow"),
     "eta_growth": Key(0.0, NONNEG_FLOAT, "incremental schedule's rate r: eta_k = eta*exp(r(k-T)/T) "
-                      "(the paper's \"incremental lr\", hint r=4)"),
+                      "(the dev code's \"incremental lr\" hint, r=4)"),
     "schedule": Key(None, Options("constant", "incremental", "harmonic"), "harmonic: eta_k = eta/(T-k); "
                     "null = incremental if eta_growth > 0, else constant", nullable=True),
     "qmc": Key(False, Bool(), "draw each batch's source points by randomised QMC (scrambled Sobol) where the source "

@@ -297,7 +297,8 @@ def eta_schedule(eta: float, steps: int, growth: float | None = None, schedule: 
 
     constant: eta at every step. incremental (``growth`` r > 0; the default when a growth is given):
     eta_k = eta * exp(r * (k - T) / T), the dev code's "incremental lr" hint with r = 4: small early steps
-    where the velocity is large, growing towards eta. harmonic: eta_k = eta / (T - k). With v ~ T(x) - x
+    where the velocity is large, growing to eta * exp(-r / T) at the last (eta * [0.018, 0.041, 0.091, 0.20, 0.45]
+    at T = 5, r = 4: it never reaches eta). harmonic: eta_k = eta / (T - k). With v ~ T(x) - x
     (small blur), step k then moves eta/(T-k) of the displacement still to go, i.e. eta/T of the original
     one: a constant-speed path, and eta = 1 lands on the target batch at the last step (docs/nsgf.md).
     """
