@@ -202,14 +202,18 @@ def test_qmc_pool_draws_its_source_batches_by_sobol(runs_dir):
 
 
 def test_nsf_pairs_chooses_the_straight_flows_coupling():
-    """nsgf.nsf_pairs: NSGF++'s NSF phase pairs independently (paper, the default) or by minibatch OT."""
+    """nsgf.nsf_pairs: NSGF++'s NSF phase pairs independently (paper, the default) or by minibatch OT, and the time
+    predictor pairs as the NSF does (it was independent whatever the NSF's pairs: calibrated on another X_t)."""
     from sinkflow import data, methods
 
     for pairs, ot in (("independent", False), ("ot", True)):
         cfg = config.resolve("digits", [f"nsgf.nsf_pairs={pairs}"])
         source, target = data.distributions(cfg)
-        (nsf,) = [p for p in methods.of(cfg).phases(cfg, source, target) if p.name == "nsf"]
-        assert nsf.ot_pairs is ot
+        phases = {p.name: p for p in methods.of(cfg).phases(cfg, source, target)}
+        nsf = phases["nsf"]
+        assert nsf.ot_pairs is ot and phases["time"].ot_pairs is ot
+        drawn = phases["time"].draw(torch.Generator().manual_seed(0), 64, "cpu")  # the same draw: the same X_t
+        torch.testing.assert_close(phases["time"].prepare(drawn, "cpu")[0], nsf.prepare(drawn, "cpu")[0])
         xt, t, v = nsf.batch(torch.Generator().manual_seed(0), 64, "cpu")
         x0 = xt - t.view(-1, 1, 1, 1) * v  # the straight path's ends
         x1 = x0 + v

@@ -569,9 +569,9 @@ METHOD_REGISTRY: dict[str, MethodSpec] = {
         "nsgfpp:METHOD", ("pool", "velocity", "nsf", "time"), NSGF_READS + ("sample.compile", "sample.precision"),
         keys={
             "nsgf": {
-                "nsf_pairs": Key("independent", Options("independent", "ot"), "NSGF++'s straight flow pairs its "
-                                 "source and target samples independently (paper) or by an exact minibatch OT plan "
-                                 "(as OT-CFM)"),
+                "nsf_pairs": Key("independent", Options("independent", "ot"), "NSGF++'s straight flow and time "
+                                 "predictor pair their source and target samples independently (paper) or by an "
+                                 "exact minibatch OT plan (as OT-CFM)"),
                 "nsf_t_min": Key(0.0, Float(0, 1, hi_open=True), "NSGF++'s straight flow is trained on times t ~ "
                                  "U[nsf_t_min, 1): it only runs from the predictor's t_hat to 1, so 0 (paper) spends "
                                  "most of its steps on times it never sees"),

@@ -82,11 +82,13 @@ def time_loss(model, batch):
 
 
 class TimeStep(InterpolantStep):
-    """The phase-transition predictor: regress t from X_t on the straight path (independent pairs); its batches
-    are the interpolant's without the target velocity."""
+    """The phase-transition predictor: regress t from X_t on the straight path; its batches are the interpolant's
+    without the target velocity. Its pairs are the NSF's (``nsgf.nsf_pairs``: independent in the paper): t_hat
+    says where on the NSF's own training paths a sample lies, so an OT-paired NSF wants a predictor calibrated on
+    the OT-paired X_t, whose distribution at a given t is another than the independent pairs'."""
 
-    def __init__(self, source, target):
-        super().__init__("time", source, target)
+    def __init__(self, source, target, ot_pairs: bool = False):
+        super().__init__("time", source, target, ot_pairs=ot_pairs)
 
     def prepare(self, drawn, device):
         x, t, _ = super().prepare(drawn, device)
@@ -128,10 +130,10 @@ class NSGFPlusPlus(Method):
 
     def phases(self, cfg, source, target):
         check(cfg, tuple(target.shape))
+        ot_pairs = cfg["nsgf"]["nsf_pairs"] == "ot"
         return [nsgf.pool_task(cfg, source, target), nsgf.PoolVelocityStep(),
-                InterpolantStep("nsf", source, target, ot_pairs=cfg["nsgf"]["nsf_pairs"] == "ot",
-                                t_min=cfg["nsgf"]["nsf_t_min"]),
-                TimeStep(source, target)]
+                InterpolantStep("nsf", source, target, ot_pairs=ot_pairs, t_min=cfg["nsgf"]["nsf_t_min"]),
+                TimeStep(source, target, ot_pairs=ot_pairs)]
 
     def default_steps(self, cfg: dict) -> int:
         return cfg["sample"]["nsf_steps"]
