@@ -341,3 +341,97 @@ def test_human_bytes():
 
     assert [human_bytes(b) for b in (0, 1000, 4352, 3 * 2**20, 40 * 2**30, 2.5 * 2**50)] == [
         "0 B", "1000 B", "4.2 KiB", "3.0 MiB", "40.0 GiB", "2.5 PiB"]
+
+
+# ---- the pool's own files: a half-built pool is checked against the config, and a full disk is an error ------
+
+def _unbuilt(run: Path, keep=("x",)) -> None:
+    """The state of a build killed while it created its arrays: no checkpoint, no progress, only ``keep``."""
+    shutil.rmtree(run / "checkpoints")
+    for path in (run / "pool").iterdir():
+        if path.stem not in keep:
+            path.unlink()
+
+
+def _pool_arrays(run: Path) -> dict:
+    import numpy as np
+
+    return {k: np.load(run / "pool" / f"{k}.npy") for k in ("x", "v", "t")}
+
+
+def test_a_pool_killed_while_creating_its_arrays_resumes(run, base_run, capsys):
+    """A SIGKILL between x.npy and v.npy left a run no resume could finish ("pool file v.npy is missing or
+    damaged", forever): the arrays were created only when x.npy was missing. No chunk was built: they are made anew."""
+    import numpy as np
+
+    _unbuilt(run)
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
+    assert rc == 0, err
+    for key, a in _pool_arrays(base_run).items():
+        np.testing.assert_array_equal(_pool_arrays(run)[key], a)
+
+
+@pytest.mark.parametrize("edit_line, new_line, key", [("  chunk: 1", "  chunk: 2", "pool.chunk"),
+                                                      ("  batches: 2", "  batches: 4", "pool.batches"),
+                                                      ("  seed: 0", "  seed: 1", "experiment.seed")])
+def test_a_half_built_pool_refuses_a_hand_edited_config(run, capsys, edit_line, new_line, key):
+    """config.yaml edited by hand got past the resume's override check: pool.chunk 1 -> 2 left finished chunks
+    as zeros and exit 0, pool.batches a broadcast traceback after the work, the seed a pool of two seeds. The
+    keys a pool was built with are in progress.json and compared before the folder changes."""
+    shutil.rmtree(run / "checkpoints")
+    progress = run / "pool" / "progress.json"
+    progress.write_text(json.dumps({**json.loads(progress.read_text()), "chunks": [0]}))
+    config = run / "config.yaml"
+    text = config.read_text()
+    assert edit_line + "\n" in text
+    config.write_text(text.replace(edit_line + "\n", new_line + "\n"))
+    before = bytes_snapshot(run)
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
+    one_line(rc, err, f"was built with {key}=", f"but the run's config.yaml has {key}=", "back to", "to finish this pool")
+    assert bytes_snapshot(run) == before
+
+
+def test_a_checkpoint_of_other_frozen_values_names_config_yaml_too(run, capsys):
+    """A hand-edited frozen key was blamed on the checkpoint alone ("it belongs to another run; remove it"), and
+    following that advice gave a run whose arrays and config disagreed."""
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("  seed: 0\n", "  seed: 1\n"))
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
+    one_line(rc, err, "was written with experiment.seed=0 but the run's config.yaml has experiment.seed=1",
+             "if config.yaml was edited, set experiment.seed back to 0 in it")
+
+
+def test_a_lost_pool_array_is_rebuilt_and_the_trained_checkpoints_kept(run, base_run, capsys):
+    """The fix for a missing pool file said to delete checkpoints/ too: the trained phases with it. Deleting the
+    pool and its final.pt is enough: the same seed rebuilds the same pool, and the phase resumes on it bit for bit."""
+    import numpy as np
+
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()  # velocity resumes from step 6
+    (run / "pool" / "v.npy").unlink()
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
+    line = one_line(rc, err, "v.npy is missing or damaged", "the later phases' checkpoints are kept")
+    assert str(run / "checkpoints") + " " not in line and str(run / "checkpoints") + ";" not in line
+    shutil.rmtree(run / "pool")
+    shutil.rmtree(run / "checkpoints" / "pool")
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
+    assert rc == 0, err
+    for key, a in _pool_arrays(base_run).items():
+        np.testing.assert_array_equal(_pool_arrays(run)[key], a)
+    ours = torch.load(run / "checkpoints/velocity/final.pt", weights_only=True)["model"]
+    theirs = torch.load(base_run / "checkpoints/velocity/final.pt", weights_only=True)["model"]
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_a_disk_too_full_for_the_pool_is_one_line_not_a_bus_error(run, capsys, monkeypatch):
+    """The arrays were created sparse and filled through memory maps: a disk that filled during the build was a
+    SIGBUS (exit 135, no message). Their blocks are reserved when they are created; ENOSPC then is the usual line."""
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    _unbuilt(run, keep=())
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
+    assert rc != 0 and "No space left on device" in err and "free disk space" in err and "Traceback" not in err, err
+    assert not [p.name for p in (run / "pool").iterdir() if p.name.startswith(".")]  # no temp file left

@@ -157,6 +157,7 @@ def verify(run, phases) -> None:
             continue
         if at is None:
             step = 0
+            task.check_resume(run)  # what it left besides step checkpoints (a half-built pool)
             if training:
                 ckpts = run.checkpoints(task.name)
                 latest = ckpts.latest()

@@ -10,10 +10,12 @@ an uninterrupted one. Training then samples entries by index from one contiguous
 
 from __future__ import annotations
 
+import errno
 import inspect
 import json
 import logging
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from sinkflow.errors import SinkflowError, human_bytes
 from sinkflow.methods.base import ChunkedTask
 from sinkflow.ot.sinkhorn import SolveStats, solve_stats
 from sinkflow.runtime import dist
+from sinkflow.runtime.identity import first_difference, identity
 from sinkflow.runtime.rng import phase_generator
 
 log = logging.getLogger("sinkflow")
@@ -73,8 +76,41 @@ def load_pool_array(path: Path, mmap_mode: str | None):
     except (OSError, ValueError, EOFError) as exc:
         if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, FileNotFoundError):
             raise  # a full disk, a permission problem: the CLI reports the OSError itself
-        raise SinkflowError(f"pool file {path} is missing or damaged ({type(exc).__name__})",
-                            "delete the run's pool/ and checkpoints/ folders to rebuild it, or start a new run") from None
+        raise SinkflowError(f"pool file {path} is missing or damaged ({type(exc).__name__})", rebuild_fix(path.parent)) from None
+
+
+def rebuild_fix(folder: Path) -> str:
+    """How to rebuild a run's pool: its arrays and its final checkpoint go; the later phases' checkpoints stay (the
+    same config and seed rebuild the same pool: a test compares a rebuilt pool and the phase resumed on it)."""
+    return (f"delete {folder} and {folder.parent / 'checkpoints' / 'pool'} and resume: the pool is rebuilt from the "
+            "same seed and the later phases' checkpoints are kept")
+
+
+def reserve_disk(path: Path) -> None:
+    """Allocate the blocks of ``path``'s full length now: a memory-mapped array file is created sparse, and a disk
+    that fills while the pool is written into it kills the process with SIGBUS (no message, exit 135) instead of
+    raising ENOSPC. A file system that cannot preallocate is left as it is."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+    finally:
+        os.close(fd)
+
+
+def check_progress(saved: dict, ours: dict, path: Path) -> None:
+    """Refuse to go on with a half-built pool whose recorded keys (``built_with``: the pool's frozen keys and
+    pool.chunk, which numbers the chunks) differ from the run's config: a hand-edited config.yaml got past the
+    resume's override check, and finished chunks were left as zeros (pool.chunk 2 -> 4) or a later chunk failed
+    with a broadcast error (pool.batches 32 -> 64)."""
+    diff = first_difference(saved.get("built_with"), ours)  # a progress file without it (older sinkflow): unchecked
+    if diff:
+        key, was, now = diff
+        raise SinkflowError(f"the pool in {path.parent} was built with {key}={was!r} but the run's config.yaml has "
+                            f"{key}={now!r}", f"set {key} back to {was!r} in config.yaml to finish this pool, or "
+                            f"{rebuild_fix(path.parent)}")
 
 
 class TrajectoryPool:
@@ -229,6 +265,32 @@ class PoolTask(ChunkedTask):
         for key in ("x", "v", "t"):
             load_pool_array(run.dir / "pool" / f"{key}.npy", "r")
 
+    def check_resume(self, run) -> None:
+        """A half-built pool's progress: readable, built with the run's keys, its arrays there (``read_progress``)."""
+        self.read_progress(run)
+
+    def read_progress(self, run) -> dict:
+        """progress.json of ``run``'s pool ({} before the first write), refused in one line when it is damaged,
+        was built with other keys than the run's config (``check_progress``) or records finished chunks whose
+        arrays are gone."""
+        folder, cfg = run.dir / "pool", run.cfg["pool"]
+        path = folder / "progress.json"
+        try:
+            saved = json.loads(path.read_text()) if path.exists() else {}
+        except ValueError:
+            raise SinkflowError(f"{path} is damaged", "delete it to rebuild the pool from scratch") from None
+        check_progress(saved, self.built_with_keys(run.cfg), path)
+        missing = [k for k in ("x", "v", "t") if not (folder / f"{k}.npy").exists()]
+        if saved.get("chunks") and missing:
+            raise SinkflowError(f"pool file {folder / (missing[0] + '.npy')} is missing but {len(saved['chunks'])} "
+                                f"chunk(s) are recorded as built in {path}", rebuild_fix(folder))
+        return saved
+
+    @staticmethod
+    def built_with_keys(cfg: dict) -> dict:
+        """The keys a pool's arrays depend on: its frozen keys, and pool.chunk (it numbers the finished chunks)."""
+        return {**identity(cfg, "pool")["frozen"], "pool.chunk": max(1, cfg["pool"]["chunk"])}
+
     def open(self, run) -> None:
         """Check the budget, read the progress, create the arrays once, and plan the rounds left."""
         cfg = run.cfg["pool"]
@@ -241,21 +303,27 @@ class PoolTask(ChunkedTask):
         self.entries = self.batches * self.per_batch
         self.dtype = DTYPES[cfg["dtype"]]
         self.progress_file = folder / "progress.json"
-        try:
-            saved = json.loads(self.progress_file.read_text()) if self.progress_file.exists() else {}
-        except ValueError:
-            raise SinkflowError(f"{self.progress_file} is damaged", "delete it to rebuild the pool from scratch") from None
+        saved = self.read_progress(run)
         self.done = set(saved.get("chunks", []))
+        self.built_with = self.built_with_keys(run.cfg)
         # the diameter is fixed once per build and kept with the progress, so a resumed build matches
         self.diameter = saved["diameter"] if saved.get("diameter") is not None else self.pool_diameter(run)
         self.warn_scale(run.cfg.get("sinkhorn", {}).get("blur"))
-        if self.info.is_main and not (folder / "x.npy").exists():
-            for key, shp, dt in (("x", (self.entries, *shape), self.dtype), ("v", (self.entries, *shape), self.dtype),
-                                 ("t", (self.entries,), np.float32)):
+        layout = {"x": ((self.entries, *shape), self.dtype), "v": ((self.entries, *shape), self.dtype),
+                  "t": ((self.entries,), np.float32)}
+        if self.info.is_main and any(not (folder / f"{k}.npy").exists() for k in layout):  # no chunk built yet
+            for key, (shp, dt) in layout.items():  # nothing built yet (a build killed while creating them): anew
                 with atomic_path(folder / f"{key}.npy") as tmp:
                     np.lib.format.open_memmap(tmp, mode="w+", dtype=dt, shape=shp).flush()
+                    reserve_disk(tmp)
+            self.write_progress()
         dist.barrier()
         self.arrays = {k: load_pool_array(folder / f"{k}.npy", "r+") for k in ("x", "v", "t")}
+        for key, (shp, dt) in layout.items():
+            a = self.arrays[key]
+            if a.shape != shp or a.dtype != dt:
+                raise SinkflowError(f"pool file {folder / (key + '.npy')} holds {a.dtype} {a.shape} but this run's pool "
+                                    f"needs {np.dtype(dt)} {shp}", rebuild_fix(folder))
         self.total = math.ceil(self.batches / self.chunk)
         self.seed = run.cfg["experiment"]["seed"]
         # a chunk is the unit of resume: a group never spans chunks, so in_flight is at most pool.chunk
@@ -304,9 +372,15 @@ class PoolTask(ChunkedTask):
             torch.distributed.all_gather_object(gathered, sorted(self.done))
             self.done = set().union(*map(set, gathered))
         if self.info.is_main:
-            atomic_write_text(self.progress_file, json.dumps({"chunks": sorted(self.done), "diameter": self.diameter}))
+            self.write_progress()
         self.progress_done = sum(len(_chunk_batches(c, self.chunk, self.batches)) for c in self.done)  # every rank's
         return len(ids)
+
+    def write_progress(self) -> None:
+        """progress.json: the finished chunks, the build's diameter and the keys it was built with (checked when
+        the build resumes: ``check_progress``)."""
+        atomic_write_text(self.progress_file, json.dumps({"chunks": sorted(self.done), "diameter": self.diameter,
+                                                          "built_with": self.built_with}, default=str))
 
     def check_diverged(self, xs: torch.Tensor, group: list[int]) -> None:
         """Stop before writing a group whose particles left ``DIVERGED_RADII`` x the data's radius: the flow

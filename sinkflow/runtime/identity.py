@@ -88,6 +88,16 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+def first_difference(theirs: dict, ours: dict) -> tuple[str, Any, Any] | None:
+    """(key, their value, our value) of the first frozen key whose values differ; keys only one side has (added to
+    sinkflow later: they take their default) are skipped."""
+    theirs = theirs if isinstance(theirs, dict) else {}
+    for key in sorted(set(theirs) & set(ours), key=str):
+        if not _same(theirs[key], ours[key]):
+            return key, theirs[key], ours[key]
+    return None
+
+
 def check_checkpoint(obj: dict, expected: dict, path: Path, step: int | None = None) -> None:
     """Refuse a checkpoint that belongs to another run or phase, or whose step is not its file's."""
     got = obj.get("identity")
@@ -101,12 +111,12 @@ def check_checkpoint(obj: dict, expected: dict, path: Path, step: int | None = N
         if not _same(got.get(key), expected[key]):
             raise SinkflowError(f"checkpoint {path} was written by a run of {key} '{got.get(key)}', "
                                 f"this run's {key} is '{expected[key]}'", foreign)
-    theirs, ours = got.get("frozen"), expected["frozen"]
-    theirs = theirs if isinstance(theirs, dict) else {}
-    for key in sorted(set(theirs) & set(ours), key=str):  # keys added to sinkflow later take their default: skipped
-        if not _same(theirs[key], ours[key]):
-            raise SinkflowError(f"checkpoint {path} was written with {key}={theirs[key]!r} but this run has "
-                                f"{key}={ours[key]!r}", foreign)
+    diff = first_difference(got.get("frozen"), expected["frozen"])
+    if diff:  # config.yaml edited by hand, or a checkpoint copied in from another run
+        key, was, now = diff
+        raise SinkflowError(f"checkpoint {path} was written with {key}={was!r} but the run's config.yaml has "
+                            f"{key}={now!r}", f"if config.yaml was edited, set {key} back to {was!r} in it (a new "
+                            f"value of this key needs a new run); if the checkpoint was copied in, {foreign}")
     if not isinstance(obj.get("step"), int) or isinstance(obj.get("step"), bool):
         raise SinkflowError(f"checkpoint {path} does not say which step it holds", foreign)
     if step is not None and obj["step"] != step:
