@@ -435,3 +435,25 @@ def test_a_disk_too_full_for_the_pool_is_one_line_not_a_bus_error(run, capsys, m
     rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
     assert rc != 0 and "No space left on device" in err and "free disk space" in err and "Traceback" not in err, err
     assert not [p.name for p in (run / "pool").iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_sample_on_a_run_still_training_says_to_wait_not_to_resume(run, capsys, tmp_path):
+    """`sample` / `eval` on a run another process was training said "finish it with `sinkflow train --resume`",
+    which the run's lock then refused. A held lock now says the run is still training, with the holder's pid."""
+    import subprocess
+    import sys
+
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()
+    rc, err = run_main(capsys, "sample", str(run), "--n", "8", "--out", str(tmp_path / "s.npy"))
+    one_line(rc, err, "phase 'velocity'", "has not finished", f"finish it with `sinkflow train --resume {run}`")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from sinkflow.runtime.lock import lock_run; "
+                               "lock_run(sys.argv[1]); print('held', flush=True); time.sleep(60)", str(run)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for argv in (["sample", str(run), "--n", "8", "--out", str(tmp_path / "s.npy")], ["eval", str(run)]):
+            rc, err = run_main(capsys, *argv)
+            one_line(rc, err, "has not finished", f"it is still training (pid {holder.pid}): wait for it to finish")
+    finally:
+        holder.kill()
+        holder.wait()

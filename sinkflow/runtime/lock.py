@@ -51,6 +51,28 @@ def lock_run(run_dir: Path) -> None:
     _held[key] = fd
 
 
+def finish_fix(run_dir: Path) -> str:
+    """How an unfinished run gets finished: `sinkflow train --resume RUN`, or, while another process is training it
+    (its lock is held), waiting for that process: a resume would be refused by the lock. The probe is a shared
+    flock taken and dropped at once: it never blocks, and the writer's exclusive lock makes it fail."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        fd = None
+    if fd is not None and _key(run_dir) not in _held:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return (f"it is still training (pid {holder(run_dir)}): wait for it to finish (`sinkflow status "
+                        f"{run_dir}` shows its progress)")
+        finally:
+            os.close(fd)
+    elif fd is not None:
+        os.close(fd)
+    return f"finish it with `sinkflow train --resume {run_dir}`"
+
+
 def unlock_run(run_dir: Path) -> None:
     fd = _held.pop(_key(run_dir), None)
     if fd is not None:

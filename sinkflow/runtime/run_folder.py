@@ -35,7 +35,7 @@ from sinkflow.errors import SinkflowError
 from sinkflow.runtime import dist
 from sinkflow.runtime.checkpoint import PhaseCheckpoints, remove_orphans
 from sinkflow.runtime.identity import check_frozen, identity
-from sinkflow.runtime.lock import lock_run, run_lock
+from sinkflow.runtime.lock import finish_fix, lock_run, run_lock
 from sinkflow.runtime.metrics import MetricsLogger
 from sinkflow.runtime.state_check import check_final, check_weights
 
@@ -235,8 +235,7 @@ class RunFolder:
     def final_state(self, phase: str) -> dict:
         path = self.checkpoints(phase).final_path
         if not path.is_file():
-            raise SinkflowError(f"phase '{phase}' of {self.dir} has not finished",
-                                f"finish it with `sinkflow train --resume {self.dir}`")
+            raise SinkflowError(f"phase '{phase}' of {self.dir} has not finished", finish_fix(self.dir))
         return self.checkpoints(phase).final()
 
     def model(self, phase: str) -> torch.nn.Module:

@@ -15,6 +15,7 @@ from sinkflow import data, methods
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import TrainingStep
 from sinkflow.runtime.callbacks import Callback
+from sinkflow.runtime.lock import finish_fix
 
 FOREVER = 10**9
 
@@ -107,7 +108,7 @@ def open_run_phase(run_dir: Path, phase_name: str | None):
             break
         if not (Path(run_dir) / "checkpoints" / ph.name / "final.pt").is_file():
             raise SinkflowError(f"phase {ph.name} of {run_dir} has not finished, {phase_name} needs it",
-                                f"finish it with `sinkflow train --resume {run_dir}`, or pass the preset instead")
+                                f"{finish_fix(run_dir)}, or pass the preset instead")
     cfg = config_mod.apply_overrides(cfg, [f"train.{key}.iters={FOREVER}", f"train.{key}.log_every={FOREVER}",
                                            f"train.{key}.ckpt_every={FOREVER}"])
     run = RunFolder(Path(run_dir), cfg, log=False)  # read only: nothing is logged into the user's run
