@@ -76,6 +76,26 @@ def test_status_not_a_run(tmp_path):
     assert out.returncode == 2 and "not a sinkflow run folder" in out.stderr
 
 
+@pytest.mark.parametrize("damage", ["missing", "not json"])
+def test_a_run_whose_status_json_is_lost_is_unknown_with_the_resume_command(tiny_run, tmp_path, capsys, damage):
+    """A run halfway through whose status.json was deleted or damaged said NOT STARTED, with no resume command."""
+    import shutil
+
+    from sinkflow.cli import main
+
+    run = tmp_path / "r"
+    shutil.copytree(tiny_run, run)
+    (run / "status.json").unlink() if damage == "missing" else (run / "status.json").write_text("{oops")
+    assert read_status(run)["state"] == "unknown"
+    assert main(["status", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert "UNKNOWN (status.json is missing or damaged" in out and f"sinkflow train --resume {run}" in out, out
+    fresh = tmp_path / "fresh"  # a folder with only config.yaml: a run not started yet
+    fresh.mkdir()
+    shutil.copy(run / "config.yaml", fresh / "config.yaml")
+    assert read_status(fresh)["state"] == "not started"
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(runs_dir, monkeypatch):
     """The loss turns NaN at step 5: the run stops naming phase and step; step 4's checkpoint is untouched."""
     from sinkflow import config, methods

@@ -8,6 +8,8 @@ works while the run is going, after it finished, and after it died. A run is
 * ``stale``: the heartbeat is older than ``stale_after`` (hung, or a very long log interval);
 * ``dead``: the pid of the heartbeat is not alive on this host and the run did not finish.
 * ``stopped``: a signal stopped it after its checkpoint was written (``sinkflow train --resume`` continues).
+* ``unknown``: no readable heartbeat, but checkpoints, pool arrays or metrics on disk (status.json lost: it said
+  "not started", with no resume command, for a run halfway through);
 * ``failed``: it stopped on an error (a non-finite step, out of memory, bad data...), which the heartbeat keeps:
   a plain resume would meet it again, so the line says what to fix first.
 
@@ -101,8 +103,8 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
         state = "stopped"
     elif hb.get("state") == "failed" and alive is not True:  # by an error, recorded before the process ended
         state = "failed"
-    elif not hb:
-        state = "not started"
+    elif not hb:  # no heartbeat: a run that never started, or one whose status.json was lost
+        state = "unknown" if _has_work(run_dir) else "not started"
     elif alive is False:
         state = "dead"
     elif age is not None and age > stale_after:
@@ -129,6 +131,12 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     out["eta_s"] = max(0.0, eta - (age or 0.0)) if eta is not None and state == "running" else None
     out["phases_left"] = [] if state == "finished" else phases_left(run_dir, hb, ckpts)
     return out
+
+
+def _has_work(run_dir: Path) -> bool:
+    """Has the run left anything a resume continues (a checkpoint, pool arrays, metrics)?"""
+    ck = run_dir / "checkpoints"
+    return (ck.is_dir() and any(ck.rglob("*.pt"))) or (run_dir / "pool").is_dir() or (run_dir / "metrics.jsonl").is_file()
 
 
 def resume_command(run_dir: Path) -> str:
@@ -214,6 +222,9 @@ def format_status(st: dict) -> str:
                f"`{st['resume']}` continues)")
     elif state == "stale":
         why = f" (no heartbeat for {_dur(age)}; hung, or log_every is very long)"
+    elif state == "unknown":
+        why = (f" (status.json is missing or damaged, but the run has checkpoints or metrics: if no process is "
+               f"training it, resume with `{st['resume']}`)")
     host = f" on {hb['host']}" if hb.get("host") else ""
     lines.append(f"state        {state.upper()}{why}")
     if hb:
