@@ -457,3 +457,17 @@ def test_sample_on_a_run_still_training_says_to_wait_not_to_resume(run, capsys, 
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_finished_pool_with_arrays_of_another_shape_is_refused_before_the_folder_changes(run, capsys):
+    """A finished pool's arrays were checked to load, not to fit the run: another run's pool copied in trained the
+    next phase on it (or failed inside it)."""
+    import numpy as np
+
+    x = np.load(run / "pool" / "x.npy")
+    np.save(run / "pool" / "x.npy", np.concatenate([x, x]))
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()
+    before = bytes_snapshot(run)
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
+    one_line(rc, err, "x.npy holds float32", f"but this run's pool needs float32 {x.shape}", "the later phases'")
+    assert bytes_snapshot(run) == before

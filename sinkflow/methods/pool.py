@@ -262,8 +262,24 @@ class PoolTask(ChunkedTask):
     def check_done(self, run) -> None:
         """The finished pool's arrays load (headers only: memory-mapped), so a resume whose pool file was deleted
         or damaged is refused before the run folder changes, not after ``run.start()``."""
-        for key in ("x", "v", "t"):
-            load_pool_array(run.dir / "pool" / f"{key}.npy", "r")
+        self.load_arrays(run.dir / "pool", self.layout(run.cfg["pool"]), "r")
+
+    def layout(self, pool_cfg: dict) -> dict:
+        """{name: (shape, dtype)} of the pool's arrays x, v (in pool.dtype) and t (float32)."""
+        entries, shape, dtype = pool_entries(pool_cfg), tuple(self.target.shape), DTYPES[pool_cfg["dtype"]]
+        return {"x": ((entries, *shape), dtype), "v": ((entries, *shape), dtype), "t": ((entries,), np.float32)}
+
+    @staticmethod
+    def load_arrays(folder: Path, layout: dict, mode: str) -> dict:
+        """The pool's arrays, memory-mapped; one that is missing, damaged or of another shape or dtype than
+        ``layout`` (a pool copied in from another run) is refused in one line."""
+        arrays = {}
+        for key, (shape, dtype) in layout.items():
+            a = arrays[key] = load_pool_array(folder / f"{key}.npy", mode)
+            if a.shape != shape or a.dtype != dtype:
+                raise SinkflowError(f"pool file {folder / (key + '.npy')} holds {a.dtype} {a.shape} but this run's "
+                                    f"pool needs {np.dtype(dtype)} {shape}", rebuild_fix(folder))
+        return arrays
 
     def check_resume(self, run) -> None:
         """A half-built pool's progress: readable, built with the run's keys, its arrays there (``read_progress``)."""
@@ -309,8 +325,7 @@ class PoolTask(ChunkedTask):
         # the diameter is fixed once per build and kept with the progress, so a resumed build matches
         self.diameter = saved["diameter"] if saved.get("diameter") is not None else self.pool_diameter(run)
         self.warn_scale(run.cfg.get("sinkhorn", {}).get("blur"))
-        layout = {"x": ((self.entries, *shape), self.dtype), "v": ((self.entries, *shape), self.dtype),
-                  "t": ((self.entries,), np.float32)}
+        layout = self.layout(cfg)
         if self.info.is_main and any(not (folder / f"{k}.npy").exists() for k in layout):  # no chunk built yet
             for key, (shp, dt) in layout.items():  # nothing built yet (a build killed while creating them): anew
                 with atomic_path(folder / f"{key}.npy") as tmp:
@@ -318,12 +333,7 @@ class PoolTask(ChunkedTask):
                     reserve_disk(tmp)
             self.write_progress()
         dist.barrier()
-        self.arrays = {k: load_pool_array(folder / f"{k}.npy", "r+") for k in ("x", "v", "t")}
-        for key, (shp, dt) in layout.items():
-            a = self.arrays[key]
-            if a.shape != shp or a.dtype != dt:
-                raise SinkflowError(f"pool file {folder / (key + '.npy')} holds {a.dtype} {a.shape} but this run's pool "
-                                    f"needs {np.dtype(dt)} {shp}", rebuild_fix(folder))
+        self.arrays = self.load_arrays(folder, layout, "r+")
         self.total = math.ceil(self.batches / self.chunk)
         self.seed = run.cfg["experiment"]["seed"]
         # a chunk is the unit of resume: a group never spans chunks, so in_flight is at most pool.chunk
