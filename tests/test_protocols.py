@@ -59,6 +59,19 @@ def test_iid_twins_of_the_stratified_samplers_are_unstratified(spec):
     assert d.stratified and not twin.stratified and type(twin) is type(d)
 
 
+def test_sampling_draws_an_8gaussians_source_iid_as_it_says():
+    """`sinkflow sample` / `Run.sample` said "an i.i.d. source draw" and drew the stratified sampler's exactly n/8
+    points per centre; the iid protocol's source (what a user's sampling gives) differed from the sample's."""
+    from sinkflow.data import sampling_source
+
+    cfg = config.resolve("8gaussians-moons")
+    src = sampling_source(cfg)
+    assert not src.stratified and not src.qmc and sampling_source(cfg, qmc=True).qmc
+    imb = statistics.fmean(_mode_imbalance(src.sample(1024, gen(s)), src.radius) for s in range(10))
+    assert 35 < imb < 110, imb
+    assert torch.equal(src.sample(64, gen(0)), protocol_pair(cfg, "iid")[0].sample(64, gen(0)))
+
+
 def test_protocol_pair_follows_eval_protocol():
     cfg = config.resolve("8gaussians")
     src, tgt = protocol_pair(cfg)  # the default: qmc

@@ -153,10 +153,12 @@ def qmc_source(cfg: dict) -> Distribution:
 
 
 def sampling_source(cfg: dict, qmc: bool = False) -> Distribution:
-    """The run's source as sampling draws it: i.i.d. (the default, what a user asking for samples expects), or
-    with ``qmc`` its randomised-QMC twin (an evaluation protocol's choice: ``eval.protocol``, ``sample.qmc``)."""
+    """The run's source as sampling draws it: i.i.d. (``iid_twin``: the default, what a user asking for samples
+    expects), or with ``qmc`` its randomised-QMC twin (an evaluation protocol's choice: ``eval.protocol``,
+    ``sample.qmc``). The built-in 2D samplers stratify their draws (the pool's); `sinkflow sample` said "an i.i.d.
+    source draw" of an 8gaussians source and drew exactly n/8 points per centre."""
     source = distributions(cfg)[0]
-    return qmc_twin(source) if qmc else source
+    return qmc_twin(source) if qmc else iid_twin(source)
 
 
 def sample_shape(cfg: dict) -> tuple[int, ...]:
