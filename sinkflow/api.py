@@ -93,11 +93,13 @@ class Run:
 
         return sample_chunks(self._run, x0.detach().to(dtype=torch.float32), steps)[0]  # as `generate`: in chunks
 
-    def evaluate(self) -> str:
-        """The report `sinkflow train` prints at the end (W2 table, or image / flow metrics)."""
-        from sinkflow.eval.report import final_report
+    def evaluate(self, seeds: int | None = None, n: int | None = None) -> str:
+        """The scores `sinkflow eval` prints (W2 table, or image / flow metrics; ``seeds`` / ``n`` as its --seeds /
+        --n), appended to metrics.jsonl as it does. The run's figures are left as training wrote them (it rewrote
+        samples.png and trajectories.png, on a run opened "read only")."""
+        from sinkflow.eval.report import evaluate
 
-        return final_report(self._run)
+        return evaluate(self._run, seeds=seeds, n=n)
 
     def __repr__(self) -> str:
         return f"sinkflow.Run({str(self.dir)!r})"
@@ -133,7 +135,8 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
 
 
 def open_run(path: str | Path) -> Run:
-    """Reopen a run folder (read only): sample from it or evaluate it."""
+    """Reopen a run folder: sample from it or evaluate it (an evaluation appends its scores to metrics.jsonl, as
+    `sinkflow eval` does; nothing else in the folder is written)."""
     from sinkflow.runtime.run_folder import RunFolder
 
     return Run(RunFolder.open(Path(path)))

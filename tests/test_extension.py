@@ -4,6 +4,7 @@ plain tensors; the callback protocol carries state, exceptions and stop requests
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 
@@ -181,8 +182,13 @@ def test_cli_and_api_sample_iid_by_default_and_qmc_on_request(runs_dir, capsys):
     assert not np.allclose(iid, qmc)
     np.testing.assert_allclose(run.sample(40, steps=2).numpy(), iid, rtol=1e-6, atol=1e-6)  # one default
     np.testing.assert_allclose(run.sample(40, steps=2, qmc=True).numpy(), qmc, rtol=1e-6, atol=1e-6)
+    figures = {p.name: p.stat().st_mtime_ns for p in run.dir.glob("*.png")}
     report = run.evaluate()
     assert "QMC source draws" in report and "eval.protocol=qmc" in report
+    assert {p.name: p.stat().st_mtime_ns for p in run.dir.glob("*.png")} == figures  # it rewrote them
+    assert "4 samples per seed, one seed (no spread)" in run.evaluate(seeds=1, n=4)
+    record = json.loads((run.dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (record["phase"], record["n"], record["seeds"], record["protocol"]) == ("eval", 4, 1, "qmc")
 
 
 def test_flow_matching_on_plain_tensors_matches_the_training_phase():

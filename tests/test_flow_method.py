@@ -105,6 +105,8 @@ def test_flow_preset_end_to_end(preset, runs_dir, tmp_path, capsys):
     bpd = float(re.search(r"Test bits/dim on \S+ \(flow\): ([0-9.]+)", text).group(1))
     assert math.isfinite(bpd) and 0 < bpd < math.log2(n_bins) + 4
     assert [r for r in records(run, "eval") if "test_bpd" in r][-1]["test_bpd"] == pytest.approx(bpd, abs=1e-4)
+    sampled = [r for r in records(run, "eval") if "w2" in r][-1]  # the printed FD-CNN and NFE are recorded too
+    assert sampled["nfe"] == 1 and ("fd_cnn" in sampled) == ("FD-CNN" in text) and sampled["protocol"] == "qmc"
 
 
 def test_memory_modes_same_trajectory(runs_dir, capsys):

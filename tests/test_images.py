@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from sinkflow import methods
+from sinkflow import data, methods
 from sinkflow.cli import main
 from sinkflow.runtime.run_folder import RunFolder
 from test_data import make_cifar, make_folder, make_mnist
@@ -173,6 +173,15 @@ def test_class_columns_use_eval_class_n_samples(runs_dir, tmp_path, monkeypatch)
     seen["clf"].clear()  # `sinkflow eval --n` is every metric's sample count: not the run's class_n as well
     assert main(["eval", str(runs_dir / "c"), "--seeds", "1", "--n", "6"]) == 0  # the run: digits' class_n 3,590
     assert seen["clf"] == [6, 6]
+    record = [json.loads(line) for line in (runs_dir / "c" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert (record["phase"], record["n"], record["seeds"]) == ("eval", 6, 1)  # the setting beside the scores
+    assert any(k.startswith("fd_cnn_") for k in record)
+    # the FD-CNN floor uses as many real training digits as there are, at most class_n: the label says which
+    p = result["protocol"]
+    assert p["fd_cnn_floor_n"] == min(40, len(data.distributions(run.cfg)[1].images))
+    fewer = {**result, "protocol": {**p, "fd_cnn_floor_n": 30}}
+    assert "floor (real training digits, 30: all there are)" in images.format_metrics(fewer)
+    assert "floor (real training digits, same n)" in images.format_metrics({**result, "protocol": {**p, "fd_cnn_floor_n": 40}})
 
 
 def test_nfe_is_counted_per_network(runs_dir, tmp_path):

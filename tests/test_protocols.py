@@ -146,3 +146,21 @@ def test_eval_protocol_iid_is_named_in_the_report(runs_dir, tmp_path, capsys):
     assert main(["train", "moons", *TINY_2D, f"data.target={tmp_path / 'p.npy'}", "data.test_rows=64",
                  "eval.protocol=iid", "--name", "r"]) == 0
     assert "eval.protocol=iid" in capsys.readouterr().out
+
+
+def test_a_quick_eval_names_and_records_its_sample_count_and_seeds(tiny_run, tmp_path, capsys):
+    """`sinkflow eval --n 64 --seeds 1` printed the run's header and "+- 0.000", and recorded its scores under the
+    keys and step of the run's own evaluation: `status` then showed the quick look as the run's scores."""
+    import shutil
+
+    run = tmp_path / "r"
+    shutil.copytree(tiny_run, run)
+    assert main(["eval", str(run), "--n", "48", "--seeds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "48 samples per seed, one seed (no spread):" in out and "+-" not in out, out
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (record["phase"], record["n"], record["seeds"], record["protocol"]) == ("eval", 48, 1, "qmc")
+    assert main(["status", str(run)]) == 0
+    assert "n 48, seeds 1, protocol qmc" in capsys.readouterr().out
+    assert main(["eval", str(run)]) == 0
+    assert "64 samples per seed, mean +- std over 2 seeds:" in capsys.readouterr().out  # the run's eval.n, eval.seeds

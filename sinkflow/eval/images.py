@@ -26,6 +26,7 @@ from sinkflow.data.atomic_write import atomic_path
 from sinkflow.errors import SinkflowError
 from sinkflow.eval import fd_cnn
 from sinkflow.eval.points import generate
+from sinkflow.eval.report import METRIC_KEYS, setting
 
 log = logging.getLogger(__name__)
 CLASSIFIER_SETS = ("digits", "mnist")
@@ -238,7 +239,8 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
     protocol = {
         "n": n, "class_n": class_n if clf is not None else None, "seeds": seeds, "reference": f"{target.name} {'held-out' if held_out is None else 'validation'} split "
                                          f"({n} of {n_test} images, fixed subset)",
-        "w2": "exact W2, POT emd2, squared Euclidean cost on flattened [-1,1] pixels",
+        "w2": "exact W2, POT emd2, squared Euclidean cost on flattened pixels (data in [-1,1]; generated samples as "
+              "sampled, not clamped)",
         "classifier": (f"sklearn LogisticRegression(C=0.5) on <= {CLASSIFIER_MAX_TRAIN} training-split images; "
                        f"TV = total-variation distance of predicted-class histograms, {class_n} generated vs "
                        f"{n} held-out real")
@@ -249,6 +251,7 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
                    f"trained on the training split (held-out accuracy {cnn['accuracy']:.4f}), {class_n} generated vs "
                    f"all {n_test} held-out real") if cnn else None,
         "fd_cnn_floor": cnn["floor"] if cnn else None,
+        "fd_cnn_floor_n": cnn["floor_n"] if cnn else None,
         "fid": (f"torchmetrics FrechetInceptionDistance (2048-d, torch-fidelity Inception-v3 from {weights}), "
                 f"{n} generated vs {n} held-out real") if weights else None,
     }
@@ -274,7 +277,8 @@ def format_metrics(result: dict) -> str:
     if p["classifier"]:
         lines.append(f"  classifier: {p['classifier']}; real held-out confidence {p['real_confidence']:.3f}")
     if p.get("fd_cnn"):
-        lines.append(f"  {p['fd_cnn']}; floor (real training digits, same n) {p['fd_cnn_floor']:.3f}")
+        same = "same n" if p["fd_cnn_floor_n"] == p["class_n"] else f"{p['fd_cnn_floor_n']}: all there are"
+        lines.append(f"  {p['fd_cnn']}; floor (real training digits, {same}) {p['fd_cnn_floor']:.3f}")
     if p["fid"]:
         lines.append(f"  FID: {p['fid']}")
     else:
@@ -305,6 +309,7 @@ def format_metrics(result: dict) -> str:
 def evaluate_images(run, seeds: int | None = None, n: int | None = None) -> str:
     result = image_metrics(run, seeds=seeds, n=n)
     for r in result["rows"]:
-        run.logger.log("eval", 0, {f"{k}_{r['steps']}": r[k] for k in ("w2", "tv", "confidence", "fd_cnn", "fid", "nfe")
-                                   if k in r})
+        run.logger.log("eval", 0, {**{f"{k}_{r['steps']}": r[k] for k in METRIC_KEYS if k in r},
+                                   **setting(run.cfg, result["protocol"]["n"], result["protocol"]["seeds"])})
     return format_metrics(result)
+

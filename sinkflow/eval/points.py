@@ -103,7 +103,7 @@ def w2_table(run, n: int | None = None, seeds: int | None = None, steps_list=Non
             values.append(w2(x.cpu(), target.test_set(n, seed=2000 + s)))
             nfe = info["nfe"]
         rows.append({
-            "steps": steps, "nfe": nfe, "w2_mean": statistics.fmean(values),
+            "steps": steps, "nfe": nfe, "n": n, "seeds": seeds, "w2_mean": statistics.fmean(values),
             "w2_std": statistics.stdev(values) if len(values) > 1 else 0.0, "w2_all": values,
             "paper": method.paper_w2(cfg["experiment"]["preset"], steps) if is_paper_task(cfg) else None,
         })
@@ -147,12 +147,15 @@ def format_table(rows: list[dict], method: str, task: str, paper_label: str = ""
                          else "QMC source draws vs stratified test points")
     has_paper = any(r.get("paper") is not None for r in rows)
     head = f" {'paper ' + paper_label:>11}" if has_paper else ""
-    lines = [f"W2 on {task} ({method}), exact OT (POT emd2), {draws} (eval.protocol={protocol}), "
-             "mean +- std over seeds:",
+    n, seeds = rows[0].get("n"), rows[0].get("seeds", 2)
+    size = f"{n} samples per seed, " if n else ""
+    over = f"mean +- std over {seeds} seeds" if seeds > 1 else "one seed (no spread)"
+    lines = [f"W2 on {task} ({method}), exact OT (POT emd2), {draws} (eval.protocol={protocol}), {size}{over}:",
              f"{'steps':>6} {'NFE':>5} {'W2':>16}{head}"]
     for r in rows:
         paper = "" if r.get("paper") is None else f" {r['paper']:>11.3f}"
-        lines.append(f"{r['steps']:>6} {r['nfe']:>5} {r['w2_mean']:>9.3f} +- {r['w2_std']:.3f}{paper}".rstrip())
+        spread = f" +- {r['w2_std']:.3f}" if seeds > 1 else " " * 9
+        lines.append(f"{r['steps']:>6} {r['nfe']:>5} {r['w2_mean']:>9.3f}{spread}{paper}".rstrip())
     return "\n".join(lines)
 
 

@@ -25,6 +25,16 @@ def evaluate(run, seeds: int | None = None, n: int | None = None) -> str:
     return methods.of(run.cfg).evaluate(run, sys.modules[__name__], seeds=seeds, n=n)
 
 
+METRIC_KEYS = ("w2", "tv", "confidence", "fd_cnn", "fid", "nfe")  # what an image evaluation records per row
+
+
+def setting(cfg: dict, n: int, seeds: int) -> dict:
+    """What an evaluation record says of how it was made, beside its scores: samples per seed, seeds, protocol.
+    `sinkflow eval --n 64 --seeds 1` wrote the same keys at the same step as the run's own evaluation, and
+    `status` then showed the quick look as the run's latest scores."""
+    return {"n": n, "seeds": seeds, "protocol": cfg["eval"]["protocol"]}
+
+
 def final_report(run) -> str:
     text = evaluate(run)
     written = methods.of(run.cfg).plots(run, sys.modules[__name__])
@@ -38,7 +48,8 @@ def standard_evaluation(run, method, seeds: int | None = None, n: int | None = N
         from sinkflow.eval.points import draws, format_table, is_paper_task, w2_table
 
         rows = w2_table(run, n=n, seeds=seeds)
-        run.logger.log("eval", 0, {f"w2_{r['steps']}": r["w2_mean"] for r in rows})
+        n, seeds = rows[0]["n"], rows[0]["seeds"]
+        run.logger.log("eval", 0, {**{f"w2_{r['steps']}": r["w2_mean"] for r in rows}, **setting(cfg, n, seeds)})
         task = cfg["experiment"]["preset"] if is_paper_task(cfg) else f"{cfg['data']['source']} -> {cfg['data']['target']}"
         return format_table(rows, method.name, task, method.paper_label, cfg["eval"]["protocol"], draws(cfg))
     from sinkflow.eval.images import evaluate_images

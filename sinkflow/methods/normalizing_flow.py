@@ -313,15 +313,16 @@ class NormalizingFlow(Method):
                          f"{v['bpd_std']:.4f} over {v['seeds']} dequantisation draws, {v['n']} validation "
                          f"{v['target']} images (carved from the train split; model selection reads this one)")
         r = test_bpd(run, n=n, seeds=seeds)
-        run.logger.log("eval", 0, {"test_bpd": r["bpd"], "test_bpd_std": r["bpd_std"]})
+        run.logger.log("eval", 0, {"test_bpd": r["bpd"], "test_bpd_std": r["bpd_std"], "n": r["n"], "seeds": r["seeds"]})
         lines.append(f"Test bits/dim on {run.cfg['experiment']['preset']} (flow): {r['bpd']:.4f} +- "
                      f"{r['bpd_std']:.4f} over {r['seeds']} dequantisation draws, {r['n']} held-out {r['target']} "
                      f"images, {r['n_bins']} levels")
         for name, value in PUBLISHED_BPD.get(r["target"], []) if r["n_bins"] == 256 else []:
             lines.append(f"  published, for context: {name}: {value:.2f}")
         metrics = ev.image_metrics(run, seeds=seeds, n=n, steps_list=self.eval_steps(run.cfg))
-        for row in metrics["rows"]:
-            run.logger.log("eval", 0, {k: row[k] for k in ("w2", "tv", "confidence", "fid") if k in row})
+        for row in metrics["rows"]:  # fd_cnn and nfe too: they were printed but not recorded
+            run.logger.log("eval", 0, {**{k: row[k] for k in ev.METRIC_KEYS if k in row},
+                                       **ev.setting(run.cfg, metrics["protocol"]["n"], metrics["protocol"]["seeds"])})
         lines.append(f"Samples at temperature {run.cfg['sample']['temperature']} (steps = 1 inverse pass; "
                      f"{'QMC' if run.cfg['eval']['protocol'] == 'qmc' else 'i.i.d.'} prior noise, eval.protocol):")
         lines.append(ev.format_metrics(metrics))
