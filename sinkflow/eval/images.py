@@ -26,7 +26,7 @@ from sinkflow.data.atomic_write import atomic_path
 from sinkflow.errors import SinkflowError
 from sinkflow.eval import fd_cnn
 from sinkflow.eval.points import generate
-from sinkflow.eval.report import METRIC_KEYS, setting
+from sinkflow.eval.records import METRIC_KEYS, setting
 
 log = logging.getLogger(__name__)
 CLASSIFIER_SETS = ("digits", "mnist")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from sinkflow import data, methods
+from sinkflow.eval.records import METRIC_KEYS, setting  # noqa: F401 (the method's ``ev``: a flow records them)
 from sinkflow.runtime.data_record import check_split
 
 
@@ -23,16 +24,6 @@ def evaluate(run, seeds: int | None = None, n: int | None = None) -> str:
     """The run's method's evaluation, on the data the run recorded (a changed test split is refused first)."""
     check_split(run, *data.distributions(run.cfg), doing="evaluate")
     return methods.of(run.cfg).evaluate(run, sys.modules[__name__], seeds=seeds, n=n)
-
-
-METRIC_KEYS = ("w2", "tv", "confidence", "fd_cnn", "fid", "nfe")  # what an image evaluation records per row
-
-
-def setting(cfg: dict, n: int, seeds: int) -> dict:
-    """What an evaluation record says of how it was made, beside its scores: samples per seed, seeds, protocol.
-    `sinkflow eval --n 64 --seeds 1` wrote the same keys at the same step as the run's own evaluation, and
-    `status` then showed the quick look as the run's latest scores."""
-    return {"n": n, "seeds": seeds, "protocol": cfg["eval"]["protocol"]}
 
 
 def final_report(run) -> str:
