@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import math
 import os
+import warnings
 import pickle
 import struct
 import urllib.error
@@ -208,7 +209,10 @@ def test_point_file_reads_text_tables(tmp_path, name, text):
     ("csv_ragged", "3 values on line 6 and 2 on line 2"),
     ("csv_binary", "not a text file"),
     ("csv_npy", "rename it to .npy"),
-    ("csv_nan", "NaN or Inf"),
+    ("csv_nan", "NaN or Inf on line 6"),  # the file's line, as for a word (it said "row 4")
+    ("csv_typo_first", "line 1 holds '0.5,0.25x'"),  # a first line with a number in it is data, not a header
+    ("csv_empty_cell_first", "line 1 holds ',0.25'"),
+    ("huge", "too large for float32"),
     ("csv_few", "at least 16"),
     ("csv_empty", "holds no points"),
 ])
@@ -240,6 +244,10 @@ def test_point_file_errors(tmp_path, case, match):
             lines[5] = "0.5,0.25,1.0"
         elif case == "csv_nan":
             lines[5] = "0.5,nan"
+        elif case == "csv_typo_first":  # it was taken for a header and dropped in silence: 39 of 40 points
+            lines = ["0.5,0.25x", *lines[1:]]
+        elif case == "csv_empty_cell_first":
+            lines = [",0.25", *lines[1:]]
         elif case == "csv_few":
             lines = lines[:6]
         elif case == "csv_empty":
@@ -252,9 +260,25 @@ def test_point_file_errors(tmp_path, case, match):
                 np.save(fh, good)
     elif case == "empty_dim":
         np.save(f, np.zeros((30, 0)))
-    with pytest.raises(SinkflowError, match=match) as e:
-        build_distribution(str(f), data_cfg={})
+    elif case == "huge":
+        np.save(f, good * 1e39)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow warning printed itself before the one line
+        with pytest.raises(SinkflowError, match=match) as e:
+            build_distribution(str(f), data_cfg={})
     assert str(f) in one_line(e)
+
+
+def test_point_file_reads_a_csv_with_a_byte_order_mark_and_expands_home(tmp_path, monkeypatch):
+    """Excel's "CSV UTF-8" starts with a byte-order mark: the first point was read as a header and dropped. A
+    `data.target=~/pts.npy` (the shell leaves that ~ alone) "did not exist"."""
+    pts = np.random.default_rng(0).normal(size=(40, 2))
+    (tmp_path / "bom.csv").write_text("".join(f"{float(a)!r},{float(b)!r}\n" for a, b in pts), encoding="utf-8-sig")
+    table = build_distribution(str(tmp_path / "bom.csv"), data_cfg={})
+    assert len(table.points) == 40 and torch.allclose(table.points, torch.from_numpy(pts).float())
+    np.save(tmp_path / "pts.npy", pts)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert torch.equal(build_distribution("~/pts.npy", data_cfg={}).points, table.points)
 
 
 # ----------------------------------------------------------------------------------------------- images: helpers

@@ -19,20 +19,22 @@ DELIMITERS = {".csv": ",", ".tsv": "\t", ".txt": None}  # None: any whitespace
 
 def load_table(path: str, binary: bool = False) -> np.ndarray:
     """A text table of points as float64 (N, D): one point per line, an optional header line, ``#`` comments.
-    Parsed once, here, so that a bad value is named by its line in the file (numpy.loadtxt counts rows after the
-    header and comments)."""
+    Parsed once, here, so that a bad value (a word, an empty cell, NaN or Inf) is named by its line in the file
+    (numpy.loadtxt counts rows after the header and comments). The header is a first line with no number in it: a
+    first line with one bad cell is data, refused, not dropped in silence as a header (a typo, an empty cell); a
+    UTF-8 byte-order mark (Excel's "CSV UTF-8") is not part of the first value."""
     fix = "write one point per line, its coordinates separated by the file type's delimiter"
     if binary:
         raise SinkflowError(f"point file {path} is a .npy array named {os.path.splitext(path)[1]}",
                             "rename it to .npy")
     delimiter = DELIMITERS[os.path.splitext(path)[1].lower()]
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             lines = [(n, line.split("#")[0].strip()) for n, line in enumerate(f, 1)]
     except UnicodeDecodeError:
         raise SinkflowError(f"point file {path} is not a text file", fix) from None
     lines = [(n, text.split(delimiter)) for n, text in lines if text]
-    if lines and not all(is_number(v) for v in lines[0][1]):
+    if lines and not any(is_number(v) for v in lines[0][1]):
         lines = lines[1:]  # a first line of column names
     if not lines:
         raise SinkflowError(f"point file {path} holds no points", fix)
@@ -46,6 +48,8 @@ def load_table(path: str, binary: bool = False) -> np.ndarray:
         if len(fields) != len(head):
             raise SinkflowError(f"point file {path} has {len(fields)} values on line {n} and {len(head)} on "
                                 f"line {first}", "give every point the same number of coordinates")
+        if not np.isfinite(rows[-1]).all():
+            raise SinkflowError(f"point file {path} has NaN or Inf on line {n}", "drop or fix that line")
     return np.array(rows, dtype=np.float64)
 
 
@@ -117,6 +121,7 @@ def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
     A ``.npy`` array, or a text table (``.csv`` comma-separated, ``.tsv`` tab-separated, ``.txt`` whitespace) of one
     point per line, with an optional header line of column names and ``#`` comments (numpy.loadtxt)."""
     fix_shape = "save an (N, 2) float array with numpy.save(path, points.astype('float32'))"
+    path = os.path.expanduser(path)  # `data.target=~/pts.npy`: the shell leaves a ~ after "=" as it is
     if not path.lower().endswith(POINT_SUFFIXES):
         raise SinkflowError(f"point file {path} is not a .npy, .csv, .tsv or .txt file",
                             f"{fix_shape}, or write one point per line to a .csv")
@@ -162,7 +167,8 @@ def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
         first = int(np.flatnonzero(bad)[0])
         raise SinkflowError(f"point file {path} has NaN or Inf in {int(bad.sum())} rows (first: row {first})",
                             "drop or fix those rows, e.g. points[np.isfinite(points).all(1)]")
-    x = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    with np.errstate(over="ignore"):  # values beyond float32 become inf: refused on the next line, in one line
+        x = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
     if not torch.isfinite(x).all():
         raise SinkflowError(f"point file {path} has values too large for float32",
                             "rescale the points (e.g. standardise them) before saving")
