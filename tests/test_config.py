@@ -144,7 +144,7 @@ def _a_run_that_reads(name):
     """(preset, method, overrides) of a run that reads key ``name`` (the first found)."""
     for preset in ["moons", "digits", "flow-digits", "folder", *config.preset_names()]:
         for method in schema.METHODS:
-            for extra in ([], ["sinkhorn.solver=geomloss"]):
+            for extra in ([], ["sinkhorn.solver=geomloss"], ["data.target=points.npy"]):  # resolving reads no file
                 try:
                     cfg = config.resolve(preset, [*extra, *_kind_setup(name)], {"method": method})
                 except SinkflowError:  # sinkhorn.solver on a method without a pool
@@ -272,6 +272,7 @@ def test_method_phases_match_the_methods():
 
 def test_choice_lists_agree_with_the_code():
     from sinkflow.data import TOY2D
+    from sinkflow.data.points import POINT_SUFFIXES
     from sinkflow.data.images import IMAGE_SETS, SPLITS
     from sinkflow.flows import MEMORY_MODES
     from sinkflow.flows.coupling import SCALE_MAPS
@@ -281,6 +282,7 @@ def test_choice_lists_agree_with_the_code():
     assert schema.ACTIVATIONS == tuple(ACTIVATIONS)
     assert schema.IMAGE_TARGETS == tuple(IMAGE_SETS)
     assert set(schema.POINT_TARGETS_2D) == set(TOY2D) | {"8gaussians-qmc"}
+    assert schema.POINT_FILE_SUFFIXES == POINT_SUFFIXES
     assert schema.DATA["split"].rule.choices == SPLITS
     assert schema.POOL_KEYS["schedule"].rule.choices == SCHEDULES
     assert schema.POOL_KEYS["landing"].rule.choices == LANDINGS

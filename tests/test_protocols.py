@@ -164,3 +164,15 @@ def test_a_quick_eval_names_and_records_its_sample_count_and_seeds(tiny_run, tmp
     assert "n 48, seeds 1, protocol qmc" in capsys.readouterr().out
     assert main(["eval", str(run)]) == 0
     assert "64 samples per seed, mean +- std over 2 seeds:" in capsys.readouterr().out  # the run's eval.n, eval.seeds
+
+
+@pytest.mark.parametrize("extra", [[], ["data.source={src}"]], ids=["built-in target", "source file"])
+def test_test_rows_without_a_target_point_file_is_refused(runs_dir, tmp_path, capsys, extra):
+    """`data.test_rows=50` on a built-in target, or with only the source a file, trained with nothing held out and
+    config.yaml saying 50 (the source is never held out: it is drawn, not scored against)."""
+    np.save(tmp_path / "src.npy", np.random.default_rng(0).normal(size=(300, 2)).astype(np.float32))
+    argv = [a.format(src=tmp_path / "src.npy") for a in extra]
+    assert main(["train", "moons", *TINY_2D, *argv, "data.test_rows=50", "--name", "t"]) == 2
+    err = capsys.readouterr().err
+    assert "'data.test_rows' is not read by this run" in err and "a point file as data.target" in err, err
+    assert not (runs_dir / "t").exists()

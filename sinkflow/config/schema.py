@@ -21,6 +21,7 @@ import yaml
 
 IMAGE_TARGETS = ("digits", "mnist", "cifar10", "folder")  # = sinkflow.data.images.IMAGE_SETS (a test checks)
 POINT_TARGETS_2D = ("8gaussians", "8gaussians-qmc", "moons", "scurve", "checkerboard")  # = sinkflow.data.TOY2D's
+POINT_FILE_SUFFIXES = (".npy", ".csv", ".tsv", ".txt")  # = sinkflow.data.points.POINT_SUFFIXES (a test checks)
 
 
 # ---- constraints -------------------------------------------------------------------------------------
@@ -277,6 +278,7 @@ def _with_when(key: Key, when: When | None) -> Key:
 IMAGES = When("an image target (" + ", ".join(IMAGE_TARGETS) + ")", lambda t: t["data"]["target"] in IMAGE_TARGETS)
 POINTS = When("a point target (2D, .npy)", lambda t: t["data"]["target"] not in IMAGE_TARGETS)
 FOLDER = When("data.target=folder", lambda t: t["data"]["target"] == "folder")
+POINT_FILE = When("a point file as data.target", lambda t: str(t["data"]["target"]).lower().endswith(POINT_FILE_SUFFIXES))
 GEOMLOSS = When("sinkhorn.solver=geomloss", lambda t: t["sinkhorn"]["solver"] == "geomloss")
 CONVERGED = When("sinkhorn.solver=converged", lambda t: t["sinkhorn"]["solver"] == "converged")
 
@@ -299,7 +301,7 @@ DATA = {
                   "(the shape of normal follows the target)"),
     "target": Key("moons", Str(), "as source, or an image set: digits | mnist | cifar10 | folder"),
     "test_rows": Key(0, NONNEG_INT, "a target point file: its last test_rows rows are held out, never trained on, "
-                     "and are the W2 test points (0 = nothing held out)"),
+                     "and are the W2 test points (0 = nothing held out)", when=POINT_FILE),
     "root": Key("data", Str(), "where image sets are downloaded to and cached", when=IMAGES),
     "path": Key(None, Str(), "image folder for target=folder", nullable=True, when=FOLDER),
     "image_size": Key(None, POS_INT, "resize + center-crop folder images to this size (null = native)",
