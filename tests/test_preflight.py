@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -400,3 +401,14 @@ def test_the_sampling_estimate_does_not_depend_on_the_training_autocast(tmp_path
     assert plans[True].terms["forward transient"] == plans[False].terms["forward transient"] > 0
     trained_half = [m for m in memory_plan.estimate(cfg, bf16=True) if m.kind == "train" and m.precision == "fp16"]
     assert trained_half  # the Ampere plan did train the UNet phases in fp16 (the case the bug was in)
+
+
+def test_preflight_refuses_what_train_refuses_before_its_folder_exists(tmp_path):
+    """preflight passed `moons data.target=pts.npy data.test_rows=50` (eval.n 1,024 > 50 held-out rows), which
+    `sinkflow train` refuses at once: it did not run train's own up-front checks (check_run)."""
+    from sinkflow.tools.preflight import preflight
+
+    np.save(tmp_path / "pts.npy", np.random.default_rng(0).normal(size=(300, 2)).astype(np.float32))
+    report = preflight("moons", [f"data.target={tmp_path / 'pts.npy'}", "data.test_rows=50"], memory=False)
+    failed = [c for c in report.checks if c.ok is False]
+    assert [c.name for c in failed] == ["phases build"] and "holds out only data.test_rows=50" in failed[0].detail

@@ -35,6 +35,7 @@ import torch
 
 from sinkflow import config as config_mod
 from sinkflow import data, methods
+from sinkflow.engine.experiment import check_run
 from sinkflow.errors import SinkflowError
 from sinkflow.runtime.callbacks import Callback
 
@@ -376,6 +377,7 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
         with real_or_synthetic(real) as reason:
             report.data_note = reason and f"synthetic {real['data']['target']} images of the real shape ({reason})"
             try:
+                check_run(real)  # what `sinkflow train` refuses before its folder exists (eval.n vs held-out rows...)
                 source, target = data.distributions(real)
                 phases = methods.of(real).phases(real, source, target)
             except Exception as exc:
