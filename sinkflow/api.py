@@ -10,6 +10,7 @@ distributions and the methods' tasks) are the same objects the CLI uses, re-expo
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -125,13 +126,38 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
         if key in config.SHORTHANDS:
             short[key] = value
         elif "." in key:
-            dotted.append(f"{key}={scalar(value)}")
+            dotted.append(f"{key}={_override_text(key, value)}")
         else:
             raise SinkflowError(f"unknown override {key!r}",
                                 f"use a dotted config key as a dict, e.g. **{{'pool.batches': 4}}, or one of "
                                 f"{', '.join(config.SHORTHANDS)}")
     cfg = config.resolve(preset, dotted, short)
     return open_run(train_run(cfg, device=device).dir)  # SinkflowError / Interrupted propagate to the caller
+
+
+def _plain(value):
+    """``value`` as the YAML a config holds: a path as its string, a numpy or 0-d torch number as the Python one,
+    a tuple or list item by item (``Path("pts.npy")`` and ``np.int64(50)`` were yaml tracebacks)."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _override_text(key: str, value) -> str:
+    """A dotted override's ``key=value`` text, or one line naming the key when the value is nothing a config holds."""
+    import yaml
+
+    from sinkflow.config.render import scalar
+
+    try:
+        return scalar(_plain(value))
+    except yaml.YAMLError:
+        raise SinkflowError(f"override {key} is of type {type(value).__name__}, which a config cannot hold",
+                            "pass a number, a string, a bool, None or a list of them") from None
 
 
 def open_run(path: str | Path) -> Run:

@@ -343,3 +343,25 @@ def test_flow_model_sample_refuses_fewer_than_one_sample_as_every_sampler_does()
             flow.sample(2, temperature)
         _one_line(e)
     assert flow.sample(2, np.float32(0.7)).shape == (2, 2)
+
+
+def test_train_takes_paths_and_numpy_numbers_as_dotted_overrides(runs_dir, tmp_path, monkeypatch):
+    """`sinkflow.train(**{"data.target": Path(...), "data.test_rows": np.int64(50)})` was a yaml RepresenterError
+    traceback, not a config; anything a config cannot hold is one line naming the key."""
+    import pathlib
+
+    from sinkflow.engine import experiment
+
+    np.save(tmp_path / "p.npy", np.random.default_rng(0).normal(size=(300, 2)).astype(np.float32))
+    seen = {}
+    monkeypatch.setattr(experiment, "train_run", lambda cfg, **kw: seen.setdefault("cfg", cfg) and 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # resolved: the engine was reached with the config
+        sinkflow.train("moons", method="fm", device="cpu", runs_dir=runs_dir, **{
+            "data.target": pathlib.Path(tmp_path / "p.npy"), "data.test_rows": np.int64(50), "eval.n": np.int32(50),
+            "eval.steps": (np.int64(2), 4), "train.velocity.lr": np.float32(0.5)})
+    cfg = seen["cfg"]
+    assert (cfg["data"]["target"], cfg["data"]["test_rows"], cfg["eval"]["n"]) == (str(tmp_path / "p.npy"), 50, 50)
+    assert cfg["eval"]["steps"] == [2, 4] and cfg["train"]["velocity"]["lr"] == 0.5
+    with pytest.raises(SinkflowError, match=r"override pool.eta is of type object, which a config cannot hold; pass a") as e:
+        sinkflow.train("moons", runs_dir=runs_dir, **{"pool.eta": object()})
+    _one_line(e)
