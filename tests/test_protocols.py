@@ -141,11 +141,18 @@ def test_eval_n_above_the_held_out_rows_is_refused_before_work(runs_dir, tmp_pat
     assert not (runs_dir / "refused").exists()
 
 
-def test_eval_protocol_iid_is_named_in_the_report(runs_dir, tmp_path, capsys):
+def test_eval_protocol_iid_is_named_in_the_report(runs_dir, tmp_path, capsys, monkeypatch):
+    """... and the figures are titled with the user's data, not the preset's ("moons" over the user's points)."""
+    from sinkflow.eval import plots
+
+    titles, real = [], plots.scatter_samples
+    monkeypatch.setattr(plots, "scatter_samples", lambda x, y, path, title: titles.append(title) or real(x, y, path, title))
     _marked_file(tmp_path / "p.npy", held=64)
     assert main(["train", "moons", *TINY_2D, f"data.target={tmp_path / 'p.npy'}", "data.test_rows=64",
                  "eval.protocol=iid", "--name", "r"]) == 0
-    assert "eval.protocol=iid" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "eval.protocol=iid" in out and f"normal -> {tmp_path / 'p.npy'} (nsgf)" in out
+    assert titles == ["normal -> p.npy (nsgf, 100 steps)"]
 
 
 def test_a_quick_eval_names_and_records_its_sample_count_and_seeds(tiny_run, tmp_path, capsys):

@@ -367,6 +367,19 @@ def test_resume_refuses_a_point_file_whose_points_changed(tmp_path, monkeypatch,
     assert rc == 0, err
 
 
+def test_a_changed_source_file_is_named_not_the_target(tmp_path, monkeypatch, capsys):
+    """With both source and target point files, a changed source was reported as the target file."""
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    np.save("src.npy", rng.normal(size=(64, 2)).astype(np.float32))
+    np.save("tgt.npy", rng.normal(size=(64, 2)).astype(np.float32) + 3)
+    assert main(["train", "moons", *TINY_2D, "data.source=src.npy", "data.target=tgt.npy", "--name", "p",
+                 "--no-report"]) == 0
+    np.save("src.npy", np.load("src.npy") + 1)
+    line = one_line(*run_main(capsys, "eval", str(tmp_path / "runs" / "p")), "cannot evaluate", "data changed")
+    assert f"{tmp_path / 'src.npy'}: source.points_sha256 differ" in line, line
+
+
 @pytest.mark.parametrize("argv", [["doctor", "RUN", "train.velocity.lr=0.5"], ["lr-find", "RUN", "--lr", "0.5"],
                                   ["lr-find", "RUN", "--device", "cpu"]])
 def test_a_tool_on_a_run_folder_refuses_overrides_it_would_drop(run, capsys, argv):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import torch
@@ -110,6 +111,17 @@ def w2_table(run, n: int | None = None, seeds: int | None = None, steps_list=Non
     return rows
 
 
+def task_name(cfg: dict, short: bool = False) -> str:
+    """What the run transports, for tables and (``short``: a point file by its file name) figure titles: the
+    preset's name for a paper task, else source -> target (a run of the moons preset on the user's points is not
+    "moons", which its samples.png was titled)."""
+    if is_paper_task(cfg):
+        return cfg["experiment"]["preset"]
+    def name(spec):
+        return os.path.basename(spec) if short and str(spec).lower().endswith(data.POINT_SUFFIXES) else spec
+    return f"{name(cfg['data']['source'])} -> {name(cfg['data']['target'])}"
+
+
 def is_paper_task(cfg: dict) -> bool:
     """True when the run's data is its preset's own (the task the paper's number is for); a run on the
     user's ``data.target=points.npy`` (or another source) is not compared with the paper."""
@@ -172,7 +184,7 @@ def plots(run, n: int = 1024, steps: int = 100) -> list:
 
     x, info = generate(run, n, steps, seed=7, record=True)
     _, target = data.distributions(run.cfg)
-    title = f"{run.cfg['experiment']['preset']} ({methods.of(run.cfg).name}, {steps} steps)"
+    title = f"{task_name(run.cfg, short=True)} ({methods.of(run.cfg).name}, {steps} steps)"
     out1 = scatter_samples(x.cpu(), reference(target, n), run.dir / "samples.png", title)
     out2 = trajectories(torch.stack(info["path"]), run.dir / "trajectories.png", title)
     return [out1, out2]

@@ -36,13 +36,12 @@ def standard_evaluation(run, method, seeds: int | None = None, n: int | None = N
     """W2 table over seeds (points) or the image metrics (images), logged to metrics.jsonl as ``eval``."""
     cfg = run.cfg
     if is_points(cfg):
-        from sinkflow.eval.points import draws, format_table, is_paper_task, w2_table
+        from sinkflow.eval.points import draws, format_table, task_name, w2_table
 
         rows = w2_table(run, n=n, seeds=seeds)
         n, seeds = rows[0]["n"], rows[0]["seeds"]
         run.logger.log("eval", 0, {**{f"w2_{r['steps']}": r["w2_mean"] for r in rows}, **setting(cfg, n, seeds)})
-        task = cfg["experiment"]["preset"] if is_paper_task(cfg) else f"{cfg['data']['source']} -> {cfg['data']['target']}"
-        return format_table(rows, method.name, task, method.paper_label, cfg["eval"]["protocol"], draws(cfg))
+        return format_table(rows, method.name, task_name(cfg), method.paper_label, cfg["eval"]["protocol"], draws(cfg))
     from sinkflow.eval.images import evaluate_images
 
     return evaluate_images(run, seeds=seeds, n=n) + f"\n{protocol(cfg)}"

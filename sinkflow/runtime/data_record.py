@@ -57,9 +57,9 @@ def check_split(run, source, target, doing: str = "resume") -> None:
         return
     old, new = _hashes(recorded), _hashes(split_record(source, target))
     changed = sorted(k for k in old if old.get(k) != new.get(k))
-    if changed:
-        src = recorded.get("source")
-        what = (recorded.get("points") or (src.get("points") if isinstance(src, dict) else None)
+    if changed:  # name the file whose hash changed: the source's record is nested under "source"
+        src = recorded.get("source") if isinstance(recorded.get("source"), dict) else {}
+        what = ((src.get("points") if changed[0].startswith("source.") else recorded.get("points"))
                 or recorded.get("path") or "the data")
         fix = ("restore the data the run was trained on, or start a new run" if doing == "resume" else
                "restore the data the run was trained on (its scores would be against other data), or train a new run")
