@@ -677,3 +677,16 @@ def test_a_16_bit_folder_is_scaled_to_8_bits_not_clipped_white(tmp_path):
     np.testing.assert_array_equal(sources.fit_image(Image.fromarray(wide), 3, None)[1], wide >> 23)
     small = rng.integers(0, 256, (20, 20)).astype(np.int32)  # an 8-bit image held as int32 stays as it is
     np.testing.assert_array_equal(sources.fit_image(Image.fromarray(small), 1, None)[0], small)
+
+
+def test_a_missing_point_file_gets_the_fix_for_its_kind_of_path(tmp_path, monkeypatch):
+    """A run records its point files by absolute path: when one was moved, the fix said paths are relative to the
+    working directory, which does not apply."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SinkflowError, match=r"gone.npy does not exist; check data.source/data.target \(paths are "
+                                            r"relative") as e:
+        build_distribution("gone.npy", data_cfg={})
+    one_line(e)
+    with pytest.raises(SinkflowError, match=r"does not exist; put the file back at that path \(a run records") as e:
+        build_distribution(str(tmp_path / "gone.npy"), data_cfg={})
+    one_line(e)

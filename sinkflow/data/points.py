@@ -130,8 +130,10 @@ def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
                             "point file itself")
     if not os.path.isfile(path):
         what = "is not a file" if os.path.exists(path) else "does not exist"
-        raise SinkflowError(f"point file {path} {what}", "check data.source/data.target (paths are relative "
-                            "to the directory you run sinkflow from)")
+        fix = ("put the file back at that path (a run records its data files by absolute path, and their hashes in "
+               "RUN/data_split.json)" if os.path.isabs(path) else
+               "check data.source/data.target (paths are relative to the directory you run sinkflow from)")
+        raise SinkflowError(f"point file {path} {what}", fix)
     try:
         with open(path, "rb") as f:
             magic = f.read(len(NPY_MAGIC))
