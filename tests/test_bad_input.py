@@ -37,7 +37,7 @@ def test_help_status_and_config_errors_answer_before_torch_loads(tmp_path):
     calls = [["status", str(tmp_path)], ["train", "moons", "pool.stepz=3"], ["sample", "RUN", "--out", "x.txt"],
              ["eval"], ["bench", "moons", "--warmup", "-1"], ["bench", "moons", "--profile", "--throughput"],
              ["doctor", "moons", "--overfit-batch", "0"], ["doctor", "moons", "--factor", "nan"],
-             ["doctor", "moons", "--factor", "0.5"]]
+             ["doctor", "moons", "--factor", "0.5"], ["preflight", "moons", "--gpu", "foo"]]
     code = ("import sys\nfrom sinkflow.cli import main\nfor argv in %r:\n    try:\n        print(main(argv))\n"
             "    except SystemExit as exc:\n        print(exc.code)\nprint('torch' in sys.modules)\n" % calls)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
@@ -49,6 +49,16 @@ def test_help_status_and_config_errors_answer_before_torch_loads(tmp_path):
     # doctor's own numbers: a 0-sample batch ran the checks then crashed; --factor nan failed "the loop is broken"
     assert "--overfit-batch 0 must be a whole number >= 1" in out.stderr
     assert "--factor nan must be a number > 1" in out.stderr and "--factor 0.5 must be a number > 1" in out.stderr
+    assert "unknown GPU 'foo'; use one of T4" in out.stderr  # it loaded the planner (and torch) first: 2.6 s
+
+
+def test_every_command_help_has_an_example(capsys):
+    """README: "Every command has `--help` with an example" (bench had none)."""
+    from sinkflow.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name, parser in commands.items():
+        assert "example" in (parser.epilog or ""), name
 
 
 def test_wrong_type(tmp_path):

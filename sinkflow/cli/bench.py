@@ -18,7 +18,9 @@ from sinkflow.errors import SinkflowError
 def add_parser(sub):
     p = sub.add_parser("bench", help="profile training steps (data wait vs compute) or measure throughput",
                        description="Run N steps of every training phase and report the fraction of step time spent "
-                                   "waiting for data (batch creation + host-to-device copy) versus compute.")
+                                   "waiting for data (batch creation + host-to-device copy) versus compute.",
+                       epilog="examples: sinkflow bench mnist --throughput (steps/s, images/s, busy share, share of "
+                              "the card's peak per phase); sinkflow bench moons --profile")
     add_config_args(p)
     mode = p.add_mutually_exclusive_group()  # one measurement per call: each is its own set of timed steps
     mode.add_argument("--profile", action="store_true", help="split each step into data wait and compute, with a "

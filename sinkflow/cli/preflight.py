@@ -78,12 +78,12 @@ def check_args(args) -> None:
 
 def run(args):
     check_args(args)
-    from sinkflow.tools import memory_plan
+    from sinkflow.tools.cards import gpu_bytes
 
-    split_preset(args)
     card = None
     if args.gpu is not None or args.gpu_mem is not None:
-        card = memory_plan.gpu_bytes(args.gpu, args.gpu_mem)
+        card = gpu_bytes(args.gpu, args.gpu_mem)  # a misspelt card: one line before torch loads
+    split_preset(args)
     presets = config.preset_names() if args.all else [args.preset]
     results = {}
     for preset in presets:

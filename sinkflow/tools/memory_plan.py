@@ -35,11 +35,9 @@ from sinkflow.engine import prefetch
 from sinkflow.errors import SinkflowError
 from sinkflow.models.footprint import activation_terms
 from sinkflow.ot.sinkhorn_peak import cpu_peak_bytes  # also used by tests/test_preflight.py
+from sinkflow.tools.cards import GPUS, gpu_bytes  # noqa: F401 (the planner's cards, named without torch)
 
 GiB = 2**30
-# nvidia-smi's total memory (MiB) of the cards people rent
-GPUS: dict[str, int] = {"T4": 15360, "L4": 23034, "A100-40GB": 40960, "A100-80GB": 81920, "H100-80GB": 81559,
-                        "H200": 143771}
 CONTEXT_BYTES = GiB  # CUDA context + library workspaces, never available to tensors
 # cuBLAS / cuDNN workspaces that the caching allocator hands out (and max_memory_allocated counts): the gap
 # between the estimate and the measured H100 peak of the small phases (benchmarks/memory_estimate_h100.md)
@@ -50,20 +48,6 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def usable_bytes(total_bytes: int) -> int:
     return int((total_bytes - CONTEXT_BYTES) * FRAGMENTATION)
-
-
-def gpu_bytes(name: str | None = None, gib: float | None = None) -> tuple[str, int]:
-    """(label, total bytes) for ``--gpu NAME`` or ``--gpu-mem GiB``."""
-    if gib is not None:
-        return f"{gib:g} GiB", int(gib * GiB)
-    key = {k.lower().replace("-", "").replace("gb", ""): k for k in GPUS}
-    norm = (name or "").lower().replace("-", "").replace("gb", "").replace(" ", "")
-    if norm in key:
-        return key[norm], GPUS[key[norm]] * 2**20
-    matches = [k for k in GPUS if k.lower().startswith((name or "").lower())]
-    if len(matches) == 1:
-        return matches[0], GPUS[matches[0]] * 2**20
-    raise SinkflowError(f"unknown GPU '{name}'", f"use one of {', '.join(GPUS)} or --gpu-mem GiB")
 
 
 @dataclass
