@@ -277,6 +277,41 @@ def test_second_writer_is_refused_and_a_dead_holder_does_not_block(tmp_path):
     unlock_run(run)
 
 
+def test_a_deleted_lock_file_is_taken_again_or_the_second_writer_stops_the_first(tmp_path):
+    """Deleting RUN/.lock while a run held it let a second `train --resume` in: both wrote every checkpoint and
+    metrics line of the same steps. Before each checkpoint the holder checks its lock file: it takes the lock again
+    when nobody else has, and stops in one line when another process has."""
+    from sinkflow.errors import SinkflowError
+    from sinkflow.runtime.checkpoint import PhaseCheckpoints
+    from sinkflow.runtime.lock import LOCK_NAME, lock_run, unlock_run
+
+    run = tmp_path / "r"
+    ckpts = PhaseCheckpoints(run / "checkpoints" / "velocity")
+    (run / "checkpoints").mkdir(parents=True)
+    lock_run(run)
+    try:
+        (run / LOCK_NAME).unlink()
+        ckpts.save({"model": {}}, 1)  # nobody else: the lock is taken again, on a new file
+        assert (run / LOCK_NAME).read_text().strip() == str(os.getpid())
+        other = subprocess.run([sys.executable, "-c", "import sys; from sinkflow.runtime.lock import lock_run; "
+                                "lock_run(sys.argv[1])", str(run)], capture_output=True, text=True)
+        assert other.returncode != 0 and "in use by another sinkflow process" in other.stderr
+        (run / LOCK_NAME).unlink()
+        holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from sinkflow.runtime.lock import lock_run; "
+                                   "lock_run(sys.argv[1]); print('held', flush=True); time.sleep(60)", str(run)],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            with pytest.raises(SinkflowError, match=f"in use by another sinkflow process \\(pid {holder.pid}\\)"):
+                ckpts.save({"model": {}}, 2)
+            assert not (run / "checkpoints" / "velocity" / "step_00000002.pt").exists()
+        finally:
+            holder.kill()
+            holder.wait()
+    finally:
+        unlock_run(run)
+
+
 # ---- 6. bad input leaves the run folder untouched ----------------------------------------------------
 
 def test_bad_device_on_a_new_run_creates_no_folder(runs_dir, capsys):

@@ -28,6 +28,7 @@ from sinkflow.methods.base import ChunkedTask
 from sinkflow.ot.sinkhorn import SolveStats, solve_stats
 from sinkflow.runtime import dist
 from sinkflow.runtime.identity import first_difference, identity
+from sinkflow.runtime.lock import check_held
 from sinkflow.runtime.rng import phase_generator
 
 log = logging.getLogger("sinkflow")
@@ -389,6 +390,7 @@ class PoolTask(ChunkedTask):
     def write_progress(self) -> None:
         """progress.json: the finished chunks, the build's diameter and the keys it was built with (checked when
         the build resumes: ``check_progress``)."""
+        check_held(self.run.dir)
         atomic_write_text(self.progress_file, json.dumps({"chunks": sorted(self.done), "diameter": self.diameter,
                                                           "built_with": self.built_with}, default=str))
 

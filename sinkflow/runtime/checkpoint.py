@@ -24,6 +24,7 @@ import torch
 
 from sinkflow.data.atomic_write import atomic_write_bytes
 from sinkflow.errors import SinkflowError
+from sinkflow.runtime.lock import check_held
 
 STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 FORMAT = 2  # 2: weights-only payload (plain RNG states), run identity and step in every checkpoint
@@ -163,6 +164,7 @@ class PhaseCheckpoints:
         return {"format": FORMAT, **({"identity": self.identity} if self.identity else {}), **state, **extra}
 
     def save(self, state: dict, step: int) -> Path:
+        check_held(self.folder.parent.parent)  # RUN/checkpoints/<phase>: still this process's run folder
         path = self.folder / f"step_{step:08d}.pt"
         atomic_save(self._payload(state, step=step), path)
         for _, old in self.steps()[: -self.keep]:  # only after the new one is complete
@@ -170,6 +172,7 @@ class PhaseCheckpoints:
         return path
 
     def save_final(self, state: dict) -> Path:
+        check_held(self.folder.parent.parent)
         atomic_save(self._payload(state, final=True), self.final_path)
         return self.final_path
 

@@ -51,6 +51,25 @@ def lock_run(run_dir: Path) -> None:
     _held[key] = fd
 
 
+def check_held(run_dir: Path) -> None:
+    """Before a write that must be this process's alone (a checkpoint, the pool's progress): if this process holds
+    the run's lock but ``RUN/.lock`` was deleted or replaced meanwhile, take the lock again, and stop in one line if
+    another process has taken it (a second `train --resume` after the user deleted the file: both wrote every
+    checkpoint and metrics line of the same steps). A no-op where this process holds no lock (a scratch run)."""
+    key = _key(run_dir)
+    fd = _held.get(key)
+    if fd is None:
+        return
+    try:
+        if os.stat(Path(run_dir) / LOCK_NAME).st_ino == os.fstat(fd).st_ino:
+            return
+    except FileNotFoundError:
+        pass
+    del _held[key]
+    os.close(fd)
+    lock_run(run_dir)  # the holder's one line if another process has it
+
+
 def finish_fix(run_dir: Path) -> str:
     """How an unfinished run gets finished: `sinkflow train --resume RUN`, or, while another process is training it
     (its lock is held), waiting for that process: a resume would be refused by the lock. The probe is a shared
