@@ -312,4 +312,3 @@ def evaluate_images(run, seeds: int | None = None, n: int | None = None) -> str:
         run.logger.log("eval", 0, {**{f"{k}_{r['steps']}": r[k] for k in METRIC_KEYS if k in r},
                                    **setting(run.cfg, result["protocol"]["n"], result["protocol"]["seeds"])})
     return format_metrics(result)
-
