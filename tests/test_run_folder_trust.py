@@ -471,3 +471,18 @@ def test_a_finished_pool_with_arrays_of_another_shape_is_refused_before_the_fold
     rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
     one_line(rc, err, "x.npy holds float32", f"but this run's pool needs float32 {x.shape}", "the later phases'")
     assert bytes_snapshot(run) == before
+
+
+def test_a_file_size_limit_while_creating_the_pool_names_the_file(run, capsys, monkeypatch):
+    """numpy's open_memmap raises an OSError without a file name: the line said "EFBIG File too large" and no path."""
+    import errno
+
+    import numpy as np
+
+    def too_large(*a, **k):
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(np.lib.format, "open_memmap", too_large)
+    _unbuilt(run, keep=())
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
+    assert rc != 0 and "File too large" in err and str(run / "pool" / "x.npy") in err and "Traceback" not in err, err

@@ -467,8 +467,7 @@ class Trainer:
                 if self.stopped:
                     return
             self.raise_if_non_finite()
-            if self.info.is_main:
-                ckpts.save_final({"step": self.step, **self.state_dict()})
+            dist.on_main(lambda: ckpts.save_final({"step": self.step, **self.state_dict()}))
         finally:
             self.batches.close()
         dist.barrier()
@@ -482,7 +481,9 @@ class Trainer:
             self._call("on_train_batch_start", unit)
             if self.stopped:
                 return
-            self.last_units = task.run_unit(unit)  # persists the task's progress before it returns
+            before = task.progress_done
+            task.run_unit(unit)  # persists the task's progress before it returns
+            self.last_units = task.progress_done - before  # every rank's work (the bar stopped at 1/world)
             self.step = task.position
             self._call("on_train_batch_end", unit, self.last_units)
             self.run.logger.heartbeat(phase=self.name, step=task.position, total=task.total, state="running")
@@ -492,10 +493,7 @@ class Trainer:
             if self.stopped:
                 return
         task.close()
-        dist.barrier()
-        if self.info.is_main:
-            self.run.checkpoints(self.name).save_final(task.final_state())
-        dist.barrier()
+        dist.on_main(lambda: self.run.checkpoints(self.name).save_final(task.final_state()))
         self._call("on_phase_end")
 
     def _agree_stop(self) -> int | None:
@@ -503,10 +501,9 @@ class Trainer:
         return dist.agree_stop(self._stop if self._stop is not None else stop_requested())
 
     def save(self) -> None:
-        """A step checkpoint (main process), then every rank waits for it."""
-        if self.info.is_main:
-            self.ckpts.save(self.state_dict(), self.step)
-        dist.barrier()
+        """A step checkpoint (main process), then every rank waits for it; a failed write (a full disk) is every
+        rank's one line (``dist.on_main``: the other ranks printed a gloo traceback wall from the barrier)."""
+        dist.on_main(lambda: self.ckpts.save(self.state_dict(), self.step))
         self._call("on_checkpoint")
 
 

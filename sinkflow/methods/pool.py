@@ -327,13 +327,19 @@ class PoolTask(ChunkedTask):
         self.diameter = saved["diameter"] if saved.get("diameter") is not None else self.pool_diameter(run)
         self.warn_scale(run.cfg.get("sinkhorn", {}).get("blur"))
         layout = self.layout(cfg)
-        if self.info.is_main and any(not (folder / f"{k}.npy").exists() for k in layout):  # no chunk built yet
-            for key, (shp, dt) in layout.items():  # nothing built yet (a build killed while creating them): anew
-                with atomic_path(folder / f"{key}.npy") as tmp:
-                    np.lib.format.open_memmap(tmp, mode="w+", dtype=dt, shape=shp).flush()
-                    reserve_disk(tmp)
-            self.write_progress()
-        dist.barrier()
+
+        def create() -> None:  # rank 0; its failure (a full disk) is every rank's one line (dist.on_main)
+            if any(not (folder / f"{k}.npy").exists() for k in layout):  # no chunk built yet
+                for key, (shp, dt) in layout.items():  # nothing built yet (a build killed while creating them): anew
+                    with atomic_path(folder / f"{key}.npy") as tmp:
+                        try:
+                            np.lib.format.open_memmap(tmp, mode="w+", dtype=dt, shape=shp).flush()
+                        except OSError as exc:  # numpy's error names no file (EFBIG, ENOSPC)
+                            raise OSError(exc.errno, exc.strerror, str(folder / f"{key}.npy")) from None
+                        reserve_disk(tmp)
+                self.write_progress()
+
+        dist.on_main(create)
         self.arrays = self.load_arrays(folder, layout, "r+")
         self.total = math.ceil(self.batches / self.chunk)
         self.seed = run.cfg["experiment"]["seed"]
@@ -382,8 +388,7 @@ class PoolTask(ChunkedTask):
             gathered: list = [None] * self.info.world
             torch.distributed.all_gather_object(gathered, sorted(self.done))
             self.done = set().union(*map(set, gathered))
-        if self.info.is_main:
-            self.write_progress()
+        dist.on_main(self.write_progress)
         self.progress_done = sum(len(_chunk_batches(c, self.chunk, self.batches)) for c in self.done)  # every rank's
         return len(ids)
 
