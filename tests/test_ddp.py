@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from helpers import cli
@@ -87,3 +88,24 @@ def test_ddp_matches_single_process_and_resumes_on_fewer(runs_dir):
     assert held.returncode != 0
     assert held.stderr.count("is in use by another sinkflow process") == 2, held.stderr[-3000:]  # rank 0, rank 1
     assert "rank 0 stopped" in held.stderr and "Connection closed" not in held.stderr, held.stderr[-3000:]
+
+
+def test_a_collective_failed_by_a_lost_rank_is_one_line_with_the_resume_command(monkeypatch, capsys):
+    """When one worker of a torchrun job is killed, the survivors printed ~40 lines of gloo traceback ending in
+    "Connection closed by peer"; they now print one line saying another process stopped, and how to resume."""
+    from sinkflow.cli import main
+
+    def lost(args):
+        args.run_dir_used = "runs/x"
+        raise RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+                           "[127.0.0.1]:29500")
+
+    monkeypatch.setattr("sinkflow.cli.status.run", lost)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["status", "runs/x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another process of this torchrun job stopped" in err[0], err
+    assert "resume with `sinkflow train --resume runs/x`" in err[0]
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: not a lost peer, a bug with its traceback
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        main(["status", "runs/x"])

@@ -60,6 +60,16 @@ def bars_above_logs():
     return logging_redirect_tqdm() if console else contextlib.nullcontext()
 
 
+def peer_lost(exc: RuntimeError, torch) -> bool:
+    """Is ``exc`` a collective that failed because another rank of a multi-process job went away (killed, or
+    stopped on its own error)? The surviving ranks printed a gloo/NCCL traceback wall over the one line that matters."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    text = str(exc)
+    return isinstance(exc, getattr(torch.distributed, "DistError", ())) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = build_parser()
@@ -92,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RuntimeError as exc:
         torch = sys.modules.get("torch")
+        if torch is not None and peer_lost(exc, torch):
+            run_dir = getattr(args, "run_dir_used", None) or "RUN"
+            print(f"sinkflow: error: another process of this torchrun job stopped, so a collective failed "
+                  f"({one_line(str(exc))[:160]}); the checkpoints written before are intact: find why that rank "
+                  f"stopped (its own output), then resume with `sinkflow train --resume {run_dir}`", file=sys.stderr)
+            return 2
         if torch is None or not isinstance(exc, torch.OutOfMemoryError):
             raise  # anything else is a bug: keep its traceback
         from sinkflow.cli.oom import oom_line
