@@ -572,6 +572,7 @@ def test_normalisation_and_flip_on_device(tmp_path):
     ("empty", "holds no images"),
     ("fake", "not an image file"),
     ("corrupt", "corrupt or truncated"),
+    ("broken_header", "corrupt or truncated"),  # a PNG signature then garbage: it said "check the permissions"
     ("mixed", "different sizes"),
     ("single", "only 1 image"),
     ("channels", "data.channels"),
@@ -583,7 +584,7 @@ def test_folder_errors(tmp_path, case, match):
     kw = {}
     if case != "missing":
         folder.mkdir()
-    if case in ("fake", "corrupt", "mixed", "channels", "size", "split"):
+    if case in ("fake", "corrupt", "broken_header", "mixed", "channels", "size", "split"):
         make_folder(folder, n=4, size=(23, 31))
     if case == "empty":
         (folder / "readme.txt").write_text("hi")
@@ -593,8 +594,10 @@ def test_folder_errors(tmp_path, case, match):
         raw = (folder / "img01.png").read_bytes()
         (folder / "img01.png").write_bytes(raw[: len(raw) // 2])
         kw["image_size"] = 20  # header is fine, pixels are cut off: found while decoding
-    elif case == "mixed":
-        Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(folder / "small.png")
+    elif case == "broken_header":
+        (folder / "img01.png").write_bytes(b"\x89PNG\r\n\x1a\nnotreally")
+    elif case == "mixed":  # in a sub-folder: the message names it as data.path's relative path
+        Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(folder / "sub" / "small.png")
     elif case == "single":
         Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(folder / "one.png")
     elif case == "channels":
@@ -607,10 +610,10 @@ def test_folder_errors(tmp_path, case, match):
     with pytest.raises(SinkflowError, match=match) as e:
         build_distribution("folder", data_cfg=c)
     msg = one_line(e)
-    if case in ("fake", "corrupt"):
-        assert "img01.png" in msg
+    if case in ("fake", "corrupt", "broken_header"):
+        assert "img01.png" in msg and "permissions" not in msg
     if case == "mixed":
-        assert "23x31" in msg and "16x16" in msg and "data.image_size" in msg
+        assert "23x31" in msg and "sub/small.png is 16x16" in msg and "data.image_size" in msg
     assert not list((tmp_path / "cache").glob(".*tmp*")) if (tmp_path / "cache").exists() else True
 
 
@@ -690,3 +693,17 @@ def test_a_missing_point_file_gets_the_fix_for_its_kind_of_path(tmp_path, monkey
     with pytest.raises(SinkflowError, match=r"does not exist; put the file back at that path \(a run records") as e:
         build_distribution(str(tmp_path / "gone.npy"), data_cfg={})
     one_line(e)
+
+
+def test_training_on_the_test_split_is_warned_about_and_recorded(tmp_path, caplog):
+    """`data.split=test` trained on the held-out images the evaluation scores against, in silence, and
+    data_split.json did not say which split trained."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        d = build_distribution("digits", data_cfg=cfg(tmp_path, split="test"))
+    assert d.split_info["trains_on"] == "test" and "its scores are on training images" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        d = build_distribution("digits", data_cfg=cfg(tmp_path / "b"))
+    assert d.split_info["trains_on"] == "train" and "data.split=test" not in caplog.text

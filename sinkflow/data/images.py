@@ -63,6 +63,9 @@ class ImageDistribution(Distribution):
         self.val_fraction = float(val_fraction)
         self.fit_index, self.val_index = val_split(len(train), self.val_fraction)
         self._serve = train if split == "train" else test
+        if split == "test":  # documented, but a score then reads the images the model trained on
+            log.warning("%s: data.split=test trains on the held-out split, which the evaluation scores against too: "
+                        "its scores are on training images", name)
         self._map = self.fit_index if split == "train" and len(self.val_index) else None
         self.shape = tuple(int(s) for s in train.shape[1:])
         self.split_info: dict | None = None  # set by build_image_distribution (RUN/data_split.json)
@@ -175,7 +178,7 @@ def split_record(src, dist: ImageDistribution) -> dict:
 
     info = src.split_info() if hasattr(src, "split_info") else {"set": dist.name}
     info.update({"n_train": len(dist.images), "n_test": len(dist.test_images), "val_fraction": dist.val_fraction,
-                 "n_val": len(dist.val_index)})
+                 "n_val": len(dist.val_index), "trains_on": dist.split})
     if len(dist.val_index):
         info.update({"val_seed": VAL_SEED, "val_indices_sha256": indices_sha256(dist.val_index.numpy())})
     return info

@@ -7,6 +7,7 @@ here is called beyond the cheap file fingerprint. ``DECODES`` counts real decode
 from __future__ import annotations
 
 import collections
+import errno
 import gzip
 import hashlib
 import logging
@@ -405,7 +406,11 @@ class FolderSource:
             raise SinkflowError(f"{p} is not an image file although it is named {p.suffix}",
                                 "delete or rename it, or move it out of data.path") from None
         except OSError as e:
-            raise SinkflowError(f"{p} cannot be read ({e})", "check the file's permissions or remove it") from None
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise SinkflowError(f"{p} cannot be read ({e.strerror})", "check the file's permissions or remove "
+                                    "it") from None
+            raise SinkflowError(f"image {p} is corrupt or truncated ({e})", "re-export it or remove it from "
+                                "data.path") from None  # PIL's own errors carry no errno
         return img
 
     def _common_size(self) -> tuple[int, int]:
@@ -416,9 +421,9 @@ class FolderSource:
                     first = (p, img.size)
                 elif img.size != first[1]:
                     (w0, h0), (w1, h1) = first[1], img.size
-                    raise SinkflowError(f"images in {self.path} have different sizes ({first[0].name} is {w0}x{h0}, "
-                                        f"{p.name} is {w1}x{h1})", "set data.image_size=N to resize and center-crop "
-                                        "them all to NxN")
+                    a, b = (q.relative_to(self.path).as_posix() for q in (first[0], p))  # nested: names repeat
+                    raise SinkflowError(f"images in {self.path} have different sizes ({a} is {w0}x{h0}, {b} is "
+                                        f"{w1}x{h1})", "set data.image_size=N to resize and center-crop them all to NxN")
         w, h = first[1]
         return h, w
 
