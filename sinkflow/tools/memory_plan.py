@@ -35,9 +35,8 @@ from sinkflow.engine import prefetch
 from sinkflow.errors import SinkflowError
 from sinkflow.models.footprint import activation_terms
 from sinkflow.ot.sinkhorn_peak import cpu_peak_bytes  # also used by tests/test_preflight.py
-from sinkflow.tools.cards import GPUS, gpu_bytes  # noqa: F401 (the planner's cards, named without torch)
+from sinkflow.tools.cards import GPUS, GiB, gpu_bytes  # noqa: F401 (the planner's cards, named without torch)
 
-GiB = 2**30
 CONTEXT_BYTES = GiB  # CUDA context + library workspaces, never available to tensors
 # cuBLAS / cuDNN workspaces that the caching allocator hands out (and max_memory_allocated counts): the gap
 # between the estimate and the measured H100 peak of the small phases (benchmarks/memory_estimate_h100.md)
@@ -241,12 +240,18 @@ def half_precision(cfg: dict, key: str, kind: str, bf16: bool) -> tuple[str | No
     return None, f"no bf16 on this card and fp16 is not measured for a {kind}"
 
 
-def _at(pm: PhaseMemory, batch_size: int, accum: int, act_scale: float = 1.0) -> int:
-    """The phase's total at ``accum``, with the batch-dependent activation terms scaled by ``act_scale`` (0.5:
-    half-precision autocast, roughly)."""
+def _trial(pm: PhaseMemory, batch_size: int, accum: int) -> PhaseMemory:
+    """A copy of the training phase ``pm`` with its batch terms at ``batch_size`` / ``accum``."""
     trial = copy.copy(pm)
     trial.terms = dict(pm.terms)
     train_terms(trial, batch_size, accum)
+    return trial
+
+
+def _at(pm: PhaseMemory, batch_size: int, accum: int, act_scale: float = 1.0) -> int:
+    """The phase's total at ``accum``, with the batch-dependent activation terms scaled by ``act_scale`` (0.5:
+    half-precision autocast, roughly)."""
+    trial = _trial(pm, batch_size, accum)
     acts = trial.terms["activations"] + trial.terms["backward transient"]
     return int(trial.total - acts + act_scale * acts)
 
@@ -279,9 +284,7 @@ def _fit_train(cfg: dict, pm: PhaseMemory, limit: int, world: int, bf16: bool, c
             reasons.append(f"{pm.phase}: still {fmt_bytes(fp32_min)} at micro-batch 1 in {t['precision']}; {precision} "
                            "autocast roughly halves the activations")
         return overrides, reasons
-    low = copy.copy(pm)
-    low.terms = dict(pm.terms)
-    train_terms(low, b, b)
+    low = _trial(pm, b, b)
     name, big = max(low.terms.items(), key=lambda kv: kv[1])
     note = f" ({why_not})" if why_not and name in ("activations", "backward transient") else ""
     return {}, [f"{pm.phase}: does not fit {card} at any micro-batch: {fmt_bytes(low.total)} at micro-batch 1 in "

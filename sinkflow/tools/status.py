@@ -103,8 +103,8 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
         state = "stopped"
     elif hb.get("state") == "failed" and alive is not True:  # by an error, recorded before the process ended
         state = "failed"
-    elif not hb:  # no heartbeat: a run that never started, or one whose status.json was lost
-        state = "unknown" if _has_work(run_dir) else "not started"
+    elif not hb:  # no heartbeat: a run that never started, or one whose status.json was lost (decided below)
+        state = "not started"
     elif alive is False:
         state = "dead"
     elif age is not None and age > stale_after:
@@ -125,18 +125,14 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
             files = sorted(p for p in phase_dir.iterdir() if p.is_file() and p.suffix == ".pt")
             ckpts[phase_dir.name] = [(f.name, f.stat().st_size, f.stat().st_mtime) for f in files]
     out["checkpoints"] = ckpts
+    if state == "not started" and (any(ckpts.values()) or records or (run_dir / "pool").is_dir()):
+        state = out["state"] = "unknown"  # status.json lost: it said "not started", with no resume command
     out["disk"] = {name: dir_bytes(run_dir / name) for name in ("pool", "checkpoints", "tb")}
     out["disk"]["total"] = dir_bytes(run_dir)
     eta = hb.get("eta_s")
     out["eta_s"] = max(0.0, eta - (age or 0.0)) if eta is not None and state == "running" else None
     out["phases_left"] = [] if state == "finished" else phases_left(run_dir, hb, ckpts)
     return out
-
-
-def _has_work(run_dir: Path) -> bool:
-    """Has the run left anything a resume continues (a checkpoint, pool arrays, metrics)?"""
-    ck = run_dir / "checkpoints"
-    return (ck.is_dir() and any(ck.rglob("*.pt"))) or (run_dir / "pool").is_dir() or (run_dir / "metrics.jsonl").is_file()
 
 
 def resume_command(run_dir: Path) -> str:
