@@ -17,11 +17,12 @@ def failed(report):
     return [(c.phase, c.name, c.detail) for c in report.checks if c.ok is False]
 
 
-def test_preflight_all_presets(tmp_path):
+def test_preflight_all_presets(tmp_path, caplog):
     """`sinkflow preflight --all` in-process: every preset with small networks runs its full tiny preflight
     (every phase stopped and resumed, sample, evaluate, memory estimate); the big-UNet presets (mnist,
     cifar10, folder) run their config, flag and memory checks here and the full tiny run in
-    test_preflight_image_preset_shapes / `sinkflow preflight --all` (minutes on 2 cores)."""
+    test_preflight_image_preset_shapes / `sinkflow preflight --all` (minutes on 2 cores). The tiny run's own
+    counts warn of nothing (digits' warmup of 50 against 3 tiny steps printed four warnings)."""
     names = config.preset_names()
     assert set(SMALL) <= set(names)
     for name in names:
@@ -29,6 +30,7 @@ def test_preflight_all_presets(tmp_path):
             report = preflight(name, workdir=tmp_path / name, gpu=memory_plan.gpu_bytes("T4"))
             assert report.ok, format_report(report)
             assert {c.name for c in report.checks} >= {"kill and resume", "sample", "evaluate + plots", "fits T4"}
+            assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "warm" in r.getMessage()]
         else:
             cfg = config.resolve(name, ["data.path=/nonexistent"] if name == "folder" else [])
             mems = memory_plan.estimate(cfg)
@@ -37,8 +39,15 @@ def test_preflight_all_presets(tmp_path):
 
 def test_preflight_image_preset_shapes(tmp_path, monkeypatch):
     """mnist with synthetic images of the real shape (no download here): every phase, real UNet config. Run from
-    an empty folder: a checkout with the MNIST files in data/ (as a GPU session copies them) would use them."""
+    an empty folder: a checkout with the MNIST files in data/ (as a GPU session copies them) would use them. The
+    real run's 5.6 GiB pool is checked against the free disk ("this machine"): a disk of 64 GiB is pretended, so the
+    test does not depend on the one it runs on."""
+    from collections import namedtuple
+
+    from sinkflow.methods import pool
+
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: namedtuple("usage", "total used free")(2**37, 2**36, 2**36))
     report = preflight("mnist", workdir=tmp_path, memory=False)
     assert report.ok, format_report(report)
     assert "synthetic mnist" in report.data_note
@@ -251,7 +260,7 @@ def test_pool_fit_picks_float16_or_disk_from_the_proposed_pools_bytes():
 ])
 def test_pool_on_disk_is_checked_against_pool_disk_gb(disk, want, verdict_after):
     """A pool sent to disk stayed float32 whatever pool.disk_gb said, and the verdict did not check the disk: preflight
-    passed a pool that `sinkflow train` refused ("needs 732 MiB of disk but pool.disk_gb=0.5 allows only ...")."""
+    passed a pool that `sinkflow train` refused ("needs 732 MiB of disk but pool.disk_gb=0.5")."""
     t4 = memory_plan.gpu_bytes("T4")[1]
     cfg = config.resolve("moons", ["pool.batches=30000", "pool.storage=disk", f"pool.disk_gb={disk}"])
     mems = memory_plan.estimate(cfg)
@@ -412,3 +421,25 @@ def test_preflight_refuses_what_train_refuses_before_its_folder_exists(tmp_path)
     report = preflight("moons", [f"data.target={tmp_path / 'pts.npy'}", "data.test_rows=50"], memory=False)
     failed = [c for c in report.checks if c.ok is False]
     assert [c.name for c in failed] == ["phases build"] and "holds out only data.test_rows=50" in failed[0].detail
+
+
+def test_a_disk_too_small_for_the_pool_is_its_own_check_and_the_rest_still_runs(tmp_path, monkeypatch, capsys):
+    """The free disk is the machine's, not the config's: preflight names it ("this machine") and still runs every
+    other check (planning on a laptop for a rented GPU); `sinkflow train` refuses it before its folder exists."""
+    from collections import namedtuple
+
+    from sinkflow.cli import main
+    from sinkflow.methods import pool
+
+    real = config.resolve("moons", [f"experiment.runs_dir={tmp_path / 'runs'}"])
+    need = pool.pool_bytes(real["pool"], (2,))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: usage(need, need // 2, need // 2))
+    report = preflight("moons", [f"experiment.runs_dir={tmp_path / 'runs'}"], workdir=tmp_path / "work", memory=False)
+    failed = [c for c in report.checks if c.ok is False]
+    assert [c.name for c in failed] == ["this machine"], format_report(report)
+    assert "of disk but the disk has only" in failed[0].detail and "train here would refuse" in failed[0].detail
+    assert {"kill and resume", "sample", "evaluate + plots"} <= {c.name for c in report.checks if c.ok}
+    assert main(["train", "moons", f"experiment.runs_dir={tmp_path / 'runs'}"]) != 0
+    assert "of disk but the disk has only" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

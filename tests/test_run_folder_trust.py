@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -330,10 +331,70 @@ def test_free_space_message_has_readable_units(tmp_path, monkeypatch):
     monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: usage(10_000, 9_000, 1_000))
     cfg = config.resolve("moons", ["pool.batches=2", "pool.steps=4", "pool.batch_size=32"])["pool"]
     with pytest.raises(SinkflowError) as e:
-        pool.check_pool_fits(cfg, (2,), tmp_path / "pool")
+        pool.check_free_disk(cfg, (2,), tmp_path / "pool")
     msg = str(e.value)
     assert f"needs {pool.pool_bytes(cfg, (2,)) / 1024:.1f} KiB of disk but the disk has only 1000 B" in msg, msg
     assert "0.0 GiB" not in msg
+
+
+def test_free_disk_counts_the_blocks_a_resumed_pool_already_holds(tmp_path, monkeypatch):
+    """A half-built pool's arrays reserve all their blocks at creation: on resume they are the pool's own, so a disk
+    with less free space than the whole pool (but enough with them) goes on; without them it is refused."""
+    from collections import namedtuple
+
+    from sinkflow import config
+    from sinkflow.errors import SinkflowError
+    from sinkflow.methods import pool
+
+    cfg = config.resolve("moons", ["pool.batches=4", "pool.steps=4", "pool.batch_size=256"])["pool"]
+    need = pool.pool_bytes(cfg, (2,))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: usage(10 * need, 9 * need, need // 4))
+    folder = tmp_path / "pool"
+    with pytest.raises(SinkflowError, match="of disk but the disk has only"):
+        pool.check_free_disk(cfg, (2,), folder)
+    assert not folder.exists()  # checking creates nothing
+    folder.mkdir()
+    x = folder / "x.npy"
+    np.lib.format.open_memmap(x, mode="w+", dtype=np.float32, shape=(need // 4,)).flush()  # most of the pool
+    pool.reserve_disk(x)
+    if x.stat().st_blocks * 512 < need * 3 // 4:
+        pytest.skip("this file system does not preallocate: nothing is held")
+    pool.check_free_disk(cfg, (2,), folder)
+
+
+def test_memory_plan_and_phases_do_not_depend_on_the_free_disk(tmp_path, monkeypatch):
+    """The memory plan of a preset whose pool is larger than this disk's free space (cifar10: 18 GiB; CI had 16 GiB
+    free) is the same on every machine, and creates no folder: the free disk is checked when a run starts."""
+    from collections import namedtuple
+
+    from sinkflow import config
+    from sinkflow.errors import SinkflowError
+    from sinkflow.methods import pool
+    from sinkflow.tools import memory_plan
+
+    monkeypatch.chdir(tmp_path)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: usage(2**30, 2**30 - 2**20, 2**20))
+    cfg = config.resolve("cifar10", [])
+    assert [m.phase for m in memory_plan.estimate(cfg)][-1] == "sample+eval"
+    assert list(tmp_path.iterdir()) == []
+    from sinkflow import methods
+
+    methods.of(cfg).check(cfg, (3, 32, 32))  # the config is fine; this machine is not
+    with pytest.raises(SinkflowError, match="of disk but the disk has only 1.0 MiB"):
+        methods.of(cfg).check_machine(cfg, (3, 32, 32))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pool_disk_budget_is_a_config_check(tmp_path):
+    from sinkflow import config
+    from sinkflow.errors import SinkflowError
+    from sinkflow.methods import pool
+
+    cfg = config.resolve("cifar10", ["pool.disk_gb=1"])["pool"]
+    with pytest.raises(SinkflowError, match=r"needs 18\.\d GiB of disk but pool.disk_gb=1(\.0)?; use fewer pool.batches, or a larger pool.disk_gb"):
+        pool.check_pool_fits(cfg, (3, 32, 32))
 
 
 def test_human_bytes():

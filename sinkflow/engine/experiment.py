@@ -58,10 +58,14 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = ()) -> None:
             raise Interrupted(stop_requested(), *last)
 
 
-def check_run(cfg: dict) -> None:
-    """The data and the method's limits (e.g. NSGF++: T <= 5, the pool's size), before any folder exists."""
+def check_run(cfg: dict, machine: bool = True) -> None:
+    """The data and the method's limits (e.g. NSGF++: T <= 5, the pool's size), before any folder exists; with
+    ``machine``, what this machine must hold too (the pool's free disk: ``Method.check_machine``)."""
     data.distributions(cfg)[1].check_test_n(cfg["eval"]["n"])  # a point file's held-out rows: the only test points
-    methods.of(cfg).check(cfg, data.sample_shape(cfg))
+    method, shape = methods.of(cfg), data.sample_shape(cfg)
+    method.check(cfg, shape)
+    if machine:
+        method.check_machine(cfg, shape)
 
 
 def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, overrides: list[str] | None = None,

@@ -161,7 +161,13 @@ class Method:
         return (self.paper.get(task) or {}).get(steps)
 
     def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
-        """Refuse, before any work, a config this method cannot run (one line naming the key)."""
+        """Refuse, before any work, a config this method cannot run (one line naming the key). The config alone
+        decides: the same answer on every machine (the memory plan and preflight rely on it)."""
+
+    def check_machine(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
+        """Refuse, before any work, a run this machine cannot hold (e.g. a trajectory pool larger than the free
+        disk under ``experiment.runs_dir``). Preflight reports it as its own check: planning on a laptop for a
+        rented GPU, the laptop's disk is not the run's."""
 
     def phases(self, cfg: dict, source, target) -> list[Task]:
         raise NotImplementedError

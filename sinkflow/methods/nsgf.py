@@ -26,7 +26,7 @@ from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import Method, TrainingStep
 from sinkflow.methods.flow_matching import velocity_loss
 from sinkflow.methods.ode import count_nfe, euler
-from sinkflow.methods.pool import PoolTask, TrajectoryPool, check_pool_fits
+from sinkflow.methods.pool import PoolTask, TrajectoryPool, check_free_disk, check_pool_fits
 from sinkflow.runtime import dist
 
 
@@ -211,7 +211,10 @@ class NSGF(Method):
 
     def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
         check(cfg)
-        check_pool_fits(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]))  # before any run folder
+        check_pool_fits(cfg["pool"], sample_shape)
+
+    def check_machine(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
+        check_free_disk(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]))
 
     def phases(self, cfg, source, target):
         check(cfg)

@@ -28,7 +28,7 @@ from sinkflow.methods import nsgf
 from sinkflow.methods.base import Method
 from sinkflow.methods.flow_matching import InterpolantStep
 from sinkflow.methods.ode import count_nfe, euler
-from sinkflow.methods.pool import check_pool_fits
+from sinkflow.methods.pool import check_free_disk, check_pool_fits
 
 # arXiv:2401.14069v1 Table 3 (MNIST) and Table 2 (CIFAR-10): NSGF++'s FID (and IS) at NFE, for context.
 PAPER_FID = {"mnist": {"fid": 3.8, "nfe": 60}, "cifar10": {"fid": 5.55, "is": 8.86, "nfe": 59}}
@@ -47,7 +47,7 @@ def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
     if cfg["sample"]["nsf_steps"] < 1:
         raise SinkflowError(f"sample.nsf_steps={cfg['sample']['nsf_steps']} must be >= 1", "e.g. sample.nsf_steps=50")
     check_nsgf_steps(cfg)
-    check_pool_fits(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]))
+    check_pool_fits(cfg["pool"], sample_shape)
 
 
 def check_nsgf_steps(cfg: dict) -> None:
@@ -127,6 +127,9 @@ class NSGFPlusPlus(Method):
 
     def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
         check(cfg, sample_shape)
+
+    def check_machine(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
+        check_free_disk(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]))
 
     def phases(self, cfg, source, target):
         check(cfg, tuple(target.shape))

@@ -47,27 +47,40 @@ def pool_bytes(pool_cfg: dict, sample_shape: tuple[int, ...]) -> int:
     return pool_entries(pool_cfg) * (2 * dim * item + 4)
 
 
-def check_pool_fits(pool_cfg: dict, sample_shape: tuple[int, ...], folder: Path) -> None:
-    """Refuse before any work when the pool cannot fit the configured RAM / disk budget."""
+def check_pool_fits(pool_cfg: dict, sample_shape: tuple[int, ...]) -> None:
+    """Refuse a pool the config's own budgets (``pool.ram_gb``, ``pool.disk_gb``) cannot hold. A property of the
+    config alone: the memory plan and every machine give the same answer (the free disk is ``check_free_disk``)."""
     if pool_cfg["dtype"] not in DTYPES:
         raise SinkflowError(f"pool.dtype={pool_cfg['dtype']!r} is not supported", "use float32 or float16")
     if pool_cfg["storage"] not in ("memory", "disk"):
         raise SinkflowError(f"pool.storage={pool_cfg['storage']!r} is not supported", "use memory or disk")
     need = pool_bytes(pool_cfg, sample_shape)
-    gib = need / 2**30
-    half = "" if pool_cfg["dtype"] == "float16" else ", pool.dtype=float16 (halves it)"
-    if pool_cfg["storage"] == "memory" and gib > pool_cfg["ram_gb"]:
+    half = _halves(pool_cfg)
+    if pool_cfg["storage"] == "memory" and need / 2**30 > pool_cfg["ram_gb"]:
         raise SinkflowError(
             f"the trajectory pool needs {human_bytes(need)} of RAM but pool.ram_gb={pool_cfg['ram_gb']}",
             f"set pool.storage=disk{half}, fewer pool.batches, or a larger pool.ram_gb")
-    disk_limit = pool_cfg["disk_gb"] * 2**30
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    if need > min(disk_limit, free):
-        which = f"pool.disk_gb={pool_cfg['disk_gb']} allows" if disk_limit < free else "the disk has"
+    if need > pool_cfg["disk_gb"] * 2**30:
         raise SinkflowError(
-            f"the trajectory pool needs {human_bytes(need)} of disk but {which} only {human_bytes(min(disk_limit, free))}"
-            f" ({folder})", f"use fewer pool.batches{half}, or point experiment.runs_dir at a larger disk")
+            f"the trajectory pool needs {human_bytes(need)} of disk but pool.disk_gb={pool_cfg['disk_gb']}",
+            f"use fewer pool.batches{half}, or a larger pool.disk_gb")
+
+
+def check_free_disk(pool_cfg: dict, sample_shape: tuple[int, ...], folder: Path) -> None:
+    """Refuse, before any work, a pool the disk under ``folder`` cannot hold. The blocks the pool's arrays already
+    reserve there (a resumed build: ``reserve_disk``) count as the pool's own, not as space it still needs. Creates
+    nothing: a folder not made yet is on the disk of its nearest existing parent."""
+    held = sum(f.stat().st_blocks * 512 for f in (folder / f"{k}.npy" for k in ("x", "v", "t")) if f.is_file())
+    need = pool_bytes(pool_cfg, sample_shape)
+    free = shutil.disk_usage(next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())).free
+    if need > free + held:
+        raise SinkflowError(
+            f"the trajectory pool needs {human_bytes(need - held)} {'more ' if held else ''}of disk but the disk has only {human_bytes(free)}"
+            f" ({folder})", f"use fewer pool.batches{_halves(pool_cfg)}, or point experiment.runs_dir at a larger disk")
+
+
+def _halves(pool_cfg: dict) -> str:
+    return "" if pool_cfg["dtype"] == "float16" else ", pool.dtype=float16 (halves it)"
 
 
 def load_pool_array(path: Path, mmap_mode: str | None):
@@ -314,7 +327,8 @@ class PoolTask(ChunkedTask):
         self.run, self.info = run, dist.current()
         folder = self.folder = run.dir / "pool"
         shape = self.shape = tuple(self.target.shape)
-        check_pool_fits(cfg, shape, folder)
+        check_pool_fits(cfg, shape)
+        check_free_disk(cfg, shape, folder)
         self.n, self.steps, self.batches, self.chunk = cfg["batch_size"], cfg["steps"], cfg["batches"], max(1, cfg["chunk"])
         self.per_batch = self.steps * self.n
         self.entries = self.batches * self.per_batch

@@ -208,7 +208,7 @@ def fits(pm: PhaseMemory, total_bytes: int) -> bool:
 def over_budget(cfg: dict, mems: list[PhaseMemory], total_bytes: int) -> list[str]:
     """What does not fit: every phase too large for the card, ``pool RAM`` when the pool kept in host RAM exceeds
     ``pool.ram_gb`` and ``pool disk`` when the pool on disk exceeds ``pool.disk_gb`` (``sinkflow train`` refuses
-    both: ``pool.check_pool_fits``; the free space of the disk it runs on is checked then). Empty when all fits. The one
+    both: ``pool.check_pool_fits``; the free space of the disk it runs on is ``pool.check_free_disk``'s, at the start). Empty when all fits. The one
     verdict preflight gives before and after ``--fit``."""
     over = [m.phase for m in mems if m.terms and not fits(m, total_bytes)]
     pool = cfg.get("pool", {})

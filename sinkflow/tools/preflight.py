@@ -99,7 +99,9 @@ def tiny_overrides(real: dict, runs_dir: Path, name: str) -> list[str]:
             "eval.n": TINY_EVAL_N, "eval.class_n": TINY_EVAL_N, "eval.seeds": 1, "eval.steps": "[2]",
             "sample.steps": 2, "sample.nsf_steps": 2, "pool.storage": real["pool"]["storage"]}
     for sec in _train_sections(real):
-        want.update({f"train.{sec}.log_every": 1, f"train.{sec}.ckpt_every": 1000, f"train.{sec}.hist_every": 2})
+        want.update({f"train.{sec}.log_every": 1, f"train.{sec}.ckpt_every": 1000, f"train.{sec}.hist_every": 2,
+                     # a warmup still running at the tiny last step warns (once per phase run): warm up, but end
+                     f"train.{sec}.warmup": min(real["train"][sec].get("warmup", 0), TINY_ITERS - 1)})
     for key, value in want.items():
         if key in flat:
             out.append(f"{key}={value}")
@@ -113,6 +115,19 @@ def tiny_config(real: dict, runs_dir: Path, name: str) -> tuple[dict, dict]:
     tree = config_mod.apply_overrides(tree, tiny_overrides(real, runs_dir, name))
     config_mod.validate(tree)
     return tree, sh
+
+
+def machine_check(report: Report, real: dict, shape: tuple[int, ...]) -> None:
+    """What ``sinkflow train`` would refuse on this machine (``Method.check_machine``: a pool larger than the free
+    disk), as its own check that does not stop the rest: planning on a laptop for a rented GPU, the laptop's disk
+    is not the run's."""
+    try:
+        methods.of(real).check_machine(real, shape)
+    except SinkflowError as exc:
+        report.add("this machine", "config", False, f"{_short(exc)} (train here would refuse it; preflight on the "
+                   "machine that will train)")
+        return
+    report.add("this machine", "config", True, f"room for the run under {real['experiment']['runs_dir']}")
 
 
 def reach_checks(report: Report, real: dict, phases, overrides: list[str], shorthands: dict) -> None:
@@ -377,7 +392,7 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
         with real_or_synthetic(real) as reason:
             report.data_note = reason and f"synthetic {real['data']['target']} images of the real shape ({reason})"
             try:
-                check_run(real)  # what `sinkflow train` refuses before its folder exists (eval.n vs held-out rows...)
+                check_run(real, machine=False)  # what `sinkflow train` refuses before its folder exists
                 source, target = data.distributions(real)
                 phases = methods.of(real).phases(real, source, target)
             except Exception as exc:
@@ -385,6 +400,7 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
                 return report
             report.add("phases build", "config", True, ", ".join(p.name for p in phases) +
                        f"; data shape {tuple(target.shape)}")
+            machine_check(report, real, tuple(target.shape))
             reach_checks(report, real, phases, overrides, shorthands)
             run_tiny(report, real, workdir)
             if memory:
