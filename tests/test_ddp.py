@@ -3,6 +3,7 @@ rank-0-only files, a global step count, and a resume on another number of proces
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -25,8 +26,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(*args, cwd):
-    env = {**os.environ, "SINKFLOW_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+def _torchrun(*args, cwd, progress=False):
+    env = {**os.environ, "SINKFLOW_PROGRESS": "1" if progress else "0", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(_free_port()), "-m", "sinkflow", "train", *args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240, env=env)
@@ -40,7 +41,7 @@ def test_ddp_matches_single_process_and_resumes_on_fewer(runs_dir):
     cwd = runs_dir.parent
     # 2 processes x 16 = global batch 32; lr 1e-3 scaled linearly by 2 == one process, batch 32, lr 2e-3
     ddp = _torchrun(*COMMON, "train.velocity.batch_size=16", "train.velocity.lr_scaling=linear", "--name", "ddp",
-                    cwd=cwd)
+                    cwd=cwd, progress=True)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     single = cli("train", *COMMON, "train.velocity.batch_size=32", "train.velocity.lr=0.002", "--name", "single",
                  cwd=cwd)
@@ -57,7 +58,10 @@ def test_ddp_matches_single_process_and_resumes_on_fewer(runs_dir):
     lines = [json.loads(x) for x in (runs_dir / "ddp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if r.get("phase") == "velocity" and "loss" in r] == [2, 4, 6]
     assert ddp.stderr.count("run folder:") == 1
-    import re  # the pool's solver line counts every rank's solves (it counted rank 0's half)
+    # rank 0's progress bars count every rank's work: the pool's reached 4/4 (it stopped at 2/4, rank 0's half)
+    pool_bar = re.findall(r"pool:\s+\d+%[^\r\n]*?\|\s*(\d+)/(\d+)", ddp.stderr)
+    assert pool_bar and pool_bar[-1] == ("4", "4"), ddp.stderr[-3000:]
+    # the pool's solver line counts every rank's solves (it counted rank 0's half)
 
     solves = [re.findall(r"of ([\d,]+) Sinkhorn solves", out.stderr) for out in (ddp, single)]
     assert solves[0] == solves[1] == ["12"], solves  # 4 batches x 3 solving steps
