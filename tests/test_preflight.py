@@ -47,7 +47,8 @@ def test_preflight_image_preset_shapes(tmp_path, monkeypatch):
     from sinkflow.methods import pool
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: namedtuple("usage", "total used free")(2**37, 2**36, 2**36))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: usage(2**37, 2**36, 2**36))
     report = preflight("mnist", workdir=tmp_path, memory=False)
     assert report.ok, format_report(report)
     assert "synthetic mnist" in report.data_note

@@ -393,7 +393,8 @@ def test_pool_disk_budget_is_a_config_check(tmp_path):
     from sinkflow.methods import pool
 
     cfg = config.resolve("cifar10", ["pool.disk_gb=1"])["pool"]
-    with pytest.raises(SinkflowError, match=r"needs 18\.\d GiB of disk but pool.disk_gb=1(\.0)?; use fewer pool.batches, or a larger pool.disk_gb"):
+    with pytest.raises(SinkflowError, match=r"needs 18\.\d GiB of disk but pool.disk_gb=1(\.0)?; use fewer "
+                                            r"pool.batches, or a larger pool.disk_gb"):
         pool.check_pool_fits(cfg, (3, 32, 32))
 
 

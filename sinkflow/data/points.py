@@ -130,8 +130,9 @@ def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
                             "point file itself")
     if not os.path.isfile(path):
         what = "is not a file" if os.path.exists(path) else "does not exist"
-        fix = ("put the file back at that path (a run records its data files by absolute path, and their hashes in "
-               "RUN/data_split.json)" if os.path.isabs(path) else
+        fix = (f"put the file back at that path, or a link to where it is now (ln -s NEW_PATH {path}): a run records "
+               "its data files by absolute path, and their points' hashes in RUN/data_split.json"
+               if os.path.isabs(path) else
                "check data.source/data.target (paths are relative to the directory you run sinkflow from)")
         raise SinkflowError(f"point file {path} {what}", fix)
     try:

@@ -75,8 +75,8 @@ def check_free_disk(pool_cfg: dict, sample_shape: tuple[int, ...], folder: Path)
     free = shutil.disk_usage(next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())).free
     if need > free + held:
         raise SinkflowError(
-            f"the trajectory pool needs {human_bytes(need - held)} {'more ' if held else ''}of disk but the disk has only {human_bytes(free)}"
-            f" ({folder})", f"use fewer pool.batches{_halves(pool_cfg)}, or point experiment.runs_dir at a larger disk")
+            f"the trajectory pool needs {human_bytes(need - held)} {'more ' if held else ''}of disk but the disk has "
+            f"only {human_bytes(free)} ({folder})", f"use fewer pool.batches{_halves(pool_cfg)}, or point experiment.runs_dir at a larger disk")
 
 
 def _halves(pool_cfg: dict) -> str:
