@@ -66,7 +66,7 @@ class FlowSequence(nn.Module):
         self._param_list = None
 
     # -- plain evaluation ----------------------------------------------------------------------
-    def _run(self, x, start: int = 0, stop: int | None = None):
+    def run_layers(self, x, start: int = 0, stop: int | None = None):
         logdet = x.new_zeros(x.shape[0])
         for layer in self.layers[start:stop]:
             x, ld = layer(x)
@@ -81,7 +81,7 @@ class FlowSequence(nn.Module):
     def forward(self, x):
         self.drop_caches()
         if self.memory == "standard" or not torch.is_grad_enabled() or len(self.layers) == 0:
-            return self._run(x)
+            return self.run_layers(x)
         if self.memory == "checkpoint":
             return self._checkpointed(x)
         if torch.is_autocast_enabled(x.device.type):
@@ -98,6 +98,14 @@ class FlowSequence(nn.Module):
             y = layer.inverse(y)
         return y
 
+    def recompute_units(self) -> list[tuple[int, int]]:
+        """The layer ranges ``[a, b)`` backward re-runs with grad, one at a time (their saved tensors are a transient
+        on top of what the forward kept: ``sinkflow.models.footprint.recompute_terms``): a checkpoint segment, one
+        layer in invertible mode, none in standard mode."""
+        if self.memory == "checkpoint":
+            return self.segments()
+        return [(i, i + 1) for i in range(len(self.layers))] if self.memory == "invertible" else []
+
     # -- checkpoint mode -----------------------------------------------------------------------
     def segments(self) -> list[tuple[int, int]]:
         n = len(self.layers)
@@ -109,7 +117,7 @@ class FlowSequence(nn.Module):
     def _checkpointed(self, x):
         logdet = x.new_zeros(x.shape[0])
         for a, b in self.segments():
-            x, ld = checkpoint(self._run, x, a, b, use_reentrant=False)
+            x, ld = checkpoint(self.run_layers, x, a, b, use_reentrant=False)
             logdet = logdet + ld
         return x, logdet
 
@@ -280,5 +288,5 @@ def _recompute_input(seq: FlowSequence, x0, i: int, kept: dict):
     """Exact input of layer ``i``: forward from the nearest stored input below it (or the chain input)."""
     start = max((j for j in kept if j <= i), default=None)
     h = x0 if start is None else kept[start]
-    h, _ = seq._run(h, 0 if start is None else start, i)
+    h, _ = seq.run_layers(h, 0 if start is None else start, i)
     return h

@@ -114,6 +114,55 @@ def activation_terms(
     return max(0, t1 - per), per, max(m2 - m1, m2 // 2)
 
 
+def recompute_terms(
+    model: torch.nn.Module,
+    sample_shape: tuple[int, ...],
+    autocast_dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[int, int, int]:
+    """(fixed, per-sample, largest per-sample) bytes autograd saves while backward re-runs the largest piece of a
+    memory-saving model
+    with grad: a flow's checkpoint segment, or one layer in invertible mode (``recompute_units`` of its chains).
+    The forward of such a model keeps almost nothing (``activation_terms``), so this transient is its peak:
+    a Glow layer of the CIFAR-10 preset re-runs its 512-channel conditioner, ~2 MiB per sample.
+
+    Measured as ``activation_terms`` is, at batch 1 and 2: a no-grad forward records each chain's input, then
+    every unit is run on its true input with grad under ``SavedTensorCounter``; the third number is the largest
+    tensor one unit saves (the gradients backward makes are of its size). (0, 0, 0) for a model without units.
+    """
+    chains = [m for m in model.modules() if callable(getattr(m, "recompute_units", None)) and m.recompute_units()]
+    if not chains:
+        return 0, 0, 0
+    p = next(model.parameters())
+    largest, biggest = [], []
+    for n in (1, 2):
+        inputs = {}
+        hooks = [c.register_forward_pre_hook(lambda mod, args: inputs.__setitem__(mod, args[0].detach()))
+                 for c in chains]
+        try:
+            with torch.no_grad():
+                model(torch.randn(n, *sample_shape, device=device, dtype=p.dtype))
+        finally:
+            for h in hooks:
+                h.remove()
+        best = big = 0
+        for chain in chains:
+            chain.drop_caches()  # a layer's weights cached by the no-grad forward would not be re-derived with grad
+            x = inputs[chain]
+            for a, b in chain.recompute_units():
+                x = x.detach().requires_grad_(True)
+                with SavedTensorCounter(model) as counter, torch.autocast(
+                        torch.device(device).type, dtype=autocast_dtype or torch.bfloat16,
+                        enabled=autocast_dtype is not None):
+                    out = chain.run_layers(x, a, b)
+                counter.discard(out)
+                best, big, x = max(best, counter.bytes), max(big, counter.largest), out[0]
+        largest.append(best)
+        biggest.append(big)
+    per = max(0, largest[1] - largest[0])
+    return max(0, largest[0] - per), per, max(biggest[1] - biggest[0], biggest[1] // 2)
+
+
 def saved_activation_bytes(
     model: torch.nn.Module,
     sample_shape: tuple[int, ...],

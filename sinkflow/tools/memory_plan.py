@@ -33,7 +33,7 @@ from sinkflow import config as config_mod
 from sinkflow import data, methods
 from sinkflow.engine import prefetch
 from sinkflow.errors import SinkflowError
-from sinkflow.models.footprint import activation_terms
+from sinkflow.models.footprint import activation_terms, recompute_terms
 from sinkflow.ot.sinkhorn_peak import cpu_peak_bytes  # also used by tests/test_preflight.py
 from sinkflow.tools.cards import GPUS, GiB, gpu_bytes  # noqa: F401 (the planner's cards, named without torch)
 
@@ -64,6 +64,9 @@ class PhaseMemory:
     act_fixed: int = 0
     act_per_sample: int = 0
     act_max_per_sample: int = 0
+    recompute_fixed: int = 0  # what backward re-runs with grad (a flow's checkpoint segment / invertible layer)
+    recompute_per_sample: int = 0
+    recompute_max_per_sample: int = 0
     precision: str = "fp32"  # the autocast the activations were measured under (train phases)
     batch_item_bytes: int = 0
     batch_copies: int = 1  # batches on the device at once: the step's, those in the making, a step graph's copy
@@ -85,6 +88,23 @@ def measure_activations(model: torch.nn.Module, shape: tuple[int, ...], precisio
     return activation_terms(model.train(), shape, with_time=None, autocast_dtype=dtype, device="cpu")
 
 
+# Backward through a re-run piece holds what it saved plus gradients: ~3 of its largest tensor (the gradient of a
+# conditioner's hidden activation, of its input and the one being formed). Calibrated against the H100's measured
+# peaks of docs/flows.md (Glow 3x32x32, batch 256, hidden 512, depth 4/16/64): checkpoint 1.02x at every depth,
+# invertible 0.98/0.96/0.88x of the measured peak above the weights (that table predates the direct-gradient backward,
+# which holds less: torch's MemTracker on CPU puts today's at 0.82x of this plan); 2x the saved bytes alone was
+# off by -28% to +57%. Without this term the plan was 0.37-0.81x of the measured peak.
+RECOMPUTE_GRADS = 3
+
+
+def measure_recompute(model: torch.nn.Module, shape: tuple[int, ...], precision: str = "fp32") -> tuple[int, int, int]:
+    """(fixed, per-sample, largest per-sample) bytes saved while backward re-runs its largest piece
+    (``recompute_terms``); zeros for a network that recomputes nothing (every network but a flow in checkpoint
+    or invertible memory mode)."""
+    dtype = AUTOCAST.get(precision)
+    return recompute_terms(model.train(), shape, torch.bfloat16 if dtype is torch.float16 else dtype, "cpu")
+
+
 def micro_batch(batch_size: int, accum: int) -> int:
     """Rows in one accumulation micro-batch: ``Trainer._update`` chunks the step's batch (``batch_size`` rows:
     the batch is per process, whatever the number of processes) into ``accum`` parts (``split_batch``)."""
@@ -98,6 +118,9 @@ def train_terms(pm: PhaseMemory, batch_size: int, accum: int) -> None:
     micro = micro_batch(batch_size, accum)
     pm.terms["activations"] = pm.act_fixed + pm.act_per_sample * micro
     pm.terms["backward transient"] = pm.act_max_per_sample * micro
+    if pm.recompute_per_sample or pm.recompute_fixed:
+        pm.terms["backward recompute"] = pm.recompute_fixed + (
+            pm.recompute_per_sample + RECOMPUTE_GRADS * pm.recompute_max_per_sample) * micro
     pm.terms["batch"] = pm.batch_item_bytes * batch_size * pm.batch_copies
 
 
@@ -133,6 +156,7 @@ def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int, bf
     pm.terms["weights+grads+adam" + ("+ema" if tcfg["ema"] > 0 else "")] = model_memory_bytes(
         model, "adam", ema=tcfg["ema"] > 0)
     pm.act_fixed, pm.act_per_sample, pm.act_max_per_sample = measure_activations(model, shape, tcfg["precision"])
+    pm.recompute_fixed, pm.recompute_per_sample, pm.recompute_max_per_sample = measure_recompute(model, shape, tcfg["precision"])
     dim = math.prod(shape)
     pm.batch_item_bytes = 4 * (3 * dim + 1)  # x_t, target, prediction + t
     ahead = prefetch.DEPTH if prefetch.use_prefetch(tcfg["prefetch"], torch.device("cuda")) else 0
@@ -164,9 +188,10 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
     # the training phases' activations were measured under their autocast (fp16 for a UNet on an Ampere-on card):
     # sampled in fp32 (sample.precision's default) the same tensors take twice the bytes
     sample_half = cfg["sample"].get("precision", "fp32") != "fp32"
-    pm.terms["forward transient"] = max((2 * t.act_max_per_sample * n * (2 if t.precision in AUTOCAST and
-                                                                        not sample_half else 1)
-                                         for t in train_mems), default=0)
+    # a flow in checkpoint/invertible mode saves little in training, but sampling runs its conditioners on the batch
+    largest = [(max(t.act_max_per_sample, t.recompute_max_per_sample), t.precision) for t in train_mems]
+    pm.terms["forward transient"] = max((2 * big * n * (2 if precision in AUTOCAST and not sample_half else 1)
+                                         for big, precision in largest), default=0)
     pm.note = f"chunks of sample.batch_size={n} samples; forward transient = 2 x the largest activation (rough)"
     return pm
 
