@@ -152,3 +152,30 @@ def test_a_signal_during_the_final_report_says_the_run_is_saved(tmp_path, monkey
     assert "report was stopped by signal 15; training is finished and saved: `sinkflow eval" in err
     assert (tmp_path / "runs" / "r" / "checkpoints" / "velocity" / "final.pt").exists()
     assert signal.getsignal(signal.SIGTERM) is before  # the process's own handler is back
+
+
+def test_a_resume_inside_a_logging_window_logs_the_uninterrupted_losses(tmp_path):
+    """The logged loss is the mean since the last log step. A run resumed from a checkpoint inside that window (step
+    3 of a log_every=5 window) restarted the sum: its step-5 loss was the mean of 2 steps, not 5. The checkpoint
+    holds the window now; the resumed run's log equals the uninterrupted run's."""
+    import shutil
+
+    args = ["moons", "--method", "fm", "--train-iters", "10", "train.velocity.ckpt_every=3",
+            "train.velocity.log_every=5", "--device", "cpu", "--no-report"]
+    out = cli("train", *args, "--name", "whole", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    whole = tmp_path / "runs" / "whole"
+    resumed = tmp_path / "runs" / "resumed"
+    shutil.copytree(whole, resumed)
+    ckpts = resumed / "checkpoints" / "velocity"
+    for name in ("final.pt", "step_00000006.pt", "step_00000009.pt"):
+        (ckpts / name).unlink()
+    (resumed / "status.json").unlink(missing_ok=True)
+    out = cli("train", "--resume", str(resumed), "--no-report", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+    def losses(run):
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if r.get("phase") == "velocity" and "loss" in r}
+
+    assert losses(resumed) == losses(whole) and sorted(losses(whole)) == [5, 10], (losses(resumed), losses(whole))

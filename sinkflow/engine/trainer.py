@@ -208,6 +208,9 @@ class Trainer:
                                 "resume with the config the run was trained with") from None
         if self.step_graph is not None:  # a captured step writes the optimizer state it was recorded with
             self.step_graph.invalidate()
+        window = state.get("log_window") or {}  # a checkpoint from before 2026-11-27 holds none: a fresh window
+        self.loss_sum = torch.tensor(float(window.get("loss_sum", 0.0)), device=self.device)
+        self.loss_count = int(window.get("count", 0))
         for group in self.optimizer.param_groups:  # the kernel is this device's choice, not the checkpoint's: a run
             # saved with foreach Adam (a CPU run before 2026-11-26, or an older torch) and resumed on the fused kernel
             # would otherwise refuse the skip flag
@@ -418,11 +421,13 @@ class Trainer:
         self._call("on_setup")
         ckpts = self.ckpts = run.checkpoints(self.name)
         latest = ckpts.latest()  # checked: loads safely, belongs to this run, holds the step its name says
+        # the losses since the last log step: on the device until a log step reads them; a checkpoint holds them, so
+        # a run resumed inside a logging window logs the mean the uninterrupted run logs
+        self.loss_sum, self.loss_count = torch.zeros((), device=self.device), 0
         if latest is not None:
             self.load_state_dict(latest, str(ckpts.steps()[-1][1]))
             self._call("on_load_checkpoint", latest)
         iters, ckpt_every = self.cfg["iters"], self.cfg["ckpt_every"]
-        loss_sum, loss_count = torch.zeros((), device=self.device), 0  # on the device until a log step reads it
         tick, tick_step = time.perf_counter(), self.step
         n_global = self.cfg["batch_size"] * self.info.world
         task, device = self.task, self.device
@@ -439,21 +444,21 @@ class Trainer:
                 loss, grad_norm = self.train_step(batch)
                 self.step += 1
                 self.last_units = 1
-                loss_sum, loss_count = loss_sum + loss, loss_count + 1
+                self.loss_sum, self.loss_count = self.loss_sum + loss, self.loss_count + 1
                 self._call("on_train_batch_end", batch, (loss, grad_norm))
                 checkpoint = self.step % ckpt_every == 0
                 if self.log_step() or checkpoint:
                     self.raise_if_non_finite()  # one sync: a bad step stops the run before it is logged or saved
                 if self.log_step():
                     rate = (self.step - tick_step) / max(time.perf_counter() - tick, 1e-9)
-                    mean = dist.mean_over_ranks(float(loss_sum) / loss_count)
+                    mean = dist.mean_over_ranks(float(self.loss_sum) / self.loss_count)
                     metrics = {"loss": mean, "lr": self.optimizer.param_groups[0]["lr"],
                                "grad_norm": float(grad_norm), "steps_per_s": rate, "samples_per_s": rate * n_global}
                     self._call("on_log", metrics)
                     run.logger.log(self.name, self.step, metrics)
                     run.logger.heartbeat(phase=self.name, step=self.step, total=iters, rate=rate,
                                          eta_s=(iters - self.step) / max(rate, 1e-9), loss=mean, state="running")
-                    loss_sum, loss_count = torch.zeros((), device=self.device), 0
+                    self.loss_sum, self.loss_count = torch.zeros((), device=self.device), 0
                     tick, tick_step = time.perf_counter(), self.step
                 # every rank agrees on a stop in the same step; under DDP that costs a sync, so only where it
                 # matters (log and checkpoint steps); alone, a signal is a Python flag and is read every step
@@ -503,7 +508,8 @@ class Trainer:
     def save(self) -> None:
         """A step checkpoint (main process), then every rank waits for it; a failed write (a full disk) is every
         rank's one line (``dist.on_main``: the other ranks printed a gloo traceback wall from the barrier)."""
-        dist.on_main(lambda: self.ckpts.save(self.state_dict(), self.step))
+        window = {"loss_sum": dist.mean_over_ranks(float(self.loss_sum)), "count": self.loss_count}  # every rank's
+        dist.on_main(lambda: self.ckpts.save({**self.state_dict(), "log_window": window}, self.step))
         self._call("on_checkpoint")
 
 
