@@ -70,6 +70,7 @@ class Run:
             raise SinkflowError(f"steps={shown(steps)} must be a whole number >= 1",
                                 "e.g. steps=10, or leave it out (None) for the run's default")
         steps = None if steps is None else int(steps)
+        method.check_steps(steps, "steps=")
         if x0 is None:
             from sinkflow.eval.points import generate
 

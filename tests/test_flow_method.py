@@ -102,6 +102,12 @@ def test_flow_preset_end_to_end(preset, runs_dir, tmp_path, capsys):
     assert "--steps does not apply to a flow run" in err and not (tmp_path / "t.npy").exists()
     assert main(["eval", str(run)]) == 0
     text = capsys.readouterr().out
+    assert "clamped to [-1,1] by the flow's sampler" in text and "not clamped" not in text  # it said "not clamped"
+    from sinkflow import open_run
+    from sinkflow.errors import SinkflowError
+
+    with pytest.raises(SinkflowError, match=r"steps= does not apply to a flow run"):  # it was ignored in silence
+        open_run(run).sample(4, steps=5)
     bpd = float(re.search(r"Test bits/dim on \S+ \(flow\): ([0-9.]+)", text).group(1))
     assert math.isfinite(bpd) and 0 < bpd < math.log2(n_bins) + 4
     assert [r for r in records(run, "eval") if "test_bpd" in r][-1]["test_bpd"] == pytest.approx(bpd, abs=1e-4)
@@ -273,13 +279,18 @@ def test_a_level_count_that_rounds_the_data_away_is_warned_about(caplog):
             for r in caplog.records] == [True]
 
 
-@pytest.mark.parametrize("overrides, needle", [(["model.flow.levels=4"], "images are 8x8; set data.image_size=16"),
-                                               (["data.image_size=10"], "images are 10x10; set data.image_size=")])
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.flow.levels=4"], "images are 8x8; set model.flow.levels=3, or data.image_size=16 (resizes"),
+    (["data.image_size=10"], "images are 10x10; set model.flow.levels=1, or data.image_size="),
+    (["data.image_size=9"], "images are 9x9; set data.image_size=8 (resizes"),
+    (["model.flow.squeeze=false"], "level 0 has 1 channel(s); coupling needs >= 2; set model.flow.squeeze=true")])
 def test_image_sides_a_flow_cannot_halve_name_the_image_size_key(runs_dir, capsys, overrides, needle):
     """A 15x15 folder under a 3-level flow said 'use fewer levels or a size divisible by 8': fewer levels cannot fix
-    an odd side, and the data key that can was not named."""
+    an odd side, and the data key that can was not named. Where fewer levels do fit, they come first and name the
+    count: resizing the 17-level digits to 16x16 makes 8-bit images the preset's n_bins=17 no longer describes. A
+    1-channel image without the squeeze is fixed by the squeeze, not by fewer levels."""
     capsys.readouterr()
     assert main(["train", "flow-digits", *overrides, "--train-iters", "1", "--device", "cpu", "--no-report"]) == 2
     err = capsys.readouterr().err
-    assert needle in err and "divisible by" in err, err
+    assert needle in err and ("divisible by" in err or "squeeze" in err), err
     assert not runs_dir.exists()

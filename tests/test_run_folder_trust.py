@@ -305,13 +305,15 @@ def test_os_system_payload_is_called_refused_not_corrupt(tmp_path):
 
 @pytest.mark.parametrize("override,hint", [("nsgf.blurr=0.5", "sinkhorn.blur"), ("nsgf.eta=1", "pool.eta"),
                                            ("pool.blur=1", "sinkhorn.blur"), ("pool.etaa=1", "pool.eta"),
-                                           ("train.velocity.itres=3", "train.velocity.iters")])
+                                           ("train.velocity.itres=3", "train.velocity.iters"),
+                                           ("model.flow.hidden=3", "model.flow.hidden_channels"),  # was `kind`
+                                           ("model.flow.depth=3", "model.flow.depth_per_level")])
 def test_key_hints_prefer_the_section_and_moved_keys(override, hint):
     from sinkflow import config
     from sinkflow.errors import SinkflowError
 
     with pytest.raises(SinkflowError, match=f"did you mean '{hint}'"):
-        config.resolve("moons", [override])
+        config.resolve("flow-digits" if override.startswith("model.flow") else "moons", [override])
 
 
 def test_folder_named_npy_is_not_a_file(runs_dir, tmp_path, capsys):

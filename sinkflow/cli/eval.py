@@ -10,7 +10,10 @@ def add_parser(sub):
     p = sub.add_parser("eval", help="evaluate a trained run",
                        description="2D: exact W2 (POT) at eval.steps Euler steps on eval.n test samples, mean and "
                                    "spread over eval.seeds sampling seeds, beside the paper's Table 1 row. "
-                                   "Images: the offline metrics (and FID when Inception weights are configured).",
+                                   "Images: pixel W2, the digit classifier's histogram TV and confidence, FD-CNN "
+                                   "(and FID when Inception weights are configured). A normalizing flow: first "
+                                   "validation and test bits/dim (exact likelihood), then the image metrics of its "
+                                   "samples. Scores are appended to the run's metrics.jsonl.",
                        epilog="example: sinkflow eval runs/moons-nsgf-20261122-120000 --seeds 5")
     p.add_argument("run_dir", metavar="RUN")
     p.add_argument("--seeds", type=int, help="sampling seeds (default eval.seeds)")

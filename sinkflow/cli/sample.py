@@ -45,9 +45,7 @@ def run(args):
     config.validate(run_.cfg)  # the key's type and range, and a key this method never reads, as `train` refuses them
     config.check_read(run_.cfg, config.override_keys(args.overrides))
     method = methods.of(run_.cfg)
-    if args.steps and not method.takes_steps:
-        raise SinkflowError(f"--steps does not apply to a {method.name} run: it samples in one inverse pass",
-                            "drop --steps (sample.temperature sets how far from the mode it draws)")
+    method.check_steps(args.steps)
     steps = args.steps or method.default_steps(run_.cfg)  # NSGF++: the straight-flow steps
     qmc = args.qmc or run_.cfg["sample"]["qmc"]
     x, info = generate(run_, args.n, steps, seed=args.seed, qmc=qmc)

@@ -189,7 +189,8 @@ MOVED = {"eta": "pool.eta", "eta_growth": "pool.eta_growth", "blur": "sinkhorn.b
 
 
 def closest_key(key: str, leaves: list[str]) -> str | None:
-    """The key a typo most likely meant, in this order: a close key of the same section (``pool.etaa`` ->
+    """The key a typo most likely meant, in this order: a key of the same section whose name begins with the one
+    typed (``model.flow.hidden`` -> ``hidden_channels``); a close key of the same section (``pool.etaa`` ->
     ``pool.eta``); a key whose last part is the same or nearly (``nsgf.eta`` -> ``pool.eta``,
     ``nsgf.blurr`` -> ``sinkhorn.blur``; the same section first, then the known moved keys of ``MOVED``);
     then any close key."""
@@ -197,6 +198,9 @@ def closest_key(key: str, leaves: list[str]) -> str | None:
     depth = 2 if parts[0] in ("model", "train") and len(parts) > 2 else 1
     section = ".".join(parts[:depth]) + "."
     same = [k for k in leaves if k.startswith(section)]
+    prefixed = [k for k in same if len(parts[-1]) >= 3 and k.split(".")[-1].startswith(parts[-1])]
+    if prefixed:  # a shortened name: model.flow.hidden -> model.flow.hidden_channels (difflib offered `kind`)
+        return min(prefixed, key=len)
     close = difflib.get_close_matches(key, same, n=1, cutoff=0.8)
     if close:
         return close[0]

@@ -239,8 +239,9 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
     protocol = {
         "n": n, "class_n": class_n if clf is not None else None, "seeds": seeds, "reference": f"{target.name} {'held-out' if held_out is None else 'validation'} split "
                                          f"({n} of {n_test} images, fixed subset)",
-        "w2": "exact W2, POT emd2, squared Euclidean cost on flattened pixels (data in [-1,1]; generated samples as "
-              "sampled, not clamped)",
+        "w2": "exact W2, POT emd2, squared Euclidean cost on flattened pixels (data in [-1,1]; generated samples "
+              + ("clamped to [-1,1] by the flow's sampler)" if methods.of(cfg).clamps_samples else
+                 "as sampled, not clamped)"),
         "classifier": (f"sklearn LogisticRegression(C=0.5) on <= {CLASSIFIER_MAX_TRAIN} training-split images; "
                        f"TV = total-variation distance of predicted-class histograms, {class_n} generated vs "
                        f"{n} held-out real")

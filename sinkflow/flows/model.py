@@ -211,7 +211,8 @@ def _level_shapes(in_shape, levels: int, squeeze: bool):
                     f"use fewer levels or a size divisible by 2**levels ({2 ** levels})")
             c, h, w = 4 * c, h // 2, w // 2
         require(c >= 2, f"flow level {i} has {c} channel(s); coupling needs >= 2",
-                "use fewer levels or enable squeeze")
+                "set model.flow.squeeze=true (the squeeze makes 4 channels of each)" if not squeeze else
+                f"use {i} level(s)" if i else "give the data 2 or more channels")
         shapes.append((c, h, w))
         if i < levels - 1:
             c = c - c // 2

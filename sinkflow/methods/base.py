@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from sinkflow.errors import SinkflowError
 from sinkflow.config.schema import METHOD_REGISTRY
 from sinkflow.methods.ode import compiled_for_sampling
 from sinkflow.runtime.callbacks import Callback
@@ -151,6 +152,7 @@ class Method:
 
     name: str = ""
     takes_steps = True  # sampling integrates a path in Euler steps (`sample --steps`); a flow inverts once
+    clamps_samples = False  # sample_nets returns values as integrated (a flow maps its samples into the pixel range)
     # The paper's own W2 numbers for this method, {task (preset): {euler_steps: w2}}, and the label the report
     # prints them under; a method the paper has no numbers for keeps both empty and reports none.
     paper: dict = {}
@@ -159,6 +161,13 @@ class Method:
     def paper_w2(self, task: str, steps: int) -> float | None:
         """The paper's W2 for this method on ``task`` at ``steps`` Euler steps, or None (never raises)."""
         return (self.paper.get(task) or {}).get(steps)
+
+    def check_steps(self, steps, flag: str = "--steps") -> None:
+        """Refuse a number of sampling steps for a method that samples without steps (the CLI's ``--steps`` and the
+        API's ``steps=`` alike: the API ignored it in silence)."""
+        if steps is not None and not self.takes_steps:
+            raise SinkflowError(f"{flag} does not apply to a {self.name} run: it samples in one inverse pass",
+                                f"drop {flag.rstrip('=')} (sample.temperature sets how far from the mode it draws)")
 
     def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
         """Refuse, before any work, a config this method cannot run (one line naming the key). The config alone

@@ -141,9 +141,11 @@ def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
     if m.get("squeeze", True) and any(n % side for n in sample_shape[1:]):  # the data's size is a data key
         h, w = sample_shape[1:]
         fit = max(side, round(max(h, w) / side) * side)
+        most = next((k for k in range(levels - 1, 0, -1) if not (h % 2**k or w % 2**k)), 0)
+        resize = f"data.image_size={fit} (resizes and center-crops: other pixels than the data set's own)"
         raise SinkflowError(f"a {levels}-level flow halves the image sides {levels} times, so they must be divisible "
                             f"by {side}; the data's images are {h}x{w}",
-                            f"set data.image_size={fit} (resize and center-crop) or model.flow.levels to fewer")
+                            f"set model.flow.levels={most}, or {resize}" if most else f"set {resize}")
     # every architecture key and the shape (levels vs image size), on a throwaway one-step, narrow model
     build_model("flow", {**m, "depth_per_level": 1, "hidden_channels": 2}, sample_shape)
 
@@ -267,6 +269,7 @@ class NormalizingFlow(Method):
 
     name = "flow"
     takes_steps = False
+    clamps_samples = True  # sample_nets: NaN to mid-grey, then into [0, 1] (postprocess): never unclamped
 
     def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
         check(cfg, sample_shape)
