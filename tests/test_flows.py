@@ -332,7 +332,7 @@ def test_training_lowers_bits_per_dim_and_samples_have_the_data_shape():
 def test_config_errors_are_sinkflow_errors():
     with pytest.raises(SinkflowError, match="unknown flow config key"):
         build_flow({"depht": 3}, (1, 8, 8))
-    with pytest.raises(SinkflowError, match="memory mode"):
+    with pytest.raises(SinkflowError, match="model.flow.memory. must be one of standard, checkpoint, invertible"):
         build_flow({"memory": "tiny"}, (1, 8, 8))
     with pytest.raises(SinkflowError, match="squeeze"):
         build_flow({"levels": 3}, (1, 4, 4))
@@ -428,3 +428,28 @@ def test_conditioner_fast_path_is_the_module_and_follows_copies():
     twin.load_state_dict({k: v + 1 for k, v in net.state_dict().items()})
     torch.testing.assert_close(twin.functional(x), twin(x))
     assert not torch.allclose(twin.functional(x), net.functional(x))
+
+
+@pytest.mark.parametrize("cfg, needle", [({"levels": "2"}, "'model.flow.levels' expects int"),
+                                         ({"depth_per_level": 2.5}, "'model.flow.depth_per_level' expects int"),
+                                         ({"hidden_channels": -4}, "'model.flow.hidden_channels' must be >= 1"),
+                                         ({"drift_tol": -1, "memory": "invertible"}, "'model.flow.drift_tol' must be > 0")])
+def test_build_flow_checks_values_as_the_config_does(cfg, needle):
+    """The API's builder took what `sinkflow train` refuses: a TypeError for "2", a RuntimeError for a negative width,
+    and a negative drift_tol that made every invertible layer fall back to storing its input, with warnings only."""
+    from sinkflow.errors import SinkflowError
+    from sinkflow.flows.model import build_flow
+
+    with pytest.raises(SinkflowError, match=needle):
+        build_flow(cfg, (1, 8, 8))
+
+
+@pytest.mark.parametrize("n_bins", [0, 1, 300, 2.5, True])
+def test_flow_loss_refuses_a_level_count_outside_2_to_256(n_bins):
+    from sinkflow.errors import SinkflowError
+    from sinkflow.flows.losses import flow_loss
+    from sinkflow.flows.model import build_flow
+
+    with pytest.raises(SinkflowError, match=r"n_bins=.* must be an integer in \[2, 256\]"):  # 0: math domain error
+        flow_loss(build_flow({"levels": 1, "depth_per_level": 1, "hidden_channels": 4}, (1, 4, 4)),
+                  torch.rand(2, 1, 4, 4), n_bins=n_bins)

@@ -27,6 +27,7 @@ def to_levels(x, n_bins: int = 256) -> torch.Tensor:
     ``256 // n_bins`` a non-divisor such as 17 sent 255 out of range). Floats in [0, 1] are
     ``round(x * (n_bins - 1))``: ``k / 255`` for 256 levels, ``k / (n_bins - 1)`` for data already at ``n_bins``
     levels (sklearn's digits, 0..16, as ``x / 16``)."""
+    check_n_bins(n_bins)
     if x.dtype == torch.uint8 or not x.is_floating_point():
         k = x.long()
         if k.numel():
@@ -43,6 +44,14 @@ def to_levels(x, n_bins: int = 256) -> torch.Tensor:
             raise SinkflowError(f"float images for a flow must lie in [0, 1], got {lo:.4g}..{hi:.4g}",
                                 "pass uint8 pixels or ToTensor()-style floats k/255 (NaN or Inf: check the data)")
     return torch.round(x * (n_bins - 1)).long()
+
+
+def check_n_bins(n_bins) -> int:
+    """The likelihood's pixel levels: an integer in [2, 256] (0 was a math domain error, 300 silently wrong)."""
+    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or not 2 <= n_bins <= 256:
+        raise SinkflowError(f"n_bins={n_bins!r} must be an integer in [2, 256]",
+                            "use 256 for 8-bit images (or 17 for sklearn digits' native 0..16 levels)")
+    return n_bins
 
 
 def dequantize(x, generator: torch.Generator | None = None, n_bins: int = 256,
@@ -66,6 +75,7 @@ def postprocess(x: torch.Tensor) -> torch.Tensor:
 
 def bits_per_dim(log_prob: torch.Tensor, dims: int, n_bins: int = 256) -> torch.Tensor:
     """Per-sample bits/dim from the model's log-density of ``x / n_bins - 0.5`` (see module docstring)."""
+    check_n_bins(n_bins)
     return (-log_prob / dims + math.log(n_bins)) / math.log(2.0)
 
 

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn as nn
 
-from sinkflow.config.schema import model_defaults
+from sinkflow.config.schema import MODEL_KINDS, model_defaults
 from sinkflow.config.checks import is_real, shown
 from sinkflow.data.base import check_sample_size
 from sinkflow.errors import SinkflowError, require
@@ -282,10 +282,14 @@ FLOW_DEFAULTS = {k: v for k, v in model_defaults("flow").items() if k != "n_bins
 
 def build_flow(cfg: dict, sample_shape) -> FlowModel:
     """Build a flow from a plain config dict (keys and defaults: :data:`FLOW_DEFAULTS`)."""
+    from sinkflow.config import check_value
+
     unknown = sorted(set(cfg) - set(FLOW_DEFAULTS))
     if unknown:
         raise SinkflowError(f"unknown flow config key(s) {unknown}", f"valid keys: {sorted(FLOW_DEFAULTS)}")
-    c = {**FLOW_DEFAULTS, **cfg}
+    # each value against the config schema's type and range, as `sinkflow train` checks it: a string level count
+    # was a TypeError, a negative width a RuntimeError, a negative drift_tol disabled invertible mode in silence
+    c = {**FLOW_DEFAULTS, **{k: check_value(f"model.flow.{k}", MODEL_KINDS["flow"][k], v) for k, v in cfg.items()}}
     common = dict(squeeze=c["squeeze"], memory=c["memory"], drift_tol=c["drift_tol"],
                   checkpoint_segments=c["checkpoint_segments"], logit_alpha=float(c["logit_alpha"]))
     if c["scale"] is not None and c["scale"] not in SCALE_MAPS:
