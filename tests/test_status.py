@@ -205,3 +205,20 @@ def test_status_lists_the_phases_still_to_come_with_their_time_at_this_rate(tmp_
     (run / "status.json").write_text(json.dumps({"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
                                                  "phase": "pool", "step": 3, "total": 10, "state": "running"}))
     assert [p["phase"] for p in read_status(run)["phases_left"]] == ["velocity", "nsf", "time"]
+
+
+def test_status_shows_each_metrics_newest_value_of_a_phase(tmp_path):
+    """A finished flow's last record is its drift report: status printed "fallen_back 0, ..." and never the loss
+    (bits/dim); an eval's test bits/dim was hidden by the sample scores recorded after it."""
+    from sinkflow.tools.status import format_status
+
+    rows = [{"phase": "flow", "step": 39, "loss": 2.61, "lr": 1e-3}, {"phase": "flow", "step": 40, "loss": 2.6},
+            {"phase": "flow", "step": 40, "fallen_back": 0, "final": True},
+            {"phase": "eval", "step": 40, "test_bpd": 2.55}, {"phase": "eval", "step": 40, "w2": 3.2}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from sinkflow import config
+
+    (tmp_path / "config.yaml").write_text(config.dump(config.resolve("flow-digits", [])))
+    text = format_status(read_status(tmp_path))
+    assert "flow step 40: loss 2.6, lr 0.001, fallen_back 0, final True" in text, text
+    assert "eval step 40: test_bpd 2.55, w2 3.2" in text, text

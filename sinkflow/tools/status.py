@@ -115,8 +115,9 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     out["resume"] = resume_command(run_dir)
     records = tail_jsonl(run_dir / "metrics.jsonl")
     latest: dict[str, dict] = {}
-    for r in records:
-        latest[r.get("phase", "?")] = r
+    for r in records:  # each key's newest value: a flow's last record (its drift report) holds no loss
+        phase = r.get("phase", "?")
+        latest[phase] = {**latest.get(phase, {}), **r}
     out["latest_metrics"] = latest
     ckdir = run_dir / "checkpoints"
     ckpts: dict[str, list] = {}
