@@ -86,7 +86,7 @@ def temperature_grid(run, path, out, temps=(1.0, 0.8, 0.6), n: int = 64) -> Path
     eps = torch.randn((n, *model.in_shape), generator=torch.Generator().manual_seed(7))
     panels = []
     for t in temps:
-        x = torch.nan_to_num(postprocess(decode(model, eps, t)), nan=0.5).clamp(0, 1)
+        x = postprocess(decode(model, eps, t), run.cfg["model"]["flow"]["n_bins"])
         x = torch.nn.functional.interpolate(x, scale_factor=4, mode="nearest")
         panels.append(make_grid(x, nrow=8, padding=2, pad_value=1.0))
     Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -68,9 +68,20 @@ def preprocess(x_deq: torch.Tensor, n_bins: int = 256) -> torch.Tensor:
     return x_deq / n_bins - 0.5
 
 
-def postprocess(x: torch.Tensor) -> torch.Tensor:
-    """Model space -> image floats in [0, 1] (for saving samples)."""
-    return (x + 0.5).clamp(0, 1)
+def postprocess(x: torch.Tensor, n_bins: int = 256) -> torch.Tensor:
+    """Model space -> the data's own pixel values in [0, 1]: the level ``k`` whose bin ``[k, k+1) / n_bins`` holds
+    the sample (the discrete image the dequantised density assigns it to; openai/glow's postprocess quantises too),
+    then that level as the data layer holds it: ``k / 255`` for 8-bit data, the 8-bit bin's centre under a bit
+    reduction (``n_bins`` dividing 256), ``round(k * 255 / (n_bins - 1)) / 255`` for data with ``n_bins`` native
+    levels (sklearn digits: exactly the data's values). The continuous ``x + 0.5`` was off the grid: a white
+    digit pixel came back anywhere in 0.88..1. NaN goes to the middle level, +-inf to the range ends."""
+    check_n_bins(n_bins)
+    y = torch.nan_to_num(x + 0.5, nan=0.5, posinf=1.0, neginf=0.0)
+    k = torch.floor(y * n_bins).clamp_(0, n_bins - 1)
+    if 256 % n_bins == 0:
+        s = 256 // n_bins
+        return (k * s + (s - 1) / 2) / 255.0
+    return torch.round(k * 255.0 / (n_bins - 1)) / 255.0
 
 
 def bits_per_dim(log_prob: torch.Tensor, dims: int, n_bins: int = 256) -> torch.Tensor:

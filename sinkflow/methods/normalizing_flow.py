@@ -269,7 +269,7 @@ class NormalizingFlow(Method):
 
     name = "flow"
     takes_steps = False
-    clamps_samples = True  # sample_nets: NaN to mid-grey, then into [0, 1] (postprocess): never unclamped
+    clamps_samples = True  # sample_nets: the data's pixel levels (postprocess), never outside [-1, 1]
 
     def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
         check(cfg, sample_shape)
@@ -287,7 +287,8 @@ class NormalizingFlow(Method):
 
     @torch.no_grad()
     def sample_nets(self, nets, cfg, x0, steps=None, record=False):
-        """Images in [-1, 1] from the prior noise ``x0`` at ``sample.temperature``; ``steps`` is ignored.
+        """Images in [-1, 1] on the data's pixel grid (``postprocess``) from the prior noise ``x0`` at
+        ``sample.temperature``; ``steps`` is ignored.
 
         A Glow's inverse expands where its forward contracts (sigmoid couplings divide by a scale in (0, 1)),
         so a tail latent can overflow on the way back, in float64 too. Such samples are neither dropped nor
@@ -297,13 +298,12 @@ class NormalizingFlow(Method):
         """
         model = nets["flow"]
         temperature = cfg["sample"]["temperature"]
-        x = postprocess(decode(model, x0.to(next(model.parameters()).device), temperature))
-        bad = int((~torch.isfinite(x.flatten(1))).any(1).sum())
+        raw = decode(model, x0.to(next(model.parameters()).device), temperature)
+        bad = int((~torch.isfinite(raw.flatten(1))).any(1).sum())
         if bad:
             log.warning("flow sampling: %d of %d samples overflowed in the inverse (temperature %g); their pixels "
-                        "are clamped, NaN shown as mid-grey", bad, len(x), temperature)
-            x = torch.nan_to_num(x, nan=0.5).clamp_(0, 1)
-        x = x * 2 - 1
+                        "are clamped, NaN shown as mid-grey", bad, len(raw), temperature)
+        x = postprocess(raw, cfg["model"]["flow"]["n_bins"]) * 2 - 1  # on the data's pixel grid
         return x, {"nfe": 1, "path": [x.cpu()] if record else [], "nonfinite": bad}
 
     def evaluate(self, run, ev, seeds: int | None = None, n: int | None = None) -> str:
