@@ -36,7 +36,7 @@ def test_preset_end_to_end(preset, runs_dir, capsys):
     for f in ("config.yaml", "meta.json", "metrics.jsonl", "samples.png", "trajectories.png", "status.json",
               "checkpoints/pool/final.pt", "checkpoints/velocity/final.pt", "pool/x.npy"):
         assert (run / f).is_file(), f
-    assert list((run / "tb").glob("events.out.tfevents.*"))
+    assert list((run / "tb").rglob("events.out.tfevents.*"))
     meta = json.loads((run / "meta.json").read_text())
     assert meta["seed"] == 0 and "torch" in meta["versions"]
     pool_x = np.load(run / "pool" / "x.npy")

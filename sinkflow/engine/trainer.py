@@ -427,6 +427,7 @@ class Trainer:
         if latest is not None:
             self.load_state_dict(latest, str(ckpts.steps()[-1][1]))
             self._call("on_load_checkpoint", latest)
+        run.logger.rewind(self.name, self.step)  # what a killed process logged past this step is dropped
         iters, ckpt_every = self.cfg["iters"], self.cfg["ckpt_every"]
         tick, tick_step = time.perf_counter(), self.step
         n_global = self.cfg["batch_size"] * self.info.world

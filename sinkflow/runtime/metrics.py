@@ -1,7 +1,8 @@
 """Training health while it runs: a JSONL log, TensorBoard events and a heartbeat file.
 
 ``metrics.jsonl`` is one JSON object per logged step (easy to grep, load with pandas, or tail);
-TensorBoard gets the same scalars; ``status.json`` is rewritten atomically on every log so
+TensorBoard gets the same scalars, one event folder per phase (``tb/<phase>``, so a resumed phase can purge what
+a killed process logged past its checkpoint without touching the other phases); ``status.json`` is rewritten atomically on every log so
 ``sinkflow status RUN`` can tell a live run from a dead one by the heartbeat's age.
 """
 
@@ -29,7 +30,8 @@ class MetricsLogger:
         self.enabled = enabled
         self.best_effort = best_effort
         self.failed: OSError | None = None
-        self._tb = None
+        self._tbs: dict = {}  # phase -> SummaryWriter, created on the phase's first scalar
+        self._purge: dict[str, int] = {}  # phase -> the first step its next writer hides (``rewind``)
         self._jsonl = None  # opened on the first record: creating a logger writes nothing
 
     @property
@@ -39,14 +41,37 @@ class MetricsLogger:
             self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         return self._jsonl
 
-    @property
-    def tb(self):
-        """TensorBoard writer, created lazily (importing tensorboard costs ~1 s)."""
-        if self._tb is None and self.enabled:
+    def tb(self, phase: str):
+        """The phase's TensorBoard writer, created lazily (importing tensorboard costs ~1 s)."""
+        if phase not in self._tbs:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tb"))
-        return self._tb
+            self._tbs[phase] = SummaryWriter(str(self.run_dir / "tb" / phase), purge_step=self._purge.pop(phase, None))
+        return self._tbs[phase]
+
+    def rewind(self, phase: str, step: int) -> None:
+        """``phase`` (re)starts at ``step`` (its checkpoint's): drop what a killed process logged for it after that
+        step, so each step is logged once. metrics.jsonl is rewritten without those records (atomically); the
+        phase's TensorBoard events past ``step`` are purged (``SummaryWriter(purge_step=)``, TensorBoard's own way
+        of hiding a crashed run's tail). A kill -9 after step 250 and a resume from the step-210 checkpoint logged
+        step 250 twice, with different values."""
+        if not self.enabled:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        try:
+            lines = path.read_text().splitlines(keepends=True)
+        except FileNotFoundError:
+            return
+        keep = [line for line in lines if not _logged_after(line, phase, step)]
+        if len(keep) == len(lines):
+            return
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        atomic_write_text(path, "".join(keep))
+        self._purge[phase] = step + 1
+        if phase in self._tbs:
+            self._tbs.pop(phase).close()
 
     def log(self, phase: str, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
@@ -61,7 +86,7 @@ class MetricsLogger:
             self.jsonl.write(json.dumps(record) + "\n")  # first: a folder we cannot write fails here, synchronously
             for key, value in record.items():
                 if key not in ("time", "phase", "step") and isinstance(value, float) and math.isfinite(value):
-                    self.tb.add_scalar(f"{phase}/{key}", value, step)
+                    self.tb(phase).add_scalar(f"{phase}/{key}", value, step)
         except OSError as exc:
             if not self.best_effort:
                 raise
@@ -74,8 +99,9 @@ class MetricsLogger:
                 raise PermissionError(errno.EACCES, "Permission denied (or a read-only file system)", str(path))
 
     def histogram(self, tag: str, values, step: int) -> None:
+        """``tag`` begins with the phase (``velocity/weights/...``): it goes to that phase's event folder."""
         if self.enabled:
-            self.tb.add_histogram(tag, values, step)
+            self.tb(tag.split("/")[0]).add_histogram(tag, values, step)
 
     def heartbeat(self, **status: Any) -> None:
         """Rewrite ``status.json`` (phase, step, total, rate, eta, state) with the current time."""
@@ -85,13 +111,23 @@ class MetricsLogger:
         atomic_write_text(self.run_dir / "status.json", json.dumps(status))
 
     def flush(self) -> None:
-        if self._tb is not None:
-            self._tb.flush()
+        for writer in self._tbs.values():
+            writer.flush()
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for writer in self._tbs.values():
+            writer.close()
+        self._tbs = {}
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+
+
+def _logged_after(line: str, phase: str, step: int) -> bool:
+    """Is this metrics.jsonl line a record of ``phase`` past ``step``? (A line that is not a record is kept.)"""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return (isinstance(record, dict) and record.get("phase") == phase and isinstance(record.get("step"), (int, float))
+            and record["step"] > step)
