@@ -323,3 +323,26 @@ def test_every_shorthand_flag_sets_schema_keys():
     for name, patterns in config.SHORTHANDS.items():
         for pattern in patterns:
             assert config.expand_key(schema.defaults(), pattern), (name, pattern)
+
+
+@pytest.mark.parametrize("override, key, want", [
+    ("experiment.name=0123", "experiment.name", "0123"),  # YAML 1.1: octal 83, and `sinkflow train` made runs/83
+    ("experiment.name='0123'", "experiment.name", "0123"),  # quoted: 123.0
+    ('experiment.name="1.50"', "experiment.name", "1.50"),  # 1.5
+    ("experiment.name=12:30", "experiment.name", "12:30"),  # base 60: 750
+    ("experiment.name=yes", "experiment.name", "yes"),  # a bool, refused
+    ("experiment.name=2024", "experiment.name", "2024"),
+    ("experiment.name=null", "experiment.name", None),
+    ("data.target=1e3", "data.target", "1e3"),  # 1000.0
+    ("train.velocity.iters=010", "train.velocity.iters", 10),  # octal 8
+    ("train.velocity.lr=1e-3", "train.velocity.lr", 1e-3),
+])
+def test_override_values_are_read_as_typed(override, key, want):
+    from sinkflow.config import flatten
+
+    assert flatten(config.resolve("moons", [override]))[key] == want
+
+
+def test_a_base_60_looking_number_is_not_an_int():
+    with pytest.raises(SinkflowError, match=r"'train.velocity.iters' expects int .* got str '1:30'"):
+        config.resolve("moons", ["train.velocity.iters=1:30"])

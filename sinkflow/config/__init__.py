@@ -283,8 +283,21 @@ def apply_overrides(tree: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise SinkflowError(f"override '{item}' is not of the form key.sub=value", "write e.g. train.velocity.lr=1e-3")
         key, _, text = item.partition("=")
-        set_key(tree, key.strip(), parse_value(text.strip()))
+        key, text = key.strip(), text.strip()
+        spec = schema.keys(tree).get(key)
+        set_key(tree, key, _string(text, spec.nullable) if spec is not None and isinstance(spec.rule, schema.Str)
+                else parse_value(text))
     return tree
+
+
+def _string(text: str, nullable: bool) -> str | None:
+    """A string key's override as typed (one pair of surrounding quotes removed): YAML read ``0123`` as octal 83,
+    ``12:30`` as 750 and ``yes`` as true, and a quoted ``'0123'`` still became ``123.0`` (runs/83 was created)."""
+    if nullable and text in ("null", "~", ""):
+        return None
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
 
 
 def apply_shorthands(tree: dict, values: dict[str, Any]) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -193,7 +194,12 @@ class Options(Constraint):
 
 
 def parse_value(text: str) -> Any:
-    """Parse an override's value the way YAML would, accepting ``1e-3`` as a float too."""
+    """Parse an override's value the way YAML would, accepting ``1e-3`` as a float too. Numbers are decimal as
+    typed: YAML 1.1 read ``010`` as octal 8 and ``1:30`` as the base-60 90 (the latter stays a string)."""
+    if re.fullmatch(r"[-+]?0\d+", text):
+        return int(text, 10)
+    if re.fullmatch(r"[-+]?\d+(:\d+)+(\.\d*)?", text):
+        return text
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
