@@ -135,3 +135,15 @@ def test_an_unrecognized_argument_is_named_as_the_sub_commands(capsys):
             main(argv)
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and err.startswith(needle) and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("device, needle", [("mps", "MPS (Apple GPU) is not available here"),
+                                            ("gpu", "is not a device"), ("xla", "is not supported")])
+def test_a_device_this_machine_lacks_is_one_line_before_the_run_folder(tmp_path, device, needle):
+    """--device mps on a machine without MPS was a traceback from the pool, after the run folder was made."""
+    import torch
+
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    one_line_error(cli("train", "moons", "--device", device, "--train-iters", "1", cwd=tmp_path), needle)
+    assert not (tmp_path / "runs").exists()

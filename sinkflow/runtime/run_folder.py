@@ -56,7 +56,11 @@ def resolve_device(name: str) -> torch.device:
         if device.index is not None and device.index >= count:
             raise SinkflowError(f"experiment.device={name} but this machine has {count} CUDA device(s)",
                                 f"use cuda:0..cuda:{count - 1}, cuda or auto")
-    elif device.type not in ("cpu", "mps"):
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():  # a traceback from the pool, after the run folder was made
+            raise SinkflowError(f"experiment.device={name} but MPS (Apple GPU) is not available here",
+                                "use --device cpu or auto")
+    elif device.type != "cpu":
         raise SinkflowError(f"experiment.device={name} is not supported", "use auto, cpu, cuda or cuda:N")
     return device
 
