@@ -98,10 +98,19 @@ class Run:
     def evaluate(self, seeds: int | None = None, n: int | None = None) -> str:
         """The scores `sinkflow eval` prints (W2 table, or image / flow metrics; ``seeds`` / ``n`` as its --seeds /
         --n), appended to metrics.jsonl as it does. The run's figures are left as training wrote them (it rewrote
-        samples.png and trajectories.png, on a run opened "read only")."""
-        from sinkflow.eval.report import evaluate
+        samples.png and trajectories.png, on a run opened "read only"). Checked as the command checks its flags,
+        before any work: a whole number >= 1 each (0 meant the default in silence), ``n`` within this machine's
+        memory."""
+        from sinkflow.data.memory import check_sample_memory
+        from sinkflow.eval.report import evaluate, is_points
 
-        return evaluate(self._run, seeds=seeds, n=n)
+        for name, value, example in (("seeds", seeds, 5), ("n", n, 1024)):
+            require(value is None or (is_whole(value) and int(value) >= 1),
+                    f"{name}={shown(value)} must be a whole number >= 1",
+                    f"e.g. {name}={example}, or leave it out (None) for the run's eval.{name}")
+        if n is not None:
+            check_sample_memory(int(n), self.cfg, "n", exact_w2=is_points(self.cfg))
+        return evaluate(self._run, seeds=None if seeds is None else int(seeds), n=None if n is None else int(n))
 
     def __repr__(self) -> str:
         return f"sinkflow.Run({str(self.dir)!r})"

@@ -365,3 +365,14 @@ def test_train_takes_paths_and_numpy_numbers_as_dotted_overrides(runs_dir, tmp_p
     with pytest.raises(SinkflowError, match=r"override pool.eta is of type object, which a config cannot hold; pass a") as e:
         sinkflow.train("moons", runs_dir=runs_dir, **{"pool.eta": object()})
     _one_line(e)
+
+
+@pytest.mark.parametrize("kwargs, needle", [({"seeds": 0}, r"seeds=0 must be a whole number >= 1"),  # the default
+                                            ({"seeds": 2.5}, r"seeds=2.5 must be a whole number"),  # a TypeError
+                                            ({"n": -3}, r"n=-3 must be a whole number"),
+                                            ({"n": 10**9}, r"n 1000000000 needs about .* use a smaller n")])
+def test_evaluate_checks_its_counts_as_the_command_does(otcfm_run, kwargs, needle):
+    """`sinkflow eval --seeds 0` is refused; Run.evaluate(seeds=0) used the default in silence, n=10**7 ground for
+    10 minutes to 7.7 GB (the command says at once it cannot fit)."""
+    with pytest.raises(SinkflowError, match=needle):
+        sinkflow.open_run(otcfm_run).evaluate(**kwargs)

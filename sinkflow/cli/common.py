@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-import math
-import os
 
 from sinkflow import config
 from sinkflow.config import schema
-from sinkflow.errors import SinkflowError, human_bytes
+from sinkflow.data.memory import available_memory, check_sample_memory  # noqa: F401  (the commands' import)
+from sinkflow.errors import SinkflowError
 
 DEFAULT_PRESET = "8gaussians-moons"
 
@@ -87,26 +86,3 @@ def check_counts(args) -> None:
             raise SinkflowError(f"{flag} {value} is more than {most:,}", f"use {flag} {most:,} or fewer")
 
 
-def available_memory() -> int:
-    """Bytes of RAM this process can still get (MemAvailable; total RAM where /proc is not there)."""
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_sample_memory(n: int, cfg: dict, flag: str = "--n", exact_w2: bool = False) -> None:
-    """Refuse ``n`` samples that cannot fit in memory, before any work: the samples and their source noise
-    (float32, x4 for the working copies), plus the n x n cost matrix of an exact W2 (float64) for points."""
-    from sinkflow import data
-
-    dim = math.prod(data.sample_shape(cfg))
-    need = 4 * n * dim * 4 + (8 * n * n if exact_w2 else 0)
-    have = available_memory()
-    if need > have:
-        what = "samples and an exact-W2 cost matrix" if exact_w2 else "samples"
-        raise SinkflowError(f"{flag} {n} needs about {human_bytes(need)} of memory for its {what} but this machine "
-                            f"has {human_bytes(have)} available", f"use a smaller {flag}")
