@@ -16,7 +16,7 @@ tiny = dict(train_iters=4, batch_size=8, **{"pool.batches": 2, "pool.batch_size"
                                             "model.velocity.channels": 8, "model.nsf.channels": 8}) if args.tiny else {}
 
 run = sinkflow.train("digits", runs_dir=args.runs_dir, device="cpu", **tiny)   # pool, velocity, NSF, time predictor
-x = run.sample(64, steps=20)                       # 5 NSGF + 1 predictor + 20 NSF steps = 26 network evaluations
+x = run.sample(64, steps=20)                       # 10 NSGF (the preset's sample.nsgf_steps) + 1 predictor + 20 NSF = 31 network evaluations
 print(run, "samples", tuple(x.shape), f"in [{x.min():.2f}, {x.max():.2f}]")
 
 from sinkflow.eval.images import save_grid        # noqa: E402  (matplotlib-free PNG grid)

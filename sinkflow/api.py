@@ -89,6 +89,8 @@ class Run:
                 f"x0 has shape {tuple(x0.shape)} but this run samples from {expected}",
                 f"pass x0 shaped {expected}: one source draw of the run's sample shape per sample")
         require(x0.shape[0] >= 1, "x0 holds no samples", f"pass x0 shaped {expected} with at least one row")
+        require(bool(torch.isfinite(x0).all()), f"x0 holds {int((~torch.isfinite(x0)).sum())} NaN or infinite "
+                "value(s)", "pass finite source noise (it returned NaN samples in silence)")
         require(n is None or n == x0.shape[0], f"sample(n={rows}) but x0 holds {x0.shape[0]} samples",
                 f"pass x0 shaped {expected}, or leave n out to sample one per row of x0")
         from sinkflow.eval.points import sample_chunks
@@ -134,7 +136,7 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     dotted = [f"experiment.runs_dir={scalar(str(runs_dir))}"]
     for key, value in overrides.items():
         if key in config.SHORTHANDS:
-            short[key] = value
+            short[key] = _plain(value)  # np.int64(5) / a 0-d tensor, as dotted keys take them
         elif "." in key:
             dotted.append(f"{key}={_override_text(key, value)}")
         else:

@@ -154,7 +154,8 @@ def test_sample_with_x0_runs_in_chunks_of_the_sample_batch_size(tiny_run, monkey
     (3, torch.zeros(3, 2, dtype=torch.long), r"x0 has non-floating dtype torch.int64; convert x0 to float"),
     (3, np.zeros((3, 2), np.int32), r"x0 has non-floating dtype int32; convert x0 to a float array"),
     (3, [[0.0, 0.0]] * 3, r"x0 must be a torch.Tensor or a numpy array, got list"),
-], ids=["features", "1d", "extra-dim", "n-vs-rows", "empty", "long", "numpy-int", "list"])
+    (2, torch.tensor([[0.0, float("nan")], [0.0, float("inf")]]), r"x0 holds 2 NaN or infinite value\(s\)"),
+], ids=["features", "1d", "extra-dim", "n-vs-rows", "empty", "long", "numpy-int", "list", "nan"])
 def test_sample_refuses_a_bad_x0_in_one_line_before_any_network_runs(tiny_run, monkeypatch, n, x0, expected):
     """These were raw reshape / matmul / dtype errors from inside the network, and ``sample(5, x0=<2 rows>)``
     silently returned 2 samples."""
@@ -358,8 +359,10 @@ def test_train_takes_paths_and_numpy_numbers_as_dotted_overrides(runs_dir, tmp_p
     with pytest.raises(ZeroDivisionError):  # resolved: the engine was reached with the config
         sinkflow.train("moons", method="fm", device="cpu", runs_dir=runs_dir, **{
             "data.target": pathlib.Path(tmp_path / "p.npy"), "data.test_rows": np.int64(50), "eval.n": np.int32(50),
-            "eval.steps": (np.int64(2), 4), "train.velocity.lr": np.float32(0.5)})
+            "eval.steps": (np.int64(2), 4), "train.velocity.lr": np.float32(0.5)}, train_iters=np.int64(7),
+            batch_size=torch.tensor(16))  # shorthands too: "expects int ... but got int64"
     cfg = seen["cfg"]
+    assert (cfg["train"]["velocity"]["iters"], cfg["train"]["velocity"]["batch_size"]) == (7, 16)
     assert (cfg["data"]["target"], cfg["data"]["test_rows"], cfg["eval"]["n"]) == (str(tmp_path / "p.npy"), 50, 50)
     assert cfg["eval"]["steps"] == [2, 4] and cfg["train"]["velocity"]["lr"] == 0.5
     with pytest.raises(SinkflowError, match=r"override pool.eta is of type object, which a config cannot hold; pass a") as e:

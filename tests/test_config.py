@@ -346,3 +346,10 @@ def test_override_values_are_read_as_typed(override, key, want):
 def test_a_base_60_looking_number_is_not_an_int():
     with pytest.raises(SinkflowError, match=r"'train.velocity.iters' expects int .* got str '1:30'"):
         config.resolve("moons", ["train.velocity.iters=1:30"])
+
+
+@pytest.mark.parametrize("override", ["train.velocity.lr=.nan", "pool.eta=1e400", "train.velocity.iters=.inf"])
+def test_a_non_finite_number_is_named_so(override):
+    """It read "expects float (default 0.001) but got float nan; pass a float"."""
+    with pytest.raises(SinkflowError, match=r"must be a finite number \(got (nan|inf)\)"):
+        config.resolve("moons", [override])

@@ -147,6 +147,9 @@ def check_value(name: str, spec: Key, value: Any) -> Any:
     try:
         out = spec.rule.coerce(value)
     except TypeError:
+        if isinstance(value, float) and not math.isfinite(value):  # "expects float ... got float nan" said nothing
+            raise SinkflowError(f"config key '{name}' must be a finite number (got {value!r})",
+                                f"e.g. {name}={_yaml(_example(spec))}") from None
         expected = spec.rule.type_name + (" or null" if spec.nullable else "")
         if isinstance(spec.rule, schema.Options):  # `prefetch=on` parses as YAML's true: name the choices
             raise SinkflowError(f"config key '{name}' must be one of {', '.join(map(str, spec.rule.choices))} (got "

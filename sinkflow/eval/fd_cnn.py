@@ -116,7 +116,7 @@ def train_cnn(target, data_root) -> tuple[DigitCNN, float]:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp, open(tmp, "wb") as f:
             np.savez(f, accuracy=np.float64(acc), **arrays)
-        log.info("FD-CNN classifier trained on %d %s training digits: held-out accuracy %.4f (cached in %s)",
+        log.info("FD-CNN classifier trained on %d training images of %s: held-out accuracy %.4f (cached in %s)",
                  len(x), target.name, acc, path)
     net.eval().requires_grad_(False)
     return net, acc

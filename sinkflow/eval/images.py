@@ -273,7 +273,8 @@ def fd_cnn_reference(target, data_root, real: torch.Tensor, n_gen: int, val: boo
 def format_metrics(result: dict) -> str:
     p = result["protocol"]
     lines = [f"Image metrics on {result['preset']} ({result['method']}): {p['n']} generated vs {p['reference']}, "
-             f"mean +- std over {p['seeds']} sampling seeds",
+             + (f"mean +- std over {p['seeds']} sampling seeds" if p["seeds"] > 1 else
+                "one sampling seed (no spread: the +- 0.000 is not a measurement)"),
              f"  W2: {p['w2']}"]
     if p["classifier"]:
         lines.append(f"  classifier: {p['classifier']}; real held-out confidence {p['real_confidence']:.3f}")
