@@ -239,3 +239,27 @@ def test_bad_arguments_answer_before_torch_loads(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert out.stdout.split() == ["2"] * len(calls) + ["False"], out.stdout + out.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_write_to_a_run_another_process_trains_is_refused_before_the_sweep(tiny_run, tmp_path, monkeypatch, capsys,
+                                                                           no_work):
+    """The whole sweep ran, then `--write` met the training process's lock; the holder's line comes first now."""
+    import shutil
+    import subprocess
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "live"
+    shutil.copytree(tiny_run, run)
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()  # velocity still training
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode()); print('held', flush=True); "
+        "time.sleep(120)"), str(run / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = refused(capsys, "lr-find", "moons", "--device", "cpu", "--write", str(run))
+        assert f"is in use by another sinkflow process (pid {holder.pid})" in line, line
+    finally:
+        holder.kill()
+        holder.wait()

@@ -56,6 +56,10 @@ def run(args):
     if write_run is not None:  # before the pool and the sweep: a finished phase's rate is not rewritten
         swept = training_phase(cfg or read_config(Path(args.preset)), args.phase)
         refuse_finished_phase(write_run, f"train.{swept.model_key}.lr", swept.name)
+        from sinkflow.runtime.lock import run_lock
+
+        with run_lock(write_run):  # a run another process trains: its holder's one line now, not after the sweep
+            pass
     with tempfile.TemporaryDirectory(prefix="sinkflow-lrfind-") as tmp:
         if from_run:
             run_, phase = open_run_phase(Path(args.preset), args.phase)
