@@ -226,7 +226,12 @@ def test_bench_profile_reports_data_and_compute(runs_dir, capsys):
     steps, step_ms, data_ms, compute_ms = row.split()[1:5]
     assert int(steps) == 4 and abs(float(data_ms) + float(compute_ms) - float(step_ms)) < 0.02
     assert "compute-bound" in row or "data-bound" in row
+    assert "set pool.storage=memory" in out and "image cache" not in out  # the levers this run has
     assert not runs_dir.exists()  # the profile runs in a throw-away folder
+    assert main(["bench", "--profile", "moons", "--method", "otcfm", "--batch-size", "32", "--steps", "2",
+                 "--warmup", "0", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out  # OT-CFM has no pool and 2D points no image cache: it advised both
+    assert "data-bound (> 30 % waiting): use fewer but larger batches" in out and "pool.storage" not in out
 
 
 def test_compiled_sampling_draws_the_eager_samples_and_counts_every_call(tiny_run, tmp_path, capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from sinkflow import config
 from sinkflow.cli.common import add_config_args, resolve_args
+from sinkflow.config.schema import IMAGE_TARGETS
 from sinkflow.errors import SinkflowError
 
 
@@ -60,8 +61,12 @@ def run(args):
     print(f"sinkflow bench --profile {name} on {device}: "
           f"data = batch creation + host-to-device copy between steps; compute = forward/backward/optimizer")
     print(format_table(rows))
-    print("data-bound (> 30 % waiting): raise pool.storage=memory, keep the image cache in RAM, or use fewer "
-          "but larger batches; compute-bound: a UNet on CUDA already runs fp16 with the whole step one CUDA "
+    levers = (["set pool.storage=memory (the pool in RAM, not memory-mapped)"] if "pool" in cfg and
+              methods.of(cfg).name in ("nsgf", "nsgfpp") else []) + \
+        (["keep the image cache in RAM"] if cfg["data"]["target"] in IMAGE_TARGETS else []) + \
+        ["use fewer but larger batches"]
+    print(f"data-bound (> 30 % waiting): {', '.join(levers[:-1]) + ', or ' if len(levers) > 1 else ''}{levers[-1]}"
+          "; compute-bound: a UNet on CUDA already runs fp16 with the whole step one CUDA "
           "graph (the phase's first line says what ran); other networks can try train.*.precision=bf16, "
           "train.*.compile=true")
     return 0
