@@ -7,7 +7,6 @@ from pathlib import Path
 
 from sinkflow import config
 from sinkflow.config import schema
-from sinkflow.data.memory import available_memory, check_sample_memory  # noqa: F401  (the commands' import)
 from sinkflow.errors import SinkflowError
 
 DEFAULT_PRESET = "8gaussians-moons"

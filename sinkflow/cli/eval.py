@@ -3,7 +3,6 @@
 import sys
 
 from sinkflow.cli import os_error_line
-from sinkflow.cli.common import check_sample_memory
 
 
 def add_parser(sub):
@@ -32,6 +31,7 @@ def run(args):
         data.distributions(run_.cfg)[1].check_test_n(args.n, "--n")  # named as the user set it, before any sampling
         run_.cfg = {**run_.cfg, "eval": {**run_.cfg["eval"], "class_n": None}}
     n = args.n or run_.cfg["eval"]["n"]
+    from sinkflow.data.memory import check_sample_memory
     check_sample_memory(n, run_.cfg, "--n" if args.n else "eval.n", exact_w2=is_points(run_.cfg))
     run_.logger.best_effort = True  # a read-only run folder: the scores are printed, the record is skipped
     try:

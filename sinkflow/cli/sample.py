@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from sinkflow import config
-from sinkflow.cli.common import check_sample_memory
+
 from sinkflow.errors import SinkflowError
 
 
@@ -36,6 +36,7 @@ def run(args):
     from sinkflow.runtime.run_folder import RunFolder
 
     run_ = RunFolder.open(args.run_dir)
+    from sinkflow.data.memory import check_sample_memory
     check_sample_memory(args.n, run_.cfg)
     bad = [o for o in args.overrides if not o.startswith("sample.")]
     if bad:

@@ -132,6 +132,11 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     out["disk"]["total"] = dir_bytes(run_dir)
     eta = hb.get("eta_s")
     out["eta_s"] = max(0.0, eta - (age or 0.0)) if eta is not None and state == "running" else None
+    if state == "finished":  # status.json says so; the final checkpoints must say so too
+        missing = [item["phase"] for item in phases_left(run_dir, {}, ckpts)]
+        if missing:  # `sample` refused it ("has not finished") while status said FINISHED, exit 0
+            state = out["state"] = "incomplete"
+            out["missing"] = [f"checkpoints/{phase}/final.pt" for phase in missing]
     out["phases_left"] = [] if state == "finished" else phases_left(run_dir, hb, ckpts)
     return out
 
@@ -219,6 +224,9 @@ def format_status(st: dict) -> str:
                f"`{st['resume']}` continues)")
     elif state == "stale":
         why = f" (no heartbeat for {_dur(age)}; hung, or log_every is very long)"
+    elif state == "incomplete":
+        why = (f" (status.json says finished, but {', '.join(st['missing'])} is missing: `{st['resume']}` trains "
+               "what is missing from the checkpoints left)")
     elif state == "unknown":
         why = (f" (status.json is missing or damaged, but the run has checkpoints or metrics: if no process is "
                f"training it, resume with `{st['resume']}`)")
