@@ -208,9 +208,13 @@ class Trainer:
                                 "resume with the config the run was trained with") from None
         if self.step_graph is not None:  # a captured step writes the optimizer state it was recorded with
             self.step_graph.invalidate()
-        window = state.get("log_window") or {}  # a checkpoint from before 2026-11-27 holds none: a fresh window
-        self.loss_sum = torch.tensor(float(window.get("loss_sum", 0.0)), device=self.device)
-        self.loss_count = int(window.get("count", 0))
+        # the logging window's losses (a checkpoint from before 2026-11-27, or a damaged entry: a fresh window; it
+        # only shapes the next logged mean)
+        window = state.get("log_window")
+        total, count = (window.get("loss_sum"), window.get("count")) if isinstance(window, dict) else (None, None)
+        fine = isinstance(total, float) and math.isfinite(total) and type(count) is int and count >= 0
+        self.loss_sum = torch.tensor(total if fine else 0.0, device=self.device)
+        self.loss_count = count if fine else 0
         for group in self.optimizer.param_groups:  # the kernel is this device's choice, not the checkpoint's: a run
             # saved with foreach Adam (a CPU run before 2026-11-26, or an older torch) and resumed on the fused kernel
             # would otherwise refuse the skip flag
