@@ -44,7 +44,45 @@ def preset_names() -> list[str]:
     return sorted(f.name[:-5] for f in files if f.name.endswith(".yaml") and not f.name.startswith("_"))
 
 
+def is_config_file(name: str) -> bool:
+    """A ``.yaml`` / ``.yml`` name is a config file of the user's (``sinkflow config moons > my.yaml``), not a preset."""
+    return name.lower().endswith((".yaml", ".yml"))
+
+
+def load_config_file(name: str) -> dict:
+    """A full tree from a config file: its keys over the preset it names (``experiment.preset``, as `sinkflow config`
+    writes it; the schema's defaults if it names none), every value checked. Missing file, bad YAML or a tree that
+    is not one: one line naming the file."""
+    from pathlib import Path
+
+    path = Path(name).expanduser()
+    if not path.is_file():
+        stem = path.name.rsplit(".", 1)[0]
+        hint = (f"did you mean the preset '{stem}'? (sinkflow train {stem})" if stem in preset_names() else
+                f"write one with `sinkflow config PRESET > {name}`")
+        raise SinkflowError(f"config file {name} does not exist", hint)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" (line {where.line + 1})" if where is not None else ""
+        raise SinkflowError(f"config file {name} is not valid YAML{at}", "fix it, or write a fresh one with "
+                            "`sinkflow config PRESET > FILE`") from None
+    if not isinstance(raw, dict):
+        raise SinkflowError(f"config file {name} is not a config tree", "write it as nested key: value sections "
+                            "(`sinkflow config PRESET` prints one)")
+    preset = (raw.get("experiment") or {}).get("preset") if isinstance(raw.get("experiment"), dict) else None
+    base = load_preset(preset) if isinstance(preset, str) and preset in preset_names() else None
+    tree = complete(raw, base, where=f"config file {name}")
+    if not isinstance(preset, str) or not preset:
+        tree["experiment"]["preset"] = path.name.rsplit(".", 1)[0]
+    return tree
+
+
 def _read_preset(name: str) -> dict:
+    if "/" in name or "\\" in name or name.startswith("."):  # a path joined onto the preset folder loaded other files
+        raise SinkflowError(f"unknown preset '{name}'", "a config file of your own ends in .yaml: `sinkflow config "
+                            "PRESET > my.yaml`, edit it, then `sinkflow train my.yaml`")
     path = resources.files(PRESET_PACKAGE) / f"{name}.yaml"
     if not path.is_file():
         close = difflib.get_close_matches(name, preset_names(), n=1)
@@ -322,8 +360,11 @@ def resolve(preset: str, overrides: list[str] | None = None, shorthands: dict[st
     applies one list of overrides to several methods: the unread ones stay in the tree, unused)."""
     if unread not in ("error", "ignore"):
         raise ValueError(f"unread={unread!r}: use 'error' or 'ignore'")
-    tree = load_preset(preset)
-    tree["experiment"]["preset"] = preset
+    if is_config_file(preset):
+        tree = load_config_file(preset)
+    else:
+        tree = load_preset(preset)
+        tree["experiment"]["preset"] = preset
     tree = apply_shorthands(tree, shorthands or {})
     tree = apply_overrides(tree, overrides or [])
     validate(tree)

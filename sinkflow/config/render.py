@@ -102,6 +102,10 @@ choices, default and meaning. Defaults, validation, `presets/_base.yaml` and thi
 - A preset (`sinkflow/config/presets/*.yaml`) holds only what differs from these defaults.
 - `sinkflow config PRESET [key.sub=value ...] [--train-iters N ...]` prints the resolved keys that the
   preset's method, model kinds and data read; `--all` prints every key of the tree.
+- A config file of your own: `sinkflow config moons > my.yaml`, edit it, then `sinkflow train my.yaml` (every
+  command that takes a preset takes a `.yaml` / `.yml` file). Its keys go over the preset it names in
+  `experiment.preset` (the schema's defaults if none), each checked as an override is; overrides and shorthands
+  still apply on top.
 - A key that does not exist is an error that names the closest key; a value that breaks its rule is an
   error that names the rule. Both are one line.
 - `null` is accepted only where a key says "or null".
