@@ -263,3 +263,22 @@ def test_write_to_a_run_another_process_trains_is_refused_before_the_sweep(tiny_
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_write_to_a_commented_config_file_changes_only_the_rate(tmp_path, capsys, monkeypatch):
+    """`sinkflow config moons > my.yaml` is commented; --write my.yaml rewrote it whole and dropped every comment.
+    Now only the rate's characters change, and `sinkflow train my.yaml` reads the new rate."""
+    from sinkflow import config
+    from sinkflow.cli import main
+    from sinkflow.tools.lr_find import write_lr
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", "moons"]) == 0
+    before = capsys.readouterr().out
+    (tmp_path / "my.yaml").write_text(before)
+    write_lr(tmp_path / "my.yaml", "train.velocity.lr", 0.0123)
+    after = (tmp_path / "my.yaml").read_text()
+    changed = [(a, b) for a, b in zip(before.splitlines(), after.splitlines()) if a != b]
+    assert len(before.splitlines()) == len(after.splitlines()) and len(changed) == 1, changed
+    assert "lr: 0.0123" in changed[0][1] and "# Adam learning rate" in changed[0][1]
+    assert config.resolve("my.yaml")["train"]["velocity"]["lr"] == 0.0123

@@ -333,9 +333,32 @@ def write_lr(target: Path, key: str, lr: float, phase: str | None = None) -> Pat
     node = tree = tree or {}
     if not isinstance(tree, dict):
         raise SinkflowError(f"{target} does not hold a config tree", "write to a YAML file of key: value sections")
+    text = target.read_text() if target.is_file() else ""
+    span = _scalar_span(text, key)
+    if span is not None:  # the value's own characters replaced: the file's comments and layout stay
+        target.write_text(text[:span[0]] + f"{float(lr):.6g}" + text[span[1]:])
+        return target
     *parents, leaf = key.split(".")
     for part in parents:
         node = node.setdefault(part, {})
     node[leaf] = float(lr)
     target.write_text(yaml.safe_dump(tree, sort_keys=False))
     return target
+
+
+def _scalar_span(text: str, key: str) -> tuple[int, int] | None:
+    """Where ``key``'s scalar value is written in the YAML ``text`` (start, end character offsets), or None. A file
+    from `sinkflow config PRESET > my.yaml` is commented: rewriting it whole dropped all 87 lines of comments."""
+    import yaml
+
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    for part in key.split("."):
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        node = next((v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == part), None)
+    if not isinstance(node, yaml.ScalarNode) or node.style is not None:  # quoted or block: rewrite it whole
+        return None
+    return node.start_mark.index, node.end_mark.index
