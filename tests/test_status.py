@@ -157,7 +157,9 @@ def test_a_run_that_stopped_on_an_error_is_failed_with_the_error_not_dead(tmp_pa
     status = cli("status", str(tmp_path / "runs/div"), cwd=tmp_path)
     assert status.returncode == 1, status.stdout
     line = next(x for x in status.stdout.splitlines() if x.startswith("state"))
-    assert line.startswith("state        FAILED (at velocity step") and error in line, line
+    assert line.startswith("state        FAILED (stopped at velocity step") and error in line, line
+    # no checkpoint was written before it: the line said "the checkpoints before it are intact"
+    assert "the phase had no checkpoint yet: it starts again" in line, line
     assert "DEAD" not in status.stdout
 
 def test_console_log_lines_go_above_an_open_progress_bar(monkeypatch):

@@ -220,8 +220,10 @@ def format_status(st: dict) -> str:
                f"resume with `{st['resume']}`)")
     elif state == "failed":
         step = f" step {hb['step']}" if hb.get("step") is not None else ""
-        why = (f" (at {hb.get('phase')}{step}: {hb.get('error')}; the checkpoints before it are intact: fix that, then "
-               f"`{st['resume']}` continues)")
+        kept = ("the checkpoints before it are intact" if st["checkpoints"].get(hb.get("phase")) else
+                "the phase had no checkpoint yet: it starts again")  # "intact" with none there read as a promise
+        why = (f" (stopped at {hb.get('phase')}{step}: {hb.get('error')}; {kept}: fix that, then `{st['resume']}` "
+               "continues)")
     elif state == "stale":
         why = f" (no heartbeat for {_dur(age)}; hung, or log_every is very long)"
     elif state == "incomplete":
