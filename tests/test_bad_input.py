@@ -147,3 +147,11 @@ def test_a_device_this_machine_lacks_is_one_line_before_the_run_folder(tmp_path,
         pytest.skip("this machine has MPS")
     one_line_error(cli("train", "moons", "--device", device, "--train-iters", "1", cwd=tmp_path), needle)
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("name", ["../escape", "sub/run", ".."])
+def test_a_run_name_that_is_a_path_is_refused_before_any_folder(tmp_path, name):
+    """`--name ../escape` made the run folder outside experiment.runs_dir."""
+    one_line_error(cli("train", "moons", "--name", name, "--train-iters", "1", "--device", "cpu", cwd=tmp_path),
+                   "is a path, not a folder name")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -109,6 +109,10 @@ class RunFolder:
     def create(cls, cfg: dict) -> "RunFolder":
         exp = cfg["experiment"]
         resolve_device(exp["device"])  # a bad device is refused before the folder exists
+        if exp["name"] and (exp["name"] in (".", "..") or any(sep in exp["name"] for sep in ("/", "\\", os.sep))):
+            raise SinkflowError(f"experiment.name={exp['name']!r} is a path, not a folder name (the run would be "
+                                f"made outside {exp['runs_dir']})", "use a plain name, e.g. --name moons-long, and "
+                                "experiment.runs_dir for where run folders go")
         name = exp["name"] or f"{exp['preset']}-{exp['method']}-{time.strftime('%Y%m%d-%H%M%S')}"
         name = dist.broadcast_object(name)  # rank 0's clock names the folder for every rank
         cfg = absolute_data_paths(cfg, DATA_PATH_KEYS)
