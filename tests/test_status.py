@@ -229,3 +229,17 @@ def test_status_shows_each_metrics_newest_value_of_a_phase(tmp_path):
     text = format_status(read_status(tmp_path))
     assert "flow step 40: loss 2.6, lr 0.001, fallen_back 0, final True" in text, text
     assert "eval step 40: test_bpd 2.55, w2 3.2" in text, text
+
+
+def test_counts_are_logged_as_counts(tmp_path):
+    """Every number went through float(): an eval record's n and seeds read 64.0 and 3.0."""
+    import numpy as np
+
+    from sinkflow.runtime.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path)
+    logger.log("eval", 0, {"n": 64, "seeds": np.int64(3), "w2": np.float32(1.5), "final": True, "note": "x"})
+    logger.close()
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert (record["n"], record["seeds"], record["w2"], record["final"], record["note"]) == (64, 3, 1.5, True, "x")
+    assert type(record["n"]) is int and type(record["seeds"]) is int

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import numbers
 import os
 import socket
 import time
@@ -78,14 +79,18 @@ class MetricsLogger:
             return
         record = {"time": time.time(), "phase": phase, "step": step}
         for key, value in values.items():
-            value = float(value) if hasattr(value, "__float__") and not isinstance(value, (str, bool)) else value
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                value = int(value)  # a count stays a count (n, seeds were written as 64.0)
+            elif hasattr(value, "__float__") and not isinstance(value, (str, bool)):
+                value = float(value)
             record[key] = value
         try:
             if self.best_effort:
                 self._check_writable()
             self.jsonl.write(json.dumps(record) + "\n")  # first: a folder we cannot write fails here, synchronously
             for key, value in record.items():
-                if key not in ("time", "phase", "step") and isinstance(value, float) and math.isfinite(value):
+                if key not in ("time", "phase", "step") and isinstance(value, (int, float)) and \
+                        not isinstance(value, bool) and math.isfinite(value):
                     self.tb(phase).add_scalar(f"{phase}/{key}", value, step)
         except OSError as exc:
             if not self.best_effort:
