@@ -243,3 +243,9 @@ def test_counts_are_logged_as_counts(tmp_path):
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert (record["n"], record["seeds"], record["w2"], record["final"], record["note"]) == (64, 3, 1.5, True, "x")
     assert type(record["n"]) is int and type(record["seeds"]) is int
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "nan"])
+def test_stale_after_must_be_a_positive_number_of_seconds(tmp_path, value):
+    out = cli("status", str(tmp_path), "--stale-after", value, cwd=tmp_path)
+    assert out.returncode == 2 and "--stale-after" in out.stderr and "must be a positive number" in out.stderr, out.stderr

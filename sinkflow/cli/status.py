@@ -9,7 +9,7 @@ def add_parser(sub):
     p = sub.add_parser("status", help="where a run is, whether it is alive, what it has on disk",
                        description="Reads the run folder only (heartbeat, metrics log, checkpoints): works while the "
                                    "run is going, after it finished and after it died. Exit status 0 running or "
-                                   "finished, 1 dead, stopped, failed or stale.",
+                                   "finished, 1 dead, stopped, failed, stale, unknown or incomplete.",
                        epilog="example: sinkflow status runs/moons-nsgf-20261122-120000")
     p.add_argument("run_dir", metavar="RUN")
     p.add_argument("--stale-after", type=float, default=300.0, metavar="S",
@@ -19,8 +19,14 @@ def add_parser(sub):
 
 
 def run(args):
+    import math
+
+    from sinkflow.errors import SinkflowError
     from sinkflow.tools.status import format_status, read_status
 
+    if not (math.isfinite(args.stale_after) and args.stale_after > 0):  # -5 made every live run stale
+        raise SinkflowError(f"--stale-after {args.stale_after:g} must be a positive number of seconds",
+                            "e.g. --stale-after 600 for a run that logs every few minutes")
     st = read_status(args.run_dir, stale_after=args.stale_after)
     print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
     return 0 if st["state"] in ("running", "finished", "not started") else 1
