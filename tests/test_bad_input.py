@@ -139,19 +139,34 @@ def test_an_unrecognized_argument_is_named_as_the_sub_commands(capsys):
 
 @pytest.mark.parametrize("device, needle", [("mps", "MPS (Apple GPU) is not available here"),
                                             ("gpu", "is not a device"), ("xla", "is not supported")])
-def test_a_device_this_machine_lacks_is_one_line_before_the_run_folder(tmp_path, device, needle):
+def test_a_device_this_machine_lacks_is_one_line_before_the_run_folder(tmp_path, monkeypatch, capsys, device,
+                                                                       needle):
     """--device mps on a machine without MPS was a traceback from the pool, after the run folder was made."""
     import torch
 
     if device == "mps" and torch.backends.mps.is_available():
         pytest.skip("this machine has MPS")
-    one_line_error(cli("train", "moons", "--device", device, "--train-iters", "1", cwd=tmp_path), needle)
+    monkeypatch.chdir(tmp_path)
+    one_line_error(in_process(capsys, "train", "moons", "--device", device, "--train-iters", "1"), needle)
     assert not (tmp_path / "runs").exists()
 
 
+def in_process(capsys, *argv):
+    """``cli(...)``'s result from ``sinkflow.cli.main`` in this process (no interpreter and torch start: seconds)."""
+    from types import SimpleNamespace
+
+    from sinkflow.cli import main
+
+    capsys.readouterr()
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
+
+
 @pytest.mark.parametrize("name", ["../escape", "sub/run", ".."])
-def test_a_run_name_that_is_a_path_is_refused_before_any_folder(tmp_path, name):
+def test_a_run_name_that_is_a_path_is_refused_before_any_folder(tmp_path, monkeypatch, capsys, name):
     """`--name ../escape` made the run folder outside experiment.runs_dir."""
-    one_line_error(cli("train", "moons", "--name", name, "--train-iters", "1", "--device", "cpu", cwd=tmp_path),
+    monkeypatch.chdir(tmp_path)
+    one_line_error(in_process(capsys, "train", "moons", "--name", name, "--train-iters", "1", "--device", "cpu"),
                    "is a path, not a folder name")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
