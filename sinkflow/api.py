@@ -66,10 +66,7 @@ class Run:
         from sinkflow.data.base import check_sample_size
 
         method = methods.of(self.cfg)
-        if steps is not None and not is_whole(steps):  # as `sinkflow sample --steps`: 0 is not "the default"
-            raise SinkflowError(f"steps={shown(steps)} must be a whole number >= 1",
-                                "e.g. steps=10, or leave it out (None) for the run's default")
-        steps = None if steps is None else int(steps)
+        steps = _count("steps", steps, 10, "default")  # as `sinkflow sample --steps`: 0 is not "the default"
         method.check_steps(steps, "steps=")
         if x0 is None:
             from sinkflow.eval.points import generate
@@ -106,13 +103,10 @@ class Run:
         from sinkflow.data.memory import check_sample_memory
         from sinkflow.eval.report import evaluate, is_points
 
-        for name, value, example in (("seeds", seeds, 5), ("n", n, 1024)):
-            require(value is None or (is_whole(value) and int(value) >= 1),
-                    f"{name}={shown(value)} must be a whole number >= 1",
-                    f"e.g. {name}={example}, or leave it out (None) for the run's eval.{name}")
+        seeds, n = _count("seeds", seeds, 5, "eval.seeds"), _count("n", n, 1024, "eval.n")
         if n is not None:
-            check_sample_memory(int(n), self.cfg, "n", exact_w2=is_points(self.cfg))
-        return evaluate(self._run, seeds=None if seeds is None else int(seeds), n=None if n is None else int(n))
+            check_sample_memory(n, self.cfg, "n", exact_w2=is_points(self.cfg))
+        return evaluate(self._run, seeds=seeds, n=n)
 
     def __repr__(self) -> str:
         return f"sinkflow.Run({str(self.dir)!r})"
@@ -145,6 +139,14 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
                                 f"{', '.join(config.SHORTHANDS)}")
     cfg = config.resolve(preset, dotted, short)
     return open_run(train_run(cfg, device=device).dir)  # SinkflowError / Interrupted propagate to the caller
+
+
+def _count(name: str, value, example: int, default: str) -> int | None:
+    """A count argument as an int (None: the run's ``default``), refused in one line unless a whole number >= 1, as
+    the commands refuse their count flags (0 meant the default in silence, 2.5 was a TypeError)."""
+    require(value is None or (is_whole(value) and int(value) >= 1),
+            f"{name}={shown(value)} must be a whole number >= 1", f"e.g. {name}={example}, or leave it out (None) for the run's {default}")
+    return None if value is None else int(value)
 
 
 def _plain(value):

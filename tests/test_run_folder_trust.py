@@ -550,3 +550,21 @@ def test_a_file_size_limit_while_creating_the_pool_names_the_file(run, capsys, m
     _unbuilt(run, keep=())
     rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
     assert rc != 0 and "File too large" in err and str(run / "pool" / "x.npy") in err and "Traceback" not in err, err
+
+
+def test_a_resume_is_not_refused_for_the_disk_its_own_pool_holds(tiny_run, tmp_path, monkeypatch, capsys):
+    """A resume ran the new-run free-disk check against experiment.runs_dir, where the run's own pool arrays count as
+    used: a run whose pool filled most of the disk could never be resumed. The pool checks its free disk when it
+    opens (counting its arrays); a finished pool needs none."""
+    from collections import namedtuple
+
+    from sinkflow.methods import pool
+
+    run = tmp_path / "runs" / "base"
+    shutil.copytree(tiny_run, run)
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()
+    monkeypatch.chdir(tmp_path)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: usage(2**20, 2**20 - 16, 16))  # 16 bytes left
+    assert main(["train", "--resume", str(run), "--no-report"]) == 0, capsys.readouterr().err
+    assert (run / "checkpoints" / "velocity" / "final.pt").is_file()

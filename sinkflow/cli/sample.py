@@ -3,7 +3,6 @@
 from pathlib import Path
 
 from sinkflow import config
-
 from sinkflow.errors import SinkflowError
 
 

@@ -57,7 +57,7 @@ def load_config_file(name: str) -> dict:
 
     path = Path(name).expanduser()
     if not path.is_file():
-        stem = path.name.rsplit(".", 1)[0]
+        stem = path.stem
         hint = (f"did you mean the preset '{stem}'? (sinkflow train {stem})" if stem in preset_names() else
                 f"write one with `sinkflow config PRESET > {name}`")
         raise SinkflowError(f"config file {name} does not exist", hint)
@@ -71,11 +71,11 @@ def load_config_file(name: str) -> dict:
     if not isinstance(raw, dict):
         raise SinkflowError(f"config file {name} is not a config tree", "write it as nested key: value sections "
                             "(`sinkflow config PRESET` prints one)")
-    preset = (raw.get("experiment") or {}).get("preset") if isinstance(raw.get("experiment"), dict) else None
-    base = load_preset(preset) if isinstance(preset, str) and preset in preset_names() else None
+    preset = raw["experiment"].get("preset") if isinstance(raw.get("experiment"), dict) else None
+    base = load_preset(preset) if preset in preset_names() else None
     tree = complete(raw, base, where=f"config file {name}")
     if not isinstance(preset, str) or not preset:
-        tree["experiment"]["preset"] = path.name.rsplit(".", 1)[0]
+        tree["experiment"]["preset"] = path.stem
     return tree
 
 

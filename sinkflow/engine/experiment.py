@@ -96,8 +96,8 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         on_open(run)
     try:
         cfg = run.cfg
-        if resume is not None:
-            check_run(cfg)
+        if resume is not None:  # the pool checks its free disk when it opens, counting the blocks its arrays hold
+            check_run(cfg, machine=False)
         source, target = data.distributions(cfg)
         method = methods.of(cfg)
         phases = method.phases(cfg, source, target)

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from sinkflow.errors import SinkflowError
 from sinkflow.config.schema import METHOD_REGISTRY
+from sinkflow.errors import SinkflowError
 from sinkflow.methods.ode import compiled_for_sampling
 from sinkflow.runtime.callbacks import Callback
 

@@ -127,10 +127,6 @@ def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
     if len(sample_shape) != 3:
         raise SinkflowError(f"flows here model images (C, H, W); data.target gives samples of shape {sample_shape}",
                             "use an image target (digits, mnist, cifar10, folder)")
-    n_bins = m["n_bins"]
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or not 2 <= n_bins <= 256:
-        raise SinkflowError(f"model.flow.n_bins={n_bins!r} must be an integer in [2, 256]",
-                            "use 256 for 8-bit images (or 17 for sklearn digits' native 0..16 levels)")
     if m["memory"] == "invertible" and t["precision"] not in ("fp32", "auto"):  # auto: fp32 for a flow
         raise SinkflowError(f"model.flow.memory=invertible cannot train with train.flow.precision={t['precision']}",
                             "set train.flow.precision=fp32 or model.flow.memory=checkpoint")

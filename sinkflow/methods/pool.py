@@ -76,7 +76,8 @@ def check_free_disk(pool_cfg: dict, sample_shape: tuple[int, ...], folder: Path)
     if need > free + held:
         raise SinkflowError(
             f"the trajectory pool needs {human_bytes(need - held)} {'more ' if held else ''}of disk but the disk has "
-            f"only {human_bytes(free)} ({folder})", f"use fewer pool.batches{_halves(pool_cfg)}, or point experiment.runs_dir at a larger disk")
+            f"only {human_bytes(free)} ({folder})",
+            f"use fewer pool.batches{_halves(pool_cfg)}, or point experiment.runs_dir at a larger disk")
 
 
 def _halves(pool_cfg: dict) -> str:

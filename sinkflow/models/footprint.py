@@ -121,8 +121,8 @@ def recompute_terms(
     device: torch.device | str = "cpu",
 ) -> tuple[int, int, int]:
     """(fixed, per-sample, largest per-sample) bytes autograd saves while backward re-runs the largest piece of a
-    memory-saving model
-    with grad: a flow's checkpoint segment, or one layer in invertible mode (``recompute_units`` of its chains).
+    memory-saving model with grad: a flow's checkpoint segment, or one layer in invertible mode (``recompute_units``
+    of its chains).
     The forward of such a model keeps almost nothing (``activation_terms``), so this transient is its peak:
     a Glow layer of the CIFAR-10 preset re-runs its 512-channel conditioner, ~2 MiB per sample.
 

@@ -2,8 +2,8 @@
 
 ``metrics.jsonl`` is one JSON object per logged step (easy to grep, load with pandas, or tail);
 TensorBoard gets the same scalars, one event folder per phase (``tb/<phase>``, so a resumed phase can purge what
-a killed process logged past its checkpoint without touching the other phases); ``status.json`` is rewritten atomically on every log so
-``sinkflow status RUN`` can tell a live run from a dead one by the heartbeat's age.
+a killed process logged past its checkpoint without touching the other phases); ``status.json`` is rewritten
+atomically on every log so ``sinkflow status RUN`` can tell a live run from a dead one by the heartbeat's age.
 """
 
 from __future__ import annotations

@@ -156,7 +156,8 @@ def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int, bf
     pm.terms["weights+grads+adam" + ("+ema" if tcfg["ema"] > 0 else "")] = model_memory_bytes(
         model, "adam", ema=tcfg["ema"] > 0)
     pm.act_fixed, pm.act_per_sample, pm.act_max_per_sample = measure_activations(model, shape, tcfg["precision"])
-    pm.recompute_fixed, pm.recompute_per_sample, pm.recompute_max_per_sample = measure_recompute(model, shape, tcfg["precision"])
+    pm.recompute_fixed, pm.recompute_per_sample, pm.recompute_max_per_sample = measure_recompute(
+        model, shape, tcfg["precision"])
     dim = math.prod(shape)
     pm.batch_item_bytes = 4 * (3 * dim + 1)  # x_t, target, prediction + t
     ahead = prefetch.DEPTH if prefetch.use_prefetch(tcfg["prefetch"], torch.device("cuda")) else 0
@@ -233,7 +234,8 @@ def fits(pm: PhaseMemory, total_bytes: int) -> bool:
 def over_budget(cfg: dict, mems: list[PhaseMemory], total_bytes: int) -> list[str]:
     """What does not fit: every phase too large for the card, ``pool RAM`` when the pool kept in host RAM exceeds
     ``pool.ram_gb`` and ``pool disk`` when the pool on disk exceeds ``pool.disk_gb`` (``sinkflow train`` refuses
-    both: ``pool.check_pool_fits``; the free space of the disk it runs on is ``pool.check_free_disk``'s, at the start). Empty when all fits. The one
+    both: ``pool.check_pool_fits``; the free space of the disk it runs on is ``pool.check_free_disk``'s, at the
+    start). Empty when all fits. The one
     verdict preflight gives before and after ``--fit``."""
     over = [m.phase for m in mems if m.terms and not fits(m, total_bytes)]
     pool = cfg.get("pool", {})
