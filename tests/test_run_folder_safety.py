@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from helpers import TINY_2D, cli, nan_gradient_phase, read_only, snapshot, train_in
+from sinkflow import config as config_mod
 from sinkflow.cli import main
 from sinkflow.errors import SinkflowError
 from sinkflow.runtime.run_folder import RunFolder
@@ -182,13 +183,26 @@ def test_a_shorthand_on_a_resume_reaches_the_phases_still_to_train(runs_dir, cap
         shutil.rmtree(run / "checkpoints" / phase)  # stopped before its nsf phase began
     one_line(*run_main(capsys, "train", "--resume", str(run), "train.velocity.iters=9", "--no-report"),
              "train.velocity.iters", "has finished")
+    before = config_mod.flatten(RunFolder.open(run).cfg)
     rc, err = run_main(capsys, "train", "--resume", str(run), "--train-iters", "9", "--no-report")
     assert rc == 0, err
-    cfg = RunFolder.open(run).cfg["train"]
-    assert (cfg["velocity"]["iters"], cfg["nsf"]["iters"], cfg["time"]["iters"]) == (6, 9, 9)
+    after = config_mod.flatten(RunFolder.open(run).cfg)
+    assert (after["train.velocity.iters"], after["train.nsf.iters"], after["train.time.iters"]) == (6, 9, 9)
     assert torch.load(run / "checkpoints/nsf/final.pt", weights_only=True)["step"] == 9
     changes = __import__("json").loads((run / "meta.json").read_text())["changes"]
     assert sorted(c["key"] for c in changes) == ["train.nsf.iters", "train.time.iters"]
+    # config.yaml changed only what meta.json records: not the keys of phases NSGF++ has not (train.flow.iters)
+    assert sorted(k for k in after if after[k] != before[k]) == ["train.nsf.iters", "train.time.iters"]
+
+
+def test_a_shorthand_on_a_finished_run_changes_nothing(run, capsys):
+    """`--resume FINISHED --train-iters 40` rewrote in config.yaml the iters of phases the method has not
+    (nsf, time, flow for NSGF), with no record in meta.json."""
+    before = (run / "config.yaml").read_text()
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--train-iters", "40", "--no-report")
+    assert rc == 0, err
+    assert (run / "config.yaml").read_text() == before
+    assert "changes" not in __import__("json").loads((run / "meta.json").read_text())
 
 def test_half_built_pool_freezes_its_keys_and_chunking(run, capsys):
     shutil.rmtree(run / "checkpoints")  # the pool files and progress.json are there, no final.pt yet

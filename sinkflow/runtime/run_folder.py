@@ -29,6 +29,7 @@ import torch
 import yaml
 
 from sinkflow import config as config_mod
+from sinkflow.config import schema
 from sinkflow.data import sample_shape
 from sinkflow.data.atomic_write import atomic_write_text
 from sinkflow.errors import SinkflowError
@@ -163,10 +164,14 @@ class RunFolder:
         check_frozen(cfg, new, Path(run_dir))
         run = cls(run_dir, new)
         run._disk_config = cfg
+        disk = config_mod.flatten(cfg)
+        shorthand = {k for k, v in config_mod.flatten(short).items() if v != disk.get(k) and k not in named}
+        read = schema.used(new)
+        for key in shorthand - read.keys():  # `--train-iters` sets every phase's key: the method's phases only
+            run.keep_on_disk(key)
+        run.shorthand_keys = shorthand & read.keys()
         if new != cfg:
             run._pending_config = new
-        disk = config_mod.flatten(cfg)
-        run.shorthand_keys = {k for k, v in config_mod.flatten(short).items() if v != disk.get(k) and k not in named}
         return run
 
     def keep_on_disk(self, key: str) -> None:
@@ -183,8 +188,6 @@ class RunFolder:
         """{key: (value on disk, new value)} for every key a resume's overrides change."""
         if self._pending_config is None:
             return {}
-        from sinkflow.config import schema
-
         old, new = config_mod.flatten(self._disk_config), config_mod.flatten(self._pending_config)
         read = schema.used(self._pending_config)  # a shorthand also sets keys of phases this method has not
         return {k: (old.get(k), v) for k, v in sorted(new.items()) if old.get(k) != v and k in read}
