@@ -176,6 +176,13 @@ def test_class_columns_use_eval_class_n_samples(runs_dir, tmp_path, monkeypatch)
     record = [json.loads(line) for line in (runs_dir / "c" / "metrics.jsonl").read_text().splitlines()][-1]
     assert (record["phase"], record["n"], record["seeds"]) == ("eval", 6, 1)  # the setting beside the scores
     assert any(k.startswith("fd_cnn_") for k in record)
+    spreads = {k.rpartition("_")[0] for k in record if "_std_" in k}  # each score's spread over seeds beside it
+    assert spreads == {"w2_std", "tv_std", "confidence_std", "fd_cnn_std"} and "class_n" not in record  # n: both
+    images.evaluate_images(run, seeds=2, n=8)  # class_n 40: the record says so, and each score's spread
+    run.logger.close()
+    record = [json.loads(line) for line in (runs_dir / "c" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert (record["n"], record["class_n"], record["seeds"]) == (8, 40, 2)
+    assert all(v > 0 for k, v in record.items() if k.startswith("w2_std_")), record
     # the FD-CNN floor uses as many real training digits as there are, at most class_n: the label says which
     p = result["protocol"]
     assert p["fd_cnn_floor_n"] == min(40, len(data.distributions(run.cfg)[1].images))

@@ -1,6 +1,7 @@
 """Every 2D preset end to end with tiny counts: train, checkpoint, resume, sample, eval."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -56,7 +57,11 @@ def test_preset_end_to_end(preset, runs_dir, capsys):
     assert (runs_dir / "s.png").stat().st_size > 1000
     capsys.readouterr()
     assert main(["eval", str(run), "--seeds", "2", "--n", "64"]) == 0
-    assert "W2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])  # each W2 with its spread over seeds
+    steps, spread = re.search(r"^ +(\d+) +\d+ +[0-9.]+ \+- ([0-9.]+)", out, re.M).groups()
+    assert (record["phase"], record["n"], record["seeds"]) == ("eval", 64, 2)
+    assert record[f"w2_std_{steps}"] == pytest.approx(float(spread), abs=1e-3) and record[f"w2_std_{steps}"] > 0
 
 
 @pytest.mark.parametrize("method", ["fm", "otcfm"])

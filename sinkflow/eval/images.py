@@ -26,7 +26,7 @@ from sinkflow.data.atomic_write import atomic_path
 from sinkflow.errors import SinkflowError
 from sinkflow.eval import fd_cnn
 from sinkflow.eval.points import generate
-from sinkflow.eval.records import METRIC_KEYS, setting
+from sinkflow.eval.records import scores, setting
 
 log = logging.getLogger(__name__)
 CLASSIFIER_SETS = ("digits", "mnist")
@@ -311,6 +311,6 @@ def format_metrics(result: dict) -> str:
 def evaluate_images(run, seeds: int | None = None, n: int | None = None) -> str:
     result = image_metrics(run, seeds=seeds, n=n)
     for r in result["rows"]:
-        run.logger.log("eval", 0, {**{f"{k}_{r['steps']}": r[k] for k in METRIC_KEYS if k in r},
-                                   **setting(run.cfg, result["protocol"]["n"], result["protocol"]["seeds"])})
+        p = result["protocol"]
+        run.logger.log("eval", 0, {**scores(r, f"_{r['steps']}"), **setting(run.cfg, p["n"], p["seeds"], p["class_n"])})
     return format_metrics(result)

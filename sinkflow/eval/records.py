@@ -1,12 +1,29 @@
-"""What an evaluation record (`metrics.jsonl`, phase ``eval``) holds besides its scores."""
+"""What an evaluation record (`metrics.jsonl`, phase ``eval``) holds: each score with its spread over seeds, and
+how it was made."""
 
 from __future__ import annotations
 
 METRIC_KEYS = ("w2", "tv", "confidence", "fd_cnn", "fid", "nfe")  # what an image evaluation records per row
 
 
-def setting(cfg: dict, n: int, seeds: int) -> dict:
-    """What an evaluation record says of how it was made, beside its scores: samples per seed, seeds, protocol.
+def setting(cfg: dict, n: int, seeds: int, class_n: int | None = None) -> dict:
+    """What an evaluation record says of how it was made, beside its scores: samples per seed, seeds, protocol
+    (and the classifier columns' samples per seed where they differ from ``n``).
     `sinkflow eval --n 64 --seeds 1` wrote the same keys at the same step as the run's own evaluation, and
     `status` then showed the quick look as the run's latest scores."""
-    return {"n": n, "seeds": seeds, "protocol": cfg["eval"]["protocol"]}
+    out = {"n": n, "seeds": seeds, "protocol": cfg["eval"]["protocol"]}
+    if class_n is not None and class_n != n:
+        out["class_n"] = class_n
+    return out
+
+
+def scores(row: dict, suffix: str = "") -> dict:
+    """A metrics row's scores and their standard deviation over seeds (``w2``, ``w2_std`` ...), keys + ``suffix``.
+    A mean alone cannot say whether two runs differ: the std over seeds is what a reader compares it with."""
+    out = {}
+    for key in METRIC_KEYS:
+        if key in row:
+            out[f"{key}{suffix}"] = row[key]
+            if f"{key}_std" in row:
+                out[f"{key}_std{suffix}"] = row[f"{key}_std"]
+    return out

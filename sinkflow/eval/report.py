@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from sinkflow import data, methods
-from sinkflow.eval.records import METRIC_KEYS, setting  # noqa: F401 (the method's ``ev``: a flow records them)
+from sinkflow.eval.records import METRIC_KEYS, scores, setting  # noqa: F401 (the method's ``ev``: a flow records them)
 from sinkflow.runtime.data_record import check_split
 
 
@@ -40,7 +40,10 @@ def standard_evaluation(run, method, seeds: int | None = None, n: int | None = N
 
         rows = w2_table(run, n=n, seeds=seeds)
         n, seeds = rows[0]["n"], rows[0]["seeds"]
-        run.logger.log("eval", 0, {**{f"w2_{r['steps']}": r["w2_mean"] for r in rows}, **setting(cfg, n, seeds)})
+        record = setting(cfg, n, seeds)
+        for r in rows:
+            record.update(scores({"w2": r["w2_mean"], "w2_std": r["w2_std"]}, f"_{r['steps']}"))
+        run.logger.log("eval", 0, record)
         return format_table(rows, method.name, task_name(cfg), method.paper_label, cfg["eval"]["protocol"], draws(cfg))
     from sinkflow.eval.images import evaluate_images
 
