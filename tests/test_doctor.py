@@ -266,3 +266,18 @@ def test_doctor_under_float16_takes_again_the_steps_gradscaler_skips(runs_dir):
     findings = doctor_run(cfg, runs_dir, overfit_steps=100, phases=["velocity"])
     failed = [f.line() for f in findings if f.ok is False]
     assert not failed, failed
+
+
+def test_doctor_on_an_unfinished_run_says_its_sampling_was_not_checked(tmp_path):
+    """`sinkflow doctor RUN` on a run whose phase has not finished left the sampling check out of its report
+    without a word, which reads as if sampling had been checked: it is an n/a line naming the phase."""
+    from helpers import TINY_2D, train_in
+    from sinkflow.tools.doctor import doctor_run
+
+    run = train_in(tmp_path, ["moons", *TINY_2D, "--name", "r", "--no-report"]) / "r"
+    sampling = [f for f in doctor_run(None, tmp_path, run_dir=run, overfit_steps=20) if f.phase == "sample"]
+    assert [(f.check, f.ok) for f in sampling] == [("eval mode while sampling", True)]
+    (run / "checkpoints/velocity/final.pt").unlink()  # stopped before its end: the newest step checkpoint
+    sampling = [f for f in doctor_run(None, tmp_path, run_dir=run, overfit_steps=20) if f.phase == "sample"]
+    assert [(f.check, f.ok) for f in sampling] == [("eval mode while sampling", None)]
+    assert "velocity not finished" in sampling[0].line()

@@ -577,7 +577,9 @@ def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = OVE
             final_run = RunFolder.create(config_mod.apply_overrides(cfg, tiny))
             source, target = data.distributions(final_run.cfg)
             run_phases(final_run, methods.of(final_run.cfg).phases(final_run.cfg, source, target))
-    if final_run is not None and all(final_run.phase_done(n) for n in train_phase_names(final_run.cfg)):
+    unfinished = [] if final_run is None else [n for n in train_phase_names(final_run.cfg)
+                                               if not final_run.phase_done(n)]
+    if final_run is not None and not unfinished:
         from sinkflow.eval.points import generate
 
         models = [final_run.model(n) for n in train_phase_names(final_run.cfg)]
@@ -586,4 +588,8 @@ def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = OVE
         f.phase = "sample"
         findings.append(f)
         final_run.logger.close()
+    else:  # said, not left out: a report without the line reads as if sampling had been checked
+        why = (f"phase(s) {', '.join(unfinished)} not finished: the run has no sampler yet" if unfinished else
+               f"only phase(s) {', '.join(names)} checked (--phase): sampling needs every phase")
+        findings.append(Finding("eval mode while sampling", None, why, phase="sample"))
     return findings
