@@ -138,7 +138,18 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
                                 f"use a dotted config key as a dict, e.g. **{{'pool.batches': 4}}, or one of "
                                 f"{', '.join(config.SHORTHANDS)}")
     cfg = config.resolve(preset, dotted, short)
-    return open_run(train_run(cfg, device=device).dir)  # SinkflowError / Interrupted propagate to the caller
+    # meta.json records this call: the process's argv is the script's or the notebook kernel's
+    call = _call_text(preset, {"runs_dir": str(runs_dir), "name": name, "device": device, **overrides})
+    return open_run(train_run(cfg, device=device, call=call).dir)  # SinkflowError / Interrupted propagate
+
+
+def _call_text(preset: str, given: dict) -> str:
+    """``sinkflow.train('moons', train_iters=3, **{'pool.eta': 1.0})``: the call as written, defaults left out."""
+    defaults = {"runs_dir": "runs", "name": None, "device": "auto"}
+    given = {k: _plain(v) for k, v in given.items() if k not in defaults or v != defaults[k]}
+    args = [repr(preset)] + [f"{k}={v!r}" for k, v in given.items() if k.isidentifier()]
+    dotted = {k: v for k, v in given.items() if not k.isidentifier()}
+    return f"sinkflow.train({', '.join(args + ([f'**{dotted!r}'] if dotted else []))})"
 
 
 def _count(name: str, value, example: int, default: str) -> int | None:

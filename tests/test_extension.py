@@ -89,6 +89,10 @@ def test_a_new_method_is_its_file_plus_one_registry_entry(icfm, runs_dir, capsys
     run = sinkflow.train("moons", method="icfm", train_iters=20, batch_size=32, device="cpu", name="icfm",
                          runs_dir=runs_dir, **{"icfm.sigma": 0.05, "train.velocity.log_every": 10})
     assert (run.dir / "checkpoints" / "velocity" / "final.pt").is_file()
+    meta = json.loads((run.dir / "meta.json").read_text())  # the call, beside the process's argv (pytest's here)
+    assert meta["call"] == (f"sinkflow.train('moons', runs_dir={str(runs_dir)!r}, name='icfm', device='cpu', "
+                            "method='icfm', train_iters=20, batch_size=32, **{'icfm.sigma': 0.05, "
+                            "'train.velocity.log_every': 10})")
     steps = [r for r in (run.dir / "metrics.jsonl").read_text().splitlines() if '"velocity"' in r]
     assert len(steps) == 2
     x = run.sample(64, steps=3)

@@ -70,7 +70,7 @@ def check_run(cfg: dict, machine: bool = True) -> None:
 
 def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, overrides: list[str] | None = None,
               shorthands: dict | None = None, callbacks: Iterable[Callback] = (), device: str | None = None,
-              on_open=None, then=None, preset: str | None = None) -> RunFolder:
+              on_open=None, then=None, preset: str | None = None, call: str | None = None) -> RunFolder:
     """Train every unfinished phase of a resolved config ``cfg`` (``sinkflow.config.resolve``), or continue the
     run folder ``resume`` (with ``overrides`` / ``shorthands`` of keys it may still change); returns the run.
 
@@ -78,7 +78,8 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
     ``on_open(run)`` is called once the folder is known (the CLI remembers it for its resume hint); a stop by
     signal raises ``Interrupted`` with ``run_dir`` set. ``then(run)`` runs after the last phase, while the run
     still holds its folder's lock and logger (the CLI's evaluation report, unless ``--no-report``). A ``preset``
-    named beside ``resume`` must be the run's own."""
+    named beside ``resume`` must be the run's own; ``call``, the Python call that started a new run, goes into its
+    meta.json (``RunFolder.create``)."""
     if (cfg is None) == (resume is None):
         raise ValueError("train_run needs exactly one of cfg (a new run) or resume (a run folder)")
     info = dist.init(device or "auto")
@@ -91,7 +92,7 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
                                 f"with `sinkflow train {preset}`")
     else:
         check_run(cfg)
-        run = RunFolder.create(cfg)
+        run = RunFolder.create(cfg, call=call)
     if on_open is not None:
         on_open(run)
     try:

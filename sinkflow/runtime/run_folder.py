@@ -107,7 +107,10 @@ class RunFolder:
 
     # ---- creation and resume -------------------------------------------------------------------
     @classmethod
-    def create(cls, cfg: dict) -> "RunFolder":
+    def create(cls, cfg: dict, call: str | None = None) -> "RunFolder":
+        """A new run folder holding ``cfg`` and meta.json: seed, time, git, versions, the process's argv and cwd,
+        and ``call``, the Python call that started it where that is not the command line (``sinkflow.train(...)``
+        from a notebook: argv is the kernel's)."""
         exp = cfg["experiment"]
         resolve_device(exp["device"])  # a bad device is refused before the folder exists
         if exp["name"] and (exp["name"] in (".", "..") or any(sep in exp["name"] for sep in ("/", "\\", os.sep))):
@@ -144,7 +147,7 @@ class RunFolder:
                 atomic_write_text(run_dir / "config.yaml", config_mod.dump(cfg))
                 meta = {"seed": exp["seed"], "created": time.strftime("%Y-%m-%d %H:%M:%S"), "git": _git_hash(),
                         "versions": _versions(), "argv": sys.argv, "cwd": os.getcwd(),
-                        "world_size": dist.current().world}
+                        "world_size": dist.current().world, **({"call": call} if call else {})}
                 atomic_write_text(run_dir / "meta.json", json.dumps(meta, indent=2))
 
         dist.on_main(make)  # rank 0 writes; a failure there is every rank's one line
