@@ -91,7 +91,8 @@ def test_presets_resolve_as_before_the_schema():
         cfg = config.resolve(preset, [], {"method": method})
         new, before = config.flatten(cfg), config.flatten(old)
         assert {k: new.get(k, "missing") for k in before} == before, name
-        # keys added since (a new method's section, sample.qmc...) hold their defaults: behaviour as before
+        # keys added since (a new method's section, sample.qmc...) hold their defaults: behaviour as before, but
+        # for model.*.norm_min_channels (2, measured: ADM's groups cancelled t; old run folders read its legacy 1)
         specs = schema.keys(cfg)
         assert {k: v for k, v in new.items() if k not in before} == \
             {k: specs[k].default for k in new if k not in before}, name
@@ -377,3 +378,20 @@ def test_a_config_file_of_your_own_trains_what_it_says(tmp_path, capsys, monkeyp
     (tmp_path / "p").write_text("experiment: {}\n")
     with pytest.raises(SinkflowError, match=r"unknown preset '\./p'; a config file of your own ends in .yaml"):
         config.resolve("./p")
+
+
+def test_a_key_added_with_a_better_default_keeps_old_run_folders_as_they_trained(tmp_path):
+    """model.*.norm_min_channels is 2 for new runs (ADM's one-channel GroupNorm groups cancel the additive time
+    embedding); a run folder written before the key existed lacks it and trained with ADM's rule: it reads as 1,
+    so a resume trains the network it checkpointed. A folder that holds the key keeps its value."""
+    from sinkflow.runtime.run_folder import read_config
+
+    cfg = config.resolve("digits", ["model.velocity.norm_min_channels=3"])
+    assert (config.resolve("digits")["model"]["velocity"]["norm_min_channels"], cfg["model"]["nsf"]["norm_min_channels"]) == (2, 2)
+    (tmp_path / "config.yaml").write_text(config.dump(cfg))
+    assert read_config(tmp_path)["model"]["velocity"]["norm_min_channels"] == 3
+    for phase in ("velocity", "nsf"):
+        del cfg["model"][phase]["norm_min_channels"]
+    (tmp_path / "config.yaml").write_text(config.dump(cfg))
+    read = read_config(tmp_path)
+    assert (read["model"]["velocity"]["norm_min_channels"], read["model"]["nsf"]["norm_min_channels"]) == (1, 1)

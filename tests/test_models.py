@@ -162,7 +162,7 @@ def test_unet_matches_torchcfm(preset, shape):
         attention_resolutions=",".join(map(str, cfg["attention_resolutions"])), dropout=cfg["dropout"],
     )
     perturb(ref, scale=0.02)
-    ours = build_model("unet", cfg, shape)
+    ours = build_model("unet", {**cfg, "norm_min_channels": 1}, shape)  # ADM's GroupNorm(32) at every width
     assert count_parameters(ours) == count_parameters(ref)
     ours.load_state_dict(ref.state_dict())  # strict: identical names and shapes
     x, t = torch.randn(2, *shape), torch.rand(2)
@@ -256,3 +256,36 @@ def test_a_new_kind_is_its_file_plus_its_schema_keys(monkeypatch):
     assert isinstance(net, torch.nn.Linear) and seen == {"c": {"hidden": 7}, "shape": (3,)}
     with pytest.raises(SinkflowError, match="unknown model kind 'toykinds'"):
         build_model("toykinds", {}, (3,))
+
+
+@pytest.mark.parametrize("channels, mult, adm_groups", [(16, [1, 2], {16, 32}), (8, [1, 2, 2], {8, 16, 32}),
+                                                        (32, [1, 2, 2], {32})])
+def test_a_narrow_unet_depends_on_time(channels, mult, adm_groups):
+    """ADM's GroupNorm(32) normalises each channel alone at widths <= 32: it subtracts each channel's own mean,
+    so the additive time embedding added just before it is cancelled exactly. The `digits` UNet (16-32 channels)
+    and the CPU MNIST benchmark's (8-16) did not depend on t at all (|v(t=.1) - v(t=.9)| ~ 1e-7 of 0.4); the
+    mnist preset's lost t at its 32-channel level. Groups of >= 2 channels (norm_min_channels, the default)
+    keep it; 1 is ADM's rule, which old run folders keep."""
+    cfg = {"channels": channels, "res_blocks": 1, "channel_mult": mult, "attention_resolutions": []}
+    x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+
+    def t_effect(model):
+        perturb(model, scale=0.1)
+        with torch.no_grad():
+            return (model(x, torch.full((4,), 0.1)) - model(x, torch.full((4,), 0.9))).abs().max().item()
+
+    adm = build_model("unet", {**cfg, "norm_min_channels": 1}, (1, 8, 8))
+    assert {m.num_groups for m in adm.modules() if isinstance(m, torch.nn.GroupNorm)} == adm_groups
+    new = build_model("unet", cfg, (1, 8, 8))
+    norms = [m for m in new.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert all(m.num_channels // m.num_groups >= 2 and m.num_groups <= 32 for m in norms)
+    assert count_parameters(new) == count_parameters(adm)  # a GroupNorm's parameters are per channel
+    if channels < 32:  # every level normalised channel by channel: no trace of t
+        assert t_effect(adm) < 1e-5
+    assert t_effect(new) > 1e-3
+
+
+def test_wide_unets_keep_adm_groups():
+    """From 64 channels a group of ADM's 32 holds >= 2 channels: nothing changes (the cifar10 UNet)."""
+    model = build_model("unet", UNET_PRESETS["cifar10"], (3, 32, 32))
+    assert {m.num_groups for m in model.modules() if isinstance(m, torch.nn.GroupNorm)} == {32}

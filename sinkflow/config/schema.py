@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import yaml
@@ -262,6 +262,9 @@ def both(a: When | None, b: When | None) -> When | None:
     return When(f"{a.text}; {b.text}", lambda t: a(t) and b(t))
 
 
+NEW_BEHAVIOUR = object()  # Key.legacy's "none": a run folder without the key takes its default
+
+
 @dataclass(frozen=True)
 class Key:
     default: Any
@@ -270,6 +273,8 @@ class Key:
     nullable: bool = False
     when: When | None = None  # besides which methods read it (below): a data kind, a solver...
     opt_in: bool = False  # a shared key that only the methods listing it in their ``reads`` read
+    legacy: Any = NEW_BEHAVIOUR  # a key added with a better default: the value that keeps a run folder written
+    # before the key existed as it trained (its config.yaml lacks the key; it would otherwise get ``default``)
 
 
 def _method(tree: dict) -> str:
@@ -278,7 +283,7 @@ def _method(tree: dict) -> str:
 
 def _with_when(key: Key, when: When | None) -> Key:
     """``key`` read only when ``when`` holds too."""
-    return key if when is None else Key(key.default, key.rule, key.doc, key.nullable, both(when, key.when), key.opt_in)
+    return key if when is None else replace(key, when=both(when, key.when))
 
 
 IMAGES = When("an image target (" + ", ".join(IMAGE_TARGETS) + ")", lambda t: t["data"]["target"] in IMAGE_TARGETS)
@@ -398,6 +403,9 @@ MODEL_KINDS: dict[str, dict[str, Key]] = {
                                      "image_size // r"),
         "dropout": Key(0.0, Float(0, 1, hi_open=True), "dropout in the residual blocks"),
         "use_scale_shift_norm": Key(False, Bool(), "FiLM scale-shift time conditioning instead of additive"),
+        "norm_min_channels": Key(2, POS_INT, "fewest channels in a GroupNorm group (ADM's 32 groups, fewer where a "
+                                 "group would hold less): 1 = ADM, whose one-channel groups at widths <= 32 cancel "
+                                 "the additive time embedding (docs/models.md)", legacy=1),
         "pad_mode": Key("reflect", Options("reflect", "replicate", "zeros"),
                         "padding to a multiple of 2^(levels-1)"),
     }),
@@ -531,11 +539,11 @@ SHARED: dict[str, tuple[str, dict[str, Key]]] = {
     "experiment": ("what runs, where it writes", EXPERIMENT),
     "data": ("source and target distributions", DATA),
     "sinkhorn": ("GeomLoss SamplesLoss(loss=\"sinkhorn\", p=2) of the pool's Sinkhorn flow",
-                 {k: Key(v.default, v.rule, v.doc, v.nullable, v.when, True) for k, v in SINKHORN.items()}),
+                 {k: replace(v, opt_in=True) for k, v in SINKHORN.items()}),
     "pool": ("NSGF trajectory pool (Algorithm 1)",
-             {k: Key(v.default, v.rule, v.doc, v.nullable, v.when, True) for k, v in POOL_KEYS.items()}),
+             {k: replace(v, opt_in=True) for k, v in POOL_KEYS.items()}),
     "nsgf": ("how the velocity network reads the pool (NSGF, and NSGF++'s NSGF phase): docs/nsgf.md",
-             {k: Key(v.default, v.rule, v.doc, v.nullable, v.when, True) for k, v in NSGF.items()}),
+             {k: replace(v, opt_in=True) for k, v in NSGF.items()}),
     "sample": ("sampling", SAMPLE),
     "eval": ("evaluation", EVAL),
     "checkpoint": ("checkpoints", CHECKPOINT),

@@ -57,9 +57,15 @@ class GroupNorm32(nn.GroupNorm):
             return F.group_norm(x, self.num_groups, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
 
 
-def normalization(channels: int) -> GroupNorm32:
-    # ADM uses 32 groups; narrower test-sized nets fall back to the largest divisor of 32 that fits.
-    return GroupNorm32(gcd(32, channels), channels)
+def normalization(channels: int, min_channels: int = 1) -> GroupNorm32:
+    """ADM's 32 groups, fewer where a group would hold fewer than ``min_channels`` channels (and a divisor of
+    ``channels``). A group of one channel is an instance norm: it subtracts each channel's own mean, so a per-channel
+    constant added just before it (the additive time embedding, a conv bias) is cancelled exactly. ADM's rule at
+    32 channels or fewer: at 8-32 channels a UNet with additive conditioning did not depend on t at all."""
+    groups = gcd(32, channels)
+    while groups > 1 and channels // groups < min_channels:
+        groups //= 2
+    return GroupNorm32(groups, channels)
 
 
 def zero_module(module: nn.Module) -> nn.Module:
@@ -100,18 +106,18 @@ class Downsample(nn.Module):
 class ResBlock(TimestepBlock):
     """GroupNorm-SiLU-conv, time conditioning (additive, or FiLM scale-shift), GroupNorm-SiLU-dropout-zero conv."""
 
-    def __init__(self, channels, emb_channels, dropout, out_channels=None, use_scale_shift_norm=False):
+    def __init__(self, channels, emb_channels, dropout, out_channels=None, use_scale_shift_norm=False, norm=normalization):
         super().__init__()
         self.out_channels = out_channels or channels
         self.use_scale_shift_norm = use_scale_shift_norm
         self.in_layers = nn.Sequential(
-            normalization(channels), nn.SiLU(), nn.Conv2d(channels, self.out_channels, 3, padding=1)
+            norm(channels), nn.SiLU(), nn.Conv2d(channels, self.out_channels, 3, padding=1)
         )
         self.emb_layers = nn.Sequential(
             nn.SiLU(), nn.Linear(emb_channels, 2 * self.out_channels if use_scale_shift_norm else self.out_channels)
         )
         self.out_layers = nn.Sequential(
-            normalization(self.out_channels),
+            norm(self.out_channels),
             nn.SiLU(),
             nn.Dropout(p=dropout),
             zero_module(nn.Conv2d(self.out_channels, self.out_channels, 3, padding=1)),
@@ -140,13 +146,13 @@ class AttentionBlock(nn.Module):
     interchangeable; they are applied as linear maps on (N, HW, C) tokens.
     """
 
-    def __init__(self, channels: int, num_heads: int = 1, num_head_channels: int = -1):
+    def __init__(self, channels: int, num_heads: int = 1, num_head_channels: int = -1, norm=normalization):
         super().__init__()
         if num_head_channels == -1:
             self.num_heads = num_heads
         else:
             self.num_heads = channels // num_head_channels
-        self.norm = normalization(channels)
+        self.norm = norm(channels)
         self.qkv = nn.Conv1d(channels, channels * 3, 1)
         self.proj_out = zero_module(nn.Conv1d(channels, channels, 1))
 
@@ -182,6 +188,7 @@ class UNet(nn.Module):
         num_head_channels: int = -1,
         use_scale_shift_norm: bool = False,
         pad_mode: str = "reflect",
+        norm_min_channels: int = 1,
     ):
         super().__init__()
         self.in_channels = in_channels
@@ -194,11 +201,14 @@ class UNet(nn.Module):
             nn.Linear(model_channels, time_embed_dim), nn.SiLU(), nn.Linear(time_embed_dim, time_embed_dim)
         )
 
+        def norm(c):
+            return normalization(c, norm_min_channels)
+
         def res(cin, cout):
-            return ResBlock(cin, time_embed_dim, dropout, cout, use_scale_shift_norm)
+            return ResBlock(cin, time_embed_dim, dropout, cout, use_scale_shift_norm, norm)
 
         def attn(c):
-            return AttentionBlock(c, num_heads, num_head_channels)
+            return AttentionBlock(c, num_heads, num_head_channels, norm)
 
         ch = input_ch = int(channel_mult[0] * model_channels)
         self.input_blocks = nn.ModuleList([TimestepEmbedSequential(nn.Conv2d(in_channels, ch, 3, padding=1))])
@@ -227,7 +237,7 @@ class UNet(nn.Module):
                     layers.append(Upsample(ch))
                     ds //= 2
                 self.output_blocks.append(TimestepEmbedSequential(*layers))
-        self.out = nn.Sequential(normalization(ch), nn.SiLU(), zero_module(nn.Conv2d(input_ch, in_channels, 3, padding=1)))
+        self.out = nn.Sequential(norm(ch), nn.SiLU(), zero_module(nn.Conv2d(input_ch, in_channels, 3, padding=1)))
 
     def forward(self, x: torch.Tensor, t) -> torch.Tensor:
         n, _, hgt, wid = x.shape
@@ -299,4 +309,5 @@ def build(c: dict, sample_shape: tuple[int, ...]) -> UNet:
         attention_ds=attention_downsample(c["attention_resolutions"], max(hgt, wid)), dropout=float(c["dropout"]),
         channel_mult=tuple(mult), num_heads=int(c["num_heads"]), num_head_channels=int(c["num_head_channels"]),
         use_scale_shift_norm=bool(c["use_scale_shift_norm"]), pad_mode=c["pad_mode"],
+        norm_min_channels=int(c["norm_min_channels"]),
     )
