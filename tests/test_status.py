@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import TINY_2D, cli, snapshot
-from sinkflow.tools.status import read_status
+from sinkflow.tools.status import format_status, read_status
 
 LONG = ["moons", "pool.batches=2", "pool.steps=4", "pool.batch_size=32", "--train-iters", "100000",
         "train.velocity.log_every=5", "train.velocity.ckpt_every=50", "--device", "cpu", "--no-report"]
@@ -99,6 +99,47 @@ def test_a_run_whose_status_json_is_lost_is_unknown_with_the_resume_command(tiny
     fresh.mkdir()
     shutil.copy(run / "config.yaml", fresh / "config.yaml")
     assert read_status(fresh)["state"] == "not started"
+
+
+def test_status_says_evaluating_during_the_final_report_and_whether_it_was_written(tiny_run, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """status said FINISHED (exit 0) while the final report still ran for minutes, and still FINISHED after that
+    process was killed, with no word that samples.png and the scores were never written: a user shut the GPU
+    machine down on it. Now EVALUATING while the report runs; once its process is gone without finishing it,
+    FINISHED with the report named as not written."""
+    import shutil
+
+    from sinkflow.cli import main
+    from sinkflow.cli.train import ReportStopped, report
+    from sinkflow.eval import report as report_mod
+    from sinkflow.runtime.run_folder import RunFolder
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(tiny_run, run_dir)
+    seen = []
+    monkeypatch.setattr(report_mod, "final_report", lambda run: seen.append(read_status(run.dir)) or "scores")
+    run = RunFolder.open(run_dir)
+    report(run)
+    assert seen[0]["state"] == "evaluating" and seen[0]["phases_left"] == []
+    assert "EVALUATING (training finished; pid" in format_status(seen[0])
+    assert main(["status", str(run_dir)]) == 0
+    st = read_status(run_dir)
+    assert (st["state"], st.get("report")) == ("finished", None)
+    run.logger.heartbeat(phase="report", state="evaluating")  # then killed (-9) during the report
+    json_path = run_dir / "status.json"
+    json_path.write_text(json_path.read_text().replace(f'"pid": {os.getpid()}', '"pid": 999999999'))
+    capsys.readouterr()
+    assert main(["status", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "FINISHED (the final report was not written: the process stopped during it; `sinkflow eval" in out, out
+
+    def stopped(run):
+        raise ReportStopped
+    monkeypatch.setattr(report_mod, "final_report", stopped)  # a SIGTERM during the report
+    with pytest.raises(SystemExit):
+        report(run)
+    run.logger.close()
+    assert (read_status(run_dir)["state"], read_status(run_dir)["report"]) == ("finished", "not written")
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(runs_dir, monkeypatch):

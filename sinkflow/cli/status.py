@@ -8,8 +8,8 @@ import json
 def add_parser(sub):
     p = sub.add_parser("status", help="where a run is, whether it is alive, what it has on disk",
                        description="Reads the run folder only (heartbeat, metrics log, checkpoints): works while the "
-                                   "run is going, after it finished and after it died. Exit status 0 running or "
-                                   "finished, 1 dead, stopped, failed, stale, unknown or incomplete.",
+                                   "run is going, after it finished and after it died. Exit status 0 running, "
+                                   "evaluating (the final report) or finished, 1 dead, stopped, failed, stale, unknown or incomplete.",
                        epilog="example: sinkflow status runs/moons-nsgf-20261122-120000")
     p.add_argument("run_dir", metavar="RUN")
     p.add_argument("--stale-after", type=float, default=300.0, metavar="S",
@@ -29,4 +29,4 @@ def run(args):
                             "e.g. --stale-after 600 for a run that logs every few minutes")
     st = read_status(args.run_dir, stale_after=args.stale_after)
     print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
-    return 0 if st["state"] in ("running", "finished", "not started") else 1
+    return 0 if st["state"] in ("running", "evaluating", "finished", "not started") else 1

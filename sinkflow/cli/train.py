@@ -62,10 +62,15 @@ def report(run) -> None:
 
     main_thread = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, _stop_report) if main_thread else None
+    # `status` says EVALUATING while this runs (it said FINISHED: a user shut the machine down before the report),
+    # and, once the process is gone, whether the report was written
+    run.logger.heartbeat(phase="report", state="evaluating")
     try:
         print(final_report(run))
+        run.logger.heartbeat(phase="done", state="finished", report="written")
     except (ReportStopped, KeyboardInterrupt) as exc:
         signum = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
+        run.logger.heartbeat(phase="done", state="finished", report="stopped")
         print(f"sinkflow: the evaluation report was stopped by signal {int(signum)}; training is finished and saved: "
               f"`sinkflow eval {run.dir}` reports it", file=sys.stderr)
         raise SystemExit(128 + signum) from None

@@ -99,6 +99,11 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     out["pid_alive"] = alive
     if hb.get("state") == "finished":
         state = "finished"
+    elif hb.get("state") == "evaluating":  # training finished; the final report is being written, or never was
+        gone = alive is False or (alive is None and age is not None and age > stale_after)
+        state = "finished" if gone else "evaluating"
+        if gone:
+            out["report"] = "not written"
     elif hb.get("state") == "stopped" and alive is not True:  # by a signal, after its checkpoint was written
         state = "stopped"
     elif hb.get("state") == "failed" and alive is not True:  # by an error, recorded before the process ended
@@ -132,12 +137,14 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     out["disk"]["total"] = dir_bytes(run_dir)
     eta = hb.get("eta_s")
     out["eta_s"] = max(0.0, eta - (age or 0.0)) if eta is not None and state == "running" else None
-    if state == "finished":  # status.json says so; the final checkpoints must say so too
+    if hb.get("report") == "stopped":
+        out["report"] = "not written"
+    if state in ("finished", "evaluating"):  # status.json says so; the final checkpoints must say so too
         missing = [item["phase"] for item in phases_left(run_dir, {}, ckpts)]
         if missing:  # `sample` refused it ("has not finished") while status said FINISHED, exit 0
             state = out["state"] = "incomplete"
             out["missing"] = [f"checkpoints/{phase}/final.pt" for phase in missing]
-    out["phases_left"] = [] if state == "finished" else phases_left(run_dir, hb, ckpts)
+    out["phases_left"] = [] if state in ("finished", "evaluating") else phases_left(run_dir, hb, ckpts)
     return out
 
 
@@ -229,6 +236,10 @@ def format_status(st: dict) -> str:
     elif state == "incomplete":
         why = (f" (status.json says finished, but {', '.join(st['missing'])} is missing: `{st['resume']}` trains "
                "what is missing from the checkpoints left)")
+    elif state == "evaluating":
+        why = f" (training finished; pid {hb.get('pid')} is writing the final report: evaluation and plots)"
+    elif state == "finished" and st.get("report"):
+        why = f" (the final report was not written: the process stopped during it; `sinkflow eval {st['run']}` reports it)"
     elif state == "unknown":
         why = (f" (status.json is missing or damaged, but the run has checkpoints or metrics: if no process is "
                f"training it, resume with `{st['resume']}`)")
