@@ -152,7 +152,7 @@ def test_eval_protocol_iid_is_named_in_the_report(runs_dir, tmp_path, capsys, mo
                  "eval.protocol=iid", "--name", "r"]) == 0
     out = capsys.readouterr().out
     assert "eval.protocol=iid" in out and f"normal -> {tmp_path / 'p.npy'} (nsgf)" in out
-    assert titles == ["normal -> p.npy (nsgf, 100 steps)"]
+    assert titles == ["normal -> p.npy (nsgf, 100 network evaluations)"]
 
 
 def test_a_quick_eval_names_and_records_its_sample_count_and_seeds(tiny_run, tmp_path, capsys):

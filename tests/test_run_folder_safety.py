@@ -571,14 +571,24 @@ def test_text_file_named_npy(runs_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("shape", [(300, 1), (300, 1, 4, 4)])
-def test_point_files_of_one_coordinate_or_image_rows_report_sample_and_eval(runs_dir, tmp_path, capsys, shape):
+def test_point_files_of_one_coordinate_or_image_rows_report_sample_and_eval(runs_dir, tmp_path, capsys, shape,
+                                                                             monkeypatch):
     """A point file's rows of any shape are points: W2 on them flattened, a histogram for one coordinate, the first
     two coordinates' plane otherwise. Both trained and then crashed in the report (an (N, 1) file in the scatter
     plot, an (N, 1, 4, 4) file in the image metrics, which need an image set's test split)."""
+    from sinkflow.eval import points
+
     np.save(tmp_path / "p.npy", np.random.default_rng(0).normal(size=shape).astype(np.float32))
+    calls, real = [], points.generate
+    monkeypatch.setattr(points, "generate", lambda run, n, steps, seed, record=False, **kw:
+                        calls.append((n, steps, record)) or real(run, n, steps, seed, record, **kw))
     rc, err = run_main(capsys, "train", "moons", *TINY_2D, "eval.steps=[2]", f"data.target={tmp_path / 'p.npy'}",
                        "--name", "p")
     assert rc == 0, err
+    plotted = calls[-2:]  # the plots: 1024 x 100 steps, every path recorded, ran for many minutes on 3x32x32 rows
+    n_eval = RunFolder.open(runs_dir / "p").cfg["eval"]["n"]
+    assert plotted == ([(1024, 100, False), (256, 100, True)] if len(shape) == 2 and shape[1] <= 2 else
+                       [(min(1024, n_eval), None, False), (min(1024, n_eval, 256), None, True)]), plotted
     assert (runs_dir / "p" / "samples.png").stat().st_size > 0 and (runs_dir / "p" / "trajectories.png").exists()
     rc, err = run_main(capsys, "sample", str(runs_dir / "p"), "--n", "32", "--out", str(tmp_path / "s.png"))
     assert rc == 0 and (tmp_path / "s.png").exists(), err
