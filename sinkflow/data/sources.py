@@ -66,6 +66,24 @@ def _file_stats(paths) -> str:
     return h.hexdigest()
 
 
+def files_under(folder: Path):
+    """Every file under ``folder``, following linked subfolders (a data set assembled from class folders linked
+    into one tree: ``Path.rglob`` skipped them in silence); a link back to a folder already walked is not
+    walked again."""
+    seen = set()
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs.sort()
+        for name in files:
+            path = Path(root) / name
+            if path.is_file():
+                yield path
+
+
 class ArraySource:
     """A labelled set that torchvision/sklearn hands over as one uint8 array per split."""
 
@@ -377,10 +395,11 @@ class FolderSource:
             raise SinkflowError(f"image folder {self.path} {what}", "set data.path to a folder of images")
         self.channels = channels or 3
         self.image_size = image_size
-        self.files = sorted((p for p in self.path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS),
+        found = list(files_under(self.path))
+        self.files = sorted((p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS),
                             key=lambda p: p.relative_to(self.path).as_posix())
         if not self.files:
-            others = sum(1 for p in self.path.rglob("*") if p.is_file())
+            others = len(found)
             raise SinkflowError(f"image folder {self.path} holds no images ({others} other files)",
                                 f"put {'/'.join(e[1:] for e in IMAGE_EXTENSIONS)} files in it (subfolders are searched)")
         if len(self.files) < 2:
