@@ -1,6 +1,7 @@
 """The preflight memory estimate against the measured CUDA peak, per phase, for the mnist and cifar10 presets.
 
     python benchmarks/memory_estimate.py                          # CPU: estimates only (GPU rows pending)
+    python benchmarks/memory_estimate.py --gpu H100               # CPU: estimates for that card's precision
     python benchmarks/memory_estimate.py --device cuda --out FILE.md
 
 Real configs (model, batch sizes, precision, pool batch and steps), synthetic images of the real shape
@@ -9,6 +10,11 @@ Real configs (model, batch sizes, precision, pool batch and steps), synthetic im
 the steady state of a run),
 or while one pool batch's Sinkhorn trajectory is simulated (``pool.in_flight=1``). Frozen models of
 earlier phases that a phase holds are counted in the measurement, not in the estimate.
+
+A plan depends on the card: ``auto`` precision trains in half precision on a card with bf16 tensor cores and in
+fp32 without (or with no card named, as ``sinkflow preflight`` without ``--gpu``), about twice the activations. The
+table names the card planned for and each training phase's precision: on CUDA the card measured, on a CPU the
+``--gpu`` card, or none.
 """
 
 from __future__ import annotations
@@ -25,13 +31,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sinkflow import config, methods  # noqa: E402
+from sinkflow.errors import SinkflowError  # noqa: E402
 from sinkflow.engine.fast_path import bf16_tensor_cores  # noqa: E402
 from sinkflow.engine.step_graph import WARMUP  # noqa: E402
 from sinkflow.tools import memory_plan  # noqa: E402
+from sinkflow.tools.cards import GPUS, gpu_bytes  # noqa: E402
 from sinkflow.tools.data import real_or_synthetic  # noqa: E402
 
 
-def measure_pool(cfg, device) -> int:
+def measure_pool(cfg, phase_name, device, workdir) -> int:
     from sinkflow.ot.velocity import simulate_sinkhorn_flow
 
     p, sk = cfg["pool"], cfg["sinkhorn"]
@@ -76,35 +84,65 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--presets", nargs="*", default=["mnist", "cifar10"])
+    ap.add_argument("--gpu", metavar="NAME", help=f"plan for this card on a CPU, as `sinkflow preflight --gpu` does "
+                                                    f"({', '.join(GPUS)}); default: no card (fp32)")
     ap.add_argument("--out", help="write the markdown table here too")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.gpu and args.device != "cpu":
+        ap.error(f"--gpu {args.gpu} plans for a card not in hand: on --device {args.device} the plan is for the card "
+                 "measured; drop --gpu")
+    try:
+        args.card = gpu_bytes(args.gpu)[0] if args.gpu else None  # the planner's name for it (H100 -> H100-80GB)
+    except SinkflowError as exc:
+        ap.error(f"--gpu: {exc.problem}; use one of {', '.join(GPUS)}")
+    return args
+
+
+def measurer(pm):
+    """The function that measures phase ``pm`` on CUDA, or None for a kind not measured here (sample+eval, whose
+    estimate is not validated, and a phase the planner does not estimate). A kind this script does not know stops
+    it: the pool's kind was renamed (pool -> chunked) and every pool row then read "not measured" without a word."""
+    if pm.kind == "chunked" and pm.phase == "pool":  # the pool is the planner's only chunked task (PoolTask)
+        return measure_pool
+    if pm.kind == "train":
+        return measure_train
+    if pm.kind in ("sample", "other"):
+        return None
+    raise SystemExit(f"memory_estimate: phase {pm.phase} has kind {pm.kind}, which this script cannot measure: "
+                     "add it to measurer()")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    rows = ["| preset | phase | estimate | measured | estimate / measured | terms |", "|---|---|---|---|---|---|"]
+    # what `auto` precision becomes: on CUDA the card measured decides, on a CPU the card named (none: fp32)
+    bf16 = bf16_tensor_cores(device) if cuda else memory_plan.card_bf16(args.card)
+    rows = ["| preset | phase | precision | estimate | measured | estimate / measured | terms |",
+            "|---|---|---|---|---|---|---|"]
     for preset in args.presets:
         cfg = config.resolve(preset, [f"experiment.device={args.device}", "pool.in_flight=1", "data.download=false"],
                              unread="ignore")  # one list for every preset: a flow has no pool, 2D no download
         with real_or_synthetic(cfg, force=True), tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            mems = memory_plan.estimate(cfg, bf16=cuda and bf16_tensor_cores(device))  # what `auto` runs here
+            mems = memory_plan.estimate(cfg, bf16=bf16)  # what `auto` runs on that card
             print(f"{preset}: estimated in {time.perf_counter() - t0:.1f}s", flush=True)
             for i, pm in enumerate(mems):
-                measured = None
-                if cuda and pm.kind == "pool":
-                    measured = measure_pool(cfg, device)
-                elif cuda and pm.kind == "train":
-                    measured = measure_train(cfg, pm.phase, device, Path(tmp) / f"{pm.phase}{i}")
+                measure = measurer(pm)  # on a CPU too: an unknown kind stops the smoke run, not the GPU call
+                measured = measure(cfg, pm.phase, device, Path(tmp) / f"{pm.phase}{i}") if cuda and measure else None
                 meas = memory_plan.fmt_bytes(measured) if measured else ("not measured" if cuda else "pending (GPU)")
                 ratio = f"{pm.total / measured:.3f}" if measured else "-"
+                precision = pm.precision if pm.kind == "train" else "-"
                 terms = ", ".join(f"{k} {memory_plan.fmt_bytes(v)}" for k, v in pm.terms.items())
-                rows.append(f"| {preset} | {pm.phase} | {memory_plan.fmt_bytes(pm.total)} | {meas} | {ratio} | {terms} |")
+                rows.append(f"| {preset} | {pm.phase} | {precision} | {memory_plan.fmt_bytes(pm.total)} | {meas} | "
+                            f"{ratio} | {terms} |")
                 print(rows[-1], flush=True)
     dev = torch.cuda.get_device_name(device) if cuda else "CPU (estimates only)"
-    text = f"Memory estimate vs measured peak on {dev}, torch {torch.__version__}\n\n" + "\n".join(rows) + "\n"
+    plan = ("planned for this card" if cuda else f"planned for {args.card}" if args.card else
+            "planned for no named card, as `sinkflow preflight` without --gpu (--gpu NAME names one)")
+    half = "fp16 where the network has a half-precision path, else fp32" if bf16 else "fp32"
+    text = (f"Memory estimate vs measured peak on {dev}, torch {torch.__version__}; {plan}: each training phase in "
+            f"the precision `auto` takes there ({half}; the precision column)\n\n" + "\n".join(rows) + "\n")
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text)

@@ -20,7 +20,13 @@ already on the device, so this measures the training step, not the data path; se
   (fp32, ConditionalFlowMatcher, Adam, grad clip, its per-tensor EMA copy), when torchcfm is installed.
 
     python benchmarks/train_throughput.py                   # GPU: the paper's CIFAR UNet, batch 128
-    python benchmarks/train_throughput.py --smoke           # CPU: tiny UNet, ratios only
+    python benchmarks/train_throughput.py --smoke           # CPU: tiny UNet, a check that every path runs
+
+``--smoke`` checks the script and measures nothing: its timed steps (3 after 1 warm-up) still hold each new model's
+slow first steps, so its ratios move with the warm-up alone (torchcfm 0.02x, ``fast`` 0.91x; with 5 and 5 steps
+0.88x and 1.38x; one run on the shared 2-core CPU put ``fast+CL`` at 0.04x, 2026-11-27), and a CPU's ratios are not
+a GPU's anyway. The ``% bf16 peak`` column is of the bf16 matrix-product peak measured on the card; off CUDA there is
+none (a CPU's autocast multiplies in fp32): n/a.
 """
 
 from __future__ import annotations
@@ -250,20 +256,27 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(("torchcfm", 0, float("nan")))
         print(f"torchcfm not importable ({exc}): its row is skipped")
 
+    if smoke:
+        print("SMOKE CHECK, not a measurement: a tiny UNet whose timed steps still hold its first steps' costs; the "
+              "ratios below say that each path runs, not which is faster")
     print(f"train_throughput: {'smoke UNet 16x16' if smoke else 'CIFAR-10 UNet (UNET_PRESETS[cifar10], dropout 0.1)'}, "
           f"batch {batch}, {steps} timed steps after {warmup} warm-up, cudnn.benchmark "
           f"{'on' if args.cudnn_benchmark else 'off'}, on {machine(device)}")
     base = rows[0][2]
     ref = dict((r[0], r[2]) for r in rows).get("torchcfm", float("nan"))
-    peak = peak_flops(device, "bf16")
+    # a share of a peak only where one was measured: a CPU's autocast multiplies in fp32 (peak_flops would time
+    # fp32 there, and a row once read 52 % of a "bf16 peak" printed as 0 TFLOP/s)
+    peak = peak_flops(device, "bf16") if device.type == "cuda" else 0.0
+    no_peak = "it measured 0" if device.type == "cuda" else "none off CUDA (a CPU's autocast multiplies in fp32)"
     print(f"model FLOPs per training step (forward + backward, torch's FLOP counter): {flops / 1e9:.1f} G "
-          f"({flops / batch / 1e9:.2f} G per image); this card's measured bf16 matrix-product peak "
-          f"{peak / 1e12:.0f} TFLOP/s")
+          f"({flops / batch / 1e9:.2f} G per image); " + (
+              f"this card's measured bf16 matrix-product peak {peak / 1e12:.0f} TFLOP/s" if peak > 0 else
+              f"% bf16 peak n/a: no measured bf16 matrix-product peak, {no_peak}"))
     print(f"{'path':<25} {'params':>10} {'images/s':>10} {'vs fp32-eager':>14} {'vs torchcfm':>12} {'% bf16 peak':>12}")
     for name, params, ips in rows:
         shown = f"{ips:>10.1f}" if device.type == "cuda" else f"{'(cpu)':>10}"
-        print(f"{name:<25} {params:>10,} {shown} {ips / base:>13.2f}x {ips / ref:>11.2f}x "
-              f"{100 * flops / batch * ips / peak:>11.1f}%")
+        share = f"{100 * flops / batch * ips / peak:>11.1f}%" if peak > 0 else f"{'n/a':>12}"
+        print(f"{name:<25} {params:>10,} {shown} {ips / base:>13.2f}x {ips / ref:>11.2f}x {share}")
     if profiled is not None:
         print(f"where the time of a {args.profile} step goes ({PROFILED} steps under the PyTorch profiler):")
         print(profiled)
