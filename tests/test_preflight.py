@@ -313,7 +313,8 @@ def test_sample_fit_scales_the_chunk_the_estimate_used():
     sample = memory_plan.estimate(cfg)[-1]
     assert sample.phase == "sample+eval" and "sample.batch_size=50 " in sample.note
     sample.terms["forward transient"] = 50 * 4 * MiB  # 4 MiB a sample
-    weights = sample.terms["weights"]
+    assert sample.terms["cuda workspaces"] == memory_plan.WORKSPACE_BYTES  # sampling holds them too
+    weights = sample.terms["weights"] + sample.terms["cuda workspaces"]  # what a smaller chunk does not shrink
     per_sample = (sample.total - weights) / 50
     card = card_for(weights + (sample.total - weights) // 2)
     overrides, reasons = memory_plan.propose_fit(cfg, [sample], card)

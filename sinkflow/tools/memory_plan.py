@@ -193,6 +193,7 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
     largest = [(max(t.act_max_per_sample, t.recompute_max_per_sample), t.precision) for t in train_mems]
     pm.terms["forward transient"] = max((2 * big * n * (2 if precision in AUTOCAST and not sample_half else 1)
                                          for big, precision in largest), default=0)
+    pm.terms["cuda workspaces"] = WORKSPACE_BYTES  # cuDNN / cuBLAS hold them while sampling too
     pm.note = f"chunks of sample.batch_size={n} samples; forward transient = 2 x the largest activation (rough)"
     return pm
 
@@ -349,9 +350,10 @@ def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int
 
 def _fit_sample(cfg: dict, pm: PhaseMemory, limit: int, card: str) -> tuple[dict, list[str]]:
     """A smaller ``sample.batch_size``: the chunk the estimate used (``min(eval.n, sample.batch_size)``) scaled by
-    what is left beside the weights; the samples and the forward transient grow with the chunk, the weights not."""
+    what is left beside the weights and workspaces; the samples and the forward transient grow with the chunk, the
+    weights and workspaces not."""
     chunk = min(cfg["eval"]["n"], max(1, cfg["sample"]["batch_size"]))
-    fixed = pm.terms.get("weights", 0)
+    fixed = pm.terms.get("weights", 0) + pm.terms.get("cuda workspaces", 0)
     per_sample = (pm.total - fixed) / chunk
     new = int((limit - fixed) // per_sample) if per_sample > 0 else 0
     if new < 1:
