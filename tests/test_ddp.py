@@ -1,13 +1,17 @@
 """DDP on CPU (gloo, 2 processes via torchrun): same result as one process with the same global batch,
-rank-0-only files, a global step count, and a resume on another number of processes (2 -> 1)."""
+rank-0-only files, a global step count, a resume on another number of processes (2 -> 1, 1 -> 2: recorded in
+meta.json) and an agreed stop by SIGTERM to one rank."""
 
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,11 +30,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(*args, cwd, progress=False):
+def _launch(*args, cwd, progress=False, entry=("-m", "sinkflow")) -> subprocess.Popen:
+    """`torchrun --nproc_per_node 2 <entry> train ARGS`, started (``_finish`` waits for it)."""
     env = {**os.environ, "SINKFLOW_PROGRESS": "1" if progress else "0", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), "-m", "sinkflow", "train", *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240, env=env)
+           str(_free_port()), *entry, "train", *args]
+    return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Wait for a launch; past ``timeout`` (a hang) torchrun and its workers (in sessions of their own) are killed."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        workers = _children(proc.pid)
+        for pid in [proc.pid, *workers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _torchrun(*args, cwd, progress=False, entry=("-m", "sinkflow"), timeout=240):
+    return _finish(_launch(*args, cwd=cwd, progress=progress, entry=entry), timeout)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (torchrun's workers, under its agent)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _rank_pid(agent: int, rank: int) -> int:
+    """The pid of torchrun's worker ``rank`` (the agent's child whose environment says RANK=rank)."""
+    for pid in _children(agent):
+        try:
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no worker of rank {rank} under torchrun pid {agent}")
 
 
 def _final(run_dir):
@@ -79,6 +127,44 @@ def test_ddp_matches_single_process_and_resumes_on_fewer(runs_dir):
     assert c["optimizer"]["param_groups"][0]["lr"] == 0.001
     logged = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in logged if r.get("phase") == "velocity" and "lr" in r][-2:] == [0.001, 0.001]
+    # ... said in one line and recorded (meta.json kept "world_size": 2 and nothing else): world_size stays the
+    # creation's, the change is in `changes` with the phase and step it took effect
+    assert ("world_size 2 -> 1 from phase velocity step 3: train.velocity: global batch 32 -> 16, base lr 0.002 -> "
+            "0.001 (lr_scaling linear)") in out.stderr, out.stderr[-3000:]
+    meta = json.loads((resumed / "meta.json").read_text())
+    assert meta["world_size"] == 2
+    assert [(c["from"], c["to"], c["phase"], c["step"]) for c in meta["changes"] if c["key"] == "world_size"] == \
+        [(2, 1, "velocity", 3)]
+
+    # 1 -> 2 processes, stopped by a SIGTERM to rank 1 alone: both ranks stop at the same step and checkpoint, exit
+    # 128+15 like one process (rank 1 aborted in gloo, "terminate called without an active exception", or was
+    # killed by torchrun mid-exit), and the stop line is printed once (it was printed by every rank)
+    grown = runs_dir / "grown"
+    shutil.copytree(runs_dir / "single", grown)
+    (grown / "checkpoints" / "velocity" / "final.pt").unlink()
+    proc = _launch("--resume", str(grown), "--train-iters", "100000", "--no-report", cwd=cwd)
+    try:
+        for _ in range(1200):  # up to 120 s: the ranks start, load step 6 and train on
+            time.sleep(0.1)
+            status = json.loads((grown / "status.json").read_text()) if (grown / "status.json").is_file() else {}
+            if status.get("phase") == "velocity" and (status.get("step") or 0) > 6 or proc.poll() is not None:
+                break
+        if proc.poll() is None:  # else it failed on its own: its output is below
+            os.kill(_rank_pid(proc.pid, 1), signal.SIGTERM)
+    finally:
+        stopped = _finish(proc, 120)
+    assert stopped.stderr.count("stopped by signal 15 in phase 'velocity'") == 1, stopped.stderr[-3000:]
+    assert "terminate called" not in stopped.stderr, stopped.stderr[-3000:]
+    # torchrun reports any non-zero exit of its workers as a failure: every rank's is 128+15, none killed or aborted
+    assert re.findall(r"exitcode\s+: (-?\d+) \(pid", stopped.stderr) == ["143", "143"], stopped.stderr[-3000:]
+    status = json.loads((grown / "status.json").read_text())
+    assert status["state"] == "stopped" and status["signal"] == 15, status
+    assert (grown / "checkpoints" / "velocity" / f"step_{status['step']:08d}.pt").is_file()
+    said = re.search(r"world_size 1 -> 2 from phase velocity step 6: train\.velocity: global batch 32 -> 64, base lr "
+                     r"0\.002 -> 0\.002828 \(lr_scaling sqrt\)", stopped.stderr)
+    assert said and stopped.stderr.count("world_size 1 -> 2") == 1, stopped.stderr[-3000:]
+    changes = json.loads((grown / "meta.json").read_text())["changes"]
+    assert [(c["from"], c["to"], c["step"]) for c in changes if c["key"] == "world_size"] == [(1, 2, 6)]
 
     # the run's lock held by another process: rank 0's one line, and rank 1 stops with it (it waited in a barrier
     # until the store closed, and its gloo traceback buried the line)

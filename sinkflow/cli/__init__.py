@@ -1,8 +1,8 @@
 """The `sinkflow` command. Each sub-command lives in its own module with ``add_parser`` and ``run``.
 
 User errors (``SinkflowError``), operating-system errors (``OSError``: a full disk, a read-only
-folder, a missing file) and a CUDA out-of-memory error (``sinkflow.cli.oom``) print one line and exit 2; a SIGTERM/SIGINT checkpoints and exits 128+signal;
-anything else is a bug and keeps its traceback.
+folder, a missing file) and a CUDA out-of-memory error (``sinkflow.cli.oom``) print one line and exit 2; a SIGTERM/SIGINT checkpoints and exits 128+signal
+(under torchrun: every rank, agreed; rank 0 prints the line); anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -117,11 +117,20 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     except Interrupted as exc:
-        where = getattr(exc, "run_dir", None) or getattr(args, "run_dir_used", "RUN")
-        skip = " --no-report" if getattr(args, "no_report", False) else ""  # resumed as it was started
-        print(f"sinkflow: {exc}; resume with `sinkflow train --resume {where}{skip}`",
-              file=sys.stderr)
+        from sinkflow.runtime import dist
+
+        # under torchrun every rank stopped at the same step: they leave together and exit like one process
+        # would, and rank 0 says so once
+        if dist.leave_after_stop().is_main:
+            where = getattr(exc, "run_dir", None) or getattr(args, "run_dir_used", "RUN")
+            skip = " --no-report" if getattr(args, "no_report", False) else ""  # resumed as it was started
+            print(f"sinkflow: {exc}; resume with `sinkflow train --resume {where}{skip}`",
+                  file=sys.stderr)
         return 128 + exc.signum
+    finally:
+        dist = sys.modules.get("sinkflow.runtime.dist")  # imported by the commands that join a process group
+        if dist is not None:
+            dist.leave()
 
 
 _OS_FIXES = {

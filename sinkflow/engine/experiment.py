@@ -10,6 +10,7 @@ from typing import Iterable
 import torch
 
 from sinkflow import config as config_mod
+from sinkflow.config import schema
 from sinkflow import data, methods
 from sinkflow.data import sample_shape
 from sinkflow.errors import SinkflowError
@@ -19,7 +20,7 @@ from sinkflow.runtime.callbacks import Callback
 from sinkflow.runtime.data_record import check_split, record_split
 from sinkflow.runtime.lock import unlock_run
 from sinkflow.runtime.rng import phase_generator
-from sinkflow.runtime.run_folder import RunFolder, build_phase_model
+from sinkflow.runtime.run_folder import DATA_PATH_KEYS, RunFolder, absolute_data_paths, build_phase_model
 from sinkflow.runtime.signals import Interrupted, graceful_stop, stop_requested
 from sinkflow.runtime.state_check import check_final, check_step_state
 from sinkflow.engine.trainer import Trainer
@@ -53,9 +54,10 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = ()) -> None:
             run.release()
         run.logger.heartbeat(phase="done", state="finished")
         run.logger.flush()
-        if stop_requested() is not None and last is not None:  # a signal after the last step check: the report
+        signum = dist.agree_stop(stop_requested())  # every rank, or one rank would stop while the others report
+        if signum is not None and last is not None:  # a signal after the last step check: the report
             # (minutes on images) is skipped as asked; all is saved, and status says FINISHED
-            raise Interrupted(stop_requested(), *last)
+            raise Interrupted(signum, *last)
 
 
 def check_run(cfg: dict, machine: bool = True) -> None:
@@ -66,6 +68,13 @@ def check_run(cfg: dict, machine: bool = True) -> None:
     method.check(cfg, shape)
     if machine:
         method.check_machine(cfg, shape)
+
+
+def check_ranks_agree(cfg: dict, extra: dict | None = None) -> None:
+    """Under torchrun: every rank runs this config (and ``extra``: the folder a resume continues), or every rank stops
+    with one line naming the first differing key, a key the run reads before one it does not (``dist.check_same``)."""
+    flat, read = config_mod.flatten(cfg), schema.used(cfg)
+    dist.check_same({**(extra or {}), **{k: v for k, v in flat.items() if k in read}, **flat})
 
 
 def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, overrides: list[str] | None = None,
@@ -85,12 +94,14 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
     info = dist.init(device or "auto")
     if resume is not None:
         run = RunFolder.open(Path(resume), overrides, shorthands)  # frozen keys, device: no writes
+        check_ranks_agree(run.cfg, {"--resume": str(Path(resume).resolve())})  # the overrides' result, every rank
         if preset is not None and preset != run.cfg["experiment"]["preset"]:
             raise SinkflowError(f"cannot resume {resume} as preset '{preset}': it is a run of preset "
                                 f"'{run.cfg['experiment']['preset']}'",
                                 f"drop the preset name (`sinkflow train --resume {resume}`) or start a new run "
                                 f"with `sinkflow train {preset}`")
     else:
+        check_ranks_agree(absolute_data_paths(cfg, DATA_PATH_KEYS))  # before any folder
         check_run(cfg)
         run = RunFolder.create(cfg, call=call)
     if on_open is not None:
@@ -137,7 +148,8 @@ def verify(run, phases) -> None:
     model's names, shapes and dtypes; the first unfinished phase's newest step checkpoint holds everything
     the Trainer restores (weights, Adam moments, schedule, generator and RNG states); and no override changes
     a training key of a phase that has already finished (it would have no effect, so config.yaml would lie).
-    Records where the run resumes (``run.resume_at``) for the change log ``RunFolder.start`` writes."""
+    Records where the run resumes (``run.resume_at``) and the model keys of the training phases still to train
+    (``run.to_train``) for the change log ``RunFolder.start`` writes."""
     changed = run.changes()
     at = None
     for task in phases:
@@ -160,6 +172,8 @@ def verify(run, phases) -> None:
                             f"with {key}={old!r}), so the change would have no effect",
                             "drop that override, or start a new run with it")
             continue
+        if training:
+            run.to_train.append(task.model_key)
         if at is None:
             step = 0
             task.check_resume(run)  # what it left besides step checkpoints (a half-built pool)

@@ -10,13 +10,16 @@ Conventions every phase follows (docs/performance.md):
 - Only rank 0 writes files (checkpoints, logs, plots, the run folder; each rank writes its own pool chunks into
   the shared memmap); the others wait at barriers, and a failure there is agreed (``on_main``).
 - Decisions that end a loop (a signal, an error) are agreed by all ranks (``agree_stop``), or the
-  ranks that go on would wait forever in the next collective.
+  ranks that go on would wait forever in the next collective. For the same reason every rank must run the same
+  config: ``check_same`` compares them before any folder or work.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -121,6 +124,55 @@ def agree_stop(signum: int | None) -> int | None:
     flag = torch.tensor([signum or 0], dtype=torch.int64, device=_collective_device())
     tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
     return int(flag.item()) or None
+
+
+def check_same(values: dict[str, Any]) -> None:
+    """Every rank's ``values`` (its resolved config, flattened) equal rank 0's, or every rank stops with one line
+    naming the first differing key and the ranks. Ranks started with different options (a wrapper giving one rank
+    --train-iters 60 and another 80) ran different loops: rank 0 finished step 60 and waited forever in a
+    collective rank 1 never reached. Nothing in a config is per rank (each rank's GPU comes from LOCAL_RANK,
+    ``device_for``, not from ``experiment.device``), so every key must agree."""
+    info = current()
+    if not info.enabled:
+        return
+    every: list = [None] * info.world
+    tdist.all_gather_object(every, {k: repr(v) for k, v in values.items()})  # repr: a NaN equals itself
+    keys = dict.fromkeys(k for r in every for k in r)  # rank 0's order first: the caller's (keys a run reads first)
+    differ = [k for k in keys if len({r.get(k) for r in every}) > 1]
+    if not differ:
+        return
+    key = differ[0]
+    mine = every[0].get(key, "unset")
+    others = [f"{r.get(key, 'unset')} on rank {i}" for i, r in enumerate(every) if r.get(key) != every[0].get(key)]
+    more = f" (and {len(differ) - 1} more key{'s' if len(differ) > 2 else ''})" if len(differ) > 1 else ""
+    raise SinkflowError(f"the {info.world} processes of this torchrun job were started with different options: {key} "
+                        f"is {mine} on rank 0 but {', '.join(others[:4])}{', ...' if len(others) > 4 else ''}{more}, "
+                        "so they would wait on each other forever",
+                        "start every rank with the same command and options (torchrun runs one command for all "
+                        "of them: a wrapper script must not add per-rank options); nothing was written")
+
+
+def leave_after_stop() -> DistInfo:
+    """After an agreed stop (every rank raised ``Interrupted`` at the same step): wait for every rank, then leave
+    the process group; returns this rank's info. torchrun ends the ranks still running with SIGTERM as soon as one
+    exits non-zero, which killed the slower rank mid-exit (a SIGABRT from gloo's threads, a crash report), so the
+    stop is agreed first and that late SIGTERM is ignored: every rank exits 128+signal on its own."""
+    info = current()
+    if not info.enabled:
+        return info
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop is saved: torchrun's closing signal changes nothing
+    tdist.barrier()  # rank 0 has written its checkpoint, status.json and logs
+    leave()
+    return info
+
+
+def leave() -> None:
+    """Leave the process group before the process exits (``sinkflow.cli.main``, on every way out). A rank that
+    exited still in the group could abort in gloo's threads ("terminate called without an active exception",
+    SIGABRT), and torchrun's report then blamed that rank."""
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
 
 
 def any_over_ranks(flag: torch.Tensor) -> torch.Tensor:

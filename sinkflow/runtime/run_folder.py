@@ -103,6 +103,7 @@ class RunFolder:
         self._disk_config: dict = cfg
         self.resume_at: tuple | None = None  # (phase, step) where a resume continues (set by verify)
         self.phase_keys: dict[str, str] = {}  # phase name -> its model key (set by verify)
+        self.to_train: list[str] = []  # model keys of the training phases a resume still trains (set by verify)
         self.shorthand_keys: set[str] = set()  # keys a resume's shorthands changed and no override named (open)
 
     # ---- creation and resume -------------------------------------------------------------------
@@ -197,15 +198,15 @@ class RunFolder:
 
     def start(self) -> None:
         """The run really starts: take the folder's lock, write the resumed config and record what it changed
-        (meta.json ``changes``: key, old and new value, the phase and step it took effect), drop orphaned
-        temp files."""
+        (meta.json ``changes``: key, old and new value, the phase and step it took effect; a resume on another number
+        of processes as key ``world_size``), drop orphaned temp files."""
         def begin():
             check_writable(self.dir)
             lock_run(self.dir)
+            changes = self.changes()
             if self._pending_config is not None:
-                changes = self.changes()
                 atomic_write_text(self.dir / "config.yaml", config_mod.dump(self._pending_config))
-                self._record_changes(changes)
+            self._record_changes(changes)
             for path in remove_orphans(self.dir):
                 log.info("removed %s (left by a killed write)", path)
 
@@ -221,7 +222,23 @@ class RunFolder:
             if parts[0] == "train" and parts[1] != self._phase_key(phase):
                 key_phase, key_step = parts[1], 0  # a later phase's key: from its first step
             entries.append((key, old, new, key_phase, key_step))
+        world = self.dist.world
+        if self.resume_at is not None and phase != "done" and (last := ran_on(self.dir)) != world:
+            entries.append(("world_size", last, world, phase, step, self._world_note(last, world)))
         record_changes(self.dir, entries)
+
+    def _world_note(self, old: int, new: int) -> str:
+        """What a resume on ``new`` processes instead of ``old`` changes: each phase still to train's global batch
+        (``batch_size`` is per process) and base learning rate (its ``lr_scaling`` rule, docs/performance.md)."""
+        from sinkflow.engine.trainer import lr_scale
+
+        said = []
+        for key in self.to_train:
+            was, now = self._disk_config["train"][key], self.cfg["train"][key]
+            said.append(f"train.{key}: global batch {was['batch_size'] * old} -> {now['batch_size'] * new}, base lr "
+                        f"{was['lr'] * lr_scale(was['lr_scaling'], old):.4g} -> "
+                        f"{now['lr'] * lr_scale(now['lr_scaling'], new):.4g} (lr_scaling {now['lr_scaling']})")
+        return "; ".join(said)
 
     def _phase_key(self, phase: str | None) -> str | None:
         return self.phase_keys.get(phase, phase)
@@ -274,9 +291,24 @@ class RunFolder:
 
 
 
+def ran_on(run_dir: Path) -> int:
+    """The number of processes the run last trained on: meta.json's last ``world_size`` change, else the
+    ``world_size`` it was created with (1 in a meta.json from before it was recorded)."""
+    try:
+        meta = json.loads((Path(run_dir) / "meta.json").read_text())
+    except (OSError, ValueError):
+        return 1
+    if not isinstance(meta, dict):
+        return 1
+    changed = [c.get("to") for c in meta.get("changes") or [] if isinstance(c, dict) and c.get("key") == "world_size"]
+    last = changed[-1] if changed else meta.get("world_size", 1)
+    return last if isinstance(last, int) and not isinstance(last, bool) and last >= 1 else 1
+
+
 def record_changes(run_dir: Path, entries: list[tuple]) -> None:
-    """Append ``(key, old, new, phase, step)`` entries to RUN/meta.json's ``changes`` (a resume's overrides, a rate
-    `sinkflow lr-find --write` set), each logged: config.yaml holds the newest value, meta.json when it took effect."""
+    """Append ``(key, old, new, phase, step[, note])`` entries to RUN/meta.json's ``changes`` (a resume's overrides, a
+    rate `sinkflow lr-find --write` set, a resume on another number of processes), each logged in one line with its
+    note (what it implies): config.yaml holds the newest value, meta.json when it took effect."""
     if not entries:
         return
     path = Path(run_dir) / "meta.json"
@@ -286,10 +318,11 @@ def record_changes(run_dir: Path, entries: list[tuple]) -> None:
         meta = {}
     meta = meta if isinstance(meta, dict) else {}
     when = time.strftime("%Y-%m-%d %H:%M:%S")
-    for key, old, new, phase, step in entries:
+    for key, old, new, phase, step, *note in entries:
         meta.setdefault("changes", []).append({"key": key, "from": old, "to": new, "phase": phase, "step": step,
-                                               "time": when})
-        log.info("%s %r -> %r from phase %s step %s", key, old, new, phase, step)
+                                               "time": when, **({"note": note[0]} if note and note[0] else {})})
+        log.info("%s %r -> %r from phase %s step %s%s", key, old, new, phase, step,
+                 f": {note[0]}" if note and note[0] else "")
     atomic_write_text(path, json.dumps(meta, indent=2, default=str))
 
 
