@@ -115,7 +115,7 @@ class Trainer:
         if self.channels_last:  # NHWC convolutions (tensor cores) for 4-D image batches
             self.model = self.model.to(memory_format=torch.channels_last)
         self.model.train()
-        lr = cfg["lr"] * lr_scale(cfg["lr_scaling"], self.info.world)
+        lr = cfg["lr"] * dist.lr_scale(cfg["lr_scaling"], self.info.world)
         # one list, walked every step by the grad clip: model.parameters() recurses through every submodule each time
         # (149 tensors of the mnist UNet: 2.1 ms a step on the H100 host, GIL waits included, by cProfile)
         self.params = list(self.model.parameters())
@@ -222,7 +222,7 @@ class Trainer:
         # the learning rate the config asks for now (train.*.lr, lr_scaling, world size) replaces the restored
         # one for real: the optimizer and the schedule follow it (RunFolder.start records the change in meta.json)
         # (and a changed schedule / warmup / iters takes effect at this step, not one step late)
-        base = self.cfg["lr"] * lr_scale(self.cfg["lr_scaling"], self.info.world)
+        base = self.cfg["lr"] * dist.lr_scale(self.cfg["lr_scaling"], self.info.world)
         wanted = [base * fn(self.scheduler.last_epoch) for fn in self.scheduler.lr_lambdas]
         groups = self.optimizer.param_groups
         if any(b != base for b in self.scheduler.base_lrs) or [g["lr"] for g in groups] != wanted:
@@ -570,17 +570,6 @@ def lr_factor(schedule: str, warmup: int, iters: int, phase: str = "velocity") -
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, done)))
 
     return factor
-
-
-def lr_scale(rule: str, world: int) -> float:
-    """Learning-rate factor when the global batch grows with the number of processes."""
-    if rule == "none" or world == 1:
-        return 1.0
-    if rule == "linear":
-        return float(world)
-    if rule == "sqrt":
-        return math.sqrt(world)
-    raise SinkflowError(f"unknown lr_scaling rule '{rule}'", "use none, linear or sqrt")
 
 
 def split_batch(batch: Any, parts: int) -> list:

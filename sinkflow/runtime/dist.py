@@ -16,6 +16,7 @@ Conventions every phase follows (docs/performance.md):
 
 from __future__ import annotations
 
+import math
 import logging
 import os
 import signal
@@ -173,6 +174,17 @@ def leave() -> None:
     SIGABRT), and torchrun's report then blamed that rank."""
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
+
+
+def lr_scale(rule: str, world: int) -> float:
+    """Learning-rate factor when the global batch grows with the number of processes (``train.*.lr_scaling``)."""
+    if rule == "none" or world == 1:
+        return 1.0
+    if rule == "linear":
+        return float(world)
+    if rule == "sqrt":
+        return math.sqrt(world)
+    raise SinkflowError(f"unknown lr_scaling rule '{rule}'", "use none, linear or sqrt")
 
 
 def any_over_ranks(flag: torch.Tensor) -> torch.Tensor:

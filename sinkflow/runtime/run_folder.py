@@ -230,14 +230,12 @@ class RunFolder:
     def _world_note(self, old: int, new: int) -> str:
         """What a resume on ``new`` processes instead of ``old`` changes: each phase still to train's global batch
         (``batch_size`` is per process) and base learning rate (its ``lr_scaling`` rule, docs/performance.md)."""
-        from sinkflow.engine.trainer import lr_scale
-
         said = []
         for key in self.to_train:
             was, now = self._disk_config["train"][key], self.cfg["train"][key]
             said.append(f"train.{key}: global batch {was['batch_size'] * old} -> {now['batch_size'] * new}, base lr "
-                        f"{was['lr'] * lr_scale(was['lr_scaling'], old):.4g} -> "
-                        f"{now['lr'] * lr_scale(now['lr_scaling'], new):.4g} (lr_scaling {now['lr_scaling']})")
+                        f"{was['lr'] * dist.lr_scale(was['lr_scaling'], old):.4g} -> "
+                        f"{now['lr'] * dist.lr_scale(now['lr_scaling'], new):.4g} (lr_scaling {now['lr_scaling']})")
         return "; ".join(said)
 
     def _phase_key(self, phase: str | None) -> str | None:
