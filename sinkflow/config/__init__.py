@@ -438,8 +438,8 @@ def read_by_other_methods(tree: dict, keys: list[str]) -> bool:
 def read_run_config(cfg: Any, path) -> dict:
     """A run folder's config.yaml as a full tree: keys added to sinkflow since the run was made take the
     schema's default (a key is added with the default that keeps the behaviour before it, or with its ``legacy``
-    value that does, so a resumed run goes on as it started, whatever its preset says today); keys of another model kind (older run
-    folders held them all) are dropped."""
+    value that does, so a resumed run goes on as it started, whatever its preset says today); keys of another model
+    kind (older run folders held them all) are dropped."""
     if not isinstance(cfg, dict):
         raise SinkflowError(f"{path} does not hold a config tree", "restore it from the run's first lines of output")
     try:
