@@ -480,3 +480,17 @@ def test_flow_plan_covers_the_measured_peak_of_a_step_in_every_memory_mode(memor
     terms = next(m for m in memory_plan.estimate(cfg) if m.kind == "train").terms
     planned = terms["activations"] + terms["backward transient"] + terms.get("backward recompute", 0)
     assert 0.9 * measured <= planned <= 1.6 * measured, (memory, planned / measured, terms)
+
+
+def test_bf16_asked_for_a_card_without_bf16_tensor_cores_is_named():
+    """`preflight digits --gpu T4 train.velocity.precision=bf16` planned bf16's halved activations and said nothing
+    of a T4 having no bf16 tensor cores (what bf16 is chosen for); an Ampere-on card, fp16 or auto pass silently."""
+    from sinkflow.tools.preflight import Report, bf16_check
+
+    for card, overrides, failed in [("T4", ["train.velocity.precision=bf16"], ["precision on T4"]),
+                                    ("L4", ["train.velocity.precision=bf16"], []),
+                                    ("T4", ["train.velocity.precision=fp16"], []), ("T4", [], [])]:
+        report = Report("digits")
+        bf16_check(report, config.resolve("digits", overrides), card)
+        assert [c.name for c in report.checks if c.ok is False] == failed, (card, overrides)
+        assert all("train.velocity.precision=bf16: a T4 has no bf16 tensor cores" in c.detail for c in report.checks)

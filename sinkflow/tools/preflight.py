@@ -130,6 +130,24 @@ def machine_check(report: Report, real: dict, shape: tuple[int, ...]) -> None:
     report.add("this machine", "config", True, f"room for the run under {real['experiment']['runs_dir']}")
 
 
+def bf16_check(report: Report, real: dict, card: str) -> None:
+    """An explicit ``precision=bf16`` on a card without bf16 tensor cores (a T4: compute capability 7.5) gets none of
+    the speed it is chosen for; the plan above halved its activations in silence. Reported only when it applies."""
+    from sinkflow.config import schema
+    from sinkflow.tools import memory_plan
+
+    if card not in memory_plan.GPUS or memory_plan.card_bf16(card):
+        return
+    read = schema.used(real)
+    keys = [f"train.{k}.precision" for k in _train_sections(real)
+            if f"train.{k}.precision" in read and real["train"][k]["precision"] == "bf16"]
+    if keys:
+        report.add(f"precision on {card}", "config", False,
+                   f"{', '.join(k + '=bf16' for k in keys)}: a {card} has no bf16 tensor cores, so bf16 brings none of "
+                   "its speed there; use precision=auto (fp32 on this card) or fp16 (its tensor cores, with loss "
+                   "scaling)")
+
+
 def reach_checks(report: Report, real: dict, phases, overrides: list[str], shorthands: dict) -> None:
     """Every shorthand reached every phase it concerns; every override names a section some phase reads."""
     from sinkflow.methods.base import TrainingStep
@@ -419,6 +437,7 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
                         real, report.memory, total, world, memory_plan.card_bf16(label), card=label)
                     report.add(f"fits {label}", "all", not over,
                                f"too large: {', '.join(over)}" if over else "every phase fits")
+                    bf16_check(report, real, label)
     finally:
         quiet.restore()
         torch.set_num_threads(torch_threads)
