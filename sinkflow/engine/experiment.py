@@ -73,6 +73,8 @@ def check_run(cfg: dict, machine: bool = True) -> None:
 def check_ranks_agree(cfg: dict, extra: dict | None = None) -> None:
     """Under torchrun: every rank runs this config (and ``extra``: the folder a resume continues), or every rank stops
     with one line naming the first differing key, a key the run reads before one it does not (``dist.check_same``)."""
+    if not dist.current().enabled:  # one process: nothing to compare, no start-up cost
+        return
     flat, read = config_mod.flatten(cfg), schema.used(cfg)
     dist.check_same({**(extra or {}), **{k: v for k, v in flat.items() if k in read}, **flat})
 
