@@ -282,3 +282,40 @@ def test_write_to_a_commented_config_file_changes_only_the_rate(tmp_path, capsys
     assert len(before.splitlines()) == len(after.splitlines()) and len(changed) == 1, changed
     assert "lr: 0.0123" in changed[0][1] and "# Adam learning rate" in changed[0][1]
     assert config.resolve("my.yaml")["train"]["velocity"]["lr"] == 0.0123
+
+
+def test_write_to_a_file_or_run_of_another_batch_is_refused_before_the_sweep(tiny_run, tmp_path, monkeypatch, capsys,
+                                                                              no_work):
+    """`lr-find moons --write my.yaml` swept at moons' batch 256 and wrote the rate into a file that trains at 64:
+    the best rate moves with the batch. Refused before any work, naming both batches and the sweep that fits;
+    the file and the run stay as they were."""
+    import shutil
+
+    from sinkflow import config
+    from sinkflow.cli import main
+
+    from helpers import bytes_snapshot
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", "moons", "train.velocity.batch_size=64"]) == 0
+    (tmp_path / "my.yaml").write_text(capsys.readouterr().out)
+    before = (tmp_path / "my.yaml").read_text()
+    line = refused(capsys, "lr-find", "moons", "--device", "cpu", "--write", "my.yaml")
+    assert "train.velocity.batch_size=256" in line and "at 64" in line, line
+    assert "sinkflow lr-find my.yaml --write my.yaml" in line, line
+    assert (tmp_path / "my.yaml").read_text() == before and not (tmp_path / "lr_find.png").exists()
+
+    run = tmp_path / "runs" / "live"
+    shutil.copytree(tiny_run, run)
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()  # velocity still training: only the batch differs
+    batch = config.get(config.resolve(str(run / "config.yaml")), "train.velocity.batch_size")
+    snapshot = bytes_snapshot(run)
+    line = refused(capsys, "lr-find", "moons", "--device", "cpu", f"train.velocity.batch_size={batch // 2}",
+                   "--write", str(run))
+    assert f"batch_size={batch // 2}," in line and f"at {batch}" in line, line
+    assert f"sinkflow lr-find {run} --write {run}" in line, line
+    assert bytes_snapshot(run) == snapshot
+
+    # the same batch passes this check and reaches the sweep (which no_work forbids here)
+    with pytest.raises(AssertionError, match="started work"):
+        main(["lr-find", "my.yaml", "--write", "my.yaml"])

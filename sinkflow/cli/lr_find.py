@@ -48,18 +48,21 @@ def run(args):
     write_run = check_args(args)
     from sinkflow.errors import SinkflowError
     from sinkflow.runtime.run_folder import read_config
-    from sinkflow.tools.lr_find import phase_lr_find, plot, refuse_finished_phase, write_lr
+    from sinkflow.tools.lr_find import phase_lr_find, plot, refuse_finished_phase, refuse_other_batch, write_lr
     from sinkflow.tools.phases import open_run_phase, training_phase, workspace
 
     from_run = run_folder_arg(args, "lr-find") is not None
     cfg = None if from_run else resolve_args(args)
-    if write_run is not None:  # before the pool and the sweep: a finished phase's rate is not rewritten
-        swept = training_phase(cfg or read_config(Path(args.preset)), args.phase)
-        refuse_finished_phase(write_run, f"train.{swept.model_key}.lr", swept.name)
-        from sinkflow.runtime.lock import run_lock
+    if args.write:  # before the pool and the sweep: another batch's rate, a finished phase's rate, a locked run
+        swept_cfg = cfg or read_config(Path(args.preset))
+        swept = training_phase(swept_cfg, args.phase)
+        if write_run is not None:
+            refuse_finished_phase(write_run, f"train.{swept.model_key}.lr", swept.name)
+            from sinkflow.runtime.lock import run_lock
 
-        with run_lock(write_run):  # a run another process trains: its holder's one line now, not after the sweep
-            pass
+            with run_lock(write_run):  # a run another process trains: its holder's one line now, not after the sweep
+                pass
+        refuse_other_batch(Path(args.write), swept_cfg, swept.model_key)
     with tempfile.TemporaryDirectory(prefix="sinkflow-lrfind-") as tmp:
         if from_run:
             run_, phase = open_run_phase(Path(args.preset), args.phase)

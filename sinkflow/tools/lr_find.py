@@ -282,6 +282,26 @@ def write_target(target: Path, flag: str = "--write") -> tuple[Path, bool]:
     return target, False
 
 
+def refuse_other_batch(target: Path, swept_cfg: dict, model_key: str) -> None:
+    """Refuse to ``--write`` a rate into a run or YAML file that trains the phase at another batch than the sweep's:
+    the best rate moves with the batch (a larger batch's gradient is less noisy), so a rate swept at 256 is not the
+    rate for 64. A YAML file not yet written has no batch to compare; its own errors are the config reader's."""
+    from sinkflow import config as config_mod
+    from sinkflow.runtime.run_folder import read_config
+
+    target, is_run = write_target(target)
+    if not (is_run or target.is_file()):
+        return
+    theirs = read_config(target) if is_run else config_mod.load_config_file(str(target))
+    key = f"train.{model_key}.batch_size"
+    mine, other = config_mod.get(swept_cfg, key), config_mod.get(theirs, key)
+    if mine != other:
+        raise SinkflowError(f"--write {target}: the sweep runs {key}={mine}, {target} trains it at {other} (the best "
+                            "rate moves with the batch)",
+                            f"sweep at its batch: sinkflow lr-find {target} --write {target}"
+                            if not is_run else f"sweep the run itself: sinkflow lr-find {target} --write {target}")
+
+
 def refuse_finished_phase(run_dir: Path, key: str, phase: str | None = None) -> None:
     """Refuse to write ``key`` (``train.<model>.lr``) into a run whose phase has finished: it trained with the rate
     config.yaml holds, a new one would have no effect and make config.yaml lie; ``train --resume`` refuses the
