@@ -8,9 +8,11 @@ process exits with status 2. Raise it *before* work starts wherever the problem 
 class SinkflowError(Exception):
     """A problem the user can fix (bad config, bad data, wrong checkpoint, too little memory)."""
 
-    def __init__(self, problem: str, fix: str | None = None):
+    def __init__(self, problem: str, fix: str | None = None, *, every_rank: bool = False):
         self.problem = problem
         self.fix = fix
+        # raised alike on every rank of a torchrun job (their options differ; rank 0's check failed): rank 0 says it
+        self.every_rank = every_rank
         super().__init__(f"{problem}; {fix}" if fix else problem)
 
 

@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         with bars_above_logs():
             return args.func(args) or 0
     except SinkflowError as exc:
-        print(f"sinkflow: error: {one_line(str(exc))}", file=sys.stderr)
+        if not (exc.every_rank and os.environ.get("RANK", "0") != "0"):  # torchrun: one line, not one per rank
+            print(f"sinkflow: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `sinkflow status RUN | head -1`: the reader has what it wanted, not a disk error
         try:

@@ -114,7 +114,7 @@ def on_main(work: Callable[[], Any]) -> Any:
     if failure is not None:
         raise failure
     if said is not None:
-        raise SinkflowError(f"rank 0 stopped: {said}")
+        raise SinkflowError(f"rank 0 stopped: {said}", every_rank=True)  # rank 0 prints its own line
     return result
 
 
@@ -150,7 +150,8 @@ def check_same(values: dict[str, Any]) -> None:
                         f"is {mine} on rank 0 but {', '.join(others[:4])}{', ...' if len(others) > 4 else ''}{more}, "
                         "so they would wait on each other forever",
                         "start every rank with the same command and options (torchrun runs one command for all "
-                        "of them: a wrapper script must not add per-rank options); nothing was written")
+                        "of them: a wrapper script must not add per-rank options); nothing was written",
+                        every_rank=True)
 
 
 def leave_after_stop() -> DistInfo:
