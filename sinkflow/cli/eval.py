@@ -24,9 +24,11 @@ def add_parser(sub):
 def run(args):
     from sinkflow import data
     from sinkflow.eval.report import evaluate, is_points  # torch loads here: `--help` stays fast
+    from sinkflow.runtime.data_record import check_split_files
     from sinkflow.runtime.run_folder import RunFolder
 
     run_ = RunFolder.open(args.run_dir)
+    check_split_files(run_, data.target_split_info(run_.cfg), doing="evaluate")  # before anything decodes the images
     if args.n:  # --n 32 is a quick look: the classifier columns too (digits' class_n is 3,590 samples a seed)
         data.distributions(run_.cfg)[1].check_test_n(args.n, "--n")  # named as the user set it, before any sampling
         run_.cfg = {**run_.cfg, "eval": {**run_.cfg["eval"], "class_n": None}}

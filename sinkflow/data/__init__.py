@@ -18,7 +18,7 @@ from functools import lru_cache
 from typing import Callable
 
 from sinkflow.data.base import Distribution
-from sinkflow.data.images import IMAGE_SETS, ImageDistribution, build_image_distribution
+from sinkflow.data.images import IMAGE_SETS, ImageDistribution, build_image_distribution, source_split_info
 from sinkflow.data.points import POINT_SUFFIXES, PointFile
 from sinkflow.data.toy2d import TOY2D, Checkerboard, EightGaussians, Moons, Normal, SCurve
 from sinkflow.errors import SinkflowError
@@ -117,6 +117,16 @@ def distributions(cfg: dict):
         if pair is not None:
             return pair
     return _distributions(key, _files_key(cfg))
+
+
+def target_split_info(cfg: dict) -> dict:
+    """What an image target's source records of its splits, from its files alone (``source_split_info``): checked
+    against a run's record before ``distributions`` decodes anything. Empty for other targets, and inside
+    ``substituted`` (the builder's data is not the files')."""
+    name = cfg["data"]["target"]
+    if name not in IMAGE_SETS or _SUBSTITUTES:
+        return {}
+    return source_split_info(name, cfg["data"])
 
 
 def qmc_twin(dist: Distribution) -> Distribution:

@@ -137,14 +137,28 @@ def check_image_cfg(data_cfg: dict) -> dict:
     return {k: check_value(f"data.{k}", DATA[k], v) for k, v in cfg.items()}
 
 
-def build_image_distribution(name: str, data_cfg: dict) -> ImageDistribution:
-    """Open (or decode once into) the cache for both splits of image set ``name``."""
-    cfg = check_image_cfg(data_cfg)
+def image_source(name: str, cfg: dict):
+    """The prepared source of image set ``name`` (files found, unpacked or downloaded), nothing decoded yet."""
     if name == "folder":
         src = FolderSource(cfg["path"], cfg["channels"], cfg["image_size"])
     else:
         src = IMAGE_SETS[name](cfg["root"], cfg["channels"], cfg["image_size"], cfg["download"])
     src.prepare()
+    return src
+
+
+def source_split_info(name: str, data_cfg: dict) -> dict:
+    """What the source of image set ``name`` records of its splits (an image folder: its file lists' hashes;
+    MNIST's t10k-only split: the index hashes), read from its files before anything is decoded: a run refused on
+    changed data (``check_split``) must not first rewrite the decoded cache under data.root."""
+    src = image_source(name, check_image_cfg(data_cfg))
+    return src.split_info() if hasattr(src, "split_info") else {}
+
+
+def build_image_distribution(name: str, data_cfg: dict) -> ImageDistribution:
+    """Open (or decode once into) the cache for both splits of image set ``name``."""
+    cfg = check_image_cfg(data_cfg)
+    src = image_source(name, cfg)
     arrays = {}
     for split in SPLITS:
         stem = cache_stem(cfg["root"], src.name, split, src.size, src.chw[0])

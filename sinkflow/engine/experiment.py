@@ -17,7 +17,7 @@ from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import TrainingStep
 from sinkflow.runtime import dist
 from sinkflow.runtime.callbacks import Callback
-from sinkflow.runtime.data_record import check_split, record_split
+from sinkflow.runtime.data_record import check_split, check_split_files, record_split
 from sinkflow.runtime.lock import unlock_run
 from sinkflow.runtime.rng import phase_generator
 from sinkflow.runtime.run_folder import DATA_PATH_KEYS, RunFolder, absolute_data_paths, build_phase_model
@@ -111,6 +111,7 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
     try:
         cfg = run.cfg
         if resume is not None:  # the pool checks its free disk when it opens, counting the blocks its arrays hold
+            check_split_files(run, data.target_split_info(cfg))  # changed images: refused before they are decoded
             check_run(cfg, machine=False)
         source, target = data.distributions(cfg)
         method = methods.of(cfg)

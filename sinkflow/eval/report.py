@@ -11,7 +11,7 @@ import sys
 
 from sinkflow import data, methods
 from sinkflow.eval.records import METRIC_KEYS, scores, setting  # noqa: F401 (the method's ``ev``: a flow records them)
-from sinkflow.runtime.data_record import check_split
+from sinkflow.runtime.data_record import check_split, check_split_files
 
 
 def is_points(cfg: dict) -> bool:
@@ -22,6 +22,7 @@ def is_points(cfg: dict) -> bool:
 
 def evaluate(run, seeds: int | None = None, n: int | None = None) -> str:
     """The run's method's evaluation, on the data the run recorded (a changed test split is refused first)."""
+    check_split_files(run, data.target_split_info(run.cfg), doing="evaluate")  # before a decode rewrites the cache
     check_split(run, *data.distributions(run.cfg), doing="evaluate")
     return methods.of(run.cfg).evaluate(run, sys.modules[__name__], seeds=seeds, n=n)
 

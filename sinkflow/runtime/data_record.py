@@ -42,21 +42,37 @@ def _hashes(info: dict, where: str = "") -> dict:
     return out
 
 
+def _recorded(run) -> dict | None:
+    try:
+        recorded = json.loads((run.dir / RECORD).read_text())
+    except (OSError, ValueError):
+        return None  # none, or unreadable: rewritten after the checks, as before this record existed
+    return recorded if isinstance(recorded, dict) else None
+
+
+def check_split_files(run, target_info: dict, doing: str = "resume") -> None:
+    """``check_split`` on what an image target's files say before they are decoded (``data.target_split_info``):
+    the hashes that info holds are compared, so a changed image folder is refused before its decoded cache under
+    data.root is rewritten for a run that will not use it."""
+    recorded = _recorded(run)
+    if recorded is not None and target_info:
+        new = _hashes(target_info)
+        _refuse_changed(run, recorded, sorted(k for k, v in _hashes(recorded).items() if k in new and new[k] != v),
+                        doing)
+
+
 def check_split(run, source, target, doing: str = "resume") -> None:
     """Refuse to ``doing`` (resume, evaluate) a run whose data changed since it started: a point file rewritten, an
     image folder with files added, removed or replaced, another split. Every hash the record holds is compared;
     one it lacks (a record written before sinkflow hashed that data) is not."""
-    path = run.dir / RECORD
-    if not path.exists():
-        return
-    try:
-        recorded = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return  # unreadable: rewritten after the checks, as before this record existed
-    if not isinstance(recorded, dict):
+    recorded = _recorded(run)
+    if recorded is None:
         return
     old, new = _hashes(recorded), _hashes(split_record(source, target))
-    changed = sorted(k for k in old if old.get(k) != new.get(k))
+    _refuse_changed(run, recorded, sorted(k for k in old if old.get(k) != new.get(k)), doing)
+
+
+def _refuse_changed(run, recorded: dict, changed: list[str], doing: str) -> None:
     if changed:  # name the file whose hash changed: the source's record is nested under "source"
         src = recorded.get("source") if isinstance(recorded.get("source"), dict) else {}
         what = ((src.get("points") if changed[0].startswith("source.") else recorded.get("points"))
