@@ -380,6 +380,26 @@ def test_a_config_file_of_your_own_trains_what_it_says(tmp_path, capsys, monkeyp
         config.resolve("./p")
 
 
+def test_own_data_named_where_a_preset_goes_gets_the_command_that_trains_on_it(tmp_path, capsys, monkeypatch):
+    """`sinkflow train pts.npy` (a user's first try with their own points) listed the presets and nothing else; the
+    line now names the command that trains on the file, or on a folder of images, and then does what it says."""
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    np.save(tmp_path / "pts.npy", np.random.default_rng(0).normal(size=(300, 2)).astype(np.float32))
+    (tmp_path / "imgs").mkdir()
+    assert main(["train", "pts.npy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sinkflow: error: unknown preset 'pts.npy'") and "\n" not in err, err
+    assert "`sinkflow train moons data.target=pts.npy`" in err, err
+    with pytest.raises(SinkflowError, match=r"unknown preset 'imgs/'; a folder of your own images: `sinkflow train "
+                                            r"folder data.path=imgs/`"):
+        config.resolve("imgs/")
+    with pytest.raises(SinkflowError, match=r"unknown preset 'sub/pts.csv'; .* data.target=sub/pts.csv"):
+        config.resolve("sub/pts.csv")
+    assert config.resolve("moons", ["data.target=pts.npy"])["data"]["target"] == "pts.npy"  # the command named
+
+
 def test_a_key_added_with_a_better_default_keeps_old_run_folders_as_they_trained(tmp_path):
     """model.*.norm_min_channels is 2 for new runs (ADM's one-channel GroupNorm groups cancel the additive time
     embedding); a run folder written before the key existed lacks it and trained with ADM's rule: it reads as 1,

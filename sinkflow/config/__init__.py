@@ -79,7 +79,23 @@ def load_config_file(name: str) -> dict:
     return tree
 
 
+def _own_data_hint(name: str) -> str | None:
+    """`sinkflow train pts.npy` / `sinkflow train imgs/`: the user's own data named where a preset goes. The hint
+    is the command that trains on it (its data is a key of a preset's recipe, not a preset)."""
+    from pathlib import Path
+
+    if name.lower().endswith(schema.POINT_FILE_SUFFIXES):
+        return (f"to train on your own points, name them as a preset's data.target: `sinkflow train moons "
+                f"data.target={name}` (the 2D recipe on your file; docs/data.md)")
+    if Path(name).expanduser().is_dir():
+        return f"a folder of your own images: `sinkflow train folder data.path={name}` (docs/data.md)"
+    return None
+
+
 def _read_preset(name: str) -> dict:
+    own = _own_data_hint(name)
+    if own is not None:
+        raise SinkflowError(f"unknown preset '{name}'", own)
     if "/" in name or "\\" in name or name.startswith("."):  # a path joined onto the preset folder loaded other files
         raise SinkflowError(f"unknown preset '{name}'", "a config file of your own ends in .yaml: `sinkflow config "
                             "PRESET > my.yaml`, edit it, then `sinkflow train my.yaml`")
