@@ -690,11 +690,11 @@ def test_a_missing_point_file_gets_the_fix_for_its_kind_of_path(tmp_path, monkey
                                             r"relative") as e:
         build_distribution("gone.npy", data_cfg={})
     one_line(e)
-    with pytest.raises(SinkflowError, match=r"does not exist; put the file back at that path, or a link to where it "
-                                            r"is now \(ln -s NEW_PATH .*gone.npy\): a run records") as e:
+    with pytest.raises(SinkflowError, match=r"does not exist; put the file back at that path; for a run whose file "
+                                            r"moved, .*`sinkflow train --resume RUN data.target=NEW_PATH") as e:
         build_distribution(str(tmp_path / "gone.npy"), data_cfg={})
     one_line(e)
-    moved = tmp_path / "elsewhere" / "pts.npy"  # the link the fix names is read as the file
+    moved = tmp_path / "elsewhere" / "pts.npy"  # a link at the old path is read as the file
     moved.parent.mkdir()
     np.save(moved, np.random.default_rng(0).normal(size=(300, 2)).astype(np.float32))
     (tmp_path / "gone.npy").symlink_to(moved)

@@ -439,3 +439,24 @@ def test_a_folder_run_keeps_its_data_from_another_directory_and_refuses_a_change
     one_line(capsys, "cannot resume", "data changed", "test_files_sha256")
     # refused before the changed folder was decoded: the cache of the run's images is as it was
     assert sum(sources.DECODES.values()) == decodes and bytes_snapshot(tmp_path / "data") == cache
+
+
+def test_a_run_whose_image_folder_moved_names_its_new_place_once(tmp_path, monkeypatch, capsys):
+    """data.path is recorded absolute: after the folder moved, eval names the resume that points the run at it, the
+    resume checks the files against data_split.json, and eval reads the folder there."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    make_folder(tmp_path / "imgs", n=10, size=(8, 8))
+    assert main(["train", "folder", "--method", "fm", *TINY_FM, "data.path=imgs", "data.root=data", "--name", "f",
+                 "--no-report"]) == 0
+    run = tmp_path / "runs" / "f"
+    shutil.move(tmp_path / "imgs", tmp_path / "pictures")
+    methods._distributions.cache_clear()
+    capsys.readouterr()
+    assert main(["eval", str(run), "--n", "4", "--seeds", "1"]) == 2
+    one_line(capsys, f"image folder {tmp_path / 'imgs'} does not exist",
+             "`sinkflow train --resume RUN data.path=NEW_PATH --no-report`")
+    assert main(["train", "--resume", str(run), "data.path=pictures", "--no-report"]) == 0
+    assert RunFolder.open(run).cfg["data"]["path"] == str(tmp_path / "pictures")
+    assert main(["eval", str(run), "--n", "4", "--seeds", "1"]) == 0, capsys.readouterr().err

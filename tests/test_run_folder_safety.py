@@ -416,6 +416,56 @@ def test_resume_refuses_a_point_file_whose_points_changed(tmp_path, monkeypatch,
     assert rc == 0, err
 
 
+def test_a_run_whose_point_file_moved_names_its_new_place_once(tmp_path, monkeypatch, capsys):
+    """A project folder renamed, a run copied to another machine: the run's config.yaml names its point file by the
+    old absolute path, and the only way back was a link at that path (`train --resume data.target=NEW` was refused
+    as a frozen key, and the checkpoints' identities named the old path). A resume names the new place: the points
+    are checked against RUN/data_split.json's hash, config.yaml and meta.json record the move, eval and sample read
+    it there, an unfinished phase continues from its checkpoint; another file with other points is refused."""
+    import json
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    np.save("pts.npy", np.random.default_rng(0).normal(size=(64, 2)).astype(np.float32))
+    assert main(["train", "moons", *TINY_2D, "data.target=pts.npy", "--name", "p", "--no-report"]) == 0
+    run = tmp_path / "runs" / "p"
+    shutil.copytree(run, tmp_path / "runs" / "q")
+    (tmp_path / "moved").mkdir()
+    shutil.move("pts.npy", "moved/pts.npy")
+    line = one_line(*run_main(capsys, "eval", str(run)), f"point file {tmp_path / 'pts.npy'} does not exist")
+    assert "`sinkflow train --resume RUN data.target=NEW_PATH --no-report`" in line, line
+
+    np.save("other.npy", np.load("moved/pts.npy") + 1)  # not the run's points: refused, nothing written
+    before = full_snapshot(run)
+    line = one_line(*run_main(capsys, "train", "--resume", str(run), "data.target=other.npy", "--no-report"),
+                    "cannot resume", "data changed", "points_sha256")
+    assert f"{tmp_path / 'other.npy'}, not the data recorded for {tmp_path / 'pts.npy'}" in line, line
+    assert full_snapshot(run) == before
+
+    rc, err = run_main(capsys, "train", "--resume", str(run), "data.target=moved/pts.npy", "--no-report")
+    assert rc == 0, err
+    new = str(tmp_path / "moved" / "pts.npy")
+    assert RunFolder.open(run).cfg["data"]["target"] == new
+    assert json.loads((run / "data_split.json").read_text())["points"] == new
+    moves = [(c["key"], c["from"], c["to"]) for c in json.loads((run / "meta.json").read_text())["changes"]]
+    assert moves == [("data.target", str(tmp_path / "pts.npy"), new)]
+    rc, err = run_main(capsys, "eval", str(run), "--n", "16", "--seeds", "1")
+    assert rc == 0, err
+    assert main(["sample", str(run), "--n", "4", "--out", "s.npy"]) == 0 and np.load("s.npy").shape == (4, 2)
+
+    # an unfinished phase: its step checkpoints were written with the old path and still load
+    other = tmp_path / "runs" / "q"
+    (other / "checkpoints" / "velocity" / "final.pt").unlink()
+    rc, err = run_main(capsys, "train", "--resume", str(other), "data.target=moved/pts.npy", "--no-report")
+    assert rc == 0, err
+    assert (other / "checkpoints" / "velocity" / "final.pt").is_file()
+    # a change of which data (a file for a built-in distribution's run) is still refused as before
+    shutil.rmtree(tmp_path / "runs" / "m", ignore_errors=True)
+    assert main(["train", "moons", *TINY_2D, "--name", "m", "--no-report"]) == 0
+    one_line(*run_main(capsys, "train", "--resume", str(tmp_path / "runs" / "m"), f"data.target={new}",
+                       "--no-report"), "cannot resume", "data.target")
+
+
 def test_a_changed_source_file_is_named_not_the_target(tmp_path, monkeypatch, capsys):
     """With both source and target point files, a changed source was reported as the target file."""
     monkeypatch.chdir(tmp_path)

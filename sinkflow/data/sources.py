@@ -392,7 +392,11 @@ class FolderSource:
         self.path = Path(path)
         if not self.path.is_dir():
             what = "is a file, not a folder" if self.path.exists() else "does not exist"
-            raise SinkflowError(f"image folder {self.path} {what}", "set data.path to a folder of images")
+            fix = ("set data.path to a folder of images" if not self.path.is_absolute() else
+                   "set data.path to a folder of images; for a run whose folder moved, name its new place once, "
+                   "`sinkflow train --resume RUN data.path=NEW_PATH --no-report` (its files must match the hashes "
+                   "in RUN/data_split.json), and eval and sample read it there")
+            raise SinkflowError(f"image folder {self.path} {what}", fix)
         self.channels = channels or 3
         self.image_size = image_size
         found = list(files_under(self.path))

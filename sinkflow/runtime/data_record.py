@@ -58,7 +58,7 @@ def check_split_files(run, target_info: dict, doing: str = "resume") -> None:
     if recorded is not None and target_info:
         new = _hashes(target_info)
         _refuse_changed(run, recorded, sorted(k for k, v in _hashes(recorded).items() if k in new and new[k] != v),
-                        doing)
+                        doing, target_info)
 
 
 def check_split(run, source, target, doing: str = "resume") -> None:
@@ -68,15 +68,22 @@ def check_split(run, source, target, doing: str = "resume") -> None:
     recorded = _recorded(run)
     if recorded is None:
         return
-    old, new = _hashes(recorded), _hashes(split_record(source, target))
-    _refuse_changed(run, recorded, sorted(k for k in old if old.get(k) != new.get(k)), doing)
+    now = split_record(source, target)
+    old, new = _hashes(recorded), _hashes(now)
+    _refuse_changed(run, recorded, sorted(k for k in old if old.get(k) != new.get(k)), doing, now)
 
 
-def _refuse_changed(run, recorded: dict, changed: list[str], doing: str) -> None:
-    if changed:  # name the file whose hash changed: the source's record is nested under "source"
-        src = recorded.get("source") if isinstance(recorded.get("source"), dict) else {}
-        what = ((src.get("points") if changed[0].startswith("source.") else recorded.get("points"))
-                or recorded.get("path") or "the data")
+def _where(info: dict, changed: str) -> str | None:
+    """The file or folder of a record whose hash ``changed`` names: the source's record is nested under "source"."""
+    src = info.get("source") if isinstance(info.get("source"), dict) else {}
+    return (src.get("points") if changed.startswith("source.") else info.get("points")) or info.get("path")
+
+
+def _refuse_changed(run, recorded: dict, changed: list[str], doing: str, now: dict | None = None) -> None:
+    if changed:  # name the data read now, and the place the record was made for when that differs (moved data)
+        was, what = _where(recorded, changed[0]), _where(now or {}, changed[0])
+        what = (f"{what}, not the data recorded for {was}" if what and was and what != was else what or was
+                or "the data")
         fix = ("restore the data the run was trained on, or start a new run" if doing == "resume" else
                "restore the data the run was trained on (its scores would be against other data), or train a new run")
         raise SinkflowError(f"cannot {doing} {run.dir}: its data changed since the run started ({what}: "

@@ -44,6 +44,36 @@ ALWAYS_FROZEN = ("experiment.preset", "experiment.method")
 LOCATION_KEYS = ("experiment.name", "experiment.runs_dir")
 
 
+# Where a point file or an image folder is, not what it holds: data that moved (a project folder renamed, a run
+# copied to another machine) is named at its new place by a resume (``train --resume RUN data.target=NEW``). What it
+# holds is identified by RUN/data_split.json's hashes (``check_split``: refused if they differ), so a path-to-path
+# change of these keys is allowed where that record holds the data's hash, and is no checkpoint's difference.
+# key -> (where the record keeps its hash, the hash keys that identify the data)
+DATA_LOCATION_KEYS = {"data.target": ((), ("points_sha256", "train_files_sha256")),
+                      "data.source": (("source",), ("points_sha256",)),
+                      "data.path": ((), ("train_files_sha256",))}
+
+
+def _data_paths(key: str, a: Any, b: Any) -> bool:
+    """Are ``a`` and ``b`` two places of the data ``key`` names (point files, or image folders for data.path), not a
+    change of which data (``moons`` -> ``checkerboard``, or a built-in name -> a file)?"""
+    if key not in DATA_LOCATION_KEYS or not (isinstance(a, str) and isinstance(b, str) and a and b):
+        return False
+    return key == "data.path" or all(v.lower().endswith(config_mod.schema.POINT_FILE_SUFFIXES) for v in (a, b))
+
+
+def _hash_recorded(run_dir: Path, key: str) -> bool:
+    """Does RUN/data_split.json hold the hash that identifies ``key``'s data?"""
+    where, hashes = DATA_LOCATION_KEYS[key]
+    try:
+        node = json.loads((Path(run_dir) / "data_split.json").read_text())
+    except (OSError, ValueError):
+        return False
+    for part in where:
+        node = node.get(part) if isinstance(node, dict) else None
+    return isinstance(node, dict) and any(isinstance(node.get(h), str) for h in hashes)
+
+
 # Frozen by a training phase's checkpoints: how a network reads the pool (nsgf.time is its input's meaning).
 TRAIN_SECTIONS = ("nsgf.",)
 
@@ -90,10 +120,11 @@ def _same(a: Any, b: Any) -> bool:
 
 def first_difference(theirs: dict, ours: dict) -> tuple[str, Any, Any] | None:
     """(key, their value, our value) of the first frozen key whose values differ; keys only one side has (added to
-    sinkflow later: they take their default) are skipped."""
+    sinkflow later: they take their default) are skipped, and so is data at another place (``DATA_LOCATION_KEYS``:
+    RUN/data_split.json's hashes identify it, checked before a resume or an evaluation reads it)."""
     theirs = theirs if isinstance(theirs, dict) else {}
     for key in sorted(set(theirs) & set(ours), key=str):
-        if not _same(theirs[key], ours[key]):
+        if not _same(theirs[key], ours[key]) and not _data_paths(key, theirs[key], ours[key]):
             return key, theirs[key], ours[key]
     return None
 
@@ -154,6 +185,8 @@ def check_frozen(old: dict, new: dict, run_dir: Path) -> None:
     for key in sorted(new_flat):
         if new_flat[key] == old_flat.get(key):
             continue
+        if _data_paths(key, old_flat.get(key), new_flat[key]) and _hash_recorded(run_dir, key):
+            continue  # the data moved: its hashes in data_split.json are compared before it is read (check_split)
         if key in ALWAYS_FROZEN:
             why = "the run folder was made for it"
         elif key in LOCATION_KEYS:
