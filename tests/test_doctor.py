@@ -67,6 +67,49 @@ def test_weights_change_waits_for_zero_initialised_layers():
     assert f.ok is False and "2 of" in f.symptom and "extra" in f.symptom
 
 
+def test_a_network_that_ignores_t_is_caught_before_training():
+    """ADM's GroupNorm(32) on <= 32 channels is one channel per group: it removed the additive time embedding, so
+    the digits UNet did not depend on t, trained, and passed every other check (its loss fell; 16 points are
+    memorised without t). The check re-initialises the zero output layers and measures each input's effect."""
+    from sinkflow.models.unet import UNet
+
+    torch.manual_seed(0)
+    x, t = torch.randn(8, 1, 8, 8), torch.rand(8)
+    kw = dict(in_channels=1, model_channels=16, num_res_blocks=1, attention_ds=(), channel_mult=(1, 2))
+    healthy = doctor.check_inputs_reach_output(UNet(**kw, norm_min_channels=2), x, t)
+    assert healthy.ok, healthy.line()
+    cancelled = doctor.check_inputs_reach_output(UNet(**kw, norm_min_channels=1), x, t)
+    assert cancelled.ok is False and "the network ignores t" in cancelled.symptom, cancelled.line()
+    assert "norm_min_channels=2" in cancelled.fix
+
+    class NoTime(nn.Module):  # forward never uses t
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(2, 2)
+
+        def forward(self, x, t):
+            return self.net(x)
+
+    f = doctor.check_inputs_reach_output(NoTime(), torch.randn(8, 2), torch.rand(8))
+    assert f.ok is False and "ignores t" in f.symptom
+    assert doctor.check_inputs_reach_output(NoTime(), torch.randn(8, 2), torch.full((8,), 0.5)).ok is None
+    rng = torch.random.get_rng_state()
+    doctor.check_inputs_reach_output(UNet(**kw, norm_min_channels=2), x, t)
+    assert torch.equal(torch.random.get_rng_state(), rng)  # the probe's initialisation leaves the run's RNG alone
+
+
+def test_doctor_on_a_preset_whose_unet_ignores_t(runs_dir):
+    """The whole doctor on digits with the old one-channel groups: the new check is its one FAIL."""
+    from sinkflow import config
+    from sinkflow.tools.doctor import doctor_run
+
+    cfg = config.resolve("digits", ["experiment.method=fm", "train.velocity.batch_size=16",
+                                    "model.velocity.norm_min_channels=1"], {"device": "cpu"})
+    findings = doctor_run(cfg, runs_dir, overfit_steps=3, phases=["velocity"])
+    failed = [f for f in findings if f.ok is False and f.check != "overfit one batch"]
+    assert [f.check for f in failed] == ["inputs reach the output"], [f.line() for f in failed]
+
+
 def test_parameter_left_out_of_the_optimizer():
     model, batch = make()
     opt = torch.optim.Adam(model[0].parameters(), lr=1e-2)  # the head is missing

@@ -100,6 +100,56 @@ def check_weights_change(model: nn.Module, step_fn: Callable[[], object], steps:
                    "check requires_grad and the optimizer's param groups")
 
 
+INPUT_EFFECT_MIN = 1e-4  # the output's relative change below which an input is taken as not reaching it
+ZERO_INIT_BELOW = 1e-3  # a weight tensor this small is (still) a zero-initialised layer: default init uses ~0.1
+
+
+def _effect(model: nn.Module, a: tuple, b: tuple) -> float:
+    """max|model(*a) - model(*b)| / max|model(*a)|, in float32 without autocast."""
+    with torch.no_grad():
+        fa, fb = model(*a).float(), model(*b).float()
+    return float((fa - fb).abs().max() / fa.abs().max().clamp_min(1e-30))
+
+
+def check_inputs_reach_output(model: nn.Module, x: torch.Tensor, t: torch.Tensor, n: int = 8) -> Finding:
+    """A velocity field v(x, t) whose output does not change with t (or with x) trains without an error, its loss
+    falls (16 noisy points are memorised without t), and it samples a blur: every other check passes. ADM's
+    GroupNorm(32) on a layer of <= 32 channels is one channel per group, an instance norm that removes the additive
+    time embedding exactly; the digits UNet was t-independent that way (|v(x,.1) - v(x,.9)| 1e-7 of |v|).
+
+    Measured on a copy whose zero-initialised weights (the output layers that make every input's effect exactly 0
+    before training, and still ~lr after a few steps: any weight tensor below ``ZERO_INIT_BELOW``) get PyTorch's
+    default initialisation: the question is whether the architecture lets each input reach
+    the output. Times: the batch's own lowest and highest (the phase's range); x: the batch against itself rolled
+    by one sample. Healthy UNets change by 1e-2 or more; a cancelled input by ~1e-7."""
+    probe = copy.deepcopy(model).float().eval()
+    torch.manual_seed(0)  # the re-initialisation below: the global RNG is restored after
+    state = torch.random.get_rng_state()
+    with torch.no_grad():
+        for p in probe.parameters():
+            if p.dim() >= 2 and not p.abs().max() >= ZERO_INIT_BELOW:  # PyTorch's default init (biases block
+                nn.init.kaiming_uniform_(p, a=math.sqrt(5))  # nothing at 0)
+    torch.random.set_rng_state(state)
+    x = x[:n].float()
+    t = torch.as_tensor(t, dtype=torch.float32, device=x.device).flatten()
+    if x.shape[0] < 2 or t.numel() == 0 or not t.max() > t.min():
+        return Finding("inputs reach the output", None, "needs a batch of >= 2 samples at >= 2 times")
+    lo, hi = (torch.full((x.shape[0],), float(v), device=x.device) for v in (t.min(), t.max()))
+    by_t = _effect(probe, (x, lo), (x, hi))
+    by_x = _effect(probe, (x, lo), (x.roll(1, 0), lo))
+    said = f"output changes by {by_t:.2g} between t={float(t.min()):.2f} and {float(t.max()):.2f}, by {by_x:.2g} " \
+           "between samples (relative)"
+    if by_t < INPUT_EFFECT_MIN:
+        return Finding("inputs reach the output", False, f"the network ignores t: {said}",
+                       "the time embedding is removed before it reaches the output (a GroupNorm of one channel per "
+                       "group cancels an additive embedding) or forward never uses t",
+                       "set model.<phase>.norm_min_channels=2 or more (channels per norm group), or pass t through")
+    if by_x < INPUT_EFFECT_MIN:
+        return Finding("inputs reach the output", False, f"the network ignores x: {said}",
+                       "the input is overwritten or detached in forward", "make forward use x")
+    return _ok("inputs reach the output", said)
+
+
 def _mode_probe(model: nn.Module, fn: Callable[[], object]) -> list[tuple[str, bool]]:
     seen: dict[str, bool] = {}
     def hook(mod, inp, name):
@@ -489,6 +539,8 @@ def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch:
     out[-1].check = "data values"
     out.append(check_batches_differ(lambda: trainer.draw_batch(trainer.cfg["batch_size"])))
     out.append(check_optimizer_covers(model, opt))
+    if _takes_time(model, batch):
+        out.append(check_inputs_reach_output(model, batch[0], batch[1]))
     out.append(check_loss_graph(trainer.ddp_model, trainer.task.loss, batch))
     out.append(check_train_mode(model, lambda: trainer.train_step(batch)))
     out.append(check_weights_change(model, lambda: applied_step(trainer, batch)))
@@ -506,6 +558,20 @@ def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch:
     for f in out:
         f.phase = trainer.name
     return out
+
+
+def _takes_time(model, batch) -> bool:
+    """A velocity-field phase: its batches are (x, t, target) and its network is called as model(x, t)."""
+    import inspect
+
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 3 and isinstance(batch[0], torch.Tensor)):
+        return False
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 2
 
 
 def _is_flow(model) -> bool:
