@@ -197,6 +197,8 @@ def test_batch_values():
     assert doctor.check_batch_values(torch.rand(8, 1, 4, 4) * 2 - 1, images=True).ok
     f = doctor.check_batch_values(torch.randint(0, 256, (8, 1, 4, 4)).float(), images=True)
     assert f.ok is False and "not scaled" in f.cause
+    f = doctor.check_batch_values(torch.rand(64, 1, 8, 8), images=True)  # ToTensor's [0, 1], never shifted
+    assert f.ok is False and "[0, 1]" in f.cause and "x * 2 - 1" in f.fix, f.line()
     x = torch.randn(8, 2)
     x[3, 1] = float("nan")
     assert doctor.check_batch_values(x).ok is False

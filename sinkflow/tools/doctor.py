@@ -369,6 +369,9 @@ def check_batch_values(batch, images: bool = False) -> Finding:
     if images and hi - lo < 0.5:
         return Finding("batch values", False, f"images span only [{lo:.3g}, {hi:.3g}]",
                        "scaled twice (e.g. ToTensor then / 255)", "scale once to [-1, 1]")
+    if images and lo >= -0.01 and hi > 0.5:  # the source is N(0, I) around 0: data in [0, 1] sits off its centre
+        return Finding("batch values", False, f"images span [{lo:.3g}, {hi:.3g}], expected [-1, 1]",
+                       "scaled to [0, 1] (ToTensor) and not shifted", "scale to [-1, 1]: x * 2 - 1")
     return _ok("batch values", f"{len(ts)} tensors, float32, finite, x in [{lo:.3g}, {hi:.3g}]")
 
 
