@@ -213,7 +213,7 @@ def log(msg: str) -> None:
 
 
 def bench_seed(out: Path, seed: int, b: dict, data_root: Path, nfe: list[int], device: str,
-               which: tuple = ("nsgfpp", *BASELINES), extra: tuple = ()) -> dict:
+               which: tuple = ("nsgfpp", *BASELINES), extra: tuple = (), every: tuple = ()) -> dict:
     """One training seed: NSGF++ (split per budget chosen on validation), OT-CFM and FM, scored on the test
     digits. Resumable: scores.json and the run folders are reused."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -221,7 +221,7 @@ def bench_seed(out: Path, seed: int, b: dict, data_root: Path, nfe: list[int], d
     out = out / f"seed{seed}"
     out.mkdir(parents=True, exist_ok=True)
     sc = Scores(out / "scores.json")
-    common = common_overrides(b, data_root, seed, device)
+    common = [*common_overrides(b, data_root, seed, device), *every]  # --every: one factor changed for all
     res = {"scores": {}, "split": {}, "val": {}, "wall": {}}
     if "nsgfpp" in which:
         nsgfpp_seed(out, seed, b, nfe, sc, common, res, extra)
@@ -412,6 +412,10 @@ def main(argv=None) -> None:
                     "(<out>/seed*/scores.json); trains and samples nothing")
     ap.add_argument("extra", nargs="*", help="config overrides for the NSGF++ runs only (probes), e.g. "
                     "nsgf.nsf_t_min=0.5 sinkhorn.blur=0.5")
+    ap.add_argument("--every", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="config overrides for every method's runs (a one-factor probe of the shared UNet, e.g. "
+                         "model.velocity.norm_min_channels=1 model.nsf.norm_min_channels=1); a baseline gets the "
+                         "keys it reads")
     for k in ("velocity", "nsf", "time", "pool", "n"):
         ap.add_argument(f"--{k}", type=int, help=f"override the scale's {k} budget")
     args = ap.parse_args(argv)
@@ -430,8 +434,8 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     if not args.report_only:
         prepare_scorers(data_root.resolve())
-    jobs = [(out, s, b, data_root.resolve(), nfe, args.device, tuple(args.methods), tuple(args.extra))
-            for s in args.train_seeds]
+    jobs = [(out, s, b, data_root.resolve(), nfe, args.device, tuple(args.methods), tuple(args.extra),
+             tuple(args.every)) for s in args.train_seeds]
     if not args.report_only and args.workers > 1:
         with ProcessPoolExecutor(args.workers) as pool:
             list(pool.map(bench_seed, *zip(*jobs)))
@@ -448,7 +452,8 @@ def main(argv=None) -> None:
             f"[1,2,2], batch {b['batch']}; NSGF++ = pool {b['pool']}x256x5 + {b['velocity']} velocity + {b['nsf']} NSF "
             f"UNet steps + {b['time']} time-predictor steps; OT-CFM / FM = {unet_budget(b)} UNet steps"
             + (f"; NSGF++ recipe of this scale: {' '.join(b['nsgfpp'])}" if b.get("nsgfpp") else "")
-            + (f"; NSGF++ overrides: {' '.join(args.extra)}." if args.extra else "."),
+            + (f"; NSGF++ overrides: {' '.join(args.extra)}" if args.extra else "")
+            + (f"; every method: {' '.join(args.every)}." if args.every else "."),
             f"Data: {split['layout']} layout, {split['n_train']} train ({split['n_val']} of them validation) / "
             f"{split['n_test']} test digits; FD-CNN of {b['n']} generated digits vs all {split['n_test']} test digits "
             f"(NSGF++'s k chosen on {b['val_n']} generated vs the {split['n_val']} validation digits).", ""]

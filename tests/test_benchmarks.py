@@ -768,7 +768,7 @@ def mnist_quick(mnist_bench, tmp_path_factory):
     make_mnist(tmp_path / "data", n_train=40, n_test=12)
     out = tmp_path / "out"
     argv = ["--scale", "quick", "--out", str(out), "--data-root", str(tmp_path / "data"), "--train-seeds", "0",
-            "--nfe", "3"]
+            "--nfe", "3", "--every", "model.velocity.norm_min_channels=1", "model.nsf.norm_min_channels=1"]
     methods._distributions.cache_clear()
     mnist_bench.main(argv)
     return out, argv
@@ -796,6 +796,8 @@ def test_smoke_mnist(mnist_bench, mnist_quick):
         assert t["iters"] == pp["velocity"]["iters"] + pp["nsf"]["iters"]
         assert all(t[k] == pp["velocity"][k] == pp["nsf"][k] for k in ("batch_size", "lr", "warmup", "schedule", "ema"))
         assert cfgs[m]["model"]["velocity"] == cfgs["nsgfpp"]["model"]["velocity"]
+        assert cfgs[m]["model"]["velocity"]["norm_min_channels"] == 1  # --every reaches every method's run
+    assert cfgs["nsgfpp"]["model"]["nsf"]["norm_min_channels"] == 1
     assert json.loads((out / "seed0" / "nsgfpp" / "data_split.json").read_text())["layout"] == "official"
 
     finals = {p: p.stat().st_mtime_ns for p in out.rglob("final.pt")}
