@@ -156,7 +156,8 @@ def _count(name: str, value, example: int, default: str) -> int | None:
     """A count argument as an int (None: the run's ``default``), refused in one line unless a whole number >= 1, as
     the commands refuse their count flags (0 meant the default in silence, 2.5 was a TypeError)."""
     require(value is None or (is_whole(value) and int(value) >= 1),
-            f"{name}={shown(value)} must be a whole number >= 1", f"e.g. {name}={example}, or leave it out (None) for the run's {default}")
+            f"{name}={shown(value)} must be a whole number >= 1",
+            f"e.g. {name}={example}, or leave it out (None) for the run's {default}")
     return None if value is None else int(value)
 
 
