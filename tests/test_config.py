@@ -79,7 +79,8 @@ def test_cli_error_is_one_line(capsys):
 def test_presets_resolve_as_before_the_schema():
     """Every preset x method resolves to the tree it had before the schema (tests/data/resolved_presets.json,
     made by tests/data/make_resolved_presets.py on main d6ad35e, model sections as the model builder saw them;
-    train.*.precision / compile = auto and channels_last = false since issue 23 changed those defaults, measured)."""
+    train.*.precision / compile = auto and channels_last = false since issue 23 changed those defaults, measured;
+    model.*.use_scale_shift_norm = auto since 2026-11-28, measured)."""
     snapshot = json.loads((Path(__file__).parent / "data" / "resolved_presets.json").read_text())
     assert {name.partition(" --method ")[0] for name in snapshot} == set(config.preset_names())
     for name, old in snapshot.items():
@@ -90,12 +91,15 @@ def test_presets_resolve_as_before_the_schema():
             continue
         cfg = config.resolve(preset, [], {"method": method})
         new, before = config.flatten(cfg), config.flatten(old)
-        assert {k: new.get(k, "missing") for k in before} == before, name
-        # keys added since (a new method's section, sample.qmc...) hold their defaults: behaviour as before, but
-        # for model.*.norm_min_channels (2, measured: ADM's groups cancelled t; old run folders read its legacy 1)
+        own = set(config.flatten(config._raw_preset(preset)))  # digits sets its UNet's conditioning (measured)
+        film = {k: "auto" for k in before if k.endswith(".use_scale_shift_norm") and k not in own}
+        assert {k: new.get(k, "missing") for k in before} == {**before, **film}, name
+        # keys added since (a new method's section, sample.qmc...) hold their defaults (or the preset's own value):
+        # behaviour as before, but for a UNet's use_scale_shift_norm (auto since 2026-11-28: FiLM where ADM's groups
+        # cancel an added t; measured, docs/models.md)
         specs = schema.keys(cfg)
-        assert {k: v for k, v in new.items() if k not in before} == \
-            {k: specs[k].default for k in new if k not in before}, name
+        assert {k: v for k, v in new.items() if k not in before and k not in own} == \
+            {k: specs[k].default for k in new if k not in before and k not in own}, name
 
 
 # ---- the schema: one declaration, everything else generated from it or checked against it ------------------
@@ -400,18 +404,29 @@ def test_own_data_named_where_a_preset_goes_gets_the_command_that_trains_on_it(t
     assert config.resolve("moons", ["data.target=pts.npy"])["data"]["target"] == "pts.npy"  # the command named
 
 
-def test_a_key_added_with_a_better_default_keeps_old_run_folders_as_they_trained(tmp_path):
-    """model.*.norm_min_channels is 2 for new runs (ADM's one-channel GroupNorm groups cancel the additive time
-    embedding); a run folder written before the key existed lacks it and trained with ADM's rule: it reads as 1,
-    so a resume trains the network it checkpointed. A folder that holds the key keeps its value."""
+def test_old_run_folders_keep_the_unet_they_trained_and_new_runs_get_film_where_groups_are_single_channels(tmp_path):
+    """New runs: ADM's groups (norm_min_channels 1) and use_scale_shift_norm auto, i.e. FiLM in the blocks whose
+    GroupNorm has one channel per group. A run folder from before either key changed lists use_scale_shift_norm:
+    false: without norm_min_channels (before 2026-11-27) it reads ADM's groups and builds the t-less network it
+    trained, with norm_min_channels: 2 (2026-11-27) its groups of two; a resume builds what it checkpointed."""
+    from sinkflow.models import build_model
     from sinkflow.runtime.run_folder import read_config
 
-    cfg = config.resolve("digits", ["model.velocity.norm_min_channels=3"])
-    assert (config.resolve("digits")["model"]["velocity"]["norm_min_channels"], cfg["model"]["nsf"]["norm_min_channels"]) == (2, 2)
-    (tmp_path / "config.yaml").write_text(config.dump(cfg))
-    assert read_config(tmp_path)["model"]["velocity"]["norm_min_channels"] == 3
+    def blocks(cfg):  # per residual block: (channels per group of the norm after the embedding, FiLM?)
+        net = build_model("unet", cfg["model"]["velocity"], (1, 8, 8))
+        return {(b.out_layers[0].num_channels // b.out_layers[0].num_groups, b.use_scale_shift_norm)
+                for b in net.modules() if hasattr(b, "emb_layers")}
+
+    new = config.resolve("mnist")
+    assert (new["model"]["velocity"]["norm_min_channels"], new["model"]["velocity"]["use_scale_shift_norm"]) == (1, "auto")
+    assert blocks(new) == {(1, True), (2, False)}  # 32 channels: one a group, t by FiLM; 64: ADM's added t
+    assert blocks(config.resolve("mnist", ["model.velocity.channels=128"])) == {(4, False), (8, False)}  # unchanged
+    assert blocks(config.resolve("digits")) == {(2, False)}  # the digits preset's own measured choice
+    old = config.resolve("mnist", ["model.velocity.use_scale_shift_norm=false", "model.velocity.norm_min_channels=2",
+                                   "model.nsf.use_scale_shift_norm=false", "model.nsf.norm_min_channels=2"])
+    (tmp_path / "config.yaml").write_text(config.dump(old))
+    assert blocks(read_config(tmp_path)) == {(2, False)}  # 2026-11-27's groups of two, t added
     for phase in ("velocity", "nsf"):
-        del cfg["model"][phase]["norm_min_channels"]
-    (tmp_path / "config.yaml").write_text(config.dump(cfg))
-    read = read_config(tmp_path)
-    assert (read["model"]["velocity"]["norm_min_channels"], read["model"]["nsf"]["norm_min_channels"]) == (1, 1)
+        del old["model"][phase]["norm_min_channels"]
+    (tmp_path / "config.yaml").write_text(config.dump(old))
+    assert blocks(read_config(tmp_path)) == {(1, False), (2, False)}  # before: ADM's groups, t added (and cancelled)

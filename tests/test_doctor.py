@@ -76,11 +76,12 @@ def test_a_network_that_ignores_t_is_caught_before_training():
     torch.manual_seed(0)
     x, t = torch.randn(8, 1, 8, 8), torch.rand(8)
     kw = dict(in_channels=1, model_channels=16, num_res_blocks=1, attention_ds=(), channel_mult=(1, 2))
-    healthy = doctor.check_inputs_reach_output(UNet(**kw, norm_min_channels=2), x, t)
-    assert healthy.ok, healthy.line()
-    cancelled = doctor.check_inputs_reach_output(UNet(**kw, norm_min_channels=1), x, t)
+    for healthy in (UNet(**kw, use_scale_shift_norm="auto"), UNet(**kw, norm_min_channels=2)):
+        f = doctor.check_inputs_reach_output(healthy, x, t)
+        assert f.ok, f.line()
+    cancelled = doctor.check_inputs_reach_output(UNet(**kw), x, t)  # t added before one-channel groups
     assert cancelled.ok is False and "the network ignores t" in cancelled.symptom, cancelled.line()
-    assert "norm_min_channels=2" in cancelled.fix
+    assert "use_scale_shift_norm=auto" in cancelled.fix
 
     class NoTime(nn.Module):  # forward never uses t
         def __init__(self):
@@ -94,17 +95,18 @@ def test_a_network_that_ignores_t_is_caught_before_training():
     assert f.ok is False and "ignores t" in f.symptom
     assert doctor.check_inputs_reach_output(NoTime(), torch.randn(8, 2), torch.full((8,), 0.5)).ok is None
     rng = torch.random.get_rng_state()
-    doctor.check_inputs_reach_output(UNet(**kw, norm_min_channels=2), x, t)
+    doctor.check_inputs_reach_output(UNet(**kw, use_scale_shift_norm="auto"), x, t)
     assert torch.equal(torch.random.get_rng_state(), rng)  # the probe's initialisation leaves the run's RNG alone
 
 
 def test_doctor_on_a_preset_whose_unet_ignores_t(runs_dir):
-    """The whole doctor on digits with the old one-channel groups: the new check is its one FAIL."""
+    """The whole doctor on digits with t added before ADM's one-channel groups: the new check is its one FAIL."""
     from sinkflow import config
     from sinkflow.tools.doctor import doctor_run
 
     cfg = config.resolve("digits", ["experiment.method=fm", "train.velocity.batch_size=16",
-                                    "model.velocity.norm_min_channels=1"], {"device": "cpu"})
+                                    "model.velocity.use_scale_shift_norm=false", "model.velocity.norm_min_channels=1"],
+                         {"device": "cpu"})
     findings = doctor_run(cfg, runs_dir, overfit_steps=3, phases=["velocity"])
     failed = [f for f in findings if f.ok is False and f.check != "overfit one batch"]
     assert [f.check for f in failed] == ["inputs reach the output"], [f.line() for f in failed]

@@ -143,8 +143,15 @@ def test_attention_resolution_follows_torchcfm_wrapper():
 
 
 def test_paper_unet_parameter_counts():
-    """Measured with torchcfm 1.0.7's UNetModelWrapper: 1,075,361 (MNIST 28x28), 35,746,307 (CIFAR 32x32)."""
-    assert count_parameters(build_model("unet", UNET_PRESETS["mnist"], (1, 28, 28))) == 1_075_361
+    """Measured with torchcfm 1.0.7's UNetModelWrapper: 1,075,361 (MNIST 28x28), 35,746,307 (CIFAR 32x32). The default
+    (use_scale_shift_norm auto) is that network where its GroupNorm keeps the added time embedding: CIFAR's exactly;
+    MNIST's three 32-channel blocks (one channel per group, which cancelled t) take it by FiLM, whose embedding
+    projection is twice as wide: + 3 x (128 x 32 + 32) parameters."""
+    mnist = build_model("unet", UNET_PRESETS["mnist"], (1, 28, 28))
+    assert count_parameters(build_model("unet", {**UNET_PRESETS["mnist"], "use_scale_shift_norm": False},
+                                        (1, 28, 28))) == 1_075_361
+    assert sum(b.use_scale_shift_norm for b in mnist.modules() if hasattr(b, "emb_layers")) == 3
+    assert count_parameters(mnist) == 1_075_361 + 3 * (128 * 32 + 32)
     assert count_parameters(build_model("unet", UNET_PRESETS["cifar10"], (3, 32, 32))) == 35_746_307
     # the paper's MLP: 3 hidden layers of 256 on (x, t)
     assert count_parameters(build_model("mlp", {}, (2,))) == 3 * 256 + 256 + 2 * (256 * 256 + 256) + 256 * 2 + 2
@@ -162,7 +169,7 @@ def test_unet_matches_torchcfm(preset, shape):
         attention_resolutions=",".join(map(str, cfg["attention_resolutions"])), dropout=cfg["dropout"],
     )
     perturb(ref, scale=0.02)
-    ours = build_model("unet", {**cfg, "norm_min_channels": 1}, shape)  # ADM's GroupNorm(32) at every width
+    ours = build_model("unet", {**cfg, "use_scale_shift_norm": False}, shape)  # t added at every width, as ADM
     assert count_parameters(ours) == count_parameters(ref)
     ours.load_state_dict(ref.state_dict())  # strict: identical names and shapes
     x, t = torch.randn(2, *shape), torch.rand(2)
@@ -264,8 +271,9 @@ def test_a_narrow_unet_depends_on_time(channels, mult, adm_groups):
     """ADM's GroupNorm(32) normalises each channel alone at widths <= 32: it subtracts each channel's own mean,
     so the additive time embedding added just before it is cancelled exactly. The `digits` UNet (16-32 channels)
     and the CPU MNIST benchmark's (8-16) did not depend on t at all (|v(t=.1) - v(t=.9)| ~ 1e-7 of 0.4); the
-    mnist preset's lost t at its 32-channel level. Groups of >= 2 channels (norm_min_channels, the default)
-    keep it; 1 is ADM's rule, which old run folders keep."""
+    mnist preset's lost t at its 32-channel level. The default (use_scale_shift_norm auto) keeps ADM's groups and
+    takes t by FiLM, after the norm, in exactly those blocks; groups of >= 2 channels (norm_min_channels: 2, the
+    2026-11-27 default, which its run folders keep) keep an added t too."""
     cfg = {"channels": channels, "res_blocks": 1, "channel_mult": mult, "attention_resolutions": []}
     x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
 
@@ -274,15 +282,19 @@ def test_a_narrow_unet_depends_on_time(channels, mult, adm_groups):
         with torch.no_grad():
             return (model(x, torch.full((4,), 0.1)) - model(x, torch.full((4,), 0.9))).abs().max().item()
 
-    adm = build_model("unet", {**cfg, "norm_min_channels": 1}, (1, 8, 8))
+    adm = build_model("unet", {**cfg, "use_scale_shift_norm": False}, (1, 8, 8))
     assert {m.num_groups for m in adm.modules() if isinstance(m, torch.nn.GroupNorm)} == adm_groups
     new = build_model("unet", cfg, (1, 8, 8))
-    norms = [m for m in new.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert {m.num_groups for m in new.modules() if isinstance(m, torch.nn.GroupNorm)} == adm_groups
+    film = {b.out_channels for b in new.modules() if hasattr(b, "emb_layers") and b.use_scale_shift_norm}
+    assert film == {c for c in (channels * m for m in mult) if c <= 32}  # where a group holds one channel
+    pairs = build_model("unet", {**cfg, "use_scale_shift_norm": False, "norm_min_channels": 2}, (1, 8, 8))
+    norms = [m for m in pairs.modules() if isinstance(m, torch.nn.GroupNorm)]
     assert all(m.num_channels // m.num_groups >= 2 and m.num_groups <= 32 for m in norms)
-    assert count_parameters(new) == count_parameters(adm)  # a GroupNorm's parameters are per channel
+    assert count_parameters(pairs) == count_parameters(adm)  # a GroupNorm's parameters are per channel
     if channels < 32:  # every level normalised channel by channel: no trace of t
         assert t_effect(adm) < 1e-5
-    assert t_effect(new) > 1e-3
+    assert t_effect(new) > 1e-3 and t_effect(pairs) > 1e-3
 
 
 def test_wide_unets_keep_adm_groups():

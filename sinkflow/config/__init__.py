@@ -453,9 +453,9 @@ def read_by_other_methods(tree: dict, keys: list[str]) -> bool:
 
 def read_run_config(cfg: Any, path) -> dict:
     """A run folder's config.yaml as a full tree: keys added to sinkflow since the run was made take the
-    schema's default (a key is added with the default that keeps the behaviour before it, or with its ``legacy``
-    value that does, so a resumed run goes on as it started, whatever its preset says today); keys of another model
-    kind (older run folders held them all) are dropped."""
+    schema's default (a key is added with the default that keeps the behaviour before it, so a resumed run goes on
+    as it started, whatever its preset says today); keys of another model kind (older run folders held them all)
+    are dropped."""
     if not isinstance(cfg, dict):
         raise SinkflowError(f"{path} does not hold a config tree", "restore it from the run's first lines of output")
     try:
@@ -466,10 +466,6 @@ def read_run_config(cfg: Any, path) -> dict:
         else:
             problem = f"{path}: {exc.problem}"
         raise SinkflowError(problem, exc.fix or "fix it or start a new run") from None
-    given = flatten(cfg)
-    for key, spec in schema.keys(tree).items():  # keys added since with a better default: as the run trained
-        if key not in given and spec.legacy is not schema.NEW_BEHAVIOUR:
-            _set(tree, key, spec.legacy)
     return tree
 
 

@@ -139,7 +139,8 @@ class Bool(Constraint):
 
 @dataclass(frozen=True)
 class AutoBool(Constraint):
-    """``auto`` (decided at run time for the device: sinkflow.engine.fast_path) or a boolean."""
+    """``auto`` (decided where the key is read: for the device, sinkflow.engine.fast_path; per UNet block) or a
+    boolean."""
 
     type_name = "auto | bool"
 
@@ -262,9 +263,6 @@ def both(a: When | None, b: When | None) -> When | None:
     return When(f"{a.text}; {b.text}", lambda t: a(t) and b(t))
 
 
-NEW_BEHAVIOUR = object()  # Key.legacy's "none": a run folder without the key takes its default
-
-
 @dataclass(frozen=True)
 class Key:
     default: Any
@@ -273,8 +271,6 @@ class Key:
     nullable: bool = False
     when: When | None = None  # besides which methods read it (below): a data kind, a solver...
     opt_in: bool = False  # a shared key that only the methods listing it in their ``reads`` read
-    legacy: Any = NEW_BEHAVIOUR  # a key added with a better default: the value that keeps a run folder written
-    # before the key existed as it trained (its config.yaml lacks the key; it would otherwise get ``default``)
 
 
 def _method(tree: dict) -> str:
@@ -402,10 +398,13 @@ MODEL_KINDS: dict[str, dict[str, Key]] = {
         "attention_resolutions": Key([16], ListOf(POS_INT, min_len=0), "torchcfm rule: attention at downsample "
                                      "image_size // r"),
         "dropout": Key(0.0, Float(0, 1, hi_open=True), "dropout in the residual blocks"),
-        "use_scale_shift_norm": Key(False, Bool(), "FiLM scale-shift time conditioning instead of additive"),
-        "norm_min_channels": Key(2, POS_INT, "fewest channels in a GroupNorm group (ADM's 32 groups, fewer where a "
-                                 "group would hold less): 1 = ADM, whose one-channel groups at widths <= 32 cancel "
-                                 "the additive time embedding (docs/models.md)", legacy=1),
+        "use_scale_shift_norm": Key("auto", AutoBool(), "time conditioning by FiLM scale-shift after the norm (true) "
+                                    "or added before it (false); auto: FiLM in the blocks whose GroupNorm has one "
+                                    "channel per group, which would cancel an added embedding (widths <= 32 under "
+                                    "ADM's groups), added elsewhere (docs/models.md)"),
+        "norm_min_channels": Key(1, POS_INT, "fewest channels in a GroupNorm group (ADM's 32 groups, fewer where a "
+                                 "group would hold less): 1 = ADM; with additive conditioning (use_scale_shift_norm: "
+                                 "false) its one-channel groups at widths <= 32 cancel t (docs/models.md)"),
         "pad_mode": Key("reflect", Options("reflect", "replicate", "zeros"),
                         "padding to a multiple of 2^(levels-1)"),
     }),

@@ -57,7 +57,7 @@ class GroupNorm32(nn.GroupNorm):
             return F.group_norm(x, self.num_groups, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
 
 
-def normalization(channels: int, min_channels: int = 1) -> GroupNorm32:
+def norm_groups(channels: int, min_channels: int = 1) -> int:
     """ADM's 32 groups, fewer where a group would hold fewer than ``min_channels`` channels (and a divisor of
     ``channels``). A group of one channel is an instance norm: it subtracts each channel's own mean, so a per-channel
     constant added just before it (the additive time embedding, a conv bias) is cancelled exactly. ADM's rule at
@@ -65,7 +65,22 @@ def normalization(channels: int, min_channels: int = 1) -> GroupNorm32:
     groups = gcd(32, channels)
     while groups > 1 and channels // groups < min_channels:
         groups //= 2
-    return GroupNorm32(groups, channels)
+    return groups
+
+
+def normalization(channels: int, min_channels: int = 1) -> GroupNorm32:
+    return GroupNorm32(norm_groups(channels, min_channels), channels)
+
+
+def scale_shift_at(channels: int, use_scale_shift_norm: bool | str, min_channels: int = 1) -> bool:
+    """Does a residual block of ``channels`` output channels take t by FiLM (scale and shift after its norm)?
+    ``"auto"``: where that norm has one channel per group, which would cancel an added embedding; additive where it
+    survives (ADM's and torchcfm's blocks at 64+ channels, unchanged). Measured on the CPU MNIST benchmark's
+    8-16-channel UNet: one-channel groups with FiLM beat groups of two with an added embedding for NSGF++, OT-CFM
+    and FM (benchmarks/RESULTS.md, 2026-11-28)."""
+    if use_scale_shift_norm == "auto":
+        return channels // norm_groups(channels, min_channels) == 1
+    return bool(use_scale_shift_norm)
 
 
 def zero_module(module: nn.Module) -> nn.Module:
@@ -186,7 +201,7 @@ class UNet(nn.Module):
         channel_mult: tuple[float, ...] = (1, 2, 2, 2),
         num_heads: int = 1,
         num_head_channels: int = -1,
-        use_scale_shift_norm: bool = False,
+        use_scale_shift_norm: bool | str = False,
         pad_mode: str = "reflect",
         norm_min_channels: int = 1,
     ):
@@ -205,7 +220,8 @@ class UNet(nn.Module):
             return normalization(c, norm_min_channels)
 
         def res(cin, cout):
-            return ResBlock(cin, time_embed_dim, dropout, cout, use_scale_shift_norm, norm)
+            return ResBlock(cin, time_embed_dim, dropout, cout, scale_shift_at(cout, use_scale_shift_norm,
+                                                                                norm_min_channels), norm)
 
         def attn(c):
             return AttentionBlock(c, num_heads, num_head_channels, norm)
@@ -308,6 +324,6 @@ def build(c: dict, sample_shape: tuple[int, ...]) -> UNet:
         in_channels=sample_shape[0], model_channels=int(c["channels"]), num_res_blocks=int(c["res_blocks"]),
         attention_ds=attention_downsample(c["attention_resolutions"], max(hgt, wid)), dropout=float(c["dropout"]),
         channel_mult=tuple(mult), num_heads=int(c["num_heads"]), num_head_channels=int(c["num_head_channels"]),
-        use_scale_shift_norm=bool(c["use_scale_shift_norm"]), pad_mode=c["pad_mode"],
+        use_scale_shift_norm=c["use_scale_shift_norm"], pad_mode=c["pad_mode"],
         norm_min_channels=int(c["norm_min_channels"]),
     )

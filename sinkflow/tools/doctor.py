@@ -143,7 +143,8 @@ def check_inputs_reach_output(model: nn.Module, x: torch.Tensor, t: torch.Tensor
         return Finding("inputs reach the output", False, f"the network ignores t: {said}",
                        "the time embedding is removed before it reaches the output (a GroupNorm of one channel per "
                        "group cancels an additive embedding) or forward never uses t",
-                       "set model.<phase>.norm_min_channels=2 or more (channels per norm group), or pass t through")
+                       "set model.<phase>.use_scale_shift_norm=auto (t by FiLM after such a norm) or "
+                       "norm_min_channels=2 (channels per norm group), or pass t through")
     if by_x < INPUT_EFFECT_MIN:
         return Finding("inputs reach the output", False, f"the network ignores x: {said}",
                        "the input is overwritten or detached in forward", "make forward use x")
