@@ -138,3 +138,13 @@ def test_inception_fid_path_with_a_tiny_network_of_the_same_interface():
         want = direct_fd(feats(fake), feats(real))
     assert fid(fake, real, None, extractor=net) == pytest.approx(want, rel=1e-4)
     assert fid(real, real, None, extractor=net) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_features_read_uint8_pixels_alike_as_array_or_tensor():
+    """uint8 pixels were scaled to [-1, 1] only as a numpy array: a uint8 tensor went in as 0..255 (FD of a test
+    set against itself, passed so, was 141.6)."""
+    net = fd_cnn.DigitCNN((1, 8, 8))
+    pixels = np.random.default_rng(0).integers(0, 256, size=(16, 1, 8, 8)).astype(np.uint8)
+    as_array = fd_cnn.features(net, pixels)
+    np.testing.assert_array_equal(fd_cnn.features(net, torch.from_numpy(pixels)), as_array)
+    np.testing.assert_allclose(fd_cnn.features(net, torch.from_numpy(pixels / 127.5 - 1).float()), as_array, atol=1e-5)

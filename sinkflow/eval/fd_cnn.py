@@ -125,6 +125,8 @@ def train_cnn(target, data_root) -> tuple[DigitCNN, float]:
 @torch.no_grad()
 def features(net: DigitCNN, x) -> np.ndarray:
     """(N, 64) float64 features of images in [-1, 1] (tensor or uint8 array), in chunks of 1000."""
+    if isinstance(x, torch.Tensor) and x.dtype == torch.uint8:  # a uint8 tensor of pixels, as a uint8 array
+        x = x.cpu().numpy()
     x = _unit(x) if isinstance(x, np.ndarray) and x.dtype == np.uint8 else torch.as_tensor(x).float().cpu()
     return torch.cat([net.features(c.clamp(-1, 1)) for c in x.split(1000)]).double().numpy()
 
