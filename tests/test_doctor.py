@@ -328,3 +328,19 @@ def test_doctor_on_an_unfinished_run_says_its_sampling_was_not_checked(tmp_path)
     sampling = [f for f in doctor_run(None, tmp_path, run_dir=run, overfit_steps=20) if f.phase == "sample"]
     assert [(f.check, f.ok) for f in sampling] == [("eval mode while sampling", None)]
     assert "velocity not finished" in sampling[0].line()
+
+
+def test_the_scratch_phases_before_the_checked_one_warn_about_nothing_the_user_set(runs_dir, caplog):
+    """doctor / lr-find build earlier phases in 2 steps: the digits preset's 50 warm-up steps over them printed
+    "warmup=50 >= iters=2 ... lower train.velocity.warmup", about a config the user never wrote."""
+    import logging
+
+    from sinkflow import config
+    from sinkflow.tools.phases import workspace
+
+    cfg = config.resolve("digits", ["pool.batch_size=16", "train.velocity.batch_size=16", "train.nsf.batch_size=16"],
+                         {"device": "cpu"})
+    with caplog.at_level(logging.WARNING):
+        run, trainer = workspace(cfg, "nsf", runs_dir)
+    run.logger.close()
+    assert trainer.name == "nsf" and not [r.message for r in caplog.records if "warmup" in r.message]

@@ -84,7 +84,8 @@ def workspace(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: in
             if ph.name == phase_name:
                 ov += [f"train.{k}.iters={FOREVER}", f"train.{k}.log_every={FOREVER}", f"train.{k}.ckpt_every={FOREVER}"]
             elif not _later(phases, ph.name, phase_name):
-                ov += [f"train.{k}.iters={prior_iters}", f"train.{k}.ckpt_every={FOREVER}"]
+                # no warm-up: a preset's 50 warm-up steps over these 2 drew a warning about the user's config
+                ov += [f"train.{k}.iters={prior_iters}", f"train.{k}.warmup=0", f"train.{k}.ckpt_every={FOREVER}"]
     cfg = config_mod.apply_overrides(cfg, ov + list(overrides or []))
     run = RunFolder.create(cfg)
     for ph in _phases(cfg):
