@@ -123,8 +123,8 @@ def check_inputs_reach_output(model: nn.Module, x: torch.Tensor, t: torch.Tensor
     the output. Times: the batch's own lowest and highest (the phase's range); x: the batch against itself rolled
     by one sample. Healthy UNets change by 1e-2 or more; a cancelled input by ~1e-7."""
     probe = copy.deepcopy(model).float().eval()
-    torch.manual_seed(0)  # the re-initialisation below: the global RNG is restored after
-    state = torch.random.get_rng_state()
+    state = torch.random.get_rng_state()  # the re-initialisation below is seeded; the caller's RNG is restored after
+    torch.manual_seed(0)
     with torch.no_grad():
         for p in probe.parameters():
             if p.dim() >= 2 and not p.abs().max() >= ZERO_INIT_BELOW:  # PyTorch's default init (biases block
