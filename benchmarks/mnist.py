@@ -199,7 +199,8 @@ def score(run, steps: int, n: int, split: str = "test") -> dict:
     r = image_metrics(run, seeds=1, n=n, steps_list=[steps], split=split)
     row, p = r["rows"][0], r["protocol"]
     return {"nfe": row["nfe"], "fd_cnn": row["fd_cnn"], "w2": row["w2"], "tv": row["tv"], "conf": row["confidence"],
-            "floor": p["fd_cnn_floor"], "real_conf": p["real_confidence"], "sample_s": time.perf_counter() - t0}
+            "floor": p["fd_cnn_floor"], "real_conf": p["real_confidence"], "t_hat": row.get("t_hat_mean"),
+            "sample_s": time.perf_counter() - t0}
 
 
 def save_samples(run, steps: int, path: Path) -> None:

@@ -6,6 +6,7 @@ instrumentation and one-line errors for bad image input.
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -64,6 +65,11 @@ def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys):
     run = runs_dir / "r"
     k = 10 if preset == "digits" else 5  # digits samples 10 NSGF steps over its 5-step pool (sample.nsgf_steps)
     assert f"NFE = {k} velocity + 1 time + 3 nsf" in out and "FID skipped" in out
+    # where the predictor starts the straight flow, printed and recorded (a seed-dependent t_hat moves FD)
+    m = re.search(r"; t_hat (\d\.\d\d) \((\d\.\d\d)-(\d\.\d\d)\)", out)
+    assert m and 0 <= float(m[2]) <= float(m[1]) <= float(m[3]) <= 1
+    (ev,) = [json.loads(line) for line in (runs_dir / "r" / "metrics.jsonl").open() if '"eval"' in line]
+    assert ev["t_hat_mean_3"] == pytest.approx(float(m[1]), abs=0.006)
     if preset in ("digits", "mnist"):  # digit sets: FD-CNN beside W2 / TV / confidence, with its floor
         assert "FD-CNN (not Inception FID)" in out and "floor (real training digits, same n)" in out
     split = json.loads((runs_dir / "r" / "data_split.json").read_text())  # what trained, recorded in the run
@@ -143,6 +149,7 @@ def test_baselines_use_the_image_unet(method, runs_dir, tmp_path, capsys):
                  "--name", method]) == 0
     out = capsys.readouterr().out
     assert any(line.split()[:2] == ["4", "4"] for line in out.splitlines()), out  # steps 4, counted NFE 4
+    assert "t_hat" not in out  # a one-network sampler has no predictor to report
     run = RunFolder.open(runs_dir / method)
     model = run.model("velocity")
     assert type(model).__name__ == "UNet"

@@ -211,9 +211,11 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
     rows = []
     for steps in steps_list:
         vals: dict[str, list] = {"w2": [], "tv": [], "confidence": [], "fd_cnn": [], "fid": []}
-        info = {}
+        info, t_hat = {}, []
         for s in range(seeds):
             x_all, info = generate(run, class_n if clf is not None else n, steps, seed=1000 + s)
+            if info.get("t_hat") is not None:  # NSGF++: where the predictor starts each sample's straight flow
+                t_hat.append(info["t_hat"].float().cpu())
             x_all = x_all.cpu()
             if not torch.isfinite(x_all).all():
                 raise SinkflowError(f"{method} produced NaN/Inf samples with {steps} steps",
@@ -229,6 +231,9 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
                 vals["fid"].append(fid(x, real, weights))
         row = {"steps": steps, "nfe": info["nfe"],
                "nfe_breakdown": {k[4:]: v for k, v in info.items() if k.startswith("nfe_")} or None}
+        if t_hat:
+            t = torch.cat(t_hat)
+            row.update(t_hat_mean=float(t.mean()), t_hat_min=float(t.min()), t_hat_max=float(t.max()))
         for key, v in vals.items():
             if v:
                 row[key] = statistics.fmean(v)
@@ -304,6 +309,8 @@ def format_metrics(result: dict) -> str:
             line += f" {r['fid']:>7.2f} +- {r['fid_std']:.2f}"
         if r["nfe_breakdown"]:
             line += "   NFE = " + " + ".join(f"{v} {k}" for k, v in r["nfe_breakdown"].items())
+        if "t_hat_mean" in r:  # the predictor's placement: a seed-dependent t_hat moves FD (docs/nsgfpp.md)
+            line += f"; t_hat {r['t_hat_mean']:.2f} ({r['t_hat_min']:.2f}-{r['t_hat_max']:.2f})"
         lines.append(line)
     return "\n".join(lines)
 

@@ -3,7 +3,7 @@ how it was made."""
 
 from __future__ import annotations
 
-METRIC_KEYS = ("w2", "tv", "confidence", "fd_cnn", "fid", "nfe")  # what an image evaluation records per row
+METRIC_KEYS = ("w2", "tv", "confidence", "fd_cnn", "fid", "nfe", "t_hat_mean")  # what an image evaluation records per row
 
 
 def setting(cfg: dict, n: int, seeds: int, class_n: int | None = None) -> dict:
