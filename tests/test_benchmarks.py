@@ -814,6 +814,11 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
     res = json.loads((out / "probes-seed0-nfe3.json").read_text())
     assert set(res["probes"]) == {"as benchmarked", "t̂ = batch mean", "t̂ − 0.15", "t̂ + 0.15"}
     assert res["k"] == 1 and "| as benchmarked |" in capsys.readouterr().out
+    load("mnist_probes").main(["--out", str(out), "--seed", "0", "--nfe", "3", "--n", "4", "--fixed", "0.6",
+                               "--split", "val"])  # every NSF started at 0.6, scored on the validation digits
+    val = json.loads((out / "probes-seed0-nfe3-val.json").read_text())
+    assert val["split"] == "val" and val["probes"]["t̂ = 0.6"]["t_hat"] == pytest.approx(0.6)
+    assert val["probes"]["as benchmarked"]["fd_cnn"] != res["probes"]["as benchmarked"]["fd_cnn"]  # other digits
 
 
 def test_smoke_pool_convergence(tmp_path, monkeypatch, capsys):
