@@ -291,3 +291,50 @@ def test_sample_time_warp_reaches_the_euler_samplers(runs_dir, capsys):
     assert main(["train", "moons", *TINY_2D, "--name", "bad", "sample.time_warp=0"]) == 2
     err = capsys.readouterr().err
     assert "sample.time_warp" in err and "Traceback" not in err and not (runs_dir / "bad").exists()
+
+
+class _Points:
+    """A point mass at ``value`` in 1-D: from 0 to 1 the straight path's X_t is t itself (an oracle can read it)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def sample(self, n, generator, device):
+        return torch.full((n, 1), float(self.value), device=device)
+
+
+def test_time_predictor_that_has_not_learned_is_named_at_the_end_of_its_phase(tmp_path, caplog):
+    """200 steps at lr 1e-4 left the CPU MNIST benchmark's predictor at 87% of a constant guess's MSE (t_hat 0.55 for
+    every state, RESULTS.md): the phase end measures it on a fresh draw, records t_mse, and warns below the line."""
+    import logging
+
+    from sinkflow.methods.nsgfpp import LEARNED_FRACTION, TimeStep
+
+    logged = []
+    step = TimeStep(_Points(0.0), _Points(1.0))
+    for name, model, warned in (("oracle", lambda x: x.view(-1), False),
+                                ("constant", lambda x: torch.full((x.shape[0],), 0.5), True)):
+        net = torch.nn.Module()
+        net.forward = model
+        trainer = SimpleNamespace(ema=None, model=net, device="cpu", step=7,
+                                  run=SimpleNamespace(logger=SimpleNamespace(log=lambda *a: logged.append(a))))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sinkflow.methods.nsgfpp"):
+            step.on_phase_end(trainer)
+        phase, at, rec = logged[-1]
+        assert (phase, at, rec["t_mse_constant"]) == ("time", 7, pytest.approx(1 / 12))
+        assert (rec["t_mse"] > LEARNED_FRACTION * rec["t_mse_constant"]) is warned, name
+        assert ("has not learned" in caplog.text and "train.time.lr" in caplog.text) is warned, name
+    assert logged[0][2]["t_mse"] < 1e-12 and logged[1][2]["t_mse"] == pytest.approx(1 / 12, rel=0.15)
+
+
+def test_an_untrained_time_predictor_warns_in_a_real_run(runs_dir, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="sinkflow.methods.nsgfpp"):
+        tiny = [a for a in TINY_2D if not a.startswith("eval.steps")]  # NSGF++ samples its own grid
+        assert main(["train", "moons", "--method", "nsgfpp", *tiny, "train.time.lr=1e-6",
+                     "--name", "r", "--no-report"]) == 0
+    assert "phase-transition predictor has not learned" in caplog.text
+    (rec,) = [json.loads(line) for line in (runs_dir / "r" / "metrics.jsonl").open() if '"t_mse"' in line]
+    assert rec["phase"] == "time" and rec["t_mse"] > 0.5 * rec["t_mse_constant"]

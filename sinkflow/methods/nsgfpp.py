@@ -19,10 +19,12 @@ size (1 - t_hat_i) / nsf_steps. So every sample costs exactly T + 1 + nsf_steps 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
+from sinkflow.runtime import dist
 from sinkflow.errors import SinkflowError
 from sinkflow.methods import nsgf
 from sinkflow.methods.base import Method
@@ -34,6 +36,12 @@ from sinkflow.methods.pool import check_free_disk, check_pool_fits
 PAPER_FID = {"mnist": {"fid": 3.8, "nfe": 60}, "cifar10": {"fid": 5.55, "is": 8.86, "nfe": 59}}
 
 MAX_NSGF_STEPS = 5  # paper: "T <= 5"; a longer NSGF phase is plain NSGF, not NSGF++
+# The predictor has learned where a state lies once its MSE is below this fraction of a constant guess's
+# (Var t = (1 - t_min)^2 / 12). Measured on the CPU MNIST benchmark: 200 steps at lr 1e-4 left 0.87 (seed 0; t_hat
+# 0.55 for every state), at lr 1e-3 0.024 (benchmarks/RESULTS.md, "NSGF++'s time predictor on real MNIST").
+LEARNED_FRACTION = 0.5
+CHECK_BATCH, CHECK_SEED = 512, 20261128  # the check's own draw: the phase generator's stream is untouched
+log = logging.getLogger(__name__)
 
 
 def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
@@ -96,6 +104,25 @@ class TimeStep(InterpolantStep):
 
     def loss(self, model, batch):
         return time_loss(model, batch)
+
+    @torch.no_grad()
+    def on_phase_end(self, trainer) -> None:
+        """A predictor that has not learned returns about the same t_hat for every state, so the NSF starts all
+        samples at one time whatever the NSGF part did: silent, and it moves FD by tens (RESULTS.md). Its MSE on
+        a fresh draw of the same interpolants is recorded (``t_mse``, ``t_mse_constant``) and a warning names the
+        fix when it is above LEARNED_FRACTION of a constant guess's."""
+        model = trainer.ema.module if trainer.ema is not None else trainer.model
+        was = model.training
+        model.eval()
+        batch = self.batch(torch.Generator().manual_seed(CHECK_SEED), CHECK_BATCH, trainer.device)
+        mse = dist.mean_over_ranks(float(time_loss(model, batch)))
+        model.train(was)
+        constant = (1 - self.t_min) ** 2 / 12
+        trainer.run.logger.log(self.name, trainer.step, {"t_mse": mse, "t_mse_constant": constant, "final": True})
+        if mse > LEARNED_FRACTION * constant and dist.current().is_main:
+            log.warning("time: the phase-transition predictor has not learned (MSE %.4f on fresh interpolants, %.0f%% "
+                        "of a constant guess's %.4f): t_hat will be about the same for every state; raise "
+                        "train.time.lr or train.time.iters", mse, 100 * mse / constant, constant)
 
 
 @torch.no_grad()
