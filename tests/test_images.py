@@ -6,6 +6,7 @@ instrumentation and one-line errors for bad image input.
 """
 
 import json
+import logging
 import re
 
 import numpy as np
@@ -57,10 +58,15 @@ def weights(run, phase):
 
 
 @pytest.mark.parametrize("preset", ["digits", "mnist", "cifar10", "folder"])
-def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys):
+def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys, caplog):
     extra, shape = setup_data(preset, tmp_path)
     storage = ["pool.storage=disk", "pool.dtype=float16"]  # the image pool's real storage path
-    assert main(["train", preset, *TINY, *extra, *storage, "--name", "r"]) == 0
+    with caplog.at_level(logging.WARNING, logger="sinkflow.methods.nsgfpp"):
+        assert main(["train", preset, *TINY, *extra, *storage, "--name", "r"]) == 0
+    # 4 steps cannot teach the time predictor: the phase end measures it on a fresh draw and says so
+    (t_rec,) = [json.loads(line) for line in (runs_dir / "r" / "metrics.jsonl").open() if '"t_mse"' in line]
+    assert t_rec["phase"] == "time" and t_rec["t_mse"] > 0.5 * t_rec["t_mse_constant"]
+    assert "phase-transition predictor has not learned" in caplog.text
     out = capsys.readouterr().out
     run = runs_dir / "r"
     k = 10 if preset == "digits" else 5  # digits samples 10 NSGF steps over its 5-step pool (sample.nsgf_steps)

@@ -327,14 +327,3 @@ def test_time_predictor_that_has_not_learned_is_named_at_the_end_of_its_phase(tm
         assert ("has not learned" in caplog.text and "train.time.lr" in caplog.text) is warned, name
     assert logged[0][2]["t_mse"] < 1e-12 and logged[1][2]["t_mse"] == pytest.approx(1 / 12, rel=0.15)
 
-
-def test_an_untrained_time_predictor_warns_in_a_real_run(runs_dir, caplog):
-    import logging
-
-    with caplog.at_level(logging.WARNING, logger="sinkflow.methods.nsgfpp"):
-        tiny = [a for a in TINY_2D if not a.startswith("eval.steps")]  # NSGF++ samples its own grid
-        assert main(["train", "moons", "--method", "nsgfpp", *tiny, "train.time.lr=1e-6",
-                     "--name", "r", "--no-report"]) == 0
-    assert "phase-transition predictor has not learned" in caplog.text
-    (rec,) = [json.loads(line) for line in (runs_dir / "r" / "metrics.jsonl").open() if '"t_mse"' in line]
-    assert rec["phase"] == "time" and rec["t_mse"] > 0.5 * rec["t_mse_constant"]
