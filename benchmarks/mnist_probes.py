@@ -11,7 +11,12 @@ validation, on the same test digits and sample count as the table, changing one 
 * ``t̂ − 0.15`` / ``t̂ + 0.15``: the NSF starts earlier / later than predicted (is the predictor biased? clamped
   to the NSF's trained range [nsgf.nsf_t_min, 1]);
 * ``t̂ = T`` for each ``--fixed T``: every sample's NSF starts at T (how much of a seed's score is where its
-  predictor happened to put the states, and where the best start is).
+  predictor happened to put the states, and where the best start is);
+* ``<phase> from seed S`` for ``--swap-from S``: one network (velocity, NSF or predictor) replaced by the one the
+  same benchmark trained for seed S (which phase makes a seed an outlier);
+* ``--pool-states``: the NSF run on the pool's own final NSGF states (x_T = x_{T-1} + eta v_{T-1} of stored
+  trajectories: the empirical Sinkhorn flow, not the velocity network), from the predictor's t̂ and from each
+  ``--fixed`` T, FD-CNN only (is the loss in the Sinkhorn flow or in the network that imitates it?).
 
 ``--split val`` scores on the validation digits instead (what a choice may read; ``--n`` defaults to the
 benchmark's validation count there).
@@ -30,6 +35,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from sinkflow.data.atomic_write import atomic_write_text
@@ -62,6 +68,8 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=None, help="generated digits per score (default: the benchmark's)")
     ap.add_argument("--fixed", type=float, nargs="*", default=[], help="also start every NSF at each of these times")
     ap.add_argument("--split", choices=("test", "val"), default="test")
+    ap.add_argument("--swap-from", type=int, default=None, metavar="S", help="also score with each network of seed S")
+    ap.add_argument("--pool-states", action="store_true", help="also run the NSF on the pool's final states")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     m = bench()
@@ -73,22 +81,28 @@ def main(argv=None) -> None:
     k = m.choose_split(val)
     n = args.n or m.SCALES["cpu"]["val_n" if args.split == "val" else "n"]
     run = RunFolder.open(out / f"seed{args.seed}" / "nsgfpp")
-    predictor = run.model("time")
+    nets = {p: run.model(p) for p in ("velocity", "nsf", "time")}
     t_min = float(run.cfg["nsgf"]["nsf_t_min"])
-    probes = {
-        "as benchmarked": (k, None),
-        "t̂ = batch mean": (k, lambda t: t.mean().expand_as(t)),
-        "t̂ − 0.15": (k, lambda t: (t - 0.15).clamp(t_min, 1)),
-        "t̂ + 0.15": (k, lambda t: (t + 0.15).clamp(t_min, 1)),
-        **{f"t̂ = {T:g}": (k, lambda t, T=T: torch.full_like(t, T)) for T in args.fixed},
+    edits = {
+        "as benchmarked": None,
+        "t̂ = batch mean": lambda t: t.mean().expand_as(t),
+        "t̂ − 0.15": lambda t: (t - 0.15).clamp(t_min, 1),
+        "t̂ + 0.15": lambda t: (t + 0.15).clamp(t_min, 1),
+        **{f"t̂ = {T:g}": (lambda t, T=T: torch.full_like(t, T)) for T in args.fixed},
     }
+    probes = {name: {"time": nets["time"] if e is None else TimeEdit(nets["time"], e)} for name, e in edits.items()}
+    if args.swap_from is not None:
+        donor = RunFolder.open(out / f"seed{args.swap_from}" / "nsgfpp")
+        probes.update({f"{p} from seed {args.swap_from}": {p: donor.model(p)} for p in nets})
     results = {}
-    for name, (steps_k, edit) in probes.items():
-        run._models["time"] = predictor if edit is None else TimeEdit(predictor, edit)
-        run.cfg["sample"]["nsgf_steps"] = steps_k
-        results[name] = m.score(run, args.nfe - 1 - steps_k, n, split=args.split)
-        m.log(f"probe {name}: k={steps_k} {results[name]}")
-    run._models["time"] = predictor
+    run.cfg["sample"]["nsgf_steps"] = k
+    for name, swap in probes.items():
+        run._models.update({**nets, **swap})
+        results[name] = m.score(run, args.nfe - 1 - k, n, split=args.split)
+        m.log(f"probe {name}: k={k} {results[name]}")
+    run._models.update(nets)
+    if args.pool_states:
+        results.update(pool_state_scores(run, args.nfe - 1 - k, n, args.split, args.fixed))
     path = out / f"probes-seed{args.seed}-nfe{args.nfe}{'-val' if args.split == 'val' else ''}.json"
     atomic_write_text(path, json.dumps({"k": k, "n": n, "nfe": args.nfe, "split": args.split, "probes": results},
                                        indent=1))
@@ -96,9 +110,41 @@ def main(argv=None) -> None:
           f"{'validation' if args.split == 'val' else 'test'} digits:\n\n"
           "| probe | FD-CNN | pixel W2 | TV | confidence | mean t̂ |\n|---|---|---|---|---|---|")
     for name, r in results.items():
-        t_hat = f"{r['t_hat']:.3f}" if r.get("t_hat") is not None else "-"
-        print(f"| {name} | {r['fd_cnn']:.2f} | {r['w2']:.3f} | {r['tv']:.3f} | {r['conf']:.3f} | {t_hat} |")
+        cells = [f"{r[c]:.3f}" if r.get(c) is not None else "-" for c in ("w2", "tv", "conf", "t_hat")]
+        print(f"| {name} | {r['fd_cnn']:.2f} | {' | '.join(cells)} |")
     print(f"\nwrote {path}")
+
+
+@torch.no_grad()
+def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float]) -> dict:
+    """FD-CNN of the pool's final NSGF states, and of the NSF run from them (``nsf_steps`` Euler steps) from the
+    predictor's t̂ and from each fixed time: ``n`` trajectories, against the held-out digits of ``split``."""
+    from sinkflow import data
+    from sinkflow.eval import fd_cnn
+    from sinkflow.eval.images import fd_cnn_reference
+    from sinkflow.methods.nsgfpp import nsgf_grid
+    from sinkflow.methods.ode import euler
+    from sinkflow.methods.pool import TrajectoryPool
+
+    _, target = data.distributions(run.cfg)
+    held_out = target.val_set() if split == "val" else target.test_set(len(target.test_images))
+    ref = fd_cnn_reference(target, run.cfg["data"]["root"], held_out, n, split == "val")
+    pool = TrajectoryPool(run.dir / "pool", storage="disk")
+    t_all = np.asarray(pool.t).reshape(-1)
+    last = torch.from_numpy(np.flatnonzero(np.isclose(t_all, t_all.max()))[:n])
+    x, _, v = pool.sample(last)
+    states = x + nsgf_grid(run.cfg)[1][-1] * v  # x_T = x_{T-1} + eta_{T-1} v_{T-1}
+    predictor, nsf = run.model("time"), run.model("nsf")
+    t_hat = predictor(states).float().clamp(float(run.cfg["nsgf"]["nsf_t_min"]), 1.0)
+    score = lambda z: fd_cnn.fd(fd_cnn.features(ref["net"], z.clamp(-1, 1)), ref["real"])  # noqa: E731
+    out = {"pool states themselves": {"fd_cnn": score(states), "n": len(states)},
+           "pool states, NSF from t̂": {"fd_cnn": score(euler(nsf, states, t_hat, 1.0, nsf_steps, False)[0]),
+                                        "t_hat": float(t_hat.mean()), "n": len(states)}}
+    for T in fixed:
+        start = torch.full_like(t_hat, T)
+        out[f"pool states, NSF from {T:g}"] = {"fd_cnn": score(euler(nsf, states, start, 1.0, nsf_steps, False)[0]),
+                                              "t_hat": T, "n": len(states)}
+    return out
 
 
 if __name__ == "__main__":

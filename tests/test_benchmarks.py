@@ -819,6 +819,14 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
     val = json.loads((out / "probes-seed0-nfe3-val.json").read_text())
     assert val["split"] == "val" and val["probes"]["t̂ = 0.6"]["t_hat"] == pytest.approx(0.6)
     assert val["probes"]["as benchmarked"]["fd_cnn"] != res["probes"]["as benchmarked"]["fd_cnn"]  # other digits
+    load("mnist_probes").main(["--out", str(out), "--seed", "0", "--nfe", "3", "--n", "6", "--fixed", "0.6",
+                               "--swap-from", "0", "--pool-states"])
+    probes = json.loads((out / "probes-seed0-nfe3.json").read_text())["probes"]
+    for phase in ("velocity", "nsf", "time"):  # a seed's own networks swapped in: the benchmarked cell, exactly
+        assert probes[f"{phase} from seed 0"]["fd_cnn"] == probes["as benchmarked"]["fd_cnn"]
+    pool = [probes[f"pool states{s}"] for s in (" themselves", ", NSF from t̂", ", NSF from 0.6")]
+    assert all(np.isfinite(r["fd_cnn"]) and r["n"] == 6 for r in pool) and pool[2]["t_hat"] == 0.6
+    assert pool[0]["fd_cnn"] != pool[1]["fd_cnn"]  # the NSF moved the states
 
 
 def test_smoke_pool_convergence(tmp_path, monkeypatch, capsys):
