@@ -374,6 +374,12 @@ def test_a_config_file_of_your_own_trains_what_it_says(tmp_path, capsys, monkeyp
     (tmp_path / "typo.yaml").write_text(text.replace("  eta: ", "  etaa: ", 1))
     with pytest.raises(SinkflowError, match=r"config file typo.yaml: unknown config key 'pool.etaa'; did you mean 'pool.eta'"):
         config.resolve("typo.yaml")
+    (tmp_path / "moon.yaml").write_text("experiment:\n  preset: moon\n")  # a typo ran the schema's defaults silently
+    with pytest.raises(SinkflowError, match=r"config file moon.yaml names experiment.preset 'moon', which is no preset, "
+                                            r"and leaves \d+ keys the run reads unset .*; did you mean 'moons'\?"):
+        config.resolve("moon.yaml")
+    (tmp_path / "mine.yaml").write_text(text.replace("  preset: moons", "  preset: mine", 1))  # every key set: a label
+    assert config.resolve("mine.yaml")["experiment"]["preset"] == "mine"
     (tmp_path / "bad.yaml").write_text("pool: [1\n")
     with pytest.raises(SinkflowError, match=r"config file bad.yaml is not valid YAML \(line 2\)"):
         config.resolve("bad.yaml")

@@ -74,6 +74,15 @@ def load_config_file(name: str) -> dict:
     preset = raw["experiment"].get("preset") if isinstance(raw.get("experiment"), dict) else None
     base = load_preset(preset) if preset in preset_names() else None
     tree = complete(raw, base, where=f"config file {name}")
+    if isinstance(preset, str) and preset and base is None:  # a label only where the file sets every key itself
+        unset = set(schema.used(tree)) - set(flatten(raw))  # the keys this run reads that the file does not set
+        if unset:  # a typo ('moon') would otherwise run the schema's defaults under the typo's name
+            close = difflib.get_close_matches(preset, preset_names(), n=1)
+            raise SinkflowError(f"config file {name} names experiment.preset '{preset}', which is no preset, and leaves "
+                                f"{len(unset)} keys the run reads unset (e.g. {sorted(unset)[0]})",
+                                f"did you mean '{close[0]}'?" if close else
+                                f"name one of: {', '.join(preset_names())} (or write the whole tree: `sinkflow config "
+                                f"PRESET > {name}`)")
     if not isinstance(preset, str) or not preset:
         tree["experiment"]["preset"] = path.stem
     return tree

@@ -105,7 +105,8 @@ choices, default and meaning. Defaults, validation, `presets/_base.yaml` and thi
 - A config file of your own: `sinkflow config moons > my.yaml`, edit it, then `sinkflow train my.yaml` (every
   command that takes a preset takes a `.yaml` / `.yml` file). Its keys go over the preset it names in
   `experiment.preset` (the schema's defaults if none), each checked as an override is; overrides and shorthands
-  still apply on top.
+  still apply on top. A name that is no preset is the run's label only where the file sets every key the run
+  reads (`sinkflow config` writes them all); otherwise it is refused, naming the closest preset.
 - A key that does not exist is an error that names the closest key; a value that breaks its rule is an
   error that names the rule. Both are one line.
 - `null` is accepted only where a key says "or null".
