@@ -121,8 +121,10 @@ def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys, caplog):
     assert main(["sample", str(run), "--n", "6", "--steps", "2", "--out", str(tmp_path / "s.npy")]) == 0
     s = np.load(tmp_path / "s.npy")
     assert s.shape == (6, *shape) and np.isfinite(s).all()
-    assert main(["eval", str(run), "--seeds", "1", "--n", "4"]) == 0
+    assert main(["eval", str(run), "--seeds", "1", "--n", str(min(4, n_test))]) == 0
     assert "W2" in capsys.readouterr().out
+    assert main(["eval", str(run), "--seeds", "1", "--n", str(n_test + 1)]) == 2  # not a smaller sample in silence
+    assert f"--n {n_test + 1} images, but the held-out split of" in capsys.readouterr().err
 
 
 # what `auto` resolves to on an Ampere+ CUDA card: fp16 UNets and every training phase one captured step (on a CPU

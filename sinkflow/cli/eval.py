@@ -30,7 +30,13 @@ def run(args):
     run_ = RunFolder.open(args.run_dir)
     check_split_files(run_, data.target_split_info(run_.cfg), doing="evaluate")  # before anything decodes the images
     if args.n:  # --n 32 is a quick look: the classifier columns too (digits' class_n is 3,590 samples a seed)
-        data.distributions(run_.cfg)[1].check_test_n(args.n, "--n")  # named as the user set it, before any sampling
+        target = data.distributions(run_.cfg)[1]
+        target.check_test_n(args.n, "--n")  # named as the user set it, before any sampling
+        held = len(target.test_images) if hasattr(target, "test_images") else None
+        if held is not None and args.n > held:  # eval.n is cut to the split (the table says so); --n is a request
+            from sinkflow.errors import SinkflowError
+            raise SinkflowError(f"--n {args.n} images, but the held-out split of {target.name} holds {held}",
+                                f"use --n {held} or less")
         run_.cfg = {**run_.cfg, "eval": {**run_.cfg["eval"], "class_n": None}}
     n = args.n or run_.cfg["eval"]["n"]
     from sinkflow.data.memory import check_sample_memory
