@@ -315,7 +315,7 @@ class NormalizingFlow(Method):
         run.logger.log("eval", 0, {"test_bpd": r["bpd"], "test_bpd_std": r["bpd_std"], "n": r["n"], "seeds": r["seeds"]})
         lines.append(f"Test bits/dim on {run.cfg['experiment']['preset']} (flow): {r['bpd']:.4f} +- "
                      f"{r['bpd_std']:.4f} over {r['seeds']} dequantisation draws, {r['n']} held-out {r['target']} "
-                     f"images, {r['n_bins']} levels")
+                     f"images, {r['n_bins']} pixel levels")
         for name, value in PUBLISHED_BPD.get(r["target"], []) if r["n_bins"] == 256 else []:
             lines.append(f"  published, for context: {name}: {value:.2f}")
         metrics = ev.image_metrics(run, seeds=seeds, n=n, steps_list=self.eval_steps(run.cfg))
@@ -335,7 +335,7 @@ class NormalizingFlow(Method):
 
     def describe(self, cfg: dict) -> str:
         m = cfg["model"]["flow"]
-        return (f"flow: a normalizing flow trained by maximum likelihood ({m['n_bins']} levels, memory "
+        return (f"flow: a normalizing flow trained by maximum likelihood ({m['n_bins']} pixel levels, memory "
                 f"{m['memory']}); sampling is one inverse pass at temperature {cfg['sample']['temperature']}")
 
 
