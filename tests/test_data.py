@@ -212,6 +212,7 @@ def test_point_file_reads_text_tables(tmp_path, name, text):
     ("csv_nan", "NaN or Inf on line 6"),  # the file's line, as for a word (it said "row 4")
     ("csv_typo_first", "line 1 holds '0.5,0.25x'"),  # a first line with a number in it is data, not a header
     ("csv_empty_cell_first", "line 1 holds ',0.25'"),
+    ("csv_pandas_index", "line 1 holds ',0,1'; it has pandas' index column: write it with df.to_csv"),
     ("huge", "too large for float32"),
     ("csv_few", "at least 16"),
     ("csv_empty", "holds no points"),
@@ -248,6 +249,8 @@ def test_point_file_errors(tmp_path, case, match):
             lines = ["0.5,0.25x", *lines[1:]]
         elif case == "csv_empty_cell_first":
             lines = [",0.25", *lines[1:]]
+        elif case == "csv_pandas_index":  # pd.DataFrame(points).to_csv(path): an index column and a ",0,1" header
+            lines = [",0,1", *(f"{i},{a},{b}" for i, (a, b) in enumerate(good))]
         elif case == "csv_few":
             lines = lines[:6]
         elif case == "csv_empty":
@@ -727,3 +730,13 @@ def test_a_folder_assembled_from_linked_class_folders_reads_every_image(tmp_path
     (tree / "dogs" / "loop").symlink_to(tree, target_is_directory=True)  # a cycle: not walked again
     d = build_distribution("folder", data_cfg=cfg(tmp_path, path=str(tree), image_size=8))
     assert len(d.images) + len(d.test_images) == 22  # 11 a folder (make_folder adds a JPEG)
+
+
+def test_an_unknown_data_spec_lists_every_point_file_type(tmp_path, monkeypatch):
+    """`data.target=pts.json` (no such file, no folder in the name) named only .npy and .csv, where .tsv and .txt
+    tables load too; a near miss of a name still gets the name."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SinkflowError, match=r"unknown data spec 'pts.json'; use one of .* \(\.npy, \.csv, \.tsv, \.txt\)"):
+        build_distribution("pts.json", data_cfg={})
+    with pytest.raises(SinkflowError, match="did you mean 'moons'"):
+        build_distribution("moon", data_cfg={})

@@ -62,7 +62,8 @@ def build_distribution(spec: str, *, data_cfg: dict | None = None) -> Distributi
     if spec.lower().endswith(POINT_SUFFIXES) or os.sep in spec or "/" in spec or os.path.exists(spec):
         return PointFile(spec, test_rows=data_cfg.get("test_rows", 0))
     close = difflib.get_close_matches(spec, SPECS, n=1)
-    hint = f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(SPECS)} or a path to a .npy or .csv point file"
+    hint = f"did you mean '{close[0]}'?" if close else (f"use one of {', '.join(SPECS)} or a path to a point file "
+                                                        f"({', '.join(POINT_SUFFIXES)})")
     raise SinkflowError(f"unknown data spec '{spec}'", hint)
 
 

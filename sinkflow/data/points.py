@@ -43,8 +43,11 @@ def load_table(path: str, binary: bool = False) -> np.ndarray:
         try:
             rows.append([float(v) for v in fields])
         except ValueError:
+            index = n == first and fields == ["", *map(str, range(len(fields) - 1))]  # pandas' ",0,1" header
             raise SinkflowError(f"point file {path} is not a table of numbers: line {n} holds "
-                                f"{(delimiter or ' ').join(fields)!r}", fix) from None
+                                f"{(delimiter or ' ').join(fields)!r}",
+                                "it has pandas' index column: write it with df.to_csv(path, index=False)" if index
+                                else fix) from None
         if len(fields) != len(head):
             raise SinkflowError(f"point file {path} has {len(fields)} values on line {n} and {len(head)} on "
                                 f"line {first}", "give every point the same number of coordinates")
