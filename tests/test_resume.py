@@ -187,3 +187,40 @@ def test_a_resume_inside_a_logging_window_logs_the_uninterrupted_losses(tmp_path
     events.Reload()
     assert [(e.step, round(e.value, 5)) for e in events.Scalars("velocity/loss")] == \
         [(s, round(v, 5)) for s, v in losses(whole)]
+
+
+def test_a_stop_inside_a_pool_chunk_leaves_it_and_a_second_signal_is_one_line(tmp_path, monkeypatch, capsys):
+    """A SIGTERM during a long pool chunk waited for the whole chunk (a preempted job has seconds): the chunk's
+    next group of batches is not started, the chunk stays unrecorded and the resume rebuilds it; a second signal
+    ("now") printed a 70-line KeyboardInterrupt traceback, and is one line now."""
+    import pytest  # noqa: F401
+
+    import sinkflow.methods.pool as pool
+    from sinkflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SINKFLOW_PROGRESS", "0")
+    args = ["moons", "pool.batches=4", "pool.steps=3", "pool.batch_size=32", "pool.chunk=4", "pool.in_flight=1",
+            "--train-iters", "2", "--device", "cpu", "--no-report"]
+    groups = []
+    real = pool.PoolTask._simulate_group
+    monkeypatch.setattr(pool.PoolTask, "_simulate_group", lambda self, *a: groups.append(1) or real(self, *a))
+    monkeypatch.setattr(pool, "stop_requested", lambda: signal.SIGTERM if groups else None)
+    monkeypatch.setattr("sinkflow.engine.trainer.stop_requested", lambda: signal.SIGTERM if groups else None)
+    assert main(["train", *args, "--name", "k"]) == 128 + signal.SIGTERM
+    assert len(groups) == 1  # the chunk's other three groups were not started
+    progress = tmp_path / "runs/k/pool/progress.json"
+    assert not progress.exists() or json.loads(progress.read_text())["chunks"] == []
+    assert "resume with `sinkflow train --resume" in capsys.readouterr().err
+    monkeypatch.setattr(pool, "stop_requested", lambda: None)
+    monkeypatch.setattr("sinkflow.engine.trainer.stop_requested", lambda: None)
+    assert main(["train", "--resume", str(tmp_path / "runs/k"), "--no-report"]) == 0
+    assert json.loads(progress.read_text())["chunks"] == [0] and len(groups) == 5
+
+    def now(*a):
+        raise KeyboardInterrupt  # what the handler raises on a second signal
+    monkeypatch.setattr(pool.PoolTask, "_simulate_group", now)
+    assert main(["train", *args, "--name", "k2"]) == 128 + signal.SIGINT
+    err = capsys.readouterr().err
+    assert "stopped at once by a second signal" in err and "sinkflow train --resume" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
