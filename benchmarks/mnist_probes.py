@@ -133,7 +133,8 @@ def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float
     t_all = np.asarray(pool.t).reshape(-1)
     last = torch.from_numpy(np.flatnonzero(np.isclose(t_all, t_all.max()))[:n])
     x, _, v = pool.sample(last)
-    states = x + nsgf_grid(run.cfg)[1][-1] * v  # x_T = x_{T-1} + eta_{T-1} v_{T-1}
+    pool_grid = {**run.cfg, "sample": {**run.cfg["sample"], "nsgf_steps": None}}  # the pool's own steps, not k's
+    states = x + nsgf_grid(pool_grid)[1][-1] * v  # x_T = x_{T-1} + eta_{T-1} v_{T-1}
     predictor, nsf = run.model("time"), run.model("nsf")
     t_hat = predictor(states).float().clamp(float(run.cfg["nsgf"]["nsf_t_min"]), 1.0)
     score = lambda z: fd_cnn.fd(fd_cnn.features(ref["net"], z.clamp(-1, 1)), ref["real"])  # noqa: E731
