@@ -346,3 +346,19 @@ def test_the_scratch_phases_before_the_checked_one_warn_about_nothing_the_user_s
         run, trainer = workspace(cfg, "nsf", runs_dir)
     run.logger.close()
     assert trainer.name == "nsf" and not [r.message for r in caplog.records if "warmup" in r.message]
+
+
+def test_the_doctor_prints_its_findings_not_its_scratch_runs(runs_dir, capsys, monkeypatch):
+    """`sinkflow doctor moons` printed two scratch pool builds and a 'velocity: 0/1000000000' progress bar (the
+    tool's open-ended loop) above its findings; they are quiet now, as preflight's are, and the setting is restored."""
+    import logging
+    import os
+
+    from sinkflow.cli import main
+
+    monkeypatch.delenv("SINKFLOW_PROGRESS", raising=False)
+    assert main(["doctor", "moons", "--steps", "30", "--factor", "1.5"]) in (0, 1)
+    out, err = capsys.readouterr()
+    assert out.startswith("doctor moons\n") and ("OK:" in out or "PROBLEMS:" in out)
+    assert "1000000000" not in err and "pool: 1 batches" not in out + err
+    assert "SINKFLOW_PROGRESS" not in os.environ and logging.getLogger("sinkflow").level == logging.NOTSET

@@ -38,8 +38,10 @@ def run(args):
     from sinkflow.tools.data import real_or_synthetic
     from sinkflow.tools.doctor import doctor_run
 
+    from sinkflow.runtime.callbacks import quiet
+
     run_dir = run_folder_arg(args, "doctor")
-    with tempfile.TemporaryDirectory(prefix="sinkflow-doctor-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="sinkflow-doctor-") as tmp, quiet():
         if run_dir is not None:
             findings = doctor_run(None, tmp, run_dir=run_dir, overfit_steps=args.steps,
                                   overfit_batch=args.overfit_batch, factor=args.factor, phases=args.phase)

@@ -30,6 +30,8 @@ This module is a leaf (torch and tqdm only): methods subclass ``Callback`` witho
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from typing import Any
 
@@ -72,6 +74,24 @@ class Callback:
         return {}
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+@contextlib.contextmanager
+def quiet():
+    """No progress bars and no INFO chatter while a tool (preflight, doctor) trains its tiny scratch runs: their
+    bars (a 1e9-step loop stopped by the tool) and pool lines are not the user's; warnings still print."""
+    env, logger = os.environ.get("SINKFLOW_PROGRESS"), logging.getLogger("sinkflow")
+    level = logger.level
+    os.environ["SINKFLOW_PROGRESS"] = "0"
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        if env is None:
+            os.environ.pop("SINKFLOW_PROGRESS", None)
+        else:
+            os.environ["SINKFLOW_PROGRESS"] = env
+        logger.setLevel(level)
 
 
 class ProgressBar(Callback):

@@ -20,6 +20,7 @@ before it can hang for hours).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import shlex
@@ -37,6 +38,7 @@ from sinkflow import config as config_mod
 from sinkflow import data, methods
 from sinkflow.engine.experiment import check_run
 from sinkflow.errors import SinkflowError
+from sinkflow.runtime import callbacks
 from sinkflow.runtime.callbacks import Callback
 
 log = logging.getLogger("sinkflow")
@@ -405,7 +407,8 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
     tmp = tempfile.TemporaryDirectory(prefix="sinkflow-preflight-") if workdir is None else None
     workdir = Path(tmp.name if tmp else workdir)
     torch_threads = torch.get_num_threads()
-    quiet = _Quiet()
+    quiet = contextlib.ExitStack()
+    quiet.enter_context(callbacks.quiet())
     try:
         with real_or_synthetic(real) as reason:
             report.data_note = reason and f"synthetic {real['data']['target']} images of the real shape ({reason})"
@@ -439,7 +442,7 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
                                f"too large: {', '.join(over)}" if over else "every phase fits")
                     bf16_check(report, real, label)
     finally:
-        quiet.restore()
+        quiet.close()
         torch.set_num_threads(torch_threads)
         if tmp is not None:
             tmp.cleanup()
@@ -469,23 +472,3 @@ def fit_command(preset: str, overrides: list[str], shorthands: dict, fit: list[s
     kept = [o for o in overrides if o.split("=", 1)[0].strip() not in fixed]  # the fit's value replaces them
     return shlex.join(["sinkflow", "train", preset, *kept, *fit, *flags])
 
-
-class _Quiet:
-    """No progress bars and no INFO chatter from the tiny run (restored afterwards)."""
-
-    def __init__(self):
-        import os
-
-        self.os = os
-        self.env = os.environ.get("SINKFLOW_PROGRESS")
-        os.environ["SINKFLOW_PROGRESS"] = "0"
-        self.logger = logging.getLogger("sinkflow")
-        self.level = self.logger.level
-        self.logger.setLevel(logging.WARNING)
-
-    def restore(self):
-        if self.env is None:
-            self.os.environ.pop("SINKFLOW_PROGRESS", None)
-        else:
-            self.os.environ["SINKFLOW_PROGRESS"] = self.env
-        self.logger.setLevel(self.level)
