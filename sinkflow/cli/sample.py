@@ -14,7 +14,7 @@ def add_parser(sub):
     p.add_argument("run_dir", metavar="RUN")
     p.add_argument("overrides", nargs="*", metavar="sample.key=value",
                    help="sampling settings for this call only, e.g. sample.temperature=0.7 (the run is not changed)")
-    p.add_argument("--n", type=int, default=1024)
+    p.add_argument("--n", type=int, default=1024, help="samples to draw (default 1024)")
     p.add_argument("--steps", type=int, help="Euler steps (default sample.steps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--qmc", action="store_true", help="draw the source by randomised QMC (scrambled Sobol) instead "
