@@ -431,6 +431,9 @@ class Trainer:
         if latest is not None:
             self.load_state_dict(latest, str(ckpts.steps()[-1][1]))
             self._call("on_load_checkpoint", latest)
+            if self.info.is_main:  # status may show a later step: what a killed process did past its checkpoint
+                log.info("%s: resuming from step %d of %d (%s)", self.name, self.step, self.cfg["iters"],
+                         ckpts.steps()[-1][1].name)
         run.logger.rewind(self.name, self.step)  # what a killed process logged past this step is dropped
         iters, ckpt_every = self.cfg["iters"], self.cfg["ckpt_every"]
         tick, tick_step = time.perf_counter(), self.step
