@@ -108,6 +108,15 @@ class Run:
             check_sample_memory(n, self.cfg, "n", exact_w2=is_points(self.cfg))
         return evaluate(self._run, seeds=seeds, n=n)
 
+    def scores(self) -> dict:
+        """The latest evaluation's numbers as a dict (metrics.jsonl's last ``eval`` record, as ``evaluate``, `sinkflow
+        eval` or the report after training wrote it; ``evaluate`` returns the printed table): keys carry the steps,
+        e.g. ``w2_100`` and ``w2_std_100`` for points, ``fd_cnn_2`` or ``t_hat_mean_2`` for images. {} before any."""
+        from sinkflow.tools.status import tail_jsonl
+
+        evals = [r for r in tail_jsonl(self.dir / "metrics.jsonl", 1 << 26) if r.get("phase") == "eval"]
+        return {k: v for k, v in evals[-1].items() if k not in ("time", "phase", "step")} if evals else {}
+
     def __repr__(self) -> str:
         return f"sinkflow.Run({str(self.dir)!r})"
 

@@ -379,3 +379,18 @@ def test_evaluate_checks_its_counts_as_the_command_does(otcfm_run, kwargs, needl
     10 minutes to 7.7 GB (the command says at once it cannot fit)."""
     with pytest.raises(SinkflowError, match=needle):
         sinkflow.open_run(otcfm_run).evaluate(**kwargs)
+
+
+def test_scores_are_the_latest_evaluations_numbers(otcfm_run, tmp_path):
+    """Run.evaluate() returns the printed table; a notebook wants numbers: Run.scores() is the last eval record."""
+    import shutil
+
+    run = sinkflow.open_run(shutil.copytree(otcfm_run, tmp_path / "r"))
+    assert run.scores() == {}  # trained with --no-report: nothing evaluated yet
+    table = run.evaluate(seeds=2, n=64)
+    got = run.scores()
+    steps = run.cfg["eval"]["steps"]
+    assert got["n"] == 64 and got["seeds"] == 2 and all(f"w2_{s}" in got and f"w2_std_{s}" in got for s in steps)
+    assert f"{got[f'w2_{steps[0]}']:.3f}" in table  # the same numbers the table prints
+    run.evaluate(seeds=2, n=32)
+    assert run.scores()["n"] == 32  # the latest one
