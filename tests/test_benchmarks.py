@@ -726,9 +726,9 @@ def test_mnist_budget_gives_every_method_the_same_unet_steps(mnist_bench):
     assert mnist_bench.split_candidates(13) == [3, 6, 11]
     # the CPU scale's validation-chosen NSGF++ recipe reaches NSGF++'s run only (command-line overrides come after it)
     cpu = mnist_bench.budget("cpu")
-    assert mnist_bench.nsgfpp_overrides(cpu)[-2:] == ["sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5"]
+    assert mnist_bench.nsgfpp_overrides(cpu)[-3:] == ["sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001"]
     assert not any(o.startswith(("sinkhorn.", "nsgf.")) for o in mnist_bench.common_overrides(cpu, Path("data"), 0, "cpu"))
-    assert "nsgf.nsf_t_min=0.5" not in mnist_bench.nsgfpp_overrides(mnist_bench.budget("gpu", 0.1))
+    assert not {"nsgf.nsf_t_min=0.5", "train.time.lr=0.001"} & set(mnist_bench.nsgfpp_overrides(mnist_bench.budget("gpu", 0.1)))
 
 
 def test_mnist_split_is_chosen_on_validation_never_on_test(mnist_bench, monkeypatch, tmp_path):

@@ -127,10 +127,13 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
             log.info("method %s", method.describe(cfg))
             unread = config_mod.unread_preset_keys(cfg)
             if unread and resume is None:  # keys for the preset's other methods: a note; anything else: a warning
-                level = logging.INFO if config_mod.read_by_other_methods(cfg, unread) else logging.WARNING
-                log.log(level, "preset %s sets %d key(s) that method %s does not read (%s): kept in config.yaml, "
-                        "unused", cfg["experiment"]["preset"], len(unread), method.name,
-                        ", ".join(unread[:4]) + (", ..." if len(unread) > 4 else ""))
+                keys = ", ".join(unread[:4]) + (", ..." if len(unread) > 4 else "")
+                if config_mod.read_by_other_methods(cfg, unread):
+                    log.info("preset %s also holds %s for its other methods (--method); this %s run does not read "
+                             "them", cfg["experiment"]["preset"], keys, method.name)
+                else:
+                    log.warning("preset %s sets %d key(s) that method %s does not read (%s): kept in config.yaml, "
+                                "unused", cfg["experiment"]["preset"], len(unread), method.name, keys)
         try:
             run_phases(run, phases, callbacks)
         except Interrupted as exc:
