@@ -46,8 +46,8 @@ def load_table(path: str, binary: bool = False) -> np.ndarray:
             index = n == first and fields == ["", *map(str, range(len(fields) - 1))]  # pandas' ",0,1" header
             raise SinkflowError(f"point file {path} is not a table of numbers: line {n} holds "
                                 f"{(delimiter or ' ').join(fields)!r}",
-                                "it has pandas' index column: write it with df.to_csv(path, index=False)" if index
-                                else fix) from None
+                                "it has pandas' index column: write it with df.to_csv(path, index=False, "
+                                "header=['x', 'y']), or numpy.save" if index else fix) from None
         if len(fields) != len(head):
             raise SinkflowError(f"point file {path} has {len(fields)} values on line {n} and {len(head)} on "
                                 f"line {first}", "give every point the same number of coordinates")
