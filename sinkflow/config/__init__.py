@@ -78,8 +78,8 @@ def load_config_file(name: str) -> dict:
         unset = set(schema.used(tree)) - set(flatten(raw))  # the keys this run reads that the file does not set
         if unset:  # a typo ('moon') would otherwise run the schema's defaults under the typo's name
             close = difflib.get_close_matches(preset, preset_names(), n=1)
-            raise SinkflowError(f"config file {name} names experiment.preset '{preset}', which is no preset, and leaves "
-                                f"{len(unset)} keys the run reads unset (e.g. {sorted(unset)[0]})",
+            raise SinkflowError(f"config file {name} names experiment.preset '{preset}', which is no preset, and "
+                                f"leaves {len(unset)} keys the run reads unset (e.g. {sorted(unset)[0]})",
                                 f"did you mean '{close[0]}'?" if close else
                                 f"name one of: {', '.join(preset_names())} (or write the whole tree: `sinkflow config "
                                 f"PRESET > {name}`)")

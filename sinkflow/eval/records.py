@@ -3,7 +3,8 @@ how it was made."""
 
 from __future__ import annotations
 
-METRIC_KEYS = ("w2", "tv", "confidence", "fd_cnn", "fid", "nfe", "t_hat_mean")  # what an image evaluation records per row
+# what an image evaluation records per row (t_hat_mean: NSGF++'s predictor, where the straight flow starts)
+METRIC_KEYS = ("w2", "tv", "confidence", "fd_cnn", "fid", "nfe", "t_hat_mean")
 
 
 def setting(cfg: dict, n: int, seeds: int, class_n: int | None = None) -> dict:
