@@ -294,26 +294,29 @@ def test_sample_time_warp_reaches_the_euler_samplers(runs_dir, capsys):
 
 
 class _Points:
-    """A point mass at ``value`` in 1-D: from 0 to 1 the straight path's X_t is t itself (an oracle can read it)."""
+    """A point mass at ``value`` in ``dims`` dimensions: from 0 to 1 the straight path's X_t is t in every coordinate
+    (an oracle can read it off the first one)."""
 
-    def __init__(self, value):
-        self.value = value
+    def __init__(self, value, dims=64):
+        self.value, self.dims = value, dims
 
     def sample(self, n, generator, device):
-        return torch.full((n, 1), float(self.value), device=device)
+        return torch.full((n, self.dims), float(self.value), device=device)
 
 
 def test_time_predictor_that_has_not_learned_is_named_at_the_end_of_its_phase(tmp_path, caplog):
     """200 steps at lr 1e-4 left the CPU MNIST benchmark's predictor at 87% of a constant guess's MSE (t_hat 0.55 for
-    every state, RESULTS.md): the phase end measures it on a fresh draw, records t_mse, and warns below the line."""
+    every state, RESULTS.md): the phase end measures it on a fresh draw, records t_mse, and warns below the line;
+    in 2-D (t cannot be read off a point there: 55% is the floor on moons) it records without warning."""
     import logging
 
     from sinkflow.methods.nsgfpp import LEARNED_FRACTION, TimeStep
 
     logged = []
-    step = TimeStep(_Points(0.0), _Points(1.0))
-    for name, model, warned in (("oracle", lambda x: x.view(-1), False),
-                                ("constant", lambda x: torch.full((x.shape[0],), 0.5), True)):
+    oracle, constant = (lambda x: x[:, 0]), (lambda x: torch.full((x.shape[0],), 0.5))
+    for name, dims, model, warned in (("oracle", 64, oracle, False), ("constant", 64, constant, True),
+                                      ("constant in 2-D", 2, constant, False)):
+        step = TimeStep(_Points(0.0, dims), _Points(1.0, dims))
         net = torch.nn.Module()
         net.forward = model
         trainer = SimpleNamespace(ema=None, model=net, device="cpu", step=7,
@@ -323,7 +326,7 @@ def test_time_predictor_that_has_not_learned_is_named_at_the_end_of_its_phase(tm
             step.on_phase_end(trainer)
         phase, at, rec = logged[-1]
         assert (phase, at, rec["t_mse_constant"]) == ("time", 7, pytest.approx(1 / 12))
-        assert (rec["t_mse"] > LEARNED_FRACTION * rec["t_mse_constant"]) is warned, name
         assert ("has not learned" in caplog.text and "train.time.lr" in caplog.text) is warned, name
-    assert logged[0][2]["t_mse"] < 1e-12 and logged[1][2]["t_mse"] == pytest.approx(1 / 12, rel=0.15)
-
+    assert logged[0][2]["t_mse"] < 1e-12
+    assert logged[1][2]["t_mse"] == pytest.approx(1 / 12, rel=0.15) and logged[1][2]["t_mse"] > LEARNED_FRACTION / 12
+    assert logged[2][2]["t_mse"] == pytest.approx(1 / 12, rel=0.15)  # recorded all the same
