@@ -63,7 +63,9 @@ def run(args):
             with run_lock(write_run):  # a run another process trains: its holder's one line now, not after the sweep
                 pass
         refuse_other_batch(Path(args.write), swept_cfg, swept.model_key)
-    with tempfile.TemporaryDirectory(prefix="sinkflow-lrfind-") as tmp:
+    from sinkflow.runtime.callbacks import quiet
+
+    with tempfile.TemporaryDirectory(prefix="sinkflow-lrfind-") as tmp, quiet():  # the sweep's scratch run, unshown
         if from_run:
             run_, phase = open_run_phase(Path(args.preset), args.phase)
             label = args.preset
