@@ -362,3 +362,21 @@ def test_the_doctor_prints_its_findings_not_its_scratch_runs(runs_dir, capsys, m
     assert out.startswith("doctor moons\n") and ("OK:" in out or "PROBLEMS:" in out)
     assert "1000000000" not in err and "pool: 1 batches" not in out + err
     assert "SINKFLOW_PROGRESS" not in os.environ and logging.getLogger("sinkflow").level == logging.NOTSET
+
+
+def test_quiet_mutes_a_scratch_runs_did_not_learn_warning_not_config_warnings(caplog):
+    """`sinkflow preflight digits` printed "the phase-transition predictor has not learned" about its own 3-step
+    scratch run, a false alarm about the user's config; config warnings still print inside quiet()."""
+    import logging
+
+    from sinkflow.runtime.callbacks import LEARNING_LOG, quiet
+
+    with caplog.at_level(logging.INFO), quiet():
+        logging.getLogger(LEARNING_LOG).warning("did not learn")
+        logging.getLogger("sinkflow").warning("config warning")
+        logging.getLogger("sinkflow").info("chatter")
+    assert "config warning" in caplog.text
+    assert "did not learn" not in caplog.text and "chatter" not in caplog.text
+    caplog.clear()
+    logging.getLogger(LEARNING_LOG).warning("did not learn")  # outside: the user's own run
+    assert "did not learn" in caplog.text

@@ -61,7 +61,7 @@ def weights(run, phase):
 def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys, caplog):
     extra, shape = setup_data(preset, tmp_path)
     storage = ["pool.storage=disk", "pool.dtype=float16"]  # the image pool's real storage path
-    with caplog.at_level(logging.WARNING, logger="sinkflow.methods.nsgfpp"):
+    with caplog.at_level(logging.WARNING, logger="sinkflow.learning"):
         assert main(["train", preset, *TINY, *extra, *storage, "--name", "r"]) == 0
     # 4 steps cannot teach the time predictor: the phase end measures it on a fresh draw and says so
     (t_rec,) = [json.loads(line) for line in (runs_dir / "r" / "metrics.jsonl").open() if '"t_mse"' in line]

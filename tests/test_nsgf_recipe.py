@@ -322,7 +322,7 @@ def test_time_predictor_that_has_not_learned_is_named_at_the_end_of_its_phase(tm
         trainer = SimpleNamespace(ema=None, model=net, device="cpu", step=7,
                                   run=SimpleNamespace(logger=SimpleNamespace(log=lambda *a: logged.append(a))))
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="sinkflow.methods.nsgfpp"):
+        with caplog.at_level(logging.WARNING, logger="sinkflow.learning"):
             step.on_phase_end(trainer)
         phase, at, rec = logged[-1]
         assert (phase, at, rec["t_mse_constant"]) == ("time", 7, pytest.approx(1 / 12))

@@ -24,13 +24,14 @@ from pathlib import Path
 
 import torch
 
-from sinkflow.runtime import dist
 from sinkflow.errors import SinkflowError
 from sinkflow.methods import nsgf
 from sinkflow.methods.base import Method
 from sinkflow.methods.flow_matching import InterpolantStep
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.methods.pool import check_free_disk, check_pool_fits
+from sinkflow.runtime import dist
+from sinkflow.runtime.callbacks import LEARNING_LOG
 
 # arXiv:2401.14069v1 Table 3 (MNIST) and Table 2 (CIFAR-10): NSGF++'s FID (and IS) at NFE, for context.
 PAPER_FID = {"mnist": {"fid": 3.8, "nfe": 60}, "cifar10": {"fid": 5.55, "is": 8.86, "nfe": 59}}
@@ -44,7 +45,7 @@ LEARNED_FRACTION = 0.5
 # at lr 1e-3, the interpolants overlap), so no warning there; 8x8 digits' predictor reaches 4.7 %, MNIST's 2-3 %.
 IDENTIFIABLE_DIMS = 64
 CHECK_BATCH, CHECK_SEED = 512, 20261128  # the check's own draw: the phase generator's stream is untouched
-log = logging.getLogger(__name__)
+learning = logging.getLogger(LEARNING_LOG)  # a tool's few-step scratch run never learns: ``quiet()`` silences it
 
 
 def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
@@ -124,7 +125,7 @@ class TimeStep(InterpolantStep):
         trainer.run.logger.log(self.name, trainer.step, {"t_mse": mse, "t_mse_constant": constant, "final": True})
         identifiable = batch[0][0].numel() >= IDENTIFIABLE_DIMS
         if identifiable and mse > LEARNED_FRACTION * constant and dist.current().is_main:
-            log.warning("time: the phase-transition predictor has not learned (MSE %.4f on fresh interpolants, %.0f%% "
+            learning.warning("time: the phase-transition predictor has not learned (MSE %.4f on fresh interpolants, %.0f%% "
                         "of a constant guess's %.4f): t_hat will be about the same for every state; raise "
                         "train.time.lr or train.time.iters", mse, 100 * mse / constant, constant)
 

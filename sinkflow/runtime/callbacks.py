@@ -76,14 +76,20 @@ class Callback:
     def load_state_dict(self, state: dict) -> None: ...
 
 
+LEARNING_LOG = "sinkflow.learning"  # warnings that a run did not learn (NSGF++'s time predictor): ``quiet()`` mutes them
+
+
 @contextlib.contextmanager
 def quiet():
-    """No progress bars and no INFO chatter while a tool (preflight, doctor) trains its tiny scratch runs: their
-    bars (a 1e9-step loop stopped by the tool) and pool lines are not the user's; warnings still print."""
-    env, logger = os.environ.get("SINKFLOW_PROGRESS"), logging.getLogger("sinkflow")
-    level = logger.level
+    """No progress bars and no INFO chatter while a tool (preflight, doctor, lr-find) trains its tiny scratch runs:
+    their bars (a 1e9-step loop stopped by the tool) and pool lines are not the user's. Warnings about the config
+    still print; those that a run did not learn (``LEARNING_LOG``) do not: a 3-step scratch run never does."""
+    env = os.environ.get("SINKFLOW_PROGRESS")
+    loggers = {logging.getLogger("sinkflow"): logging.WARNING, logging.getLogger(LEARNING_LOG): logging.ERROR}
+    levels = {lg: lg.level for lg in loggers}
     os.environ["SINKFLOW_PROGRESS"] = "0"
-    logger.setLevel(logging.WARNING)
+    for lg, level in loggers.items():
+        lg.setLevel(level)
     try:
         yield
     finally:
@@ -91,7 +97,8 @@ def quiet():
             os.environ.pop("SINKFLOW_PROGRESS", None)
         else:
             os.environ["SINKFLOW_PROGRESS"] = env
-        logger.setLevel(level)
+        for lg, level in levels.items():
+            lg.setLevel(level)
 
 
 class ProgressBar(Callback):
