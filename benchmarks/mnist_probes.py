@@ -16,7 +16,11 @@ validation, on the same test digits and sample count as the table, changing one 
   same benchmark trained for seed S (which phase makes a seed an outlier);
 * ``--pool-states``: the NSF run on the pool's own final NSGF states (x_T = x_{T-1} + eta v_{T-1} of stored
   trajectories: the empirical Sinkhorn flow, not the velocity network), from the predictor's t̂ and from each
-  ``--fixed`` T, FD-CNN only (is the loss in the Sinkhorn flow or in the network that imitates it?).
+  ``--fixed`` T, FD-CNN only; beside them the same rows for the velocity network's x_T, integrated on the pool's
+  grid from the *same* source points (is the loss in the Sinkhorn flow or in the network that imitates it?);
+* ``--velocity-fit``: the velocity network's error per pool step, as a share of the target's variance, on pool
+  entries it was trained on and on as many fresh trajectories solved the same way (a train share far
+  below the fresh one: the network memorised its pool, which is then too small for the budget).
 
 ``--split val`` scores on the validation digits instead (what a choice may read; ``--n`` defaults to the
 benchmark's validation count there).
@@ -69,7 +73,10 @@ def main(argv=None) -> None:
     ap.add_argument("--fixed", type=float, nargs="*", default=[], help="also start every NSF at each of these times")
     ap.add_argument("--split", choices=("test", "val"), default="test")
     ap.add_argument("--swap-from", type=int, default=None, metavar="S", help="also score with each network of seed S")
-    ap.add_argument("--pool-states", action="store_true", help="also run the NSF on the pool's final states")
+    ap.add_argument("--pool-states", action="store_true", help="also run the NSF on the pool's final states, and on "
+                    "the velocity network's from the same source points")
+    ap.add_argument("--velocity-fit", action="store_true", help="also the velocity network's error per pool step "
+                    "on its own pool and on a fresh one")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     m = bench()
@@ -103,49 +110,104 @@ def main(argv=None) -> None:
     run._models.update(nets)
     if args.pool_states:
         results.update(pool_state_scores(run, args.nfe - 1 - k, n, args.split, args.fixed))
+    fit = velocity_fit(run, n) if args.velocity_fit else None
     path = out / f"probes-seed{args.seed}-nfe{args.nfe}{'-val' if args.split == 'val' else ''}.json"
-    atomic_write_text(path, json.dumps({"k": k, "n": n, "nfe": args.nfe, "split": args.split, "probes": results},
-                                       indent=1))
+    atomic_write_text(path, json.dumps({"k": k, "n": n, "nfe": args.nfe, "split": args.split, "probes": results,
+                                        **({"velocity_fit": fit} if fit else {})}, indent=1))
     print(f"NSGF++ seed {args.seed}, {args.nfe} NFE ({k} NSGF + 1 t̂ + {args.nfe - 1 - k} NSF), {n} generated vs the "
           f"{'validation' if args.split == 'val' else 'test'} digits:\n\n"
           "| probe | FD-CNN | pixel W2 | TV | confidence | mean t̂ |\n|---|---|---|---|---|---|")
     for name, r in results.items():
         cells = [f"{r[c]:.3f}" if r.get(c) is not None else "-" for c in ("w2", "tv", "conf", "t_hat")]
         print(f"| {name} | {r['fd_cnn']:.2f} | {' | '.join(cells)} |")
+    if fit:
+        print(f"\nVelocity network's MSE per pool step / the target's variance ({fit['n']} entries a step):\n\n"
+              "| step | trained-on pool | fresh pool |\n|---|---|---|")
+        for i, (a, b) in enumerate(zip(fit["train"], fit["fresh"])):
+            print(f"| {i} | {a:.3f} | {b:.3f} |")
     print(f"\nwrote {path}")
+
+
+def final_pool_entries(run, n: int, step: str = "last"):
+    """(x, v) of ``n`` stored pool entries at the pool's first or last step, in file order (one entry per
+    trajectory: the same particles at either step)."""
+    from sinkflow.methods.pool import TrajectoryPool
+
+    pool = TrajectoryPool(run.dir / "pool", storage="disk")
+    t_all = np.asarray(pool.t).reshape(-1)
+    at = t_all.max() if step == "last" else t_all.min()
+    x, _, v = pool.sample(torch.from_numpy(np.flatnonzero(np.isclose(t_all, at))[:n]))
+    return x, v
+
+
+def pool_grid(cfg: dict) -> tuple[list[float], list[float]]:
+    """(times, steps) of the pool's own NSGF grid (not the sampler's k steps)."""
+    from sinkflow.methods.nsgfpp import nsgf_grid
+
+    return nsgf_grid({**cfg, "sample": {**cfg["sample"], "nsgf_steps": None}})
 
 
 @torch.no_grad()
 def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float]) -> dict:
-    """FD-CNN of the pool's final NSGF states, and of the NSF run from them (``nsf_steps`` Euler steps) from the
-    predictor's t̂ and from each fixed time: ``n`` trajectories, against the held-out digits of ``split``."""
+    """FD-CNN of the pool's final NSGF states and of the velocity network's (integrated on the pool's grid from
+    the same source points), each alone and through the NSF (``nsf_steps`` Euler steps) from the predictor's t̂
+    and from each fixed time: ``n`` trajectories, against the held-out digits of ``split``."""
     from sinkflow import data
     from sinkflow.eval import fd_cnn
     from sinkflow.eval.images import fd_cnn_reference
-    from sinkflow.methods.nsgfpp import nsgf_grid
     from sinkflow.methods.ode import euler
-    from sinkflow.methods.pool import TrajectoryPool
 
     _, target = data.distributions(run.cfg)
     held_out = target.val_set() if split == "val" else target.test_set(len(target.test_images))
     ref = fd_cnn_reference(target, run.cfg["data"]["root"], held_out, n, split == "val")
+    times, steps = pool_grid(run.cfg)
+    x, v = final_pool_entries(run, n)
+    x0 = final_pool_entries(run, n, "first")[0]
+    net = run.model("velocity")
+    mine = x0.clone()
+    for t, h in zip(times[:-1], steps):
+        mine = mine + h * net(mine, torch.full((len(mine),), t)).float()
+    predictor, nsf = run.model("time"), run.model("nsf")
+    t_min = float(run.cfg["nsgf"]["nsf_t_min"])
+    score = lambda z: fd_cnn.fd(fd_cnn.features(ref["net"], z.clamp(-1, 1)), ref["real"])  # noqa: E731
+    out = {}
+    for who, states in (("pool", x + steps[-1] * v), ("network", mine)):  # x_T = x_{T-1} + eta_{T-1} v_{T-1}
+        t_hat = predictor(states).float().clamp(t_min, 1.0)
+        out[f"{who} states themselves"] = {"fd_cnn": score(states), "n": len(states)}
+        for label, start in (("t̂", t_hat), *((f"{T:g}", torch.full_like(t_hat, T)) for T in fixed)):
+            out[f"{who} states, NSF from {label}"] = {
+                "fd_cnn": score(euler(nsf, states, start, 1.0, nsf_steps, False)[0]),
+                "t_hat": float(start.mean()), "n": len(states)}
+    return out
+
+
+@torch.no_grad()
+def velocity_fit(run, n: int) -> dict:
+    """The velocity network's MSE per pool step over the target's variance at that step: on ``n`` trajectories of
+    its own pool, and on ``n`` fresh ones (new source and target draws through the pool's simulator, their own Sinkhorn diameter)."""
+    from sinkflow import data
+    from sinkflow.methods.nsgf import PoolGrid, make_simulator
+    from sinkflow.methods.pool import TrajectoryPool
+
+    cfg = run.cfg
+    grid = PoolGrid.from_config(cfg)
+    net = run.model("velocity")
     pool = TrajectoryPool(run.dir / "pool", storage="disk")
     t_all = np.asarray(pool.t).reshape(-1)
-    last = torch.from_numpy(np.flatnonzero(np.isclose(t_all, t_all.max()))[:n])
-    x, _, v = pool.sample(last)
-    pool_grid = {**run.cfg, "sample": {**run.cfg["sample"], "nsgf_steps": None}}  # the pool's own steps, not k's
-    states = x + nsgf_grid(pool_grid)[1][-1] * v  # x_T = x_{T-1} + eta_{T-1} v_{T-1}
-    predictor, nsf = run.model("time"), run.model("nsf")
-    t_hat = predictor(states).float().clamp(float(run.cfg["nsgf"]["nsf_t_min"]), 1.0)
-    score = lambda z: fd_cnn.fd(fd_cnn.features(ref["net"], z.clamp(-1, 1)), ref["real"])  # noqa: E731
-    out = {"pool states themselves": {"fd_cnn": score(states), "n": len(states)},
-           "pool states, NSF from t̂": {"fd_cnn": score(euler(nsf, states, t_hat, 1.0, nsf_steps, False)[0]),
-                                        "t_hat": float(t_hat.mean()), "n": len(states)}}
-    for T in fixed:
-        start = torch.full_like(t_hat, T)
-        out[f"pool states, NSF from {T:g}"] = {"fd_cnn": score(euler(nsf, states, start, 1.0, nsf_steps, False)[0]),
-                                              "t_hat": T, "n": len(states)}
-    return out
+    own = [pool.sample(torch.from_numpy(np.flatnonzero(np.isclose(t_all, t))[:n])) for t in grid.times[:-1].tolist()]
+    source, target = data.distributions(cfg)
+    gen = torch.Generator().manual_seed(2**31 - 1)  # not a pool batch's generator
+    xs, vs, _ = make_simulator(cfg, None)(source.sample(n, gen, "cpu"), target.sample(n, gen, "cpu"))
+
+    def shares(pairs) -> list[float]:
+        out = []
+        for k, (x, v) in enumerate(pairs):
+            goal = v * grid.scale[k]
+            err = (net(x, torch.full((len(x),), float(grid.times[k]))).float() - goal).pow(2).mean()
+            out.append(float(err / (goal - goal.mean(0)).pow(2).mean()))
+        return out
+
+    return {"n": n, "train": shares([(x, v) for x, _, v in own]), "fresh": shares(zip(xs, vs))}
 
 
 if __name__ == "__main__":

@@ -820,13 +820,20 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
     assert val["split"] == "val" and val["probes"]["t̂ = 0.6"]["t_hat"] == pytest.approx(0.6)
     assert val["probes"]["as benchmarked"]["fd_cnn"] != res["probes"]["as benchmarked"]["fd_cnn"]  # other digits
     load("mnist_probes").main(["--out", str(out), "--seed", "0", "--nfe", "3", "--n", "6", "--fixed", "0.6",
-                               "--swap-from", "0", "--pool-states"])
-    probes = json.loads((out / "probes-seed0-nfe3.json").read_text())["probes"]
+                               "--swap-from", "0", "--pool-states", "--velocity-fit"])
+    saved = json.loads((out / "probes-seed0-nfe3.json").read_text())
+    probes = saved["probes"]
     for phase in ("velocity", "nsf", "time"):  # a seed's own networks swapped in: the benchmarked cell, exactly
         assert probes[f"{phase} from seed 0"]["fd_cnn"] == probes["as benchmarked"]["fd_cnn"]
-    pool = [probes[f"pool states{s}"] for s in (" themselves", ", NSF from t̂", ", NSF from 0.6")]
-    assert all(np.isfinite(r["fd_cnn"]) and r["n"] == 6 for r in pool) and pool[2]["t_hat"] == 0.6
-    assert pool[0]["fd_cnn"] != pool[1]["fd_cnn"]  # the NSF moved the states
+    for who in ("pool", "network"):  # the Sinkhorn flow's own states, and the velocity network's from its x0
+        rows = [probes[f"{who} states{s}"] for s in (" themselves", ", NSF from t̂", ", NSF from 0.6")]
+        assert all(np.isfinite(r["fd_cnn"]) and r["n"] == 6 for r in rows) and rows[2]["t_hat"] == pytest.approx(0.6)
+        assert rows[0]["fd_cnn"] != rows[1]["fd_cnn"]  # the NSF moved the states
+    assert probes["pool states themselves"]["fd_cnn"] != probes["network states themselves"]["fd_cnn"]
+    fit = saved["velocity_fit"]  # a share of the target's variance per pool step, on its own pool and a fresh one
+    assert fit["n"] == 6 and len(fit["train"]) == len(fit["fresh"]) == 5  # the mnist preset's pool.steps
+    assert all(np.isfinite(v) and v > 0 for v in fit["train"] + fit["fresh"]) and fit["train"] != fit["fresh"]
+    assert "| step | trained-on pool | fresh pool |" in capsys.readouterr().out
 
 
 def test_smoke_pool_convergence(tmp_path, monkeypatch, capsys):
