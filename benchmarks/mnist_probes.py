@@ -17,7 +17,7 @@ validation, on the same test digits and sample count as the table, changing one 
 * ``--pool-states``: the NSF run on the pool's own final NSGF states (x_T = x_{T-1} + eta v_{T-1} of stored
   trajectories: the empirical Sinkhorn flow, not the velocity network), from the predictor's t̂ and from each
   ``--fixed`` T, FD-CNN only; beside them the same rows for the velocity network's x_T, integrated on the pool's
-  grid from the *same* source points (is the loss in the Sinkhorn flow or in the network that imitates it?);
+  grid from fresh source points (is the loss in the Sinkhorn flow or in the network that imitates it?);
 * ``--velocity-fit``: the velocity network's error per pool step, as a share of the target's variance, on pool
   entries it was trained on and on as many fresh trajectories solved the same way (a train share far
   below the fresh one: the network memorised its pool, which is then too small for the budget).
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     ap.add_argument("--split", choices=("test", "val"), default="test")
     ap.add_argument("--swap-from", type=int, default=None, metavar="S", help="also score with each network of seed S")
     ap.add_argument("--pool-states", action="store_true", help="also run the NSF on the pool's final states, and on "
-                    "the velocity network's from the same source points")
+                    "the velocity network's (on the pool's grid, from fresh source points)")
     ap.add_argument("--velocity-fit", action="store_true", help="also the velocity network's error per pool step "
                     "on its own pool and on a fresh one")
     args = ap.parse_args(argv)
@@ -128,15 +128,13 @@ def main(argv=None) -> None:
     print(f"\nwrote {path}")
 
 
-def final_pool_entries(run, n: int, step: str = "last"):
-    """(x, v) of ``n`` stored pool entries at the pool's first or last step, in file order (one entry per
-    trajectory: the same particles at either step)."""
+def final_pool_entries(run, n: int):
+    """(x, v) of the first ``n`` stored pool entries at the pool's last step (one a trajectory)."""
     from sinkflow.methods.pool import TrajectoryPool
 
     pool = TrajectoryPool(run.dir / "pool", storage="disk")
     t_all = np.asarray(pool.t).reshape(-1)
-    at = t_all.max() if step == "last" else t_all.min()
-    x, _, v = pool.sample(torch.from_numpy(np.flatnonzero(np.isclose(t_all, at))[:n]))
+    x, _, v = pool.sample(torch.from_numpy(np.flatnonzero(np.isclose(t_all, t_all.max()))[:n]))
     return x, v
 
 
@@ -150,7 +148,7 @@ def pool_grid(cfg: dict) -> tuple[list[float], list[float]]:
 @torch.no_grad()
 def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float]) -> dict:
     """FD-CNN of the pool's final NSGF states and of the velocity network's (integrated on the pool's grid from
-    the same source points), each alone and through the NSF (``nsf_steps`` Euler steps) from the predictor's t̂
+    fresh source points: a network trained long on a small pool has memorised the pool's own), each alone and through the NSF (``nsf_steps`` Euler steps) from the predictor's t̂
     and from each fixed time: ``n`` trajectories, against the held-out digits of ``split``."""
     from sinkflow import data
     from sinkflow.eval import fd_cnn
@@ -162,9 +160,9 @@ def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float
     ref = fd_cnn_reference(target, run.cfg["data"]["root"], held_out, n, split == "val")
     times, steps = pool_grid(run.cfg)
     x, v = final_pool_entries(run, n)
-    x0 = final_pool_entries(run, n, "first")[0]
+    source = data.distributions(run.cfg)[0]
     net = run.model("velocity")
-    mine = x0.clone()
+    mine = source.sample(n, torch.Generator().manual_seed(2**31 - 2), "cpu")  # fresh: the pool's own x0 are memorised
     for t, h in zip(times[:-1], steps):
         mine = mine + h * net(mine, torch.full((len(mine),), t)).float()
     predictor, nsf = run.model("time"), run.model("nsf")
