@@ -716,9 +716,11 @@ def mnist_bench():
 
 
 def test_mnist_budget_gives_every_method_the_same_unet_steps(mnist_bench):
-    for scale in ("cpu", "gpu", "quick"):
+    for scale in mnist_bench.SCALES:
         b = mnist_bench.budget(scale, 0.1)
         assert mnist_bench.unet_budget(b) == b["velocity"] + b["nsf"]
+    assert mnist_bench.unet_budget(mnist_bench.budget("cpu")) == 3200  # where NSGF++'s velocity network learns
+    assert mnist_bench.unet_budget(mnist_bench.budget("cpu-short")) == 500  # the table until 2026-11-28
     gpu = mnist_bench.budget("gpu", 0.1)  # the paper's iterations, scaled
     assert (gpu["velocity"], gpu["nsf"], gpu["time"]) == (5000, 10000, 4000)
     for total in (3, 6, 13, 26, 60):
@@ -726,7 +728,9 @@ def test_mnist_budget_gives_every_method_the_same_unet_steps(mnist_bench):
     assert mnist_bench.split_candidates(13) == [3, 6, 11]
     # the CPU scale's validation-chosen NSGF++ recipe reaches NSGF++'s run only (command-line overrides come after it)
     cpu = mnist_bench.budget("cpu")
-    assert mnist_bench.nsgfpp_overrides(cpu)[-3:] == ["sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001"]
+    for scale in ("cpu", "cpu-short"):
+        assert mnist_bench.nsgfpp_overrides(mnist_bench.budget(scale))[-3:] == [
+            "sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001"]
     assert not any(o.startswith(("sinkhorn.", "nsgf.")) for o in mnist_bench.common_overrides(cpu, Path("data"), 0, "cpu"))
     assert not {"nsgf.nsf_t_min=0.5", "train.time.lr=0.001"} & set(mnist_bench.nsgfpp_overrides(mnist_bench.budget("gpu", 0.1)))
 
