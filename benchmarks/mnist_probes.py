@@ -128,13 +128,10 @@ def main(argv=None) -> None:
     print(f"\nwrote {path}")
 
 
-def final_pool_entries(run, n: int):
-    """(x, v) of the first ``n`` stored pool entries at the pool's last step (one a trajectory)."""
-    from sinkflow.methods.pool import TrajectoryPool
-
-    pool = TrajectoryPool(run.dir / "pool", storage="disk")
+def pool_entries(pool, t: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, v) of the first ``n`` entries the pool stores at flow time ``t`` (one a trajectory, in file order)."""
     t_all = np.asarray(pool.t).reshape(-1)
-    x, _, v = pool.sample(torch.from_numpy(np.flatnonzero(np.isclose(t_all, t_all.max()))[:n]))
+    x, _, v = pool.sample(torch.from_numpy(np.flatnonzero(np.isclose(t_all, t))[:n]))
     return x, v
 
 
@@ -148,19 +145,22 @@ def pool_grid(cfg: dict) -> tuple[list[float], list[float]]:
 @torch.no_grad()
 def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float]) -> dict:
     """FD-CNN of the pool's final NSGF states and of the velocity network's (integrated on the pool's grid from
-    fresh source points: a network trained long on a small pool has memorised the pool's own), each alone and through the NSF (``nsf_steps`` Euler steps) from the predictor's t̂
-    and from each fixed time: ``n`` trajectories, against the held-out digits of ``split``."""
+    fresh source points: a network trained long on a small pool has memorised the pool's own), each alone and
+    through the NSF (``nsf_steps`` Euler steps) from the predictor's t̂ and from each fixed time: ``n`` of each,
+    against the held-out digits of ``split``."""
     from sinkflow import data
     from sinkflow.eval import fd_cnn
     from sinkflow.eval.images import fd_cnn_reference
+    from sinkflow.methods.nsgf import flow_times
     from sinkflow.methods.ode import euler
+    from sinkflow.methods.pool import TrajectoryPool
 
-    _, target = data.distributions(run.cfg)
+    source, target = data.distributions(run.cfg)
     held_out = target.val_set() if split == "val" else target.test_set(len(target.test_images))
     ref = fd_cnn_reference(target, run.cfg["data"]["root"], held_out, n, split == "val")
     times, steps = pool_grid(run.cfg)
-    x, v = final_pool_entries(run, n)
-    source = data.distributions(run.cfg)[0]
+    pool = TrajectoryPool(run.dir / "pool", storage="disk")
+    x, v = pool_entries(pool, float(flow_times(run.cfg["pool"])[-2]), n)  # the last stored step
     net = run.model("velocity")
     mine = source.sample(n, torch.Generator().manual_seed(2**31 - 2), "cpu")  # fresh: the pool's own x0 are memorised
     for t, h in zip(times[:-1], steps):
@@ -182,17 +182,17 @@ def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float
 @torch.no_grad()
 def velocity_fit(run, n: int) -> dict:
     """The velocity network's MSE per pool step over the target's variance at that step: on ``n`` trajectories of
-    its own pool, and on ``n`` fresh ones (new source and target draws through the pool's simulator, their own Sinkhorn diameter)."""
+    its own pool, and on ``n`` fresh ones (new source and target draws through the pool's simulator, with their own
+    Sinkhorn diameter)."""
     from sinkflow import data
-    from sinkflow.methods.nsgf import PoolGrid, make_simulator
+    from sinkflow.methods.nsgf import PoolGrid, flow_times, make_simulator
     from sinkflow.methods.pool import TrajectoryPool
 
     cfg = run.cfg
     grid = PoolGrid.from_config(cfg)
     net = run.model("velocity")
     pool = TrajectoryPool(run.dir / "pool", storage="disk")
-    t_all = np.asarray(pool.t).reshape(-1)
-    own = [pool.sample(torch.from_numpy(np.flatnonzero(np.isclose(t_all, t))[:n])) for t in grid.times[:-1].tolist()]
+    own = [pool_entries(pool, t, n) for t in flow_times(cfg["pool"])[:-1].tolist()]  # the pool stores flow times
     source, target = data.distributions(cfg)
     gen = torch.Generator().manual_seed(2**31 - 1)  # not a pool batch's generator
     xs, vs, _ = make_simulator(cfg, None)(source.sample(n, gen, "cpu"), target.sample(n, gen, "cpu"))
@@ -205,7 +205,7 @@ def velocity_fit(run, n: int) -> dict:
             out.append(float(err / (goal - goal.mean(0)).pow(2).mean()))
         return out
 
-    return {"n": n, "train": shares([(x, v) for x, _, v in own]), "fresh": shares(zip(xs, vs))}
+    return {"n": n, "train": shares(own), "fresh": shares(zip(xs, vs))}
 
 
 if __name__ == "__main__":
