@@ -57,13 +57,16 @@ SCALES = {
     # pool's flow (RESULTS.md "NSGF++ on real MNIST at 3,200 UNet steps"): its states score FD-CNN 148 through the
     # NSF where the pool's own score 33, so that table measures an untrained network, not the method. NSGF++'s
     # split of the 3,200 steps was chosen by FD-CNN on the validation digits (2000 + 1200, 1600 + 1600,
-    # 1100 + 2100); its Sinkhorn blur and NSF time range by the 500-step probes (issue 24, re-checked there with a
-    # learning predictor 2026-11-28); the mnist preset's values (the paper's App. E.2 where it gives them) are
-    # 1/3 + 2/3 of the steps, blur 1.0 and nsf_t_min 0. The time predictor's lr is 10x the preset's: at the
-    # preset's 1e-4, 200 steps leave it unlearned (MSE 53-86 % of a constant guess's, t_hat ~0.55 for every state;
-    # RESULTS.md "NSGF++'s time predictor on real MNIST"), at 1e-3 it learns (2-3 %) as the preset's 40k steps do.
+    # 1100 + 2100), and so was training the velocity network on its Euler segments only (nsgf.segment 1.0, not 0.5:
+    # the sampler's k > 5 NSGF steps run between the pool's grid points); its Sinkhorn blur and NSF time range by the
+    # 500-step probes (issue 24, re-checked there with a learning predictor 2026-11-28); the mnist preset's values
+    # (the paper's App. E.2 where it gives them) are 1/3 + 2/3 of the steps, blur 1.0 and nsf_t_min 0. The time
+    # predictor's lr is 10x the preset's: at the preset's 1e-4, 200 steps leave it unlearned (MSE 53-86 % of a
+    # constant guess's, t_hat ~0.55 for every state; RESULTS.md "NSGF++'s time predictor on real MNIST"), at 1e-3
+    # it learns (2-3 %) as the preset's 40k steps do.
     "cpu": {"channels": 8, "velocity": 1600, "nsf": 1600, "time": 200, "pool": 6, "batch": 32, "n": 200,
-            "val_n": 100, "nsgfpp": ("sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001")},
+            "val_n": 100, "nsgfpp": ("sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001",
+                                     "nsgf.segment=1.0")},
     # The CPU table until 2026-11-28: 500 UNet steps (300 velocity + 200 NSF), about 23 minutes with --workers 2.
     "cpu-short": {"channels": 8, "velocity": 300, "nsf": 200, "time": 200, "pool": 6, "batch": 32, "n": 200,
                   "val_n": 100, "nsgfpp": ("sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001")},

@@ -728,9 +728,9 @@ def test_mnist_budget_gives_every_method_the_same_unet_steps(mnist_bench):
     assert mnist_bench.split_candidates(13) == [3, 6, 11]
     # the CPU scale's validation-chosen NSGF++ recipe reaches NSGF++'s run only (command-line overrides come after it)
     cpu = mnist_bench.budget("cpu")
-    for scale in ("cpu", "cpu-short"):
-        assert mnist_bench.nsgfpp_overrides(mnist_bench.budget(scale))[-3:] == [
-            "sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001"]
+    recipe = ["sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001"]
+    assert mnist_bench.nsgfpp_overrides(mnist_bench.budget("cpu-short"))[-3:] == recipe
+    assert mnist_bench.nsgfpp_overrides(cpu)[-4:] == [*recipe, "nsgf.segment=1.0"]  # after the scales' shared 0.5
     assert not any(o.startswith(("sinkhorn.", "nsgf.")) for o in mnist_bench.common_overrides(cpu, Path("data"), 0, "cpu"))
     assert not {"nsgf.nsf_t_min=0.5", "train.time.lr=0.001"} & set(mnist_bench.nsgfpp_overrides(mnist_bench.budget("gpu", 0.1)))
 
