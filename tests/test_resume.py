@@ -193,8 +193,6 @@ def test_a_stop_inside_a_pool_chunk_leaves_it_and_a_second_signal_is_one_line(tm
     """A SIGTERM during a long pool chunk waited for the whole chunk (a preempted job has seconds): the chunk's
     next group of batches is not started, the chunk stays unrecorded and the resume rebuilds it; a second signal
     ("now") printed a 70-line KeyboardInterrupt traceback, and is one line now."""
-    import pytest  # noqa: F401
-
     import sinkflow.methods.pool as pool
     from sinkflow.cli import main
 

@@ -114,7 +114,8 @@ class TimeStep(InterpolantStep):
         """A predictor that has not learned returns about the same t_hat for every state, so the NSF starts all
         samples at one time whatever the NSGF part did: silent, and it moves FD by tens (RESULTS.md). Its MSE on
         a fresh draw of the same interpolants is recorded (``t_mse``, ``t_mse_constant``) and, for data of at least
-        IDENTIFIABLE_DIMS dimensions, a warning names the fix when it is above LEARNED_FRACTION of a constant guess's."""
+        IDENTIFIABLE_DIMS dimensions, a warning names the fix when it is above LEARNED_FRACTION of a constant
+        guess's."""
         model = trainer.ema.module if trainer.ema is not None else trainer.model
         was = model.training
         model.eval()
@@ -125,9 +126,9 @@ class TimeStep(InterpolantStep):
         trainer.run.logger.log(self.name, trainer.step, {"t_mse": mse, "t_mse_constant": constant, "final": True})
         identifiable = batch[0][0].numel() >= IDENTIFIABLE_DIMS
         if identifiable and mse > LEARNED_FRACTION * constant and dist.current().is_main:
-            learning.warning("time: the phase-transition predictor has not learned (MSE %.4f on fresh interpolants, %.0f%% "
-                        "of a constant guess's %.4f): t_hat will be about the same for every state; raise "
-                        "train.time.lr or train.time.iters", mse, 100 * mse / constant, constant)
+            learning.warning("time: the phase-transition predictor has not learned (MSE %.4f on fresh interpolants, "
+                             "%.0f%% of a constant guess's %.4f): t_hat will be about the same for every state; raise "
+                             "train.time.lr or train.time.iters", mse, 100 * mse / constant, constant)
 
 
 @torch.no_grad()
