@@ -11,10 +11,12 @@ folder above this checkout) is linked into ``<out>/data`` when ``--data-root`` i
 Budget: every method trains the same UNet config with the same batch, lr, warm-up, cosine schedule and EMA.
 NSGF++ trains the velocity UNet for V steps and the NSF UNet for N steps (plus its pool and a small
 time-predictor CNN, not UNet steps); FM and OT-CFM train one UNet for V + N steps (``unet_budget``).
-Sampling: FM / OT-CFM with uniform Euler at each NFE of --nfe and 100; NSGF++ at each total NFE as k NSGF steps
-+ 1 predictor call + (total - 1 - k) NSF steps, k chosen per budget by FD-CNN on a validation split carved from
-the TRAINING digits (data.val_fraction; every method trains without them), never the test digits
-(``choose_split``). Score: FD-CNN (sinkflow.eval.fd_cnn: Fréchet distance in the features of a small CNN trained
+Sampling: NSGF++ at each total NFE as k NSGF steps + 1 predictor call + (total - 1 - k) NSF steps from t̂ + s
+(``sample.t_shift``; s = 0 is the paper's t̂); FM / OT-CFM with Euler at each NFE of --nfe and 100 on a grid
+t_i = 1 - (1 - i/N)^w (``sample.time_warp``; w = 1 uniform, the paper's). Each method's knob is chosen per budget by
+FD-CNN on a validation split carved from the TRAINING digits (data.val_fraction; every method trains without them),
+never the test digits (``choose_sampler``, ``choose_warp``); the table has each method with its chosen sampler and
+with the paper's (NSGF++: k chosen, t̂ unshifted; baselines: uniform Euler). Score: FD-CNN (sinkflow.eval.fd_cnn: Fréchet distance in the features of a small CNN trained
 on the training split; not Inception FID) of --n generated digits against all held-out test digits, with its
 floor (--n real training digits against the same test digits); pixel W2, class-histogram TV and confidence
 beside it. Every method is trained per training seed; the table is mean ± std over training seeds.
@@ -35,6 +37,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +52,18 @@ from sinkflow.runtime.run_folder import RunFolder
 
 BASELINES = ("otcfm", "fm")
 LABEL = {"nsgfpp": "NSGF++", "otcfm": "OT-CFM", "fm": "FM"}
+# sample.t_shift values NSGF++'s sampler tries on validation beside k: 0 is the paper's t̂; the velocity network at
+# 3,200 steps leaves states its predictor places late (validation, every seed and NFE: RESULTS.md "Where the
+# straight flow starts")
+T_SHIFTS = (0.0, -0.1, -0.2, -0.3)
+# sample.time_warp values a baseline's Euler grid tries on validation (1: uniform, the paper's; < 1: short early steps
+# and a long last one, the shape NSGF++'s sampler has; the digits benchmark's candidates, docs/nsgfpp.md)
+WARPS = (0.35, 0.5, 0.75, 1.0)
+PAPER_SAMPLER = {"NSGF++": "NSGF++ (t̂ as predicted)"}  # NSGF++'s k still chosen, its t̂ unshifted
+ROWS = ("NSGF++", "NSGF++ (t̂ as predicted)", "OT-CFM (warped)", "OT-CFM", "FM (warped)", "FM")
+# (ours, theirs, what): every sampler chosen on validation, and the paper's samplers
+VERDICTS = (("NSGF++", "OT-CFM (warped)", "samplers chosen on validation"),
+            ("NSGF++ (t̂ as predicted)", "OT-CFM", "the paper's samplers (NSGF++'s k chosen)"))
 PAPER = {"velocity": 50000, "nsf": 100000, "time": 40000, "pool": 1500}  # mnist preset (paper App. E.2)
 SCALES = {
     # CPU: a small UNet (8 ch, 28-14-7, attention only in the middle block) and 3,200 UNet steps per method and
@@ -181,9 +196,49 @@ def split_candidates(total: int) -> list[int]:
     return sorted({min(total - 2, max(1, round(total * f))) for f in (0.25, 0.5)} | {total - 2})
 
 
-def choose_split(val_fd: dict) -> int:
-    """The k with the lowest validation FD-CNN (ties to fewer NSGF steps)."""
-    return min(val_fd, key=lambda k: (val_fd[k], k))
+# Samplers are named by tags in scores.json keys ("val NSGF++ 13 k11 t-0.2", "test OT-CFM 13 w0.5"):
+# NSGF++ ``k<k>[ t<shift>]`` (k NSGF steps, sample.t_shift; no t: the paper's t̂), a baseline ``w<warp>``
+# (sample.time_warp of its Euler grid). A baseline's untagged test key is its uniform grid.
+def sampler_tag(k: int, shift: float = 0.0) -> str:
+    """An NSGF++ sampler's tag: ``k6`` (6 NSGF steps, the paper's t̂), ``k6 t-0.2`` (t̂ - 0.2)."""
+    return f"k{k}" if shift == 0 else f"k{k} t{shift:+g}"
+
+
+def parse_sampler(tag: str) -> tuple[int, float]:
+    """(k, t̂ shift) of a ``sampler_tag``."""
+    k, *shift = tag.split(" ")
+    return int(k[1:]), float(shift[0][1:]) if shift else 0.0
+
+
+def choose_sampler(val_fd: dict[str, float]) -> str:
+    """The NSGF++ tag with the lowest validation FD-CNN (ties to fewer NSGF steps, then to the smaller shift)."""
+    return min(val_fd, key=lambda tag: (val_fd[tag], parse_sampler(tag)[0], abs(parse_sampler(tag)[1])))
+
+
+def choose_warp(val_fd: dict[str, float]) -> str:
+    """The baseline's ``w<warp>`` tag with the lowest validation FD-CNN (ties to the grid nearer uniform)."""
+    return min(val_fd, key=lambda tag: (val_fd[tag], abs(float(tag[1:]) - 1)))
+
+
+@contextmanager
+def sampling(run, **keys):
+    """``run`` samples with these ``sample.*`` values inside the block; its config is restored after."""
+    s = run.cfg["sample"]
+    saved = {k: s[k] for k in keys if k in s}
+    s.update(keys)
+    try:
+        yield
+    finally:
+        for k in keys:
+            if k in saved:
+                s[k] = saved[k]
+            else:
+                s.pop(k)
+
+
+def samples_path(folder: Path, method: str, total: int, tag: str | None = None) -> Path:
+    """Where a method's 64 grid samples at ``total`` NFE are kept, per sampler tag (a new choice, a new file)."""
+    return folder / f"samples-{method}-{total}{'-' + tag.replace(' ', '') if tag else ''}.npy"
 
 
 class Scores:
@@ -227,55 +282,108 @@ def log(msg: str) -> None:
 
 def bench_seed(out: Path, seed: int, b: dict, data_root: Path, nfe: list[int], device: str,
                which: tuple = ("nsgfpp", *BASELINES), extra: tuple = (), every: tuple = ()) -> dict:
-    """One training seed: NSGF++ (split per budget chosen on validation), OT-CFM and FM, scored on the test
-    digits. Resumable: scores.json and the run folders are reused."""
+    """One training seed: each method trained, its samplers scored on the validation digits, the chosen ones (and
+    each paper sampler) on the test digits. Resumable: scores.json and the run folders are reused. Returns the
+    seed's result as ``from_scores`` reads it."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     os.environ.setdefault("SINKFLOW_PROGRESS", "0")
-    out = out / f"seed{seed}"
-    out.mkdir(parents=True, exist_ok=True)
-    sc = Scores(out / "scores.json")
+    folder = out / f"seed{seed}"
+    folder.mkdir(parents=True, exist_ok=True)
+    sc = Scores(folder / "scores.json")
     common = [*common_overrides(b, data_root, seed, device), *every]  # --every: one factor changed for all
-    res = {"scores": {}, "split": {}, "val": {}, "wall": {}}
     if "nsgfpp" in which:
-        nsgfpp_seed(out, seed, b, nfe, sc, common, res, extra)
+        nsgfpp_seed(folder, seed, b, nfe, sc, common, extra)
     for method in [m for m in BASELINES if m in which]:
-        label = LABEL[method]
-        log(f"seed {seed}: {label} training")
-        keys = [a for a in common if "=" in a]  # a baseline gets only the overrides it reads (no pool, nsf, time)
-        base = [a for a in common if "=" not in a] + config.read_overrides("mnist", method, keys)
-        run, wall = train(out, method, [*base, "--method", method, f"train.velocity.iters={unet_budget(b)}"])
-        res["wall"][label] = sc.get(f"wall {label}", lambda: wall)
-        res["scores"][label] = {}
-        for steps in [*nfe, 100]:
-            res["scores"][label][steps] = sc.get(f"test {label} {steps}", lambda: score(run, steps, b["n"]))
-            save_samples(run, steps, out / f"samples-{method}-{steps}.npy")
-            log(f"seed {seed}: {label} NFE {steps}: {res['scores'][label][steps]}")
-    return res
+        baseline_seed(folder, seed, method, b, nfe, sc, common)
+    return from_scores(out, seed, nfe)
 
 
-def nsgfpp_seed(out: Path, seed: int, b: dict, nfe: list[int], sc: Scores, common: list[str], res: dict,
+def nsgfpp_seed(out: Path, seed: int, b: dict, nfe: list[int], sc: Scores, common: list[str],
                 extra: tuple = ()) -> None:
-    """NSGF++ of one training seed: trained (``extra`` overrides last), its split per budget chosen on the
-    validation digits, then scored once on the test digits with that split."""
+    """NSGF++ of one training seed: trained (``extra`` overrides last); per budget every sampler (k NSGF steps x
+    t̂ shift) scored on the validation digits, then the test digits scored once for validation's choice, and
+    once for its choice among the paper's unshifted t̂ (the same sampler when validation chose shift 0)."""
     log(f"seed {seed}: NSGF++ training")
     run, wall = train(out, "nsgfpp", [*common, *nsgfpp_overrides(b), *extra])
-    res["wall"]["NSGF++"] = sc.get("wall NSGF++", lambda: wall)
-    preset_k = run.cfg["sample"]["nsgf_steps"]
-    res["scores"]["NSGF++"] = {}
+    sc.get("wall NSGF++", lambda: wall)
     for total in nfe:
         val = {}
-        for k in split_candidates(total):
-            def val_fd(k=k):
-                run.cfg["sample"]["nsgf_steps"] = k
-                return score(run, total - 1 - k, b["val_n"], split="val")["fd_cnn"]
-            val[k] = sc.get(f"val NSGF++ {total} k{k}", val_fd)
-        k = choose_split(val)
-        res["split"][total], res["val"][total] = k, val
-        run.cfg["sample"]["nsgf_steps"] = k
-        res["scores"]["NSGF++"][total] = sc.get(f"test NSGF++ {total}", lambda: score(run, total - 1 - k, b["n"]))
-        save_samples(run, total - 1 - k, out / f"samples-nsgfpp-{total}.npy")
-        log(f"seed {seed}: NSGF++ NFE {total}: k={k} (val FD {val}) test {res['scores']['NSGF++'][total]}")
-    run.cfg["sample"]["nsgf_steps"] = preset_k
+        for tag in (sampler_tag(k, s) for k in split_candidates(total) for s in T_SHIFTS):
+            k, shift = parse_sampler(tag)
+            with sampling(run, nsgf_steps=k, t_shift=shift):
+                val[tag] = sc.get(f"val NSGF++ {total} {tag}",
+                                  lambda: score(run, total - 1 - k, b["val_n"], split="val")["fd_cnn"])
+        paper = choose_sampler({t: v for t, v in val.items() if parse_sampler(t)[1] == 0})
+        for tag in dict.fromkeys((choose_sampler(val), paper)):
+            k, shift = parse_sampler(tag)
+            with sampling(run, nsgf_steps=k, t_shift=shift):
+                got = sc.get(f"test NSGF++ {total} {tag}", lambda: score(run, total - 1 - k, b["n"]))
+                save_samples(run, total - 1 - k, samples_path(out, "nsgfpp", total, tag))
+            log(f"seed {seed}: NSGF++ NFE {total} {tag}: test {got}")
+
+
+def baseline_seed(out: Path, seed: int, method: str, b: dict, nfe: list[int], sc: Scores, common: list[str]) -> None:
+    """A baseline of one training seed: trained for NSGF++'s UNet steps, its uniform Euler grid scored on the test
+    digits at each budget (and 100), and its grid's ``sample.time_warp`` chosen on the validation digits (the same
+    rule as NSGF++'s sampler) and scored there too."""
+    label = LABEL[method]
+    log(f"seed {seed}: {label} training")
+    keys = [a for a in common if "=" in a]  # a baseline gets only the overrides it reads (no pool, nsf, time)
+    base = [a for a in common if "=" not in a] + config.read_overrides("mnist", method, keys)
+    run, wall = train(out, method, [*base, "--method", method, f"train.velocity.iters={unet_budget(b)}"])
+    sc.get(f"wall {label}", lambda: wall)
+    for steps in [*nfe, 100]:
+        got = sc.get(f"test {label} {steps}", lambda: score(run, steps, b["n"]))
+        save_samples(run, steps, samples_path(out, method, steps))
+        val = {}
+        for warp in WARPS:
+            with sampling(run, time_warp=warp):
+                val[f"w{warp:g}"] = sc.get(f"val {label} {steps} w{warp:g}",
+                                           lambda: score(run, steps, b["val_n"], split="val")["fd_cnn"])
+        tag = choose_warp(val)
+        with sampling(run, time_warp=float(tag[1:])):
+            warped = sc.get(f"test {label} {steps} {tag}", lambda: score(run, steps, b["n"]))
+            save_samples(run, steps, samples_path(out, method, steps, tag))
+        log(f"seed {seed}: {label} NFE {steps}: uniform {got['fd_cnn']:.2f}, {tag} {warped['fd_cnn']:.2f}")
+
+
+def from_scores(out: Path, seed: int, nfe: list[int]) -> dict:
+    """A training seed's result rebuilt from its scores.json alone (whatever is finished): ``scores[label][nfe]``
+    and ``sampler[label][nfe]`` (the tag) for NSGF++ (k and t̂ shift chosen on validation), ``NSGF++ (t̂ as
+    predicted)`` (k chosen, the paper's t̂), each baseline's uniform grid, and ``<baseline> (warped)`` (its grid's
+    warp chosen on validation). A cell exists once the test score of validation's choice does."""
+    path = out / f"seed{seed}" / "scores.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    val, tests, wall = {}, {}, {}
+    for key, v in data.items():
+        kind, label, *rest = key.split(" ", 3)
+        if kind == "wall":
+            wall[label] = v
+        elif kind in ("val", "test") and rest:
+            if kind == "test" and label == "NSGF++" and len(rest) == 1:
+                continue  # untagged: its k was chosen before the t̂ shift existed; the tagged key replaces it
+            where = val if kind == "val" else tests
+            where.setdefault(label, {}).setdefault(int(rest[0]), {})[rest[1] if len(rest) > 1 else ""] = v
+    res = {"scores": {}, "sampler": {}, "val": val, "wall": wall}
+
+    def put(label: str, total: int, tag: str, have: dict) -> None:
+        if tag in have:
+            res["scores"].setdefault(label, {})[total] = have[tag]
+            if tag:
+                res["sampler"].setdefault(label, {})[total] = tag
+
+    for total, cands in val.get("NSGF++", {}).items():
+        have = tests.get("NSGF++", {}).get(total, {})
+        put("NSGF++", total, choose_sampler(cands), have)
+        paper = {t: v for t, v in cands.items() if parse_sampler(t)[1] == 0}
+        if paper:
+            put(PAPER_SAMPLER["NSGF++"], total, choose_sampler(paper), have)
+    for label in (LABEL[m] for m in BASELINES):
+        for total, have in tests.get(label, {}).items():
+            put(label, total, "", have)
+            if val.get(label, {}).get(total):
+                put(f"{label} (warped)", total, choose_warp(val[label][total]), have)
+    return res
 
 
 def plain(obj):
@@ -296,17 +404,17 @@ def cells(per_seed: list[dict], label: str, total: int, metric: str) -> list[flo
 
 
 def table(per_seed: list[dict], nfe: list[int]) -> str:
-    lines = ["| method | NFE | FD-CNN ↓ | pixel W2 ↓ | class TV ↓ | confidence ↑ | NSGF steps k (per seed) |",
+    lines = ["| method | NFE | FD-CNN ↓ | pixel W2 ↓ | class TV ↓ | confidence ↑ | sampler chosen on validation (per seed) |",
              "|---|---|---|---|---|---|---|"]
     for total in [*nfe, 100]:
-        for label in ("NSGF++", "OT-CFM", "FM"):
+        for label in ROWS:
             got = {m: cells(per_seed, label, total, m) for m in ("fd_cnn", "w2", "tv", "conf")}
             if not got["fd_cnn"]:
                 continue
             name = label if len(got["fd_cnn"]) == len(per_seed) else f"{label} ({len(got['fd_cnn'])} seeds)"
-            ks = "/".join(str(r["split"][total]) for r in per_seed if total in r["split"]) if label == "NSGF++" else ""
+            tags = " / ".join(r["sampler"][label][total] for r in per_seed if total in r["sampler"].get(label, {}))
             lines.append(f"| {name} | {total} | {ms(got['fd_cnn'], '.2f')} | {ms(got['w2'], '.3f')} | "
-                         f"{ms(got['tv'], '.3f')} | {ms(got['conf'], '.3f')} | {ks} |")
+                         f"{ms(got['tv'], '.3f')} | {ms(got['conf'], '.3f')} | {tags} |")
     any_score = next(v for r in per_seed for m in r["scores"].values() for v in m.values())
     lines.append(f"| real training digits (FD floor, same n) | - | {any_score['floor']:.2f} | | | "
                  f"{any_score['real_conf']:.3f} (held-out digits) | |")
@@ -314,52 +422,37 @@ def table(per_seed: list[dict], nfe: list[int]) -> str:
 
 
 def per_seed_rows(per_seed: list[dict], seeds: list[int], nfe: list[int]) -> str:
-    lines = ["| NFE | " + " | ".join(f"seed {s}: NSGF++ / OT-CFM / FM" for s in seeds) + " |",
-             "|---|" + "---|" * len(seeds)]
+    lines = ["| NFE | method | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|---|" + "---|" * len(seeds)]
     for total in nfe:
-        row = [" / ".join(f"{r['scores'][lb][total]['fd_cnn']:.2f}" if total in r["scores"].get(lb, {}) else "-"
-                          for lb in ("NSGF++", "OT-CFM", "FM")) for r in per_seed]
-        lines.append(f"| {total} | " + " | ".join(row) + " |")
+        for label in ROWS:
+            row = [f"{r['scores'][label][total]['fd_cnn']:.2f}" if total in r["scores"].get(label, {}) else "-"
+                   for r in per_seed]
+            if any(c != "-" for c in row):
+                lines.append(f"| {total} | {label} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
 def verdict(per_seed: list[dict], nfe: list[int]) -> list[str]:
-    """The issue's targets on means over training seeds: NSGF++ FD-CNN below OT-CFM's at each NFE < 60,
-    and at 60 within 10% of OT-CFM at 100."""
+    """Issue 24's targets on means over training seeds, for each pair in ``VERDICTS``: NSGF++'s FD-CNN below
+    the baseline's at each NFE < 60, and at 60 within 10% of the baseline at 100."""
     lines = []
-    for total in nfe:
-        a, o = cells(per_seed, "NSGF++", total, "fd_cnn"), cells(per_seed, "OT-CFM", 100 if total == 60 else total, "fd_cnn")
-        if not a or not o or total > 60:
-            continue
-        a, o = statistics.fmean(a), statistics.fmean(o)
-        if total < 60:
-            lines.append(f"NFE {total}: NSGF++ {a:.2f} vs OT-CFM {o:.2f}: {'MET' if a < o else 'MISSED'}")
-        else:
-            lines.append(f"NFE 60 vs OT-CFM at 100: {a:.2f} vs {o:.2f} (ratio {a / o:.3f}): "
-                         f"{'MET' if a <= 1.1 * o else 'MISSED'} (target: within 10%)")
+    for ours, theirs, what in VERDICTS:
+        for total in nfe:
+            a, o = cells(per_seed, ours, total, "fd_cnn"), cells(per_seed, theirs, 100 if total == 60 else total, "fd_cnn")
+            if not a or not o or total > 60:
+                continue
+            a, o = statistics.fmean(a), statistics.fmean(o)
+            if total < 60:
+                lines.append(f"{what}, NFE {total}: {ours} {a:.2f} vs {theirs} {o:.2f}: {'MET' if a < o else 'MISSED'}")
+            else:
+                lines.append(f"{what}, NFE 60 vs {theirs} at 100: {a:.2f} vs {o:.2f} (ratio {a / o:.3f}): "
+                             f"{'MET' if a <= 1.1 * o else 'MISSED'} (target: within 10%)")
     return lines
 
 
-def from_scores(out: Path, seed: int, nfe: list[int]) -> dict:
-    """A training seed's result rebuilt from its scores.json alone (``--report-only``: whatever is finished)."""
-    path = out / f"seed{seed}" / "scores.json"
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    res = {"scores": {lb: {} for lb in LABEL.values()}, "split": {}, "val": {}, "wall": {}}
-    for key, v in data.items():
-        kind, *rest = key.split(" ")
-        if kind == "test":
-            res["scores"][rest[0]][int(rest[1])] = v
-        elif kind == "val":
-            res["val"].setdefault(int(rest[1]), {})[int(rest[2][1:])] = v
-        elif kind == "wall":
-            res["wall"][rest[0]] = v
-    for total in res["scores"]["NSGF++"]:
-        res["split"][total] = choose_split(res["val"][total])
-    return res
-
-
-def grids(out: Path, seed: int, nfe: list[int]) -> Path:
-    """One PNG: a row per method, a column per NFE, each cell 64 samples of training seed ``seed``."""
+def grids(out: Path, seed: int, nfe: list[int], res: dict) -> Path:
+    """One PNG: a row per method, a column per NFE, each cell 64 samples of training seed ``seed`` with the sampler
+    validation chose for it there (``res``: the seed's ``from_scores``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -368,22 +461,24 @@ def grids(out: Path, seed: int, nfe: list[int]) -> Path:
 
     cols = [*nfe, 100]
     fig, axes = plt.subplots(3, len(cols), figsize=(2.2 * len(cols), 7), squeeze=False)
-    for r, method in enumerate(("nsgfpp", *BASELINES)):
+    for r, (method, label) in enumerate((("nsgfpp", "NSGF++"), *((m, f"{LABEL[m]} (warped)") for m in BASELINES))):
         for c, n in enumerate(cols):
             ax = axes[r][c]
             ax.set_xticks([])
             ax.set_yticks([])
-            f = out / f"seed{seed}" / f"samples-{method}-{n}.npy"
-            if f.is_file():
+            tag = res["sampler"].get(label, {}).get(n)
+            f = samples_path(out / f"seed{seed}", method, n, tag)
+            if tag and f.is_file():
                 x = torch.from_numpy(np.load(f, allow_pickle=False)).float() / 255
                 ax.imshow(make_grid(x, nrow=8, padding=1, pad_value=1.0)[0].numpy(), cmap="gray", vmin=0, vmax=1)
+                ax.set_xlabel(tag, fontsize=8)
             else:
                 ax.axis("off")
             if r == 0 or (n == 100 and r == 1):
                 ax.set_title(f"NFE {n}", fontsize=10)
             if c == 0:
                 ax.set_ylabel(LABEL[method], fontsize=11)
-    fig.suptitle(f"MNIST samples (training seed {seed}); NSGF++ at each budget with its validation-chosen split")
+    fig.suptitle(f"MNIST samples (training seed {seed}); each method at each budget with its validation-chosen sampler")
     fig.tight_layout()
     path = out / "grids.png"
     fig.savefig(path, dpi=100)
@@ -457,7 +552,8 @@ def main(argv=None) -> None:
         for j in jobs:
             bench_seed(*j)
     per_seed = [from_scores(out, s, nfe) for s in args.train_seeds]  # every method's scores, whoever made them
-    png = grids(out, args.grid_seed if args.grid_seed is not None else args.train_seeds[0], nfe)
+    grid_seed = args.grid_seed if args.grid_seed is not None else args.train_seeds[0]
+    png = grids(out, grid_seed, nfe, from_scores(out, grid_seed, nfe))
     split = json.loads((out / f"seed{args.train_seeds[0]}" / "nsgfpp" / "data_split.json").read_text())
     head = [f"Command: `python benchmarks/mnist.py {' '.join(sys.argv[1:] if argv is None else argv)}`; machine "
             f"{platform.node()} ({os.cpu_count()} cores, {args.device}), torch {torch.__version__}; "
@@ -470,7 +566,7 @@ def main(argv=None) -> None:
             + (f"; every method: {' '.join(args.every)}." if args.every else "."),
             f"Data: {split['layout']} layout, {split['n_train']} train ({split['n_val']} of them validation) / "
             f"{split['n_test']} test digits; FD-CNN of {b['n']} generated digits vs all {split['n_test']} test digits "
-            f"(NSGF++'s k chosen on {b['val_n']} generated vs the {split['n_val']} validation digits).", ""]
+            f"(samplers chosen on {b['val_n']} generated vs the {split['n_val']} validation digits).", ""]
     text = "\n".join([*head, table(per_seed, nfe), "", "FD-CNN per training seed:", "",
                       per_seed_rows(per_seed, args.train_seeds, nfe), "", *verdict(per_seed, nfe)])
     partial = args.report_only or set(args.methods) != {"nsgfpp", *BASELINES}

@@ -2,13 +2,14 @@
 
     OMP_NUM_THREADS=1 python benchmarks/mnist_probes.py --out runs/bench-mnist --seed 0 --nfe 13
 
-Each probe re-scores the seed's NSGF++ model at one total NFE with the split (k NSGF steps) the benchmark chose on
-validation, on the same test digits and sample count as the table, changing one thing:
+Each probe re-scores the seed's NSGF++ model at one total NFE with the sampler the benchmark chose on validation
+(k NSGF steps; the NSF from t̂ = the predictor's output + the chosen ``sample.t_shift``), on the same test digits
+and sample count as the table, changing one thing:
 
 * ``as benchmarked``: nothing (must reproduce the table's cell);
-* ``t̂ = batch mean``: the time predictor's per-sample t̂ replaced by its mean over the batch (is the per-sample
-  prediction worth anything?);
-* ``t̂ − 0.15`` / ``t̂ + 0.15``: the NSF starts earlier / later than predicted (is the predictor biased? clamped
+* ``t̂ = batch mean``: the per-sample t̂ replaced by its mean over the batch (is the per-sample prediction worth
+  anything?);
+* ``t̂ − 0.15`` / ``t̂ + 0.15``: the NSF starts earlier / later than benchmarked (is the start biased? clamped
   to the NSF's trained range [nsgf.nsf_t_min, 1]);
 * ``t̂ = T`` for each ``--fixed T``: every sample's NSF starts at T (how much of a seed's score is where its
   predictor happened to put the states, and where the best start is);
@@ -82,39 +83,43 @@ def main(argv=None) -> None:
     m = bench()
     out = Path(args.out)
     res = json.loads((out / f"seed{args.seed}" / "scores.json").read_text())
-    val = {int(k.rsplit(" k", 1)[1]): v for k, v in res.items() if k.startswith(f"val NSGF++ {args.nfe} k")}
+    val = {key.split(" ", 3)[3]: v for key, v in res.items() if key.startswith(f"val NSGF++ {args.nfe} k")}
     if not val:
         sys.exit(f"no validation scores for NSGF++ at {args.nfe} NFE in {out}/seed{args.seed}/scores.json")
-    k = m.choose_split(val)
+    tag = m.choose_sampler(val)
+    k, shift = m.parse_sampler(tag)
     n = args.n or m.SCALES["cpu"]["val_n" if args.split == "val" else "n"]
     run = RunFolder.open(out / f"seed{args.seed}" / "nsgfpp")
     nets = {p: run.model(p) for p in ("velocity", "nsf", "time")}
-    t_min = float(run.cfg["nsgf"]["nsf_t_min"])
+    # t̂ below is the benchmarked start: the predictor's output plus the chosen shift (the sampler clamps it into the
+    # NSF's range); the run's own t_shift is 0 so that a fixed start is exactly T
     edits = {
-        "as benchmarked": None,
-        "t̂ = batch mean": lambda t: t.mean().expand_as(t),
-        "t̂ − 0.15": lambda t: (t - 0.15).clamp(t_min, 1),
-        "t̂ + 0.15": lambda t: (t + 0.15).clamp(t_min, 1),
+        "as benchmarked": lambda t: t + shift,
+        "t̂ = batch mean": lambda t: (t + shift).mean().expand_as(t),
+        "t̂ − 0.15": lambda t: t + shift - 0.15,
+        "t̂ + 0.15": lambda t: t + shift + 0.15,
         **{f"t̂ = {T:g}": (lambda t, T=T: torch.full_like(t, T)) for T in args.fixed},
     }
-    probes = {name: {"time": nets["time"] if e is None else TimeEdit(nets["time"], e)} for name, e in edits.items()}
+    probes = {name: {"time": TimeEdit(nets["time"], e)} for name, e in edits.items()}
     if args.swap_from is not None:
         donor = RunFolder.open(out / f"seed{args.swap_from}" / "nsgfpp")
-        probes.update({f"{p} from seed {args.swap_from}": {p: donor.model(p)} for p in nets})
+        probes.update({f"{p} from seed {args.swap_from}": {p: donor.model(p), "time": TimeEdit(
+            donor.model("time") if p == "time" else nets["time"], edits["as benchmarked"])} for p in nets})
     results = {}
-    run.cfg["sample"]["nsgf_steps"] = k
+    run.cfg["sample"]["nsgf_steps"], run.cfg["sample"]["t_shift"] = k, 0.0
     for name, swap in probes.items():
         run._models.update({**nets, **swap})
         results[name] = m.score(run, args.nfe - 1 - k, n, split=args.split)
-        m.log(f"probe {name}: k={k} {results[name]}")
+        m.log(f"probe {name}: {tag} {results[name]}")
     run._models.update(nets)
     if args.pool_states:
-        results.update(pool_state_scores(run, args.nfe - 1 - k, n, args.split, args.fixed))
+        results.update(pool_state_scores(run, args.nfe - 1 - k, n, args.split, args.fixed, shift))
     fit = velocity_fit(run, n) if args.velocity_fit else None
     path = out / f"probes-seed{args.seed}-nfe{args.nfe}{'-val' if args.split == 'val' else ''}.json"
-    atomic_write_text(path, json.dumps({"k": k, "n": n, "nfe": args.nfe, "split": args.split, "probes": results,
+    atomic_write_text(path, json.dumps({"k": k, "t_shift": shift, "n": n, "nfe": args.nfe, "split": args.split, "probes": results,
                                         **({"velocity_fit": fit} if fit else {})}, indent=1))
-    print(f"NSGF++ seed {args.seed}, {args.nfe} NFE ({k} NSGF + 1 t̂ + {args.nfe - 1 - k} NSF), {n} generated vs the "
+    print(f"NSGF++ seed {args.seed}, {args.nfe} NFE ({k} NSGF + 1 t̂ + {args.nfe - 1 - k} NSF from t̂ {shift:+g}), "
+          f"{n} generated vs the "
           f"{'validation' if args.split == 'val' else 'test'} digits:\n\n"
           "| probe | FD-CNN | pixel W2 | TV | confidence | mean t̂ |\n|---|---|---|---|---|---|")
     for name, r in results.items():
@@ -143,10 +148,10 @@ def pool_grid(cfg: dict) -> tuple[list[float], list[float]]:
 
 
 @torch.no_grad()
-def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float]) -> dict:
+def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float], shift: float = 0.0) -> dict:
     """FD-CNN of the pool's final NSGF states and of the velocity network's (integrated on the pool's grid from
     fresh source points: a network trained long on a small pool has memorised the pool's own), each alone and
-    through the NSF (``nsf_steps`` Euler steps) from the predictor's t̂ and from each fixed time: ``n`` of each,
+    through the NSF (``nsf_steps`` Euler steps) from the predictor's t̂ (+ ``shift``) and from each fixed time: ``n`` of each,
     against the held-out digits of ``split``."""
     from sinkflow import data
     from sinkflow.eval import fd_cnn
@@ -170,7 +175,7 @@ def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float
     score = lambda z: fd_cnn.fd(fd_cnn.features(ref["net"], z.clamp(-1, 1)), ref["real"])  # noqa: E731
     out = {}
     for who, states in (("pool", x + steps[-1] * v), ("network", mine)):  # x_T = x_{T-1} + eta_{T-1} v_{T-1}
-        t_hat = predictor(states).float().clamp(t_min, 1.0)
+        t_hat = (predictor(states).float() + shift).clamp(t_min, 1.0)
         out[f"{who} states themselves"] = {"fd_cnn": score(states), "n": len(states)}
         for label, start in (("t̂", t_hat), *((f"{T:g}", torch.full_like(t_hat, T)) for T in fixed)):
             out[f"{who} states, NSF from {label}"] = {

@@ -735,30 +735,48 @@ def test_mnist_budget_gives_every_method_the_same_unet_steps(mnist_bench):
     assert not {"nsgf.nsf_t_min=0.5", "train.time.lr=0.001"} & set(mnist_bench.nsgfpp_overrides(mnist_bench.budget("gpu", 0.1)))
 
 
-def test_mnist_split_is_chosen_on_validation_never_on_test(mnist_bench, monkeypatch, tmp_path):
-    """Validation FD ranks k one way, test FD the opposite way: the reported k is validation's best, and the
-    test digits are scored only once, for that k."""
+def test_mnist_sampler_is_chosen_on_validation_never_on_test(mnist_bench, monkeypatch, tmp_path):
+    """Validation FD ranks each method's samplers one way, test FD the opposite way: the reported sampler is
+    validation's best, the test digits are scored only for it (and for the paper's sampler), and the result is
+    what ``from_scores`` rebuilds from scores.json."""
     calls = []
 
     def fake_score(run, steps, n, split="test"):
-        k = run.cfg["sample"]["nsgf_steps"]
-        calls.append((split, k))
-        if k is None:  # a baseline
-            fd = 1.0
-        else:  # val: best k=3; test: k=3 is the worst
-            fd = float(abs(k - 3)) if split == "val" else float(-abs(k - 3))
-        return {"nfe": 13, "fd_cnn": fd, "w2": 0.0, "tv": 0.0, "conf": 0.0, "floor": 0.0, "real_conf": 0.0}
+        s = run.cfg["sample"]
+        k, shift, warp = s["nsgf_steps"], s.get("t_shift", 0.0), s["time_warp"]
+        calls.append((split, k, shift, warp))
+        if k is None:  # a baseline: val best at warp 0.5
+            fd = abs(warp - 0.5)
+        else:  # NSGF++: val best k=3 with shift -0.2; among unshifted, k=6
+            fd = abs(k - 3) + abs(shift + 0.2) if shift else 1 + abs(k - 6)
+        return {"nfe": 13, "fd_cnn": fd if split == "val" else -fd, "w2": 0.0, "tv": 0.0, "conf": 0.0,
+                "floor": 0.0, "real_conf": 0.0}
 
-    fake_run = type("R", (), {"cfg": {"sample": {"nsgf_steps": None}}})()
+    fake_run = type("R", (), {"cfg": {"sample": {"nsgf_steps": None, "t_shift": 0.0, "time_warp": 1.0}}})()
     monkeypatch.setattr(mnist_bench, "train", lambda out, name, args: (fake_run, 0.0))
     monkeypatch.setattr(mnist_bench, "score", fake_score)
     monkeypatch.setattr(mnist_bench, "save_samples", lambda run, steps, path: None)
     b = mnist_bench.budget("quick")
     res = mnist_bench.bench_seed(tmp_path, 0, b, tmp_path, [13], "cpu")
-    assert res["split"][13] == 3 and set(res["val"][13]) == {3, 6, 11}
-    nsgf_calls = [c for c in calls if c[1] is not None]
-    assert [c for c in nsgf_calls if c[0] == "test"] == [("test", 3)]
-    assert sorted(k for s, k in nsgf_calls if s == "val") == [3, 6, 11]
+    assert res["sampler"]["NSGF++"] == {13: "k3 t-0.2"} and res["sampler"]["NSGF++ (t̂ as predicted)"] == {13: "k6"}
+    assert len(res["val"]["NSGF++"][13]) == 3 * len(mnist_bench.T_SHIFTS)
+    assert {"k3", "k6 t-0.1", "k11 t-0.3"} <= set(res["val"]["NSGF++"][13])  # shift 0: the tag older files use
+    nsgf = [c[1:3] for c in calls if c[1] is not None]
+    assert [c[1:3] for c in calls if c[1] is not None and c[0] == "test"] == [(3, -0.2), (6, 0.0)]
+    assert sorted(c for c in nsgf[:12]) == sorted((k, s) for k in (3, 6, 11) for s in mnist_bench.T_SHIFTS)
+    for label in ("OT-CFM", "FM"):  # the uniform grid scored as before, the warp chosen on validation beside it
+        assert res["sampler"][f"{label} (warped)"] == {13: "w0.5", 100: "w0.5"} and 13 in res["scores"][label]
+        assert label not in res["sampler"]
+    base = [c for c in calls if c[1] is None]
+    assert sorted(c[3] for c in base if c[0] == "test") == [0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]  # 2 methods x 2 NFE
+    assert fake_run.cfg["sample"] == {"nsgf_steps": None, "t_shift": 0.0, "time_warp": 1.0}  # restored
+    assert res["scores"]["NSGF++"][13]["fd_cnn"] == -0.0 and res["scores"]["NSGF++ (t̂ as predicted)"][13]["fd_cnn"] == -1
+    assert mnist_bench.parse_sampler("k11 t-0.3") == (11, -0.3) and mnist_bench.parse_sampler("k6") == (6, 0.0)
+    assert mnist_bench.choose_sampler({"k6 t-0.1": 1.0, "k3 t-0.2": 1.0, "k3 t-0.1": 1.0}) == "k3 t-0.1"  # ties
+    assert mnist_bench.choose_warp({"w0.5": 2.0, "w0.75": 2.0, "w1": 3.0}) == "w0.75"
+    table = mnist_bench.table([res], [13])
+    assert "| NSGF++ | 13 |" in table and "| k3 t-0.2 |" in table and "| OT-CFM (warped) | 100 |" in table
+    assert any("samplers chosen on validation, NFE 13" in line for line in mnist_bench.verdict([res], [13]))
 
 
 @pytest.fixture(scope="module")
@@ -788,10 +806,14 @@ def test_smoke_mnist(mnist_bench, mnist_quick):
     scores = res["per_seed"][0]["scores"]
     assert scores["NSGF++"]["3"]["nfe"] == 3 and set(scores["OT-CFM"]) == set(scores["FM"]) == {"3", "100"}
     assert all(s["fd_cnn"] >= 0 for m in scores.values() for s in m.values())
-    for method, nfes in (("nsgfpp", [3]), ("otcfm", [3, 100]), ("fm", [3, 100])):
+    chosen = res["per_seed"][0]["sampler"]  # a validation-chosen sampler names its samples' file
+    assert set(chosen) == {"NSGF++", "NSGF++ (t̂ as predicted)", "OT-CFM (warped)", "FM (warped)"}
+    for method, label, nfes in (("nsgfpp", "NSGF++", [3]), ("otcfm", "OT-CFM (warped)", [3, 100]),
+                                ("fm", "FM (warped)", [3, 100])):
         for n in nfes:
-            x = np.load(out / "seed0" / f"samples-{method}-{n}.npy", allow_pickle=False)
-            assert x.shape == (64, 1, 28, 28) and x.dtype == np.uint8
+            for tag in {chosen[label][str(n)], None} if method != "nsgfpp" else {chosen[label][str(n)]}:
+                x = np.load(mnist_bench.samples_path(out / "seed0", method, n, tag), allow_pickle=False)
+                assert x.shape == (64, 1, 28, 28) and x.dtype == np.uint8
     assert (out / "grids.png").is_file() and "| NSGF++ | 3 |" in (out / "table.md").read_text()
     cfgs = {m: read_config(out / "seed0" / m) for m in ("nsgfpp", "otcfm", "fm")}
     pp = cfgs["nsgfpp"]["train"]

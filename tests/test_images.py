@@ -232,6 +232,16 @@ def test_nfe_is_counted_per_network(runs_dir, tmp_path):
     run.cfg["nsgf"]["nsf_t_min"] = 0.75
     _, info = methods.get("nsgfpp").sample(run, x0, 2)
     assert float(info["t_hat"].min()) >= 0.75
+    # sample.t_shift moves every sample's start by the same amount, before the clamp into the NSF's range
+    run.cfg["nsgf"]["nsf_t_min"] = 0.0
+    run.cfg["sample"]["t_shift"] = -0.2
+    x_shift, shifted = methods.get("nsgfpp").sample(run, x0, 7)
+    raw = run.model("time")(xt).float()
+    assert torch.allclose(shifted["t_hat"], (raw - 0.2).clamp(0, 1), atol=1e-6)
+    assert not torch.allclose(x_shift, x) and "from t_hat -0.2" in methods.get("nsgfpp").describe(run.cfg)
+    run.cfg["sample"]["t_shift"] = 1.0  # every start clamped to 1: the straight flow does not move the states
+    x_end, _ = methods.get("nsgfpp").sample(run, x0, 7)
+    assert torch.allclose(x_end, xt, atol=1e-6)
 
 
 def test_nsgf_steps_at_sampling(runs_dir, tmp_path):

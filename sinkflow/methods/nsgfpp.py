@@ -12,8 +12,8 @@ Phases, each resumable with its own model, optimizer and config section:
 
 Sampling (Algorithm 4): the T NSGF Euler steps on the pool's own grid (``nsgf.network_grid``; or
 ``sample.nsgf_steps`` uniform steps over the same span when the field was trained on segments), then
-t_hat_i = t_phi(x_i) per sample, then NSF Euler from t_hat_i to 1 in ``nsf_steps`` steps of per-sample
-size (1 - t_hat_i) / nsf_steps. So every sample costs exactly T + 1 + nsf_steps network evaluations
+t_hat_i = t_phi(x_i) per sample (plus ``sample.t_shift``, 0 in the paper), then NSF Euler from t_hat_i to 1 in
+``nsf_steps`` steps of per-sample size (1 - t_hat_i) / nsf_steps. So every sample costs exactly T + 1 + nsf_steps network evaluations
 (``nsgf_steps`` + 1 + nsf_steps when ``sample.nsgf_steps`` is set) and a batch needs no masking (docs/nsgfpp.md, ambiguity 8).
 """
 
@@ -133,10 +133,10 @@ class TimeStep(InterpolantStep):
 
 @torch.no_grad()
 def sample_nsgfpp(velocity, predictor, nsf, x0: torch.Tensor, times, etas, nsf_steps: int, t_min: float = 0.0,
-                  record: bool = False):
+                  record: bool = False, t_shift: float = 0.0):
     """NSGF++ sampling on networks you hold (Algorithm 4): Euler steps ``etas`` of ``velocity`` at network times
-    ``times``, then t_hat = ``predictor``(x) (clamped to the NSF's trained range [t_min, 1]), then ``nsf_steps``
-    Euler steps of ``nsf`` from t_hat to 1 per sample. Returns (x, info) as ``Method.sample_nets``."""
+    ``times``, then t_hat = ``predictor``(x) + ``t_shift`` (clamped to the NSF's trained range [t_min, 1]), then
+    ``nsf_steps`` Euler steps of ``nsf`` from t_hat to 1 per sample. Returns (x, info) as ``Method.sample_nets``."""
     n = x0.shape[0]
     x = x0.float()
     path = [x.cpu()] if record else []
@@ -146,7 +146,7 @@ def sample_nsgfpp(velocity, predictor, nsf, x0: torch.Tensor, times, etas, nsf_s
             x = x + float(eta) * velocity(x, t).float()
             if record:
                 path.append(x.cpu())
-        t_hat = predictor(x).float().clamp(t_min, 1.0)  # the NSF's trained range
+        t_hat = (predictor(x).float() + t_shift).clamp(t_min, 1.0)  # the NSF's trained range
         x, nsf_path = euler(nsf, x, t_hat, 1.0, nsf_steps, record)
     path += nsf_path[1:]
     return x, {"nfe": n_v.count + n_t.count + n_u.count, "nfe_velocity": n_v.count, "nfe_time": n_t.count,
@@ -179,17 +179,20 @@ class NSGFPlusPlus(Method):
 
     def sample_nets(self, nets, cfg, x0, steps=None, record=False):
         """Algorithm 4. ``steps`` = NSF Euler steps (default sample.nsf_steps); the NSGF part uses the T
-        steps it was trained on, or ``sample.nsgf_steps``. info: nfe (total, counted by forward hooks), nfe_velocity, nfe_time,
+        steps it was trained on, or ``sample.nsgf_steps``; the NSF starts at t_hat + ``sample.t_shift``. info: nfe (total, counted by forward hooks), nfe_velocity, nfe_time,
         nfe_nsf, t_hat (N,), nsgf_steps, and with ``record`` the path [x0, T NSGF states, NSF states]."""
         times, etas = nsgf_grid(cfg)
         return sample_nsgfpp(nets["velocity"], nets["time"], nets["nsf"], x0, times, etas,
-                             int(steps or self.default_steps(cfg)), float(cfg["nsgf"]["nsf_t_min"]), record)
+                             int(steps or self.default_steps(cfg)), float(cfg["nsgf"]["nsf_t_min"]), record,
+                             float(cfg["sample"].get("t_shift", 0.0)))
 
     def describe(self, cfg: dict) -> str:
         k, T = cfg["sample"].get("nsgf_steps") or cfg["pool"]["steps"], cfg["pool"]["steps"]
         where = "on the pool's grid" if k == T else f"over the {T}-step pool's span"
+        shift = float(cfg["sample"].get("t_shift", 0.0))
+        start = f" from t_hat {shift:+g}" if shift else ""
         return (f"nsgfpp: {k} NSGF steps {where}, a time predictor, then "
-                f"{cfg['sample']['nsf_steps']} Neural Straight Flow steps")
+                f"{cfg['sample']['nsf_steps']} Neural Straight Flow steps{start}")
 
 
 METHOD = NSGFPlusPlus()
