@@ -67,7 +67,7 @@ VERDICTS = (("NSGF++", "OT-CFM (warped)", "samplers chosen on validation"),
 PAPER = {"velocity": 50000, "nsf": 100000, "time": 40000, "pool": 1500}  # mnist preset (paper App. E.2)
 SCALES = {
     # CPU: a small UNet (8 ch, 28-14-7, attention only in the middle block) and 3,200 UNet steps per method and
-    # training seed: about 10 minutes per run on one CPU thread, the whole table about 50 minutes with --workers 2
+    # training seed: about 10 minutes per run on one CPU thread, the whole table about 65 minutes with --workers 2
     # (measured: benchmarks/RESULTS.md). At 500 steps (``cpu-short``) NSGF++'s velocity network does not learn its
     # pool's flow (RESULTS.md "NSGF++ on real MNIST at 3,200 UNet steps"): its states score FD-CNN 148 through the
     # NSF where the pool's own score 33, so that table measures an untrained network, not the method. NSGF++'s
@@ -502,7 +502,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench-mnist")
     ap.add_argument("--scale", choices=tuple(SCALES), default="cpu",
-                    help="cpu: a small UNet's 3,200 steps, a CPU session's table (about 50 min with --workers 2); "
+                    help="cpu: a small UNet's 3,200 steps, a CPU session's table (about 65 min with --workers 2); "
                          "cpu-short: 500 steps, the table until 2026-11-28 (NSGF++'s velocity network does not learn "
                          "there); gpu: the paper's budget x --gpu-fraction; quick: tiny, to check the script runs")
     ap.add_argument("--gpu-fraction", type=float, default=0.1, help="--scale gpu: fraction of the paper's iterations")
