@@ -126,6 +126,28 @@ def test_sample_takes_sample_overrides_without_changing_the_run(runs_dir, capsys
     assert "only takes sample.* overrides" in capsys.readouterr().err
 
 
+def test_eval_takes_sample_overrides_and_its_record_names_them(runs_dir, capsys):
+    """`sinkflow eval RUN sample.time_warp=0.5` scores another sampler of the same run (a knob chosen on validation)
+    without changing config.yaml; its metrics.jsonl record says what it sampled with, the plain one says nothing."""
+    import json
+
+    assert train("ev", "moons", "--no-report") == 0
+    run = runs_dir / "ev"
+    before = (run / "config.yaml").read_text()
+    evals = lambda: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()  # noqa: E731
+                     if json.loads(line).get("phase") == "eval"]
+    assert main(["eval", str(run), "--n", "64", "--seeds", "1"]) == 0
+    assert main(["eval", str(run), "sample.time_warp=0.5", "--n", "64", "--seeds", "1"]) == 0
+    plain, warped = evals()[-2:]
+    assert "sample" not in plain and warped["sample"] == {"time_warp": 0.5}
+    w2 = [k for k in plain if k.startswith("w2_") and "_std" not in k]
+    assert w2 and all(plain[k] != warped[k] for k in w2)  # another Euler grid, other samples
+    assert (run / "config.yaml").read_text() == before
+    capsys.readouterr()
+    assert main(["eval", str(run), "eval.n=8"]) == 2  # not a sampling key: one line, nothing scored
+    assert "`sinkflow eval` only takes sample.* overrides" in capsys.readouterr().err and len(evals()) == 2
+
+
 def test_a_warmup_as_long_as_the_run_is_warned_about(runs_dir, caplog):
     """`--train-iters 4` under warmup 5 ends still warming up (the cosine never decays): said before the first step;
     warmup 3 is not warned about."""

@@ -1,4 +1,5 @@
-"""Arguments shared by every command that resolves a config: PRESET, key=value overrides, shorthands."""
+"""Arguments shared by every command that resolves a config: PRESET, key=value overrides, shorthands; and the
+``sample.key=value`` of the commands that sample a trained run (`sample`, `eval`)."""
 
 from __future__ import annotations
 
@@ -85,4 +86,16 @@ def check_counts(args) -> None:
         if value is not None and most is not None and value > most:
             raise SinkflowError(f"{flag} {value} is more than {most:,}", f"use {flag} {most:,} or fewer")
 
+
+def apply_sample_overrides(run_, overrides: list[str], command: str, run_dir: str) -> None:
+    """``sample.key=value`` for this call only: applied to ``run_``'s config in memory (config.yaml stays as
+    trained), refused in one line before any work when the key is not a sampling key, is out of its range, or is a
+    key this method never reads (as `train` refuses them)."""
+    bad = [o for o in overrides if not o.startswith("sample.")]
+    if bad:
+        raise SinkflowError(f"`sinkflow {command}` only takes sample.* overrides, not '{bad[0]}'",
+                            f"change other keys with `sinkflow train --resume {run_dir} ...`")
+    run_.cfg = config.apply_overrides(run_.cfg, overrides)
+    config.validate(run_.cfg)
+    config.check_read(run_.cfg, config.override_keys(overrides))
 

@@ -3,6 +3,7 @@
 import sys
 
 from sinkflow.cli import os_error_line
+from sinkflow.cli.common import apply_sample_overrides
 
 
 def add_parser(sub):
@@ -13,8 +14,12 @@ def add_parser(sub):
                                    "(and FID when Inception weights are configured). A normalizing flow: first "
                                    "validation and test bits/dim (exact likelihood), then the image metrics of its "
                                    "samples. Scores are appended to the run's metrics.jsonl.",
-                       epilog="example: sinkflow eval runs/moons-nsgf-20261122-120000 --seeds 5")
+                       epilog="example: sinkflow eval runs/moons-nsgf-20261122-120000 --seeds 5; "
+                              "sinkflow eval runs/mnist-nsgfpp-... sample.t_shift=-0.1 sample.nsf_steps=1")
     p.add_argument("run_dir", metavar="RUN")
+    p.add_argument("overrides", nargs="*", metavar="sample.key=value",
+                   help="sampling settings for this evaluation only, e.g. sample.t_shift=-0.1 (the run is not changed; "
+                        "the record in metrics.jsonl names them)")
     p.add_argument("--seeds", type=int, help="sampling seeds (default eval.seeds)")
     p.add_argument("--n", type=int, help="samples per seed for every metric (default eval.n, and eval.class_n for "
                    "the image classifier's columns)")
@@ -28,6 +33,7 @@ def run(args):
     from sinkflow.runtime.run_folder import RunFolder
 
     run_ = RunFolder.open(args.run_dir)
+    apply_sample_overrides(run_, args.overrides, "eval", args.run_dir)
     check_split_files(run_, data.target_split_info(run_.cfg), doing="evaluate")  # before anything decodes the images
     if args.n:  # --n 32 is a quick look: the classifier columns too (digits' class_n is 3,590 samples a seed)
         target = data.distributions(run_.cfg)[1]

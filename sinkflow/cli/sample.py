@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from sinkflow import config
+from sinkflow.cli.common import apply_sample_overrides
 from sinkflow.errors import SinkflowError
 
 
@@ -37,13 +37,7 @@ def run(args):
     run_ = RunFolder.open(args.run_dir)
     from sinkflow.data.memory import check_sample_memory
     check_sample_memory(args.n, run_.cfg)
-    bad = [o for o in args.overrides if not o.startswith("sample.")]
-    if bad:
-        raise SinkflowError(f"`sinkflow sample` only takes sample.* overrides, not '{bad[0]}'",
-                            f"change other keys with `sinkflow train --resume {args.run_dir} ...`")
-    run_.cfg = config.apply_overrides(run_.cfg, args.overrides)  # in memory: config.yaml stays as trained
-    config.validate(run_.cfg)  # the key's type and range, and a key this method never reads, as `train` refuses them
-    config.check_read(run_.cfg, config.override_keys(args.overrides))
+    apply_sample_overrides(run_, args.overrides, "sample", args.run_dir)
     method = methods.of(run_.cfg)
     method.check_steps(args.steps)
     steps = args.steps or method.default_steps(run_.cfg)  # NSGF++: the straight-flow steps

@@ -319,5 +319,5 @@ def evaluate_images(run, seeds: int | None = None, n: int | None = None) -> str:
     result = image_metrics(run, seeds=seeds, n=n)
     for r in result["rows"]:
         p = result["protocol"]
-        run.logger.log("eval", 0, {**scores(r, f"_{r['steps']}"), **setting(run.cfg, p["n"], p["seeds"], p["class_n"])})
+        run.logger.log("eval", 0, {**scores(r, f"_{r['steps']}"), **setting(run, p["n"], p["seeds"], p["class_n"])})
     return format_metrics(result)

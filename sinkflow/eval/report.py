@@ -41,7 +41,7 @@ def standard_evaluation(run, method, seeds: int | None = None, n: int | None = N
 
         rows = w2_table(run, n=n, seeds=seeds)
         n, seeds = rows[0]["n"], rows[0]["seeds"]
-        record = setting(cfg, n, seeds)
+        record = setting(run, n, seeds)
         for r in rows:
             record.update(scores({"w2": r["w2_mean"], "w2_std": r["w2_std"]}, f"_{r['steps']}"))
         run.logger.log("eval", 0, record)

@@ -321,7 +321,7 @@ class NormalizingFlow(Method):
         metrics = ev.image_metrics(run, seeds=seeds, n=n, steps_list=self.eval_steps(run.cfg))
         for row in metrics["rows"]:  # fd_cnn and nfe too: they were printed but not recorded
             p = metrics["protocol"]
-            run.logger.log("eval", 0, {**ev.scores(row), **ev.setting(run.cfg, p["n"], p["seeds"], p["class_n"])})
+            run.logger.log("eval", 0, {**ev.scores(row), **ev.setting(run, p["n"], p["seeds"], p["class_n"])})
         lines.append(f"Samples at temperature {run.cfg['sample']['temperature']} (steps = 1 inverse pass; "
                      f"{'QMC' if run.cfg['eval']['protocol'] == 'qmc' else 'i.i.d.'} prior noise, eval.protocol):")
         lines.append(ev.format_metrics(metrics))

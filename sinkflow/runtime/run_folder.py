@@ -188,6 +188,12 @@ class RunFolder:
             node, disk = node[part], disk[part]
         node[leaf] = disk[leaf]
 
+    def sampling_changes(self) -> dict:
+        """``sample.*`` values of this in-memory config that differ from the config.yaml the run was opened with
+        (a `sinkflow eval` / `sample` call's ``sample.key=value``): what an evaluation record says it sampled with."""
+        disk = self._disk_config.get("sample", {})
+        return {k: v for k, v in self.cfg.get("sample", {}).items() if disk.get(k) != v}
+
     def changes(self) -> dict[str, tuple]:
         """{key: (value on disk, new value)} for every key a resume's overrides change."""
         if self._pending_config is None:
