@@ -16,10 +16,11 @@ Sampling: NSGF++ at each total NFE as k NSGF steps + 1 predictor call + (total -
 t_i = 1 - (1 - i/N)^w (``sample.time_warp``; w = 1 uniform, the paper's). Each method's knob is chosen per budget by
 FD-CNN on a validation split carved from the TRAINING digits (data.val_fraction; every method trains without them),
 never the test digits (``choose_sampler``, ``choose_warp``); the table has each method with its chosen sampler and
-with the paper's (NSGF++: k chosen, t̂ unshifted; baselines: uniform Euler). Score: FD-CNN (sinkflow.eval.fd_cnn: Fréchet distance in the features of a small CNN trained
-on the training split; not Inception FID) of --n generated digits against all held-out test digits, with its
-floor (--n real training digits against the same test digits); pixel W2, class-histogram TV and confidence
-beside it. Every method is trained per training seed; the table is mean ± std over training seeds.
+with the paper's (NSGF++: k chosen, t̂ unshifted; baselines: uniform Euler). Score: FD-CNN (sinkflow.eval.fd_cnn:
+Fréchet distance in the features of a small CNN trained on the training split; not Inception FID) of --n generated
+digits against all held-out test digits, with its floor (--n real training digits against the same test digits);
+pixel W2, class-histogram TV and confidence beside it. Every method is trained per training seed; the table is
+mean ± std over training seeds.
 
 Resumable: finished training runs are reused (an unfinished one is resumed), and every score is written to
 ``<out>/seed<S>/scores.json`` as soon as it exists, so a killed run repeats only the unfinished item.
@@ -59,11 +60,11 @@ T_SHIFTS = (0.0, -0.1, -0.2, -0.3)
 # sample.time_warp values a baseline's Euler grid tries on validation (1: uniform, the paper's; < 1: short early steps
 # and a long last one, the shape NSGF++'s sampler has; the digits benchmark's candidates, docs/nsgfpp.md)
 WARPS = (0.35, 0.5, 0.75, 1.0)
-PAPER_SAMPLER = {"NSGF++": "NSGF++ (t̂ as predicted)"}  # NSGF++'s k still chosen, its t̂ unshifted
-ROWS = ("NSGF++", "NSGF++ (t̂ as predicted)", "OT-CFM (warped)", "OT-CFM", "FM (warped)", "FM")
+PAPER_NSGFPP = "NSGF++ (t̂ as predicted)"  # NSGF++ with the paper's t̂ (its k still chosen on validation)
+ROWS = ("NSGF++", PAPER_NSGFPP, "OT-CFM (warped)", "OT-CFM", "FM (warped)", "FM")
 # (ours, theirs, what): every sampler chosen on validation, and the paper's samplers
 VERDICTS = (("NSGF++", "OT-CFM (warped)", "samplers chosen on validation"),
-            ("NSGF++ (t̂ as predicted)", "OT-CFM", "the paper's samplers (NSGF++'s k chosen)"))
+            (PAPER_NSGFPP, "OT-CFM", "the paper's samplers (NSGF++'s k chosen)"))
 PAPER = {"velocity": 50000, "nsf": 100000, "time": 40000, "pool": 1500}  # mnist preset (paper App. E.2)
 SCALES = {
     # CPU: a small UNet (8 ch, 28-14-7, attention only in the middle block) and 3,200 UNet steps per method and
@@ -377,7 +378,7 @@ def from_scores(out: Path, seed: int, nfe: list[int]) -> dict:
         put("NSGF++", total, choose_sampler(cands), have)
         paper = {t: v for t, v in cands.items() if parse_sampler(t)[1] == 0}
         if paper:
-            put(PAPER_SAMPLER["NSGF++"], total, choose_sampler(paper), have)
+            put(PAPER_NSGFPP, total, choose_sampler(paper), have)
     for label in (LABEL[m] for m in BASELINES):
         for total, have in tests.get(label, {}).items():
             put(label, total, "", have)
