@@ -116,11 +116,10 @@ def main(argv=None) -> None:
         results.update(pool_state_scores(run, args.nfe - 1 - k, n, args.split, args.fixed, shift))
     fit = velocity_fit(run, n) if args.velocity_fit else None
     path = out / f"probes-seed{args.seed}-nfe{args.nfe}{'-val' if args.split == 'val' else ''}.json"
-    atomic_write_text(path, json.dumps({"k": k, "t_shift": shift, "n": n, "nfe": args.nfe, "split": args.split, "probes": results,
-                                        **({"velocity_fit": fit} if fit else {})}, indent=1))
+    atomic_write_text(path, json.dumps({"k": k, "t_shift": shift, "n": n, "nfe": args.nfe, "split": args.split,
+                                        "probes": results, **({"velocity_fit": fit} if fit else {})}, indent=1))
     print(f"NSGF++ seed {args.seed}, {args.nfe} NFE ({k} NSGF + 1 t̂ + {args.nfe - 1 - k} NSF from t̂ {shift:+g}), "
-          f"{n} generated vs the "
-          f"{'validation' if args.split == 'val' else 'test'} digits:\n\n"
+          f"{n} generated vs the {'validation' if args.split == 'val' else 'test'} digits:\n\n"
           "| probe | FD-CNN | pixel W2 | TV | confidence | mean t̂ |\n|---|---|---|---|---|---|")
     for name, r in results.items():
         cells = [f"{r[c]:.3f}" if r.get(c) is not None else "-" for c in ("w2", "tv", "conf", "t_hat")]

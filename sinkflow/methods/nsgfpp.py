@@ -13,8 +13,9 @@ Phases, each resumable with its own model, optimizer and config section:
 Sampling (Algorithm 4): the T NSGF Euler steps on the pool's own grid (``nsgf.network_grid``; or
 ``sample.nsgf_steps`` uniform steps over the same span when the field was trained on segments), then
 t_hat_i = t_phi(x_i) per sample (plus ``sample.t_shift``, 0 in the paper), then NSF Euler from t_hat_i to 1 in
-``nsf_steps`` steps of per-sample size (1 - t_hat_i) / nsf_steps. So every sample costs exactly T + 1 + nsf_steps network evaluations
-(``nsgf_steps`` + 1 + nsf_steps when ``sample.nsgf_steps`` is set) and a batch needs no masking (docs/nsgfpp.md, ambiguity 8).
+``nsf_steps`` steps of per-sample size (1 - t_hat_i) / nsf_steps. So every sample costs exactly T + 1 + nsf_steps
+network evaluations (``nsgf_steps`` + 1 + nsf_steps when ``sample.nsgf_steps`` is set) and a batch needs no masking
+(docs/nsgfpp.md, ambiguity 8).
 """
 
 from __future__ import annotations
