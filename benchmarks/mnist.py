@@ -68,8 +68,8 @@ VERDICTS = (("NSGF++", "OT-CFM (warped)", "samplers chosen on validation"),
 PAPER = {"velocity": 50000, "nsf": 100000, "time": 40000, "pool": 1500}  # mnist preset (paper App. E.2)
 SCALES = {
     # CPU: a small UNet (8 ch, 28-14-7, attention only in the middle block) and 3,200 UNet steps per method and
-    # training seed: about 10 minutes per run on one CPU thread, the whole table about 65 minutes with --workers 2
-    # (measured: benchmarks/RESULTS.md). At 500 steps (``cpu-short``) NSGF++'s velocity network does not learn its
+    # training seed: about 10 minutes per run on one CPU thread; two training seeds, every method and sampler, took 33
+    # minutes with --workers 2 (measured: benchmarks/RESULTS.md), so the default three take about 65 (projected). At 500 steps (``cpu-short``) NSGF++'s velocity network does not learn its
     # pool's flow (RESULTS.md "NSGF++ on real MNIST at 3,200 UNet steps"): its states score FD-CNN 148 through the
     # NSF where the pool's own score 33, so that table measures an untrained network, not the method. NSGF++'s
     # split of the 3,200 steps was chosen by FD-CNN on the validation digits (2000 + 1200, 1600 + 1600,
@@ -405,7 +405,8 @@ def cells(per_seed: list[dict], label: str, total: int, metric: str) -> list[flo
 
 
 def table(per_seed: list[dict], nfe: list[int]) -> str:
-    lines = ["| method | NFE | FD-CNN ↓ | pixel W2 ↓ | class TV ↓ | confidence ↑ | sampler chosen on validation (per seed) |",
+    lines = ["| method | NFE | FD-CNN ↓ | pixel W2 ↓ | class TV ↓ | confidence ↑ | sampler chosen on validation "
+             "(per seed) |",
              "|---|---|---|---|---|---|---|"]
     for total in [*nfe, 100]:
         for label in ROWS:
@@ -439,7 +440,8 @@ def verdict(per_seed: list[dict], nfe: list[int]) -> list[str]:
     lines = []
     for ours, theirs, what in VERDICTS:
         for total in nfe:
-            a, o = cells(per_seed, ours, total, "fd_cnn"), cells(per_seed, theirs, 100 if total == 60 else total, "fd_cnn")
+            a = cells(per_seed, ours, total, "fd_cnn")
+            o = cells(per_seed, theirs, 100 if total == 60 else total, "fd_cnn")
             if not a or not o or total > 60:
                 continue
             a, o = statistics.fmean(a), statistics.fmean(o)
@@ -503,7 +505,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench-mnist")
     ap.add_argument("--scale", choices=tuple(SCALES), default="cpu",
-                    help="cpu: a small UNet's 3,200 steps, a CPU session's table (about 65 min with --workers 2); "
+                    help="cpu: a small UNet's 3,200 steps, a CPU session's table (2 seeds: 33 min with --workers 2); "
                          "cpu-short: 500 steps, the table until 2026-11-28 (NSGF++'s velocity network does not learn "
                          "there); gpu: the paper's budget x --gpu-fraction; quick: tiny, to check the script runs")
     ap.add_argument("--gpu-fraction", type=float, default=0.1, help="--scale gpu: fraction of the paper's iterations")

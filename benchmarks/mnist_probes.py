@@ -150,8 +150,8 @@ def pool_grid(cfg: dict) -> tuple[list[float], list[float]]:
 def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float], shift: float = 0.0) -> dict:
     """FD-CNN of the pool's final NSGF states and of the velocity network's (integrated on the pool's grid from
     fresh source points: a network trained long on a small pool has memorised the pool's own), each alone and
-    through the NSF (``nsf_steps`` Euler steps) from the predictor's t̂ (+ ``shift``) and from each fixed time: ``n`` of each,
-    against the held-out digits of ``split``."""
+    through the NSF (``nsf_steps`` Euler steps) from the predictor's t̂ (+ ``shift``) and from each fixed time:
+    ``n`` of each, against the held-out digits of ``split``."""
     from sinkflow import data
     from sinkflow.eval import fd_cnn
     from sinkflow.eval.images import fd_cnn_reference

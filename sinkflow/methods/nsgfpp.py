@@ -180,8 +180,9 @@ class NSGFPlusPlus(Method):
 
     def sample_nets(self, nets, cfg, x0, steps=None, record=False):
         """Algorithm 4. ``steps`` = NSF Euler steps (default sample.nsf_steps); the NSGF part uses the T
-        steps it was trained on, or ``sample.nsgf_steps``; the NSF starts at t_hat + ``sample.t_shift``. info: nfe (total, counted by forward hooks), nfe_velocity, nfe_time,
-        nfe_nsf, t_hat (N,), nsgf_steps, and with ``record`` the path [x0, T NSGF states, NSF states]."""
+        steps it was trained on, or ``sample.nsgf_steps``; the NSF starts at t_hat + ``sample.t_shift``. info: nfe
+        (total, counted by forward hooks), nfe_velocity, nfe_time, nfe_nsf, t_hat (N,: where the NSF started),
+        nsgf_steps, and with ``record`` the path [x0, T NSGF states, NSF states]."""
         times, etas = nsgf_grid(cfg)
         return sample_nsgfpp(nets["velocity"], nets["time"], nets["nsf"], x0, times, etas,
                              int(steps or self.default_steps(cfg)), float(cfg["nsgf"]["nsf_t_min"]), record,
