@@ -253,6 +253,11 @@ class Scores:
     def _read(self) -> dict:
         return json.loads(self.path.read_text()) if self.path.is_file() else {}
 
+    def tagged(self, prefix: str) -> dict:
+        """``{tag: score}`` of every key ``<prefix> <tag>`` (e.g. prefix ``val NSGF++ 13``)."""
+        self.data.update(self._read())
+        return {k[len(prefix) + 1:]: v for k, v in self.data.items() if k.startswith(prefix + " ")}
+
     def get(self, key: str, make):
         self.data.update(self._read())
         if key not in self.data:
@@ -282,7 +287,8 @@ def log(msg: str) -> None:
 
 
 def bench_seed(out: Path, seed: int, b: dict, data_root: Path, nfe: list[int], device: str,
-               which: tuple = ("nsgfpp", *BASELINES), extra: tuple = (), every: tuple = ()) -> dict:
+               which: tuple = ("nsgfpp", *BASELINES), extra: tuple = (), every: tuple = (),
+               shifts: tuple = T_SHIFTS) -> dict:
     """One training seed: each method trained, its samplers scored on the validation digits, the chosen ones (and
     each paper sampler) on the test digits. Resumable: scores.json and the run folders are reused. Returns the
     seed's result as ``from_scores`` reads it."""
@@ -293,27 +299,29 @@ def bench_seed(out: Path, seed: int, b: dict, data_root: Path, nfe: list[int], d
     sc = Scores(folder / "scores.json")
     common = [*common_overrides(b, data_root, seed, device), *every]  # --every: one factor changed for all
     if "nsgfpp" in which:
-        nsgfpp_seed(folder, seed, b, nfe, sc, common, extra)
+        nsgfpp_seed(folder, seed, b, nfe, sc, common, extra, shifts)
     for method in [m for m in BASELINES if m in which]:
         baseline_seed(folder, seed, method, b, nfe, sc, common)
     return from_scores(out, seed, nfe)
 
 
 def nsgfpp_seed(out: Path, seed: int, b: dict, nfe: list[int], sc: Scores, common: list[str],
-                extra: tuple = ()) -> None:
+                extra: tuple = (), shifts: tuple = T_SHIFTS) -> None:
     """NSGF++ of one training seed: trained (``extra`` overrides last); per budget every sampler (k NSGF steps x
-    t̂ shift) scored on the validation digits, then the test digits scored once for validation's choice, and
-    once for its choice among the paper's unshifted t̂ (the same sampler when validation chose shift 0)."""
+    t̂ shift of ``shifts``) scored on the validation digits, then the test digits scored once for validation's
+    choice, and once for its choice among the paper's unshifted t̂ (the same sampler when validation chose shift 0).
+    Samplers scored on validation by an earlier invocation (other shifts) stay candidates, as in ``from_scores``."""
     log(f"seed {seed}: NSGF++ training")
     run, wall = train(out, "nsgfpp", [*common, *nsgfpp_overrides(b), *extra])
     sc.get("wall NSGF++", lambda: wall)
     for total in nfe:
         val = {}
-        for tag in (sampler_tag(k, s) for k in split_candidates(total) for s in T_SHIFTS):
+        for tag in (sampler_tag(k, s) for k in split_candidates(total) for s in shifts):
             k, shift = parse_sampler(tag)
             with sampling(run, nsgf_steps=k, t_shift=shift):
                 val[tag] = sc.get(f"val NSGF++ {total} {tag}",
                                   lambda: score(run, total - 1 - k, b["val_n"], split="val")["fd_cnn"])
+        val.update(sc.tagged(f"val NSGF++ {total}"))
         paper = choose_sampler({t: v for t, v in val.items() if parse_sampler(t)[1] == 0})
         for tag in dict.fromkeys((choose_sampler(val), paper)):
             k, shift = parse_sampler(tag)
@@ -528,6 +536,9 @@ def main(argv=None) -> None:
                     help="config overrides for every method's runs (a one-factor probe of the shared UNet, e.g. "
                          "model.velocity.norm_min_channels=1 model.nsf.norm_min_channels=1); a baseline gets the "
                          "keys it reads")
+    ap.add_argument("--t-shifts", type=float, nargs="+", default=list(T_SHIFTS), metavar="S",
+                    help="NSGF++'s sample.t_shift candidates chosen on validation with k (0, the paper's t̂, is "
+                         "always added); the scores of shifts tried before in <out> stay candidates")
     for k in ("velocity", "nsf", "time", "pool", "n"):
         ap.add_argument(f"--{k}", type=int, help=f"override the scale's {k} budget")
     args = ap.parse_args(argv)
@@ -547,7 +558,7 @@ def main(argv=None) -> None:
     if not args.report_only:
         prepare_scorers(data_root.resolve())
     jobs = [(out, s, b, data_root.resolve(), nfe, args.device, tuple(args.methods), tuple(args.extra),
-             tuple(args.every)) for s in args.train_seeds]
+             tuple(args.every), tuple(sorted({0.0, *args.t_shifts}, key=abs))) for s in args.train_seeds]
     if not args.report_only and args.workers > 1:
         with ProcessPoolExecutor(args.workers) as pool:
             list(pool.map(bench_seed, *zip(*jobs)))

@@ -771,6 +771,11 @@ def test_mnist_sampler_is_chosen_on_validation_never_on_test(mnist_bench, monkey
     assert sorted(c[3] for c in base if c[0] == "test") == [0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]  # 2 methods x 2 NFE
     assert fake_run.cfg["sample"] == {"nsgf_steps": None, "t_shift": 0.0, "time_warp": 1.0}  # restored
     assert res["scores"]["NSGF++"][13]["fd_cnn"] == -0.0 and res["scores"]["NSGF++ (t̂ as predicted)"][13]["fd_cnn"] == -1
+    calls.clear()  # another invocation with other shifts: only they are scored, and the stored ones still compete
+    res = mnist_bench.bench_seed(tmp_path, 0, b, tmp_path, [13], "cpu", ("nsgfpp",), shifts=(0.0, -0.4))
+    assert sorted(c[1:3] for c in calls if c[0] == "val") == [(3, -0.4), (6, -0.4), (11, -0.4)]
+    assert len(res["val"]["NSGF++"][13]) == 3 * (len(mnist_bench.T_SHIFTS) + 1)
+    assert res["sampler"]["NSGF++"] == {13: "k3 t-0.2"} and not [c for c in calls if c[0] == "test"]
     assert mnist_bench.parse_sampler("k11 t-0.3") == (11, -0.3) and mnist_bench.parse_sampler("k6") == (6, 0.0)
     assert mnist_bench.choose_sampler({"k6 t-0.1": 1.0, "k3 t-0.2": 1.0, "k3 t-0.1": 1.0}) == "k3 t-0.1"  # ties
     assert mnist_bench.choose_warp({"w0.5": 2.0, "w0.75": 2.0, "w1": 3.0}) == "w0.75"
