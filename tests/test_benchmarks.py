@@ -765,7 +765,7 @@ def test_mnist_sampler_is_chosen_on_validation_never_on_test(mnist_bench, monkey
     assert [c[1:3] for c in calls if c[1] is not None and c[0] == "test"] == [(3, -0.2), (6, 0.0)]
     assert sorted(c for c in nsgf[:12]) == sorted((k, s) for k in (3, 6, 11) for s in mnist_bench.T_SHIFTS)
     for label in ("OT-CFM", "FM"):  # the uniform grid scored as before, the warp chosen on validation beside it
-        assert res["sampler"][f"{label} (warped)"] == {13: "w0.5", 100: "w0.5"} and 13 in res["scores"][label]
+        assert res["sampler"][f"{label} (warped)"] == {13: "w0.5", 5: "w0.5"} and 13 in res["scores"][label]
         assert label not in res["sampler"]
     base = [c for c in calls if c[1] is None]
     assert sorted(c[3] for c in base if c[0] == "test") == [0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]  # 2 methods x 2 NFE
@@ -779,8 +779,8 @@ def test_mnist_sampler_is_chosen_on_validation_never_on_test(mnist_bench, monkey
     assert mnist_bench.parse_sampler("k11 t-0.3") == (11, -0.3) and mnist_bench.parse_sampler("k6") == (6, 0.0)
     assert mnist_bench.choose_sampler({"k6 t-0.1": 1.0, "k3 t-0.2": 1.0, "k3 t-0.1": 1.0}) == "k3 t-0.1"  # ties
     assert mnist_bench.choose_warp({"w0.5": 2.0, "w0.75": 2.0, "w1": 3.0}) == "w0.75"
-    table = mnist_bench.table([res], [13])
-    assert "| NSGF++ | 13 |" in table and "| k3 t-0.2 |" in table and "| OT-CFM (warped) | 100 |" in table
+    table = mnist_bench.table([res], [13], ref=5)
+    assert "| NSGF++ | 13 |" in table and "| k3 t-0.2 |" in table and "| OT-CFM (warped) | 5 |" in table
     assert any("samplers chosen on validation, NFE 13" in line for line in mnist_bench.verdict([res], [13]))
 
 
@@ -809,12 +809,13 @@ def test_smoke_mnist(mnist_bench, mnist_quick):
     out, argv = mnist_quick
     res = json.loads((out / "results.json").read_text())
     scores = res["per_seed"][0]["scores"]
-    assert scores["NSGF++"]["3"]["nfe"] == 3 and set(scores["OT-CFM"]) == set(scores["FM"]) == {"3", "100"}
+    # the baselines' reference budget beside --nfe: REF_NFE (100), 5 at the quick scale
+    assert scores["NSGF++"]["3"]["nfe"] == 3 and set(scores["OT-CFM"]) == set(scores["FM"]) == {"3", "5"}
     assert all(s["fd_cnn"] >= 0 for m in scores.values() for s in m.values())
     chosen = res["per_seed"][0]["sampler"]  # a validation-chosen sampler names its samples' file
     assert set(chosen) == {"NSGF++", "NSGF++ (t̂ as predicted)", "OT-CFM (warped)", "FM (warped)"}
-    for method, label, nfes in (("nsgfpp", "NSGF++", [3]), ("otcfm", "OT-CFM (warped)", [3, 100]),
-                                ("fm", "FM (warped)", [3, 100])):
+    for method, label, nfes in (("nsgfpp", "NSGF++", [3]), ("otcfm", "OT-CFM (warped)", [3, 5]),
+                                ("fm", "FM (warped)", [3, 5])):
         for n in nfes:
             for tag in {chosen[label][str(n)], None} if method != "nsgfpp" else {chosen[label][str(n)]}:
                 x = np.load(mnist_bench.samples_path(out / "seed0", method, n, tag), allow_pickle=False)
