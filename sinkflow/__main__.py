@@ -1,3 +1,3 @@
-from sinkflow.cli import main
+from sinkflow.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -199,3 +199,20 @@ def test_a_collective_failed_by_a_lost_rank_is_one_line_with_the_resume_command(
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process: not a lost peer, a bug with its traceback
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         main(["status", "runs/x"])
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_a_torchrun_rank_exits_without_the_interpreters_teardown(world, tmp_path):
+    """Under torchrun a finished rank ends at once (``sinkflow.cli.entry``): DDP keeps its gloo process group alive
+    past ``destroy_process_group`` and a rank tearing down beside its threads now and then aborted (SIGABRT, "terminate
+    called without an active exception"), failing a finished job. The teardown is skipped (an atexit hook does not
+    run), the status and the buffered output still come out; alone, the process exits as any Python program."""
+    code = ("import atexit, sys\natexit.register(lambda: print('teardown ran'))\n"
+            "sys.argv = ['sinkflow', *sys.argv[1:]]\nfrom sinkflow.cli import entry\nentry()\n")
+    env = {**os.environ, "WORLD_SIZE": world}
+    ok = subprocess.run([sys.executable, "-c", code, "presets"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    bad = subprocess.run([sys.executable, "-c", code, "status", str(tmp_path / "none")], capture_output=True, text=True,
+                         env=env, cwd=tmp_path)
+    assert ok.returncode == 0 and "mnist" in ok.stdout, ok.stderr  # stdout is a pipe: flushed before the exit
+    assert bad.returncode == 2 and bad.stderr.startswith("sinkflow: error:"), bad.stderr
+    assert ("teardown ran" in ok.stdout) == (world == "1")

@@ -139,6 +139,25 @@ def main(argv: list[str] | None = None) -> int:
             dist.leave()
 
 
+def entry() -> None:
+    """The ``sinkflow`` console script and ``python -m sinkflow``: ``main``'s status as the process's exit status.
+
+    Under torchrun a rank then ends at once (``os._exit``), skipping the interpreter's teardown. DDP keeps its process
+    group alive past ``destroy_process_group`` (torch 2.14: the group's gloo threads still run after ``dist.leave``),
+    and a rank tearing down beside them now and then aborted ("terminate called without an active exception",
+    SIGABRT with no Python frame left: 2 of 111 CPU runs under load), after its work was done: torchrun called the
+    job failed and sent SIGTERM to the ranks still closing. Everything is written and closed before ``main`` returns
+    (its finally blocks); the logging handlers and the standard streams are flushed here."""
+    rc = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(rc)
+    sys.exit(rc)
+
+
 _OS_FIXES = {
     errno.ENOSPC: "free disk space or point experiment.runs_dir / data.root at a larger disk; the checkpoints "
                   "written before are intact, so `sinkflow train --resume RUN` continues from the last one",
