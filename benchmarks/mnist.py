@@ -542,7 +542,8 @@ def main(argv=None) -> None:
                          "keys it reads")
     ap.add_argument("--t-shifts", type=float, nargs="+", default=list(T_SHIFTS), metavar="S",
                     help="NSGF++'s sample.t_shift candidates chosen on validation with k (0, the paper's t̂, is "
-                         "always added); the scores of shifts tried before in <out> stay candidates")
+                         "always added); the scores of shifts tried before in <out> stay candidates; NSGF++ "
+                         "overrides go before this option")
     for k in ("velocity", "nsf", "time", "pool", "n"):
         ap.add_argument(f"--{k}", type=int, help=f"override the scale's {k} budget")
     args = ap.parse_args(argv)
