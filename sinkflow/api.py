@@ -94,9 +94,10 @@ class Run:
 
         return sample_chunks(self._run, x0.detach().to(dtype=torch.float32), steps)[0]  # as `generate`: in chunks
 
-    def evaluate(self, seeds: int | None = None, n: int | None = None) -> str:
-        """The scores `sinkflow eval` prints (W2 table, or image / flow metrics; ``seeds`` / ``n`` as its --seeds /
-        --n), appended to metrics.jsonl as it does. The run's figures are left as training wrote them (it rewrote
+    def evaluate(self, seeds: int | None = None, n: int | None = None, split: str = "test") -> str:
+        """The scores `sinkflow eval` prints (W2 table, or image / flow metrics; ``seeds`` / ``n`` / ``split`` as its
+        --seeds / --n / --split: ``"val"`` scores an image run against its validation split), appended to
+        metrics.jsonl as it does. The run's figures are left as training wrote them (it rewrote
         samples.png and trajectories.png, on a run opened "read only"). Checked as the command checks its flags,
         before any work: a whole number >= 1 each (0 meant the default in silence), ``n`` within this machine's
         memory."""
@@ -106,7 +107,7 @@ class Run:
         seeds, n = _count("seeds", seeds, 5, "eval.seeds"), _count("n", n, 1024, "eval.n")
         if n is not None:
             check_sample_memory(n, self.cfg, "n", exact_w2=is_points(self.cfg))
-        return evaluate(self._run, seeds=seeds, n=n)
+        return evaluate(self._run, seeds=seeds, n=n, split=split)
 
     def scores(self) -> dict:
         """The latest evaluation's numbers as a dict (metrics.jsonl's last ``eval`` record, as ``evaluate``, `sinkflow

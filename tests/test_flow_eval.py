@@ -111,7 +111,10 @@ def test_eval_reports_val_and_test(runs_dir, tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", str(runs_dir / "e")]) == 0
     out = capsys.readouterr().out
-    assert "Validation bits/dim" in out and "Test bits/dim" in out
+    assert "Validation bits/dim" in out and "Test bits/dim" in out and "held-out split" in out
+    assert main(["eval", str(runs_dir / "e"), "--split", "val"]) == 0  # choosing: nothing read from the test split
+    out = capsys.readouterr().out
+    assert "Validation bits/dim" in out and "Test bits/dim" not in out and "validation split" in out
 
 
 # ---- baselines ----------------------------------------------------------------------------------

@@ -168,6 +168,46 @@ def test_baselines_use_the_image_unet(method, runs_dir, tmp_path, capsys):
     assert (runs_dir / method / "grid.png").is_file()
 
 
+def test_eval_on_the_validation_split_chooses_without_the_test_split(runs_dir, tmp_path, capsys):
+    """`sinkflow eval RUN --split val sample.key=value`: a sampling setting scored against the validation digits
+    (data.val_fraction), which no training step read, and recorded as such; the test split is never drawn. A run
+    without a validation split is refused in one line, before any work."""
+    extra, _ = setup_data("digits", tmp_path)
+    base = ["train", "digits", "--method", "fm", *TINY_FM, *extra, "sample.steps=2", "eval.steps=[2]", "--no-report"]
+    assert main([*base, "data.val_fraction=0.1", "--name", "v"]) == 0
+    assert main([*base, "--name", "nov"]) == 0
+    capsys.readouterr()
+    run = RunFolder.open(runs_dir / "v")
+    target = data.distributions(run.cfg)[1]
+    n_val = len(target.val_index)
+    assert main(["eval", str(runs_dir / "v"), "--split", "val", "--n", "8", "--seeds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"validation split (8 of {n_val} images" in out
+    assert main(["eval", str(runs_dir / "v"), "--n", "8", "--seeds", "1"]) == 0
+    assert "held-out split" in capsys.readouterr().out
+    assert main(["eval", str(runs_dir / "v"), "--split", "val", "--n", "8", "--seeds", "1", "sample.time_warp=0.5"]) == 0
+    evals = [json.loads(x) for x in (runs_dir / "v" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x).get("phase") == "eval"]
+    val, test, warped = evals[-3:]
+    assert val["split"] == "val" and "split" not in test  # a validation score is never taken for the run's test score
+    assert val["fd_cnn_2"] != test["fd_cnn_2"] and val["w2_2"] != test["w2_2"]  # other reference images
+    assert warped["split"] == "val" and warped["sample"] == {"time_warp": 0.5} and warped["w2_2"] != val["w2_2"]
+    test_draws = []
+    real = type(target).test_set
+    with pytest.MonkeyPatch.context() as mp:  # the validation evaluation draws no test image
+        mp.setattr(type(target), "test_set", lambda self, n=None: test_draws.append(n) or real(self, n))
+        assert main(["eval", str(runs_dir / "v"), "--split", "val", "--n", "8", "--seeds", "1"]) == 0
+    assert test_draws == []
+    capsys.readouterr()
+    lines = len((runs_dir / "nov" / "metrics.jsonl").read_text().splitlines())
+    assert main(["eval", str(runs_dir / "nov"), "--split", "val"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trained without a validation split (data.val_fraction=0)" in err[0], err
+    assert len((runs_dir / "nov" / "metrics.jsonl").read_text().splitlines()) == lines  # nothing scored
+    assert main(["eval", str(runs_dir / "v"), "--split", "val", "--n", str(n_val + 1)]) == 2
+    assert f"the validation split of digits holds {n_val}" in capsys.readouterr().err
+
+
 def test_class_columns_use_eval_class_n_samples(runs_dir, tmp_path, monkeypatch):
     """eval.class_n: the classifier's histogram and confidence read class_n generated images per seed, W2
     still compares eval.n with eval.n held-out images (TV's sampling noise shrinks as 1/sqrt(class_n))."""

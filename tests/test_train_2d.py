@@ -146,6 +146,9 @@ def test_eval_takes_sample_overrides_and_its_record_names_them(runs_dir, capsys)
     capsys.readouterr()
     assert main(["eval", str(run), "eval.n=8"]) == 2  # not a sampling key: one line, nothing scored
     assert "`sinkflow eval` only takes sample.* overrides" in capsys.readouterr().err and len(evals()) == 2
+    assert main(["eval", str(run), "--split", "val"]) == 2  # fresh test draws: no validation split to choose on
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "moons is not an image set, so it has no validation split" in err[0] and len(evals()) == 2
 
 
 def test_a_warmup_as_long_as_the_run_is_warned_about(runs_dir, caplog):

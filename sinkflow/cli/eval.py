@@ -20,6 +20,10 @@ def add_parser(sub):
     p.add_argument("overrides", nargs="*", metavar="sample.key=value",
                    help="sampling settings for this evaluation only, e.g. sample.t_shift=-0.1 (the run is not changed; "
                         "the record in metrics.jsonl names them)")
+    p.add_argument("--split", choices=("test", "val"), default="test",
+                   help="the held-out images scored against: test (default), or val, the validation split of a run "
+                        "trained with data.val_fraction > 0, to choose sample.* settings without reading the test "
+                        "split (the record in metrics.jsonl says split: val)")
     p.add_argument("--seeds", type=int, help="sampling seeds (default eval.seeds)")
     p.add_argument("--n", type=int, help="samples per seed for every metric (default eval.n, and eval.class_n for "
                    "the image classifier's columns)")
@@ -28,20 +32,23 @@ def add_parser(sub):
 
 def run(args):
     from sinkflow import data
-    from sinkflow.eval.report import evaluate, is_points  # torch loads here: `--help` stays fast
+    from sinkflow.eval.report import check_eval_split, evaluate, is_points  # torch loads here: `--help` stays fast
     from sinkflow.runtime.data_record import check_split_files
     from sinkflow.runtime.run_folder import RunFolder
 
     run_ = RunFolder.open(args.run_dir)
     apply_sample_overrides(run_, args.overrides, "eval", args.run_dir)
+    check_eval_split(run_.cfg, args.split, "--split")
     check_split_files(run_, data.target_split_info(run_.cfg), doing="evaluate")  # before anything decodes the images
     if args.n:  # --n 32 is a quick look: the classifier columns too (digits' class_n is 3,590 samples a seed)
         target = data.distributions(run_.cfg)[1]
         target.check_test_n(args.n, "--n")  # named as the user set it, before any sampling
-        held = len(target.test_images) if hasattr(target, "test_images") else None
+        held = (len(target.val_index) if args.split == "val" else len(target.test_images)) \
+            if hasattr(target, "test_images") else None
         if held is not None and args.n > held:  # eval.n is cut to the split (the table says so); --n is a request
             from sinkflow.errors import SinkflowError
-            raise SinkflowError(f"--n {args.n} images, but the held-out split of {target.name} holds {held}",
+            which = "validation" if args.split == "val" else "held-out"
+            raise SinkflowError(f"--n {args.n} images, but the {which} split of {target.name} holds {held}",
                                 f"use --n {held} or less")
         run_.cfg = {**run_.cfg, "eval": {**run_.cfg["eval"], "class_n": None}}
     n = args.n or run_.cfg["eval"]["n"]
@@ -49,7 +56,7 @@ def run(args):
     check_sample_memory(n, run_.cfg, "--n" if args.n else "eval.n", exact_w2=is_points(run_.cfg))
     run_.logger.best_effort = True  # a read-only run folder: the scores are printed, the record is skipped
     try:
-        print(evaluate(run_, seeds=args.seeds, n=args.n))
+        print(evaluate(run_, seeds=args.seeds, n=args.n, split=args.split))
     finally:
         run_.logger.close()
     if run_.logger.failed is not None:

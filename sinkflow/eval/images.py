@@ -315,9 +315,10 @@ def format_metrics(result: dict) -> str:
     return "\n".join(lines)
 
 
-def evaluate_images(run, seeds: int | None = None, n: int | None = None) -> str:
-    result = image_metrics(run, seeds=seeds, n=n)
+def evaluate_images(run, seeds: int | None = None, n: int | None = None, split: str = "test") -> str:
+    result = image_metrics(run, seeds=seeds, n=n, split=split)
     for r in result["rows"]:
         p = result["protocol"]
-        run.logger.log("eval", 0, {**scores(r, f"_{r['steps']}"), **setting(run, p["n"], p["seeds"], p["class_n"])})
+        run.logger.log("eval", 0, {**scores(r, f"_{r['steps']}"),
+                                   **setting(run, p["n"], p["seeds"], p["class_n"], split)})
     return format_metrics(result)

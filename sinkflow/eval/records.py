@@ -7,15 +7,18 @@ from __future__ import annotations
 METRIC_KEYS = ("w2", "tv", "confidence", "fd_cnn", "fid", "nfe", "t_hat_mean")
 
 
-def setting(run, n: int, seeds: int, class_n: int | None = None) -> dict:
+def setting(run, n: int, seeds: int, class_n: int | None = None, split: str = "test") -> dict:
     """What an evaluation record says of how it was made, beside its scores: samples per seed, seeds, protocol
     (and the classifier columns' samples per seed where they differ from ``n``; the ``sample`` settings where they
-    differ from the run's config.yaml, e.g. `sinkflow eval RUN sample.t_shift=-0.1`).
+    differ from the run's config.yaml, e.g. `sinkflow eval RUN sample.t_shift=-0.1`; ``split: val`` for scores
+    against the validation split, `sinkflow eval RUN --split val`, which are not the run's test scores).
     `sinkflow eval --n 64 --seeds 1` wrote the same keys at the same step as the run's own evaluation, and
     `status` then showed the quick look as the run's latest scores."""
     out = {"n": n, "seeds": seeds, "protocol": run.cfg["eval"]["protocol"]}
     if class_n is not None and class_n != n:
         out["class_n"] = class_n
+    if split != "test":
+        out["split"] = split
     changed = run.sampling_changes()
     if changed:
         out["sample"] = changed

@@ -11,6 +11,7 @@ import sys
 
 from sinkflow import data, methods
 from sinkflow.eval.records import METRIC_KEYS, scores, setting  # noqa: F401 (the method's ``ev``: a flow records them)
+from sinkflow.errors import SinkflowError
 from sinkflow.runtime.data_record import check_split, check_split_files
 
 
@@ -20,11 +21,31 @@ def is_points(cfg: dict) -> bool:
     return len(data.sample_shape(cfg)) == 1 or isinstance(data.distributions(cfg)[1], data.PointFile)
 
 
-def evaluate(run, seeds: int | None = None, n: int | None = None) -> str:
-    """The run's method's evaluation, on the data the run recorded (a changed test split is refused first)."""
+def evaluate(run, seeds: int | None = None, n: int | None = None, split: str = "test") -> str:
+    """The run's method's evaluation, on the data the run recorded (a changed test split is refused first);
+    ``split="val"`` scores an image run against its validation split (``check_eval_split`` says when it cannot)."""
+    check_eval_split(run.cfg, split)
     check_split_files(run, data.target_split_info(run.cfg), doing="evaluate")  # before a decode rewrites the cache
     check_split(run, *data.distributions(run.cfg), doing="evaluate")
-    return methods.of(run.cfg).evaluate(run, sys.modules[__name__], seeds=seeds, n=n)
+    return methods.of(run.cfg).evaluate(run, sys.modules[__name__], seeds=seeds, n=n, split=split)
+
+
+def check_eval_split(cfg: dict, split: str, flag: str = "split") -> None:
+    """Refuse, before any work, an evaluation split the run does not have: ``val`` exists for image runs trained
+    with ``data.val_fraction`` > 0 (a 2D target draws fresh test points, and a validation split is carved from the
+    training images before training, so it cannot be added to a trained run)."""
+    if split == "test":
+        return
+    if split != "val":
+        raise SinkflowError(f"{flag}={split!r} is not an evaluation split", "use test or val")
+    if is_points(cfg):
+        raise SinkflowError(f"{flag}=val: {cfg['data']['target']} is not an image set, so it has no validation split "
+                            "(its test points are fresh draws, which no training step saw)",
+                            "evaluate it without --split val")
+    if not cfg["data"].get("val_fraction"):
+        raise SinkflowError(f"{flag}=val: this run was trained without a validation split (data.val_fraction=0), "
+                            "and one cannot be carved from images it trained on",
+                            "train a run with data.val_fraction=0.1 to choose sampling settings on validation")
 
 
 def final_report(run) -> str:
@@ -33,8 +54,9 @@ def final_report(run) -> str:
     return text + "\nwrote " + ", ".join(str(p) for p in written)
 
 
-def standard_evaluation(run, method, seeds: int | None = None, n: int | None = None) -> str:
-    """W2 table over seeds (points) or the image metrics (images), logged to metrics.jsonl as ``eval``."""
+def standard_evaluation(run, method, seeds: int | None = None, n: int | None = None, split: str = "test") -> str:
+    """W2 table over seeds (points) or the image metrics (images, against ``split``), logged to metrics.jsonl as
+    ``eval``."""
     cfg = run.cfg
     if is_points(cfg):
         from sinkflow.eval.points import draws, format_table, task_name, w2_table
@@ -48,7 +70,7 @@ def standard_evaluation(run, method, seeds: int | None = None, n: int | None = N
         return format_table(rows, method.name, task_name(cfg), method.paper_label, cfg["eval"]["protocol"], draws(cfg))
     from sinkflow.eval.images import evaluate_images
 
-    return evaluate_images(run, seeds=seeds, n=n) + f"\n{protocol(cfg)}"
+    return evaluate_images(run, seeds=seeds, n=n, split=split) + f"\n{protocol(cfg)}"
 
 
 def protocol(cfg: dict) -> str:
@@ -77,10 +99,10 @@ def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool
     return _generate(run, n, steps, seed, record=record, qmc=qmc)
 
 
-def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_list=None) -> dict:
+def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_list=None, split: str = "test") -> dict:
     from sinkflow.eval.images import image_metrics as _image_metrics
 
-    return _image_metrics(run, seeds=seeds, n=n, steps_list=steps_list)
+    return _image_metrics(run, seeds=seeds, n=n, steps_list=steps_list, split=split)
 
 
 def format_metrics(result: dict) -> str:

@@ -206,9 +206,10 @@ class Method:
         """Step counts the evaluation reports."""
         return list(cfg["eval"]["steps"])
 
-    def evaluate(self, run, ev, seeds: int | None = None, n: int | None = None) -> str:
-        """The report ``sinkflow eval`` prints; ``ev`` is the evaluation layer."""
-        return ev.standard_evaluation(run, self, seeds=seeds, n=n)
+    def evaluate(self, run, ev, seeds: int | None = None, n: int | None = None, split: str = "test") -> str:
+        """The report ``sinkflow eval`` prints; ``ev`` is the evaluation layer. ``split="val"``: against an image
+        run's validation split (``sinkflow eval --split val``), for choices that must not read the test split."""
+        return ev.standard_evaluation(run, self, seeds=seeds, n=n, split=split)
 
     def plots(self, run, ev) -> list[Path]:
         """The figures ``sinkflow train`` writes into the run folder when it finishes."""
