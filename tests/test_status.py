@@ -272,6 +272,23 @@ def test_status_shows_each_metrics_newest_value_of_a_phase(tmp_path):
     assert "eval step 40: test_bpd 2.55, w2 3.2" in text, text
 
 
+def test_status_labels_an_evaluations_scores_with_its_own_settings(tmp_path):
+    """Each key's newest value: a validation evaluation's `split: val` (or its `sample.*`) stayed in the view after
+    a plain test evaluation replaced its scores, labelling test scores as validation ones."""
+    from sinkflow import config
+
+    rows = [{"phase": "eval", "step": 0, "fd_cnn_6": 40.0, "n": 8, "seeds": 1, "split": "val",
+             "sample": {"t_shift": -0.1}},
+            {"phase": "eval", "step": 0, "fd_cnn_6": 35.0, "n": 8, "seeds": 1}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.yaml").write_text(config.dump(config.resolve("digits", [])))
+    shown = read_status(tmp_path)["latest_metrics"]["eval"]
+    assert shown["fd_cnn_6"] == 35.0 and "split" not in shown and "sample" not in shown
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[::-1]))
+    shown = read_status(tmp_path)["latest_metrics"]["eval"]
+    assert shown["fd_cnn_6"] == 40.0 and shown["split"] == "val" and shown["sample"] == {"t_shift": -0.1}
+
+
 def test_counts_are_logged_as_counts(tmp_path):
     """Every number went through float(): an eval record's n and seeds read 64.0 and 3.0."""
     import numpy as np

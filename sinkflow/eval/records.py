@@ -5,6 +5,8 @@ from __future__ import annotations
 
 # what an image evaluation records per row (t_hat_mean: NSGF++'s predictor, where the straight flow starts)
 METRIC_KEYS = ("w2", "tv", "confidence", "fd_cnn", "fid", "nfe", "t_hat_mean")
+# the settings a record names only where they differ from the run's defaults (``setting``)
+OPTIONAL_SETTINGS = ("class_n", "split", "sample")
 
 
 def setting(run, n: int, seeds: int, class_n: int | None = None, split: str = "test") -> dict:

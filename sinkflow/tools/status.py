@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 from sinkflow.config import schema
+from sinkflow.eval.records import OPTIONAL_SETTINGS
 from sinkflow.errors import SinkflowError
 
 STALE_AFTER_S = 300.0
@@ -122,7 +123,10 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     latest: dict[str, dict] = {}
     for r in records:  # each key's newest value: a flow's last record (its drift report) holds no loss
         phase = r.get("phase", "?")
-        latest[phase] = {**latest.get(phase, {}), **r}
+        prev = latest.get(phase, {})
+        if "n" in r:  # an evaluation that says how it was made: an earlier one's split: val or sample.* is not its
+            prev = {k: v for k, v in prev.items() if k not in OPTIONAL_SETTINGS}
+        latest[phase] = {**prev, **r}
     out["latest_metrics"] = latest
     ckdir = run_dir / "checkpoints"
     ckpts: dict[str, list] = {}
