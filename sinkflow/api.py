@@ -112,7 +112,9 @@ class Run:
     def scores(self) -> dict:
         """The latest evaluation's numbers as a dict (metrics.jsonl's last ``eval`` record, as ``evaluate``, `sinkflow
         eval` or the report after training wrote it; ``evaluate`` returns the printed table): keys carry the steps,
-        e.g. ``w2_100`` and ``w2_std_100`` for points, ``fd_cnn_2`` or ``t_hat_mean_2`` for images. {} before any."""
+        e.g. ``w2_100`` and ``w2_std_100`` for points, ``fd_cnn_2`` or ``t_hat_mean_2`` for images; ``split: val``
+        and ``sample`` say when they were scored on the validation split or with other sampling settings. {} before
+        any."""
         from sinkflow.tools.status import tail_jsonl
 
         evals = [r for r in tail_jsonl(self.dir / "metrics.jsonl", 1 << 26) if r.get("phase") == "eval"]
