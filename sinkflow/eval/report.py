@@ -32,15 +32,15 @@ def evaluate(run, seeds: int | None = None, n: int | None = None, split: str = "
 
 def check_eval_split(cfg: dict, split: str, flag: str = "split") -> None:
     """Refuse, before any work, an evaluation split the run does not have: ``val`` exists for image runs trained
-    with ``data.val_fraction`` > 0 (a 2D target draws fresh test points, and a validation split is carved from the
-    training images before training, so it cannot be added to a trained run)."""
+    with ``data.val_fraction`` > 0 (it is carved from the training images before training, so it cannot be added
+    to a trained run; 2D and point-file targets have none)."""
     if split == "test":
         return
     if split != "val":
         raise SinkflowError(f"{flag}={split!r} is not an evaluation split", "use test or val")
     if is_points(cfg):
         raise SinkflowError(f"{flag}=val: {cfg['data']['target']} is not an image set, so it has no validation split "
-                            "(its test points are fresh draws, which no training step saw)",
+                            "(a validation split is carved from an image set's training images)",
                             "evaluate it without --split val")
     if not cfg["data"].get("val_fraction"):
         raise SinkflowError(f"{flag}=val: this run was trained without a validation split (data.val_fraction=0), "
