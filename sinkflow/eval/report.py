@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 
 from sinkflow import data, methods
-from sinkflow.eval.records import METRIC_KEYS, scores, setting  # noqa: F401 (the method's ``ev``: a flow records them)
 from sinkflow.errors import SinkflowError
+from sinkflow.eval.records import METRIC_KEYS, scores, setting  # noqa: F401 (the method's ``ev``: a flow records them)
 from sinkflow.runtime.data_record import check_split, check_split_files
 
 
