@@ -31,14 +31,14 @@ def evaluate(run, seeds: int | None = None, n: int | None = None, split: str = "
 
 
 def check_eval_split(cfg: dict, split: str, flag: str = "split") -> None:
-    """Refuse, before any work, an evaluation split the run does not have: ``val`` exists for image runs trained
-    with ``data.val_fraction`` > 0 (it is carved from the training images before training, so it cannot be added
-    to a trained run; 2D and point-file targets have none)."""
+    """Refuse, before any work (nothing decoded), an evaluation split the run does not have: ``val`` exists for
+    image runs trained with ``data.val_fraction`` > 0 (it is carved from the training images before training, so it
+    cannot be added to a trained run; 2D and point-file targets have none)."""
     if split == "test":
         return
     if split != "val":
         raise SinkflowError(f"{flag}={split!r} is not an evaluation split", "use test or val")
-    if is_points(cfg):
+    if cfg["data"]["target"] not in data.IMAGE_SETS:  # by name: nothing decoded before check_split_files
         raise SinkflowError(f"{flag}=val: {cfg['data']['target']} is not an image set, so it has no validation split "
                             "(a validation split is carved from an image set's training images)",
                             "evaluate it without --split val")

@@ -30,8 +30,8 @@ from pathlib import Path
 import yaml
 
 from sinkflow.config import schema
-from sinkflow.eval.records import OPTIONAL_SETTINGS
 from sinkflow.errors import SinkflowError
+from sinkflow.eval.records import OPTIONAL_SETTINGS
 
 STALE_AFTER_S = 300.0
 
