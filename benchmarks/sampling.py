@@ -1,12 +1,13 @@
 """Sampling throughput (images/s) of the CIFAR-10 UNet at the NSGF++ NFE (~60 UNet evaluations per image).
 
 Euler integration with sinkflow.methods.ode.euler (the sampler `sinkflow sample` uses), NFE counted by
-forward hooks, in inference mode; fp32 NCHW versus bf16 autocast (NCHW: what `sample.precision=bf16` runs; and
-channels_last), and with
-``--compile`` the network as ``sample.compile=true`` runs it, in fp32 and under bf16 autocast
+forward hooks, in inference mode; fp32 NCHW versus bf16 and fp16 autocast (NCHW: what `sample.precision=bf16` /
+`fp16` runs; and bf16 channels_last), and with
+``--compile`` the network as ``sample.compile=true`` runs it, in fp32 and under bf16 and fp16 autocast
 (``compiled_for_sampling``: on CUDA each batch shape captured once as a CUDA graph, replayed every Euler step;
 compile time excluded, reported apart), also channels_last under bf16 (inductor fuses GroupNorm there, which is
-what made channels_last lose in eager), at several batch sizes.
+what made channels_last lose in eager), at several batch sizes. What the half formats do to the samples themselves:
+``sample_precision.py`` (trained MNIST runs, FD-CNN paired with fp32 on the same noise).
 Weights are random: the cost of a forward pass does not depend on them.
 
     python benchmarks/sampling.py --compile       # GPU: CIFAR UNet, batches 64 256 1024, 60 NFE
@@ -24,6 +25,7 @@ import torch
 
 from sinkflow.methods.ode import compiled_for_sampling, count_nfe, euler
 from sinkflow.models import UNET_PRESETS, build_model
+from sinkflow.runtime.autocast import autocast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_md import machine  # noqa: E402
@@ -32,16 +34,16 @@ SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_head
               "attention_resolutions": [4], "dropout": 0.0}
 
 
-def images_per_s(model, n, shape, nfe, device, bf16: bool, channels_last: bool,
+def images_per_s(model, n, shape, nfe, device, precision: str, channels_last: bool,
                  repeats: int) -> tuple[float, int, float]:
-    """(images/s, NFE counted by the hooks, seconds of the untimed first pass: warm-up and any compile)."""
+    """(images/s, NFE counted by the hooks, seconds of the untimed first pass: warm-up and any compile) under
+    ``precision``'s autocast (fp32 / bf16 / fp16, as ``sample.precision``)."""
     x0 = torch.randn(n, *shape, device=device)
     if channels_last:
         x0 = x0.contiguous(memory_format=torch.channels_last)
 
     def go():
-        with torch.inference_mode(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), \
-                count_nfe(model) as counter:
+        with torch.inference_mode(), autocast(device.type, precision), count_nfe(model) as counter:
             x, _ = euler(model, x0, 0.0, 1.0, nfe)
         return counter.count
 
@@ -87,22 +89,24 @@ def main(argv: list[str] | None = None) -> None:
           f"cudnn.benchmark {'on' if args.cudnn_benchmark else 'off'}, on {machine(device)}")
     compiled = compiled_for_sampling(model, device) if args.compile else None
     compiled_cl = compiled_for_sampling(fast_model, device) if args.compile else None
-    print(f"{'batch':>6} {'NFE':>4} {'fp32 img/s':>11} {'bf16':>6} {'bf16+CL':>8}"
-          + (f" {'compiled':>9} {'compiled bf16':>14} {'compiled bf16+CL':>17} {'compile s':>10}"
+    print(f"{'batch':>6} {'NFE':>4} {'fp32 img/s':>11} {'bf16':>6} {'fp16':>6} {'bf16+CL':>8}"
+          + (f" {'compiled':>9} {'compiled bf16':>14} {'compiled fp16':>14} {'compiled bf16+CL':>17} {'compile s':>10}"
              if compiled is not None else ""))
     for n in batches:
-        plain, count, _ = images_per_s(model, n, shape, nfe, device, False, False, repeats)
-        bf16, _, _ = images_per_s(model, n, shape, nfe, device, True, False, repeats)
-        fast, _, _ = images_per_s(fast_model, n, shape, nfe, device, True, True, repeats)
+        plain, count, _ = images_per_s(model, n, shape, nfe, device, "fp32", False, repeats)
+        bf16, _, _ = images_per_s(model, n, shape, nfe, device, "bf16", False, repeats)
+        fp16, _, _ = images_per_s(model, n, shape, nfe, device, "fp16", False, repeats)
+        fast, _, _ = images_per_s(fast_model, n, shape, nfe, device, "bf16", True, repeats)
         shown = f"{plain:>11.1f}" if device.type == "cuda" else f"{'(cpu)':>11}"
-        line = f"{n:>6} {count:>4} {shown} {bf16 / plain:>5.2f}x {fast / plain:>7.2f}x"
+        line = f"{n:>6} {count:>4} {shown} {bf16 / plain:>5.2f}x {fp16 / plain:>5.2f}x {fast / plain:>7.2f}x"
         if compiled is not None:
-            comp, comp_count, compile_s = images_per_s(compiled, n, shape, nfe, device, False, False, repeats)
+            comp, comp_count, compile_s = images_per_s(compiled, n, shape, nfe, device, "fp32", False, repeats)
             assert comp_count == count, f"the compiled network was called {comp_count} times, not {count}"
-            comp16, _, compile16_s = images_per_s(compiled, n, shape, nfe, device, True, False, repeats)
-            comp_cl, _, compile_cl_s = images_per_s(compiled_cl, n, shape, nfe, device, True, True, repeats)
-            line += (f" {comp / plain:>8.2f}x {comp16 / plain:>13.2f}x {comp_cl / plain:>16.2f}x "
-                     f"{compile_s + compile16_s + compile_cl_s:>10.1f}")
+            comp_bf, _, compile_bf_s = images_per_s(compiled, n, shape, nfe, device, "bf16", False, repeats)
+            comp_fp, _, compile_fp_s = images_per_s(compiled, n, shape, nfe, device, "fp16", False, repeats)
+            comp_cl, _, compile_cl_s = images_per_s(compiled_cl, n, shape, nfe, device, "bf16", True, repeats)
+            line += (f" {comp / plain:>8.2f}x {comp_bf / plain:>13.2f}x {comp_fp / plain:>13.2f}x "
+                     f"{comp_cl / plain:>16.2f}x {compile_s + compile_bf_s + compile_fp_s + compile_cl_s:>10.1f}")
         print(line)
 
 

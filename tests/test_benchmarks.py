@@ -28,7 +28,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SMOKE_TESTED = ("digits", "flow_bpd", "flow_digits_ablation", "flow_memory", "gpu_checks", "memory_estimate",
                 "nsgf_2d", "ot_memory", "pool_build", "preset_throughput", "sampling", "sinkhorn_solver",
                 "train_throughput", "w2_mode_counts", "mnist", "mnist_probes", "nsgf_suite",
-                "pool_convergence", "cpu_step", "loss_curve", "ot_coupling", "gpu_session")
+                "pool_convergence", "cpu_step", "loss_curve", "ot_coupling", "gpu_session", "sample_precision")
 # modules the scripts import (no command line of their own), each with its own test here: test_helper_<name>
 HELPERS = ("suite2d", "results_md", "scoring")
 
@@ -402,9 +402,9 @@ def test_smoke_pool_build(quiet, capsys):
 def test_smoke_sampling(quiet, capsys):
     load("sampling").main(["--smoke", "--device", "cpu", "--batches", "2", "--nfe", "3"])
     out = capsys.readouterr().out
-    assert " batch  NFE  fp32 img/s   bf16  bf16+CL" in out and "cudnn.benchmark off" in out
-    batch, nfe, bf16, channels_last = numbers(rows(out, "     2 ")[0])
-    assert (batch, nfe) == (2, 3) and bf16 > 0 and channels_last > 0  # NFE as counted by the forward hooks
+    assert " batch  NFE  fp32 img/s   bf16   fp16  bf16+CL" in out and "cudnn.benchmark off" in out
+    batch, nfe, bf16, fp16, channels_last = numbers(rows(out, "     2 ")[0])
+    assert (batch, nfe) == (2, 3) and bf16 > 0 and fp16 > 0 and channels_last > 0  # NFE as counted by the hooks
 
 
 def test_smoke_sinkhorn_solver(quiet, capsys):
@@ -964,3 +964,36 @@ def test_gpu_session_runs_what_fits_and_stops_what_overruns(tmp_path):
         ("ok", "ok"), ("too-long", "skipped"), ("fails", "rc 3"), ("overruns", "timed out")]
     assert rows[3]["seconds"] < 20
     assert (tmp_path / "out" / "ok.log").read_text() == "step a\n" and not (tmp_path / "out" / "too-long.log").exists()
+
+
+def test_smoke_sample_precision(mnist_quick, monkeypatch, capsys):
+    """Each method's validation-chosen sampler draws the same noise under fp32, bf16 and fp16; the half precisions'
+    FD-CNN is paired with fp32's, and a second invocation reuses every number (nothing sampled again)."""
+    out, _ = mnist_quick
+    sp = load("sample_precision")
+    argv = ["--out", str(out), "--train-seeds", "0", "--nfe", "3", "--n", "6", "--sampling-seeds", "2"]
+    sp.main(argv)
+    first = capsys.readouterr().out
+    rows = {r["method"]: r for r in json.loads((out / "sample_precision.json").read_text())["rows"]}
+    assert set(rows) == {"NSGF++", "OT-CFM (warped)", "FM (warped)"}
+    for r in rows.values():
+        assert r["nfe"] == 3 and r["pairs"] == 2 and r["seed_sd"] > 0 and np.isfinite(r["fd"])
+        for half in ("bf16", "fp16"):  # the autocast moved the samples, a little
+            assert 0 < r[half]["dpix"] < r[half]["dmax"] <= 2 and np.isfinite(r[half]["delta"])
+    assert rows["NSGF++"]["fp16"]["dt"] is not None and rows["FM (warped)"]["fp16"]["dt"] is None
+    stored = json.loads((out / "seed0" / "precision.json").read_text())
+    chosen = load("mnist").from_scores(out, 0, [3])["sampler"]
+    k, shift = load("mnist").parse_sampler(chosen["NSGF++"][3])
+    assert stored["nsgfpp 3 n6"]["sampler"] == {"nsgf_steps": k, "t_shift": shift}  # the benchmark's choice
+    assert stored["nsgfpp 3 n6"]["steps"] == 3 - 1 - k
+    assert stored["otcfm 3 n6"]["sampler"] == {"time_warp": float(chosen["OT-CFM (warped)"][3][1:])}
+
+    def no_sampling(*a, **k):
+        raise AssertionError("sampled again")
+
+    monkeypatch.setattr(sp, "generate", no_sampling)
+    sp.main(argv)  # resumed: the table again from precision.json
+    again = capsys.readouterr().out
+    assert "NFE 3:" not in again and again[again.index("| method"):] == first[first.index("| method"):]
+    with pytest.raises(SystemExit):
+        sp.main([*argv, "--precisions", "bf16", "fp32"])

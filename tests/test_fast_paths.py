@@ -254,18 +254,22 @@ def test_compiled_sampling_draws_the_eager_samples_and_counts_every_call(tiny_ru
     np.testing.assert_allclose(outs["true"], outs["false"], atol=1e-5)
 
 
-def test_bf16_sampling_stays_close_to_fp32_with_a_float32_state(tiny_run, tmp_path, capsys):
-    """`sample.precision=bf16` runs the sampled network under bf16 autocast: the draw is float32, close to the fp32
-    draw from the same seed, and not the same draw (the autocast really ran)."""
+def test_half_precision_sampling_stays_close_to_fp32_with_a_float32_state(tiny_run, tmp_path, capsys):
+    """`sample.precision=bf16` / `fp16` run the sampled network under that autocast: the draw is float32, close to
+    the fp32 draw from the same seed, and not the same draw (the autocast really ran); fp16's 11-bit mantissa stays
+    closer than bf16's 8 bits."""
     from sinkflow.cli import main
 
     outs = {}
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16", "fp16"):
         out = tmp_path / f"{precision}.npy"
         assert main(["sample", str(tiny_run), f"sample.precision={precision}", "--n", "64", "--steps", "5",
                      "--seed", "3", "--out", str(out)]) == 0
         outs[precision] = np.load(out, allow_pickle=False)
     capsys.readouterr()
-    assert outs["bf16"].dtype == np.float32 and np.isfinite(outs["bf16"]).all()
-    diff = np.abs(outs["bf16"] - outs["fp32"])
-    assert 0 < diff.max() < 0.05 * (np.abs(outs["fp32"]).max() + 1)
+    diffs = {}
+    for half in ("bf16", "fp16"):
+        assert outs[half].dtype == np.float32 and np.isfinite(outs[half]).all()
+        diffs[half] = np.abs(outs[half] - outs["fp32"])
+        assert 0 < diffs[half].max() < 0.05 * (np.abs(outs["fp32"]).max() + 1), half
+    assert diffs["fp16"].mean() < diffs["bf16"].mean()

@@ -111,15 +111,16 @@ def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys, caplog):
     assert main(["sample", str(run), "--n", "6", "--out", str(tmp_path / "g.png")]) == 0
     assert f"(3 steps, {k + 4} network evaluations)" in capsys.readouterr().out
     assert Image.open(tmp_path / "g.png").size[0] > 0
-    # bf16 sampling (sample.precision): every network of the sampler under autocast, the images float32, finite and
-    # of the data's shape, close to the fp32 draw of the same seed
+    # half-precision sampling (sample.precision): every network of the sampler under autocast, the images float32,
+    # finite and of the data's shape, close to the fp32 draw of the same seed
     draws = {}
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16", "fp16"):
         out = tmp_path / f"{precision}.npy"
         assert main(["sample", str(run), "--n", "6", f"sample.precision={precision}", "--out", str(out)]) == 0
         draws[precision] = np.load(out, allow_pickle=False)
-    assert draws["bf16"].shape == (6, *shape) and draws["bf16"].dtype == np.float32
-    assert np.isfinite(draws["bf16"]).all() and np.abs(draws["bf16"] - draws["fp32"]).mean() < 0.05
+    for half in ("bf16", "fp16"):
+        assert draws[half].shape == (6, *shape) and draws[half].dtype == np.float32
+        assert np.isfinite(draws[half]).all() and np.abs(draws[half] - draws["fp32"]).mean() < 0.05
     assert main(["sample", str(run), "--n", "6", "--steps", "2", "--out", str(tmp_path / "s.npy")]) == 0
     s = np.load(tmp_path / "s.npy")
     assert s.shape == (6, *shape) and np.isfinite(s).all()

@@ -27,6 +27,7 @@ from sinkflow.data import sample_shape
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import TrainingStep
 from sinkflow.runtime import dist
+from sinkflow.runtime.autocast import autocast
 from sinkflow.runtime.callbacks import Callback, ProgressBar
 from sinkflow.runtime.checkpoint import rng_state, set_rng_state
 from sinkflow.engine import fast_path
@@ -306,9 +307,7 @@ class Trainer:
 
     def _autocast(self, cache: bool = True) -> torch.autocast:
         """The phase's autocast (``precision``: bf16 / fp16; fp32 = disabled)."""
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
-        return torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None,
-                              cache_enabled=cache)
+        return autocast(self.device.type, self.precision, cache)
 
     def _update(self, batch: Any, step: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, backward, clip, the non-finite guard and the optimizer for step ``step`` (1-based): what a

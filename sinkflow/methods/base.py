@@ -22,6 +22,7 @@ import torch
 from sinkflow.config.schema import METHOD_REGISTRY
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.ode import compiled_for_sampling
+from sinkflow.runtime.autocast import autocast
 from sinkflow.runtime.callbacks import Callback
 
 
@@ -183,13 +184,13 @@ class Method:
 
     def sample(self, run, x0: torch.Tensor, steps: int | None = None, record: bool = False) -> tuple:
         """``(x, info)`` from a run's finished models: ``sample_nets`` with the run's networks and config,
-        compiled where ``sample.compile`` is set and under bf16 autocast where ``sample.precision`` is bf16, when this
-        method reads those keys (the Euler samplers: their state and updates stay float32, the networks' outputs are
-        cast back before each step)."""
+        compiled where ``sample.compile`` is set and under bf16 / fp16 autocast where ``sample.precision`` says so,
+        when this method reads those keys (the Euler samplers: their state and updates stay float32, the networks'
+        outputs are cast back before each step)."""
         reads = METHOD_REGISTRY[self.name].reads
         compiled = bool(run.cfg["sample"].get("compile")) and "sample.compile" in reads
-        bf16 = run.cfg["sample"].get("precision") == "bf16" and "sample.precision" in reads
-        with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=bf16):
+        precision = run.cfg["sample"].get("precision", "fp32") if "sample.precision" in reads else "fp32"
+        with autocast(run.device.type, precision):
             return self.sample_nets(RunNets(run, compiled), run.cfg, x0, steps, record)
 
     def sample_nets(self, nets, cfg: dict, x0: torch.Tensor, steps: int | None = None, record: bool = False) -> tuple:

@@ -35,6 +35,7 @@ from sinkflow.engine import prefetch
 from sinkflow.errors import SinkflowError
 from sinkflow.models.footprint import activation_terms, recompute_terms
 from sinkflow.ot.sinkhorn_peak import cpu_peak_bytes  # also used by tests/test_preflight.py
+from sinkflow.runtime.autocast import HALF
 from sinkflow.tools.cards import GPUS, GiB, gpu_bytes  # noqa: F401 (the planner's cards, named without torch)
 
 CONTEXT_BYTES = GiB  # CUDA context + library workspaces, never available to tensors
@@ -42,7 +43,6 @@ CONTEXT_BYTES = GiB  # CUDA context + library workspaces, never available to ten
 # between the estimate and the measured H100 peak of the small phases (benchmarks/memory_estimate_h100.md)
 WORKSPACE_BYTES = 64 * 2**20
 FRAGMENTATION = 0.90  # fraction of the rest the caching allocator can actually hand out at a peak
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def usable_bytes(total_bytes: int) -> int:
@@ -82,7 +82,7 @@ class PhaseMemory:
 
 def measure_activations(model: torch.nn.Module, shape: tuple[int, ...], precision: str = "fp32") -> tuple[int, int, int]:
     """(fixed, per-sample, largest per-sample) saved-activation bytes, from forwards at batch 1 and 2 on CPU."""
-    dtype = AUTOCAST.get(precision)
+    dtype = HALF.get(precision)
     if dtype is torch.float16:  # CPU autocast fp16 has the same byte sizes as bf16 and is better supported
         dtype = torch.bfloat16
     return activation_terms(model.train(), shape, with_time=None, autocast_dtype=dtype, device="cpu")
@@ -101,7 +101,7 @@ def measure_recompute(model: torch.nn.Module, shape: tuple[int, ...], precision:
     """(fixed, per-sample, largest per-sample) bytes saved while backward re-runs its largest piece
     (``recompute_terms``); zeros for a network that recomputes nothing (every network but a flow in checkpoint
     or invertible memory mode)."""
-    dtype = AUTOCAST.get(precision)
+    dtype = HALF.get(precision)
     return recompute_terms(model.train(), shape, torch.bfloat16 if dtype is torch.float16 else dtype, "cpu")
 
 
@@ -191,7 +191,7 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
     sample_half = cfg["sample"].get("precision", "fp32") != "fp32"
     # a flow in checkpoint/invertible mode saves little in training, but sampling runs its conditioners on the batch
     largest = [(max(t.act_max_per_sample, t.recompute_max_per_sample), t.precision) for t in train_mems]
-    pm.terms["forward transient"] = max((2 * big * n * (2 if precision in AUTOCAST and not sample_half else 1)
+    pm.terms["forward transient"] = max((2 * big * n * (2 if precision in HALF and not sample_half else 1)
                                          for big, precision in largest), default=0)
     pm.terms["cuda workspaces"] = WORKSPACE_BYTES  # cuDNN / cuBLAS hold them while sampling too
     pm.note = f"chunks of sample.batch_size={n} samples; forward transient = 2 x the largest activation (rough)"
