@@ -64,6 +64,10 @@ PLAN = (
          ("train_throughput.py", "--smoke", "--steps", "1", "--paths", "fast")),
     Step("busy-profiler-first", ("preset_throughput.py", *MNIST_PRESET, "--methods", "fm", "--profiler-first"), 90,
          "the bench busy % column with the profiler opened before the capture (near 80 %, not 3-4 %?)"),
+    Step("sampling-fp16", ("sampling.py", "--compile", "--batches", "256", "--repeats", "2"), 200,
+         "issue 23: sampling at 60 NFE, batch 256: fp16 beside bf16 and fp32, eager and compiled (fp16's samples "
+         "match fp32's on the CPU: sample_precision.py; guess: 4 compiles, 3.3 min)",
+         ("sampling.py", "--smoke", "--batches", "2", "--nfe", "2")),
     Step("cifar-fp16-cudnn", ("train_throughput.py", *CIFAR, "--cudnn-benchmark"), 300,
          "issue 23: the same with cuDNN autotuning on (should the runner turn it on for fixed-shape phases?)"),
     Step("memory", ("memory_estimate.py", "--device", "cuda", "--presets", "mnist"), 120,

@@ -60,7 +60,7 @@ def images_per_s(model, n, shape, nfe, device, precision: str, channels_last: bo
     return repeats * n / (time.perf_counter() - start), count, warmup_s
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--nfe", type=int, default=None, help="UNet evaluations per image (default 60; smoke 2)")
@@ -72,7 +72,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="let cuDNN time its convolution algorithms (torch.backends.cudnn.benchmark); off by default, "
                          "as in `sinkflow train` / `sample` (the rows of 2026-11-22 to 27 were measured with it on)")
     ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     device = torch.device(args.device)
     smoke = args.smoke or device.type == "cpu"
     shape = (3, 16, 16) if smoke else (3, 32, 32)
