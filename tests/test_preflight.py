@@ -484,13 +484,18 @@ def test_flow_plan_covers_the_measured_peak_of_a_step_in_every_memory_mode(memor
 
 def test_bf16_asked_for_a_card_without_bf16_tensor_cores_is_named():
     """`preflight digits --gpu T4 train.velocity.precision=bf16` planned bf16's halved activations and said nothing
-    of a T4 having no bf16 tensor cores (what bf16 is chosen for); an Ampere-on card, fp16 or auto pass silently."""
+    of a T4 having no bf16 tensor cores (what bf16 is chosen for); bf16 sampling is named the same way; an Ampere-on
+    card, fp16 or auto pass silently."""
     from sinkflow.tools.preflight import Report, bf16_check
 
+    named = {"train.velocity.precision=bf16": "train.velocity.precision=bf16: a T4 has no bf16 tensor cores",
+             "sample.precision=bf16": "sample.precision=bf16: a T4 has no bf16 tensor cores"}
     for card, overrides, failed in [("T4", ["train.velocity.precision=bf16"], ["precision on T4"]),
-                                    ("L4", ["train.velocity.precision=bf16"], []),
-                                    ("T4", ["train.velocity.precision=fp16"], []), ("T4", [], [])]:
+                                    ("T4", ["sample.precision=bf16"], ["precision on T4"]),
+                                    ("L4", ["train.velocity.precision=bf16", "sample.precision=bf16"], []),
+                                    ("T4", ["train.velocity.precision=fp16", "sample.precision=fp16"], []),
+                                    ("T4", [], [])]:
         report = Report("digits")
         bf16_check(report, config.resolve("digits", overrides), card)
         assert [c.name for c in report.checks if c.ok is False] == failed, (card, overrides)
-        assert all("train.velocity.precision=bf16: a T4 has no bf16 tensor cores" in c.detail for c in report.checks)
+        assert all(named[overrides[0]] in c.detail and "use fp16" in c.detail for c in report.checks)

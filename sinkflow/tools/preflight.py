@@ -133,8 +133,9 @@ def machine_check(report: Report, real: dict, shape: tuple[int, ...]) -> None:
 
 
 def bf16_check(report: Report, real: dict, card: str) -> None:
-    """An explicit ``precision=bf16`` on a card without bf16 tensor cores (a T4: compute capability 7.5) gets none of
-    the speed it is chosen for; the plan above halved its activations in silence. Reported only when it applies."""
+    """An explicit ``precision=bf16`` (a training phase's, or ``sample.precision``) on a card without bf16 tensor
+    cores (a T4: compute capability 7.5) gets none of the speed it is chosen for; the plan above halved its
+    activations in silence. Reported only when it applies."""
     from sinkflow.config import schema
     from sinkflow.tools import memory_plan
 
@@ -143,11 +144,13 @@ def bf16_check(report: Report, real: dict, card: str) -> None:
     read = schema.used(real)
     keys = [f"train.{k}.precision" for k in _train_sections(real)
             if f"train.{k}.precision" in read and real["train"][k]["precision"] == "bf16"]
+    if "sample.precision" in read and real["sample"]["precision"] == "bf16":
+        keys.append("sample.precision")
     if keys:
         report.add(f"precision on {card}", "config", False,
                    f"{', '.join(k + '=bf16' for k in keys)}: a {card} has no bf16 tensor cores, so bf16 brings none of "
-                   "its speed there; use precision=auto (fp32 on this card) or fp16 (its tensor cores, with loss "
-                   "scaling)")
+                   "its speed there; use fp16 (its tensor cores; training scales the loss) or fp32 (a training "
+                   "phase's precision=auto is fp32 on this card)")
 
 
 def reach_checks(report: Report, real: dict, phases, overrides: list[str], shorthands: dict) -> None:
