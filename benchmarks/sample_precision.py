@@ -101,12 +101,15 @@ def seed_precision(out: Path, seed: int, methods: list[str], nfe: list[int], pre
     return done
 
 
-def summary(per_seed: dict[int, dict], methods: list[str], nfe: list[int], precisions: list[str], n: int) -> list[dict]:
-    """One row per (method, NFE): fp32's FD-CNN, its sampling-seed sd, and each half precision's paired change."""
+def summary(per_seed: dict[int, dict], methods: list[str], nfe: list[int], precisions: list[str], n: int,
+            sampling_seeds: int) -> list[dict]:
+    """One row per (method, NFE): fp32's FD-CNN, its sampling-seed sd, and each half precision's paired change, over
+    the first ``sampling_seeds`` noise draws (an earlier invocation may have stored more)."""
     base, rows = precisions[0], []
     for method in methods:
         for total in nfe:
-            cells = [d[f"{method} {total} n{n}"] for d in per_seed.values() if f"{method} {total} n{n}" in d]
+            cells = [{p: d[f"{method} {total} n{n}"][p][:sampling_seeds] for p in precisions}
+                     for d in per_seed.values() if f"{method} {total} n{n}" in d]
             if not cells:
                 continue
             ref = [r["fd"] for c in cells for r in c[base]]
@@ -163,7 +166,7 @@ def main(argv=None) -> None:
             per_seed = dict(zip(args.train_seeds, pool.map(seed_precision, *zip(*jobs))))
     else:
         per_seed = {j[1]: seed_precision(*j) for j in jobs}
-    rows = summary(per_seed, args.methods, nfe, args.precisions, args.n)
+    rows = summary(per_seed, args.methods, nfe, args.precisions, args.n, args.sampling_seeds)
     head = (f"Command: `python benchmarks/sample_precision.py {' '.join(sys.argv[1:] if argv is None else argv)}`; "
             f"device {args.device}, torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M')}; wall "
             f"{(time.perf_counter() - start) / 60:.1f} min. FD-CNN of {args.n} generated digits vs the test digits, "

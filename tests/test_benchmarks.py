@@ -995,5 +995,7 @@ def test_smoke_sample_precision(mnist_quick, monkeypatch, capsys):
     sp.main(argv)  # resumed: the table again from precision.json
     again = capsys.readouterr().out
     assert "NFE 3:" not in again and again[again.index("| method"):] == first[first.index("| method"):]
+    sp.main([*argv[:-1], "1"])  # fewer noise draws than stored: the table reads the first one only
+    assert all(r["pairs"] == 1 for r in json.loads((out / "sample_precision.json").read_text())["rows"])
     with pytest.raises(SystemExit):
         sp.main([*argv, "--precisions", "bf16", "fp32"])
