@@ -273,3 +273,42 @@ def test_half_precision_sampling_stays_close_to_fp32_with_a_float32_state(tiny_r
         diffs[half] = np.abs(outs[half] - outs["fp32"])
         assert 0 < diffs[half].max() < 0.05 * (np.abs(outs["fp32"]).max() + 1), half
     assert diffs["fp16"].mean() < diffs["bf16"].mean()
+
+
+def test_samples_that_overflow_float16_are_refused_naming_the_precision(tiny_run, tmp_path, monkeypatch, capsys):
+    """A velocity network whose output float16 cannot hold (here scaled by 1e6 inside the network, after its last
+    layer's half-precision product) gave Inf samples under `sample.precision=fp16`, which `sinkflow sample` saved as
+    they were; now the draw is refused in one line naming fp16 and the fix, nothing is written, and the same network
+    in fp32 (finite, large) or with NaN weights (any precision: "diverged") is told apart."""
+    from sinkflow.cli import main
+    from sinkflow.errors import SinkflowError
+    from sinkflow.eval.points import generate
+
+    run = RunFolder.open(tiny_run)
+    net = run.model("velocity")
+    last = [m for m in net.modules() if isinstance(m, torch.nn.Linear)][-1]
+    last.register_forward_hook(lambda m, i, out: out * 1e6)  # in the layer's own dtype: float16 under autocast
+    x, _ = generate(run, 16, 3, seed=0)
+    assert torch.isfinite(x).all() and x.abs().max() > 1e4  # fp32 holds it
+    run.cfg["sample"]["precision"] = "fp16"
+    with pytest.raises(SinkflowError) as e:
+        generate(run, 16, 3, seed=0)
+    assert e.value.problem.endswith("of 16 samples of nsgf with 3 steps are NaN/Inf under sample.precision=fp16")
+    assert "sample.precision=bf16" in e.value.fix
+    run.cfg["sample"]["precision"] = "fp32"
+    with torch.no_grad():
+        last.weight.fill_(float("nan"))
+    with pytest.raises(SinkflowError) as e:
+        generate(run, 16, 3, seed=0)
+    assert e.value.problem == "16 of 16 samples of nsgf with 3 steps are NaN/Inf" and "diverged" in e.value.fix
+
+    def overflowing(module):  # the CLI's own run folder, its network scaled the same way
+        return [m for m in module.modules() if isinstance(m, torch.nn.Linear)][-1].register_forward_hook(
+            lambda m, i, out: out * 1e6)
+
+    load = RunFolder.model
+    monkeypatch.setattr(RunFolder, "model", lambda self, phase: (lambda net: (overflowing(net), net)[1])(
+        load(self, phase)))
+    out = tmp_path / "s.npy"
+    assert main(["sample", str(tiny_run), "sample.precision=fp16", "--n", "8", "--steps", "3", "--out", str(out)]) == 2
+    assert "NaN/Inf under sample.precision=fp16" in capsys.readouterr().err and not out.exists()

@@ -216,10 +216,7 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
             x_all, info = generate(run, class_n if clf is not None else n, steps, seed=1000 + s)
             if info.get("t_hat") is not None:  # NSGF++: where the predictor starts each sample's straight flow
                 t_hat.append(info["t_hat"].float().cpu())
-            x_all = x_all.cpu()
-            if not torch.isfinite(x_all).all():
-                raise SinkflowError(f"{method} produced NaN/Inf samples with {steps} steps",
-                                    "the model diverged: train longer with a lower learning rate")
+            x_all = x_all.cpu()  # finite: generate refuses NaN / Inf samples (check_finite_samples)
             x = x_all[:n]
             vals["w2"].append(w2(x, real))
             if clf is not None:

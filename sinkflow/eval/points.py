@@ -63,7 +63,8 @@ def generate(run, n: int, steps: int, seed: int, record: bool = False, qmc: bool
 
 def sample_chunks(run, x0: torch.Tensor, steps: int | None, record: bool = False):
     """The run's samples from the source draw ``x0`` (on the host), in chunks of ``sample.batch_size`` moved to the
-    run's device one at a time (a draw of any size fits the card the evaluation fits); (samples on the host, info)."""
+    run's device one at a time (a draw of any size fits the card the evaluation fits); (samples on the host, info).
+    NaN / Inf samples are refused here (``check_finite_samples``), before anything saves or scores them."""
     sample = methods.of(run.cfg).sample
     chunk = max(1, run.cfg["sample"]["batch_size"])
     outs, infos = [], []
@@ -71,7 +72,28 @@ def sample_chunks(run, x0: torch.Tensor, steps: int | None, record: bool = False
         x, info = sample(run, x0[lo : lo + chunk].to(run.device), steps, record)
         outs.append(x.cpu())
         infos.append(info)
-    return torch.cat(outs), merge_info(infos)
+    x = torch.cat(outs)
+    check_finite_samples(run.cfg, x, steps)
+    return x, merge_info(infos)
+
+
+def check_finite_samples(cfg: dict, x: torch.Tensor, steps: int | None) -> None:
+    """One line naming the likely cause when samples hold NaN / Inf (`sinkflow sample` wrote them as they were, and
+    each evaluation found them its own way): under ``sample.precision=fp16`` a network's activation that float16's
+    range (65,504) cannot hold, otherwise a model that diverged."""
+    from sinkflow.config.schema import METHOD_REGISTRY
+    from sinkflow.errors import SinkflowError
+
+    bad = ~torch.isfinite(x.reshape(len(x), -1)).all(dim=1)
+    if not bool(bad.any()):
+        return
+    method = methods.of(cfg).name
+    where = f"{int(bad.sum())} of {len(x)} samples of {method}" + (f" with {steps} steps" if steps else "")
+    if cfg["sample"].get("precision") == "fp16" and "sample.precision" in METHOD_REGISTRY[method].reads:
+        raise SinkflowError(f"{where} are NaN/Inf under sample.precision=fp16",
+                            "a network's activations overflow float16's range: sample with sample.precision=bf16 "
+                            "(float32's range) or fp32")
+    raise SinkflowError(f"{where} are NaN/Inf", "the model diverged: train longer with a lower learning rate")
 
 
 def merge_info(infos: list[dict]) -> dict:
