@@ -9,6 +9,8 @@ import statistics
 import torch
 
 from sinkflow import data, methods
+from sinkflow.config.schema import METHOD_REGISTRY
+from sinkflow.errors import SinkflowError
 from sinkflow.runtime.rng import phase_generator
 
 
@@ -81,9 +83,6 @@ def check_finite_samples(cfg: dict, x: torch.Tensor, steps: int | None) -> None:
     """One line naming the likely cause when samples hold NaN / Inf (`sinkflow sample` wrote them as they were, and
     each evaluation found them its own way): under ``sample.precision=fp16`` a network's activation that float16's
     range (65,504) cannot hold, otherwise a model that diverged."""
-    from sinkflow.config.schema import METHOD_REGISTRY
-    from sinkflow.errors import SinkflowError
-
     bad = ~torch.isfinite(x.reshape(len(x), -1)).all(dim=1)
     if not bool(bad.any()):
         return
