@@ -10,8 +10,10 @@ from the same source noise under each precision, for --sampling-seeds noise draw
 FD-CNN under fp32; each half precision's paired change (same noise, mean ± sd over training x sampling seeds) beside
 fp32's own sampling-seed sd (how far a new noise draw moves the score: a change well inside it is no change a user
 sees); the samples' mean and largest |Δ| from fp32's (pixels in [-1, 1]); for NSGF++ the mean |Δt̂| of the predicted
-start. A CPU's autocast rounds to the same formats as a GPU's (products accumulate in float32 on both), so the CPU
-answers what the formats do to samples; what they do to speed is the GPU's (``sampling.py``).
+start. A CPU's autocast rounds the networks' inputs and outputs to the same formats as a GPU's, so the CPU answers
+what the formats do to samples; how each library accumulates its products is its own (cuBLAS may reduce fp16 products
+in fp16), so ``--device cuda`` on a GPU is the confirmation; what the formats do to speed is the GPU's
+(``sampling.py``).
 
 Resumable: each training seed's numbers are written to ``<out>/seed<S>/precision.json`` as they are made. Writes
 ``<out>/sample_precision.json`` and ``<out>/sample_precision.md``.
