@@ -61,7 +61,9 @@ class Run:
         ``sample.batch_size``, as a seeded draw is: a large x0 fits the card the evaluation fits); ``n`` may then be left out
         (it is ``len(x0)``), and if given must agree with it. Numbers may be numpy's. Everything is checked before
         any network runs, so a bad ``x0`` is one line naming the expected shape rather than a torch error from
-        inside a network (or, for ``n`` != ``len(x0)``, ``len(x0)`` samples without a word)."""
+        inside a network (or, for ``n`` != ``len(x0)``, ``len(x0)`` samples without a word). Samples that come out NaN
+        or Inf are refused in one line naming the likely cause (``sample.precision=fp16``'s range, or a diverged
+        model)."""
         from sinkflow.data import sample_shape
         from sinkflow.data.base import check_sample_size
 
