@@ -35,7 +35,6 @@ and protocol). Writes ``<out>/probes-seed<S>-nfe<N>.json``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -46,12 +45,8 @@ import torch
 from sinkflow.data.atomic_write import atomic_write_text
 from sinkflow.runtime.run_folder import RunFolder
 
-
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_mnist", Path(__file__).with_name("mnist.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mnist as bench_mnist  # noqa: E402  (the benchmark whose runs and choices the probes read)
 
 
 class TimeEdit(torch.nn.Module):
@@ -80,15 +75,14 @@ def main(argv=None) -> None:
                     "on its own pool and on a fresh one")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    m = bench()
     out = Path(args.out)
     res = json.loads((out / f"seed{args.seed}" / "scores.json").read_text())
     val = {key.split(" ", 3)[3]: v for key, v in res.items() if key.startswith(f"val NSGF++ {args.nfe} k")}
     if not val:
         sys.exit(f"no validation scores for NSGF++ at {args.nfe} NFE in {out}/seed{args.seed}/scores.json")
-    tag = m.choose_sampler(val)
-    k, shift = m.parse_sampler(tag)
-    n = args.n or m.SCALES["cpu"]["val_n" if args.split == "val" else "n"]
+    tag = bench_mnist.choose_sampler(val)
+    k, shift = bench_mnist.parse_sampler(tag)
+    n = args.n or bench_mnist.SCALES["cpu"]["val_n" if args.split == "val" else "n"]
     run = RunFolder.open(out / f"seed{args.seed}" / "nsgfpp")
     nets = {p: run.model(p) for p in ("velocity", "nsf", "time")}
     # t̂ below is the benchmarked start: the predictor's output plus the chosen shift (the sampler clamps it into the
@@ -109,8 +103,8 @@ def main(argv=None) -> None:
     run.cfg["sample"]["nsgf_steps"], run.cfg["sample"]["t_shift"] = k, 0.0
     for name, swap in probes.items():
         run._models.update({**nets, **swap})
-        results[name] = m.score(run, args.nfe - 1 - k, n, split=args.split)
-        m.log(f"probe {name}: {tag} {results[name]}")
+        results[name] = bench_mnist.score(run, args.nfe - 1 - k, n, split=args.split)
+        bench_mnist.log(f"probe {name}: {tag} {results[name]}")
     run._models.update(nets)
     if args.pool_states:
         results.update(pool_state_scores(run, args.nfe - 1 - k, n, args.split, args.fixed, shift))

@@ -22,7 +22,6 @@ Resumable: each training seed's numbers are written to ``<out>/seed<S>/precision
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -40,21 +39,16 @@ from sinkflow.eval.images import fd_cnn_reference
 from sinkflow.eval.points import generate
 from sinkflow.runtime.run_folder import RunFolder
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mnist as bench_mnist  # noqa: E402  (benchmarks/mnist.py: its runs, sampler choices and ``sampling`` block)
+
 LABELS = {"nsgfpp": "NSGF++", "otcfm": "OT-CFM (warped)", "fm": "FM (warped)"}  # each method's chosen sampler's row
 
 
-def bench():
-    """benchmarks/mnist.py as a module: its sampler choice and the ``sampling`` block."""
-    spec = importlib.util.spec_from_file_location("bench_mnist", Path(__file__).with_name("mnist.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def sampler_keys(m, method: str, tag: str | None, total: int) -> tuple[dict, int]:
+def sampler_keys(method: str, tag: str | None, total: int) -> tuple[dict, int]:
     """(``sample.*`` values, steps) of a method's chosen sampler at ``total`` NFE (untagged: the run's own)."""
     if method == "nsgfpp":
-        k, shift = m.parse_sampler(tag) if tag else (None, 0.0)
+        k, shift = bench_mnist.parse_sampler(tag) if tag else (None, 0.0)
         if k is None:
             raise SystemExit(f"no NSGF++ sampler chosen at {total} NFE: run benchmarks/mnist.py with --nfe {total}")
         return {"nsgf_steps": k, "t_shift": shift}, total - 1 - k
@@ -65,10 +59,9 @@ def seed_precision(out: Path, seed: int, methods: list[str], nfe: list[int], pre
                    sampling_seeds: int, device: str) -> dict:
     """One training seed: ``{method: {nfe: {precision: [per sampling seed {fd, dpix, dmax, dt}]}}}``, resumable."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    m = bench()
     path = out / f"seed{seed}" / "precision.json"
     done = json.loads(path.read_text()) if path.is_file() else {}
-    chosen = m.from_scores(out, seed, nfe)["sampler"]
+    chosen = bench_mnist.from_scores(out, seed, nfe)["sampler"]
     cnn = None
     for method in methods:
         run = RunFolder.open(out / f"seed{seed}" / method, [f"experiment.device={device}"])
@@ -81,12 +74,12 @@ def seed_precision(out: Path, seed: int, methods: list[str], nfe: list[int], pre
             have = done.get(key, {})
             if all(len(have.get(p, [])) >= sampling_seeds for p in precisions):
                 continue
-            keys, steps = sampler_keys(m, method, chosen.get(LABELS[method], {}).get(total), total)
+            keys, steps = sampler_keys(method, chosen.get(LABELS[method], {}).get(total), total)
             rows = {p: [] for p in precisions}
             for s in range(sampling_seeds):
                 x = {}
                 for p in precisions:
-                    with m.sampling(run, precision=p, **keys):
+                    with bench_mnist.sampling(run, precision=p, **keys):
                         x[p], info = generate(run, n, steps, seed=1000 + s)
                     t_hat = info.get("t_hat")
                     x[p] = (x[p].float().cpu(), None if t_hat is None else t_hat.float().cpu())
@@ -98,7 +91,7 @@ def seed_precision(out: Path, seed: int, methods: list[str], nfe: list[int], pre
                                     "dt": None if ts is None else float((ts - ref_t).abs().mean())})
             done[key] = {"sampler": keys, "steps": steps, **rows}
             atomic_write_text(path, json.dumps(done, indent=1))
-            m.log(f"seed {seed}: {method} NFE {total}: " + ", ".join(
+            bench_mnist.log(f"seed {seed}: {method} NFE {total}: " + ", ".join(
                 f"{p} {statistics.fmean(r['fd'] for r in rows[p]):.2f}" for p in precisions))
     return done
 

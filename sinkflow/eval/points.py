@@ -9,7 +9,6 @@ import statistics
 import torch
 
 from sinkflow import data, methods
-from sinkflow.config.schema import METHOD_REGISTRY
 from sinkflow.errors import SinkflowError
 from sinkflow.runtime.rng import phase_generator
 
@@ -86,9 +85,9 @@ def check_finite_samples(cfg: dict, x: torch.Tensor, steps: int | None) -> None:
     bad = ~torch.isfinite(x.reshape(len(x), -1)).all(dim=1)
     if not bool(bad.any()):
         return
-    method = methods.of(cfg).name
-    where = f"{int(bad.sum())} of {len(x)} samples of {method}" + (f" with {steps} steps" if steps else "")
-    if cfg["sample"].get("precision") == "fp16" and "sample.precision" in METHOD_REGISTRY[method].reads:
+    method = methods.of(cfg)
+    where = f"{int(bad.sum())} of {len(x)} samples of {method.name}" + (f" with {steps} steps" if steps else "")
+    if method.sample_precision(cfg) == "fp16":
         raise SinkflowError(f"{where} are NaN/Inf under sample.precision=fp16",
                             "a network's activations overflow float16's range: sample with sample.precision=bf16 "
                             "(float32's range) or fp32")

@@ -187,11 +187,14 @@ class Method:
         compiled where ``sample.compile`` is set and under bf16 / fp16 autocast where ``sample.precision`` says so,
         when this method reads those keys (the Euler samplers: their state and updates stay float32, the networks'
         outputs are cast back before each step)."""
-        reads = METHOD_REGISTRY[self.name].reads
-        compiled = bool(run.cfg["sample"].get("compile")) and "sample.compile" in reads
-        precision = run.cfg["sample"].get("precision", "fp32") if "sample.precision" in reads else "fp32"
-        with autocast(run.device.type, precision):
+        compiled = bool(run.cfg["sample"].get("compile")) and "sample.compile" in METHOD_REGISTRY[self.name].reads
+        with autocast(run.device.type, self.sample_precision(run.cfg)):
             return self.sample_nets(RunNets(run, compiled), run.cfg, x0, steps, record)
+
+    def sample_precision(self, cfg: dict) -> str:
+        """The precision ``sample`` runs the networks in: ``sample.precision`` where this method reads it, else fp32."""
+        return cfg["sample"].get("precision", "fp32") if "sample.precision" in METHOD_REGISTRY[self.name].reads \
+            else "fp32"
 
     def sample_nets(self, nets, cfg: dict, x0: torch.Tensor, steps: int | None = None, record: bool = False) -> tuple:
         """``(x, info)`` from networks you hold: ``nets[phase]`` is the network of a training phase (a dict of
