@@ -127,14 +127,16 @@ class Run:
 
 
 def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", name: str | None = None,
-          device: str = "auto", **overrides) -> Run:
+          device: str = "auto", time_limit: str | float | None = None, **overrides) -> Run:
     """Train every phase of ``preset`` exactly as `sinkflow train` does and return the finished ``Run``.
 
     ``overrides``: shorthands (``train_iters=2000``, ``batch_size``, ``lr``, ``seed``, ``method="otcfm"``, every
     ``sinkflow.config.SHORTHANDS`` name) or dotted config keys passed as a dict (``**{"pool.batches": 64}``);
     the same resolution, checks and one-line errors as the CLI (``SinkflowError``), through the same engine
     entry point (``sinkflow.engine.experiment.train_run``), no argument parsing. The run folder is
-    ``runs_dir/name`` (default: preset, method and time).
+    ``runs_dir/name`` (default: preset, method and time). ``time_limit`` ("8h30m", "90m" or seconds): past it the
+    run stops at the next step with a checkpoint and raises ``Interrupted`` (its ``run_dir`` is the folder
+    ``sinkflow train --resume`` continues), as `sinkflow train --time-limit` does.
     """
     from sinkflow import config
     from sinkflow.config.render import scalar
@@ -151,10 +153,13 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
             raise SinkflowError(f"unknown override {key!r}",
                                 f"use a dotted config key as a dict, e.g. **{{'pool.batches': 4}}, or one of "
                                 f"{', '.join(config.SHORTHANDS)}")
+    from sinkflow.runtime.signals import parse_duration
+
+    seconds = None if time_limit is None else parse_duration(time_limit)
     cfg = config.resolve(preset, dotted, short)
     # meta.json records this call: the process's argv is the script's or the notebook kernel's
     call = _call_text(preset, {"runs_dir": str(runs_dir), "name": name, "device": device, **overrides})
-    return open_run(train_run(cfg, device=device, call=call).dir)  # SinkflowError / Interrupted propagate
+    return open_run(train_run(cfg, device=device, call=call, time_limit=seconds).dir)  # SinkflowError / Interrupted propagate
 
 
 def _call_text(preset: str, given: dict) -> str:

@@ -203,14 +203,14 @@ def test_a_stop_inside_a_pool_chunk_leaves_it_and_a_second_signal_is_one_line(tm
     groups = []
     real = pool.PoolTask._simulate_group
     monkeypatch.setattr(pool.PoolTask, "_simulate_group", lambda self, *a: groups.append(1) or real(self, *a))
-    monkeypatch.setattr(pool, "stop_requested", lambda: signal.SIGTERM if groups else None)
+    monkeypatch.setattr(pool, "signalled", lambda: signal.SIGTERM if groups else None)
     monkeypatch.setattr("sinkflow.engine.trainer.stop_requested", lambda: signal.SIGTERM if groups else None)
     assert main(["train", *args, "--name", "k"]) == 128 + signal.SIGTERM
     assert len(groups) == 1  # the chunk's other three groups were not started
     progress = tmp_path / "runs/k/pool/progress.json"
     assert not progress.exists() or json.loads(progress.read_text())["chunks"] == []
     assert "resume with `sinkflow train --resume" in capsys.readouterr().err
-    monkeypatch.setattr(pool, "stop_requested", lambda: None)
+    monkeypatch.setattr(pool, "signalled", lambda: None)
     monkeypatch.setattr("sinkflow.engine.trainer.stop_requested", lambda: None)
     assert main(["train", "--resume", str(tmp_path / "runs/k"), "--no-report"]) == 0
     assert json.loads(progress.read_text())["chunks"] == [0] and len(groups) == 5

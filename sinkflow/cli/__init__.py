@@ -130,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         if dist.leave_after_stop().is_main:
             where = getattr(exc, "run_dir", None) or getattr(args, "run_dir_used", "RUN")
             skip = " --no-report" if getattr(args, "no_report", False) else ""  # resumed as it was started
+            if getattr(args, "time_limit", None) is not None:  # the next session has a limit too
+                skip += f" --time-limit {args.time_limit}"
             print(f"sinkflow: {exc}; resume with `sinkflow train --resume {where}{skip}`",
                   file=sys.stderr)
-        return 128 + exc.signum
+        return exc.exit_status
     finally:
         dist = sys.modules.get("sinkflow.runtime.dist")  # imported by the commands that join a process group
         if dist is not None:

@@ -22,12 +22,20 @@ def add_parser(sub):
     add_config_args(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run: finished phases are skipped")
     p.add_argument("--no-report", action="store_true", help="skip the evaluation and plots after training")
+    p.add_argument("--time-limit", metavar="DURATION",
+                   help="stop with a checkpoint once this session has trained this long (8h30m, 90m, 2.5h, "
+                        "08:30:00; exit status 124), then --resume continues: set it below a platform's session "
+                        "limit (Kaggle) by the time a checkpoint and your other cells take")
     p.set_defaults(func=run)
 
 
 def run(args):
+    from sinkflow.runtime.signals import parse_duration
+
     remember = lambda r: setattr(args, "run_dir_used", str(r.dir))  # noqa: E731  (the Interrupted hint)
-    kw = dict(device=getattr(args, "device", None), on_open=remember, then=None if args.no_report else report)
+    time_limit = None if args.time_limit is None else parse_duration(args.time_limit)  # before torch loads
+    kw = dict(device=getattr(args, "device", None), on_open=remember, then=None if args.no_report else report,
+              time_limit=time_limit)
     if args.resume:
         from sinkflow.engine.experiment import train_run
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+import time
 from typing import Iterable
 
 import torch
@@ -28,11 +29,12 @@ from sinkflow.engine.trainer import Trainer
 log = logging.getLogger("sinkflow")
 
 
-def run_phases(run, phases, callbacks: Iterable[Callback] = ()) -> None:
-    """Each unfinished task through its own ``Trainer`` (``callbacks`` go to every one of them)."""
+def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float | None = None) -> None:
+    """Each unfinished task through its own ``Trainer`` (``callbacks`` go to every one of them); past the
+    ``time.monotonic()`` ``deadline`` (the time limit) the run stops as on SIGTERM."""
     callbacks = list(callbacks)
     last = None
-    with graceful_stop():
+    with graceful_stop(deadline):
         for task in phases:
             if run.phase_done(task.name):
                 log.info("phase %s already finished: skipped", task.name)
@@ -81,7 +83,8 @@ def check_ranks_agree(cfg: dict, extra: dict | None = None) -> None:
 
 def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, overrides: list[str] | None = None,
               shorthands: dict | None = None, callbacks: Iterable[Callback] = (), device: str | None = None,
-              on_open=None, then=None, preset: str | None = None, call: str | None = None) -> RunFolder:
+              on_open=None, then=None, preset: str | None = None, call: str | None = None,
+              time_limit: float | None = None) -> RunFolder:
     """Train every unfinished phase of a resolved config ``cfg`` (``sinkflow.config.resolve``), or continue the
     run folder ``resume`` (with ``overrides`` / ``shorthands`` of keys it may still change); returns the run.
 
@@ -90,7 +93,9 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
     signal raises ``Interrupted`` with ``run_dir`` set. ``then(run)`` runs after the last phase, while the run
     still holds its folder's lock and logger (the CLI's evaluation report, unless ``--no-report``). A ``preset``
     named beside ``resume`` must be the run's own; ``call``, the Python call that started a new run, goes into its
-    meta.json (``RunFolder.create``)."""
+    meta.json (``RunFolder.create``). ``time_limit``: seconds from this call after which the run stops at the next
+    step boundary with a checkpoint (``Interrupted`` with ``signals.TIME_LIMIT``), the report skipped, as on SIGTERM."""
+    deadline = None if time_limit is None else time.monotonic() + time_limit
     if (cfg is None) == (resume is None):
         raise ValueError("train_run needs exactly one of cfg (a new run) or resume (a run folder)")
     info = dist.init(device or "auto")
@@ -135,7 +140,7 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
                     log.warning("preset %s sets %d key(s) that method %s does not read (%s): kept in config.yaml, "
                                 "unused", cfg["experiment"]["preset"], len(unread), method.name, keys)
         try:
-            run_phases(run, phases, callbacks)
+            run_phases(run, phases, callbacks, deadline)
         except Interrupted as exc:
             exc.run_dir = run.dir
             raise

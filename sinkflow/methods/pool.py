@@ -30,7 +30,7 @@ from sinkflow.runtime import dist
 from sinkflow.runtime.identity import first_difference, identity
 from sinkflow.runtime.lock import check_held
 from sinkflow.runtime.rng import phase_generator
-from sinkflow.runtime.signals import stop_requested
+from sinkflow.runtime.signals import signalled
 
 log = logging.getLogger("sinkflow")
 
@@ -387,7 +387,7 @@ class PoolTask(ChunkedTask):
         ids = [b for c in mine for b in _chunk_batches(c, self.chunk, self.batches)]
         shape, per_batch, arrays = self.shape, self.per_batch, self.arrays
         for g in range(0, len(ids), self.in_flight):
-            if g and stop_requested() is not None and not self.info.enabled:  # a preempted job has seconds: the
+            if g and signalled() is not None and not self.info.enabled:  # a preempted job has seconds: the
                 return 0  # unit is abandoned unrecorded (redone on resume) and the Trainer stops after it
             group = ids[g : g + self.in_flight]
             with solve_stats(self.solves):

@@ -1,28 +1,61 @@
-"""SIGTERM/SIGINT become a polite request: the training loop checkpoints, then stops.
+"""SIGTERM/SIGINT and a time limit become a polite request: the training loop checkpoints, then stops.
 
 Kaggle, Colab and Slurm send SIGTERM before killing a job; Ctrl+C sends SIGINT. Either way the
 current phase writes a checkpoint at the next step boundary and the process exits with 128+signum.
+
+A time limit (``sinkflow train --time-limit 8h30m``) is the same request made by the clock, for platforms
+that end a session without a signal, or whose end loses what the session wrote (a Kaggle notebook past its
+session limit saves no output): once ``graceful_stop``'s deadline has passed, ``stop_requested`` answers
+``TIME_LIMIT`` and the run stops at the next step boundary exactly as on SIGTERM, exiting with 124 (GNU
+``timeout``'s status). Unlike a signal, it never hurries a unit of work: a pool chunk in progress is finished
+(``signalled`` tells the two apart), so every session with a time limit makes progress.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import threading
+import time
+
+from sinkflow.errors import SinkflowError
+
+TIME_LIMIT = int(signal.SIGALRM)  # the stop code of an expired time limit: the alarm clock's number, never a
+# handled signal here, and below SIGTERM's, so a real SIGTERM on any rank wins ``dist.agree_stop``'s maximum
+TIME_LIMIT_EXIT = 124  # GNU timeout's exit status for "the command timed out"
 
 _requested: list[int] = []
+_deadline: list[float] = []  # time.monotonic() at which the time limit expires (empty: none)
 
 
 class Interrupted(Exception):
-    """Raised by a phase after it saved a checkpoint in answer to a signal."""
+    """Raised by a phase after it saved a checkpoint in answer to a signal or the time limit."""
 
     def __init__(self, signum: int, phase: str, step: int):
         self.signum, self.phase, self.step = signum, phase, step
-        super().__init__(f"stopped by signal {signum} in phase '{phase}' at step {step}; checkpoint saved")
+        super().__init__(f"stopped {stop_reason(signum)} in phase '{phase}' at step {step}; checkpoint saved")
+
+    @property
+    def exit_status(self) -> int:
+        return TIME_LIMIT_EXIT if self.signum == TIME_LIMIT else 128 + self.signum
+
+
+def stop_reason(signum: int) -> str:
+    """'by signal 15' or 'at the time limit' (``Interrupted``'s message, ``sinkflow status``)."""
+    return "at the time limit" if signum == TIME_LIMIT else f"by signal {signum}"
+
+
+def signalled() -> int | None:
+    """The first SIGTERM/SIGINT received during the run, if any (the time limit is not one)."""
+    return _requested[0] if _requested else None
 
 
 def stop_requested() -> int | None:
-    return _requested[0] if _requested else None
+    """A signal received, or ``TIME_LIMIT`` once the deadline has passed: the loops stop at their next boundary."""
+    if _requested:
+        return _requested[0]
+    return TIME_LIMIT if _deadline and time.monotonic() >= _deadline[0] else None
 
 
 def _handler(signum, frame):
@@ -32,10 +65,15 @@ def _handler(signum, frame):
 
 
 @contextlib.contextmanager
-def graceful_stop():
-    """Install the handlers for the duration of a run (main thread only)."""
+def graceful_stop(deadline: float | None = None):
+    """Install the handlers for the duration of a run (main thread only) and the ``time.monotonic()``
+    ``deadline`` of its time limit (any thread)."""
+    _deadline[:] = [] if deadline is None else [deadline]
     if threading.current_thread() is not threading.main_thread():
-        yield
+        try:
+            yield
+        finally:
+            _deadline.clear()
         return
     _requested.clear()
     old = {s: signal.signal(s, _handler) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -45,3 +83,33 @@ def graceful_stop():
         for s, h in old.items():
             signal.signal(s, h)
         _requested.clear()
+        _deadline.clear()
+
+
+_UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds from ``8h30m``, ``90m``, ``2.5h``, ``45s``, ``3600`` (seconds), ``HH:MM:SS``, ``D-HH:MM:SS`` (Slurm's
+    ``--time``) or ``DD:HH:MM:SS`` (Lightning's ``max_time``); a clear error
+    otherwise (``--time-limit``, ``sinkflow.train(time_limit=...)``)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        s = str(text).strip().lower()
+        clock = re.fullmatch(r"(\d+)-(\d+):(\d+):(\d+)|(\d+):(\d+):(\d+):(\d+)|()(\d+):(\d+):(\d+)", s)
+        units = re.findall(r"(\d+(?:\.\d+)?)([dhms])", s)
+        if clock:  # HH:MM:SS, Slurm's D-HH:MM:SS, Lightning's DD:HH:MM:SS
+            d, h, m, sec = (int(p or 0) for p in [g for g in clock.groups() if g is not None])
+            seconds = float(d * 86400 + h * 3600 + m * 60 + sec)
+        elif re.fullmatch(r"\d+(?:\.\d+)?", s):
+            seconds = float(s)
+        elif units and "".join(n + u for n, u in units) == s and len({u for _, u in units}) == len(units):
+            seconds = sum(float(n) * _UNITS[u] for n, u in units)
+        else:
+            raise SinkflowError(f"time limit {text!r} is not a duration",
+                                "write it like 8h30m, 90m, 2.5h, 45s, 3600 (seconds) or 08:30:00")
+    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+        raise SinkflowError(f"time limit {text!r} must be a positive, finite duration",
+                            "give the time this session may train, e.g. 8h30m for a 9-hour Kaggle session")
+    return seconds

@@ -7,7 +7,7 @@ works while the run is going, after it finished, and after it died. A run is
 * ``running``: the heartbeat is younger than ``stale_after`` and its pid is alive (when on this host);
 * ``stale``: the heartbeat is older than ``stale_after`` (hung, or a very long log interval);
 * ``dead``: the pid of the heartbeat is not alive on this host and the run did not finish.
-* ``stopped``: a signal stopped it after its checkpoint was written (``sinkflow train --resume`` continues).
+* ``stopped``: a signal or the time limit stopped it after its checkpoint was written (``sinkflow train --resume`` continues).
 * ``unknown``: no readable heartbeat, but checkpoints, pool arrays or metrics on disk (status.json lost: it said
   "not started", with no resume command, for a run halfway through);
 * ``failed``: it stopped on an error (a non-finite step, out of memory, bad data...), which the heartbeat keeps:
@@ -32,6 +32,7 @@ import yaml
 from sinkflow.config import schema
 from sinkflow.errors import SinkflowError
 from sinkflow.eval.records import OPTIONAL_SETTINGS
+from sinkflow.runtime.signals import stop_reason
 
 STALE_AFTER_S = 300.0
 
@@ -227,7 +228,8 @@ def format_status(st: dict) -> str:
     if state == "dead":
         why = f" (pid {hb.get('pid')} is not running; resume with `{st['resume']}`)"
     elif state == "stopped":
-        why = (f" (by signal {hb.get('signal')} at {hb.get('phase')} step {hb.get('step')}, checkpoint saved; "
+        why = (f" ({stop_reason(int(hb.get('signal') or 0))} at {hb.get('phase')} step {hb.get('step')}, "
+               f"checkpoint saved; "
                f"resume with `{st['resume']}`)")
     elif state == "failed":
         step = f" step {hb['step']}" if hb.get("step") is not None else ""

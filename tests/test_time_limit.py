@@ -1,0 +1,137 @@
+"""`--time-limit` / ``time_limit``: a stop requested by the clock, for platforms that end a session without a signal
+(a Kaggle notebook past its limit saves nothing it wrote). It stops as SIGTERM does (checkpoint, ``Interrupted``, the
+resume line), exits 124, never abandons a pool chunk, and a chain of limited sessions ends bit-equal to one run."""
+
+import json
+import signal
+
+import pytest
+import torch
+
+from helpers import TINY_2D, cli
+from sinkflow.errors import SinkflowError
+from sinkflow.runtime.signals import TIME_LIMIT, TIME_LIMIT_EXIT, Interrupted, parse_duration
+
+# the pool: 4 batches in 2 chunks of 2 groups each (a chunk is one unit of work), then 6 velocity steps
+ARGS = [a for a in TINY_2D if "=" in a and not a.startswith("pool.")] + [
+    "pool.batches=4", "pool.steps=4", "pool.batch_size=32", "pool.chunk=2", "pool.in_flight=1",
+    "train.velocity.iters=6", "experiment.device=cpu"]
+
+
+@pytest.mark.parametrize("text, seconds", [("8h30m", 30600), ("90m", 5400), ("2.5h", 9000), ("45s", 45),
+                                           ("1d2h", 93600), ("3600", 3600), ("0.5", 0.5), ("08:30:00", 30600),
+                                           ("01:02:00:05", 93605), ("1-02:00:05", 93605), (" 10M ", 600),
+                                           (120, 120), (0.25, 0.25)])
+def test_durations_a_user_writes_parse(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["8x", "8h30", "h", "1h1h", "", "-5m", "1-2:3", "1:2", "0", "0s", "nan", float("inf"), -3, True,
+                                  "1e-9"])
+def test_a_bad_duration_is_one_line_naming_the_fix(text):
+    with pytest.raises(SinkflowError, match=r"time limit .* (is not a duration|must be a positive).*; .*8h30m"):
+        parse_duration(text)
+
+
+def _cfg(name):
+    from sinkflow import config
+
+    return config.resolve("moons", [f"experiment.name={name}", *ARGS])
+
+
+def _progress(run):
+    pool = run / "pool" / "progress.json"
+    chunks = len(json.loads(pool.read_text())["chunks"]) if pool.exists() else 0
+    steps = sorted(int(p.stem.split("_")[1]) for p in (run / "checkpoints" / "velocity").glob("step_*.pt")) \
+        if (run / "checkpoints" / "velocity").is_dir() else []
+    return chunks, (steps[-1] if steps else 0), (run / "checkpoints" / "velocity" / "final.pt").exists()
+
+
+def test_a_chain_of_limited_sessions_makes_progress_each_time_and_ends_bit_equal(tmp_path, monkeypatch):
+    """A limit that has passed before the first unit still lets each session finish one unit (a pool chunk: both
+    of its groups; one training step) and checkpoint it, so no session is wasted, and the resumed chain's weights
+    equal an uninterrupted run's."""
+    from sinkflow.engine.experiment import train_run
+
+    monkeypatch.chdir(tmp_path)
+    train_run(_cfg("whole"))
+    run = tmp_path / "runs" / "limited"
+    seen, stops = [], []
+    for attempt in range(20):
+        try:
+            if attempt == 0:
+                train_run(_cfg("limited"), time_limit=1e-9)
+            else:
+                train_run(resume=run, time_limit=1e-9)
+            break
+        except Interrupted as exc:
+            assert exc.signum == TIME_LIMIT and exc.exit_status == TIME_LIMIT_EXIT
+            assert "stopped at the time limit in phase" in str(exc) and exc.run_dir.resolve() == run
+            stops.append((exc.phase, exc.step))
+            now = _progress(run)
+            assert not seen or now > seen[-1], (seen, now)  # every session moved the run on
+            seen.append(now)
+    # 2 pool chunks, one session each; 6 steps, one each; then a session writes final.pt and stops before the
+    # report (past the limit: minutes on images), and the last one, with nothing left to train, reports and ends
+    assert stops == [("pool", 1), ("pool", 2), *[("velocity", s) for s in range(1, 7)], ("velocity", 6)], stops
+    a = torch.load(tmp_path / "runs/whole/checkpoints/velocity/final.pt", weights_only=True)
+    b = torch.load(run / "checkpoints/velocity/final.pt", weights_only=True)
+    assert a["step"] == b["step"] == 6
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+
+
+def test_an_unreached_limit_changes_nothing(tmp_path, monkeypatch):
+    from sinkflow.engine.experiment import train_run
+    from sinkflow.runtime import signals
+
+    monkeypatch.chdir(tmp_path)
+    reports = []
+    run = train_run(_cfg("t"), time_limit=3600, then=reports.append)
+    assert reports == [run] and _progress(run.dir) == (2, 6, True)
+    assert signals.stop_requested() is None  # the deadline ended with the run: nothing later sees it
+
+
+def test_the_cli_exits_124_with_the_resume_line_and_status_says_why(tmp_path):
+    out = cli("train", "moons", *TINY_2D, "--name", "k", "--no-report", "--time-limit", "0.000001", cwd=tmp_path)
+    assert out.returncode == 124, out.stderr[-2000:]
+    assert "stopped at the time limit in phase 'pool' at step 1; checkpoint saved; resume with `sinkflow train " \
+           "--resume runs/k --no-report --time-limit 0.000001`" in out.stderr, out.stderr[-2000:]
+    status = cli("status", "runs/k", cwd=tmp_path)
+    assert "STOPPED (at the time limit at pool step 1, checkpoint saved" in status.stdout, status.stdout
+    out = cli("train", "--resume", "runs/k", "--no-report", "--time-limit", "1h", cwd=tmp_path)
+    assert out.returncode == 0 and _progress(tmp_path / "runs" / "k")[2], out.stderr[-2000:]
+
+
+def test_a_bad_time_limit_is_refused_before_a_run_folder_exists(tmp_path, monkeypatch, capsys):
+    from sinkflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "moons", *TINY_2D, "--time-limit", "8h30"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sinkflow: error: time limit '8h30' is not a duration") and len(err.splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_python_api_takes_a_time_limit(tmp_path, monkeypatch):
+    import sinkflow
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Interrupted) as e:
+        sinkflow.train("moons", name="api", time_limit=1e-9, **{"experiment.device": "cpu", "pool.batches": 2,
+                                                                 "pool.batch_size": 32, "pool.chunk": 1})
+    assert e.value.signum == TIME_LIMIT and e.value.run_dir.resolve() == tmp_path / "runs" / "api"
+    with pytest.raises(SinkflowError, match="time limit"):
+        sinkflow.train("moons", name="bad", time_limit="soon")
+    assert not (tmp_path / "runs" / "bad").exists()
+
+
+def test_a_real_signal_still_abandons_a_pool_chunk_but_the_limit_does_not(monkeypatch):
+    """The time limit is not a signal: the pool's mid-chunk check (a preempted job has seconds) reads ``signalled``."""
+    from sinkflow.runtime import signals
+
+    with signals.graceful_stop(deadline=0.0):
+        assert signals.stop_requested() == TIME_LIMIT and signals.signalled() is None
+        signals._handler(signal.SIGTERM, None)
+        assert signals.stop_requested() == signals.signalled() == signal.SIGTERM  # a real signal wins
+    assert signals.stop_requested() is None
