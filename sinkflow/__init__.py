@@ -1,13 +1,14 @@
 """sinkflow: optimal-transport and flow-based generative models that run right the first time.
 
-The Python API (``sinkflow.api``): ``train`` / ``open_run`` for the whole pipeline, and the parts for a
+The Python API (``sinkflow.api``): ``train`` / ``resume`` / ``open_run`` for the whole pipeline, and the parts for a
 training loop of your own. Imports are lazy so ``import sinkflow`` stays light.
 """
 
 __version__ = "0.1.0"
 
 _API = {
-    "train": "sinkflow.api", "open_run": "sinkflow.api", "Run": "sinkflow.api",
+    "train": "sinkflow.api", "resume": "sinkflow.api", "open_run": "sinkflow.api", "Run": "sinkflow.api",
+    "Interrupted": "sinkflow.runtime.signals",
     "sinkhorn_velocity": "sinkflow.ot", "simulate_sinkhorn_flow": "sinkflow.ot", "w2": "sinkflow.ot",
     "build_model": "sinkflow.models", "build_distribution": "sinkflow.data", "euler": "sinkflow.methods.ode",
     "build_flow": "sinkflow.flows", "SinkflowError": "sinkflow.errors",

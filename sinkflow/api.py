@@ -135,15 +135,45 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     the same resolution, checks and one-line errors as the CLI (``SinkflowError``), through the same engine
     entry point (``sinkflow.engine.experiment.train_run``), no argument parsing. The run folder is
     ``runs_dir/name`` (default: preset, method and time). ``time_limit`` ("8h30m", "90m" or seconds): past it the
-    run stops at the next step with a checkpoint and raises ``Interrupted`` (its ``run_dir`` is the folder
-    ``sinkflow train --resume`` continues), as `sinkflow train --time-limit` does.
+    run stops at the next step with a checkpoint and raises ``sinkflow.Interrupted`` (its ``run_dir`` is the folder
+    ``resume`` continues), as `sinkflow train --time-limit` does.
     """
     from sinkflow import config
     from sinkflow.config.render import scalar
     from sinkflow.engine.experiment import train_run
 
-    short = {"device": device, "name": name}  # None: the run folder's own name, from the resolved method
-    dotted = [f"experiment.runs_dir={scalar(str(runs_dir))}"]
+    seconds = _seconds(time_limit)
+    short, dotted = _overrides(overrides, {"device": device, "name": name})  # name None: preset, method and time
+    cfg = config.resolve(preset, [f"experiment.runs_dir={scalar(str(runs_dir))}", *dotted], short)
+    # meta.json records this call: the process's argv is the script's or the notebook kernel's
+    call = _call_text(preset, {"runs_dir": str(runs_dir), "name": name, "device": device, **overrides})
+    return open_run(train_run(cfg, device=device, call=call, time_limit=seconds).dir)  # SinkflowError / Interrupted propagate
+
+
+def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | None = None, **overrides) -> Run:
+    """Continue the run folder ``path`` exactly as `sinkflow train --resume` does (finished phases skipped, the
+    same checks before anything is written) and return the finished ``Run``: the next session of a run that
+    ``train(..., time_limit=...)`` stopped. ``overrides``: the keys a resume may still change, as in ``train``."""
+    from sinkflow.engine.experiment import train_run
+
+    seconds = _seconds(time_limit)
+    short, dotted = _overrides(overrides, {"device": None if device == "auto" else device})
+    return open_run(train_run(resume=Path(path), overrides=dotted, shorthands=short, device=device,
+                              time_limit=seconds).dir)
+
+
+def _seconds(time_limit: str | float | None) -> float | None:
+    from sinkflow.runtime.signals import parse_duration
+
+    return None if time_limit is None else parse_duration(time_limit)
+
+
+def _overrides(overrides: dict, short: dict) -> tuple[dict, list[str]]:
+    """Keyword overrides as (shorthands, dotted ``key=value`` texts): a shorthand name (``train_iters``) or a dotted
+    key passed as a dict (``**{"pool.batches": 64}``), else one line naming both forms."""
+    from sinkflow import config
+
+    short, dotted = dict(short), []
     for key, value in overrides.items():
         if key in config.SHORTHANDS:
             short[key] = _plain(value)  # np.int64(5) / a 0-d tensor, as dotted keys take them
@@ -153,13 +183,7 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
             raise SinkflowError(f"unknown override {key!r}",
                                 f"use a dotted config key as a dict, e.g. **{{'pool.batches': 4}}, or one of "
                                 f"{', '.join(config.SHORTHANDS)}")
-    from sinkflow.runtime.signals import parse_duration
-
-    seconds = None if time_limit is None else parse_duration(time_limit)
-    cfg = config.resolve(preset, dotted, short)
-    # meta.json records this call: the process's argv is the script's or the notebook kernel's
-    call = _call_text(preset, {"runs_dir": str(runs_dir), "name": name, "device": device, **overrides})
-    return open_run(train_run(cfg, device=device, call=call, time_limit=seconds).dir)  # SinkflowError / Interrupted propagate
+    return short, dotted
 
 
 def _call_text(preset: str, given: dict) -> str:

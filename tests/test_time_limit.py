@@ -113,16 +113,26 @@ def test_a_bad_time_limit_is_refused_before_a_run_folder_exists(tmp_path, monkey
     assert not (tmp_path / "runs").exists()
 
 
-def test_the_python_api_takes_a_time_limit(tmp_path, monkeypatch):
+def test_the_python_api_stops_at_a_time_limit_and_resumes(tmp_path, monkeypatch):
+    """A notebook's chain: ``sinkflow.train(..., time_limit=)`` raises ``sinkflow.Interrupted`` with the run folder,
+    ``sinkflow.resume`` continues it (with an override a resume may change) and returns the finished run."""
     import sinkflow
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(Interrupted) as e:
-        sinkflow.train("moons", name="api", time_limit=1e-9, **{"experiment.device": "cpu", "pool.batches": 2,
-                                                                 "pool.batch_size": 32, "pool.chunk": 1})
+    with pytest.raises(sinkflow.Interrupted) as e:
+        sinkflow.train("moons", name="api", time_limit=1e-9, train_iters=4,
+                       **{"experiment.device": "cpu", "pool.batches": 2, "pool.batch_size": 32, "pool.chunk": 1})
     assert e.value.signum == TIME_LIMIT and e.value.run_dir.resolve() == tmp_path / "runs" / "api"
+    with pytest.raises(sinkflow.Interrupted):
+        sinkflow.resume(e.value.run_dir, time_limit=1e-9)
+    run = sinkflow.resume(e.value.run_dir, train_iters=6, time_limit="1h")
+    final = torch.load(run.dir / "checkpoints" / "velocity" / "final.pt", weights_only=True)
+    assert final["step"] == 6 and run.cfg["train"]["velocity"]["iters"] == 6
+    assert run.sample(16, steps=2).shape == (16, 2)
     with pytest.raises(SinkflowError, match="time limit"):
         sinkflow.train("moons", name="bad", time_limit="soon")
+    with pytest.raises(SinkflowError, match="unknown override 'iters'"):
+        sinkflow.resume(run.dir, iters=3)
     assert not (tmp_path / "runs" / "bad").exists()
 
 
