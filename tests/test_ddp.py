@@ -166,6 +166,18 @@ def test_ddp_matches_single_process_and_resumes_on_fewer(runs_dir):
     changes = json.loads((grown / "meta.json").read_text())["changes"]
     assert [(c["from"], c["to"], c["step"]) for c in changes if c["key"] == "world_size"] == [(1, 2, 6)]
 
+    # the time limit under torchrun: each rank's own clock, agreed as a signal is (the same step, one stop line, every
+    # rank's exit status 124)
+    limited = runs_dir / "limited"
+    shutil.copytree(runs_dir / "single", limited)
+    (limited / "checkpoints" / "velocity" / "final.pt").unlink()
+    out = _torchrun("--resume", str(limited), "--train-iters", "100000", "--no-report", "--time-limit", "4s", cwd=cwd)
+    assert out.stderr.count("stopped at the time limit in phase 'velocity'") == 1, out.stderr[-3000:]
+    assert re.findall(r"exitcode\s+: (-?\d+) \(pid", out.stderr) == ["124", "124"], out.stderr[-3000:]
+    status = json.loads((limited / "status.json").read_text())
+    assert status["state"] == "stopped" and status["signal"] == signal.SIGALRM and status["step"] > 6, status
+    assert (limited / "checkpoints" / "velocity" / f"step_{status['step']:08d}.pt").is_file()
+
     # the run's lock held by another process: rank 0's one line, and rank 1 stops with it in silence (it waited in a
     # barrier until the store closed, and its gloo traceback buried the line; then it printed the line again)
     from sinkflow.runtime.lock import lock_run, unlock_run
