@@ -574,7 +574,9 @@ def main(argv=None) -> None:
     grid_seed = args.grid_seed if args.grid_seed is not None else args.train_seeds[0]
     ref = b.get("ref_nfe", REF_NFE)
     png = grids(out, grid_seed, nfe, from_scores(out, grid_seed, nfe), ref)
-    split = json.loads((out / f"seed{args.train_seeds[0]}" / "nsgfpp" / "data_split.json").read_text())
+    seed_dir = out / f"seed{args.train_seeds[0]}"  # every method's runs share the split: any one of them records it
+    split = json.loads(next(seed_dir / m / "data_split.json" for m in ("nsgfpp", *BASELINES)
+                            if (seed_dir / m / "data_split.json").is_file()).read_text())
     head = [f"Command: `python benchmarks/mnist.py {' '.join(sys.argv[1:] if argv is None else argv)}`; machine "
             f"{platform.node()} ({os.cpu_count()} cores, {args.device}), torch {torch.__version__}; "
             f"{time.strftime('%Y-%m-%d %H:%M')}; this invocation's wall {(time.perf_counter() - start) / 60:.1f} min.",

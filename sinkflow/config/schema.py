@@ -587,6 +587,9 @@ METHOD_REGISTRY: dict[str, MethodSpec] = {
                 "nsf_pairs": Key("independent", Options("independent", "ot"), "NSGF++'s straight flow and time "
                                  "predictor pair their source and target samples independently (paper) or by an "
                                  "exact minibatch OT plan (as OT-CFM)"),
+                "nsf_init": Key("random", Options("random", "velocity"), "NSGF++'s straight flow starts from a "
+                                "fresh init (paper) or from the trained velocity network's weights (needs model.nsf "
+                                "equal to model.velocity)"),
                 "nsf_t_min": Key(0.0, Float(0, 1, hi_open=True), "NSGF++'s straight flow is trained on times t ~ "
                                  "U[nsf_t_min, 1): it only runs from the predictor's t_hat to 1, so 0 (paper) spends "
                                  "most of its steps on times it never sees"),

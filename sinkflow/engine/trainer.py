@@ -111,6 +111,9 @@ class Trainer:
         seed = run.cfg["experiment"]["seed"]
         seed_everything(int(phase_generator(seed, "init", self.name).initial_seed()))  # same init on every rank
         model = self._model if self._model is not None else build_phase_model(run.cfg, key, self.shape)
+        start = self.task.initial_weights(run)
+        if start is not None:  # a warm start from a finished phase (checked alike in the config's own check)
+            load_model_state(model, start, str(run.checkpoints(self.task.init_from).final_path), "initial weights")
         self.model = model.to(run.device)
         self.channels_last = use_channels_last(cfg, run.device, self.shape)
         if self.channels_last:  # NHWC convolutions (tensor cores) for 4-D image batches

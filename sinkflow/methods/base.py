@@ -59,9 +59,19 @@ class TrainingStep(Task):
     config sections ``train.<key>`` and ``model.<key>`` (the phase's name by default).
     """
 
-    def __init__(self, name: str, model_key: str | None = None):
+    def __init__(self, name: str, model_key: str | None = None, init_from: str | None = None):
         self.name = name
         self.model_key = model_key or name
+        self.init_from = init_from
+
+    def initial_weights(self, run) -> dict | None:
+        """The weights the phase starts from in place of a fresh init: with ``init_from``, that finished phase's
+        network (its EMA weights where it kept them; NSGF++'s ``nsgf.nsf_init: velocity``), else None. The Trainer
+        loads them before the EMA copy and the optimizer see the model; a resumed phase's checkpoint replaces them."""
+        if self.init_from is None:
+            return None
+        state = run.final_state(self.init_from)
+        return state["ema"] if state.get("ema") is not None else state["model"]
 
     def batch(self, generator: torch.Generator, n: int, device) -> Any:
         raise NotImplementedError

@@ -74,8 +74,9 @@ class InterpolantStep(TrainingStep):
     """Velocity matching on the straight path between ``source`` and ``target`` samples, paired
     independently or (``ot_pairs``) by an exact minibatch OT plan, at times t ~ U[t_min, 1)."""
 
-    def __init__(self, name: str, source, target, ot_pairs: bool = False, t_min: float = 0.0):
-        super().__init__(name)
+    def __init__(self, name: str, source, target, ot_pairs: bool = False, t_min: float = 0.0,
+                 init_from: str | None = None):
+        super().__init__(name, init_from=init_from)
         self.source, self.target, self.ot_pairs, self.t_min = source, target, ot_pairs, float(t_min)
 
     def draw(self, generator, n, device):

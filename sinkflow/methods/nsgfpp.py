@@ -6,7 +6,8 @@ Phases, each resumable with its own model, optimizer and config section:
 2. ``velocity`` NSGF velocity matching on the pool (nsgf's phase), network ``model.velocity``;
 3. ``nsf``      Neural Straight Flow: velocity matching on X_t = t Y + (1 - t) X0 with *independent*
                 noise/data pairs (plain FM, sigma = 0), network ``model.nsf``, at t ~ U[nsgf.nsf_t_min, 1)
-                (sampling only runs it from t_hat to 1);
+                (sampling only runs it from t_hat to 1); from a fresh init (the paper's), or with
+                ``nsgf.nsf_init: velocity`` from the trained velocity network's weights;
 4. ``time``     the phase-transition predictor: regress t from the same X_t (MSE, sigmoid output),
                 network ``model.time``.
 
@@ -61,6 +62,12 @@ def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
         raise SinkflowError(f"sample.nsf_steps={cfg['sample']['nsf_steps']} must be >= 1", "e.g. sample.nsf_steps=50")
     check_nsgf_steps(cfg)
     check_pool_fits(cfg["pool"], sample_shape)
+    if cfg["nsgf"]["nsf_init"] == "velocity" and cfg["model"]["nsf"] != cfg["model"]["velocity"]:
+        differ = sorted(k for k in {*cfg["model"]["nsf"], *cfg["model"]["velocity"]}
+                        if cfg["model"]["nsf"].get(k) != cfg["model"]["velocity"].get(k))
+        raise SinkflowError(f"nsgf.nsf_init=velocity starts the straight flow from the velocity network, but "
+                            f"model.nsf and model.velocity differ in {', '.join(differ)}",
+                            "give both the same model keys, or set nsgf.nsf_init=random")
 
 
 def check_nsgf_steps(cfg: dict) -> None:
@@ -169,7 +176,8 @@ class NSGFPlusPlus(Method):
         check(cfg, tuple(target.shape))
         ot_pairs = cfg["nsgf"]["nsf_pairs"] == "ot"
         return [nsgf.pool_task(cfg, source, target), nsgf.PoolVelocityStep(),
-                InterpolantStep("nsf", source, target, ot_pairs=ot_pairs, t_min=cfg["nsgf"]["nsf_t_min"]),
+                InterpolantStep("nsf", source, target, ot_pairs=ot_pairs, t_min=cfg["nsgf"]["nsf_t_min"],
+                                init_from="velocity" if cfg["nsgf"]["nsf_init"] == "velocity" else None),
                 TimeStep(source, target, ot_pairs=ot_pairs)]
 
     def default_steps(self, cfg: dict) -> int:
