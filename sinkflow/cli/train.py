@@ -14,10 +14,11 @@ def add_parser(sub):
     p = sub.add_parser(
         "train", help="train an experiment (every phase, resumable)",
         description="Train every phase of an experiment. Checkpoints at the end of every phase and every "
-                    "train.*.ckpt_every steps; SIGTERM/SIGINT checkpoint before exiting.",
+                    "train.*.ckpt_every steps; SIGTERM/SIGINT (and --time-limit) checkpoint before exiting.",
         epilog="examples:\n  sinkflow train                       # NSGF, 8gaussians -> moons\n"
                "  sinkflow train moons --train-iters 2000 pool.eta=0.05\n"
-               "  sinkflow train --resume runs/moons-nsgf-20261122-120000",
+               "  sinkflow train --resume runs/moons-nsgf-20261122-120000\n"
+               "  sinkflow train mnist --time-limit 8h30m    # stop with a checkpoint before a 9-hour session ends",
         formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     add_config_args(p)
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run: finished phases are skipped")
