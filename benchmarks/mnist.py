@@ -83,8 +83,9 @@ SCALES = {
     # it learns (2-3 %) as the preset's 40k steps do. The NSF starts from the trained velocity network
     # (nsgf.nsf_init velocity; the preset's, the paper's, is a fresh init): on validation 5 lower at every NFE (seeds
     # 0-1, 2026-11-28 evening), and nsf_t_min 0.3 beside it no better (RESULTS.md "The straight flow from the
-    # velocity network").
-    "cpu": {"channels": 8, "velocity": 1600, "nsf": 1600, "time": 200, "pool": 6, "batch": 32, "n": 200,
+    # velocity network"); with that start the split moved to 2000 + 1200 (validation 2 lower at every NFE than
+    # 1600 + 1600: the NSF inherits the velocity network's steps).
+    "cpu": {"channels": 8, "velocity": 2000, "nsf": 1200, "time": 200, "pool": 6, "batch": 32, "n": 200,
             "val_n": 100, "nsgfpp": ("sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001",
                                      "nsgf.segment=1.0", "nsgf.nsf_init=velocity")},
     # The CPU table until 2026-11-28: 500 UNet steps (300 velocity + 200 NSF), about 23 minutes with --workers 2.
