@@ -97,11 +97,11 @@ def parse_duration(text: str | float | int) -> float:
         seconds = float(text)
     else:
         s = str(text).strip().lower()
-        clock = re.fullmatch(r"(\d+)-(\d+):(\d+):(\d+)|(\d+):(\d+):(\d+):(\d+)|()(\d+):(\d+):(\d+)", s)
+        clock = re.fullmatch(r"(?:(\d+)-)?((?:\d+:){2,3}\d+)", s)
         units = re.findall(r"(\d+(?:\.\d+)?)([dhms])", s)
-        if clock:  # HH:MM:SS, Slurm's D-HH:MM:SS, Lightning's DD:HH:MM:SS
-            d, h, m, sec = (int(p or 0) for p in [g for g in clock.groups() if g is not None])
-            seconds = float(d * 86400 + h * 3600 + m * 60 + sec)
+        if clock and not (clock[1] and clock[2].count(":") == 3):  # HH:MM:SS, D-HH:MM:SS, DD:HH:MM:SS
+            *days, h, m, sec = map(int, clock[2].split(":"))
+            seconds = float((int(clock[1] or 0) + sum(days)) * 86400 + h * 3600 + m * 60 + sec)
         elif re.fullmatch(r"\d+(?:\.\d+)?", s):
             seconds = float(s)
         elif units and "".join(n + u for n, u in units) == s and len({u for _, u in units}) == len(units):
@@ -109,7 +109,7 @@ def parse_duration(text: str | float | int) -> float:
         else:
             raise SinkflowError(f"time limit {text!r} is not a duration",
                                 "write it like 8h30m, 90m, 2.5h, 45s, 3600 (seconds) or 08:30:00")
-    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+    if not 0 < seconds < float("inf"):  # NaN fails too
         raise SinkflowError(f"time limit {text!r} must be a positive, finite duration",
                             "give the time this session may train, e.g. 8h30m for a 9-hour Kaggle session")
     return seconds
