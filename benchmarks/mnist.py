@@ -575,6 +575,9 @@ def main(argv=None) -> None:
         for j in jobs:
             bench_seed(*j)
     per_seed = [from_scores(out, s, nfe) for s in args.train_seeds]  # every method's scores, whoever made them
+    if not any(m for r in per_seed for m in r["scores"].values()):
+        sys.exit(f"no scored run of seeds {' '.join(map(str, args.train_seeds))} under {out}: run without "
+                 "--report-only first (or pass the --out of a finished invocation)")
     grid_seed = args.grid_seed if args.grid_seed is not None else args.train_seeds[0]
     ref = b.get("ref_nfe", REF_NFE)
     png = grids(out, grid_seed, nfe, from_scores(out, grid_seed, nfe), ref)

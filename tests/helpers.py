@@ -27,6 +27,30 @@ def cli(*args, cwd, timeout=300, env=None):
                           timeout=timeout, env=full_env)
 
 
+def error_line(rc: int, err: str, *needles: str, alone: bool = False) -> str:
+    """The one ``sinkflow: error:`` line of a refused command: exit 2, no traceback, every needle in that line.
+    Progress logs may precede it; ``alone``: nothing else on stderr."""
+    assert rc == 2, err
+    lines = [line for line in err.splitlines() if (line.strip() if alone else "error" in line.lower())]
+    assert len(lines) == 1 and lines[0].startswith("sinkflow: error: "), err
+    assert "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def run_main(capsys, *argv) -> tuple[int, str]:
+    """``sinkflow.cli.main(argv)`` in this process: (exit code, stderr). argparse's own errors exit through
+    SystemExit (one line, by sinkflow.cli.Parser): their code is returned the same way."""
+    from sinkflow.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(list(argv))
+    except SystemExit as exc:
+        rc = exc.code
+    return rc, capsys.readouterr().err
+
 def snapshot(folder: Path) -> dict:
     """Every saved file under a run folder with its size and mtime: to prove nothing was overwritten.
     status.json is left out: it is the heartbeat, rewritten by every attempt (that is its job)."""

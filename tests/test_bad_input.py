@@ -3,16 +3,11 @@
 import numpy as np
 import pytest
 
-from helpers import TINY_2D, cli, snapshot
+from helpers import TINY_2D, cli, error_line, snapshot
 
 
 def one_line_error(result, *needles):
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if "error" in line.lower()]
-    assert len(lines) == 1 and lines[0].startswith("sinkflow: error: "), result.stderr  # progress logs may precede it
-    assert "Traceback" not in result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+    error_line(result.returncode, result.stderr, *needles)
 
 
 @pytest.fixture(scope="module")

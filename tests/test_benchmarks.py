@@ -853,6 +853,14 @@ def test_smoke_mnist_a_baseline_alone(mnist_bench, mnist_quick, tmp_path):
     assert "| FM (warped) | 3 |" in table and "NSGF++ | 3" not in table and not (alone / "seed0" / "nsgfpp").exists()
 
 
+def test_mnist_report_only_without_a_scored_run_says_so_in_one_line(mnist_bench, tmp_path):
+    (tmp_path / "MNIST" / "raw").mkdir(parents=True)
+    with pytest.raises(SystemExit) as stop:
+        mnist_bench.main(["--scale", "quick", "--out", str(tmp_path / "empty"), "--data-root", str(tmp_path),
+                          "--train-seeds", "0", "--report-only"])
+    assert str(stop.value).startswith("no scored run of seeds 0 under ") and "\n" not in str(stop.value)
+
+
 @pytest.mark.slow
 def test_smoke_mnist_probes(mnist_quick, capsys):
     out, _ = mnist_quick

@@ -1,6 +1,6 @@
 """``nsgf.nsf_init: velocity``: NSGF++'s straight flow starts from the trained velocity network (on the real MNIST
-shape, (N, 1, 28, 28)), a resume inside the NSF phase continues from its own checkpoint bit-for-bit, and networks
-that differ are refused before a run folder exists."""
+shape, (N, 1, 28, 28)), a resume inside the NSF phase continues from its own checkpoint bit-for-bit (without reading
+the velocity network first), and networks that differ are refused before a run folder exists."""
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ import torch
 from test_images import TINY_UNET, fresh_distributions, setup_data  # noqa: F401  (the fixture, for this module too)
 from sinkflow import config
 from sinkflow.engine.experiment import train_run
+from sinkflow.methods.base import TrainingStep
 from sinkflow.runtime.callbacks import Callback
 from sinkflow.runtime.signals import Interrupted
 
@@ -51,7 +52,12 @@ def test_the_straight_flow_starts_from_the_velocity_network_and_resumes_bit_equa
     cut = AtNSFStart(stop_at=2)
     with pytest.raises(Interrupted):
         train_run(config.resolve("mnist", [*OVERRIDES, *extra, "experiment.name=cut"], SHORT), callbacks=[cut])
+    asked = []  # a phase resumed from its own checkpoint does not read the velocity network's final.pt first
+    warm_start = TrainingStep.initial_weights
+    monkeypatch.setattr(TrainingStep, "initial_weights",
+                        lambda task, run: asked.append(task.name) or warm_start(task, run))
     train_run(resume=tmp_path / "runs" / "cut")
+    assert "nsf" not in asked
     a, b = final(tmp_path / "runs" / "whole", "nsf"), final(tmp_path / "runs" / "cut", "nsf")
     assert a["step"] == b["step"] == 4
     for k in a["model"]:

@@ -15,27 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import TINY_2D, cli, nan_gradient_phase, read_only, snapshot, train_in
+from helpers import TINY_2D, cli, nan_gradient_phase, read_only, run_main, snapshot, train_in
+from helpers import error_line as one_line
 from sinkflow import config as config_mod
 from sinkflow.cli import main
 from sinkflow.errors import SinkflowError
 from sinkflow.runtime.run_folder import RunFolder
-
-
-def one_line(rc, err, *needles):
-    assert rc == 2, err
-    lines = [line for line in err.splitlines() if "error" in line.lower()]
-    assert len(lines) == 1 and lines[0].startswith("sinkflow: error: "), err
-    assert "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
-def run_main(capsys, *argv):
-    capsys.readouterr()
-    rc = main(list(argv))
-    return rc, capsys.readouterr().err
 
 
 def full_snapshot(run):

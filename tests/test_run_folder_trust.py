@@ -12,27 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import TINY_2D, bytes_snapshot, read_only
+from helpers import TINY_2D, bytes_snapshot, error_line, read_only, run_main
 from sinkflow.cli import main
 
 
 def one_line(rc, err, *needles):
-    assert rc == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("sinkflow: error: "), err
-    assert "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
-def run_main(capsys, *argv):
-    capsys.readouterr()
-    try:
-        rc = main(list(argv))
-    except SystemExit as exc:  # argparse's own errors (printed as one line by sinkflow.cli.Parser)
-        rc = exc.code
-    return rc, capsys.readouterr().err
+    return error_line(rc, err, *needles, alone=True)
 
 
 @pytest.fixture

@@ -67,7 +67,8 @@ class TrainingStep(Task):
     def initial_weights(self, run) -> dict | None:
         """The weights the phase starts from in place of a fresh init: with ``init_from``, that finished phase's
         network (its EMA weights where it kept them; NSGF++'s ``nsgf.nsf_init: velocity``), else None. The Trainer
-        loads them before the EMA copy and the optimizer see the model; a resumed phase's checkpoint replaces them."""
+        loads them before the EMA copy and the optimizer see the model; a phase resumed from its own checkpoint does
+        not ask for them."""
         if self.init_from is None:
             return None
         state = run.final_state(self.init_from)
