@@ -151,6 +151,20 @@ def test_eval_takes_sample_overrides_and_its_record_names_them(runs_dir, capsys)
     assert len(err) == 1 and "moons is not an image set, so it has no validation split" in err[0] and len(evals()) == 2
 
 
+def test_an_ema_that_keeps_its_start_is_warned_about(runs_dir, caplog):
+    """EMA 0.9 over 30 steps keeps 0.9^29 = 4.7 % of the first step's weights in the sampler's model: said before the
+    first step, with the largest decay that keeps under 1 % (0.01^(1/29) = 0.85317, to 4 decimals down); 0.8 keeps
+    0.15 % and is not warned about."""
+    args = ["train", "moons", "--method", "fm", "--train-iters", "30", "--batch-size", "8", "--device", "cpu",
+            "--no-report"]
+    with caplog.at_level("WARNING"):
+        assert main([*args, "train.velocity.ema=0.9", "--name", "e9"]) == 0
+        assert main([*args, "train.velocity.ema=0.8", "--name", "e8"]) == 0
+    warned = [r.getMessage() for r in caplog.records if "ema" in r.getMessage()]
+    assert warned == ["train.velocity.ema=0.9 over train.velocity.iters=30 keeps 4.7 % of the first step's weights in "
+                      "the averaged model the sampler uses; set train.velocity.ema=0.8531 or lower, or train longer"]
+
+
 def test_a_warmup_as_long_as_the_run_is_warned_about(runs_dir, caplog):
     """`--train-iters 4` under warmup 5 ends still warming up (the cosine never decays): said before the first step;
     warmup 3 is not warned about."""

@@ -9,10 +9,27 @@ mirror of "has it started", read from the device once, when a checkpoint is load
 
 from __future__ import annotations
 
+import math
 from itertools import chain
 
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+
+# the share of the first step's weights still in the average at the last step above which the Trainer warns
+START_SHARE = 0.01
+
+
+def first_step_share(decay: float, iters: int) -> float:
+    """The weight the first step's model keeps in the average after ``iters`` steps: ``decay ** (iters - 1)`` (the
+    first update copies the weights). sinkflow's EMA has no warm-up, so a decay meant for a long run (0.9999 over
+    20k steps: 13.5 %) leaves a short run's sampler near its starting weights."""
+    return decay ** max(iters - 1, 0) if decay > 0 else 0.0
+
+
+def largest_decay(iters: int, share: float = START_SHARE) -> float:
+    """The largest decay of 4 decimals whose first-step share after ``iters`` steps stays at or under ``share``."""
+    return math.floor(share ** (1 / max(iters - 1, 1)) * 1e4 - 1e-6) / 1e4  # below an exact bound's rounding
 
 
 class EMA(AveragedModel):

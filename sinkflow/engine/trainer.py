@@ -32,7 +32,7 @@ from sinkflow.runtime.callbacks import Callback, ProgressBar
 from sinkflow.runtime.checkpoint import rng_state, set_rng_state
 from sinkflow.engine import fast_path
 from sinkflow.engine.divergence import DivergenceGuard
-from sinkflow.engine.ema import EMA
+from sinkflow.engine.ema import EMA, START_SHARE, first_step_share, largest_decay
 from sinkflow.engine.finite import NonFiniteGuard, optimizer_steps, skips_on_device
 from sinkflow.engine.health import Health
 from sinkflow.engine.prefetch import BatchPrefetcher, use_prefetch
@@ -133,6 +133,11 @@ class Trainer:
             log.warning("train.%s.warmup=%d >= train.%s.iters=%d: the rate is still warming up at the last step "
                         "(%s never decays); lower train.%s.warmup", key, cfg["warmup"], key, cfg["iters"],
                         cfg.get("schedule", "constant"), key)
+        remains = first_step_share(cfg["ema"], cfg["iters"])
+        if remains > START_SHARE and self.info.is_main:  # the sampler's model would sit silently near the phase's start
+            log.warning("train.%s.ema=%g over train.%s.iters=%d keeps %.1f %% of the first step's weights in the "
+                        "averaged model the sampler uses; set train.%s.ema=%g or lower, or train longer", key,
+                        cfg["ema"], key, cfg["iters"], 100 * remains, key, largest_decay(cfg["iters"]))
         self.ema = None
         if cfg["ema"] > 0:
             self.ema = EMA(self.model, cfg["ema"])

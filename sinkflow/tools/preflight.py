@@ -103,7 +103,9 @@ def tiny_overrides(real: dict, runs_dir: Path, name: str) -> list[str]:
     for sec in _train_sections(real):
         want.update({f"train.{sec}.log_every": 1, f"train.{sec}.ckpt_every": 1000, f"train.{sec}.hist_every": 2,
                      # a warmup still running at the tiny last step warns (once per phase run): warm up, but end
-                     f"train.{sec}.warmup": min(real["train"][sec].get("warmup", 0), TINY_ITERS - 1)})
+                     f"train.{sec}.warmup": min(real["train"][sec].get("warmup", 0), TINY_ITERS - 1),
+                     # and an EMA that keeps its start over the tiny run warns: average, but forget the start
+                     f"train.{sec}.ema": min(real["train"][sec].get("ema", 0.0), 0.05)})
     for key, value in want.items():
         if key in flat:
             out.append(f"{key}={value}")
