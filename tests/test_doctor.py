@@ -334,7 +334,8 @@ def test_doctor_on_an_unfinished_run_says_its_sampling_was_not_checked(tmp_path)
 
 def test_the_scratch_phases_before_the_checked_one_warn_about_nothing_the_user_set(runs_dir, caplog):
     """doctor / lr-find build earlier phases in 2 steps: the digits preset's 50 warm-up steps over them printed
-    "warmup=50 >= iters=2 ... lower train.velocity.warmup", about a config the user never wrote."""
+    "warmup=50 >= iters=2 ... lower train.velocity.warmup", about a config the user never wrote (and its EMA of 0.99
+    would keep 99 % of the first step's weights)."""
     import logging
 
     from sinkflow import config
@@ -345,7 +346,19 @@ def test_the_scratch_phases_before_the_checked_one_warn_about_nothing_the_user_s
     with caplog.at_level(logging.WARNING):
         run, trainer = workspace(cfg, "nsf", runs_dir)
     run.logger.close()
-    assert trainer.name == "nsf" and not [r.message for r in caplog.records if "warmup" in r.message]
+    assert trainer.name == "nsf"
+    assert not [r.message for r in caplog.records if "warmup" in r.message or ".ema=" in r.message]
+
+
+def test_a_cut_phase_keeps_its_warm_up_and_ema_shortened():
+    from sinkflow import config
+    from sinkflow.engine.ema import START_SHARE, first_step_share
+    from sinkflow.tools.phases import quiet_cut
+
+    digits, moons = config.resolve("digits", [], {"device": "cpu"}), config.resolve("moons", [], {"device": "cpu"})
+    assert quiet_cut(digits, "nsf", 3) == ["train.nsf.warmup=2", "train.nsf.ema=0.0999"]
+    assert first_step_share(0.0999, 3) <= START_SHARE < first_step_share(0.1, 3)
+    assert quiet_cut(moons, "velocity", 2) == ["train.velocity.warmup=0", "train.velocity.ema=0.0"]
 
 
 def test_the_doctor_prints_its_findings_not_its_scratch_runs(runs_dir, capsys, monkeypatch):

@@ -413,6 +413,19 @@ def test_bench_throughput_reports_rates_wait_and_peak_fraction(runs_dir, capsys,
     assert not runs_dir.exists()
 
 
+def test_bench_cuts_the_phases_without_warnings_about_the_users_config(runs_dir, caplog):
+    """bench cuts every phase to a few steps: the digits preset's warm-up of 50 and EMA of 0.99 over them printed four
+    warnings about settings that are right for the real run (the cut keeps both on the step's path, shortened)."""
+    import logging
+
+    from sinkflow.cli import main
+
+    with caplog.at_level(logging.WARNING):
+        assert main(["bench", "--throughput", "digits", "--batch-size", "4", "--steps", "2", "--warmup", "1",
+                     "--device", "cpu", "pool.batch_size=16"]) == 0
+    assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_bench_windows_end_before_the_phase_log_step(runs_dir, monkeypatch):
     """The engine's own callbacks do a log step's work (weight snapshot, histograms, a captured step's probe
     forward) before a measuring callback's hook runs: no measured window may hold that step, nor a histogram step

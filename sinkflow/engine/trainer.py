@@ -113,7 +113,8 @@ class Trainer:
         model = self._model if self._model is not None else build_phase_model(run.cfg, key, self.shape)
         # a warm start from a finished phase (checked alike in the config's own check); a phase resumed from its own
         # step checkpoint does not read it: that checkpoint replaces the weights (150 MB for the CIFAR-10 UNet)
-        start = None if run.checkpoints(self.name).steps() else self.task.initial_weights(run)
+        resumed = self.task.init_from is not None and bool(run.checkpoints(self.name).steps())
+        start = None if resumed else self.task.initial_weights(run)
         if start is not None:
             load_model_state(model, start, str(run.checkpoints(self.task.init_from).final_path), "initial weights")
         self.model = model.to(run.device)
@@ -134,7 +135,7 @@ class Trainer:
                         "(%s never decays); lower train.%s.warmup", key, cfg["warmup"], key, cfg["iters"],
                         cfg.get("schedule", "constant"), key)
         remains = first_step_share(cfg["ema"], cfg["iters"])
-        if remains > START_SHARE and self.info.is_main:  # the sampler's model would sit silently near the phase's start
+        if cfg["iters"] > 1 and remains > START_SHARE and self.info.is_main:  # a sampler near the phase's start
             log.warning("train.%s.ema=%g over train.%s.iters=%d keeps %.1f %% of the first step's weights in the "
                         "averaged model the sampler uses; set train.%s.ema=%g or lower, or train longer", key,
                         cfg["ema"], key, cfg["iters"], 100 * remains, key, largest_decay(cfg["iters"]))

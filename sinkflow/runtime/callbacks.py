@@ -80,14 +80,18 @@ LEARNING_LOG = "sinkflow.learning"  # warnings that a run did not learn (NSGF++'
 
 
 @contextlib.contextmanager
-def quiet():
+def quiet(chatter: bool = True):
     """No progress bars and no INFO chatter while a tool (preflight, doctor, lr-find) trains its tiny scratch runs:
     their bars (a 1e9-step loop stopped by the tool) and pool lines are not the user's. Warnings about the config
-    still print; those that a run did not learn (``LEARNING_LOG``) do not: a 3-step scratch run never does."""
+    still print; those that a run did not learn (``LEARNING_LOG``) do not: a 3-step scratch run never does.
+    ``chatter=False`` mutes only those (bench: the bars and speed lines of its cut runs are what it reports on)."""
     env = os.environ.get("SINKFLOW_PROGRESS")
-    loggers = {logging.getLogger("sinkflow"): logging.WARNING, logging.getLogger(LEARNING_LOG): logging.ERROR}
+    loggers = {logging.getLogger(LEARNING_LOG): logging.ERROR}
+    if chatter:
+        loggers[logging.getLogger("sinkflow")] = logging.WARNING
     levels = {lg: lg.level for lg in loggers}
-    os.environ["SINKFLOW_PROGRESS"] = "0"
+    if chatter:
+        os.environ["SINKFLOW_PROGRESS"] = "0"
     for lg, level in loggers.items():
         lg.setLevel(level)
     try:

@@ -11,8 +11,9 @@ import torch
 
 from sinkflow import config, data, methods
 from sinkflow.engine.experiment import run_phases
-from sinkflow.runtime.callbacks import Callback
+from sinkflow.runtime.callbacks import Callback, quiet
 from sinkflow.runtime.run_folder import RunFolder
+from sinkflow.tools.phases import quiet_cut
 from sinkflow.tools.throughput import batch_rows
 
 
@@ -78,13 +79,15 @@ def run_cut(cfg: dict, total: int, callbacks: list, log_every: int | None = None
     measured window)."""
     overrides = []
     for name in cfg["train"]:
-        overrides += [f"train.{name}.iters={total}", f"train.{name}.ckpt_every={10 * total}",
+        overrides += [f"train.{name}.iters={total}", *quiet_cut(cfg, name, total),
+                      f"train.{name}.ckpt_every={10 * total}",
                       f"train.{name}.log_every={log_every or total}", f"train.{name}.hist_every=0"]
     with tempfile.TemporaryDirectory(prefix="sinkflow-bench-") as tmp:
         cfg = config.apply_overrides(cfg, [*overrides, f"experiment.runs_dir={tmp}", "experiment.name=bench"])
         run = RunFolder.create(cfg)
         source, target = data.distributions(cfg)
-        run_phases(run, methods.of(cfg).phases(cfg, source, target), callbacks=callbacks)
+        with quiet(chatter=False):  # a phase cut to a few steps has not learned: not news about the user's config
+            run_phases(run, methods.of(cfg).phases(cfg, source, target), callbacks=callbacks)
         run.logger.close()
 
 

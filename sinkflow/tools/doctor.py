@@ -614,7 +614,7 @@ def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = OVE
     from pathlib import Path
 
     from sinkflow import data, methods
-    from sinkflow.tools.phases import open_run_phase, train_phase_names, workspace
+    from sinkflow.tools.phases import open_run_phase, quiet_cut, train_phase_names, workspace
 
     findings: list[Finding] = []
     if run_dir is not None:
@@ -640,7 +640,7 @@ def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = OVE
 
             tiny = [f"experiment.runs_dir={Path(workdir) / 'full'}", "experiment.name=tiny", "pool.batches=1",
                     f"pool.steps={min(cfg['pool']['steps'], 3)}", "pool.in_flight=0"]
-            tiny += [f"train.{k}.iters=2" for k in cfg["train"]]
+            tiny += [o for k in cfg["train"] for o in (f"train.{k}.iters=2", *quiet_cut(cfg, k, 2))]
             from sinkflow import config as config_mod
             from sinkflow.runtime.run_folder import RunFolder
 

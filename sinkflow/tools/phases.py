@@ -28,6 +28,17 @@ class StopBeforeFirstStep(Callback):
         trainer.stop()
 
 
+def quiet_cut(cfg: dict, key: str, iters: int) -> list[str]:
+    """The overrides that let ``train.<key>`` be cut to ``iters`` steps (a tool's scratch run: preflight, doctor,
+    lr-find, bench) without the warnings about a long run's settings the cut would draw: a warm-up still running at
+    the last step, an EMA that keeps its first step's weights. Both stay on the step's path, shortened."""
+    from sinkflow.engine.ema import largest_decay
+
+    train = cfg["train"][key]
+    return [f"train.{key}.warmup={min(train.get('warmup', 0), max(iters - 1, 0))}",
+            f"train.{key}.ema={min(train.get('ema', 0.0), largest_decay(iters))}"]
+
+
 def ready_trainer(run, task):
     """``task``'s Trainer set up as its own loop would, with its first batch in ``trainer.batch``; no step
     is taken."""
@@ -84,8 +95,8 @@ def workspace(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: in
             if ph.name == phase_name:
                 ov += [f"train.{k}.iters={FOREVER}", f"train.{k}.log_every={FOREVER}", f"train.{k}.ckpt_every={FOREVER}"]
             elif not _later(phases, ph.name, phase_name):
-                # no warm-up: a preset's 50 warm-up steps over these 2 drew a warning about the user's config
-                ov += [f"train.{k}.iters={prior_iters}", f"train.{k}.warmup=0", f"train.{k}.ckpt_every={FOREVER}"]
+                ov += [f"train.{k}.iters={prior_iters}", *quiet_cut(cfg, k, prior_iters),
+                       f"train.{k}.ckpt_every={FOREVER}"]
     cfg = config_mod.apply_overrides(cfg, ov + list(overrides or []))
     run = RunFolder.create(cfg)
     for ph in _phases(cfg):
