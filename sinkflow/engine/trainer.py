@@ -130,15 +130,9 @@ class Trainer:
                                           **adam_kernel(run.device))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(cfg.get("schedule", "constant"), cfg["warmup"], cfg["iters"], key))
-        if cfg["warmup"] >= cfg["iters"] and self.info.is_main:  # `--train-iters 40` under a preset's warmup 50
-            log.warning("train.%s.warmup=%d >= train.%s.iters=%d: the rate is still warming up at the last step "
-                        "(%s never decays); lower train.%s.warmup", key, cfg["warmup"], key, cfg["iters"],
-                        cfg.get("schedule", "constant"), key)
-        remains = first_step_share(cfg["ema"], cfg["iters"])
-        if cfg["iters"] > 1 and remains > START_SHARE and self.info.is_main:  # a sampler near the phase's start
-            log.warning("train.%s.ema=%g over train.%s.iters=%d keeps %.1f %% of the first step's weights in the "
-                        "averaged model the sampler uses; set train.%s.ema=%g or lower, or train longer", key,
-                        cfg["ema"], key, cfg["iters"], 100 * remains, key, largest_decay(cfg["iters"]))
+        if self.info.is_main:
+            for line in too_short(cfg, key):
+                log.warning("%s", line)
         self.ema = None
         if cfg["ema"] > 0:
             self.ema = EMA(self.model, cfg["ema"])
@@ -533,6 +527,24 @@ class Trainer:
 
 class NonFiniteStep(SinkflowError):
     """A step stopped before a non-finite loss or gradient was applied (lr-find records it as a gap)."""
+
+
+def too_short(train: dict, key: str) -> list[str]:
+    """What ``train.<key>`` sets that its own ``iters`` are too few for, one line each with the fix: a warm-up still
+    running at the last step (`--train-iters 40` under a preset's warm-up of 50), an EMA keeping more than
+    ``START_SHARE`` of the first step's weights in the model the sampler uses. The Trainer warns with them before the
+    first step; preflight reports them on the real config (its own cut runs are shortened: tools.phases.quiet_cut)."""
+    lines, iters = [], train["iters"]
+    if train["warmup"] >= iters:
+        lines.append(f"train.{key}.warmup={train['warmup']} >= train.{key}.iters={iters}: the rate is still warming "
+                     f"up at the last step ({train.get('schedule', 'constant')} never decays); "
+                     f"lower train.{key}.warmup")
+    remains = first_step_share(train["ema"], iters)
+    if iters > 1 and remains > START_SHARE:
+        lines.append(f"train.{key}.ema={train['ema']:g} over train.{key}.iters={iters} keeps {100 * remains:.1f} % of "
+                     f"the first step's weights in the averaged model the sampler uses; set train.{key}.ema="
+                     f"{largest_decay(iters):g} or lower, or train longer")
+    return lines
 
 
 def check_step_graph(cfg: dict, key: str, world: int, compile_mode: str | None, skips_on_device: bool) -> None:

@@ -132,6 +132,21 @@ def machine_check(report: Report, real: dict, shape: tuple[int, ...]) -> None:
     report.add("this machine", "config", True, f"room for the run under {real['experiment']['runs_dir']}")
 
 
+def length_check(report: Report, real: dict, phases) -> None:
+    """Settings of the real run that its own length is too short for (``trainer.too_short``: a warm-up that never
+    ends, an EMA that keeps its start), one failed check each with the fix; the tiny runs never show them."""
+    from sinkflow.engine.trainer import too_short
+    from sinkflow.methods.base import TrainingStep
+
+    steps = {ph.name: ph.model_key for ph in phases if isinstance(ph, TrainingStep)}
+    bad = {name: too_short(real["train"][key], key) for name, key in steps.items()}
+    for name, lines in bad.items():
+        if lines:
+            report.add("settings fit the run's length", name, False, "; ".join(lines))
+    if steps and not any(bad.values()):
+        report.add("settings fit the run's length", "config", True, "warm-up and EMA of " + ", ".join(steps))
+
+
 def bf16_check(report: Report, real: dict, card: str) -> None:
     """An explicit ``precision=bf16`` (a training phase's, or ``sample.precision``) on a card without bf16 tensor
     cores (a T4: compute capability 7.5) gets none of the speed it is chosen for; the plan above halved its
@@ -423,6 +438,7 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
             report.add("phases build", "config", True, ", ".join(p.name for p in phases) +
                        f"; data shape {tuple(target.shape)}")
             machine_check(report, real, tuple(target.shape))
+            length_check(report, real, phases)
             reach_checks(report, real, phases, overrides, shorthands)
             run_tiny(report, real, workdir)
             if memory:
