@@ -51,6 +51,7 @@ def run_main(capsys, *argv) -> tuple[int, str]:
         rc = exc.code
     return rc, capsys.readouterr().err
 
+
 def snapshot(folder: Path) -> dict:
     """Every saved file under a run folder with its size and mtime: to prove nothing was overwritten.
     status.json is left out: it is the heartbeat, rewritten by every attempt (that is its job)."""
