@@ -169,3 +169,15 @@ def test_a_setting_the_run_is_too_short_for_is_warned_about(runs_dir, caplog, it
         assert main([*args, warned_key, "--name", "warned"]) == 0
         assert main([*args, quiet_key, "--name", "quiet"]) == 0
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [line]
+
+
+def test_pool_seed_fixes_the_pool_across_experiment_seeds(runs_dir):
+    """pool.seed draws the pool; experiment.seed still seeds the network: two runs of different experiment seeds on
+    one pool.seed hold the same pool and train different networks, and a pool.seed of null is experiment.seed's."""
+    assert train("a", "moons", "experiment.seed=1", "--no-report") == 0
+    assert train("b", "moons", "experiment.seed=2", "pool.seed=1", "--no-report") == 0
+    assert train("c", "moons", "experiment.seed=2", "--no-report") == 0
+    a, b, c = (np.load(runs_dir / r / "pool" / "x.npy") for r in "abc")
+    assert np.array_equal(a, b) and not np.array_equal(b, c)
+    wa, wb = (torch.load(runs_dir / r / "checkpoints/velocity/final.pt", weights_only=True)["model"] for r in "ab")
+    assert any(not torch.equal(wa[k], wb[k]) for k in wa)

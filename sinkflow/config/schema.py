@@ -354,6 +354,8 @@ POOL_KEYS = {
     "chunk": Key(50, POS_INT, "pool batches per resumable chunk"),
     "in_flight": Key(0, NONNEG_INT, "pool batches solved at once (at most pool.chunk); 0 = chosen from the "
                      "memory budget"),
+    "seed": Key(None, Int(0, 2**63 - 1), "seed of the pool's source and target draws (null: experiment.seed); fix it "
+                "to train networks of several experiment seeds on one pool", nullable=True),
     "ram_gb": Key(8.0, POS_FLOAT, "the pool must fit this much RAM when storage=memory"),
     "disk_gb": Key(64.0, POS_FLOAT, "... and this much disk when storage=disk"),
 }

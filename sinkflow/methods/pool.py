@@ -85,6 +85,13 @@ def _halves(pool_cfg: dict) -> str:
     return "" if pool_cfg["dtype"] == "float16" else ", pool.dtype=float16 (halves it)"
 
 
+def pool_seed(cfg: dict) -> int:
+    """The seed of the pool's draws: ``pool.seed``, or the run's ``experiment.seed`` when it is null. Apart, they
+    tell a velocity network's luck with its pool (which trajectories) from its luck with its init and batch order."""
+    seed = cfg["pool"].get("seed")
+    return cfg["experiment"]["seed"] if seed is None else seed
+
+
 def load_pool_array(path: Path, mmap_mode: str | None):
     """One of the pool's .npy files (never unpickled); a missing or damaged one is a one-line error."""
     try:
@@ -237,7 +244,7 @@ class PoolTask(ChunkedTask):
             return float(fixed)
         cfg, lo, hi = run.cfg["pool"], None, None
         for b in range(cfg["batches"]):
-            gen = phase_generator(run.cfg["experiment"]["seed"], "pool", b)
+            gen = phase_generator(pool_seed(run.cfg), "pool", b)
             pts = torch.cat([self.source.sample(cfg["batch_size"], gen, "cpu").flatten(1),
                              self.target.sample(cfg["batch_size"], gen, "cpu").flatten(1)])
             lo = pts.amin(0) if lo is None else torch.minimum(lo, pts.amin(0))
@@ -358,7 +365,7 @@ class PoolTask(ChunkedTask):
         dist.on_main(create)
         self.arrays = self.load_arrays(folder, layout, "r+")
         self.total = math.ceil(self.batches / self.chunk)
-        self.seed = run.cfg["experiment"]["seed"]
+        self.seed = pool_seed(run.cfg)
         # a chunk is the unit of resume: a group never spans chunks, so in_flight is at most pool.chunk
         self.in_flight = min(choose_in_flight(cfg, shape, run.device), self.chunk)
         self.groups = [[c] for c in range(self.total) if c not in self.done]
