@@ -42,14 +42,15 @@ def test_preflight_all_presets(tmp_path, caplog):
 def test_settings_the_real_run_is_too_short_for_fail_its_preflight(tmp_path):
     """The tiny runs are cut without these warnings (tools.phases.quiet_cut), so the real config is checked for
     them: under `--train-iters 40` a warm-up of 50 never ends and an EMA of 0.99 keeps 0.99^39 = 67.6 % of the first
-    step's weights; each is named with its fix, and the rest of the preflight still runs."""
-    report = preflight("moons", ["train.velocity.warmup=50", "train.velocity.ema=0.99"], {"train_iters": 40},
+    step's weights without its warm-up; each is named with its fix, and the rest of the preflight still runs."""
+    report = preflight("moons", ["train.velocity.warmup=50", "train.velocity.ema=0.99", "train.velocity.ema_warmup=false"],
+                       {"train_iters": 40},
                        workdir=tmp_path, memory=False)
     bad = [c for c in report.checks if c.ok is False]
     assert [(c.name, c.phase) for c in bad] == [("settings fit the run's length", "velocity")]
     assert "train.velocity.warmup=50 >= train.velocity.iters=40" in bad[0].detail
     assert "train.velocity.ema=0.99 over train.velocity.iters=40 keeps 67.6 %" in bad[0].detail
-    assert "set train.velocity.ema=0.8886 or lower" in bad[0].detail
+    assert "set train.velocity.ema_warmup=true or train.velocity.ema=0.8886 or lower" in bad[0].detail
     assert any(c.name == "kill and resume" and c.ok for c in report.checks)
     fine = preflight("moons", ["train.velocity.ema=0.8"], {"train_iters": 40}, workdir=tmp_path / "fine", memory=False)
     assert [c.ok for c in fine.checks if c.name == "settings fit the run's length"] == [True]

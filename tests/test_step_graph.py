@@ -3,6 +3,8 @@ host reads. On a CPU nothing is captured, but the step runs through the same sta
 path to the plain one bit for bit, at every experiment shape, with a resume, a skipped non-finite step and no host
 read; the capture itself is checked where CUDA is (the last test, and benchmarks/gpu_checks.py)."""
 
+import math
+
 import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -199,7 +201,7 @@ def test_ema_is_torchs_averaged_model_without_reading_the_device():
     reads the counter (it lives on the meta device here: any read would raise)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
-    ours, theirs = EMA(model, 0.9), AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    ours, theirs = EMA(model, 0.9, warmup=False), AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
     for i in range(4):
         with torch.no_grad():
             for p in model.parameters():
@@ -209,9 +211,9 @@ def test_ema_is_torchs_averaged_model_without_reading_the_device():
         theirs.update_parameters(model)
         for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()):
             assert torch.equal(a, b)
-    fresh = EMA(model, 0.9)
+    fresh = EMA(model, 0.9, warmup=False)
     fresh.load_state_dict(theirs.state_dict())
-    assert fresh.started
+    assert fresh.updates == 4
     blind = EMA(model, 0.9)
     blind.n_averaged = torch.zeros((), dtype=torch.long, device="meta")
     for _ in range(3):
@@ -219,6 +221,47 @@ def test_ema_is_torchs_averaged_model_without_reading_the_device():
     theirs.n_averaged = torch.zeros((), dtype=torch.long, device="meta")
     with pytest.raises(RuntimeError, match="meta"):
         theirs.update_parameters(model)  # torch's reads it, twice an update: a host sync each on a GPU
+
+
+def test_the_ema_warm_up_ramps_the_decay_and_resumes_where_it_was():
+    """Update t uses min(decay, (1 + t) / (10 + t)) (torch_ema / diffusers), a loaded checkpoint continues the ramp from
+    its count, and first_step_share is the product of the decays the updates used (with the ramp and without it)."""
+    from sinkflow.engine.ema import first_step_share
+    from sinkflow.engine.trainer import too_short
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    ema, half = EMA(model, 0.99, warmup=True), None
+    expected = [p.detach().clone() for p in model.parameters()]
+    for t in range(12):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update_parameters(model)
+        d = min(0.99, (1 + t) / (10 + t))
+        expected = [p.detach().clone() if t == 0 else d * e + (1 - d) * p.detach() for e, p in zip(expected, model.parameters())]
+        for a, b in zip(ema.module.parameters(), expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        if t == 5:
+            half = EMA(model, 0.99, warmup=True)
+            half.load_state_dict(ema.state_dict())
+    assert half.updates == 6
+    with torch.no_grad():  # the resumed EMA takes update 6 as the running one did
+        model.weight.add_(1.0)
+    ema6 = EMA(model, 0.99, warmup=True)
+    ema6.load_state_dict(half.state_dict())
+    ema6.update_parameters(model)
+    d = 7 / 16
+    torch.testing.assert_close(ema6.module.weight, d * half.module.weight + (1 - d) * model.weight)
+    for decay, iters in ((0.99, 1000), (0.9999, 20000), (0.5, 3), (0.9, 2)):
+        for warmup in (False, True):
+            brute = math.prod(min(decay, (1 + t) / (10 + t)) if warmup else decay for t in range(1, iters))
+            assert first_step_share(decay, iters, warmup) == pytest.approx(brute, rel=1e-4, abs=1e-300)
+    assert first_step_share(0.9999, 20000) == pytest.approx(0.1353, abs=1e-4)  # the trap the warm-up removes
+    assert first_step_share(0.9999, 20000, warmup=True) < 1e-9
+    train = {"iters": 20000, "warmup": 0, "ema": 0.9999}
+    assert too_short({**train, "ema_warmup": True}, "velocity") == []
+    assert "ema_warmup=true" in too_short({**train, "ema_warmup": False}, "velocity")[0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph: needs CUDA")

@@ -155,16 +155,16 @@ def test_eval_takes_sample_overrides_and_its_record_names_them(runs_dir, capsys)
     # a warm-up as long as the run ends still warming up: the cosine never decays
     (4, "train.velocity.warmup=5", "train.velocity.warmup=3", "train.velocity.warmup=5 >= train.velocity.iters=4: the "
      "rate is still warming up at the last step (cosine never decays); lower train.velocity.warmup"),
-    # EMA 0.9 over 30 steps keeps 0.9^29 = 4.7 % of the first step's weights; the largest decay that keeps under 1 %
-    # is 0.01^(1/29) = 0.85317, to 4 decimals down; 0.8 keeps 0.15 %
+    # without its warm-up, EMA 0.9 over 30 steps keeps 0.9^29 = 4.7 % of the first step's weights; the largest decay
+    # that keeps under 1 % is 0.01^(1/29) = 0.85317, to 4 decimals down; 0.8 keeps 0.15 %
     (30, "train.velocity.ema=0.9", "train.velocity.ema=0.8", "train.velocity.ema=0.9 over train.velocity.iters=30 "
-     "keeps 4.7 % of the first step's weights in the averaged model the sampler uses; set train.velocity.ema=0.8531 "
-     "or lower, or train longer"),
+     "keeps 4.7 % of the first step's weights in the averaged model the sampler uses; set "
+     "train.velocity.ema_warmup=true or train.velocity.ema=0.8531 or lower, or train longer"),
 ])
 def test_a_setting_the_run_is_too_short_for_is_warned_about(runs_dir, caplog, iters, warned_key, quiet_key, line):
     """Said before the first step, once; the same setting that fits the run is not warned about."""
     args = ["train", "moons", "--method", "fm", "--train-iters", str(iters), "--batch-size", "8", "--device", "cpu",
-            "--no-report"]
+            "--no-report", "train.velocity.ema_warmup=false"]
     with caplog.at_level("WARNING"):
         assert main([*args, warned_key, "--name", "warned"]) == 0
         assert main([*args, quiet_key, "--name", "quiet"]) == 0

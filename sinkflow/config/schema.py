@@ -456,9 +456,11 @@ def _train(iters=20000, batch_size=256, lr=0.001, warmup=0, schedule="cosine", g
         "warmup": Key(warmup, NONNEG_INT, "linear lr warm-up steps"),
         "schedule": Key(schedule, Options("constant", "cosine"), "cosine: decay to 0 at iters, after warmup"),
         "grad_clip": Key(grad_clip, NONNEG_FLOAT, "gradient norm clip (0 = off)"),
-        "ema": Key(0.0, Float(0, 1, hi_open=True), "EMA decay of the weights the sampler uses (0 = off); decay^iters "
-                   "of the first step's weights stay in the average, warned about above 1 % (0.9999 suits 100k+ steps, "
-                   "not 20k)"),
+        "ema": Key(0.0, Float(0, 1, hi_open=True), "EMA decay of the weights the sampler uses (0 = off)"),
+        "ema_warmup": Key(True, Bool(), "update t of the EMA uses min(ema, (1 + t) / (10 + t)) (torch_ema's and "
+                          "diffusers' warm-up: about the last tenth of the steps so far); false = ema from the first "
+                          "update, which keeps ema^iters of the first step's weights (0.9999 over 20k steps: 13.5 %, "
+                          "warned about above 1 %)"),
         "accum": Key(1, POS_INT, "gradient accumulation micro-batches"),
         "precision": Key("auto", Options("auto", "fp32", "bf16", "fp16"), "autocast dtype; master weights stay fp32; "
                          "fp16 scales the loss (GradScaler); auto: fp16 for a UNet on a CUDA card of compute "

@@ -135,7 +135,7 @@ class Trainer:
                 log.warning("%s", line)
         self.ema = None
         if cfg["ema"] > 0:
-            self.ema = EMA(self.model, cfg["ema"])
+            self.ema = EMA(self.model, cfg["ema"], cfg["ema_warmup"])
         self.precision = cfg["precision"]
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise SinkflowError(f"train.{key}.precision={self.precision!r} is not one of fp32, bf16, fp16",
@@ -539,10 +539,11 @@ def too_short(train: dict, key: str) -> list[str]:
         lines.append(f"train.{key}.warmup={train['warmup']} >= train.{key}.iters={iters}: the rate is still warming "
                      f"up at the last step ({train.get('schedule', 'constant')} never decays); "
                      f"lower train.{key}.warmup")
-    remains = first_step_share(train["ema"], iters)
+    remains = first_step_share(train["ema"], iters, train["ema_warmup"])
     if iters > 1 and remains > START_SHARE:
+        fix = "" if train["ema_warmup"] else f"train.{key}.ema_warmup=true or "
         lines.append(f"train.{key}.ema={train['ema']:g} over train.{key}.iters={iters} keeps {100 * remains:.1f} % of "
-                     f"the first step's weights in the averaged model the sampler uses; set train.{key}.ema="
+                     f"the first step's weights in the averaged model the sampler uses; set {fix}train.{key}.ema="
                      f"{largest_decay(iters):g} or lower, or train longer")
     return lines
 
