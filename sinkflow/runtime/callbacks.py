@@ -86,14 +86,12 @@ def quiet(chatter: bool = True):
     still print; those that a run did not learn (``LEARNING_LOG``) do not: a 3-step scratch run never does.
     ``chatter=False`` mutes only those (bench: the bars and speed lines of its cut runs are what it reports on)."""
     env = os.environ.get("SINKFLOW_PROGRESS")
-    loggers = {logging.getLogger(LEARNING_LOG): logging.ERROR}
-    if chatter:
-        loggers[logging.getLogger("sinkflow")] = logging.WARNING
-    levels = {lg: lg.level for lg in loggers}
+    muted = {LEARNING_LOG: logging.ERROR, **({"sinkflow": logging.WARNING} if chatter else {})}
+    levels = {logging.getLogger(name): logging.getLogger(name).level for name in muted}
+    for name, level in muted.items():
+        logging.getLogger(name).setLevel(level)
     if chatter:
         os.environ["SINKFLOW_PROGRESS"] = "0"
-    for lg, level in loggers.items():
-        lg.setLevel(level)
     try:
         yield
     finally:
