@@ -469,24 +469,32 @@ def verdict(per_seed: list[dict], nfe: list[int], ref: int = REF_NFE) -> list[st
     return lines
 
 
-def grids(out: Path, seed: int, nfe: list[int], res: dict, ref: int = REF_NFE) -> Path:
+def grids(out: Path, seed: int, nfe: list[int], res: dict, ref: int = REF_NFE) -> Path | None:
     """One PNG: a row per method, a column per NFE, each cell 64 samples of training seed ``seed`` with the sampler
-    validation chose for it there (``res``: the seed's ``from_scores``)."""
+    validation chose for it there (``res``: the seed's ``from_scores``); None when that seed has no samples."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from torchvision.utils import make_grid
 
-    cols = [*nfe, ref]
-    fig, axes = plt.subplots(3, len(cols), figsize=(2.2 * len(cols), 7), squeeze=False)
-    for r, (method, label) in enumerate((("nsgfpp", "NSGF++"), *((m, f"{LABEL[m]} (warped)") for m in BASELINES))):
+    def cell(method: str, label: str, n: int) -> tuple[str | None, Path]:
+        tag = res["sampler"].get(label, {}).get(n)
+        return tag, samples_path(out / f"seed{seed}", method, n, tag)
+
+    # only the methods and budgets that have samples (an NSGF++-only probe has no baselines and no NFE 100)
+    rows = [(m, label) for m, label in (("nsgfpp", "NSGF++"), *((m, f"{LABEL[m]} (warped)") for m in BASELINES))
+            if any(cell(m, label, n)[0] and cell(m, label, n)[1].is_file() for n in [*nfe, ref])]
+    cols = [n for n in [*nfe, ref] if any(cell(m, label, n)[0] and cell(m, label, n)[1].is_file() for m, label in rows)]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(2.2 * len(cols), 0.4 + 2.2 * len(rows)), squeeze=False)
+    for r, (method, label) in enumerate(rows):
         for c, n in enumerate(cols):
             ax = axes[r][c]
             ax.set_xticks([])
             ax.set_yticks([])
-            tag = res["sampler"].get(label, {}).get(n)
-            f = samples_path(out / f"seed{seed}", method, n, tag)
+            tag, f = cell(method, label, n)
             if tag and f.is_file():
                 x = torch.from_numpy(np.load(f, allow_pickle=False)).float() / 255
                 ax.imshow(make_grid(x, nrow=8, padding=1, pad_value=1.0)[0].numpy(), cmap="gray", vmin=0, vmax=1)
@@ -605,7 +613,8 @@ def main(argv=None) -> None:
                       "per_seed": plain(per_seed)}, indent=1))
     atomic_write_text(out / f"table{tag}.md", text + "\n")
     print(text)
-    print(f"\nwrote {out / f'results{tag}.json'}, {out / f'table{tag}.md'}, {png}")
+    print(f"\nwrote {out / f'results{tag}.json'}, {out / f'table{tag}.md'}"
+          + (f", {png}" if png else f" (no grid: training seed {grid_seed} has no samples; --grid-seed S)"))
 
 
 if __name__ == "__main__":

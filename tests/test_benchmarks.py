@@ -838,6 +838,15 @@ def test_smoke_mnist(mnist_bench, mnist_quick):
     mnist_bench.main(argv)  # resumable: nothing retrained or rescored
     assert {p: p.stat().st_mtime_ns for p in out.rglob("final.pt")} == finals
     assert (out / "seed0" / "scores.json").read_text() == saved
+    # the grid has a row per method and a column per budget that has samples: NSGF++ alone is one row, no NFE 5
+    import matplotlib.image
+
+    full = mnist_bench.from_scores(out, 0, [3])
+    alone = {**full, "sampler": {"NSGF++": full["sampler"]["NSGF++"]}}
+    three = matplotlib.image.imread(mnist_bench.grids(out, 0, [3], full, ref=5)).shape
+    one = matplotlib.image.imread(mnist_bench.grids(out, 0, [3], alone, ref=5)).shape
+    assert one[0] < three[0] / 2 and one[1] < three[1]
+    assert mnist_bench.grids(out, 7, [3], mnist_bench.from_scores(out, 7, [3]), ref=5) is None
 
 
 @pytest.mark.slow
