@@ -21,7 +21,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from sinkflow.errors import SinkflowError
 from sinkflow.runtime.signals import Interrupted
 
-COMMANDS = ["train", "sample", "eval", "config", "presets", "preflight", "doctor", "lr_find", "status", "bench"]
+COMMANDS = ["train", "sample", "eval", "tune", "config", "presets", "preflight", "doctor", "lr_find", "status", "bench"]
 
 
 class Parser(argparse.ArgumentParser):
