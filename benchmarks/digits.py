@@ -39,6 +39,7 @@ from sinkflow.eval.images import class_stats, digit_classifier, image_metrics, s
 from sinkflow.eval.points import generate
 from sinkflow.ot import w2
 from sinkflow.runtime.run_folder import RunFolder
+from sinkflow.tools.tune import WARPS  # sample.time_warp candidates for FM / OT-CFM (1.0 = uniform Euler, the paper's)
 
 HOLD_OUT = ["data.val_fraction=0.1"]  # every method fits the same images; the validation split picks NSGF++'s split
 
@@ -104,7 +105,6 @@ def choose_split(run, total: int, seeds: int) -> tuple[int, int, dict]:
     return k, total - 1 - k, {j: (w, tv, -c) for j, (w, tv, c) in val.items()}
 
 
-WARPS = (0.35, 0.5, 0.75, 1.0)  # sample.time_warp candidates for FM / OT-CFM (1.0 = uniform Euler, the paper's)
 
 
 def val_scores(run, steps: int, seeds: int) -> tuple[float, float, float]:

@@ -49,17 +49,14 @@ from sinkflow.cli import main as cli
 from sinkflow.data.atomic_write import atomic_write_text
 from sinkflow.eval.images import image_metrics
 from sinkflow.eval.points import generate
+from sinkflow.errors import SinkflowError
 from sinkflow.runtime.run_folder import RunFolder
+from sinkflow.tools.tune import T_SHIFTS, WARPS, nsgf_splits
 
 BASELINES = ("otcfm", "fm")
 LABEL = {"nsgfpp": "NSGF++", "otcfm": "OT-CFM", "fm": "FM"}
-# sample.t_shift values NSGF++'s sampler tries on validation beside k: 0 is the paper's t̂; the velocity network at
-# 3,200 steps leaves states its predictor places late (validation, every seed and NFE: RESULTS.md "Where the
-# straight flow starts")
-T_SHIFTS = (0.0, -0.1, -0.2, -0.3)
-# sample.time_warp values a baseline's Euler grid tries on validation (1: uniform, the paper's; < 1: short early steps
-# and a long last one, the shape NSGF++'s sampler has; the digits benchmark's candidates, docs/nsgfpp.md)
-WARPS = (0.35, 0.5, 0.75, 1.0)
+# NSGF++'s t̂ shifts and a baseline's Euler-grid warps tried on validation: `sinkflow tune`'s candidates
+# (sinkflow/tools/tune.py says why each is there)
 PAPER_NSGFPP = "NSGF++ (t̂ as predicted)"  # NSGF++ with the paper's t̂ (its k still chosen on validation)
 ROWS = ("NSGF++", PAPER_NSGFPP, "OT-CFM (warped)", "OT-CFM", "FM (warped)", "FM")
 # (ours, theirs, what): every sampler chosen on validation, and the paper's samplers
@@ -197,12 +194,11 @@ def phase_names(cfg: dict) -> list[str]:
 
 
 def split_candidates(total: int) -> list[int]:
-    """NSGF step counts k tried for a total NFE budget: about 1/4 and 1/2 of it, and all but one NSF step
-    (the best on the 8x8 digits, docs/nsgfpp.md); each leaves one predictor call and at least one NSF step
-    (k > pool.steps integrates the pool's span more finely)."""
-    if total < 3:
-        raise SystemExit(f"an NFE budget of {total} leaves no NSF step: use at least 3")
-    return sorted({min(total - 2, max(1, round(total * f))) for f in (0.25, 0.5)} | {total - 2})
+    """NSGF step counts k tried for a total NFE budget: ``sinkflow tune``'s (tools.tune.nsgf_splits)."""
+    try:
+        return nsgf_splits(total)
+    except SinkflowError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 # Samplers are named by tags in scores.json keys ("val NSGF++ 13 k11 t-0.2", "test OT-CFM 13 w0.5"):

@@ -1,0 +1,87 @@
+"""`sinkflow tune RUN [--nfe N ...]`: choose a trained image run's sampler on its validation images."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "tune", help="choose a trained image run's sampler on its validation images",
+        description="Scores every candidate sampler at a budget of network evaluations (NFE) against the run's "
+                    "validation split (data.val_fraction > 0, held out of training; never the test split) and "
+                    "prints the best one's sample.* settings, ready for `sinkflow sample` and `sinkflow eval`. "
+                    "NSGF++: the NSGF steps k, the straight flow's steps (NFE - 1 - k) and the shift of the "
+                    "predictor's t_hat; FM / OT-CFM: the time warp of the Euler grid. Scored by FD-CNN (digits, "
+                    "mnist) or FID (eval.inception_weights). config.yaml is not changed; the scores go to "
+                    "RUN/tune.json.",
+        epilog="example: sinkflow train mnist data.val_fraction=0.1 ...; sinkflow tune runs/mnist-nsgfpp-... "
+               "--nfe 6 13")
+    p.add_argument("run_dir", metavar="RUN")
+    p.add_argument("--nfe", type=int, nargs="+", help="total network evaluations per sample (default: what the "
+                   "run's own sampler spends)")
+    p.add_argument("--n", type=int, help="generated samples per candidate and seed (default eval.n, at most the "
+                   "validation split)")
+    p.add_argument("--seeds", type=int, default=1, help="sampling seeds per candidate (default 1)")
+    p.set_defaults(func=run)
+
+
+def run(args):
+    from sinkflow import data
+    from sinkflow.data.atomic_write import atomic_write_text
+    from sinkflow.data.memory import check_sample_memory
+    from sinkflow.errors import SinkflowError
+    from sinkflow.eval.report import check_eval_split
+    from sinkflow.runtime.data_record import check_split_files
+    from sinkflow.runtime.run_folder import RunFolder
+    from sinkflow.tools import tune
+
+    run_ = RunFolder.open(args.run_dir)
+    cfg = run_.cfg
+    check_eval_split(cfg, "val", who="sinkflow tune chooses on the validation split, but")
+    totals = args.nfe or [tune.current(cfg)[0]]
+    for total in totals:  # every budget's candidates, before anything is decoded or sampled
+        if total < 1:
+            raise SinkflowError(f"--nfe {total}: a sample needs at least one network evaluation", "use --nfe 1 or more")
+        tune.candidates(cfg, total)
+    if args.seeds < 1:
+        raise SinkflowError(f"--seeds {args.seeds}: at least one sampling seed", "use --seeds 1 or more")
+    check_split_files(run_, data.target_split_info(cfg), doing="tune")
+    target = data.distributions(cfg)[1]
+    metric = tune.metric_of(cfg, target)
+    held = len(target.val_index)
+    if args.n is not None and not 2 <= args.n <= held:
+        raise SinkflowError(f"--n {args.n} images, but the validation split of {target.name} holds {held} (and a "
+                            "Fréchet distance needs 2)", f"use --n between 2 and {held}")
+    n = min(args.n or cfg["eval"]["n"], held)
+    check_sample_memory(n, cfg, "--n" if args.n else "eval.n")
+    name = {"fd_cnn": "FD-CNN", "fid": "FID"}[metric]
+    record = {}
+    for total in totals:
+        scored = tune.tune(run_, total, n, args.seeds, metric)
+        best, value = tune.choose(scored)
+        own_total, own = tune.current(cfg)
+        own = own if own_total == total else None
+        keys = list(scored[0][0])
+        print(f"{cfg['experiment']['method']} samplers at {total} NFE: {name} of {n} samples x {args.seeds} seed(s) "
+              f"against the validation split ({held} images); lower is better")
+        print("  " + "  ".join(f"{k:>10}" for k in keys) + f"  {name:>8}")
+        for settings, v in scored:
+            mark = "  <- best" if settings == best else ("  (the run's own)" if settings == own else "")
+            print("  " + "  ".join(f"{settings[k]:>10g}" for k in keys) + f"  {v:8.2f}{mark}")
+        choice = " ".join(tune.overrides(best))
+        mine = next((v for s, v in scored if s == own), None)
+        beside = f" (the run's own sampler: {mine:.2f})" if mine is not None and own != best else ""
+        print(f"  best at {total} NFE: {choice}: {name} {value:.2f} on validation{beside}")
+        print(f"  sinkflow sample {args.run_dir} {choice} --out samples.png")
+        print(f"  sinkflow eval {args.run_dir} {choice}    (the test split: the score to report)")
+        record[str(total)] = {"metric": metric, "split": "val", "n": n, "seeds": args.seeds, "best": best,
+                              "scores": [{"sample": s, metric: v} for s, v in scored]}
+    path = run_.dir / "tune.json"
+    try:
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        atomic_write_text(path, json.dumps({**old, **record}, indent=1))
+        print(f"wrote {path}")
+    except (OSError, ValueError) as exc:
+        print(f"sinkflow: warning: could not record the scores in {path} ({exc})", file=sys.stderr)

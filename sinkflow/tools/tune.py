@@ -1,0 +1,119 @@
+"""Choose a trained image run's sampler on its validation images (``sinkflow tune RUN --nfe 13``).
+
+Why: a preset samples with the paper's settings, and the best sampler at a budget of network evaluations depends on
+the run. On real MNIST at the CPU benchmark's budget, NSGF++ with k = NFE - 2 NSGF steps and one straight-flow step
+from the predictor's t̂ - 0.2 or - 0.3 scored FD-CNN 32.6 at 6 NFE where the paper's t̂ scored 49.7, and OT-CFM's
+warped Euler grid 41.5 where its uniform grid scored 45.0 (benchmarks/RESULTS.md, the CPU table). Which k and shift
+win moves with the budget and the seed, so each run's are chosen on its own validation split (``data.val_fraction``,
+held out of training), never on the test split its reported scores use. ``benchmarks/mnist.py`` chooses with the same
+candidates and the same tie rule.
+
+A candidate is a set of ``sample.*`` values at a fixed total NFE: for NSGF++ the NSGF steps k (about 1/4 and 1/2 of
+the budget, and all but one straight-flow step; only the pool's T when the field was trained on its grid points
+alone, ``nsgf.segment=0``), the straight flow's ``nsf_steps = NFE - 1 - k`` and the shift of t̂; for FM / OT-CFM the
+``time_warp`` of the Euler grid of NFE steps.
+"""
+
+from __future__ import annotations
+
+import os
+
+from sinkflow.errors import SinkflowError
+
+# sample.t_shift values NSGF++'s sampler tries beside k: 0 is the paper's t̂; a velocity network trained briefly
+# leaves states its predictor places late (RESULTS.md "Where the straight flow starts")
+T_SHIFTS = (0.0, -0.1, -0.2, -0.3)
+# sample.time_warp values an Euler grid tries (1: uniform, the paper's; < 1: short early steps and a long last one)
+WARPS = (0.35, 0.5, 0.75, 1.0)
+# the methods whose sampler has these knobs
+TUNABLE = ("nsgfpp", "fm", "otcfm")
+
+
+def nsgf_splits(total: int) -> list[int]:
+    """NSGF step counts k tried for a total NFE budget: about 1/4 and 1/2 of it, and all but one NSF step (the best
+    on the 8x8 digits, docs/nsgfpp.md); each leaves one predictor call and at least one NSF step (k above
+    pool.steps integrates the pool's span more finely)."""
+    if total < 3:
+        raise SinkflowError(f"an NSGF++ budget of {total} network evaluations leaves no straight-flow step",
+                            "use --nfe 3 or more (k NSGF steps + 1 time prediction + at least 1 NSF step)")
+    return sorted({min(total - 2, max(1, round(total * f))) for f in (0.25, 0.5)} | {total - 2})
+
+
+def candidates(cfg: dict, total: int) -> list[dict]:
+    """The ``sample.*`` settings tried at ``total`` network evaluations."""
+    method = cfg["experiment"]["method"]
+    if method == "nsgfpp":
+        T = cfg["pool"]["steps"]
+        if cfg["nsgf"]["segment"] > 0:
+            ks = nsgf_splits(total)
+        elif total - 1 - T >= 1:
+            ks = [T]  # a field trained on the grid points only is sampled on them (check_nsgf_steps)
+        else:
+            raise SinkflowError(f"--nfe {total}: this run's NSGF part takes its pool's {T} steps (nsgf.segment=0) "
+                                "plus 1 time prediction, which leaves no straight-flow step",
+                                f"use --nfe {T + 2} or more")
+        return [{"nsgf_steps": k, "nsf_steps": total - 1 - k, "t_shift": s} for k in ks for s in T_SHIFTS]
+    if method in ("fm", "otcfm"):
+        return [{"steps": total, "time_warp": w} for w in WARPS]
+    raise SinkflowError(f"sinkflow tune chooses the sampler of {', '.join(TUNABLE)} runs; this run's method is "
+                        f"{method}", "evaluate it with sinkflow eval")
+
+
+def current(cfg: dict) -> tuple[int, dict]:
+    """(total NFE, settings) of the run's own sampler, as its config has it."""
+    s = cfg["sample"]
+    if cfg["experiment"]["method"] == "nsgfpp":
+        k = s.get("nsgf_steps") or cfg["pool"]["steps"]
+        return k + 1 + s["nsf_steps"], {"nsgf_steps": k, "nsf_steps": s["nsf_steps"], "t_shift": s["t_shift"]}
+    return s["steps"], {"steps": s["steps"], "time_warp": s["time_warp"]}
+
+
+def overrides(settings: dict) -> list[str]:
+    return [f"sample.{k}={v:g}" if isinstance(v, float) else f"sample.{k}={v}" for k, v in settings.items()]
+
+
+def choose(scored: list[tuple[dict, float]]) -> tuple[dict, float]:
+    """The lowest score; ties go to fewer NSGF steps, then to the smaller shift, then to the grid nearer uniform."""
+    return min(scored, key=lambda sv: (sv[1], sv[0].get("nsgf_steps", 0), abs(sv[0].get("t_shift", 0.0)),
+                                       abs(sv[0].get("time_warp", 1.0) - 1)))
+
+
+def metric_of(cfg: dict, target) -> str:
+    """FD-CNN where the data has a digit classifier (digits, mnist), else FID with the configured Inception
+    weights; refused in one line before any sampling when neither exists."""
+    from sinkflow.eval.images import digit_classifier
+
+    if digit_classifier(target, cfg["data"]["root"]) is not None:
+        return "fd_cnn"
+    if cfg["eval"]["inception_weights"]:
+        return "fid"
+    raise SinkflowError(f"sinkflow tune scores samplers by FD-CNN, which exists for digit sets only, or by FID; "
+                        f"{target.name} has no digit classifier and eval.inception_weights is not set",
+                        "set eval.inception_weights to a local pt_inception-2015-12-05 file (FID)")
+
+
+def tune(run, total: int, n: int, seeds: int = 1, metric: str = "fd_cnn") -> list[tuple[dict, float]]:
+    """Every candidate at ``total`` NFE (and the run's own sampler when it spends as many) scored by ``metric`` on
+    ``n`` samples per seed against the validation split, with a progress bar. ``run.cfg`` is swapped for a copy per
+    candidate and restored (config.yaml is never written)."""
+    from tqdm import tqdm
+
+    from sinkflow.eval.images import image_metrics
+
+    trained, out = run.cfg, []
+    cands = candidates(trained, total)
+    own_total, own = current(trained)
+    if own_total == total and own not in cands:
+        cands.append(own)
+    bar = tqdm(cands, desc=f"tune {total} NFE", unit="sampler", disable=os.environ.get("SINKFLOW_PROGRESS") == "0")
+    try:
+        for settings in bar:  # eval.class_n off: every metric on the same n samples
+            run.cfg = {**trained, "sample": {**trained["sample"], **settings},
+                       "eval": {**trained["eval"], "class_n": None}}
+            steps = settings.get("nsf_steps", settings.get("steps"))
+            row = image_metrics(run, seeds=seeds, n=n, steps_list=[steps], split="val")["rows"][0]
+            out.append((settings, row[metric]))
+    finally:
+        run.cfg = trained
+        bar.close()
+    return out

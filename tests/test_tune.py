@@ -1,0 +1,119 @@
+"""`sinkflow tune RUN`: a trained image run's sampler chosen on its validation images (sinkflow/tools/tune.py)."""
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import error_line
+from sinkflow import config, data
+from sinkflow.cli import main
+from sinkflow.runtime.run_folder import RunFolder
+from sinkflow.tools import tune
+from test_images import TINY, TINY_FM, fresh_distributions, setup_data  # noqa: F401  (the fixture is autouse)
+
+ROW = re.compile(r"^ +(-?[\d.]+(?: +-?[\d.]+)+) +([\d.]+)(  <- best|  \(the run's own\))?$")
+
+
+def rows(out: str) -> list[tuple[list[float], float, str]]:
+    """(settings, score, mark) of each candidate line `sinkflow tune` printed."""
+    got = []
+    for line in out.splitlines():
+        m = ROW.match(line)
+        if m:
+            *settings, = map(float, m.group(1).split())
+            got.append((settings, float(m.group(2)), (m.group(3) or "").strip()))
+    return got
+
+
+def test_nsgfpp_samplers_are_scored_on_validation_and_the_best_is_what_eval_scores(runs_dir, tmp_path, capsys):
+    """Every k x t̂ shift at the budget is scored against the validation split (the test split is never drawn), the
+    lowest is named with the commands that use it, the scores go to RUN/tune.json and config.yaml is untouched; the
+    chosen settings scored by `sinkflow eval --split val` give the same number (the candidates are really applied)."""
+    extra, _ = setup_data("digits", tmp_path)
+    assert main(["train", "digits", *TINY, *extra, "data.val_fraction=0.1", "--name", "v", "--no-report"]) == 0
+    run = runs_dir / "v"
+    before = (run / "config.yaml").read_bytes()
+    capsys.readouterr()
+    target = data.distributions(RunFolder.open(run).cfg)[1]
+    drawn = []
+    real = type(target).test_set
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(target), "test_set", lambda self, n=None: drawn.append(n) or real(self, n))
+        rc = main(["tune", str(run), "--nfe", "6", "--n", "16"])
+    out = capsys.readouterr().out
+    assert rc == 0 and drawn == []
+    got = rows(out)
+    splits = {(int(k), int(nsf)) for (k, nsf, _), _, _ in got}
+    assert splits == {(k, 6 - 1 - k) for k in tune.nsgf_splits(6)} and len(got) == 3 * len(tune.T_SHIFTS)
+    assert {s for (_, _, s), _, _ in got} == set(tune.T_SHIFTS)
+    best = [g for g in got if g[2] == "<- best"]
+    assert len(best) == 1 and best[0][1] == min(v for _, v, _ in got)
+    (k, nsf, shift), value, _ = best[0]
+    choice = f"sample.nsgf_steps={int(k)} sample.nsf_steps={int(nsf)} sample.t_shift={shift:g}"
+    assert f"best at 6 NFE: {choice}: FD-CNN {value:.2f} on validation" in out
+    assert f"sinkflow eval {run} {choice}" in out
+    assert (run / "config.yaml").read_bytes() == before
+    record = json.loads((run / "tune.json").read_text())["6"]
+    assert (record["metric"], record["split"], record["n"]) == ("fd_cnn", "val", 16)
+    assert record["best"] == {"nsgf_steps": int(k), "nsf_steps": int(nsf), "t_shift": shift}
+    assert main(["eval", str(run), "--split", "val", "--n", "16", "--seeds", "1", *choice.split()]) == 0
+    scored = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert scored["split"] == "val" and scored[f"fd_cnn_{int(nsf)}"] == pytest.approx(value, abs=0.005)
+
+
+def test_a_baseline_tries_its_grid_warps_and_its_own_sampler_is_marked(runs_dir, tmp_path, capsys):
+    """FM at the run's own budget (sample.steps): the four Euler-grid warps, the run's own (uniform) among them and
+    marked as such unless it is the best; a second budget is added to tune.json beside the first."""
+    extra, _ = setup_data("digits", tmp_path)
+    assert main(["train", "digits", "--method", "fm", *TINY_FM, *extra, "sample.steps=3", "data.val_fraction=0.1",
+                 "--name", "f", "--no-report"]) == 0
+    capsys.readouterr()
+    rc, out = main(["tune", str(runs_dir / "f"), "--n", "16"]), capsys.readouterr().out
+    assert rc == 0 and "samplers at 3 NFE" in out
+    got = rows(out)
+    assert sorted(w for (_, w), _, _ in got) == sorted(tune.WARPS) and all(s == 3 for (s, _), _, _ in got)
+    uniform = next(g for g in got if g[0][1] == 1.0)
+    assert uniform[2] in ("<- best", "(the run's own)")
+    assert main(["tune", str(runs_dir / "f"), "--nfe", "2", "--n", "16"]) == 0
+    assert set(json.loads((runs_dir / "f" / "tune.json").read_text())) == {"3", "2"}
+
+
+def test_what_tune_cannot_choose_is_one_line_before_any_work(runs_dir, tmp_path, capsys, tiny_run):
+    extra, _ = setup_data("digits", tmp_path)
+    assert main(["train", "digits", "--method", "fm", *TINY_FM, *extra, "sample.steps=2", "--name", "nov",
+                 "--no-report"]) == 0
+    capsys.readouterr()
+    rc, err = main(["tune", str(runs_dir / "nov")]), capsys.readouterr().err
+    assert "trained without a validation split (data.val_fraction=0)" in error_line(rc, err, "sinkflow tune")
+    rc, err = main(["tune", str(tiny_run)]), capsys.readouterr().err
+    assert "moons is not an image set, so it has no validation split" in error_line(rc, err, "sinkflow tune")
+    assert not (runs_dir / "nov" / "tune.json").exists()
+
+
+def test_candidates_follow_what_the_run_was_trained_for():
+    """k beyond the pool's T only for a field trained on its segments; a budget with no straight-flow step, a method
+    without these knobs and data without a scorer are refused with the fix."""
+    from sinkflow.errors import SinkflowError
+
+    digits = config.resolve("digits", [], {"device": "cpu"})  # nsgf.segment 0.5
+    assert {c["nsgf_steps"] for c in tune.candidates(digits, 13)} == {3, 6, 11}
+    grid_only = config.resolve("mnist", [], {"device": "cpu"})  # nsgf.segment 0: sampled on the pool's grid
+    assert {(c["nsgf_steps"], c["nsf_steps"]) for c in tune.candidates(grid_only, 13)} == {(5, 7)}
+    with pytest.raises(SinkflowError, match="use --nfe 7 or more"):
+        tune.candidates(grid_only, 6)
+    with pytest.raises(SinkflowError, match="use --nfe 3 or more"):
+        tune.candidates(digits, 2)
+    with pytest.raises(SinkflowError, match="this run's method is flow"):
+        tune.candidates(config.resolve("flow-digits", [], {"device": "cpu"}), 10)
+    assert tune.current(digits) == (13, {"nsgf_steps": 10, "nsf_steps": 2, "t_shift": 0.0})
+    cifar = config.resolve("cifar10", [], {"device": "cpu"})
+    with pytest.raises(SinkflowError, match="eval.inception_weights"):
+        tune.metric_of(cifar, SimpleNamespace(name="cifar10", labels=None))
+    assert tune.metric_of({**cifar, "eval": {**cifar["eval"], "inception_weights": "pt_inception.pth"}},
+                          SimpleNamespace(name="cifar10", labels=None)) == "fid"
+    # ties: fewer NSGF steps, then the smaller shift, then the grid nearer uniform
+    assert tune.choose([({"nsgf_steps": 6, "t_shift": 0.0}, 1.0), ({"nsgf_steps": 3, "t_shift": -0.2}, 1.0),
+                        ({"nsgf_steps": 3, "t_shift": -0.1}, 1.0)])[0] == {"nsgf_steps": 3, "t_shift": -0.1}
+    assert tune.choose([({"time_warp": 0.5}, 2.0), ({"time_warp": 0.75}, 2.0)])[0] == {"time_warp": 0.75}
