@@ -77,6 +77,10 @@ def report(run) -> None:
     try:
         print(final_report(run))
         run.logger.heartbeat(phase="done", state="finished", report="written")
+        from sinkflow.tools.tune import hint
+
+        if hint(run.cfg):
+            print(hint(run.cfg).format(run=run.dir))
     except (ReportStopped, KeyboardInterrupt) as exc:
         signum = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
         run.logger.heartbeat(phase="done", state="finished", report="stopped")

@@ -68,6 +68,18 @@ def current(cfg: dict) -> tuple[int, dict]:
     return s["steps"], {"steps": s["steps"], "time_warp": s["time_warp"]}
 
 
+def hint(cfg: dict) -> str | None:
+    """The line `sinkflow train` ends an image run's report with when ``sinkflow tune`` can choose its sampler
+    (``{run}`` to fill), else None."""
+    from sinkflow import data
+
+    if (cfg["experiment"]["method"] not in TUNABLE or cfg["data"]["target"] not in data.IMAGE_SETS
+            or not cfg["data"].get("val_fraction")):
+        return None
+    return ("its sampler is the preset's; to choose one on the validation split at a budget of network evaluations: "
+            "sinkflow tune {run} --nfe 6 13")
+
+
 def overrides(settings: dict) -> list[str]:
     return [f"sample.{k}={v:g}" if isinstance(v, float) else f"sample.{k}={v}" for k, v in settings.items()]
 
