@@ -76,7 +76,8 @@ def hint(cfg: dict) -> str | None:
     if (cfg["experiment"]["method"] not in TUNABLE or cfg["data"]["target"] not in data.IMAGE_SETS
             or not cfg["data"].get("val_fraction")):
         return None
-    return "its sampler, chosen on the validation split at each budget of network evaluations: sinkflow tune {run} --nfe 6 13"
+    return ("its sampler, chosen on the validation split at each budget of network evaluations: "
+            "sinkflow tune {run} --nfe 6 13")
 
 
 def overrides(settings: dict) -> list[str]:
