@@ -63,20 +63,24 @@ def test_nsgfpp_samplers_are_scored_on_validation_and_the_best_is_what_eval_scor
     assert scored["split"] == "val" and scored[f"fd_cnn_{int(nsf)}"] == pytest.approx(value, abs=0.005)
 
 
-def test_a_baseline_tries_its_grid_warps_and_its_own_sampler_is_marked(runs_dir, tmp_path, capsys):
-    """FM at the run's own budget (sample.steps): the four Euler-grid warps, the run's own (uniform) among them and
-    marked as such unless it is the best; a second budget is added to tune.json beside the first."""
-    extra, _ = setup_data("digits", tmp_path)
-    assert main(["train", "digits", "--method", "fm", *TINY_FM, *extra, "sample.steps=3", "data.val_fraction=0.1",
+@pytest.mark.parametrize("preset", ["digits", "mnist"])
+def test_a_baseline_tries_its_grid_warps_and_its_own_sampler_is_marked(preset, runs_dir, tmp_path, capsys):
+    """FM at the run's own budget (sample.steps), at (N, 1, 8, 8) and (N, 1, 28, 28): the four Euler-grid warps, the
+    run's own (uniform) among them and marked as such unless it is the best; a second budget is added to tune.json
+    beside the first."""
+    extra, _ = setup_data(preset, tmp_path)
+    assert main(["train", preset, "--method", "fm", *TINY_FM, *extra, "sample.steps=3", "data.val_fraction=0.2",
                  "--name", "f", "--no-report"]) == 0
     capsys.readouterr()
-    rc, out = main(["tune", str(runs_dir / "f"), "--n", "16"]), capsys.readouterr().out
+    held = len(data.distributions(RunFolder.open(runs_dir / "f").cfg)[1].val_index)
+    n = str(min(16, held))
+    rc, out = main(["tune", str(runs_dir / "f"), "--n", n]), capsys.readouterr().out
     assert rc == 0 and "samplers at 3 NFE" in out
     got = rows(out)
     assert sorted(w for (_, w), _, _ in got) == sorted(tune.WARPS) and all(s == 3 for (s, _), _, _ in got)
     uniform = next(g for g in got if g[0][1] == 1.0)
     assert uniform[2] in ("<- best", "(the run's own)")
-    assert main(["tune", str(runs_dir / "f"), "--nfe", "2", "--n", "16"]) == 0
+    assert main(["tune", str(runs_dir / "f"), "--nfe", "2", "--n", n]) == 0
     assert set(json.loads((runs_dir / "f" / "tune.json").read_text())) == {"3", "2"}
 
 
