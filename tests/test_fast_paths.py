@@ -151,7 +151,7 @@ def test_auto_speed_settings_resolve_per_device_network_and_process_count(monkey
     """auto = bf16 + the whole step one CUDA graph for a UNet on a bf16 CUDA card in one process (the time predictor:
     the step graph in fp32); the plain path everywhere else; an explicit value is never changed. The card is faked:
     only its compute capability is read."""
-    from sinkflow.engine.fast_path import resolve
+    from sinkflow.engine.fast_path import fp16_hint, resolve
 
     capability = {"value": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
@@ -170,8 +170,17 @@ def test_auto_speed_settings_resolve_per_device_network_and_process_count(monkey
     assert speed(auto, kind="mlp") == ("fp32", False, "reduce-overhead", "none")  # mode only matters if compiled
     assert speed(auto, kind="flow") == ("fp32", False, "reduce-overhead", "none")
     assert speed(auto, world=2) == ("fp16", False, "default", "none")  # DDP: the all-reduce is not captured
+    assert fp16_hint(auto, "unet", "cuda", "velocity") is None  # fp16 is the default there
     capability["value"] = (7, 5)  # a T4: no bf16 tensor cores
     assert speed(auto) == ("fp32", True, "default", "step")
+    # ... but float16 ones, unmeasured here: the phase's first lines name the key that uses them
+    hint = fp16_hint(auto, "unet", "cuda", "velocity")
+    assert "compute capability 7.5" in hint and "train.velocity.precision=fp16" in hint
+    assert fp16_hint({**auto, "precision": "fp32"}, "unet", "cuda", "velocity") is None  # asked for: said nothing
+    assert fp16_hint(auto, "mlp", "cuda", "velocity") is None and fp16_hint(auto, "unet", "cpu", "velocity") is None
+    capability["value"] = (6, 1)  # a P100: no tensor cores at all
+    assert fp16_hint(auto, "unet", "cuda", "velocity") is None
+    capability["value"] = (7, 5)
     assert resolve(auto, "unet", "cuda", bf16=True)["precision"] == "fp16"  # the planner's card, not this one
     explicit = {**auto, "precision": "fp16", "compile": False, "compile_mode": "max-autotune"}
     assert speed(explicit) == ("fp16", False, "max-autotune", "none")  # an asked-for graphs mode wins

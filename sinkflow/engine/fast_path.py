@@ -40,6 +40,21 @@ def bf16_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
+def fp16_hint(tcfg: dict, kind: str, device: torch.device | str, key: str) -> str | None:
+    """One line for a UNet phase left in fp32 by ``precision: auto`` on a card with float16 tensor cores that
+    sinkflow has not measured (compute capability 7.x: V100, T4, the free Kaggle and Colab card), naming the key
+    that uses them; None elsewhere. A T4 does about 8x the fp32 rate in fp16 matrix products by its specification."""
+    device = torch.device(device)
+    if tcfg.get("precision") != "auto" or kind not in FAST_KINDS or device.type != "cuda":
+        return None
+    cc = torch.cuda.get_device_capability(device)
+    if not (7, 0) <= cc < (8, 0):
+        return None
+    return (f"{key}: fp32 on this card (compute capability {cc[0]}.{cc[1]}), which has float16 tensor cores "
+            f"sinkflow has not measured; train.{key}.precision=fp16 uses them (autocast + GradScaler, the default "
+            "from compute capability 8.0: docs/performance.md)")
+
+
 def resolve(tcfg: dict, kind: str, device: torch.device | str, world: int = 1, bf16: bool | None = None) -> dict:
     """``tcfg`` (a ``train.<phase>`` section) with ``auto`` precision / compile / compile_mode made concrete.
 

@@ -164,6 +164,10 @@ class Trainer:
         self.step = 0
         if self.info.is_main:
             log.info("%s", self.speed_settings())
+            hint = fast_path.fp16_hint(run.cfg["train"][key], run.cfg["model"].get(key, {}).get("kind", ""),
+                                       run.device, key)
+            if hint:
+                log.info("%s", hint)
 
     def speed_settings(self) -> str:
         """The fast-path choices this phase runs with, printed at its start (each one key away)."""
