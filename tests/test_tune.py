@@ -13,7 +13,7 @@ from sinkflow.runtime.run_folder import RunFolder
 from sinkflow.tools import tune
 from test_images import TINY, TINY_FM, fresh_distributions, setup_data  # noqa: F401  (the fixture is autouse)
 
-ROW = re.compile(r"^ +(-?[\d.]+(?: +-?[\d.]+)+) +([\d.]+)(  <- best|  \(the run's own\))?$")
+ROW = re.compile(r"^ +(-?[\d.]+(?: +-?[\d.]+)*) +([\d.]+)(  <- best|  \(the run's own\))?$")
 
 
 def rows(out: str) -> list[tuple[list[float], float, str]]:
@@ -109,8 +109,13 @@ def test_candidates_follow_what_the_run_was_trained_for():
         tune.candidates(grid_only, 6)
     with pytest.raises(SinkflowError, match="use --nfe 3 or more"):
         tune.candidates(digits, 2)
-    with pytest.raises(SinkflowError, match="this run's method is flow"):
-        tune.candidates(config.resolve("flow-digits", [], {"device": "cpu"}), 10)
+    flow = config.resolve("flow-digits", [], {"device": "cpu"})
+    assert tune.candidates(flow, 1) == [{"temperature": t} for t in tune.TEMPERATURES]
+    assert tune.current(flow) == (1, {"temperature": 1.0})
+    with pytest.raises(SinkflowError, match="leave --nfe out"):
+        tune.candidates(flow, 10)
+    with pytest.raises(SinkflowError, match="this run's method is nsgf"):
+        tune.candidates(config.resolve("moons", [], {"device": "cpu"}), 10)
     assert tune.current(digits) == (13, {"nsgf_steps": 10, "nsf_steps": 2, "t_shift": 0.0})
     cifar = config.resolve("cifar10", [], {"device": "cpu"})
     with pytest.raises(SinkflowError, match="eval.inception_weights"):
@@ -124,3 +129,19 @@ def test_candidates_follow_what_the_run_was_trained_for():
     assert tune.choose([({"nsgf_steps": 6, "t_shift": 0.0}, 1.0), ({"nsgf_steps": 3, "t_shift": -0.2}, 1.0),
                         ({"nsgf_steps": 3, "t_shift": -0.1}, 1.0)])[0] == {"nsgf_steps": 3, "t_shift": -0.1}
     assert tune.choose([({"time_warp": 0.5}, 2.0), ({"time_warp": 0.75}, 2.0)])[0] == {"time_warp": 0.75}
+    assert tune.choose([({"temperature": 0.7}, 2.0), ({"temperature": 0.8}, 2.0)])[0] == {"temperature": 0.8}
+    assert tune.hint(flow) == "its sampling temperature, chosen on the validation split: sinkflow tune {run}"
+
+
+def test_a_flow_tries_its_sampling_temperatures(runs_dir, tmp_path, capsys):
+    """A normalizing flow (one pass, no NFE): each prior temperature scored on the validation digits."""
+    from test_flow_eval import TINY as TINY_FLOW
+
+    assert main(["train", "flow-digits", *TINY_FLOW, f"data.root={tmp_path / 'data'}", "--train-iters", "2",
+                 "--name", "g", "--no-report"]) == 0
+    capsys.readouterr()
+    rc, out = main(["tune", str(runs_dir / "g"), "--n", "16"]), capsys.readouterr().out
+    assert rc == 0 and "flow samplers at one pass" in out
+    got = rows(out)
+    assert sorted(t for (t,), _, _ in got) == sorted(tune.TEMPERATURES)
+    assert json.loads((runs_dir / "g" / "tune.json").read_text())["1"]["best"]["temperature"] in tune.TEMPERATURES

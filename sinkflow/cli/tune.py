@@ -13,7 +13,8 @@ def add_parser(sub):
                     "validation split (data.val_fraction > 0, held out of training; never the test split) and "
                     "prints the best one's sample.* settings, ready for `sinkflow sample` and `sinkflow eval`. "
                     "NSGF++: the NSGF steps k, the straight flow's steps (NFE - 1 - k) and the shift of the "
-                    "predictor's t_hat; FM / OT-CFM: the time warp of the Euler grid. Scored by FD-CNN (digits, "
+                    "predictor's t_hat; FM / OT-CFM: the time warp of the Euler grid; a normalizing flow: its "
+                    "sampling temperature. Scored by FD-CNN (digits, "
                     "mnist) or FID (eval.inception_weights). config.yaml is not changed; the scores go to "
                     "RUN/tune.json.",
         epilog="example: sinkflow train mnist data.val_fraction=0.1 ...; sinkflow tune runs/mnist-nsgfpp-... "
@@ -64,7 +65,8 @@ def run(args):
         own_total, own = tune.current(cfg)
         own = own if own_total == total else None
         keys = list(scored[0][0])
-        print(f"{cfg['experiment']['method']} samplers at {total} NFE: {name} of {n} samples x {args.seeds} seed(s) "
+        budget = "one pass" if cfg["experiment"]["method"] == "flow" else f"{total} NFE"
+        print(f"{cfg['experiment']['method']} samplers at {budget}: {name} of {n} samples x {args.seeds} seed(s) "
               f"against the validation split ({held} images); lower is better")
         print("  " + "  ".join(f"{k:>10}" for k in keys) + f"  {name:>8}")
         for settings, v in scored:
@@ -73,7 +75,7 @@ def run(args):
         choice = " ".join(tune.overrides(best))
         mine = next((v for s, v in scored if s == own), None)
         beside = f" (the run's own sampler: {mine:.2f})" if mine is not None and own != best else ""
-        print(f"  best at {total} NFE: {choice}: {name} {value:.2f} on validation{beside}")
+        print(f"  best at {budget}: {choice}: {name} {value:.2f} on validation{beside}")
         print(f"  sinkflow sample {args.run_dir} {choice} --out samples.png")
         print(f"  sinkflow eval {args.run_dir} {choice}    (the test split: the score to report)")
         record[str(total)] = {"metric": metric, "split": "val", "n": n, "seeds": args.seeds, "best": best,

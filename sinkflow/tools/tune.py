@@ -11,7 +11,8 @@ candidates and the same tie rule.
 A candidate is a set of ``sample.*`` values at a fixed total NFE: for NSGF++ the NSGF steps k (about 1/4 and 1/2 of
 the budget, and all but one straight-flow step; only the pool's T when the field was trained on its grid points
 alone, ``nsgf.segment=0``), the straight flow's ``nsf_steps = NFE - 1 - k`` and the shift of t̂; for FM / OT-CFM the
-``time_warp`` of the Euler grid of NFE steps.
+``time_warp`` of the Euler grid of NFE steps; for a normalizing flow (one pass, no NFE) the prior's
+``temperature``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from sinkflow.errors import SinkflowError
 T_SHIFTS = (0.0, -0.1, -0.2, -0.3)
 # sample.time_warp values an Euler grid tries (1: uniform, the paper's; < 1: short early steps and a long last one)
 WARPS = (0.35, 0.5, 0.75, 1.0)
+# sample.temperature values a normalizing flow tries (1: the model; Glow's samples are shown at 0.7)
+TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # the methods whose sampler has these knobs
-TUNABLE = ("nsgfpp", "fm", "otcfm")
+TUNABLE = ("nsgfpp", "fm", "otcfm", "flow")
 
 
 def nsgf_splits(total: int) -> list[int]:
@@ -55,6 +58,11 @@ def candidates(cfg: dict, total: int) -> list[dict]:
         return [{"nsgf_steps": k, "nsf_steps": total - 1 - k, "t_shift": s} for k in ks for s in T_SHIFTS]
     if method in ("fm", "otcfm"):
         return [{"steps": total, "time_warp": w} for w in WARPS]
+    if method == "flow":
+        if total != 1:
+            raise SinkflowError(f"--nfe {total}: a normalizing flow samples in one pass of its inverse",
+                                "leave --nfe out (its candidates are sample.temperature values)")
+        return [{"temperature": t} for t in TEMPERATURES]
     raise SinkflowError(f"sinkflow tune chooses the sampler of {', '.join(TUNABLE)} runs; this run's method is "
                         f"{method}", "evaluate it with sinkflow eval")
 
@@ -65,6 +73,8 @@ def current(cfg: dict) -> tuple[int, dict]:
     if cfg["experiment"]["method"] == "nsgfpp":
         k = s.get("nsgf_steps") or cfg["pool"]["steps"]
         return k + 1 + s["nsf_steps"], {"nsgf_steps": k, "nsf_steps": s["nsf_steps"], "t_shift": s["t_shift"]}
+    if cfg["experiment"]["method"] == "flow":
+        return 1, {"temperature": s["temperature"]}
     return s["steps"], {"steps": s["steps"], "time_warp": s["time_warp"]}
 
 
@@ -76,6 +86,8 @@ def hint(cfg: dict) -> str | None:
     if (cfg["experiment"]["method"] not in TUNABLE or cfg["data"]["target"] not in data.IMAGE_SETS
             or not cfg["data"].get("val_fraction")):
         return None
+    if cfg["experiment"]["method"] == "flow":
+        return "its sampling temperature, chosen on the validation split: sinkflow tune {run}"
     return ("its sampler, chosen on the validation split at each budget of network evaluations: "
             "sinkflow tune {run} --nfe 6 13")
 
@@ -85,9 +97,10 @@ def overrides(settings: dict) -> list[str]:
 
 
 def choose(scored: list[tuple[dict, float]]) -> tuple[dict, float]:
-    """The lowest score; ties go to fewer NSGF steps, then to the smaller shift, then to the grid nearer uniform."""
+    """The lowest score; ties go to fewer NSGF steps, then to the smaller shift, then to the grid nearer uniform, then
+    to the temperature nearer the model's 1."""
     return min(scored, key=lambda sv: (sv[1], sv[0].get("nsgf_steps", 0), abs(sv[0].get("t_shift", 0.0)),
-                                       abs(sv[0].get("time_warp", 1.0) - 1)))
+                                       abs(sv[0].get("time_warp", 1.0) - 1), abs(sv[0].get("temperature", 1.0) - 1)))
 
 
 def metric_of(cfg: dict, target) -> str:
@@ -122,7 +135,7 @@ def tune(run, total: int, n: int, seeds: int = 1, metric: str = "fd_cnn") -> lis
         for settings in bar:  # eval.class_n off: every metric on the same n samples
             run.cfg = {**trained, "sample": {**trained["sample"], **settings},
                        "eval": {**trained["eval"], "class_n": None}}
-            steps = settings.get("nsf_steps", settings.get("steps"))
+            steps = settings.get("nsf_steps", settings.get("steps", 1))  # a flow's one pass
             row = image_metrics(run, seeds=seeds, n=n, steps_list=[steps], split="val")["rows"][0]
             out.append((settings, row[metric]))
     finally:
