@@ -94,6 +94,14 @@ def test_what_tune_cannot_choose_is_one_line_before_any_work(runs_dir, tmp_path,
     rc, err = main(["tune", str(tiny_run)]), capsys.readouterr().err
     assert "moons is not an image set, so it has no validation split" in error_line(rc, err, "sinkflow tune")
     assert not (runs_dir / "nov" / "tune.json").exists()
+    assert main(["train", "digits", "--method", "fm", *TINY_FM, *extra, "sample.steps=2", "data.val_fraction=0.1",
+                 "--name", "v", "--no-report"]) == 0
+    capsys.readouterr()
+    for flags, needle in ((["--nfe", "0"], "use --nfe 1 or more"), (["--n", "1"], "a Fréchet distance needs 2"),
+                          (["--seeds", "0"], "--seeds 0 must be a whole number >= 1")):
+        rc, err = main(["tune", str(runs_dir / "v"), *flags]), capsys.readouterr().err
+        error_line(rc, err, needle)
+    assert not (runs_dir / "v" / "tune.json").exists()
 
 
 def test_candidates_follow_what_the_run_was_trained_for():

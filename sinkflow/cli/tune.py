@@ -46,8 +46,6 @@ def run(args):
         if total < 1:
             raise SinkflowError(f"--nfe {total}: a sample needs at least one network evaluation", "use --nfe 1 or more")
         tune.candidates(cfg, total)
-    if args.seeds < 1:
-        raise SinkflowError(f"--seeds {args.seeds}: at least one sampling seed", "use --seeds 1 or more")
     check_split_files(run_, data.target_split_info(cfg), doing="tune")
     target = data.distributions(cfg)[1]
     metric = tune.metric_of(cfg, target)
