@@ -72,7 +72,8 @@ def run(args):
             print("  " + "  ".join(f"{settings[k]:>10g}" for k in keys) + f"  {v:8.2f}{mark}")
         choice = " ".join(tune.overrides(best))
         mine = next((v for s, v in scored if s == own), None)
-        beside = f" (the run's own sampler: {mine:.2f})" if mine is not None and own != best else ""
+        beside = ("" if mine is None else " (the run's own sampler)" if own == best
+                  else f" (the run's own sampler: {mine:.2f})")
         print(f"  best at {budget}: {choice}: {name} {value:.2f} on validation{beside}")
         print(f"  sinkflow sample {args.run_dir} {choice} --out samples.png")
         print(f"  sinkflow eval {args.run_dir} {choice}    (the test split: the score to report)")
