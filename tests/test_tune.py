@@ -131,7 +131,7 @@ def test_candidates_follow_what_the_run_was_trained_for():
     assert tune.metric_of({**cifar, "eval": {**cifar["eval"], "inception_weights": "pt_inception.pth"}},
                           SimpleNamespace(name="cifar10", labels=None)) == "fid"
     with_val = config.resolve("digits", ["data.val_fraction=0.1"], {"device": "cpu"})
-    assert tune.hint(with_val).format(run="runs/x").endswith("sinkflow tune runs/x --nfe 6 13")
+    assert "sinkflow tune runs/x (at its own 13 network evaluations" in tune.hint(with_val).format(run="runs/x")
     assert tune.hint(digits) is None and tune.hint(config.resolve("moons", [], {"device": "cpu"})) is None
     # ties: fewer NSGF steps, then the smaller shift, then the grid nearer uniform
     assert tune.choose([({"nsgf_steps": 6, "t_shift": 0.0}, 1.0), ({"nsgf_steps": 3, "t_shift": -0.2}, 1.0),

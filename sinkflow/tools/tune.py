@@ -88,8 +88,8 @@ def hint(cfg: dict) -> str | None:
         return None
     if cfg["experiment"]["method"] == "flow":
         return "its sampling temperature, chosen on the validation split: sinkflow tune {run}"
-    return ("its sampler, chosen on the validation split at each budget of network evaluations: "
-            "sinkflow tune {run} --nfe 6 13")
+    return (f"its sampler, chosen on the validation split: sinkflow tune {{run}} (at its own {current(cfg)[0]} network "
+            "evaluations; --nfe N ... for other budgets)")
 
 
 def overrides(settings: dict) -> list[str]:
