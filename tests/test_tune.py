@@ -82,6 +82,10 @@ def test_a_baseline_tries_its_grid_warps_and_its_own_sampler_is_marked(preset, r
     assert uniform[2] in ("<- best", "(the run's own)")
     assert main(["tune", str(runs_dir / "f"), "--nfe", "2", "--n", n]) == 0
     assert set(json.loads((runs_dir / "f" / "tune.json").read_text())) == {"3", "2"}
+    (runs_dir / "f" / "tune.json").write_text("{not json")  # a damaged record is left as it is, with a warning
+    assert main(["tune", str(runs_dir / "f"), "--nfe", "2", "--n", n]) == 0
+    assert "could not record the scores" in capsys.readouterr().err
+    assert (runs_dir / "f" / "tune.json").read_text() == "{not json"
 
 
 def test_what_tune_cannot_choose_is_one_line_before_any_work(runs_dir, tmp_path, capsys, tiny_run):

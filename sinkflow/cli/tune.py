@@ -30,7 +30,6 @@ def add_parser(sub):
 
 def run(args):
     from sinkflow import data
-    from sinkflow.data.atomic_write import atomic_write_text
     from sinkflow.data.memory import check_sample_memory
     from sinkflow.errors import SinkflowError
     from sinkflow.eval.report import check_eval_split
@@ -56,7 +55,6 @@ def run(args):
     n = min(args.n or cfg["eval"]["n"], held)
     check_sample_memory(n, cfg, "--n" if args.n else "eval.n")
     name = {"fd_cnn": "FD-CNN", "fid": "FID"}[metric]
-    record = {}
     for total in totals:
         scored = tune.tune(run_, total, n, args.seeds, metric)
         best, value = tune.choose(scored)
@@ -77,12 +75,19 @@ def run(args):
         print(f"  best at {budget}: {choice}: {name} {value:.2f} on validation{beside}")
         print(f"  sinkflow sample {args.run_dir} {choice} --out samples.png")
         print(f"  sinkflow eval {args.run_dir} {choice}    (the test split: the score to report)")
-        record[str(total)] = {"metric": metric, "split": "val", "n": n, "seeds": args.seeds, "best": best,
-                              "scores": [{"sample": s, metric: v} for s, v in scored]}
-    path = run_.dir / "tune.json"
+        record = {"metric": metric, "split": "val", "n": n, "seeds": args.seeds, "best": best,
+                  "scores": [{"sample": s, metric: v} for s, v in scored]}
+        keep(run_.dir / "tune.json", str(total), record)  # each budget as it finishes: a stop loses no other
+
+
+def keep(path, key: str, record: dict) -> None:
+    """``record`` under ``key`` in the JSON file ``path``, beside what it holds; a file that cannot be read or written
+    is left as it is, with a warning (the scores are printed above)."""
+    from sinkflow.data.atomic_write import atomic_write_text
+
     try:
         old = json.loads(path.read_text()) if path.is_file() else {}
-        atomic_write_text(path, json.dumps({**old, **record}, indent=1))
+        atomic_write_text(path, json.dumps({**old, key: record}, indent=1))
         print(f"wrote {path}")
     except (OSError, ValueError) as exc:
         print(f"sinkflow: warning: could not record the scores in {path} ({exc})", file=sys.stderr)
