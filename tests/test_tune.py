@@ -157,3 +157,25 @@ def test_a_flow_tries_its_sampling_temperatures(runs_dir, tmp_path, capsys):
     got = rows(out)
     assert sorted(t for (t,), _, _ in got) == sorted(tune.TEMPERATURES)
     assert json.loads((runs_dir / "g" / "tune.json").read_text())["1"]["best"]["temperature"] in tune.TEMPERATURES
+
+
+def test_cifar_runs_are_tuned_by_fid_at_their_shape(runs_dir, tmp_path, capsys, monkeypatch):
+    """(N, 3, 32, 32) has no digit classifier: with eval.inception_weights the candidates are scored by FID
+    (torchmetrics; a tiny network of Inception's interface stands in for the weights this machine lacks)."""
+    pytest.importorskip("torchmetrics")
+    import sinkflow.eval.images as images
+    from test_fd_cnn import TinyExtractor
+
+    real_fid, seen = images.fid, []
+    monkeypatch.setattr(images, "fid", lambda x, y, weights: seen.append((tuple(x.shape), weights))
+                        or real_fid(x, y, None, extractor=TinyExtractor()))
+    extra, _ = setup_data("cifar10", tmp_path)
+    extra = [o for o in extra if not o.startswith("model.nsf.")]  # FM has no NSF network
+    assert main(["train", "cifar10", "--method", "fm", *TINY_FM, *extra, "sample.steps=2", "data.val_fraction=0.2",
+                 "eval.inception_weights=pt_inception.pth", "--name", "c", "--no-report"]) == 0
+    capsys.readouterr()
+    held = len(data.distributions(RunFolder.open(runs_dir / "c").cfg)[1].val_index)
+    rc, out = main(["tune", str(runs_dir / "c"), "--n", str(held)]), capsys.readouterr().out
+    assert rc == 0 and "FID of" in out and len(rows(out)) == len(tune.WARPS)
+    assert len(seen) == len(tune.WARPS) and all(s == ((held, 3, 32, 32), "pt_inception.pth") for s in seen)
+    assert json.loads((runs_dir / "c" / "tune.json").read_text())["2"]["metric"] == "fid"
