@@ -51,7 +51,7 @@ from sinkflow.eval.images import image_metrics
 from sinkflow.eval.points import generate
 from sinkflow.errors import SinkflowError
 from sinkflow.runtime.run_folder import RunFolder
-from sinkflow.tools.tune import T_SHIFTS, WARPS, nsgf_splits
+from sinkflow.tools.tune import T_SHIFTS, WARPS, choose, nsgf_splits
 
 BASELINES = ("otcfm", "fm")
 LABEL = {"nsgfpp": "NSGF++", "otcfm": "OT-CFM", "fm": "FM"}
@@ -215,14 +215,23 @@ def parse_sampler(tag: str) -> tuple[int, float]:
     return int(k[1:]), float(shift[0][1:]) if shift else 0.0
 
 
+def choose_tag(val_fd: dict[str, float], settings_of) -> str:
+    """The tag with the lowest validation FD-CNN by `sinkflow tune`'s rule (tools.tune.choose), each tag read as its
+    ``sample.*`` settings by ``settings_of`` for the ties."""
+    tags = list(val_fd)
+    settings = [settings_of(tag) for tag in tags]
+    best, _ = choose([(st, val_fd[tag]) for st, tag in zip(settings, tags)])
+    return tags[settings.index(best)]
+
+
 def choose_sampler(val_fd: dict[str, float]) -> str:
     """The NSGF++ tag with the lowest validation FD-CNN (ties to fewer NSGF steps, then to the smaller shift)."""
-    return min(val_fd, key=lambda tag: (val_fd[tag], parse_sampler(tag)[0], abs(parse_sampler(tag)[1])))
+    return choose_tag(val_fd, lambda tag: dict(zip(("nsgf_steps", "t_shift"), parse_sampler(tag))))
 
 
 def choose_warp(val_fd: dict[str, float]) -> str:
     """The baseline's ``w<warp>`` tag with the lowest validation FD-CNN (ties to the grid nearer uniform)."""
-    return min(val_fd, key=lambda tag: (val_fd[tag], abs(float(tag[1:]) - 1)))
+    return choose_tag(val_fd, lambda tag: {"time_warp": float(tag[1:])})
 
 
 @contextmanager

@@ -177,7 +177,7 @@ def test_pool_seed_fixes_the_pool_across_experiment_seeds(runs_dir):
     assert train("a", "moons", "experiment.seed=1", "--no-report") == 0
     assert train("b", "moons", "experiment.seed=2", "pool.seed=1", "--no-report") == 0
     assert train("c", "moons", "experiment.seed=2", "--no-report") == 0
-    a, b, c = (np.load(runs_dir / r / "pool" / "x.npy") for r in "abc")
+    a, b, c = (np.load(runs_dir / r / "pool" / "x.npy", allow_pickle=False) for r in "abc")
     assert np.array_equal(a, b) and not np.array_equal(b, c)
     wa, wb = (torch.load(runs_dir / r / "checkpoints/velocity/final.pt", weights_only=True)["model"] for r in "ab")
     assert any(not torch.equal(wa[k], wb[k]) for k in wa)

@@ -79,8 +79,8 @@ def report(run) -> None:
         run.logger.heartbeat(phase="done", state="finished", report="written")
         from sinkflow.tools.tune import hint
 
-        if hint(run.cfg):
-            print(hint(run.cfg).format(run=run.dir))
+        if line := hint(run.cfg):
+            print(line.format(run=run.dir))
     except (ReportStopped, KeyboardInterrupt) as exc:
         signum = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
         run.logger.heartbeat(phase="done", state="finished", report="stopped")
