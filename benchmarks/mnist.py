@@ -47,7 +47,7 @@ import torch
 from sinkflow import config
 from sinkflow.cli import main as cli
 from sinkflow.data.atomic_write import atomic_write_text
-from sinkflow.eval.images import image_metrics
+from sinkflow.eval.images import held_out, image_metrics
 from sinkflow.eval.points import generate
 from sinkflow.errors import SinkflowError
 from sinkflow.runtime.run_folder import RunFolder
@@ -280,9 +280,15 @@ class Scores:
         return self.data[key]
 
 
+REFERENCES: dict = {}  # (data, eval, split, n) -> held_out(...): built once, shared by every sampler scored against it
+
+
 def score(run, steps: int, n: int, split: str = "test") -> dict:
     t0 = time.perf_counter()
-    r = image_metrics(run, seeds=1, n=n, steps_list=[steps], split=split)
+    key = (repr(run.cfg["data"]), repr(run.cfg["eval"]), split, n)
+    if key not in REFERENCES:
+        REFERENCES[key] = held_out(run.cfg, split, n)
+    r = image_metrics(run, seeds=1, steps_list=[steps], reference=REFERENCES[key])
     row, p = r["rows"][0], r["protocol"]
     return {"nfe": row["nfe"], "fd_cnn": row["fd_cnn"], "w2": row["w2"], "tv": row["tv"], "conf": row["confidence"],
             "floor": p["fd_cnn_floor"], "real_conf": p["real_confidence"], "t_hat": row.get("t_hat_mean"),

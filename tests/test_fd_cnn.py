@@ -140,6 +140,23 @@ def test_inception_fid_path_with_a_tiny_network_of_the_same_interface():
     assert fid(real, real, None, extractor=net) == pytest.approx(0.0, abs=1e-6)
 
 
+def test_one_fid_reference_scores_each_generated_set_alone():
+    """InceptionFID keeps the real features and drops the previous generated set's: scoring a sequence of sets
+    against one reference gives each set's one-off FID (sinkflow tune scores every candidate so)."""
+    pytest.importorskip("torchmetrics")
+    from sinkflow.eval.images import InceptionFID, fid
+
+    torch.manual_seed(1)
+    net = TinyExtractor()
+    real = torch.rand(64, 1, 8, 8) * 2 - 1
+    sets = [(torch.rand(64, 1, 8, 8) * s - 0.9).clamp(-1, 1) for s in (0.5, 1.5, 1.0)]
+    ref = InceptionFID(real, None, extractor=net)
+    got = [ref(x) for x in sets]
+    assert got == pytest.approx([fid(x, real, None, extractor=net) for x in sets], rel=1e-6)
+    assert len({round(g, 6) for g in got}) == 3
+    assert ref(real) == pytest.approx(0.0, abs=1e-6)
+
+
 def test_features_read_uint8_pixels_alike_as_array_or_tensor():
     """uint8 pixels were scaled to [-1, 1] only as a numpy array: a uint8 tensor went in as 0..255 (FD of a test
     set against itself, passed so, was 141.6)."""

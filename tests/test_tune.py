@@ -161,14 +161,29 @@ def test_a_flow_tries_its_sampling_temperatures(runs_dir, tmp_path, capsys):
 
 def test_cifar_runs_are_tuned_by_fid_at_their_shape(runs_dir, tmp_path, capsys, monkeypatch):
     """(N, 3, 32, 32) has no digit classifier: with eval.inception_weights the candidates are scored by FID
-    (torchmetrics; a tiny network of Inception's interface stands in for the weights this machine lacks)."""
+    (torchmetrics; a tiny network of Inception's interface stands in for the weights this machine lacks). The real
+    images' features are extracted once for all candidates, and each score is the one-off FID of its samples."""
     pytest.importorskip("torchmetrics")
     import sinkflow.eval.images as images
     from test_fd_cnn import TinyExtractor
 
-    real_fid, seen = images.fid, []
-    monkeypatch.setattr(images, "fid", lambda x, y, weights: seen.append((tuple(x.shape), weights))
-                        or real_fid(x, y, None, extractor=TinyExtractor()))
+    built, scored, original, net = [], [], images.InceptionFID, TinyExtractor()
+
+    class Recorded(images.InceptionFID):
+        def __init__(self, real, weights, extractor=None):
+            built.append((tuple(real.shape), weights))
+            self.real = real
+            super().__init__(real, None, extractor=extractor or net)
+
+        def __call__(self, generated):
+            got = super().__call__(generated)
+            scored.append((tuple(generated.shape), got, alone(generated, self.real)))
+            return got
+
+    def alone(generated, real):  # the one-off FID, outside the record
+        return original(real, None, net)(generated)
+
+    monkeypatch.setattr(images, "InceptionFID", Recorded)
     extra, _ = setup_data("cifar10", tmp_path)
     extra = [o for o in extra if not o.startswith("model.nsf.")]  # FM has no NSF network
     assert main(["train", "cifar10", "--method", "fm", *TINY_FM, *extra, "sample.steps=2", "data.val_fraction=0.2",
@@ -177,5 +192,7 @@ def test_cifar_runs_are_tuned_by_fid_at_their_shape(runs_dir, tmp_path, capsys, 
     held = len(data.distributions(RunFolder.open(runs_dir / "c").cfg)[1].val_index)
     rc, out = main(["tune", str(runs_dir / "c"), "--n", str(held)]), capsys.readouterr().out
     assert rc == 0 and "FID of" in out and len(rows(out)) == len(tune.WARPS)
-    assert len(seen) == len(tune.WARPS) and all(s == ((held, 3, 32, 32), "pt_inception.pth") for s in seen)
+    assert built == [((held, 3, 32, 32), "pt_inception.pth")]  # one reference for every candidate
+    assert len(scored) == len(tune.WARPS) and all(shape == (held, 3, 32, 32) for shape, _, _ in scored)
+    assert all(got == pytest.approx(alone, rel=1e-6) for _, got, alone in scored)
     assert json.loads((runs_dir / "c" / "tune.json").read_text())["2"]["metric"] == "fid"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -160,54 +161,100 @@ def class_stats(clf, x) -> dict:
     return {"hist": hist, "confidence": float(probs.max(1).mean())}
 
 
-def fid(generated: torch.Tensor, real: torch.Tensor, weights: str | None, extractor: torch.nn.Module | None = None
-        ) -> float:
-    """FID by torchmetrics (torch-fidelity Inception-v3, 2048-d pool features) from a local weights file.
+class InceptionFID:
+    """FID by torchmetrics (torch-fidelity Inception-v3, 2048-d pool features, from a local weights file) against one
+    fixed real set: the real images' features are extracted once (``reset_real_features=False``) and every generated
+    set is scored against them, so scoring many samplers costs one Inception pass over the real images, not one each.
 
     ``extractor``: any module of torchmetrics' custom-feature interface (float images in [0, 1], 3 channels,
     -> (N, d), ``num_features``) in place of Inception; the tests use a tiny one, since the weights are not here."""
-    try:
-        from torchmetrics.image.fid import FrechetInceptionDistance
-    except ImportError:
-        raise SinkflowError("FID needs torchmetrics and torch-fidelity, which are not installed",
-                            "pip install torchmetrics torch-fidelity, or unset eval.inception_weights") from None
-    if extractor is not None:
-        metric = FrechetInceptionDistance(feature=extractor, normalize=True)
-    else:
-        if not Path(weights).is_file():
-            raise SinkflowError(f"eval.inception_weights={weights} is not a file",
-                                "point it at a local pt_inception-2015-12-05 weights file or set it to null")
-        metric = FrechetInceptionDistance(feature=2048, normalize=True, feature_extractor_weights_path=str(weights))
-    for imgs, is_real in ((real, True), (generated, False)):
+
+    def __init__(self, real: torch.Tensor, weights: str | None, extractor: torch.nn.Module | None = None):
+        try:
+            from torchmetrics.image.fid import FrechetInceptionDistance
+        except ImportError:
+            raise SinkflowError("FID needs torchmetrics and torch-fidelity, which are not installed",
+                                "pip install torchmetrics torch-fidelity, or unset eval.inception_weights") from None
+        if extractor is not None:
+            self.metric = FrechetInceptionDistance(feature=extractor, normalize=True, reset_real_features=False)
+        else:
+            if not Path(weights).is_file():
+                raise SinkflowError(f"eval.inception_weights={weights} is not a file",
+                                    "point it at a local pt_inception-2015-12-05 weights file or set it to null")
+            self.metric = FrechetInceptionDistance(feature=2048, normalize=True, reset_real_features=False,
+                                                   feature_extractor_weights_path=str(weights))
+        self._update(real, True)
+
+    def _update(self, imgs: torch.Tensor, real: bool) -> None:
         for chunk in _to_unit(imgs).split(256):
-            metric.update(chunk.expand(-1, 3, -1, -1) if chunk.shape[1] == 1 else chunk, real=is_real)
-    return float(metric.compute())
+            self.metric.update(chunk.expand(-1, 3, -1, -1) if chunk.shape[1] == 1 else chunk, real=real)
+
+    def __call__(self, generated: torch.Tensor) -> float:
+        self.metric.reset()  # drops the previous generated set's features only
+        self._update(generated, False)
+        return float(self.metric.compute())
 
 
-def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_list=None, split: str = "test") -> dict:
+def fid(generated: torch.Tensor, real: torch.Tensor, weights: str | None, extractor: torch.nn.Module | None = None
+        ) -> float:
+    """FID of one generated set against one real set (``InceptionFID`` for many generated sets)."""
+    return InceptionFID(real, weights, extractor)(generated)
+
+
+@dataclass
+class HeldOut:
+    """What every sampler of a run is scored against, built once per (split, n) by ``held_out``: the ``n`` real
+    images W2 and FID read, the digit classifier and the real class statistics, the FD-CNN reference (every
+    held-out image's features and the floor) and the FID's real features. ``sinkflow tune`` scores its candidates
+    against one of these, so the reference work is done once, not once a candidate."""
+
+    name: str
+    split: str
+    n: int
+    n_test: int
+    class_n: int
+    real: torch.Tensor
+    clf: object | None
+    real_stats: dict | None
+    cnn: dict | None
+    fid: InceptionFID | None
+    weights: str | None
+
+
+def held_out(cfg: dict, split: str = "test", n: int | None = None) -> HeldOut:
+    """The reference of ``split`` ("test", or "val" for choices that must not read the test split) for ``cfg``'s
+    data and ``eval`` section (``n`` defaults to ``eval.n``)."""
+    if split not in ("test", "val"):
+        raise SinkflowError(f"image_metrics: unknown split {split!r}", "use 'test' or 'val'")
+    _, target = data.distributions(cfg)
+    val = target.val_set() if split == "val" else None
+    n_test = len(target.test_images) if val is None else len(val)
+    n = min(n or cfg["eval"]["n"], n_test)
+    class_n = max(n, cfg["eval"].get("class_n") or n)  # the classifier columns need more samples than W2 can use
+    clf = digit_classifier(target, cfg["data"]["root"])
+    real = target.test_set(n) if val is None else val[:n]
+    cnn = None
+    if clf is not None:  # FD-CNN against every held-out image (its covariance needs them), not the W2 subset
+        every = target.test_set(n_test) if val is None else val
+        cnn = fd_cnn_reference(target, cfg["data"]["root"], every, class_n, val is not None)
+    weights = cfg["eval"]["inception_weights"]
+    return HeldOut(target.name, split, n, n_test, class_n, real, clf, class_stats(clf, real) if clf is not None else None, cnn,
+                   InceptionFID(real, weights) if weights else None, weights)
+
+
+def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_list=None, split: str = "test",
+                  reference: HeldOut | None = None) -> dict:
     """Metrics for each sampling setting, mean/std over seeds; plus the protocol used. ``split="val"`` scores
-    against the validation split (``data.val_fraction``) instead, for choices that must not read the test split."""
+    against the validation split (``data.val_fraction``) instead, for choices that must not read the test split.
+    ``reference``: a ``held_out`` built once for many calls (its split and n are then the ones used)."""
     from sinkflow.ot import w2
 
     cfg = run.cfg
     seeds = seeds or cfg["eval"]["seeds"]
-    _, target = data.distributions(cfg)
-    if split not in ("test", "val"):
-        raise SinkflowError(f"image_metrics: unknown split {split!r}", "use 'test' or 'val'")
-    held_out = target.val_set() if split == "val" else None
-    n_test = len(target.test_images) if held_out is None else len(held_out)
-    n = min(n or cfg["eval"]["n"], n_test)
-    class_n = max(n, cfg["eval"].get("class_n") or n)  # the classifier columns need more samples than W2 can use
+    ref = reference or held_out(cfg, split, n)
+    n, class_n, clf, cnn, real_stats = ref.n, ref.class_n, ref.clf, ref.cnn, ref.real_stats
     method = methods.of(cfg).name
     steps_list = steps_list or methods.of(cfg).eval_steps(cfg)
-    clf = digit_classifier(target, cfg["data"]["root"])
-    real = target.test_set(n) if held_out is None else held_out[:n]
-    real_stats = class_stats(clf, real) if clf is not None else None
-    cnn = None
-    if clf is not None:  # FD-CNN against every held-out image (its covariance needs them), not the W2 subset
-        every = target.test_set(n_test) if held_out is None else held_out
-        cnn = fd_cnn_reference(target, cfg["data"]["root"], every, class_n, held_out is not None)
-    weights = cfg["eval"]["inception_weights"]
     rows = []
     for steps in steps_list:
         vals: dict[str, list] = {"w2": [], "tv": [], "confidence": [], "fd_cnn": [], "fid": []}
@@ -218,14 +265,14 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
                 t_hat.append(info["t_hat"].float().cpu())
             x_all = x_all.cpu()  # finite: generate refuses NaN / Inf samples (check_finite_samples)
             x = x_all[:n]
-            vals["w2"].append(w2(x, real))
+            vals["w2"].append(w2(x, ref.real))
             if clf is not None:
                 st = class_stats(clf, x_all)
                 vals["tv"].append(0.5 * float(np.abs(st["hist"] - real_stats["hist"]).sum()))
                 vals["confidence"].append(st["confidence"])
                 vals["fd_cnn"].append(fd_cnn.fd(fd_cnn.features(cnn["net"], x_all), cnn["real"]))
-            if weights:
-                vals["fid"].append(fid(x, real, weights))
+            if ref.fid is not None:
+                vals["fid"].append(ref.fid(x))
         row = {"steps": steps, "nfe": info["nfe"],
                "nfe_breakdown": {k[4:]: v for k, v in info.items() if k.startswith("nfe_")} or None}
         if t_hat:
@@ -239,8 +286,9 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
             row["hist"] = st["hist"].round(3).tolist()
         rows.append(row)
     protocol = {
-        "n": n, "class_n": class_n if clf is not None else None, "seeds": seeds, "reference": f"{target.name} {'held-out' if held_out is None else 'validation'} split "
-                                         f"({n} of {n_test} images, fixed subset)",
+        "n": n, "class_n": class_n if clf is not None else None, "seeds": seeds,
+        "reference": f"{ref.name} {'held-out' if ref.split == 'test' else 'validation'} split "
+                     f"({n} of {ref.n_test} images, fixed subset)",
         "w2": "exact W2, POT emd2, squared Euclidean cost on flattened pixels (data in [-1,1]; generated samples "
               + ("clamped to [-1,1] by the flow's sampler)" if methods.of(cfg).clamps_samples else
                  "as sampled, not clamped)"),
@@ -252,11 +300,11 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
         "real_hist": real_stats["hist"].round(3).tolist() if real_stats else None,
         "fd_cnn": (f"FD-CNN (not Inception FID): Fréchet distance of {fd_cnn.FEATURES}-d features of a small CNN "
                    f"trained on the training split (held-out accuracy {cnn['accuracy']:.4f}), {class_n} generated vs "
-                   f"all {n_test} held-out real") if cnn else None,
+                   f"all {ref.n_test} held-out real") if cnn else None,
         "fd_cnn_floor": cnn["floor"] if cnn else None,
         "fd_cnn_floor_n": cnn["floor_n"] if cnn else None,
-        "fid": (f"torchmetrics FrechetInceptionDistance (2048-d, torch-fidelity Inception-v3 from {weights}), "
-                f"{n} generated vs {n} held-out real") if weights else None,
+        "fid": (f"torchmetrics FrechetInceptionDistance (2048-d, torch-fidelity Inception-v3 from {ref.weights}), "
+                f"{n} generated vs {n} held-out real") if ref.weights else None,
     }
     return {"rows": rows, "protocol": protocol, "method": method, "preset": cfg["experiment"]["preset"]}
 
