@@ -99,8 +99,7 @@ def choose_split(run, total: int, seeds: int) -> tuple[int, int, dict]:
         raise SystemExit(f"an NFE budget of {total} leaves no NSF step: use at least 3")
     val = {}
     for k in split_candidates(total):
-        run.cfg["sample"]["nsgf_steps"] = k
-        val[k] = val_scores(run, total - 1 - k, seeds)
+        val[k] = val_scores(run.variant(sample={"nsgf_steps": k}), total - 1 - k, seeds)
     k = rank_choice(val)
     return k, total - 1 - k, {j: (w, tv, -c) for j, (w, tv, c) in val.items()}
 
@@ -127,9 +126,7 @@ def choose_warp(run, steps: int, seeds: int) -> tuple[float, dict]:
     method gets one sampler knob tuned on validation, so a difference is the models', not the samplers'."""
     val = {}
     for warp in WARPS:
-        run.cfg["sample"]["time_warp"] = warp
-        val[warp] = val_scores(run, steps, seeds)
-    run.cfg["sample"]["time_warp"] = 1.0
+        val[warp] = val_scores(run.variant(sample={"time_warp": warp}), steps, seeds)
     return rank_choice(val), {w: (a, b, -c) for w, (a, b, c) in val.items()}
 
 
@@ -149,14 +146,12 @@ def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int,
     res = {"scores": {"NSGF++": {}, **{k: {} for b in baselines for k in (LABEL[b], LABEL[b] + " warped")}}, "split": {},
            "val": {}, "warp": {}, "wall": {}, "sample_s": {}}
     run, res["wall"]["NSGF++"] = train(out, "nsgfpp", *common, *extra)
-    preset_k = run.cfg["sample"]["nsgf_steps"]
     for total in nfe:
         k, nsf_steps, val = choose_split(run, total, seeds)
         res["split"][total], res["val"][total] = k, val
-        run.cfg["sample"]["nsgf_steps"] = k
-        result, res["sample_s"][("NSGF++", total)] = timed_metrics(run, seeds, nsf_steps)
+        result, res["sample_s"][("NSGF++", total)] = timed_metrics(run.variant(sample={"nsgf_steps": k}), seeds,
+                                                                   nsf_steps)
         res["scores"]["NSGF++"][total] = scores(result)
-    run.cfg["sample"]["nsgf_steps"] = preset_k
     save_grid(generate(run, 64, None, seed=7)[0], out / "nsgfpp_grid.png", nrow=8)
     unet_steps = run.cfg["train"]["velocity"]["iters"] + run.cfg["train"]["nsf"]["iters"]
     for method in baselines:
@@ -170,9 +165,8 @@ def bench_seed(out: Path, train_seed: int, quick: list, extra: list, seeds: int,
         for steps in nfe:  # the same model with its Euler grid chosen on validation
             warp, _ = choose_warp(run, steps, seeds)
             res["warp"][(label, steps)] = warp
-            run.cfg["sample"]["time_warp"] = warp
-            res["scores"][f"{label} warped"][steps] = scores(timed_metrics(run, seeds, steps)[0])
-            run.cfg["sample"]["time_warp"] = 1.0
+            warped = run.variant(sample={"time_warp": warp})
+            res["scores"][f"{label} warped"][steps] = scores(timed_metrics(warped, seeds, steps)[0])
         save_grid(generate(run, 64, ref_steps, seed=7)[0], out / f"{method}_grid.png", nrow=8)
     return res
 

@@ -38,7 +38,6 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -234,22 +233,6 @@ def choose_warp(val_fd: dict[str, float]) -> str:
     return choose_tag(val_fd, lambda tag: {"time_warp": float(tag[1:])})
 
 
-@contextmanager
-def sampling(run, **keys):
-    """``run`` samples with these ``sample.*`` values inside the block; its config is restored after."""
-    s = run.cfg["sample"]
-    saved = {k: s[k] for k in keys if k in s}
-    s.update(keys)
-    try:
-        yield
-    finally:
-        for k in keys:
-            if k in saved:
-                s[k] = saved[k]
-            else:
-                s.pop(k)
-
-
 def samples_path(folder: Path, method: str, total: int, tag: str | None = None) -> Path:
     """Where a method's 64 grid samples at ``total`` NFE are kept, per sampler tag (a new choice, a new file)."""
     return folder / f"samples-{method}-{total}{'-' + tag.replace(' ', '') if tag else ''}.npy"
@@ -337,16 +320,16 @@ def nsgfpp_seed(out: Path, seed: int, b: dict, nfe: list[int], sc: Scores, commo
         val = {}
         for tag in (sampler_tag(k, s) for k in split_candidates(total) for s in shifts):
             k, shift = parse_sampler(tag)
-            with sampling(run, nsgf_steps=k, t_shift=shift):
-                val[tag] = sc.get(f"val NSGF++ {total} {tag}",
-                                  lambda: score(run, total - 1 - k, b["val_n"], split="val")["fd_cnn"])
+            view = run.variant(sample={"nsgf_steps": k, "t_shift": shift})
+            val[tag] = sc.get(f"val NSGF++ {total} {tag}",
+                              lambda: score(view, total - 1 - k, b["val_n"], split="val")["fd_cnn"])
         val.update(sc.tagged(f"val NSGF++ {total}"))
         paper = choose_sampler({t: v for t, v in val.items() if parse_sampler(t)[1] == 0})
         for tag in dict.fromkeys((choose_sampler(val), paper)):
             k, shift = parse_sampler(tag)
-            with sampling(run, nsgf_steps=k, t_shift=shift):
-                got = sc.get(f"test NSGF++ {total} {tag}", lambda: score(run, total - 1 - k, b["n"]))
-                save_samples(run, total - 1 - k, samples_path(out, "nsgfpp", total, tag))
+            view = run.variant(sample={"nsgf_steps": k, "t_shift": shift})
+            got = sc.get(f"test NSGF++ {total} {tag}", lambda: score(view, total - 1 - k, b["n"]))
+            save_samples(view, total - 1 - k, samples_path(out, "nsgfpp", total, tag))
             log(f"seed {seed}: NSGF++ NFE {total} {tag}: test {got}")
 
 
@@ -365,13 +348,13 @@ def baseline_seed(out: Path, seed: int, method: str, b: dict, nfe: list[int], sc
         save_samples(run, steps, samples_path(out, method, steps))
         val = {}
         for warp in WARPS:
-            with sampling(run, time_warp=warp):
-                val[f"w{warp:g}"] = sc.get(f"val {label} {steps} w{warp:g}",
-                                           lambda: score(run, steps, b["val_n"], split="val")["fd_cnn"])
+            view = run.variant(sample={"time_warp": warp})
+            val[f"w{warp:g}"] = sc.get(f"val {label} {steps} w{warp:g}",
+                                       lambda: score(view, steps, b["val_n"], split="val")["fd_cnn"])
         tag = choose_warp(val)
-        with sampling(run, time_warp=float(tag[1:])):
-            warped = sc.get(f"test {label} {steps} {tag}", lambda: score(run, steps, b["n"]))
-            save_samples(run, steps, samples_path(out, method, steps, tag))
+        view = run.variant(sample={"time_warp": float(tag[1:])})
+        warped = sc.get(f"test {label} {steps} {tag}", lambda: score(view, steps, b["n"]))
+        save_samples(view, steps, samples_path(out, method, steps, tag))
         log(f"seed {seed}: {label} NFE {steps}: uniform {got['fd_cnn']:.2f}, {tag} {warped['fd_cnn']:.2f}")
 
 

@@ -100,12 +100,10 @@ def main(argv=None) -> None:
         probes.update({f"{p} from seed {args.swap_from}": {p: donor.model(p), "time": TimeEdit(
             donor.model("time") if p == "time" else nets["time"], edits["as benchmarked"])} for p in nets})
     results = {}
-    run.cfg["sample"]["nsgf_steps"], run.cfg["sample"]["t_shift"] = k, 0.0
+    run = run.variant(sample={"nsgf_steps": k, "t_shift": 0.0})
     for name, swap in probes.items():
-        run._models.update({**nets, **swap})
-        results[name] = bench_mnist.score(run, args.nfe - 1 - k, n, split=args.split)
+        results[name] = bench_mnist.score(run.variant(models=swap), args.nfe - 1 - k, n, split=args.split)
         bench_mnist.log(f"probe {name}: {tag} {results[name]}")
-    run._models.update(nets)
     if args.pool_states:
         results.update(pool_state_scores(run, args.nfe - 1 - k, n, args.split, args.fixed, shift))
     fit = velocity_fit(run, n) if args.velocity_fit else None

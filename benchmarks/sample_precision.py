@@ -79,8 +79,7 @@ def seed_precision(out: Path, seed: int, methods: list[str], nfe: list[int], pre
             for s in range(sampling_seeds):
                 x = {}
                 for p in precisions:
-                    with bench_mnist.sampling(run, precision=p, **keys):
-                        x[p], info = generate(run, n, steps, seed=1000 + s)
+                    x[p], info = generate(run.variant(sample={"precision": p, **keys}), n, steps, seed=1000 + s)
                     t_hat = info.get("t_hat")
                     x[p] = (x[p].float().cpu(), None if t_hat is None else t_hat.float().cpu())
                 ref, ref_t = x[precisions[0]]

@@ -753,7 +753,14 @@ def test_mnist_sampler_is_chosen_on_validation_never_on_test(mnist_bench, monkey
         return {"nfe": 13, "fd_cnn": fd if split == "val" else -fd, "w2": 0.0, "tv": 0.0, "conf": 0.0,
                 "floor": 0.0, "real_conf": 0.0}
 
-    fake_run = type("R", (), {"cfg": {"sample": {"nsgf_steps": None, "t_shift": 0.0, "time_warp": 1.0}}})()
+    class FakeRun:  # RunFolder's config and its sampling views (RunFolder.variant)
+        def __init__(self, sample):
+            self.cfg = {"sample": sample}
+
+        def variant(self, sample=None):
+            return FakeRun({**self.cfg["sample"], **(sample or {})})
+
+    fake_run = FakeRun({"nsgf_steps": None, "t_shift": 0.0, "time_warp": 1.0})
     monkeypatch.setattr(mnist_bench, "train", lambda out, name, args: (fake_run, 0.0))
     monkeypatch.setattr(mnist_bench, "score", fake_score)
     monkeypatch.setattr(mnist_bench, "save_samples", lambda run, steps, path: None)
@@ -770,7 +777,7 @@ def test_mnist_sampler_is_chosen_on_validation_never_on_test(mnist_bench, monkey
         assert label not in res["sampler"]
     base = [c for c in calls if c[1] is None]
     assert sorted(c[3] for c in base if c[0] == "test") == [0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]  # 2 methods x 2 NFE
-    assert fake_run.cfg["sample"] == {"nsgf_steps": None, "t_shift": 0.0, "time_warp": 1.0}  # restored
+    assert fake_run.cfg["sample"] == {"nsgf_steps": None, "t_shift": 0.0, "time_warp": 1.0}  # never changed
     assert res["scores"]["NSGF++"][13]["fd_cnn"] == -0.0 and res["scores"]["NSGF++ (t̂ as predicted)"][13]["fd_cnn"] == -1
     calls.clear()  # another invocation with other shifts: only they are scored, and the stored ones still compete
     res = mnist_bench.bench_seed(tmp_path, 0, b, tmp_path, [13], "cpu", ("nsgfpp",), shifts=(0.0, -0.4))

@@ -89,6 +89,27 @@ def test_plain_pickle_is_refused_and_checkpoints_load_weights_only(tmp_path):
     assert not marker.exists()
 
 
+def test_a_variant_samples_otherwise_and_leaves_the_run_as_it_was(tiny_run):
+    """RunFolder.variant (how sinkflow tune scores many samplers): the view samples with its own sample.* values and
+    shares the networks already loaded; the run's config, its networks and config.yaml stay as they were."""
+    from sinkflow.eval.points import generate
+
+    on_disk = (tiny_run / "config.yaml").read_bytes()
+    run = RunFolder.open(tiny_run)
+    cfg = config_mod.dump(run.cfg)
+    net = run.model("velocity")
+    view = run.variant(sample={"time_warp": 0.5}, eval={"n": 7})
+    assert (view.cfg["sample"]["time_warp"], view.cfg["eval"]["n"]) == (0.5, 7)
+    assert config_mod.dump(run.cfg) == cfg and view.model("velocity") is net
+    warped, plain = generate(view, 16, 3, seed=0)[0], generate(run, 16, 3, seed=0)[0]
+    assert not torch.equal(warped, plain)
+    assert torch.equal(generate(run.variant(sample={"time_warp": 0.5}), 16, 3, seed=0)[0], warped)
+    zero = torch.nn.Identity()
+    swapped = run.variant(models={"velocity": zero})
+    assert swapped.model("velocity") is zero and run.model("velocity") is net
+    assert (tiny_run / "config.yaml").read_bytes() == on_disk
+
+
 def test_sinkflow_checkpoints_load_with_weights_only(base_run):
     for p in (base_run / "base" / "checkpoints").rglob("*.pt"):
         obj = torch.load(p, weights_only=True)  # RNG states and metadata are plain data too

@@ -50,7 +50,7 @@ def run(args):
             which = "validation" if args.split == "val" else "held-out"
             raise SinkflowError(f"--n {args.n} images, but the {which} split of {target.name} holds {held}",
                                 f"use --n {held} or less")
-        run_.cfg = {**run_.cfg, "eval": {**run_.cfg["eval"], "class_n": None}}
+        run_ = run_.variant(eval={"class_n": None})
     n = args.n or run_.cfg["eval"]["n"]
     from sinkflow.data.memory import check_sample_memory
     check_sample_memory(n, run_.cfg, "--n" if args.n else "eval.n", exact_w2=is_points(run_.cfg))

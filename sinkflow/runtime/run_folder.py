@@ -14,6 +14,7 @@ Nothing is written into a run folder until every check has passed (``RunFolder.s
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import logging
@@ -285,6 +286,19 @@ class RunFolder:
             model.to(self.device).eval().requires_grad_(False)
             self._models[phase] = model
         return self._models[phase]
+
+    def variant(self, sample: dict | None = None, eval: dict | None = None,
+                models: dict[str, torch.nn.Module] | None = None) -> "RunFolder":
+        """This run with other ``sample.*`` / ``eval.*`` values, or some finished phases' networks replaced by
+        ``models``, in memory: a second view of the same folder, device and logger that shares the networks already
+        loaded (nothing is reloaded or written, config.yaml is untouched). How many samplers are scored without
+        setting another object's config and putting it back (``sinkflow tune``); keys that shape a network stay."""
+        view = copy.copy(self)
+        view.cfg = {**self.cfg, "sample": {**self.cfg["sample"], **(sample or {})},
+                    "eval": {**self.cfg["eval"], **(eval or {})}}
+        if models:  # the view's own table: a swapped network never leaks into this run's
+            view._models = {**self._models, **models}
+        return view
 
     def release(self) -> None:
         """Free what a finished phase held before the next one starts."""

@@ -119,28 +119,23 @@ def metric_of(cfg: dict, target) -> str:
 
 def tune(run, total: int, n: int, seeds: int = 1, metric: str = "fd_cnn") -> list[tuple[dict, float]]:
     """Every candidate at ``total`` NFE (and the run's own sampler when it spends as many) scored by ``metric`` on
-    ``n`` samples per seed against the validation split, with a progress bar. ``run.cfg`` is swapped for a copy per
-    candidate and restored (config.yaml is never written). The validation reference (FD-CNN features and floor, or
-    FID's Inception features of the real images) is built once for all candidates."""
+    ``n`` samples per seed against the validation split, with a progress bar. Each candidate samples from a view of
+    the run (``RunFolder.variant``; config.yaml is never written). The validation reference (FD-CNN features and
+    floor, or FID's Inception features of the real images) is built once for all candidates."""
     from tqdm import tqdm
 
     from sinkflow.eval.images import held_out, image_metrics
 
-    trained, out = run.cfg, []
-    scoring = {**trained["eval"], "class_n": None}  # eval.class_n off: every metric on the same n samples
-    reference = held_out({**trained, "eval": scoring}, "val", n)
-    cands = candidates(trained, total)
-    own_total, own = current(trained)
+    out, scoring = [], {"class_n": None}  # eval.class_n off: every metric on the same n samples
+    reference = held_out(run.variant(eval=scoring).cfg, "val", n)
+    cands = candidates(run.cfg, total)
+    own_total, own = current(run.cfg)
     if own_total == total and own not in cands:
         cands.append(own)
-    bar = tqdm(cands, desc=f"tune {total} NFE", unit="sampler", disable=os.environ.get("SINKFLOW_PROGRESS") == "0")
-    try:
-        for settings in bar:
-            run.cfg = {**trained, "sample": {**trained["sample"], **settings}, "eval": scoring}
-            steps = settings.get("nsf_steps", settings.get("steps", 1))  # a flow's one pass
-            row = image_metrics(run, seeds=seeds, steps_list=[steps], reference=reference)["rows"][0]
-            out.append((settings, row[metric]))
-    finally:
-        run.cfg = trained
-        bar.close()
+    for settings in tqdm(cands, desc=f"tune {total} NFE", unit="sampler",
+                         disable=os.environ.get("SINKFLOW_PROGRESS") == "0"):
+        steps = settings.get("nsf_steps", settings.get("steps", 1))  # a flow's one pass
+        row = image_metrics(run.variant(sample=settings, eval=scoring), seeds=seeds, steps_list=[steps],
+                            reference=reference)["rows"][0]
+        out.append((settings, row[metric]))
     return out
