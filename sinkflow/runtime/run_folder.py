@@ -287,6 +287,11 @@ class RunFolder:
             self._models[phase] = model
         return self._models[phase]
 
+    @property
+    def loaded_models(self) -> dict[str, torch.nn.Module]:
+        """The finished phases' networks loaded so far (by ``model``), by phase: what a later phase holds frozen."""
+        return dict(self._models)
+
     def variant(self, sample: dict | None = None, eval: dict | None = None,
                 models: dict[str, torch.nn.Module] | None = None) -> "RunFolder":
         """This run with other ``sample.*`` / ``eval.*`` values, or some finished phases' networks replaced by

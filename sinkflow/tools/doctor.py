@@ -548,7 +548,7 @@ def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch:
     out.append(check_loss_graph(trainer.ddp_model, trainer.task.loss, batch))
     out.append(check_train_mode(model, lambda: trainer.train_step(batch)))
     out.append(check_weights_change(model, lambda: applied_step(trainer, batch)))
-    frozen = dict(run._models)
+    frozen = run.loaded_models
     out.append(check_frozen(frozen, opt, lambda: trainer.train_step(batch)))
     out.append(check_batchnorm_batch1(model, micro_batch_sizes(trainer.cfg["batch_size"], trainer.cfg["accum"],
                                                                  trainer.info.world)))
