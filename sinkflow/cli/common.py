@@ -87,15 +87,16 @@ def check_counts(args) -> None:
             raise SinkflowError(f"{flag} {value} is more than {most:,}", f"use {flag} {most:,} or fewer")
 
 
-def apply_sample_overrides(run_, overrides: list[str], command: str, run_dir: str) -> None:
-    """``sample.key=value`` for this call only: applied to ``run_``'s config in memory (config.yaml stays as
+def with_sample_overrides(run_, overrides: list[str], command: str, run_dir: str):
+    """``run_`` sampling with ``sample.key=value`` for this call only (``RunFolder.variant``: config.yaml stays as
     trained), refused in one line before any work when the key is not a sampling key, is out of its range, or is a
     key this method never reads (as `train` refuses them)."""
     bad = [o for o in overrides if not o.startswith("sample.")]
     if bad:
         raise SinkflowError(f"`sinkflow {command}` only takes sample.* overrides, not '{bad[0]}'",
                             f"change other keys with `sinkflow train --resume {run_dir} ...`")
-    run_.cfg = config.apply_overrides(run_.cfg, overrides)
-    config.validate(run_.cfg)
-    config.check_read(run_.cfg, config.override_keys(overrides))
+    cfg = config.apply_overrides(run_.cfg, overrides)
+    config.validate(cfg)
+    config.check_read(cfg, config.override_keys(overrides))
+    return run_.variant(sample=cfg["sample"])
 

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from sinkflow.cli.common import apply_sample_overrides
+from sinkflow.cli.common import with_sample_overrides
 from sinkflow.errors import SinkflowError
 
 
@@ -37,7 +37,7 @@ def run(args):
     run_ = RunFolder.open(args.run_dir)
     from sinkflow.data.memory import check_sample_memory
     check_sample_memory(args.n, run_.cfg)
-    apply_sample_overrides(run_, args.overrides, "sample", args.run_dir)
+    run_ = with_sample_overrides(run_, args.overrides, "sample", args.run_dir)
     method = methods.of(run_.cfg)
     method.check_steps(args.steps)
     steps = args.steps or method.default_steps(run_.cfg)  # NSGF++: the straight-flow steps
