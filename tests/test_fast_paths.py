@@ -147,6 +147,27 @@ def test_channels_last_matches_plain_and_is_gated():
     assert not use_channels_last({}, cuda, (3, 32, 32))  # off unless asked: measured slower (docs/performance.md)
 
 
+def test_a_phase_names_the_fp16_key_in_its_first_lines_on_a_t4(runs_dir, tmp_path, monkeypatch, caplog):
+    """The Trainer's call of fast_path.fp16_hint, end to end on an (N, 1, 28, 28) FM run: the phase is told its
+    device is a compute-capability-7.5 card (the hint reads only that), and its first lines carry the hint."""
+    import logging
+
+    from sinkflow.cli import main
+    from sinkflow.engine import fast_path
+    from test_images import TINY_FM, setup_data
+
+    real, asked = fast_path.fp16_hint, []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(fast_path, "fp16_hint", lambda tcfg, kind, device, key: asked.append((kind, key, str(device)))
+                        or real(tcfg, kind, "cuda", key))
+    extra, _ = setup_data("mnist", tmp_path)
+    with caplog.at_level(logging.INFO):
+        assert main(["train", "mnist", "--method", "fm", *TINY_FM, *extra, "--name", "t4", "--no-report"]) == 0
+    assert asked == [("unet", "velocity", "cpu")]
+    assert any("compute capability 7.5" in r.getMessage() and "train.velocity.precision=fp16" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_auto_speed_settings_resolve_per_device_network_and_process_count(monkeypatch):
     """auto = bf16 + the whole step one CUDA graph for a UNet on a bf16 CUDA card in one process (the time predictor:
     the step graph in fp32); the plain path everywhere else; an explicit value is never changed. The card is faked:

@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -196,3 +197,17 @@ def test_cifar_runs_are_tuned_by_fid_at_their_shape(runs_dir, tmp_path, capsys, 
     assert len(scored) == len(tune.WARPS) and all(shape == (held, 3, 32, 32) for shape, _, _ in scored)
     assert all(got == pytest.approx(alone, rel=1e-6) for _, got, alone in scored)
     assert json.loads((runs_dir / "c" / "tune.json").read_text())["2"]["metric"] == "fid"
+
+
+def test_train_ends_an_image_run_with_the_tune_line_when_it_has_a_validation_split(runs_dir, tmp_path, capsys):
+    """`sinkflow train`'s report (not --no-report) names `sinkflow tune RUN` last for an image run with
+    data.val_fraction, and says nothing of it without one (tune would refuse it)."""
+    extra, _ = setup_data("digits", tmp_path)
+    small = ["eval.n=16", "eval.class_n=null", "eval.seeds=1", "sample.steps=2"]
+    assert main(["train", "digits", "--method", "fm", *TINY_FM, *extra, *small, "data.val_fraction=0.2",
+                 "--name", "with"]) == 0
+    out = capsys.readouterr().out
+    line = tune.hint(RunFolder.open(runs_dir / "with").cfg).format(run=Path("runs") / "with")  # as the run names it
+    assert out.rstrip().splitlines()[-1] == line and "sinkflow tune runs/with (at its own 2 network" in line
+    assert main(["train", "digits", "--method", "fm", *TINY_FM, *extra, *small, "--name", "without"]) == 0
+    assert "sinkflow tune" not in capsys.readouterr().out
