@@ -238,7 +238,8 @@ def held_out(cfg: dict, split: str = "test", n: int | None = None) -> HeldOut:
         every = target.test_set(n_test) if val is None else val
         cnn = fd_cnn_reference(target, cfg["data"]["root"], every, class_n, val is not None)
     weights = cfg["eval"]["inception_weights"]
-    return HeldOut(target.name, split, n, n_test, class_n, real, clf, class_stats(clf, real) if clf is not None else None, cnn,
+    real_stats = class_stats(clf, real) if clf is not None else None
+    return HeldOut(target.name, split, n, n_test, class_n, real, clf, real_stats, cnn,
                    InceptionFID(real, weights) if weights else None, weights)
 
 
