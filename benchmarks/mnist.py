@@ -63,6 +63,10 @@ VERDICTS = (("NSGF++", "OT-CFM (warped)", "samplers chosen on validation"),
             (PAPER_NSGFPP, "OT-CFM", "the paper's samplers (NSGF++'s k chosen)"))
 REF_NFE = 100  # the baselines' reference budget beside --nfe (issue 24: NSGF++ at 60 NFE within 10% of it)
 PAPER = {"velocity": 50000, "nsf": 100000, "time": 40000, "pool": 1500}  # mnist preset (paper App. E.2)
+# val_n: generated digits per validation score; None: as many as the validation split holds (800 digits of the t10k
+# split), as `sinkflow tune`'s default. It was 100 until 2026-11-29: on the four 2x-budget runs that draw's choice
+# among NSGF++'s 12 samplers scored 2-3 FD-CNN worse on test at 13-60 NFE than the choice on all 800 (RESULTS.md
+# "Twice the UNet budget").
 SCALES = {
     # CPU: a small UNet (8 ch, 28-14-7, attention only in the middle block) and 3,200 UNet steps per method and
     # training seed: about 10 minutes per run on one CPU thread; two training seeds, every method and sampler, took 33
@@ -82,14 +86,14 @@ SCALES = {
     # velocity network"); with that start the split moved to 2000 + 1200 (validation 2 lower at every NFE than
     # 1600 + 1600: the NSF inherits the velocity network's steps).
     "cpu": {"channels": 8, "velocity": 2000, "nsf": 1200, "time": 200, "pool": 6, "batch": 32, "n": 200,
-            "val_n": 100, "nsgfpp": ("sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001",
+            "val_n": None, "nsgfpp": ("sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001",
                                      "nsgf.segment=1.0", "nsgf.nsf_init=velocity")},
     # The CPU table until 2026-11-28: 500 UNet steps (300 velocity + 200 NSF), about 23 minutes with --workers 2.
     "cpu-short": {"channels": 8, "velocity": 300, "nsf": 200, "time": 200, "pool": 6, "batch": 32, "n": 200,
-                  "val_n": 100, "nsgfpp": ("sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001")},
+                  "val_n": None, "nsgfpp": ("sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001")},
     # GPU: the mnist preset's UNet and batch, the paper's iterations x --gpu-fraction.
     "gpu": {"channels": 32, "velocity": PAPER["velocity"], "nsf": PAPER["nsf"], "time": PAPER["time"],
-            "pool": PAPER["pool"], "batch": 128, "n": 2000, "val_n": 800},
+            "pool": PAPER["pool"], "batch": 128, "n": 2000, "val_n": None},
     # quick: the script's every path at tiny sizes (the suite's smoke test); the baselines' reference budget is 5 NFE
     # instead of REF_NFE, which was most of that test's minute
     "quick": {"channels": 4, "velocity": 3, "nsf": 3, "time": 3, "pool": 2, "batch": 8, "n": 12, "val_n": 6,
@@ -200,9 +204,14 @@ def split_candidates(total: int) -> list[int]:
         raise SystemExit(str(exc)) from None
 
 
-# Samplers are named by tags in scores.json keys ("val NSGF++ 13 k11 t-0.2", "test OT-CFM 13 w0.5"):
+# Samplers are named by tags in scores.json keys ("val@800 NSGF++ 13 k11 t-0.2", "test OT-CFM 13 w0.5"):
 # NSGF++ ``k<k>[ t<shift>]`` (k NSGF steps, sample.t_shift; no t: the paper's t̂), a baseline ``w<warp>``
-# (sample.time_warp of its Euler grid). A baseline's untagged test key is its uniform grid.
+# (sample.time_warp of its Euler grid). A baseline's untagged test key is its uniform grid. A validation key names
+# its draw (``val@<n>``: n generated digits), so a larger draw scores anew beside the old one, never mixed with it.
+def val_key(n: int, label: str, total: int, tag: str) -> str:
+    return f"val@{n} {label} {total} {tag}"
+
+
 def sampler_tag(k: int, shift: float = 0.0) -> str:
     """An NSGF++ sampler's tag: ``k6`` (6 NSGF steps, the paper's t̂), ``k6 t-0.2`` (t̂ - 0.2)."""
     return f"k{k}" if shift == 0 else f"k{k} t{shift:+g}"
@@ -321,9 +330,9 @@ def nsgfpp_seed(out: Path, seed: int, b: dict, nfe: list[int], sc: Scores, commo
         for tag in (sampler_tag(k, s) for k in split_candidates(total) for s in shifts):
             k, shift = parse_sampler(tag)
             view = run.variant(sample={"nsgf_steps": k, "t_shift": shift})
-            val[tag] = sc.get(f"val NSGF++ {total} {tag}",
+            val[tag] = sc.get(val_key(b["val_n"], "NSGF++", total, tag),
                               lambda: score(view, total - 1 - k, b["val_n"], split="val")["fd_cnn"])
-        val.update(sc.tagged(f"val NSGF++ {total}"))
+        val.update(sc.tagged(f"val@{b['val_n']} NSGF++ {total}"))
         paper = choose_sampler({t: v for t, v in val.items() if parse_sampler(t)[1] == 0})
         for tag in dict.fromkeys((choose_sampler(val), paper)):
             k, shift = parse_sampler(tag)
@@ -349,7 +358,7 @@ def baseline_seed(out: Path, seed: int, method: str, b: dict, nfe: list[int], sc
         val = {}
         for warp in WARPS:
             view = run.variant(sample={"time_warp": warp})
-            val[f"w{warp:g}"] = sc.get(f"val {label} {steps} w{warp:g}",
+            val[f"w{warp:g}"] = sc.get(val_key(b["val_n"], label, steps, f"w{warp:g}"),
                                        lambda: score(view, steps, b["val_n"], split="val")["fd_cnn"])
         tag = choose_warp(val)
         view = run.variant(sample={"time_warp": float(tag[1:])})
@@ -358,23 +367,28 @@ def baseline_seed(out: Path, seed: int, method: str, b: dict, nfe: list[int], sc
         log(f"seed {seed}: {label} NFE {steps}: uniform {got['fd_cnn']:.2f}, {tag} {warped['fd_cnn']:.2f}")
 
 
-def from_scores(out: Path, seed: int, nfe: list[int]) -> dict:
+def from_scores(out: Path, seed: int, nfe: list[int], val_n: int | None = None) -> dict:
     """A training seed's result rebuilt from its scores.json alone (whatever is finished): ``scores[label][nfe]``
     and ``sampler[label][nfe]`` (the tag) for NSGF++ (k and t̂ shift chosen on validation), ``NSGF++ (t̂ as
     predicted)`` (k chosen, the paper's t̂), each baseline's uniform grid, and ``<baseline> (warped)`` (its grid's
-    warp chosen on validation). A cell exists once the test score of validation's choice does."""
+    warp chosen on validation). Choices are made on the validation draw of ``val_n`` digits (None: the largest
+    draw scored for that method and budget); a cell exists once the test score of that draw's choice does."""
     path = out / f"seed{seed}" / "scores.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
-    val, tests, wall = {}, {}, {}
+    draws, tests, wall = {}, {}, {}  # draws: {n: {label: {total: {tag: fd}}}}
     for key, v in data.items():
         kind, label, *rest = key.split(" ", 3)
         if kind == "wall":
             wall[label] = v
-        elif kind in ("val", "test") and rest:
+        elif (kind == "test" or kind.startswith("val@")) and rest:
             if kind == "test" and label == "NSGF++" and len(rest) == 1:
                 continue  # untagged: its k was chosen before the t̂ shift existed; the tagged key replaces it
-            where = val if kind == "val" else tests
+            where = tests if kind == "test" else draws.setdefault(int(kind[4:]), {})
             where.setdefault(label, {}).setdefault(int(rest[0]), {})[rest[1] if len(rest) > 1 else ""] = v
+    val = {}
+    for n in sorted(draws) if val_n is None else [val_n] if val_n in draws else []:
+        for label, by_total in draws[n].items():
+            val.setdefault(label, {}).update(by_total)  # a larger draw replaces a smaller one's budgets
     res = {"scores": {}, "sampler": {}, "val": val, "wall": wall}
 
     def put(label: str, total: int, tag: str, have: dict) -> None:
@@ -507,16 +521,28 @@ def grids(out: Path, seed: int, nfe: list[int], res: dict, ref: int = REF_NFE) -
     return path
 
 
+def digits(data_root: Path):
+    """The benchmark's MNIST target (its train / validation / test split, data.val_fraction 0.1)."""
+    from sinkflow.data.images import build_image_distribution
+
+    return build_image_distribution("mnist", {"root": str(data_root), "val_fraction": 0.1})
+
+
 def prepare_scorers(data_root: Path) -> None:
     """Decode the digits and fit the scoring classifiers once, before the workers (which then read the caches)."""
-    from sinkflow.data.images import build_image_distribution
     from sinkflow.eval.fd_cnn import train_cnn
     from sinkflow.eval.images import digit_classifier
 
-    target = build_image_distribution("mnist", {"root": str(data_root), "val_fraction": 0.1})
+    target = digits(data_root)
     digit_classifier(target, str(data_root))
     acc = train_cnn(target, str(data_root))[1]
     log(f"FD-CNN classifier: held-out accuracy {acc:.4f} ({len(target.images)} training digits)")
+
+
+def recorded_split(out: Path, seeds: list[int]) -> dict | None:
+    """The data split a run of ``seeds`` under ``out`` recorded (every method's runs share it), None before any."""
+    found = [p for s in seeds for m in ("nsgfpp", *BASELINES) if (p := out / f"seed{s}" / m / "data_split.json").is_file()]
+    return json.loads(found[0].read_text()) if found else None
 
 
 def main(argv=None) -> None:
@@ -527,6 +553,8 @@ def main(argv=None) -> None:
                          "cpu-short: 500 steps, the table until 2026-11-28 (NSGF++'s velocity network does not learn "
                          "there); gpu: the paper's budget x --gpu-fraction; quick: tiny, to check the script runs")
     ap.add_argument("--gpu-fraction", type=float, default=0.1, help="--scale gpu: fraction of the paper's iterations")
+    ap.add_argument("--val-n", type=int, help="generated digits per validation score (default: every validation "
+                    "digit, 800; 100 reproduces the tables before 2026-11-29 from their scores)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--train-seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--workers", type=int, default=1, help="training seeds run in parallel, one thread each")
@@ -565,6 +593,16 @@ def main(argv=None) -> None:
             ap.error("no MNIST files: pass --data-root (holding MNIST/raw) or --mnist-dir, or set SINKFLOW_MNIST_DIR")
         data_root = link_mnist(src, out / "data")
     nfe = sorted(set(args.nfe))
+    no_scores = (f"no scored run of seeds {' '.join(map(str, args.train_seeds))} under {out}: run without "
+                 "--report-only first (or pass the --out of a finished invocation)")
+    split = recorded_split(out, args.train_seeds)
+    if args.report_only and split is None:
+        sys.exit(no_scores)
+    n_val = split["n_val"] if args.report_only else len(digits(data_root.resolve()).val_set())
+    if args.val_n is not None and not 2 <= args.val_n <= n_val:
+        ap.error(f"--val-n {args.val_n}: the validation split holds {n_val} digits (and a Fréchet distance needs 2); "
+                 f"use --val-n between 2 and {n_val}")
+    b["val_n"] = min(args.val_n or b["val_n"] or n_val, n_val)
     start = time.perf_counter()
     if not args.report_only:
         prepare_scorers(data_root.resolve())
@@ -576,16 +614,13 @@ def main(argv=None) -> None:
     elif not args.report_only:
         for j in jobs:
             bench_seed(*j)
-    per_seed = [from_scores(out, s, nfe) for s in args.train_seeds]  # every method's scores, whoever made them
+    per_seed = [from_scores(out, s, nfe, b["val_n"]) for s in args.train_seeds]  # every method's scores, whoever made them
     if not any(m for r in per_seed for m in r["scores"].values()):
-        sys.exit(f"no scored run of seeds {' '.join(map(str, args.train_seeds))} under {out}: run without "
-                 "--report-only first (or pass the --out of a finished invocation)")
+        sys.exit(no_scores)
     grid_seed = args.grid_seed if args.grid_seed is not None else args.train_seeds[0]
     ref = b.get("ref_nfe", REF_NFE)
-    png = grids(out, grid_seed, nfe, from_scores(out, grid_seed, nfe), ref)
-    seed_dir = out / f"seed{args.train_seeds[0]}"  # every method's runs share the split: any one of them records it
-    split = json.loads(next(seed_dir / m / "data_split.json" for m in ("nsgfpp", *BASELINES)
-                            if (seed_dir / m / "data_split.json").is_file()).read_text())
+    png = grids(out, grid_seed, nfe, from_scores(out, grid_seed, nfe, b["val_n"]), ref)
+    split = recorded_split(out, args.train_seeds)
     head = [f"Command: `python benchmarks/mnist.py {' '.join(sys.argv[1:] if argv is None else argv)}`; machine "
             f"{platform.node()} ({os.cpu_count()} cores, {args.device}), torch {torch.__version__}; "
             f"{time.strftime('%Y-%m-%d %H:%M')}; this invocation's wall {(time.perf_counter() - start) / 60:.1f} min.",

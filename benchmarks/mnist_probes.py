@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sinkflow import data
 from sinkflow.data.atomic_write import atomic_write_text
 from sinkflow.runtime.run_folder import RunFolder
 
@@ -65,7 +66,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, help="the benchmark's --out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nfe", type=int, default=13)
-    ap.add_argument("--n", type=int, default=None, help="generated digits per score (default: the benchmark's)")
+    ap.add_argument("--n", type=int, default=None, help="generated digits per score (default: the benchmark's: 200 on "
+                    "test, every validation digit on val)")
     ap.add_argument("--fixed", type=float, nargs="*", default=[], help="also start every NSF at each of these times")
     ap.add_argument("--split", choices=("test", "val"), default="test")
     ap.add_argument("--swap-from", type=int, default=None, metavar="S", help="also score with each network of seed S")
@@ -76,14 +78,14 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
-    res = json.loads((out / f"seed{args.seed}" / "scores.json").read_text())
-    val = {key.split(" ", 3)[3]: v for key, v in res.items() if key.startswith(f"val NSGF++ {args.nfe} k")}
+    val = bench_mnist.from_scores(out, args.seed, [args.nfe])["val"].get("NSGF++", {}).get(args.nfe)
     if not val:
         sys.exit(f"no validation scores for NSGF++ at {args.nfe} NFE in {out}/seed{args.seed}/scores.json")
     tag = bench_mnist.choose_sampler(val)
     k, shift = bench_mnist.parse_sampler(tag)
-    n = args.n or bench_mnist.SCALES["cpu"]["val_n" if args.split == "val" else "n"]
     run = RunFolder.open(out / f"seed{args.seed}" / "nsgfpp")
+    held = data.distributions(run.cfg)[1]
+    n = args.n or (len(held.val_set()) if args.split == "val" else bench_mnist.SCALES["cpu"]["n"])
     nets = {p: run.model(p) for p in ("velocity", "nsf", "time")}
     # t̂ below is the benchmarked start: the predictor's output plus the chosen shift (the sampler clamps it into the
     # NSF's range); the run's own t_shift is 0 so that a fixed start is exactly T
@@ -144,7 +146,6 @@ def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float
     fresh source points: a network trained long on a small pool has memorised the pool's own), each alone and
     through the NSF (``nsf_steps`` Euler steps) from the predictor's t̂ (+ ``shift``) and from each fixed time:
     ``n`` of each, against the held-out digits of ``split``."""
-    from sinkflow import data
     from sinkflow.eval import fd_cnn
     from sinkflow.eval.images import fd_cnn_reference
     from sinkflow.methods.nsgf import flow_times
@@ -180,7 +181,6 @@ def velocity_fit(run, n: int) -> dict:
     """The velocity network's MSE per pool step over the target's variance at that step: on ``n`` trajectories of
     its own pool, and on ``n`` fresh ones (new source and target draws through the pool's simulator, with their own
     Sinkhorn diameter)."""
-    from sinkflow import data
     from sinkflow.methods.nsgf import PoolGrid, flow_times, make_simulator
     from sinkflow.methods.pool import TrajectoryPool
 

@@ -869,6 +869,39 @@ def test_smoke_mnist_a_baseline_alone(mnist_bench, mnist_quick, tmp_path):
     assert "| FM (warped) | 3 |" in table and "NSGF++ | 3" not in table and not (alone / "seed0" / "nsgfpp").exists()
 
 
+def test_mnist_choices_read_one_validation_draw(mnist_bench, tmp_path):
+    """Validation scores name their draw (``val@<n>``): a larger draw chooses anew and its scores are never mixed
+    with a smaller one's; without ``val_n`` each budget reads the largest draw scored for it."""
+    seed = tmp_path / "seed0"
+    seed.mkdir()
+    key = mnist_bench.val_key
+    scores = {key(100, "NSGF++", 13, "k3"): 1.0, key(100, "NSGF++", 13, "k6"): 2.0,
+              key(800, "NSGF++", 13, "k6"): 1.5, key(800, "NSGF++", 13, "k11"): 1.6,  # k3 not scored on 800: k6
+              key(100, "NSGF++", 26, "k24"): 1.0, key(100, "OT-CFM", 13, "w0.5"): 1.0,
+              **{f"test NSGF++ 13 {t}": {"fd_cnn": fd} for t, fd in (("k3", 30.0), ("k6", 20.0))},
+              "test NSGF++ 26 k24": {"fd_cnn": 25.0}, "test OT-CFM 13": {"fd_cnn": 24.0},
+              "test OT-CFM 13 w0.5": {"fd_cnn": 23.0}}
+    (seed / "scores.json").write_text(json.dumps(scores))
+    small, large, largest = (mnist_bench.from_scores(tmp_path, 0, [13, 26], n) for n in (100, 800, None))
+    assert small["sampler"]["NSGF++"] == {13: "k3", 26: "k24"} and small["scores"]["NSGF++"][13]["fd_cnn"] == 30
+    assert large["sampler"]["NSGF++"] == {13: "k6"} and large["val"]["NSGF++"][13] == {"k6": 1.5, "k11": 1.6}
+    assert "OT-CFM (warped)" not in large["sampler"] and large["scores"]["OT-CFM"][13]["fd_cnn"] == 24  # uniform
+    assert largest["sampler"]["NSGF++"] == {13: "k6", 26: "k24"} and largest["sampler"]["OT-CFM (warped)"] == {13: "w0.5"}
+    assert largest["val"]["NSGF++"][13] == large["val"]["NSGF++"][13]  # the 800 draw alone, no 100-draw k3 beside it
+
+
+def test_mnist_val_n_beyond_the_validation_split_is_refused_in_one_line(mnist_bench, tmp_path, capsys):
+    from test_data import make_mnist
+
+    make_mnist(tmp_path / "data", n_train=40, n_test=12)  # 4 validation digits
+    with pytest.raises(SystemExit):
+        mnist_bench.main(["--scale", "quick", "--out", str(tmp_path / "out"), "--data-root", str(tmp_path / "data"),
+                          "--val-n", "5"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--val-n 5: the validation split holds 4 digits" in err and "use --val-n between 2 and 4" in err
+    assert not (tmp_path / "out" / "seed0").exists()
+
+
 def test_mnist_report_only_without_a_scored_run_says_so_in_one_line(mnist_bench, tmp_path):
     (tmp_path / "MNIST" / "raw").mkdir(parents=True)
     with pytest.raises(SystemExit) as stop:
