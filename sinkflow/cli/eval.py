@@ -36,7 +36,7 @@ def run(args):
     from sinkflow.runtime.data_record import check_split_files
     from sinkflow.runtime.run_folder import RunFolder
 
-    run_ = RunFolder.open(args.run_dir)
+    run_ = RunFolder.open(args.run_dir, log_best_effort=True)  # a read-only run folder: scores printed, record skipped
     run_ = with_sample_overrides(run_, args.overrides, "eval", args.run_dir)
     check_eval_split(run_.cfg, args.split, "--split")
     check_split_files(run_, data.target_split_info(run_.cfg), doing="evaluate")  # before anything decodes the images
@@ -54,7 +54,6 @@ def run(args):
     n = args.n or run_.cfg["eval"]["n"]
     from sinkflow.data.memory import check_sample_memory
     check_sample_memory(n, run_.cfg, "--n" if args.n else "eval.n", exact_w2=is_points(run_.cfg))
-    run_.logger.best_effort = True  # a read-only run folder: the scores are printed, the record is skipped
     try:
         print(evaluate(run_, seeds=args.seeds, n=args.n, split=args.split))
     finally:

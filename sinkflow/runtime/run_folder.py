@@ -91,13 +91,15 @@ def _versions() -> dict:
 class RunFolder:
     """Everything a phase needs: config, device, folder, logger, checkpoints, finished phases' models."""
 
-    def __init__(self, run_dir: Path, cfg: dict, log: bool = True):
-        """``log=False``: a read-only look at a run (doctor, lr-find on a user's run) logs nothing into it."""
+    def __init__(self, run_dir: Path, cfg: dict, log: bool = True, log_best_effort: bool = False):
+        """``log=False``: a read-only look at a run (doctor, lr-find on a user's run) logs nothing into it.
+        ``log_best_effort`` (``sinkflow eval``): a folder that cannot be written skips the record
+        (``MetricsLogger.failed`` says why) instead of failing the caller."""
         self.dir = Path(run_dir)
         self.cfg = cfg
         self.dist = dist.current()
         self.device = dist.device_for(self.dist, resolve_device(cfg["experiment"]["device"]))
-        self.logger = MetricsLogger(self.dir, enabled=self.dist.is_main and log)
+        self.logger = MetricsLogger(self.dir, enabled=self.dist.is_main and log, best_effort=log_best_effort)
         self._models: dict[str, torch.nn.Module] = {}
         self._pending_config: dict | None = None  # a resume's new config.yaml, written by start()
         self._checked_finals: set[tuple] = set()
@@ -156,9 +158,11 @@ class RunFolder:
         return cls(run_dir, cfg)
 
     @classmethod
-    def open(cls, run_dir: Path, overrides: list[str] | None = None, shorthands: dict | None = None) -> "RunFolder":
+    def open(cls, run_dir: Path, overrides: list[str] | None = None, shorthands: dict | None = None,
+             log_best_effort: bool = False) -> "RunFolder":
         """Re-open a run folder (nothing is written). Overrides of keys frozen by what is already on disk
-        are refused (``sinkflow.runtime.identity``); ``start()`` writes the new config once the run starts."""
+        are refused (``sinkflow.runtime.identity``); ``start()`` writes the new config once the run starts.
+        ``log_best_effort``: as in ``RunFolder()``."""
         cfg = read_config(run_dir)
         named = config_mod.override_keys(overrides or [])
         short = config_mod.apply_shorthands(cfg, shorthands or {})
@@ -167,7 +171,7 @@ class RunFolder:
         config_mod.validate(new)
         config_mod.check_read(new, named)
         check_frozen(cfg, new, Path(run_dir))
-        run = cls(run_dir, new)
+        run = cls(run_dir, new, log_best_effort=log_best_effort)
         run._disk_config = cfg
         disk = config_mod.flatten(cfg)
         shorthand = {k for k, v in config_mod.flatten(short).items() if v != disk.get(k) and k not in named}
