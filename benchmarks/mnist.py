@@ -14,9 +14,10 @@ time-predictor CNN, not UNet steps); FM and OT-CFM train one UNet for V + N step
 Sampling: NSGF++ at each total NFE as k NSGF steps + 1 predictor call + (total - 1 - k) NSF steps from t̂ + s
 (``sample.t_shift``; s = 0 is the paper's t̂); FM / OT-CFM with Euler at each NFE of --nfe and 100 on a grid
 t_i = 1 - (1 - i/N)^w (``sample.time_warp``; w = 1 uniform, the paper's). Each method's knob is chosen per budget by
-FD-CNN on a validation split carved from the TRAINING digits (data.val_fraction; every method trains without them),
-never the test digits (``choose_sampler``, ``choose_warp``); the table has each method with its chosen sampler and
-with the paper's (NSGF++: k chosen, t̂ unshifted; baselines: uniform Euler). Score: FD-CNN (sinkflow.eval.fd_cnn:
+FD-CNN of as many generated digits as the validation split holds (``--val-n``; 800) against that split, carved from
+the TRAINING digits (data.val_fraction; every method trains without them), never the test digits (``choose_sampler``,
+``choose_warp``); the table has each method with its chosen sampler and with the paper's (NSGF++: k chosen, t̂
+unshifted; baselines: uniform Euler). Score: FD-CNN (sinkflow.eval.fd_cnn:
 Fréchet distance in the features of a small CNN trained on the training split; not Inception FID) of --n generated
 digits against all held-out test digits, with its floor (--n real training digits against the same test digits);
 pixel W2, class-histogram TV and confidence beside it. Every method is trained per training seed; the table is
