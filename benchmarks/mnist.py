@@ -205,12 +205,13 @@ def split_candidates(total: int) -> list[int]:
         raise SystemExit(str(exc)) from None
 
 
-# Samplers are named by tags in scores.json keys ("val@800 NSGF++ 13 k11 t-0.2", "test OT-CFM 13 w0.5"):
+# Samplers are named by tags in scores.json keys ("val@800 NSGF++ 13 k11 t-0.2", "test@200 OT-CFM 13 w0.5"):
 # NSGF++ ``k<k>[ t<shift>]`` (k NSGF steps, sample.t_shift; no t: the paper's t̂), a baseline ``w<warp>``
-# (sample.time_warp of its Euler grid). A baseline's untagged test key is its uniform grid. A validation key names
-# its draw (``val@<n>``: n generated digits), so a larger draw scores anew beside the old one, never mixed with it.
-def val_key(n: int, label: str, total: int, tag: str) -> str:
-    return f"val@{n} {label} {total} {tag}"
+# (sample.time_warp of its Euler grid). A baseline's untagged test key is its uniform grid. A key names its split and
+# draw (``val@<n>``, ``test@<n>``: n generated digits), so another draw scores anew beside the old one, never mixed
+# with it.
+def score_key(split: str, n: int, label: str, total: int, tag: str = "") -> str:
+    return f"{split}@{n} {label} {total}" + (f" {tag}" if tag else "")
 
 
 def sampler_tag(k: int, shift: float = 0.0) -> str:
@@ -331,14 +332,14 @@ def nsgfpp_seed(out: Path, seed: int, b: dict, nfe: list[int], sc: Scores, commo
         for tag in (sampler_tag(k, s) for k in split_candidates(total) for s in shifts):
             k, shift = parse_sampler(tag)
             view = run.variant(sample={"nsgf_steps": k, "t_shift": shift})
-            val[tag] = sc.get(val_key(b["val_n"], "NSGF++", total, tag),
+            val[tag] = sc.get(score_key("val", b["val_n"], "NSGF++", total, tag),
                               lambda: score(view, total - 1 - k, b["val_n"], split="val")["fd_cnn"])
         val.update(sc.tagged(f"val@{b['val_n']} NSGF++ {total}"))
         paper = choose_sampler({t: v for t, v in val.items() if parse_sampler(t)[1] == 0})
         for tag in dict.fromkeys((choose_sampler(val), paper)):
             k, shift = parse_sampler(tag)
             view = run.variant(sample={"nsgf_steps": k, "t_shift": shift})
-            got = sc.get(f"test NSGF++ {total} {tag}", lambda: score(view, total - 1 - k, b["n"]))
+            got = sc.get(score_key("test", b["n"], "NSGF++", total, tag), lambda: score(view, total - 1 - k, b["n"]))
             save_samples(view, total - 1 - k, samples_path(out, "nsgfpp", total, tag))
             log(f"seed {seed}: NSGF++ NFE {total} {tag}: test {got}")
 
@@ -354,42 +355,54 @@ def baseline_seed(out: Path, seed: int, method: str, b: dict, nfe: list[int], sc
     run, wall = train(out, method, [*base, "--method", method, f"train.velocity.iters={unet_budget(b)}"])
     sc.get(f"wall {label}", lambda: wall)
     for steps in [*nfe, b.get("ref_nfe", REF_NFE)]:
-        got = sc.get(f"test {label} {steps}", lambda: score(run, steps, b["n"]))
+        got = sc.get(score_key("test", b["n"], label, steps), lambda: score(run, steps, b["n"]))
         save_samples(run, steps, samples_path(out, method, steps))
         val = {}
         for warp in WARPS:
             view = run.variant(sample={"time_warp": warp})
-            val[f"w{warp:g}"] = sc.get(val_key(b["val_n"], label, steps, f"w{warp:g}"),
+            val[f"w{warp:g}"] = sc.get(score_key("val", b["val_n"], label, steps, f"w{warp:g}"),
                                        lambda: score(view, steps, b["val_n"], split="val")["fd_cnn"])
         tag = choose_warp(val)
         view = run.variant(sample={"time_warp": float(tag[1:])})
-        warped = sc.get(f"test {label} {steps} {tag}", lambda: score(view, steps, b["n"]))
+        warped = sc.get(score_key("test", b["n"], label, steps, tag), lambda: score(view, steps, b["n"]))
         save_samples(view, steps, samples_path(out, method, steps, tag))
         log(f"seed {seed}: {label} NFE {steps}: uniform {got['fd_cnn']:.2f}, {tag} {warped['fd_cnn']:.2f}")
 
 
-def from_scores(out: Path, seed: int, nfe: list[int], val_n: int | None = None) -> dict:
+def one_draw(by_n: dict, n: int | None, whole_budgets: bool) -> dict:
+    """``{label: {total: {tag: score}}}`` of the draw of ``n`` generated digits in ``by_n`` (``{n: that}``); with
+    None every draw, a larger one replacing a smaller one's budgets (``whole_budgets``: a choice's candidates are
+    never mixed across draws) or its single scores."""
+    got = {}
+    for size in sorted(by_n) if n is None else [n] if n in by_n else []:
+        for label, by_total in by_n[size].items():
+            for total, tags in by_total.items():
+                mine = got.setdefault(label, {})
+                mine[total] = dict(tags) if whole_budgets else {**mine.get(total, {}), **tags}
+    return got
+
+
+def from_scores(out: Path, seed: int, nfe: list[int], val_n: int | None = None, test_n: int | None = None) -> dict:
     """A training seed's result rebuilt from its scores.json alone (whatever is finished): ``scores[label][nfe]``
     and ``sampler[label][nfe]`` (the tag) for NSGF++ (k and t̂ shift chosen on validation), ``NSGF++ (t̂ as
     predicted)`` (k chosen, the paper's t̂), each baseline's uniform grid, and ``<baseline> (warped)`` (its grid's
-    warp chosen on validation). Choices are made on the validation draw of ``val_n`` digits (None: the largest
-    draw scored for that method and budget); a cell exists once the test score of that draw's choice does."""
+    warp chosen on validation). Choices are made on the validation draw of ``val_n`` generated digits and scored on
+    the test draw of ``test_n`` (None: the largest draw scored, ``one_draw``); a cell exists once the test score of
+    its choice does."""
     path = out / f"seed{seed}" / "scores.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
-    draws, tests, wall = {}, {}, {}  # draws: {n: {label: {total: {tag: fd}}}}
+    draws, wall = {"val": {}, "test": {}}, {}  # split -> {n: {label: {total: {tag: score}}}}
     for key, v in data.items():
         kind, label, *rest = key.split(" ", 3)
+        split, _, n = kind.partition("@")
         if kind == "wall":
             wall[label] = v
-        elif (kind == "test" or kind.startswith("val@")) and rest:
-            if kind == "test" and label == "NSGF++" and len(rest) == 1:
+        elif split in draws and n and rest:
+            if split == "test" and label == "NSGF++" and len(rest) == 1:
                 continue  # untagged: its k was chosen before the t̂ shift existed; the tagged key replaces it
-            where = tests if kind == "test" else draws.setdefault(int(kind[4:]), {})
-            where.setdefault(label, {}).setdefault(int(rest[0]), {})[rest[1] if len(rest) > 1 else ""] = v
-    val = {}
-    for n in sorted(draws) if val_n is None else [val_n] if val_n in draws else []:
-        for label, by_total in draws[n].items():
-            val.setdefault(label, {}).update(by_total)  # a larger draw replaces a smaller one's budgets
+            draws[split].setdefault(int(n), {}).setdefault(label, {}).setdefault(int(rest[0]), {})[
+                rest[1] if len(rest) > 1 else ""] = v
+    val, tests = one_draw(draws["val"], val_n, True), one_draw(draws["test"], test_n, False)
     res = {"scores": {}, "sampler": {}, "val": val, "wall": wall}
 
     def put(label: str, total: int, tag: str, have: dict) -> None:
@@ -615,12 +628,12 @@ def main(argv=None) -> None:
     elif not args.report_only:
         for j in jobs:
             bench_seed(*j)
-    per_seed = [from_scores(out, s, nfe, b["val_n"]) for s in args.train_seeds]  # every method's scores, whoever made them
+    per_seed = [from_scores(out, s, nfe, b["val_n"], b["n"]) for s in args.train_seeds]  # every method's scores, whoever made them
     if not any(m for r in per_seed for m in r["scores"].values()):
         sys.exit(no_scores)
     grid_seed = args.grid_seed if args.grid_seed is not None else args.train_seeds[0]
     ref = b.get("ref_nfe", REF_NFE)
-    png = grids(out, grid_seed, nfe, from_scores(out, grid_seed, nfe, b["val_n"]), ref)
+    png = grids(out, grid_seed, nfe, from_scores(out, grid_seed, nfe, b["val_n"], b["n"]), ref)
     split = recorded_split(out, args.train_seeds)
     head = [f"Command: `python benchmarks/mnist.py {' '.join(sys.argv[1:] if argv is None else argv)}`; machine "
             f"{platform.node()} ({os.cpu_count()} cores, {args.device}), torch {torch.__version__}; "

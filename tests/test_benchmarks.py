@@ -869,25 +869,31 @@ def test_smoke_mnist_a_baseline_alone(mnist_bench, mnist_quick, tmp_path):
     assert "| FM (warped) | 3 |" in table and "NSGF++ | 3" not in table and not (alone / "seed0" / "nsgfpp").exists()
 
 
-def test_mnist_choices_read_one_validation_draw(mnist_bench, tmp_path):
-    """Validation scores name their draw (``val@<n>``): a larger draw chooses anew and its scores are never mixed
-    with a smaller one's; without ``val_n`` each budget reads the largest draw scored for it."""
+def test_mnist_scores_read_one_draw_of_each_split(mnist_bench, tmp_path):
+    """Scores name their split and draw (``val@<n>``, ``test@<n>``): a larger validation draw chooses anew and its
+    candidates are never mixed with a smaller one's, a larger test draw scores anew; without ``val_n`` / ``test_n``
+    each budget reads the largest draw scored for it."""
     seed = tmp_path / "seed0"
     seed.mkdir()
-    key = mnist_bench.val_key
-    scores = {key(100, "NSGF++", 13, "k3"): 1.0, key(100, "NSGF++", 13, "k6"): 2.0,
-              key(800, "NSGF++", 13, "k6"): 1.5, key(800, "NSGF++", 13, "k11"): 1.6,  # k3 not scored on 800: k6
-              key(100, "NSGF++", 26, "k24"): 1.0, key(100, "OT-CFM", 13, "w0.5"): 1.0,
-              **{f"test NSGF++ 13 {t}": {"fd_cnn": fd} for t, fd in (("k3", 30.0), ("k6", 20.0))},
-              "test NSGF++ 26 k24": {"fd_cnn": 25.0}, "test OT-CFM 13": {"fd_cnn": 24.0},
-              "test OT-CFM 13 w0.5": {"fd_cnn": 23.0}}
+    key = mnist_bench.score_key
+    scores = {key("val", 100, "NSGF++", 13, "k3"): 1.0, key("val", 100, "NSGF++", 13, "k6"): 2.0,
+              key("val", 800, "NSGF++", 13, "k6"): 1.5, key("val", 800, "NSGF++", 13, "k11"): 1.6,  # k3 not on 800
+              key("val", 100, "NSGF++", 26, "k24"): 1.0, key("val", 100, "OT-CFM", 13, "w0.5"): 1.0,
+              **{key("test", 200, "NSGF++", 13, t): {"fd_cnn": fd} for t, fd in (("k3", 30.0), ("k6", 20.0))},
+              key("test", 200, "NSGF++", 26, "k24"): {"fd_cnn": 25.0}, key("test", 200, "OT-CFM", 13): {"fd_cnn": 24.0},
+              key("test", 200, "OT-CFM", 13, "w0.5"): {"fd_cnn": 23.0}, key("test", 2000, "NSGF++", 13, "k6"): {"fd_cnn": 19.0}}
+    assert key("test", 200, "OT-CFM", 13) == "test@200 OT-CFM 13" and key("val", 800, "FM", 6, "w1") == "val@800 FM 6 w1"
     (seed / "scores.json").write_text(json.dumps(scores))
-    small, large, largest = (mnist_bench.from_scores(tmp_path, 0, [13, 26], n) for n in (100, 800, None))
+    small, large, largest = (mnist_bench.from_scores(tmp_path, 0, [13, 26], n, 200) for n in (100, 800, None))
     assert small["sampler"]["NSGF++"] == {13: "k3", 26: "k24"} and small["scores"]["NSGF++"][13]["fd_cnn"] == 30
     assert large["sampler"]["NSGF++"] == {13: "k6"} and large["val"]["NSGF++"][13] == {"k6": 1.5, "k11": 1.6}
     assert "OT-CFM (warped)" not in large["sampler"] and large["scores"]["OT-CFM"][13]["fd_cnn"] == 24  # uniform
     assert largest["sampler"]["NSGF++"] == {13: "k6", 26: "k24"} and largest["sampler"]["OT-CFM (warped)"] == {13: "w0.5"}
     assert largest["val"]["NSGF++"][13] == large["val"]["NSGF++"][13]  # the 800 draw alone, no 100-draw k3 beside it
+    assert large["scores"]["NSGF++"][13]["fd_cnn"] == 20  # the test draw asked for, not the larger one beside it
+    on_2000 = mnist_bench.from_scores(tmp_path, 0, [13, 26], 800, 2000)
+    assert on_2000["scores"] == {label: {13: {"fd_cnn": 19.0}} for label in ("NSGF++", "NSGF++ (t̂ as predicted)")}
+    assert mnist_bench.from_scores(tmp_path, 0, [13, 26], 800)["scores"]["NSGF++"][13]["fd_cnn"] == 19  # the largest
 
 
 def test_mnist_val_n_beyond_the_validation_split_is_refused_in_one_line(mnist_bench, tmp_path, capsys):
