@@ -64,10 +64,11 @@ VERDICTS = (("NSGF++", "OT-CFM (warped)", "samplers chosen on validation"),
             (PAPER_NSGFPP, "OT-CFM", "the paper's samplers (NSGF++'s k chosen)"))
 REF_NFE = 100  # the baselines' reference budget beside --nfe (issue 24: NSGF++ at 60 NFE within 10% of it)
 PAPER = {"velocity": 50000, "nsf": 100000, "time": 40000, "pool": 1500}  # mnist preset (paper App. E.2)
-# val_n: generated digits per validation score; None: as many as the validation split holds (800 digits of the t10k
-# split), as `sinkflow tune`'s default. It was 100 until 2026-11-29: on the four 2x-budget runs that draw's choice
-# among NSGF++'s 12 samplers scored 2-3 FD-CNN worse on test at 13-60 NFE than the choice on all 800 (RESULTS.md
-# "Twice the UNet budget").
+# n / val_n: generated digits per test / validation score (FD-CNN against every test / validation digit); val_n None:
+# as many as the validation split holds (800 digits of the t10k split), as `sinkflow tune`'s default. Both were
+# 200 / 100 until 2026-11-29 (cpu-short keeps them, to reproduce its table): at 200 one sampler's test FD-CNN moved by
+# 3-5 (sd over sampling seeds) and sat 8-10 above its value at 1,000 (the floor 11.6 against 4.2), as large as the
+# gaps the table compared; at 1,000 the sd is 0.4-1.7 (RESULTS.md "Draws large enough to rank").
 SCALES = {
     # CPU: a small UNet (8 ch, 28-14-7, attention only in the middle block) and 3,200 UNet steps per method and
     # training seed: about 10 minutes per run on one CPU thread; two training seeds, every method and sampler, took 33
@@ -86,12 +87,12 @@ SCALES = {
     # 0-1, 2026-11-28 evening), and nsf_t_min 0.3 beside it no better (RESULTS.md "The straight flow from the
     # velocity network"); with that start the split moved to 2000 + 1200 (validation 2 lower at every NFE than
     # 1600 + 1600: the NSF inherits the velocity network's steps).
-    "cpu": {"channels": 8, "velocity": 2000, "nsf": 1200, "time": 200, "pool": 6, "batch": 32, "n": 200,
+    "cpu": {"channels": 8, "velocity": 2000, "nsf": 1200, "time": 200, "pool": 6, "batch": 32, "n": 1000,
             "val_n": None, "nsgfpp": ("sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001",
                                      "nsgf.segment=1.0", "nsgf.nsf_init=velocity")},
     # The CPU table until 2026-11-28: 500 UNet steps (300 velocity + 200 NSF), about 23 minutes with --workers 2.
     "cpu-short": {"channels": 8, "velocity": 300, "nsf": 200, "time": 200, "pool": 6, "batch": 32, "n": 200,
-                  "val_n": None, "nsgfpp": ("sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001")},
+                  "val_n": 100, "nsgfpp": ("sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001")},
     # GPU: the mnist preset's UNet and batch, the paper's iterations x --gpu-fraction.
     "gpu": {"channels": 32, "velocity": PAPER["velocity"], "nsf": PAPER["nsf"], "time": PAPER["time"],
             "pool": PAPER["pool"], "batch": 128, "n": 2000, "val_n": None},
