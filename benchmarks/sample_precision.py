@@ -144,7 +144,7 @@ def main(argv=None) -> None:
     ap.add_argument("--nfe", type=int, nargs="+", default=[6, 13, 60])
     ap.add_argument("--precisions", nargs="+", choices=("fp32", "bf16", "fp16"), default=["fp32", "bf16", "fp16"],
                     help="the first is the reference the others are paired with")
-    ap.add_argument("--n", type=int, default=200, help="generated digits per score (the CPU table's 200)")
+    ap.add_argument("--n", type=int, default=1000, help="generated digits per score (the CPU table's 1,000)")
     ap.add_argument("--sampling-seeds", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=1, help="training seeds in parallel, one thread each")
