@@ -71,8 +71,11 @@ PAPER = {"velocity": 50000, "nsf": 100000, "time": 40000, "pool": 1500}  # mnist
 # gaps the table compared; at 1,000 the sd is 0.4-1.7 (RESULTS.md "Draws large enough to rank").
 SCALES = {
     # CPU: a small UNet (8 ch, 28-14-7, attention only in the middle block) and 3,200 UNet steps per method and
-    # training seed: about 10 minutes per run on one CPU thread; two training seeds, every method and sampler, took 33
-    # minutes with --workers 2 (measured: benchmarks/RESULTS.md), so the default three take about 65 (projected). At 500 steps (``cpu-short``) NSGF++'s velocity network does not learn its
+    # training seed: about 5 minutes of training per method on one CPU thread, and about an hour of scoring per training
+    # seed since its draws grew to 800 validation / 1,000 test digits (2026-11-29, RESULTS.md "scored on draws large
+    # enough to rank them": 12 NSGF++ samplers and 4 grids of each baseline at each budget, 60 and 100 NFE the most),
+    # so the default three seeds take about 2 hours with --workers 2 (projected); at 200 / 100 digits two seeds took
+    # 33 minutes. At 500 steps (``cpu-short``) NSGF++'s velocity network does not learn its
     # pool's flow (RESULTS.md "NSGF++ on real MNIST at 3,200 UNet steps"): its states score FD-CNN 148 through the
     # NSF where the pool's own score 33, so that table measures an untrained network, not the method. NSGF++'s
     # split of the 3,200 steps was chosen by FD-CNN on the validation digits (2000 + 1200, 1600 + 1600,
@@ -564,7 +567,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench-mnist")
     ap.add_argument("--scale", choices=tuple(SCALES), default="cpu",
-                    help="cpu: a small UNet's 3,200 steps, a CPU session's table (2 seeds: 33 min with --workers 2); "
+                    help="cpu: a small UNet's 3,200 steps, a CPU session's table (about 70 min a training seed on one "
+                         "core, most of it scoring; 3 seeds with --workers 2 about 2 h); "
                          "cpu-short: 500 steps, the table until 2026-11-28 (NSGF++'s velocity network does not learn "
                          "there); gpu: the paper's budget x --gpu-fraction; quick: tiny, to check the script runs")
     ap.add_argument("--gpu-fraction", type=float, default=0.1, help="--scale gpu: fraction of the paper's iterations")
