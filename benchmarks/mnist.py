@@ -67,8 +67,8 @@ PAPER = {"velocity": 50000, "nsf": 100000, "time": 40000, "pool": 1500}  # mnist
 # n / val_n: generated digits per test / validation score (FD-CNN against every test / validation digit); val_n None:
 # as many as the validation split holds (800 digits of the t10k split), as `sinkflow tune`'s default. Both were
 # 200 / 100 until 2026-11-29 (cpu-short keeps them, to reproduce its table): at 200 one sampler's test FD-CNN moved by
-# 3-5 (sd over sampling seeds) and sat 8-10 above its value at 1,000 (the floor 11.6 against 4.2), as large as the
-# gaps the table compared; at 1,000 the sd is 0.4-1.7 (RESULTS.md "Draws large enough to rank").
+# 3-5 (sd over sampling seeds) and sat 4-10 above its value at 1,000 (the floor 11.6 against 4.2), as large as the
+# gaps the table compared; at 1,000 the sd is 0.4-1.7 (RESULTS.md "scored on draws large enough to rank them").
 SCALES = {
     # CPU: a small UNet (8 ch, 28-14-7, attention only in the middle block) and 3,200 UNet steps per method and
     # training seed: about 5 minutes of training per method on one CPU thread, and about an hour of scoring per training
@@ -338,7 +338,7 @@ def nsgfpp_seed(out: Path, seed: int, b: dict, nfe: list[int], sc: Scores, commo
             view = run.variant(sample={"nsgf_steps": k, "t_shift": shift})
             val[tag] = sc.get(score_key("val", b["val_n"], "NSGF++", total, tag),
                               lambda: score(view, total - 1 - k, b["val_n"], split="val")["fd_cnn"])
-        val.update(sc.tagged(f"val@{b['val_n']} NSGF++ {total}"))
+        val.update(sc.tagged(score_key("val", b["val_n"], "NSGF++", total)))
         paper = choose_sampler({t: v for t, v in val.items() if parse_sampler(t)[1] == 0})
         for tag in dict.fromkeys((choose_sampler(val), paper)):
             k, shift = parse_sampler(tag)
