@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, help="the benchmark's --out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nfe", type=int, default=13)
-    ap.add_argument("--n", type=int, default=None, help="generated digits per score (default: the benchmark's: 200 on "
+    ap.add_argument("--n", type=int, default=None, help="generated digits per score (default: the benchmark's: 1,000 on "
                     "test, every validation digit on val)")
     ap.add_argument("--fixed", type=float, nargs="*", default=[], help="also start every NSF at each of these times")
     ap.add_argument("--split", choices=("test", "val"), default="test")
