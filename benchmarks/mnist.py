@@ -546,12 +546,12 @@ def digits(data_root: Path):
     return build_image_distribution("mnist", {"root": str(data_root), "val_fraction": 0.1})
 
 
-def prepare_scorers(data_root: Path) -> None:
-    """Decode the digits and fit the scoring classifiers once, before the workers (which then read the caches)."""
+def prepare_scorers(target, data_root: Path) -> None:
+    """Fit the scoring classifiers on ``target`` (``digits(data_root)``) once, before the workers (which then read
+    the caches)."""
     from sinkflow.eval.fd_cnn import train_cnn
     from sinkflow.eval.images import digit_classifier
 
-    target = digits(data_root)
     digit_classifier(target, str(data_root))
     acc = train_cnn(target, str(data_root))[1]
     log(f"FD-CNN classifier: held-out accuracy {acc:.4f} ({len(target.images)} training digits)")
@@ -617,14 +617,18 @@ def main(argv=None) -> None:
     split = recorded_split(out, args.train_seeds)
     if args.report_only and split is None:
         sys.exit(no_scores)
-    n_val = split["n_val"] if args.report_only else len(digits(data_root.resolve()).val_set())
-    if args.val_n is not None and not 2 <= args.val_n <= n_val:
-        ap.error(f"--val-n {args.val_n}: the validation split holds {n_val} digits (and a Fréchet distance needs 2); "
-                 f"use --val-n between 2 and {n_val}")
+    target = None if args.report_only else digits(data_root.resolve())
+    n_val, n_test = (split["n_val"], split["n_test"]) if target is None else (len(target.val_set()),
+                                                                             len(target.test_images))
+    for flag, asked, held in (("--val-n", args.val_n, n_val), ("--n", args.n, n_test)):
+        if asked is not None and not 2 <= asked <= held:
+            ap.error(f"{flag} {asked}: the {'validation' if flag == '--val-n' else 'test'} split holds {held} digits "
+                     f"(and a Fréchet distance needs 2); use {flag} between 2 and {held}")
     b["val_n"] = min(args.val_n or b["val_n"] or n_val, n_val)
+    b["n"] = min(b["n"], n_test)  # held_out scores at most every test digit: the score keys say what was scored
     start = time.perf_counter()
-    if not args.report_only:
-        prepare_scorers(data_root.resolve())
+    if target is not None:
+        prepare_scorers(target, data_root.resolve())
     jobs = [(out, s, b, data_root.resolve(), nfe, args.device, tuple(args.methods), tuple(args.extra),
              tuple(args.every), tuple(sorted({0.0, *args.t_shifts}, key=abs))) for s in args.train_seeds]
     if not args.report_only and args.workers > 1:
@@ -633,7 +637,8 @@ def main(argv=None) -> None:
     elif not args.report_only:
         for j in jobs:
             bench_seed(*j)
-    per_seed = [from_scores(out, s, nfe, b["val_n"], b["n"]) for s in args.train_seeds]  # every method's scores, whoever made them
+    # every method's scores, whoever made them
+    per_seed = [from_scores(out, s, nfe, b["val_n"], b["n"]) for s in args.train_seeds]
     if not any(m for r in per_seed for m in r["scores"].values()):
         sys.exit(no_scores)
     grid_seed = args.grid_seed if args.grid_seed is not None else args.train_seeds[0]

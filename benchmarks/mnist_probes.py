@@ -84,8 +84,12 @@ def main(argv=None) -> None:
     tag = bench_mnist.choose_sampler(val)
     k, shift = bench_mnist.parse_sampler(tag)
     run = RunFolder.open(out / f"seed{args.seed}" / "nsgfpp")
-    held = data.distributions(run.cfg)[1]
-    n = args.n or (len(held.val_set()) if args.split == "val" else bench_mnist.SCALES["cpu"]["n"])
+    if args.n:
+        n = args.n
+    elif args.split == "val":  # every validation digit, the draw the benchmark chooses on
+        n = len(data.distributions(run.cfg)[1].val_set())
+    else:
+        n = bench_mnist.SCALES["cpu"]["n"]
     nets = {p: run.model(p) for p in ("velocity", "nsf", "time")}
     # t̂ below is the benchmarked start: the predictor's output plus the chosen shift (the sampler clamps it into the
     # NSF's range); the run's own t_shift is 0 so that a fixed start is exactly T

@@ -896,15 +896,17 @@ def test_mnist_scores_read_one_draw_of_each_split(mnist_bench, tmp_path):
     assert mnist_bench.from_scores(tmp_path, 0, [13, 26], 800)["scores"]["NSGF++"][13]["fd_cnn"] == 19  # the largest
 
 
-def test_mnist_val_n_beyond_the_validation_split_is_refused_in_one_line(mnist_bench, tmp_path, capsys):
+@pytest.mark.parametrize("flag, asked, split, held", [("--val-n", 5, "validation", 4), ("--n", 13, "test", 12)])
+def test_mnist_draw_beyond_its_split_is_refused_in_one_line(mnist_bench, tmp_path, capsys, flag, asked, split, held):
+    """A validation or test draw larger than its split is refused before any training (held_out would cap it)."""
     from test_data import make_mnist
 
-    make_mnist(tmp_path / "data", n_train=40, n_test=12)  # 4 validation digits
+    make_mnist(tmp_path / "data", n_train=40, n_test=12)  # 4 validation digits, 12 test digits
     with pytest.raises(SystemExit):
         mnist_bench.main(["--scale", "quick", "--out", str(tmp_path / "out"), "--data-root", str(tmp_path / "data"),
-                          "--val-n", "5"])
+                          flag, str(asked)])
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "--val-n 5: the validation split holds 4 digits" in err and "use --val-n between 2 and 4" in err
+    assert f"{flag} {asked}: the {split} split holds {held} digits" in err and f"use {flag} between 2 and {held}" in err
     assert not (tmp_path / "out" / "seed0").exists()
 
 
