@@ -69,6 +69,7 @@ def seed_precision(out: Path, seed: int, methods: list[str], nfe: list[int], pre
             target = data.distributions(run.cfg)[1]
             cnn = fd_cnn_reference(target, run.cfg["data"]["root"], target.test_set(len(target.test_images)), n,
                                    False)
+            done[f"floor n{n}"] = cnn["floor"]  # as many real training digits: the score's value at this n
         for total in nfe:
             key = f"{method} {total} n{n}"
             have = done.get(key, {})
@@ -122,8 +123,8 @@ def summary(per_seed: dict[int, dict], methods: list[str], nfe: list[int], preci
 
 
 def table(rows: list[dict], precisions: list[str]) -> str:
-    head = "| method | NFE | FD-CNN, fp32 | sampling-seed sd | " + " | ".join(
-        f"{p}: ΔFD-CNN (paired) | {p}: mean / max \\|Δx\\| | {p}: mean \\|Δt̂\\|" for p in precisions[1:]) + " |"
+    head = "| " + " | ".join(["method", "NFE", "FD-CNN, fp32", "sampling-seed sd"] + [
+        f"{p}: ΔFD-CNN (paired) | {p}: mean / max \\|Δx\\| | {p}: mean \\|Δt̂\\|" for p in precisions[1:]]) + " |"
     lines = [head, "|" + "---|" * (4 + 3 * (len(precisions) - 1))]
     for r in rows:
         sd = f"{r['seed_sd']:.2f}" if r["seed_sd"] is not None else "-"
@@ -132,7 +133,7 @@ def table(rows: list[dict], precisions: list[str]) -> str:
             c = r[p]
             cells += [f"{c['delta']:+.2f} ± {c['delta_sd']:.2f}", f"{c['dpix']:.4f} / {c['dmax']:.3f}",
                       f"{c['dt']:.4f}" if c["dt"] is not None else "-"]
-        lines.append(f"| {r['method']} | {r['nfe']} | {r['fd']:.2f} | {sd} | " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join([r["method"], str(r["nfe"]), f"{r['fd']:.2f}", sd, *cells]) + " |")
     return "\n".join(lines)
 
 
@@ -161,14 +162,15 @@ def main(argv=None) -> None:
     else:
         per_seed = {j[1]: seed_precision(*j) for j in jobs}
     rows = summary(per_seed, args.methods, nfe, args.precisions, args.n, args.sampling_seeds)
+    floor = next(iter(per_seed.values()))[f"floor n{args.n}"]
     head = (f"Command: `python benchmarks/sample_precision.py {' '.join(sys.argv[1:] if argv is None else argv)}`; "
             f"device {args.device}, torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M')}; wall "
-            f"{(time.perf_counter() - start) / 60:.1f} min. FD-CNN of {args.n} generated digits vs the test digits, "
-            f"each method's sampler chosen on validation by benchmarks/mnist.py; paired = the same source noise; "
+            f"{(time.perf_counter() - start) / 60:.1f} min. FD-CNN of {args.n} generated digits vs the test digits "
+            f"(floor: {args.n} real training digits, {floor:.2f}), each method's sampler chosen on validation by benchmarks/mnist.py; paired = the same source noise; "
             f"{len(args.train_seeds)} training x {args.sampling_seeds} sampling seeds.")
     text = head + "\n\n" + table(rows, args.precisions)
     atomic_write_text(out / "sample_precision.json", json.dumps({"argv": sys.argv[1:] if argv is None else argv,
-                                                                 "rows": rows}, indent=1))
+                                                                 "floor": floor, "rows": rows}, indent=1))
     atomic_write_text(out / "sample_precision.md", text + "\n")
     print(text)
 

@@ -1053,8 +1053,10 @@ def test_smoke_sample_precision(mnist_quick, monkeypatch, capsys):
     argv = ["--out", str(out), "--train-seeds", "0", "--nfe", "3", "--n", "6", "--sampling-seeds", "2"]
     sp.main(argv)
     first = capsys.readouterr().out
-    rows = {r["method"]: r for r in json.loads((out / "sample_precision.json").read_text())["rows"]}
+    res = json.loads((out / "sample_precision.json").read_text())
+    rows = {r["method"]: r for r in res["rows"]}
     assert set(rows) == {"NSGF++", "OT-CFM (warped)", "FM (warped)"}
+    assert res["floor"] > 0 and f"(floor: 6 real training digits, {res['floor']:.2f})" in first
     for r in rows.values():
         assert r["nfe"] == 3 and r["pairs"] == 2 and r["seed_sd"] > 0 and np.isfinite(r["fd"])
         for half in ("bf16", "fp16"):  # the autocast moved the samples, a little
@@ -1076,5 +1078,10 @@ def test_smoke_sample_precision(mnist_quick, monkeypatch, capsys):
     assert "NFE 3:" not in again and again[again.index("| method"):] == first[first.index("| method"):]
     sp.main([*argv[:-1], "1"])  # fewer noise draws than stored: the table reads the first one only
     assert all(r["pairs"] == 1 for r in json.loads((out / "sample_precision.json").read_text())["rows"])
+    capsys.readouterr()
+    sp.main([*argv, "--precisions", "fp32"])  # fp32 alone: its sampling-seed noise (RESULTS' draw-size table)
+    table = capsys.readouterr().out.split("\n\n")[1].splitlines()
+    assert table[0] == "| method | NFE | FD-CNN, fp32 | sampling-seed sd |" and table[1] == "|---|---|---|---|"
+    assert len(table) == 5 and all(line.count("|") == 5 for line in table)
     with pytest.raises(SystemExit):
         sp.main([*argv, "--precisions", "bf16", "fp32"])
