@@ -166,7 +166,8 @@ def main(argv=None) -> None:
     head = (f"Command: `python benchmarks/sample_precision.py {' '.join(sys.argv[1:] if argv is None else argv)}`; "
             f"device {args.device}, torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M')}; wall "
             f"{(time.perf_counter() - start) / 60:.1f} min. FD-CNN of {args.n} generated digits vs the test digits "
-            f"(floor: {args.n} real training digits, {floor:.2f}), each method's sampler chosen on validation by benchmarks/mnist.py; paired = the same source noise; "
+            f"(floor: {args.n} real training digits, {floor:.2f}), each method's sampler chosen on validation by "
+            f"benchmarks/mnist.py; paired = the same source noise; "
             f"{len(args.train_seeds)} training x {args.sampling_seeds} sampling seeds.")
     text = head + "\n\n" + table(rows, args.precisions)
     atomic_write_text(out / "sample_precision.json", json.dumps({"argv": sys.argv[1:] if argv is None else argv,
