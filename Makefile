@@ -12,7 +12,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# The CUDA build of torch takes about 5.6 GB in the venv: refuse in one line before pip fills the disk half-way.
+TORCH_DISK_GB ?= 6
+
 $(VENV)/.torch: | $(BIN)/python
+	@free_kb=$$(df -Pk $(VENV) | awk 'NR==2 {print $$4}'); \
+	if [ "$$free_kb" -lt $$(( $(TORCH_DISK_GB) * 1024 * 1024 )) ]; then \
+	  echo "make: only $$(( free_kb / 1024 / 1024 )) GB free on the disk of $(VENV); torch needs about $(TORCH_DISK_GB) GB: free some space (or point VENV= at a larger disk) and run make again" >&2; \
+	  exit 1; \
+	fi
 	$(BIN)/python -m pip install -q $(TORCH_SPEC)
 	touch $@
 

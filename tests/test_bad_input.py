@@ -165,3 +165,24 @@ def test_a_run_name_that_is_a_path_is_refused_before_any_folder(tmp_path, monkey
     one_line_error(in_process(capsys, "train", "moons", "--name", name, "--train-iters", "1", "--device", "cpu"),
                    "is a path, not a folder name")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_make_refuses_a_torch_install_the_disk_cannot_hold_before_pip_runs(tmp_path):
+    """A full disk failed a CI install half-way through pip (Errno 28): the Makefile checks the free space first."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)   # the venv exists: only the torch step is left to run
+    makefile = Path(__file__).resolve().parents[1] / "Makefile"
+    out = subprocess.run(["make", "-f", str(makefile), f"VENV={venv}", "TORCH_DISK_GB=100000000",
+                          "TORCH_SPEC=no-such-package-sinkflow-test", f"{venv}/.torch"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode != 0
+    assert "GB free on the disk" in out.stderr and "torch needs about 100000000 GB" in out.stderr
+    assert "pip" not in out.stdout and not (venv / ".torch").exists()
