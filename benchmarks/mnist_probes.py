@@ -18,7 +18,9 @@ and sample count as the table, changing one thing:
 * ``--pool-states``: the NSF run on the pool's own final NSGF states (x_T = x_{T-1} + eta v_{T-1} of stored
   trajectories: the empirical Sinkhorn flow, not the velocity network), from the predictor's t̂ and from each
   ``--fixed`` T, FD-CNN only; beside them the same rows for the velocity network's x_T, integrated on the pool's
-  grid from fresh source points (is the loss in the Sinkhorn flow or in the network that imitates it?);
+  grid from fresh source points (is the loss in the Sinkhorn flow or in the network that imitates it?), and
+  for each ``--fixed`` T the NSF run from its own training distribution at T (x_T = T y + (1 − T) x0, y training
+  digits, paired as the run trained it: what the NSF alone loses from T, the ceiling of any NSGF part);
 * ``--velocity-fit``: the velocity network's error per pool step, as a share of the target's variance, on pool
   entries it was trained on and on as many fresh trajectories solved the same way (a train share far
   below the fresh one: the network memorised its pool, which is then too small for the budget).
@@ -148,10 +150,12 @@ def pool_grid(cfg: dict) -> tuple[list[float], list[float]]:
 def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float], shift: float = 0.0) -> dict:
     """FD-CNN of the pool's final NSGF states and of the velocity network's (integrated on the pool's grid from
     fresh source points: a network trained long on a small pool has memorised the pool's own), each alone and
-    through the NSF (``nsf_steps`` Euler steps) from the predictor's t̂ (+ ``shift``) and from each fixed time:
-    ``n`` of each, against the held-out digits of ``split``."""
+    through the NSF (``nsf_steps`` Euler steps) from the predictor's t̂ (+ ``shift``) and from each fixed time,
+    and of the NSF from its own training interpolants at each fixed time: ``n`` of each, against the held-out
+    digits of ``split``."""
     from sinkflow.eval import fd_cnn
     from sinkflow.eval.images import fd_cnn_reference
+    from sinkflow.methods.flow_matching import interpolant_draw, interpolant_finish
     from sinkflow.methods.nsgf import flow_times
     from sinkflow.methods.ode import euler
     from sinkflow.methods.pool import TrajectoryPool
@@ -177,6 +181,15 @@ def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float
             out[f"{who} states, NSF from {label}"] = {
                 "fd_cnn": score(euler(nsf, states, start, 1.0, nsf_steps, False)[0]),
                 "t_hat": float(start.mean()), "n": len(states)}
+    # the NSF's ceiling: started on its own training distribution at T (x_T = T y + (1 - T) x0, y training digits,
+    # paired as the run trained it), so what a perfect NSGF part would hand it at T, and what the NSF alone loses
+    gen = torch.Generator().manual_seed(2**31 - 3)
+    for T in fixed:
+        drawn = interpolant_draw(source, target, gen, n)
+        xt, _, _ = interpolant_finish((*drawn[:2], torch.full((n,), T)), "cpu",
+                                      run.cfg["nsgf"]["nsf_pairs"] == "ot")
+        out[f"interpolant x_{T:g}, NSF from {T:g}"] = {
+            "fd_cnn": score(euler(nsf, xt, torch.full((n,), T), 1.0, nsf_steps, False)[0]), "t_hat": T, "n": n}
     return out
 
 

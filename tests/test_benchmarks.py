@@ -941,6 +941,10 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
         assert all(np.isfinite(r["fd_cnn"]) and r["n"] == 6 for r in rows) and rows[2]["t_hat"] == pytest.approx(0.6)
         assert rows[0]["fd_cnn"] != rows[1]["fd_cnn"]  # the NSF moved the states
     assert probes["pool states themselves"]["fd_cnn"] != probes["network states themselves"]["fd_cnn"]
+    ceiling = probes["interpolant x_0.6, NSF from 0.6"]  # the NSF from its own training distribution at 0.6
+    assert np.isfinite(ceiling["fd_cnn"]) and ceiling["n"] == 6 and ceiling["t_hat"] == pytest.approx(0.6)
+    assert ceiling["fd_cnn"] not in (probes["pool states, NSF from 0.6"]["fd_cnn"],
+                                     probes["network states, NSF from 0.6"]["fd_cnn"])
     fit = saved["velocity_fit"]  # a share of the target's variance per pool step, on its own pool and a fresh one
     assert fit["n"] == 6 and len(fit["train"]) == len(fit["fresh"]) == 5  # the mnist preset's pool.steps
     assert all(np.isfinite(v) and v > 0 for v in fit["train"] + fit["fresh"]) and fit["train"] != fit["fresh"]
