@@ -21,6 +21,9 @@ and sample count as the table, changing one thing:
   grid from fresh source points (is the loss in the Sinkhorn flow or in the network that imitates it?), and
   for each ``--fixed`` T the NSF run from its own training distribution at T (x_T = T y + (1 − T) x0, y training
   digits, paired as the run trained it: what the NSF alone loses from T, the ceiling of any NSGF part);
+* ``--nsf-steps S ...``: the ``--pool-states`` rows again with S NSF Euler steps each (named ``..., S NSF
+  steps``; the benchmarked count keeps the plain names): does a longer NSF help from the states the NSGF part
+  hands it, and from its own training distribution?
 * ``--velocity-fit``: the velocity network's error per pool step, as a share of the target's variance, on pool
   entries it was trained on and on as many fresh trajectories solved the same way (a train share far
   below the fresh one: the network memorised its pool, which is then too small for the budget).
@@ -75,6 +78,8 @@ def main(argv=None) -> None:
     ap.add_argument("--swap-from", type=int, default=None, metavar="S", help="also score with each network of seed S")
     ap.add_argument("--pool-states", action="store_true", help="also run the NSF on the pool's final states, and on "
                     "the velocity network's (on the pool's grid, from fresh source points)")
+    ap.add_argument("--nsf-steps", type=int, nargs="+", default=None, metavar="S", help="the --pool-states rows' "
+                    "NSF Euler steps, each count its own rows (default: the benchmarked sampler's)")
     ap.add_argument("--velocity-fit", action="store_true", help="also the velocity network's error per pool step "
                     "on its own pool and on a fresh one")
     args = ap.parse_args(argv)
@@ -113,7 +118,10 @@ def main(argv=None) -> None:
         results[name] = bench_mnist.score(run.variant(models=swap), args.nfe - 1 - k, n, split=args.split)
         bench_mnist.log(f"probe {name}: {tag} {results[name]}")
     if args.pool_states:
-        results.update(pool_state_scores(run, args.nfe - 1 - k, n, args.split, args.fixed, shift))
+        for steps in args.nsf_steps or [args.nfe - 1 - k]:
+            rows = pool_state_scores(run, steps, n, args.split, args.fixed, shift)
+            own = steps == args.nfe - 1 - k  # the benchmarked count: the rows keep their plain names
+            results.update({name if own else f"{name}, {steps} NSF steps": r for name, r in rows.items()})
     fit = velocity_fit(run, n) if args.velocity_fit else None
     path = out / f"probes-seed{args.seed}-nfe{args.nfe}{'-val' if args.split == 'val' else ''}.json"
     atomic_write_text(path, json.dumps({"k": k, "t_shift": shift, "n": n, "nfe": args.nfe, "split": args.split,

@@ -931,7 +931,7 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
     assert val["split"] == "val" and val["probes"]["t̂ = 0.6"]["t_hat"] == pytest.approx(0.6)
     assert val["probes"]["as benchmarked"]["fd_cnn"] != res["probes"]["as benchmarked"]["fd_cnn"]  # other digits
     load("mnist_probes").main(["--out", str(out), "--seed", "0", "--nfe", "3", "--n", "6", "--fixed", "0.6",
-                               "--swap-from", "0", "--pool-states", "--velocity-fit"])
+                               "--swap-from", "0", "--pool-states", "--nsf-steps", "1", "3", "--velocity-fit"])
     saved = json.loads((out / "probes-seed0-nfe3.json").read_text())
     probes = saved["probes"]
     for phase in ("velocity", "nsf", "time"):  # a seed's own networks swapped in: the benchmarked cell, exactly
@@ -945,6 +945,8 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
     assert np.isfinite(ceiling["fd_cnn"]) and ceiling["n"] == 6 and ceiling["t_hat"] == pytest.approx(0.6)
     assert ceiling["fd_cnn"] not in (probes["pool states, NSF from 0.6"]["fd_cnn"],
                                      probes["network states, NSF from 0.6"]["fd_cnn"])
+    assert probes["interpolant x_0.6, NSF from 0.6, 3 NSF steps"]["fd_cnn"] != ceiling["fd_cnn"]  # 3 steps, not 1
+    assert set(probes) >= {f"{who} states, NSF from 0.6, 3 NSF steps" for who in ("pool", "network")}
     fit = saved["velocity_fit"]  # a share of the target's variance per pool step, on its own pool and a fresh one
     assert fit["n"] == 6 and len(fit["train"]) == len(fit["fresh"]) == 5  # the mnist preset's pool.steps
     assert all(np.isfinite(v) and v > 0 for v in fit["train"] + fit["fresh"]) and fit["train"] != fit["fresh"]
