@@ -24,6 +24,9 @@ and sample count as the table, changing one thing:
 * ``--nsf-steps S ...``: the ``--pool-states`` rows again with S NSF Euler steps each (named ``..., S NSF
   steps``; the benchmarked count keeps the plain names): does a longer NSF help from the states the NSGF part
   hands it, and from its own training distribution?
+* ``--renoise T ...``: the benchmarked sampler's digits put back on the NSF's straight path at T with fresh noise
+  (x_T = T x + (1 − T) z) and integrated by the NSF in each ``--nsf-steps`` count: can the NSF's ODE, which gains
+  nothing from the NSGF states, sharpen the sampler's end point from its own paths (for S more NFE)?
 * ``--velocity-fit``: the velocity network's error per pool step, as a share of the target's variance, on pool
   entries it was trained on and on as many fresh trajectories solved the same way (a train share far
   below the fresh one: the network memorised its pool, which is then too small for the budget).
@@ -78,8 +81,10 @@ def main(argv=None) -> None:
     ap.add_argument("--swap-from", type=int, default=None, metavar="S", help="also score with each network of seed S")
     ap.add_argument("--pool-states", action="store_true", help="also run the NSF on the pool's final states, and on "
                     "the velocity network's (on the pool's grid, from fresh source points)")
-    ap.add_argument("--nsf-steps", type=int, nargs="+", default=None, metavar="S", help="the --pool-states rows' "
-                    "NSF Euler steps, each count its own rows (default: the benchmarked sampler's)")
+    ap.add_argument("--nsf-steps", type=int, nargs="+", default=None, metavar="S", help="the --pool-states and "
+                    "--renoise rows' NSF Euler steps, each count its own rows (default: the benchmarked sampler's)")
+    ap.add_argument("--renoise", type=float, nargs="+", default=[], metavar="T", help="also put the sampler's "
+                    "digits back on the NSF's path at T with fresh noise and run the NSF from there (--nsf-steps)")
     ap.add_argument("--velocity-fit", action="store_true", help="also the velocity network's error per pool step "
                     "on its own pool and on a fresh one")
     args = ap.parse_args(argv)
@@ -122,6 +127,9 @@ def main(argv=None) -> None:
             rows = pool_state_scores(run, steps, n, args.split, args.fixed, shift)
             own = steps == args.nfe - 1 - k  # the benchmarked count: the rows keep their plain names
             results.update({name if own else f"{name}, {steps} NSF steps": r for name, r in rows.items()})
+    if args.renoise:
+        results.update(renoise_scores(run, args.nfe - 1 - k, n, args.split, args.renoise,
+                                      args.nsf_steps or [args.nfe - 1 - k]))
     fit = velocity_fit(run, n) if args.velocity_fit else None
     path = out / f"probes-seed{args.seed}-nfe{args.nfe}{'-val' if args.split == 'val' else ''}.json"
     atomic_write_text(path, json.dumps({"k": k, "t_shift": shift, "n": n, "nfe": args.nfe, "split": args.split,
@@ -154,6 +162,40 @@ def pool_grid(cfg: dict) -> tuple[list[float], list[float]]:
     return nsgf_grid({**cfg, "sample": {**cfg["sample"], "nsgf_steps": None}})
 
 
+def fd_scorer(run, n: int, split: str):
+    """FD-CNN of ``n`` generated digits (clamped to the data range) against the held-out digits of ``split``, as
+    the benchmark scores them, without the other metrics."""
+    from sinkflow.eval import fd_cnn
+    from sinkflow.eval.images import fd_cnn_reference
+
+    target = data.distributions(run.cfg)[1]
+    held_out = target.val_set() if split == "val" else target.test_set(len(target.test_images))
+    ref = fd_cnn_reference(target, run.cfg["data"]["root"], held_out, n, split == "val")
+    return lambda z: fd_cnn.fd(fd_cnn.features(ref["net"], z.clamp(-1, 1)), ref["real"])
+
+
+@torch.no_grad()
+def renoise_scores(run, sampler_nsf_steps: int, n: int, split: str, times: list[float], nsf_steps: list[int]) -> dict:
+    """The benchmarked sampler's digits put back on the NSF's straight path at each T of ``times`` (x_T = T x +
+    (1 − T) z, z fresh source noise) and integrated by the NSF from T in each S of ``nsf_steps`` Euler steps: the
+    NSF's ODE, which gains nothing from the NSGF states themselves (off its training paths), run from its own paths.
+    With one NSF step the sampler's digits are the NSF's estimate of the end point; the rows cost S more NFE."""
+    from sinkflow.eval.points import generate
+    from sinkflow.methods.ode import euler
+
+    score = fd_scorer(run, n, split)
+    x = generate(run, n, sampler_nsf_steps, seed=11)[0].clamp(-1, 1)
+    z = data.distributions(run.cfg)[0].sample(n, torch.Generator().manual_seed(2**31 - 4), "cpu")
+    nsf = run.model("nsf")
+    out = {"sampler's digits": {"fd_cnn": score(x), "n": n}}
+    for T in times:
+        for S in nsf_steps:
+            out[f"sampler's digits re-noised to {T:g}, {S} NSF steps"] = {
+                "fd_cnn": score(euler(nsf, T * x + (1 - T) * z, torch.full((n,), T), 1.0, S, False)[0]),
+                "t_hat": T, "n": n}
+    return out
+
+
 @torch.no_grad()
 def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float], shift: float = 0.0) -> dict:
     """FD-CNN of the pool's final NSGF states and of the velocity network's (integrated on the pool's grid from
@@ -161,16 +203,13 @@ def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float
     through the NSF (``nsf_steps`` Euler steps) from the predictor's t̂ (+ ``shift``) and from each fixed time,
     and of the NSF from its own training interpolants at each fixed time: ``n`` of each, against the held-out
     digits of ``split``."""
-    from sinkflow.eval import fd_cnn
-    from sinkflow.eval.images import fd_cnn_reference
     from sinkflow.methods.flow_matching import interpolant_draw, interpolant_finish
     from sinkflow.methods.nsgf import flow_times
     from sinkflow.methods.ode import euler
     from sinkflow.methods.pool import TrajectoryPool
 
     source, target = data.distributions(run.cfg)
-    held_out = target.val_set() if split == "val" else target.test_set(len(target.test_images))
-    ref = fd_cnn_reference(target, run.cfg["data"]["root"], held_out, n, split == "val")
+    score = fd_scorer(run, n, split)
     times, steps = pool_grid(run.cfg)
     pool = TrajectoryPool(run.dir / "pool", storage="disk")
     x, v = pool_entries(pool, float(flow_times(run.cfg["pool"])[-2]), n)  # the last stored step
@@ -180,7 +219,6 @@ def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float
         mine = mine + h * net(mine, torch.full((len(mine),), t)).float()
     predictor, nsf = run.model("time"), run.model("nsf")
     t_min = float(run.cfg["nsgf"]["nsf_t_min"])
-    score = lambda z: fd_cnn.fd(fd_cnn.features(ref["net"], z.clamp(-1, 1)), ref["real"])  # noqa: E731
     out = {}
     for who, states in (("pool", x + steps[-1] * v), ("network", mine)):  # x_T = x_{T-1} + eta_{T-1} v_{T-1}
         t_hat = (predictor(states).float() + shift).clamp(t_min, 1.0)

@@ -931,7 +931,8 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
     assert val["split"] == "val" and val["probes"]["t̂ = 0.6"]["t_hat"] == pytest.approx(0.6)
     assert val["probes"]["as benchmarked"]["fd_cnn"] != res["probes"]["as benchmarked"]["fd_cnn"]  # other digits
     load("mnist_probes").main(["--out", str(out), "--seed", "0", "--nfe", "3", "--n", "6", "--fixed", "0.6",
-                               "--swap-from", "0", "--pool-states", "--nsf-steps", "1", "3", "--velocity-fit"])
+                               "--swap-from", "0", "--pool-states", "--nsf-steps", "1", "3", "--renoise", "0.7",
+                               "--velocity-fit"])
     saved = json.loads((out / "probes-seed0-nfe3.json").read_text())
     probes = saved["probes"]
     for phase in ("velocity", "nsf", "time"):  # a seed's own networks swapped in: the benchmarked cell, exactly
@@ -947,6 +948,9 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
                                      probes["network states, NSF from 0.6"]["fd_cnn"])
     assert probes["interpolant x_0.6, NSF from 0.6, 3 NSF steps"]["fd_cnn"] != ceiling["fd_cnn"]  # 3 steps, not 1
     assert set(probes) >= {f"{who} states, NSF from 0.6, 3 NSF steps" for who in ("pool", "network")}
+    renoised = [probes[f"sampler's digits re-noised to 0.7, {s} NSF steps"] for s in (1, 3)]
+    assert all(np.isfinite(r["fd_cnn"]) and r["t_hat"] == pytest.approx(0.7) for r in renoised)
+    assert len({r["fd_cnn"] for r in renoised} | {probes["sampler's digits"]["fd_cnn"]}) == 3  # the NSF moved them
     fit = saved["velocity_fit"]  # a share of the target's variance per pool step, on its own pool and a fresh one
     assert fit["n"] == 6 and len(fit["train"]) == len(fit["fresh"]) == 5  # the mnist preset's pool.steps
     assert all(np.isfinite(v) and v > 0 for v in fit["train"] + fit["fresh"]) and fit["train"] != fit["fresh"]
