@@ -128,8 +128,8 @@ def main(argv=None) -> None:
             own = steps == args.nfe - 1 - k  # the benchmarked count: the rows keep their plain names
             results.update({name if own else f"{name}, {steps} NSF steps": r for name, r in rows.items()})
     if args.renoise:
-        results.update(renoise_scores(run, args.nfe - 1 - k, n, args.split, args.renoise,
-                                      args.nsf_steps or [args.nfe - 1 - k]))
+        results.update(renoise_scores(run.variant(sample={"t_shift": shift}), args.nfe - 1 - k, n, args.split,
+                                      args.renoise, args.nsf_steps or [args.nfe - 1 - k]))
     fit = velocity_fit(run, n) if args.velocity_fit else None
     path = out / f"probes-seed{args.seed}-nfe{args.nfe}{'-val' if args.split == 'val' else ''}.json"
     atomic_write_text(path, json.dumps({"k": k, "t_shift": shift, "n": n, "nfe": args.nfe, "split": args.split,
@@ -176,7 +176,7 @@ def fd_scorer(run, n: int, split: str):
 
 @torch.no_grad()
 def renoise_scores(run, sampler_nsf_steps: int, n: int, split: str, times: list[float], nsf_steps: list[int]) -> dict:
-    """The benchmarked sampler's digits put back on the NSF's straight path at each T of ``times`` (x_T = T x +
+    """The sampler's digits (``run``'s, its chosen shift set) put back on the NSF's straight path at each T of ``times`` (x_T = T x +
     (1 − T) z, z fresh source noise) and integrated by the NSF from T in each S of ``nsf_steps`` Euler steps: the
     NSF's ODE, which gains nothing from the NSGF states themselves (off its training paths), run from its own paths.
     With one NSF step the sampler's digits are the NSF's estimate of the end point; the rows cost S more NFE."""
@@ -184,7 +184,7 @@ def renoise_scores(run, sampler_nsf_steps: int, n: int, split: str, times: list[
     from sinkflow.methods.ode import euler
 
     score = fd_scorer(run, n, split)
-    x = generate(run, n, sampler_nsf_steps, seed=11)[0].clamp(-1, 1)
+    x = generate(run, n, sampler_nsf_steps, seed=1000)[0].clamp(-1, 1)  # the first sampling seed of the scores
     z = data.distributions(run.cfg)[0].sample(n, torch.Generator().manual_seed(2**31 - 4), "cpu")
     nsf = run.model("nsf")
     out = {"sampler's digits": {"fd_cnn": score(x), "n": n}}

@@ -950,6 +950,7 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
     assert set(probes) >= {f"{who} states, NSF from 0.6, 3 NSF steps" for who in ("pool", "network")}
     renoised = [probes[f"sampler's digits re-noised to 0.7, {s} NSF steps"] for s in (1, 3)]
     assert all(np.isfinite(r["fd_cnn"]) and r["t_hat"] == pytest.approx(0.7) for r in renoised)
+    assert probes["sampler's digits"]["fd_cnn"] == pytest.approx(probes["as benchmarked"]["fd_cnn"])  # the same
     assert len({r["fd_cnn"] for r in renoised} | {probes["sampler's digits"]["fd_cnn"]}) == 3  # the NSF moved them
     fit = saved["velocity_fit"]  # a share of the target's variance per pool step, on its own pool and a fresh one
     assert fit["n"] == 6 and len(fit["train"]) == len(fit["fresh"]) == 5  # the mnist preset's pool.steps
