@@ -176,10 +176,11 @@ def fd_scorer(run, n: int, split: str):
 
 @torch.no_grad()
 def renoise_scores(run, sampler_nsf_steps: int, n: int, split: str, times: list[float], nsf_steps: list[int]) -> dict:
-    """The sampler's digits (``run``'s, its chosen shift set) put back on the NSF's straight path at each T of ``times`` (x_T = T x +
-    (1 − T) z, z fresh source noise) and integrated by the NSF from T in each S of ``nsf_steps`` Euler steps: the
-    NSF's ODE, which gains nothing from the NSGF states themselves (off its training paths), run from its own paths.
-    With one NSF step the sampler's digits are the NSF's estimate of the end point; the rows cost S more NFE."""
+    """The sampler's digits (``run``'s, with its chosen shift set) put back on the NSF's straight path at each T of
+    ``times`` (x_T = T x + (1 − T) z, z fresh source noise) and integrated by the NSF from T in each S of
+    ``nsf_steps`` Euler steps: the NSF's ODE, which gains nothing from the NSGF states themselves (off its training
+    paths), run from its own paths. With one NSF step the sampler's digits are the NSF's estimate of the end point;
+    the rows cost S more NFE."""
     from sinkflow.eval.points import generate
     from sinkflow.methods.ode import euler
 
@@ -228,7 +229,8 @@ def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float
                 "fd_cnn": score(euler(nsf, states, start, 1.0, nsf_steps, False)[0]),
                 "t_hat": float(start.mean()), "n": len(states)}
     # the NSF's ceiling: started on its own training distribution at T (x_T = T y + (1 - T) x0, y training digits,
-    # paired as the run trained it), so what a perfect NSGF part would hand it at T, and what the NSF alone loses
+    # paired as the run trained it; nsf_pairs=ot: one plan over the n draws, not per training batch), so what a
+    # perfect NSGF part would hand it at T, and what the NSF alone loses
     gen = torch.Generator().manual_seed(2**31 - 3)
     for T in fixed:
         drawn = interpolant_draw(source, target, gen, n)
