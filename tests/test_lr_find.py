@@ -252,9 +252,12 @@ def test_write_to_a_run_another_process_trains_is_refused_before_the_sweep(tiny_
     run = tmp_path / "runs" / "live"
     shutil.copytree(tiny_run, run)
     (run / "checkpoints" / "velocity" / "final.pt").unlink()  # velocity still training
+    # the holder writes its pid as sinkflow's lock_run does, over the copied run's .lock: truncated first (a shorter
+    # pid written over a longer one left its tail: "796" over "79676" read back as 79676)
     holder = subprocess.Popen([sys.executable, "-c", (
         "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
-        "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode()); print('held', flush=True); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); os.ftruncate(fd, 0); os.write(fd, str(os.getpid()).encode()); "
+        "print('held', flush=True); "
         "time.sleep(120)"), str(run / ".lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
