@@ -118,23 +118,22 @@ def main(argv=None) -> None:
         probes.update({f"{p} from seed {args.swap_from}": {p: donor.model(p), "time": TimeEdit(
             donor.model("time") if p == "time" else nets["time"], edits["as benchmarked"])} for p in nets})
     results = {}
+    own_steps = args.nfe - 1 - k  # the benchmarked sampler's NSF steps
     run = run.variant(sample={"nsgf_steps": k, "t_shift": 0.0})
     for name, swap in probes.items():
-        results[name] = bench_mnist.score(run.variant(models=swap), args.nfe - 1 - k, n, split=args.split)
+        results[name] = bench_mnist.score(run.variant(models=swap), own_steps, n, split=args.split)
         bench_mnist.log(f"probe {name}: {tag} {results[name]}")
+    score = fd_scorer(run, n, args.split) if args.pool_states or args.renoise else None  # one reference for both
     if args.pool_states:
-        for steps in args.nsf_steps or [args.nfe - 1 - k]:
-            rows = pool_state_scores(run, steps, n, args.split, args.fixed, shift)
-            own = steps == args.nfe - 1 - k  # the benchmarked count: the rows keep their plain names
-            results.update({name if own else f"{name}, {steps} NSF steps": r for name, r in rows.items()})
+        results.update(pool_state_scores(run, score, args.nsf_steps or [own_steps], own_steps, n, args.fixed, shift))
     if args.renoise:
-        results.update(renoise_scores(run.variant(sample={"t_shift": shift}), args.nfe - 1 - k, n, args.split,
-                                      args.renoise, args.nsf_steps or [args.nfe - 1 - k]))
+        results.update(renoise_scores(run.variant(sample={"t_shift": shift}), score, own_steps, n, args.renoise,
+                                      args.nsf_steps or [own_steps]))
     fit = velocity_fit(run, n) if args.velocity_fit else None
     path = out / f"probes-seed{args.seed}-nfe{args.nfe}{'-val' if args.split == 'val' else ''}.json"
     atomic_write_text(path, json.dumps({"k": k, "t_shift": shift, "n": n, "nfe": args.nfe, "split": args.split,
                                         "probes": results, **({"velocity_fit": fit} if fit else {})}, indent=1))
-    print(f"NSGF++ seed {args.seed}, {args.nfe} NFE ({k} NSGF + 1 t̂ + {args.nfe - 1 - k} NSF from t̂ {shift:+g}), "
+    print(f"NSGF++ seed {args.seed}, {args.nfe} NFE ({k} NSGF + 1 t̂ + {own_steps} NSF from t̂ {shift:+g}), "
           f"{n} generated vs the {'validation' if args.split == 'val' else 'test'} digits:\n\n"
           "| probe | FD-CNN | pixel W2 | TV | confidence | mean t̂ |\n|---|---|---|---|---|---|")
     for name, r in results.items():
@@ -175,7 +174,7 @@ def fd_scorer(run, n: int, split: str):
 
 
 @torch.no_grad()
-def renoise_scores(run, sampler_nsf_steps: int, n: int, split: str, times: list[float], nsf_steps: list[int]) -> dict:
+def renoise_scores(run, score, sampler_nsf_steps: int, n: int, times: list[float], nsf_steps: list[int]) -> dict:
     """The sampler's digits (``run``'s, with its chosen shift set) put back on the NSF's straight path at each T of
     ``times`` (x_T = T x + (1 − T) z, z fresh source noise) and integrated by the NSF from T in each S of
     ``nsf_steps`` Euler steps: the NSF's ODE, which gains nothing from the NSGF states themselves (off its training
@@ -184,7 +183,6 @@ def renoise_scores(run, sampler_nsf_steps: int, n: int, split: str, times: list[
     from sinkflow.eval.points import generate
     from sinkflow.methods.ode import euler
 
-    score = fd_scorer(run, n, split)
     x = generate(run, n, sampler_nsf_steps, seed=1000)[0].clamp(-1, 1)  # the first sampling seed of the scores
     z = data.distributions(run.cfg)[0].sample(n, torch.Generator().manual_seed(2**31 - 4), "cpu")
     nsf = run.model("nsf")
@@ -198,19 +196,19 @@ def renoise_scores(run, sampler_nsf_steps: int, n: int, split: str, times: list[
 
 
 @torch.no_grad()
-def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float], shift: float = 0.0) -> dict:
-    """FD-CNN of the pool's final NSGF states and of the velocity network's (integrated on the pool's grid from
-    fresh source points: a network trained long on a small pool has memorised the pool's own), each alone and
-    through the NSF (``nsf_steps`` Euler steps) from the predictor's t̂ (+ ``shift``) and from each fixed time,
-    and of the NSF from its own training interpolants at each fixed time: ``n`` of each, against the held-out
-    digits of ``split``."""
+def pool_state_scores(run, score, nsf_steps: list[int], own_steps: int, n: int, fixed: list[float],
+                      shift: float = 0.0) -> dict:
+    """FD-CNN (``score``) of the pool's final NSGF states and of the velocity network's (integrated on the pool's
+    grid from fresh source points: a network trained long on a small pool has memorised the pool's own), each alone
+    and through the NSF from the predictor's t̂ (+ ``shift``) and from each fixed time, and of the NSF from its own
+    training interpolants at each fixed time: ``n`` of each, the NSF rows once per count of ``nsf_steps`` Euler steps
+    (named ``..., S NSF steps`` unless S is ``own_steps``, the benchmarked sampler's). The states are made once."""
     from sinkflow.methods.flow_matching import interpolant_draw, interpolant_finish
     from sinkflow.methods.nsgf import flow_times
     from sinkflow.methods.ode import euler
     from sinkflow.methods.pool import TrajectoryPool
 
     source, target = data.distributions(run.cfg)
-    score = fd_scorer(run, n, split)
     times, steps = pool_grid(run.cfg)
     pool = TrajectoryPool(run.dir / "pool", storage="disk")
     x, v = pool_entries(pool, float(flow_times(run.cfg["pool"])[-2]), n)  # the last stored step
@@ -220,14 +218,13 @@ def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float
         mine = mine + h * net(mine, torch.full((len(mine),), t)).float()
     predictor, nsf = run.model("time"), run.model("nsf")
     t_min = float(run.cfg["nsgf"]["nsf_t_min"])
+    starts = {}  # row name -> (states, per-sample start time)
     out = {}
     for who, states in (("pool", x + steps[-1] * v), ("network", mine)):  # x_T = x_{T-1} + eta_{T-1} v_{T-1}
         t_hat = (predictor(states).float() + shift).clamp(t_min, 1.0)
         out[f"{who} states themselves"] = {"fd_cnn": score(states), "n": len(states)}
         for label, start in (("t̂", t_hat), *((f"{T:g}", torch.full_like(t_hat, T)) for T in fixed)):
-            out[f"{who} states, NSF from {label}"] = {
-                "fd_cnn": score(euler(nsf, states, start, 1.0, nsf_steps, False)[0]),
-                "t_hat": float(start.mean()), "n": len(states)}
+            starts[f"{who} states, NSF from {label}"] = states, start
     # the NSF's ceiling: started on its own training distribution at T (x_T = T y + (1 - T) x0, y training digits,
     # paired as the run trained it; nsf_pairs=ot: one plan over the n draws, not per training batch), so what a
     # perfect NSGF part would hand it at T, and what the NSF alone loses
@@ -236,8 +233,12 @@ def pool_state_scores(run, nsf_steps: int, n: int, split: str, fixed: list[float
         drawn = interpolant_draw(source, target, gen, n)
         xt, _, _ = interpolant_finish((*drawn[:2], torch.full((n,), T)), "cpu",
                                       run.cfg["nsgf"]["nsf_pairs"] == "ot")
-        out[f"interpolant x_{T:g}, NSF from {T:g}"] = {
-            "fd_cnn": score(euler(nsf, xt, torch.full((n,), T), 1.0, nsf_steps, False)[0]), "t_hat": T, "n": n}
+        starts[f"interpolant x_{T:g}, NSF from {T:g}"] = xt, torch.full((n,), T)
+    for k in nsf_steps:
+        for name, (states, start) in starts.items():
+            out[name if k == own_steps else f"{name}, {k} NSF steps"] = {
+                "fd_cnn": score(euler(nsf, states, start, 1.0, k, False)[0]), "t_hat": float(start.mean()),
+                "n": len(states)}
     return out
 
 
