@@ -599,6 +599,12 @@ METHOD_REGISTRY: dict[str, MethodSpec] = {
                 "nsf_t_min": Key(0.0, Float(0, 1, hi_open=True), "NSGF++'s straight flow is trained on times t ~ "
                                  "U[nsf_t_min, 1): it only runs from the predictor's t_hat to 1, so 0 (paper) spends "
                                  "most of its steps on times it never sees"),
+                "nsf_source": Key("noise", Options("noise", "velocity"), "where NSGF++'s straight-flow and "
+                                  "predictor paths start: source noise (paper) or the trained velocity network's own "
+                                  "NSGF states from fresh noise (the authors' dev code: the straight flow then learns "
+                                  "the way from where the NSGF part really ends; needs nsgf.nsf_t_min=0)"),
+                "nsf_states": Key(16384, POS_INT, "with nsgf.nsf_source=velocity: how many NSGF states are computed "
+                                  "once when the straight-flow phase starts (RUN/nsf_states.npy, float32)"),
             },
             "sample": {
                 "nsf_steps": Key(50, POS_INT, "Euler steps of the straight flow from t_hat to 1"),

@@ -7,7 +7,9 @@ Phases, each resumable with its own model, optimizer and config section:
 3. ``nsf``      Neural Straight Flow: velocity matching on X_t = t Y + (1 - t) X0 with *independent*
                 noise/data pairs (plain FM, sigma = 0), network ``model.nsf``, at t ~ U[nsgf.nsf_t_min, 1)
                 (sampling only runs it from t_hat to 1); from a fresh init (the paper's), or with
-                ``nsgf.nsf_init: velocity`` from the trained velocity network's weights;
+                ``nsgf.nsf_init: velocity`` from the trained velocity network's weights. With
+                ``nsgf.nsf_source: velocity`` X0 is not noise but the trained velocity network's own NSGF states
+                (``NSGFStates``, the authors' dev code), so the straight flow starts where the NSGF part ends;
 4. ``time``     the phase-transition predictor: regress t from the same X_t (MSE, sigmoid output),
                 network ``model.time``.
 
@@ -24,8 +26,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from sinkflow.data.atomic_write import atomic_write_bytes
 from sinkflow.errors import SinkflowError
 from sinkflow.methods import nsgf
 from sinkflow.methods.base import Method
@@ -33,7 +37,9 @@ from sinkflow.methods.flow_matching import InterpolantStep
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.methods.pool import check_free_disk, check_pool_fits
 from sinkflow.runtime import dist
+from sinkflow.runtime.autocast import autocast
 from sinkflow.runtime.callbacks import LEARNING_LOG
+from sinkflow.runtime.rng import phase_generator
 
 # arXiv:2401.14069v1 Table 3 (MNIST) and Table 2 (CIFAR-10): NSGF++'s FID (and IS) at NFE, for context.
 PAPER_FID = {"mnist": {"fid": 3.8, "nfe": 60}, "cifar10": {"fid": 5.55, "is": 8.86, "nfe": 59}}
@@ -48,6 +54,9 @@ LEARNED_FRACTION = 0.5
 IDENTIFIABLE_DIMS = 64
 CHECK_BATCH, CHECK_SEED = 512, 20261128  # the check's own draw: the phase generator's stream is untouched
 learning = logging.getLogger(LEARNING_LOG)  # a tool's few-step scratch run never learns: ``quiet()`` silences it
+log = logging.getLogger(__name__)
+STATES_FILE = "nsf_states.npy"  # nsgf.nsf_source=velocity: the NSGF states the straight flow's paths start from
+STATES_CHUNK = 512  # states computed per batch of velocity-network calls
 
 
 def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
@@ -68,6 +77,11 @@ def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
         raise SinkflowError(f"nsgf.nsf_init=velocity starts the straight flow from the velocity network, but "
                             f"model.nsf and model.velocity differ in {', '.join(differ)}",
                             "give both the same model keys, or set nsgf.nsf_init=random")
+    t_min = float(cfg["nsgf"]["nsf_t_min"])
+    if cfg["nsgf"]["nsf_source"] == "velocity" and t_min > 0:
+        raise SinkflowError(f"nsgf.nsf_source=velocity starts the straight flow's paths at the NSGF states (t = 0), "
+                            f"but nsgf.nsf_t_min={t_min:g} trains it only from there on",
+                            "set nsgf.nsf_t_min=0, or nsgf.nsf_source=noise")
 
 
 def check_nsgf_steps(cfg: dict) -> None:
@@ -101,6 +115,82 @@ def time_loss(model, batch):
     return (model(x).float() - t).pow(2).mean()
 
 
+class NSGFStates:
+    """Where NSGF++'s straight-flow paths start with ``nsgf.nsf_source: velocity``: the trained velocity network's
+    (EMA weights where it kept them) own NSGF states, ``nsgf_part`` over the sampler's grid (``nsgf_grid``) from
+    fresh source noise, so the straight flow learns the way from where the sampler's NSGF part really ends. The
+    paper's paths start at noise, and from the network's states its straight flow integrates from places off them:
+    on real MNIST more straight-flow steps could not repair those states (benchmarks/RESULTS.md, "Where NSGF++'s
+    quality stops with NFE"). The authors' dev code trains the straight segment from its NSGF outputs.
+
+    ``nsgf.nsf_states`` states are computed once, when the first phase that draws them opens, from their own
+    generator stream, and kept in RUN/nsf_states.npy (float32; no pickle), so a resumed straight-flow phase and the
+    predictor after it draw from the same set. A sampleable distribution like any source: ``sample`` draws
+    states by index from the phase's generator."""
+
+    name = "nsgf-states"
+
+    def __init__(self, source):
+        self.source, self.shape, self.states = source, tuple(source.shape), None
+
+    def open(self, run) -> None:
+        if self.states is not None:
+            return
+        path = run.dir / STATES_FILE
+        if run.read_only and not path.is_file():  # lr-find or doctor on a user's run: computed, not kept
+            self.states = torch.from_numpy(self._compute(run))
+            return
+        dist.on_main(lambda: path.is_file() or atomic_write_bytes(
+            path, lambda f: np.save(f, self._compute(run), allow_pickle=False)))
+        states = np.load(path, allow_pickle=False)
+        n = int(run.cfg["nsgf"]["nsf_states"])
+        if states.shape != (n, *self.shape) or states.dtype != np.float32:
+            raise SinkflowError(f"{path} holds {states.dtype} states of shape {states.shape}, not the run's "
+                                f"{n} float32 states of shape {self.shape}",
+                                f"delete {path}: the resumed phase computes them again")
+        self.states = torch.from_numpy(states)
+
+    def _compute(self, run) -> np.ndarray:
+        cfg = run.cfg
+        n = int(cfg["nsgf"]["nsf_states"])
+        times, etas = nsgf_grid(cfg)
+        log.info("%d NSGF states (%d velocity steps each) for the straight flow's paths", n, len(etas))
+        velocity = run.model("velocity")
+        generator = phase_generator(cfg["experiment"]["seed"], "nsf_states")
+        states = np.empty((n, *self.shape), np.float32)
+        with autocast(run.device.type, METHOD.sample_precision(cfg)):
+            for lo in range(0, n, STATES_CHUNK):
+                x0 = self.source.sample(min(STATES_CHUNK, n - lo), generator, run.device)
+                states[lo:lo + len(x0)] = nsgf_part(velocity, x0, times, etas).cpu().numpy()
+        return states
+
+    def sample(self, n: int, generator: torch.Generator, device="cpu") -> torch.Tensor:
+        if self.states is None:
+            raise SinkflowError("the NSGF states were drawn before the phase opened them",
+                                "call open(run) first (the Trainer does, when the phase runs)")
+        idx = torch.randint(len(self.states), (n,), generator=generator)
+        return self.states[idx].to(device, non_blocking=True)
+
+
+def straight_flow_source(cfg: dict, source):
+    """Where the straight flow's and the predictor's paths start (``nsgf.nsf_source``): the source itself (the
+    paper's noise), or the velocity network's states (``NSGFStates``), one object the two phases share."""
+    return NSGFStates(source) if cfg["nsgf"]["nsf_source"] == "velocity" else source
+
+
+def open_source(source, run) -> None:
+    """Open the NSGF states a phase's paths start from, when they do (``straight_flow_source``)."""
+    if isinstance(source, NSGFStates):
+        source.open(run)
+
+
+class StraightFlowStep(InterpolantStep):
+    """The Neural Straight Flow phase: the interpolant's velocity matching, from ``straight_flow_source``."""
+
+    def open(self, run) -> None:
+        open_source(self.source, run)
+
+
 class TimeStep(InterpolantStep):
     """The phase-transition predictor: regress t from X_t on the straight path; its batches are the interpolant's
     without the target velocity. Its pairs are the NSF's (``nsgf.nsf_pairs``: independent in the paper): t_hat
@@ -109,6 +199,9 @@ class TimeStep(InterpolantStep):
 
     def __init__(self, source, target, ot_pairs: bool = False):
         super().__init__("time", source, target, ot_pairs=ot_pairs)
+
+    def open(self, run) -> None:
+        open_source(self.source, run)
 
     def prepare(self, drawn, device):
         x, t, _ = super().prepare(drawn, device)
@@ -140,23 +233,30 @@ class TimeStep(InterpolantStep):
 
 
 @torch.no_grad()
+def nsgf_part(velocity, x0: torch.Tensor, times, etas, path: list | None = None) -> torch.Tensor:
+    """NSGF++'s first move: Euler steps ``etas`` of ``velocity`` at network times ``times`` from ``x0`` (float32
+    state; each state appended to ``path`` on the CPU when one is given)."""
+    x = x0.float()
+    for k, eta in enumerate(etas):
+        t = torch.full((x.shape[0],), float(times[k]), device=x.device)
+        x = x + float(eta) * velocity(x, t).float()
+        if path is not None:
+            path.append(x.cpu())
+    return x
+
+
+@torch.no_grad()
 def sample_nsgfpp(velocity, predictor, nsf, x0: torch.Tensor, times, etas, nsf_steps: int, t_min: float = 0.0,
                   record: bool = False, t_shift: float = 0.0):
     """NSGF++ sampling on networks you hold (Algorithm 4): Euler steps ``etas`` of ``velocity`` at network times
     ``times``, then t_hat = ``predictor``(x) + ``t_shift`` (clamped to the NSF's trained range [t_min, 1]), then
     ``nsf_steps`` Euler steps of ``nsf`` from t_hat to 1 per sample. Returns (x, info) as ``Method.sample_nets``."""
-    n = x0.shape[0]
-    x = x0.float()
-    path = [x.cpu()] if record else []
+    path = [x0.float().cpu()] if record else None
     with count_nfe(velocity) as n_v, count_nfe(predictor) as n_t, count_nfe(nsf) as n_u:
-        for k, eta in enumerate(etas):
-            t = torch.full((n,), float(times[k]), device=x.device)
-            x = x + float(eta) * velocity(x, t).float()
-            if record:
-                path.append(x.cpu())
+        x = nsgf_part(velocity, x0, times, etas, path)
         t_hat = (predictor(x).float() + t_shift).clamp(t_min, 1.0)  # the NSF's trained range
         x, nsf_path = euler(nsf, x, t_hat, 1.0, nsf_steps, record)
-    path += nsf_path[1:]
+    path = (path or []) + nsf_path[1:]
     return x, {"nfe": n_v.count + n_t.count + n_u.count, "nfe_velocity": n_v.count, "nfe_time": n_t.count,
                "nfe_nsf": n_u.count, "t_hat": t_hat.cpu(), "nsgf_steps": len(etas), "path": path}
 
@@ -175,10 +275,11 @@ class NSGFPlusPlus(Method):
     def phases(self, cfg, source, target):
         check(cfg, tuple(target.shape))
         ot_pairs = cfg["nsgf"]["nsf_pairs"] == "ot"
+        start = straight_flow_source(cfg, source)
         return [nsgf.pool_task(cfg, source, target), nsgf.PoolVelocityStep(),
-                InterpolantStep("nsf", source, target, ot_pairs=ot_pairs, t_min=cfg["nsgf"]["nsf_t_min"],
-                                init_from="velocity" if cfg["nsgf"]["nsf_init"] == "velocity" else None),
-                TimeStep(source, target, ot_pairs=ot_pairs)]
+                StraightFlowStep("nsf", start, target, ot_pairs=ot_pairs, t_min=cfg["nsgf"]["nsf_t_min"],
+                                 init_from="velocity" if cfg["nsgf"]["nsf_init"] == "velocity" else None),
+                TimeStep(start, target, ot_pairs=ot_pairs)]
 
     def default_steps(self, cfg: dict) -> int:
         return cfg["sample"]["nsf_steps"]
@@ -201,8 +302,9 @@ class NSGFPlusPlus(Method):
         where = "on the pool's grid" if k == T else f"over the {T}-step pool's span"
         shift = float(cfg["sample"].get("t_shift", 0.0))
         start = f" from t_hat {shift:+g}" if shift else ""
+        paths = ", trained from the NSGF states" if cfg["nsgf"]["nsf_source"] == "velocity" else ""
         return (f"nsgfpp: {k} NSGF steps {where}, a time predictor, then "
-                f"{cfg['sample']['nsf_steps']} Neural Straight Flow steps{start}")
+                f"{cfg['sample']['nsf_steps']} Neural Straight Flow steps{start}{paths}")
 
 
 METHOD = NSGFPlusPlus()

@@ -97,6 +97,7 @@ class RunFolder:
         (``MetricsLogger.failed`` says why) instead of failing the caller."""
         self.dir = Path(run_dir)
         self.cfg = cfg
+        self.read_only = not log  # a task computes what it would keep in the folder, but does not write it
         self.dist = dist.current()
         self.device = dist.device_for(self.dist, resolve_device(cfg["experiment"]["device"]))
         self.logger = MetricsLogger(self.dir, enabled=self.dist.is_main and log, best_effort=log_best_effort)

@@ -1,0 +1,109 @@
+"""``nsgf.nsf_source: velocity``: NSGF++'s straight flow and time predictor learn paths that start at the trained
+velocity network's own NSGF states (on the real MNIST shape, (N, 1, 28, 28)): the states are that network's, computed
+once and kept in the run folder, every straight-flow batch starts at one of them, a resume inside the straight-flow
+phase is bit-equal, a read-only look at a run does not write them, and a config that cannot work is refused first."""
+
+import numpy as np
+import pytest
+import torch
+
+from test_images import TINY_UNET, fresh_distributions, setup_data  # noqa: F401  (the fixture, for this module too)
+from sinkflow import config, data
+from sinkflow.engine.experiment import train_run
+from sinkflow.errors import SinkflowError
+from sinkflow.methods import nsgfpp
+from sinkflow.runtime.callbacks import Callback
+from sinkflow.runtime.rng import phase_generator
+from sinkflow.runtime.run_folder import RunFolder, read_config
+from sinkflow.runtime.signals import Interrupted
+
+N_STATES = 24
+OVERRIDES = ["pool.batches=3", "pool.batch_size=8", "pool.chunk=1", "pool.in_flight=1", "train.nsf.ckpt_every=2",
+             "sample.nsf_steps=3", "eval.n=8", "eval.seeds=1", "data.download=false", "train.velocity.ema=0.9",
+             "nsgf.nsf_source=velocity", f"nsgf.nsf_states={N_STATES}", *TINY_UNET]
+SHORT = {"train_iters": 4, "batch_size": 4, "device": "cpu"}
+
+
+class Batches(Callback):
+    """Each phase's first batch; with ``stop_at``, a stop request at that step of the straight-flow phase."""
+
+    def __init__(self, stop_at=None):
+        self.first, self.stop_at = {}, stop_at
+
+    def on_train_batch_end(self, trainer, batch, outputs):
+        self.first.setdefault(trainer.name, batch)
+        if trainer.name == "nsf" and trainer.step == self.stop_at:
+            trainer.request_stop()
+
+
+def expected_states(run_dir):
+    """The velocity network's NSGF part from the states' own noise stream, recomputed here."""
+    run = RunFolder(run_dir, read_config(run_dir), log=False)
+    source, _ = data.distributions(run.cfg)
+    x0 = source.sample(N_STATES, phase_generator(run.cfg["experiment"]["seed"], "nsf_states"))
+    times, etas = nsgfpp.nsgf_grid(run.cfg)
+    return nsgfpp.nsgf_part(run.model("velocity"), x0, times, etas), x0
+
+
+def test_the_straight_flow_starts_at_the_velocity_networks_states_and_resumes_bit_equal(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    extra, _ = setup_data("mnist", tmp_path)
+    whole = Batches()
+    train_run(config.resolve("mnist", [*OVERRIDES, *extra, "experiment.name=whole"], SHORT), callbacks=[whole])
+    run_dir = tmp_path / "runs" / "whole"
+    kept = np.load(run_dir / nsgfpp.STATES_FILE, allow_pickle=False)
+    assert kept.shape == (N_STATES, 1, 28, 28) and kept.dtype == np.float32
+    states, noise = expected_states(run_dir)
+    assert torch.allclose(torch.from_numpy(kept), states, atol=1e-5)
+    assert (states - noise).abs().mean() > 1e-3  # the network (4 steps here) moved them: these are not the noise
+
+    for phase in ("nsf", "time"):  # x_t = x0 + t (x1 - x0): every path's x0 is one of the kept states
+        x, t = whole.first[phase][:2]
+        if phase == "nsf":
+            x0 = x - t.view(-1, 1, 1, 1) * whole.first[phase][2]
+            gap = torch.cdist(x0.flatten(1), states.flatten(1)).min(1).values
+            assert gap.max() < 1e-3, gap
+        assert x.shape == (4, 1, 28, 28)
+
+    cut = Batches(stop_at=2)
+    with pytest.raises(Interrupted):
+        train_run(config.resolve("mnist", [*OVERRIDES, *extra, "experiment.name=cut"], SHORT), callbacks=[cut])
+    saved = np.load(tmp_path / "runs" / "cut" / nsgfpp.STATES_FILE, allow_pickle=False)
+    train_run(resume=tmp_path / "runs" / "cut")
+    assert np.array_equal(np.load(tmp_path / "runs" / "cut" / nsgfpp.STATES_FILE, allow_pickle=False), saved)
+    for phase in ("nsf", "time"):
+        a = torch.load(run_dir / "checkpoints" / phase / "final.pt", weights_only=True)
+        b = torch.load(tmp_path / "runs" / "cut" / "checkpoints" / phase / "final.pt", weights_only=True)
+        assert a["step"] == b["step"] == 4
+        for k in a["model"]:
+            assert torch.equal(a["model"][k], b["model"][k]), (phase, k)
+
+    # a read-only look at the run (lr-find, doctor) computes the states, writes nothing
+    (run_dir / nsgfpp.STATES_FILE).unlink()
+    look = nsgfpp.NSGFStates(data.distributions(read_config(run_dir))[0])
+    look.open(RunFolder(run_dir, read_config(run_dir), log=False))
+    assert torch.allclose(look.states, states, atol=1e-5)
+    assert not (run_dir / nsgfpp.STATES_FILE).exists()
+
+    # states that are not the run's are refused in one line naming the file and the fix
+    np.save(run_dir / nsgfpp.STATES_FILE, np.zeros((3, 1, 28, 28), np.float32), allow_pickle=False)
+    with pytest.raises(SinkflowError, match="not the run's 24 float32 states.*delete"):
+        nsgfpp.NSGFStates(look.source).open(RunFolder(run_dir, read_config(run_dir)))
+
+
+def test_states_are_drawn_only_once_opened():
+    states = nsgfpp.NSGFStates(type("S", (), {"shape": (2,)})())
+    with pytest.raises(SinkflowError, match="before the phase opened them"):
+        states.sample(4, torch.Generator())
+
+
+def test_a_straight_flow_trained_only_late_is_refused_before_a_run_folder(tmp_path, monkeypatch, capsys):
+    from sinkflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    extra, _ = setup_data("mnist", tmp_path)
+    assert main(["train", "mnist", *OVERRIDES, *extra, "nsgf.nsf_t_min=0.5", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sinkflow: error: nsgf.nsf_source=velocity starts the straight flow's paths at the NSGF "
+                          "states (t = 0), but nsgf.nsf_t_min=0.5 trains it only from there on; set nsgf.nsf_t_min=0")
+    assert not (tmp_path / "runs").exists()
