@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sinkflow import config
+from sinkflow.models import build_model
 from sinkflow.tools import memory_plan
 from sinkflow.tools.preflight import format_report, preflight
 
@@ -130,7 +131,6 @@ def test_override_of_a_section_no_phase_reads(tmp_path):
 def test_memory_estimate_matches_measured_cpu_allocations():
     """Model + optimizer + activations of a training step, and the Sinkhorn pool step, against the torch
     profiler's CPU allocation peak: within 15% wherever the term is large enough to measure (> 8 MiB)."""
-    from sinkflow.models import build_model
     from sinkflow.ot import sinkhorn_peak_bytes
     from sinkflow.ot.velocity import simulate_sinkhorn_flow
 
@@ -191,6 +191,21 @@ def test_the_plan_counts_every_batch_the_cuda_defaults_hold():
     one = {m.phase: m for m in memory_plan.estimate(plain, bf16=True)}[unet]
     assert (auto.batch_copies, one.batch_copies) == (4, 1) and "4 batches held" in auto.note
     assert auto.terms["batch"] == 4 * one.terms["batch"] > 0
+
+
+def test_the_plan_holds_the_velocity_network_where_the_straight_flow_starts_at_its_states():
+    """nsgf.nsf_source=velocity: the straight-flow and predictor phases keep the velocity network on the device
+    (it made their paths' starts), so their plan counts its weights; the paper's paths from noise do not."""
+    cfg = config.resolve("digits", ["nsgf.nsf_source=velocity", "nsgf.nsf_t_min=0"])
+    paper = {m.phase: m for m in memory_plan.estimate(config.resolve("digits", []))}
+    states = {m.phase: m for m in memory_plan.estimate(cfg)}
+    m = dict(cfg["model"]["velocity"])
+    weights = sum(p.numel() * p.element_size() for p in build_model(m.pop("kind"), m, (1, 8, 8)).parameters())
+    for phase in ("nsf", "time"):
+        assert states[phase].terms["frozen velocity network"] == weights > 0
+        assert states[phase].total == paper[phase].total + weights
+        assert "frozen velocity network" not in paper[phase].terms
+    assert "frozen velocity network" not in states["velocity"].terms
 
 
 def test_the_per_process_estimate_and_fit_do_not_shrink_with_world():

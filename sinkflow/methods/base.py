@@ -74,6 +74,11 @@ class TrainingStep(Task):
         state = run.final_state(self.init_from)
         return state["ema"] if state.get("ema") is not None else state["model"]
 
+    def frozen(self) -> tuple[str, ...]:
+        """The finished phases whose networks this phase holds on the device while it trains (their weights count
+        in its memory plan); default none."""
+        return ()
+
     def batch(self, generator: torch.Generator, n: int, device) -> Any:
         raise NotImplementedError
 

@@ -56,7 +56,6 @@ CHECK_BATCH, CHECK_SEED = 512, 20261128  # the check's own draw: the phase gener
 learning = logging.getLogger(LEARNING_LOG)  # a tool's few-step scratch run never learns: ``quiet()`` silences it
 log = logging.getLogger(__name__)
 STATES_FILE = "nsf_states.npy"  # nsgf.nsf_source=velocity: the NSGF states the straight flow's paths start from
-STATES_CHUNK = 512  # states computed per batch of velocity-network calls
 
 
 def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
@@ -152,15 +151,15 @@ class NSGFStates:
 
     def _compute(self, run) -> np.ndarray:
         cfg = run.cfg
-        n = int(cfg["nsgf"]["nsf_states"])
+        n, chunk = int(cfg["nsgf"]["nsf_states"]), max(1, int(cfg["sample"]["batch_size"]))
         times, etas = nsgf_grid(cfg)
         log.info("%d NSGF states (%d velocity steps each) for the straight flow's paths", n, len(etas))
         velocity = run.model("velocity")
         generator = phase_generator(cfg["experiment"]["seed"], "nsf_states")
         states = np.empty((n, *self.shape), np.float32)
         with autocast(run.device.type, METHOD.sample_precision(cfg)):
-            for lo in range(0, n, STATES_CHUNK):
-                x0 = self.source.sample(min(STATES_CHUNK, n - lo), generator, run.device)
+            for lo in range(0, n, chunk):  # the sampler's chunks: the memory plan's sample+eval row holds them
+                x0 = self.source.sample(min(chunk, n - lo), generator, run.device)
                 states[lo:lo + len(x0)] = nsgf_part(velocity, x0, times, etas).cpu().numpy()
         return states
 
@@ -178,20 +177,25 @@ def straight_flow_source(cfg: dict, source):
     return NSGFStates(source) if cfg["nsgf"]["nsf_source"] == "velocity" else source
 
 
-def open_source(source, run) -> None:
-    """Open the NSGF states a phase's paths start from, when they do (``straight_flow_source``)."""
-    if isinstance(source, NSGFStates):
-        source.open(run)
+class FromNSGFStates:
+    """What a phase whose paths may start at the NSGF states (``straight_flow_source``) does about them: opens
+    them when it runs, and holds the velocity network that made them (in its memory plan)."""
 
-
-class StraightFlowStep(InterpolantStep):
-    """The Neural Straight Flow phase: the interpolant's velocity matching, from ``straight_flow_source``."""
+    source = None
 
     def open(self, run) -> None:
-        open_source(self.source, run)
+        if isinstance(self.source, NSGFStates):
+            self.source.open(run)
+
+    def frozen(self) -> tuple[str, ...]:
+        return ("velocity",) if isinstance(self.source, NSGFStates) else ()
 
 
-class TimeStep(InterpolantStep):
+class StraightFlowStep(FromNSGFStates, InterpolantStep):
+    """The Neural Straight Flow phase: the interpolant's velocity matching, from ``straight_flow_source``."""
+
+
+class TimeStep(FromNSGFStates, InterpolantStep):
     """The phase-transition predictor: regress t from X_t on the straight path; its batches are the interpolant's
     without the target velocity. Its pairs are the NSF's (``nsgf.nsf_pairs``: independent in the paper): t_hat
     says where on the NSF's own training paths a sample lies, so an OT-paired NSF wants a predictor calibrated on
@@ -199,9 +203,6 @@ class TimeStep(InterpolantStep):
 
     def __init__(self, source, target, ot_pairs: bool = False):
         super().__init__("time", source, target, ot_pairs=ot_pairs)
-
-    def open(self, run) -> None:
-        open_source(self.source, run)
 
     def prepare(self, drawn, device):
         x, t, _ = super().prepare(drawn, device)

@@ -163,6 +163,10 @@ def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int, bf
     ahead = prefetch.DEPTH if prefetch.use_prefetch(tcfg["prefetch"], torch.device("cuda")) else 0
     pm.batch_copies = 1 + ahead + (tcfg["graph"] == "step")  # a captured step reads a static copy
     train_terms(pm, tcfg["batch_size"], tcfg["accum"])
+    for held in phase.frozen():  # a finished phase's network kept on the device (NSGF++'s NSGF states)
+        m = dict(cfg["model"][held])
+        pm.terms[f"frozen {held} network"] = sum(p.numel() * p.element_size()
+                                                 for p in build_model(m.pop("kind"), m, shape).parameters())
     pm.terms["cuda workspaces"] = WORKSPACE_BYTES
     pm.note = (f"micro-batch {micro_batch(tcfg['batch_size'], tcfg['accum'])}, {tcfg['precision']}, "
                f"{pm.batch_copies} batches held")
