@@ -228,3 +228,22 @@ def test_a_torchrun_rank_exits_without_the_interpreters_teardown(world, tmp_path
     assert ok.returncode == 0 and "mnist" in ok.stdout, ok.stderr  # stdout is a pipe: flushed before the exit
     assert bad.returncode == 2 and bad.stderr.startswith("sinkflow: error:"), bad.stderr
     assert ("teardown ran" in ok.stdout) == (world == "1")
+
+
+def test_nsgf_states_under_ddp_are_rank_0s_and_a_single_processs(runs_dir):
+    """nsgf.nsf_source=velocity on 2 processes: rank 0 computes the NSGF states once (every rank then reads that
+    file), they equal a single process's with the same global batch and lr, and both later phases train from them."""
+    cwd = runs_dir.parent
+    args = ["moons", "--method", "nsgfpp", "pool.batches=2", "pool.steps=3", "pool.batch_size=32", "pool.chunk=1",
+            "pool.in_flight=1", "--train-iters", "3", "--device", "cpu", "--no-report", "nsgf.nsf_source=velocity",
+            "nsgf.nsf_states=40", *[f"train.{k}.lr_scaling=none" for k in ("velocity", "nsf", "time")]]
+    ddp = _torchrun(*args, "--batch-size", "8", "--name", "ddp", cwd=cwd)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert ddp.stderr.count("40 NSGF states (3 velocity steps each)") == 1, ddp.stderr[-3000:]
+    single = cli("train", *args, "--batch-size", "16", "--name", "single", cwd=cwd)
+    assert single.returncode == 0, single.stderr[-3000:]
+    a, b = (np.load(runs_dir / name / "nsf_states.npy", allow_pickle=False) for name in ("ddp", "single"))
+    assert a.shape == (40, 2)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    for phase in ("nsf", "time"):
+        assert torch.load(runs_dir / "ddp" / "checkpoints" / phase / "final.pt", weights_only=True)["step"] == 3
