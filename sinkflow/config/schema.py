@@ -601,8 +601,8 @@ METHOD_REGISTRY: dict[str, MethodSpec] = {
                                  "most of its steps on times it never sees"),
                 "nsf_source": Key("noise", Options("noise", "velocity"), "where NSGF++'s straight-flow and "
                                   "predictor paths start: source noise (paper) or the trained velocity network's own "
-                                  "NSGF states from fresh noise (the authors' dev code: the straight flow then learns "
-                                  "the way from where the NSGF part really ends; needs nsgf.nsf_t_min=0)"),
+                                  "NSGF states from fresh noise (near the authors' dev code: the straight flow then "
+                                  "learns the way from where the NSGF part really ends; needs nsgf.nsf_t_min=0)"),
                 "nsf_states": Key(16384, POS_INT, "with nsgf.nsf_source=velocity: how many NSGF states are computed "
                                   "once when the straight-flow phase starts (RUN/nsf_states.npy, float32)"),
             },

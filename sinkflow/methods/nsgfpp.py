@@ -9,7 +9,7 @@ Phases, each resumable with its own model, optimizer and config section:
                 (sampling only runs it from t_hat to 1); from a fresh init (the paper's), or with
                 ``nsgf.nsf_init: velocity`` from the trained velocity network's weights. With
                 ``nsgf.nsf_source: velocity`` X0 is not noise but the trained velocity network's own NSGF states
-                (``NSGFStates``, the authors' dev code), so the straight flow starts where the NSGF part ends;
+                (``NSGFStates``, near the authors' dev code), so the straight flow starts where the NSGF part ends;
 4. ``time``     the phase-transition predictor: regress t from the same X_t (MSE, sigmoid output),
                 network ``model.time``.
 
@@ -120,7 +120,8 @@ class NSGFStates:
     fresh source noise, so the straight flow learns the way from where the sampler's NSGF part really ends. The
     paper's paths start at noise, and from the network's states its straight flow integrates from places off them:
     on real MNIST more straight-flow steps could not repair those states (benchmarks/RESULTS.md, "Where NSGF++'s
-    quality stops with NFE"). The authors' dev code trains the straight segment from its NSGF outputs.
+    quality stops with NFE"). The authors' dev code trained its straight segment from the simulated Sinkhorn flow's
+    end points, OT-matched to the data batch; these are the network's, which the sampler meets.
 
     ``nsgf.nsf_states`` states are computed once, when the first phase that draws them opens, from their own
     generator stream, and kept in RUN/nsf_states.npy (float32; no pickle), so a resumed straight-flow phase and the
