@@ -205,6 +205,7 @@ def pool_state_scores(run, score, nsf_steps: list[int], own_steps: int, n: int, 
     (named ``..., S NSF steps`` unless S is ``own_steps``, the benchmarked sampler's). The states are made once."""
     from sinkflow.methods.flow_matching import interpolant_draw, interpolant_finish
     from sinkflow.methods.nsgf import flow_times
+    from sinkflow.methods.nsgfpp import nsgf_part
     from sinkflow.methods.ode import euler
     from sinkflow.methods.pool import TrajectoryPool
 
@@ -213,9 +214,8 @@ def pool_state_scores(run, score, nsf_steps: list[int], own_steps: int, n: int, 
     pool = TrajectoryPool(run.dir / "pool", storage="disk")
     x, v = pool_entries(pool, float(flow_times(run.cfg["pool"])[-2]), n)  # the last stored step
     net = run.model("velocity")
-    mine = source.sample(n, torch.Generator().manual_seed(2**31 - 2), "cpu")  # fresh: the pool's own x0 are memorised
-    for t, h in zip(times[:-1], steps):
-        mine = mine + h * net(mine, torch.full((len(mine),), t)).float()
+    x0 = source.sample(n, torch.Generator().manual_seed(2**31 - 2), "cpu")  # fresh: the pool's own x0 are memorised
+    mine = nsgf_part(net, x0, times, steps)
     predictor, nsf = run.model("time"), run.model("nsf")
     t_min = float(run.cfg["nsgf"]["nsf_t_min"])
     starts = {}  # row name -> (states, per-sample start time)

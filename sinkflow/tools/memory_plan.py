@@ -80,6 +80,11 @@ class PhaseMemory:
 
 # ---- measurement --------------------------------------------------------------------------------
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a network's parameters: what a frozen or sampling network holds on the device."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def measure_activations(model: torch.nn.Module, shape: tuple[int, ...], precision: str = "fp32") -> tuple[int, int, int]:
     """(fixed, per-sample, largest per-sample) saved-activation bytes, from forwards at batch 1 and 2 on CPU."""
     dtype = HALF.get(precision)
@@ -165,8 +170,7 @@ def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int, bf
     train_terms(pm, tcfg["batch_size"], tcfg["accum"])
     for held in phase.frozen():  # a finished phase's network kept on the device (NSGF++'s NSGF states)
         m = dict(cfg["model"][held])
-        pm.terms[f"frozen {held} network"] = sum(p.numel() * p.element_size()
-                                                 for p in build_model(m.pop("kind"), m, shape).parameters())
+        pm.terms[f"frozen {held} network"] = weight_bytes(build_model(m.pop("kind"), m, shape))
     pm.terms["cuda workspaces"] = WORKSPACE_BYTES
     pm.note = (f"micro-batch {micro_batch(tcfg['batch_size'], tcfg['accum'])}, {tcfg['precision']}, "
                f"{pm.batch_copies} batches held")
@@ -188,7 +192,7 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
     n = min(cfg["eval"]["n"], max(1, cfg["sample"]["batch_size"]))  # generate() works in chunks of this
     dim = math.prod(shape)
     pm = PhaseMemory("sample+eval", "sample")
-    pm.terms["weights"] = sum(sum(p.numel() * p.element_size() for p in m.parameters()) for m in models.values())
+    pm.terms["weights"] = sum(weight_bytes(m) for m in models.values())
     pm.terms["samples"] = 4 * n * dim * 3
     # the training phases' activations were measured under their autocast (fp16 for a UNet on an Ampere-on card):
     # sampled in fp32 (sample.precision's default) the same tensors take twice the bytes
@@ -430,7 +434,7 @@ def measured_train_step_bytes(model: torch.nn.Module, shape: tuple[int, ...], ba
 
     step()  # the first step creates Adam's moments; measure the steady state, as the GPU peak over a run is
     opt.zero_grad(set_to_none=True)
-    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held = weight_bytes(model)
     held += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
     return held + cpu_peak_bytes(step) + x.nbytes + t.nbytes + v.nbytes
 
