@@ -1,5 +1,5 @@
 """``nsgf.nsf_source: velocity``: NSGF++'s straight flow and time predictor learn paths that start at the trained
-velocity network's own NSGF states (on the real MNIST shape, (N, 1, 28, 28)): the states are that network's, computed
+velocity network's own NSGF states (on the real MNIST and CIFAR-10 shapes, (N, 1, 28, 28) and (N, 3, 32, 32)): the states are that network's, computed
 once and kept in the run folder, every straight-flow batch starts at one of them, a resume inside the straight-flow
 phase is bit-equal, a read-only look at a run does not write them, and a config that cannot work is refused first."""
 
@@ -20,6 +20,7 @@ from sinkflow.runtime.signals import Interrupted
 N_STATES = 24
 OVERRIDES = ["pool.batches=3", "pool.batch_size=8", "pool.chunk=1", "pool.in_flight=1", "train.nsf.ckpt_every=2",
              "sample.nsf_steps=3", "eval.n=8", "eval.seeds=1", "data.download=false", "train.velocity.ema=0.9",
+             "train.velocity.warmup=0",  # cifar10's 5,000-step warm-up would leave 4 steps unmoved
              "nsgf.nsf_source=velocity", f"nsgf.nsf_states={N_STATES}", *TINY_UNET]
 SHORT = {"train_iters": 4, "batch_size": 4, "device": "cpu"}
 
@@ -45,14 +46,15 @@ def expected_states(run_dir):
     return nsgfpp.nsgf_part(run.model("velocity"), x0, times, etas), x0
 
 
-def test_the_straight_flow_starts_at_the_velocity_networks_states_and_resumes_bit_equal(tmp_path, monkeypatch):
+@pytest.mark.parametrize("preset", ["mnist", "cifar10"])
+def test_the_straight_flow_starts_at_the_velocity_networks_states_and_resumes_bit_equal(preset, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    extra, _ = setup_data("mnist", tmp_path)
+    extra, shape = setup_data(preset, tmp_path)
     whole = Batches()
-    train_run(config.resolve("mnist", [*OVERRIDES, *extra, "experiment.name=whole"], SHORT), callbacks=[whole])
+    train_run(config.resolve(preset, [*OVERRIDES, *extra, "experiment.name=whole"], SHORT), callbacks=[whole])
     run_dir = tmp_path / "runs" / "whole"
     kept = np.load(run_dir / nsgfpp.STATES_FILE, allow_pickle=False)
-    assert kept.shape == (N_STATES, 1, 28, 28) and kept.dtype == np.float32
+    assert kept.shape == (N_STATES, *shape) and kept.dtype == np.float32
     states, noise = expected_states(run_dir)
     assert torch.allclose(torch.from_numpy(kept), states, atol=1e-5)
     assert (states - noise).abs().mean() > 1e-3  # the network (4 steps here) moved them: these are not the noise
@@ -63,11 +65,11 @@ def test_the_straight_flow_starts_at_the_velocity_networks_states_and_resumes_bi
             x0 = x - t.view(-1, 1, 1, 1) * whole.first[phase][2]
             gap = torch.cdist(x0.flatten(1), states.flatten(1)).min(1).values
             assert gap.max() < 1e-3, gap
-        assert x.shape == (4, 1, 28, 28)
+        assert x.shape == (4, *shape)
 
     cut = Batches(stop_at=2)
     with pytest.raises(Interrupted):
-        train_run(config.resolve("mnist", [*OVERRIDES, *extra, "experiment.name=cut"], SHORT), callbacks=[cut])
+        train_run(config.resolve(preset, [*OVERRIDES, *extra, "experiment.name=cut"], SHORT), callbacks=[cut])
     saved = np.load(tmp_path / "runs" / "cut" / nsgfpp.STATES_FILE, allow_pickle=False)
     train_run(resume=tmp_path / "runs" / "cut")
     assert np.array_equal(np.load(tmp_path / "runs" / "cut" / nsgfpp.STATES_FILE, allow_pickle=False), saved)
