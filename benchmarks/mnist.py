@@ -91,7 +91,8 @@ SCALES = {
     # velocity network"); with that start the split moved to 2000 + 1200 (validation 2 lower at every NFE than
     # 1600 + 1600: the NSF inherits the velocity network's steps), and on the large draws to 2400 + 800 (2026-11-29:
     # test 1.1-1.8 lower in the mean at 6-60 NFE, better or level on each of 5 seeds; RESULTS.md "2,400 + 800 again,
-    # on the large draws"); ``--velocity 2000 --nsf 1200`` reproduces the table before it.
+    # on the large draws"; 2800 + 400 worse on seed 0 by 1.7-3.4, level on seed 1); ``--velocity 2000 --nsf 1200``
+    # reproduces the table before it.
     "cpu": {"channels": 8, "velocity": 2400, "nsf": 800, "time": 200, "pool": 6, "batch": 32, "n": 1000,
             "val_n": None, "nsgfpp": ("sinkhorn.blur=0.25", "nsgf.nsf_t_min=0.5", "train.time.lr=0.001",
                                      "nsgf.segment=1.0", "nsgf.nsf_init=velocity")},
