@@ -1,7 +1,8 @@
 """``nsgf.nsf_source: velocity``: NSGF++'s straight flow and time predictor learn paths that start at the trained
-velocity network's own NSGF states (on the real MNIST and CIFAR-10 shapes, (N, 1, 28, 28) and (N, 3, 32, 32)): the states are that network's, computed
-once and kept in the run folder, every straight-flow batch starts at one of them, a resume inside the straight-flow
-phase is bit-equal, a read-only look at a run does not write them, and a config that cannot work is refused first."""
+velocity network's own NSGF states (on the real MNIST and CIFAR-10 shapes, (N, 1, 28, 28) and (N, 3, 32, 32)): the
+states are that network's, computed once and kept in the run folder, every straight-flow batch starts at one of them,
+a resume inside the straight-flow phase is bit-equal, a read-only look at a run does not write them, and a config
+that cannot work is refused first."""
 
 import numpy as np
 import pytest
