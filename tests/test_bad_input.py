@@ -96,6 +96,20 @@ def test_truncated_checkpoint(finished_run):
     ck.write_bytes(data)
 
 
+def test_a_folder_of_pngs_is_refused_for_points_and_never_written_into(finished_run):
+    """`sample --out DIR` writes one PNG per image: a 2D run, or a folder that holds files, is one line before
+    any sampling, and the folder is left as it was."""
+    run = finished_run / "runs/ok"
+    one_line_error(cli("sample", str(run), "--n", "4", "--out", str(finished_run / "pngs/"), cwd=finished_run),
+                   "but this run draws points")
+    assert not (finished_run / "pngs").exists()
+    used = finished_run / "used"
+    used.mkdir()
+    (used / "000000.png").write_bytes(b"mine")
+    one_line_error(cli("sample", str(run), "--n", "4", "--out", str(used), cwd=finished_run), "already holds files")
+    assert [p.name for p in used.iterdir()] == ["000000.png"] and (used / "000000.png").read_bytes() == b"mine"
+
+
 def test_truncated_step_checkpoint_on_resume(finished_run, tmp_path):
     r = cli("train", "moons", *TINY_2D, "--train-iters", "6", "--name", "t", "--no-report", cwd=tmp_path)
     assert r.returncode == 0

@@ -124,6 +124,19 @@ def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys, caplog):
     assert main(["sample", str(run), "--n", "6", "--steps", "2", "--out", str(tmp_path / "s.npy")]) == 0
     s = np.load(tmp_path / "s.npy")
     assert s.shape == (6, *shape) and np.isfinite(s).all()
+    # a folder of one PNG per image (what FID tools read): the same draw's pixels, rounded as the grid rounds them
+    assert main(["sample", str(run), "--n", "6", "--steps", "2", "--out", str(tmp_path / "pngs")]) == 0
+    files = sorted((tmp_path / "pngs").iterdir())
+    assert [f.name for f in files] == [f"{i:06d}.png" for i in range(6)] and not list(tmp_path.glob(".pngs*"))
+    pixels = [np.asarray(Image.open(f)) for f in files]
+    assert Image.open(files[0]).mode == ("L" if shape[0] == 1 else "RGB")
+    expected = np.round((np.clip(s, -1, 1) + 1) / 2 * 255).astype(np.uint8)  # (N, C, H, W)
+    for got, want in zip(pixels, expected):
+        got = got[None] if got.ndim == 2 else got.transpose(2, 0, 1)
+        assert got.shape == shape and np.abs(got.astype(int) - want).max() <= 1
+    assert main(["sample", str(run), "--n", "6", "--out", str(tmp_path / "pngs")]) == 2  # never into a used folder
+    assert "already holds files" in capsys.readouterr().err
+    assert all(np.array_equal(np.asarray(Image.open(f)), p) for f, p in zip(files, pixels))
     assert main(["eval", str(run), "--seeds", "1", "--n", str(min(4, n_test))]) == 0
     assert "W2" in capsys.readouterr().out
     assert main(["eval", str(run), "--seeds", "1", "--n", str(n_test + 1)]) == 2  # not a smaller sample in silence
@@ -528,3 +541,27 @@ def test_a_run_whose_image_folder_moved_names_its_new_place_once(tmp_path, monke
     assert main(["train", "--resume", str(run), "data.path=pictures", "--no-report"]) == 0
     assert RunFolder.open(run).cfg["data"]["path"] == str(tmp_path / "pictures")
     assert main(["eval", str(run), "--n", "1", "--seeds", "1"]) == 0, capsys.readouterr().err
+
+
+def test_a_failed_png_folder_write_leaves_no_folder(tmp_path, monkeypatch):
+    """`sample --out DIR/` writes into a hidden sibling renamed into place at the end: a write that fails half-way
+    (a full disk) leaves neither DIR nor the sibling; a finished one is DIR with every image."""
+    from sinkflow.eval.images import save_image_folder
+
+    x = torch.rand(5, 3, 4, 4) * 2 - 1
+    real_save, calls = Image.Image.save, []
+
+    def failing_save(self, fp, *a, **k):
+        calls.append(fp)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real_save(self, fp, *a, **k)
+
+    monkeypatch.setattr(Image.Image, "save", failing_save)
+    with pytest.raises(OSError, match="No space"):
+        save_image_folder(x, tmp_path / "pngs")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(Image.Image, "save", real_save)
+    (tmp_path / "pngs").mkdir()  # an empty folder is taken
+    save_image_folder(x, tmp_path / "pngs")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pngs"] and len(list((tmp_path / "pngs").iterdir())) == 5

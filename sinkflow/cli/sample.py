@@ -1,5 +1,6 @@
 """`sinkflow sample RUN --n N --steps K --out FILE`: draw samples to .npy or .png."""
 
+import argparse
 from pathlib import Path
 
 from sinkflow.cli.common import with_sample_overrides
@@ -8,9 +9,12 @@ from sinkflow.errors import SinkflowError
 
 def add_parser(sub):
     p = sub.add_parser("sample", help="draw samples from a trained run",
-                       description="Draw N samples with K Euler steps and save them as .npy (the raw array) or "
-                                   ".png (a scatter plot for 2D, an image grid for images).",
-                       epilog="example: sinkflow sample runs/moons-nsgf-20261122-120000 --n 2048 --steps 10 --out s.png")
+                       description="Draw N samples with K Euler steps and save them as .npy (the raw array), "
+                                   ".png (a scatter plot for 2D, an image grid for images) or, for images, a new "
+                                   "folder of one PNG per image (what FID tools read).",
+                       epilog="examples: sinkflow sample runs/moons-nsgf-20261122-120000 --n 2048 --steps 10 --out s.png\n"
+                              "          sinkflow sample runs/cifar10-nsgfpp-20261122-120000 --n 50000 --out fid/",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN")
     p.add_argument("overrides", nargs="*", metavar="sample.key=value",
                    help="sampling settings for this call only, e.g. sample.temperature=0.7 (the run is not changed)")
@@ -19,14 +23,17 @@ def add_parser(sub):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--qmc", action="store_true", help="draw the source by randomised QMC (scrambled Sobol) instead "
                    "of i.i.d. (= sample.qmc=true; the evaluation's own choice is eval.protocol)")
-    p.add_argument("--out", required=True, help="output file, .npy or .png")
+    p.add_argument("--out", required=True, help="output: a .npy or .png file, or (image runs) a new or empty folder "
+                   "(a path without a suffix, or ending in /) for one PNG per image")
     p.set_defaults(func=run)
 
 
 def run(args):
     out = Path(args.out)
-    if out.suffix not in (".npy", ".png"):
-        raise SinkflowError(f"--out {out} must end in .npy or .png", "e.g. --out samples.png")
+    as_folder = args.out.endswith(("/", "\\")) or not out.suffix
+    if not as_folder and out.suffix not in (".npy", ".png"):
+        raise SinkflowError(f"--out {out} must end in .npy or .png, or name a folder (no suffix) for one PNG per image",
+                            "e.g. --out samples.png")
     import numpy as np  # torch loads with these: `--help` and bad arguments stay fast
 
     from sinkflow import data, methods
@@ -35,6 +42,13 @@ def run(args):
     from sinkflow.runtime.run_folder import RunFolder
 
     run_ = RunFolder.open(args.run_dir)
+    if as_folder:
+        from sinkflow.eval.images import check_image_folder
+
+        check_image_folder(out, args.n)
+        if is_points(run_.cfg):
+            raise SinkflowError(f"--out {args.out} is a folder, for one PNG per image, but this run draws points",
+                                "save points as .npy or a scatter plot, e.g. --out samples.png")
     from sinkflow.data.memory import check_sample_memory
     check_sample_memory(args.n, run_.cfg)
     run_ = with_sample_overrides(run_, args.overrides, "sample", args.run_dir)
@@ -45,7 +59,11 @@ def run(args):
     x, info = generate(run_, args.n, steps, seed=args.seed, qmc=qmc)
     x = x.cpu()
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".npy":
+    if as_folder:
+        from sinkflow.eval.images import save_image_folder
+
+        save_image_folder(x, out)
+    elif out.suffix == ".npy":
         np.save(out, x.numpy())
     elif is_points(run_.cfg):
         from sinkflow.eval.plots import scatter_samples

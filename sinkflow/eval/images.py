@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,54 @@ def save_grid(x: torch.Tensor, path, nrow: int | None = None) -> Path:
     nrow = nrow or max(1, math.ceil(math.sqrt(len(x))))
     save_image(_upscale(_to_unit(x)), path, nrow=nrow, padding=2, pad_value=1.0)
     return path
+
+
+def to_uint8(x: torch.Tensor) -> np.ndarray:
+    """(N, C, H, W) images in [-1, 1] as (N, H, W, C) uint8, rounded as ``torchvision.utils.save_image`` rounds
+    (so a folder's image has the grid's pixels)."""
+    return _to_unit(x).mul(255).add_(0.5).clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def check_image_folder(folder, n: int) -> Path:
+    """Refuse, before any sampling, a folder that already holds files (nothing saved is overwritten)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise SinkflowError(f"--out {folder} is a file, not a folder", "name a new folder, e.g. --out samples/")
+    if folder.is_dir() and any(folder.iterdir()):
+        raise SinkflowError(f"--out {folder} already holds files; {n} images would mix with them",
+                            "name a new or empty folder")
+    return folder
+
+
+def save_image_folder(x: torch.Tensor, folder, progress: bool = True) -> Path:
+    """One PNG per image (``000000.png``, ...; grayscale or RGB at the native size), the folder that FID tools
+    (torch-fidelity, clean-fid, pytorch-fid) read. Written into a hidden sibling folder renamed into place at the
+    end, so a failed write leaves no folder that looks complete."""
+    import shutil
+
+    from PIL import Image
+    from tqdm import tqdm
+
+    if x.ndim != 4 or x.shape[1] not in (1, 3):
+        raise SinkflowError(f"a folder of PNGs needs images shaped (N, 1 or 3, H, W), got {tuple(x.shape)}",
+                            "save point samples as .npy or a scatter plot (.png)")
+    folder = check_image_folder(folder, len(x))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        width = max(6, len(str(len(x) - 1)))
+        pixels = to_uint8(x)
+        for i in tqdm(range(len(x)), desc="png", unit="image", disable=not progress or len(x) < 1000):
+            img = pixels[i]
+            Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(tmp / f"{i:0{width}d}.png")
+        if folder.is_dir():
+            folder.rmdir()  # empty (checked above): the rename needs the name free
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 def _pick_states(path: list, nsgf_steps: int | None, cols: int = 8) -> tuple[list[int], list[str]]:
