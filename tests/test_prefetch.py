@@ -413,6 +413,44 @@ def test_bench_throughput_reports_rates_wait_and_peak_fraction(runs_dir, capsys,
     assert not runs_dir.exists()
 
 
+def test_bench_throughput_projects_the_runs_own_budget_from_the_measured_rates(runs_dir, capsys):
+    """The last line: each phase's own iters over its measured steps/s, and the pool from two chunks built (the
+    second at the real run's group size), scaled to the run's batches; nothing of the cut run is projected."""
+    import re
+
+    from sinkflow.cli import main
+
+    assert main(["bench", "--throughput", "moons", "pool.chunk=2", "pool.batch_size=16", "train.velocity.iters=7000",
+                 "--batch-size", "4", "--steps", "20", "--warmup", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    steps_s = float(next(line for line in out.splitlines() if line.startswith("velocity")).split()[2])
+    line = out.splitlines()[-1]
+    m = re.fullmatch(r"the run's own budget at these rates: pool 768 batches (\d+) s \(from the 4 built here\); "
+                     r"velocity 7,000 steps ([\d.]+) (s|min); ([\d.]+) (s|min) in all, not counting .*", line)
+    assert m, line
+    velocity = float(m[2]) * (60 if m[3] == "min" else 1)
+    assert velocity == pytest.approx(7000 / steps_s, abs=0.05 * 60 if m[3] == "min" else 0.5)
+    assert float(m[4]) * (60 if m[5] == "min" else 1) >= velocity + int(m[1]) - 6
+
+
+def test_the_pool_projection_takes_the_first_chunk_as_measured_and_the_rest_at_the_later_chunks_rate():
+    from types import SimpleNamespace
+
+    from sinkflow.tools.bench import PhaseClock, projected_pool, projected_run
+
+    full = {"pool": {"batches": 100, "chunk": 10}, "train": {"velocity": {"iters": 5000}, "nsf": {"iters": 100}}}
+    cut = {"pool": {"batches": 20, "chunk": 10}}
+    clock = PhaseClock()
+    clock.seconds, clock.units = {"pool": 9.0}, {"pool": [7.0, 2.0]}  # set-up in the first chunk: 5 s
+    assert projected_pool(full, cut, clock) == pytest.approx(7.0 + 0.2 * 90)
+    assert projected_pool(full, {"pool": {"batches": 100, "chunk": 10}}, clock) == 9.0  # not cut: as built
+    assert projected_pool(full, cut, SimpleNamespace(seconds={}, units={})) is None  # no pool phase (FM, OT-CFM)
+    rows = [{"phase": "velocity", "steps": 30, "steps_per_s": 50.0}, {"phase": "nsf", "steps": 0}]
+    line = projected_run(rows, full, cut, clock)
+    assert "pool 100 batches 25 s (from the 20 built here); velocity 5,000 steps 1.7 min; nsf not timed" in line
+    assert "at least 2.1 min in all" in line
+
+
 def test_bench_cuts_the_phases_without_warnings_about_the_users_config(runs_dir, caplog):
     """bench cuts every phase to a few steps: the digits preset's warm-up of 50 and EMA of 0.99 over them printed four
     warnings about settings that are right for the real run (the cut keeps both on the step's path, shortened)."""

@@ -5,7 +5,9 @@ Runs every phase of the experiment in a throw-away run folder, with each trainin
 data part (from the end of one step to the start of the next: batch creation, gathers, host-to-device
 copies) and the compute part (forward, backward, optimizer, EMA; the device is synchronised at the end so
 queued kernels are counted). The
-pool is built small (``pool.batches`` cut to 4) unless ``--pool-batches`` says otherwise.
+pool is built small (``pool.batches`` cut to 4; with ``--throughput`` to two of its chunks, the second solved in the
+real run's groups, so that the last line can project the whole pool) unless ``--pool-batches`` says otherwise.
+``--throughput`` ends with the run's own budget at the measured rates (``tools.bench.projected_run``).
 """
 
 from __future__ import annotations
@@ -41,20 +43,24 @@ def run(args):
     from sinkflow.tools.bench import format_table, profile, throughput
 
     pool_set = args.pool_batches is not None or any(o.startswith("pool.batches=") for o in args.overrides)
-    cfg = resolve_args(args)
-    if not pool_set:
-        cfg = config.apply_overrides(cfg, [f"pool.batches={min(cfg['pool']['batches'], 4)}"])
+    cfg = full = resolve_args(args)
+    if not pool_set:  # --throughput: two chunks, the second solved as the real run solves its chunks
+        keep = 2 * max(1, cfg["pool"]["chunk"]) if args.throughput else 4
+        cfg = config.apply_overrides(cfg, [f"pool.batches={min(cfg['pool']['batches'], keep)}"])
     data.distributions(cfg)  # validate the data before any work
     name = f"{cfg['experiment']['preset']} ({methods.of(cfg).name})"
     if args.throughput:
+        from sinkflow.tools.bench import PhaseClock, projected_run
         from sinkflow.tools.throughput import format_rows
 
-        rows = throughput(cfg, args.steps, args.warmup)
+        clock = PhaseClock()
+        rows = throughput(cfg, args.steps, args.warmup, callbacks=[clock])
         device = rows[0]["device"] if rows else cfg["experiment"]["device"]
         print(f"sinkflow bench --throughput {name} on {device}: {args.steps} steps per phase after {args.warmup} "
               f"warm-up, synchronised only at both ends; wait = between steps (data, callbacks); busy = kernels "
               f"running (CUDA); % peak = model FLOP/s over this device's measured matrix-product peak")
         print(format_rows(rows))
+        print(projected_run(rows, full, cfg, clock))
         return 0
     rows = profile(cfg, args.steps, args.warmup)
     device = rows[0]["device"] if rows else cfg["experiment"]["device"]

@@ -98,22 +98,88 @@ def profile(cfg: dict, steps: int, warmup: int) -> list[dict]:
     return timer.rows
 
 
-def throughput(cfg: dict, steps: int, warmup: int, busy_steps: int = 5) -> list[dict]:
+def throughput(cfg: dict, steps: int, warmup: int, busy_steps: int = 5, callbacks: list = ()) -> list[dict]:
     """Every training phase cut to warmup + steps (+ busy_steps on CUDA) + its log step, timed without per-step
-    syncs."""
+    syncs (``callbacks`` watch the same run, e.g. a ``PhaseClock``)."""
     from sinkflow.runtime.run_folder import resolve_device
     from sinkflow.tools.throughput import Throughput, add_peak, peak_flops
 
     if resolve_device(cfg["experiment"]["device"]).type != "cuda":
         busy_steps = 0  # the profiled busy share is a CUDA measurement: no extra steps elsewhere
     meter = Throughput(warmup, steps, busy_steps)
-    run_cut(cfg, warmup + steps + busy_steps + LOG_STEP, [meter])
+    run_cut(cfg, warmup + steps + busy_steps + LOG_STEP, [meter, *callbacks])
     peaks = {}
     for r in meter.rows:
         key = (r["device"], r["precision"])
         if key not in peaks:
             peaks[key] = peak_flops(torch.device(r["device"]), r["precision"])
     return add_peak(meter.rows, peaks)
+
+
+class PhaseClock(Callback):
+    """Wall time of every phase, from its first unit of work to its end (its final checkpoint included), and of
+    each of its units (a pool's chunks, a training phase's steps)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.units: dict[str, list[float]] = {}
+
+    def on_phase_start(self, trainer) -> None:
+        self._t0 = self._last = time.perf_counter()
+        self.units[trainer.name] = []
+
+    def on_train_batch_end(self, trainer, batch, outputs) -> None:
+        now = time.perf_counter()
+        self.units[trainer.name].append(now - self._last)
+        self._last = now
+
+    def on_phase_end(self, trainer) -> None:
+        self.seconds[trainer.name] = time.perf_counter() - self._t0
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def projected_pool(full: dict, cut: dict, clock: PhaseClock) -> float | None:
+    """Seconds the run's whole pool would take: the pool built here when it was not cut; otherwise its first chunk
+    as measured (set-up included) plus every other batch at the rate of the chunks after the first, which were
+    solved in groups of the real run's size (``bench --throughput`` builds two chunks)."""
+    if "pool" not in clock.seconds or "pool" not in full:
+        return None
+    built, batches = cut["pool"]["batches"], full["pool"]["batches"]
+    units = clock.units["pool"]
+    if built == batches or len(units) < 2:
+        return clock.seconds["pool"] * batches / built
+    chunk = max(1, cut["pool"]["chunk"])
+    per_batch = sum(units[1:]) / (built - chunk)
+    return units[0] + per_batch * (batches - chunk)
+
+
+def projected_run(rows: list[dict], full: dict, cut: dict, clock: PhaseClock) -> str:
+    """The run's own budget at the rates just measured, in one line: the pool (``projected_pool``) and each
+    training phase's ``train.<phase>.iters`` (from ``full``, the config the user would train) over its steps/s.
+    What a user asks before renting the hours: does the whole run fit the session (issue 23: "projected from
+    measured per-phase steps/s")."""
+    parts, total, partial = [], 0.0, False
+    pool = projected_pool(full, cut, clock)
+    if pool is not None:
+        built, batches = cut["pool"]["batches"], full["pool"]["batches"]
+        parts.append(f"pool {batches:,} batches {_duration(pool)}"
+                     + (f" (from the {built} built here)" if built != batches else ""))
+        total += pool
+    for r in rows:
+        iters = full["train"][r["phase"]]["iters"]
+        if not r.get("steps"):
+            parts.append(f"{r['phase']} not timed")
+            partial = True
+            continue
+        seconds = iters / r["steps_per_s"]
+        parts.append(f"{r['phase']} {iters:,} steps {_duration(seconds)}")
+        total += seconds
+    return (f"the run's own budget at these rates: {'; '.join(parts)}; {'at least ' if partial else ''}"
+            f"{_duration(total)} in all, not counting compiling or capturing at each phase's start, step "
+            f"checkpoints and the evaluation")
 
 
 def format_table(rows: list[dict]) -> str:
