@@ -449,6 +449,8 @@ def test_the_pool_projection_takes_the_first_chunk_as_measured_and_the_rest_at_t
     line = projected_run(rows, full, cut, clock)
     assert "pool 100 batches 25 s (from the 20 built here); velocity 5,000 steps 1.7 min; nsf not timed" in line
     assert "at least 2.1 min in all" in line
+    assert "velocity 500,000 steps 2.8 h" in projected_run(rows, {**full, "train": {"velocity": {"iters": 500_000},
+                                                                                   "nsf": {"iters": 1}}}, cut, clock)
 
 
 def test_bench_cuts_the_phases_without_warnings_about_the_users_config(runs_dir, caplog):
