@@ -38,6 +38,17 @@ def _largest(batch: Any) -> float:
     return 0.0
 
 
+def probe_batch(trainer, seed: int) -> Any:
+    """One batch of the phase (this rank's shard of the global batch) drawn from a throwaway generator seeded
+    ``seed``, with the global RNG states restored: the run's random streams, and a bit-equal resume, are untouched."""
+    saved = rng_state()
+    try:
+        n = trainer.cfg["batch_size"] * trainer.info.world
+        return trainer.task.batch(torch.Generator().manual_seed(seed), n, trainer.device)
+    finally:
+        set_rng_state(saved)
+
+
 class DivergenceGuard(Callback):
     """One-line stop when a logged training loss exceeds the limit set from the data's scale."""
 
@@ -46,13 +57,7 @@ class DivergenceGuard(Callback):
         self.scale: float | None = None
 
     def on_phase_start(self, trainer) -> None:
-        saved = rng_state()
-        try:
-            n = trainer.cfg["batch_size"] * trainer.info.world
-            batch = trainer.task.batch(torch.Generator().manual_seed(0), n, trainer.device)
-            scale = _largest(batch)
-        finally:
-            set_rng_state(saved)
+        scale = _largest(probe_batch(trainer, seed=0))
         self.scale = dist.mean_over_ranks(scale)  # the same limit on every rank: they stop together
         self.limit = LOSS_LIMIT * max(1.0, self.scale) ** 2
 

@@ -32,6 +32,7 @@ from sinkflow.runtime.callbacks import Callback, ProgressBar
 from sinkflow.runtime.checkpoint import rng_state, set_rng_state
 from sinkflow.engine import fast_path
 from sinkflow.engine.divergence import DivergenceGuard
+from sinkflow.engine.learning import LearningCheck
 from sinkflow.engine.ema import EMA, START_SHARE, first_step_share, largest_decay
 from sinkflow.engine.finite import NonFiniteGuard, optimizer_steps, skips_on_device
 from sinkflow.engine.health import Health
@@ -61,15 +62,18 @@ def adam_kernel(device: torch.device) -> dict:
 class Trainer:
     """Runs ``task`` in ``run``: ``Trainer(run, task, callbacks).fit()``.
 
-    The default callbacks (a progress bar; for training phases the health dashboard) come after the task's
-    own and before ``callbacks``. ``model`` replaces the network built from the config (benchmarks).
+    The default callbacks (a progress bar; for training phases the health dashboard, the divergence guard and the
+    check that the loss fell) come after the task's own and before ``callbacks``. ``model`` replaces the network
+    built from the config (benchmarks).
     """
 
     def __init__(self, run, task, callbacks: Iterable[Callback] = (), *, shape: tuple[int, ...] | None = None,
                  model: torch.nn.Module | None = None):
         self.run, self.task, self.name = run, task, task.name
         self.training = isinstance(task, TrainingStep)
-        defaults: list[Callback] = [ProgressBar()] + ([Health(), DivergenceGuard()] if self.training else [])
+        defaults: list[Callback] = [ProgressBar()]
+        if self.training:
+            defaults += [Health(), DivergenceGuard(), *([LearningCheck()] if task.learning_check else [])]
         self.callbacks: list[Callback] = [task, *task.callbacks(), *defaults, *callbacks]
         self.device = run.device
         self.info = dist.current()
@@ -299,18 +303,19 @@ class Trainer:
         return out
 
     @torch.no_grad()
-    def probe_forward(self, batch: Any) -> None:
+    def probe_forward(self, batch: Any) -> torch.Tensor:
         """The phase's loss on ``batch`` through the eager model, no gradient, under the phase's autocast: what
-        ``Health``'s activation hooks watch when the step itself is a CUDA-graph replay (no Python runs inside).
-        In eval mode: dropout off, so the probe draws no random numbers and the training that follows is unchanged
-        (sinkflow's networks have no batch statistics that eval mode would swap)."""
+        ``Health``'s activation hooks watch when the step itself is a CUDA-graph replay (no Python runs inside), and
+        what ``LearningCheck`` compares. In eval mode: dropout off, so the probe draws
+        no random numbers and the training that follows is unchanged (sinkflow's networks have no batch statistics
+        that eval mode would swap)."""
         if self.channels_last:
             batch = to_channels_last(batch)
         training = self.model.training
         self.model.eval()
         try:
             with self._autocast():
-                self.task.loss(self.model, batch)
+                return self.task.loss(self.model, batch).float()
         finally:
             self.model.train(training)
 

@@ -56,8 +56,12 @@ class TrainingStep(Task):
 
     ``batch`` draws the *global* batch's randomness from the phase generator and returns only this rank's
     shard (``dist.shard``), so one process and N processes see the same global batch. ``model_key`` names the
-    config sections ``train.<key>`` and ``model.<key>`` (the phase's name by default).
+    config sections ``train.<key>`` and ``model.<key>`` (the phase's name by default). ``learning_check``: the
+    engine warns at the end when the loss did not fall (``sinkflow.engine.learning``); a task with a sharper check
+    of its own turns it off.
     """
+
+    learning_check = True
 
     def __init__(self, name: str, model_key: str | None = None, init_from: str | None = None):
         self.name = name

@@ -202,6 +202,8 @@ class TimeStep(FromNSGFStates, InterpolantStep):
     says where on the NSF's own training paths a sample lies, so an OT-paired NSF wants a predictor calibrated on
     the OT-paired X_t, whose distribution at a given t is another than the independent pairs'."""
 
+    learning_check = False  # its own, sharper: the MSE on fresh interpolants against a constant guess's (on_phase_end)
+
     def __init__(self, source, target, ot_pairs: bool = False):
         super().__init__("time", source, target, ot_pairs=ot_pairs)
 
