@@ -1005,7 +1005,8 @@ def test_smoke_cpu_step(tmp_path, monkeypatch, capsys):
     row = [line for line in text.splitlines() if line.startswith("| 1 |")][0].split("|")
     matmul, forward, fwd_bwd, foreach, fused = (float(row[2].split()[0]), float(row[3]), float(row[4]), float(row[5]),
                                                 float(row[6]))
-    assert min(matmul, forward, fwd_bwd, foreach, fused) > 0 and fwd_bwd > forward
+    assert min(matmul, forward, fwd_bwd, foreach, fused) > 0  # no order between timings: 3 calls on a loaded CPU
+    # read forward 5.54 ms, forward + backward 5.37 (a clean-clone CI beside a benchmark, 2026-11-29)
     ratio, half = float(row[7].strip().rstrip("x")), 0.005  # the times are printed to 0.01 ms, the ratio to 0.01
     assert (foreach - half) / (fused + half) - half <= ratio <= (foreach + half) / (fused - half) + half
     # the floor is computed from the unrounded time: within the printed time's rounding (and its own) of it
