@@ -39,7 +39,7 @@ def test_a_phase_whose_loss_did_not_fall_says_so_and_one_that_learned_does_not(r
     assert "train.velocity.lr (now 1e-12; `sinkflow lr-find --phase velocity`" in line
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=LEARNING_LOG):
-        train_fm("learns")  # the preset's lr: on the same batch FM's loss falls to ~0.7 of the initial network's
+        train_fm("learns")  # the preset's lr: on the same batch the trained network's loss is well below the initial one's
         train_fm("short", "train.velocity.lr=1e-12", iters=60)  # too short to judge (smoke tests, tools' cut runs)
     assert learning_warnings(caplog) == []
 

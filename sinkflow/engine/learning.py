@@ -9,16 +9,16 @@ the loss fell by less than ``1 - FELL_LESS_THAN`` (phases of at least ``MIN_STEP
 Why one fixed batch, before and after: a flow-matching loss in 2D keeps a large irreducible part (the conditional
 variance of its target) and is noisy from batch to batch: FM on moons at batch 64 read 5.56, 3.18, 5.00, 3.26, 2.91
 at its first five steps and ~3.8 from then on (2026-11-29), so neither its first steps' mean nor its first logged
-window tells a learning run from a frozen one (both read within 2-5 % of the last window). On the same batch the
-comparison is paired: the frozen network reads exactly its initial loss, the learning one 0.68 of it.
+window tells a learning run from a frozen one (a learning FM run's first-steps mean read 98 % of its last window,
+a frozen one's 99-105 %). On the same batch the comparison is paired: the frozen network reads exactly its initial
+loss, FM on moons 0.484 of it after 4,000 steps at the preset's batch (docs/reliability.md has the other presets').
 
 Both losses go through ``Trainer.probe_forward`` (eval mode, no gradient, the phase's autocast): the initial one
 when the phase starts (after ``on_setup``, where a Glow's ActNorm is initialised from the first training batch, so
 the probe initialises nothing), the final one after the last step. The probe batch comes from its own generator
 with the global RNG states restored (``probe_batch``): the training is bit-equal with or without the check
 (tested at (N, 2) and on a Glow). The initial value is kept in the phase's checkpoints, so a resumed phase is
-judged against where it began. The warning goes to
-``LEARNING_LOG``, which the tools' few-step scratch runs mute (``quiet``). A task with a sharper check of its own
+judged against where it began. The warning goes to ``LEARNING_LOG``, which the tools' few-step scratch runs mute (``quiet``). A task with a sharper check of its own
 (NSGF++'s time predictor: its MSE against a constant guess) sets ``TrainingStep.learning_check = False``.
 """
 
