@@ -102,3 +102,38 @@ def test_the_check_leaves_the_training_bit_equal(runs_dir, monkeypatch, preset, 
     (a, checked), (b, plain) = final("checked"), final("plain")
     assert "LearningCheck" in checked and "LearningCheck" not in plain
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("preset,method", [("mnist", "nsgfpp"), ("cifar10", "otcfm")])
+def test_the_check_leaves_the_unet_phases_bit_equal(runs_dir, tmp_path, monkeypatch, preset, method):
+    """At the image shapes, (N, 1, 28, 28) and (N, 3, 32, 32), with a tiny UNet: NSGF++'s velocity phase and its NSF
+    phase (which reads the disk pool), and OT-CFM (its coupling solved per batch): the check runs its probe forwards
+    (its step threshold lowered so that 12 steps are judged) and the weights equal a run without it; the initial
+    loss is kept in each phase's checkpoint. Dropout on, so a probe forward that drew random numbers (not in eval
+    mode) would change the training that follows."""
+    from sinkflow import methods as registry
+    from sinkflow.cli import main
+    from sinkflow.engine import learning
+    from sinkflow.methods.base import TrainingStep
+    from test_images import TINY, TINY_FM, setup_data
+
+    monkeypatch.setattr(learning, "MIN_STEPS", 10)
+    extra, _ = setup_data(preset, tmp_path)
+    if method != "nsgfpp":  # OT-CFM reads no NSF key (config.check_read)
+        extra = [o for o in extra if not o.startswith("model.nsf.")]
+    args = ["train", preset, "--method", method, *(TINY if method == "nsgfpp" else TINY_FM), *extra,
+            "--train-iters", "12", "--no-report", "model.velocity.dropout=0.1"]
+    if method == "nsgfpp":
+        args += ["pool.storage=disk", "pool.dtype=float16", "model.nsf.dropout=0.1"]
+    phases = ("velocity", "nsf") if method == "nsgfpp" else ("velocity",)
+    registry._distributions.cache_clear()
+    assert main([*args, "--name", "checked"]) == 0
+    monkeypatch.setattr(TrainingStep, "learning_check", False)
+    assert main([*args, "--name", "plain"]) == 0
+    for phase in phases:
+        checked, plain = (torch.load(runs_dir / run / "checkpoints" / phase / "final.pt", weights_only=True)
+                          for run in ("checked", "plain"))
+        assert checked["callbacks"]["LearningCheck"]["initial"] > 0 and "LearningCheck" not in plain["callbacks"]
+        a, b = checked["model"], plain["model"]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), phase
+    registry._distributions.cache_clear()

@@ -17,7 +17,8 @@ Both losses go through ``Trainer.probe_forward`` (eval mode, no gradient, the ph
 when the phase starts (after ``on_setup``, where a Glow's ActNorm is initialised from the first training batch, so
 the probe initialises nothing), the final one after the last step. The probe batch comes from its own generator
 with the global RNG states restored (``probe_batch``): the training is bit-equal with or without the check
-(tested at (N, 2) and on a Glow). The initial value is kept in the phase's checkpoints, so a resumed phase is
+(tested at (N, 2), on a Glow, and with a dropout UNet at (N, 1, 28, 28) and (N, 3, 32, 32): NSGF++'s velocity and
+NSF phases, OT-CFM). The initial value is kept in the phase's checkpoints, so a resumed phase is
 judged against where it began. The warning goes to ``LEARNING_LOG``, which the tools' few-step scratch runs mute (``quiet``). A task with a sharper check of its own
 (NSGF++'s time predictor: its MSE against a constant guess) sets ``TrainingStep.learning_check = False``.
 """
