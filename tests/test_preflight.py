@@ -182,15 +182,25 @@ def test_the_plan_follows_auto_precision_on_the_card_planned_for():
 
 
 def test_the_plan_counts_every_batch_the_cuda_defaults_hold():
-    """On CUDA `auto` draws two batches ahead and a UNet phase's captured step reads a static copy of its batch:
-    four batches on the device, not one; with prefetch=never and graph=none, one."""
+    """On CUDA `auto` draws two batches ahead, a UNet phase's captured step reads a static copy of its batch and the
+    learning check holds its probe batch for the whole phase: five batches on the device, not one; with
+    prefetch=never and graph=none, two; a phase too short to be checked (< learning.MIN_STEPS steps) one; the time
+    predictor, which keeps its own check, holds no probe batch."""
+    from sinkflow.engine import learning
+
     cfg = config.resolve("digits", [])
     unet = [k for k, m in cfg["model"].items() if m.get("kind") == "unet" and k in cfg["train"]][0]
+    assert cfg["train"][unet]["iters"] >= learning.MIN_STEPS
     plain = config.apply_overrides(cfg, [f"train.{unet}.prefetch=never", f"train.{unet}.graph=none"])
+    short = config.apply_overrides(plain, [f"train.{unet}.iters={learning.MIN_STEPS - 1}"])
     auto = {m.phase: m for m in memory_plan.estimate(cfg, bf16=True)}[unet]
-    one = {m.phase: m for m in memory_plan.estimate(plain, bf16=True)}[unet]
-    assert (auto.batch_copies, one.batch_copies) == (4, 1) and "4 batches held" in auto.note
-    assert auto.terms["batch"] == 4 * one.terms["batch"] > 0
+    two = {m.phase: m for m in memory_plan.estimate(plain, bf16=True)}[unet]
+    one = {m.phase: m for m in memory_plan.estimate(short, bf16=True)}[unet]
+    assert (auto.batch_copies, two.batch_copies, one.batch_copies) == (5, 2, 1) and "5 batches held" in auto.note
+    assert auto.terms["batch"] == 5 * one.terms["batch"] > 0
+    time = {m.phase: m for m in memory_plan.estimate(config.resolve("digits", ["train.time.prefetch=never",
+                                                                                "train.time.graph=none"]))}["time"]
+    assert time.batch_copies == 1
 
 
 def test_the_plan_holds_the_velocity_network_where_the_straight_flow_starts_at_its_states():

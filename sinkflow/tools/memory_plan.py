@@ -31,7 +31,7 @@ import torch
 
 from sinkflow import config as config_mod
 from sinkflow import data, methods
-from sinkflow.engine import prefetch
+from sinkflow.engine import learning, prefetch
 from sinkflow.errors import SinkflowError
 from sinkflow.models.footprint import activation_terms, recompute_terms
 from sinkflow.ot.sinkhorn_peak import cpu_peak_bytes  # also used by tests/test_preflight.py
@@ -69,7 +69,8 @@ class PhaseMemory:
     recompute_max_per_sample: int = 0
     precision: str = "fp32"  # the autocast the activations were measured under (train phases)
     batch_item_bytes: int = 0
-    batch_copies: int = 1  # batches on the device at once: the step's, those in the making, a step graph's copy
+    batch_copies: int = 1  # batches on the device at once: the step's, those in the making, a step graph's copy,
+    # the learning check's probe batch
     # chunked phases: (cfg, usable device bytes) -> (overrides, reasons), from ChunkedTask.fit_memory
     fit: Callable[[dict, int], tuple[dict, list[str]]] | None = field(default=None, repr=False)
 
@@ -166,7 +167,8 @@ def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int, bf
     dim = math.prod(shape)
     pm.batch_item_bytes = 4 * (3 * dim + 1)  # x_t, target, prediction + t
     ahead = prefetch.DEPTH if prefetch.use_prefetch(tcfg["prefetch"], torch.device("cuda")) else 0
-    pm.batch_copies = 1 + ahead + (tcfg["graph"] == "step")  # a captured step reads a static copy
+    checked = phase.learning_check and tcfg["iters"] >= learning.MIN_STEPS  # LearningCheck holds its probe batch
+    pm.batch_copies = 1 + ahead + (tcfg["graph"] == "step") + checked  # a captured step reads a static copy
     train_terms(pm, tcfg["batch_size"], tcfg["accum"])
     for held in phase.frozen():  # a finished phase's network kept on the device (NSGF++'s NSGF states)
         m = dict(cfg["model"][held])
