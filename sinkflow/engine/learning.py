@@ -39,6 +39,12 @@ PROBE_SEED = 1  # the probe batch's throwaway generator (DivergenceGuard's scale
 learning = logging.getLogger(LEARNING_LOG)
 
 
+def checks(task, iters: int) -> bool:
+    """Does a training phase of ``task`` with ``iters`` steps get judged (and hold the probe batch on its device for
+    the whole phase)? The one rule the callback and the memory planner both read."""
+    return task.learning_check and iters >= MIN_STEPS
+
+
 class LearningCheck(Callback):
     """Warns at the end of a training phase whose loss on a fixed batch did not fall below ``FELL_LESS_THAN`` x the
     initial network's."""
@@ -48,7 +54,7 @@ class LearningCheck(Callback):
         self._batch: Any = None
 
     def on_phase_start(self, trainer) -> None:
-        if trainer.total < MIN_STEPS:
+        if not checks(trainer.task, trainer.total):
             return
         self._batch = probe_batch(trainer, PROBE_SEED)
         if trainer.step == 0:

@@ -167,7 +167,7 @@ def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int, bf
     dim = math.prod(shape)
     pm.batch_item_bytes = 4 * (3 * dim + 1)  # x_t, target, prediction + t
     ahead = prefetch.DEPTH if prefetch.use_prefetch(tcfg["prefetch"], torch.device("cuda")) else 0
-    checked = phase.learning_check and tcfg["iters"] >= learning.MIN_STEPS  # LearningCheck holds its probe batch
+    checked = learning.checks(phase, tcfg["iters"])  # LearningCheck holds its probe batch for the whole phase
     pm.batch_copies = 1 + ahead + (tcfg["graph"] == "step") + checked  # a captured step reads a static copy
     train_terms(pm, tcfg["batch_size"], tcfg["accum"])
     for held in phase.frozen():  # a finished phase's network kept on the device (NSGF++'s NSGF states)
