@@ -30,6 +30,9 @@ and sample count as the table, changing one thing:
 * ``--velocity-fit``: the velocity network's error per pool step, as a share of the target's variance, on pool
   entries it was trained on and on as many fresh trajectories solved the same way (a train share far
   below the fresh one: the network memorised its pool, which is then too small for the budget).
+* ``--trajectory-fit``: how far the velocity network's own Euler path (its states fed back, as the sampler runs it)
+  drifts from the Sinkhorn flow it imitates, step by step, on fresh sources: the one-step error adds up along the
+  path, and what reaches the predictor and the NSF is the path's end.
 
 ``--split val`` scores on the validation digits instead (what a choice may read; ``--n`` defaults to the
 benchmark's validation count there).
@@ -87,6 +90,8 @@ def main(argv=None) -> None:
                     "digits back on the NSF's path at T with fresh noise and run the NSF from there (--nsf-steps)")
     ap.add_argument("--velocity-fit", action="store_true", help="also the velocity network's error per pool step "
                     "on its own pool and on a fresh one")
+    ap.add_argument("--trajectory-fit", action="store_true", help="also the velocity network's path's distance from "
+                    "the Sinkhorn flow's, per step, on fresh sources")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -130,9 +135,11 @@ def main(argv=None) -> None:
         results.update(renoise_scores(run.variant(sample={"t_shift": shift}), score, own_steps, n, args.renoise,
                                       args.nsf_steps or [own_steps]))
     fit = velocity_fit(run, n) if args.velocity_fit else None
+    drift = trajectory_fit(run, n) if args.trajectory_fit else None
     path = out / f"probes-seed{args.seed}-nfe{args.nfe}{'-val' if args.split == 'val' else ''}.json"
     atomic_write_text(path, json.dumps({"k": k, "t_shift": shift, "n": n, "nfe": args.nfe, "split": args.split,
-                                        "probes": results, **({"velocity_fit": fit} if fit else {})}, indent=1))
+                                        "probes": results, **({"velocity_fit": fit} if fit else {}),
+                                        **({"trajectory_fit": drift} if drift else {})}, indent=1))
     print(f"NSGF++ seed {args.seed}, {args.nfe} NFE ({k} NSGF + 1 t̂ + {own_steps} NSF from t̂ {shift:+g}), "
           f"{n} generated vs the {'validation' if args.split == 'val' else 'test'} digits:\n\n"
           "| probe | FD-CNN | pixel W2 | TV | confidence | mean t̂ |\n|---|---|---|---|---|---|")
@@ -144,6 +151,12 @@ def main(argv=None) -> None:
               "| step | trained-on pool | fresh pool |\n|---|---|---|")
         for i, (a, b) in enumerate(zip(fit["train"], fit["fresh"])):
             print(f"| {i} | {a:.3f} | {b:.3f} |")
+    if drift:
+        print(f"\nThe velocity network's path against the Sinkhorn flow's from the same {drift['n']} fresh sources, "
+              "each as a share of the flow's mean squared displacement x_k - x_0:\n\n"
+              "| step | network to flow | flow to flow (other targets) | network's bias |\n|---|---|---|---|")
+        for i, row in enumerate(zip(drift["network"], drift["flows"], drift["bias"]), 1):
+            print(f"| {i} | " + " | ".join(f"{c:.3f}" for c in row) + " |")
     print(f"\nwrote {path}")
 
 
@@ -204,7 +217,7 @@ def pool_state_scores(run, score, nsf_steps: list[int], own_steps: int, n: int, 
     training interpolants at each fixed time: ``n`` of each, the NSF rows once per count of ``nsf_steps`` Euler steps
     (named ``..., S NSF steps`` unless S is ``own_steps``, the benchmarked sampler's). The states are made once."""
     from sinkflow.methods.flow_matching import interpolant_draw, interpolant_finish
-    from sinkflow.methods.nsgf import flow_times
+    from sinkflow.methods.nsgf import PoolGrid, flow_times
     from sinkflow.methods.nsgfpp import nsgf_part
     from sinkflow.methods.ode import euler
     from sinkflow.methods.pool import TrajectoryPool
@@ -220,7 +233,8 @@ def pool_state_scores(run, score, nsf_steps: list[int], own_steps: int, n: int, 
     t_min = float(run.cfg["nsgf"]["nsf_t_min"])
     starts = {}  # row name -> (states, per-sample start time)
     out = {}
-    for who, states in (("pool", x + steps[-1] * v), ("network", mine)):  # x_T = x_{T-1} + eta_{T-1} v_{T-1}
+    eta = float(PoolGrid.from_config(run.cfg).etas[-1])  # the pool's last step (with nsgf.time=fraction not steps')
+    for who, states in (("pool", x + eta * v), ("network", mine)):  # x_T = x_{T-1} + eta_{T-1} v_{T-1}
         t_hat = (predictor(states).float() + shift).clamp(t_min, 1.0)
         out[f"{who} states themselves"] = {"fd_cnn": score(states), "n": len(states)}
         for label, start in (("t̂", t_hat), *((f"{T:g}", torch.full_like(t_hat, T)) for T in fixed)):
@@ -268,6 +282,50 @@ def velocity_fit(run, n: int) -> dict:
         return out
 
     return {"n": n, "train": shares(own), "fresh": shares(zip(xs, vs))}
+
+
+@torch.no_grad()
+def trajectory_fit(run, n: int) -> dict:
+    """How far the velocity network's path drifts from the empirical Sinkhorn flow's, per pool step k = 1..T.
+
+    From ``n`` fresh sources x_0 (in the pool's batches of ``pool.batch_size``), two flows A and B run the pool's
+    simulator towards independent target draws, and the network integrates its own states on the pool's grid.
+    A network of (x, t) can follow at best the flows' mean m_k over target draws, so with N_k its state:
+    E|N_k - A_k|^2 = |N_k - m_k|^2 + E|A_k - m_k|^2 and E|A_k - B_k|^2 = 2 E|A_k - m_k|^2. Per step, as shares of
+    the flow's mean squared displacement E|A_k - x_0|^2: ``network`` E|N_k - A_k|^2, ``flows`` E|A_k - B_k|^2 and
+    ``bias`` = network - flows / 2, the network's own distance from the mean flow (what a better fit removes)."""
+    from sinkflow.methods.nsgf import PoolGrid, make_simulator
+
+    cfg = run.cfg
+    times, steps = pool_grid(cfg)
+    etas = PoolGrid.from_config(cfg).etas
+    net = run.model("velocity")
+    source, target = data.distributions(cfg)
+    size = int(cfg["pool"]["batch_size"])
+    batches = max(1, -(-n // size))
+    gen = torch.Generator().manual_seed(2**31 - 4)  # neither a pool batch's generator nor velocity_fit's
+    x0 = source.sample(batches * size, gen, "cpu")
+    simulate = make_simulator(cfg, None)
+
+    def flow(y):  # the states x_1..x_T of the flow from x0 towards y, flattened to (batches * size, D)
+        xs, vs, _ = simulate(x0.view(batches, size, *x0.shape[1:]), y.view(batches, size, *y.shape[1:]), batched=True)
+        states = [*xs[1:], xs[-1] + float(etas[-1]) * vs[-1]]  # the pool's step, not the network time's
+        return [s.reshape(batches * size, -1) for s in states]
+
+    a, b = (flow(target.sample(batches * size, gen, "cpu")) for _ in range(2))
+    mine, start = [], x0.reshape(batches * size, -1)
+    for k, eta in enumerate(steps):  # nsgf_part's Euler steps, every state kept
+        x = (mine[-1] if mine else start).view_as(x0)
+        mine.append((x + float(eta) * net(x, torch.full((len(x),), float(times[k]))).float()).reshape(len(x), -1))
+
+    def mean_sq(u, v) -> float:
+        return float((u - v).pow(2).sum(1).mean())
+
+    scale = [mean_sq(ak, start) for ak in a]
+    network = [mean_sq(nk, ak) / s for nk, ak, s in zip(mine, a, scale)]
+    flows = [mean_sq(ak, bk) / s for ak, bk, s in zip(a, b, scale)]
+    return {"n": batches * size, "network": network, "flows": flows,
+            "bias": [d - f / 2 for d, f in zip(network, flows)]}
 
 
 if __name__ == "__main__":

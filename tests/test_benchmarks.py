@@ -932,7 +932,7 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
     assert val["probes"]["as benchmarked"]["fd_cnn"] != res["probes"]["as benchmarked"]["fd_cnn"]  # other digits
     load("mnist_probes").main(["--out", str(out), "--seed", "0", "--nfe", "3", "--n", "6", "--fixed", "0.6",
                                "--swap-from", "0", "--pool-states", "--nsf-steps", "1", "3", "--renoise", "0.7",
-                               "--velocity-fit"])
+                               "--velocity-fit", "--trajectory-fit"])
     saved = json.loads((out / "probes-seed0-nfe3.json").read_text())
     probes = saved["probes"]
     for phase in ("velocity", "nsf", "time"):  # a seed's own networks swapped in: the benchmarked cell, exactly
@@ -955,7 +955,32 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
     fit = saved["velocity_fit"]  # a share of the target's variance per pool step, on its own pool and a fresh one
     assert fit["n"] == 6 and len(fit["train"]) == len(fit["fresh"]) == 5  # the mnist preset's pool.steps
     assert all(np.isfinite(v) and v > 0 for v in fit["train"] + fit["fresh"]) and fit["train"] != fit["fresh"]
-    assert "| step | trained-on pool | fresh pool |" in capsys.readouterr().out
+    drift = saved["trajectory_fit"]  # the network's path against two Sinkhorn flows from the same fresh sources
+    assert drift["n"] >= 6 and len(drift["network"]) == len(drift["flows"]) == len(drift["bias"]) == 5
+    assert all(np.isfinite(v) and v > 0 for v in drift["network"] + drift["flows"])
+    assert drift["bias"] == pytest.approx([d - f / 2 for d, f in zip(drift["network"], drift["flows"])])
+    printed = capsys.readouterr().out
+    assert "| step | trained-on pool | fresh pool |" in printed and "| step | network to flow |" in printed
+
+
+@pytest.mark.slow
+def test_trajectory_fit_reads_a_standing_network_as_the_whole_displacement(mnist_quick):
+    """A velocity network that outputs zero stays at x_0: its distance to the flow is the flow's whole displacement
+    (share 1 at every step, whatever the flow), and the bias is that less half the flows' spread."""
+    import torch
+
+    from sinkflow.runtime.run_folder import RunFolder
+
+    class Standing(torch.nn.Module):
+        def forward(self, x, t):
+            return torch.zeros_like(x)
+
+    out, _ = mnist_quick
+    run = RunFolder.open(out / "seed0" / "nsgfpp").variant(models={"velocity": Standing()})
+    drift = load("mnist_probes").trajectory_fit(run, 6)
+    assert drift["network"] == pytest.approx([1.0] * 5, rel=1e-5)
+    assert drift["bias"] == pytest.approx([1.0 - f / 2 for f in drift["flows"]], rel=1e-5)
+    assert all(0 < f for f in drift["flows"]) and len(set(drift["flows"])) == 5  # the flows part as they move
 
 
 def test_smoke_pool_convergence(tmp_path, monkeypatch, capsys):
