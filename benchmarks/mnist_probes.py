@@ -14,7 +14,9 @@ and sample count as the table, changing one thing:
 * ``t̂ = T`` for each ``--fixed T``: every sample's NSF starts at T (how much of a seed's score is where its
   predictor happened to put the states, and where the best start is);
 * ``<phase> from seed S`` for ``--swap-from S``: one network (velocity, NSF or predictor) replaced by the one the
-  same benchmark trained for seed S (which phase makes a seed an outlier);
+  same benchmark trained for seed S (which phase makes a seed an outlier); with ``--swap-out DIR`` the one another
+  benchmark's run (its ``--out``) trained for seed S, named ``<phase> from DIR's seed S`` (which phase carries what
+  a training change changed: a velocity network fitted on a larger pool beside this run's NSF and predictor);
 * ``--pool-states``: the NSF run on the pool's own final NSGF states (x_T = x_{T-1} + eta v_{T-1} of stored
   trajectories: the empirical Sinkhorn flow, not the velocity network), from the predictor's t̂ and from each
   ``--fixed`` T, FD-CNN only; beside them the same rows for the velocity network's x_T, integrated on the pool's
@@ -82,6 +84,8 @@ def main(argv=None) -> None:
     ap.add_argument("--fixed", type=float, nargs="*", default=[], help="also start every NSF at each of these times")
     ap.add_argument("--split", choices=("test", "val"), default="test")
     ap.add_argument("--swap-from", type=int, default=None, metavar="S", help="also score with each network of seed S")
+    ap.add_argument("--swap-out", default=None, metavar="DIR", help="--swap-from's seed from this benchmark --out "
+                    "(default: --out)")
     ap.add_argument("--pool-states", action="store_true", help="also run the NSF on the pool's final states, and on "
                     "the velocity network's (on the pool's grid, from fresh source points)")
     ap.add_argument("--nsf-steps", type=int, nargs="+", default=None, metavar="S", help="the --pool-states and "
@@ -93,6 +97,8 @@ def main(argv=None) -> None:
     ap.add_argument("--trajectory-fit", action="store_true", help="also the velocity network's path's distance from "
                     "the Sinkhorn flow's, per step, on fresh sources")
     args = ap.parse_args(argv)
+    if args.swap_out and args.swap_from is None:
+        ap.error("--swap-out names the benchmark whose networks are swapped in: give the seed with --swap-from S")
     torch.set_num_threads(1)
     out = Path(args.out)
     val = bench_mnist.from_scores(out, args.seed, [args.nfe])["val"].get("NSGF++", {}).get(args.nfe)
@@ -119,8 +125,10 @@ def main(argv=None) -> None:
     }
     probes = {name: {"time": TimeEdit(nets["time"], e)} for name, e in edits.items()}
     if args.swap_from is not None:
-        donor = RunFolder.open(out / f"seed{args.swap_from}" / "nsgfpp")
-        probes.update({f"{p} from seed {args.swap_from}": {p: donor.model(p), "time": TimeEdit(
+        donor_out = Path(args.swap_out) if args.swap_out else out
+        donor = RunFolder.open(donor_out / f"seed{args.swap_from}" / "nsgfpp")
+        whose = f"{donor_out.name}'s seed" if args.swap_out else "seed"
+        probes.update({f"{p} from {whose} {args.swap_from}": {p: donor.model(p), "time": TimeEdit(
             donor.model("time") if p == "time" else nets["time"], edits["as benchmarked"])} for p in nets})
     results = {}
     own_steps = args.nfe - 1 - k  # the benchmarked sampler's NSF steps

@@ -930,6 +930,14 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
     val = json.loads((out / "probes-seed0-nfe3-val.json").read_text())
     assert val["split"] == "val" and val["probes"]["t̂ = 0.6"]["t_hat"] == pytest.approx(0.6)
     assert val["probes"]["as benchmarked"]["fd_cnn"] != res["probes"]["as benchmarked"]["fd_cnn"]  # other digits
+    load("mnist_probes").main(["--out", str(out), "--seed", "0", "--nfe", "3", "--n", "4", "--swap-from", "0",
+                               "--swap-out", str(out)])  # another benchmark's networks: here its own, so exact
+    swapped = json.loads((out / "probes-seed0-nfe3.json").read_text())["probes"]
+    for phase in ("velocity", "nsf", "time"):
+        assert swapped[f"{phase} from {out.name}'s seed 0"]["fd_cnn"] == swapped["as benchmarked"]["fd_cnn"]
+    with pytest.raises(SystemExit):  # a donor benchmark without the seed to take from it
+        load("mnist_probes").main(["--out", str(out), "--seed", "0", "--nfe", "3", "--swap-out", str(out)])
+    assert "give the seed with --swap-from S" in capsys.readouterr().err
     load("mnist_probes").main(["--out", str(out), "--seed", "0", "--nfe", "3", "--n", "6", "--fixed", "0.6",
                                "--swap-from", "0", "--pool-states", "--nsf-steps", "1", "3", "--renoise", "0.7",
                                "--velocity-fit", "--trajectory-fit"])
