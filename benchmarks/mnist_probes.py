@@ -165,6 +165,10 @@ def main(argv=None) -> None:
               "| step | network to flow | flow to flow (other targets) | network's bias |\n|---|---|---|---|")
         for i, row in enumerate(zip(drift["network"], drift["flows"], drift["bias"]), 1):
             print(f"| {i} | " + " | ".join(f"{c:.3f}" for c in row) + " |")
+        if "sampler" in drift:
+            end = drift["sampler"]
+            print(f"| end, the sampler's {end['steps']} steps | {end['network']:.3f} | {drift['flows'][-1]:.3f} | "
+                  f"{end['bias']:.3f} |")
     print(f"\nwrote {path}")
 
 
@@ -301,8 +305,11 @@ def trajectory_fit(run, n: int) -> dict:
     A network of (x, t) can follow at best the flows' mean m_k over target draws, so with N_k its state:
     E|N_k - A_k|^2 = |N_k - m_k|^2 + E|A_k - m_k|^2 and E|A_k - B_k|^2 = 2 E|A_k - m_k|^2. Per step, as shares of
     the flow's mean squared displacement E|A_k - x_0|^2: ``network`` E|N_k - A_k|^2, ``flows`` E|A_k - B_k|^2 and
-    ``bias`` = network - flows / 2, the network's own distance from the mean flow (what a better fit removes)."""
+    ``bias`` = network - flows / 2, the network's own distance from the mean flow (what a better fit removes); and
+    where the run's ``sample.nsgf_steps`` is another grid than the pool's (the sampler's k steps), ``sampler``: the
+    same two shares for the end of the network's path on that grid, against the flows' end x_T."""
     from sinkflow.methods.nsgf import PoolGrid, make_simulator
+    from sinkflow.methods.nsgfpp import nsgf_grid, nsgf_part
 
     cfg = run.cfg
     times, steps = pool_grid(cfg)
@@ -321,19 +328,22 @@ def trajectory_fit(run, n: int) -> dict:
         return [s.reshape(batches * size, -1) for s in states]
 
     a, b = (flow(target.sample(batches * size, gen, "cpu")) for _ in range(2))
-    mine, start = [], x0.reshape(batches * size, -1)
-    for k, eta in enumerate(steps):  # nsgf_part's Euler steps, every state kept
-        x = (mine[-1] if mine else start).view_as(x0)
-        mine.append((x + float(eta) * net(x, torch.full((len(x),), float(times[k]))).float()).reshape(len(x), -1))
+    mine = []
+    nsgf_part(net, x0, times, steps, mine)  # every state of the network's path on the pool's grid
 
     def mean_sq(u, v) -> float:
-        return float((u - v).pow(2).sum(1).mean())
+        return float((u.reshape(len(u), -1) - v).pow(2).sum(1).mean())
 
-    scale = [mean_sq(ak, start) for ak in a]
+    scale = [mean_sq(ak, x0.reshape(len(x0), -1)) for ak in a]
     network = [mean_sq(nk, ak) / s for nk, ak, s in zip(mine, a, scale)]
     flows = [mean_sq(ak, bk) / s for ak, bk, s in zip(a, b, scale)]
-    return {"n": batches * size, "network": network, "flows": flows,
-            "bias": [d - f / 2 for d, f in zip(network, flows)]}
+    out = {"n": batches * size, "network": network, "flows": flows,
+           "bias": [d - f / 2 for d, f in zip(network, flows)]}
+    sampler_times, sampler_steps = nsgf_grid(cfg)  # the run's sample.nsgf_steps over the same span of network time
+    if len(sampler_steps) != len(steps):  # its path's end against the flows' end
+        end = mean_sq(nsgf_part(net, x0, sampler_times, sampler_steps), a[-1]) / scale[-1]
+        out["sampler"] = {"steps": len(sampler_steps), "network": end, "bias": end - flows[-1] / 2}
+    return out
 
 
 if __name__ == "__main__":

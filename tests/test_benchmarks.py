@@ -967,6 +967,9 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
     assert drift["n"] >= 6 and len(drift["network"]) == len(drift["flows"]) == len(drift["bias"]) == 5
     assert all(np.isfinite(v) and v > 0 for v in drift["network"] + drift["flows"])
     assert drift["bias"] == pytest.approx([d - f / 2 for d, f in zip(drift["network"], drift["flows"])])
+    end = drift["sampler"]  # at 3 NFE the sampler takes one NSGF step over the pool's five steps' span
+    assert end["steps"] == 1 and end["bias"] == pytest.approx(end["network"] - drift["flows"][-1] / 2)
+    assert end["network"] != drift["network"][-1]  # another path to the same time
     printed = capsys.readouterr().out
     assert "| step | trained-on pool | fresh pool |" in printed and "| step | network to flow |" in printed
 
@@ -989,6 +992,9 @@ def test_trajectory_fit_reads_a_standing_network_as_the_whole_displacement(mnist
     assert drift["network"] == pytest.approx([1.0] * 5, rel=1e-5)
     assert drift["bias"] == pytest.approx([1.0 - f / 2 for f in drift["flows"]], rel=1e-5)
     assert all(0 < f for f in drift["flows"]) and len(set(drift["flows"])) == 5  # the flows part as they move
+    run = run.variant(sample={"nsgf_steps": 2})  # the sampler's own grid: its end stands at x_0 too
+    end = load("mnist_probes").trajectory_fit(run, 6)["sampler"]
+    assert end["steps"] == 2 and end["network"] == pytest.approx(1.0, rel=1e-5)
 
 
 def test_smoke_pool_convergence(tmp_path, monkeypatch, capsys):
