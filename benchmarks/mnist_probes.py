@@ -11,6 +11,7 @@ and sample count as the table, changing one thing:
   anything?);
 * ``t̂ − 0.15`` / ``t̂ + 0.15``: the NSF starts earlier / later than benchmarked (is the start biased? clamped
   to the NSF's trained range [nsgf.nsf_t_min, 1]);
+* (``--no-t-edits`` skips the three rows above, for a run that wants only the rows below beside its reference)
 * ``t̂ = T`` for each ``--fixed T``: every sample's NSF starts at T (how much of a seed's score is where its
   predictor happened to put the states, and where the best start is);
 * ``<phase> from seed S`` for ``--swap-from S``: one network (velocity, NSF or predictor) replaced by the one the
@@ -84,6 +85,8 @@ def main(argv=None) -> None:
     ap.add_argument("--fixed", type=float, nargs="*", default=[], help="also start every NSF at each of these times")
     ap.add_argument("--split", choices=("test", "val"), default="test")
     ap.add_argument("--swap-from", type=int, default=None, metavar="S", help="also score with each network of seed S")
+    ap.add_argument("--no-t-edits", action="store_true", help="skip the t̂ = batch mean and t̂ ± 0.15 rows (the "
+                    "'as benchmarked' row, every other row's reference, stays)")
     ap.add_argument("--swap-out", default=None, metavar="DIR", help="--swap-from's seed from this benchmark --out "
                     "(default: --out)")
     ap.add_argument("--pool-states", action="store_true", help="also run the NSF on the pool's final states, and on "
@@ -118,9 +121,10 @@ def main(argv=None) -> None:
     # NSF's range); the run's own t_shift is 0 so that a fixed start is exactly T
     edits = {
         "as benchmarked": lambda t: t + shift,
-        "t̂ = batch mean": lambda t: (t + shift).mean().expand_as(t),
-        "t̂ − 0.15": lambda t: t + shift - 0.15,
-        "t̂ + 0.15": lambda t: t + shift + 0.15,
+        **({} if args.no_t_edits else {
+            "t̂ = batch mean": lambda t: (t + shift).mean().expand_as(t),
+            "t̂ − 0.15": lambda t: t + shift - 0.15,
+            "t̂ + 0.15": lambda t: t + shift + 0.15}),
         **{f"t̂ = {T:g}": (lambda t, T=T: torch.full_like(t, T)) for T in args.fixed},
     }
     probes = {name: {"time": TimeEdit(nets["time"], e)} for name, e in edits.items()}

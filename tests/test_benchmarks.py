@@ -931,8 +931,9 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
     assert val["split"] == "val" and val["probes"]["t̂ = 0.6"]["t_hat"] == pytest.approx(0.6)
     assert val["probes"]["as benchmarked"]["fd_cnn"] != res["probes"]["as benchmarked"]["fd_cnn"]  # other digits
     load("mnist_probes").main(["--out", str(out), "--seed", "0", "--nfe", "3", "--n", "4", "--swap-from", "0",
-                               "--swap-out", str(out)])  # another benchmark's networks: here its own, so exact
+                               "--swap-out", str(out), "--no-t-edits"])  # another's networks: here its own
     swapped = json.loads((out / "probes-seed0-nfe3.json").read_text())["probes"]
+    assert set(swapped) == {"as benchmarked"} | {f"{p} from {out.name}'s seed 0" for p in ("velocity", "nsf", "time")}
     for phase in ("velocity", "nsf", "time"):
         assert swapped[f"{phase} from {out.name}'s seed 0"]["fd_cnn"] == swapped["as benchmarked"]["fd_cnn"]
     with pytest.raises(SystemExit):  # a donor benchmark without the seed to take from it
