@@ -166,13 +166,14 @@ def main(argv=None) -> None:
     if drift:
         print(f"\nThe velocity network's path against the Sinkhorn flow's from the same {drift['n']} fresh sources, "
               "each as a share of the flow's mean squared displacement x_k - x_0:\n\n"
-              "| step | network to flow | flow to flow (other targets) | network's bias |\n|---|---|---|---|")
-        for i, row in enumerate(zip(drift["network"], drift["flows"], drift["bias"]), 1):
+              "| step | network to flow | flow to flow (other targets) | network's bias | sharpness |\n"
+              "|---|---|---|---|---|")
+        for i, row in enumerate(zip(drift["network"], drift["flows"], drift["bias"], drift["sharpness"]), 1):
             print(f"| {i} | " + " | ".join(f"{c:.3f}" for c in row) + " |")
         if "sampler" in drift:
             end = drift["sampler"]
             print(f"| end, the sampler's {end['steps']} steps | {end['network']:.3f} | {drift['flows'][-1]:.3f} | "
-                  f"{end['bias']:.3f} |")
+                  f"{end['bias']:.3f} | - |")
     print(f"\nwrote {path}")
 
 
@@ -311,7 +312,9 @@ def trajectory_fit(run, n: int) -> dict:
     the flow's mean squared displacement E|A_k - x_0|^2: ``network`` E|N_k - A_k|^2, ``flows`` E|A_k - B_k|^2 and
     ``bias`` = network - flows / 2, the network's own distance from the mean flow (what a better fit removes); and
     where the run's ``sample.nsgf_steps`` is another grid than the pool's (the sampler's k steps), ``sampler``: the
-    same two shares for the end of the network's path on that grid, against the flows' end x_T."""
+    same two shares for the end of the network's path on that grid, against the flows' end x_T. ``sharpness``: the
+    network's states' squared neighbouring-pixel differences over the flow's (below 1: smoother than the flow; an
+    average over target draws is)."""
     from sinkflow.methods.nsgf import PoolGrid, make_simulator
     from sinkflow.methods.nsgfpp import nsgf_grid, nsgf_part
 
@@ -338,11 +341,15 @@ def trajectory_fit(run, n: int) -> dict:
     def mean_sq(u, v) -> float:
         return float((u.reshape(len(u), -1) - v).pow(2).sum(1).mean())
 
+    def edges(x) -> float:  # mean squared difference of neighbouring pixels: what a blur lowers
+        return float((x[..., 1:, :] - x[..., :-1, :]).pow(2).mean() + (x[..., 1:] - x[..., :-1]).pow(2).mean())
+
     scale = [mean_sq(ak, x0.reshape(len(x0), -1)) for ak in a]
     network = [mean_sq(nk, ak) / s for nk, ak, s in zip(mine, a, scale)]
     flows = [mean_sq(ak, bk) / s for ak, bk, s in zip(a, b, scale)]
     out = {"n": batches * size, "network": network, "flows": flows,
-           "bias": [d - f / 2 for d, f in zip(network, flows)]}
+           "bias": [d - f / 2 for d, f in zip(network, flows)],
+           "sharpness": [edges(nk.view_as(x0)) / edges(ak.view_as(x0)) for nk, ak in zip(mine, a)]}
     sampler_times, sampler_steps = nsgf_grid(cfg)  # the run's sample.nsgf_steps over the same span of network time
     if len(sampler_steps) != len(steps):  # its path's end against the flows' end
         end = mean_sq(nsgf_part(net, x0, sampler_times, sampler_steps), a[-1]) / scale[-1]

@@ -978,7 +978,8 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
 @pytest.mark.slow
 def test_trajectory_fit_reads_a_standing_network_as_the_whole_displacement(mnist_quick):
     """A velocity network that outputs zero stays at x_0: its distance to the flow is the flow's whole displacement
-    (share 1 at every step, whatever the flow), and the bias is that less half the flows' spread."""
+    (share 1 at every step, whatever the flow), and the bias is that less half the flows' spread; its noise is
+    rougher than the flow's states, more so as they move towards the digits."""
     import torch
 
     from sinkflow.runtime.run_folder import RunFolder
@@ -991,6 +992,8 @@ def test_trajectory_fit_reads_a_standing_network_as_the_whole_displacement(mnist
     run = RunFolder.open(out / "seed0" / "nsgfpp").variant(models={"velocity": Standing()})
     drift = load("mnist_probes").trajectory_fit(run, 6)
     assert drift["network"] == pytest.approx([1.0] * 5, rel=1e-5)
+    sharp = drift["sharpness"]  # the source noise it stands on has rougher pixels than the flow's smoothing states
+    assert sharp == sorted(sharp) and sharp[-1] > 1
     assert drift["bias"] == pytest.approx([1.0 - f / 2 for f in drift["flows"]], rel=1e-5)
     assert all(0 < f for f in drift["flows"]) and len(set(drift["flows"])) == 5  # the flows part as they move
     run = run.variant(sample={"nsgf_steps": 2})  # the sampler's own grid: its end stands at x_0 too
