@@ -173,7 +173,7 @@ def main(argv=None) -> None:
         if "sampler" in drift:
             end = drift["sampler"]
             print(f"| end, the sampler's {end['steps']} steps | {end['network']:.3f} | {drift['flows'][-1]:.3f} | "
-                  f"{end['bias']:.3f} | - |")
+                  f"{end['bias']:.3f} | {end['sharpness']:.3f} |")
     print(f"\nwrote {path}")
 
 
@@ -312,7 +312,8 @@ def trajectory_fit(run, n: int) -> dict:
     the flow's mean squared displacement E|A_k - x_0|^2: ``network`` E|N_k - A_k|^2, ``flows`` E|A_k - B_k|^2 and
     ``bias`` = network - flows / 2, the network's own distance from the mean flow (what a better fit removes); and
     where the run's ``sample.nsgf_steps`` is another grid than the pool's (the sampler's k steps), ``sampler``: the
-    same two shares for the end of the network's path on that grid, against the flows' end x_T. ``sharpness``: the
+    same two shares and the sharpness for the end of the network's path on that grid, against the flows' end x_T.
+    ``sharpness``: the
     network's states' squared neighbouring-pixel differences over the flow's (below 1: smoother than the flow; an
     average over target draws is)."""
     from sinkflow.methods.nsgf import PoolGrid, make_simulator
@@ -352,8 +353,10 @@ def trajectory_fit(run, n: int) -> dict:
            "sharpness": [edges(nk.view_as(x0)) / edges(ak.view_as(x0)) for nk, ak in zip(mine, a)]}
     sampler_times, sampler_steps = nsgf_grid(cfg)  # the run's sample.nsgf_steps over the same span of network time
     if len(sampler_steps) != len(steps):  # its path's end against the flows' end
-        end = mean_sq(nsgf_part(net, x0, sampler_times, sampler_steps), a[-1]) / scale[-1]
-        out["sampler"] = {"steps": len(sampler_steps), "network": end, "bias": end - flows[-1] / 2}
+        x_T = nsgf_part(net, x0, sampler_times, sampler_steps)
+        end = mean_sq(x_T, a[-1]) / scale[-1]
+        out["sampler"] = {"steps": len(sampler_steps), "network": end, "bias": end - flows[-1] / 2,
+                          "sharpness": edges(x_T) / edges(a[-1].view_as(x0))}
     return out
 
 

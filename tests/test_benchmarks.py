@@ -999,6 +999,7 @@ def test_trajectory_fit_reads_a_standing_network_as_the_whole_displacement(mnist
     run = run.variant(sample={"nsgf_steps": 2})  # the sampler's own grid: its end stands at x_0 too
     end = load("mnist_probes").trajectory_fit(run, 6)["sampler"]
     assert end["steps"] == 2 and end["network"] == pytest.approx(1.0, rel=1e-5)
+    assert end["sharpness"] == pytest.approx(sharp[-1], rel=1e-5)  # the same x_0 against the same x_T
 
 
 def test_smoke_pool_convergence(tmp_path, monkeypatch, capsys):
