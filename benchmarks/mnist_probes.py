@@ -273,22 +273,42 @@ def pool_state_scores(run, score, nsf_steps: list[int], own_steps: int, n: int, 
     return out
 
 
+def in_pool_batches(cfg: dict, n: int) -> int:
+    """``n`` rounded up to whole pool batches (``pool.batch_size``)."""
+    size = int(cfg["pool"]["batch_size"])
+    return max(1, -(-n // size)) * size
+
+
+def flow_in_pool_batches(cfg: dict, x0: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool's simulator from ``x0`` towards ``y`` (as many points, whole pool batches) run as the pool runs it,
+    batch by batch: a flow's velocity depends on how many points its Sinkhorn problem holds, and a network trained on
+    256-point flows is judged on 256-point flows. Returns xs, vs (steps, *x0.shape), the state before each step and
+    its velocity."""
+    from sinkflow.methods.nsgf import make_simulator
+
+    size = int(cfg["pool"]["batch_size"])
+    xs, vs, _ = make_simulator(cfg, None)(x0.view(-1, size, *x0.shape[1:]), y.view(-1, size, *y.shape[1:]),
+                                          batched=True)
+    return xs.reshape(len(xs), *x0.shape), vs.reshape(len(vs), *x0.shape)
+
+
 @torch.no_grad()
 def velocity_fit(run, n: int) -> dict:
     """The velocity network's MSE per pool step over the target's variance at that step: on ``n`` trajectories of
-    its own pool, and on ``n`` fresh ones (new source and target draws through the pool's simulator, with their own
-    Sinkhorn diameter)."""
-    from sinkflow.methods.nsgf import PoolGrid, flow_times, make_simulator
+    its own pool, and on ``n`` fresh ones (new source and target draws through the pool's simulator in the pool's
+    batches, each with its own Sinkhorn diameter); ``n`` rounded up to whole pool batches."""
+    from sinkflow.methods.nsgf import PoolGrid, flow_times
     from sinkflow.methods.pool import TrajectoryPool
 
     cfg = run.cfg
+    n = in_pool_batches(cfg, n)
     grid = PoolGrid.from_config(cfg)
     net = run.model("velocity")
     pool = TrajectoryPool(run.dir / "pool", storage="disk")
     own = [pool_entries(pool, t, n) for t in flow_times(cfg["pool"])[:-1].tolist()]  # the pool stores flow times
     source, target = data.distributions(cfg)
     gen = torch.Generator().manual_seed(2**31 - 1)  # not a pool batch's generator
-    xs, vs, _ = make_simulator(cfg, None)(source.sample(n, gen, "cpu"), target.sample(n, gen, "cpu"))
+    xs, vs = flow_in_pool_batches(cfg, source.sample(n, gen, "cpu"), target.sample(n, gen, "cpu"))
 
     def shares(pairs) -> list[float]:
         out = []
@@ -316,26 +336,23 @@ def trajectory_fit(run, n: int) -> dict:
     ``sharpness``: the
     network's states' squared neighbouring-pixel differences over the flow's (below 1: smoother than the flow; an
     average over target draws is)."""
-    from sinkflow.methods.nsgf import PoolGrid, make_simulator
+    from sinkflow.methods.nsgf import PoolGrid
     from sinkflow.methods.nsgfpp import nsgf_grid, nsgf_part
 
     cfg = run.cfg
     times, steps = pool_grid(cfg)
-    etas = PoolGrid.from_config(cfg).etas
+    eta = float(PoolGrid.from_config(cfg).etas[-1])  # the pool's last step, not the network time's
     net = run.model("velocity")
     source, target = data.distributions(cfg)
-    size = int(cfg["pool"]["batch_size"])
-    batches = max(1, -(-n // size))
+    n = in_pool_batches(cfg, n)
     gen = torch.Generator().manual_seed(2**31 - 4)  # neither a pool batch's generator nor velocity_fit's
-    x0 = source.sample(batches * size, gen, "cpu")
-    simulate = make_simulator(cfg, None)
+    x0 = source.sample(n, gen, "cpu")
 
-    def flow(y):  # the states x_1..x_T of the flow from x0 towards y, flattened to (batches * size, D)
-        xs, vs, _ = simulate(x0.view(batches, size, *x0.shape[1:]), y.view(batches, size, *y.shape[1:]), batched=True)
-        states = [*xs[1:], xs[-1] + float(etas[-1]) * vs[-1]]  # the pool's step, not the network time's
-        return [s.reshape(batches * size, -1) for s in states]
+    def flow(y):  # the states x_1..x_T of the flow from x0 towards y, flattened to (n, D)
+        xs, vs = flow_in_pool_batches(cfg, x0, y)
+        return [s.reshape(n, -1) for s in (*xs[1:], xs[-1] + eta * vs[-1])]
 
-    a, b = (flow(target.sample(batches * size, gen, "cpu")) for _ in range(2))
+    a, b = (flow(target.sample(n, gen, "cpu")) for _ in range(2))
     mine = []
     nsgf_part(net, x0, times, steps, mine)  # every state of the network's path on the pool's grid
 
@@ -348,7 +365,7 @@ def trajectory_fit(run, n: int) -> dict:
     scale = [mean_sq(ak, x0.reshape(len(x0), -1)) for ak in a]
     network = [mean_sq(nk, ak) / s for nk, ak, s in zip(mine, a, scale)]
     flows = [mean_sq(ak, bk) / s for ak, bk, s in zip(a, b, scale)]
-    out = {"n": batches * size, "network": network, "flows": flows,
+    out = {"n": n, "network": network, "flows": flows,
            "bias": [d - f / 2 for d, f in zip(network, flows)],
            "sharpness": [edges(nk.view_as(x0)) / edges(ak.view_as(x0)) for nk, ak in zip(mine, a)]}
     sampler_times, sampler_steps = nsgf_grid(cfg)  # the run's sample.nsgf_steps over the same span of network time
