@@ -333,9 +333,8 @@ def trajectory_fit(run, n: int) -> dict:
     ``bias`` = network - flows / 2, the network's own distance from the mean flow (what a better fit removes); and
     where the run's ``sample.nsgf_steps`` is another grid than the pool's (the sampler's k steps), ``sampler``: the
     same two shares and the sharpness for the end of the network's path on that grid, against the flows' end x_T.
-    ``sharpness``: the
-    network's states' squared neighbouring-pixel differences over the flow's (below 1: smoother than the flow; an
-    average over target draws is)."""
+    ``sharpness``: the network's states' squared neighbouring-pixel differences over the flow's (below 1: smoother
+    than the flow; an average over target draws is)."""
     from sinkflow.methods.nsgf import PoolGrid
     from sinkflow.methods.nsgfpp import nsgf_grid, nsgf_part
 

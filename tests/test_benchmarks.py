@@ -982,6 +982,7 @@ def test_trajectory_fit_reads_a_standing_network_as_the_whole_displacement(mnist
     rougher than the flow's states, more so as they move towards the digits."""
     import torch
 
+    from sinkflow.methods.nsgf import make_simulator
     from sinkflow.runtime.run_folder import RunFolder
 
     class Standing(torch.nn.Module):
@@ -989,26 +990,25 @@ def test_trajectory_fit_reads_a_standing_network_as_the_whole_displacement(mnist
             return torch.zeros_like(x)
 
     out, _ = mnist_quick
+    probes = load("mnist_probes")
     run = RunFolder.open(out / "seed0" / "nsgfpp").variant(models={"velocity": Standing()})
-    drift = load("mnist_probes").trajectory_fit(run, 6)
+    drift = probes.trajectory_fit(run, 6)
     assert drift["network"] == pytest.approx([1.0] * 5, rel=1e-5)
     sharp = drift["sharpness"]  # the source noise it stands on has rougher pixels than the flow's smoothing states
     assert sharp == sorted(sharp) and sharp[-1] > 1
     assert drift["bias"] == pytest.approx([1.0 - f / 2 for f in drift["flows"]], rel=1e-5)
     assert all(0 < f for f in drift["flows"]) and len(set(drift["flows"])) == 5  # the flows part as they move
-    probes = load("mnist_probes")
     size = int(run.cfg["pool"]["batch_size"])
     assert probes.in_pool_batches(run.cfg, size + 1) == 2 * size
     x0, y = torch.randn(2 * size, 1, 28, 28, generator=torch.Generator().manual_seed(0)), torch.rand(2 * size, 1, 28, 28)
     xs, vs = probes.flow_in_pool_batches(run.cfg, x0, y)  # batch by batch, as the pool is built
-    from sinkflow.methods.nsgf import make_simulator
     alone = make_simulator(run.cfg, None)(x0[size:], y[size:])  # the second batch on its own
     mixed = make_simulator(run.cfg, None)(x0, y)[1][:, size:]  # one problem of both batches: another flow (on real
     # MNIST at 256 points a batch, 36-39 % off the lone batch's velocities where the batched solve is 0.2-0.4 % off)
     off, mixed_off = ((v - alone[1]).norm() / alone[1].norm() for v in (vs[:, size:], mixed))
     assert off < 0.2 * mixed_off  # batched, each batch its own problem: the lone batch's to the solver's tolerance
     run = run.variant(sample={"nsgf_steps": 2})  # the sampler's own grid: its end stands at x_0 too
-    end = load("mnist_probes").trajectory_fit(run, 6)["sampler"]
+    end = probes.trajectory_fit(run, 6)["sampler"]
     assert end["steps"] == 2 and end["network"] == pytest.approx(1.0, rel=1e-5)
     assert end["sharpness"] == pytest.approx(sharp[-1], rel=1e-5)  # the same x_0 against the same x_T
 
