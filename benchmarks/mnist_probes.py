@@ -140,14 +140,15 @@ def main(argv=None) -> None:
     for name, swap in probes.items():
         results[name] = bench_mnist.score(run.variant(models=swap), own_steps, n, split=args.split)
         bench_mnist.log(f"probe {name}: {tag} {results[name]}")
-    score = fd_scorer(run, n, args.split) if args.pool_states or args.renoise else None  # one reference for both
+    ref = fd_reference(run, n, args.split) if args.pool_states or args.renoise or args.trajectory_fit else None
+    score = fd_scorer(ref) if ref else None  # one reference for every FD-CNN below
     if args.pool_states:
         results.update(pool_state_scores(run, score, args.nsf_steps or [own_steps], own_steps, n, args.fixed, shift))
     if args.renoise:
         results.update(renoise_scores(run.variant(sample={"t_shift": shift}), score, own_steps, n, args.renoise,
                                       args.nsf_steps or [own_steps]))
     fit = velocity_fit(run, n) if args.velocity_fit else None
-    drift = trajectory_fit(run, n) if args.trajectory_fit else None
+    drift = trajectory_fit(run, n, ref) if args.trajectory_fit else None
     path = out / f"probes-seed{args.seed}-nfe{args.nfe}{'-val' if args.split == 'val' else ''}.json"
     atomic_write_text(path, json.dumps({"k": k, "t_shift": shift, "n": n, "nfe": args.nfe, "split": args.split,
                                         "probes": results, **({"velocity_fit": fit} if fit else {}),
@@ -174,6 +175,13 @@ def main(argv=None) -> None:
             end = drift["sampler"]
             print(f"| end, the sampler's {end['steps']} steps | {end['network']:.3f} | {drift['flows'][-1]:.3f} | "
                   f"{end['bias']:.3f} | {end['sharpness']:.3f} |")
+        if "state_fd" in drift:
+            fds = drift["state_fd"]
+            print(f"\nx_T in FD-CNN's feature space: network to flow {fds['network']:.2f} (two flows apart "
+                  f"{fds['flows']:.2f}); to the held-out digits: network {fds['network_to_digits']:.2f}, flow "
+                  f"{fds['flow_to_digits']:.2f}" + ("" if "sampler" not in drift else
+                  f"; the sampler's end: to flow {drift['sampler']['state_fd']['network']:.2f}, to the digits "
+                  f"{drift['sampler']['state_fd']['network_to_digits']:.2f}"))
     print(f"\nwrote {path}")
 
 
@@ -191,16 +199,30 @@ def pool_grid(cfg: dict) -> tuple[list[float], list[float]]:
     return nsgf_grid({**cfg, "sample": {**cfg["sample"], "nsgf_steps": None}})
 
 
-def fd_scorer(run, n: int, split: str):
-    """FD-CNN of ``n`` generated digits (clamped to the data range) against the held-out digits of ``split``, as
-    the benchmark scores them, without the other metrics."""
-    from sinkflow.eval import fd_cnn
+def fd_reference(run, n: int, split: str) -> dict:
+    """The benchmark's FD-CNN reference for ``n`` generated digits against the held-out digits of ``split``: its
+    network (``net``) and the held-out features (``real``)."""
     from sinkflow.eval.images import fd_cnn_reference
 
     target = data.distributions(run.cfg)[1]
     held_out = target.val_set() if split == "val" else target.test_set(len(target.test_images))
-    ref = fd_cnn_reference(target, run.cfg["data"]["root"], held_out, n, split == "val")
-    return lambda z: fd_cnn.fd(fd_cnn.features(ref["net"], z.clamp(-1, 1)), ref["real"])
+    return fd_cnn_reference(target, run.cfg["data"]["root"], held_out, n, split == "val")
+
+
+def embedder(ref: dict):
+    """Images -> FD-CNN features, clamped to the data range as the benchmark clamps its samples."""
+    from sinkflow.eval import fd_cnn
+
+    return lambda z: fd_cnn.features(ref["net"], z.clamp(-1, 1))
+
+
+def fd_scorer(ref: dict):
+    """FD-CNN of generated digits against ``ref``'s held-out digits, as the benchmark scores them, without the
+    other metrics."""
+    from sinkflow.eval import fd_cnn
+
+    embed = embedder(ref)
+    return lambda z: fd_cnn.fd(embed(z), ref["real"])
 
 
 @torch.no_grad()
@@ -322,7 +344,7 @@ def velocity_fit(run, n: int) -> dict:
 
 
 @torch.no_grad()
-def trajectory_fit(run, n: int) -> dict:
+def trajectory_fit(run, n: int, ref: dict | None = None) -> dict:
     """How far the velocity network's path drifts from the empirical Sinkhorn flow's, per pool step k = 1..T.
 
     From ``n`` fresh sources x_0 (in the pool's batches of ``pool.batch_size``), two flows A and B run the pool's
@@ -334,7 +356,10 @@ def trajectory_fit(run, n: int) -> dict:
     where the run's ``sample.nsgf_steps`` is another grid than the pool's (the sampler's k steps), ``sampler``: the
     same two shares and the sharpness for the end of the network's path on that grid, against the flows' end x_T.
     ``sharpness``: the network's states' squared neighbouring-pixel differences over the flow's (below 1: smoother
-    than the flow; an average over target draws is)."""
+    than the flow; an average over target draws is). With ``ref`` (``fd_reference``'s), ``state_fd``: the same x_T
+    compared in FD-CNN's feature space rather than in pixels, which is what the NSF's output is scored in:
+    ``network`` FD(N_T, A_T), ``flows`` FD(A_T, B_T) (the floor at this n), and each against the held-out digits
+    (``network_to_digits``, ``flow_to_digits``); ``sampler`` gets its end's ``state_fd`` too."""
     from sinkflow.methods.nsgf import PoolGrid
     from sinkflow.methods.nsgfpp import nsgf_grid, nsgf_part
 
@@ -367,12 +392,25 @@ def trajectory_fit(run, n: int) -> dict:
     out = {"n": n, "network": network, "flows": flows,
            "bias": [d - f / 2 for d, f in zip(network, flows)],
            "sharpness": [edges(nk.view_as(x0)) / edges(ak.view_as(x0)) for nk, ak in zip(mine, a)]}
+    if ref is not None:
+        from sinkflow.eval.fd_cnn import fd
+
+        embed = embedder(ref)
+        flow_a, flow_b = (embed(f[-1].view_as(x0)) for f in (a, b))
+
+        def state_fd(x_T) -> dict:
+            feats = embed(x_T.view_as(x0))
+            return {"network": fd(feats, flow_a), "network_to_digits": fd(feats, ref["real"])}
+
+        out["state_fd"] = {**state_fd(mine[-1]), "flows": fd(flow_a, flow_b),
+                           "flow_to_digits": fd(flow_a, ref["real"])}
     sampler_times, sampler_steps = nsgf_grid(cfg)  # the run's sample.nsgf_steps over the same span of network time
     if len(sampler_steps) != len(steps):  # its path's end against the flows' end
         x_T = nsgf_part(net, x0, sampler_times, sampler_steps)
         end = mean_sq(x_T, a[-1]) / scale[-1]
         out["sampler"] = {"steps": len(sampler_steps), "network": end, "bias": end - flows[-1] / 2,
-                          "sharpness": edges(x_T) / edges(a[-1].view_as(x0))}
+                          "sharpness": edges(x_T) / edges(a[-1].view_as(x0)),
+                          **({"state_fd": state_fd(x_T)} if ref is not None else {})}
     return out
 
 

@@ -971,8 +971,11 @@ def test_smoke_mnist_probes(mnist_quick, capsys):
     end = drift["sampler"]  # at 3 NFE the sampler takes one NSGF step over the pool's five steps' span
     assert end["steps"] == 1 and end["bias"] == pytest.approx(end["network"] - drift["flows"][-1] / 2)
     assert end["network"] != drift["network"][-1]  # another path to the same time
+    fds = drift["state_fd"]  # x_T in FD-CNN's feature space, against the flow's and the held-out digits
+    assert all(np.isfinite(v) and v >= 0 for v in fds.values()) and fds["network"] != end["state_fd"]["network"]
     printed = capsys.readouterr().out
     assert "| step | trained-on pool | fresh pool |" in printed and "| step | network to flow |" in printed
+    assert "x_T in FD-CNN's feature space: network to flow" in printed
 
 
 @pytest.mark.slow
@@ -992,8 +995,10 @@ def test_trajectory_fit_reads_a_standing_network_as_the_whole_displacement(mnist
     out, _ = mnist_quick
     probes = load("mnist_probes")
     run = RunFolder.open(out / "seed0" / "nsgfpp").variant(models={"velocity": Standing()})
-    drift = probes.trajectory_fit(run, 6)
+    drift = probes.trajectory_fit(run, 6, probes.fd_reference(run, 6, "test"))
     assert drift["network"] == pytest.approx([1.0] * 5, rel=1e-5)
+    fds = drift["state_fd"]  # the source noise it stands on is farther from the digits than the flow's x_T is
+    assert fds["network_to_digits"] > fds["flow_to_digits"] and fds["network"] > fds["flows"]
     sharp = drift["sharpness"]  # the source noise it stands on has rougher pixels than the flow's smoothing states
     assert sharp == sorted(sharp) and sharp[-1] > 1
     assert drift["bias"] == pytest.approx([1.0 - f / 2 for f in drift["flows"]], rel=1e-5)
@@ -1008,9 +1013,10 @@ def test_trajectory_fit_reads_a_standing_network_as_the_whole_displacement(mnist
     off, mixed_off = ((v - alone[1]).norm() / alone[1].norm() for v in (vs[:, size:], mixed))
     assert off < 0.2 * mixed_off  # batched, each batch its own problem: the lone batch's to the solver's tolerance
     run = run.variant(sample={"nsgf_steps": 2})  # the sampler's own grid: its end stands at x_0 too
-    end = probes.trajectory_fit(run, 6)["sampler"]
+    end = probes.trajectory_fit(run, 6, probes.fd_reference(run, 6, "test"))["sampler"]
     assert end["steps"] == 2 and end["network"] == pytest.approx(1.0, rel=1e-5)
     assert end["sharpness"] == pytest.approx(sharp[-1], rel=1e-5)  # the same x_0 against the same x_T
+    assert end["state_fd"] == pytest.approx({k: fds[k] for k in end["state_fd"]}, rel=1e-5)
 
 
 def test_smoke_pool_convergence(tmp_path, monkeypatch, capsys):
