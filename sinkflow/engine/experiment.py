@@ -68,6 +68,10 @@ def check_run(cfg: dict, machine: bool = True) -> None:
     data.distributions(cfg)[1].check_test_n(cfg["eval"]["n"])  # a point file's held-out rows: the only test points
     method, shape = methods.of(cfg), data.sample_shape(cfg)
     method.check(cfg, shape)
+    for phase in schema.METHOD_PHASES[method.name]:  # each network against the data's shape, allocating nothing
+        if phase in cfg["model"]:  # (a UNet on 2D points, heads that do not divide its widths)
+            with torch.device("meta"):
+                build_phase_model(cfg, phase, shape)
     if machine:
         method.check_machine(cfg, shape)
 

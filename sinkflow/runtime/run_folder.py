@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -410,11 +411,18 @@ def read_config(run_dir: Path) -> dict:
 
 
 def build_phase_model(cfg: dict, key: str, shape: tuple[int, ...]) -> torch.nn.Module:
-    """The (untrained) network ``model.<key>`` for samples of ``shape``."""
+    """The (untrained) network ``model.<key>`` for samples of ``shape``. A kind names its keys ``model.<name>``
+    (it does not know which phase's section it builds): its errors here name ``model.<key>.<name>``, the key a
+    user sets."""
     from sinkflow.models import build_model
 
     model_cfg = dict(cfg["model"][key])
-    return build_model(model_cfg.pop("kind"), model_cfg, tuple(shape))
+    try:
+        return build_model(model_cfg.pop("kind"), model_cfg, tuple(shape))
+    except SinkflowError as exc:
+        section = re.compile(rf"\bmodel\.(?!{re.escape(key)}\.)")
+        raise SinkflowError(*(section.sub(f"model.{key}.", m) if m else m for m in (exc.problem, exc.fix)),
+                            every_rank=exc.every_rank) from None
 
 
 def load_model_state(model: torch.nn.Module, state: dict, where: str, what: str = "model") -> None:
