@@ -108,6 +108,9 @@ class Run:
 
         seeds, n = _count("seeds", seeds, 5, "eval.seeds"), _count("n", n, 1024, "eval.n")
         if n is not None:
+            from sinkflow import data
+
+            data.distributions(self.cfg)[1].check_test_n(n, "n")  # a point file's held-out rows; images: 2 or more
             check_sample_memory(n, self.cfg, "n", exact_w2=is_points(self.cfg))
         return evaluate(self._run, seeds=seeds, n=n, split=split)
 

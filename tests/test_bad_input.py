@@ -186,12 +186,14 @@ def test_a_run_name_that_is_a_path_is_refused_before_any_folder(tmp_path, monkey
     ("moons", ["--method", "nsgfpp", "model.nsf.kind=unet"], "set model.nsf.kind=mlp for flat data"),
     ("digits", ["model.velocity.num_heads=3"], "change model.velocity.num_heads or model.velocity.channels"),
     ("digits", ["model.velocity.num_head_channels=5"], "not divisible by num_head_channels=5; change model.velocity."),
-    ("moons", ["pool.batch_size=1"], "config key 'pool.batch_size' must be >= 2")])
-def test_a_network_the_data_cannot_feed_is_refused_before_the_pool_is_built(tmp_path, monkeypatch, capsys, preset,
+    ("moons", ["pool.batch_size=1"], "config key 'pool.batch_size' must be >= 2"),
+    ("digits", ["eval.n=1", "eval.class_n=1"], "eval.n=1: digits is scored by FD-CNN, a Fréchet distance")])
+def test_a_network_or_count_the_data_cannot_serve_is_refused_before_the_pool_is_built(tmp_path, monkeypatch, capsys, preset,
                                                                              overrides, needle):
     """A UNet on 2D points, heads that do not divide its widths: each phase's network was first built when its
     phase started, after the run folder and the pool (hours on CIFAR-10), or after a whole velocity phase for the
-    NSF's. Every network is built on the meta device before anything is written, its error naming the key to set."""
+    NSF's. Every network is built on the meta device before anything is written, its error naming the key to set.
+    One image to score (eval.n=1) failed in the report after training, in numpy's eigensolver."""
     monkeypatch.chdir(tmp_path)
     one_line_error(in_process(capsys, "train", preset, *overrides, "--train-iters", "1", "--device", "cpu"), needle)
     assert not (tmp_path / "runs").exists()

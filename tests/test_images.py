@@ -14,7 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
+import sinkflow
 from sinkflow import data, methods
+from sinkflow.errors import SinkflowError
 from sinkflow.cli import main
 from sinkflow.runtime.run_folder import RunFolder
 from test_data import make_cifar, make_folder, make_mnist
@@ -141,6 +143,11 @@ def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys, caplog):
     assert "W2" in capsys.readouterr().out
     assert main(["eval", str(run), "--seeds", "1", "--n", str(n_test + 1)]) == 2  # not a smaller sample in silence
     assert f"--n {n_test + 1} images, but the held-out split of" in capsys.readouterr().err
+    from sinkflow.eval.images import held_out  # FID of one image, before its weights are read (none exist here)
+
+    cfg = RunFolder.open(run).cfg
+    with pytest.raises(SinkflowError, match="^FID of 1 image: a Fréchet distance .* needs at least 2"):
+        held_out({**cfg, "eval": {**cfg["eval"], "inception_weights": str(tmp_path / "no-such.pt")}}, n=1)
 
 
 # what `auto` resolves to on an Ampere+ CUDA card: fp16 UNets and every training phase one captured step (on a CPU
@@ -220,6 +227,13 @@ def test_eval_on_the_validation_split_chooses_without_the_test_split(runs_dir, t
     assert len((runs_dir / "nov" / "metrics.jsonl").read_text().splitlines()) == lines  # nothing scored
     assert main(["eval", str(runs_dir / "v"), "--split", "val", "--n", str(n_val + 1)]) == 2
     assert f"the validation split of digits holds {n_val}" in capsys.readouterr().err
+    lines = len((runs_dir / "v" / "metrics.jsonl").read_text().splitlines())
+    assert main(["eval", str(runs_dir / "v"), "--n", "1", "--seeds", "1"]) == 2  # was numpy's LinAlgError in FD-CNN
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--n 1: digits is scored by FD-CNN" in err[0] and "use --n 2 or more" in err[0]
+    with pytest.raises(SinkflowError, match="^n=1: digits is scored by FD-CNN.*use n=2 or more"):  # the API's evaluate, as the command
+        sinkflow.open_run(runs_dir / "v").evaluate(n=1, seeds=1)
+    assert len((runs_dir / "v" / "metrics.jsonl").read_text().splitlines()) == lines  # nothing scored
 
 
 def test_class_columns_use_eval_class_n_samples(runs_dir, tmp_path, monkeypatch):

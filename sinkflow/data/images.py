@@ -19,6 +19,7 @@ from sinkflow.errors import SinkflowError
 
 log = logging.getLogger(__name__)
 IMAGE_SETS = {"digits": DigitsSource, "mnist": MNISTSource, "cifar10": CIFAR10Source, "folder": FolderSource}
+DIGIT_SETS = ("digits", "mnist")  # labelled digits: the evaluation fits a digit classifier and FD-CNN's network to them
 SPLITS = ("train", "test")
 VAL_SEED = 20261123  # fixed: the validation split of a set depends only on val_fraction and the train split
 # The data section's keys an image set reads (rules and defaults: sinkflow/config/schema.py DATA).
@@ -101,6 +102,17 @@ class ImageDistribution(Distribution):
             flip = flip.to(device, non_blocking=True).view(n, *([1] * len(self.shape)))
             x = torch.where(flip, x.flip(-1), x)
         return x
+
+    def check_test_n(self, n: int, flag: str = "eval.n") -> None:
+        """A digit set is scored by FD-CNN, a Fréchet distance, which fits a covariance to each side's features:
+        one image has none, and the report failed in numpy's eigensolver after the run had trained. The one check
+        of `train`'s eval.n (before the run folder), `sinkflow eval --n` and ``Run.evaluate(n=)``; a folder's W2
+        scores one image (FID's own count is checked where its weights are read)."""
+        if n < 2 and self.name in DIGIT_SETS:
+            sep = " " if flag.startswith("-") else "="
+            raise SinkflowError(f"{flag}{sep}{n}: {self.name} is scored by FD-CNN, a Fréchet distance, which fits a "
+                                "covariance to each side's features, so it needs at least 2 images",
+                                f"use {flag}{sep}2 or more")
 
     def test_indices(self, n: int, seed: int = DEFAULT_TEST_SEED) -> torch.Tensor:
         """Sorted indices into ``test_images`` of a fixed random subset of size n (no repeats)."""

@@ -31,7 +31,7 @@ from sinkflow.eval.points import generate
 from sinkflow.eval.records import scores, setting
 
 log = logging.getLogger(__name__)
-CLASSIFIER_SETS = ("digits", "mnist")
+CLASSIFIER_SETS = data.DIGIT_SETS
 CLASSIFIER_MAX_TRAIN = 20000
 
 
@@ -280,6 +280,9 @@ def held_out(cfg: dict, split: str = "test", n: int | None = None) -> HeldOut:
     n_test = len(target.test_images) if val is None else len(val)
     n = min(n or cfg["eval"]["n"], n_test)
     class_n = max(n, cfg["eval"].get("class_n") or n)  # the classifier columns need more samples than W2 can use
+    if cfg["eval"]["inception_weights"] and n < 2:
+        raise SinkflowError(f"FID of {n} image: a Fréchet distance fits a covariance to each side's features, so it "
+                            "needs at least 2", "use --n 2 or more (eval.n for the report after training)")
     clf = digit_classifier(target, cfg["data"]["root"])
     real = target.test_set(n) if val is None else val[:n]
     cnn = None
