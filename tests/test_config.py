@@ -436,3 +436,19 @@ def test_old_run_folders_keep_the_unet_they_trained_and_new_runs_get_film_where_
         del old["model"][phase]["norm_min_channels"]
     (tmp_path / "config.yaml").write_text(config.dump(old))
     assert blocks(read_config(tmp_path)) == {(1, False), (2, False)}  # before: ADM's groups, t added (and cancelled)
+
+
+@pytest.mark.parametrize("method, override, fix", [
+    ("nsgf", "train.nsf.ema=0.5", "drop it, or train a method that reads it (--method nsgfpp)"),
+    ("nsgf", "sinkhorn.backend=online", "drop it: it matters only then"),
+    ("nsgfpp", "sinkhorn.backend=online", "drop it: it matters only then")])
+def test_an_unread_key_names_a_method_only_where_that_method_would_read_it(method, override, fix):
+    """`sinkhorn.backend` under `sinkhorn.solver=converged` is read by no method: the error had sent NSGF to
+    `--method nsgfpp` and NSGF++ back to `--method nsgf`, each refused the same way."""
+    overrides = [f"experiment.method={method}", override]
+    if override.startswith("sinkhorn."):
+        overrides.insert(1, "sinkhorn.solver=converged")
+    with pytest.raises(SinkflowError) as e:
+        config.resolve("moons", overrides)
+    assert str(e.value).endswith(fix), str(e.value)
+    assert "sinkhorn.solver=geomloss" in str(e.value) or not override.startswith("sinkhorn.")  # when it is read

@@ -416,10 +416,10 @@ def check_read(tree: dict, names: list[str], where: str = "") -> None:
             continue
         method = tree["experiment"]["method"]
         when = specs[name].when.text if specs[name].when is not None else "never"
-        readers = schema.READERS.get(name) or next(
-            (tuple(m for m, ph in schema.METHOD_PHASES.items() if name.split(".")[1] in ph)
-             for s in ("model", "train") if name.startswith(s + ".")), ())
-        other = [m for m in readers if m != method]
+        # a method that would read it on this very tree (sinkhorn.backend under sinkhorn.solver=converged is read by
+        # no method: another --method is no fix there)
+        other = [m for m in schema.METHOD_REGISTRY if m != method
+                 and name in schema.used({**tree, "experiment": {**tree["experiment"], "method": m}})]
         if other:
             raise SinkflowError(f"{where}config key '{name}' is not read by method {method} (read when: {when})",
                                 f"drop it, or train a method that reads it (--method {other[0]})")

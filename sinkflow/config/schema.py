@@ -676,7 +676,7 @@ def _assemble() -> None:
 
     Which methods read a key is decided here, once, from the declarations: a shared key every method, an
     opt-in key the methods whose ``reads`` name it, a method's own key that method; no method is named."""
-    global SECTIONS, MODEL, TRAIN, TRAIN_DOCS, PHASE_WHEN, METHOD_PHASES, METHODS, READERS
+    global SECTIONS, MODEL, TRAIN, TRAIN_DOCS, PHASE_WHEN, METHOD_PHASES, METHODS
     registry = METHOD_REGISTRY
     METHOD_PHASES = {m: spec.phases for m, spec in registry.items()}
     METHODS = tuple(registry)
@@ -735,7 +735,6 @@ def _assemble() -> None:
     SECTIONS["train"] = ("one optimiser setup per training phase", TRAIN, None)
     for s in ("sample", "eval", "checkpoint"):
         SECTIONS[s] = out[s]
-    READERS = readers
     EXPERIMENT["method"] = Key(EXPERIMENT["method"].default, Options(*METHODS), EXPERIMENT["method"].doc)
     SECTIONS["experiment"] = (SECTIONS["experiment"][0], dict(EXPERIMENT), None)
 
@@ -747,7 +746,6 @@ TRAIN_DOCS: dict[str, str] = {}
 PHASE_WHEN: dict[str, When] = {}
 METHOD_PHASES: dict[str, tuple[str, ...]] = {}
 METHODS: tuple[str, ...] = ()
-READERS: dict[str, tuple[str, ...] | None] = {}
 _assemble()
 
 
