@@ -138,6 +138,9 @@ def test_candidates_follow_what_the_run_was_trained_for():
     with_val = config.resolve("digits", ["data.val_fraction=0.1"], {"device": "cpu"})
     assert "sinkflow tune runs/x (at its own 13 network evaluations" in tune.hint(with_val).format(run="runs/x")
     assert tune.hint(digits) is None and tune.hint(config.resolve("moons", [], {"device": "cpu"})) is None
+    cifar_val = config.resolve("cifar10", ["data.val_fraction=0.1"], {"device": "cpu"})  # no FD-CNN, no FID weights:
+    assert tune.hint(cifar_val) is None  # tune would refuse it, so the report does not suggest it
+    assert "sinkflow tune" in tune.hint({**cifar_val, "eval": {**cifar_val["eval"], "inception_weights": "w.pth"}})
     # ties: fewer NSGF steps, then the smaller shift, then the grid nearer uniform
     assert tune.choose([({"nsgf_steps": 6, "t_shift": 0.0}, 1.0), ({"nsgf_steps": 3, "t_shift": -0.2}, 1.0),
                         ({"nsgf_steps": 3, "t_shift": -0.1}, 1.0)])[0] == {"nsgf_steps": 3, "t_shift": -0.1}

@@ -86,6 +86,8 @@ def hint(cfg: dict) -> str | None:
     if (cfg["experiment"]["method"] not in TUNABLE or cfg["data"]["target"] not in data.IMAGE_SETS
             or not cfg["data"].get("val_fraction")):
         return None
+    if cfg["data"]["target"] not in data.DIGIT_SETS and not cfg["eval"]["inception_weights"]:
+        return None  # nothing to score a sampler by (``metric_of`` refuses it): no hint it would refuse
     if cfg["experiment"]["method"] == "flow":
         return "its sampling temperature, chosen on the validation split: sinkflow tune {run}"
     return (f"its sampler, chosen on the validation split: sinkflow tune {{run}} (at its own {current(cfg)[0]} network "
