@@ -117,11 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sinkflow: error: {one_line(oom_line(exc, args.command, run_dir, getattr(args, 'preset', None)))}",
               file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # a second Ctrl+C or SIGTERM means "now": no step checkpoint, no traceback wall
+    except KeyboardInterrupt as exc:  # a second Ctrl+C or SIGTERM means "now": no step checkpoint, no traceback wall
         hint = (f": the checkpoints written before are intact; resume with `sinkflow train --resume "
                 f"{getattr(args, 'run_dir_used', None) or 'RUN'}`" if args.command == "train" else "")
         print(f"sinkflow: stopped at once by a second signal{hint}", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return 128 + getattr(exc, "signum", signal.SIGINT)  # StopNow's; a Ctrl+C outside a run is SIGINT's
     except Interrupted as exc:
         from sinkflow.runtime import dist
 

@@ -41,6 +41,15 @@ class Interrupted(Exception):
         return TIME_LIMIT_EXIT if self.signum == TIME_LIMIT else 128 + self.signum
 
 
+class StopNow(KeyboardInterrupt):
+    """A second SIGTERM/SIGINT during a run: stop at once, without a step checkpoint. A ``KeyboardInterrupt``, so
+    whatever stops on Ctrl+C stops on it; ``signum`` is the second signal's (the exit status is 128 + it)."""
+
+    def __init__(self, signum: int):
+        super().__init__()
+        self.signum = int(signum)
+
+
 def stop_reason(signum: int) -> str:
     """'by signal 15' or 'at the time limit' (``Interrupted``'s message, ``sinkflow status``)."""
     return "at the time limit" if signum == TIME_LIMIT else f"by signal {signum}"
@@ -59,8 +68,8 @@ def stop_requested() -> int | None:
 
 
 def _handler(signum, frame):
-    if _requested:  # a second Ctrl+C means "now"
-        raise KeyboardInterrupt
+    if _requested:  # a second Ctrl+C or SIGTERM means "now"
+        raise StopNow(signum)
     _requested.append(signum)
 
 
