@@ -145,7 +145,10 @@ def test_eval_takes_sample_overrides_and_its_record_names_them(runs_dir, capsys)
     assert (run / "config.yaml").read_text() == before
     capsys.readouterr()
     assert main(["eval", str(run), "eval.n=8"]) == 2  # not a sampling key: one line, nothing scored
-    assert "`sinkflow eval` only takes sample.* overrides" in capsys.readouterr().err and len(evals()) == 2
+    err = capsys.readouterr().err
+    assert "`sinkflow eval` only takes sample.* overrides" in err and "use --n 8 for this call" in err
+    assert main(["eval", str(run), "train.velocity.lr=0.1"]) == 2 and len(evals()) == 2  # no flag: the resume
+    assert f"change other keys with `sinkflow train --resume {run} ...`" in capsys.readouterr().err
     assert main(["eval", str(run), "--split", "val"]) == 2  # fresh test draws: no validation split to choose on
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "moons is not an image set, so it has no validation split" in err[0] and len(evals()) == 2

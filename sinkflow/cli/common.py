@@ -87,13 +87,17 @@ def check_counts(args) -> None:
             raise SinkflowError(f"{flag} {value} is more than {most:,}", f"use {flag} {most:,} or fewer")
 
 
-def with_sample_overrides(run_, overrides: list[str], command: str, run_dir: str):
+def with_sample_overrides(run_, overrides: list[str], command: str, run_dir: str, flags: dict | None = None):
     """``run_`` sampling with ``sample.key=value`` for this call only (``RunFolder.variant``: config.yaml stays as
     trained), refused in one line before any work when the key is not a sampling key, is out of its range, or is a
-    key this method never reads (as `train` refuses them)."""
+    key this method never reads (as `train` refuses them). ``flags``: the command's own flag for a key it takes
+    another way (`eval`'s ``{"eval.n": "--n"}``), named in that key's refusal."""
     bad = [o for o in overrides if not o.startswith("sample.")]
     if bad:
+        key, _, value = bad[0].partition("=")
+        flag = (flags or {}).get(key.strip())
         raise SinkflowError(f"`sinkflow {command}` only takes sample.* overrides, not '{bad[0]}'",
+                            f"use {flag} {value.strip() or 'N'} for this call" if flag else
                             f"change other keys with `sinkflow train --resume {run_dir} ...`")
     cfg = config.apply_overrides(run_.cfg, overrides)
     config.validate(cfg)

@@ -37,7 +37,7 @@ def run(args):
     from sinkflow.runtime.run_folder import RunFolder
 
     run_ = RunFolder.open(args.run_dir, log_best_effort=True)  # a read-only run folder: scores printed, record skipped
-    run_ = with_sample_overrides(run_, args.overrides, "eval", args.run_dir)
+    run_ = with_sample_overrides(run_, args.overrides, "eval", args.run_dir, {"eval.n": "--n", "eval.seeds": "--seeds"})
     check_eval_split(run_.cfg, args.split, "--split")
     check_split_files(run_, data.target_split_info(run_.cfg), doing="evaluate")  # before anything decodes the images
     if args.n:  # --n 32 is a quick look: the classifier columns too (digits' class_n is 3,590 samples a seed)
