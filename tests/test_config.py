@@ -353,11 +353,19 @@ def test_a_base_60_looking_number_is_not_an_int():
         config.resolve("moons", ["train.velocity.iters=1:30"])
 
 
-@pytest.mark.parametrize("override", ["train.velocity.lr=.nan", "pool.eta=1e400", "train.velocity.iters=.inf"])
+@pytest.mark.parametrize("override", ["train.velocity.lr=.nan", "pool.eta=1e400", "train.velocity.iters=.inf",
+                                      "train.velocity.lr=nan", "pool.eta=-inf", "train.velocity.iters=Infinity"])
 def test_a_non_finite_number_is_named_so(override):
-    """It read "expects float (default 0.001) but got float nan; pass a float"."""
-    with pytest.raises(SinkflowError, match=r"must be a finite number \(got (nan|inf)\)"):
+    """It read "expects float (default 0.001) but got float nan; pass a float" (YAML's .nan), and "got str 'nan'" for
+    Python's spelling."""
+    with pytest.raises(SinkflowError, match=r"must be a finite number \(got '?(nan|inf|-inf|Infinity)'?\)"):
         config.resolve("moons", [override])
+
+
+def test_a_list_with_a_bad_element_names_the_element():
+    """It read "expects list (default [10, 100]) but got list [10, 'abc']"."""
+    with pytest.raises(SinkflowError, match=r"'eval.steps' expects a list of int >= 1, but its element 'abc' is a str"):
+        config.resolve("moons", ["eval.steps=[10,abc]"])
 
 
 def test_a_config_file_of_your_own_trains_what_it_says(tmp_path, capsys, monkeypatch):

@@ -210,9 +210,18 @@ def check_value(name: str, spec: Key, value: Any) -> Any:
     try:
         out = spec.rule.coerce(value)
     except TypeError:
-        if isinstance(value, float) and not math.isfinite(value):  # "expects float ... got float nan" said nothing
+        non_finite = isinstance(value, str) and value.strip().lstrip("+-").lower() in ("nan", "inf", "infinity")
+        if isinstance(value, float) and not math.isfinite(value) or non_finite:  # "got float nan" said nothing
             raise SinkflowError(f"config key '{name}' must be a finite number (got {value!r})",
                                 f"e.g. {name}={_yaml(_example(spec))}") from None
+        if isinstance(spec.rule, schema.ListOf) and isinstance(value, list):  # name the element that is not one
+            for item in value:
+                try:
+                    spec.rule.item.coerce(item)
+                except TypeError:
+                    raise SinkflowError(f"config key '{name}' expects a {spec.rule.describe()}, but its element "
+                                        f"{item!r} is {'an' if _type_name(item)[0] in 'aeiou' else 'a'} "
+                                        f"{_type_name(item)}", f"e.g. {name}={_yaml(_example(spec))}") from None
         expected = spec.rule.type_name + (" or null" if spec.nullable else "")
         if isinstance(spec.rule, schema.Options):  # `prefetch=on` parses as YAML's true: name the choices
             raise SinkflowError(f"config key '{name}' must be one of {', '.join(map(str, spec.rule.choices))} (got "
