@@ -111,7 +111,7 @@ def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys, caplog):
         assert all(torch.equal(before[phase][k], after[k]) for k in after), phase
 
     assert main(["sample", str(run), "--n", "6", "--out", str(tmp_path / "g.png")]) == 0
-    assert f"(3 steps, {k + 4} network evaluations)" in capsys.readouterr().out
+    assert f"(3 straight-flow steps, {k + 4} network evaluations)" in capsys.readouterr().out  # what --steps counts
     assert Image.open(tmp_path / "g.png").size[0] > 0
     # half-precision sampling (sample.precision): every network of the sampler under autocast, the images float32,
     # finite and of the data's shape, close to the fp32 draw of the same seed
@@ -274,6 +274,9 @@ def test_class_columns_use_eval_class_n_samples(runs_dir, tmp_path, monkeypatch)
     fewer = {**result, "protocol": {**p, "fd_cnn_floor_n": 30}}
     assert "floor (real training digits, 30: all there are)" in images.format_metrics(fewer)
     assert "floor (real training digits, same n)" in images.format_metrics({**result, "protocol": {**p, "fd_cnn_floor_n": 40}})
+    assert images.format_metrics(result).startswith(f"Image metrics on digits ({result['method']}):")
+    on_folder = images.format_metrics({**result, "target": "folder"})  # the digits preset on a folder: the data scored
+    assert on_folder.startswith(f"Image metrics on folder (preset digits) ({result['method']}):")
 
 
 def test_nfe_is_counted_per_network(runs_dir, tmp_path):

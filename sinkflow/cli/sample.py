@@ -19,7 +19,8 @@ def add_parser(sub):
     p.add_argument("overrides", nargs="*", metavar="sample.key=value",
                    help="sampling settings for this call only, e.g. sample.temperature=0.7 (the run is not changed)")
     p.add_argument("--n", type=int, default=1024, help="samples to draw (default 1024)")
-    p.add_argument("--steps", type=int, help="Euler steps (default sample.steps)")
+    p.add_argument("--steps", type=int, help="Euler steps (default sample.steps; NSGF++: its straight flow's steps "
+                   "after the NSGF part and the time predictor, default sample.nsf_steps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--qmc", action="store_true", help="draw the source by randomised QMC (scrambled Sobol) instead "
                    "of i.i.d. (= sample.qmc=true; the evaluation's own choice is eval.protocol)")
@@ -74,6 +75,6 @@ def run(args):
         from sinkflow.eval.images import save_grid
 
         save_grid(x, out)
-    how = f"{steps} steps" if method.takes_steps else "one inverse pass"
+    how = f"{steps} {method.steps_are}" if method.takes_steps else "one inverse pass"
     print(f"wrote {args.n} samples ({how}, {info['nfe']} network evaluations) from "
           f"{'a QMC' if qmc else 'an i.i.d.'} source draw to {out}")

@@ -359,7 +359,8 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
         "fid": (f"torchmetrics FrechetInceptionDistance (2048-d, torch-fidelity Inception-v3 from {ref.weights}), "
                 f"{n} generated vs {n} held-out real") if ref.weights else None,
     }
-    return {"rows": rows, "protocol": protocol, "method": method, "preset": cfg["experiment"]["preset"]}
+    return {"rows": rows, "protocol": protocol, "method": method, "preset": cfg["experiment"]["preset"],
+            "target": ref.name}
 
 
 def fd_cnn_reference(target, data_root, real: torch.Tensor, n_gen: int, val: bool) -> dict:
@@ -375,7 +376,10 @@ def fd_cnn_reference(target, data_root, real: torch.Tensor, n_gen: int, val: boo
 
 def format_metrics(result: dict) -> str:
     p = result["protocol"]
-    lines = [f"Image metrics on {result['preset']} ({result['method']}): {p['n']} generated vs {p['reference']}, "
+    on = result.get("target") or result["preset"]  # the data scored (a preset's target may be overridden)
+    if result["preset"] not in (None, on):
+        on += f" (preset {result['preset']})"
+    lines = [f"Image metrics on {on} ({result['method']}): {p['n']} generated vs {p['reference']}, "
              + (f"mean +- std over {p['seeds']} sampling seeds" if p["seeds"] > 1 else
                 "one sampling seed (no spread: the +- 0.000 is not a measurement)"),
              f"  W2: {p['w2']}"]

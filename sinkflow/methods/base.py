@@ -173,6 +173,7 @@ class Method:
 
     name: str = ""
     takes_steps = True  # sampling integrates a path in Euler steps (`sample --steps`); a flow inverts once
+    steps_are = "steps"  # what `sample --steps` counts, as its output says it (NSGF++: its straight flow's)
     clamps_samples = False  # sample_nets returns values as integrated (a flow maps its samples into the pixel range)
     # The paper's own W2 numbers for this method, {task (preset): {euler_steps: w2}}, and the label the report
     # prints them under; a method the paper has no numbers for keeps both empty and reports none.

@@ -269,6 +269,7 @@ class NSGFPlusPlus(Method):
     """NSGF++: a <=5-step NSGF, a time predictor, then a Neural Straight Flow (see the module docstring)."""
 
     name = "nsgfpp"
+    steps_are = "straight-flow steps"  # `sample --steps`: the NSGF part keeps its own grid
 
     def check(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
         check(cfg, sample_shape)
