@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import logging
 import os
 import warnings
 import pickle
@@ -430,9 +431,13 @@ def make_t10k_only(root, n=2100, seed=0):
     return imgs, labels
 
 
-def test_mnist_t10k_only_split_is_fixed_disjoint_and_recorded(tmp_path):
+def test_mnist_t10k_only_split_is_fixed_disjoint_and_recorded(tmp_path, caplog):
     imgs, labels = make_t10k_only(tmp_path / "a")
-    d = build_distribution("mnist", data_cfg=cfg(tmp_path / "a", val_fraction=0.1))
+    with caplog.at_level(logging.WARNING, logger="sinkflow"):
+        d = build_distribution("mnist", data_cfg=cfg(tmp_path / "a", val_fraction=0.1))
+        build_distribution("mnist", data_cfg=cfg(tmp_path / "a", val_fraction=0.1))  # opened again (tune does)
+    said = [r for r in caplog.records if "only the t10k files are in" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path / "a") in said[0].getMessage()  # once a folder, not once an opening
     assert len(d.images) == 100 and len(d.test_images) == sources.T10K_TEST == 2000
     train, test = sources.t10k_split_indices(2100, "train"), sources.t10k_split_indices(2100, "test")
     assert not set(train) & set(test) and sorted({*train, *test}) == list(range(2100))  # disjoint, covering

@@ -8,6 +8,7 @@ instrumentation and one-line errors for bad image input.
 import json
 import logging
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -419,7 +420,8 @@ def test_a_failed_download_does_not_advise_turning_the_download_on(runs_dir, tmp
     data.download=true", which it already was."""
     import torchvision.datasets
 
-    def offline(*args, **kwargs):
+    def offline(root, **kwargs):  # as torchvision: its folders first, then the download fails
+        (Path(root) / "MNIST" / "raw").mkdir(parents=True, exist_ok=True)
         raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
 
     monkeypatch.setattr(torchvision.datasets, "MNIST", offline)
@@ -427,6 +429,7 @@ def test_a_failed_download_does_not_advise_turning_the_download_on(runs_dir, tmp
     line = one_line(capsys, "MNIST download into", "failed (RuntimeError", "run once on a machine with internet")
     assert "set data.download=true" not in line
     assert not runs_dir.exists()
+    assert not (tmp_path / "data" / "MNIST").exists()  # the empty folders the failed download made are gone
 
 
 def test_pool_that_cannot_fit(runs_dir, tmp_path, capsys):

@@ -112,9 +112,15 @@ class ArraySource:
         if not self.download:
             raise SinkflowError(f"{label} not found in {folder} (missing {', '.join(missing)}) and data.download is "
                                 "false", how)
+        made = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
         try:
             download()
         except Exception as e:  # offline, mirror down, bad checksum: all end the same way for the user
+            for p in made:  # the folders the failed download made, where it left nothing (torchvision makes them first)
+                try:
+                    p.rmdir()
+                except OSError:  # not empty (a partial file stays for the user to see), or gone
+                    break
             raise SinkflowError(f"{label} download into {folder} failed ({type(e).__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''})", how) from None
 
@@ -202,6 +208,9 @@ def indices_sha256(idx) -> str:
     return hashlib.sha256(np.asarray(idx, dtype="<i8").tobytes()).hexdigest()
 
 
+_SAID_T10K: set[Path] = set()  # MNIST folders whose t10k-only warning this process has printed
+
+
 class MNISTSource(ArraySource):
     """torchvision MNIST under ``<root>/MNIST/raw``; ``.gz`` files placed there are unpacked first.
 
@@ -244,9 +253,11 @@ class MNISTSource(ArraySource):
                         raise SinkflowError(f"MNIST file {gz} is not a valid gzip file ({e})",
                                             "delete it and place the original file there") from None
         if self.t10k_only:
-            log.warning("MNIST: only the t10k files are in %s; training on a fixed split of them (%d train / %d "
-                        "test digits, seed %d); place the train-* files there for the official 60k/10k split",
-                        self.raw, 10000 - T10K_TEST, T10K_TEST, T10K_SPLIT_SEED)
+            if self.raw not in _SAID_T10K:  # once a process: a command may open the set more than once (tune)
+                _SAID_T10K.add(self.raw)
+                log.warning("MNIST: only the t10k files are in %s; training on a fixed split of them (%d train / %d "
+                            "test digits, seed %d); place the train-* files there for the official 60k/10k split",
+                            self.raw, 10000 - T10K_TEST, T10K_TEST, T10K_SPLIT_SEED)
             return
         missing = self._missing()
         if not missing:
