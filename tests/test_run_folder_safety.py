@@ -185,6 +185,9 @@ def test_a_shorthand_on_a_resume_reaches_the_phases_still_to_train(runs_dir, cap
     tiny = [a for a in TINY_2D if not a.startswith("eval.steps")]
     assert main(["train", "moons", *tiny, "--method", "nsgfpp", "--name", "pp", "--no-report"]) == 0
     run = runs_dir / "pp"
+    # a data key names the first artifact it shaped, the pool ('nsf' sorted first: "it shaped the 'nsf' checkpoints")
+    one_line(*run_main(capsys, "train", "--resume", str(run), "data.target=scurve", "--no-report"),
+             "cannot resume", "data.target", "it shaped the finished pool")
     for phase in ("nsf", "time"):
         shutil.rmtree(run / "checkpoints" / phase)  # stopped before its nsf phase began
     one_line(*run_main(capsys, "train", "--resume", str(run), "train.velocity.iters=9", "--no-report"),

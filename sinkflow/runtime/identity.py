@@ -195,7 +195,9 @@ def check_frozen(old: dict, new: dict, run_dir: Path) -> None:
                                 f"drop that override; to continue a copy elsewhere, `cp -r {run_dir} NEW` and "
                                 "`sinkflow train --resume NEW`")
         else:
-            shaped = [what for phase, what in on_disk.items()
+            order = ["pool", *config_mod.schema.METHOD_PHASES.get(old["experiment"]["method"], ())]
+            shaped = [what for phase, what in sorted(on_disk.items(), key=lambda item: (  # the first the run built
+                order.index(item[0]) if item[0] in order else len(order), item[0]))
                       if key.startswith(frozen_prefixes(old, phase)) and key not in RUNTIME_KEYS]
             if key in HALF_BUILT_POOL_KEYS and on_disk.get("pool") == "the half-built pool":
                 shaped.append("the half-built pool (its finished chunks are numbered by it)")
