@@ -396,6 +396,13 @@ def test_a_config_file_of_your_own_trains_what_it_says(tmp_path, capsys, monkeyp
     (tmp_path / "p").write_text("experiment: {}\n")
     with pytest.raises(SinkflowError, match=r"unknown preset '\./p'; a config file of your own ends in .yaml"):
         config.resolve("./p")
+    small = ["pool.batches=1", "pool.batch_size=16", "pool.steps=2", "--train-iters", "2", "--no-report"]
+    assert main(["train", "my.yaml", *small, "--device", "cpu"]) == 0  # the file's run, then a resume naming it:
+    capsys.readouterr()  # "cannot resume as preset 'my.yaml': it is a run of preset 'moons'" for its own file
+    assert main(["train", "my.yaml", "--resume", str(tmp_path / "runs" / "mine")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "with the config file 'my.yaml': a resume reads the run's own config.yaml" in err and "\n" not in err
+    assert f"drop the file (`sinkflow train --resume {tmp_path / 'runs' / 'mine'}`)" in err
 
 
 def test_own_data_named_where_a_preset_goes_gets_the_command_that_trains_on_it(tmp_path, capsys, monkeypatch):

@@ -106,6 +106,11 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
     if resume is not None:
         run = RunFolder.open(Path(resume), overrides, shorthands)  # frozen keys, device: no writes
         check_ranks_agree(run.cfg, {"--resume": str(Path(resume).resolve())})  # the overrides' result, every rank
+        if preset is not None and config_mod.is_config_file(preset):  # its preset is what it inherits, not its name
+            raise SinkflowError(f"cannot resume {resume} with the config file '{preset}': a resume reads the run's own "
+                                "config.yaml, which the file made when the run started",
+                                f"drop the file (`sinkflow train --resume {resume}`), giving any key to change as "
+                                "key=value")
         if preset is not None and preset != run.cfg["experiment"]["preset"]:
             raise SinkflowError(f"cannot resume {resume} as preset '{preset}': it is a run of preset "
                                 f"'{run.cfg['experiment']['preset']}'",
