@@ -139,7 +139,11 @@ def test_an_unrecognized_argument_is_named_as_the_sub_commands(capsys):
                           "config keys); see `sinkflow status --help`"),
                          (["train", "moons", "--bogus"],
                           "sinkflow: error: sinkflow train: unrecognized arguments: --bogus; see `sinkflow train --help`"),
-                         (["evl"], "sinkflow: error: argument COMMAND: invalid choice: 'evl'")):
+                         (["evl"], "sinkflow: error: argument COMMAND: invalid choice: 'evl'"),
+                         (["eval"], "sinkflow: error: sinkflow eval: the following arguments are required: RUN; see "
+                          "`sinkflow eval --help`"),  # it listed the optional overrides as required too
+                         (["sample", "--out", "x.npy"], "sinkflow: error: sinkflow sample: the following arguments are "
+                          "required: RUN; see")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         err = capsys.readouterr().err.strip()

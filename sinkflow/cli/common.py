@@ -25,7 +25,8 @@ def add_config_args(p: argparse.ArgumentParser, preset_required: bool = False) -
     p.add_argument("preset", nargs=None if preset_required else "?", default=_Default(DEFAULT_PRESET),
                    help=f"preset name (see `sinkflow presets`; default {DEFAULT_PRESET}), or a .yaml config file "
                         "(`sinkflow config PRESET > my.yaml`)")
-    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides, e.g. pool.eta=0.05")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key.sub=value",  # default: optional in the usage error
+                   help="config overrides, e.g. pool.eta=0.05")
     g = p.add_argument_group("shorthands (each sets every key it names)")
     g.add_argument("--train-iters", type=int, help="train.*.iters: every training phase")
     g.add_argument("--batch-size", type=int, help="train.*.batch_size: every training phase")

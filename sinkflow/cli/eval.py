@@ -17,7 +17,7 @@ def add_parser(sub):
                        epilog="example: sinkflow eval runs/moons-nsgf-20261122-120000 --seeds 5; "
                               "sinkflow eval runs/mnist-nsgfpp-... sample.t_shift=-0.1 sample.nsf_steps=1")
     p.add_argument("run_dir", metavar="RUN")
-    p.add_argument("overrides", nargs="*", metavar="sample.key=value",
+    p.add_argument("overrides", nargs="*", default=[], metavar="sample.key=value",
                    help="sampling settings for this evaluation only, e.g. sample.t_shift=-0.1 (the run is not changed; "
                         "the record in metrics.jsonl names them)")
     p.add_argument("--split", choices=("test", "val"), default="test",

@@ -16,7 +16,7 @@ def add_parser(sub):
                               "          sinkflow sample runs/cifar10-nsgfpp-20261122-120000 --n 50000 --out fid/",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", metavar="RUN")
-    p.add_argument("overrides", nargs="*", metavar="sample.key=value",
+    p.add_argument("overrides", nargs="*", default=[], metavar="sample.key=value",
                    help="sampling settings for this call only, e.g. sample.temperature=0.7 (the run is not changed)")
     p.add_argument("--n", type=int, default=1024, help="samples to draw (default 1024)")
     p.add_argument("--steps", type=int, help="Euler steps (default sample.steps; NSGF++: its straight flow's steps "
