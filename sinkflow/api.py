@@ -110,7 +110,7 @@ class Run:
         if n is not None:
             from sinkflow import data
 
-            data.distributions(self.cfg)[1].check_test_n(n, "n")  # a point file's held-out rows; images: 2 or more
+            data.distributions(self.cfg)[1].check_test_n(n, "n")  # a point file's held-out rows; a digit set: 2 or more
             check_sample_memory(n, self.cfg, "n", exact_w2=is_points(self.cfg))
         return evaluate(self._run, seeds=seeds, n=n, split=split)
 
