@@ -247,3 +247,21 @@ def test_nsgf_states_under_ddp_are_rank_0s_and_a_single_processs(runs_dir):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     for phase in ("nsf", "time"):
         assert torch.load(runs_dir / "ddp" / "checkpoints" / phase / "final.pt", weights_only=True)["step"] == 3
+
+
+def test_a_normalizing_flow_under_ddp_matches_a_single_process(runs_dir):
+    """`torchrun ... train flow-digits` failed on every rank at its first step: the loss asked the DDP wrapper for
+    ``log_prob``, which only the flow has. The loss now goes through ``forward``, so DDP averages the gradients:
+    2 ranks x 8 (constant-memory backprop, the custom autograd path) end where one process with batch 16 does."""
+    cwd = runs_dir.parent
+    args = ["flow-digits", "model.flow.hidden_channels=8", "model.flow.memory=invertible", "--train-iters", "3",
+            "train.flow.lr_scaling=none", "--device", "cpu", "--no-report"]
+    ddp = _torchrun(*args, "--batch-size", "8", "--name", "ddp", cwd=cwd)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    single = cli("train", *args, "--batch-size", "16", "--name", "single", cwd=cwd)
+    assert single.returncode == 0, single.stderr[-3000:]
+    a, b = (torch.load(runs_dir / name / "checkpoints" / "flow" / "final.pt", weights_only=True) for name in
+            ("ddp", "single"))
+    assert a["step"] == b["step"] == 3 and a["world_size"] == 2
+    for k in b["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5)

@@ -101,5 +101,5 @@ def flow_loss(model, x, generator: torch.Generator | None = None, n_bins: int = 
         x = x.to(param.device)
     dtype = param.dtype if param is not None else None
     z = preprocess(dequantize(x, generator, n_bins, dtype), n_bins)
-    loss = bits_per_dim(model.log_prob(z), dims, n_bins).mean()
+    loss = bits_per_dim(model(z)[1], dims, n_bins).mean()  # forward, not log_prob: a DDP-wrapped model has only it
     return loss, loss.detach()

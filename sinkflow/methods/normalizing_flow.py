@@ -60,8 +60,10 @@ def flow_batch(target, generator: torch.Generator, n: int, n_bins: int) -> torch
 
 
 def nll_bits(model, x_deq: torch.Tensor, n_bins: int) -> torch.Tensor:
-    """Mean bits/dim of a dequantised batch (``flow_loss`` with the noise already drawn)."""
-    return bits_per_dim(model.log_prob(preprocess(x_deq, n_bins)), math.prod(x_deq.shape[1:]), n_bins).mean()
+    """Mean bits/dim of a dequantised batch (``flow_loss`` with the noise already drawn). The log-likelihood comes
+    from ``model(x)`` (``FlowModel.forward``: latents, log p), not ``model.log_prob``: under torchrun the model is a
+    DistributedDataParallel wrapper, which has no ``log_prob`` and averages gradients only over its forward."""
+    return bits_per_dim(model(preprocess(x_deq, n_bins))[1], math.prod(x_deq.shape[1:]), n_bins).mean()
 
 
 # ------------------------------------------------------------------------------------------------ phase
