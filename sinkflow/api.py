@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from sinkflow import methods
@@ -70,14 +71,20 @@ class Run:
         method = methods.of(self.cfg)
         steps = _count("steps", steps, 10, "default")  # as `sinkflow sample --steps`: 0 is not "the default"
         method.check_steps(steps, "steps=")
+        require(is_whole(seed, minimum=-(2**63)), f"seed={shown(seed)} must be a whole number",
+                "e.g. seed=0 (numpy integers count)")  # np.int64 overflowed in the stream's hash, 1.5 was torch's error
+        require(qmc is None or isinstance(qmc, (bool, np.bool_)), f"qmc={shown(qmc)} must be True, False or None",
+                "e.g. qmc=True, or leave it out (None) for the run's sample.qmc")  # "yes" was taken as true
         if x0 is None:
+            from sinkflow.data.memory import check_sample_memory
             from sinkflow.eval.points import generate
 
             if n is None:
                 raise SinkflowError("sample() needs n or x0", "e.g. run.sample(1024), or run.sample(x0=noise)")
             check_sample_size(n)
-            qmc = self.cfg["sample"]["qmc"] if qmc is None else qmc
-            return generate(self._run, int(n), steps or method.default_steps(self.cfg), seed, qmc=qmc)[0]
+            check_sample_memory(int(n), self.cfg, "n")  # as `sinkflow sample --n`: not an allocator's error
+            qmc = self.cfg["sample"]["qmc"] if qmc is None else bool(qmc)
+            return generate(self._run, int(n), steps or method.default_steps(self.cfg), int(seed), qmc=qmc)[0]
         if n is not None:
             check_sample_size(n)
         shape = tuple(sample_shape(self.cfg))
@@ -101,18 +108,13 @@ class Run:
         --seeds / --n / --split: ``"val"`` scores an image run against its validation split), appended to
         metrics.jsonl as it does. The run's figures are left as training wrote them (it rewrote
         samples.png and trajectories.png, on a run opened "read only"). Checked as the command checks its flags,
-        before any work: a whole number >= 1 each (0 meant the default in silence), ``n`` within this machine's
-        memory."""
-        from sinkflow.data.memory import check_sample_memory
-        from sinkflow.eval.report import evaluate, is_points
+        before any work: a whole number >= 1 each (0 meant the default in silence), ``n`` within the split and this
+        machine's memory, and the count of every metric (``requested_evaluation``: the command's checks, in one
+        place)."""
+        from sinkflow.eval.report import evaluate, requested_evaluation
 
         seeds, n = _count("seeds", seeds, 5, "eval.seeds"), _count("n", n, 1024, "eval.n")
-        if n is not None:
-            from sinkflow import data
-
-            data.distributions(self.cfg)[1].check_test_n(n, "n")  # a point file's held-out rows; a digit set: 2 or more
-            check_sample_memory(n, self.cfg, "n", exact_w2=is_points(self.cfg))
-        return evaluate(self._run, seeds=seeds, n=n, split=split)
+        return evaluate(requested_evaluation(self._run, n, split, ("n", "split")), seeds=seeds, n=n, split=split)
 
     def scores(self) -> dict:
         """The latest evaluation's numbers as a dict (metrics.jsonl's last ``eval`` record, as ``evaluate``, `sinkflow

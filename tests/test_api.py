@@ -63,6 +63,23 @@ def test_sample_takes_none_as_the_default_and_a_whole_number_as_asked(tiny_run):
     assert run.sample(4).shape == (4, 2)
     assert run.sample(4, steps=None).shape == (4, 2)
     assert run.sample(4, steps=1).shape == (4, 2)
+    # a numpy seed is the same seed (np.int64(3) overflowed in the stream's hash, np.int32 too)
+    assert torch.equal(run.sample(4, seed=np.int64(3)), run.sample(4, seed=3))
+    assert torch.equal(run.sample(4, seed=np.int32(5)), run.sample(4, seed=5))
+    assert not torch.equal(run.sample(4, seed=3), run.sample(4, seed=5))
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"seed": 1.5}, r"seed=1\.5 must be a whole number; e\.g\. seed=0"),
+    ({"seed": "a"}, r"seed='a' must be a whole number"), ({"seed": True}, r"seed=True must be a whole number"),
+    ({"qmc": "yes"}, r"qmc='yes' must be True, False or None"),
+    ({"n": 10**13}, r"^n 10000000000000 needs about .* of memory for its samples .*; use a smaller n$")])
+def test_sample_refuses_a_bad_seed_qmc_or_n_in_one_line(tiny_run, kwargs, needle):
+    """Each was a torch or numpy error from inside the seeded draw (or an allocator's 'you tried to allocate
+    80000000000000 bytes'); "yes" was taken as true."""
+    with pytest.raises(SinkflowError, match=needle) as e:
+        sinkflow.open_run(tiny_run).sample(**{"n": 4, **kwargs})
+    _one_line(e)
 
 
 @pytest.mark.parametrize("steps", [0, -1, 1.5, True])

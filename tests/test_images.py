@@ -232,8 +232,15 @@ def test_eval_on_the_validation_split_chooses_without_the_test_split(runs_dir, t
     assert main(["eval", str(runs_dir / "v"), "--n", "1", "--seeds", "1"]) == 2  # was numpy's LinAlgError in FD-CNN
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--n 1: digits is scored by FD-CNN" in err[0] and "use --n 2 or more" in err[0]
-    with pytest.raises(SinkflowError, match="^n=1: digits is scored by FD-CNN.*use n=2 or more"):  # the API's evaluate, as the command
-        sinkflow.open_run(runs_dir / "v").evaluate(n=1, seeds=1)
+    api_run = sinkflow.open_run(runs_dir / "v")  # the API's evaluate refuses as the command does (it cut n in silence)
+    with pytest.raises(SinkflowError, match="^n=1: digits is scored by FD-CNN.*use n=2 or more"):
+        api_run.evaluate(n=1, seeds=1)
+    with pytest.raises(SinkflowError, match=f"^n={n_val + 1} images, but the validation split of digits holds {n_val}; "
+                                            f"use n={n_val} or less$"):
+        api_run.evaluate(n=n_val + 1, seeds=1, split="val")
+    n_test = len(target.test_images)
+    with pytest.raises(SinkflowError, match=f"^n={n_test + 1} images, but the held-out split of digits holds {n_test}"):
+        api_run.evaluate(n=n_test + 1, seeds=1)
     assert len((runs_dir / "v" / "metrics.jsonl").read_text().splitlines()) == lines  # nothing scored
 
 
@@ -258,6 +265,9 @@ def test_class_columns_use_eval_class_n_samples(runs_dir, tmp_path, monkeypatch)
     assert 0.0 <= result["rows"][0]["tv"] <= 1.0
     seen["clf"].clear()  # `sinkflow eval --n` is every metric's sample count: not the run's class_n as well
     assert main(["eval", str(runs_dir / "c"), "--seeds", "1", "--n", "6"]) == 0  # the run: digits' class_n 3,590
+    assert seen["clf"] == [6, 6]
+    seen["clf"].clear()  # Run.evaluate(n=6) the same (it scored the classifier columns on 3,590 a seed)
+    sinkflow.open_run(runs_dir / "c").evaluate(seeds=1, n=6)
     assert seen["clf"] == [6, 6]
     record = [json.loads(line) for line in (runs_dir / "c" / "metrics.jsonl").read_text().splitlines()][-1]
     assert (record["phase"], record["n"], record["seeds"]) == ("eval", 6, 1)  # the setting beside the scores

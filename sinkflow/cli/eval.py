@@ -31,29 +31,12 @@ def add_parser(sub):
 
 
 def run(args):
-    from sinkflow import data
-    from sinkflow.eval.report import check_eval_split, evaluate, is_points  # torch loads here: `--help` stays fast
-    from sinkflow.runtime.data_record import check_split_files
+    from sinkflow.eval.report import evaluate, requested_evaluation  # torch loads here: `--help` stays fast
     from sinkflow.runtime.run_folder import RunFolder
 
     run_ = RunFolder.open(args.run_dir, log_best_effort=True)  # a read-only run folder: scores printed, record skipped
     run_ = with_sample_overrides(run_, args.overrides, "eval", args.run_dir, {"eval.n": "--n", "eval.seeds": "--seeds"})
-    check_eval_split(run_.cfg, args.split, "--split")
-    check_split_files(run_, data.target_split_info(run_.cfg), doing="evaluate")  # before anything decodes the images
-    if args.n:  # --n 32 is a quick look: the classifier columns too (digits' class_n is 3,590 samples a seed)
-        target = data.distributions(run_.cfg)[1]
-        target.check_test_n(args.n, "--n")  # named as the user set it, before any sampling
-        held = (len(target.val_index) if args.split == "val" else len(target.test_images)) \
-            if hasattr(target, "test_images") else None
-        if held is not None and args.n > held:  # eval.n is cut to the split (the table says so); --n is a request
-            from sinkflow.errors import SinkflowError
-            which = "validation" if args.split == "val" else "held-out"
-            raise SinkflowError(f"--n {args.n} images, but the {which} split of {target.name} holds {held}",
-                                f"use --n {held} or less")
-        run_ = run_.variant(eval={"class_n": None})
-    n = args.n or run_.cfg["eval"]["n"]
-    from sinkflow.data.memory import check_sample_memory
-    check_sample_memory(n, run_.cfg, "--n" if args.n else "eval.n", exact_w2=is_points(run_.cfg))
+    run_ = requested_evaluation(run_, args.n, args.split)  # --n 32 is a quick look: the classifier columns too
     try:
         print(evaluate(run_, seeds=args.seeds, n=args.n, split=args.split))
     finally:

@@ -21,6 +21,32 @@ def is_points(cfg: dict) -> bool:
     return len(data.sample_shape(cfg)) == 1 or isinstance(data.distributions(cfg)[1], data.PointFile)
 
 
+def requested_evaluation(run, n: int | None, split: str = "test", flags: tuple[str, str] = ("--n", "--split")):
+    """What `sinkflow eval --n N --split S` and ``Run.evaluate(n=N, split=S)`` check before any work, and the run
+    view they score: the split exists and its files are the run's; ``n`` fits the target (a point file's held-out
+    rows, a digit set's 2, the split's images: the report cuts eval.n to the split, an asked-for n is refused) and
+    this machine's memory; an asked-for ``n`` is every metric's count, the classifier columns' too (not the run's
+    eval.class_n, digits' 3,590). ``flags``: how the caller names n and split (the command's, or the API's n / split)."""
+    from sinkflow.data.memory import check_sample_memory
+
+    n_flag, split_flag = flags
+    sep = " " if n_flag.startswith("-") else "="
+    check_eval_split(run.cfg, split, split_flag)
+    check_split_files(run, data.target_split_info(run.cfg), doing="evaluate")  # before anything decodes the images
+    if n:
+        target = data.distributions(run.cfg)[1]
+        target.check_test_n(n, n_flag)
+        held = (len(target.val_index) if split == "val" else len(target.test_images)) \
+            if hasattr(target, "test_images") else None
+        if held is not None and n > held:
+            which = "validation" if split == "val" else "held-out"
+            raise SinkflowError(f"{n_flag}{sep}{n} images, but the {which} split of {target.name} holds {held}",
+                                f"use {n_flag}{sep}{held} or less")
+        run = run.variant(eval={"class_n": None})
+    check_sample_memory(n or run.cfg["eval"]["n"], run.cfg, n_flag if n else "eval.n", exact_w2=is_points(run.cfg))
+    return run
+
+
 def evaluate(run, seeds: int | None = None, n: int | None = None, split: str = "test") -> str:
     """The run's method's evaluation, on the data the run recorded (a changed test split is refused first);
     ``split="val"`` scores an image run against its validation split (``check_eval_split`` says when it cannot)."""
