@@ -28,7 +28,7 @@ from sinkflow.data.atomic_write import atomic_path
 from sinkflow.errors import SinkflowError
 from sinkflow.eval import fd_cnn
 from sinkflow.eval.points import generate
-from sinkflow.eval.records import scores, setting
+from sinkflow.eval.records import image_record
 
 log = logging.getLogger(__name__)
 CLASSIFIER_SETS = data.DIGIT_SETS
@@ -419,8 +419,5 @@ def format_metrics(result: dict) -> str:
 
 def evaluate_images(run, seeds: int | None = None, n: int | None = None, split: str = "test") -> str:
     result = image_metrics(run, seeds=seeds, n=n, split=split)
-    for r in result["rows"]:
-        p = result["protocol"]
-        run.logger.log("eval", 0, {**scores(r, f"_{r['steps']}"),
-                                   **setting(run, p["n"], p["seeds"], p["class_n"], split)})
+    run.logger.log("eval", 0, image_record(run, result, split))
     return format_metrics(result)

@@ -37,3 +37,15 @@ def scores(row: dict, suffix: str = "") -> dict:
             if f"{key}_std" in row:
                 out[f"{key}_std{suffix}"] = row[f"{key}_std"]
     return out
+
+
+def image_record(run, result: dict, split: str = "test", extra: dict | None = None, by_steps: bool = True) -> dict:
+    """One evaluation, one record: every row of ``result`` (``image_metrics``'), each score suffixed by the row's
+    step count (``by_steps``; a flow's one inverse pass keeps the plain names), its setting, and ``extra`` (a flow's
+    bits/dim). The last ``eval`` record is then the whole evaluation (``Run.scores``): a record per row, and a flow's
+    bits/dim in a record of its own, had left all but the last one's numbers out of it."""
+    p = result["protocol"]
+    out = dict(extra or {})
+    for row in result["rows"]:
+        out.update(scores(row, f"_{row['steps']}" if by_steps else ""))
+    return {**out, **setting(run, p["n"], p["seeds"], p["class_n"], split)}

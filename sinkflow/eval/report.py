@@ -11,7 +11,7 @@ import sys
 
 from sinkflow import data, methods
 from sinkflow.errors import SinkflowError
-from sinkflow.eval.records import METRIC_KEYS, scores, setting  # noqa: F401 (the method's ``ev``: a flow records them)
+from sinkflow.eval.records import METRIC_KEYS, image_record, scores, setting  # noqa: F401 (the method's ``ev``)
 from sinkflow.runtime.data_record import check_split, check_split_files
 
 

@@ -307,26 +307,23 @@ class NormalizingFlow(Method):
     def evaluate(self, run, ev, seeds: int | None = None, n: int | None = None, split: str = "test") -> str:
         """``sinkflow eval`` for flows: validation (where there is one) and test bits/dim, then the image metrics of
         samples (one inverse pass). ``split="val"``: no test bits/dim, the samples scored against validation."""
-        lines = []
+        lines, bpd = [], {}  # recorded with the image metrics: one evaluation, one record (Run.scores reads it)
         if run.cfg["data"].get("val_fraction", 0) > 0:
             v = test_bpd(run, seeds=seeds, split="val")
-            run.logger.log("eval", 0, {"val_bpd": v["bpd"], "val_bpd_std": v["bpd_std"]})
+            bpd.update(val_bpd=v["bpd"], val_bpd_std=v["bpd_std"])
             lines.append(f"Validation bits/dim on {run.cfg['experiment']['preset']} (flow): {v['bpd']:.4f} +- "
                          f"{v['bpd_std']:.4f} over {v['seeds']} dequantisation draws, {v['n']} validation "
                          f"{v['target']} images (carved from the train split; model selection reads this one)")
         if split == "test":
-            r = test_bpd(run, n=n, seeds=seeds)
-            run.logger.log("eval", 0, {"test_bpd": r["bpd"], "test_bpd_std": r["bpd_std"], "n": r["n"],
-                                       "seeds": r["seeds"]})
+            r = test_bpd(run, n=n, seeds=seeds)  # its n and seeds are the image metrics' (the record's setting)
+            bpd.update(test_bpd=r["bpd"], test_bpd_std=r["bpd_std"])
             lines.append(f"Test bits/dim on {run.cfg['experiment']['preset']} (flow): {r['bpd']:.4f} +- "
                          f"{r['bpd_std']:.4f} over {r['seeds']} dequantisation draws, {r['n']} held-out "
                          f"{r['target']} images, {r['n_bins']} pixel levels")
             for name, value in PUBLISHED_BPD.get(r["target"], []) if r["n_bins"] == 256 else []:
                 lines.append(f"  published, for context: {name}: {value:.2f}")
         metrics = ev.image_metrics(run, seeds=seeds, n=n, steps_list=self.eval_steps(run.cfg), split=split)
-        for row in metrics["rows"]:  # fd_cnn and nfe too: they were printed but not recorded
-            p = metrics["protocol"]
-            run.logger.log("eval", 0, {**ev.scores(row), **ev.setting(run, p["n"], p["seeds"], p["class_n"], split)})
+        run.logger.log("eval", 0, ev.image_record(run, metrics, split, bpd, by_steps=False))  # fd_cnn and nfe too
         lines.append(f"Samples at temperature {run.cfg['sample']['temperature']} (steps = 1 inverse pass; "
                      f"{'QMC' if run.cfg['eval']['protocol'] == 'qmc' else 'i.i.d.'} prior noise, eval.protocol):")
         lines.append(ev.format_metrics(metrics))
