@@ -215,6 +215,7 @@ def test_point_file_reads_text_tables(tmp_path, name, text):
     ("csv_empty_cell_first", "line 1 holds ',0.25'"),
     ("csv_pandas_index", "line 1 holds ',0,1'; it has pandas' index column: write it with df.to_csv"),
     ("huge", "too large for float32"),
+    ("wide", "spans [0-9.]+e\\+30: squared distances between its points overflow float32"),  # the pool's inf diameter
     ("csv_few", "at least 16"),
     ("csv_empty", "holds no points"),
 ])
@@ -266,6 +267,8 @@ def test_point_file_errors(tmp_path, case, match):
         np.save(f, np.zeros((30, 0)))
     elif case == "huge":
         np.save(f, good * 1e39)
+    elif case == "wide":  # float32 values, but |x - y|^2 overflows: it failed in the pool, after the run folder
+        np.save(f, (good * 1e30).astype(np.float32))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # numpy's overflow warning printed itself before the one line
         with pytest.raises(SinkflowError, match=match) as e:

@@ -179,4 +179,10 @@ def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
     if not torch.isfinite(x).all():
         raise SinkflowError(f"point file {path} has values too large for float32",
                             "rescale the points (e.g. standardise them) before saving")
+    flat = x.reshape(len(x), -1).double()
+    squared = float((flat.amax(0) - flat.amin(0)).pow(2).sum())  # the squared diameter of the cloud
+    if squared > torch.finfo(torch.float32).max:  # the Sinkhorn cost |x - y|^2 is float32: inf, after the run folder
+        raise SinkflowError(f"point file {path} spans {squared ** 0.5:.3g}: squared distances between its points "
+                            "overflow float32 (the Sinkhorn cost |x - y|^2)",
+                            "standardise the points before saving, e.g. (points - points.mean(0)) / points.std(0)")
     return x
