@@ -147,6 +147,7 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     from sinkflow.config.render import scalar
     from sinkflow.engine.experiment import train_run
 
+    preset, runs_dir = _path(preset, "preset"), _path(runs_dir, "runs_dir")  # a .yaml file may be a Path
     seconds = _seconds(time_limit)
     short, dotted = _overrides(overrides, {"device": device, "name": name})  # name None: preset, method and time
     cfg = config.resolve(preset, [f"experiment.runs_dir={scalar(str(runs_dir))}", *dotted], short)
@@ -163,8 +164,16 @@ def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | 
 
     seconds = _seconds(time_limit)
     short, dotted = _overrides(overrides, {"device": None if device == "auto" else device})
-    return open_run(train_run(resume=Path(path), overrides=dotted, shorthands=short, device=device,
+    return open_run(train_run(resume=Path(_path(path, "path")), overrides=dotted, shorthands=short, device=device,
                               time_limit=seconds).dir)
+
+
+def _path(value, name: str) -> str:
+    """``value`` as a path string: a str or a ``pathlib.Path``, else one line (``open_run(5)`` was os.fspath's
+    TypeError, ``train(5)`` an AttributeError from the preset lookup)."""
+    require(isinstance(value, (str, os.PathLike)), f"{name}={shown(value)} is {type(value).__name__}, not a path "
+            "or name", f"pass {name} as a str or pathlib.Path")
+    return os.fspath(value)
 
 
 def _seconds(time_limit: str | float | None) -> float | None:
@@ -239,4 +248,4 @@ def open_run(path: str | Path) -> Run:
     `sinkflow eval` does; nothing else in the folder is written)."""
     from sinkflow.runtime.run_folder import RunFolder
 
-    return Run(RunFolder.open(Path(path)))
+    return Run(RunFolder.open(Path(_path(path, "path"))))

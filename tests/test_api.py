@@ -411,3 +411,26 @@ def test_scores_are_the_latest_evaluations_numbers(otcfm_run, tmp_path):
     assert f"{got[f'w2_{steps[0]}']:.3f}" in table  # the same numbers the table prints
     run.evaluate(seeds=2, n=32)
     assert run.scores()["n"] == 32  # the latest one
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda: sinkflow.train(5), "preset=5 is int, not a path or name"),
+    (lambda: sinkflow.open_run(5), "path=5 is int, not a path or name"),
+    (lambda: sinkflow.open_run(None), "path=None is NoneType, not a path or name"),
+    (lambda: sinkflow.resume(5), "path=5 is int"),
+    (lambda: sinkflow.build_flow({}, 64), "build_flow's sample_shape is 64, not a tuple of sizes"),
+    (lambda: sinkflow.build_flow(None, (1, 8, 8)), "build_flow's config is NoneType, not a dict"),
+    # points have nothing to squeeze: the fix named squeeze=true, which was set (and is ignored for vectors)
+    (lambda: sinkflow.build_flow({"levels": 2, "squeeze": True}, (2,)), "coupling needs >= 2; use 1 level\\(s\\)$")])
+def test_the_api_refuses_arguments_of_the_wrong_type_in_one_line(call, needle):
+    """Each was a raw AttributeError / TypeError from inside (os.fspath, the preset lookup, a shape unpacking)."""
+    with pytest.raises(SinkflowError, match=needle) as e:
+        call()
+    _one_line(e)
+
+
+def test_build_flow_takes_numpy_integers_as_the_api_does():
+    """``levels=np.int64(1)`` was refused ("expects int ... but got int64") where sinkflow.train takes numpy numbers."""
+    model = sinkflow.build_flow({"levels": np.int64(1), "depth_per_level": np.int32(1), "hidden_channels": 8},
+                                (np.int64(2),))
+    assert model.log_prob(torch.zeros(3, 2)).shape == (3,)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -44,7 +45,8 @@ class Constraint:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number of any type (numpy's too, as the API passes them), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy's bool is no Real
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,8 @@ class Int(_Ranged):
     type_name = "int"
 
     def coerce(self, value):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)  # numpy's as Python's: what config.yaml holds
         if isinstance(value, float) and value.is_integer():  # 1e3 parses as a float
             return int(value)
         raise TypeError

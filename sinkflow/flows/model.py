@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from sinkflow.config.schema import MODEL_KINDS, model_defaults
-from sinkflow.config.checks import is_real, shown
+from sinkflow.config.checks import is_real, is_whole, shown
 from sinkflow.data.base import check_sample_size
 from sinkflow.errors import SinkflowError, require
 from sinkflow.flows.coupling import SCALE_MAPS, AdditiveCoupling, AffineCoupling
@@ -195,8 +195,9 @@ class FlowModel(nn.Module):
 
 def _level_shapes(in_shape, levels: int, squeeze: bool):
     """(channels, H, W) after the squeeze of each level, validating divisibility."""
-    if len(in_shape) == 1:
-        c, h, w, squeeze = in_shape[0], 1, 1, False
+    vector = len(in_shape) == 1
+    if vector:
+        c, h, w, squeeze = in_shape[0], 1, 1, False  # nothing to squeeze: model.flow.squeeze is ignored
     elif len(in_shape) == 3:
         c, h, w = in_shape
     else:
@@ -211,8 +212,8 @@ def _level_shapes(in_shape, levels: int, squeeze: bool):
                     f"use fewer levels or a size divisible by 2**levels ({2 ** levels})")
             c, h, w = 4 * c, h // 2, w // 2
         require(c >= 2, f"flow level {i} has {c} channel(s); coupling needs >= 2",
-                "set model.flow.squeeze=true (the squeeze makes 4 channels of each)" if not squeeze else
-                f"use {i} level(s)" if i else "give the data 2 or more channels")
+                "set model.flow.squeeze=true (the squeeze makes 4 channels of each)" if not (squeeze or vector) else
+                f"use {i} level(s)" if i else f"give the data 2 or more {'coordinates' if vector else 'channels'}")
         shapes.append((c, h, w))
         if i < levels - 1:
             c = c - c // 2
@@ -281,9 +282,16 @@ FLOW_DEFAULTS = {k: v for k, v in model_defaults("flow").items() if k != "n_bins
 
 
 def build_flow(cfg: dict, sample_shape) -> FlowModel:
-    """Build a flow from a plain config dict (keys and defaults: :data:`FLOW_DEFAULTS`)."""
+    """Build a flow from a plain config dict (keys and defaults: :data:`FLOW_DEFAULTS`) for samples shaped
+    ``sample_shape`` ((C, H, W) or (D,), a tuple or list of whole numbers; numpy's count)."""
     from sinkflow.config import check_value
 
+    require(isinstance(cfg, dict), f"build_flow's config is {type(cfg).__name__}, not a dict",
+            "pass a dict of flow keys, e.g. {'levels': 2} ({} for the defaults)")
+    require(isinstance(sample_shape, (tuple, list)) and all(is_whole(s) for s in sample_shape),
+            f"build_flow's sample_shape is {shown(sample_shape)}, not a tuple of sizes",
+            "pass the per-sample shape, e.g. (1, 28, 28) for images or (2,) for points")
+    sample_shape = tuple(int(s) for s in sample_shape)
     unknown = sorted(set(cfg) - set(FLOW_DEFAULTS))
     if unknown:
         raise SinkflowError(f"unknown flow config key(s) {unknown}", f"valid keys: {sorted(FLOW_DEFAULTS)}")
