@@ -254,6 +254,8 @@ def test_out_of_memory_advice_doubles_accum_and_keeps_the_batch():
     (["--gpu-mem", "-3"], "--gpu-mem must be a positive number of GiB, got -3"),
     (["--world", "0"], "--world must be >= 1, got 0"),
     (["--world", "-2"], "--world must be >= 1, got -2"),
+    (["--gpu", "T4", "--fit", "--no-memory"], "--gpu / --fit act on the memory estimate, which --no-memory skips"),
+    (["--all"], "--all checks every preset, so the preset 'moons' beside it would be ignored"),  # both were ignored
 ])
 def test_bad_preflight_arguments_are_one_line_before_any_work(capsys, monkeypatch, argv, needle):
     """A NaN card size used to end in a traceback, --gpu-mem 0 was ignored in silence, a negative one gave absurd

@@ -6,7 +6,7 @@ import argparse
 import math
 
 from sinkflow import config
-from sinkflow.cli.common import add_config_args, shorthands, split_preset
+from sinkflow.cli.common import add_config_args, preset_given, shorthands, split_preset
 from sinkflow.errors import SinkflowError
 
 
@@ -74,6 +74,14 @@ def check_args(args) -> None:
     if args.world < 1:
         raise SinkflowError(f"--world must be >= 1, got {args.world}",
                             "give the number of processes (GPUs) the run will use, e.g. --world 4 (default 1)")
+    memory_flags = [f for f, on in (("--gpu", args.gpu is not None), ("--gpu-mem", args.gpu_mem is not None),
+                                    ("--fit", args.fit)) if on]
+    if args.no_memory and memory_flags:  # each was ignored in silence
+        raise SinkflowError(f"{' / '.join(memory_flags)} act on the memory estimate, which --no-memory skips",
+                            f"drop --no-memory, or {' and '.join(memory_flags)}")
+    if args.all and preset_given(args):
+        raise SinkflowError(f"--all checks every preset, so the preset '{args.preset}' beside it would be ignored",
+                            f"drop '{args.preset}' or --all")
 
 
 def run(args):
