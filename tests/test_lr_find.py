@@ -105,6 +105,17 @@ def test_plot_and_write(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     write_lr(cfg, "train.velocity.lr", 3e-4)
     assert "0.0003" in cfg.read_text()
+    from sinkflow import config
+
+    # a new file from a sweep is the swept recipe with the rate: `train new.yaml` trained the schema's defaults
+    # (preset "new", nsgf.time flow) with the rate measured on moons
+    swept = config.resolve("moons", ["experiment.name=from-a-run"])
+    write_lr(tmp_path / "new.yaml", "train.velocity.lr", 3e-4, "velocity", swept)
+    got = config.resolve(str(tmp_path / "new.yaml"))
+    want = config.resolve("moons", ["train.velocity.lr=0.0003"])
+    assert got["train"]["velocity"]["lr"] == 3e-4 and got["experiment"]["name"] is None  # a folder of its own
+    assert {k: v for k, v in config.flatten(got).items() if k != "experiment.preset"} == \
+        {k: v for k, v in config.flatten(want).items() if k != "experiment.preset"}
 
 
 def test_lr_find_cli_on_a_run_writes_the_config_of_an_unfinished_phase(runs_dir):

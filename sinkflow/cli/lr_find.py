@@ -83,6 +83,6 @@ def run(args):
             raise SinkflowError("the sweep gave no suggestion, nothing written",
                                 "widen --start-lr/--end-lr or raise --steps")
         lr = res.suggestions[args.choose]
-        where = write_lr(Path(args.write), f"train.{phase.task.model_key}.lr", lr, phase.task.name)
+        where = write_lr(Path(args.write), f"train.{phase.task.model_key}.lr", lr, phase.task.name, swept_cfg)
         print(f"  wrote train.{phase.task.model_key}.lr={lr:.3g} ({args.choose}) to {where}")
     return 0

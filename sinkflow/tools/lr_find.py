@@ -319,9 +319,11 @@ def refuse_finished_phase(run_dir: Path, key: str, phase: str | None = None) -> 
                             f"drop --write, or start a new run with {key}=RATE (the rates are printed without it)")
 
 
-def write_lr(target: Path, key: str, lr: float, phase: str | None = None) -> Path:
+def write_lr(target: Path, key: str, lr: float, phase: str | None = None, swept: dict | None = None) -> Path:
     """Write ``key=lr`` into a run folder's config.yaml (type-checked, under the run's lock, refused when the
-    phase has finished: ``refuse_finished_phase``) or a YAML config file (``write_target``)."""
+    phase has finished: ``refuse_finished_phase``) or a YAML config file (``write_target``). A config file that does
+    not exist yet is written whole: ``swept`` (the config the sweep ran) with the rate, so `sinkflow train FILE`
+    trains the recipe the rate was measured on (the rate alone trained the schema's defaults, another recipe)."""
     import yaml
 
     from sinkflow import config as config_mod
@@ -346,6 +348,12 @@ def write_lr(target: Path, key: str, lr: float, phase: str | None = None) -> Pat
             steps = PhaseCheckpoints(target / "checkpoints" / phase).steps()  # where a resume continues it
             record_changes(target, [(key, old, float(lr), phase, steps[-1][0] if steps else 0)])
         return path
+    if swept is not None and not target.exists():
+        tree = copy.deepcopy(swept)
+        config_mod.set_key(tree, key, float(lr))
+        tree["experiment"]["name"] = None  # swept from a run: a run of this file gets a folder of its own
+        target.write_text(config_mod.dump(tree))
+        return target
     try:
         tree = yaml.safe_load(target.read_text()) if target.is_file() else {}
     except yaml.YAMLError:
