@@ -154,6 +154,8 @@ def test_ddp_matches_single_process_and_resumes_on_fewer(runs_dir):
     finally:
         stopped = _finish(proc, 120)
     assert stopped.stderr.count("stopped by signal 15 in phase 'velocity'") == 1, stopped.stderr[-3000:]
+    assert f"resume with `torchrun --nproc_per_node 2 -m sinkflow train --resume {grown}" in stopped.stderr  # (it
+    # named `sinkflow train --resume`: one process)
     assert "terminate called" not in stopped.stderr, stopped.stderr[-3000:]
     # torchrun reports any non-zero exit of its workers as a failure: every rank's is 128+15, none killed or aborted
     assert re.findall(r"exitcode\s+: (-?\d+) \(pid", stopped.stderr) == ["143", "143"], stopped.stderr[-3000:]

@@ -127,12 +127,15 @@ def main(argv: list[str] | None = None) -> int:
 
         # under torchrun every rank stopped at the same step: they leave together and exit like one process
         # would, and rank 0 says so once
-        if dist.leave_after_stop().is_main:
+        info = dist.leave_after_stop()
+        if info.is_main:
             where = getattr(exc, "run_dir", None) or getattr(args, "run_dir_used", "RUN")
             skip = " --no-report" if getattr(args, "no_report", False) else ""  # resumed as it was started
             if getattr(args, "time_limit", None) is not None:  # the next session has a limit too
                 skip += f" --time-limit {args.time_limit}"
-            print(f"sinkflow: {exc}; resume with `sinkflow train --resume {where}{skip}`",
+            # launched as it was (another process count also resumes: the lr follows train.*.lr_scaling)
+            launch = f"torchrun --nproc_per_node {info.world} -m sinkflow" if info.enabled else "sinkflow"
+            print(f"sinkflow: {exc}; resume with `{launch} train --resume {where}{skip}`",
                   file=sys.stderr)
         return exc.exit_status
     finally:
