@@ -748,3 +748,17 @@ def test_an_unknown_data_spec_lists_every_point_file_type(tmp_path, monkeypatch)
         build_distribution("pts.json", data_cfg={})
     with pytest.raises(SinkflowError, match="did you mean 'moons'"):
         build_distribution("moon", data_cfg={})
+
+
+def test_a_point_file_of_one_repeated_point_is_said_once_read(tmp_path, caplog):
+    """200 identical rows trained and reported a W2 without a word; a spread cloud says nothing."""
+    from sinkflow.data.points import load_points
+
+    np.save(tmp_path / "same.npy", np.tile(np.array([[1.5, -2.0]], np.float32), (200, 1)))
+    np.save(tmp_path / "spread.npy", np.random.default_rng(0).normal(size=(200, 2)).astype(np.float32))
+    with caplog.at_level(logging.WARNING, logger="sinkflow"):
+        load_points(str(tmp_path / "spread.npy"))
+        assert not caplog.records
+        load_points(str(tmp_path / "same.npy"))
+    (said,) = caplog.records
+    assert "all 200 rows are the same point (1.5, -2): the distribution is a single point" in said.getMessage()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 
 import numpy as np
@@ -15,6 +16,8 @@ MIN_POINT_ROWS = 16
 NPY_MAGIC = b"\x93NUMPY"
 POINT_SUFFIXES = (".npy", ".csv", ".tsv", ".txt")
 DELIMITERS = {".csv": ",", ".tsv": "\t", ".txt": None}  # None: any whitespace
+
+log = logging.getLogger(__name__)
 
 
 def load_table(path: str, binary: bool = False) -> np.ndarray:
@@ -185,4 +188,7 @@ def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
         raise SinkflowError(f"point file {path} spans {squared ** 0.5:.3g}: squared distances between its points "
                             "overflow float32 (the Sinkhorn cost |x - y|^2)",
                             "standardise the points before saving, e.g. (points - points.mean(0)) / points.std(0)")
+    if squared == 0:  # trains and scores without a word otherwise: a W2 against one point says little
+        log.warning("point file %s: all %d rows are the same point (%s): the distribution is a single point",
+                    path, len(x), ", ".join(f"{v:.4g}" for v in flat[0].tolist()[:4]))
     return x
