@@ -217,6 +217,7 @@ def test_point_file_reads_text_tables(tmp_path, name, text):
     ("huge", "too large for float32"),
     ("wide", "spans [0-9.]+e\\+30: squared distances between its points overflow float32"),  # the pool's inf diameter
     ("csv_few", "at least 16"),
+    ("csv_trailing_comma", "line 2 ends with a delimiter \\(an empty last column\\); drop the trailing delimiter"),
     ("csv_empty", "holds no points"),
 ])
 def test_point_file_errors(tmp_path, case, match):
@@ -255,6 +256,8 @@ def test_point_file_errors(tmp_path, case, match):
             lines = [",0,1", *(f"{i},{a},{b}" for i, (a, b) in enumerate(good))]
         elif case == "csv_few":
             lines = lines[:6]
+        elif case == "csv_trailing_comma":  # "not a table of numbers: line 2 holds '...,'" named no cause
+            lines = ["x,y", *(f"{a},{b}," for a, b in good)]
         elif case == "csv_empty":
             lines = ["x,y"]
         f.write_text("\n".join(lines) + "\n")
@@ -762,3 +765,12 @@ def test_a_point_file_of_one_repeated_point_is_said_once_read(tmp_path, caplog):
         load_points(str(tmp_path / "same.npy"))
     (said,) = caplog.records
     assert "all 200 rows are the same point (1.5, -2): the distribution is a single point" in said.getMessage()
+
+
+def test_a_fully_quoted_csv_reads_as_its_numbers(tmp_path):
+    """pandas' quoting=csv.QUOTE_ALL writes "0.5","0.25": it was refused as "not a table of numbers"."""
+    from sinkflow.data.points import load_points
+
+    good = np.random.default_rng(0).normal(size=(40, 2))
+    (tmp_path / "q.csv").write_text('"x","y"\n' + "".join(f'"{float(a)!r}","{float(b)!r}"\n' for a, b in good))
+    np.testing.assert_allclose(load_points(str(tmp_path / "q.csv")).numpy(), good.astype(np.float32))

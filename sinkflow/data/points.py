@@ -36,7 +36,8 @@ def load_table(path: str, binary: bool = False) -> np.ndarray:
             lines = [(n, line.split("#")[0].strip()) for n, line in enumerate(f, 1)]
     except UnicodeDecodeError:
         raise SinkflowError(f"point file {path} is not a text file", fix) from None
-    lines = [(n, text.split(delimiter)) for n, text in lines if text]
+    # a quoted cell ("0.5", csv.QUOTE_ALL / pandas' quoting=1) is its value: the quotes are the CSV's, not the number's
+    lines = [(n, [v.strip().strip('"') for v in text.split(delimiter)]) for n, text in lines if text]
     if lines and not any(is_number(v) for v in lines[0][1]):
         lines = lines[1:]  # a first line of column names
     if not lines:
@@ -47,6 +48,10 @@ def load_table(path: str, binary: bool = False) -> np.ndarray:
             rows.append([float(v) for v in fields])
         except ValueError:
             index = n == first and fields == ["", *map(str, range(len(fields) - 1))]  # pandas' ",0,1" header
+            if len(fields) > 1 and fields[-1] == "" and all(is_number(v) for v in fields[:-1]):
+                raise SinkflowError(f"point file {path}: line {n} ends with a delimiter (an empty last column)",
+                                    "drop the trailing delimiter on every line, e.g. write the file with "
+                                    "numpy.savetxt(path, points, delimiter=',')") from None
             raise SinkflowError(f"point file {path} is not a table of numbers: line {n} holds "
                                 f"{(delimiter or ' ').join(fields)!r}",
                                 "it has pandas' index column: write it with df.to_csv(path, index=False, "
