@@ -545,3 +545,31 @@ def test_bf16_asked_for_a_card_without_bf16_tensor_cores_is_named():
         bf16_check(report, config.resolve("digits", overrides), card)
         assert [c.name for c in report.checks if c.ok is False] == failed, (card, overrides)
         assert all(named[overrides[0]] in c.detail and "use fp16" in c.detail for c in report.checks)
+
+
+def test_a_preflight_stopped_by_sigterm_removes_its_scratch_run(tmp_path):
+    """`timeout 60 sinkflow preflight ...` killed it where it stood and left /tmp/sinkflow-preflight-*: outside
+    training a SIGTERM now unwinds as Ctrl+C does, in one line, exit status 143."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1", "SINKFLOW_PROGRESS": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "sinkflow", "preflight", "moons", "--no-memory"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):  # up to 60 s for torch to load and the scratch run to be made
+            if list(tmp_path.glob("sinkflow-preflight-*")) or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert err.strip().splitlines()[-1] == "sinkflow: preflight stopped by signal 15" and "Traceback" not in err
+    assert not list(tmp_path.glob("sinkflow-preflight-*"))  # removed on the way out

@@ -19,7 +19,7 @@ import sys
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from sinkflow.errors import SinkflowError
-from sinkflow.runtime.signals import Interrupted
+from sinkflow.runtime.signals import Interrupted, unwind_on_sigterm
 
 COMMANDS = ["train", "sample", "eval", "tune", "config", "presets", "preflight", "doctor", "lr_find", "status", "bench"]
 
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         from sinkflow.cli.common import check_counts
 
         check_counts(args)  # --n, --steps, --seeds of every command: one place, one line
-        with bars_above_logs():
+        unwind = contextlib.nullcontext() if args.command == "train" else unwind_on_sigterm()  # train: graceful_stop
+        with bars_above_logs(), unwind:
             return args.func(args) or 0
     except SinkflowError as exc:
         if not (exc.every_rank and os.environ.get("RANK", "0") != "0"):  # torchrun: one line, not one per rank
@@ -118,10 +119,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # a second Ctrl+C or SIGTERM means "now": no step checkpoint, no traceback wall
-        hint = (f": the checkpoints written before are intact; resume with `sinkflow train --resume "
-                f"{getattr(args, 'run_dir_used', None) or 'RUN'}`" if args.command == "train" else "")
-        print(f"sinkflow: stopped at once by a second signal{hint}", file=sys.stderr)
-        return 128 + getattr(exc, "signum", signal.SIGINT)  # StopNow's; a Ctrl+C outside a run is SIGINT's
+        signum = getattr(exc, "signum", signal.SIGINT)  # StopNow's; a Ctrl+C outside a run is SIGINT's
+        if args.command == "train":
+            print(f"sinkflow: stopped at once by a second signal: the checkpoints written before are intact; resume "
+                  f"with `sinkflow train --resume {getattr(args, 'run_dir_used', None) or 'RUN'}`", file=sys.stderr)
+        else:  # one signal stops any other command, its temporary files removed on the way out
+            print(f"sinkflow: {args.command} stopped by signal {signum}", file=sys.stderr)
+        return 128 + signum
     except Interrupted as exc:
         from sinkflow.runtime import dist
 

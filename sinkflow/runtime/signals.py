@@ -73,6 +73,25 @@ def _handler(signum, frame):
     _requested.append(signum)
 
 
+def _stop_now(signum, frame):
+    raise StopNow(signum)
+
+
+@contextlib.contextmanager
+def unwind_on_sigterm():
+    """Outside training (preflight, lr-find, bench, eval ...), a SIGTERM stops at once as Ctrl+C does, by unwinding
+    (``StopNow``): temporary folders and the run lock are released on the way out. SIGTERM's default ends the process
+    where it stands: a preflight stopped by `timeout` left its scratch run under /tmp. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _stop_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 @contextlib.contextmanager
 def graceful_stop(deadline: float | None = None):
     """Install the handlers for the duration of a run (main thread only) and the ``time.monotonic()``
