@@ -211,7 +211,7 @@ def check_value(name: str, spec: Key, value: Any) -> Any:
         out = spec.rule.coerce(value)
     except TypeError:
         non_finite = isinstance(value, str) and value.strip().lstrip("+-").lower() in ("nan", "inf", "infinity")
-        if schema._is_number(value) and not math.isfinite(value) or non_finite:  # "got float nan" said nothing
+        if schema.is_number(value) and not math.isfinite(value) or non_finite:  # "got float nan" said nothing
             raise SinkflowError(f"config key '{name}' must be a finite number (got {value!r})",
                                 f"e.g. {name}={_yaml(_example(spec))}") from None
         if isinstance(spec.rule, schema.ListOf) and isinstance(value, list):  # name the element that is not one

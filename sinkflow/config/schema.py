@@ -44,7 +44,7 @@ class Constraint:
         return self.type_name
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     """A real number of any type (numpy's too, as the API passes them), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy's bool is no Real
 
@@ -98,7 +98,7 @@ class Float(_Ranged):
     type_name = "float"
 
     def coerce(self, value):
-        if _is_number(value) and math.isfinite(value):
+        if is_number(value) and math.isfinite(value):
             return float(value)
         raise TypeError
 
@@ -124,7 +124,7 @@ class Real(Float):
     type_name = "number"
 
     def coerce(self, value):
-        if _is_number(value) and math.isfinite(value):
+        if is_number(value) and math.isfinite(value):
             return value
         raise TypeError
 
@@ -162,7 +162,7 @@ class Str(Constraint):
     def coerce(self, value):
         if isinstance(value, str):
             return value
-        if _is_number(value):  # experiment.name=2024 is a name, not a number
+        if is_number(value):  # experiment.name=2024 is a name, not a number
             return str(value)
         raise TypeError
 
