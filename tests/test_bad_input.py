@@ -192,8 +192,8 @@ def test_a_run_name_that_is_a_path_is_refused_before_any_folder(tmp_path, monkey
     ("digits", ["model.velocity.num_head_channels=5"], "not divisible by num_head_channels=5; change model.velocity."),
     ("moons", ["pool.batch_size=1"], "config key 'pool.batch_size' must be >= 2"),
     ("digits", ["eval.n=1", "eval.class_n=1"], "eval.n=1: digits is scored by FD-CNN, a Fréchet distance")])
-def test_a_network_or_count_the_data_cannot_serve_is_refused_before_the_pool_is_built(tmp_path, monkeypatch, capsys, preset,
-                                                                             overrides, needle):
+def test_a_network_or_count_the_data_cannot_serve_is_refused_before_the_pool_is_built(
+        tmp_path, monkeypatch, capsys, preset, overrides, needle):
     """A UNet on 2D points, heads that do not divide its widths: each phase's network was first built when its
     phase started, after the run folder and the pool (hours on CIFAR-10), or after a whole velocity phase for the
     NSF's. Every network is built on the meta device before anything is written, its error naming the key to set.

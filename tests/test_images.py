@@ -274,8 +274,9 @@ def test_class_columns_use_eval_class_n_samples(runs_dir, tmp_path, monkeypatch)
     assert any(k.startswith("fd_cnn_") for k in record)
     spreads = {k.rpartition("_")[0] for k in record if "_std_" in k}  # each score's spread over seeds beside it
     assert spreads == {"w2_std", "tv_std", "confidence_std", "fd_cnn_std"} and "class_n" not in record  # n: both
-    two = RunFolder.open(runs_dir / "c", ["eval.steps=[1, 2]", "eval.class_n=null"])  # one evaluation, one record: every step count's
-    images.evaluate_images(two, seeds=1, n=6)  # scores (a record per row: Run.scores held the last row's only)
+    # one evaluation, one record: every step count's scores (a record per row: Run.scores held the last row's only)
+    two = RunFolder.open(runs_dir / "c", ["eval.steps=[1, 2]", "eval.class_n=null"])
+    images.evaluate_images(two, seeds=1, n=6)
     two.logger.close()
     got = sinkflow.open_run(runs_dir / "c").scores()
     assert all(f"fd_cnn_{k}" in got and f"w2_{k}" in got for k in (1, 2)) and got["n"] == 6, got

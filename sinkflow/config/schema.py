@@ -340,8 +340,7 @@ SINKHORN = {
 
 POOL_KEYS = {
     "batches": Key(200, POS_INT, "pool batches (independent trajectories of batch_size particles)"),
-    "batch_size": Key(256, Int(lo=2), "particles per pool batch = the Sinkhorn batch (a Sinkhorn problem needs at "
-                      "least 2 points a side)"),
+    "batch_size": Key(256, Int(lo=2), "particles per pool batch = the Sinkhorn batch (>= 2 points a side)"),
     "steps": Key(100, POS_INT, "T Euler steps per trajectory"),
     "eta": Key(0.02, POS_FLOAT, "Euler step size of the Sinkhorn flow"),
     "eta_growth": Key(0.0, NONNEG_FLOAT, "incremental schedule's rate r: eta_k = eta*exp(r(k-T)/T) "

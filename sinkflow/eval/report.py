@@ -26,7 +26,7 @@ def requested_evaluation(run, n: int | None, split: str = "test", flags: tuple[s
     view they score: the split exists and its files are the run's; ``n`` fits the target (a point file's held-out
     rows, a digit set's 2, the split's images: the report cuts eval.n to the split, an asked-for n is refused) and
     this machine's memory; an asked-for ``n`` is every metric's count, the classifier columns' too (not the run's
-    eval.class_n, digits' 3,590). ``flags``: how the caller names n and split (the command's, or the API's n / split)."""
+    eval.class_n, digits' 3,590). ``flags``: how the caller names n and split (the command's, or the API's)."""
     from sinkflow.data.memory import check_sample_memory
 
     n_flag, split_flag = flags
