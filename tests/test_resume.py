@@ -187,6 +187,32 @@ def test_a_resume_inside_a_logging_window_logs_the_uninterrupted_losses(tmp_path
     events.Reload()
     assert [(e.step, round(e.value, 5)) for e in events.Scalars("velocity/loss")] == \
         [(s, round(v, 5)) for s, v in losses(whole)]
+    # what was set aside is kept, not deleted: the records past the step-3 checkpoint the resume logged again
+    aside = [json.loads(x) for x in (resumed / "metrics.rewound.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in aside if r["phase"] == "velocity" and "loss" in r] == [5, 10]
+    assert "training from step 3; the" in out.stderr and "moved to metrics.rewound.jsonl" in out.stderr
+
+    # checkpoints/ deleted: the phase starts over at 0, saying so, and its whole history is set aside, not wiped
+    # (the old metrics.jsonl was rewritten with none of it); a partial last line (a kill mid-write) stays its own line
+    gone = tmp_path / "runs" / "gone"
+    shutil.copytree(whole, gone)
+    shutil.rmtree(gone / "checkpoints" / "velocity")
+    (gone / "status.json").unlink(missing_ok=True)
+    text = (gone / "metrics.jsonl").read_text()
+    (gone / "metrics.jsonl").write_text(text + '{"time": 1, "phase": "velocity", "st')  # cut mid-record
+    out = cli("train", "--resume", str(gone), "--no-report", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "velocity: no step checkpoint found: training again from step 0; the" in out.stderr, out.stderr[-2000:]
+    aside = [json.loads(x) for x in (gone / "metrics.rewound.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in aside if "loss" in r] == [5, 10]
+    lines = (gone / "metrics.jsonl").read_text().splitlines()
+    assert '{"time": 1, "phase": "velocity", "st' in lines  # the cut line alone, every new record parses
+    assert losses_of(lines) == losses(whole)
+
+
+def losses_of(lines):
+    rows = [json.loads(x) for x in lines if x.startswith("{") and x.endswith("}")]
+    return [(r["step"], r["loss"]) for r in rows if r.get("phase") == "velocity" and "loss" in r]
 
 
 def test_a_stop_inside_a_pool_chunk_leaves_it_and_a_second_signal_is_one_line(tmp_path, monkeypatch, capsys):

@@ -447,7 +447,12 @@ class Trainer:
             if self.info.is_main:  # status may show a later step: what a killed process did past its checkpoint
                 log.info("%s: resuming from step %d of %d (%s)", self.name, self.step, self.cfg["iters"],
                          ckpts.steps()[-1][1].name)
-        run.logger.rewind(self.name, self.step)  # what a killed process logged past this step is dropped
+        moved = run.logger.rewind(self.name, self.step)  # what a killed process logged past this step, set aside
+        if moved and self.info.is_main:  # no checkpoint at all (deleted?): the phase starts over, and says so
+            (log.info if latest is not None else log.warning)(
+                "%s: %s from step %d; the %d records logged past it (to step %d) are moved to metrics.rewound.jsonl",
+                self.name, "training" if latest is not None else "no step checkpoint found: training again",
+                self.step, len(moved), max(r["step"] for r in moved))
         iters, ckpt_every = self.cfg["iters"], self.cfg["ckpt_every"]
         tick, tick_step = time.perf_counter(), self.step
         n_global = self.cfg["batch_size"] * self.info.world

@@ -39,7 +39,11 @@ class MetricsLogger:
     def jsonl(self):
         if self._jsonl is None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+            path = self.run_dir / "metrics.jsonl"
+            cut = path.is_file() and path.stat().st_size > 0 and _last_byte(path) != b"\n"
+            self._jsonl = open(path, "a", buffering=1)
+            if cut:  # a killed writer's partial last line stays a line of its own: a record joined to it was lost
+                self._jsonl.write("\n")
         return self._jsonl
 
     def tb(self, phase: str):
@@ -50,29 +54,34 @@ class MetricsLogger:
             self._tbs[phase] = SummaryWriter(str(self.run_dir / "tb" / phase), purge_step=self._purge.pop(phase, None))
         return self._tbs[phase]
 
-    def rewind(self, phase: str, step: int) -> None:
-        """``phase`` (re)starts at ``step`` (its checkpoint's): drop what a killed process logged for it after that
-        step, so each step is logged once. metrics.jsonl is rewritten without those records (atomically); the
-        phase's TensorBoard events past ``step`` are purged (``SummaryWriter(purge_step=)``, TensorBoard's own way
-        of hiding a crashed run's tail). A kill -9 after step 250 and a resume from the step-210 checkpoint logged
-        step 250 twice, with different values."""
+    def rewind(self, phase: str, step: int) -> list[dict]:
+        """``phase`` (re)starts at ``step`` (its checkpoint's): move what a killed process logged for it after that
+        step out of metrics.jsonl, so each step is logged once there. The moved records are appended to
+        metrics.rewound.jsonl, never deleted (with its checkpoints gone a phase restarts at 0: its whole history had
+        been dropped), and returned; metrics.jsonl is rewritten without them (atomically); the phase's TensorBoard
+        events past ``step`` are purged (``SummaryWriter(purge_step=)``, TensorBoard's own way of hiding a crashed
+        run's tail). A kill -9 after step 250 and a resume from the step-210 checkpoint logged step 250 twice."""
         if not self.enabled:
-            return
+            return []
         path = self.run_dir / "metrics.jsonl"
         try:
             lines = path.read_text().splitlines(keepends=True)
         except FileNotFoundError:
-            return
+            return []
         keep = [line for line in lines if not _logged_after(line, phase, step)]
         if len(keep) == len(lines):
-            return
+            return []
+        moved = [line for line in lines if _logged_after(line, phase, step)]
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        with open(self.run_dir / "metrics.rewound.jsonl", "a") as f:  # first: a crash between the two loses nothing
+            f.write("".join(line if line.endswith("\n") else line + "\n" for line in moved))
         atomic_write_text(path, "".join(keep))
         self._purge[phase] = step + 1
         if phase in self._tbs:
             self._tbs.pop(phase).close()
+        return [json.loads(line) for line in moved]
 
     def log(self, phase: str, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
@@ -126,6 +135,12 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1)
 
 
 def _logged_after(line: str, phase: str, step: int) -> bool:
