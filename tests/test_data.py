@@ -774,3 +774,21 @@ def test_a_fully_quoted_csv_reads_as_its_numbers(tmp_path):
     good = np.random.default_rng(0).normal(size=(40, 2))
     (tmp_path / "q.csv").write_text('"x","y"\n' + "".join(f'"{float(a)!r}","{float(b)!r}"\n' for a, b in good))
     np.testing.assert_allclose(load_points(str(tmp_path / "q.csv")).numpy(), good.astype(np.float32))
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda d: {**d, "labels": d["labels"][:1]}, "data_batch_2 holds 3 images but 1 labels"),
+    (lambda d: {**d, "data": (d["data"] / 255.0).astype(np.float32)}, "data_batch_2 holds float32 pixels, not uint8")])
+def test_a_cifar10_batch_that_does_not_fit_is_one_line_naming_it(tmp_path, damage, needle):
+    """Labels fewer than images: a traceback from the cache's own check, on every later run too (the cache files
+    were left); float pixels in [0, 1]: cast to uint8 in silence, 8 black images. Nothing is cached either way."""
+    make_cifar(tmp_path)
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_2"
+    with open(path, "rb") as fh:
+        entry = pickle.load(fh)
+    with open(path, "wb") as fh:
+        pickle.dump(damage(entry), fh)
+    with pytest.warns(UserWarning, match="official checksums"), pytest.raises(SinkflowError, match=needle) as e:
+        build_distribution("cifar10", data_cfg=cfg(tmp_path))
+    assert "replace it with the file of the official cifar-10-python.tar.gz" in one_line(e)
+    assert not list(tmp_path.rglob("cifar10-train*.npy"))

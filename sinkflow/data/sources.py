@@ -330,8 +330,17 @@ def read_cifar10_batches(folder: Path, files: list[str]) -> tuple[np.ndarray, np
     for name in files:
         with open(Path(folder) / name, "rb") as fh:
             entry = _ArrayUnpickler(fh, encoding="latin1").load()
-        datas.append(np.asarray(entry["data"], dtype=np.uint8))
-        labels.extend(entry["labels"] if "labels" in entry else entry["fine_labels"])
+        data = np.asarray(entry["data"])
+        batch_labels = entry["labels"] if "labels" in entry else entry["fine_labels"]
+        fix = "replace it with the file of the official cifar-10-python.tar.gz"
+        if data.dtype != np.uint8:  # float pixels in [0, 1] were cast to black images, values past 255 wrapped
+            raise SinkflowError(f"CIFAR-10 file {Path(folder) / name} holds {data.dtype} pixels, not uint8 (0-255)",
+                                fix)
+        if len(batch_labels) != len(data):  # a traceback from the cache's own check, on every later run too
+            raise SinkflowError(f"CIFAR-10 file {Path(folder) / name} holds {len(data)} images but "
+                                f"{len(batch_labels)} labels", fix)
+        datas.append(data)
+        labels.extend(batch_labels)
     data = np.vstack(datas).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
     return data, np.asarray(labels, dtype=np.int64)
 
@@ -380,6 +389,8 @@ class CIFAR10Source(ArraySource):
                 warnings.warn(f"CIFAR-10 files in {self.folder} do not match the official checksums; "
                               "loading them as they are (numbers and arrays only, never code)", stacklevel=2)
                 return read_cifar10_batches(self.folder, self.FILES[split])
+        except SinkflowError:  # a batch's own problem, named with its file
+            raise
         except Exception as e:
             raise SinkflowError(f"CIFAR-10 files in {self.folder} cannot be read ({type(e).__name__}: {e})",
                                 "replace them with the files of the official cifar-10-python.tar.gz") from None
