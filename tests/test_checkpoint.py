@@ -34,8 +34,17 @@ def test_truncated_checkpoint_is_a_clear_error(tmp_path):
     atomic_save({"format": 1, "w": torch.randn(1000)}, path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(SinkflowError, match="corrupt or truncated"):
+    with pytest.raises(SinkflowError, match="corrupt or truncated.*run this phase again from its start .it has no "
+                                            "earlier checkpoint."):
+        load(path)  # nothing before it: deleting it retrains the phase (it said "the previous checkpoint")
+    for step in (5, 20):  # an earlier and a later one beside it: the earlier is named
+        atomic_save({"format": 1}, tmp_path / f"step_{step:08d}.pt")
+    with pytest.raises(SinkflowError, match=r"delete it to resume from the previous checkpoint \(step_00000005.pt\)"):
         load(path)
+    final = tmp_path / "final.pt"  # final.pt's previous checkpoint: the newest step
+    final.write_bytes(data[: len(data) // 2])
+    with pytest.raises(SinkflowError, match=r"previous checkpoint \(step_00000020.pt\)"):
+        load(final)
 
 
 def test_foreign_file_is_rejected(tmp_path):

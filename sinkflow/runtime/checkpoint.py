@@ -85,13 +85,29 @@ def load(path: Path, map_location="cpu") -> dict:
                 "was refused (loading it could run code)",
                 "use only checkpoints this sinkflow wrote for this run (checkpoints of sinkflow before format 2 "
                 "pickled numpy RNG states and cannot be resumed: start a new run)") from None
+        earlier = _earlier_checkpoint(path)
         raise SinkflowError(
             f"checkpoint {path} is corrupt or truncated ({type(exc).__name__})",
-            "delete it to resume from the previous checkpoint, or start a new run",
+            f"delete it to resume from the previous checkpoint ({earlier.name}), or start a new run" if earlier else
+            "delete it to run this phase again from its start (it has no earlier checkpoint), or start a new run",
         ) from None
     if not isinstance(obj, dict) or "format" not in obj:
         raise SinkflowError(f"{path} is not a sinkflow checkpoint", "pass a run folder written by `sinkflow train`")
     return obj
+
+
+def _earlier_checkpoint(path: Path) -> Path | None:
+    """The newest step checkpoint beside ``path`` written before it (any, for final.pt), or None: what deleting a
+    damaged ``path`` falls back to (the message said "the previous checkpoint" where there was none, and the resume
+    then trained the phase from step 0 without a word)."""
+    def step(p: Path) -> int | None:
+        m = re.fullmatch(r"step_(\d+)\.pt", p.name)
+        return int(m.group(1)) if m else None
+
+    mine = step(path)
+    before = [(step(p), p) for p in path.parent.glob("step_*.pt") if step(p) is not None and p != path
+              and (mine is None or step(p) < mine)]
+    return max(before)[1] if before else None
 
 
 def rng_state() -> dict:
