@@ -393,3 +393,21 @@ def test_quiet_mutes_a_scratch_runs_did_not_learn_warning_not_config_warnings(ca
     caplog.clear()
     logging.getLogger(LEARNING_LOG).warning("did not learn")  # outside: the user's own run
     assert "did not learn" in caplog.text
+
+
+def test_the_wiring_check_moves_weights_at_the_base_rate_under_a_long_warm_up(runs_dir):
+    """cifar10's 5,000-step warm-up: the first updates are lr / 5000, below float32's resolution for GroupNorm's
+    weights near 1, and `doctor cifar10` read "104 of 304 tensors unchanged": a false alarm. The check steps at the
+    base rate; the schedule goes on as before."""
+    from sinkflow import config
+    from sinkflow.tools.phases import workspace
+
+    cfg = config.resolve("digits", ["pool.batch_size=16", "train.velocity.batch_size=16",
+                                    "train.velocity.warmup=1000000"], {"device": "cpu"})
+    run, trainer = workspace(cfg, "velocity", runs_dir)
+    run.logger.close()
+    assert trainer.optimizer.param_groups[0]["lr"] < 1e-8  # the warm-up's first rate
+    found = doctor.check_weights_change(trainer.model, lambda: doctor.at_base_lr(
+        trainer, lambda: doctor.applied_step(trainer, trainer.batch)))
+    assert found.ok, found
+    assert trainer.optimizer.param_groups[0]["lr"] < 1e-8  # the schedule's own rate again after the check

@@ -526,6 +526,20 @@ def applied_step(trainer, batch) -> None:
             return
 
 
+def at_base_lr(trainer, step_fn: Callable[[], object]) -> None:
+    """``step_fn()`` (one training step) with every parameter group at its base rate, the schedule then going on as
+    before (its ``step`` sets the next rate). The wiring check asks whether a tensor moves at all: under cifar10's
+    5,000-step warm-up the first updates are lr x 1/5000, below float32's resolution for weights near 1
+    (GroupNorm's), and 104 of 304 tensors read "unchanged", a false alarm (``train.velocity.warmup=0``: all moved)."""
+    for group in trainer.optimizer.param_groups:
+        base = group.get("initial_lr", group["lr"])
+        if torch.is_tensor(group["lr"]):  # a captured step reads the rate from its tensor
+            group["lr"].fill_(base)
+        else:
+            group["lr"] = base
+    step_fn()
+
+
 def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch: int = 16,
                 factor: float = 10.0) -> list[Finding]:
     """Every check on a ready Trainer (``sinkflow.tools.phases.ready_trainer``), using its real train_step."""
@@ -547,7 +561,7 @@ def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch:
         out.append(check_inputs_reach_output(model, batch[0], batch[1]))
     out.append(check_loss_graph(trainer.ddp_model, trainer.task.loss, batch))
     out.append(check_train_mode(model, lambda: trainer.train_step(batch)))
-    out.append(check_weights_change(model, lambda: applied_step(trainer, batch)))
+    out.append(check_weights_change(model, lambda: at_base_lr(trainer, lambda: applied_step(trainer, batch))))
     frozen = run.loaded_models
     out.append(check_frozen(frozen, opt, lambda: trainer.train_step(batch)))
     out.append(check_batchnorm_batch1(model, micro_batch_sizes(trainer.cfg["batch_size"], trainer.cfg["accum"],
