@@ -422,6 +422,12 @@ def test_own_data_named_where_a_preset_goes_gets_the_command_that_trains_on_it(t
         config.resolve("imgs/")
     with pytest.raises(SinkflowError, match=r"unknown preset 'sub/pts.csv'; .* data.target=sub/pts.csv"):
         config.resolve("sub/pts.csv")
+    (tmp_path / "runs" / "r").mkdir(parents=True)  # a run folder where a preset goes (`bench runs/r`): it said
+    (tmp_path / "runs" / "r" / "config.yaml").write_text("experiment: {}\n")  # "train on it as images"
+    with pytest.raises(SinkflowError, match=r"unknown preset 'runs/r'; runs/r is a run folder: its config.yaml is a "
+                                            r"config file \(`... runs/r/config.yaml`\), and `sinkflow train --resume "
+                                            r"runs/r` continues the run"):
+        config.resolve("runs/r")
     assert config.resolve("moons", ["data.target=pts.npy"])["data"]["target"] == "pts.npy"  # the command named
 
 

@@ -96,6 +96,9 @@ def _own_data_hint(name: str) -> str | None:
     if name.lower().endswith(schema.POINT_FILE_SUFFIXES):
         return (f"to train on your own points, name them as a preset's data.target: `sinkflow train moons "
                 f"data.target={name}` (the 2D recipe on your file; docs/data.md)")
+    if (Path(name).expanduser() / "config.yaml").is_file():  # `bench runs/X`: not a folder of images
+        return (f"{name} is a run folder: its config.yaml is a config file (`... {Path(name) / 'config.yaml'}`), "
+                f"and `sinkflow train --resume {name}` continues the run")
     if Path(name).expanduser().is_dir():
         return f"a folder of your own images: `sinkflow train folder data.path={name}` (docs/data.md)"
     return None
