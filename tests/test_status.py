@@ -69,8 +69,15 @@ def test_status_finished(runs_dir):
     code = "import sys\nfrom sinkflow.cli import main\nprint(main(['status', sys.argv[1]]), 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code, str(runs_dir / "done")], capture_output=True, text=True)
     assert out.stdout.split()[-2:] == ["0", "False"] and "FINISHED" in out.stdout, out.stdout + out.stderr
-    # a finished run whose final checkpoint was deleted: FINISHED with exit 0, and `sample` refused it
-    (runs_dir / "done" / "checkpoints" / "velocity" / "final.pt").unlink()
+    # a finished run whose final checkpoint was cut short: FINISHED with exit 0, and `sample` refused it
+    final = runs_dir / "done" / "checkpoints" / "velocity" / "final.pt"
+    whole = final.read_bytes()
+    final.write_bytes(whole[: len(whole) // 2])
+    out = cli("status", str(runs_dir / "done"), cwd=runs_dir.parent)
+    assert out.returncode == 1 and "INCOMPLETE (status.json says finished, but checkpoints/velocity/final.pt is " \
+        "damaged (not a whole checkpoint): delete it, then `sinkflow train --resume" in out.stdout, out.stdout
+    # ... or deleted: the same
+    final.unlink()
     out = cli("status", str(runs_dir / "done"), cwd=runs_dir.parent)
     assert out.returncode == 1 and "INCOMPLETE (status.json says finished, but checkpoints/velocity/final.pt is " \
         "missing: `sinkflow train --resume" in out.stdout, out.stdout

@@ -25,6 +25,7 @@ import json
 import os
 import socket
 import time
+import zipfile
 from pathlib import Path
 
 import yaml
@@ -146,9 +147,14 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
         out["report"] = "not written"
     if state in ("finished", "evaluating"):  # status.json says so; the final checkpoints must say so too
         missing = [item["phase"] for item in phases_left(run_dir, {}, ckpts)]
-        if missing:  # `sample` refused it ("has not finished") while status said FINISHED, exit 0
+        # a torch checkpoint is a zip archive: a cut one lacks its end record (read without torch, in microseconds)
+        damaged = [f"checkpoints/{phase}/final.pt" for phase in ckpts if phase not in missing
+                   and (run_dir / "checkpoints" / phase / "final.pt").is_file()
+                   and not zipfile.is_zipfile(run_dir / "checkpoints" / phase / "final.pt")]
+        if missing or damaged:  # `sample` refused it ("has not finished", "corrupt") while status said FINISHED
             state = out["state"] = "incomplete"
             out["missing"] = [f"checkpoints/{phase}/final.pt" for phase in missing]
+            out["damaged"] = damaged
     out["phases_left"] = [] if state in ("finished", "evaluating") else phases_left(run_dir, hb, ckpts)
     return out
 
@@ -239,6 +245,9 @@ def format_status(st: dict) -> str:
                "continues)")
     elif state == "stale":
         why = f" (no heartbeat for {_dur(age)}; hung, or log_every is very long)"
+    elif state == "incomplete" and st.get("damaged"):
+        why = (f" (status.json says finished, but {', '.join(st['damaged'])} is damaged (not a whole checkpoint): "
+               f"delete it, then `{st['resume']}` trains that phase again from its last step checkpoint)")
     elif state == "incomplete":
         why = (f" (status.json says finished, but {', '.join(st['missing'])} is missing: `{st['resume']}` trains "
                "what is missing from the checkpoints left)")
