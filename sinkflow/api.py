@@ -111,10 +111,10 @@ class Run:
         before any work: a whole number >= 1 each (0 meant the default in silence), ``n`` within the split and this
         machine's memory, and the count of every metric (``requested_evaluation``: the command's checks, in one
         place)."""
-        from sinkflow.eval.report import evaluate, requested_evaluation
+        from sinkflow.eval.report import evaluate
 
         seeds, n = _count("seeds", seeds, 5, "eval.seeds"), _count("n", n, 1024, "eval.n")
-        return evaluate(requested_evaluation(self._run, n, split, ("n", "split")), seeds=seeds, n=n, split=split)
+        return evaluate(self._run, seeds=seeds, n=n, split=split, flags=("n", "split"))
 
     def scores(self) -> dict:
         """The latest evaluation's numbers as a dict (metrics.jsonl's last ``eval`` record, as ``evaluate``, `sinkflow

@@ -31,12 +31,11 @@ def add_parser(sub):
 
 
 def run(args):
-    from sinkflow.eval.report import evaluate, requested_evaluation  # torch loads here: `--help` stays fast
+    from sinkflow.eval.report import evaluate  # torch loads here: `--help` stays fast
     from sinkflow.runtime.run_folder import RunFolder
 
     run_ = RunFolder.open(args.run_dir, log_best_effort=True)  # a read-only run folder: scores printed, record skipped
     run_ = with_sample_overrides(run_, args.overrides, "eval", args.run_dir, {"eval.n": "--n", "eval.seeds": "--seeds"})
-    run_ = requested_evaluation(run_, args.n, args.split)  # --n 32 is a quick look: the classifier columns too
     try:
         print(evaluate(run_, seeds=args.seeds, n=args.n, split=args.split))
     finally:

@@ -47,11 +47,12 @@ def requested_evaluation(run, n: int | None, split: str = "test", flags: tuple[s
     return run
 
 
-def evaluate(run, seeds: int | None = None, n: int | None = None, split: str = "test") -> str:
+def evaluate(run, seeds: int | None = None, n: int | None = None, split: str = "test",
+             flags: tuple[str, str] = ("--n", "--split")) -> str:
     """The run's method's evaluation, on the data the run recorded (a changed test split is refused first);
-    ``split="val"`` scores an image run against its validation split (``check_eval_split`` says when it cannot)."""
-    check_eval_split(run.cfg, split)
-    check_split_files(run, data.target_split_info(run.cfg), doing="evaluate")  # before a decode rewrites the cache
+    ``split="val"`` scores an image run against its validation split (``check_eval_split`` says when it cannot).
+    Every check of ``requested_evaluation`` comes first, named by ``flags`` (`sinkflow eval`'s, ``Run.evaluate``'s)."""
+    run = requested_evaluation(run, n, split, flags)
     check_split(run, *data.distributions(run.cfg), doing="evaluate")
     return methods.of(run.cfg).evaluate(run, sys.modules[__name__], seeds=seeds, n=n, split=split)
 

@@ -100,14 +100,9 @@ def _earlier_checkpoint(path: Path) -> Path | None:
     """The newest step checkpoint beside ``path`` written before it (any, for final.pt), or None: what deleting a
     damaged ``path`` falls back to (the message said "the previous checkpoint" where there was none, and the resume
     then trained the phase from step 0 without a word)."""
-    def step(p: Path) -> int | None:
-        m = re.fullmatch(r"step_(\d+)\.pt", p.name)
-        return int(m.group(1)) if m else None
-
-    mine = step(path)
-    before = [(step(p), p) for p in path.parent.glob("step_*.pt") if step(p) is not None and p != path
-              and (mine is None or step(p) < mine)]
-    return max(before)[1] if before else None
+    mine = STEP_FILE.match(path.name)
+    before = [p for step, p in PhaseCheckpoints(path.parent).steps() if mine is None or step < int(mine.group(1))]
+    return before[-1] if before else None
 
 
 def rng_state() -> dict:

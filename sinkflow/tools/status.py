@@ -148,9 +148,9 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     if state in ("finished", "evaluating"):  # status.json says so; the final checkpoints must say so too
         missing = [item["phase"] for item in phases_left(run_dir, {}, ckpts)]
         # a torch checkpoint is a zip archive: a cut one lacks its end record (read without torch, in microseconds)
-        damaged = [f"checkpoints/{phase}/final.pt" for phase in ckpts if phase not in missing
-                   and (run_dir / "checkpoints" / phase / "final.pt").is_file()
-                   and not zipfile.is_zipfile(run_dir / "checkpoints" / phase / "final.pt")]
+        finals = {phase: run_dir / "checkpoints" / phase / "final.pt" for phase in ckpts if phase not in missing}
+        damaged = [f"checkpoints/{phase}/final.pt" for phase, final in finals.items()
+                   if final.is_file() and not zipfile.is_zipfile(final)]
         if missing or damaged:  # `sample` refused it ("has not finished", "corrupt") while status said FINISHED
             state = out["state"] = "incomplete"
             out["missing"] = [f"checkpoints/{phase}/final.pt" for phase in missing]
