@@ -274,6 +274,32 @@ def test_truncated_pool_final_is_reported(run, capsys):
     one_line(*run_main(capsys, "train", "--resume", str(run), "--no-report"), "pool/final.pt", "corrupt or truncated")
 
 
+@pytest.mark.parametrize("command", ["resume", "sample", "eval", "config-file"])
+def test_a_config_cut_short_is_refused_not_read_with_defaults(run, tmp_path, capsys, command):
+    """A copy of config.yaml cut at a line boundary is still valid YAML; read, its lost keys (the sampler's here)
+    would take the schema's defaults in silence. Its missing end line refuses it, and nothing is written."""
+    path = run / "config.yaml"
+    lines = path.read_text().splitlines(keepends=True)
+    assert lines[0].startswith("# sinkflow run config") and lines[-1] == "...\n"
+    path.write_text("".join(lines[:len(lines) // 2]))
+    before = full_snapshot(run)
+    argv = {"resume": ["train", "--resume", str(run), "--no-report"],
+            "sample": ["sample", str(run), "--n", "4", "--out", str(tmp_path / "s.npy")],
+            "eval": ["eval", str(run)],
+            "config-file": ["train", str(path), "--name", "again", "--no-report"]}[command]
+    one_line(*run_main(capsys, *argv), "config.yaml is cut short", "copy the run folder again")
+    assert full_snapshot(run) == before and not (tmp_path / "s.npy").exists()
+
+
+def test_a_config_without_the_marks_is_read_as_it_is(run, tmp_path, capsys):
+    """A run made before config.yaml was marked (or a file rewritten by hand without the marks) reads as before."""
+    path = run / "config.yaml"
+    path.write_text(path.read_text().split("\n", 1)[1].removesuffix("...\n"))
+    for argv in (["sample", str(run), "--n", "4", "--out", str(tmp_path / "s.npy")], ["eval", str(run)]):
+        rc, err = run_main(capsys, *argv)
+        assert rc == 0, err
+
+
 # ---- 5. one writer per run folder --------------------------------------------------------------------
 
 def test_second_writer_is_refused_and_a_dead_holder_does_not_block(tmp_path):

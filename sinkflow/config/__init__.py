@@ -62,7 +62,9 @@ def load_config_file(name: str) -> dict:
                 f"write one with `sinkflow config PRESET > {name}`")
         raise SinkflowError(f"config file {name} does not exist", hint)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        text = path.read_text(encoding="utf-8")
+        refuse_cut_short(text, path)  # a run folder's config.yaml, trained as a config file
+        raw = yaml.safe_load(text) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" (line {where.line + 1})" if where is not None else ""
@@ -522,3 +524,23 @@ def validate(tree: dict) -> None:
 
 def dump(tree: dict) -> str:
     return yaml.safe_dump(tree, sort_keys=False, default_flow_style=False)
+
+
+# A run folder's config.yaml opens with this line and ends with YAML's document end, "...": a copy cut short (an
+# interrupted rsync, a full disk on another machine) lacks the end and is refused; read without it, the keys it lost
+# would take their defaults in silence, as keys added to sinkflow since a run was made do (read_run_config). A file
+# without the header (a run made before it was written, a file rewritten by hand) is read as it is.
+RUN_CONFIG_HEADER = "# sinkflow run config; it ends with the line '...' (a copy without it was cut short)"
+
+
+def dump_run_config(tree: dict) -> str:
+    """``dump`` between ``RUN_CONFIG_HEADER`` and the document end ``refuse_cut_short`` looks for."""
+    return f"{RUN_CONFIG_HEADER}\n{dump(tree)}...\n"
+
+
+def refuse_cut_short(text: str, path) -> None:
+    """One line when ``text`` (a file at ``path``) opens with ``RUN_CONFIG_HEADER`` but lacks its end line."""
+    if text.startswith(RUN_CONFIG_HEADER) and text.rstrip().rsplit("\n", 1)[-1].strip() != "...":
+        raise SinkflowError(f"{path} is cut short (it lacks its last line, '...'): the keys it lost would be read at "
+                            "their defaults", "copy the run folder again from where it was made, or restore its "
+                            "config.yaml from a backup")

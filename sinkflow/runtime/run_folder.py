@@ -150,7 +150,7 @@ class RunFolder:
             with run_lock(run_dir):  # two `train --name X` at once: the second stops here (start() re-locks)
                 if occupied():
                     refuse_existing()
-                atomic_write_text(run_dir / "config.yaml", config_mod.dump(cfg))
+                write_config(run_dir, cfg)
                 meta = {"seed": exp["seed"], "created": time.strftime("%Y-%m-%d %H:%M:%S"), "git": _git_hash(),
                         "versions": _versions(), "argv": sys.argv, "cwd": os.getcwd(),
                         "world_size": dist.current().world, **({"call": call} if call else {})}
@@ -218,7 +218,7 @@ class RunFolder:
             lock_run(self.dir)
             changes = self.changes()
             if self._pending_config is not None:
-                atomic_write_text(self.dir / "config.yaml", config_mod.dump(self._pending_config))
+                write_config(self.dir, self._pending_config)
             self._record_changes(changes)
             for path in remove_orphans(self.dir):
                 log.info("removed %s (left by a killed write)", path)
@@ -398,13 +398,20 @@ def check_writable(run_dir: Path) -> None:
                                 "to a writable disk and resume the copy") from None
 
 
+def write_config(run_dir: Path, cfg: dict) -> None:
+    """RUN/config.yaml, atomically, marked so that a copy cut short is refused (``config.dump_run_config``)."""
+    atomic_write_text(Path(run_dir) / "config.yaml", config_mod.dump_run_config(cfg))
+
+
 def read_config(run_dir: Path) -> dict:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise SinkflowError(f"{run_dir} is not a sinkflow run folder (no config.yaml)",
                             "pass the folder `sinkflow train` printed when it started")
+    text = path.read_text()
+    config_mod.refuse_cut_short(text, path)
     try:
-        cfg = yaml.safe_load(path.read_text())
+        cfg = yaml.safe_load(text)
     except yaml.YAMLError:
         raise SinkflowError(f"{path} is not valid YAML", "restore it from the run's first lines of output") from None
     return config_mod.read_run_config(cfg, path)  # keys added to sinkflow after the run was made get their defaults

@@ -331,23 +331,20 @@ def write_lr(target: Path, key: str, lr: float, phase: str | None = None, swept:
 
     target, is_run = write_target(target, "write target")
     if is_run:
-        from sinkflow.data.atomic_write import atomic_write_text
-        from sinkflow.runtime.lock import run_lock
-
         from sinkflow.runtime.checkpoint import PhaseCheckpoints
-        from sinkflow.runtime.run_folder import record_changes
+        from sinkflow.runtime.lock import run_lock
+        from sinkflow.runtime.run_folder import record_changes, write_config
 
         with run_lock(target):  # not while a `sinkflow train` writes the same run
             refuse_finished_phase(target, key, phase)  # again: a train may have finished it during the sweep
             cfg = read_config(target)
             old = config_mod.get(cfg, key)
             config_mod.set_key(cfg, key, float(lr))
-            path = target / "config.yaml"
-            atomic_write_text(path, config_mod.dump(cfg))
+            write_config(target, cfg)
             phase = phase or key.split(".")[1]
             steps = PhaseCheckpoints(target / "checkpoints" / phase).steps()  # where a resume continues it
             record_changes(target, [(key, old, float(lr), phase, steps[-1][0] if steps else 0)])
-        return path
+        return target / "config.yaml"
     if swept is not None and not target.exists():
         tree = copy.deepcopy(swept)
         config_mod.set_key(tree, key, float(lr))
