@@ -81,6 +81,11 @@ def test_status_finished(runs_dir):
     out = cli("status", str(runs_dir / "done"), cwd=runs_dir.parent)
     assert out.returncode == 1 and "INCOMPLETE (status.json says finished, but checkpoints/velocity/final.pt is " \
         "missing: `sinkflow train --resume" in out.stdout, out.stdout
+    # a copy whose config.yaml was cut short: every command refuses the run, and status says why
+    config = runs_dir / "done" / "config.yaml"
+    config.write_text(config.read_text()[:300])
+    out = cli("status", str(runs_dir / "done"), cwd=runs_dir.parent)
+    assert out.returncode == 1 and "DAMAGED (config.yaml is cut short" in out.stdout, out.stdout
 
 
 def test_status_not_a_run(tmp_path):

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import yaml
 
+from sinkflow import config as config_mod
 from sinkflow.config import schema
 from sinkflow.errors import SinkflowError
 from sinkflow.eval.records import OPTIONAL_SETTINGS
@@ -156,6 +157,11 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
             out["missing"] = [f"checkpoints/{phase}/final.pt" for phase in missing]
             out["damaged"] = damaged
     out["phases_left"] = [] if state in ("finished", "evaluating") else phases_left(run_dir, hb, ckpts)
+    try:  # a copy cut short: every command that reads the run refuses it, whatever status.json says
+        config_mod.refuse_cut_short((run_dir / "config.yaml").read_text(), run_dir / "config.yaml")
+    except SinkflowError:
+        if state not in ("running", "evaluating"):
+            out["state"] = "damaged"
     return out
 
 
@@ -251,6 +257,9 @@ def format_status(st: dict) -> str:
     elif state == "incomplete":
         why = (f" (status.json says finished, but {', '.join(st['missing'])} is missing: `{st['resume']}` trains "
                "what is missing from the checkpoints left)")
+    elif state == "damaged":
+        why = (" (config.yaml is cut short: it lacks its last line, '...'; --resume, sample and eval refuse the run: "
+               "copy the run folder again from where it was made)")
     elif state == "evaluating":
         why = f" (training finished; pid {hb.get('pid')} is writing the final report: evaluation and plots)"
     elif state == "finished" and st.get("report"):
