@@ -185,6 +185,11 @@ def test_a_falling_loss_on_a_short_budget_blames_the_budget_not_the_wiring():
     f = doctor.overfit_one_batch_bpd(lambda: 3.0, dataset_bpd=2.4, steps=20)
     assert f.ok is False and "cannot fit even one batch" in f.cause
     assert build_parser().parse_args(["doctor", "moons"]).steps == doctor.OVERFIT_STEPS
+    # a loss that rose over the budget was never "still falling", however its last steps went
+    for rose in ([1.0, 3.0], [1.0, 3.0, 1.5], [1.0, 1.2, 3.0, 2.0, 1.6, 1.5]):
+        steps = iter(rose)
+        f = doctor.overfit_one_batch(lambda: next(steps), steps=len(rose))
+        assert f.ok is False and "too few" not in f.cause, (rose, f.cause)
 
 
 def test_frozen_model_that_trains_is_caught():
