@@ -302,13 +302,14 @@ def test_an_old_run_folders_config_reads_back(tmp_path):
     (tmp_path / "config.yaml").write_text((Path(__file__).parent / "data" / "run_config_6a93012.yaml").read_text())
     cfg = read_config(tmp_path)
     # as written then (nsgf.segment 0.5, the blur-0.1 solver, 192 pool batches); keys added since (pool.qmc,
-    # nsgf.nsf_pairs) take the schema default; the speed settings it wrote (fp32, channels_last, eager) stay what it
-    # trained with
+    # nsgf.nsf_pairs) take the schema default, or the value they had before (data.holdout: schema.BEFORE_ADDED);
+    # the speed settings it wrote (fp32, channels_last, eager) stay what it trained with
     expected = config.resolve("moons", ["experiment.name=old", "nsgf.segment=0.5", "pool.qmc=false",
                                         "sinkhorn.blur=0.1", "sinkhorn.max_iters=30", "pool.landing=sinkhorn",
                                         "pool.batches=192"])
     for section in expected["train"].values():
         section.update(precision="fp32", channels_last=True, compile=False)
+    expected["data"]["holdout"] = "last_tenth"
     assert cfg == expected
     (tmp_path / "config.yaml").write_text("experiment: {preset: moons}\npool: {etaa: 1}\n")
     with pytest.raises(SinkflowError, match="has unknown key 'pool.etaa'; did you mean 'pool.eta'"):

@@ -743,6 +743,46 @@ def test_a_folder_assembled_from_linked_class_folders_reads_every_image(tmp_path
     assert len(d.images) + len(d.test_images) == 22  # 11 a folder (make_folder adds a JPEG)
 
 
+def test_a_folder_of_class_subfolders_holds_out_a_tenth_of_every_class(tmp_path):
+    """ImageFolder's layout (one subfolder a class) held out its last class alone under the old rule, the last
+    tenth in sorted order: scored on a class it never trained on. Every tenth image holds out a tenth of each;
+    a run made before the key (its config.yaml lacks data.holdout) keeps the split it trained on."""
+    from sinkflow import config as config_mod
+    from sinkflow.data.images import check_image_cfg, image_source
+
+    root = tmp_path / "classes"
+    for c in ("airplane", "cat", "dog", "truck"):
+        (root / c).mkdir(parents=True)
+        for i in range(10):
+            Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(root / c / f"{i}.png")
+    src = image_source("folder", check_image_cfg(cfg(tmp_path, path=str(root))))
+    test = [p.relative_to(root).as_posix() for p in src.split_files("test")]
+    assert test == ["airplane/9.png", "cat/9.png", "dog/9.png", "truck/9.png"] and len(src.split_files("train")) == 36
+    assert "every tenth" in src.split_info()["rule"]
+    old = image_source("folder", check_image_cfg(cfg(tmp_path, path=str(root), holdout="last_tenth")))
+    assert {p.parent.name for p in old.split_files("test")} == {"truck"}
+    assert old.split_info()["rule"] == ("image files sorted by relative path; the last 10% (at least one) are the "
+                                        "test split")  # as data_split.json of a run made before says
+    assert src.fingerprint("test") != old.fingerprint("test")  # the decoded caches of the two splits are apart
+    tree = config_mod.load_preset("folder")
+    assert tree["data"]["holdout"] == "every_tenth"  # a new run
+    del tree["data"]["holdout"]
+    assert config_mod.read_run_config(tree, "config.yaml")["data"]["holdout"] == "last_tenth"  # a run made before the key
+    few = image_source("folder", check_image_cfg(cfg(tmp_path, path=str(root / "cat"))))
+    assert len(few.split_files("test")) == 1  # 10 images: the 10th
+    (root / "cat" / "9.png").unlink()
+    few = image_source("folder", check_image_cfg(cfg(tmp_path, path=str(root / "cat"))))
+    assert [p.name for p in few.split_files("test")] == ["8.png"]  # fewer than 10: the last one
+
+
+def test_a_folder_under_home_is_found_as_typed(tmp_path, monkeypatch):
+    """`data.path=~/imgs` unquoted: the shell leaves the ~ (it follows `=`), and the folder "did not exist"."""
+    make_folder(tmp_path / "imgs", n=4, size=(8, 8))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    d = build_distribution("folder", data_cfg=cfg(tmp_path, path="~/imgs"))
+    assert len(d.images) + len(d.test_images) == 5
+
+
 def test_an_unknown_data_spec_lists_every_point_file_type(tmp_path, monkeypatch):
     """`data.target=pts.json` (no such file, no folder in the name) named only .npy and .csv, where .tsv and .txt
     tables load too; a near miss of a name still gets the name."""

@@ -546,14 +546,14 @@ def test_a_folder_run_keeps_its_data_from_another_directory_and_refuses_a_change
     from sinkflow.data import sources
 
     cache, decodes = bytes_snapshot(tmp_path / "data"), sum(sources.DECODES.values())
-    for i in range(2):  # two more images: they sort last, into the test split
+    for i in range(2):  # two more images: they sort last, and the split changes
         Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "imgs" / f"zz{i}.png")
     methods._distributions.cache_clear()
     assert main(["eval", str(run), "--n", "1", "--seeds", "1"]) == 2
     one_line(capsys, "cannot evaluate", "data changed", "files_sha256", str(tmp_path / "imgs"))
     (run / "checkpoints" / "velocity" / "final.pt").unlink()
     assert main(["train", "--resume", str(run), "--no-report"]) == 2
-    one_line(capsys, "cannot resume", "data changed", "test_files_sha256")
+    one_line(capsys, "cannot resume", "data changed", "files_sha256")
     # refused before the changed folder was decoded: the cache of the run's images is as it was
     assert sum(sources.DECODES.values()) == decodes and bytes_snapshot(tmp_path / "data") == cache
 

@@ -477,12 +477,16 @@ def read_by_other_methods(tree: dict, keys: list[str]) -> bool:
 def read_run_config(cfg: Any, path) -> dict:
     """A run folder's config.yaml as a full tree: keys added to sinkflow since the run was made take the
     schema's default (a key is added with the default that keeps the behaviour before it, so a resumed run goes on
-    as it started, whatever its preset says today); keys of another model kind (older run folders held them all)
-    are dropped."""
+    as it started, whatever its preset says today), or where the default changed that, the value in
+    ``schema.BEFORE_ADDED``; keys of another model kind (older run folders held them all) are dropped."""
     if not isinstance(cfg, dict):
         raise SinkflowError(f"{path} does not hold a config tree", "restore it from the run's first lines of output")
+    written = flatten(cfg)
     try:
         tree = complete(cfg, None, lenient=True)
+        for key, before in schema.BEFORE_ADDED.items():
+            if key not in written:
+                set_key(tree, key, before)
     except SinkflowError as exc:
         if exc.problem.startswith("unknown config key"):
             problem = f"{path} has {exc.problem.replace('unknown config key', 'unknown key')}"

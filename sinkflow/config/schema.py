@@ -313,6 +313,9 @@ DATA = {
                      "and are the W2 test points (0 = nothing held out)", when=POINT_FILE),
     "root": Key("data", Str(), "where image sets are downloaded to and cached", when=IMAGES),
     "path": Key(None, Str(), "image folder for target=folder", nullable=True, when=FOLDER),
+    "holdout": Key("every_tenth", Options("every_tenth", "last_tenth"), "an image folder's test split, in sorted "
+                   "order: every tenth image (the 10th, 20th, ...: a tenth of each class subfolder) or the last tenth "
+                   "(runs made before this key: with class subfolders, the last class alone)", when=FOLDER),
     "image_size": Key(None, POS_INT, "resize + center-crop folder images to this size (null = native)",
                       nullable=True, when=IMAGES),
     "channels": Key(None, Options(1, 3), "1 = grayscale, 3 = RGB, null = native", nullable=True, when=IMAGES),
@@ -540,6 +543,11 @@ EVAL = {
 CHECKPOINT = {
     "keep": Key(3, POS_INT, "keep-last-k rotation inside a phase"),
 }
+
+# Keys added with a default that changes what a run does: a run's config.yaml written before the key was added ran
+# with this value, which ``read_run_config`` gives it (every other key is added with the default that keeps the
+# behaviour before it).
+BEFORE_ADDED = {"data.holdout": "last_tenth"}
 
 # Shared sections in order: (doc, keys). The methods' own sections go before ``model``.
 SHARED: dict[str, tuple[str, dict[str, Key]]] = {

@@ -23,7 +23,7 @@ DIGIT_SETS = ("digits", "mnist")  # labelled digits: the evaluation fits a digit
 SPLITS = ("train", "test")
 VAL_SEED = 20261123  # fixed: the validation split of a set depends only on val_fraction and the train split
 # The data section's keys an image set reads (rules and defaults: sinkflow/config/schema.py DATA).
-IMAGE_KEYS = ("root", "path", "image_size", "channels", "flip", "split", "val_fraction", "download")
+IMAGE_KEYS = ("root", "path", "holdout", "image_size", "channels", "flip", "split", "val_fraction", "download")
 
 
 def to_unit_range(x: torch.Tensor) -> torch.Tensor:
@@ -152,7 +152,7 @@ def check_image_cfg(data_cfg: dict) -> dict:
 def image_source(name: str, cfg: dict):
     """The prepared source of image set ``name`` (files found, unpacked or downloaded), nothing decoded yet."""
     if name == "folder":
-        src = FolderSource(cfg["path"], cfg["channels"], cfg["image_size"])
+        src = FolderSource(cfg["path"], cfg["channels"], cfg["image_size"], cfg["holdout"])
     else:
         src = IMAGE_SETS[name](cfg["root"], cfg["channels"], cfg["image_size"], cfg["download"])
     src.prepare()

@@ -400,18 +400,24 @@ class CIFAR10Source(ArraySource):
 class FolderSource:
     """Every png/jpg/jpeg/bmp/webp under ``path`` (recursive), sorted by relative path.
 
-    The last 10% (at least one image) are held out as the test split. Images are converted to RGB
-    (``channels`` None or 3) or L (1), resized on the shorter side and center-cropped to ``image_size``;
-    without ``image_size`` all images must share one size.
+    Test split (``holdout``): every tenth image in that order, the 10th, 20th, ... (the last one when there are
+    fewer than 10), so a folder of class subfolders holds out a tenth of each class; ``last_tenth``, the rule
+    before, held out the last tenth, which in the ImageFolder layout is the last class alone (a model scored on a
+    class it never saw). Images are converted to RGB (``channels`` None or 3) or L (1), resized on the shorter side
+    and center-cropped to ``image_size``; without ``image_size`` all images must share one size.
     """
 
     name = "folder"
-    TEST_FRACTION = 0.1
+    RULES = {"every_tenth": "image files sorted by relative path; every tenth (the 10th, 20th, ...; the last one "
+                            "when fewer than 10) is in the test split",
+             "last_tenth": "image files sorted by relative path; the last 10% (at least one) are the test split"}
 
-    def __init__(self, path: str | None, channels: int | None, image_size: int | None):
+    def __init__(self, path: str | None, channels: int | None, image_size: int | None,
+                 holdout: str = "every_tenth"):
         if not path:
             raise SinkflowError("data.path is not set for the image folder", "set data.path=/path/to/images")
-        self.path = Path(path)
+        self.holdout = holdout
+        self.path = Path(path).expanduser()  # `data.path=~/imgs`: the shell leaves a ~ after `=` as it is
         if not self.path.is_dir():
             what = "is a file, not a folder" if self.path.exists() else "does not exist"
             fix = ("set data.path to a folder of images" if not self.path.is_absolute() else
@@ -431,7 +437,12 @@ class FolderSource:
         if len(self.files) < 2:
             raise SinkflowError(f"image folder {self.path} holds only 1 image; a train and a test split need 2",
                                 "add more images")
-        self.n_test = max(1, int(len(self.files) * self.TEST_FRACTION))
+        n = len(self.files)
+        if holdout == "last_tenth":
+            self._test = set(range(n - max(1, int(n * 0.1)), n))
+        else:
+            self._test = set(range(9, n, 10)) or {n - 1}
+        self.n_test = len(self._test)
         if image_size is None:
             self.hw = self._common_size()
         else:
@@ -476,7 +487,7 @@ class FolderSource:
         pass
 
     def split_files(self, split: str) -> list[Path]:
-        return self.files[-self.n_test:] if split == "test" else self.files[: len(self.files) - self.n_test]
+        return [p for i, p in enumerate(self.files) if (i in self._test) == (split == "test")]
 
     def split_info(self) -> dict:
         """What a run trained on (RUN/data_split.json): the folder, the split rule and, per split, a hash of its files'
@@ -487,11 +498,12 @@ class FolderSource:
             return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
         return {"set": "folder", "path": str(self.path.resolve()),
-                "rule": "image files sorted by relative path; the last 10% (at least one) are the test split",
+                "rule": self.RULES[self.holdout],
                 "train_files_sha256": files_sha256("train"), "test_files_sha256": files_sha256("test")}
 
     def fingerprint(self, split):  # "decode2": 16-bit images scaled, not clipped (folders decoded before rebuild)
-        return f"{self._fp}:{split}:{self.n_test}:decode2"
+        rule = "" if self.holdout == "last_tenth" else f":{self.holdout}"  # the caches of last_tenth runs stay valid
+        return f"{self._fp}:{split}:{self.n_test}{rule}:decode2"
 
     def decode_into(self, split: str, write):
         files = self.split_files(split)
