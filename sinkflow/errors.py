@@ -16,6 +16,12 @@ class SinkflowError(Exception):
         super().__init__(f"{problem}; {fix}" if fix else problem)
 
 
+class DataNotFound(SinkflowError):
+    """The data set is not on this machine (an image folder that does not exist, a data set's folder without its
+    files): preflight and doctor then check the run on synthetic data of the real shape (a CPU box before the GPU
+    run). Data that is here but damaged or inconsistent is a plain ``SinkflowError``: those checks fail on it."""
+
+
 def require(condition: bool, problem: str, fix: str | None = None) -> None:
     """Raise ``SinkflowError(problem, fix)`` unless ``condition`` holds."""
     if not condition:

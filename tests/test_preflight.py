@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sinkflow import config
+from sinkflow.errors import SinkflowError
 from sinkflow.models import build_model
 from sinkflow.tools import memory_plan
 from sinkflow.tools.preflight import format_report, preflight
@@ -469,6 +470,44 @@ def test_preflight_refuses_what_train_refuses_before_its_folder_exists(tmp_path)
     report = preflight("moons", [f"data.target={tmp_path / 'pts.npy'}", "data.test_rows=50"], memory=False)
     failed = [c for c in report.checks if c.ok is False]
     assert [c.name for c in failed] == ["phases build"] and "holds out only data.test_rows=50" in failed[0].detail
+
+
+@pytest.mark.parametrize("case, needle", [("corrupt", "is corrupt or truncated"), ("one image", "only 1 image"),
+                                           ("mixed sizes", "have different sizes"), ("empty", "holds no images"),
+                                           ("cifar partial", "missing data_batch_3")])
+def test_data_that_is_here_but_cannot_serve_the_run_fails_preflight(tmp_path, case, needle):
+    """Any data error made preflight (and doctor) swap in synthetic images and pass, 33 of 33, on data `sinkflow
+    train` refuses: a corrupt image, one image, mixed sizes, a partial CIFAR-10 copy. Only data not on this machine
+    (no such folder, no data set's folder: a CPU box before the GPU run) is replaced."""
+    from PIL import Image
+
+    from test_data import make_cifar
+    from sinkflow.tools.data import needs_synthetic
+
+    imgs = tmp_path / "imgs"
+    imgs.mkdir()
+    for i in range(1 if case == "one image" else 4):
+        pixels = np.random.default_rng(i).integers(0, 256, (8, 8 + i * (case == "mixed sizes"), 3), np.uint8)
+        Image.fromarray(pixels).save(imgs / f"{i}.png")
+    if case == "corrupt":  # its header reads, its pixels are cut short
+        (imgs / "2.png").write_bytes((imgs / "2.png").read_bytes()[:150])
+    if case == "empty":
+        for p in imgs.iterdir():
+            p.unlink()
+    args = ("folder", [f"data.path={imgs}", f"data.root={tmp_path / 'data'}", "data.image_size=null"])
+    if case == "cifar partial":
+        make_cifar(tmp_path / "data")
+        (tmp_path / "data" / "cifar-10-batches-py" / "data_batch_3").unlink()
+        args = ("cifar10", [f"data.root={tmp_path / 'data'}", "data.download=false"])
+    if case != "corrupt":  # a corrupt image is found while decoding, the others before
+        with pytest.raises(SinkflowError, match=needle):
+            needs_synthetic(config.resolve(*args))
+    report = preflight(*args, workdir=tmp_path / "w", memory=False)
+    (bad,) = [c for c in report.checks if c.ok is False]
+    assert bad.name == "data reads" and needle in bad.detail and report.data_note is None
+    # not on this machine: synthetic images of the real shape, the reason named
+    assert "does not exist" in needs_synthetic(config.resolve("folder", [f"data.path={tmp_path / 'nowhere'}"]))
+    assert "CIFAR-10 not found" in needs_synthetic(config.resolve("cifar10", [f"data.root={tmp_path / 'none'}"]))
 
 
 def test_a_disk_too_small_for_the_pool_is_its_own_check_and_the_rest_still_runs(tmp_path, monkeypatch, capsys):

@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from sinkflow.data.atomic_write import atomic_path
-from sinkflow.errors import SinkflowError
+from sinkflow.errors import DataNotFound, SinkflowError
 
 log = logging.getLogger(__name__)
 DECODES: collections.Counter = collections.Counter()
@@ -109,9 +109,10 @@ class ArraySource:
     def _fetch(self, label: str, folder: Path, missing: list[str], how: str, download) -> None:
         """Files are ``missing`` from ``folder``: refuse unless data.download, else call ``download()``; either
         way a failure is one SinkflowError naming the folder, with ``how`` as the fix."""
-        if not self.download:
-            raise SinkflowError(f"{label} not found in {folder} (missing {', '.join(missing)}) and data.download is "
-                                "false", how)
+        if not self.download:  # none of its files here: not on this machine; some: a damaged copy
+            absent = not folder.is_dir() or not any(folder.iterdir())
+            raise (DataNotFound if absent else SinkflowError)(
+                f"{label} not found in {folder} (missing {', '.join(missing)}) and data.download is false", how)
         made = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
         try:
             download()
@@ -415,7 +416,7 @@ class FolderSource:
     def __init__(self, path: str | None, channels: int | None, image_size: int | None,
                  holdout: str = "every_tenth"):
         if not path:
-            raise SinkflowError("data.path is not set for the image folder", "set data.path=/path/to/images")
+            raise DataNotFound("data.path is not set for the image folder", "set data.path=/path/to/images")
         self.holdout = holdout
         self.path = Path(path).expanduser()  # `data.path=~/imgs`: the shell leaves a ~ after `=` as it is
         if not self.path.is_dir():
@@ -424,7 +425,7 @@ class FolderSource:
                    "set data.path to a folder of images; for a run whose folder moved, name its new place once, "
                    "`sinkflow train --resume RUN data.path=NEW_PATH --no-report` (its files must match the hashes "
                    "in RUN/data_split.json), and eval and sample read it there")
-            raise SinkflowError(f"image folder {self.path} {what}", fix)
+            raise (SinkflowError if self.path.exists() else DataNotFound)(f"image folder {self.path} {what}", fix)
         self.channels = channels or 3
         self.image_size = image_size
         found = list(files_under(self.path))

@@ -14,7 +14,7 @@ import logging
 import numpy as np
 
 from sinkflow import data
-from sinkflow.errors import SinkflowError
+from sinkflow.errors import DataNotFound
 
 log = logging.getLogger("sinkflow")
 
@@ -42,14 +42,16 @@ def synthetic_images(name: str, shape: tuple[int, ...], n_train: int = 512, n_te
 
 
 def needs_synthetic(cfg: dict) -> str | None:
-    """Why the real data cannot be used here (None when it can)."""
+    """Why the real data cannot be used here (None when it can): it is not on this machine (``DataNotFound``).
+    Data that is here but cannot serve the run (a corrupt image, mixed sizes, a partial copy) raises its error: a
+    check passed on synthetic images would hide what `sinkflow train` refuses."""
     if cfg["data"]["target"] not in NATIVE_CHW:
         return None
     probe = {**cfg, "data": {**cfg["data"], "download": False}}  # never wait on a download to learn this
     try:
         data.distributions(probe)
         return None
-    except SinkflowError as exc:
+    except DataNotFound as exc:
         return exc.problem
 
 

@@ -426,38 +426,42 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
     quiet = contextlib.ExitStack()
     quiet.enter_context(callbacks.quiet())
     try:
-        with real_or_synthetic(real) as reason:
-            report.data_note = reason and f"synthetic {real['data']['target']} images of the real shape ({reason})"
+        try:  # data not on this machine: synthetic images of its shape; data here but damaged: a failed check
+            reason = quiet.enter_context(real_or_synthetic(real))
+        except SinkflowError as exc:
+            report.add("data reads", "config", False, _short(exc))
+            return report
+        report.data_note = reason and f"synthetic {real['data']['target']} images of the real shape ({reason})"
+        try:
+            check_run(real, machine=False)  # what `sinkflow train` refuses before its folder exists
+            source, target = data.distributions(real)
+            phases = methods.of(real).phases(real, source, target)
+        except Exception as exc:
+            report.add("phases build", "config", False, _short(exc))
+            return report
+        report.add("phases build", "config", True, ", ".join(p.name for p in phases) +
+                   f"; data shape {tuple(target.shape)}")
+        machine_check(report, real, tuple(target.shape))
+        length_check(report, real, phases)
+        reach_checks(report, real, phases, overrides, shorthands)
+        run_tiny(report, real, workdir)
+        if memory:
+            t0 = time.perf_counter()
             try:
-                check_run(real, machine=False)  # what `sinkflow train` refuses before its folder exists
-                source, target = data.distributions(real)
-                phases = methods.of(real).phases(real, source, target)
+                report.memory = memory_plan.estimate(real, world=world, bf16=memory_plan.card_bf16(
+                    gpu[0] if gpu is not None else None))
+                report.add("memory estimate", "all", True, f"{len(report.memory)} phases",
+                           time.perf_counter() - t0)
             except Exception as exc:
-                report.add("phases build", "config", False, _short(exc))
-                return report
-            report.add("phases build", "config", True, ", ".join(p.name for p in phases) +
-                       f"; data shape {tuple(target.shape)}")
-            machine_check(report, real, tuple(target.shape))
-            length_check(report, real, phases)
-            reach_checks(report, real, phases, overrides, shorthands)
-            run_tiny(report, real, workdir)
-            if memory:
-                t0 = time.perf_counter()
-                try:
-                    report.memory = memory_plan.estimate(real, world=world, bf16=memory_plan.card_bf16(
-                        gpu[0] if gpu is not None else None))
-                    report.add("memory estimate", "all", True, f"{len(report.memory)} phases",
-                               time.perf_counter() - t0)
-                except Exception as exc:
-                    report.add("memory estimate", "all", False, _short(exc), time.perf_counter() - t0)
-                if gpu is not None and report.memory:
-                    label, total = gpu
-                    over = memory_plan.over_budget(real, report.memory, total)
-                    report.fit_overrides, report.fit_reasons = memory_plan.propose_fit(
-                        real, report.memory, total, world, memory_plan.card_bf16(label), card=label)
-                    report.add(f"fits {label}", "all", not over,
-                               f"too large: {', '.join(over)}" if over else "every phase fits")
-                    bf16_check(report, real, label)
+                report.add("memory estimate", "all", False, _short(exc), time.perf_counter() - t0)
+            if gpu is not None and report.memory:
+                label, total = gpu
+                over = memory_plan.over_budget(real, report.memory, total)
+                report.fit_overrides, report.fit_reasons = memory_plan.propose_fit(
+                    real, report.memory, total, world, memory_plan.card_bf16(label), card=label)
+                report.add(f"fits {label}", "all", not over,
+                           f"too large: {', '.join(over)}" if over else "every phase fits")
+                bf16_check(report, real, label)
     finally:
         quiet.close()
         torch.set_num_threads(torch_threads)
