@@ -48,7 +48,10 @@ class Run:
             problem = (f"phase {phase!r} of method {method} trains no network" if phase in phases else
                        f"method {method} has no network phase {phase!r}")
             raise SinkflowError(problem, f"its networks: {', '.join(networks)}")
-        return self._run.model(phase)
+        from sinkflow.tools.data import sampling_data
+
+        with sampling_data(self.cfg, self.dir):  # its shape is the data's: known without the data set
+            return self._run.model(phase)
 
     @torch.no_grad()
     def sample(self, n: int | None = None, steps: int | None = None, seed: int = 0,
@@ -64,7 +67,13 @@ class Run:
         any network runs, so a bad ``x0`` is one line naming the expected shape rather than a torch error from
         inside a network (or, for ``n`` != ``len(x0)``, ``len(x0)`` samples without a word). Samples that come out NaN
         or Inf are refused in one line naming the likely cause (``sample.precision=fp16``'s range, or a diverged
-        model)."""
+        model). An image run copied without its data set samples all the same (``tools.data.sampling_data``)."""
+        from sinkflow.tools.data import sampling_data
+
+        with sampling_data(self.cfg, self.dir):
+            return self._sample(n, steps, seed, x0, qmc)
+
+    def _sample(self, n, steps, seed, x0, qmc) -> torch.Tensor:
         from sinkflow.data import sample_shape
         from sinkflow.data.base import check_sample_size
 

@@ -832,3 +832,23 @@ def test_a_cifar10_batch_that_does_not_fit_is_one_line_naming_it(tmp_path, damag
         build_distribution("cifar10", data_cfg=cfg(tmp_path))
     assert "replace it with the file of the official cifar-10-python.tar.gz" in one_line(e)
     assert not list(tmp_path.rglob("cifar10-train*.npy"))
+
+
+def test_a_split_of_another_size_is_refused_where_no_hash_is_recorded(tmp_path):
+    """CIFAR-10 and MNIST record no hash of their files: a test_batch of 30 images where the run recorded 20 was
+    scored without a word. The split sizes are compared with the hashes (a record without them is not)."""
+    import json
+    from types import SimpleNamespace
+
+    from sinkflow.runtime.data_record import check_split
+
+    run = SimpleNamespace(dir=tmp_path)
+    (tmp_path / "data_split.json").write_text(json.dumps({"set": "cifar10", "shape": [3, 32, 32], "n_train": 25,
+                                                         "n_test": 20}))
+    same = SimpleNamespace(split_info={"set": "cifar10", "shape": [3, 32, 32], "n_train": 25, "n_test": 20})
+    check_split(run, SimpleNamespace(), same, doing="evaluate")
+    more = SimpleNamespace(split_info={**same.split_info, "n_test": 30})
+    with pytest.raises(SinkflowError, match="cannot evaluate .*its data changed .*n_test differ from data_split.json"):
+        check_split(run, SimpleNamespace(), more, doing="evaluate")
+    (tmp_path / "data_split.json").write_text(json.dumps({"set": "cifar10"}))  # a record from before the sizes
+    check_split(run, SimpleNamespace(), more, doing="evaluate")

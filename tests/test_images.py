@@ -149,6 +149,25 @@ def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys, caplog):
     cfg = RunFolder.open(run).cfg
     with pytest.raises(SinkflowError, match="^FID of 1 image: a Fréchet distance .* needs at least 2"):
         held_out({**cfg, "eval": {**cfg["eval"], "inception_weights": str(tmp_path / "no-such.pt")}}, n=1)
+    if preset == "digits":  # scikit-learn's digits are always here
+        return
+    # a run copied without its data set (trained on a Kaggle GPU, sampled on a laptop): the same samples bit for bit,
+    # from the shape data_split.json records (or, in a record from before it held one, the config implies); nothing
+    # is downloaded, and scoring still needs the data
+    for gone in (tmp_path / "data", tmp_path / "imgs"):
+        if gone.exists():
+            gone.rename(gone.with_name(gone.name + "-elsewhere"))
+    methods._distributions.cache_clear()
+    assert split["shape"] == list(shape)
+    for record in ("with its shape", "without"):
+        assert main(["sample", str(run), "--n", "6", "--steps", "2", "--out", str(tmp_path / "away.npy")]) == 0
+        assert np.array_equal(np.load(tmp_path / "away.npy"), s), record
+        assert torch.equal(sinkflow.open_run(run).sample(6, steps=2), torch.from_numpy(s)), record
+        (tmp_path / "away.npy").unlink()
+        (run / "data_split.json").write_text(json.dumps({k: v for k, v in split.items() if k != "shape"}))
+    assert not (tmp_path / "data").exists()
+    assert main(["eval", str(run), "--seeds", "1", "--n", "4"]) == 2
+    capsys.readouterr()
 
 
 # what `auto` resolves to on an Ampere+ CUDA card: fp16 UNets and every training phase one captured step (on a CPU

@@ -35,14 +35,21 @@ def run(args):
     if not as_folder and out.suffix not in (".npy", ".png"):
         raise SinkflowError(f"--out {out} must end in .npy or .png, or name a folder (no suffix) for one PNG per image",
                             "e.g. --out samples.png")
-    import numpy as np  # torch loads with these: `--help` and bad arguments stay fast
+    from sinkflow.runtime.run_folder import RunFolder  # torch loads with these: `--help` and bad arguments stay fast
+    from sinkflow.tools.data import sampling_data
+
+    run_ = RunFolder.open(args.run_dir)
+    with sampling_data(run_.cfg, run_.dir):  # an image run copied without its data set samples all the same
+        _sample(args, run_, out, as_folder)
+
+
+def _sample(args, run_, out, as_folder):
+    import numpy as np
 
     from sinkflow import data, methods
     from sinkflow.eval.points import generate
     from sinkflow.eval.report import is_points
-    from sinkflow.runtime.run_folder import RunFolder
 
-    run_ = RunFolder.open(args.run_dir)
     if as_folder:
         from sinkflow.eval.images import check_image_folder
 

@@ -203,7 +203,8 @@ def split_record(src, dist: ImageDistribution) -> dict:
     from sinkflow.data.sources import indices_sha256
 
     info = src.split_info() if hasattr(src, "split_info") else {"set": dist.name}
-    info.update({"n_train": len(dist.images), "n_test": len(dist.test_images), "val_fraction": dist.val_fraction,
+    info.update({"shape": list(dist.shape),  # what sampling needs of the data (``tools.data.sampling_data``)
+                 "n_train": len(dist.images), "n_test": len(dist.test_images), "val_fraction": dist.val_fraction,
                  "n_val": len(dist.val_index), "trains_on": dist.split})
     if len(dist.val_index):
         info.update({"val_seed": VAL_SEED, "val_indices_sha256": indices_sha256(dist.val_index.numpy())})

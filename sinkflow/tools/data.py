@@ -9,7 +9,9 @@ real set would have, so the very same sampling, normalisation and flip code runs
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+from pathlib import Path
 
 import numpy as np
 
@@ -53,6 +55,38 @@ def needs_synthetic(cfg: dict) -> str | None:
         return None
     except DataNotFound as exc:
         return exc.problem
+
+
+@contextlib.contextmanager
+def sampling_data(cfg: dict, run_dir: Path):
+    """Sampling a trained image run needs its data's shape, not its pixels: a run copied off the machine it trained
+    on (a Kaggle run on a laptop) samples without its data set. Within the block, when the target image set is not
+    on this machine (``DataNotFound``; nothing is downloaded to learn that), synthetic images of the run's shape
+    stand in, which no sampler reads (tests/test_images.py: the same samples bit for bit); the shape is the one
+    RUN/data_split.json records, else the one the config implies. Yields the reason, None when the data is here."""
+    reason = needs_synthetic(cfg)
+    if reason is None:
+        yield None
+        return
+    try:
+        shape = tuple(json.loads((Path(run_dir) / "data_split.json").read_text())["shape"])
+    except (OSError, ValueError, KeyError, TypeError):  # a record from before it held the shape
+        if cfg["data"]["target"] == "folder" and not cfg["data"].get("image_size"):
+            raise DataNotFound(reason, "sampling this run needs its image folder (its native image size is "
+                                       "recorded nowhere else): put it back, or name its new place once with "
+                                       "`sinkflow train --resume RUN data.path=NEW_PATH --no-report`") from None
+        shape = image_shape(cfg["data"])
+
+    def shape_only(data_cfg: dict):
+        if data_cfg["target"] not in NATIVE_CHW:
+            return None
+        target = synthetic_images(data_cfg["target"], shape, n_train=2, n_test=2)
+        return data.build_distribution(data_cfg["source"], data_cfg={**data_cfg, "shape": shape}), target
+
+    log.info("data: %s is not on this machine; sampling needs only its shape %s (%s)", cfg["data"]["target"],
+             shape, reason)
+    with data.substituted(shape_only):
+        yield reason
 
 
 @contextlib.contextmanager
