@@ -521,7 +521,11 @@ def test_cifar10_pickles_through_torchvision(tmp_path):
     assert gray.shape == (1, 32, 32)
     r, g, b = (data["test"][0][:, k].astype(np.float64) for k in range(3))
     np.testing.assert_allclose(gray.test_images[:, 0], r * 0.299 + g * 0.587 + b * 0.114, atol=1.0)  # ITU-R 601 luma
-    (tmp_path / "cifar-10-batches-py" / "data_batch_3").unlink()
+    batch = tmp_path / "cifar-10-batches-py" / "data_batch_3"
+    batch.write_bytes(batch.read_bytes()[:100])  # cut short: torchvision's error named no file
+    with pytest.raises(SinkflowError, match=r"CIFAR-10 file \S+data_batch_3 cannot be read .*replace it with the file"):
+        build_distribution("cifar10", data_cfg=cfg(tmp_path))
+    batch.unlink()
     with pytest.raises(SinkflowError, match="data_batch_3") as e:
         build_distribution("cifar10", data_cfg=cfg(tmp_path))
     assert "cifar-10-batches-py" in one_line(e)
@@ -715,14 +719,19 @@ def test_a_missing_point_file_gets_the_fix_for_its_kind_of_path(tmp_path, monkey
     assert build_distribution(str(tmp_path / "gone.npy"), data_cfg={}).points.shape == (300, 2)
 
 
-def test_training_on_the_test_split_is_warned_about_and_recorded(tmp_path, caplog):
+def test_training_on_the_test_split_is_warned_about_and_recorded(tmp_path, caplog, monkeypatch):
     """`data.split=test` trained on the held-out images the evaluation scores against, in silence, and
-    data_split.json did not say which split trained."""
+    data_split.json did not say which split trained. Said once a process (a run opens its data twice: it was said
+    twice)."""
     import logging
 
+    from sinkflow.data import base
+
+    monkeypatch.setattr(base, "_SAID", set())  # another test may have opened the digits' test split before
     with caplog.at_level(logging.WARNING):
         d = build_distribution("digits", data_cfg=cfg(tmp_path, split="test"))
-    assert d.split_info["trains_on"] == "test" and "its scores are on training images" in caplog.text
+        build_distribution("digits", data_cfg=cfg(tmp_path, split="test", flip=True))
+    assert d.split_info["trains_on"] == "test" and caplog.text.count("its scores are on training images") == 1
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         d = build_distribution("digits", data_cfg=cfg(tmp_path / "b"))

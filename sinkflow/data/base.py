@@ -9,6 +9,16 @@ from sinkflow.errors import SinkflowError
 
 DEFAULT_TEST_SEED = 12345
 
+_SAID: set = set()  # the (message, subject) pairs ``warn_once`` has logged in this process
+
+
+def warn_once(log, subject, message: str, *args) -> None:
+    """``log.warning(message, *args)`` once a process for ``subject``: a command opens a data set more than once
+    (its checks, then the run; tune's trials), and one warning said twice reads as two problems."""
+    if (message, subject) not in _SAID:
+        _SAID.add((message, subject))
+        log.warning(message, *args)
+
 
 class Distribution:
     """A sampleable distribution over tensors of per-sample shape ``shape``.

@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import torch
 
-from sinkflow.data.base import DEFAULT_TEST_SEED, Distribution, check_sample_args
+from sinkflow.data.base import DEFAULT_TEST_SEED, Distribution, check_sample_args, warn_once
 from sinkflow.data.cache import cache_stem, open_cache, write_cache
 from sinkflow.data.sources import CIFAR10Source, DigitsSource, FolderSource, MNISTSource
 from sinkflow.errors import SinkflowError
@@ -65,8 +65,8 @@ class ImageDistribution(Distribution):
         self.fit_index, self.val_index = val_split(len(train), self.val_fraction)
         self._serve = train if split == "train" else test
         if split == "test":  # documented, but a score then reads the images the model trained on
-            log.warning("%s: data.split=test trains on the held-out split, which the evaluation scores against too: "
-                        "its scores are on training images", name)
+            warn_once(log, name, "%s: data.split=test trains on the held-out split, which the evaluation scores "
+                      "against too: its scores are on training images", name)
         self._map = self.fit_index if split == "train" and len(self.val_index) else None
         self.shape = tuple(int(s) for s in train.shape[1:])
         self.split_info: dict | None = None  # set by build_image_distribution (RUN/data_split.json)

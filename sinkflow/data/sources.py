@@ -21,6 +21,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from sinkflow.data.atomic_write import atomic_path
+from sinkflow.data.base import warn_once
 from sinkflow.errors import DataNotFound, SinkflowError
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,6 @@ def indices_sha256(idx) -> str:
     return hashlib.sha256(np.asarray(idx, dtype="<i8").tobytes()).hexdigest()
 
 
-_SAID_T10K: set[Path] = set()  # MNIST folders whose t10k-only warning this process has printed
 
 
 class MNISTSource(ArraySource):
@@ -254,11 +254,9 @@ class MNISTSource(ArraySource):
                         raise SinkflowError(f"MNIST file {gz} is not a valid gzip file ({e})",
                                             "delete it and place the original file there") from None
         if self.t10k_only:
-            if self.raw not in _SAID_T10K:  # once a process: a command may open the set more than once (tune)
-                _SAID_T10K.add(self.raw)
-                log.warning("MNIST: only the t10k files are in %s; training on a fixed split of them (%d train / %d "
-                            "test digits, seed %d); place the train-* files there for the official 60k/10k split",
-                            self.raw, 10000 - T10K_TEST, T10K_TEST, T10K_SPLIT_SEED)
+            warn_once(log, self.raw, "MNIST: only the t10k files are in %s; training on a fixed split of them (%d "
+                      "train / %d test digits, seed %d); place the train-* files there for the official 60k/10k split",
+                      self.raw, 10000 - T10K_TEST, T10K_TEST, T10K_SPLIT_SEED)
             return
         missing = self._missing()
         if not missing:
@@ -392,9 +390,16 @@ class CIFAR10Source(ArraySource):
                 return read_cifar10_batches(self.folder, self.FILES[split])
         except SinkflowError:  # a batch's own problem, named with its file
             raise
-        except Exception as e:
-            raise SinkflowError(f"CIFAR-10 files in {self.folder} cannot be read ({type(e).__name__}: {e})",
-                                "replace them with the files of the official cifar-10-python.tar.gz") from None
+        except Exception as e:  # torchvision's error names no file: the first one that does not read is named
+            where, fix = f"CIFAR-10 files in {self.folder}", "replace them with the files"
+            for name in self.FILES[split]:
+                try:
+                    read_cifar10_batches(self.folder, [name])
+                except Exception:
+                    where, fix = f"CIFAR-10 file {self.folder / name}", "replace it with the file"
+                    break
+            raise SinkflowError(f"{where} cannot be read ({type(e).__name__}: {e})",
+                                f"{fix} of the official cifar-10-python.tar.gz") from None
         return np.asarray(ds.data, dtype=np.uint8), np.asarray(ds.targets, dtype=np.int64)
 
 
