@@ -268,6 +268,17 @@ def test_truncated_final_is_reported_not_skipped_as_done(run, capsys):
     assert torch.load(final, weights_only=True)["step"] == 6
 
 
+def test_a_checkpoint_overwritten_with_random_bytes_is_damaged_not_a_refusal_to_run_code(run, capsys):
+    """Random bytes over a checkpoint (a disk fault) read as pickle opcodes ("Unsupported operand 95"): the refusal
+    said "loading it could run code ... start a new run", where deleting it resumes from the step before."""
+    ck = run / "checkpoints" / "velocity"
+    (ck / "final.pt").unlink()
+    step = ck / "step_00000006.pt"
+    step.write_bytes(np.random.default_rng(0).integers(0, 256, step.stat().st_size, dtype=np.uint8).tobytes())
+    one_line(*run_main(capsys, "train", "--resume", str(run), "--no-report"), "step_00000006.pt is corrupt or "
+             "truncated", "delete it to resume from the previous checkpoint (step_00000003.pt)")
+
+
 def test_truncated_pool_final_is_reported(run, capsys):
     final = run / "checkpoints" / "pool" / "final.pt"
     final.write_bytes(final.read_bytes()[:100])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 import re
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ def load(path: Path, map_location="cpu") -> dict:
         raise
     except Exception as exc:  # truncated zip, pickle garbage, a global the weights-only unpickler refuses...
         text = str(exc)
-        if "Weights only load failed" in text and _UNSAFE.search(text):
+        if "Weights only load failed" in text and _UNSAFE.search(text) and _a_pickle(path):
             raise SinkflowError(
                 f"checkpoint {path} holds objects other than tensors, numbers, strings, lists and dicts, so it "
                 "was refused (loading it could run code)",
@@ -94,6 +95,18 @@ def load(path: Path, map_location="cpu") -> dict:
     if not isinstance(obj, dict) or "format" not in obj:
         raise SinkflowError(f"{path} is not a sinkflow checkpoint", "pass a run folder written by `sinkflow train`")
     return obj
+
+
+def _a_pickle(path: Path) -> bool:
+    """Is ``path`` a whole torch archive (a zip) or a pickle (protocol >= 2 opens with PROTO, 0x80)? Random bytes
+    over a checkpoint (a disk fault) read as pickle opcodes too, "Unsupported operand 156": called a refusal to run
+    code, their fix had been "start a new run" where deleting the file resumes from the checkpoint before it."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(1)
+        return zipfile.is_zipfile(path) or head == b"\x80"
+    except OSError:
+        return False
 
 
 def _earlier_checkpoint(path: Path) -> Path | None:
