@@ -78,7 +78,7 @@ class Run:
         from sinkflow.data.base import check_sample_size
 
         method = methods.of(self.cfg)
-        steps = _count("steps", steps, 10, "default")  # as `sinkflow sample --steps`: 0 is not "the default"
+        steps = _count("steps", steps, 10, "default", schema.MAX_EULER_STEPS)  # as `sample --steps`: 0 is no default
         method.check_steps(steps, "steps=")
         require(is_whole(seed, minimum=-(2**63)), f"seed={shown(seed)} must be a whole number",
                 "e.g. seed=0 (numpy integers count)")  # np.int64 overflowed in the stream's hash, 1.5 was torch's error
@@ -218,12 +218,14 @@ def _call_text(preset: str, given: dict) -> str:
     return f"sinkflow.train({', '.join(args + ([f'**{dotted!r}'] if dotted else []))})"
 
 
-def _count(name: str, value, example: int, default: str) -> int | None:
-    """A count argument as an int (None: the run's ``default``), refused in one line unless a whole number >= 1, as
-    the commands refuse their count flags (0 meant the default in silence, 2.5 was a TypeError)."""
+def _count(name: str, value, example: int, default: str, most: int | None = None) -> int | None:
+    """A count argument as an int (None: the run's ``default``), refused in one line unless a whole number >= 1 (and
+    <= ``most``), as the commands refuse their count flags (0 meant the default in silence, 2.5 was a TypeError)."""
     require(value is None or (is_whole(value) and int(value) >= 1),
             f"{name}={shown(value)} must be a whole number >= 1",
             f"e.g. {name}={example}, or leave it out (None) for the run's {default}")
+    if value is not None and most is not None and int(value) > most:
+        raise SinkflowError(f"{name}={shown(value)} is more than {most:,}", f"use {name}={most:,} or fewer")
     return None if value is None else int(value)
 
 

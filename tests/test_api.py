@@ -73,7 +73,8 @@ def test_sample_takes_none_as_the_default_and_a_whole_number_as_asked(tiny_run):
     ({"seed": 1.5}, r"seed=1\.5 must be a whole number; e\.g\. seed=0"),
     ({"seed": "a"}, r"seed='a' must be a whole number"), ({"seed": True}, r"seed=True must be a whole number"),
     ({"qmc": "yes"}, r"qmc='yes' must be True, False or None"),
-    ({"n": 10**13}, r"^n 10000000000000 needs about .* of memory for its samples .*; use a smaller n$")])
+    ({"n": 10**13}, r"^n 10000000000000 needs about .* of memory for its samples .*; use a smaller n$"),
+    ({"steps": 10**9}, r"^steps=1000000000 is more than 100,000; use steps=100,000 or fewer$")])
 def test_sample_refuses_a_bad_seed_qmc_or_n_in_one_line(tiny_run, kwargs, needle):
     """Each was a torch or numpy error from inside the seeded draw (or an allocator's 'you tried to allocate
     80000000000000 bytes'); "yes" was taken as true."""
@@ -90,6 +91,36 @@ def test_euler_refuses_fewer_than_one_step(steps):
         sinkflow.euler(lambda x, t: calls.append(1) or x, torch.ones(3, 2), 0.0, 1.0, steps=steps)
     _one_line(e)
     assert not calls  # refused before any network call
+
+
+def test_euler_refuses_a_bad_warp_or_times_in_one_line_and_builds_no_step_list():
+    """warp=0 was a plain ValueError, a t0 of the wrong length torch's broadcasting error, and the grid of every step
+    was built before the first (10^9 steps filled 23 GB before any network call)."""
+    x = torch.ones(3, 2)
+    for kwargs, needle in (({"warp": 0.0}, r"time warp must be > 0, got 0\.0; e\.g\. sample\.time_warp=1"),
+                           ({"t0": torch.zeros(5)}, r"t0 has shape \(5,\) but x holds 3 samples; pass t0 as a number")):
+        with pytest.raises(SinkflowError, match=needle) as e:
+            sinkflow.euler(lambda x, t: x, x, **{"t0": 0.0, "t1": 1.0, "steps": 2, **kwargs})
+        _one_line(e)
+    calls = []
+
+    def stop_at_once(x, t):
+        calls.append(1)
+        raise KeyboardInterrupt  # the first step runs before the grid of the next 10^9 exists
+
+    with pytest.raises(KeyboardInterrupt):
+        sinkflow.euler(stop_at_once, x, 0.0, 1.0, steps=10**9)
+    assert calls == [1]
+
+
+def test_schema_caps_every_euler_step_count():
+    """`sample sample.steps=1000000000` and `train --resume RUN 'eval.steps=[1000000000]'` passed the command's
+    --steps cap and ran out of memory; the keys share it."""
+    from sinkflow import config
+
+    for key in ("sample.steps=1000000000", "eval.steps=[10,1000000000]", "sample.nsf_steps=1000000000"):
+        with pytest.raises(SinkflowError, match=r"in \[1, 100000\]"):
+            config.resolve("moons" if "nsf" not in key else "digits", [key], {"method": "nsgfpp"} if "nsf" in key else {})
 
 
 def test_euler_integrates_with_one_step_and_more():

@@ -266,7 +266,7 @@ def test_time_warp_grid_keeps_its_ends_and_moves_the_long_step_to_the_end():
         x, _ = euler(field, x0, t0, 1.0, 6, warp=warp)
         assert len(calls) == 6 and torch.allclose(x[:, 0], 2 * (1 - t0))
         assert torch.allclose(calls[1], t0 + (1 - t0) * warped_fractions(6, warp)[1])
-    with pytest.raises(ValueError, match="warp"):
+    with pytest.raises(SinkflowError, match="warp"):
         warped_fractions(4, 0.0)
 
 

@@ -292,6 +292,10 @@ GEOMLOSS = When("sinkhorn.solver=geomloss", lambda t: t["sinkhorn"]["solver"] ==
 CONVERGED = When("sinkhorn.solver=converged", lambda t: t["sinkhorn"]["solver"] == "converged")
 
 POS_INT = Int(lo=1)
+# Euler steps a sampler takes: 10^5 is far past any use, and a typo past it (sample.steps=1000000000) ran for days or
+# ran out of memory; `sinkflow sample --steps`, Run.sample(steps=) and every steps key share the bound
+MAX_EULER_STEPS = 100_000
+EULER_STEPS = Int(lo=1, hi=MAX_EULER_STEPS)
 NONNEG_INT = Int(lo=0)
 POS_FLOAT = Float(lo=0, lo_open=True)
 NONNEG_FLOAT = Float(lo=0)
@@ -344,7 +348,7 @@ SINKHORN = {
 POOL_KEYS = {
     "batches": Key(200, POS_INT, "pool batches (independent trajectories of batch_size particles)"),
     "batch_size": Key(256, Int(lo=2), "particles per pool batch = the Sinkhorn batch (>= 2 points a side)"),
-    "steps": Key(100, POS_INT, "T Euler steps per trajectory"),
+    "steps": Key(100, EULER_STEPS, "T Euler steps per trajectory"),
     "eta": Key(0.02, POS_FLOAT, "Euler step size of the Sinkhorn flow"),
     "eta_growth": Key(0.0, NONNEG_FLOAT, "incremental schedule's rate r: eta_k = eta*exp(r(k-T)/T) "
                       "(the dev code's \"incremental lr\" hint, r=4)"),
@@ -510,7 +514,7 @@ PHASES: dict[str, Phase] = {
 }
 
 SAMPLE = {
-    "steps": Key(100, POS_INT, "Euler steps of the velocity network at sampling time", opt_in=True),
+    "steps": Key(100, EULER_STEPS, "Euler steps of the velocity network at sampling time", opt_in=True),
     "time_warp": Key(1.0, POS_FLOAT, "Euler grid t_i = 1 - (1 - i/N)^warp: 1 = uniform (the paper's); < 1 makes the "
                      "early steps shorter and the last one a longer jump to the end point", opt_in=True),
     "batch_size": Key(500, POS_INT, "samples generated per network call (eval.n is split into chunks of this)"),
@@ -528,7 +532,7 @@ SAMPLE = {
 
 EVAL = {
     "n": Key(1024, POS_INT, "test samples for W2 / FID / bits/dim"),
-    "steps": Key([10, 100], ListOf(POS_INT), "Euler steps to evaluate at", opt_in=True),
+    "steps": Key([10, 100], ListOf(EULER_STEPS), "Euler steps to evaluate at", opt_in=True),
     "seeds": Key(3, POS_INT, "sampling seeds: mean and spread"),
     "protocol": Key("qmc", Options("qmc", "iid"), "qmc = scrambled-Sobol source draws (2D: against stratified test "
                     "draws, a low W2 floor) | iid = i.i.d. source draws (2D: against i.i.d. test draws, a point file's "
@@ -617,8 +621,8 @@ METHOD_REGISTRY: dict[str, MethodSpec] = {
                                   "once when the straight-flow phase starts (RUN/nsf_states.npy, float32)"),
             },
             "sample": {
-                "nsf_steps": Key(50, POS_INT, "Euler steps of the straight flow from t_hat to 1"),
-                "nsgf_steps": Key(None, POS_INT, "Euler steps of the NSGF part (null: the pool's own T steps; else "
+                "nsf_steps": Key(50, EULER_STEPS, "Euler steps of the straight flow from t_hat to 1"),
+                "nsgf_steps": Key(None, EULER_STEPS, "Euler steps of the NSGF part (null: the pool's own T steps; else "
                                   "uniform steps, needs nsgf.segment > 0)", nullable=True),
                 "t_shift": Key(0.0, Float(-1, 1), "added to the time predictor's t_hat before the straight flow "
                                "starts (then clamped to [nsgf.nsf_t_min, 1]): 0 is the paper's Algorithm 4; < 0 starts "

@@ -52,8 +52,10 @@ def time_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(torch.float32, dtype)
 
 
-def _expand(t, x: torch.Tensor) -> torch.Tensor:
+def _expand(t, x: torch.Tensor, name: str = "t") -> torch.Tensor:
     t = torch.as_tensor(t, dtype=time_dtype(x.dtype), device=x.device)
+    require(t.ndim == 0 or tuple(t.shape) == (x.shape[0],), f"{name} has shape {tuple(t.shape)} but x holds "
+            f"{x.shape[0]} samples", f"pass {name} as a number, or one time per sample, shaped ({x.shape[0]},)")
     return t.expand(x.shape[0]).clone() if t.ndim == 0 else t
 
 
@@ -61,8 +63,7 @@ def warped_fractions(steps: int, warp: float = 1.0) -> list[float]:
     """Grid points f_i = 1 - (1 - i/steps)^warp on [0, 1]: ``warp`` 1 is uniform; below 1 the early steps
     are shorter and the last one longer (it jumps to the network's estimate of the end point), above 1
     the reverse. The same NFE either way; ``sample.time_warp`` (docs/nsgfpp.md, the digits benchmark)."""
-    if not warp > 0:
-        raise ValueError(f"time warp must be > 0, got {warp!r}")
+    require(warp > 0, f"time warp must be > 0, got {warp!r}", "e.g. sample.time_warp=1 (a uniform grid)")
     return [1.0 - (1.0 - i / steps) ** warp for i in range(steps + 1)]
 
 
@@ -100,14 +101,14 @@ def euler(model, x: torch.Tensor, t0, t1, steps: int, record: bool = False, warp
     require(is_whole(steps), f"steps must be a positive integer, got {shown(steps)}", "use at least one Euler step")
     x = float_tensor(x, "x", network_dtype(model))
     require_network_device(model, x)
-    t0, t1 = _expand(t0, x), _expand(t1, x)
+    t0, t1 = _expand(t0, x, "t0"), _expand(t1, x, "t1")
     span = t1 - t0
     if warp == 1.0:  # the uniform grid as t0 + k h, bit-identical to the sampler before warps existed
         h = span / steps
-        grid = [(t0 + k * h, h) for k in range(steps)]
+        grid = ((t0 + k * h, h) for k in range(steps))  # made step by step: a list of 10^9 steps filled the memory
     else:
         f = warped_fractions(steps, warp)
-        grid = [(t0 + f[k] * span, (f[k + 1] - f[k]) * span) for k in range(steps)]
+        grid = ((t0 + f[k] * span, (f[k + 1] - f[k]) * span) for k in range(steps))
     shape = (-1,) + (1,) * (x.ndim - 1)
     path = [x.cpu()] if record else []
     for t, h in grid:
