@@ -3,6 +3,7 @@
 per run folder, bad input leaves the folder untouched, no tracebacks, housekeeping."""
 
 import errno
+import json
 import os
 import resource
 import shutil
@@ -229,6 +230,21 @@ def test_resume_accepts_runtime_and_training_keys_and_writes_them(run, capsys):
                        "--no-report")
     assert rc == 0, err
     assert "lr: 0.002" in (run / "config.yaml").read_text()
+
+
+def test_a_damaged_meta_json_is_kept_aside_not_written_over(run, capsys, caplog):
+    """A resume's changes were written over a meta.json cut short: the seed, versions and command line it still held
+    were lost without a word."""
+    meta = run / "meta.json"
+    cut = meta.read_bytes()[: meta.stat().st_size // 2]
+    meta.write_bytes(cut)
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()
+    with caplog.at_level("WARNING", logger="sinkflow"):
+        rc, err = run_main(capsys, "train", "--resume", str(run), "train.velocity.lr=0.002", "--no-report")
+    assert rc == 0, err
+    assert (run / "meta.damaged.json").read_bytes() == cut and "kept as meta.damaged.json" in caplog.text
+    changes = json.loads(meta.read_text())["changes"]
+    assert [(c["key"], c["to"]) for c in changes] == [("train.velocity.lr", 0.002)]
 
 
 def test_checkpoint_from_another_run_is_refused(run, base_run, capsys, tmp_path):

@@ -343,9 +343,20 @@ def record_changes(run_dir: Path, entries: list[tuple]) -> None:
     path = Path(run_dir) / "meta.json"
     try:
         meta = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         meta = {}
-    meta = meta if isinstance(meta, dict) else {}
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict):  # damaged (cut short, overwritten): kept aside, never written over
+        aside = path.with_name("meta.damaged.json")
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = path.with_name(f"meta.damaged.{n}.json")
+        os.replace(path, aside)
+        log.warning("%s was damaged (not a JSON object): kept as %s, and a new meta.json records the changes from "
+                    "here; the seed, versions and command line it held are readable in that copy", path, aside.name)
+        meta = {}
     when = time.strftime("%Y-%m-%d %H:%M:%S")
     for key, old, new, phase, step, *note in entries:
         meta.setdefault("changes", []).append({"key": key, "from": old, "to": new, "phase": phase, "step": step,
