@@ -247,6 +247,19 @@ def test_a_damaged_meta_json_is_kept_aside_not_written_over(run, capsys, caplog)
     assert [(c["key"], c["to"]) for c in changes] == [("train.velocity.lr", 0.002)]
 
 
+@pytest.mark.parametrize("out", ["pool/x.npy", "checkpoints/velocity/x.png", "tb/", "samples.npy"])
+def test_sample_never_writes_over_the_runs_own_files(run, capsys, out):
+    """`sample --out RUN/pool/x.npy` replaced the pool: status said FINISHED, and the resume after it failed on an
+    array of another shape. Beside the run's state (RUN/samples.npy) it writes as asked."""
+    before = full_snapshot(run)
+    argv = ["sample", str(run), "--n", "4", "--steps", "2", "--out", str(run / out)]
+    if out == "samples.npy":
+        assert run_main(capsys, *argv)[0] == 0 and (run / out).is_file()
+        return
+    one_line(*run_main(capsys, *argv), "is in the run's own", "which samples would replace")
+    assert full_snapshot(run) == before
+
+
 def test_checkpoint_from_another_run_is_refused(run, base_run, capsys, tmp_path):
     ck = run / "checkpoints" / "velocity"
     (ck / "final.pt").unlink()

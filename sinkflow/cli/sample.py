@@ -35,10 +35,14 @@ def run(args):
     if not as_folder and out.suffix not in (".npy", ".png"):
         raise SinkflowError(f"--out {out} must end in .npy or .png, or name a folder (no suffix) for one PNG per image",
                             "e.g. --out samples.png")
-    from sinkflow.runtime.run_folder import RunFolder  # torch loads with these: `--help` and bad arguments stay fast
+    # torch loads with these: `--help` and bad arguments stay fast
+    from sinkflow.runtime.run_folder import RunFolder, run_state_entry
     from sinkflow.tools.data import sampling_data
 
     run_ = RunFolder.open(args.run_dir)
+    if (entry := run_state_entry(run_.dir, out)) is not None:
+        raise SinkflowError(f"--out {args.out} is in the run's own {entry}, which samples would replace",
+                            f"write them beside it, e.g. --out {Path(args.run_dir) / 'samples'}.npy")
     with sampling_data(run_.cfg, run_.dir):  # an image run copied without its data set samples all the same
         _sample(args, run_, out, as_folder)
 

@@ -366,6 +366,21 @@ def record_changes(run_dir: Path, entries: list[tuple]) -> None:
     atomic_write_text(path, json.dumps(meta, indent=2, default=str))
 
 
+# What a run folder holds of its own state (the layout above, plus the records a run writes beside it)
+RUN_STATE = ("config.yaml", "meta.json", "meta.damaged.json", "checkpoints", "pool", "metrics.jsonl",
+             "metrics.rewound.jsonl", "tb", "status.json", "data_split.json", ".lock")
+
+
+def run_state_entry(run_dir: Path, path: Path) -> str | None:
+    """The entry of ``RUN_STATE`` that ``path`` is or lies in, or None: `sample --out RUN/pool/x.npy` replaced the
+    pool, and the resume after it failed on an array of another shape."""
+    try:
+        rel = Path(path).resolve().relative_to(Path(run_dir).resolve())
+    except ValueError:
+        return None
+    return rel.parts[0] if rel.parts and rel.parts[0] in RUN_STATE else None
+
+
 DATA_PATH_KEYS = ("data.path", "data.root", "data.source", "data.target")
 
 
