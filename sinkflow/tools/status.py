@@ -239,6 +239,9 @@ def format_status(st: dict) -> str:
     why = ""
     if state == "dead":
         why = f" (pid {hb.get('pid')} is not running; resume with `{st['resume']}`)"
+    elif state == "stopped" and hb.get("at_once"):
+        why = (f" (at once by a second signal, {hb.get('signal')}, in {hb.get('phase')}: the work since its last "
+               f"checkpoint is lost; resume from that checkpoint with `{st['resume']}`)")
     elif state == "stopped":
         why = (f" ({stop_reason(int(hb.get('signal') or 0))} at {hb.get('phase')} step {hb.get('step')}, "
                f"checkpoint saved; "
