@@ -319,3 +319,13 @@ def test_counts_are_logged_as_counts(tmp_path):
 def test_stale_after_must_be_a_positive_number_of_seconds(tmp_path, value):
     out = cli("status", str(tmp_path), "--stale-after", value, cwd=tmp_path)
     assert out.returncode == 2 and "--stale-after" in out.stderr and "must be a positive number" in out.stderr, out.stderr
+
+
+def test_resume_commands_are_quoted_for_the_shell(tmp_path):
+    """`--name "x z"`: the resume printed was `sinkflow train --resume runs/x z`, two arguments to a shell."""
+    from sinkflow.runtime.lock import finish_fix
+    from sinkflow.tools.status import resume_command
+
+    assert resume_command(tmp_path / "x z") == f"sinkflow train --resume '{tmp_path / 'x z'}'"
+    assert resume_command(tmp_path / "plain") == f"sinkflow train --resume {tmp_path / 'plain'}"
+    assert finish_fix(tmp_path / "x z").endswith(f"`sinkflow train --resume '{tmp_path / 'x z'}'`")

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import importlib
 import os
+import shlex
 import signal
 import logging
 import sys
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = getattr(args, "run_dir_used", None) or "RUN"
             print(f"sinkflow: error: another process of this torchrun job stopped, so a collective failed "
                   f"({one_line(str(exc))[:160]}); the checkpoints written before are intact: find why that rank "
-                  f"stopped (its own output), then resume with `sinkflow train --resume {run_dir}`", file=sys.stderr)
+                  f"stopped (its own output), then resume with `sinkflow train --resume {shlex.quote(run_dir)}`", file=sys.stderr)
             return 2
         if torch is None or not isinstance(exc, torch.OutOfMemoryError):
             raise  # anything else is a bug: keep its traceback
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         signum = getattr(exc, "signum", signal.SIGINT)  # StopNow's; a Ctrl+C outside a run is SIGINT's
         if args.command == "train":
             print(f"sinkflow: stopped at once by a second signal: the checkpoints written before are intact; resume "
-                  f"with `sinkflow train --resume {getattr(args, 'run_dir_used', None) or 'RUN'}`", file=sys.stderr)
+                  f"with `sinkflow train --resume {shlex.quote(str(getattr(args, 'run_dir_used', None) or 'RUN'))}`", file=sys.stderr)
         else:  # one signal stops any other command, its temporary files removed on the way out
             print(f"sinkflow: {args.command} stopped by signal {signum}", file=sys.stderr)
         return 128 + signum
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 skip += f" --time-limit {args.time_limit}"
             # launched as it was (another process count also resumes: the lr follows train.*.lr_scaling)
             launch = f"torchrun --nproc_per_node {info.world} -m sinkflow" if info.enabled else "sinkflow"
-            print(f"sinkflow: {exc}; resume with `{launch} train --resume {where}{skip}`",
+            print(f"sinkflow: {exc}; resume with `{launch} train --resume {shlex.quote(str(where))}{skip}`",
                   file=sys.stderr)
         return exc.exit_status
     finally:

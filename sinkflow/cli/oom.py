@@ -15,6 +15,7 @@ next allocation anyway. The stop keeps the last checkpoint, and the fix is one o
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 
@@ -59,5 +60,5 @@ def oom_line(exc: BaseException, command: str, run_dir: str | None, preset: str 
         fix = "lower sample.batch_size (samples per network call), e.g. sample.batch_size=100"
     kept = where.get("kept") or ("the finished pool chunks are kept" if phase == "pool" else "")
     kept = f"; {kept}" if kept else ""
-    resume = f" (`sinkflow train --resume {run_dir}`)" if where.get("phase") and run_dir else ""
+    resume = f" (`sinkflow train --resume {shlex.quote(str(run_dir))}`)" if where.get("phase") and run_dir else ""
     return f"CUDA out of memory in {phase}{at} ({estimate}){kept}; {fix}{resume}"

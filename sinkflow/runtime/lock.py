@@ -10,6 +10,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import shlex
 from pathlib import Path
 
 from sinkflow.errors import SinkflowError
@@ -89,7 +90,7 @@ def finish_fix(run_dir: Path) -> str:
             os.close(fd)
     elif fd is not None:
         os.close(fd)
-    return f"finish it with `sinkflow train --resume {run_dir}`"
+    return f"finish it with `sinkflow train --resume {shlex.quote(str(run_dir))}`"
 
 
 def unlock_run(run_dir: Path) -> None:

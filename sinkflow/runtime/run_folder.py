@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -131,7 +132,7 @@ class RunFolder:
         def refuse_existing():
             if (run_dir / "config.yaml").exists():
                 raise SinkflowError(f"run folder {run_dir} already exists",
-                                    f"resume it with `sinkflow train --resume {run_dir}` or pick another experiment.name")
+                                    f"resume it with `sinkflow train --resume {shlex.quote(str(run_dir))}` or pick another experiment.name")
             raise SinkflowError(f"run folder {run_dir} already exists and is not empty, but has no config.yaml "
                                 "(a damaged run?); nothing in it was changed",
                                 "restore its config.yaml to resume it, or pick another experiment.name")

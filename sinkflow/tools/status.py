@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import time
 import zipfile
@@ -172,7 +173,7 @@ def resume_command(run_dir: Path) -> str:
         argv = json.loads((Path(run_dir) / "meta.json").read_text()).get("argv") or []
     except (OSError, ValueError, AttributeError):
         argv = []
-    return f"sinkflow train --resume {run_dir}" + (" --no-report" if "--no-report" in argv else "")
+    return f"sinkflow train --resume {shlex.quote(str(run_dir))}" + (" --no-report" if "--no-report" in argv else "")
 
 
 def phases_left(run_dir: Path, hb: dict, ckpts: dict) -> list[dict]:
