@@ -106,6 +106,9 @@ class Run:
         require(x0.shape[0] >= 1, "x0 holds no samples", f"pass x0 shaped {expected} with at least one row")
         require(bool(torch.isfinite(x0).all()), f"x0 holds {int((~torch.isfinite(x0)).sum())} NaN or infinite "
                 "value(s)", "pass finite source noise (it returned NaN samples in silence)")
+        beyond = int((~torch.isfinite(x0.to(torch.float32))).sum())  # 1e300 in float64: inf in the networks' float32
+        require(not beyond, f"x0 holds {beyond} value(s) beyond float32's range (|x| > 3.4e38), the dtype its "
+                "networks compute in", "pass source noise of the run's scale (a sample was called a diverged model)")
         require(n is None or n == x0.shape[0], f"sample(n={rows}) but x0 holds {x0.shape[0]} samples",
                 f"pass x0 shaped {expected}, or leave n out to sample one per row of x0")
         from sinkflow.eval.points import sample_chunks

@@ -74,7 +74,8 @@ def test_sample_takes_none_as_the_default_and_a_whole_number_as_asked(tiny_run):
     ({"seed": "a"}, r"seed='a' must be a whole number"), ({"seed": True}, r"seed=True must be a whole number"),
     ({"qmc": "yes"}, r"qmc='yes' must be True, False or None"),
     ({"n": 10**13}, r"^n 10000000000000 needs about .* of memory for its samples .*; use a smaller n$"),
-    ({"steps": 10**9}, r"^steps=1000000000 is more than 100,000; use steps=100,000 or fewer$")])
+    ({"steps": 10**9}, r"^steps=1000000000 is more than 100,000; use steps=100,000 or fewer$"),
+    ({"x0": torch.tensor([[1e300, 0.0]], dtype=torch.float64), "n": None}, r"^x0 holds 1 value\(s\) beyond float32's")])
 def test_sample_refuses_a_bad_seed_qmc_or_n_in_one_line(tiny_run, kwargs, needle):
     """Each was a torch or numpy error from inside the seeded draw (or an allocator's 'you tried to allocate
     80000000000000 bytes'); "yes" was taken as true."""
