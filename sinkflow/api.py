@@ -175,7 +175,7 @@ def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | 
     from sinkflow.engine.experiment import train_run
 
     seconds = _seconds(time_limit)
-    short, dotted = _overrides(overrides, {"device": None if device == "auto" else device})
+    short, dotted = _overrides(overrides, {"device": None if device == "auto" else device}, ("device", "time_limit"))
     return open_run(train_run(resume=Path(_path(path, "path")), overrides=dotted, shorthands=short, device=device,
                               time_limit=seconds).dir)
 
@@ -194,9 +194,11 @@ def _seconds(time_limit: str | float | None) -> float | None:
     return None if time_limit is None else parse_duration(time_limit)
 
 
-def _overrides(overrides: dict, short: dict) -> tuple[dict, list[str]]:
+def _overrides(overrides: dict, short: dict, own: tuple[str, ...] = ("runs_dir", "name", "device", "time_limit")
+               ) -> tuple[dict, list[str]]:
     """Keyword overrides as (shorthands, dotted ``key=value`` texts): a shorthand name (``train_iters``) or a dotted
-    key passed as a dict (``**{"pool.batches": 64}``), else one line naming both forms."""
+    key passed as a dict (``**{"pool.batches": 64}``), else one line naming both forms and the call's ``own``
+    keyword arguments (the list left out runs_dir and time_limit, which the examples use)."""
     from sinkflow import config
 
     short, dotted = dict(short), []
@@ -208,7 +210,7 @@ def _overrides(overrides: dict, short: dict) -> tuple[dict, list[str]]:
         else:
             raise SinkflowError(f"unknown override {key!r}",
                                 f"use a dotted config key as a dict, e.g. **{{'pool.batches': 4}}, or one of "
-                                f"{', '.join(config.SHORTHANDS)}")
+                                f"{', '.join([*own, *(k for k in config.SHORTHANDS if k not in own)])}")
     return short, dotted
 
 

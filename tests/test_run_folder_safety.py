@@ -5,6 +5,7 @@ per run folder, bad input leaves the folder untouched, no tracebacks, housekeepi
 import errno
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -329,6 +330,27 @@ def test_a_config_cut_short_is_refused_not_read_with_defaults(run, tmp_path, cap
             "config-file": ["train", str(path), "--name", "again", "--no-report"]}[command]
     one_line(*run_main(capsys, *argv), "config.yaml is cut short", "copy the run folder again")
     assert full_snapshot(run) == before and not (tmp_path / "s.npy").exists()
+
+
+@pytest.mark.parametrize("damage, needles", [
+    ("yaml", ("config.yaml is not valid YAML at line", "fix it there by hand")),
+    ("value", ("config.yaml: config key 'train.velocity.lr'", "edit that file (")),
+    ("deleted", ("has lost its config.yaml", "meta.json's argv is the command that made it"))])
+def test_a_damaged_config_names_a_fix_that_works(run, capsys, damage, needles):
+    """Their fixes sent users the wrong way: "restore it from the run's first lines of output" (they hold no config),
+    `--resume RUN train.velocity.lr=0.001` (the file is read before any override), "not a sinkflow run folder" for a
+    folder with its checkpoints and meta.json."""
+    path = run / "config.yaml"
+    text = path.read_text()
+    if damage == "yaml":
+        lines = text.splitlines(keepends=True)
+        path.write_text("".join(lines[:2]) + "  bad: [unclosed\n" + "".join(lines[2:]))
+    elif damage == "value":
+        path.write_text(text.replace("lr: 0.001", "lr: -1", 1) if "lr: 0.001" in text else
+                        re.sub(r"(\n    lr: )[^\n]+", r"\1-1", text, count=1))
+    else:
+        path.unlink()
+    one_line(*run_main(capsys, "train", "--resume", str(run), "--no-report"), *needles)
 
 
 def test_a_config_without_the_marks_is_read_as_it_is(run, tmp_path, capsys):

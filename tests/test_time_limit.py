@@ -131,8 +131,10 @@ def test_the_python_api_stops_at_a_time_limit_and_resumes(tmp_path, monkeypatch)
     assert run.sample(16, steps=2).shape == (16, 2)
     with pytest.raises(SinkflowError, match="time limit"):
         sinkflow.train("moons", name="bad", time_limit="soon")
-    with pytest.raises(SinkflowError, match="unknown override 'iters'"):
+    with pytest.raises(SinkflowError, match="unknown override 'iters'.* or one of device, time_limit, train_iters"):
         sinkflow.resume(run.dir, iters=3)
+    with pytest.raises(SinkflowError, match="or one of runs_dir, name, device, time_limit, train_iters"):
+        sinkflow.train("moons", iters=3)  # the call's own arguments were left out of the list
     assert not (tmp_path / "runs" / "bad").exists()
 
 

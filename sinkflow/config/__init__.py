@@ -480,7 +480,7 @@ def read_run_config(cfg: Any, path) -> dict:
     as it started, whatever its preset says today), or where the default changed that, the value in
     ``schema.BEFORE_ADDED``; keys of another model kind (older run folders held them all) are dropped."""
     if not isinstance(cfg, dict):
-        raise SinkflowError(f"{path} does not hold a config tree", "restore it from the run's first lines of output")
+        raise SinkflowError(f"{path} does not hold a config tree", "restore it from a copy of the run folder")
     written = flatten(cfg)
     try:
         tree = complete(cfg, None, lenient=True)
@@ -492,7 +492,8 @@ def read_run_config(cfg: Any, path) -> dict:
             problem = f"{path} has {exc.problem.replace('unknown config key', 'unknown key')}"
         else:
             problem = f"{path}: {exc.problem}"
-        raise SinkflowError(problem, exc.fix or "fix it or start a new run") from None
+        # the file is read before any override: `--resume RUN key=value` cannot mend it, an edit of the file does
+        raise SinkflowError(problem, f"edit that file ({exc.fix})" if exc.fix else "fix it or start a new run") from None
     return tree
 
 

@@ -433,14 +433,21 @@ def write_config(run_dir: Path, cfg: dict) -> None:
 def read_config(run_dir: Path) -> dict:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
+        if (Path(run_dir) / "meta.json").is_file() or (Path(run_dir) / "checkpoints").is_dir():
+            raise SinkflowError(f"run folder {run_dir} has lost its config.yaml", "restore it from a copy of the run "
+                                "folder (meta.json's argv is the command that made it: the same command with "
+                                "--name NEW writes the same config.yaml, if sinkflow's defaults have not changed)")
         raise SinkflowError(f"{run_dir} is not a sinkflow run folder (no config.yaml)",
                             "pass the folder `sinkflow train` printed when it started")
     text = path.read_text()
     config_mod.refuse_cut_short(text, path)
     try:
         cfg = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise SinkflowError(f"{path} is not valid YAML", "restore it from the run's first lines of output") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise SinkflowError(f"{path} is not valid YAML{at}", "fix it there by hand, or restore it from a copy of "
+                            "the run folder") from None
     return config_mod.read_run_config(cfg, path)  # keys added to sinkflow after the run was made get their defaults
 
 
