@@ -301,3 +301,16 @@ def test_wide_unets_keep_adm_groups():
     """From 64 channels a group of ADM's 32 holds >= 2 channels: nothing changes (the cifar10 UNet)."""
     model = build_model("unet", UNET_PRESETS["cifar10"], (3, 32, 32))
     assert {m.num_groups for m in model.modules() if isinstance(m, torch.nn.GroupNorm)} == {32}
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("mlp", {"hidden": 0}, (2,)), r"'model.hidden' must be >= 1 \(got 0\)"),  # a network that always output 0
+    (("unet", {"channels": 0}, (1, 8, 8)), r"'model.channels' must be >= 1"),  # a conv error at the first forward
+    (("mlp", {"hidden": 2.5}, (2,)), r"'model.hidden' expects int"),
+    (("mlp", {}, 2), r"sample_shape=2 is not a shape")])  # 'int' object is not iterable
+def test_build_model_checks_each_value_against_its_key(args, needle):
+    from sinkflow.errors import SinkflowError
+    from sinkflow.models import build_model
+
+    with pytest.raises(SinkflowError, match=needle):
+        build_model(*args)

@@ -49,7 +49,10 @@ def _resolve(kind: str, cfg: dict) -> dict:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             raise SinkflowError(f"unknown model key '{key}'",
                                 f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(known))}")
-    out.update({k: v for k, v in (cfg or {}).items() if k in out and v is not None})
+    from sinkflow.config import check_value
+
+    spec = MODEL_KINDS[kind]  # each value against its key's rule: hidden=0 built a network that always output 0
+    out.update({k: check_value(f"model.{k}", spec[k], v) for k, v in (cfg or {}).items() if k in out and v is not None})
     return out
 
 
@@ -66,7 +69,11 @@ def build_model(kind: str, cfg: dict, sample_shape: tuple[int, ...]) -> torch.nn
         raise SinkflowError(f"unknown model kind '{kind}'",
                             f"use {close[0]!r}" if close else f"choose one of: {', '.join(MODEL_KINDS)}")
     module = importlib.import_module(f"sinkflow.models.{kind}")
-    sample_shape = tuple(int(s) for s in sample_shape)
+    try:
+        sample_shape = tuple(int(s) for s in sample_shape)
+    except TypeError:  # build_model("mlp", {}, 2): "'int' object is not iterable"
+        raise SinkflowError(f"sample_shape={sample_shape!r} is not a shape", "pass the per-sample shape as a "
+                            "tuple, e.g. (2,) for points or (1, 28, 28) for MNIST") from None
     if getattr(module, "CHECKS_OWN_KEYS", False):
         return module.build(dict(cfg or {}), sample_shape)
     c = _resolve(kind, cfg)
