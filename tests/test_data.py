@@ -861,3 +861,16 @@ def test_a_split_of_another_size_is_refused_where_no_hash_is_recorded(tmp_path):
         check_split(run, SimpleNamespace(), more, doing="evaluate")
     (tmp_path / "data_split.json").write_text(json.dumps({"set": "cifar10"}))  # a record from before the sizes
     check_split(run, SimpleNamespace(), more, doing="evaluate")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+@pytest.mark.parametrize("name", ["normal", "8gaussians", "moons", "checkerboard", "scurve", "digits"])
+def test_sampling_on_a_device_this_machine_lacks_is_one_line(name, tmp_path):
+    """docs/data.md's `dist.sample(256, g, device="cuda")` on a machine without CUDA was torch's "Found no NVIDIA
+    driver" traceback; a device that is no device, torch's parse error."""
+    dist = build_distribution(name, data_cfg=cfg(tmp_path) if name == "digits" else {})
+    with pytest.raises(SinkflowError, match=r"sample\(device='cuda'\) but CUDA is not available here; sample on 'cpu'"):
+        dist.sample(4, torch.Generator(), device="cuda")
+    with pytest.raises(SinkflowError, match=r"sample\(device='gpu0'\) is not a device"):
+        dist.sample(4, torch.Generator(), device="gpu0")
+    assert dist.sample(4, torch.Generator(), device="cpu").shape[0] == 4

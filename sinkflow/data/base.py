@@ -54,9 +54,16 @@ def check_sample_size(n) -> None:
         raise SinkflowError(f"sample size must be a positive int, got {shown(n)}", "pass n >= 1")
 
 
-def check_sample_args(n: int, generator: torch.Generator) -> None:
-    """Reject arguments that would silently draw from the global RNG or the wrong device."""
+def check_sample_args(n: int, generator: torch.Generator, device="cpu") -> None:
+    """Reject arguments that would silently draw from the global RNG or the wrong device, and a ``device`` this
+    machine lacks (docs/data.md's ``device="cuda"`` without a GPU was torch's "Found no NVIDIA driver")."""
     check_sample_size(n)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise SinkflowError(f"sample(device={device!r}) is not a device", "use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SinkflowError(f"sample(device={device!r}) but CUDA is not available here", "sample on 'cpu'")
     if not isinstance(generator, torch.Generator):
         raise SinkflowError(
             f"sample() needs a torch.Generator, got {type(generator).__name__}",

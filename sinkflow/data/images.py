@@ -90,7 +90,7 @@ class ImageDistribution(Distribution):
         return to_unit_range(_gather(self.images, self.val_index))
 
     def sample(self, n, generator, device="cpu"):
-        check_sample_args(n, generator)
+        check_sample_args(n, generator, device)
         idx = torch.randint(0, len(self), (n,), generator=generator)
         flip = torch.rand(n, generator=generator) < 0.5 if self.flip else None
         device = torch.device(device)

@@ -102,7 +102,7 @@ class PointFile(Distribution):
                            "points_sha256": hashlib.sha256(points.numpy().tobytes()).hexdigest()}
 
     def sample(self, n, generator, device="cpu"):
-        check_sample_args(n, generator)
+        check_sample_args(n, generator, device)
         idx = torch.randint(0, len(self.points), (n,), generator=generator)
         return self.points[idx].to(device)
 

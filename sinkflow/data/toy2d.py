@@ -67,7 +67,7 @@ class Normal(Distribution):
         self.name = "normal-qmc" if qmc else "normal"
 
     def sample(self, n, generator, device="cpu"):
-        check_sample_args(n, generator)
+        check_sample_args(n, generator, device)
         if self.qmc:
             x = qmc_normal(n, math.prod(self.shape), generator).reshape(n, *self.shape)
             return _finish(x, device)
@@ -104,6 +104,7 @@ class EightGaussians(Distribution):
         return self.radius * EIGHT_CENTRES[labels] + self.std * noise, labels
 
     def sample(self, n, generator, device="cpu"):
+        check_sample_args(n, generator, device)
         return _finish(self.sample_with_labels(n, generator)[0], device)
 
 
@@ -124,7 +125,7 @@ class Moons(Distribution):
         self.shift = torch.tensor(shift, dtype=_F64)
 
     def sample(self, n, generator, device="cpu"):
-        check_sample_args(n, generator)
+        check_sample_args(n, generator, device)
         n_out = n // 2
         n_in = n - n_out
         if self.stratified:
@@ -154,7 +155,7 @@ class SCurve(Distribution):
         self.noise, self.scale, self.stratified = float(noise), float(scale), stratified
 
     def sample(self, n, generator, device="cpu"):
-        check_sample_args(n, generator)
+        check_sample_args(n, generator, device)
         u = stratified_uniform(n, generator) if self.stratified else torch.rand(n, generator=generator, dtype=_F64)
         t = 3 * math.pi * (u - 0.5)
         x = torch.stack([torch.sin(t), torch.sign(t) * (torch.cos(t) - 1)], 1)
@@ -185,7 +186,7 @@ class Checkerboard(Distribution):
         return torch.cat([pts, torch.rand(m - k * k, 2, generator=generator, dtype=_F64)])
 
     def sample(self, n, generator, device="cpu"):
-        check_sample_args(n, generator)
+        check_sample_args(n, generator, device)
         if not self.stratified:
             x1 = torch.rand(n, generator=generator, dtype=_F64) * 4 - 2
             x2_ = torch.rand(n, generator=generator, dtype=_F64) - torch.randint(0, 2, (n,), generator=generator) * 2
