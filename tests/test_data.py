@@ -874,3 +874,22 @@ def test_sampling_on_a_device_this_machine_lacks_is_one_line(name, tmp_path):
     with pytest.raises(SinkflowError, match=r"sample\(device='gpu0'\) is not a device"):
         dist.sample(4, torch.Generator(), device="gpu0")
     assert dist.sample(4, torch.Generator(), device="cpu").shape[0] == 4
+
+
+def test_mac_metadata_is_skipped_and_every_unreadable_image_is_named_at_once(tmp_path):
+    """Unzipping a macOS archive leaves `._name.png` beside each image and a `__MACOSX/` copy: named like images,
+    holding none, they stopped a run each, one after the other (6 runs for 6 files)."""
+    folder = make_folder(tmp_path / "imgs", n=6, size=(8, 8))
+    for name in ("._0.png", "__MACOSX/._1.png", "__MACOSX/imgs/2.png"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(b"\x00\x05\x16\x07" + bytes(80))  # AppleDouble's magic
+    d = build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder)))
+    assert len(d.images) + len(d.test_images) == 7  # make_folder's 6 PNGs and a JPEG
+    broken = sorted(folder.glob("img*.png"))
+    for p in broken:
+        p.write_bytes(p.read_bytes()[:60])
+    with pytest.raises(SinkflowError) as e:
+        build_distribution("folder", data_cfg=cfg(tmp_path / "other", path=str(folder)))
+    line = one_line(e)
+    assert f"4 of 6 images in {folder} cannot be read ({', '.join(p.name for p in broken[:3])}, ...; the first: " \
+        in line and "re-export them or remove them from data.path" in line

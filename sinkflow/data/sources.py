@@ -403,6 +403,12 @@ class CIFAR10Source(ArraySource):
         return np.asarray(ds.data, dtype=np.uint8), np.asarray(ds.targets, dtype=np.int64)
 
 
+def _mac_metadata(path: Path) -> bool:
+    """An AppleDouble file (``._name.png``, a ``__MACOSX/`` folder): what unzipping a macOS archive leaves beside
+    each image. Named like an image but holding none, each stopped a run, one run each."""
+    return path.name.startswith("._") or "__MACOSX" in path.parts
+
+
 class FolderSource:
     """Every png/jpg/jpeg/bmp/webp under ``path`` (recursive), sorted by relative path.
 
@@ -434,7 +440,7 @@ class FolderSource:
         self.channels = channels or 3
         self.image_size = image_size
         found = list(files_under(self.path))
-        self.files = sorted((p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS),
+        self.files = sorted((p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS and not _mac_metadata(p)),
                             key=lambda p: p.relative_to(self.path).as_posix())
         if not self.files:
             others = len(found)
@@ -516,14 +522,25 @@ class FolderSource:
         DECODES[self.name] += 1
 
         def fill(out):
+            bad = []  # every unreadable file in one message: one a run, a run each, was the way to find them
             for i, p in enumerate(files):
-                with self._open(p) as img:
-                    try:
-                        img.load()
-                        out[i] = fit_image(img, self.channels, self.image_size)
-                    except (OSError, SyntaxError, ValueError) as e:
-                        raise SinkflowError(f"image {p} is corrupt or truncated ({e})",
-                                            "re-export it or remove it from data.path") from None
+                try:
+                    with self._open(p) as img:
+                        try:
+                            img.load()
+                            out[i] = fit_image(img, self.channels, self.image_size)
+                        except (OSError, SyntaxError, ValueError) as e:
+                            raise SinkflowError(f"image {p} is corrupt or truncated ({e})",
+                                                "re-export it or remove it from data.path") from None
+                except SinkflowError as exc:
+                    bad.append((p, exc))
+            if len(bad) == 1:
+                raise bad[0][1]
+            if bad:
+                names = ", ".join(p.relative_to(self.path).as_posix() for p, _ in bad[:3])
+                raise SinkflowError(f"{len(bad)} of {len(files)} images in {self.path} cannot be read ({names}"
+                                    f"{', ...' if len(bad) > 3 else ''}; the first: {bad[0][1].problem})",
+                                    "re-export them or remove them from data.path")
             return None
 
         return write((len(files), *self.chw), fill)
