@@ -262,6 +262,13 @@ def test_bench_profile_reports_data_and_compute(runs_dir, capsys):
                  "--warmup", "0", "--device", "cpu"]) == 0
     out = capsys.readouterr().out  # OT-CFM has no pool and 2D points no image cache: it advised both
     assert "data-bound (> 30 % waiting): use fewer but larger batches" in out and "pool.storage" not in out
+    flow = ["bench", "--profile", "flow-digits", "model.flow.depth_per_level=1", "model.flow.hidden_channels=8",
+            "--batch-size", "8", "--steps", "2", "--warmup", "0", "--device", "cpu"]
+    assert main([*flow, "model.flow.memory=invertible"]) == 0  # bf16 was advised, which that mode refuses
+    out = capsys.readouterr().out
+    assert "model.flow.memory=invertible trains in fp32" in out and "other networks can try" not in out
+    assert main(flow) == 0
+    assert "other networks can try train.*.precision=bf16" in capsys.readouterr().out
 
 
 def test_compiled_sampling_draws_the_eager_samples_and_counts_every_call(tiny_run, tmp_path, capsys):

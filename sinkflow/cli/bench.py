@@ -71,8 +71,12 @@ def run(args):
               methods.of(cfg).name in ("nsgf", "nsgfpp") else []) + \
         (["keep the image cache in RAM"] if cfg["data"]["target"] in IMAGE_TARGETS else []) + \
         ["use fewer but larger batches"]
+    invertible = cfg["model"].get("flow", {}).get("memory") == "invertible" and methods.of(cfg).name == "flow"
+    half = ("a flow in model.flow.memory=invertible trains in fp32 (its inverse recomputes the activations, which "
+            "half precision would not reproduce): model.flow.memory=checkpoint can try train.flow.precision=bf16, "
+            "and train.*.compile=true" if invertible else  # the advice named bf16, which that mode refuses
+            "other networks can try train.*.precision=bf16, train.*.compile=true")
     print(f"data-bound (> 30 % waiting): {', '.join(levers[:-1]) + ', or ' if len(levers) > 1 else ''}{levers[-1]}"
           "; compute-bound: a UNet on CUDA already runs fp16 with the whole step one CUDA "
-          "graph (the phase's first line says what ran); other networks can try train.*.precision=bf16, "
-          "train.*.compile=true")
+          f"graph (the phase's first line says what ran); {half}")
     return 0
