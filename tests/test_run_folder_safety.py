@@ -685,6 +685,14 @@ def test_cli_turns_any_os_error_into_one_line(monkeypatch, capsys):
     monkeypatch.setattr("sinkflow.cli.status.run", boom)
     one_line(*run_main(capsys, "status", "whatever"), "ENOSPC", "No space left on device", "step_00000010.pt",
              "free disk space")
+    # a write under `sample --out` names that flag (it named experiment.runs_dir / data.root, which it never wrote)
+    for failed in ("/ro/s.npy", "/ro/.s.npy.tmp123", "/ro"):
+        def read_only(args, failed=failed):
+            raise OSError(errno.EROFS, "Read-only file system", failed)
+
+        monkeypatch.setattr("sinkflow.cli.sample.run", read_only)
+        one_line(*run_main(capsys, "sample", "RUN", "--out", "/ro/s.npy"), "EROFS", f"({failed})",
+                 "--out /ro/s.npy cannot be written there")
 
 
 

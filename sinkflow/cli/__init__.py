@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return 128 + signal.SIGPIPE  # what a program stopped by SIGPIPE returns
     except OSError as exc:
-        print(f"sinkflow: error: {one_line(os_error_line(exc))}", file=sys.stderr)
+        print(f"sinkflow: error: {one_line(os_error_line(exc, getattr(args, 'out', None)))}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
         torch = sys.modules.get("torch")
@@ -188,11 +188,18 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def os_error_line(exc: OSError) -> str:
-    """One line for any OSError: what failed (errno name and text), on which path, and the fix."""
+def os_error_line(exc: OSError, out: str | None = None) -> str:
+    """One line for any OSError: what failed (errno name and text), on which path, and the fix; a write under the
+    command's ``--out`` names that flag (its fix named experiment.runs_dir, which `sample --out` does not write)."""
     code = errno.errorcode.get(exc.errno, "") if exc.errno else ""
     what = exc.strerror or str(exc) or type(exc).__name__
     where = f" ({exc.filename})" if exc.filename else ""
     fix = _OS_FIXES.get(exc.errno, "check the path, the permissions and the free space")
+    if out and exc.filename and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
+        target, failed = os.path.abspath(out), os.path.abspath(os.fsdecode(exc.filename))
+        parent = os.path.dirname(target)
+        if failed in (target, parent) or failed.startswith(target + os.sep) or (
+                os.path.dirname(failed) == parent and os.path.basename(target) in os.path.basename(failed)):
+            fix = f"--out {out} cannot be written there: name a place in a folder you own, with free space"
     label = f"{code} " if code else ""
     return f"{label}{what}{where}; {fix}".replace(os.linesep, " ")
