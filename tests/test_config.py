@@ -312,7 +312,7 @@ def test_an_old_run_folders_config_reads_back(tmp_path):
     expected["data"]["holdout"] = "last_tenth"
     assert cfg == expected
     (tmp_path / "config.yaml").write_text("experiment: {preset: moons}\npool: {etaa: 1}\n")
-    with pytest.raises(SinkflowError, match="has unknown key 'pool.etaa'; did you mean 'pool.eta'"):
+    with pytest.raises(SinkflowError, match=r"has unknown key 'pool.etaa'; edit that file \(did you mean 'pool.eta'"):
         read_config(tmp_path)
 
 
