@@ -71,14 +71,34 @@ def test_a_chain_of_limited_sessions_makes_progress_each_time_and_ends_bit_equal
             now = _progress(run)
             assert not seen or now > seen[-1], (seen, now)  # every session moved the run on
             seen.append(now)
-    # 2 pool chunks, one session each; 6 steps, one each; then a session writes final.pt and stops before the
-    # report (past the limit: minutes on images), and the last one, with nothing left to train, reports and ends
-    assert stops == [("pool", 1), ("pool", 2), *[("velocity", s) for s in range(1, 7)], ("velocity", 6)], stops
+    # one session a unit: the pool's first chunk; its last chunk ends the pool (final.pt), and the run stops before
+    # the next phase; 5 velocity steps; the session of the last step ends the phase and, with no report to skip
+    # (train_run without `then`, `--no-report`), the run: it returns. It had stopped with a step file at the last
+    # step, then once more after writing final.pt (exit 124 and a resume line for a finished run)
+    assert stops == [("pool", 1), ("pool", 2), *[("velocity", s) for s in range(1, 6)]], stops
+    assert _progress(run) == (2, 6, True)
     a = torch.load(tmp_path / "runs/whole/checkpoints/velocity/final.pt", weights_only=True)
     b = torch.load(run / "checkpoints/velocity/final.pt", weights_only=True)
     assert a["step"] == b["step"] == 6
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
+
+
+def test_a_limit_passed_in_the_last_step_skips_only_the_report(tmp_path, monkeypatch):
+    """With a report to follow (`sinkflow train` without --no-report), a limit that has passed when the last phase
+    ends stops before the report (minutes on images; the next session writes it); without one the run ends."""
+    from sinkflow.engine.experiment import train_run
+
+    monkeypatch.chdir(tmp_path)
+    train_run(_cfg("r"))
+    final = tmp_path / "runs/r/checkpoints/velocity/final.pt"
+    final.unlink()  # the last step again, from step_00000006.pt: nothing trains, the phase ends
+    reports = []
+    with pytest.raises(Interrupted) as e:
+        train_run(resume=tmp_path / "runs/r", time_limit=1e-9, then=reports.append)
+    assert (e.value.phase, e.value.step) == ("velocity", 6) and final.is_file() and not reports
+    run = train_run(resume=tmp_path / "runs/r", time_limit=3600, then=reports.append)
+    assert reports == [run]
 
 
 def test_an_unreached_limit_changes_nothing(tmp_path, monkeypatch):

@@ -29,9 +29,12 @@ from sinkflow.engine.trainer import Trainer
 log = logging.getLogger("sinkflow")
 
 
-def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float | None = None) -> None:
+def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float | None = None,
+               report: bool = False) -> None:
     """Each unfinished task through its own ``Trainer`` (``callbacks`` go to every one of them); past the
-    ``time.monotonic()`` ``deadline`` (the time limit) the run stops as on SIGTERM."""
+    ``time.monotonic()`` ``deadline`` (the time limit) the run stops as on SIGTERM: within a phase at its next step,
+    between two phases before the next starts, and after the last only where a ``report`` would follow (it is
+    skipped as asked; with none to skip, a finished run is finished: exit 0, not 124 and a resume to run)."""
     callbacks = list(callbacks)
     last = None
     with graceful_stop(deadline):
@@ -39,6 +42,8 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
             if run.phase_done(task.name):
                 log.info("phase %s already finished: skipped", task.name)
                 continue
+            if last is not None and (signum := dist.agree_stop(stop_requested())) is not None:
+                raise Interrupted(signum, *last)  # a phase just ended on the stop: the next is the resume's
             run.logger.heartbeat(phase=task.name, step=0, state="starting")
             trainer = None
             try:
@@ -55,12 +60,12 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                 run.logger.heartbeat(phase=task.name, step=getattr(trainer, "progress", None), state="failed",
                                      error=" ".join(str(exc).split())[:500] or type(exc).__name__)
                 raise
-            last = (task.name, trainer.progress)
+            last = (task.name, trainer.step)  # as a stop inside the phase counts: steps, or pool chunks
             del trainer  # the trainer (model, optimizer, buffers) is dropped here
             run.release()
         run.logger.heartbeat(phase="done", state="finished")
         run.logger.flush()
-        signum = dist.agree_stop(stop_requested())  # every rank, or one rank would stop while the others report
+        signum = dist.agree_stop(stop_requested()) if report else None  # every rank, or one would report alone
         if signum is not None and last is not None:  # a signal after the last step check: the report
             # (minutes on images) is skipped as asked; all is saved, and status says FINISHED
             raise Interrupted(signum, *last)
@@ -153,7 +158,7 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
                     log.warning("preset %s sets %d key(s) that method %s does not read (%s): kept in config.yaml, "
                                 "unused", cfg["experiment"]["preset"], len(unread), method.name, keys)
         try:
-            run_phases(run, phases, callbacks, deadline)
+            run_phases(run, phases, callbacks, deadline, report=then is not None)
         except Interrupted as exc:
             exc.run_dir = run.dir
             raise

@@ -489,6 +489,8 @@ class Trainer:
                 # every rank agrees on a stop in the same step; under DDP that costs a sync, so only where it
                 # matters (log and checkpoint steps); alone, a signal is a Python flag and is read every step
                 signum = self._agree_stop() if (not self.info.enabled or checkpoint or self.log_step()) else None
+                if signum is not None and self.step >= iters:  # the last step: the phase ends (final.pt), and
+                    signum = None  # the run stops before the next phase (run_phases); it stopped with a step file
                 if signum is not None:
                     self.raise_if_non_finite()
                 if checkpoint or signum is not None:
@@ -506,6 +508,7 @@ class Trainer:
 
     def _fit_chunks(self) -> None:
         task = self.task
+        self.step = task.position  # a resumed build with every unit recorded stands there, not at 0
         self._call("on_phase_start")
         while not task.finished():
             unit = task.next_unit()
@@ -519,7 +522,9 @@ class Trainer:
             self._call("on_train_batch_end", unit, self.last_units)
             self.run.logger.heartbeat(phase=self.name, step=task.position, total=task.total, state="running")
             signum = self._agree_stop()
-            if signum is not None:
+            # after the last unit recorded the phase ends as usual (finished() alone is no proof: a unit a signal
+            # abandoned is past too, unrecorded)
+            if signum is not None and task.position < task.total:
                 raise Interrupted(signum, self.name, task.position)
             if self.stopped:
                 return
