@@ -315,7 +315,7 @@ def test_write_to_a_file_or_run_of_another_batch_is_refused_before_the_sweep(tin
     (tmp_path / "my.yaml").write_text(capsys.readouterr().out)
     before = (tmp_path / "my.yaml").read_text()
     line = refused(capsys, "lr-find", "moons", "--device", "cpu", "--write", "my.yaml")
-    assert "train.velocity.batch_size=256" in line and "at 64" in line, line
+    assert "train.velocity.batch_size=256" in line and "has 64 (the best rate moves with the batch)" in line, line
     assert "sinkflow lr-find my.yaml --write my.yaml" in line, line
     assert (tmp_path / "my.yaml").read_text() == before and not (tmp_path / "lr_find.png").exists()
 
@@ -326,8 +326,19 @@ def test_write_to_a_file_or_run_of_another_batch_is_refused_before_the_sweep(tin
     snapshot = bytes_snapshot(run)
     line = refused(capsys, "lr-find", "moons", "--device", "cpu", f"train.velocity.batch_size={batch // 2}",
                    "--write", str(run))
-    assert f"batch_size={batch // 2}," in line and f"at {batch}" in line, line
+    assert f"batch_size={batch // 2}," in line and f"has {batch}" in line, line
     assert f"sinkflow lr-find {run} --write {run}" in line, line
+    assert bytes_snapshot(run) == snapshot
+
+    # another method's phase (flow-digits' train.flow.lr went into a NSGF run, where no phase reads it), another
+    # network or other data: a rate is measured for one recipe
+    line = refused(capsys, "lr-find", "flow-digits", "--device", "cpu", "--write", str(run))
+    assert "it trains no phase that reads train.flow.lr (method nsgf)" in line, line
+    for other, key in ((["--method", "fm"], "experiment.method"), (["data.source=8gaussians"], "data.source"),
+                       ([f"train.velocity.batch_size={batch}", "model.velocity.hidden=16"], "model.velocity.hidden")):
+        line = refused(capsys, "lr-find", "moons", "--device", "cpu", f"train.velocity.batch_size={batch}", *other,
+                       "--write", str(run))
+        assert f"the sweep runs {key}=" in line and "a rate is measured for one recipe" in line, line
     assert bytes_snapshot(run) == snapshot
 
     # the same batch passes this check and reaches the sweep (which no_work forbids here)

@@ -48,7 +48,7 @@ def run(args):
     write_run = check_args(args)
     from sinkflow.errors import SinkflowError
     from sinkflow.runtime.run_folder import read_config
-    from sinkflow.tools.lr_find import phase_lr_find, plot, refuse_finished_phase, refuse_other_batch, write_lr
+    from sinkflow.tools.lr_find import phase_lr_find, plot, refuse_finished_phase, refuse_other_recipe, write_lr
     from sinkflow.tools.phases import open_run_phase, training_phase, workspace
 
     from_run = run_folder_arg(args, "lr-find") is not None
@@ -62,7 +62,7 @@ def run(args):
 
             with run_lock(write_run):  # a run another process trains: its holder's one line now, not after the sweep
                 pass
-        refuse_other_batch(Path(args.write), swept_cfg, swept.model_key)
+        refuse_other_recipe(Path(args.write), swept_cfg, swept.model_key)
     from sinkflow.runtime.callbacks import quiet
 
     with tempfile.TemporaryDirectory(prefix="sinkflow-lrfind-") as tmp, quiet():  # the sweep's scratch run, unshown

@@ -282,24 +282,33 @@ def write_target(target: Path, flag: str = "--write") -> tuple[Path, bool]:
     return target, False
 
 
-def refuse_other_batch(target: Path, swept_cfg: dict, model_key: str) -> None:
-    """Refuse to ``--write`` a rate into a run or YAML file that trains the phase at another batch than the sweep's:
-    the best rate moves with the batch (a larger batch's gradient is less noisy), so a rate swept at 256 is not the
-    rate for 64. A YAML file not yet written has no batch to compare; its own errors are the config reader's."""
+def refuse_other_recipe(target: Path, swept_cfg: dict, model_key: str) -> None:
+    """Refuse to ``--write`` a rate into a run or YAML file whose recipe for the phase is not the sweep's: a method
+    without the phase (`lr-find flow-digits --write` a NSGF run wrote train.flow.lr, which no phase reads), other
+    data, another network, another batch (the best rate moves with it: a larger batch's gradient is less noisy). A
+    YAML file not yet written has nothing to compare; its own errors are the config reader's."""
     from sinkflow import config as config_mod
-    from sinkflow.runtime.run_folder import read_config
+    from sinkflow.config import schema
+    from sinkflow.runtime.run_folder import DATA_PATH_KEYS, absolute_data_paths, read_config
 
     target, is_run = write_target(target)
     if not (is_run or target.is_file()):
         return
     theirs = read_config(target) if is_run else config_mod.load_config_file(str(target))
-    key = f"train.{model_key}.batch_size"
-    mine, other = config_mod.get(swept_cfg, key), config_mod.get(theirs, key)
-    if mine != other:
-        raise SinkflowError(f"--write {target}: the sweep runs {key}={mine}, {target} trains it at {other} (the best "
-                            "rate moves with the batch)",
-                            f"sweep at its batch: sinkflow lr-find {target} --write {target}"
-                            if not is_run else f"sweep the run itself: sinkflow lr-find {target} --write {target}")
+    fix = (f"sweep the run itself: sinkflow lr-find {target} --write {target}" if is_run else
+           f"sweep with its recipe: sinkflow lr-find {target} --write {target}")
+    key = f"train.{model_key}.lr"
+    if key not in schema.used(theirs):
+        raise SinkflowError(f"--write {target}: it trains no phase that reads {key} (method "
+                            f"{theirs['experiment']['method']}), so the rate would go unread", fix)
+    batch = f"train.{model_key}.batch_size"
+    shaping = ("experiment.method", "data.", f"model.{model_key}.", batch)
+    mine, other = (config_mod.flatten(absolute_data_paths(c, DATA_PATH_KEYS)) for c in (swept_cfg, theirs))
+    for k in sorted({*mine, *other}, key=lambda k: (k != batch, k)):
+        if k.startswith(shaping) and k not in ("data.root", "data.download") and mine.get(k) != other.get(k):
+            why = "the best rate moves with the batch" if k == batch else "a rate is measured for one recipe"
+            raise SinkflowError(f"--write {target}: the sweep runs {k}={mine.get(k)!r}, {target} has "
+                                f"{other.get(k)!r} ({why})", fix)
 
 
 def refuse_finished_phase(run_dir: Path, key: str, phase: str | None = None) -> None:
