@@ -168,7 +168,7 @@ def refused(capsys, *argv) -> str:
     (["--start-lr", "1", "--end-lr", "1e-3"], ["--end-lr 0.001", "above --start-lr 1"]),
     (["--start-lr", "0"], ["--start-lr 0", "positive"]),
     (["--start-lr", "nan"], ["--start-lr nan"]),
-    (["--end-lr", "inf"], ["--end-lr inf"]),
+    (["--end-lr", "inf"], ["--end-lr inf must be a finite learning rate"]),
     (["--steps", "1"], ["--steps 1", "--steps 2 or more"]),
     (["--diverge", "0.5"], ["--diverge 0.5", "above 1"]),
     (["--out", "lr.txt"], ["--out lr.txt", ".png"]),

@@ -95,7 +95,10 @@ def check_sweep(start_lr: float, end_lr: float, steps: int, diverge: float, flag
     if not (math.isfinite(start_lr) and start_lr > 0):
         raise SinkflowError(f"{name('start_lr')} {start_lr:g} must be a positive learning rate",
                             f"e.g. {name('start_lr')} 1e-7 (the default)")
-    if not (math.isfinite(end_lr) and end_lr > start_lr):
+    if not math.isfinite(end_lr):  # "inf must be above 1e-07" named the wrong problem
+        raise SinkflowError(f"{name('end_lr')} {end_lr:g} must be a finite learning rate",
+                            f"e.g. {name('end_lr')} 10 (the default)")
+    if not end_lr > start_lr:
         raise SinkflowError(f"{name('end_lr')} {end_lr:g} must be above {name('start_lr')} {start_lr:g} (the sweep "
                             "goes up)", f"e.g. {name('start_lr')} 1e-7 {name('end_lr')} 10 (the defaults)")
     if steps < 2:
