@@ -215,6 +215,24 @@ def test_a_collective_failed_by_a_lost_rank_is_one_line_with_the_resume_command(
         main(["status", "runs/x"])
 
 
+@pytest.mark.parametrize("command", ["eval", "sample", "lr-find", "tune", "doctor", "preflight", "bench"])
+def test_a_one_process_command_under_torchrun_is_one_line_from_rank_0(command, monkeypatch, capsys):
+    """`torchrun --nproc_per_node 2 -m sinkflow eval RUN`: both ranks scored the run and appended the same record to
+    metrics.jsonl (lr-find: both wrote the plot). Refused before any work, said by rank 0 alone."""
+    from sinkflow.cli import main
+
+    argv = {"eval": ["eval", "runs/x"], "sample": ["sample", "runs/x", "--out", "s.npy"],
+            "lr-find": ["lr-find", "moons"], "tune": ["tune", "runs/x"], "doctor": ["doctor", "moons"],
+            "preflight": ["preflight", "moons"], "bench": ["bench", "moons"]}[command]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == lines and (not lines or f"`sinkflow {command}` runs as one process, but torchrun "
+                                      "started 2; run it without torchrun" in err[0]), err
+
+
 @pytest.mark.parametrize("world", ["1", "2"])
 def test_a_torchrun_rank_exits_without_the_interpreters_teardown(world, tmp_path):
     """Under torchrun a finished rank ends at once (``sinkflow.cli.entry``): DDP keeps its gloo process group alive

@@ -61,6 +61,10 @@ def bars_above_logs():
     return logging_redirect_tqdm() if console else contextlib.nullcontext()
 
 
+# The commands that work (sample, score, sweep, write) as one process: under torchrun each rank did all of it
+ONE_PROCESS = ("eval", "sample", "lr-find", "tune", "doctor", "preflight", "bench")
+
+
 def peer_lost(exc: RuntimeError, torch) -> bool:
     """Is ``exc`` a collective that failed because another rank of a multi-process job went away (killed, or
     stopped on its own error)? The surviving ranks printed a gloo/NCCL traceback wall over the one line that matters."""
@@ -87,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         from sinkflow.cli.common import check_counts
 
         check_counts(args)  # --n, --steps, --seeds of every command: one place, one line
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and args.command in ONE_PROCESS:  # each rank did all of it: eval's record appended once a rank
+            raise SinkflowError(f"`sinkflow {args.command}` runs as one process, but torchrun started {world}",
+                                f"run it without torchrun: `sinkflow {args.command} ...` (train alone runs on "
+                                "several)", every_rank=True)
         unwind = contextlib.nullcontext() if args.command == "train" else unwind_on_sigterm()  # train: graceful_stop
         with bars_above_logs(), unwind:
             return args.func(args) or 0
