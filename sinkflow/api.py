@@ -10,6 +10,7 @@ distributions and the methods' tasks) are the same objects the CLI uses, re-expo
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -126,7 +127,8 @@ class Run:
         from sinkflow.eval.report import evaluate
 
         seeds, n = _count("seeds", seeds, 5, "eval.seeds"), _count("n", n, 1024, "eval.n")
-        return evaluate(self._run, seeds=seeds, n=n, split=split, flags=("n", "split"))
+        with _callers_rng():
+            return evaluate(self._run, seeds=seeds, n=n, split=split, flags=("n", "split"))
 
     def scores(self) -> dict:
         """The latest evaluation's numbers as a dict (metrics.jsonl's last ``eval`` record, as ``evaluate``, `sinkflow
@@ -165,7 +167,8 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     cfg = config.resolve(preset, [f"experiment.runs_dir={scalar(str(runs_dir))}", *dotted], short)
     # meta.json records this call: the process's argv is the script's or the notebook kernel's
     call = _call_text(preset, {"runs_dir": str(runs_dir), "name": name, "device": device, **overrides})
-    return open_run(train_run(cfg, device=device, call=call, time_limit=seconds).dir)  # SinkflowError / Interrupted propagate
+    with _callers_rng():  # SinkflowError / Interrupted propagate
+        return open_run(train_run(cfg, device=device, call=call, time_limit=seconds).dir)
 
 
 def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | None = None, **overrides) -> Run:
@@ -176,8 +179,23 @@ def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | 
 
     seconds = _seconds(time_limit)
     short, dotted = _overrides(overrides, {"device": None if device == "auto" else device}, ("device", "time_limit"))
-    return open_run(train_run(resume=Path(_path(path, "path")), overrides=dotted, shorthands=short, device=device,
-                              time_limit=seconds).dir)
+    with _callers_rng():
+        return open_run(train_run(resume=Path(_path(path, "path")), overrides=dotted, shorthands=short,
+                                  device=device, time_limit=seconds).dir)
+
+
+@contextlib.contextmanager
+def _callers_rng():
+    """The caller's global RNG streams (random, numpy, torch) left as they were: a run seeds them with
+    experiment.seed, as a script's run does, and an evaluation draws from them; a notebook's own draws after the call
+    came out otherwise."""
+    from sinkflow.runtime.checkpoint import rng_state, set_rng_state
+
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
 
 
 def _path(value, name: str) -> str:
@@ -264,4 +282,4 @@ def open_run(path: str | Path) -> Run:
     `sinkflow eval` does; nothing else in the folder is written)."""
     from sinkflow.runtime.run_folder import RunFolder
 
-    return Run(RunFolder.open(Path(_path(path, "path"))))
+    return Run(RunFolder.open(Path(_path(path, "path")).resolve()))  # a notebook's os.chdir: still this run

@@ -466,3 +466,31 @@ def test_build_flow_takes_numpy_integers_as_the_api_does():
     model = sinkflow.build_flow({"levels": np.int64(1), "depth_per_level": np.int32(1), "hidden_channels": 8},
                                 (np.int64(2),))
     assert model.log_prob(torch.zeros(3, 2)).shape == (3,)
+
+
+def test_a_run_survives_a_chdir_and_leaves_the_callers_rng_as_it_was(otcfm_run, tmp_path, monkeypatch):
+    """A notebook: `open_run("runs/x")` then `os.chdir(...)` gave "phase 'velocity' has not finished" from every call
+    (the folder was kept relative); evaluate (and train) reseeded the caller's global RNG streams."""
+    import random
+
+    monkeypatch.chdir(otcfm_run.parent)
+    run = sinkflow.open_run(otcfm_run.name)
+    monkeypatch.chdir(tmp_path)
+    assert run.dir == otcfm_run.resolve() and run.sample(4, steps=2).shape == (4, 2)
+
+    def draws():
+        return torch.rand(3), np.random.rand(3), random.random()
+
+    torch.manual_seed(123), np.random.seed(123), random.seed(123)
+    ref = draws()
+    torch.manual_seed(123), np.random.seed(123), random.seed(123)
+    run.evaluate(seeds=1, n=16)
+    got = draws()
+    assert torch.equal(got[0], ref[0]) and np.array_equal(got[1], ref[1]) and got[2] == ref[2]
+
+
+def test_build_distribution_takes_a_path(tmp_path):
+    from pathlib import Path
+
+    np.save(tmp_path / "pts.npy", np.random.default_rng(0).normal(size=(64, 2)).astype(np.float32))
+    assert sinkflow.build_distribution(Path(tmp_path / "pts.npy")).shape == (2,)  # "must be a name or a .npy path"

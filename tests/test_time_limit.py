@@ -10,6 +10,7 @@ import torch
 
 from helpers import TINY_2D, cli
 from sinkflow.errors import SinkflowError
+from sinkflow.tools.status import read_status
 from sinkflow.runtime.signals import TIME_LIMIT, TIME_LIMIT_EXIT, Interrupted, parse_duration
 
 # the pool: 4 batches in 2 chunks of 2 groups each (a chunk is one unit of work), then 6 velocity steps
@@ -68,6 +69,9 @@ def test_a_chain_of_limited_sessions_makes_progress_each_time_and_ends_bit_equal
             assert exc.signum == TIME_LIMIT and exc.exit_status == TIME_LIMIT_EXIT
             assert "stopped at the time limit in phase" in str(exc) and exc.run_dir.resolve() == run
             stops.append((exc.phase, exc.step))
+            # every stop recorded as one, in phase or between two, though this process (a notebook's kernel) lives on
+            st = read_status(run)
+            assert st["state"] == "stopped" and (st["heartbeat"]["phase"], st["heartbeat"]["step"]) == stops[-1], st
             now = _progress(run)
             assert not seen or now > seen[-1], (seen, now)  # every session moved the run on
             seen.append(now)

@@ -46,7 +46,10 @@ def _shape(data_cfg: dict) -> tuple[int, ...]:
 
 
 def build_distribution(spec: str, *, data_cfg: dict | None = None) -> Distribution:
-    """The distribution named by ``spec`` (a name or a ``.npy`` path), configured by the ``data`` section."""
+    """The distribution named by ``spec`` (a name, or a point file's path: a str or ``pathlib.Path``), configured by
+    the ``data`` section."""
+    if isinstance(spec, os.PathLike):  # every other entry point takes a Path
+        spec = os.fspath(spec)
     if not isinstance(spec, str) or not spec:
         raise SinkflowError(f"data spec must be a name or a .npy path, got {spec!r}",
                             f"use one of {', '.join(SPECS)} or a path to an (N, 2) .npy file")

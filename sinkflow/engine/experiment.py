@@ -43,6 +43,7 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                 log.info("phase %s already finished: skipped", task.name)
                 continue
             if last is not None and (signum := dist.agree_stop(stop_requested())) is not None:
+                run.logger.heartbeat(phase=last[0], step=last[1], state="stopped", signal=signum)  # not DEAD
                 raise Interrupted(signum, *last)  # a phase just ended on the stop: the next is the resume's
             run.logger.heartbeat(phase=task.name, step=0, state="starting")
             trainer = None

@@ -109,9 +109,11 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
         state = "finished" if gone else "evaluating"
         if gone:
             out["report"] = "not written"
-    elif hb.get("state") == "stopped" and alive is not True:  # by a signal, after its checkpoint was written
+    # final states, whatever the pid: a notebook's kernel lives on after its run stopped or failed (RUNNING, then
+    # STALE, was said of it); a new run of the folder rewrites the heartbeat first
+    elif hb.get("state") == "stopped":  # by a signal or the time limit, after its checkpoint was written
         state = "stopped"
-    elif hb.get("state") == "failed" and alive is not True:  # by an error, recorded before the process ended
+    elif hb.get("state") == "failed":  # by an error, recorded before the process ended
         state = "failed"
     elif not hb:  # no heartbeat: a run that never started, or one whose status.json was lost (decided below)
         state = "not started"
