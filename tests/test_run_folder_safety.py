@@ -261,6 +261,14 @@ def test_sample_never_writes_over_the_runs_own_files(run, capsys, out):
     assert full_snapshot(run) == before
 
 
+def test_eval_refuses_sample_steps_it_would_record_but_not_use(run, capsys):
+    """`eval RUN sample.steps=2` scored at eval.steps and recorded {"sample": {"steps": 2}} with the scores."""
+    before = full_snapshot(run)
+    one_line(*run_main(capsys, "eval", str(run), "--seeds", "1", "--n", "8", "sample.steps=2"),
+             "scores at the run's eval.steps, so 'sample.steps=2' would not be used", "'eval.steps=[2, 10]'")
+    assert full_snapshot(run) == before
+
+
 def test_checkpoint_from_another_run_is_refused(run, base_run, capsys, tmp_path):
     ck = run / "checkpoints" / "velocity"
     (ck / "final.pt").unlink()

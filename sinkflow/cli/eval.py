@@ -4,6 +4,7 @@ import sys
 
 from sinkflow.cli import os_error_line
 from sinkflow.cli.common import with_sample_overrides
+from sinkflow.errors import SinkflowError
 
 
 def add_parser(sub):
@@ -35,6 +36,12 @@ def run(args):
     from sinkflow.runtime.run_folder import RunFolder
 
     run_ = RunFolder.open(args.run_dir, log_best_effort=True)  # a read-only run folder: scores printed, record skipped
+    steps = [o for o in args.overrides if o.partition("=")[0].strip() == "sample.steps"]
+    if steps:  # recorded with the scores as applied, while the table scored eval.steps
+        raise SinkflowError(f"`sinkflow eval` scores at the run's eval.steps, so '{steps[0]}' would not be used",
+                            f"score other step counts by setting them in the run: `sinkflow train --resume "
+                            f"{args.run_dir} 'eval.steps=[2, 10]'` (then `sinkflow eval {args.run_dir}`), or "
+                            f"`sinkflow sample {args.run_dir} --steps N`")
     run_ = with_sample_overrides(run_, args.overrides, "eval", args.run_dir, {"eval.n": "--n", "eval.seeds": "--seeds"})
     try:
         print(evaluate(run_, seeds=args.seeds, n=args.n, split=args.split))
