@@ -246,6 +246,25 @@ def test_device_generator_is_reproducible_from_the_cpu_state():
         assert torch.equal(na, nb) and torch.equal(a.get_state(), b.get_state())
 
 
+def test_bench_stopped_by_a_signal_names_no_resume_and_caps_its_warmup(monkeypatch, capsys):
+    """A SIGTERM during bench printed "checkpoint saved; resume with `sinkflow train --resume RUN`" of its scratch
+    run, gone with its folder; --warmup 10^12 (a typo) ran for ever, where --steps is capped."""
+    import signal
+
+    from sinkflow.cli import main
+    from sinkflow.runtime.signals import Interrupted
+
+    def stopped(*args, **kwargs):
+        raise Interrupted(int(signal.SIGTERM), "velocity", 3)
+
+    monkeypatch.setattr("sinkflow.tools.bench.profile", stopped)
+    assert main(["bench", "moons", "--steps", "2", "--device", "cpu"]) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "sinkflow: bench stopped by signal 15" in err and "resume" not in err, err
+    assert main(["bench", "moons", "--warmup", "1000000000000"]) == 2
+    assert "--warmup from 0 to 100,000" in capsys.readouterr().err
+
+
 def test_bench_profile_reports_data_and_compute(runs_dir, capsys):
     from sinkflow.cli import main
 

@@ -20,7 +20,7 @@ import sys
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from sinkflow.errors import SinkflowError
-from sinkflow.runtime.signals import Interrupted, unwind_on_sigterm
+from sinkflow.runtime.signals import Interrupted, stop_reason, unwind_on_sigterm
 
 COMMANDS = ["train", "sample", "eval", "tune", "config", "presets", "preflight", "doctor", "lr_find", "status", "bench"]
 
@@ -138,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signum
     except Interrupted as exc:
         from sinkflow.runtime import dist
+
+        if args.command != "train":  # bench, lr-find, doctor...: a scratch run, gone with its folder; nothing to resume
+            print(f"sinkflow: {args.command} stopped {stop_reason(exc.signum)}", file=sys.stderr)
+            return exc.exit_status
 
         # under torchrun every rank stopped at the same step: they leave together and exit like one process
         # would, and rank 0 says so once

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from sinkflow import config
 from sinkflow.cli.common import add_config_args, resolve_args
-from sinkflow.config.schema import IMAGE_TARGETS
+from sinkflow.config.schema import IMAGE_TARGETS, MAX_EULER_STEPS
 from sinkflow.errors import SinkflowError
 
 
@@ -36,9 +36,9 @@ def add_parser(sub):
 
 
 def run(args):
-    if args.steps < 1 or args.warmup < 0:
+    if args.steps < 1 or not 0 <= args.warmup <= MAX_EULER_STEPS:  # a typo'd 10^12 warm-up ran for ever
         raise SinkflowError(f"--steps {args.steps} --warmup {args.warmup} is not a valid budget",
-                            "use --steps >= 1 and --warmup >= 0")
+                            f"use --steps >= 1 and --warmup from 0 to {MAX_EULER_STEPS:,}")
     from sinkflow import data, methods
     from sinkflow.tools.bench import format_table, profile, throughput
 
