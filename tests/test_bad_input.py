@@ -32,7 +32,8 @@ def test_help_status_and_config_errors_answer_before_torch_loads(tmp_path):
     calls = [["status", str(tmp_path)], ["train", "moons", "pool.stepz=3"], ["sample", "RUN", "--out", "x.txt"],
              ["eval"], ["bench", "moons", "--warmup", "-1"], ["bench", "moons", "--profile", "--throughput"],
              ["doctor", "moons", "--overfit-batch", "0"], ["doctor", "moons", "--factor", "nan"],
-             ["doctor", "moons", "--factor", "0.5"], ["preflight", "moons", "--gpu", "foo"]]
+             ["doctor", "moons", "--factor", "0.5"], ["preflight", "moons", "--gpu", "foo"],
+             ["doctor", "moons", "--phase", ""]]
     code = ("import sys\nfrom sinkflow.cli import main\nfor argv in %r:\n    try:\n        print(main(argv))\n"
             "    except SystemExit as exc:\n        print(exc.code)\nprint('torch' in sys.modules)\n" % calls)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
@@ -45,6 +46,7 @@ def test_help_status_and_config_errors_answer_before_torch_loads(tmp_path):
     assert "--overfit-batch 0 must be a whole number >= 1" in out.stderr
     assert "--factor nan must be a number > 1" in out.stderr and "--factor 0.5 must be a number > 1" in out.stderr
     assert "unknown GPU 'foo'; use one of T4" in out.stderr  # it loaded the planner (and torch) first: 2.6 s
+    assert "--phase '' names no phase" in out.stderr  # it checked every phase, "only phase(s)  checked"
 
 
 def test_every_command_help_has_an_example(capsys):

@@ -416,3 +416,13 @@ def test_the_wiring_check_moves_weights_at_the_base_rate_under_a_long_warm_up(ru
         trainer, lambda: doctor.applied_step(trainer, trainer.batch)))
     assert found.ok, found
     assert trainer.optimizer.param_groups[0]["lr"] < 1e-8  # the schedule's own rate again after the check
+
+
+def test_a_phase_named_twice_is_checked_once(monkeypatch, capsys):
+    """`--phase velocity --phase velocity` ran the phase twice and counted its findings twice."""
+    from sinkflow.cli import main
+
+    seen = []
+    monkeypatch.setattr("sinkflow.tools.doctor.doctor_run", lambda cfg, tmp, **kw: seen.append(kw["phases"]) or [])
+    assert main(["doctor", "moons", "--phase", "velocity", "--phase", " velocity", "--device", "cpu"]) == 0
+    assert seen == [["velocity"]]

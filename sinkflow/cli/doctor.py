@@ -32,6 +32,10 @@ def add_parser(sub):
 
 
 def run(args):
+    if args.phase is not None:  # `--phase ''` checked every phase and named "only phase(s)  checked"; a repeat twice
+        if not all(p.strip() for p in args.phase):
+            raise SinkflowError("--phase '' names no phase", "name a training phase, e.g. --phase velocity")
+        args.phase = list(dict.fromkeys(p.strip() for p in args.phase))
     if not (math.isfinite(args.factor) and args.factor > 1):  # nan never fails a comparison; <= 1 never fails at all
         raise SinkflowError(f"--factor {args.factor} must be a number > 1 (how many times the loss must fall)",
                             "e.g. --factor 10 (the default)")
