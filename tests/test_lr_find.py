@@ -341,6 +341,10 @@ def test_write_to_a_file_or_run_of_another_batch_is_refused_before_the_sweep(tin
         assert f"the sweep runs {key}=" in line and "a rate is measured for one recipe" in line, line
     assert bytes_snapshot(run) == snapshot
 
+    # a YAML file that cannot be written: refused before the sweep (it failed after it, the plot written)
+    line = refused(capsys, "lr-find", "moons", "--device", "cpu", "--write", str(tmp_path / "no" / "such" / "x.yaml"))
+    assert "x.yaml cannot be written" in line and "name a .yaml file in a folder you can write" in line, line
+
     # the same batch passes this check and reaches the sweep (which no_work forbids here)
     with pytest.raises(AssertionError, match="started work"):
         main(["lr-find", "my.yaml", "--write", "my.yaml"])

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import tempfile
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,6 +284,16 @@ def write_target(target: Path, flag: str = "--write") -> tuple[Path, bool]:
         raise SinkflowError(f"{flag} {target} is neither a run folder nor a YAML config file (.yaml)",
                             "pass the run folder `sinkflow train` printed when it started (it holds config.yaml), "
                             "or a file name ending in .yaml")
+    try:  # before the sweep: `--write /proc/new.yaml` failed after it, the plot written
+        if target.exists():
+            open(target, "a").close()  # opened for appending, nothing written: its bytes and time stay
+        else:
+            fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=target.parent)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise SinkflowError(f"{flag} {target} cannot be written ({exc.strerror or exc})",
+                            "name a .yaml file in a folder you can write") from None
     return target, False
 
 
