@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = getattr(args, "run_dir_used", None) or "RUN"
             print(f"sinkflow: error: another process of this torchrun job stopped, so a collective failed "
                   f"({one_line(str(exc))[:160]}); the checkpoints written before are intact: find why that rank "
-                  f"stopped (its own output), then resume with `sinkflow train --resume {shlex.quote(run_dir)}`", file=sys.stderr)
+                  f"stopped (its own output), then resume with `sinkflow train --resume {shlex.quote(run_dir)}`",
+                  file=sys.stderr)
             return 2
         if torch is None or not isinstance(exc, torch.OutOfMemoryError):
             raise  # anything else is a bug: keep its traceback
@@ -131,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # a second Ctrl+C or SIGTERM means "now": no step checkpoint, no traceback wall
         signum = getattr(exc, "signum", signal.SIGINT)  # StopNow's; a Ctrl+C outside a run is SIGINT's
         if args.command == "train":
+            where = shlex.quote(str(getattr(args, "run_dir_used", None) or "RUN"))
             print(f"sinkflow: stopped at once by a second signal: the checkpoints written before are intact; resume "
-                  f"with `sinkflow train --resume {shlex.quote(str(getattr(args, 'run_dir_used', None) or 'RUN'))}`", file=sys.stderr)
+                  f"with `sinkflow train --resume {where}`", file=sys.stderr)
         else:  # one signal stops any other command, its temporary files removed on the way out
             print(f"sinkflow: {args.command} stopped by signal {signum}", file=sys.stderr)
         return 128 + signum

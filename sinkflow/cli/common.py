@@ -72,7 +72,8 @@ def resolve_args(args) -> dict:
 # flag: (example, sanity bound). --n is bounded by memory (check_sample_memory, once the data shape is known);
 # --steps / --seeds by time: 10^5 Euler steps or 10^3 sampling seeds is far past any use, a typo past it would
 # run for days
-COUNT_FLAGS = {"n": ("--n", 1024, None), "steps": ("--steps", 10, schema.MAX_EULER_STEPS), "seeds": ("--seeds", 3, 1000),
+COUNT_FLAGS = {"n": ("--n", 1024, None), "steps": ("--steps", 10, schema.MAX_EULER_STEPS),
+               "seeds": ("--seeds", 3, 1000),
                "overfit_batch": ("--overfit-batch", 16, None)}
 
 

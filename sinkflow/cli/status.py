@@ -9,7 +9,8 @@ def add_parser(sub):
     p = sub.add_parser("status", help="where a run is, whether it is alive, what it has on disk",
                        description="Reads the run folder only (heartbeat, metrics log, checkpoints): works while the "
                                    "run is going, after it finished and after it died. Exit status 0 running, "
-                                   "evaluating (the final report) or finished, 1 dead, stopped, failed, stale, unknown, incomplete or damaged.",
+                                   "evaluating (the final report) or finished, 1 dead, stopped, failed, stale, "
+                                   "unknown, incomplete or damaged.",
                        epilog="example: sinkflow status runs/moons-nsgf-20261122-120000")
     p.add_argument("run_dir", metavar="RUN")
     p.add_argument("--stale-after", type=float, default=300.0, metavar="S",

@@ -493,7 +493,8 @@ def read_run_config(cfg: Any, path) -> dict:
         else:
             problem = f"{path}: {exc.problem}"
         # the file is read before any override: `--resume RUN key=value` cannot mend it, an edit of the file does
-        raise SinkflowError(problem, f"edit that file ({exc.fix})" if exc.fix else "fix it or start a new run") from None
+        fix = f"edit that file ({exc.fix})" if exc.fix else "fix it or start a new run"
+        raise SinkflowError(problem, fix) from None
     return tree
 
 

@@ -131,8 +131,8 @@ class RunFolder:
 
         def refuse_existing():
             if (run_dir / "config.yaml").exists():
-                raise SinkflowError(f"run folder {run_dir} already exists",
-                                    f"resume it with `sinkflow train --resume {shlex.quote(str(run_dir))}` or pick another experiment.name")
+                raise SinkflowError(f"run folder {run_dir} already exists", f"resume it with `sinkflow train "
+                                    f"--resume {shlex.quote(str(run_dir))}` or pick another experiment.name")
             raise SinkflowError(f"run folder {run_dir} already exists and is not empty, but has no config.yaml "
                                 "(a damaged run?); nothing in it was changed",
                                 "restore its config.yaml to resume it, or pick another experiment.name")
