@@ -49,6 +49,23 @@ def test_help_status_and_config_errors_answer_before_torch_loads(tmp_path):
     assert "--phase '' names no phase" in out.stderr  # it checked every phase, "only phase(s)  checked"
 
 
+def test_config_doc_and_base_refuse_what_they_would_ignore_and_a_folder_is_no_config_file(tmp_path, capsys):
+    """`config moons --base pool.eta=-1` printed the schema's defaults, the preset and the invalid override dropped in
+    silence; `config dir.yaml` (a folder) said "does not exist"."""
+    from sinkflow.cli import main
+
+    for argv, needle in ((["config", "moons", "--base"], "moons would be ignored; drop it, or see a preset's resolved "
+                          "keys: `sinkflow config moons`"),
+                         (["config", "--doc", "pool.eta=-1"], "pool.eta=-1 would be ignored"),
+                         (["config", "--base", "--train-iters", "0"], "--train-iters would be ignored")):
+        assert main(argv) == 2
+        assert needle in capsys.readouterr().err, argv
+    assert main(["config", "--base"]) == 0 and "holdout: every_tenth" in capsys.readouterr().out
+    (tmp_path / "dir.yaml").mkdir()
+    assert main(["config", str(tmp_path / "dir.yaml")]) == 2
+    assert "dir.yaml is a folder, not a file; name the .yaml file itself" in capsys.readouterr().err
+
+
 def test_every_command_help_has_an_example(capsys):
     """README: "Every command has `--help` with an example" (bench had none)."""
     from sinkflow.cli import build_parser

@@ -5,8 +5,9 @@ A 2D NSGF run reads no UNet, flow or time-predictor key: printing them would hid
 """
 
 from sinkflow import config
-from sinkflow.cli.common import add_config_args, resolve_args
+from sinkflow.cli.common import add_config_args, preset_given, resolve_args, shorthands, split_preset
 from sinkflow.config import render, schema
+from sinkflow.errors import SinkflowError
 
 
 def add_parser(sub):
@@ -24,6 +25,16 @@ def add_parser(sub):
 
 
 def run(args):
+    if args.doc or args.base:  # the schema's, whatever the preset: a preset or override beside them was dropped
+        named = [args.preset] if preset_given(args) else []  # `config --doc pool.eta=1`: an override, not a preset
+        split_preset(args)
+        given = [*named, *args.overrides,
+                 *(f"--{k.replace('_', '-')}" for k, v in shorthands(args).items() if v is not None)]
+        if given:
+            flag = "--doc" if args.doc else "--base"
+            raise SinkflowError(f"`sinkflow config {flag}` prints the schema's every key and default; {given[0]} "
+                                "would be ignored", f"drop it, or see a preset's resolved keys: `sinkflow config "
+                                f"{given[0] if named else 'PRESET ' + given[0]}`")
     if args.doc:
         print(render.doc_markdown(), end="")
         return

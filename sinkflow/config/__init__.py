@@ -56,6 +56,8 @@ def load_config_file(name: str) -> dict:
     from pathlib import Path
 
     path = Path(name).expanduser()
+    if path.is_dir():  # "does not exist" was said of a folder named like a config file
+        raise SinkflowError(f"config file {name} is a folder, not a file", "name the .yaml file itself")
     if not path.is_file():
         stem = path.stem
         hint = (f"did you mean the preset '{stem}'? (sinkflow train {stem})" if stem in preset_names() else
