@@ -269,6 +269,17 @@ def test_eval_refuses_sample_steps_it_would_record_but_not_use(run, capsys):
     assert full_snapshot(run) == before
 
 
+def test_sample_out_under_a_file_or_a_folder_for_points_names_the_real_problem(run, tmp_path, capsys):
+    """`--out s.png/x.npy` said "EEXIST File exists (s.png)"; `--out existing_dir` on a 2D run spoke of images
+    mixing with the folder's files (a new folder name got "this run draws points")."""
+    (tmp_path / "s.png").write_bytes(b"x")
+    one_line(*run_main(capsys, "sample", str(run), "--out", str(tmp_path / "s.png" / "x.npy")),
+             "s.png is a file, not a folder")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "a.txt").write_text("a")
+    one_line(*run_main(capsys, "sample", str(run), "--out", str(tmp_path / "used")), "but this run draws points")
+
+
 def test_checkpoint_from_another_run_is_refused(run, base_run, capsys, tmp_path):
     ck = run / "checkpoints" / "velocity"
     (ck / "final.pt").unlink()

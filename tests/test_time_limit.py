@@ -28,7 +28,7 @@ def test_durations_a_user_writes_parse(text, seconds):
 
 
 @pytest.mark.parametrize("text", ["8x", "8h30", "h", "1h1h", "", "-5m", "1-2:3", "1:2", "0", "0s", "nan", float("inf"), -3, True,
-                                  "1e-9"])
+                                  "1e-9", "99:99:99", "01:60:00", "1-00:00:60"])
 def test_a_bad_duration_is_one_line_naming_the_fix(text):
     with pytest.raises(SinkflowError, match=r"time limit .* (is not a duration|must be a positive).*; .*8h30m"):
         parse_duration(text)

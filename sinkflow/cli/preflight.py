@@ -77,7 +77,8 @@ def check_args(args) -> None:
     memory_flags = [f for f, on in (("--gpu", args.gpu is not None), ("--gpu-mem", args.gpu_mem is not None),
                                     ("--fit", args.fit)) if on]
     if args.no_memory and memory_flags:  # each was ignored in silence
-        raise SinkflowError(f"{' / '.join(memory_flags)} act on the memory estimate, which --no-memory skips",
+        acts = "acts" if len(memory_flags) == 1 else "act"
+        raise SinkflowError(f"{' / '.join(memory_flags)} {acts} on the memory estimate, which --no-memory skips",
                             f"drop --no-memory, or {' and '.join(memory_flags)}")
     if args.all and preset_given(args):
         raise SinkflowError(f"--all checks every preset, so the preset '{args.preset}' beside it would be ignored",

@@ -40,6 +40,8 @@ def run(args):
     from sinkflow.tools.data import sampling_data
 
     run_ = RunFolder.open(args.run_dir)
+    if (file := next((p for p in out.parents if p.is_file()), None)) is not None:  # "EEXIST File exists (s.png)"
+        raise SinkflowError(f"--out {args.out}: {file} is a file, not a folder", "name a path in a folder")
     if (entry := run_state_entry(run_.dir, out)) is not None:
         raise SinkflowError(f"--out {args.out} is in the run's own {entry}, which samples would replace",
                             f"write them beside it, e.g. --out {Path(args.run_dir) / 'samples'}.npy")
@@ -57,10 +59,10 @@ def _sample(args, run_, out, as_folder):
     if as_folder:
         from sinkflow.eval.images import check_image_folder
 
-        check_image_folder(out, args.n)
-        if is_points(run_.cfg):
+        if is_points(run_.cfg):  # before the folder's own checks: an existing one was told of "images" mixing
             raise SinkflowError(f"--out {args.out} is a folder, for one PNG per image, but this run draws points",
                                 "save points as .npy or a scatter plot, e.g. --out samples.png")
+        check_image_folder(out, args.n)
     from sinkflow.data.memory import check_sample_memory
     check_sample_memory(args.n, run_.cfg)
     run_ = with_sample_overrides(run_, args.overrides, "sample", args.run_dir)

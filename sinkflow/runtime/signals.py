@@ -127,8 +127,9 @@ def parse_duration(text: str | float | int) -> float:
         s = str(text).strip().lower()
         clock = re.fullmatch(r"(?:(\d+)-)?((?:\d+:){2,3}\d+)", s)
         units = re.findall(r"(\d+(?:\.\d+)?)([dhms])", s)
-        if clock and not (clock[1] and clock[2].count(":") == 3):  # HH:MM:SS, D-HH:MM:SS, DD:HH:MM:SS
-            *days, h, m, sec = map(int, clock[2].split(":"))
+        minutes_seconds = [int(v) for v in clock[2].split(":")[-2:]] if clock else []
+        if clock and not (clock[1] and clock[2].count(":") == 3) and max(minutes_seconds) < 60:  # 99:99:99 is no time
+            *days, h, m, sec = map(int, clock[2].split(":"))  # HH:MM:SS, D-HH:MM:SS, DD:HH:MM:SS
             seconds = float((int(clock[1] or 0) + sum(days)) * 86400 + h * 3600 + m * 60 + sec)
         elif re.fullmatch(r"\d+(?:\.\d+)?", s):
             seconds = float(s)
