@@ -125,7 +125,9 @@ def test_a_folder_of_pngs_is_refused_for_points_and_never_written_into(finished_
     used = finished_run / "used"
     used.mkdir()
     (used / "000000.png").write_bytes(b"mine")
-    one_line_error(cli("sample", str(run), "--n", "4", "--out", str(used), cwd=finished_run), "already holds files")
+    # a points run: that it draws points, whether the folder is new or used (its files were said to "mix" with
+    # images); an image run's used folder is refused as such (tests/test_images.py)
+    one_line_error(cli("sample", str(run), "--n", "4", "--out", str(used), cwd=finished_run), "but this run draws points")
     assert [p.name for p in used.iterdir()] == ["000000.png"] and (used / "000000.png").read_bytes() == b"mine"
 
 
