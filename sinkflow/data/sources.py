@@ -210,8 +210,6 @@ def indices_sha256(idx) -> str:
     return hashlib.sha256(np.asarray(idx, dtype="<i8").tobytes()).hexdigest()
 
 
-
-
 class MNISTSource(ArraySource):
     """torchvision MNIST under ``<root>/MNIST/raw``; ``.gz`` files placed there are unpacked first.
 

@@ -68,10 +68,11 @@ class MetricsLogger:
             lines = path.read_text().splitlines(keepends=True)
         except FileNotFoundError:
             return []
-        keep = [line for line in lines if not _logged_after(line, phase, step)]
-        if len(keep) == len(lines):
+        keep, moved = [], []
+        for line in lines:
+            (moved if _logged_after(line, phase, step) else keep).append(line)
+        if not moved:
             return []
-        moved = [line for line in lines if _logged_after(line, phase, step)]
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

@@ -20,6 +20,7 @@ from sinkflow.errors import DataNotFound
 
 log = logging.getLogger("sinkflow")
 
+DOWNLOADS = ("mnist", "cifar10")  # the image sets data.download fetches
 # native (C, H, W) of the image sets whose files may be missing; folder has no native size
 NATIVE_CHW = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "cifar10": (3, 32, 32), "folder": (3, 64, 64)}
 
@@ -49,7 +50,9 @@ def needs_synthetic(cfg: dict) -> str | None:
     check passed on synthetic images would hide what `sinkflow train` refuses."""
     if cfg["data"]["target"] not in NATIVE_CHW:
         return None
-    probe = {**cfg, "data": {**cfg["data"], "download": False}}  # never wait on a download to learn this
+    # never wait on a download to learn this; a set that downloads nothing is probed as the run opens it, so the
+    # run's own call finds it built (an image folder is scanned, and its headers read, once)
+    probe = {**cfg, "data": {**cfg["data"], "download": False}} if cfg["data"]["target"] in DOWNLOADS else cfg
     try:
         data.distributions(probe)
         return None
@@ -77,16 +80,24 @@ def sampling_data(cfg: dict, run_dir: Path):
                                        "`sinkflow train --resume RUN data.path=NEW_PATH --no-report`") from None
         shape = image_shape(cfg["data"])
 
-    def shape_only(data_cfg: dict):
-        if data_cfg["target"] not in NATIVE_CHW:
-            return None
-        target = synthetic_images(data_cfg["target"], shape, n_train=2, n_test=2)
-        return data.build_distribution(data_cfg["source"], data_cfg={**data_cfg, "shape": shape}), target
-
     log.info("data: %s is not on this machine; sampling needs only its shape %s (%s)", cfg["data"]["target"],
              shape, reason)
-    with data.substituted(shape_only):
+    with data.substituted(_stand_in(shape, n_train=2, n_test=2)):
         yield reason
+
+
+def _stand_in(shape: tuple[int, ...] | None = None, **images):
+    """A ``data.substituted`` builder for image targets: synthetic images (``synthetic_images(**images)``) of
+    ``shape`` (None: the one each data section implies), and the section's own source drawn at that shape."""
+    def build(data_cfg: dict):
+        if data_cfg["target"] not in NATIVE_CHW:
+            return None
+        target = synthetic_images(data_cfg["target"], shape or image_shape(data_cfg),
+                                  flip=bool(data_cfg.get("flip")), **images)
+        source = data.build_distribution(data_cfg["source"], data_cfg={**data_cfg, "shape": tuple(target.shape)})
+        return source, target
+
+    return build
 
 
 @contextlib.contextmanager
@@ -100,15 +111,6 @@ def real_or_synthetic(cfg: dict, force: bool = False):
     if reason is None:
         yield None
         return
-    shape = image_shape(cfg["data"])
-
-    def synthetic(data_cfg: dict):
-        if data_cfg["target"] not in NATIVE_CHW:
-            return None
-        target = synthetic_images(data_cfg["target"], image_shape(data_cfg), flip=bool(data_cfg.get("flip")))
-        source = data.build_distribution(data_cfg["source"], data_cfg={**data_cfg, "shape": tuple(target.shape)})
-        return source, target
-
-    log.info("data: synthetic %s images of shape %s (%s)", cfg["data"]["target"], shape, reason)
-    with data.substituted(synthetic):
+    log.info("data: synthetic %s images of shape %s (%s)", cfg["data"]["target"], image_shape(cfg["data"]), reason)
+    with data.substituted(_stand_in()):
         yield reason

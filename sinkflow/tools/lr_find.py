@@ -27,8 +27,8 @@ from __future__ import annotations
 import copy
 import math
 import os
-import tempfile
 import random
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
