@@ -2,6 +2,7 @@
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -348,3 +349,18 @@ def test_write_to_a_file_or_run_of_another_batch_is_refused_before_the_sweep(tin
     # the same batch passes this check and reaches the sweep (which no_work forbids here)
     with pytest.raises(AssertionError, match="started work"):
         main(["lr-find", "my.yaml", "--write", "my.yaml"])
+
+
+@pytest.mark.parametrize("content, needle", [(b"train:\n  velocity: [unclosed\n", "is not valid YAML (line 3)"),
+                                             (b"train:\n  \xff\xfe: 1\n", "is not valid YAML (not UTF-8 text)")])
+def test_write_to_a_broken_yaml_file_names_the_line(tmp_path, content, needle):
+    """Every YAML file sinkflow reads reports its errors alike (config.parse_yaml): lr-find's target named no line,
+    and a file of other bytes was a UnicodeDecodeError traceback. The file is left as it was."""
+    from sinkflow.errors import SinkflowError
+    from sinkflow.tools.lr_find import write_lr
+
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    with pytest.raises(SinkflowError, match=re.escape(needle)):
+        write_lr(path, "train.velocity.lr", 0.01)
+    assert path.read_bytes() == content

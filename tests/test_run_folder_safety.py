@@ -352,7 +352,8 @@ def test_a_config_cut_short_is_refused_not_read_with_defaults(run, tmp_path, cap
 
 
 @pytest.mark.parametrize("damage, needles", [
-    ("yaml", ("config.yaml is not valid YAML at line", "fix it there by hand")),
+    ("yaml", ("config.yaml is not valid YAML (line", "fix it there by hand")),
+    ("bytes", ("config.yaml is not valid YAML (not UTF-8 text)", "fix it there by hand")),
     ("value", ("config.yaml: config key 'train.velocity.lr'", "edit that file (")),
     ("deleted", ("has lost its config.yaml", "meta.json's argv is the command that made it"))])
 def test_a_damaged_config_names_a_fix_that_works(run, capsys, damage, needles):
@@ -364,6 +365,8 @@ def test_a_damaged_config_names_a_fix_that_works(run, capsys, damage, needles):
     if damage == "yaml":
         lines = text.splitlines(keepends=True)
         path.write_text("".join(lines[:2]) + "  bad: [unclosed\n" + "".join(lines[2:]))
+    elif damage == "bytes":  # a disk fault, or a file saved in another encoding: was a UnicodeDecodeError traceback
+        path.write_bytes(text.encode()[:40] + b"\xff\xfe" + text.encode()[40:])
     elif damage == "value":
         path.write_text(text.replace("lr: 0.001", "lr: -1", 1) if "lr: 0.001" in text else
                         re.sub(r"(\n    lr: )[^\n]+", r"\1-1", text, count=1))

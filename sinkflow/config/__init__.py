@@ -63,15 +63,10 @@ def load_config_file(name: str) -> dict:
         hint = (f"did you mean the preset '{stem}'? (sinkflow train {stem})" if stem in preset_names() else
                 f"write one with `sinkflow config PRESET > {name}`")
         raise SinkflowError(f"config file {name} does not exist", hint)
-    try:
-        text = path.read_text(encoding="utf-8")
-        refuse_cut_short(text, path)  # a run folder's config.yaml, trained as a config file
-        raw = yaml.safe_load(text) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" (line {where.line + 1})" if where is not None else ""
-        raise SinkflowError(f"config file {name} is not valid YAML{at}", "fix it, or write a fresh one with "
-                            "`sinkflow config PRESET > FILE`") from None
+    text = read_yaml_text(path, f"config file {name}", "fix it, or write a fresh one with `sinkflow config PRESET > FILE`")
+    refuse_cut_short(text, path)  # a run folder's config.yaml, trained as a config file
+    raw = parse_yaml(text, f"config file {name}", "fix it, or write a fresh one with `sinkflow config PRESET > FILE`")
+    raw = raw or {}
     if not isinstance(raw, dict):
         raise SinkflowError(f"config file {name} is not a config tree", "write it as nested key: value sections "
                             "(`sinkflow config PRESET` prints one)")
@@ -90,6 +85,25 @@ def load_config_file(name: str) -> dict:
     if not isinstance(preset, str) or not preset:
         tree["experiment"]["preset"] = path.stem
     return tree
+
+
+def read_yaml_text(path, what: str, fix: str) -> str:
+    """The text of the YAML file ``path``; a file that is not UTF-8 text is refused as ``parse_yaml`` refuses."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SinkflowError(f"{what} is not valid YAML (not UTF-8 text)", fix) from None
+
+
+def parse_yaml(text: str, what: str, fix: str) -> Any:
+    """``yaml.safe_load(text)``, refused in one line that names ``what`` and the line YAML stopped at: every YAML
+    file sinkflow reads (a config file, a run's config.yaml, lr-find's target) reports its errors the same way."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" (line {mark.line + 1})" if mark is not None else ""
+        raise SinkflowError(f"{what} is not valid YAML{at}", fix) from None
 
 
 def _own_data_hint(name: str) -> str | None:

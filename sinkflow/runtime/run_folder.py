@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 from sinkflow import config as config_mod
 from sinkflow.config import schema
@@ -439,15 +438,10 @@ def read_config(run_dir: Path) -> dict:
                                 "--name NEW writes the same config.yaml, if sinkflow's defaults have not changed)")
         raise SinkflowError(f"{run_dir} is not a sinkflow run folder (no config.yaml)",
                             "pass the folder `sinkflow train` printed when it started")
-    text = path.read_text()
+    fix = "fix it there by hand, or restore it from a copy of the run folder"
+    text = config_mod.read_yaml_text(path, str(path), fix)
     config_mod.refuse_cut_short(text, path)
-    try:
-        cfg = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise SinkflowError(f"{path} is not valid YAML{at}", "fix it there by hand, or restore it from a copy of "
-                            "the run folder") from None
+    cfg = config_mod.parse_yaml(text, str(path), fix)
     return config_mod.read_run_config(cfg, path)  # keys added to sinkflow after the run was made get their defaults
 
 

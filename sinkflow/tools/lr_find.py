@@ -375,10 +375,9 @@ def write_lr(target: Path, key: str, lr: float, phase: str | None = None, swept:
         tree["experiment"]["name"] = None  # swept from a run: a run of this file gets a folder of its own
         target.write_text(config_mod.dump(tree))
         return target
-    try:
-        tree = yaml.safe_load(target.read_text()) if target.is_file() else {}
-    except yaml.YAMLError:
-        raise SinkflowError(f"{target} is not valid YAML", "fix it, or write to a new .yaml file") from None
+    fix = "fix it, or write to a new .yaml file"
+    tree = config_mod.parse_yaml(config_mod.read_yaml_text(target, str(target), fix), str(target), fix) \
+        if target.is_file() else {}
     node = tree = tree or {}
     if not isinstance(tree, dict):
         raise SinkflowError(f"{target} does not hold a config tree", "write to a YAML file of key: value sections")
