@@ -68,7 +68,8 @@ class Run:
         any network runs, so a bad ``x0`` is one line naming the expected shape rather than a torch error from
         inside a network (or, for ``n`` != ``len(x0)``, ``len(x0)`` samples without a word). Samples that come out NaN
         or Inf are refused in one line naming the likely cause (``sample.precision=fp16``'s range, or a diverged
-        model). An image run copied without its data set samples all the same (``tools.data.sampling_data``)."""
+        model). A run copied without its data set (images, or a point-file target) samples all the same
+        (``tools.data.sampling_data``)."""
         from sinkflow.tools.data import sampling_data
 
         with sampling_data(self.cfg, self.dir):

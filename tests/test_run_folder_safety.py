@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -583,6 +584,42 @@ def test_a_run_whose_point_file_moved_names_its_new_place_once(tmp_path, monkeyp
     assert main(["train", "moons", *TINY_2D, "--name", "m", "--no-report"]) == 0
     one_line(*run_main(capsys, "train", "--resume", str(tmp_path / "runs" / "m"), f"data.target={new}",
                        "--no-report"), "cannot resume", "data.target")
+
+
+@pytest.mark.parametrize("method", ["nsgf", "otcfm"])
+def test_a_point_file_run_copied_without_its_file_samples_the_same(tmp_path, monkeypatch, capsys, method):
+    """A 2D run trained on a GPU box, sampled on a laptop it was copied to without its point file: sampling draws
+    from the source alone, so the shape RUN/data_split.json records serves (3-D points here); the samples are bit
+    for bit the ones drawn with the file, a scatter shows them alone. eval still needs the points; a run whose
+    missing file is its source, or whose record predates the shape, names the file as before."""
+    import sinkflow
+
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    np.save("pts.npy", rng.normal(size=(64, 3)).astype(np.float32) * [1, 3, 0.5])
+    np.save("src.npy", rng.normal(size=(64, 3)).astype(np.float32))
+    tiny = TINY_2D if method == "nsgf" else [a for a in TINY_2D if not a.startswith("pool.")]
+    for name, extra in (("p", []), ("s", ["data.source=src.npy"])):
+        assert main(["train", "moons", *tiny, "data.target=pts.npy", *extra, "--method", method,
+                     "--name", name, "--no-report"]) == 0
+    run = tmp_path / "runs" / "p"
+    assert json.loads((run / "data_split.json").read_text())["shape"] == [3]
+    assert main(["sample", str(run), "--n", "8", "--seed", "3", "--out", "here.npy"]) == 0
+    os.rename("pts.npy", "elsewhere.npy")
+    assert main(["sample", str(run), "--n", "8", "--seed", "3", "--out", "away.npy"]) == 0
+    assert np.array_equal(np.load("away.npy"), np.load("here.npy"))
+    assert torch.equal(sinkflow.open_run(run).sample(8, seed=3), torch.from_numpy(np.load("here.npy")))
+    assert main(["sample", str(run), "--n", "64", "--out", "away.png"]) == 0 and Path("away.png").stat().st_size
+    capsys.readouterr()
+    missing = f"point file {tmp_path / 'pts.npy'} does not exist"
+    one_line(*run_main(capsys, "eval", str(run)), missing)
+    os.rename("src.npy", "src-elsewhere.npy")  # the source's points are what sampling draws: still needed
+    one_line(*run_main(capsys, "sample", str(tmp_path / "runs" / "s"), "--n", "4", "--out", "s.npy"),
+             f"point file {tmp_path / 'src.npy'} does not exist")
+    split = json.loads((run / "data_split.json").read_text())
+    (run / "data_split.json").write_text(json.dumps({k: v for k, v in split.items() if k != "shape"}))
+    one_line(*run_main(capsys, "sample", str(run), "--n", "4", "--out", "old.npy"), missing)
+    assert not Path("s.npy").exists() and not Path("old.npy").exists()
 
 
 def test_a_changed_source_file_is_named_not_the_target(tmp_path, monkeypatch, capsys):

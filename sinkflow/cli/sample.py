@@ -4,7 +4,7 @@ import argparse
 from pathlib import Path
 
 from sinkflow.cli.common import with_sample_overrides
-from sinkflow.errors import SinkflowError
+from sinkflow.errors import DataNotFound, SinkflowError
 
 
 def add_parser(sub):
@@ -83,7 +83,11 @@ def _sample(args, run_, out, as_folder):
         from sinkflow.eval.plots import scatter_samples
         from sinkflow.eval.points import reference
 
-        scatter_samples(x, reference(data.distributions(run_.cfg)[1], args.n), out, f"{steps} steps")
+        try:
+            ref, title = reference(data.distributions(run_.cfg)[1], args.n), f"{steps} steps"
+        except DataNotFound:  # a run sampled without its point file (tools.data.sampling_data): its samples alone
+            ref, title = None, f"{steps} steps (the target's points are not on this machine)"
+        scatter_samples(x, ref, out, title)
     else:
         from sinkflow.eval.images import save_grid
 

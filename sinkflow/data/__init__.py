@@ -19,7 +19,7 @@ from typing import Callable
 
 from sinkflow.data.base import Distribution
 from sinkflow.data.images import DIGIT_SETS, IMAGE_SETS, ImageDistribution, build_image_distribution, source_split_info
-from sinkflow.data.points import POINT_SUFFIXES, PointFile
+from sinkflow.data.points import POINT_SUFFIXES, AbsentPointFile, PointFile
 from sinkflow.data.toy2d import TOY2D, Checkerboard, EightGaussians, Moons, Normal, SCurve
 from sinkflow.errors import SinkflowError
 

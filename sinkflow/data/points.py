@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from sinkflow.data.base import DEFAULT_TEST_SEED, Distribution, check_sample_args
-from sinkflow.errors import SinkflowError
+from sinkflow.errors import DataNotFound, SinkflowError
 
 MIN_POINT_ROWS = 16
 NPY_MAGIC = b"\x93NUMPY"
@@ -98,7 +98,9 @@ class PointFile(Distribution):
         self.points, self.held_out = points[:cut], points[cut:]
         self.shape = tuple(self.points.shape[1:])
         # RUN/data_split.json: a resume refuses a file whose points changed (the values, not the file's bytes)
+        # "shape": what sampling needs of the file when it is not here (``tools.data.sampling_data``)
         self.split_info = {"points": os.path.abspath(self.path), "rows": len(points), "test_rows": test_rows,
+                           "shape": list(self.shape),
                            "points_sha256": hashlib.sha256(points.numpy().tobytes()).hexdigest()}
 
     def sample(self, n, generator, device="cpu"):
@@ -126,6 +128,18 @@ class PointFile(Distribution):
         return self.held_out[idx]
 
 
+class AbsentPointFile(Distribution):
+    """A point-file target that is not on this machine, known by the shape its run recorded: sampling a trained run
+    draws from the source alone, so it needs no more (``tools.data.sampling_data``); whatever would read the points
+    raises the file's own ``missing`` error."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], missing: DataNotFound):
+        self.name, self.shape, self.missing = name, tuple(shape), missing
+
+    def sample(self, n, generator, device="cpu"):
+        raise self.missing
+
+
 def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
     """Load and validate a point file; every problem is a one-line SinkflowError naming file and fix.
 
@@ -143,10 +157,10 @@ def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
         what = "is not a file" if os.path.exists(path) else "does not exist"
         fix = (f"put the file back at that path; for a run whose file moved, name its new place once, "
                "`sinkflow train --resume RUN data.target=NEW_PATH --no-report` (or data.source; its points must "
-               "match the hashes in RUN/data_split.json), and eval and sample read it there"
+               "match the hashes in RUN/data_split.json), and eval reads it there"
                if os.path.isabs(path) else
                "check data.source/data.target (paths are relative to the directory you run sinkflow from)")
-        raise SinkflowError(f"point file {path} {what}", fix)
+        raise (DataNotFound if what == "does not exist" else SinkflowError)(f"point file {path} {what}", fix)
     try:
         with open(path, "rb") as f:
             magic = f.read(len(NPY_MAGIC))

@@ -433,7 +433,7 @@ class FolderSource:
             fix = ("set data.path to a folder of images" if not self.path.is_absolute() else
                    "set data.path to a folder of images; for a run whose folder moved, name its new place once, "
                    "`sinkflow train --resume RUN data.path=NEW_PATH --no-report` (its files must match the hashes "
-                   "in RUN/data_split.json), and eval and sample read it there")
+                   "in RUN/data_split.json), and eval reads it there")
             raise (SinkflowError if self.path.exists() else DataNotFound)(f"image folder {self.path} {what}", fix)
         self.channels = channels or 3
         self.image_size = image_size

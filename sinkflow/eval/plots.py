@@ -11,18 +11,24 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 
-def scatter_samples(generated: torch.Tensor, target: torch.Tensor, path: Path, title: str = "") -> Path:
+def scatter_samples(generated: torch.Tensor, target: torch.Tensor | None, path: Path, title: str = "") -> Path:
     """Generated over target points: a scatter of the first two coordinates (rows of any shape are flattened), or
-    two histograms for one-dimensional points."""
-    generated, target = flat(generated), flat(target)
+    two histograms for one-dimensional points. ``target`` None: the generated points alone (a run sampled without
+    its point file)."""
+    generated = flat(generated)
+    target = flat(target) if target is not None else generated[:0]
+    both = torch.cat([generated, target])
     fig, ax = plt.subplots(figsize=(5, 5))
     if generated.shape[1] == 1:
-        bins = torch.linspace(float(min(generated.min(), target.min())), float(max(generated.max(), target.max())), 61)
-        ax.hist(target[:, 0].numpy(), bins=bins.numpy(), density=True, alpha=0.5, label="target", color="tab:blue")
+        bins = torch.linspace(float(both.min()), float(both.max()), 61)
+        if len(target):
+            ax.hist(target[:, 0].numpy(), bins=bins.numpy(), density=True, alpha=0.5, label="target",
+                    color="tab:blue")
         ax.hist(generated[:, 0].numpy(), bins=bins.numpy(), density=True, alpha=0.5, label="generated",
                 color="tab:orange")
         return _save(fig, ax, title, path, markerscale=1, equal=False)
-    ax.scatter(target[:, 0], target[:, 1], s=3, alpha=0.5, label="target", c="tab:blue")
+    if len(target):
+        ax.scatter(target[:, 0], target[:, 1], s=3, alpha=0.5, label="target", c="tab:blue")
     ax.scatter(generated[:, 0], generated[:, 1], s=3, alpha=0.5, label="generated", c="tab:orange")
     return _save(fig, ax, title + two_of(generated), path, markerscale=4)
 

@@ -66,13 +66,18 @@ def sampling_data(cfg: dict, run_dir: Path):
     on (a Kaggle run on a laptop) samples without its data set. Within the block, when the target image set is not
     on this machine (``DataNotFound``; nothing is downloaded to learn that), synthetic images of the run's shape
     stand in, which no sampler reads (tests/test_images.py: the same samples bit for bit); the shape is the one
-    RUN/data_split.json records, else the one the config implies. Yields the reason, None when the data is here."""
+    RUN/data_split.json records, else the one the config implies. Yields the reason, None when the data is here.
+    A point-file target: ``_points_sampling_data``."""
+    if cfg["data"]["target"] not in NATIVE_CHW:
+        with _points_sampling_data(cfg, run_dir) as reason:
+            yield reason
+        return
     reason = needs_synthetic(cfg)
     if reason is None:
         yield None
         return
     try:
-        shape = tuple(json.loads((Path(run_dir) / "data_split.json").read_text())["shape"])
+        shape = _recorded_shape(run_dir)
     except (OSError, ValueError, KeyError, TypeError):  # a record from before it held the shape
         if cfg["data"]["target"] == "folder" and not cfg["data"].get("image_size"):
             raise DataNotFound(reason, "sampling this run needs its image folder (its native image size is "
@@ -84,6 +89,43 @@ def sampling_data(cfg: dict, run_dir: Path):
              shape, reason)
     with data.substituted(_stand_in(shape, n_train=2, n_test=2)):
         yield reason
+
+
+def _recorded_shape(run_dir: Path) -> tuple[int, ...]:
+    """The per-sample shape RUN/data_split.json records of the run's target (image sets, point files)."""
+    return tuple(int(d) for d in json.loads((Path(run_dir) / "data_split.json").read_text())["shape"])
+
+
+@contextlib.contextmanager
+def _points_sampling_data(cfg: dict, run_dir: Path):
+    """``sampling_data`` for a point-file target: a 2D run trained on a GPU box and copied to a laptop without its
+    file samples from its source (a normal of the recorded shape, or its own point file, which it needs) and a
+    stand-in target that only knows its shape; what would read the target's points (the scatter's reference)
+    raises the file's own DataNotFound. A missing source file, or a record without the shape, raises as before."""
+    target = Path(str(cfg["data"]["target"])).expanduser()
+    try:
+        data.distributions(cfg)
+        missing = None
+    except DataNotFound as exc:
+        if target.is_file() or not str(target).lower().endswith(data.POINT_SUFFIXES):
+            raise  # the missing file is the source: sampling draws from it
+        missing = exc
+    if missing is None:  # (not yielded inside the try: an error of the caller's block is not this one)
+        yield None
+        return
+    try:
+        shape = _recorded_shape(run_dir)
+    except (OSError, ValueError, KeyError, TypeError):  # a record from before it held the shape
+        raise missing from None
+    log.info("data: %s is not on this machine; sampling needs only its shape %s", target, shape)
+
+    def build(data_cfg: dict):
+        stand_in = data.AbsentPointFile(target.name, shape, missing)
+        return data.build_distribution(data_cfg["source"], data_cfg={**data_cfg, "shape": shape, "test_rows": 0}), \
+            stand_in
+
+    with data.substituted(build):
+        yield missing.problem
 
 
 def _stand_in(shape: tuple[int, ...] | None = None, **images):
