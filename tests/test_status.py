@@ -329,3 +329,25 @@ def test_resume_commands_are_quoted_for_the_shell(tmp_path):
     assert resume_command(tmp_path / "x z") == f"sinkflow train --resume '{tmp_path / 'x z'}'"
     assert resume_command(tmp_path / "plain") == f"sinkflow train --resume {tmp_path / 'plain'}"
     assert finish_fix(tmp_path / "x z").endswith(f"`sinkflow train --resume '{tmp_path / 'x z'}'`")
+
+
+@pytest.mark.parametrize("mode", ["1", "bar"])
+def test_progress_in_a_log_file_is_whole_lines(tmp_path, mode):
+    """A tqdm bar written to a file (nohup, SLURM, Kaggle's saved run) is one line of \\r redraws that `tail -f` and
+    line-based log viewers show nothing of until the phase ends. Where stderr is not a terminal, progress is a plain
+    line every SINKFLOW_PROGRESS_EVERY seconds (0 here: every unit) and one at the end of each phase; `bar` forces
+    the bar."""
+    env = {**os.environ, "SINKFLOW_PROGRESS": mode, "SINKFLOW_PROGRESS_EVERY": "0", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "sinkflow", "train", *TINY_2D, "--name", "p", "--no-report"],
+                         cwd=tmp_path, capture_output=True, env=env, timeout=300)  # bytes: a \r stays a \r
+    err = out.stderr.decode()
+    assert out.returncode == 0, err[-3000:]
+    if mode == "bar":
+        assert "\r" in err and "velocity: 100%" in err
+        return
+    assert "\r" not in err, err[-2000:]
+    pool = [line for line in err.splitlines() if line.startswith("pool: ") and " batches (" in line]
+    steps = [line for line in err.splitlines() if line.startswith("velocity: ") and " steps (" in line]
+    assert pool[-1].startswith("pool: 2/2 batches (100.0%)"), err
+    assert [s.split()[1] for s in steps] == [f"{i}/6" for i in range(1, 7)], steps
+    assert "steps/s" in steps[-1] and "ETA 00:00" in steps[-1] and ", loss " in steps[-1], steps[-1]

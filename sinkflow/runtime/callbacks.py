@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import time
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -103,25 +105,100 @@ def quiet(chatter: bool = True):
             lg.setLevel(level)
 
 
+# seconds between two progress lines where the console is not a terminal (a log file: nohup, SLURM, Kaggle's
+# "Save & Run All", a container's log), the interval of `SINKFLOW_PROGRESS_EVERY`
+PROGRESS_LINE_EVERY = 30.0
+
+
+def progress_mode() -> str:
+    """How the main process shows a phase's progress: ``SINKFLOW_PROGRESS`` = 0 (nothing), ``bar`` (tqdm),
+    ``lines`` (a plain line every ``SINKFLOW_PROGRESS_EVERY`` seconds), or 1 (the default): a bar where it is drawn
+    in place (a terminal, a notebook's widget), lines elsewhere. A bar in a log file is one line of ``\\r`` redraws,
+    about 600 KB an hour of a phase, which ``tail -f`` and line-based log viewers show nothing of until it ends."""
+    mode = os.environ.get("SINKFLOW_PROGRESS", "1").strip().lower()
+    if mode in ("0", "bar", "lines"):
+        return mode
+    from tqdm import autonotebook, std
+
+    # autonotebook's tqdm is the notebook's widget inside a Jupyter kernel (with ipywidgets), else std's
+    in_place = autonotebook.tqdm is not std.tqdm or (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+    return "bar" if in_place else "lines"
+
+
+def _line_every() -> float:
+    try:
+        every = float(os.environ.get("SINKFLOW_PROGRESS_EVERY", PROGRESS_LINE_EVERY))
+    except ValueError:
+        return PROGRESS_LINE_EVERY
+    return every if every >= 0 else PROGRESS_LINE_EVERY
+
+
 class ProgressBar(Callback):
-    """A tqdm bar on the main process (``SINKFLOW_PROGRESS=0`` turns it off), over the phase's units."""
+    """The phase's progress on the main process, over its units (steps; the pool's batches): a tqdm bar, or in a
+    log file a plain line every ``SINKFLOW_PROGRESS_EVERY`` seconds and one when the phase ends (``progress_mode``)."""
 
     def __init__(self):
         self.bar = None
+        self.lines: ProgressLines | None = None
 
     def on_phase_start(self, trainer) -> None:
-        enabled = dist.current().is_main and os.environ.get("SINKFLOW_PROGRESS", "1") != "0"
-        self.bar = tqdm(total=trainer.total, initial=trainer.progress, desc=trainer.name, disable=not enabled,
+        mode = progress_mode() if dist.current().is_main else "0"
+        if mode == "lines":
+            self.lines = ProgressLines(trainer.name, trainer.total, trainer.progress,
+                                       "steps" if trainer.training else "batches", _line_every())
+            return
+        self.bar = tqdm(total=trainer.total, initial=trainer.progress, desc=trainer.name, disable=mode == "0",
                         dynamic_ncols=True, mininterval=1.0, smoothing=0.1)
 
     def on_train_batch_end(self, trainer, batch, outputs) -> None:
-        self.bar.update(trainer.last_units)
+        if self.lines is not None:
+            self.lines.update(trainer.last_units)
+        else:
+            self.bar.update(trainer.last_units)
 
     def on_log(self, trainer, metrics: dict) -> None:
         if "loss" in metrics:
-            self.bar.set_postfix(loss=f"{metrics['loss']:.4g}")
+            if self.lines is not None:
+                self.lines.loss = metrics["loss"]
+            else:
+                self.bar.set_postfix(loss=f"{metrics['loss']:.4g}")
 
     def teardown(self, trainer) -> None:
+        if self.lines is not None:
+            self.lines.close()
+            self.lines = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class ProgressLines:
+    """Progress as whole lines on stderr, flushed: ``velocity: 1,200/20,000 steps (6.0%), 41.2 steps/s, elapsed
+    00:29, ETA 07:36, loss 0.1234``; the rate is this process's (a resumed phase counts from where it resumed)."""
+
+    def __init__(self, name: str, total: int, done: int, unit: str, every: float):
+        self.name, self.total, self.done, self.unit, self.every = name, total, done, unit, every
+        self.start_done, self.loss = done, None
+        self.t0 = self.last = time.monotonic()
+        self.said = done
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if time.monotonic() - self.last >= self.every:
+            self.say()
+
+    def say(self) -> None:
+        now = time.monotonic()
+        elapsed = now - self.t0
+        rate = (self.done - self.start_done) / elapsed if elapsed > 0 else 0.0
+        left = max(self.total - self.done, 0)
+        eta = tqdm.format_interval(left / rate) if rate > 0 else "?"
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        loss = f", loss {self.loss:.4g}" if isinstance(self.loss, (int, float)) else ""
+        print(f"{self.name}: {self.done:,}/{self.total:,} {self.unit} ({pct:.1f}%), {rate:.3g} {self.unit}/s, "
+              f"elapsed {tqdm.format_interval(elapsed)}, ETA {eta}{loss}", file=sys.stderr, flush=True)
+        self.last, self.said = now, self.done
+
+    def close(self) -> None:
+        if self.done != self.said:  # the phase's last count (finished, stopped or failed)
+            self.say()
