@@ -10,7 +10,7 @@ import os
 import numpy as np
 import torch
 
-from helpers import cli
+from helpers import TINY_2D, cli
 
 ARGS = ["moons", "pool.batches=4", "pool.steps=5", "pool.batch_size=64", "pool.chunk=1",
         "--train-iters", "600", "train.velocity.ckpt_every=100", "train.velocity.log_every=100",
@@ -258,3 +258,66 @@ def test_a_stop_inside_a_pool_chunk_leaves_it_and_a_second_signal_is_one_line(tm
         assert main(["status", str(tmp_path / "runs" / name)]) == 1
         assert f"STOPPED (at once by a second signal, {int(second)}, in pool: the work since its last checkpoint " \
             "is lost" in capsys.readouterr().out
+
+
+def test_tensorboard_hides_a_killed_tail_after_a_resume_that_died_before_logging(tmp_path):
+    """kill -9 past the step-500 checkpoint, a resume that moved the rows past it out of metrics.jsonl and died (a
+    time limit, a kill) before its first log step, then a resume that finds nothing to move: TensorBoard's purge was
+    scheduled only when rows moved, so the killed process's steps 550-700 stayed in view beside the new ones."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sinkflow.runtime.metrics import MetricsLogger
+
+    killed = MetricsLogger(tmp_path)
+    for step in range(50, 701, 50):
+        killed.log("velocity", step, {"loss": 1.0 / step})
+    killed.close()
+    died = MetricsLogger(tmp_path)
+    assert [r["step"] for r in died.rewind("velocity", 500)] == [550, 600, 650, 700]
+    died.close()  # died before its first log step: no writer, no purge written
+    resumed = MetricsLogger(tmp_path)
+    assert resumed.rewind("velocity", 500) == []
+    for step in range(550, 801, 50):
+        resumed.log("velocity", step, {"loss": 2.0 / step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tb" / "velocity"))
+    events.Reload()
+    shown = [(e.step, round(e.value, 6)) for e in events.Scalars("velocity/loss")]
+    assert shown == [(s, round(1.0 / s, 6)) for s in range(50, 501, 50)] + \
+        [(s, round(2.0 / s, 6)) for s in range(550, 801, 50)], shown
+
+
+def test_histograms_of_non_finite_gradients_do_not_end_the_run(tmp_path, capsys, monkeypatch):
+    """hist_every on a float16 run: its first skipped step's gradients are Inf by design, and TensorBoard's
+    histogram of them raised "The histogram is empty" out of the run (FAILED, a traceback). Finite values only."""
+    from sinkflow.cli import main
+    from sinkflow.runtime.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path / "unit")
+    logger.histogram("velocity/grads/w", torch.tensor([float("inf"), float("nan")]), 1)  # nothing finite: skipped
+    logger.histogram("velocity/grads/w", torch.tensor([1.0, float("inf"), 2.0]), 2)
+    logger.close()
+    assert list((tmp_path / "unit" / "tb" / "velocity").iterdir())
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *TINY_2D, "train.velocity.precision=fp16", "train.velocity.hist_every=1", "--name", "h",
+                 "--no-report"]) == 0, capsys.readouterr().err
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "h" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("skipped_steps") for r in rows), rows  # a step with Inf gradients was there to histogram
+
+
+def test_a_run_without_an_importable_tensorboard_trains_and_says_so_once(tmp_path, monkeypatch, caplog):
+    """A broken TensorBoard install (a protobuf clash) raised out of the first log step: the run FAILED with a
+    traceback, and every resume and `sinkflow eval` the same. It warns once and logs to metrics.jsonl."""
+    import logging
+
+    from sinkflow.cli import main
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # `import` of it raises ImportError
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="sinkflow"):
+        assert main(["train", *TINY_2D, "--name", "t"]) == 0
+    said = [r.getMessage() for r in caplog.records if "TensorBoard cannot be imported" in r.getMessage()]
+    assert len(said) == 1 and "metrics go to metrics.jsonl only" in said[0], said
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("phase") == "velocity" and "loss" in r] == [2, 4, 6]
+    assert not (tmp_path / "runs" / "t" / "tb").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import numbers
 import os
@@ -18,7 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from sinkflow.data.atomic_write import atomic_write_text
+from sinkflow.data.base import warn_once
+
+log = logging.getLogger("sinkflow")
 
 
 class MetricsLogger:
@@ -47,10 +53,16 @@ class MetricsLogger:
         return self._jsonl
 
     def tb(self, phase: str):
-        """The phase's TensorBoard writer, created lazily (importing tensorboard costs ~1 s)."""
+        """The phase's TensorBoard writer, created lazily (importing tensorboard costs ~1 s); None where TensorBoard
+        cannot be imported (a broken install, a protobuf clash): said once, and the run goes on with metrics.jsonl,
+        where a traceback at the first log step had failed it (and every resume, and eval after its record)."""
         if phase not in self._tbs:
-            from torch.utils.tensorboard import SummaryWriter
-
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except Exception as exc:  # ImportError, or what a half-installed package raises while importing
+                warn_once(log, "tensorboard", "TensorBoard cannot be imported (%s: %s): metrics go to metrics.jsonl "
+                          "only; `pip install tensorboard` to get its events again", type(exc).__name__, exc)
+                return None
             self._tbs[phase] = SummaryWriter(str(self.run_dir / "tb" / phase), purge_step=self._purge.pop(phase, None))
         return self._tbs[phase]
 
@@ -71,6 +83,12 @@ class MetricsLogger:
         keep, moved = [], []
         for line in lines:
             (moved if _logged_after(line, phase, step) else keep).append(line)
+        if (self.run_dir / "tb" / phase).is_dir():
+            # always, not only when rows moved: a process that moved them and died before its first log step
+            # never wrote the purge, and its successor, finding nothing to move, kept the stale events in view
+            self._purge[phase] = step + 1
+            if phase in self._tbs:
+                self._tbs.pop(phase).close()
         if not moved:
             return []
         if self._jsonl is not None:
@@ -79,9 +97,6 @@ class MetricsLogger:
         with open(self.run_dir / "metrics.rewound.jsonl", "a") as f:  # first: a crash between the two loses nothing
             f.write("".join(line if line.endswith("\n") else line + "\n" for line in moved))
         atomic_write_text(path, "".join(keep))
-        self._purge[phase] = step + 1
-        if phase in self._tbs:
-            self._tbs.pop(phase).close()
         return [json.loads(line) for line in moved]
 
     def log(self, phase: str, step: int, values: dict[str, Any]) -> None:
@@ -100,8 +115,8 @@ class MetricsLogger:
             self.jsonl.write(json.dumps(record) + "\n")  # first: a folder we cannot write fails here, synchronously
             for key, value in record.items():
                 if key not in ("time", "phase", "step") and isinstance(value, (int, float)) and \
-                        not isinstance(value, bool) and math.isfinite(value):
-                    self.tb(phase).add_scalar(f"{phase}/{key}", value, step)
+                        not isinstance(value, bool) and math.isfinite(value) and (tb := self.tb(phase)) is not None:
+                    tb.add_scalar(f"{phase}/{key}", value, step)
         except OSError as exc:
             if not self.best_effort:
                 raise
@@ -114,9 +129,14 @@ class MetricsLogger:
                 raise PermissionError(errno.EACCES, "Permission denied (or a read-only file system)", str(path))
 
     def histogram(self, tag: str, values, step: int) -> None:
-        """``tag`` begins with the phase (``velocity/weights/...``): it goes to that phase's event folder."""
-        if self.enabled:
-            self.tb(tag.split("/")[0]).add_histogram(tag, values, step)
+        """``tag`` begins with the phase (``velocity/weights/...``): it goes to that phase's event folder. Only the
+        finite values: TensorBoard's histogram of a tensor holding Inf fails ("The histogram is empty"), which
+        ended the run at fp16's first skipped step (its gradients are Inf by design) or hid a diverged one's line."""
+        if not self.enabled:
+            return
+        values = values[torch.isfinite(values)] if torch.is_tensor(values) else values
+        if (not torch.is_tensor(values) or values.numel()) and (tb := self.tb(tag.split("/")[0])) is not None:
+            tb.add_histogram(tag, values, step)
 
     def heartbeat(self, **status: Any) -> None:
         """Rewrite ``status.json`` (phase, step, total, rate, eta, state) with the current time."""
