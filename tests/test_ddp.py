@@ -161,6 +161,8 @@ def test_ddp_matches_single_process_and_resumes_on_fewer(runs_dir):
     assert re.findall(r"exitcode\s+: (-?\d+) \(pid", stopped.stderr) == ["143", "143"], stopped.stderr[-3000:]
     status = json.loads((grown / "status.json").read_text())
     assert status["state"] == "stopped" and status["signal"] == 15, status
+    shown = cli("status", str(grown), cwd=cwd).stdout  # the console's command (status said a one-process resume)
+    assert f"`torchrun --nproc_per_node 2 -m sinkflow train --resume {grown} --no-report`" in shown, shown
     assert (grown / "checkpoints" / "velocity" / f"step_{status['step']:08d}.pt").is_file()
     said = re.search(r"world_size 1 -> 2 from phase velocity step 6: train\.velocity: global batch 32 -> 64, base lr "
                      r"0\.002 -> 0\.002828 \(lr_scaling sqrt\)", stopped.stderr)

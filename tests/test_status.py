@@ -351,3 +351,34 @@ def test_progress_in_a_log_file_is_whole_lines(tmp_path, mode):
     assert pool[-1].startswith("pool: 2/2 batches (100.0%)"), err
     assert [s.split()[1] for s in steps] == [f"{i}/6" for i in range(1, 7)], steps
     assert "steps/s" in steps[-1] and "ETA 00:00" in steps[-1] and ", loss " in steps[-1], steps[-1]
+
+
+def test_status_counts_what_the_bar_counts_and_a_resume_stands_at_its_step(runs_dir, monkeypatch):
+    """The pool's heartbeat counted chunks as "step 4/12" with no rate or ETA, while its bar counted 32/96 batches;
+    a resumed phase said "step 0" (DEAD at step 0 after a kill then) until its first log step."""
+    import shutil
+
+    from sinkflow.runtime.callbacks import Callback
+
+    monkeypatch.chdir(runs_dir.parent)
+    assert cli("train", "moons", *TINY_2D, "--name", "done", "--no-report", cwd=runs_dir.parent).returncode == 0
+    run = runs_dir / "done"
+    beat = {"time": time.time(), "pid": os.getpid(), "phase": "pool", "step": 4, "total": 12, "state": "running",
+            "done": 32, "of": 96, "unit": "batches", "rate": 16.0, "eta_s": 4.0}
+    (run / "status.json").write_text(json.dumps(beat))
+    shown = format_status(read_status(run))
+    assert "pool  batches 32/96 (33.3%)  16.00 batches/s  ETA" in shown, shown
+
+    class SeeHeartbeat(Callback):
+        def on_phase_start(self, trainer):
+            seen.append(json.loads((trainer.run.dir / "status.json").read_text()))
+
+    seen = []
+    resumed = runs_dir / "resumed"
+    shutil.copytree(run, resumed)
+    (resumed / "checkpoints" / "velocity" / "final.pt").unlink()
+    (resumed / "checkpoints" / "velocity" / "step_00000006.pt").unlink()
+    from sinkflow.engine.experiment import train_run
+
+    train_run(resume=resumed, callbacks=[SeeHeartbeat()])
+    assert (seen[0]["phase"], seen[0]["step"], seen[0]["total"], seen[0]["state"]) == ("velocity", 3, 6, "running")

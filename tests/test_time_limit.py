@@ -11,7 +11,7 @@ import torch
 from helpers import TINY_2D, cli
 from sinkflow.errors import SinkflowError
 from sinkflow.tools.status import read_status
-from sinkflow.runtime.signals import TIME_LIMIT, TIME_LIMIT_EXIT, Interrupted, parse_duration
+from sinkflow.runtime.signals import TIME_LIMIT, TIME_LIMIT_EXIT, Interrupted, format_duration, parse_duration
 
 # the pool: 4 batches in 2 chunks of 2 groups each (a chunk is one unit of work), then 6 velocity steps
 ARGS = [a for a in TINY_2D if "=" in a and not a.startswith("pool.")] + [
@@ -25,6 +25,13 @@ ARGS = [a for a in TINY_2D if "=" in a and not a.startswith("pool.")] + [
                                            (120, 120), (0.25, 0.25)])
 def test_durations_a_user_writes_parse(text, seconds):
     assert parse_duration(text) == seconds
+    assert parse_duration(format_duration(seconds)) == seconds  # what a resume line writes back reads the same
+
+
+@pytest.mark.parametrize("seconds, text", [(30600, "8h30m"), (9, "9s"), (3600, "1h"), (93605, "1d2h5s"),
+                                           (0.5, "0.5"), (1e-6, "0.000001")])
+def test_a_resume_line_writes_the_time_limit_compactly(seconds, text):
+    assert format_duration(seconds) == text
 
 
 @pytest.mark.parametrize("text", ["8x", "8h30", "h", "1h1h", "", "-5m", "1-2:3", "1:2", "0", "0s", "nan", float("inf"), -3, True,
@@ -123,6 +130,8 @@ def test_the_cli_exits_124_with_the_resume_line_and_status_says_why(tmp_path):
            "--resume runs/k --no-report --time-limit 0.000001`" in out.stderr, out.stderr[-2000:]
     status = cli("status", "runs/k", cwd=tmp_path)
     assert "STOPPED (at the time limit at pool step 1, checkpoint saved" in status.stdout, status.stdout
+    # the console's command, time limit included (status said a plain resume: the next session had no limit)
+    assert "`sinkflow train --resume runs/k --no-report --time-limit 0.000001`" in status.stdout, status.stdout
     out = cli("train", "--resume", "runs/k", "--no-report", "--time-limit", "1h", cwd=tmp_path)
     assert out.returncode == 0 and _progress(tmp_path / "runs" / "k")[2], out.stderr[-2000:]
 

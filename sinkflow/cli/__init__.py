@@ -149,14 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         # would, and rank 0 says so once
         info = dist.leave_after_stop()
         if info.is_main:
+            from sinkflow.runtime.signals import parse_duration
+            from sinkflow.tools.status import resume_command
+
             where = getattr(exc, "run_dir", None) or getattr(args, "run_dir_used", "RUN")
-            skip = " --no-report" if getattr(args, "no_report", False) else ""  # resumed as it was started
-            if getattr(args, "time_limit", None) is not None:  # the next session has a limit too
-                skip += f" --time-limit {args.time_limit}"
-            # launched as it was (another process count also resumes: the lr follows train.*.lr_scaling)
-            launch = f"torchrun --nproc_per_node {info.world} -m sinkflow" if info.enabled else "sinkflow"
-            print(f"sinkflow: {exc}; resume with `{launch} train --resume {shlex.quote(str(where))}{skip}`",
-                  file=sys.stderr)
+            # launched as it was (another process count also resumes: the lr follows train.*.lr_scaling), with
+            # the report skipped as it was and the next session's time limit: what `sinkflow status` says too
+            limit = getattr(args, "time_limit", None)
+            command = resume_command(where, info.world, bool(getattr(args, "no_report", False)),
+                                     parse_duration(limit) if limit is not None else None, dist.per_node())
+            print(f"sinkflow: {exc}; resume with `{command}`", file=sys.stderr)
         return exc.exit_status
     finally:
         dist = sys.modules.get("sinkflow.runtime.dist")  # imported by the commands that join a process group

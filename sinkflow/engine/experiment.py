@@ -30,20 +30,24 @@ log = logging.getLogger("sinkflow")
 
 
 def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float | None = None,
-               report: bool = False) -> None:
+               report: bool = False, time_limit: float | None = None) -> None:
     """Each unfinished task through its own ``Trainer`` (``callbacks`` go to every one of them); past the
     ``time.monotonic()`` ``deadline`` (the time limit) the run stops as on SIGTERM: within a phase at its next step,
     between two phases before the next starts, and after the last only where a ``report`` would follow (it is
-    skipped as asked; with none to skip, a finished run is finished: exit 0, not 124 and a resume to run)."""
+    skipped as asked; with none to skip, a finished run is finished: exit 0, not 124 and a resume to run). A stop's
+    heartbeat records how the run was launched (processes, report, the session's ``time_limit`` in seconds), from
+    which `sinkflow status` gives the resume command the CLI printed (``tools.status.resume_command``)."""
     callbacks = list(callbacks)
     last = None
+    launch = {"world": dist.current().world, "per_node": dist.per_node(), "no_report": not report,
+              "time_limit": time_limit}
     with graceful_stop(deadline):
         for task in phases:
             if run.phase_done(task.name):
                 log.info("phase %s already finished: skipped", task.name)
                 continue
             if last is not None and (signum := dist.agree_stop(stop_requested())) is not None:
-                run.logger.heartbeat(phase=last[0], step=last[1], state="stopped", signal=signum)  # not DEAD
+                run.logger.heartbeat(phase=last[0], step=last[1], state="stopped", signal=signum, **launch)  # not DEAD
                 raise Interrupted(signum, *last)  # a phase just ended on the stop: the next is the resume's
             run.logger.heartbeat(phase=task.name, step=0, state="starting")
             trainer = None
@@ -51,11 +55,11 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                 trainer = Trainer(run, task, callbacks)
                 trainer.fit()
             except Interrupted as exc:  # `sinkflow status` says STOPPED (checkpoint saved), not DEAD
-                run.logger.heartbeat(phase=exc.phase, step=exc.step, state="stopped", signal=exc.signum)
+                run.logger.heartbeat(phase=exc.phase, step=exc.step, state="stopped", signal=exc.signum, **launch)
                 raise
             except StopNow as exc:  # a second signal: stopped at once, from the last checkpoint (status said DEAD)
                 run.logger.heartbeat(phase=task.name, step=getattr(trainer, "progress", None), state="stopped",
-                                     signal=exc.signum, at_once=True)
+                                     signal=exc.signum, at_once=True, **launch)
                 raise
             except Exception as exc:  # `sinkflow status` says FAILED and why (a resume would fail the same way)
                 run.logger.heartbeat(phase=task.name, step=getattr(trainer, "progress", None), state="failed",
@@ -159,7 +163,7 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
                     log.warning("preset %s sets %d key(s) that method %s does not read (%s): kept in config.yaml, "
                                 "unused", cfg["experiment"]["preset"], len(unread), method.name, keys)
         try:
-            run_phases(run, phases, callbacks, deadline, report=then is not None)
+            run_phases(run, phases, callbacks, deadline, report=then is not None, time_limit=time_limit)
         except Interrupted as exc:
             exc.run_dir = run.dir
             raise

@@ -454,6 +454,9 @@ class Trainer:
                 self.name, "training" if latest is not None else "no step checkpoint found: training again",
                 self.step, len(moved), max(r["step"] for r in moved))
         iters, ckpt_every = self.cfg["iters"], self.cfg["ckpt_every"]
+        # status before the first log step: the resumed step, not the "step 0" of the phase's start (nor, after a
+        # kill in that window, a DEAD run at step 0 beside its step checkpoint)
+        run.logger.heartbeat(phase=self.name, step=self.step, total=iters, state="running", world=self.info.world)
         tick, tick_step = time.perf_counter(), self.step
         n_global = self.cfg["batch_size"] * self.info.world
         task, device = self.task, self.device
@@ -483,7 +486,8 @@ class Trainer:
                     self._call("on_log", metrics)
                     run.logger.log(self.name, self.step, metrics)
                     run.logger.heartbeat(phase=self.name, step=self.step, total=iters, rate=rate,
-                                         eta_s=(iters - self.step) / max(rate, 1e-9), loss=mean, state="running")
+                                         eta_s=(iters - self.step) / max(rate, 1e-9), loss=mean, state="running",
+                                         world=self.info.world)
                     self.loss_sum, self.loss_count = torch.zeros((), device=self.device), 0
                     tick, tick_step = time.perf_counter(), self.step
                 # every rank agrees on a stop in the same step; under DDP that costs a sync, so only where it
@@ -509,6 +513,7 @@ class Trainer:
     def _fit_chunks(self) -> None:
         task = self.task
         self.step = task.position  # a resumed build with every unit recorded stands there, not at 0
+        t0, done0 = time.perf_counter(), task.progress_done
         self._call("on_phase_start")
         while not task.finished():
             unit = task.next_unit()
@@ -520,7 +525,12 @@ class Trainer:
             self.last_units = task.progress_done - before  # every rank's work (the bar stopped at 1/world)
             self.step = task.position
             self._call("on_train_batch_end", unit, self.last_units)
-            self.run.logger.heartbeat(phase=self.name, step=task.position, total=task.total, state="running")
+            # status counts what the bar counts (batches, every rank's), with their rate and ETA
+            rate = (task.progress_done - done0) / max(time.perf_counter() - t0, 1e-9)
+            self.run.logger.heartbeat(phase=self.name, step=task.position, total=task.total, state="running",
+                                      world=self.info.world, done=task.progress_done, of=task.progress_total,
+                                      unit="batches", rate=rate,
+                                      eta_s=(task.progress_total - task.progress_done) / max(rate, 1e-9))
             signum = self._agree_stop()
             # after the last unit recorded the phase ends as usual (finished() alone is no proof: a unit a signal
             # abandoned is past too, unrecorded)

@@ -45,6 +45,11 @@ class DistInfo:
         return self.world > 1
 
 
+def per_node() -> int:
+    """Processes on each node (torchrun's LOCAL_WORLD_SIZE): fewer than the world on a multi-node job."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", current().world))
+
+
 def current() -> DistInfo:
     if tdist.is_available() and tdist.is_initialized():
         return DistInfo(tdist.get_rank(), tdist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))

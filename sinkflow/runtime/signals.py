@@ -117,6 +117,18 @@ def graceful_stop(deadline: float | None = None):
 _UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 
 
+def format_duration(seconds: float) -> str:
+    """``parse_duration``'s inverse, compact: 30600 -> ``8h30m``, 9 -> ``9s``, 0.5 -> ``0.5`` (seconds, written
+    out: parse_duration reads no exponent) (a resume line's ``--time-limit``)."""
+    if seconds != int(seconds):
+        return f"{seconds:.9f}".rstrip("0").rstrip(".")
+    rest, out = int(seconds), ""
+    for unit in "dhm":
+        n, rest = divmod(rest, _UNITS[unit])
+        out += f"{n}{unit}" if n else ""
+    return out + (f"{rest}s" if rest or not out else "")
+
+
 def parse_duration(text: str | float | int) -> float:
     """Seconds from ``8h30m``, ``90m``, ``2.5h``, ``45s``, ``3600`` (seconds), ``HH:MM:SS``, ``D-HH:MM:SS`` (Slurm's
     ``--time``) or ``DD:HH:MM:SS`` (Lightning's ``max_time``); a clear error

@@ -35,7 +35,7 @@ from sinkflow import config as config_mod
 from sinkflow.config import schema
 from sinkflow.errors import SinkflowError
 from sinkflow.eval.records import OPTIONAL_SETTINGS
-from sinkflow.runtime.signals import stop_reason
+from sinkflow.runtime.signals import format_duration, stop_reason
 
 STALE_AFTER_S = 300.0
 
@@ -124,7 +124,7 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     else:
         state = "running"
     out["state"] = state
-    out["resume"] = resume_command(run_dir)
+    out["resume"] = resume_for(run_dir, hb)
     records = tail_jsonl(run_dir / "metrics.jsonl")
     latest: dict[str, dict] = {}
     for r in records:  # each key's newest value: a flow's last record (its drift report) holds no loss
@@ -168,14 +168,36 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     return out
 
 
-def resume_command(run_dir: Path) -> str:
-    """The command that continues the run as it was started: with ``--no-report`` when its first command had it (a
-    plain resume of such a run ran the final report it had been asked to skip: minutes on images)."""
-    try:
-        argv = json.loads((Path(run_dir) / "meta.json").read_text()).get("argv") or []
-    except (OSError, ValueError, AttributeError):
-        argv = []
-    return f"sinkflow train --resume {shlex.quote(str(run_dir))}" + (" --no-report" if "--no-report" in argv else "")
+def resume_command(run_dir, world: int = 1, no_report: bool = False, time_limit: float | None = None,
+                   per_node: int | None = None) -> str:
+    """The command that continues a run as it was launched: torchrun with its process count (and node count, when
+    ``per_node`` processes ran on each of several nodes: the ``...`` is your rendezvous flags), ``--no-report`` and
+    the session's ``--time-limit`` where it had them. The CLI prints it when a run stops, and `sinkflow status`
+    gives the same one (``resume_for``): status gave a plain resume, which dropped the time limit (a Kaggle session
+    then overran and lost its work) and resumed a torchrun job on one process."""
+    if world > 1 and per_node and per_node < world and world % per_node == 0:
+        launch = f"torchrun --nnodes {world // per_node} --nproc_per_node {per_node} ... -m sinkflow"
+    else:
+        launch = f"torchrun --nproc_per_node {world} -m sinkflow" if world > 1 else "sinkflow"
+    return (f"{launch} train --resume {shlex.quote(str(run_dir))}" + (" --no-report" if no_report else "")
+            + (f" --time-limit {format_duration(time_limit)}" if time_limit else ""))
+
+
+def resume_for(run_dir: Path, hb: dict) -> str:
+    """``resume_command`` from what the run recorded: a stop's heartbeat holds its launch (world, report, time
+    limit); otherwise (a kill -9, a run from before) the running heartbeat's world and meta.json's first argv."""
+    if "no_report" in hb:
+        no_report = bool(hb["no_report"])
+    else:
+        try:
+            argv = json.loads((Path(run_dir) / "meta.json").read_text()).get("argv") or []
+        except (OSError, ValueError, AttributeError):
+            argv = []
+        no_report = "--no-report" in argv
+    world, per_node, time_limit = hb.get("world"), hb.get("per_node"), hb.get("time_limit")
+    return resume_command(run_dir, world if isinstance(world, int) and world > 0 else 1, no_report,
+                          time_limit if isinstance(time_limit, (int, float)) and time_limit > 0 else None,
+                          per_node if isinstance(per_node, int) and per_node > 0 else None)
 
 
 def phases_left(run_dir: Path, hb: dict, ckpts: dict) -> list[dict]:
@@ -277,10 +299,12 @@ def format_status(st: dict) -> str:
     lines.append(f"state        {state.upper()}{why}")
     if hb:
         lines.append(f"heartbeat    {_dur(age)} ago, pid {hb.get('pid')}{host}")
-        phase, step, total = hb.get("phase"), hb.get("step"), hb.get("total")
-        prog = f"step {step}/{total} ({100 * step / total:.1f}%)" if step is not None and total else \
-            (f"step {step}" if step is not None else "")
-        rate = f"{hb['rate']:.2f} steps/s" if hb.get("rate") else ""
+        phase, step, total, unit = hb.get("phase"), hb.get("step"), hb.get("total"), "step"
+        if hb.get("unit") and hb.get("of") and st["state"] == "running":  # the pool: batches, as its bar counts
+            unit, step, total = "batches", hb.get("done"), hb["of"]
+        prog = f"{unit} {step}/{total} ({100 * step / total:.1f}%)" if step is not None and total else \
+            (f"{unit} {step}" if step is not None else "")
+        rate = f"{hb['rate']:.2f} {'steps' if unit == 'step' else unit}/s" if hb.get("rate") else ""
         eta = f"ETA {_dur(st['eta_s'])}" if st["eta_s"] is not None else ""
         lines.append("phase        " + "  ".join(x for x in (str(phase), prog, rate, eta) if x))
     if st.get("phases_left"):
