@@ -45,6 +45,8 @@ from sinkflow.runtime.state_check import check_step_state
 
 log = logging.getLogger(__name__)
 
+AGREE_EVERY_S = 5.0  # under DDP, seconds of steps between two agreements on a stop (a collective each)
+
 
 def adam_kernel(device: torch.device) -> dict:
     """Adam's kernel for ``device``: fused wherever this torch has it (CUDA; the CPU from torch 2.4), else foreach.
@@ -97,6 +99,9 @@ class Trainer:
         self.batch: Any = None  # the batch of the current (last) step, for callbacks and tools
         self.stopped = False  # ``stop()`` ended the phase early (no final.pt)
         self._stop: int | None = None
+        # under DDP, when the ranks next agree on a stop (``_agree_stop``): the step, and the clock and step of the
+        # last agreement that set it (set where the training loop starts)
+        self._next_agree, self._agreed = 0, (0.0, 0)
 
     # ---- construction ---------------------------------------------------------------------------
     def _call(self, hook: str, *args) -> None:
@@ -458,6 +463,7 @@ class Trainer:
         # kill in that window, a DEAD run at step 0 beside its step checkpoint)
         run.logger.heartbeat(phase=self.name, step=self.step, total=iters, state="running", world=self.info.world)
         tick, tick_step = time.perf_counter(), self.step
+        self._next_agree, self._agreed = self.step + 1, (tick, self.step)  # the first step's agreement sets the pace
         n_global = self.cfg["batch_size"] * self.info.world
         task, device = self.task, self.device
         self.batches = BatchPrefetcher(lambda: task.draw(self.generator, n_global, device), self.generator, device,
@@ -490,9 +496,12 @@ class Trainer:
                                          world=self.info.world)
                     self.loss_sum, self.loss_count = torch.zeros((), device=self.device), 0
                     tick, tick_step = time.perf_counter(), self.step
-                # every rank agrees on a stop in the same step; under DDP that costs a sync, so only where it
-                # matters (log and checkpoint steps); alone, a signal is a Python flag and is read every step
-                signum = self._agree_stop() if (not self.info.enabled or checkpoint or self.log_step()) else None
+                # every rank agrees on a stop in the same step; under DDP that costs a sync, so at log and
+                # checkpoint steps and every AGREE_EVERY_S seconds of steps between (torchrun kills a worker 30 s
+                # after its SIGTERM: a stop agreed only at log steps 100 slow steps apart lost them all);
+                # alone, a signal is a Python flag and is read every step
+                due = checkpoint or self.log_step() or self.step >= self._next_agree
+                signum = self._agree_stop() if (not self.info.enabled or due) else None
                 if signum is not None and self.step >= iters:  # the last step: the phase ends (final.pt), and
                     signum = None  # the run stops before the next phase (run_phases); it stopped with a step file
                 if signum is not None:
@@ -543,8 +552,17 @@ class Trainer:
         self._call("on_phase_end")
 
     def _agree_stop(self) -> int | None:
-        """A signal or a callback's stop request, agreed by every rank (they stop in the same step)."""
-        return dist.agree_stop(self._stop if self._stop is not None else stop_requested())
+        """A signal or a callback's stop request, agreed by every rank (they stop in the same step). Under DDP in a
+        training phase the same collective sets the next agreement: ``AGREE_EVERY_S`` seconds of steps at the rate
+        since this one, the slowest rank's (the first steps, slow with compilation, agree often and then less)."""
+        signum = self._stop if self._stop is not None else stop_requested()
+        if not (self.info.enabled and self.training):
+            return dist.agree_stop(signum)
+        now, (then, step) = time.perf_counter(), self._agreed
+        pace = AGREE_EVERY_S * (self.step - step) / max(now - then, 1e-9)
+        signum, steps = dist.agree_stop_paced(signum, int(pace))
+        self._next_agree, self._agreed = self.step + steps, (now, self.step)
+        return signum
 
     def save(self) -> None:
         """A step checkpoint (main process), then every rank waits for it; a failed write (a full disk) is every

@@ -132,6 +132,16 @@ def agree_stop(signum: int | None) -> int | None:
     return int(flag.item()) or None
 
 
+def agree_stop_paced(signum: int | None, pace: int) -> tuple[int | None, int]:
+    """``agree_stop`` in the same one collective as the steps until the next agreement: the fewest any rank
+    proposes (``pace``: the steps it takes in a few seconds). Every rank gets the same two numbers, so they meet at
+    the same next step."""
+    flag = torch.tensor([signum or 0, -max(int(pace), 1)], dtype=torch.int64, device=_collective_device())
+    tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+    stop, steps = flag.tolist()
+    return stop or None, -steps
+
+
 def check_same(values: dict[str, Any]) -> None:
     """Every rank's ``values`` (its resolved config, flattened) equal rank 0's, or every rank stops with one line
     naming the first differing key and the ranks. Ranks started with different options (a wrapper giving one rank
