@@ -44,3 +44,58 @@ def test_a_resume_whose_ranks_differ_is_refused_before_the_folder_changes(tiny_r
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "checkpoint.keep is 4 on rank 0 but 5 on rank 1" in err[0], err
     assert bytes_snapshot(run) == before
+
+
+def test_nodes_in_other_folders_compare_what_the_run_reads_as_absolute_paths(tmp_path, monkeypatch):
+    """Two nodes started in different folders (the gather simulated, as rank 0 of two): a 2D run was refused for a
+    data.root it never reads, while relative run folders went to two places without a word. The keys the run reads
+    are compared, runs_dir as an absolute path, and a path that differs with the folder says so."""
+    import pytest
+    import torch.distributed as tdist
+
+    from sinkflow import config
+    from sinkflow.engine.experiment import check_ranks_agree
+    from sinkflow.errors import SinkflowError
+    from sinkflow.runtime import dist
+    from sinkflow.runtime.run_folder import DATA_PATH_KEYS, absolute_data_paths
+
+    elsewhere = str(tmp_path / "node1")
+
+    def gather(out, mine):  # rank 1 resolved its relative paths in its own folder
+        out[:] = [mine, {k: (v.replace(str(tmp_path), elsewhere) if isinstance(v, str) else v)
+                         for k, v in mine.items()}]
+
+    monkeypatch.setattr(dist, "current", lambda: dist.DistInfo(0, 2))
+    monkeypatch.setattr(tdist, "all_gather_object", gather)
+    monkeypatch.chdir(tmp_path)
+    same_runs = [f"experiment.runs_dir={tmp_path.parent / 'shared-runs'}"]
+    check_ranks_agree(absolute_data_paths(config.resolve("moons", same_runs), DATA_PATH_KEYS))  # data.root: unread
+    with pytest.raises(SinkflowError, match=r"experiment\.runs_dir is .* on rank 0 but .*node1/runs.* on rank 1: the "
+                                            r"nodes were started in different working directories; start every node"):
+        check_ranks_agree(absolute_data_paths(config.resolve("moons"), DATA_PATH_KEYS))
+    with pytest.raises(SinkflowError, match=r"data\.root is .* on rank 0 but .*node1/data.* different working dir"):
+        check_ranks_agree(absolute_data_paths(config.resolve("digits", same_runs), DATA_PATH_KEYS))
+
+
+def test_a_rank_that_cannot_see_the_run_folder_stops_every_rank(tmp_path, monkeypatch):
+    """Nodes with their own disks: rank 1 read a pool, checkpoints and config.yaml that were never on its disk (and
+    said to delete the good pool on node 0), or resumed a stale copy from another step (a hang). Rank 0 writes a
+    probe into the folder; a rank that cannot read it back stops every rank in one line (the gather simulated, as
+    rank 0 of two, rank 1 on a node that does not see the file); the probe is removed."""
+    import pytest
+
+    from sinkflow.errors import SinkflowError
+    from sinkflow.runtime import dist
+    from sinkflow.runtime.run_folder import check_shared
+
+    monkeypatch.setattr(dist, "current", lambda: dist.DistInfo(0, 2))
+    monkeypatch.setattr(dist, "broadcast_object", lambda obj, src=0: obj)
+    monkeypatch.setattr(dist, "on_main", lambda work: work())
+    monkeypatch.setattr(dist, "all_gather_object", lambda mine: [mine, (False, "node1")])
+    with pytest.raises(SinkflowError, match=r"rank 1 on node1 cannot see the run folder .* that rank 0 writes.*; put "
+                                            r"experiment\.runs_dir on a filesystem every node mounts") as err:
+        check_shared(tmp_path)
+    assert err.value.every_rank and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(dist, "all_gather_object", lambda mine: [mine, mine])  # rank 1 read it back: nothing said
+    check_shared(tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 import time
 from typing import Iterable
@@ -92,11 +93,15 @@ def check_run(cfg: dict, machine: bool = True) -> None:
 
 def check_ranks_agree(cfg: dict, extra: dict | None = None) -> None:
     """Under torchrun: every rank runs this config (and ``extra``: the folder a resume continues), or every rank stops
-    with one line naming the first differing key, a key the run reads before one it does not (``dist.check_same``)."""
+    with one line naming the first differing key (``dist.check_same``). The keys the run reads, and where run folders
+    go, as an absolute path: two nodes started in different folders refused a 2D run for a ``data.root`` it never
+    reads, and put its run folders in two places without a word."""
     if not dist.current().enabled:  # one process: nothing to compare, no start-up cost
         return
     flat, read = config_mod.flatten(cfg), schema.used(cfg)
-    dist.check_same({**(extra or {}), **{k: v for k, v in flat.items() if k in read}, **flat})
+    runs_dir = str(Path(flat["experiment.runs_dir"]).expanduser().resolve())
+    dist.check_same({**(extra or {}), **{k: v for k, v in flat.items() if k in read},
+                     "experiment.runs_dir": runs_dir, dist.CWD: os.getcwd()})
 
 
 def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, overrides: list[str] | None = None,

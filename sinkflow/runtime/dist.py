@@ -92,6 +92,15 @@ def shard(tensor: torch.Tensor, info: DistInfo | None = None) -> torch.Tensor:
     return tensor[info.rank :: info.world] if info.enabled else tensor
 
 
+def all_gather_object(obj: Any) -> list:
+    """Every rank's ``obj``, in rank order, on every rank; ``[obj]`` alone."""
+    if not current().enabled:
+        return [obj]
+    every: list = [None] * current().world
+    tdist.all_gather_object(every, obj)
+    return every
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s value of ``obj`` on every rank (e.g. the run folder name rank 0 chose)."""
     if not current().enabled:
@@ -142,6 +151,11 @@ def agree_stop_paced(signum: int | None, pace: int) -> tuple[int | None, int]:
     return stop or None, -steps
 
 
+# keys ``check_same`` may be given as absolute paths (the caller resolves them), and the working directory's key
+PATH_KEYS = ("data.path", "data.root", "data.source", "data.target", "experiment.runs_dir")
+CWD = "(working directory)"
+
+
 def check_same(values: dict[str, Any]) -> None:
     """Every rank's ``values`` (its resolved config, flattened) equal rank 0's, or every rank stops with one line
     naming the first differing key and the ranks. Ranks started with different options (a wrapper giving one rank
@@ -151,22 +165,24 @@ def check_same(values: dict[str, Any]) -> None:
     info = current()
     if not info.enabled:
         return
-    every: list = [None] * info.world
-    tdist.all_gather_object(every, {k: repr(v) for k, v in values.items()})  # repr: a NaN equals itself
+    every = all_gather_object({k: repr(v) for k, v in values.items()})  # repr: a NaN equals itself
     keys = dict.fromkeys(k for r in every for k in r)  # rank 0's order first: the caller's (keys a run reads first)
-    differ = [k for k in keys if len({r.get(k) for r in every}) > 1]
+    differ = [k for k in keys if k != CWD and len({r.get(k) for r in every}) > 1]  # the folder: to explain, only
     if not differ:
         return
     key = differ[0]
     mine = every[0].get(key, "unset")
     others = [f"{r.get(key, 'unset')} on rank {i}" for i, r in enumerate(every) if r.get(key) != every[0].get(key)]
     more = f" (and {len(differ) - 1} more key{'s' if len(differ) > 2 else ''})" if len(differ) > 1 else ""
-    raise SinkflowError(f"the {info.world} processes of this torchrun job were started with different options: {key} "
-                        f"is {mine} on rank 0 but {', '.join(others[:4])}{', ...' if len(others) > 4 else ''}{more}, "
-                        "so they would wait on each other forever",
-                        "start every rank with the same command and options (torchrun runs one command for all "
-                        "of them: a wrapper script must not add per-rank options); nothing was written",
-                        every_rank=True)
+    problem = (f"the {info.world} processes of this torchrun job were started with different options: {key} is "
+               f"{mine} on rank 0 but {', '.join(others[:4])}{', ...' if len(others) > 4 else ''}{more}")
+    if key in PATH_KEYS and len({r.get(CWD) for r in every}) > 1:  # the same relative path, in different folders
+        raise SinkflowError(f"{problem}: the nodes were started in different working directories",
+                            "start every node in the same folder, or give absolute paths (experiment.runs_dir, "
+                            "data.root, ...); nothing was written", every_rank=True)
+    raise SinkflowError(f"{problem}, so they would wait on each other forever",
+                        "start every rank with the same command and options (torchrun runs one command for all of "
+                        "them: a wrapper script must not add per-rank options); nothing was written", every_rank=True)
 
 
 def leave_after_stop() -> DistInfo:

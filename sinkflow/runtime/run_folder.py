@@ -22,6 +22,7 @@ import os
 import platform
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import tempfile
@@ -225,6 +226,7 @@ class RunFolder:
 
         dist.on_main(begin)  # rank 0 writes; a failure there (the lock held elsewhere) is every rank's one line
         self._pending_config = None
+        check_shared(self.dir)
 
     def _record_changes(self, changes: dict[str, tuple]) -> None:
         phase, step = self.resume_at or (None, None)
@@ -318,6 +320,31 @@ class RunFolder:
             torch.cuda.empty_cache()
 
 
+def check_shared(run_dir: Path) -> None:
+    """Under torchrun, every rank sees the run folder rank 0 writes, or every rank stops in one line: on nodes with
+    their own disks the other ranks read a pool, checkpoints and config.yaml that were never there (node 1 said the
+    pool was damaged and to delete it: on node 0 that deleted a good one) or a stale copy (a resume from two steps
+    at once, which hung). Rank 0 writes a file of a fresh token; each rank reads it back."""
+    import uuid
+
+    info = dist.current()
+    if not info.enabled:
+        return
+    token = dist.broadcast_object(uuid.uuid4().hex)  # rank 0's
+    probe = Path(run_dir) / f".shared-{token}"
+    dist.on_main(lambda: atomic_write_text(probe, token))
+    try:
+        seen = probe.is_file() and probe.read_text() == token
+    except OSError:
+        seen = False
+    every = dist.all_gather_object((seen, socket.gethostname()))
+    dist.on_main(lambda: probe.unlink(missing_ok=True))
+    blind = [f"rank {rank} on {host}" for rank, (ok, host) in enumerate(every) if not ok]
+    if blind:
+        raise SinkflowError(f"{', '.join(blind[:4])}{', ...' if len(blind) > 4 else ''} cannot see the run folder "
+                            f"{run_dir} that rank 0 writes (nodes with their own disks, or a copy of the run on each)",
+                            "put experiment.runs_dir on a filesystem every node mounts at the same path (NFS, Lustre, "
+                            "a shared volume) and start every node there; nothing was trained", every_rank=True)
 
 
 def ran_on(run_dir: Path) -> int:
@@ -436,8 +463,10 @@ def read_config(run_dir: Path) -> dict:
             raise SinkflowError(f"run folder {run_dir} has lost its config.yaml", "restore it from a copy of the run "
                                 "folder (meta.json's argv is the command that made it: the same command with "
                                 "--name NEW writes the same config.yaml, if sinkflow's defaults have not changed)")
+        elsewhere = (" (under torchrun on several nodes: every node must see the run folder, on a filesystem they "
+                     "all mount at the same path)" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "")
         raise SinkflowError(f"{run_dir} is not a sinkflow run folder (no config.yaml)",
-                            "pass the folder `sinkflow train` printed when it started")
+                            f"pass the folder `sinkflow train` printed when it started{elsewhere}")
     fix = "fix it there by hand, or restore it from a copy of the run folder"
     text = config_mod.read_yaml_text(path, str(path), fix)
     config_mod.refuse_cut_short(text, path)
