@@ -217,9 +217,21 @@ def test_a_collective_failed_by_a_lost_rank_is_one_line_with_the_resume_command(
     assert main(["status", "runs/x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "another process of this torchrun job stopped" in err[0], err
-    assert "resume with `sinkflow train --resume runs/x`" in err[0]
+    assert "resume with `torchrun --nproc_per_node 2 -m sinkflow train --resume runs/x`" in err[0], err  # as launched
+
+    def frozen(args):  # a rank that stopped answering (SIGSTOP, a hung node): the backend's timeout, a plain error
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms "
+                           "for recv operation to complete")
+
+    monkeypatch.setattr("sinkflow.cli.status.run", frozen)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two nodes of one process each
+    assert main(["status", "runs/y"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stopped or stopped answering" in err[0] and "Traceback" not in err[0], err
+    assert "`torchrun --nnodes 2 --nproc_per_node 1 ... -m sinkflow train --resume RUN`" in err[0], err
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process: not a lost peer, a bug with its traceback
-    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+    with pytest.raises(RuntimeError, match="Timed out waiting"):
         main(["status", "runs/x"])
 
 

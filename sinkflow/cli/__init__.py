@@ -71,8 +71,8 @@ def peer_lost(exc: RuntimeError, torch) -> bool:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     text = str(exc)
-    return isinstance(exc, getattr(torch.distributed, "DistError", ())) or any(
-        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+    return isinstance(exc, getattr(torch.distributed, "DistError", ())) or any(  # a frozen rank: the backend's timeout
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,11 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         torch = sys.modules.get("torch")
         if torch is not None and peer_lost(exc, torch):
-            run_dir = getattr(args, "run_dir_used", None) or "RUN"
-            print(f"sinkflow: error: another process of this torchrun job stopped, so a collective failed "
-                  f"({one_line(str(exc))[:160]}); the checkpoints written before are intact: find why that rank "
-                  f"stopped (its own output), then resume with `sinkflow train --resume {shlex.quote(run_dir)}`",
-                  file=sys.stderr)
+            from sinkflow.runtime import dist
+            from sinkflow.tools.status import resume_command
+
+            run_dir = getattr(args, "run_dir_used", None) or getattr(args, "resume", None) or "RUN"
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            command = resume_command(run_dir, world, bool(getattr(args, "no_report", False)), per_node=dist.per_node())
+            print(f"sinkflow: error: another process of this torchrun job stopped or stopped answering, so a "
+                  f"collective failed ({one_line(str(exc))[:160]}); the checkpoints written before are intact: find "
+                  f"why that rank stopped (its own output), then resume with `{command}`", file=sys.stderr)
             return 2
         if torch is None or not isinstance(exc, torch.OutOfMemoryError):
             raise  # anything else is a bug: keep its traceback

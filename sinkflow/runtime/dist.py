@@ -47,7 +47,7 @@ class DistInfo:
 
 def per_node() -> int:
     """Processes on each node (torchrun's LOCAL_WORLD_SIZE): fewer than the world on a multi-node job."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", current().world))
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or current().world)
 
 
 def current() -> DistInfo:
