@@ -769,8 +769,16 @@ def test_a_reader_that_closes_the_pipe_is_not_a_disk_error(tmp_path):
 # ---- 8. housekeeping and messages --------------------------------------------------------------------
 
 def test_orphaned_temp_files_are_removed_on_resume(run, capsys):
+    """Every temp name a killed write leaves, of this version (``.NAME.tmp-PID-RANDOM``: two writers of one file
+    with the same pid, containers on two nodes, truncated each other's memmap) and of older ones."""
+    from sinkflow.data.atomic_write import atomic_path
+
+    with atomic_path(run / "x.bin") as a, atomic_path(run / "x.bin") as b:  # one process, one file: two temp names
+        assert a != b and a.name.startswith(f".x.bin.tmp-{os.getpid()}-")
+        a.write_bytes(b"1")
+        b.write_bytes(b"2")
     orphans = [run / "checkpoints/velocity/.step_00000009.pt.tmp-999999", run / ".status.json.tmp-999999",
-               run / "pool" / ".x.npy.tmp"]
+               run / "pool" / ".x.npy.tmp", run / "pool" / ".v.npy.tmp-999999-0a1b2c3d"]
     for p in orphans:
         p.write_bytes(b"half a checkpoint")
     rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")

@@ -11,6 +11,7 @@ the lowest one that writes files.
 from __future__ import annotations
 
 import os
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -31,13 +32,20 @@ def _named(error: OSError, path: Path) -> OSError:
     return type(error)(error.errno, error.strerror or str(error), str(path))
 
 
+def temp_beside(path: Path) -> Path:
+    """A temp name next to ``path``, ``.NAME.tmp-PID-RANDOM``, no other writer's: two ranks of a multi-node job
+    writing one shared image cache can have the same pid (a container per node), and one truncated the memmap the
+    other was filling (SIGBUS). ``runtime.checkpoint.remove_orphans`` knows the form."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """``with atomic_path(path) as tmp:`` write the whole file at ``tmp``; at the end of the block it is fsynced
     and renamed over ``path``. If the block raises, ``path`` is left as it was and ``tmp`` is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_beside(path)
     try:
         yield tmp
         try:

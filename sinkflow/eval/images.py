@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from sinkflow import data, methods
-from sinkflow.data.atomic_write import atomic_path
+from sinkflow.data.atomic_write import atomic_path, temp_beside
 from sinkflow.errors import SinkflowError
 from sinkflow.eval import fd_cnn
 from sinkflow.eval.points import generate
@@ -92,8 +92,7 @@ def save_image_folder(x: torch.Tensor, folder, progress: bool = True) -> Path:
                             "save point samples as .npy or a scatter plot (.png)")
     folder = check_image_folder(folder, len(x))
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temp_beside(folder)
     tmp.mkdir()
     try:
         width = max(6, len(str(len(x) - 1)))

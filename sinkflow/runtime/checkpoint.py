@@ -145,11 +145,11 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-TMP_FILE = re.compile(r"^\..+\.tmp(-?\d+)?$")
+TMP_FILE = re.compile(r"^\..+\.tmp(-?\d+(-[0-9a-f]{8})?)?$")  # atomic_write.temp_beside's, and the older forms
 
 
 def remove_orphans(folder: Path) -> list[Path]:
-    """Delete the temp files (``.NAME.tmp-PID``) that killed writes left in ``folder`` and below.
+    """Delete the temp files (``.NAME.tmp-PID-RANDOM``) that killed writes left in ``folder`` and below.
 
     Call it only while holding the run folder's lock: then no other process is writing there."""
     folder = Path(folder)
