@@ -9,6 +9,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -426,7 +427,7 @@ def test_a_deleted_lock_file_is_taken_again_or_the_second_writer_stops_the_first
     try:
         (run / LOCK_NAME).unlink()
         ckpts.save({"model": {}}, 1)  # nobody else: the lock is taken again, on a new file
-        assert (run / LOCK_NAME).read_text().strip() == str(os.getpid())
+        assert (run / LOCK_NAME).read_text().strip() == f"{os.getpid()}@{socket.gethostname()}"
         other = subprocess.run([sys.executable, "-c", "import sys; from sinkflow.runtime.lock import lock_run; "
                                 "lock_run(sys.argv[1])", str(run)], capture_output=True, text=True)
         assert other.returncode != 0 and "in use by another sinkflow process" in other.stderr
@@ -436,9 +437,16 @@ def test_a_deleted_lock_file_is_taken_again_or_the_second_writer_stops_the_first
                                   stdout=subprocess.PIPE, text=True)
         try:
             assert holder.stdout.readline().strip() == "held"
-            with pytest.raises(SinkflowError, match=f"in use by another sinkflow process \\(pid {holder.pid}\\)"):
+            here = socket.gethostname()
+            with pytest.raises(SinkflowError, match=f"in use by another sinkflow process \\(pid {holder.pid} on "
+                                                    f"{re.escape(here)}\\).*stop it \\(kill {holder.pid}\\)"):
                 ckpts.save({"model": {}}, 2)
             assert not (run / "checkpoints" / "velocity" / "step_00000002.pt").exists()
+            # held from another node of a shared disk: a `kill` here would hit another process
+            (run / LOCK_NAME).write_text(f"{holder.pid}@node7\n")
+            with pytest.raises(SinkflowError, match=f"\\(pid {holder.pid} on node7\\).*stop it on node7 \\(kill "
+                                                    f"{holder.pid} there\\)"):
+                lock_run(run / ".." / run.name)
         finally:
             holder.kill()
             holder.wait()

@@ -1,7 +1,8 @@
 """One writer per run folder: an exclusive ``fcntl.flock`` on ``RUN/.lock`` for as long as the process writes.
 
 The kernel drops a flock when its holder exits or dies (even by SIGKILL), so a lock is never stale. The
-holder writes its pid into the file; a second process that cannot take the lock says which pid holds it.
+holder writes ``PID@HOST`` into the file; a second process that cannot take the lock says which process holds it,
+and where (a run folder on a shared disk is locked from any node).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import errno
 import fcntl
 import os
 import shlex
+import socket
 from pathlib import Path
 
 from sinkflow.errors import SinkflowError
@@ -24,10 +26,23 @@ def _key(run_dir: Path) -> str:
 
 
 def holder(run_dir: Path) -> str:
+    """The lock holder as it wrote itself: ``PID on HOST`` (a run folder on a shared disk is locked from any node),
+    or a bare pid (a lock file from before the host was written)."""
     try:
-        return (Path(run_dir) / LOCK_NAME).read_text().strip() or "unknown"
+        text = (Path(run_dir) / LOCK_NAME).read_text().strip()
     except OSError:
         return "unknown"
+    pid, _, host = text.partition("@")
+    return f"{pid} on {host}" if host else pid or "unknown"
+
+
+def _stop_hint(run_dir: Path) -> str:
+    """``kill PID`` where the holder runs on this host; on another node a kill here would hit another process."""
+    who = holder(run_dir)
+    pid, _, host = who.partition(" on ")
+    if host and host != socket.gethostname():
+        return f"stop it on {host} (kill {pid} there)"
+    return f"stop it (kill {pid})" if pid.isdigit() else "stop it"
 
 
 def lock_run(run_dir: Path) -> None:
@@ -42,13 +57,12 @@ def lock_run(run_dir: Path) -> None:
         os.close(fd)
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise
-        pid = holder(run_dir)
         raise SinkflowError(
-            f"run folder {run_dir} is in use by another sinkflow process (pid {pid})",
-            f"wait for it to finish or stop it (kill {pid}); two writers would interleave checkpoints and metrics") \
+            f"run folder {run_dir} is in use by another sinkflow process (pid {holder(run_dir)})",
+            f"wait for it to finish or {_stop_hint(run_dir)}; two writers would interleave checkpoints and metrics") \
             from None
     os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    os.write(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode())
     _held[key] = fd
 
 

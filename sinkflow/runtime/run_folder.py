@@ -7,7 +7,7 @@ Layout::
     RUN/checkpoints/PHASE/step_XXXXXXXX.pt, final.pt
     RUN/pool/              the NSGF trajectory pool (numpy .npy, memmap-able)
     RUN/metrics.jsonl, RUN/tb/, RUN/status.json
-    RUN/.lock              held (fcntl.flock) by the one process writing the run, with its pid
+    RUN/.lock              held (fcntl.flock) by the one process writing the run, with its pid@host
 
 Nothing is written into a run folder until every check has passed (``RunFolder.start``); docs/reliability.md.
 """
