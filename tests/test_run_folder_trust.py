@@ -489,6 +489,7 @@ def test_a_disk_too_full_for_the_pool_is_one_line_not_a_bus_error(run, capsys, m
 def test_sample_on_a_run_still_training_says_to_wait_not_to_resume(run, capsys, tmp_path):
     """`sample` / `eval` on a run another process was training said "finish it with `sinkflow train --resume`",
     which the run's lock then refused. A held lock now says the run is still training, with the holder's pid."""
+    import socket
     import subprocess
     import sys
 
@@ -502,7 +503,8 @@ def test_sample_on_a_run_still_training_says_to_wait_not_to_resume(run, capsys, 
         assert holder.stdout.readline().strip() == "held"
         for argv in (["sample", str(run), "--n", "8", "--out", str(tmp_path / "s.npy")], ["eval", str(run)]):
             rc, err = run_main(capsys, *argv)
-            one_line(rc, err, "has not finished", f"it is still training (pid {holder.pid}): wait for it to finish")
+            one_line(rc, err, "has not finished",
+                     f"it is still training (pid {holder.pid} on {socket.gethostname()}): wait for it to finish")
     finally:
         holder.kill()
         holder.wait()
