@@ -215,6 +215,17 @@ def test_a_run_that_stopped_on_an_error_is_failed_with_the_error_not_dead(tmp_pa
     assert "the phase had no checkpoint yet: it starts again" in line, line
     assert "DEAD" not in status.stdout
 
+
+def test_a_non_finite_step_fails_at_its_own_step(tmp_path):
+    """The non-finite flag is read at log steps: status said "stopped at velocity step 10: ... at step 2"."""
+    r = cli("train", *TINY_2D, "--lr", "1e4", "--train-iters", "300", "train.velocity.log_every=10", "--name", "nf",
+            "--no-report", cwd=tmp_path)
+    error = next(x for x in r.stderr.splitlines() if x.startswith("sinkflow: error: "))
+    step = int(error.split(" at step ")[1].split(";")[0])
+    assert r.returncode == 2 and "non-finite" in error and step % 10, error  # found at a later log step
+    line = next(x for x in cli("status", "runs/nf", cwd=tmp_path).stdout.splitlines() if x.startswith("state"))
+    assert line.startswith(f"state        FAILED (stopped at velocity step {step}: non-finite"), line
+
 def test_console_log_lines_go_above_an_open_progress_bar(monkeypatch):
     """Where the CLI logs to the console, records go through tqdm (above the bar, not into its line); where a
     host captures records itself (this test runner), its handlers are left alone."""

@@ -63,7 +63,9 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                                      signal=exc.signum, at_once=True, **launch)
                 raise
             except Exception as exc:  # `sinkflow status` says FAILED and why (a resume would fail the same way)
-                run.logger.heartbeat(phase=task.name, step=getattr(trainer, "progress", None), state="failed",
+                step = getattr(exc, "step", None)  # the failing step where the error knows it (a non-finite one)
+                run.logger.heartbeat(phase=task.name, step=step if isinstance(step, int) else
+                                     getattr(trainer, "progress", None), state="failed",
                                      error=" ".join(str(exc).split())[:500] or type(exc).__name__)
                 raise
             last = (task.name, trainer.step)  # as a stop inside the phase counts: steps, or pool chunks

@@ -389,7 +389,7 @@ class Trainer:
         """Stop with a non-finite step unapplied, saying which checkpoint a resume would use."""
         kept = self.ckpts.last_good() if self.ckpts is not None else "no checkpoint was written"
         raise NonFiniteStep(f"{what} in phase '{self.name}' at step {step}; the step was not applied and "
-                            f"{kept}", fix)
+                            f"{kept}", fix, step=step)
 
     # ---- the loop -------------------------------------------------------------------------------
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
@@ -573,7 +573,12 @@ class Trainer:
 
 
 class NonFiniteStep(SinkflowError):
-    """A step stopped before a non-finite loss or gradient was applied (lr-find records it as a gap)."""
+    """A step stopped before a non-finite loss or gradient was applied (lr-find records it as a gap); ``step``: the
+    step that was not (found on the device at a later log step: status said "stopped at step 10: ... at step 2")."""
+
+    def __init__(self, problem: str, fix: str | None = None, *, step: int | None = None):
+        super().__init__(problem, fix)
+        self.step = step
 
 
 def too_short(train: dict, key: str) -> list[str]:
