@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import positive_int  # noqa: E402
 from results_md import RESULTS, write_section  # noqa: E402
 
 
@@ -83,10 +84,11 @@ def table(rows: list[dict], iters: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--threads", type=positive_int, nargs="+", default=[1, 2])
     ap.add_argument("--preset", default="8gaussians-moons", help="whose velocity MLP and batch size (make demo's)")
-    ap.add_argument("--steps", type=int, default=300, help="timed calls per measurement")
-    ap.add_argument("--iters", type=int, default=20000, help="training steps of the floor column (the paper's)")
+    ap.add_argument("--steps", type=positive_int, default=300, help="timed calls per measurement")
+    ap.add_argument("--iters", type=positive_int, default=20000,
+                    help="training steps of the floor column (the paper's)")
     ap.add_argument("--write", action="store_true", help="replace the cpu_step section of benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
     import torch

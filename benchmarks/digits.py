@@ -15,6 +15,10 @@ the real training images are a reference row. Every method is trained once per t
 mean ± std over training seeds (one training run decides nothing here: the seed moves TV and confidence by as
 much as the methods differ), followed by each seed's numbers. Writes grids of 64 samples per run and results.json
 (every score, split, grid and validation score per training seed, for re-analysis) into --out.
+
+--out: a new or empty folder, or one this script wrote (only results.json and seed<N>/ folders in it). A rerun
+there replaces the seed<N>/ folders of its own --train-seeds (their runs are trained again) and results.json; other
+seeds' folders stay. A folder holding anything else is refused before any work: it is not this script's to delete.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -35,6 +40,7 @@ import torch
 
 from sinkflow import config, methods
 from sinkflow.cli import main as cli
+from sinkflow.data.atomic_write import atomic_write_text
 from sinkflow.eval.images import class_stats, digit_classifier, image_metrics, save_grid
 from sinkflow.eval.points import generate
 from sinkflow.ot import w2
@@ -239,6 +245,23 @@ def verdict(per_seed: list[dict], nfe: list[int]) -> str:
     return "\n".join(lines)
 
 
+OWN = re.compile(r"results\.json|seed\d+")  # what this script writes into --out
+
+
+def clear_out(out: Path, train_seeds: list[int], error) -> None:
+    """Make ``out`` ready for a run of ``train_seeds``: refuse (``error``, one line) a file or a folder holding
+    anything this script does not write; in one of its own, remove the seed folders this run writes again."""
+    if out.exists() and not out.is_dir():
+        error(f"--out {out} is a file: give a new or empty folder")
+    foreign = sorted(p.name for p in out.iterdir() if not OWN.fullmatch(p.name)) if out.is_dir() else []
+    if foreign:
+        error(f"--out {out} holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which this script "
+              "did not write: give a new or empty folder (or one of its earlier --out); nothing was deleted")
+    for s in train_seeds:
+        if (out / f"seed{s}").exists():
+            shutil.rmtree(out / f"seed{s}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench-digits")
@@ -260,13 +283,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if "otcfm" not in args.baselines:
         ap.error("--baselines must include otcfm: the verdict compares NSGF++ with it")
+    out = Path(args.out)
+    clear_out(out, args.train_seeds, ap.error)
     try:
         os.nice(10)  # the machine is shared
     except OSError:
         pass
-    out = Path(args.out)
-    if out.exists():
-        shutil.rmtree(out)
     quick = ["--train-iters", "20", "pool.batches=2", "train.time.iters=20", "eval.class_n=359"] if args.quick else []
     if args.smoke:
         quick = ["--train-iters", "2", "pool.batches=1", "pool.batch_size=32", "pool.steps=2", "train.time.iters=2",
@@ -283,8 +305,8 @@ def main(argv: list[str] | None = None) -> None:
         per_seed = list(pool.map(bench_seed, *zip(*[(out, s, quick, args.extra, args.seeds, nfe, tuple(args.baselines),
                                                       ref_steps) for s in args.train_seeds])))
     real = real_floor(cfg, args.seeds)
-    (out / "results.json").write_text(json.dumps({"argv": argv, "train_seeds": args.train_seeds, "real": real,
-                                                  "per_seed": plain(per_seed)}, indent=1))
+    atomic_write_text(out / "results.json", json.dumps({"argv": argv, "train_seeds": args.train_seeds, "real": real,
+                                                         "per_seed": plain(per_seed)}, indent=1))
     unet_steps = cfg["train"]["velocity"]["iters"] + cfg["train"]["nsf"]["iters"]
 
     label = "preset" + (" + " + " ".join(args.extra) if args.extra else "")

@@ -3,8 +3,8 @@
 Trains ``sinkflow train flow-digits`` (or the preset named) in each memory mode asked for, keeping a
 checkpoint every ``--ckpt-every`` steps. Model selection reads the *validation* split only
 (``data.val_fraction``, carved from the train split with a fixed seed): validation bits/dim of every
-checkpoint, over 3 dequantisation draws, picks the step. Test bits/dim is then measured once, at that
-checkpoint, on the whole test split.
+checkpoint and of the final weights, over 3 dequantisation draws, picks the step. Test bits/dim is then
+measured once, at that checkpoint, on the whole test split.
 
 Baselines in the same table, fitted to the same training images the flow sees (train minus validation) and
 scored with the same dequantisation on the same test images (``sinkflow.flows.baselines``): the uniform
@@ -29,6 +29,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import positive_int  # noqa: E402
 
 PUBLISHED = [  # literature values; see docs/flows.md for their provenance
     ("MNIST", "RealNVP, as tabulated by FFJORD (Grathwohl et al. 2019)", 1.06),
@@ -94,6 +97,18 @@ def temperature_grid(run, path, out, temps=(1.0, 0.8, 0.6), n: int = 64) -> Path
     return Path(out)
 
 
+def candidates(run) -> list[Path]:
+    """The checkpoints model selection compares: every step checkpoint and the final weights (final.pt, labelled
+    with its step), unless a step checkpoint holds that step already. Without final.pt, a run shorter than
+    --ckpt-every had nothing to select from and the steps after the last checkpoint were never a candidate."""
+    from sinkflow.runtime.checkpoint import load
+
+    ckpts = run.checkpoints("flow")
+    steps = ckpts.steps()
+    final_step = int(load(ckpts.final_path).get("step", -1))
+    return [p for _, p in steps] + ([ckpts.final_path] if final_step not in {s for s, _ in steps} else [])
+
+
 def train_and_measure(preset: str, mode: str, runs_dir: Path, iters: int | None, ckpt_every: int,
                       overrides: list[str], samples: str | None = None) -> dict:
     from sinkflow import methods
@@ -116,8 +131,7 @@ def train_and_measure(preset: str, mode: str, runs_dir: Path, iters: int | None,
     cfg = run.cfg
     n_bins = cfg["model"]["flow"]["n_bins"]
     _, target = methods.distributions(cfg)
-    ckpts = sorted((run.dir / "checkpoints/flow").glob("step_*.pt"))
-    best_path, val_curve = select_checkpoint(run, ckpts, seeds=3)  # validation only
+    best_path, val_curve = select_checkpoint(run, candidates(run), seeds=3)  # validation only
     best = next(r for r in val_curve if r["path"] == str(best_path))
     test_mean, test_std = checkpoint_bpd(run, best_path, target.test_images)  # test, once
     records = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
@@ -168,8 +182,9 @@ def main_cli(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="flow-digits")
     p.add_argument("--modes", nargs="+", default=["standard"], choices=["standard", "checkpoint", "invertible"])
-    p.add_argument("--iters", type=int, help="training steps (default: the preset's)")
-    p.add_argument("--ckpt-every", type=int, default=250, help="steps between the checkpoints that are evaluated")
+    p.add_argument("--iters", type=positive_int, help="training steps (default: the preset's)")
+    p.add_argument("--ckpt-every", type=positive_int, default=250,
+                   help="steps between the checkpoints that are evaluated (the final weights are one too)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--runs-dir", help="keep the runs here (default: a temporary folder)")
     p.add_argument("--json", help="also write the results as JSON")
@@ -177,6 +192,8 @@ def main_cli(argv: list[str] | None = None) -> None:
     p.add_argument("overrides", nargs="*", help="config overrides passed to sinkflow train (key=value)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
+    if args.json:  # made now: a missing folder found after the training would lose it
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     os.nice(10)
     import torch
 

@@ -12,6 +12,7 @@ Each argument is one JSON run spec, e.g.
 Keys: steps, lr, hidden, depth, levels, logit (alpha), aug (max shift in pixels), sched (constant | cosine),
 wd (AdamW weight decay), bs, warm, every (validation every N steps), scale, seed.
 """
+import inspect
 import json
 import math
 import sys
@@ -97,6 +98,10 @@ def main(argv=None):
             p.error(f"{spec!r} is not a JSON run spec ({exc.msg}); e.g. '{{\"name\": \"base\", \"steps\": 500}}'")
         if not isinstance(kw, dict) or "name" not in kw:
             p.error(f"{spec!r} needs a \"name\" key, e.g. '{{\"name\": \"base\"}}'")
+        unknown = sorted(set(kw) - set(inspect.signature(run).parameters))  # a typo would end the runs before it
+        if unknown:
+            p.error(f"{spec!r}: unknown key {', '.join(unknown)}; the keys are "
+                    f"{', '.join(inspect.signature(run).parameters)}")
         specs.append(kw)
     best = {}
     for kw in specs:

@@ -7,7 +7,7 @@ pre-step baseline (``torch.cuda.max_memory_allocated``). Time: median forward+ba
 Optional peer: memcnn's ``InvertibleModuleWrapper`` around each of the same layers (log-det dropped,
 since memcnn's wrapper carries one tensor), when ``import memcnn`` works.
 
-    python benchmarks/flow_memory.py --out benchmarks/flow_memory.png
+    python benchmarks/flow_memory.py --out benchmarks/flow_memory.png  # the committed plot (default ./flow_memory.png)
     python benchmarks/flow_memory.py --device cuda --shape 3 32 32 --batch 64 --hidden 256 --levels 3
 """
 
@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sinkflow.flows import build_glow, preprocess  # noqa: E402
 from sinkflow.models.footprint import SavedTensorCounter  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import checked_device  # noqa: E402
 from results_md import machine  # noqa: E402
 
 MODES = ("standard", "checkpoint", "invertible")
@@ -118,7 +119,9 @@ def main(argv=None):
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="step time as wall time, or as the process's CPU time (CPU only; robust when other "
                          "processes share the cores: their load does not count)")
-    ap.add_argument("--out", default="benchmarks/flow_memory.png")
+    ap.add_argument("--out", default="flow_memory.png",
+                    help="the plot (default flow_memory.png in the current folder: a toy run from the repository root "
+                         "must not replace the committed benchmarks/flow_memory.png)")
     ap.add_argument("--json", default=None, help="also write raw results here")
     ap.add_argument("--from-json", default=None, help="only redraw the table and plot from a --json file")
     args = ap.parse_args(argv)
@@ -131,7 +134,7 @@ def main(argv=None):
         print(ratio_summary(rows))
         plot(rows, depths, modes, args.out, info, torch.device(info["config"]["device"]))
         return
-    device = torch.device(args.device)
+    device = checked_device(args.device, ap.error)
     if args.clock == "cpu":
         if device.type != "cpu":
             ap.error("--clock cpu measures CPU time: use it with --device cpu")
@@ -271,6 +274,7 @@ def plot(rows, depths, modes, out, info, device):
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

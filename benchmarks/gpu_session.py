@@ -13,8 +13,8 @@ The device machine has torch but not POT, GeomLoss or torchcfm, and cannot reach
 comes as ``data/MNIST`` (carried: ``carry: [".whl", "data/MNIST"]``).
 
     python benchmarks/gpu_session.py --check                       # here: the plan parses, what it needs is there
-    python benchmarks/gpu_session.py --budget 540 --out "$OUT"     # the device call (10 minutes at most a call)
-    python benchmarks/gpu_session.py --budget 540 --out "$OUT" --only cifar-fp16 ot-coupling
+    python benchmarks/gpu_session.py --budget 560 --out "$OUT"     # the device call (10 minutes at most a call)
+    python benchmarks/gpu_session.py --budget 560 --out "$OUT" --only cifar-fp16 ot-coupling
     python benchmarks/gpu_session.py --smoke --out /tmp/s          # CPU: the runner, on the steps' CPU variants
 """
 
@@ -42,7 +42,7 @@ BAR = re.compile(r"\d+%\|")
 @dataclasses.dataclass(frozen=True)
 class Step:
     name: str
-    argv: tuple[str, ...]  # a script of benchmarks/ (or "sinkflow") and its arguments
+    argv: tuple[str, ...]  # a script of benchmarks/ (or "sinkflow") and its arguments; {out}: the --out folder
     seconds: int  # expected wall time on one H100, set-up included (earlier calls; a guess where marked)
     answers: str  # what it measures: the RESULTS.md row it fills
     smoke: tuple[str, ...] | None = None  # arguments of a CPU variant (--smoke runs these; None: checked only)
@@ -77,9 +77,15 @@ PLAN = (
          ("ot_coupling.py", "--sizes", "8x4", "--batches", "2", "--import-repeats", "0")),
     Step("doctor", ("sinkflow", "doctor", "mnist", "--steps", "100"), 120,
          "sinkflow doctor on the CUDA default path (fp16, the captured step; guess: 2 min)"),
-    Step("lr-find", ("sinkflow", "lr-find", "mnist", "--phase", "velocity"), 150,
+    Step("lr-find", ("sinkflow", "lr-find", "mnist", "--phase", "velocity", "--out", "{out}/lr_find.png"), 150,
          "sinkflow lr-find on the CUDA default path (a loaded state captures anew; guess: 2.5 min)"),
 )
+
+
+def expand(argv: tuple[str, ...], out: Path) -> tuple[str, ...]:
+    """``argv`` with ``{out}`` made the --out folder (absolute: a step runs in the repository root, and what it
+    writes there never comes back from the device)."""
+    return tuple(a.replace("{out}", str(Path(out).resolve())) for a in argv)
 
 
 def script_parser_check(argv: tuple[str, ...]) -> None:
@@ -104,7 +110,7 @@ def check(plan: tuple[Step, ...], smoke: bool) -> list[str]:
             if argv is None:
                 continue
             try:
-                script_parser_check(argv)
+                script_parser_check(expand(argv, Path("OUT")))
             except SystemExit:
                 problems.append(f"{step.name}: {' '.join(argv)} is refused by its script's parser (above)")
     if not smoke:
@@ -122,7 +128,9 @@ def environment() -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
         p for p in (str(SITE), str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     wheels = sorted(str(w) for w in WHEELS.glob("*.whl"))
-    if wheels and subprocess.run([sys.executable, "-c", "import ot, geomloss"], env=env, capture_output=True).returncode:
+    # every module the wheels carry: with POT and GeomLoss present and torchcfm not, the wheels were never installed
+    probe = "import ot, geomloss, torchcfm"
+    if wheels and subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--target", str(SITE), *wheels], check=True)
     return env
@@ -167,7 +175,7 @@ def run_plan(plan: tuple[Step, ...], budget: float, out: Path, smoke: bool = Fal
             rows.append({"step": step.name, "result": f"skipped ({why})", "seconds": 0.0, "answers": step.answers})
             continue
         print(f"[{time.strftime('%H:%M:%S')}] {step.name}: {' '.join(argv)}", flush=True)
-        result, seconds = run_step(argv, out / f"{step.name}.log", max(left, 1.0), env)
+        result, seconds = run_step(expand(argv, out), out / f"{step.name}.log", max(left, 1.0), env)
         rows.append({"step": step.name, "result": result, "seconds": seconds, "answers": step.answers})
         (out / "summary.md").write_text(summary(rows))  # kept if the device call itself is cut short
     (out / "summary.md").write_text(summary(rows))
@@ -202,7 +210,8 @@ def machine() -> str:
 
 def main(argv: list[str] | None = None) -> list[dict] | None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budget", type=float, default=540, help="seconds for the whole plan (default 540: one call)")
+    ap.add_argument("--budget", type=float, default=560,
+                    help="seconds for the whole plan (default 560: one call, as docs/performance.md's commands)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-session")),
                     help="logs and summary.md (default $OUT, the device call's folder that comes back)")
     ap.add_argument("--only", nargs="+", metavar="STEP", help="these steps, in the plan's order")

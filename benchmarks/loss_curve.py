@@ -34,6 +34,7 @@ from sinkflow.runtime.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from preset_throughput import SMOKE_MODEL, UNET_PHASES  # noqa: E402
+from _args import checked_device, one_line_errors, positive_int  # noqa: E402
 from results_md import machine  # noqa: E402
 
 FP32 = {"eager": ["precision=fp32", "channels_last=false", "compile=false", "graph=none"],
@@ -138,13 +139,14 @@ def report(records: list[dict], preset: str, method: str, where: str) -> None:
         f"{name} {statistics.fmean(v):.0f}" for name, v in seconds.items()))
 
 
+@one_line_errors
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="mnist")
     ap.add_argument("--method", default="fm", help="fm: the preset's UNet on the data alone (no pool to build)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--steps", type=int, default=None, help="default 2000 (smoke 12)")
-    ap.add_argument("--log-every", type=int, default=None, help="default 100 (smoke 4)")
+    ap.add_argument("--steps", type=positive_int, default=None, help="default 2000 (smoke 12)")
+    ap.add_argument("--log-every", type=positive_int, default=None, help="default 100 (smoke 4)")
     ap.add_argument("--seeds", type=int, default=3, help="fp32 training seeds for the band (smoke 2)")
     ap.add_argument("--reference", choices=list(FP32), default="eager", help="how the fp32 band is trained")
     ap.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=["default"],
@@ -158,7 +160,9 @@ def main(argv=None) -> None:
                     help="train nothing: judge the runs saved in these files (e.g. two device calls' runs together)")
     ap.add_argument("--smoke", action="store_true", help="tiny UNet on synthetic digits, batch 8 (CPU check)")
     args = ap.parse_args(argv)
-    steps, every = args.steps or (12 if args.smoke else 2000), args.log_every or (4 if args.smoke else 100)
+    checked_device(args.device, ap.error)
+    steps = args.steps if args.steps is not None else (12 if args.smoke else 2000)
+    every = args.log_every if args.log_every is not None else (4 if args.smoke else 100)
     seeds = 2 if args.smoke and args.seeds == 3 else args.seeds
     if args.candidate_seeds > seeds:
         ap.error(f"--candidate-seeds {args.candidate_seeds} > --seeds {seeds}: each candidate seed is paired with "

@@ -38,6 +38,9 @@ from sinkflow.tools import memory_plan  # noqa: E402
 from sinkflow.tools.cards import GPUS, gpu_bytes  # noqa: E402
 from sinkflow.tools.data import real_or_synthetic  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import checked_device  # noqa: E402
+
 
 def measure_pool(cfg, phase_name, device, workdir) -> int:
     from sinkflow.ot.velocity import simulate_sinkhorn_flow
@@ -91,6 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.gpu and args.device != "cpu":
         ap.error(f"--gpu {args.gpu} plans for a card not in hand: on --device {args.device} the plan is for the card "
                  "measured; drop --gpu")
+    for preset in args.presets:
+        try:
+            config.load_preset(preset)
+        except SinkflowError as exc:
+            ap.error(f"--presets {preset}: {exc}")
     try:
         args.card = gpu_bytes(args.gpu)[0] if args.gpu else None  # the planner's name for it (H100 -> H100-80GB)
     except SinkflowError as exc:
@@ -114,7 +122,7 @@ def measurer(pm):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device = torch.device(args.device)
+    device = checked_device(args.device)  # not in parse_args: gpu_session.py checks a GPU plan with that on a CPU
     cuda = device.type == "cuda"
     # what `auto` precision becomes: on CUDA the card measured decides, on a CPU the card named (none: fp32)
     bf16 = bf16_tensor_cores(device) if cuda else memory_plan.card_bf16(args.card)

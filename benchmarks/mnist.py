@@ -607,9 +607,8 @@ def main(argv=None) -> None:
     b.update({k: getattr(args, k) for k in ("velocity", "nsf", "time", "pool", "n") if getattr(args, k)})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.data_root:
-        data_root = Path(args.data_root)
-    else:
+    data_root = Path(args.data_root) if args.data_root else None
+    if data_root is None and not args.report_only:  # a report reads the saved scores, never the MNIST files
         src = Path(args.mnist_dir) if args.mnist_dir else find_mnist_dir()
         if src is None or not src.is_dir():
             ap.error("no MNIST files: pass --data-root (holding MNIST/raw) or --mnist-dir, or set SINKFLOW_MNIST_DIR")
@@ -632,8 +631,9 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     if target is not None:
         prepare_scorers(target, data_root.resolve())
-    jobs = [(out, s, b, data_root.resolve(), nfe, args.device, tuple(args.methods), tuple(args.extra),
-             tuple(args.every), tuple(sorted({0.0, *args.t_shifts}, key=abs))) for s in args.train_seeds]
+    jobs = [] if args.report_only else [
+        (out, s, b, data_root.resolve(), nfe, args.device, tuple(args.methods), tuple(args.extra), tuple(args.every),
+         tuple(sorted({0.0, *args.t_shifts}, key=abs))) for s in args.train_seeds]
     if not args.report_only and args.workers > 1:
         with ProcessPoolExecutor(args.workers) as pool:
             list(pool.map(bench_seed, *zip(*jobs)))

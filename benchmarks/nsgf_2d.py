@@ -36,6 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import fail  # noqa: E402
 from results_md import RESULTS, write_section  # noqa: E402
 from scoring import COLUMNS, DIGITS, ENERGY_N, ENERGY_SEEDS  # noqa: E402
 import scoring  # noqa: E402
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-n", type=int, default=1024,
                    help="generated and test points per W2 (the paper's 1024; more points shrink the draw's noise)")
     p.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each")
-    p.add_argument("--runs-dir", default=None, help="keep the runs here (default: a temp folder)")
+    p.add_argument("--runs-dir", default=None,
+                   help="keep the runs here (default: a temporary folder, removed at the end: about 1 GB of runs)")
     p.add_argument("--write", action="store_true", help="replace the nsgf_2d section of benchmarks/RESULTS.md")
     p.add_argument("--keep", default=None, metavar="DIR",
                    help="also copy each run's scores (bench.json) to DIR/<run>/: --collect --runs-dir DIR tabulates "
@@ -180,7 +182,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("extra", nargs="*", help="config overrides applied to every run, e.g. pool.eta=0.1")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
-    runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="sinkflow-bench-")
+    if args.collect and args.runs_dir is None:
+        p.error("--collect tabulates the runs of a --runs-dir: name it (relative to the current directory)")
+    if args.runs_dir is None:  # the default's runs (about 1 GB) go with their temporary folder
+        with tempfile.TemporaryDirectory(prefix="sinkflow-bench-") as tmp:
+            print(f"runs in {tmp}, removed at the end (--runs-dir keeps them)", flush=True)
+            return bench(args, argv, tmp)
+    return bench(args, argv, args.runs_dir)
+
+
+def bench(args, argv: list[str], runs_dir: str) -> None:
+    """Train (or, with --collect, gather) the runs in ``runs_dir``, score them and print (and --write) the table."""
     # seed-major: an interrupted benchmark has every task and method for its first seeds
     seeds = args.seed_list if args.seed_list is not None else range(args.seeds)
     jobs = [(t, m, s) for s in seeds for t in args.tasks for m in args.methods]
@@ -189,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     if args.collect:  # runs evaluated before, or trained to the end but not evaluated (e.g. a killed benchmark)
         jobs = [(t, m, s) for t, m, s in jobs if _finished(Path(runs_dir) / f"{t}-{m}-s{s}")]
+        if not jobs:  # an all-'-' table, and with --write one in RESULTS.md, says nothing
+            fail(f"no finished runs under {runs_dir} for these tasks, methods and seeds; --runs-dir is relative to "
+                 f"the current directory ({Path.cwd()})")
     with ProcessPoolExecutor(args.workers) as pool:
         futures = [pool.submit(one_run, t, m, s, args.iters, runs_dir, args.extra, args.eval_seeds, args.eval_n,
                                args.iid_seeds) for t, m, s in jobs]
@@ -220,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
             f"Total wall time {total / 60:.1f} min.\n\n{table(results, fl, args)}\n")
     print(body)
     if args.write:
-        write_section("nsgf_2d", body, "NSGF on the 2D tasks (issue 2, Table 1)", RESULTS)
+        write_section("nsgf_2d", body, "NSGF on the 2D tasks (issue 2, Table 1)", RESULTS, scored=len(results))
 
 
 if __name__ == "__main__":

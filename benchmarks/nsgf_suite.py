@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite2d  # noqa: E402
+from _args import fail  # noqa: E402
 from results_md import RESULTS, write_section  # noqa: E402
 from scoring import COLUMNS, DIGITS, ENERGY_N, ENERGY_SEEDS  # noqa: E402
 import scoring  # noqa: E402
@@ -283,6 +284,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     runs_dir = Path(args.runs_dir).resolve()
+    no_runs = (f"no finished runs under {runs_dir} for these families, methods and seeds; --runs-dir is relative to "
+               f"the current directory ({Path.cwd()})")
+    if (args.collect or args.diagnose) and not runs_dir.is_dir() and not args.keep:
+        fail(no_runs)  # before write_suite makes the folder
     seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
     draw_of = (lambda s: 0) if args.one_draw else (lambda s: s)  # noqa: E731
     files = {d: suite2d.write_suite(runs_dir / "suite", args.families, draw=d) for d in {draw_of(s) for s in seeds}}
@@ -292,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         trained_on(runs_dir / f"{f}-{m}-s{s}", files[draw_of(s)][f])
     if args.collect or args.diagnose:
         jobs = [j for j in jobs if (runs_dir / f"{j[0]}-{j[1]}-s{j[2]}" / "bench.json").exists()]
+        if not jobs:  # an all-'-' table, and with --write one in RESULTS.md, says nothing
+            fail(no_runs)
     if args.diagnose:
         for f, m, s in jobs:
             print(f"{f:>8} {m:>6} seed {s}: {json.dumps(diagnose(runs_dir / f'{f}-{m}-s{s}', f, args.diagnose_n))}", flush=True)
@@ -333,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{table(results, args.families, fl)}\n")
     print(body)
     if args.write:
-        write_section("nsgf_suite", body, "NSGF on users' 2D targets (issue 26)", RESULTS)
+        write_section("nsgf_suite", body, "NSGF on users' 2D targets (issue 26)", RESULTS, scored=len(results))
 
 
 if __name__ == "__main__":

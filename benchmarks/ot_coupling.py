@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import at_least, checked_device, positive_int  # noqa: E402
 from results_md import RESULTS, machine, write_section  # noqa: E402
 
 SIZES = [(128, 2), (1024, 2), (2048, 2), (128, 784), (256, 784), (1024, 784), (128, 3072)]
@@ -86,12 +87,21 @@ def table(rows: list[dict], imports: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def size(text: str) -> str:
+    """An argparse type: BATCHxDIM with both whole numbers >= 1 (kept as written: the command line echoes it)."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not BATCHxDIM with whole numbers >= 1, e.g. 128x784")
+    return text
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The script's arguments, checked (benchmarks/gpu_session.py checks its plan with this before a GPU call)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", nargs="+", default=[f"{n}x{d}" for n, d in SIZES], help="BATCHxDIM, e.g. 128x784")
-    ap.add_argument("--batches", type=int, default=20, help="random batch pairs per size")
-    ap.add_argument("--import-repeats", type=int, default=3, help="0: no import row")
+    ap.add_argument("--sizes", type=size, nargs="+", default=[f"{n}x{d}" for n, d in SIZES],
+                    help="BATCHxDIM, e.g. 128x784")
+    ap.add_argument("--batches", type=positive_int, default=20, help="random batch pairs per size")
+    ap.add_argument("--import-repeats", type=at_least(0), default=3, help="0: no import row")
     ap.add_argument("--device", default="cpu",
                     help="where ot_permutation's batches live (cuda: its cost is made there)")
     ap.add_argument("--write", action="store_true", help="replace the ot_coupling section of benchmarks/RESULTS.md")
@@ -101,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     import torch
+
+    checked_device(args.device)  # here, not in parse_args: gpu_session.py checks a GPU plan with that on a CPU
 
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes]
     rows = [measure(n, d, args.batches, args.device) for n, d in sizes]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite2d  # noqa: E402
+from _args import positive_int  # noqa: E402
 from results_md import RESULTS, write_section  # noqa: E402
 
 PRESET_TASKS = ("8gaussians", "8gaussians-moons", "moons", "scurve", "checkerboard")
@@ -112,15 +113,27 @@ def table(rows, settings) -> str:
     return "\n".join(lines)
 
 
+def blur_setting(text: str) -> str:
+    """An argparse type: BLUR:MAX_ITERS, a blur > 0 and a whole number of iterations >= 1 (kept as written)."""
+    blur, _, iters = text.partition(":")
+    try:
+        ok = float(blur) > 0 and int(iters) >= 1
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r} is not BLUR:MAX_ITERS (blur > 0, iterations >= 1), e.g. 0.2:30")
+    return text
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", nargs="+", default=list(PRESET_TASKS) + list(suite2d.FAMILIES),
                    choices=list(PRESET_TASKS) + list(suite2d.FAMILIES))
-    p.add_argument("--blur", nargs="+", default=["0.1:30", "0.2:30", "0.2:200"],
+    p.add_argument("--blur", type=blur_setting, nargs="+", default=["0.1:30", "0.2:30", "0.2:200"],
                    help="BLUR:MAX_ITERS settings to measure against their own solve to tol")
-    p.add_argument("--batches", type=int, default=8)
-    p.add_argument("--n", type=int, default=256, help="particles per batch (the recipe's pool.batch_size)")
-    p.add_argument("--cap", type=int, default=3000, help="the reference's iteration cap (solved to tol)")
+    p.add_argument("--batches", type=positive_int, default=8)
+    p.add_argument("--n", type=positive_int, default=256, help="particles per batch (the recipe's pool.batch_size)")
+    p.add_argument("--cap", type=positive_int, default=3000, help="the reference's iteration cap (solved to tol)")
     p.add_argument("--write", action="store_true", help="replace the pool_convergence section of RESULTS.md")
     args = p.parse_args(argv)
     import torch

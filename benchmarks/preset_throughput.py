@@ -30,6 +30,7 @@ from sinkflow.tools.bench import throughput
 from sinkflow.tools.throughput import draw_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import at_least, checked_device, positive_int  # noqa: E402
 from results_md import machine  # noqa: E402
 
 CANDIDATES = {
@@ -82,11 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--methods", nargs="+", default=["fm", "otcfm"], choices=list(config.schema.METHOD_REGISTRY))
     ap.add_argument("--configs", nargs="+", default=None, choices=list(CANDIDATES),
                     help="default: all (smoke: baseline and +prefetch)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per phase (default 100; smoke 2)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 20, compile needs them; smoke 1)")
+    ap.add_argument("--steps", type=positive_int, default=None, help="timed steps per phase (default 100; smoke 2)")
+    ap.add_argument("--warmup", type=at_least(0), default=None,
+                    help="untimed steps (default 20, compile needs them; smoke 1)")
     ap.add_argument("--phases", nargs="+", default=list(UNET_PHASES),
                     help="training phases to time (default the UNet phases; NSGF++'s time predictor: time)")
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--repeats", type=positive_int, default=1,
                     help="run every method and config this many times, interleaved, and print the medians (and OT-CFM "
                          "/ FM): one 100-step window varies by up to 25 %% between runs on an H100")
     ap.add_argument("--switch-interval", type=float, default=None,
@@ -104,12 +106,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    checked_device(args.device)  # not in parse_args: gpu_session.py checks a GPU plan with that on a CPU
     if args.profiler_first:
         from torch.profiler._utils import _init_for_cuda_graphs
 
         _init_for_cuda_graphs()  # pytorch/pytorch#100441
     configs = args.configs or (["baseline", "+prefetch"] if args.smoke else list(CANDIDATES))
-    steps = args.steps or (2 if args.smoke else 100)
+    steps = args.steps if args.steps is not None else (2 if args.smoke else 100)
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 20)
     base = [f"experiment.device={args.device}", "pool.batches=4", *args.overrides]
     ctx = contextlib.nullcontext()

@@ -15,7 +15,11 @@ from sinkflow.data.atomic_write import atomic_write_text
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
 
-def write_section(name: str, body: str, heading: str, path: Path = RESULTS) -> None:
+def write_section(name: str, body: str, heading: str, path: Path = RESULTS, *, scored: int | None = None) -> None:
+    """``scored``: how many results the body's table holds, where the caller counts them; 0 is refused, so a run
+    that found nothing (a wrong --runs-dir) cannot replace a committed table with an empty one."""
+    if scored == 0:
+        raise SystemExit(f"error: not writing the {name} section of {path}: no scored rows (the section is kept)")
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     section = f"{begin}\n{body}{end}"

@@ -40,6 +40,7 @@ from sinkflow.eval.points import generate
 from sinkflow.runtime.run_folder import RunFolder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import checked_device, one_line_errors  # noqa: E402
 import mnist as bench_mnist  # noqa: E402  (benchmarks/mnist.py: its runs, sampler choices and ``sampling`` block)
 
 LABELS = {"nsgfpp": "NSGF++", "otcfm": "OT-CFM (warped)", "fm": "FM (warped)"}  # each method's chosen sampler's row
@@ -137,6 +138,7 @@ def table(rows: list[dict], precisions: list[str]) -> str:
     return "\n".join(lines)
 
 
+@one_line_errors
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="benchmarks/mnist.py's --out (its runs and validation choices)")
@@ -150,6 +152,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=1, help="training seeds in parallel, one thread each")
     args = ap.parse_args(argv)
+    checked_device(args.device, ap.error)
     if args.precisions[0] != "fp32":
         ap.error("the first of --precisions is the reference: fp32")
     out, nfe = Path(args.out), sorted(set(args.nfe))

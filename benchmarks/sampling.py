@@ -28,6 +28,7 @@ from sinkflow.models import UNET_PRESETS, build_model
 from sinkflow.runtime.autocast import autocast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import checked_device, positive_int  # noqa: E402
 from results_md import machine  # noqa: E402
 
 SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_heads": 1, "num_head_channels": -1,
@@ -63,9 +64,9 @@ def images_per_s(model, n, shape, nfe, device, precision: str, channels_last: bo
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--nfe", type=int, default=None, help="UNet evaluations per image (default 60; smoke 2)")
-    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default 64 256 1024 (smoke 4)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed repeats (default 3; smoke 1)")
+    ap.add_argument("--nfe", type=positive_int, default=None, help="UNet evaluations per image (default 60; smoke 2)")
+    ap.add_argument("--batches", type=positive_int, nargs="+", default=None, help="default 64 256 1024 (smoke 4)")
+    ap.add_argument("--repeats", type=positive_int, default=None, help="timed repeats (default 3; smoke 1)")
     ap.add_argument("--compile", action="store_true", help="also the fp32 network compiled as sample.compile=true "
                     "runs it (on a CPU: minutes of compiling even at smoke sizes)")
     ap.add_argument("--cudnn-benchmark", action="store_true",
@@ -77,12 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device = torch.device(args.device)
+    device = checked_device(args.device)  # not in parse_args: gpu_session.py checks a GPU plan with that on a CPU
     smoke = args.smoke or device.type == "cpu"
     shape = (3, 16, 16) if smoke else (3, 32, 32)
-    nfe = args.nfe or (2 if smoke else 60)
-    batches = args.batches or ([4] if smoke else [64, 256, 1024])
-    repeats = args.repeats or (1 if smoke else 3)
+    nfe = args.nfe if args.nfe is not None else (2 if smoke else 60)
+    batches = args.batches if args.batches is not None else ([4] if smoke else [64, 256, 1024])
+    repeats = args.repeats if args.repeats is not None else (1 if smoke else 3)
     torch.backends.cudnn.benchmark = args.cudnn_benchmark  # what sinkflow's runner uses: off unless asked
     torch.manual_seed(0)
     model = build_model("unet", SMOKE_UNET if smoke else UNET_PRESETS["cifar10"], shape).to(device).eval()

@@ -103,7 +103,8 @@ def standard_error(a: list[float], b: list[float]) -> float:
 def verdict(results, targets, column="iid") -> dict:
     """The issue's targets on the means over training seeds: NSGF <= OT-CFM per (target, steps) cell, the
     largest amount NSGF is behind, and NSGF's 100 steps not worse than its 10 by more than the seed spread
-    (the larger of the two cells' std over training seeds; 0 with one seed). Beside the strict count:
+    (the larger of the two cells' std over training seeds; not judged where that is 0, e.g. with one seed: any
+    rounding difference would count as worse). Beside the strict count:
     ``behind_beyond_noise``, the cells where NSGF is behind by more than the standard error of the difference
     (a loss the training seeds resolve; the others are ties at this many seeds)."""
     wins = known = 0
@@ -121,7 +122,7 @@ def verdict(results, targets, column="iid") -> dict:
         a10, a100 = cell(results, f, "nsgf", column, 10), cell(results, f, "nsgf", column, 100)
         if a10 and a100:
             spread = max(statistics.stdev(v) if len(v) > 1 else 0.0 for v in (a10, a100))
-            if statistics.fmean(a100) - statistics.fmean(a10) > spread:
+            if spread > 0 and statistics.fmean(a100) - statistics.fmean(a10) > spread:
                 finer_bad.append(f)
     return {"wins": wins, "cells": known, "worst_gap": worst, "finer_worse": finer_bad, "behind_beyond_noise": beyond}
 

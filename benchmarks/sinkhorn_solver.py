@@ -16,14 +16,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from sinkflow import config, methods
 from sinkflow.ot.sinkhorn import converged_velocity
 from sinkflow.ot.velocity import _velocity_flat
+from sinkflow.errors import SinkflowError
 from sinkflow.runtime.rng import phase_generator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import positive_int  # noqa: E402
 
 ROWS = [
     ("GeomLoss, scaling 0.9", dict(scaling=0.9)),
@@ -52,11 +58,15 @@ def clouds(task: str, batches: int, n: int, progress: float) -> tuple[torch.Tens
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", default="moons")
-    p.add_argument("--batches", type=int, default=8)
-    p.add_argument("--n", type=int, default=256)
+    p.add_argument("--batches", type=positive_int, default=8)
+    p.add_argument("--n", type=positive_int, default=256)
     p.add_argument("--blur", type=float, default=0.1)
     p.add_argument("--progress", type=float, nargs="+", default=[0.0, 0.9], help="how far the particles are along")
     args = p.parse_args(argv)
+    try:  # a task that is no preset, or one without a point target, refused before any solve
+        methods.distributions(config.resolve(args.task))
+    except SinkflowError as exc:
+        p.error(f"--task {args.task}: {exc}")
     torch.set_num_threads(1)
     print(f"# {args.task}, {args.batches} x {args.n} points, blur {args.blur}; {platform.node()}, 1 thread, "
           f"torch {torch.__version__}, {datetime.date.today()}")

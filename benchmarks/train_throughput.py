@@ -48,6 +48,7 @@ from sinkflow.engine.trainer import Trainer
 from sinkflow.tools.throughput import peak_flops, step_flops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import at_least, checked_device, positive_int  # noqa: E402
 from results_md import machine  # noqa: E402
 
 SMOKE_UNET = {"channels": 32, "res_blocks": 1, "channel_mult": [1, 2], "num_heads": 1, "num_head_channels": -1,
@@ -199,9 +200,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The script's arguments, checked (benchmarks/gpu_session.py checks its plan with this before a GPU call)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--batch", type=int, default=None, help="default 128 (GPU), 4 (smoke)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 30 GPU, 3 smoke)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 10 GPU, 1 smoke)")
+    ap.add_argument("--batch", type=positive_int, default=None, help="default 128 (GPU), 4 (smoke)")
+    ap.add_argument("--steps", type=positive_int, default=None, help="timed steps (default 30 GPU, 3 smoke)")
+    ap.add_argument("--warmup", type=at_least(0), default=None, help="untimed steps (default 10 GPU, 1 smoke)")
     ap.add_argument("--compile", action="store_true", help="also time fast + torch.compile")
     ap.add_argument("--profile", default=None, metavar="PATH",
                     help="after timing, run a few steps of this path (e.g. fast+graphs) under the PyTorch profiler and "
@@ -222,12 +223,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device = torch.device(args.device)
+    device = checked_device(args.device)  # not in parse_args: gpu_session.py checks a GPU plan with that on a CPU
     smoke = args.smoke or device.type == "cpu"
     unet = dict(SMOKE_UNET) if smoke else {**UNET_PRESETS["cifar10"], "dropout": 0.1}
     shape = (3, 16, 16) if smoke else (3, 32, 32)
-    batch = args.batch or (4 if smoke else 128)
-    steps, warmup = args.steps or (3 if smoke else 30), args.warmup or (1 if smoke else 10)
+    batch = args.batch if args.batch is not None else (4 if smoke else 128)
+    steps = args.steps if args.steps is not None else (3 if smoke else 30)
+    warmup = args.warmup if args.warmup is not None else (1 if smoke else 10)
     x1s = make_batches(batch, shape, device, steps)
     torch.backends.cudnn.benchmark = args.cudnn_benchmark  # what sinkflow's runner uses: off unless asked
 
@@ -252,8 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         step, params = torchcfm_step(unet, shape, device)
         seconds = time_steps(step, x1s, warmup, device)
         rows.append(("torchcfm", params, steps * batch / seconds))
-    except ImportError as exc:
-        rows.append(("torchcfm", 0, float("nan")))
+    except ImportError as exc:  # no row and no column for it: a "nan" there would read as a measurement
         print(f"torchcfm not importable ({exc}): its row is skipped")
 
     if smoke:
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
           f"batch {batch}, {steps} timed steps after {warmup} warm-up, cudnn.benchmark "
           f"{'on' if args.cudnn_benchmark else 'off'}, on {machine(device)}")
     base = rows[0][2]
-    ref = dict((r[0], r[2]) for r in rows).get("torchcfm", float("nan"))
+    ref = dict((r[0], r[2]) for r in rows).get("torchcfm")
     # a share of a peak only where one was measured: a CPU's autocast multiplies in fp32 (peak_flops would time
     # fp32 there, and a row once read 52 % of a "bf16 peak" printed as 0 TFLOP/s)
     peak = peak_flops(device, "bf16") if device.type == "cuda" else 0.0
@@ -272,11 +273,13 @@ def main(argv: list[str] | None = None) -> None:
           f"({flops / batch / 1e9:.2f} G per image); " + (
               f"this card's measured bf16 matrix-product peak {peak / 1e12:.0f} TFLOP/s" if peak > 0 else
               f"% bf16 peak n/a: no measured bf16 matrix-product peak, {no_peak}"))
-    print(f"{'path':<25} {'params':>10} {'images/s':>10} {'vs fp32-eager':>14} {'vs torchcfm':>12} {'% bf16 peak':>12}")
+    print(f"{'path':<25} {'params':>10} {'images/s':>10} {'vs fp32-eager':>14}"
+          + (f" {'vs torchcfm':>12}" if ref else "") + f" {'% bf16 peak':>12}")
     for name, params, ips in rows:
         shown = f"{ips:>10.1f}" if device.type == "cuda" else f"{'(cpu)':>10}"
         share = f"{100 * flops / batch * ips / peak:>11.1f}%" if peak > 0 else f"{'n/a':>12}"
-        print(f"{name:<25} {params:>10,} {shown} {ips / base:>13.2f}x {ips / ref:>11.2f}x {share}")
+        vs_ref = f" {ips / ref:>11.2f}x" if ref else ""
+        print(f"{name:<25} {params:>10,} {shown} {ips / base:>13.2f}x{vs_ref} {share}")
     if profiled is not None:
         print(f"where the time of a {args.profile} step goes ({PROFILED} steps under the PyTorch profiler):")
         print(profiled)

@@ -14,12 +14,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
 from sinkflow import config, data
 from sinkflow.data.toy2d import EIGHT_CENTRES
 from sinkflow.ot import w2
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import at_least  # noqa: E402
+
+MOVES = (0, 2, 4, 8, 16)  # points reassigned to another mode in the "moved m" rows
 
 
 def exact_sample(target, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -43,13 +50,14 @@ def labels_with_moves(n: int, moved: int, gen: torch.Generator) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=1024)
-    ap.add_argument("--draws", type=int, default=10)
+    ap.add_argument("--n", type=at_least(max(MOVES)), default=1024,
+                    help=f"points per draw (>= {max(MOVES)}: the largest row moves that many)")
+    ap.add_argument("--draws", type=at_least(2), default=10, help="draws per row (>= 2: each row gives a std)")
     ap.add_argument("--runs", nargs="*", default=[], help="trained 8gaussians run folders to count")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     _, target = data.distributions(config.resolve("8gaussians"))
-    cases = [(f"moved {m}", lambda g, m=m: labels_with_moves(args.n, m, g)) for m in (0, 2, 4, 8, 16)]
+    cases = [(f"moved {m}", lambda g, m=m: labels_with_moves(args.n, m, g)) for m in MOVES]
     cases.append(("multinomial", lambda g: torch.randint(0, 8, (args.n,), generator=g)))
     print(f"| exact-target sample, n = {args.n} | sum of abs(n_k - n/8) | W2 to the stratified test draw |")
     print("|---|---|---|")
