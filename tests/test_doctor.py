@@ -186,7 +186,9 @@ def test_a_falling_loss_on_a_short_budget_blames_the_budget_not_the_wiring():
     assert f.ok is False and "cannot fit even one batch" in f.cause
     assert build_parser().parse_args(["doctor", "moons"]).steps == doctor.OVERFIT_STEPS
     # a loss that rose over the budget was never "still falling", however its last steps went
-    for rose in ([1.0, 3.0], [1.0, 3.0, 1.5], [1.0, 1.2, 3.0, 2.0, 1.6, 1.5]):
+    # ... nor one whose shown last ten steps' mean ended above the first three's ("went 1.25 -> 1.88")
+    dip_then_rise = [3.0, 0.5, 0.25] + [2.9] * 57 + [0.1] * 10 + [1.88] * 10
+    for rose in ([1.0, 3.0], [1.0, 3.0, 1.5], [1.0, 1.2, 3.0, 2.0, 1.6, 1.5], dip_then_rise):
         steps = iter(rose)
         f = doctor.overfit_one_batch(lambda: next(steps), steps=len(rose))
         assert f.ok is False and "too few" not in f.cause, (rose, f.cause)

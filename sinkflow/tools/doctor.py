@@ -214,8 +214,10 @@ def _short_budget(steps: int, losses: list[float]) -> tuple[str, str] | None:
     q = max(1, len(losses) // 4)
     first, last = sum(losses[:3]) / len(losses[:3]), sum(losses[-q:]) / q
     before = sum(losses[-2 * q:-q]) / len(losses[-2 * q:-q]) if len(losses) >= 2 * q else first
-    # below the first loss too: a 3-step mean takes in a rise (1, 3, 1.5 read as "still falling")
-    if last < first and last < losses[0] and before - last > 0.1 * (first - last):
+    # below the first loss too: a 3-step mean takes in a rise (1, 3, 1.5 read as "still falling"); and the last ten
+    # steps' mean, the one the finding shows, below the first three's ("went 1.25 -> 1.88 ... still falling")
+    shown = sum(losses[-10:]) / len(losses[-10:])
+    if last < first and last < losses[0] and shown < first and before - last > 0.1 * (first - last):
         return (f"{steps} steps may be too few: the loss was still falling (the check's default is {OVERFIT_STEPS})",
                 f"rerun with --steps {OVERFIT_STEPS} before suspecting the wiring")
     return None
