@@ -393,3 +393,20 @@ def test_status_counts_what_the_bar_counts_and_a_resume_stands_at_its_step(runs_
 
     train_run(resume=resumed, callbacks=[SeeHeartbeat()])
     assert (seen[0]["phase"], seen[0]["step"], seen[0]["total"], seen[0]["state"]) == ("velocity", 3, 6, "running")
+
+
+def test_status_json_is_strict_json(runs_dir):
+    """A skipped fp16 step logs grad_norm Infinity: `status --json` printed it as `Infinity`, which is not JSON (a
+    strict parser, JavaScript's, refused the whole status). Non-finite values are null there."""
+    assert cli("train", "moons", *TINY_2D, "--name", "inf", "--no-report", cwd=runs_dir.parent).returncode == 0
+    run = runs_dir / "inf"
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.time(), "phase": "velocity", "step": 7, "loss": 0.5,
+                            "grad_norm": float("inf"), "lr": float("nan")}) + "\n")
+    out = cli("status", str(run), "--json", cwd=runs_dir.parent).stdout
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    st = json.loads(out, parse_constant=refuse)
+    assert st["latest_metrics"]["velocity"]["grad_norm"] is None and st["latest_metrics"]["velocity"]["loss"] == 0.5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 
 def add_parser(sub):
@@ -29,5 +30,18 @@ def run(args):
         raise SinkflowError(f"--stale-after {args.stale_after:g} must be a positive number of seconds",
                             "e.g. --stale-after 600 for a run that logs every few minutes")
     st = read_status(args.run_dir, stale_after=args.stale_after)
-    print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
+    print(json.dumps(strict_json(st), indent=2, default=str, allow_nan=False) if args.json else format_status(st))
+
+
+def strict_json(value):
+    """``value`` with every non-finite float as null: a skipped fp16 step's ``grad_norm: Infinity`` is not JSON, and
+    JavaScript's (and every strict) parser refused the whole status. metrics.jsonl keeps them (Python and pandas
+    read ``Infinity`` / ``NaN``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
     return 0 if st["state"] in ("running", "evaluating", "finished", "not started") else 1
