@@ -321,3 +321,23 @@ def test_a_run_without_an_importable_tensorboard_trains_and_says_so_once(tmp_pat
     rows = [json.loads(x) for x in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("phase") == "velocity" and "loss" in r] == [2, 4, 6]
     assert not (tmp_path / "runs" / "t" / "tb").exists()
+
+
+def test_a_final_record_at_the_last_log_step_is_one_tensorboard_point(tmp_path):
+    """A flow logs its drift report at its last log step and again as the phase's final record: TensorBoard showed
+    two values at one step (steps 3, 6, 8, 8), which it cannot tell apart. metrics.jsonl keeps both records."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sinkflow.runtime.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path)
+    for step in (3, 6, 8):
+        logger.log("flow", step, {"max_drift": 0.1 * step})
+    logger.log("flow", 8, {"max_drift": 0.8, "fallen_back": 0, "final": True})
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tb" / "flow"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("flow/max_drift")] == [3, 6, 8]
+    assert [e.step for e in events.Scalars("flow/fallen_back")] == [8]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [3, 6, 8, 8] and rows[-1]["final"] is True

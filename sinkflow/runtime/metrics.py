@@ -39,6 +39,7 @@ class MetricsLogger:
         self.failed: OSError | None = None
         self._tbs: dict = {}  # phase -> SummaryWriter, created on the phase's first scalar
         self._purge: dict[str, int] = {}  # phase -> the first step its next writer hides (``rewind``)
+        self._tb_step: dict[str, int] = {}  # tag -> the step this process last wrote it at
         self._jsonl = None  # opened on the first record: creating a logger writes nothing
 
     @property
@@ -114,9 +115,12 @@ class MetricsLogger:
                 self._check_writable()
             self.jsonl.write(json.dumps(record) + "\n")  # first: a folder we cannot write fails here, synchronously
             for key, value in record.items():
+                tag = f"{phase}/{key}"
                 if key not in ("time", "phase", "step") and isinstance(value, (int, float)) and \
-                        not isinstance(value, bool) and math.isfinite(value) and (tb := self.tb(phase)) is not None:
-                    tb.add_scalar(f"{phase}/{key}", value, step)
+                        not isinstance(value, bool) and math.isfinite(value) and self._tb_step.get(tag) != step \
+                        and (tb := self.tb(phase)) is not None:
+                    tb.add_scalar(tag, value, step)
+                    self._tb_step[tag] = step  # a phase's final record at its last log step: one point there
         except OSError as exc:
             if not self.best_effort:
                 raise
