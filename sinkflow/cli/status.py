@@ -21,8 +21,6 @@ def add_parser(sub):
 
 
 def run(args):
-    import math
-
     from sinkflow.errors import SinkflowError
     from sinkflow.tools.status import format_status, read_status
 
@@ -31,6 +29,7 @@ def run(args):
                             "e.g. --stale-after 600 for a run that logs every few minutes")
     st = read_status(args.run_dir, stale_after=args.stale_after)
     print(json.dumps(strict_json(st), indent=2, default=str, allow_nan=False) if args.json else format_status(st))
+    return 0 if st["state"] in ("running", "evaluating", "finished", "not started") else 1
 
 
 def strict_json(value):
@@ -44,4 +43,3 @@ def strict_json(value):
     if isinstance(value, (list, tuple)):
         return [strict_json(v) for v in value]
     return value
-    return 0 if st["state"] in ("running", "evaluating", "finished", "not started") else 1
