@@ -341,3 +341,22 @@ def test_a_final_record_at_the_last_log_step_is_one_tensorboard_point(tmp_path):
     assert [e.step for e in events.Scalars("flow/fallen_back")] == [8]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [3, 6, 8, 8] and rows[-1]["final"] is True
+
+
+def test_each_evaluation_is_its_own_tensorboard_step(tmp_path, capsys, monkeypatch):
+    """Every `sinkflow eval` logged at step 0: three evaluations (one with another sampler) were three values on one
+    TensorBoard step. The k-th evaluation of a run is at step k."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sinkflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *TINY_2D, "--name", "e"]) == 0  # the report is the first evaluation
+    for extra in ([], ["sample.time_warp=0.5"]):
+        assert main(["eval", "runs/e", *extra]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "e" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["phase"] == "eval"] == [1, 2, 3]
+    events = EventAccumulator(str(tmp_path / "runs" / "e" / "tb" / "eval"))
+    events.Reload()
+    tag = next(t for t in events.Tags()["scalars"] if t.startswith("eval/w2"))
+    assert [e.step for e in events.Scalars(tag)] == [1, 2, 3]

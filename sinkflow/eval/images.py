@@ -418,5 +418,5 @@ def format_metrics(result: dict) -> str:
 
 def evaluate_images(run, seeds: int | None = None, n: int | None = None, split: str = "test") -> str:
     result = image_metrics(run, seeds=seeds, n=n, split=split)
-    run.logger.log("eval", 0, image_record(run, result, split))
+    run.logger.log_evaluation(image_record(run, result, split))
     return format_metrics(result)

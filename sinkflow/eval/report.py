@@ -95,7 +95,7 @@ def standard_evaluation(run, method, seeds: int | None = None, n: int | None = N
         record = setting(run, n, seeds)
         for r in rows:
             record.update(scores({"w2": r["w2_mean"], "w2_std": r["w2_std"]}, f"_{r['steps']}"))
-        run.logger.log("eval", 0, record)
+        run.logger.log_evaluation(record)
         return format_table(rows, method.name, task_name(cfg), method.paper_label, cfg["eval"]["protocol"], draws(cfg))
     from sinkflow.eval.images import evaluate_images
 

@@ -323,7 +323,7 @@ class NormalizingFlow(Method):
             for name, value in PUBLISHED_BPD.get(r["target"], []) if r["n_bins"] == 256 else []:
                 lines.append(f"  published, for context: {name}: {value:.2f}")
         metrics = ev.image_metrics(run, seeds=seeds, n=n, steps_list=self.eval_steps(run.cfg), split=split)
-        run.logger.log("eval", 0, ev.image_record(run, metrics, split, bpd, by_steps=False))  # fd_cnn and nfe too
+        run.logger.log_evaluation(ev.image_record(run, metrics, split, bpd, by_steps=False))  # fd_cnn and nfe too
         lines.append(f"Samples at temperature {run.cfg['sample']['temperature']} (steps = 1 inverse pass; "
                      f"{'QMC' if run.cfg['eval']['protocol'] == 'qmc' else 'i.i.d.'} prior noise, eval.protocol):")
         lines.append(ev.format_metrics(metrics))

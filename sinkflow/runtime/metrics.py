@@ -100,6 +100,16 @@ class MetricsLogger:
         atomic_write_text(path, "".join(keep))
         return [json.loads(line) for line in moved]
 
+    def log_evaluation(self, values: dict[str, Any]) -> None:
+        """An evaluation's record, phase ``eval``, at step k for the run's k-th evaluation: TensorBoard draws each
+        as its own point (all at step 0, three evaluations were three values on one step it cannot tell apart)."""
+        path = self.run_dir / "metrics.jsonl"
+        try:
+            done = sum(_phase_of(line) == "eval" for line in path.read_text().splitlines())
+        except OSError:
+            done = 0
+        self.log("eval", done + 1, values)
+
     def log(self, phase: str, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
@@ -166,6 +176,15 @@ def _last_byte(path: Path) -> bytes:
     with open(path, "rb") as f:
         f.seek(-1, 2)
         return f.read(1)
+
+
+def _phase_of(line: str) -> str | None:
+    """The phase of a metrics.jsonl line (None for a line that is not a record)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record.get("phase") if isinstance(record, dict) else None
 
 
 def _logged_after(line: str, phase: str, step: int) -> bool:
