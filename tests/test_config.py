@@ -359,7 +359,7 @@ def test_a_base_60_looking_number_is_not_an_int():
 def test_a_non_finite_number_is_named_so(override):
     """It read "expects float (default 0.001) but got float nan; pass a float" (YAML's .nan), and "got str 'nan'" for
     Python's spelling."""
-    with pytest.raises(SinkflowError, match=r"must be a finite number \(got '?(nan|inf|-inf|Infinity)'?\)"):
+    with pytest.raises(SinkflowError, match=r"must be a finite number \(got '?(\.?nan|\.?inf|-inf|Infinity)'?\)"):
         config.resolve("moons", [override])
 
 
@@ -404,6 +404,38 @@ def test_a_config_file_of_your_own_trains_what_it_says(tmp_path, capsys, monkeyp
     err = capsys.readouterr().err.strip()
     assert "with the config file 'my.yaml': a resume reads the run's own config.yaml" in err and "\n" not in err
     assert f"drop the file (`sinkflow train --resume {tmp_path / 'runs' / 'mine'}`)" in err
+
+
+@pytest.mark.parametrize("key, text, value", [
+    ("train.velocity.lr", "1e-3", 0.001), ("train.velocity.lr", "1.0e3", 1000.0), ("train.velocity.iters", "010", 10),
+    ("train.velocity.iters", "1e4", 10000), ("experiment.name", "0123", "0123"), ("experiment.name", "12:30", "12:30"),
+    ("experiment.name", "0x1F", "0x1F"), ("experiment.name", "1.50", "1.50"), ("experiment.name", "2024-01-05",
+                                                                              "2024-01-05"),
+    ("experiment.runs_dir", "0755", "0755"), ("eval.steps", "[010, 1e2]", [10, 100]), ("eval.steps", "10,100", [10, 100]),
+    ("train.velocity.ema", ".5", 0.5), ("pool.qmc", "yes", True), ("experiment.name", "~", None)])
+def test_a_value_in_a_config_file_reads_as_on_the_command_line(tmp_path, monkeypatch, key, text, value):
+    """YAML 1.1 read a hand-edited ``iters: 010`` as octal 8, ``name: 0123`` as '83', ``12:30`` as 750, a date as
+    a date, and refused ``lr: 1e-3`` (a string to it) that the command line takes: the same text is the same value
+    in a file and on the command line now."""
+    monkeypatch.chdir(tmp_path)
+    section, *mid, leaf = key.split(".")
+    body = "".join(f"{'  ' * i}{part}:\n" for i, part in enumerate([section, *mid]))
+    (tmp_path / "q.yaml").write_text(f"experiment:\n  preset: moons\n" * (section != "experiment") + body +
+                                     ("  preset: moons\n" if section == "experiment" else "") +
+                                     f"{'  ' * (len(mid) + 1)}{leaf}: {text}\n")
+    assert config.get(config.resolve("q.yaml"), key) == value
+    assert config.get(config.resolve("moons", [f"{key}={text}"]), key) == value
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused_naming_both_lines(tmp_path, monkeypatch):
+    """PyYAML keeps the last of two equal keys: a second ``train:`` section replaced the first (its lr lost) in
+    silence, and `lr-find --write` rewrote the first of two ``lr:`` while the second won."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.yaml").write_text("experiment:\n  preset: moons\ntrain:\n  velocity:\n    lr: 0.005\ntrain:\n"
+                                     "  velocity:\n    iters: 20\n")
+    with pytest.raises(SinkflowError, match=r"config file d.yaml is not valid YAML \(line 6\): the key 'train' is "
+                                            r"given twice \(lines 3 and 6\)"):
+        config.resolve("d.yaml")
 
 
 def test_own_data_named_where_a_preset_goes_gets_the_command_that_trains_on_it(tmp_path, capsys, monkeypatch):

@@ -364,3 +364,18 @@ def test_write_to_a_broken_yaml_file_names_the_line(tmp_path, content, needle):
     with pytest.raises(SinkflowError, match=re.escape(needle)):
         write_lr(path, "train.velocity.lr", 0.01)
     assert path.read_bytes() == content
+
+
+def test_a_small_rate_written_into_a_config_file_reads_back(tmp_path, capsys, monkeypatch):
+    """`lr-find --write` writes ``lr: 5e-05``, which YAML 1.1 reads as a string: `sinkflow train my.yaml` then
+    refused the file it had just written. Config files read numbers decimal as typed."""
+    from sinkflow import config
+    from sinkflow.cli import main
+    from sinkflow.tools.lr_find import write_lr
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", "moons"]) == 0
+    (tmp_path / "my.yaml").write_text(capsys.readouterr().out)
+    write_lr(tmp_path / "my.yaml", "train.velocity.lr", 5e-05)
+    assert "lr: 5e-05" in (tmp_path / "my.yaml").read_text()
+    assert config.resolve("my.yaml")["train"]["velocity"]["lr"] == 5e-05

@@ -95,15 +95,37 @@ def read_yaml_text(path, what: str, fix: str) -> str:
         raise SinkflowError(f"{what} is not valid YAML (not UTF-8 text)", fix) from None
 
 
+class _ConfigLoader(schema.TextNumbers):
+    """PyYAML's safe loader without YAML 1.1's numbers and dates, and refusing a key twice in one mapping.
+
+    YAML 1.1 read a hand-edited ``iters: 010`` as octal 8, ``1:30`` as the base-60 90, ``name: 0123`` as '83' and
+    refused ``lr: 1e-3`` (a string to it) that the command line takes; a second ``train:`` section replaced the
+    first in silence. Plain scalars that were numbers or dates stay text here, and ``complete`` reads each as the
+    command line reads a value (``parse_value``) where its key holds a number: the same text, the same value."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen and key != "<<":
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key '{key}' is given twice (lines {seen[key] + 1} and "
+                    f"{key_node.start_mark.line + 1}): the second would replace the first", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_yaml(text: str, what: str, fix: str) -> Any:
-    """``yaml.safe_load(text)``, refused in one line that names ``what`` and the line YAML stopped at: every YAML
-    file sinkflow reads (a config file, a run's config.yaml, lr-find's target) reports its errors the same way."""
+    """``text`` read by ``_ConfigLoader``, refused in one line that names ``what``, the line YAML stopped at and
+    why: every YAML file sinkflow reads (a config file, a preset, a run's config.yaml, lr-find's target) reads and
+    reports its errors the same way."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader: no Python objects are built)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" (line {mark.line + 1})" if mark is not None else ""
-        raise SinkflowError(f"{what} is not valid YAML{at}", fix) from None
+        why = getattr(exc, "problem", None)
+        raise SinkflowError(f"{what} is not valid YAML{at}{': ' + why if why else ''}", fix) from None
 
 
 def _own_data_hint(name: str) -> str | None:
@@ -231,7 +253,7 @@ def check_value(name: str, spec: Key, value: Any) -> Any:
     try:
         out = spec.rule.coerce(value)
     except TypeError:
-        non_finite = isinstance(value, str) and value.strip().lstrip("+-").lower() in ("nan", "inf", "infinity")
+        non_finite = isinstance(value, str) and value.strip().lstrip("+-.").lower() in ("nan", "inf", "infinity")
         if schema.is_number(value) and not math.isfinite(value) or non_finite:  # "got float nan" said nothing
             raise SinkflowError(f"config key '{name}' must be a finite number (got {value!r})",
                                 f"e.g. {name}={_yaml(_example(spec))}") from None
@@ -355,10 +377,20 @@ def complete(raw: dict, base: dict | None = None, *, where: str = "", lenient: b
                 continue
             raise unknown_key(tree, key, prefix)
         try:
-            _set(tree, key, check_value(key, specs[key], value))
+            _set(tree, key, check_value(key, specs[key], _as_typed(specs[key].rule, value)))
         except SinkflowError as exc:
             raise SinkflowError(prefix + exc.problem, exc.fix) from None
     return tree
+
+
+def _as_typed(rule, value: Any) -> Any:
+    """A file's text where its key holds numbers read as the command line reads it (``_ConfigLoader`` leaves YAML
+    1.1's numbers as text): ``010`` is 10, ``1e-3`` a float; list items alike. Text keys keep their text."""
+    if isinstance(value, list) and isinstance(rule, schema.ListOf):
+        return [_as_typed(rule.item, v) for v in value]
+    if isinstance(value, str) and rule.type_name in ("int", "float", "number", "list"):
+        return schema.parse_value(value.strip()) if rule.type_name == "list" else schema.as_decimal(value)
+    return value
 
 
 def expand_key(tree: dict, pattern: str) -> list[str]:

@@ -107,6 +107,12 @@ choices, default and meaning. Defaults, validation, `presets/_base.yaml` and thi
   `experiment.preset` (the schema's defaults if none), each checked as an override is; overrides and shorthands
   still apply on top. A name that is no preset is the run's label only where the file sets every key the run
   reads (`sinkflow config` writes them all); otherwise it is refused, naming the closest preset.
+- Values read the same in a file and on the command line: numbers are decimal as typed (`010` is 10, `1e-3` and
+  `5e-05` are floats; YAML 1.1 read `010` as octal 8, `1:30` as 90, `0123` as 83 and `1e-3` as text), text keys
+  keep their text (`name: 0123`, `12:30`, `2024-01-05`), `yes`/`no`/`true`/`false` are booleans, `~` and `null`
+  are null (not your home folder: `data.target=~/pts.npy` is a path, `~` alone is null). A key given twice in one
+  section of a file is refused, naming both lines (YAML keeps the last in silence). Relative paths in a file are
+  relative to the folder you run sinkflow from, as on the command line, not to the file's folder.
 - A key that does not exist is an error that names the closest key; a value that breaks its rule is an
   error that names the rule. Both are one line.
 - `null` is accepted only where a key says "or null".

@@ -196,23 +196,40 @@ class Options(Constraint):
         return " | ".join(f"`{c}`" for c in self.choices)
 
 
+class TextNumbers(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.1's numbers and dates left as text (``config._ConfigLoader`` builds on it):
+    ``as_decimal`` then reads them decimal as typed, the one rule of every value a user writes."""
+
+
+TextNumbers.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag.rsplit(":", 1)[-1] not in ("int", "float", "timestamp")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+_DECIMAL_INT = re.compile(r"[-+]?\d+")
+_DECIMAL_FLOAT = re.compile(r"[-+]?(\.\d+|\d+(\.\d*)?)([eE][-+]?\d+)?")
+
+
+def as_decimal(value: Any) -> Any:
+    """``value`` (from ``TextNumbers``) with its decimal texts as numbers, in lists too: ``010`` is 10, ``1e-3`` and
+    ``1.0e3`` floats; ``1:30``, ``0x1F``, ``nan`` and dates stay text."""
+    if isinstance(value, list):
+        return [as_decimal(v) for v in value]
+    if isinstance(value, str):
+        text = value.strip()
+        if _DECIMAL_INT.fullmatch(text):
+            return int(text, 10)
+        if _DECIMAL_FLOAT.fullmatch(text):
+            return float(text)
+    return value
+
+
 def parse_value(text: str) -> Any:
-    """Parse an override's value the way YAML would, accepting ``1e-3`` as a float too. Numbers are decimal as
-    typed: YAML 1.1 read ``010`` as octal 8 and ``1:30`` as the base-60 90 (the latter stays a string)."""
-    if re.fullmatch(r"[-+]?0\d+", text):
-        return int(text, 10)
-    if re.fullmatch(r"[-+]?\d+(:\d+)+(\.\d*)?", text):
-        return text
+    """Parse an override's value the way YAML would, numbers decimal as typed: YAML 1.1 read ``010`` as octal 8,
+    ``1:30`` as the base-60 90 (it stays a string) and ``1e-3`` as a string (it is a float), in lists too."""
     try:
-        value = yaml.safe_load(text)
+        return as_decimal(yaml.load(text, Loader=TextNumbers))  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError:
         return text
-    if isinstance(value, str):
-        try:
-            return float(value) if value.lower() not in ("nan", "inf", "-inf", "infinity") else value
-        except ValueError:
-            return value
-    return value
 
 
 @dataclass(frozen=True)
