@@ -506,3 +506,48 @@ def test_an_unread_key_names_a_method_only_where_that_method_would_read_it(metho
         config.resolve("moons", overrides)
     assert str(e.value).endswith(fix), str(e.value)
     assert "sinkhorn.solver=geomloss" in str(e.value) or not override.startswith("sinkhorn.")  # when it is read
+
+
+def test_an_empty_config_file_is_refused_not_trained_as_the_defaults(tmp_path, monkeypatch):
+    """`sinkflow config moonz > my.yaml` fails and leaves my.yaml empty; `sinkflow train my.yaml` then trained the
+    schema's defaults under the file's name."""
+    monkeypatch.chdir(tmp_path)
+    for text in ("", "# only a comment\n\n"):
+        (tmp_path / "my.yaml").write_text(text)
+        with pytest.raises(SinkflowError, match=r"config file my.yaml is empty .*; a failed `sinkflow config PRESET > "
+                                                r"my.yaml` leaves it empty"):
+            config.resolve("my.yaml")
+
+
+def test_a_runs_dir_under_home_is_expanded(tmp_path, monkeypatch):
+    """`experiment.runs_dir: ~/runs` made a folder named `~` in the working directory (an `rm -rf ~` waiting to
+    happen), and the resume line it printed pointed elsewhere."""
+    from sinkflow.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "moons", "pool.batches=1", "pool.batch_size=16", "pool.steps=2", "--train-iters", "2",
+                 "experiment.runs_dir=~/runs", "--name", "h", "--device", "cpu", "--no-report"]) == 0
+    assert (tmp_path / "home" / "runs" / "h" / "config.yaml").is_file() and not (tmp_path / "~").exists()
+
+
+def test_an_online_backend_without_pykeops_is_refused_before_the_folder(tmp_path, monkeypatch, capsys):
+    """GeomLoss's online backend needs pykeops: the pool failed after config.yaml and meta.json were written; and a
+    run with the converged solver, which reads no backend, failed on it too."""
+    import importlib.util
+    import sys
+
+    from sinkflow.cli import main
+
+    if importlib.util.find_spec("pykeops") is not None:
+        monkeypatch.setitem(sys.modules, "pykeops", None)
+    monkeypatch.chdir(tmp_path)
+    small = ["pool.batches=1", "pool.batch_size=16", "pool.steps=2", "--train-iters", "2", "--device", "cpu",
+             "--no-report"]
+    assert main(["train", "moons", *small, "sinkhorn.solver=geomloss", "sinkhorn.backend=online", "--name", "o"]) == 2
+    assert "needs pykeops" in capsys.readouterr().err and not (tmp_path / "runs" / "o").exists()
+    tree = config.resolve("moons", ["sinkhorn.solver=geomloss", "sinkhorn.backend=online"])
+    tree["sinkhorn"]["solver"] = "converged"  # a config.yaml written so: the key is not read, and nothing needs it
+    from sinkflow.methods import nsgf
+
+    nsgf.check(tree)

@@ -66,7 +66,10 @@ def load_config_file(name: str) -> dict:
     text = read_yaml_text(path, f"config file {name}", "fix it, or write a fresh one with `sinkflow config PRESET > FILE`")
     refuse_cut_short(text, path)  # a run folder's config.yaml, trained as a config file
     raw = parse_yaml(text, f"config file {name}", "fix it, or write a fresh one with `sinkflow config PRESET > FILE`")
-    raw = raw or {}
+    if raw is None:  # trained the schema's defaults under the file's name
+        raise SinkflowError(f"config file {name} is empty (no keys, comments at most)",
+                            f"a failed `sinkflow config PRESET > {name}` leaves it empty: write it again, e.g. "
+                            f"`sinkflow config moons > {name}`")
     if not isinstance(raw, dict):
         raise SinkflowError(f"config file {name} is not a config tree", "write it as nested key: value sections "
                             "(`sinkflow config PRESET` prints one)")

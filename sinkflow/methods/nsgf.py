@@ -27,6 +27,7 @@ from sinkflow.methods.base import Method, TrainingStep
 from sinkflow.methods.flow_matching import velocity_loss
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.methods.pool import PoolTask, TrajectoryPool, check_free_disk, check_pool_fits
+from sinkflow.ot.velocity import check_backend_installed
 from sinkflow.runtime import dist
 
 
@@ -91,6 +92,8 @@ def check(cfg: dict, sample_shape: tuple[int, ...] | None = None) -> None:
     if not 0.0 <= float(cfg["nsgf"]["segment"]) <= 1.0:
         raise SinkflowError(f"nsgf.segment={cfg['nsgf']['segment']!r} is not a probability", "use a value in [0, 1]")
     step_sizes(cfg["pool"])  # the schedule's own checks (unknown name, eta_growth)
+    # before the run folder exists: the pool failed on a missing pykeops after config.yaml was written
+    check_backend_installed(cfg["sinkhorn"]["backend"], cfg["sinkhorn"]["solver"])
     if cfg["pool"]["landing"] == "exact" and cfg["pool"]["schedule"] != "harmonic":
         raise SinkflowError(f"pool.landing=exact lands the flow's last step, which only pool.schedule=harmonic takes "
                             f"the whole remaining way (pool.schedule={cfg['pool']['schedule']})",
@@ -214,7 +217,7 @@ class NSGF(Method):
         check_pool_fits(cfg["pool"], sample_shape)
 
     def check_machine(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
-        check_free_disk(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]))
+        check_free_disk(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]).expanduser())
 
     def phases(self, cfg, source, target):
         check(cfg)

@@ -275,7 +275,7 @@ class NSGFPlusPlus(Method):
         check(cfg, sample_shape)
 
     def check_machine(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
-        check_free_disk(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]))
+        check_free_disk(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]).expanduser())
 
     def phases(self, cfg, source, target):
         check(cfg, tuple(target.shape))

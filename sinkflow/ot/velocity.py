@@ -53,13 +53,19 @@ def _check_params(blur: float, scaling: float, diameter: float | None, backend: 
         f"unknown Sinkhorn backend {backend!r}",
         f"use one of {', '.join(_BACKENDS)}",
     )
-    if backend == "online":
+    check_backend_installed(backend, solver)
+
+
+def check_backend_installed(backend: str, solver: str = "geomloss") -> None:
+    """GeomLoss's ``online`` backend needs pykeops; the converged solver has no backend, so it needs nothing (a
+    run with ``solver=converged``, where the config says the key is not read, failed in its pool on it)."""
+    if backend == "online" and solver == "geomloss":
         try:
             import pykeops  # noqa: F401
         except ImportError:
             raise SinkflowError(
                 "Sinkhorn backend 'online' needs pykeops, which is not installed",
-                "pip install 'sinkflow[keops]' or use backend='tensorized'",
+                "pip install 'sinkflow[keops]' or use backend='tensorized' (sinkhorn.backend=tensorized)",
             ) from None
 
 

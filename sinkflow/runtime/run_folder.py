@@ -127,7 +127,7 @@ class RunFolder:
         name = exp["name"] or f"{exp['preset']}-{exp['method']}-{time.strftime('%Y%m%d-%H%M%S')}"
         name = dist.broadcast_object(name)  # rank 0's clock names the folder for every rank
         cfg = absolute_data_paths(cfg, DATA_PATH_KEYS)
-        run_dir = Path(exp["runs_dir"]) / name
+        run_dir = Path(exp["runs_dir"]).expanduser() / name  # runs_dir: ~/runs made ./~/runs
 
         def refuse_existing():
             if (run_dir / "config.yaml").exists():
