@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import logging
 import math
 from importlib import resources
 from typing import Any
@@ -21,6 +22,8 @@ import yaml
 from sinkflow.config import schema
 from sinkflow.config.schema import Key, parse_value  # noqa: F401  (config.parse_value is public)
 from sinkflow.errors import SinkflowError
+
+log = logging.getLogger("sinkflow")
 
 PRESET_PACKAGE = "sinkflow.config.presets"
 
@@ -87,7 +90,23 @@ def load_config_file(name: str) -> dict:
                                 f"PRESET > {name}`)")
     if not isinstance(preset, str) or not preset:
         tree["experiment"]["preset"] = path.stem
+    _warn_unread(name, raw, tree, base)
     return tree
+
+
+_WARNED: set = set()  # (file, keys) already warned about in this process: a command resolves a file more than once
+
+
+def _warn_unread(name: str, raw: dict, tree: dict, base: dict | None) -> None:
+    """Keys the file sets, away from its preset's value, that this run does not read: said once, where the same key
+    on the command line is an error (a file from `sinkflow config --all` lists every key, so not refused here)."""
+    before = flatten(base if base is not None else schema.defaults(tree))
+    now, used, known = flatten(tree), schema.used(tree), schema.keys(tree)
+    unread = [k for k in flatten(raw) if k in known and k not in used and now.get(k) != before.get(k)]
+    if unread and (name, tuple(unread)) not in _WARNED:
+        _WARNED.add((name, tuple(unread)))
+        log.warning("config file %s sets %d key(s) this %s run does not read (%s): unused", name, len(unread),
+                    tree["experiment"]["method"], ", ".join(unread[:4]) + (", ..." if len(unread) > 4 else ""))
 
 
 def read_yaml_text(path, what: str, fix: str) -> str:
@@ -450,6 +469,11 @@ def resolve(preset: str, overrides: list[str] | None = None, shorthands: dict[st
     applies one list of overrides to several methods: the unread ones stay in the tree, unused)."""
     if unread not in ("error", "ignore"):
         raise ValueError(f"unread={unread!r}: use 'error' or 'ignore'")
+    for item in overrides or []:  # a relabel: the keys stayed the first preset's, the folder took the new name
+        key, _, value = item.partition("=")
+        if key.strip() == "experiment.preset":
+            raise SinkflowError(f"{item.strip()} would only relabel the run: its keys are still {preset}'s",
+                                f"name the preset instead: `sinkflow train {value.strip() or 'PRESET'}`")
     if is_config_file(preset):
         tree = load_config_file(preset)
     else:
@@ -458,8 +482,10 @@ def resolve(preset: str, overrides: list[str] | None = None, shorthands: dict[st
     tree = apply_shorthands(tree, shorthands or {})
     tree = apply_overrides(tree, overrides or [])
     validate(tree)
-    if unread == "error":
-        check_read(tree, override_keys(overrides or []))
+    if unread == "error":  # a one-key shorthand (--pool-batches) of a method that has no pool: as its key would be
+        one_key = [SHORTHANDS[n][0] for n, v in (shorthands or {}).items()
+                   if v is not None and len(SHORTHANDS[n]) == 1 and "*" not in SHORTHANDS[n][0]]
+        check_read(tree, override_keys(overrides or []) + [k for k in one_key if k not in override_keys(overrides or [])])
     return tree
 
 
