@@ -582,3 +582,36 @@ def test_a_config_file_key_the_run_does_not_read_is_warned_about_once(tmp_path, 
     with caplog.at_level(logging.WARNING, logger="sinkflow"):
         config.resolve("all.yaml")
     assert not [r for r in caplog.records if "does not read" in r.getMessage()]
+
+
+def test_fid_weights_are_checked_before_training_and_kept_absolute(tmp_path, monkeypatch, capsys):
+    """`eval.inception_weights=~/w.pth` trained every phase, then failed at the report ("is not a file": no ~
+    expansion); a relative path named another file once `sinkflow eval RUN` ran from elsewhere."""
+    from sinkflow.cli import main
+    from sinkflow.runtime.run_folder import RunFolder
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "digits", "eval.inception_weights=~/w.pth", "--device", "cpu", "--name", "f"]) == 2
+    assert "eval.inception_weights=~/w.pth is not a file" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "f").exists()
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "w.pth").write_bytes(b"weights")
+    run = RunFolder.create(config.resolve("digits", ["eval.inception_weights=~/w.pth", "experiment.name=f"]))
+    assert RunFolder.open(run.dir).cfg["eval"]["inception_weights"] == str(tmp_path / "home" / "w.pth")
+
+
+def test_a_file_named_like_a_preset_without_naming_one_is_refused(tmp_path, monkeypatch):
+    """`lab/moons.yaml` holding `pool: {eta: 0.5}` was labelled preset 'moons' but trained the schema's defaults (a
+    `mnist.yaml` so made trained a 2D run); a file that sets every key is its own recipe, whatever its name."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lab").mkdir()
+    (tmp_path / "lab" / "moons.yaml").write_text("pool:\n  eta: 0.5\n")
+    with pytest.raises(SinkflowError, match=r"config file lab/moons.yaml names no experiment.preset, so its keys go "
+                                            r"over the schema's defaults, not preset 'moons''s.*; add `experiment: "
+                                            r"\{preset: moons\}`"):
+        config.resolve("lab/moons.yaml")
+    (tmp_path / "lab" / "moons.yaml").write_text("experiment:\n  preset: moons\npool:\n  eta: 0.5\n")
+    assert config.resolve("lab/moons.yaml")["pool"]["eta"] == 0.5
+    (tmp_path / "lab" / "mine.yaml").write_text("pool:\n  eta: 0.5\n")  # no preset's name: its label, as before
+    assert config.resolve("lab/mine.yaml")["experiment"]["preset"] == "mine"

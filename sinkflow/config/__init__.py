@@ -89,6 +89,12 @@ def load_config_file(name: str) -> dict:
                                 f"name one of: {', '.join(preset_names())} (or write the whole tree: `sinkflow config "
                                 f"PRESET > {name}`)")
     if not isinstance(preset, str) or not preset:
+        unset = set(schema.used(tree)) - set(flatten(raw))
+        if path.stem in preset_names() and unset:  # `moons.yaml` read as moons, trained the schema's defaults
+            raise SinkflowError(f"config file {name} names no experiment.preset, so its keys go over the schema's "
+                                f"defaults, not preset '{path.stem}''s, though the run would be labelled "
+                                f"'{path.stem}'", f"add `experiment: {{preset: {path.stem}}}` to start from it, or "
+                                "name the file otherwise")
         tree["experiment"]["preset"] = path.stem
     _warn_unread(name, raw, tree, base)
     return tree

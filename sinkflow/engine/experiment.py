@@ -91,6 +91,10 @@ def check_run(cfg: dict, machine: bool = True) -> None:
                 build_phase_model(cfg, phase, shape)
     if machine:
         method.check_machine(cfg, shape)
+        weights = cfg["eval"]["inception_weights"]  # refused after every phase had trained, at the report
+        if weights and "eval.inception_weights" in schema.used(cfg) and not Path(weights).expanduser().is_file():
+            raise SinkflowError(f"eval.inception_weights={weights} is not a file",
+                                "point it at a local pt_inception-2015-12-05 weights file or set it to null")
 
 
 def check_ranks_agree(cfg: dict, extra: dict | None = None) -> None:

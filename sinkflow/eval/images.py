@@ -226,7 +226,8 @@ class InceptionFID:
         if extractor is not None:
             self.metric = FrechetInceptionDistance(feature=extractor, normalize=True, reset_real_features=False)
         else:
-            if not Path(weights).is_file():
+            weights = Path(weights).expanduser()
+            if not weights.is_file():
                 raise SinkflowError(f"eval.inception_weights={weights} is not a file",
                                     "point it at a local pt_inception-2015-12-05 weights file or set it to null")
             self.metric = FrechetInceptionDistance(feature=2048, normalize=True, reset_real_features=False,

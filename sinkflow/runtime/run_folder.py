@@ -126,7 +126,7 @@ class RunFolder:
                                 "experiment.runs_dir for where run folders go")
         name = exp["name"] or f"{exp['preset']}-{exp['method']}-{time.strftime('%Y%m%d-%H%M%S')}"
         name = dist.broadcast_object(name)  # rank 0's clock names the folder for every rank
-        cfg = absolute_data_paths(cfg, DATA_PATH_KEYS)
+        cfg = absolute_data_paths(cfg, PATH_KEYS)
         run_dir = Path(exp["runs_dir"]).expanduser() / name  # runs_dir: ~/runs made ./~/runs
 
         def refuse_existing():
@@ -170,7 +170,7 @@ class RunFolder:
         named = config_mod.override_keys(overrides or [])
         short = config_mod.apply_shorthands(cfg, shorthands or {})
         new = absolute_data_paths(config_mod.apply_overrides(short, overrides or []),
-                                  [k for k in named if k in DATA_PATH_KEYS])
+                                  [k for k in named if k in PATH_KEYS])
         config_mod.validate(new)
         config_mod.check_read(new, named)
         check_frozen(cfg, new, Path(run_dir))
@@ -409,6 +409,8 @@ def run_state_entry(run_dir: Path, path: Path) -> str | None:
 
 
 DATA_PATH_KEYS = ("data.path", "data.root", "data.source", "data.target")
+# every path a run's config.yaml holds absolute: the data's, and the FID weights (eval from another folder found none)
+PATH_KEYS = (*DATA_PATH_KEYS, "eval.inception_weights")
 
 
 def absolute_data_paths(cfg: dict, keys) -> dict:
