@@ -615,3 +615,29 @@ def test_a_file_named_like_a_preset_without_naming_one_is_refused(tmp_path, monk
     assert config.resolve("lab/moons.yaml")["pool"]["eta"] == 0.5
     (tmp_path / "lab" / "mine.yaml").write_text("pool:\n  eta: 0.5\n")  # no preset's name: its label, as before
     assert config.resolve("lab/mine.yaml")["experiment"]["preset"] == "mine"
+
+
+@pytest.mark.parametrize("text, what", [("pool:\n", "empty"), ("pool:\n  - eta: 0.5\n", "a list"),
+                                        ("experiment: moons\n", "the value 'moons'"),
+                                        ("train:\n  velocity:\n  lr: 0.01\n", "empty")])
+def test_a_section_that_holds_no_keys_is_named_so(tmp_path, monkeypatch, text, what):
+    """An empty, listed or misindented section read "unknown config key 'pool'; did you mean 'pool.qmc'?"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.yaml").write_text(text)
+    with pytest.raises(SinkflowError, match=rf"config file s.yaml: section '[a-z.]+' is {what}, not keys .*; indent "
+                                            r"its keys below it"):
+        config.resolve("s.yaml")
+
+
+def test_a_run_config_file_given_for_its_folder_names_the_folder(tmp_path, monkeypatch, capsys):
+    """`train --resume runs/x/config.yaml` said "runs/x/config.yaml is not a sinkflow run folder (no config.yaml)"."""
+    from sinkflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "moons", "pool.batches=1", "pool.batch_size=16", "pool.steps=2", "--train-iters", "2",
+                 "--name", "x", "--device", "cpu", "--no-report"]) == 0
+    capsys.readouterr()
+    for argv in (["train", "--resume", "runs/x/config.yaml"], ["status", "runs/x/config.yaml"]):
+        assert main(argv) == 2
+        assert "runs/x/config.yaml is a run's config file, not its folder; pass the folder: runs/x" in \
+            capsys.readouterr().err

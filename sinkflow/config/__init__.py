@@ -398,6 +398,12 @@ def complete(raw: dict, base: dict | None = None, *, where: str = "", lenient: b
     prefix = f"{where}: " if where else ""
     specs = schema.keys(tree)
     for key, value in flatten(raw).items():
+        if key not in specs and any(k.startswith(key + ".") for k in specs):  # `pool:` with nothing indented below
+            what = "empty" if value is None else "a list" if isinstance(value, list) else f"the value {value!r}"
+            example = next(k for k in specs if k.startswith(key + ".")).split(".")
+            raise SinkflowError(f"{prefix}section '{key}' is {what}, not keys (misindented, or a missing colon?)",
+                                f"indent its keys below it (`{example[-1]}: ...` on the next line, indented), or "
+                                f"give {'.'.join(example)}=... on the command line")
         if key not in specs:
             parts = key.split(".")
             if lenient and len(parts) == 3 and parts[0] == "model" and any(

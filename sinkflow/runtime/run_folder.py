@@ -465,6 +465,9 @@ def read_config(run_dir: Path) -> dict:
             raise SinkflowError(f"run folder {run_dir} has lost its config.yaml", "restore it from a copy of the run "
                                 "folder (meta.json's argv is the command that made it: the same command with "
                                 "--name NEW writes the same config.yaml, if sinkflow's defaults have not changed)")
+        if Path(run_dir).name == "config.yaml" and Path(run_dir).is_file():  # the run's file, not its folder
+            raise SinkflowError(f"{run_dir} is a run's config file, not its folder",
+                                f"pass the folder: {shlex.quote(str(Path(run_dir).parent))}")
         elsewhere = (" (under torchrun on several nodes: every node must see the run folder, on a filesystem they "
                      "all mount at the same path)" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "")
         raise SinkflowError(f"{run_dir} is not a sinkflow run folder (no config.yaml)",

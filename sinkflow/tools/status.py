@@ -86,6 +86,8 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     """Everything `sinkflow status` prints, as a dict."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
+        if run_dir.name == "config.yaml" and run_dir.is_file():
+            raise SinkflowError(f"{run_dir} is a run's config file, not its folder", f"pass the folder: {run_dir.parent}")
         raise SinkflowError(f"{run_dir} is not a sinkflow run folder (no config.yaml)",
                             "pass the folder `sinkflow train` printed when it started")
     now = time.time() if now is None else now
