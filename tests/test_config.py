@@ -641,3 +641,23 @@ def test_a_run_config_file_given_for_its_folder_names_the_folder(tmp_path, monke
         assert main(argv) == 2
         assert "runs/x/config.yaml is a run's config file, not its folder; pass the folder: runs/x" in \
             capsys.readouterr().err
+
+
+def test_training_a_runs_config_file_names_its_mid_run_changes(tmp_path, monkeypatch, caplog):
+    """`train RUN/config.yaml --name new` trained a resume's lr change (step 377 in the run) from step 0 in silence:
+    the file holds the values the run ended with; meta.json's changes, what it cannot, are named."""
+    import logging
+
+    from sinkflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    small = ["pool.batches=1", "pool.batch_size=16", "pool.steps=2", "train.velocity.ckpt_every=2", "--device", "cpu",
+             "--no-report"]
+    assert main(["train", "moons", *small, "--train-iters", "4", "--name", "part"]) == 0
+    (tmp_path / "runs" / "part" / "checkpoints" / "velocity" / "final.pt").unlink()  # as if stopped after step 2
+    (tmp_path / "runs" / "part" / "checkpoints" / "velocity" / "step_00000004.pt").unlink()
+    assert main(["train", "--resume", "runs/part", "train.velocity.lr=0.02", "--no-report"]) == 0
+    with caplog.at_level(logging.WARNING, logger="sinkflow"):
+        config.resolve("runs/part/config.yaml", ["experiment.name=again"])
+    said = [r.getMessage() for r in caplog.records if "is a run's config" in r.getMessage()]
+    assert len(said) == 1 and "train.velocity.lr=0.02 (from velocity step 2)" in said[0], said

@@ -97,7 +97,28 @@ def load_config_file(name: str) -> dict:
                                 "name the file otherwise")
         tree["experiment"]["preset"] = path.stem
     _warn_unread(name, raw, tree, base)
+    if text.startswith(RUN_CONFIG_HEADER):
+        _warn_run_changes(name, path)
     return tree
+
+
+def _warn_run_changes(name: str, path) -> None:
+    """A run's config.yaml holds the values the run ended with: a run of the file trains a key changed mid-run (a
+    resume's ``train.velocity.lr=0.02`` at step 377) from step 0, which meta.json's ``changes`` records and the file
+    cannot. Said once, naming them."""
+    import json
+
+    try:
+        changes = json.loads((path.parent / "meta.json").read_text()).get("changes") or []
+    except (OSError, ValueError, AttributeError):
+        return
+    keys = [f"{c['key']}={c['to']} (from {c.get('phase')} step {c.get('step')})" for c in changes
+            if isinstance(c, dict) and c.get("key") and c.get("key") != "world_size"]
+    if keys and (name, tuple(keys)) not in _WARNED:
+        _WARNED.add((name, tuple(keys)))
+        log.warning("config file %s is a run's config: it holds the values the run ended with, and a run of it trains "
+                    "them from step 0 (%s; meta.json's changes)", name, ", ".join(keys[:3]) + (", ..." if len(keys) > 3
+                                                                                            else ""))
 
 
 _WARNED: set = set()  # (file, keys) already warned about in this process: a command resolves a file more than once
