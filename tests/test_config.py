@@ -661,3 +661,12 @@ def test_training_a_runs_config_file_names_its_mid_run_changes(tmp_path, monkeyp
         config.resolve("runs/part/config.yaml", ["experiment.name=again"])
     said = [r.getMessage() for r in caplog.records if "is a run's config" in r.getMessage()]
     assert len(said) == 1 and "train.velocity.lr=0.02 (from velocity step 2)" in said[0], said
+
+
+@pytest.mark.parametrize("word", ["inherit", "base"])
+def test_another_tools_word_for_the_preset_names_experiment_preset(tmp_path, monkeypatch, word):
+    """`inherit: moons` (Hydra's and other tools' word) read "did you mean 'sinkhorn.tol'?"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "i.yaml").write_text(f"{word}: moons\npool:\n  eta: 0.5\n")
+    with pytest.raises(SinkflowError, match=rf"unknown config key '{word}'; did you mean 'experiment.preset'"):
+        config.resolve("i.yaml")

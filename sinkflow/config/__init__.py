@@ -352,7 +352,8 @@ def unknown_key(tree: dict, key: str, where: str = "") -> SinkflowError:
 
 # Keys users look for in another section (where the paper or older sinkflow put them): leaf name -> the key.
 MOVED = {"eta": "pool.eta", "eta_growth": "pool.eta_growth", "blur": "sinkhorn.blur", "scaling": "sinkhorn.scaling",
-         "steps": "pool.steps", "seed": "experiment.seed", "device": "experiment.device"}
+         "steps": "pool.steps", "seed": "experiment.seed", "device": "experiment.device",
+         "inherit": "experiment.preset", "preset": "experiment.preset", "base": "experiment.preset"}
 
 
 def closest_key(key: str, leaves: list[str]) -> str | None:
@@ -371,6 +372,8 @@ def closest_key(key: str, leaves: list[str]) -> str | None:
     close = difflib.get_close_matches(key, same, n=1, cutoff=0.8)
     if close:
         return close[0]
+    if MOVED.get(parts[-1]) in leaves and MOVED[parts[-1]].split(".")[-1] != parts[-1]:  # a word of other tools
+        return MOVED[parts[-1]]  # (`inherit: moons` -> experiment.preset; difflib offered sinkhorn.tol)
     names = sorted({k.split(".")[-1] for k in leaves})
     for name in [parts[-1], *difflib.get_close_matches(parts[-1], names, n=3, cutoff=0.75)]:
         owners = [k for k in leaves if k.split(".")[-1] == name]
