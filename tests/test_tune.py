@@ -190,13 +190,15 @@ def test_cifar_runs_are_tuned_by_fid_at_their_shape(runs_dir, tmp_path, capsys, 
     monkeypatch.setattr(images, "InceptionFID", Recorded)
     extra, _ = setup_data("cifar10", tmp_path)
     extra = [o for o in extra if not o.startswith("model.nsf.")]  # FM has no NSF network
+    weights = runs_dir.parent / "pt_inception.pth"  # a file must be there (checked before training); never read
+    weights.write_bytes(b"stand-in")
     assert main(["train", "cifar10", "--method", "fm", *TINY_FM, *extra, "sample.steps=2", "data.val_fraction=0.2",
-                 "eval.inception_weights=pt_inception.pth", "--name", "c", "--no-report"]) == 0
+                 f"eval.inception_weights={weights}", "--name", "c", "--no-report"]) == 0
     capsys.readouterr()
     held = len(data.distributions(RunFolder.open(runs_dir / "c").cfg)[1].val_index)
     rc, out = main(["tune", str(runs_dir / "c"), "--n", str(held)]), capsys.readouterr().out
     assert rc == 0 and "FID of" in out and len(rows(out)) == len(tune.WARPS)
-    assert built == [((held, 3, 32, 32), "pt_inception.pth")]  # one reference for every candidate
+    assert built == [((held, 3, 32, 32), str(weights))]  # one reference for every candidate
     assert len(scored) == len(tune.WARPS) and all(shape == (held, 3, 32, 32) for shape, _, _ in scored)
     assert all(got == pytest.approx(alone, rel=1e-6) for _, got, alone in scored)
     assert json.loads((runs_dir / "c" / "tune.json").read_text())["2"]["metric"] == "fid"
