@@ -76,6 +76,15 @@ def test_preflight_image_preset_shapes(tmp_path, monkeypatch):
     assert "(1, 28, 28)" in next(c.detail for c in report.checks if c.name == "phases build")
 
 
+def test_preflight_of_a_flow_preset_scores_its_validation_split_without_the_data(tmp_path, monkeypatch):
+    """flow-mnist evaluates on its validation split (data.val_fraction 0.05): the synthetic stand-in had none, so
+    preflight failed "there is no validation split" on the very box it exists for (a CPU box without the data)."""
+    monkeypatch.chdir(tmp_path)
+    report = preflight("flow-mnist", workdir=tmp_path, memory=False)
+    assert report.ok, format_report(report)
+    assert "synthetic mnist" in report.data_note
+
+
 def test_planted_phase_that_crashes_only_on_images(tmp_path, monkeypatch):
     from sinkflow.methods import flow_matching
 

@@ -32,8 +32,11 @@ def image_shape(data_cfg: dict) -> tuple[int, int, int]:
     return (data_cfg.get("channels") or c, size or h, size or w)
 
 
-def synthetic_images(name: str, shape: tuple[int, ...], n_train: int = 512, n_test: int = 256, flip: bool = False):
-    """An ``ImageDistribution`` over seeded random uint8 images (labels 0-9): real code path, fake pixels."""
+def synthetic_images(name: str, shape: tuple[int, ...], n_train: int = 512, n_test: int = 256, flip: bool = False,
+                     val_fraction: float = 0.0):
+    """An ``ImageDistribution`` over seeded random uint8 images (labels 0-9): real code path, fake pixels; with the
+    run's validation split (a flow's evaluation scores it: preflight flow-mnist failed "there is no validation
+    split" without its data)."""
     from sinkflow.data.images import ImageDistribution
 
     rng = np.random.default_rng(0)
@@ -41,7 +44,8 @@ def synthetic_images(name: str, shape: tuple[int, ...], n_train: int = 512, n_te
     test = rng.integers(0, 256, size=(n_test, *shape), dtype=np.uint8)
     labels = rng.integers(0, 10, size=n_train).astype(np.int64)
     test_labels = rng.integers(0, 10, size=n_test).astype(np.int64)
-    return ImageDistribution(f"synthetic-{name}", train, test, labels, test_labels, flip=flip)
+    return ImageDistribution(f"synthetic-{name}", train, test, labels, test_labels, flip=flip,
+                             val_fraction=val_fraction)
 
 
 def needs_synthetic(cfg: dict) -> str | None:
@@ -134,8 +138,8 @@ def _stand_in(shape: tuple[int, ...] | None = None, **images):
     def build(data_cfg: dict):
         if data_cfg["target"] not in NATIVE_CHW:
             return None
-        target = synthetic_images(data_cfg["target"], shape or image_shape(data_cfg),
-                                  flip=bool(data_cfg.get("flip")), **images)
+        target = synthetic_images(data_cfg["target"], shape or image_shape(data_cfg), flip=bool(data_cfg.get("flip")),
+                                  val_fraction=float(data_cfg.get("val_fraction") or 0.0), **images)
         source = data.build_distribution(data_cfg["source"], data_cfg={**data_cfg, "shape": tuple(target.shape)})
         return source, target
 
