@@ -212,8 +212,11 @@ def _level_shapes(in_shape, levels: int, squeeze: bool):
                     f"use fewer levels or a size divisible by 2**levels ({2 ** levels})")
             c, h, w = 4 * c, h // 2, w // 2
         require(c >= 2, f"flow level {i} has {c} channel(s); coupling needs >= 2",
+                # a later level lost its channels to the split: squeezing then asks for sides divisible by 2**levels,
+                # whose hint sent the user back here; fewer levels is the fix
+                f"use {i} level(s)" if i else
                 "set model.flow.squeeze=true (the squeeze makes 4 channels of each)" if not (squeeze or vector) else
-                f"use {i} level(s)" if i else f"give the data 2 or more {'coordinates' if vector else 'channels'}")
+                f"give the data 2 or more {'coordinates' if vector else 'channels'}")
         shapes.append((c, h, w))
         if i < levels - 1:
             c = c - c // 2
