@@ -185,6 +185,11 @@ def test_a_falling_loss_on_a_short_budget_blames_the_budget_not_the_wiring():
     f = doctor.overfit_one_batch_bpd(lambda: 3.0, dataset_bpd=2.4, steps=20)
     assert f.ok is False and "cannot fit even one batch" in f.cause
     assert build_parser().parse_args(["doctor", "moons"]).steps == doctor.OVERFIT_STEPS
+    # at the default budget too: a large flow still falling (flow-mnist: 8.1 -> 5.0 bits/dim, 2.5 at twice the steps)
+    n = doctor.OVERFIT_STEPS
+    falling = iter(8.1 - 3.1 * i / n for i in range(n))
+    f = doctor.overfit_one_batch_bpd(lambda: next(falling), dataset_bpd=1.72, steps=n)
+    assert f.ok is False and f"{n} steps may be too few" in f.cause and f"--steps {2 * n}" in f.fix, f
     # a loss that rose over the budget was never "still falling", however its last steps went
     # ... nor one whose shown last ten steps' mean ended above the first three's ("went 1.25 -> 1.88")
     dip_then_rise = [3.0, 0.5, 0.25] + [2.9] * 57 + [0.1] * 10 + [1.88] * 10
