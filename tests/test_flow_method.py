@@ -163,6 +163,24 @@ def test_drift_guard_is_reported(runs_dir, caplog):
     assert sum(int(v.sum()) for v in keep.values()) == final["fallen_back"]  # the flags are in the checkpoint
 
 
+def test_a_resumed_flow_reports_the_drift_guard_counts_of_the_whole_run(runs_dir):
+    """The guard's counts lived in memory: a run resumed from its step-2 checkpoint ended saying 0 drift events (its
+    layers had fallen back before the checkpoint) where the uninterrupted run said one per layer."""
+    import shutil
+
+    common = ["train", "flow-digits", *TINY, "--train-iters", "4", "model.flow.memory=invertible",
+              "model.flow.drift_tol=1e-12", "--no-report"]
+    assert main([*common, "--name", "whole"]) == 0
+    shutil.copytree(runs_dir / "whole", runs_dir / "resumed")
+    for name in ("final.pt", "step_00000004.pt"):
+        (runs_dir / "resumed" / "checkpoints" / "flow" / name).unlink()
+    assert main(["train", "--resume", str(runs_dir / "resumed"), "--no-report"]) == 0
+    whole, resumed = ([r for r in records(runs_dir / run) if r.get("final")][-1] for run in ("whole", "resumed"))
+    assert whole["drift_events"] > 0
+    assert {k: resumed[k] for k in ("drift_events", "max_drift", "fallen_back")} == \
+        {k: whole[k] for k in ("drift_events", "max_drift", "fallen_back")}
+
+
 def test_actnorm_initialised_on_first_batch(runs_dir):
     """After setup (before any step) every ActNorm is initialised from the first training batch, and the
     batch the loop then draws is that same batch: the first ActNorm normalises it per channel."""
