@@ -56,7 +56,7 @@ class Run:
 
     @torch.no_grad()
     def sample(self, n: int | None = None, steps: int | None = None, seed: int = 0,
-               x0: torch.Tensor | None = None, qmc: bool | None = None) -> torch.Tensor:
+               x0: torch.Tensor | None = None, qmc: bool | None = None, settings: dict | None = None) -> torch.Tensor:
         """``n`` samples (CPU float32 tensor shaped like the data) with ``steps`` integration steps (a whole number
         >= 1; None: the method's own, e.g. sample.steps; NSF steps for NSGF++), from ``x0`` or a seeded source draw:
         i.i.d. by default, randomised QMC with ``qmc=True`` (None: ``sample.qmc``), as `sinkflow sample` draws.
@@ -69,11 +69,24 @@ class Run:
         inside a network (or, for ``n`` != ``len(x0)``, ``len(x0)`` samples without a word). Samples that come out NaN
         or Inf are refused in one line naming the likely cause (``sample.precision=fp16``'s range, or a diverged
         model). A run copied without its data set (images, or a point-file target) samples all the same
-        (``tools.data.sampling_data``)."""
+        (``tools.data.sampling_data``).
+
+        ``settings``: ``sample.*`` keys for this call only, as `sinkflow sample RUN sample.temperature=0.7` takes
+        them (``{"temperature": 0.7}`` for a flow, ``{"time_warp": 0.5}``): checked as the command checks them, the
+        run's config.yaml unchanged."""
         from sinkflow.tools.data import sampling_data
 
-        with sampling_data(self.cfg, self.dir):
-            return self._sample(n, steps, seed, x0, qmc)
+        run = self
+        if settings:
+            from sinkflow.cli.common import with_sample_overrides
+            from sinkflow.config.render import scalar
+
+            require(isinstance(settings, dict), f"settings={shown(settings)} must be a dict of sample.* keys",
+                    "e.g. settings={'temperature': 0.7}")
+            overrides = [f"sample.{key}={scalar(value)}" for key, value in settings.items()]
+            run = Run(with_sample_overrides(self._run, overrides, "sample", str(self.dir)))
+        with sampling_data(run.cfg, run.dir):
+            return run._sample(n, steps, seed, x0, qmc)
 
     def _sample(self, n, steps, seed, x0, qmc) -> torch.Tensor:
         from sinkflow.data import sample_shape

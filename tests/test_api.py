@@ -494,3 +494,26 @@ def test_build_distribution_takes_a_path(tmp_path):
 
     np.save(tmp_path / "pts.npy", np.random.default_rng(0).normal(size=(64, 2)).astype(np.float32))
     assert sinkflow.build_distribution(Path(tmp_path / "pts.npy")).shape == (2,)  # "must be a name or a .npy path"
+
+
+def test_run_sample_takes_sampling_settings_for_one_call(tiny_run, tmp_path, capsys):
+    """A flow's temperature (or any sample.* key) from Python meant run.model().sample() and the decoding by hand:
+    Run.sample(settings=...) samples as `sinkflow sample RUN sample.key=value` does, the run's config unchanged,
+    and refuses what the command refuses."""
+    import numpy as np
+
+    import sinkflow
+    from sinkflow.cli import main
+
+    run = sinkflow.open_run(tiny_run)
+    before = (tiny_run / "config.yaml").read_bytes()
+    warped = run.sample(16, steps=4, seed=1, settings={"time_warp": 0.5})
+    assert main(["sample", str(tiny_run), "--n", "16", "--steps", "4", "--seed", "1", "sample.time_warp=0.5",
+                 "--out", str(tmp_path / "s.npy")]) == 0
+    assert torch.equal(warped, torch.from_numpy(np.load(tmp_path / "s.npy")))
+    assert not torch.equal(warped, run.sample(16, steps=4, seed=1))
+    assert (tiny_run / "config.yaml").read_bytes() == before and run.cfg["sample"]["time_warp"] != 0.5
+    with pytest.raises(SinkflowError, match=r"unknown config key 'sample.time_wrap'; did you mean 'sample.time_warp'"):
+        run.sample(4, settings={"time_wrap": 0.5})
+    with pytest.raises(SinkflowError, match=r"'sample.temperature' is not read by method"):
+        run.sample(4, settings={"temperature": 0.7})
