@@ -670,3 +670,26 @@ def test_another_tools_word_for_the_preset_names_experiment_preset(tmp_path, mon
     (tmp_path / "i.yaml").write_text(f"{word}: moons\npool:\n  eta: 0.5\n")
     with pytest.raises(SinkflowError, match=rf"unknown config key '{word}'; did you mean 'experiment.preset'"):
         config.resolve("i.yaml")
+
+
+def test_text_added_after_a_run_configs_end_line_is_named_so(tmp_path, monkeypatch):
+    """Keys appended below a copied config.yaml's '...' line (which YAML reads nothing past) were called "cut
+    short ... copy the run folder again"."""
+    monkeypatch.chdir(tmp_path)
+    text = config.dump_run_config(config.resolve("moons"))
+    (tmp_path / "e.yaml").write_text(text + "pool:\n  eta: 0.5\n")
+    with pytest.raises(SinkflowError, match=r"e.yaml has text after its end line '...' \(line \d+\).*; move the added "
+                                            r"lines above the '...' line"):
+        config.resolve("e.yaml")
+
+
+def test_name_null_means_the_timestamped_name_and_a_blank_name_is_refused(tmp_path, monkeypatch, capsys):
+    """`--name null` made a folder named "null" where `experiment.name=null` means <preset>-<method>-<time>; `--name
+    " "` made a folder named " "."""
+    from sinkflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert config.resolve("moons", [], {"name": "null"})["experiment"]["name"] is None
+    assert config.resolve("moons", [], {"name": "nullable"})["experiment"]["name"] == "nullable"
+    assert main(["train", "moons", "--name", " ", "--device", "cpu"]) == 2
+    assert "experiment.name=' ' is blank" in capsys.readouterr().err and not (tmp_path / "runs").exists()

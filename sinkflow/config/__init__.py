@@ -494,7 +494,9 @@ def apply_shorthands(tree: dict, values: dict[str, Any]) -> dict:
             continue
         for pattern in SHORTHANDS[name]:
             for key in expand_key(tree, pattern):
-                set_key(tree, key, value)
+                spec = schema.keys(tree).get(key)  # `--name null` is `experiment.name=null`, not a folder "null"
+                null = isinstance(value, str) and value.strip() in ("null", "~") and spec is not None and spec.nullable
+                set_key(tree, key, None if null else value)
     return tree
 
 
@@ -660,6 +662,11 @@ def dump_run_config(tree: dict) -> str:
 def refuse_cut_short(text: str, path) -> None:
     """One line when ``text`` (a file at ``path``) opens with ``RUN_CONFIG_HEADER`` but lacks its end line."""
     if text.startswith(RUN_CONFIG_HEADER) and text.rstrip().rsplit("\n", 1)[-1].strip() != "...":
+        lines = text.splitlines()
+        end = next((i for i, line in enumerate(lines) if line.strip() == "..."), None)
+        if end is not None:  # keys added below the end line (a hand edit): whole, but YAML reads nothing after it
+            raise SinkflowError(f"{path} has text after its end line '...' (line {end + 2}): YAML reads nothing "
+                                "past that line", "move the added lines above the '...' line")
         raise SinkflowError(f"{path} is cut short (it lacks its last line, '...'): the keys it lost would be read at "
                             "their defaults", "copy the run folder again from where it was made, or restore its "
                             "config.yaml from a backup")

@@ -120,6 +120,9 @@ class RunFolder:
         from a notebook: argv is the kernel's)."""
         exp = cfg["experiment"]
         resolve_device(exp["device"])  # a bad device is refused before the folder exists
+        if exp["name"] is not None and not exp["name"].strip():  # `--name " "` made a folder named " "
+            raise SinkflowError(f"experiment.name={exp['name']!r} is blank", "use a plain name, e.g. --name moons-long, "
+                                "or leave it out for <preset>-<method>-<time>")
         if exp["name"] and (exp["name"] in (".", "..") or any(sep in exp["name"] for sep in ("/", "\\", os.sep))):
             raise SinkflowError(f"experiment.name={exp['name']!r} is a path, not a folder name (the run would be "
                                 f"made outside {exp['runs_dir']})", "use a plain name, e.g. --name moons-long, and "
