@@ -693,3 +693,16 @@ def test_name_null_means_the_timestamped_name_and_a_blank_name_is_refused(tmp_pa
     assert config.resolve("moons", [], {"name": "nullable"})["experiment"]["name"] == "nullable"
     assert main(["train", "moons", "--name", " ", "--device", "cpu"]) == 2
     assert "experiment.name=' ' is blank" in capsys.readouterr().err and not (tmp_path / "runs").exists()
+
+
+def test_a_config_file_in_utf16_reads(tmp_path, monkeypatch):
+    """Windows PowerShell 5's `sinkflow config moons > my.yaml` writes UTF-16 with a byte-order mark, which YAML
+    allows: it was refused as "not UTF-8", and the fix named (`sinkflow config PRESET > FILE`) wrote it so again."""
+    monkeypatch.chdir(tmp_path)
+    text = "experiment:\n  preset: moons\ntrain:\n  velocity:\n    lr: 0.002\n"
+    for encoding in ("utf-16", "utf-16-be", "utf-8-sig"):
+        raw = text.encode(encoding)
+        if encoding == "utf-16-be":
+            raw = b"\xfe\xff" + raw
+        (tmp_path / "w.yaml").write_bytes(raw)
+        assert config.resolve("w.yaml")["train"]["velocity"]["lr"] == 0.002, encoding

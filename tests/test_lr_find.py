@@ -352,7 +352,7 @@ def test_write_to_a_file_or_run_of_another_batch_is_refused_before_the_sweep(tin
 
 
 @pytest.mark.parametrize("content, needle", [(b"train:\n  velocity: [unclosed\n", "is not valid YAML (line 3)"),
-                                             (b"train:\n  \xff\xfe: 1\n", "is not valid YAML (not UTF-8 text)")])
+                                             (b"train:\n  \xff\xfe: 1\n", "is not valid YAML (neither UTF-8 nor UTF-16 text)")])
 def test_write_to_a_broken_yaml_file_names_the_line(tmp_path, content, needle):
     """Every YAML file sinkflow reads reports its errors alike (config.parse_yaml): lr-find's target named no line,
     and a file of other bytes was a UnicodeDecodeError traceback. The file is left as it was."""

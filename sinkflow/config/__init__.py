@@ -137,11 +137,16 @@ def _warn_unread(name: str, raw: dict, tree: dict, base: dict | None) -> None:
 
 
 def read_yaml_text(path, what: str, fix: str) -> str:
-    """The text of the YAML file ``path``; a file that is not UTF-8 text is refused as ``parse_yaml`` refuses."""
+    """The text of the YAML file ``path``: UTF-8, or UTF-16 with its byte-order mark (what Windows PowerShell 5's
+    `sinkflow config moons > my.yaml` writes, which YAML allows; it was refused, and the fix named rewrote it so);
+    other bytes are refused as ``parse_yaml`` refuses."""
+    raw = path.read_bytes()
     try:
-        return path.read_text(encoding="utf-8")
+        if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+            return raw.decode("utf-16")
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError:
-        raise SinkflowError(f"{what} is not valid YAML (not UTF-8 text)", fix) from None
+        raise SinkflowError(f"{what} is not valid YAML (neither UTF-8 nor UTF-16 text)", fix) from None
 
 
 class _ConfigLoader(schema.TextNumbers):
