@@ -379,3 +379,23 @@ def test_a_small_rate_written_into_a_config_file_reads_back(tmp_path, capsys, mo
     write_lr(tmp_path / "my.yaml", "train.velocity.lr", 5e-05)
     assert "lr: 5e-05" in (tmp_path / "my.yaml").read_text()
     assert config.resolve("my.yaml")["train"]["velocity"]["lr"] == 5e-05
+
+
+def test_write_to_a_file_without_the_key_keeps_its_comments_and_line_ends(tmp_path, monkeypatch):
+    """A commented file that does not set the rate was rewritten whole by yaml.safe_dump: every comment gone, its
+    Windows line ends turned to Unix ones, and not atomically. The key is appended as one dotted line; a file that
+    sets it keeps its CRLF line ends."""
+    from sinkflow import config
+    from sinkflow.tools.lr_find import write_lr
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_bytes(b"# my recipe\r\nexperiment:\r\n  preset: moons   # the demo's target\r\n"
+                                      b"pool:\r\n  eta: 0.05\r\n")
+    write_lr(tmp_path / "c.yaml", "train.velocity.lr", 0.0123)
+    raw = (tmp_path / "c.yaml").read_bytes()
+    assert raw.startswith(b"# my recipe\r\n") and b"# the demo's target\r\n" in raw and b"\n" not in raw.replace(
+        b"\r\n", b"")
+    assert config.resolve("c.yaml")["train"]["velocity"]["lr"] == 0.0123
+    write_lr(tmp_path / "c.yaml", "train.velocity.lr", 0.02)  # now it is there: its characters replaced
+    assert config.resolve("c.yaml")["train"]["velocity"]["lr"] == 0.02
+    assert (tmp_path / "c.yaml").read_bytes().count(b"train.velocity.lr") == 1

@@ -381,16 +381,23 @@ def write_lr(target: Path, key: str, lr: float, phase: str | None = None, swept:
     node = tree = tree or {}
     if not isinstance(tree, dict):
         raise SinkflowError(f"{target} does not hold a config tree", "write to a YAML file of key: value sections")
-    text = target.read_text() if target.is_file() else ""
+    from sinkflow.data.atomic_write import atomic_write_text
+
+    text = config_mod.read_yaml_text(target, str(target), fix) if target.is_file() else ""
     span = _scalar_span(text, key)
-    if span is not None:  # the value's own characters replaced: the file's comments and layout stay
-        target.write_text(text[:span[0]] + f"{float(lr):.6g}" + text[span[1]:])
+    if span is not None:  # the value's own characters replaced: the file's comments, layout and line ends stay
+        atomic_write_text(target, text[:span[0]] + f"{float(lr):.6g}" + text[span[1]:])
+        return target
+    if text and key not in config_mod.flatten(tree):  # appended as one dotted key, which the config reader takes:
+        newline = "\r\n" if "\r\n" in text else "\n"  # rewriting the file whole dropped every comment of it
+        end = "" if text.endswith(("\n", "\r")) else newline
+        atomic_write_text(target, f"{text}{end}{key}: {float(lr):.6g}  # sinkflow lr-find --write{newline}")
         return target
     *parents, leaf = key.split(".")
     for part in parents:
         node = node.setdefault(part, {})
     node[leaf] = float(lr)
-    target.write_text(yaml.safe_dump(tree, sort_keys=False))
+    atomic_write_text(target, yaml.safe_dump(tree, sort_keys=False))
     return target
 
 
