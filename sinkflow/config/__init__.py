@@ -171,8 +171,8 @@ class _ConfigLoader(schema.TextNumbers):
 
 def parse_yaml(text: str, what: str, fix: str) -> Any:
     """``text`` read by ``_ConfigLoader``, refused in one line that names ``what``, the line YAML stopped at and
-    why: every YAML file sinkflow reads (a config file, a preset, a run's config.yaml, lr-find's target) reads and
-    reports its errors the same way."""
+    why: every YAML file a user may edit (a config file, a run's config.yaml, lr-find's target) reads and reports
+    its errors the same way (the shipped presets are read by ``yaml.safe_load``: their numbers are decimal)."""
     try:
         return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader: no Python objects are built)
     except yaml.YAMLError as exc:
