@@ -6,6 +6,7 @@ three memory modes give the same trajectory through the runner; the drift guard'
 the prior reparameterisation; one-line errors before any work.
 """
 
+import contextlib
 import json
 import math
 import re
@@ -342,3 +343,27 @@ def test_image_sides_a_flow_cannot_halve_name_the_image_size_key(runs_dir, capsy
     err = capsys.readouterr().err
     assert needle in err and ("divisible by" in err or "squeeze" in err or "level(s)" in err), err
     assert not runs_dir.exists()
+
+
+def test_overflowed_samples_are_said_in_a_real_run_and_muted_in_the_tools_scratch_runs(monkeypatch, caplog):
+    """A 3-step scratch run's samples overflow (preflight flow-cifar10 said all 16 did, then passed): the warning is
+    one that a run did not learn, which the tools' scratch runs mute (``quiet``) and a real sampling says."""
+    import logging
+
+    from sinkflow.runtime.callbacks import quiet
+
+    cfg = config.resolve("flow-digits", TINY_FLOW)
+    model = build_flow({k: v for k, v in cfg["model"]["flow"].items() if k not in ("kind", "n_bins")}, (1, 8, 8))
+
+    def overflowing(model, x0, temperature):
+        out = torch.zeros(len(x0), 1, 8, 8)
+        out[0] = float("inf")
+        return out
+
+    monkeypatch.setattr(flow_method, "decode", overflowing)
+    for muted in (False, True):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sinkflow"), (quiet() if muted else contextlib.nullcontext()):
+            _, info = methods.get("flow").sample_nets({"flow": model}, cfg, torch.randn(4, 1, 8, 8))
+        said = [r.getMessage() for r in caplog.records if "overflowed in the inverse" in r.getMessage()]
+        assert info["nonfinite"] == 1 and len(said) == (0 if muted else 1), (muted, said)
