@@ -153,7 +153,17 @@ class Run:
         from sinkflow.tools.status import tail_jsonl
 
         evals = [r for r in tail_jsonl(self.dir / "metrics.jsonl", 1 << 26) if r.get("phase") == "eval"]
-        return {k: v for k, v in evals[-1].items() if k not in ("time", "phase", "step")} if evals else {}
+        if not evals:
+            return {}
+        own = {k: v for k, v in evals[-1].items() if k not in ("time", "phase", "step")}
+        # an evaluation by an older sinkflow wrote a flow's bits/dim in records of their own before its sample
+        # scores, all at one step: the records just before, at that step and with keys none of the later ones has
+        for record in reversed(evals[:-1]):
+            keys = {k for k in record if k not in ("time", "phase", "step")}
+            if record.get("step") != evals[-1].get("step") or keys & own.keys():
+                break
+            own = {**{k: record[k] for k in keys}, **own}
+        return own
 
     def __repr__(self) -> str:
         return f"sinkflow.Run({str(self.dir)!r})"

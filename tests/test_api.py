@@ -517,3 +517,26 @@ def test_run_sample_takes_sampling_settings_for_one_call(tiny_run, tmp_path, cap
         run.sample(4, settings={"time_wrap": 0.5})
     with pytest.raises(SinkflowError, match=r"'sample.temperature' is not read by method"):
         run.sample(4, settings={"temperature": 0.7})
+
+
+def test_scores_of_an_evaluation_by_an_older_version_keep_a_flows_bits_per_dim(tmp_path):
+    """An older `sinkflow eval` of a flow wrote val_bpd, test_bpd and the sample scores in three records at step 0:
+    scores() returned the last alone. Records of one evaluation (one step, keys apart) are one dict; two evaluations
+    (the same keys) stay two, and a new evaluation (its own step) is read alone."""
+    import json
+    from types import SimpleNamespace
+
+    from sinkflow.api import Run
+
+    rows = [{"phase": "eval", "step": 0, "time": 1.0, "val_bpd": 2.1},
+            {"phase": "eval", "step": 0, "time": 2.0, "test_bpd": 2.2, "test_bpd_std": 0.01},
+            {"phase": "eval", "step": 0, "time": 3.0, "fd_cnn_1": 17.0, "n": 128}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = Run(SimpleNamespace(dir=tmp_path))  # scores() reads metrics.jsonl alone
+    assert run.scores() == {"val_bpd": 2.1, "test_bpd": 2.2, "test_bpd_std": 0.01, "fd_cnn_1": 17.0, "n": 128}
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # a second old evaluation: its own keys again
+        f.write(json.dumps({"phase": "eval", "step": 0, "time": 4.0, "fd_cnn_1": 16.0, "n": 128}) + "\n")
+    assert run.scores() == {"fd_cnn_1": 16.0, "n": 128}
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"phase": "eval", "step": 5, "time": 5.0, "test_bpd": 2.0}) + "\n")
+    assert run.scores() == {"test_bpd": 2.0}

@@ -316,8 +316,8 @@ def test_an_old_run_folders_config_reads_back(tmp_path):
     expected = config.resolve("moons", ["experiment.name=old", "nsgf.segment=0.5", "pool.qmc=false",
                                         "sinkhorn.blur=0.1", "sinkhorn.max_iters=30", "pool.landing=sinkhorn",
                                         "pool.batches=192"])
-    for section in expected["train"].values():
-        section.update(precision="fp32", channels_last=True, compile=False)
+    for section in expected["train"].values():  # and the EMA without the warm-up it had none of (BEFORE_ADDED)
+        section.update(precision="fp32", channels_last=True, compile=False, ema_warmup=False)
     expected["data"]["holdout"] = "last_tenth"
     assert cfg == expected
     (tmp_path / "config.yaml").write_text("experiment: {preset: moons}\npool: {etaa: 1}\n")
@@ -706,3 +706,20 @@ def test_a_config_file_in_utf16_reads(tmp_path, monkeypatch):
             raw = b"\xfe\xff" + raw
         (tmp_path / "w.yaml").write_bytes(raw)
         assert config.resolve("w.yaml")["train"]["velocity"]["lr"] == 0.002, encoding
+
+
+def test_a_run_made_before_the_ema_warm_up_resumes_without_it(tmp_path):
+    """``train.*.ema_warmup`` came with the default true: a run made before it averaged without a warm-up, and a
+    resume switched it on in silence (an old digits run resumed at step 243 of 400 scored FD-CNN 16.06, not 17.11).
+    A config.yaml without the key reads false in every phase (``schema.BEFORE_ADDED``, a ``*`` per phase); one that
+    writes it keeps its value."""
+    import yaml
+
+    tree = config.resolve("digits")
+    for section in tree["train"].values():
+        del section["ema_warmup"]
+    got = config.read_run_config(yaml.safe_load(yaml.safe_dump(tree)), "config.yaml")
+    assert {p: s["ema_warmup"] for p, s in got["train"].items()} == {p: False for p in tree["train"]}
+    tree["train"]["velocity"]["ema_warmup"] = True
+    got = config.read_run_config(tree, "config.yaml")
+    assert got["train"]["velocity"]["ema_warmup"] is True and got["train"]["nsf"]["ema_warmup"] is False

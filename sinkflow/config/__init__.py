@@ -604,9 +604,10 @@ def read_run_config(cfg: Any, path) -> dict:
     written = flatten(cfg)
     try:
         tree = complete(cfg, None, lenient=True)
-        for key, before in schema.BEFORE_ADDED.items():
-            if key not in written:
-                set_key(tree, key, before)
+        for pattern, before in schema.BEFORE_ADDED.items():
+            for key in expand_key(tree, pattern) if "*" in pattern else [pattern]:
+                if key not in written:
+                    set_key(tree, key, before)
     except SinkflowError as exc:
         if exc.problem.startswith("unknown config key"):
             problem = f"{path} has {exc.problem.replace('unknown config key', 'unknown key')}"
