@@ -723,3 +723,14 @@ def test_a_run_made_before_the_ema_warm_up_resumes_without_it(tmp_path):
     tree["train"]["velocity"]["ema_warmup"] = True
     got = config.read_run_config(tree, "config.yaml")
     assert got["train"]["velocity"]["ema_warmup"] is True and got["train"]["nsf"]["ema_warmup"] is False
+
+
+@pytest.mark.parametrize("argv, needle", [(["--lr", "0"], "--lr 0.0: config key 'train.velocity.lr' must be > 0"),
+                                          (["--train-iters", "0"], "--train-iters 0: config key 'train.velocity.iters'"),
+                                          (["--batch-size", "-3"], "--batch-size -3: config key")])
+def test_a_bad_shorthand_value_names_the_flag_typed(capsys, argv, needle):
+    """`--lr 0` said "config key 'train.velocity.lr' must be > 0 ...; e.g. train.velocity.lr=0.001": the flag the user
+    typed was not named, and the example was another spelling."""
+    assert main(["config", "moons", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and f"e.g. {argv[0]} " in err and "\n" not in err, err

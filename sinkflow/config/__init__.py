@@ -501,6 +501,14 @@ def apply_shorthands(tree: dict, values: dict[str, Any]) -> dict:
             for key in expand_key(tree, pattern):
                 spec = schema.keys(tree).get(key)  # `--name null` is `experiment.name=null`, not a folder "null"
                 null = isinstance(value, str) and value.strip() in ("null", "~") and spec is not None and spec.nullable
+                if spec is not None:  # the flag typed is named: `--lr 0` said "config key 'train.velocity.lr' ..."
+                    try:
+                        check_value(key, spec, None if null else value)
+                    except SinkflowError as exc:
+                        flag, usual = f"--{name.replace('_', '-')}", spec.default if spec.default is not None else \
+                            _example(spec)
+                        raise SinkflowError(f"{flag} {value}: {exc.problem}", f"e.g. {flag} {_yaml(usual)} "
+                                            f"({key}'s default)") from None
                 set_key(tree, key, None if null else value)
     return tree
 
