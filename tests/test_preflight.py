@@ -618,6 +618,6 @@ def test_a_preflight_stopped_by_sigterm_removes_its_scratch_run(tmp_path):
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert proc.returncode == 128 + signal.SIGTERM, (out[-2000:], err[-2000:])  # a failed report: stdout says why
     assert err.strip().splitlines()[-1] == "sinkflow: preflight stopped by signal 15" and "Traceback" not in err
     assert not list(tmp_path.glob("sinkflow-preflight-*"))  # removed on the way out
