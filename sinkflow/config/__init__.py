@@ -497,9 +497,10 @@ def apply_shorthands(tree: dict, values: dict[str, Any]) -> dict:
     for name, value in values.items():
         if value is None:
             continue
+        specs = schema.keys(tree)
         for pattern in SHORTHANDS[name]:
             for key in expand_key(tree, pattern):
-                spec = schema.keys(tree).get(key)  # `--name null` is `experiment.name=null`, not a folder "null"
+                spec = specs.get(key)  # `--name null` is `experiment.name=null`, not a folder "null"
                 null = isinstance(value, str) and value.strip() in ("null", "~") and spec is not None and spec.nullable
                 if spec is not None:  # the flag typed is named: `--lr 0` said "config key 'train.velocity.lr' ..."
                     try:

@@ -152,9 +152,10 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         if resume is not None:  # the pool checks its free disk when it opens, counting the blocks its arrays hold
             check_split_files(run, data.target_split_info(cfg))  # changed images: refused before they are decoded
             check_run(cfg, machine=False)
-        # rank 0 decodes an image set into its cache under data.root first, the other ranks then read it (every
-        # rank decoded the same images at once: 8 GPUs, 8 decodes; a data error is every rank's one line)
-        dist.on_main(lambda: data.distributions(cfg))
+        if dist.current().enabled:  # rank 0 decodes an image set into its cache under data.root first, the other
+            # ranks then read it (every rank decoded the same images at once: 8 GPUs, 8 decodes; a data error is
+            # every rank's one line); alone, the call below is the only one
+            dist.on_main(lambda: data.distributions(cfg))
         source, target = data.distributions(cfg)
         method = methods.of(cfg)
         phases = method.phases(cfg, source, target)

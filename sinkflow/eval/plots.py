@@ -17,9 +17,9 @@ def scatter_samples(generated: torch.Tensor, target: torch.Tensor | None, path: 
     its point file)."""
     generated = flat(generated)
     target = flat(target) if target is not None else generated[:0]
-    both = torch.cat([generated, target])
     fig, ax = plt.subplots(figsize=(5, 5))
     if generated.shape[1] == 1:
+        both = torch.cat([generated, target])
         bins = torch.linspace(float(both.min()), float(both.max()), 61)
         if len(target):
             ax.hist(target[:, 0].numpy(), bins=bins.numpy(), density=True, alpha=0.5, label="target",

@@ -36,9 +36,9 @@ def holder(run_dir: Path) -> str:
     return f"{pid} on {host}" if host else pid or "unknown"
 
 
-def _stop_hint(run_dir: Path) -> str:
-    """``kill PID`` where the holder runs on this host; on another node a kill here would hit another process."""
-    who = holder(run_dir)
+def _stop_hint(who: str) -> str:
+    """``kill PID`` where the holder (``holder``'s words) runs on this host; on another node a kill here would hit
+    another process."""
     pid, _, host = who.partition(" on ")
     if host and host != socket.gethostname():
         return f"stop it on {host} (kill {pid} there)"
@@ -57,9 +57,10 @@ def lock_run(run_dir: Path) -> None:
         os.close(fd)
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise
+        who = holder(run_dir)
         raise SinkflowError(
-            f"run folder {run_dir} is in use by another sinkflow process (pid {holder(run_dir)})",
-            f"wait for it to finish or {_stop_hint(run_dir)}; two writers would interleave checkpoints and metrics") \
+            f"run folder {run_dir} is in use by another sinkflow process (pid {who})",
+            f"wait for it to finish or {_stop_hint(who)}; two writers would interleave checkpoints and metrics") \
             from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode())
