@@ -1,4 +1,5 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -390,7 +391,7 @@ def test_a_config_file_of_your_own_trains_what_it_says(tmp_path, capsys, monkeyp
     got = config.resolve("my.yaml", ["train.velocity.iters=7"])
     assert got == config.resolve("moons", ["experiment.name=mine", "train.velocity.iters=7"])
     (tmp_path / "typo.yaml").write_text(text.replace("  eta: ", "  etaa: ", 1))
-    with pytest.raises(SinkflowError, match=r"config file typo.yaml: unknown config key 'pool.etaa'; did you mean 'pool.eta'"):
+    with pytest.raises(SinkflowError, match=r"config file typo.yaml, line [0-9]+: unknown config key 'pool.etaa'; did you mean 'pool.eta'"):
         config.resolve("typo.yaml")
     (tmp_path / "moon.yaml").write_text("experiment:\n  preset: moon\n")  # a typo ran the schema's defaults silently
     with pytest.raises(SinkflowError, match=r"config file moon.yaml names experiment.preset 'moon', which is no preset, "
@@ -445,6 +446,34 @@ def test_a_key_given_twice_in_a_config_file_is_refused_naming_both_lines(tmp_pat
     with pytest.raises(SinkflowError, match=r"config file d.yaml is not valid YAML \(line 6\): the key 'train' is "
                                             r"given twice \(lines 3 and 6\)"):
         config.resolve("d.yaml")
+
+
+def test_a_bad_value_in_a_config_file_names_its_line_and_the_files_form(tmp_path, monkeypatch):
+    """A bad value in a file of a hundred keys was named by its dotted key alone, and the example was the command
+    line's `train.velocity.lr=0.001`: the error names the line, and the example is written as the file writes it."""
+    from sinkflow.runtime.run_folder import read_config
+
+    monkeypatch.chdir(tmp_path)
+    text = "experiment:\n  preset: moons\n# a comment\ntrain:\n  velocity:\n    iters: 30\n    lr: abc\n"
+    (tmp_path / "d.yaml").write_text(text)
+    with pytest.raises(SinkflowError, match=r"^config file d.yaml, line 7: config key 'train.velocity.lr' expects "
+                                            r"float .*; pass a float, e.g. lr: 0.001$") as err:
+        config.resolve("d.yaml")
+    assert "train.velocity.lr=" not in str(err.value)
+    (tmp_path / "d.yaml").write_text(text.replace("lr: abc", "lr: 0.002").replace("iters: 30", "iters: -5"))
+    with pytest.raises(SinkflowError, match=r"^config file d.yaml, line 6: config key 'train.velocity.iters' must be "
+                                            r">= 1 \(got -5\); e.g. iters: "):
+        config.resolve("d.yaml")
+    (tmp_path / "d.yaml").write_text(text.replace("lr: abc", "lrr: 1"))
+    with pytest.raises(SinkflowError, match=r"^config file d.yaml, line 7: unknown config key 'train.velocity.lrr'"):
+        config.resolve("d.yaml")
+    run = tmp_path / "run"  # a run's config.yaml edited by hand: the same line, and the fix is to edit that file
+    run.mkdir()
+    (run / "config.yaml").write_text(text.replace("lr: abc", "lr: [1, 2]"))
+    with pytest.raises(SinkflowError, match=rf"^{re.escape(str(run / 'config.yaml'))}, line 7: config key "
+                                            r"'train.velocity.lr' expects float .*; edit that file \(pass a float, "
+                                            r"e.g. lr: 0.001\)$"):
+        read_config(run)
 
 
 def test_own_data_named_where_a_preset_goes_gets_the_command_that_trains_on_it(tmp_path, capsys, monkeypatch):
@@ -624,7 +653,7 @@ def test_a_section_that_holds_no_keys_is_named_so(tmp_path, monkeypatch, text, w
     """An empty, listed or misindented section read "unknown config key 'pool'; did you mean 'pool.qmc'?"."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "s.yaml").write_text(text)
-    with pytest.raises(SinkflowError, match=rf"config file s.yaml: section '[a-z.]+' is {what}, not keys .*; indent "
+    with pytest.raises(SinkflowError, match=rf"config file s.yaml, line [12]: section '[a-z.]+' is {what}, not keys .*; indent "
                                             r"its keys below it"):
         config.resolve("s.yaml")
 

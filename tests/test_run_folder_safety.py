@@ -356,7 +356,7 @@ def test_a_config_cut_short_is_refused_not_read_with_defaults(run, tmp_path, cap
 @pytest.mark.parametrize("damage, needles", [
     ("yaml", ("config.yaml is not valid YAML (line", "fix it there by hand")),
     ("bytes", ("config.yaml is not valid YAML (neither UTF-8 nor UTF-16 text)", "fix it there by hand")),
-    ("value", ("config.yaml: config key 'train.velocity.lr'", "edit that file (")),
+    ("value", ("config.yaml, line ", ": config key 'train.velocity.lr'", "edit that file (")),
     ("deleted", ("has lost its config.yaml", "meta.json's argv is the command that made it"))])
 def test_a_damaged_config_names_a_fix_that_works(run, capsys, damage, needles):
     """Their fixes sent users the wrong way: "restore it from the run's first lines of output" (they hold no config),

@@ -78,7 +78,7 @@ def load_config_file(name: str) -> dict:
                             "(`sinkflow config PRESET` prints one)")
     preset = raw["experiment"].get("preset") if isinstance(raw.get("experiment"), dict) else None
     base = load_preset(preset) if preset in preset_names() else None
-    tree = complete(raw, base, where=f"config file {name}")
+    tree = complete(raw, base, where=f"config file {name}", lines=key_lines(text))
     if isinstance(preset, str) and preset and base is None:  # a label only where the file sets every key itself
         unset = set(schema.used(tree)) - set(flatten(raw))  # the keys this run reads that the file does not set
         if unset:  # a typo ('moon') would otherwise run the schema's defaults under the typo's name
@@ -180,6 +180,26 @@ def parse_yaml(text: str, what: str, fix: str) -> Any:
         at = f" (line {mark.line + 1})" if mark is not None else ""
         why = getattr(exc, "problem", None)
         raise SinkflowError(f"{what} is not valid YAML{at}{': ' + why if why else ''}", fix) from None
+
+
+def key_lines(text: str) -> dict[str, int]:
+    """The line of each dotted key in YAML ``text`` (``{'train.velocity.lr': 5}``), for errors about a value the
+    file gave: 'line 5' finds it in a file of a hundred keys. Keys YAML cannot place (merged, unreadable): none."""
+    try:
+        root = yaml.compose(text, Loader=_ConfigLoader)  # noqa: S506 (nodes only: nothing is constructed)
+    except yaml.YAMLError:
+        return {}
+    lines: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.value != "<<":
+                    lines[prefix + key.value] = key.start_mark.line + 1
+                    walk(value, f"{prefix}{key.value}.")
+
+    walk(root, "")
+    return lines
 
 
 def _own_data_hint(name: str) -> str | None:
@@ -412,9 +432,13 @@ def set_key(tree: dict, key: str, value: Any) -> None:
     _set(tree, key, value)
 
 
-def complete(raw: dict, base: dict | None = None, *, where: str = "", lenient: bool = False) -> dict:
+def complete(raw: dict, base: dict | None = None, *, where: str = "", lenient: bool = False,
+             lines: dict[str, int] | None = None) -> dict:
     """A full tree from a partial one (a preset, a run folder's config.yaml): ``raw``'s values over ``base``
     (default: the schema's defaults), every value checked.
+
+    ``lines`` (``key_lines`` of the file's text): an error about a key names its line, and its example is written
+    as the file writes it (``lr: 0.001``), not as the command line does (``train.velocity.lr=0.001``).
 
     ``lenient`` drops model keys of another kind than the section's: run folders written before the schema
     held every kind's keys in every model section (the model builder ignored the others)."""
@@ -424,9 +448,10 @@ def complete(raw: dict, base: dict | None = None, *, where: str = "", lenient: b
     for phase, sec in (raw.get("model") or {}).items():
         if phase in schema.MODEL and isinstance(sec, dict) and "kind" in sec:
             set_key(tree, f"model.{phase}.kind", sec["kind"])
-    prefix = f"{where}: " if where else ""
     specs = schema.keys(tree)
     for key, value in flatten(raw).items():
+        line = (lines or {}).get(key)
+        prefix = f"{where}{f', line {line}' if line else ''}: " if where else ""
         if key not in specs and any(k.startswith(key + ".") for k in specs):  # `pool:` with nothing indented below
             what = "empty" if value is None else "a list" if isinstance(value, list) else f"the value {value!r}"
             example = next(k for k in specs if k.startswith(key + ".")).split(".")
@@ -442,7 +467,8 @@ def complete(raw: dict, base: dict | None = None, *, where: str = "", lenient: b
         try:
             _set(tree, key, check_value(key, specs[key], _as_typed(specs[key].rule, value)))
         except SinkflowError as exc:
-            raise SinkflowError(prefix + exc.problem, exc.fix) from None
+            fix = exc.fix.replace(f"{key}=", f"{key.rsplit('.', 1)[-1]}: ") if line and exc.fix else exc.fix
+            raise SinkflowError(prefix + exc.problem, fix) from None
     return tree
 
 
@@ -603,7 +629,7 @@ def read_by_other_methods(tree: dict, keys: list[str]) -> bool:
     return all(k in read for k in keys)
 
 
-def read_run_config(cfg: Any, path) -> dict:
+def read_run_config(cfg: Any, path, lines: dict[str, int] | None = None) -> dict:
     """A run folder's config.yaml as a full tree: keys added to sinkflow since the run was made take the
     schema's default (a key is added with the default that keeps the behaviour before it, so a resumed run goes on
     as it started, whatever its preset says today), or where the default changed that, the value in
@@ -612,16 +638,13 @@ def read_run_config(cfg: Any, path) -> dict:
         raise SinkflowError(f"{path} does not hold a config tree", "restore it from a copy of the run folder")
     written = flatten(cfg)
     try:
-        tree = complete(cfg, None, lenient=True)
+        tree = complete(cfg, None, where=str(path), lenient=True, lines=lines)
         for pattern, before in schema.BEFORE_ADDED.items():
             for key in expand_key(tree, pattern) if "*" in pattern else [pattern]:
                 if key not in written:
                     set_key(tree, key, before)
     except SinkflowError as exc:
-        if exc.problem.startswith("unknown config key"):
-            problem = f"{path} has {exc.problem.replace('unknown config key', 'unknown key')}"
-        else:
-            problem = f"{path}: {exc.problem}"
+        problem = exc.problem.replace(": unknown config key", " has unknown key", 1)
         # the file is read before any override: `--resume RUN key=value` cannot mend it, an edit of the file does
         fix = f"edit that file ({exc.fix})" if exc.fix else "fix it or start a new run"
         raise SinkflowError(problem, fix) from None

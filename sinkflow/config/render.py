@@ -114,7 +114,8 @@ choices, default and meaning. Defaults, validation, `presets/_base.yaml` and thi
   section of a file is refused, naming both lines (YAML keeps the last in silence). Relative paths in a file are
   relative to the folder you run sinkflow from, as on the command line, not to the file's folder.
 - A key that does not exist is an error that names the closest key; a value that breaks its rule is an
-  error that names the rule. Both are one line.
+  error that names the rule. Both are one line; in a file (yours, or a run's config.yaml) it names the line, and
+  its example is written as the file writes it (`lr: 0.001`).
 - `null` is accepted only where a key says "or null".
 - A model section `model.<phase>` has a `kind`, and its other keys are that kind's. Setting
   `model.<phase>.kind` starts the section from the new kind's defaults, so set the kind first:

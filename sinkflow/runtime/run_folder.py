@@ -479,7 +479,8 @@ def read_config(run_dir: Path) -> dict:
     text = config_mod.read_yaml_text(path, str(path), fix)
     config_mod.refuse_cut_short(text, path)
     cfg = config_mod.parse_yaml(text, str(path), fix)
-    return config_mod.read_run_config(cfg, path)  # keys added to sinkflow after the run was made get their defaults
+    # keys added to sinkflow after the run was made get their defaults; a bad value is named with its line
+    return config_mod.read_run_config(cfg, path, config_mod.key_lines(text))
 
 
 def build_phase_model(cfg: dict, key: str, shape: tuple[int, ...]) -> torch.nn.Module:
