@@ -81,8 +81,11 @@ def test_a_baseline_tries_its_grid_warps_and_its_own_sampler_is_marked(preset, r
     assert sorted(w for (_, w), _, _ in got) == sorted(tune.WARPS) and all(s == 3 for (s, _), _, _ in got)
     uniform = next(g for g in got if g[0][1] == 1.0)
     assert uniform[2] in ("<- best", "(the run's own)")
-    assert main(["tune", str(runs_dir / "f"), "--nfe", "2", "--n", n]) == 0
-    assert set(json.loads((runs_dir / "f" / "tune.json").read_text())) == {"3", "2"}
+    assert main(["tune", str(runs_dir / "f"), "--nfe", "2", "--n", n, "--seeds", "2"]) == 0
+    out = capsys.readouterr().out  # two seeds: each score with its spread, kept in tune.json
+    assert len(re.findall(r"^ +[\d. ]+ +[\d.]+ ± [\d.]+", out, re.M)) == len(tune.WARPS)
+    record = json.loads((runs_dir / "f" / "tune.json").read_text())
+    assert set(record) == {"3", "2"} and all(r["fd_cnn_std"] > 0 for r in record["2"]["scores"])
     (runs_dir / "f" / "tune.json").write_text("{not json")  # a damaged record is left as it is, with a warning
     assert main(["tune", str(runs_dir / "f"), "--nfe", "2", "--n", n]) == 0
     assert "could not record the scores" in capsys.readouterr().err
@@ -147,6 +150,21 @@ def test_candidates_follow_what_the_run_was_trained_for():
     assert tune.choose([({"time_warp": 0.5}, 2.0), ({"time_warp": 0.75}, 2.0)])[0] == {"time_warp": 0.75}
     assert tune.choose([({"temperature": 0.7}, 2.0), ({"temperature": 0.8}, 2.0)])[0] == {"temperature": 0.8}
     assert tune.hint(flow) == "its sampling temperature, chosen on the validation split: sinkflow tune {run}"
+
+
+def test_a_win_within_the_seeds_spread_keeps_the_runs_own_sampler():
+    """`sinkflow tune` on a barely trained FM run named time_warp=0.5 best by 0.0008 FD-CNN over the run's own
+    uniform grid (129.4630 against 129.4638): a margin no seed would repeat. Within the larger of the two's spreads
+    over seeds the run's own is kept; beyond it, or with one seed (no spread measured), the lowest is named."""
+    own = {"time_warp": 1.0}
+    close = [({"time_warp": 0.5}, 10.0, 0.4), ({"time_warp": 0.75}, 10.5, 0.3), (own, 10.3, 0.2)]
+    assert tune.recommend(close, own) == (own, 10.3, True)
+    far = [({"time_warp": 0.5}, 9.0, 0.4), (own, 10.3, 0.2)]
+    assert tune.recommend(far, own) == ({"time_warp": 0.5}, 9.0, False)
+    one_seed = [({"time_warp": 0.5}, 10.0, 0.0), (own, 10.0008, 0.0)]
+    assert tune.recommend(one_seed, own) == ({"time_warp": 0.5}, 10.0, False)
+    assert tune.recommend(close, None) == ({"time_warp": 0.5}, 10.0, False)  # another budget: no own sampler
+    assert tune.recommend([(own, 10.3, 0.2), ({"time_warp": 0.5}, 10.0, 0.4)], own)[0] == own
 
 
 def test_a_flow_tries_its_sampling_temperatures(runs_dir, tmp_path, capsys):

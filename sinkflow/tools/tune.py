@@ -105,6 +105,17 @@ def choose(scored: list[tuple[dict, float]]) -> tuple[dict, float]:
                                        abs(sv[0].get("time_warp", 1.0) - 1), abs(sv[0].get("temperature", 1.0) - 1)))
 
 
+def recommend(scored: list[tuple[dict, float, float]], own: dict | None) -> tuple[dict, float, bool]:
+    """(settings, score, kept): ``choose``'s lowest, unless the run's own sampler ``own`` scores within the seeds'
+    spread of it (the larger of the two's standard deviations over seeds), then the run's own (kept True): a win
+    by less than the noise of the score is no reason to change the sampler. One seed measures no spread."""
+    best = choose(scored)
+    mine = next((sv for sv in scored if sv[0] == own), None)
+    if mine is None or mine is best or mine[1] - best[1] > max(best[2], mine[2]):
+        return best[0], best[1], False
+    return mine[0], mine[1], True
+
+
 def metric_of(cfg: dict, target) -> str:
     """FD-CNN where the data has a digit classifier (digits, mnist), else FID with the configured Inception
     weights; refused in one line before any sampling when neither exists."""
@@ -119,9 +130,10 @@ def metric_of(cfg: dict, target) -> str:
                         "set eval.inception_weights to a local pt_inception-2015-12-05 file (FID)")
 
 
-def tune(run, total: int, n: int, seeds: int = 1, metric: str = "fd_cnn") -> list[tuple[dict, float]]:
+def tune(run, total: int, n: int, seeds: int = 1, metric: str = "fd_cnn") -> list[tuple[dict, float, float]]:
     """Every candidate at ``total`` NFE (and the run's own sampler when it spends as many) scored by ``metric`` on
-    ``n`` samples per seed against the validation split, with a progress bar. Each candidate samples from a view of
+    ``n`` samples per seed against the validation split (mean and standard deviation over the seeds), with a
+    progress bar. Each candidate samples from a view of
     the run (``RunFolder.variant``; config.yaml is never written). The validation reference (FD-CNN features and
     floor, or FID's Inception features of the real images) is built once for all candidates."""
     from tqdm import tqdm
@@ -139,5 +151,5 @@ def tune(run, total: int, n: int, seeds: int = 1, metric: str = "fd_cnn") -> lis
         steps = settings.get("nsf_steps", settings.get("steps", 1))  # a flow's one pass
         row = image_metrics(run.variant(sample=settings, eval=scoring), seeds=seeds, steps_list=[steps],
                             reference=reference)["rows"][0]
-        out.append((settings, row[metric]))
+        out.append((settings, row[metric], row[f"{metric}_std"]))
     return out
