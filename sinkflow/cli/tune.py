@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 
@@ -66,9 +67,9 @@ def run(args):
         print(f"{cfg['experiment']['method']} samplers at {budget}: {name} of {n} samples x {args.seeds} seed(s) "
               f"against the validation split ({held} images); lower is better")
         print("  " + "  ".join(f"{k:>10}" for k in keys) + f"  {name:>8}")
-        for settings, v, std in scored:
+        for settings, v, per_seed in scored:
             mark = "  <- best" if settings == best else ("  (the run's own)" if settings == own else "")
-            spread = f" ± {std:.2f}" if args.seeds > 1 else ""
+            spread = f" ± {statistics.stdev(per_seed):.2f}" if args.seeds > 1 else ""
             print("  " + "  ".join(f"{settings[k]:>10g}" for k in keys) + f"  {v:8.2f}{spread}{mark}")
         choice = " ".join(tune.overrides(best))
         mine = next((v for s, v, _ in scored if s == own), None)
@@ -76,15 +77,15 @@ def run(args):
                   else f" (the run's own sampler: {mine:.2f})")
         print(f"  best at {budget}: {choice}: {name} {value:.2f} on validation{beside}")
         if kept:  # the lowest mean won by less than the seeds' spread: noise, not a better sampler
-            print(f"  the lowest ({' '.join(tune.overrides(lowest[0]))}: {lowest[1]:.2f}) is within the seeds' "
-                  f"spread of the run's own, which is kept")
+            print(f"  the lowest ({' '.join(tune.overrides(lowest[0]))}: {lowest[1]:.2f}) beats the run's own by "
+                  "less than twice the standard error of their seed-by-seed differences: the run's own is kept")
         elif mine is not None and own != best and args.seeds == 1:
-            print(f"  one seed measures no spread: `--seeds 3` shows whether a margin of {mine - value:.2f} is more "
+            print(f"  one seed measures no noise: `--seeds 3` shows whether a margin of {mine - value:.2f} is more "
                   "than the sampling noise")
         print(f"  sinkflow sample {args.run_dir} {choice} --out samples.png")
         print(f"  sinkflow eval {args.run_dir} {choice}    (the test split: the score to report)")
         record = {"metric": metric, "split": "val", "n": n, "seeds": args.seeds, "best": best,
-                  "scores": [{"sample": s, metric: v, f"{metric}_std": std} for s, v, std in scored]}
+                  "scores": [{"sample": s, metric: v, f"{metric}_per_seed": per_seed} for s, v, per_seed in scored]}
         keep(run_.dir / "tune.json", str(total), record)  # each budget as it finishes: a stop loses no other
 
 

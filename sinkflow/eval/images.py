@@ -296,10 +296,12 @@ def held_out(cfg: dict, split: str = "test", n: int | None = None) -> HeldOut:
 
 
 def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_list=None, split: str = "test",
-                  reference: HeldOut | None = None) -> dict:
+                  reference: HeldOut | None = None, per_seed: bool = False) -> dict:
     """Metrics for each sampling setting, mean/std over seeds; plus the protocol used. ``split="val"`` scores
     against the validation split (``data.val_fraction``) instead, for choices that must not read the test split.
-    ``reference``: a ``held_out`` built once for many calls (its split and n are then the ones used)."""
+    ``reference``: a ``held_out`` built once for many calls (its split and n are then the ones used).
+    ``per_seed``: each row also holds every seed's value (``fd_cnn_per_seed``): the seeds are the same for every
+    setting, so two settings compare seed by seed (``sinkflow tune``)."""
     from sinkflow.ot import w2
 
     cfg = run.cfg
@@ -335,6 +337,8 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
             if v:
                 row[key] = statistics.fmean(v)
                 row[f"{key}_std"] = statistics.stdev(v) if len(v) > 1 else 0.0
+                if per_seed:
+                    row[f"{key}_per_seed"] = list(v)
         if clf is not None:
             row["hist"] = st["hist"].round(3).tolist()
         rows.append(row)

@@ -105,13 +105,19 @@ def choose(scored: list[tuple[dict, float]]) -> tuple[dict, float]:
                                        abs(sv[0].get("time_warp", 1.0) - 1), abs(sv[0].get("temperature", 1.0) - 1)))
 
 
-def recommend(scored: list[tuple[dict, float, float]], own: dict | None) -> tuple[dict, float, bool]:
-    """(settings, score, kept): ``choose``'s lowest, unless the run's own sampler ``own`` scores within the seeds'
-    spread of it (the larger of the two's standard deviations over seeds), then the run's own (kept True): a win
-    by less than the noise of the score is no reason to change the sampler. One seed measures no spread."""
+def recommend(scored: list[tuple[dict, float, list[float]]], own: dict | None) -> tuple[dict, float, bool]:
+    """(settings, score, kept): ``choose``'s lowest, unless it beats the run's own sampler ``own`` by less than twice
+    the standard error of their seed-by-seed differences (every candidate samples with the same seeds, so the
+    differences pair up), then the run's own (kept True): a win smaller than the noise of the score is no reason
+    to change the sampler. One seed measures no noise: the lowest is named."""
+    import statistics
+
     best = choose(scored)
     mine = next((sv for sv in scored if sv[0] == own), None)
-    if mine is None or mine is best or mine[1] - best[1] > max(best[2], mine[2]):
+    if mine is None or mine is best or len(best[2]) < 2:
+        return best[0], best[1], False
+    diff = [m - b for m, b in zip(mine[2], best[2])]
+    if statistics.fmean(diff) > 2 * statistics.stdev(diff) / len(diff) ** 0.5:
         return best[0], best[1], False
     return mine[0], mine[1], True
 
@@ -130,10 +136,10 @@ def metric_of(cfg: dict, target) -> str:
                         "set eval.inception_weights to a local pt_inception-2015-12-05 file (FID)")
 
 
-def tune(run, total: int, n: int, seeds: int = 1, metric: str = "fd_cnn") -> list[tuple[dict, float, float]]:
+def tune(run, total: int, n: int, seeds: int = 1,
+         metric: str = "fd_cnn") -> list[tuple[dict, float, list[float]]]:
     """Every candidate at ``total`` NFE (and the run's own sampler when it spends as many) scored by ``metric`` on
-    ``n`` samples per seed against the validation split (mean and standard deviation over the seeds), with a
-    progress bar. Each candidate samples from a view of
+    ``n`` samples per seed against the validation split (the mean, and each seed's score), with a progress bar. Each candidate samples from a view of
     the run (``RunFolder.variant``; config.yaml is never written). The validation reference (FD-CNN features and
     floor, or FID's Inception features of the real images) is built once for all candidates."""
     from tqdm import tqdm
@@ -150,6 +156,6 @@ def tune(run, total: int, n: int, seeds: int = 1, metric: str = "fd_cnn") -> lis
                          disable=os.environ.get("SINKFLOW_PROGRESS") == "0"):
         steps = settings.get("nsf_steps", settings.get("steps", 1))  # a flow's one pass
         row = image_metrics(run.variant(sample=settings, eval=scoring), seeds=seeds, steps_list=[steps],
-                            reference=reference)["rows"][0]
-        out.append((settings, row[metric], row[f"{metric}_std"]))
+                            reference=reference, per_seed=True)["rows"][0]
+        out.append((settings, row[metric], row[f"{metric}_per_seed"]))
     return out
