@@ -252,6 +252,7 @@ def test_a_stop_inside_a_pool_chunk_leaves_it_and_a_second_signal_is_one_line(tm
         assert main(["train", *args, "--name", name]) == 128 + second  # 143 for a second SIGTERM (was 130)
         err = capsys.readouterr().err
         assert "stopped at once by a second signal" in err and "sinkflow train --resume" in err
+        assert f"runs/{name} --no-report`" in err  # resumed as launched (a plain --resume ran the report it skipped)
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1
         # `sinkflow status` says so (it said DEAD: the heartbeat was the running phase's), though the pid that
         # wrote it, this test's, lives on (as a notebook's kernel does)

@@ -335,7 +335,7 @@ def test_stale_after_must_be_a_positive_number_of_seconds(tmp_path, value):
 def test_resume_commands_are_quoted_for_the_shell(tmp_path):
     """`--name "x z"`: the resume printed was `sinkflow train --resume runs/x z`, two arguments to a shell."""
     from sinkflow.runtime.lock import finish_fix
-    from sinkflow.tools.status import resume_command
+    from sinkflow.runtime.relaunch import resume_command
 
     assert resume_command(tmp_path / "x z") == f"sinkflow train --resume '{tmp_path / 'x z'}'"
     assert resume_command(tmp_path / "plain") == f"sinkflow train --resume {tmp_path / 'plain'}"

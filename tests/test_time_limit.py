@@ -132,6 +132,9 @@ def test_the_cli_exits_124_with_the_resume_line_and_status_says_why(tmp_path):
     assert "STOPPED (at the time limit at pool step 1, checkpoint saved" in status.stdout, status.stdout
     # the console's command, time limit included (status said a plain resume: the next session had no limit)
     assert "`sinkflow train --resume runs/k --no-report --time-limit 0.000001`" in status.stdout, status.stdout
+    out = cli("sample", "runs/k", "--n", "4", "--out", "x.png", cwd=tmp_path)  # so do the commands that need it done
+    assert out.returncode == 2 and "phase 'velocity' of runs/k has not finished; finish it with `sinkflow train --resume " \
+        "runs/k --no-report --time-limit 0.000001`" in out.stderr, out.stderr[-2000:]
     out = cli("train", "--resume", "runs/k", "--no-report", "--time-limit", "1h", cwd=tmp_path)
     assert out.returncode == 0 and _progress(tmp_path / "runs" / "k")[2], out.stderr[-2000:]
 

@@ -12,7 +12,6 @@ import contextlib
 import errno
 import importlib
 import os
-import shlex
 import signal
 import logging
 import sys
@@ -115,12 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         torch = sys.modules.get("torch")
         if torch is not None and peer_lost(exc, torch):
-            from sinkflow.runtime import dist
-            from sinkflow.tools.status import resume_command
-
-            run_dir = getattr(args, "run_dir_used", None) or getattr(args, "resume", None) or "RUN"
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-            command = resume_command(run_dir, world, bool(getattr(args, "no_report", False)), per_node=dist.per_node())
+            command = resume_as_launched(args, getattr(args, "run_dir_used", None) or getattr(args, "resume", None)
+                                         or "RUN")
             print(f"sinkflow: error: another process of this torchrun job stopped or stopped answering, so a "
                   f"collective failed ({one_line(str(exc))[:160]}); the checkpoints written before are intact: find "
                   f"why that rank stopped (its own output), then resume with `{command}`", file=sys.stderr)
@@ -136,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # a second Ctrl+C or SIGTERM means "now": no step checkpoint, no traceback wall
         signum = getattr(exc, "signum", signal.SIGINT)  # StopNow's; a Ctrl+C outside a run is SIGINT's
         if args.command == "train":
-            where = shlex.quote(str(getattr(args, "run_dir_used", None) or "RUN"))
+            command = resume_as_launched(args, getattr(args, "run_dir_used", None) or "RUN")
             print(f"sinkflow: stopped at once by a second signal: the checkpoints written before are intact; resume "
-                  f"with `sinkflow train --resume {where}`", file=sys.stderr)
+                  f"with `{command}`", file=sys.stderr)
         else:  # one signal stops any other command, its temporary files removed on the way out
             print(f"sinkflow: {args.command} stopped by signal {signum}", file=sys.stderr)
         return 128 + signum
@@ -153,21 +148,27 @@ def main(argv: list[str] | None = None) -> int:
         # would, and rank 0 says so once
         info = dist.leave_after_stop()
         if info.is_main:
-            from sinkflow.runtime.signals import parse_duration
-            from sinkflow.tools.status import resume_command
-
             where = getattr(exc, "run_dir", None) or getattr(args, "run_dir_used", "RUN")
-            # launched as it was (another process count also resumes: the lr follows train.*.lr_scaling), with
-            # the report skipped as it was and the next session's time limit: what `sinkflow status` says too
-            limit = getattr(args, "time_limit", None)
-            command = resume_command(where, info.world, bool(getattr(args, "no_report", False)),
-                                     parse_duration(limit) if limit is not None else None, dist.per_node())
-            print(f"sinkflow: {exc}; resume with `{command}`", file=sys.stderr)
+            print(f"sinkflow: {exc}; resume with `{resume_as_launched(args, where, info.world)}`", file=sys.stderr)
         return exc.exit_status
     finally:
         dist = sys.modules.get("sinkflow.runtime.dist")  # imported by the commands that join a process group
         if dist is not None:
             dist.leave()
+
+
+def resume_as_launched(args, run_dir, world: int | None = None) -> str:
+    """The resume command of this launch (another process count also resumes: the lr follows
+    train.*.lr_scaling), with the report skipped as it was and the next session's time limit: what `sinkflow
+    status` says too (``runtime.relaunch``). A plain `--resume` after a second signal or a lost peer dropped them."""
+    from sinkflow.runtime import dist
+    from sinkflow.runtime.relaunch import resume_command
+    from sinkflow.runtime.signals import parse_duration
+
+    limit = getattr(args, "time_limit", None)
+    return resume_command(run_dir, world or int(os.environ.get("WORLD_SIZE", "1")),
+                          bool(getattr(args, "no_report", False)), parse_duration(limit) if limit is not None else None,
+                          dist.per_node())
 
 
 def entry() -> None:

@@ -37,7 +37,7 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
     between two phases before the next starts, and after the last only where a ``report`` would follow (it is
     skipped as asked; with none to skip, a finished run is finished: exit 0, not 124 and a resume to run). A stop's
     heartbeat records how the run was launched (processes, report, the session's ``time_limit`` in seconds), from
-    which `sinkflow status` gives the resume command the CLI printed (``tools.status.resume_command``)."""
+    which `sinkflow status` gives the resume command the CLI printed (``runtime.relaunch.resume_command``)."""
     callbacks = list(callbacks)
     last = None
     launch = {"world": dist.current().world, "per_node": dist.per_node(), "no_report": not report,

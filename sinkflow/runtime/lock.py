@@ -11,11 +11,11 @@ import contextlib
 import errno
 import fcntl
 import os
-import shlex
 import socket
 from pathlib import Path
 
 from sinkflow.errors import SinkflowError
+from sinkflow.runtime.relaunch import recorded_resume
 
 LOCK_NAME = ".lock"
 _held: dict[str, int] = {}  # resolved run folder -> fd of its lock file (this process is the writer)
@@ -105,7 +105,7 @@ def finish_fix(run_dir: Path) -> str:
             os.close(fd)
     elif fd is not None:
         os.close(fd)
-    return f"finish it with `sinkflow train --resume {shlex.quote(str(run_dir))}`"
+    return f"finish it with `{recorded_resume(run_dir)}`"  # as it was launched: its time limit, its processes
 
 
 def unlock_run(run_dir: Path) -> None:

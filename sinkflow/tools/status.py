@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import socket
 import time
 import zipfile
@@ -35,7 +34,8 @@ from sinkflow import config as config_mod
 from sinkflow.config import schema
 from sinkflow.errors import SinkflowError
 from sinkflow.eval.records import OPTIONAL_SETTINGS
-from sinkflow.runtime.signals import format_duration, stop_reason
+from sinkflow.runtime.relaunch import resume_for
+from sinkflow.runtime.signals import stop_reason
 
 STALE_AFTER_S = 300.0
 
@@ -168,38 +168,6 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
         if state not in ("running", "evaluating"):
             out["state"] = "damaged"
     return out
-
-
-def resume_command(run_dir, world: int = 1, no_report: bool = False, time_limit: float | None = None,
-                   per_node: int | None = None) -> str:
-    """The command that continues a run as it was launched: torchrun with its process count (and node count, when
-    ``per_node`` processes ran on each of several nodes: the ``...`` is your rendezvous flags), ``--no-report`` and
-    the session's ``--time-limit`` where it had them. The CLI prints it when a run stops, and `sinkflow status`
-    gives the same one (``resume_for``): status gave a plain resume, which dropped the time limit (a Kaggle session
-    then overran and lost its work) and resumed a torchrun job on one process."""
-    if world > 1 and per_node and per_node < world and world % per_node == 0:
-        launch = f"torchrun --nnodes {world // per_node} --nproc_per_node {per_node} ... -m sinkflow"
-    else:
-        launch = f"torchrun --nproc_per_node {world} -m sinkflow" if world > 1 else "sinkflow"
-    return (f"{launch} train --resume {shlex.quote(str(run_dir))}" + (" --no-report" if no_report else "")
-            + (f" --time-limit {format_duration(time_limit)}" if time_limit else ""))
-
-
-def resume_for(run_dir: Path, hb: dict) -> str:
-    """``resume_command`` from what the run recorded: a stop's heartbeat holds its launch (world, report, time
-    limit); otherwise (a kill -9, a run from before) the running heartbeat's world and meta.json's first argv."""
-    if "no_report" in hb:
-        no_report = bool(hb["no_report"])
-    else:
-        try:
-            argv = json.loads((Path(run_dir) / "meta.json").read_text()).get("argv") or []
-        except (OSError, ValueError, AttributeError):
-            argv = []
-        no_report = "--no-report" in argv
-    world, per_node, time_limit = hb.get("world"), hb.get("per_node"), hb.get("time_limit")
-    return resume_command(run_dir, world if isinstance(world, int) and world > 0 else 1, no_report,
-                          time_limit if isinstance(time_limit, (int, float)) and time_limit > 0 else None,
-                          per_node if isinstance(per_node, int) and per_node > 0 else None)
 
 
 def phases_left(run_dir: Path, hb: dict, ckpts: dict) -> list[dict]:
