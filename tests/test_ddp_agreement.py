@@ -5,7 +5,9 @@ before any folder exists (a new run) or anything in the run folder changes (a re
 
 import shutil
 
-from helpers import bytes_snapshot
+import pytest
+
+from helpers import bytes_snapshot, run_main
 from test_ddp import COMMON, _torchrun
 
 
@@ -34,8 +36,8 @@ def test_a_resume_whose_ranks_differ_is_refused_before_the_folder_changes(tiny_r
     shutil.copytree(tiny_run, run)
     before = bytes_snapshot(run)
 
-    def gather(out, mine):
-        out[:] = [mine, {**mine, "checkpoint.keep": "5"}]
+    def gather(out, mine):  # the configs differ; the checks' outcomes (dist.on_every) are alike
+        out[:] = [mine, {**mine, "checkpoint.keep": "5"} if isinstance(mine, dict) else mine]
 
     monkeypatch.setattr(dist, "current", lambda: dist.DistInfo(0, 2))
     monkeypatch.setattr(tdist, "all_gather_object", gather)
@@ -99,3 +101,37 @@ def test_a_rank_that_cannot_see_the_run_folder_stops_every_rank(tmp_path, monkey
     monkeypatch.setattr(dist, "all_gather_object", lambda mine: [mine, mine])  # rank 1 read it back: nothing said
     check_shared(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_refusal_every_rank_makes_alike_is_one_line_from_rank_0(rank, runs_dir, monkeypatch, capsys):
+    """A config the ranks share and compared, refused by the method's check (NSGF++ with pool.steps=6), or a resume
+    refused by its checkpoints: every rank printed the same line (8 GPUs, 8 lines). Rank 0 prints it once and the
+    other ranks exit 2 in silence; the gather is simulated in one process, as rank 0 and as rank 1 of two."""
+    from sinkflow.runtime import dist
+
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setattr(dist, "current", lambda: dist.DistInfo(rank, 2))
+    monkeypatch.setattr(dist, "all_gather_object", lambda mine: [mine, mine])  # every rank found the same
+    monkeypatch.setattr(dist, "leave", lambda: None)  # no process group was joined
+    rc, err = run_main(capsys, "train", "moons", "--method", "nsgfpp", "pool.steps=6", "--device", "cpu")
+    said = [line for line in err.splitlines() if line.startswith("sinkflow: error:")]
+    assert rc == 2 and len(said) == (1 if rank == 0 else 0), err
+    assert rank or "pool.steps=6 but NSGF++ uses at most 5 NSGF steps" in said[0]
+    assert not runs_dir.exists()
+
+
+def test_a_check_that_fails_on_one_rank_alone_stops_every_rank_and_rank_0_names_it(runs_dir, monkeypatch, capsys):
+    """A check that passes on rank 0 but fails on another (a node whose own disk lacks room for the pool, a resume's
+    folder another node cannot see): rank 0 went on alone into its next collective, and its line was a lost peer's.
+    Every rank now stops before any folder, and rank 0 says which rank stopped and why (the gather simulated)."""
+    from sinkflow.runtime import dist
+
+    monkeypatch.setattr(dist, "current", lambda: dist.DistInfo(0, 2))
+    monkeypatch.setattr(dist, "all_gather_object",
+                        lambda mine: [mine, mine if isinstance(mine, dict) else "no room here; free disk space"])
+    monkeypatch.setattr(dist, "leave", lambda: None)
+    rc, err = run_main(capsys, "train", *COMMON)
+    said = [line for line in err.splitlines() if line.startswith("sinkflow: error:")]
+    assert rc == 2 and said == ["sinkflow: error: rank 1 stopped: no room here; free disk space"], err
+    assert not runs_dir.exists()

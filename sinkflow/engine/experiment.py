@@ -129,7 +129,7 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         raise ValueError("train_run needs exactly one of cfg (a new run) or resume (a run folder)")
     info = dist.init(device or "auto")
     if resume is not None:
-        run = RunFolder.open(Path(resume), overrides, shorthands)  # frozen keys, device: no writes
+        run = dist.on_every(lambda: RunFolder.open(Path(resume), overrides, shorthands))  # frozen keys: no writes
         check_ranks_agree(run.cfg, {"--resume": str(Path(resume).resolve())})  # the overrides' result, every rank
         if preset is not None and config_mod.is_config_file(preset):  # its preset is what it inherits, not its name
             raise SinkflowError(f"cannot resume {resume} with the config file '{preset}': a resume reads the run's own "
@@ -143,15 +143,15 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
                                 f"with `sinkflow train {preset}`")
     else:
         check_ranks_agree(absolute_data_paths(cfg, DATA_PATH_KEYS))  # before any folder
-        check_run(cfg)
+        dist.on_every(lambda: check_run(cfg))  # every rank refuses alike: rank 0 says it once
         run = RunFolder.create(cfg, call=call)
     if on_open is not None:
         on_open(run)
     try:
         cfg = run.cfg
         if resume is not None:  # the pool checks its free disk when it opens, counting the blocks its arrays hold
-            check_split_files(run, data.target_split_info(cfg))  # changed images: refused before they are decoded
-            check_run(cfg, machine=False)
+            dist.on_every(lambda: (check_split_files(run, data.target_split_info(cfg)),  # changed images: refused
+                                   check_run(cfg, machine=False)))  # before they are decoded
         if dist.current().enabled:  # rank 0 decodes an image set into its cache under data.root first, the other
             # ranks then read it (every rank decoded the same images at once: 8 GPUs, 8 decodes; a data error is
             # every rank's one line); alone, the call below is the only one
@@ -160,8 +160,8 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         method = methods.of(cfg)
         phases = method.phases(cfg, source, target)
         if resume is not None:
-            verify(run, phases)  # finished phases' final.pt and the newest step checkpoint: safe, this run's
-            check_split(run, source, target)
+            dist.on_every(lambda: (verify(run, phases),  # finished phases' final.pt and the newest step checkpoint
+                                   check_split(run, source, target)))  # (safe, this run's), the data's hashes
         run.start()  # the lock (one writer per run folder), the resumed config, orphaned temp files
         if info.is_main:
             record_split(run, source, target)

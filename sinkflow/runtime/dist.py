@@ -132,6 +132,27 @@ def on_main(work: Callable[[], Any]) -> Any:
     return result
 
 
+def on_every(work: Callable[[], Any]) -> Any:
+    """``work()`` (a check that runs no collective) on every rank, its outcome agreed: its result, or a one-line
+    error raised on every rank and printed once, by rank 0 (its own, else the first failing rank's, named). Checks
+    that every rank runs alike (the config they share, a resume's checkpoints) printed their line once a rank."""
+    if not current().enabled:
+        return work()
+    result, failure = None, None
+    try:
+        result = work()
+    except SinkflowError as exc:
+        failure = exc
+    said = all_gather_object(None if failure is None else str(failure))
+    first = next((rank for rank, line in enumerate(said) if line is not None), None)
+    if first is None:
+        return result
+    if failure is not None:  # rank 0 prints its own line; another rank's stays silent, named by rank 0's below
+        failure.every_rank = True
+        raise failure
+    raise SinkflowError(f"rank {first} stopped: {said[first]}", every_rank=True)
+
+
 def agree_stop(signum: int | None) -> int | None:
     """A stop signal seen by any rank stops every rank at the same step (the largest signal number)."""
     if not current().enabled:
