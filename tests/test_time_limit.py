@@ -183,3 +183,18 @@ def test_a_real_signal_still_abandons_a_pool_chunk_but_the_limit_does_not(monkey
         signals._handler(signal.SIGTERM, None)
         assert signals.stop_requested() == signals.signalled() == signal.SIGTERM  # a real signal wins
     assert signals.stop_requested() is None
+
+
+def test_a_change_on_resuming_a_half_built_pool_is_recorded_at_its_chunk(tmp_path, monkeypatch):
+    """A resume of a pool stopped after its first chunk with a key it may change (pool.in_flight; on another number
+    of processes, world_size) recorded the change in meta.json as "from phase pool step 0", as if nothing had been
+    built: it took effect at chunk 1, where the heartbeat and `sinkflow status` stood."""
+    from sinkflow.engine.experiment import train_run
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Interrupted) as stop:
+        train_run(_cfg("half"), time_limit=1e-9)
+    assert (stop.value.phase, stop.value.step) == ("pool", 1)
+    train_run(resume=tmp_path / "runs" / "half", overrides=["pool.in_flight=2"])
+    changes = json.loads((tmp_path / "runs" / "half" / "meta.json").read_text())["changes"]
+    assert [(c["key"], c["phase"], c["step"]) for c in changes] == [("pool.in_flight", "pool", 1)], changes

@@ -224,8 +224,7 @@ def verify(run, phases) -> None:
         if training:
             run.to_train.append(task.model_key)
         if at is None:
-            step = 0
-            task.check_resume(run)  # what it left besides step checkpoints (a half-built pool)
+            step = task.check_resume(run)  # what it left besides step checkpoints (a half-built pool: its chunks)
             if training:
                 ckpts = run.checkpoints(task.name)
                 latest = ckpts.latest()

@@ -38,9 +38,11 @@ class Task(Callback):
         """A resume of a run whose task has finished: check what later tasks will read of its output (beyond its
         final.pt), before the run folder is touched. Raise a one-line SinkflowError to refuse."""
 
-    def check_resume(self, run) -> None:
+    def check_resume(self, run) -> int:
         """A resume that will continue this unfinished task: check what it left on disk (beyond its step
-        checkpoints) before the run folder is touched. Raise a one-line SinkflowError to refuse."""
+        checkpoints) before the run folder is touched, and return where it continues (a chunked task's finished
+        units; 0 otherwise: a training phase's step is its checkpoint's). Raise a one-line SinkflowError to refuse."""
+        return 0
 
     def callbacks(self) -> list[Callback]:
         """Extra hook objects the method runs with this task (besides the task itself)."""

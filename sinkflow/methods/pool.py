@@ -304,9 +304,10 @@ class PoolTask(ChunkedTask):
                                     f"pool needs {np.dtype(dtype)} {shape}", rebuild_fix(folder))
         return arrays
 
-    def check_resume(self, run) -> None:
-        """A half-built pool's progress: readable, built with the run's keys, its arrays there (``read_progress``)."""
-        self.read_progress(run)
+    def check_resume(self, run) -> int:
+        """A half-built pool's progress: readable, built with the run's keys, its arrays there (``read_progress``);
+        returns its finished chunks (``position`` once it opens)."""
+        return len(self.read_progress(run).get("chunks", []))
 
     def read_progress(self, run) -> dict:
         """progress.json of ``run``'s pool ({} before the first write), refused in one line when it is damaged,
