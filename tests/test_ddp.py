@@ -305,3 +305,51 @@ def test_a_normalizing_flow_under_ddp_matches_a_single_process(runs_dir):
     assert a["step"] == b["step"] == 3 and a["world_size"] == 2
     for k in b["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5)
+
+
+DROPOUT_MASKS = """import hashlib, os, sys
+import torch
+record = open(os.environ["MASKS"] + "." + os.environ["RANK"], "a")
+forward = torch.nn.Dropout.forward
+def recorded(self, x):
+    out = forward(self, x)
+    if self.training:  # which activations this rank's step zeroed
+        record.write(hashlib.sha1(((out == 0) & (x != 0)).numpy().tobytes()).hexdigest() + "\\n")
+        record.flush()
+    return out
+torch.nn.Dropout.forward = recorded
+sys.argv = ["sinkflow", *sys.argv[1:]]
+from sinkflow.cli import entry
+entry()
+"""
+
+
+def test_dropout_under_ddp_draws_each_ranks_own_masks_and_resumes_them(runs_dir, tmp_path):
+    """Every rank left the shared init with the same global RNG state, so with model.velocity.dropout > 0 each drew
+    the same masks (its batch rows apart), and a resume gave every rank rank 0's restored state. Each rank's masks
+    are its own now, and a run stopped at its time limit after step 1 and resumed draws at steps 2-4 the masks an
+    unstopped run drew."""
+    cwd = runs_dir.parent
+    script = tmp_path / "masks.py"
+    script.write_text(DROPOUT_MASKS)
+    args = ["digits", "--method", "fm", "model.velocity.channels=8", "model.velocity.res_blocks=1",
+            "model.velocity.dropout=0.5", "--batch-size", "4", "--device", "cpu", "--no-report",
+            "train.velocity.schedule=constant", "train.velocity.warmup=0", "train.velocity.ema_warmup=false"]
+
+    def masks(name, *more, rc=0):
+        os.environ["MASKS"] = str(tmp_path / name)
+        try:
+            out = _torchrun(*more, cwd=cwd, entry=(str(script),))
+        finally:
+            del os.environ["MASKS"]
+        assert out.returncode == rc, out.stderr[-3000:]
+        return [(tmp_path / f"{name}.{rank}").read_text().split() for rank in (0, 1)]
+
+    whole = masks("whole", *args, "--train-iters", "4", "--name", "whole")
+    per_step = len(whole[0]) // 4
+    assert per_step > 0 and len(whole[1]) == len(whole[0])
+    assert not set(whole[0]) & set(whole[1])  # no mask of rank 0's is also rank 1's
+    masks("stopped", *args, "--train-iters", "4", "--name", "stopped", "--time-limit", "0.000001", rc=1)
+    resumed = masks("resumed", "--resume", str(runs_dir / "stopped"), "--no-report")
+    assert len(resumed[0]) == 3 * per_step
+    assert resumed[0] == whole[0][per_step:] and resumed[1] == whole[1][per_step:]

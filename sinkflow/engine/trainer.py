@@ -38,7 +38,7 @@ from sinkflow.engine.finite import NonFiniteGuard, optimizer_steps, skips_on_dev
 from sinkflow.engine.health import Health
 from sinkflow.engine.prefetch import BatchPrefetcher, use_prefetch
 from sinkflow.engine.step_graph import StepGraph
-from sinkflow.runtime.rng import phase_generator, seed_everything
+from sinkflow.runtime.rng import draws_dropout, phase_generator, seed_everything, stream_seed
 from sinkflow.runtime.run_folder import build_phase_model, load_model_state
 from sinkflow.runtime.signals import Interrupted, stop_requested
 from sinkflow.runtime.state_check import check_step_state
@@ -127,6 +127,10 @@ class Trainer:
         if start is not None:
             load_model_state(model, start, str(run.checkpoints(self.task.init_from).final_path), "initial weights")
         self.model = model.to(run.device)
+        # under DDP every rank left the shared init with the same global RNG state, so each drew the same dropout
+        # masks (a resume restored rank 0's on all): each rank's masks come from a stream of its own, seeded at every
+        # step from (seed, phase, rank, step), so a resume at any step draws what the uninterrupted run drew
+        self.rank_dropout = self.info.world > 1 and draws_dropout(model)
         self.channels_last = use_channels_last(cfg, run.device, self.shape)
         if self.channels_last:  # NHWC convolutions (tensor cores) for 4-D image batches
             self.model = self.model.to(memory_format=torch.channels_last)
@@ -476,6 +480,9 @@ class Trainer:
                 self._call("on_train_batch_start", batch)
                 if self.stopped:
                     return
+                if self.rank_dropout:
+                    torch.manual_seed(stream_seed(run.cfg["experiment"]["seed"], "dropout", self.name,
+                                                  self.info.rank, self.step))
                 loss, grad_norm = self.train_step(batch)
                 self.step += 1
                 self.last_units = 1

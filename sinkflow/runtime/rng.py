@@ -14,11 +14,21 @@ import numpy as np
 import torch
 
 
+def stream_seed(seed: int, *tags: Any) -> int:
+    """The seed of the stream named by (seed, tags): the same tags, the same stream, in any process."""
+    return (seed * 1_000_003 + zlib.crc32(repr(tags).encode())) % (2**63)
+
+
 def phase_generator(seed: int, *tags: Any) -> torch.Generator:
     """A CPU generator whose seed depends only on (seed, tags): phases never share a stream."""
     gen = torch.Generator()
-    gen.manual_seed((seed * 1_000_003 + zlib.crc32(repr(tags).encode())) % (2**63))
+    gen.manual_seed(stream_seed(seed, *tags))
     return gen
+
+
+def draws_dropout(model: torch.nn.Module) -> bool:
+    """Does ``model`` hold an active dropout layer (p > 0), the one consumer of the global RNG in a step?"""
+    return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
 
 
 def seed_everything(seed: int) -> None:
