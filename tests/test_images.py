@@ -113,6 +113,8 @@ def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys, caplog):
 
     assert main(["sample", str(run), "--n", "6", "--out", str(tmp_path / "g.png")]) == 0
     assert f"(3 straight-flow steps, {k + 4} network evaluations)" in capsys.readouterr().out  # what --steps counts
+    assert main(["sample", str(run), "--n", "6", "--steps", "1", "--out", str(tmp_path / "g1.png")]) == 0
+    assert f"(1 straight-flow step, {k + 2} network evaluations)" in capsys.readouterr().out  # not "1 ... steps"
     assert Image.open(tmp_path / "g.png").size[0] > 0
     # half-precision sampling (sample.precision): every network of the sampler under autocast, the images float32,
     # finite and of the data's shape, close to the fp32 draw of the same seed

@@ -92,6 +92,7 @@ def _sample(args, run_, out, as_folder):
         from sinkflow.eval.images import save_grid
 
         save_grid(x, out)
-    how = f"{steps} {method.steps_are}" if method.takes_steps else "one inverse pass"
+    unit = method.steps_are.removesuffix("s") if steps == 1 else method.steps_are  # "1 straight-flow step"
+    how = f"{steps} {unit}" if method.takes_steps else "one inverse pass"
     print(f"wrote {args.n} samples ({how}, {info['nfe']} network evaluations) from "
           f"{'a QMC' if qmc else 'an i.i.d.'} source draw to {out}")
