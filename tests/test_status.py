@@ -12,6 +12,7 @@ import torch
 
 from helpers import TINY_2D, cli, snapshot
 from sinkflow.tools.status import format_status, read_status
+from sinkflow.runtime.lock import run_lock
 
 LONG = ["moons", "pool.batches=2", "pool.steps=4", "pool.batch_size=32", "--train-iters", "100000",
         "train.velocity.log_every=5", "train.velocity.ckpt_every=50", "--device", "cpu", "--no-report"]
@@ -56,6 +57,27 @@ def test_status_live_then_dead(runs_dir):
     assert st["state"] == "dead" and st["pid_alive"] is False
     out = cli("status", str(run), cwd=runs_dir.parent)
     assert out.returncode == 1 and "DEAD" in out.stdout and "--resume" in out.stdout
+
+
+def test_a_killed_run_whose_pid_was_reused_is_dead_not_running(tiny_run, tmp_path, capsys):
+    """kill -9 leaves the heartbeat "running" with the killed pid; once the kernel gives that pid to another process
+    (any process: here this one), status said RUNNING with exit 0 for as long as the heartbeat was young, and a user
+    waited on a run nobody trains. The run's lock died with its writer: an unheld lock is a dead run."""
+    import shutil
+    import socket
+
+    from sinkflow.cli import main
+
+    run = tmp_path / "r"
+    shutil.copytree(tiny_run, run)
+    (run / "status.json").write_text(json.dumps({"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
+                                                 "phase": "velocity", "step": 3, "total": 6, "state": "running"}))
+    st = read_status(run)
+    assert (st["state"], st["pid_alive"]) == ("dead", False)
+    assert main(["status", str(run)]) == 1
+    assert f"DEAD (pid {os.getpid()} is another process now; resume with" in capsys.readouterr().out
+    with run_lock(run):  # the pid's process holds the lock: the run is alive
+        assert (read_status(run)["state"], read_status(run)["pid_alive"]) == ("running", True)
 
 
 def test_status_finished(runs_dir):
@@ -124,6 +146,7 @@ def test_status_says_evaluating_during_the_final_report_and_whether_it_was_writt
     from sinkflow.cli import main
     from sinkflow.cli.train import ReportStopped, report
     from sinkflow.eval import report as report_mod
+    from sinkflow.runtime.lock import lock_run, unlock_run
     from sinkflow.runtime.run_folder import RunFolder
 
     run_dir = tmp_path / "r"
@@ -131,6 +154,7 @@ def test_status_says_evaluating_during_the_final_report_and_whether_it_was_writt
     seen = []
     monkeypatch.setattr(report_mod, "final_report", lambda run: seen.append(read_status(run.dir)) or "scores")
     run = RunFolder.open(run_dir)
+    lock_run(run_dir)  # as `sinkflow train` holds it while its report runs
     report(run)
     assert seen[0]["state"] == "evaluating" and seen[0]["phases_left"] == []
     assert "EVALUATING (training finished; pid" in format_status(seen[0])
@@ -138,6 +162,7 @@ def test_status_says_evaluating_during_the_final_report_and_whether_it_was_writt
     st = read_status(run_dir)
     assert (st["state"], st.get("report")) == ("finished", None)
     run.logger.heartbeat(phase="report", state="evaluating")  # then killed (-9) during the report
+    unlock_run(run_dir)
     json_path = run_dir / "status.json"
     json_path.write_text(json_path.read_text().replace(f'"pid": {os.getpid()}', '"pid": 999999999'))
     capsys.readouterr()
@@ -377,7 +402,8 @@ def test_status_counts_what_the_bar_counts_and_a_resume_stands_at_its_step(runs_
     beat = {"time": time.time(), "pid": os.getpid(), "phase": "pool", "step": 4, "total": 12, "state": "running",
             "done": 32, "of": 96, "unit": "batches", "rate": 16.0, "eta_s": 4.0}
     (run / "status.json").write_text(json.dumps(beat))
-    shown = format_status(read_status(run))
+    with run_lock(run):  # the heartbeat's process (this one) trains the run
+        shown = format_status(read_status(run))
     assert "pool  batches 32/96 (33.3%)  16.00 batches/s  ETA" in shown, shown
 
     class SeeHeartbeat(Callback):

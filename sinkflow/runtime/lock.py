@@ -86,26 +86,36 @@ def check_held(run_dir: Path) -> None:
     lock_run(run_dir)  # the holder's one line if another process has it
 
 
-def finish_fix(run_dir: Path) -> str:
-    """How an unfinished run gets finished: `sinkflow train --resume RUN`, or, while another process is training it
-    (its lock is held), waiting for that process: a resume would be refused by the lock. The probe is a shared
-    flock taken and dropped at once: it never blocks, and the writer's exclusive lock makes it fail."""
+def held(run_dir: Path) -> bool | None:
+    """Does a process hold ``RUN/.lock`` now (this one included)? None where there is no lock file to probe. The
+    probe is a shared flock taken and dropped at once: it never blocks, and the writer's exclusive lock makes it
+    fail. A pid is not enough: after a kill -9 the kernel gives it to the next process, while the lock died with
+    the writer."""
+    if _key(run_dir) in _held:
+        return True
     try:
         fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
     except OSError:
-        fd = None
-    if fd is not None and _key(run_dir) not in _held:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return (f"it is still training (pid {holder(run_dir)}): wait for it to finish (`sinkflow status "
-                        f"{run_dir}` shows its progress)")
-        finally:
-            os.close(fd)
-    elif fd is not None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return True
+        return None
+    finally:
         os.close(fd)
-    return f"finish it with `{recorded_resume(run_dir)}`"  # as it was launched: its time limit, its processes
+    return False
+
+
+def finish_fix(run_dir: Path) -> str:
+    """How an unfinished run gets finished: the resume command as it was launched (``runtime.relaunch``: its time
+    limit, its processes), or, while another process is training it (its lock is held), waiting for that process:
+    a resume would be refused by the lock."""
+    if _key(run_dir) not in _held and held(run_dir):
+        return (f"it is still training (pid {holder(run_dir)}): wait for it to finish (`sinkflow status "
+                f"{run_dir}` shows its progress)")
+    return f"finish it with `{recorded_resume(run_dir)}`"
 
 
 def unlock_run(run_dir: Path) -> None:

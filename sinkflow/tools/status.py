@@ -6,7 +6,8 @@ works while the run is going, after it finished, and after it died. A run is
 * ``finished``: the heartbeat says so;
 * ``running``: the heartbeat is younger than ``stale_after`` and its pid is alive (when on this host);
 * ``stale``: the heartbeat is older than ``stale_after`` (hung, or a very long log interval);
-* ``dead``: the pid of the heartbeat is not alive on this host and the run did not finish.
+* ``dead``: the pid of the heartbeat is not alive on this host, or is but no process holds the run's lock (the pid
+  was reused after a kill -9), and the run did not finish.
 * ``stopped``: a signal or the time limit stopped it after its checkpoint was written (``sinkflow train --resume`` continues).
 * ``unknown``: no readable heartbeat, but checkpoints, pool arrays or metrics on disk (status.json lost: it said
   "not started", with no resume command, for a run halfway through);
@@ -34,10 +35,12 @@ from sinkflow import config as config_mod
 from sinkflow.config import schema
 from sinkflow.errors import SinkflowError
 from sinkflow.eval.records import OPTIONAL_SETTINGS
+from sinkflow.runtime.lock import held
 from sinkflow.runtime.relaunch import resume_for
 from sinkflow.runtime.signals import stop_reason
 
 STALE_AFTER_S = 300.0
+FINAL_STATES = ("finished", "stopped", "failed")  # a heartbeat written as the run ended: no lock to look for
 
 
 def pid_alive(pid: int) -> bool:
@@ -103,6 +106,10 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     here = socket.gethostname()
     same_host = hb.get("host", here) == here
     alive = pid_alive(int(hb["pid"])) if "pid" in hb and same_host else None
+    if alive and hb.get("state") not in FINAL_STATES and held(run_dir) is False:
+        # its pid now names another process (reused after a kill -9; a container restarted): the run's lock died
+        # with it (status said RUNNING of a killed run while its pid lived on in another process)
+        alive, out["pid_reused"] = False, True
     out["pid_alive"] = alive
     if hb.get("state") == "finished":
         state = "finished"
@@ -233,7 +240,8 @@ def format_status(st: dict) -> str:
     age = st["heartbeat_age_s"]
     why = ""
     if state == "dead":
-        why = f" (pid {hb.get('pid')} is not running; resume with `{st['resume']}`)"
+        gone = "is another process now" if st.get("pid_reused") else "is not running"
+        why = f" (pid {hb.get('pid')} {gone}; resume with `{st['resume']}`)"
     elif state == "stopped" and hb.get("at_once"):
         why = (f" (at once by a second signal, {hb.get('signal')}, in {hb.get('phase')}: the work since its last "
                f"checkpoint is lost; resume from that checkpoint with `{st['resume']}`)")
