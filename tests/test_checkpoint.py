@@ -47,6 +47,31 @@ def test_truncated_checkpoint_is_a_clear_error(tmp_path):
         load(final)
 
 
+def test_a_flipped_byte_in_a_weight_is_a_clear_error_not_a_silent_load(tmp_path):
+    """torch.load does not check the CRC-32 torch.save writes for every record: a byte flipped inside a weight (a
+    disk or copy fault) loaded, and a resume trained on, a network nobody trained. The checksums are checked."""
+    import zipfile
+
+    path = tmp_path / "step_00000010.pt"
+    atomic_save({"format": 2, "w": torch.randn(1000)}, path)
+    info = next(i for i in zipfile.ZipFile(path).infolist() if i.file_size == 4000)  # the weight's record
+    data = bytearray(path.read_bytes())
+    data[info.header_offset + 2000] ^= 0x01  # inside the 4,000 bytes after the record's header
+    path.write_bytes(bytes(data))
+    assert torch.load(path, weights_only=True)["w"].shape == (1000,)  # torch alone reads it without a word
+    with pytest.raises(SinkflowError, match=r"step_00000010.pt is corrupt or truncated .*run this phase again"):
+        load(path)
+    from torch.utils.serialization import config
+
+    old = config.save.compute_crc32
+    config.save.compute_crc32 = False  # records written without a checksum (CRC 0) have none to check
+    try:
+        atomic_save({"format": 2, "w": torch.randn(1000)}, path)
+    finally:
+        config.save.compute_crc32 = old
+    assert load(path)["w"].shape == (1000,)
+
+
 def test_foreign_file_is_rejected(tmp_path):
     path = tmp_path / "x.pt"
     torch.save([1, 2, 3], path)

@@ -73,6 +73,7 @@ def load(path: Path, map_location="cpu") -> dict:
     if not path.is_file():
         raise SinkflowError(f"checkpoint {path} does not exist", "check the run folder path")
     try:
+        check_sums(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "pickle protocol N" chatter of the weights-only unpickler
             obj = torch.load(path, map_location=map_location, weights_only=True)
@@ -95,6 +96,25 @@ def load(path: Path, map_location="cpu") -> dict:
     if not isinstance(obj, dict) or "format" not in obj:
         raise SinkflowError(f"{path} is not a sinkflow checkpoint", "pass a run folder written by `sinkflow train`")
     return obj
+
+
+def check_sums(path: Path) -> None:
+    """Raise ``zipfile.BadZipFile`` where a record of the torch archive ``path`` fails the CRC-32 torch.save wrote
+    for it. torch.load never checks them: a flipped byte in a weight (a disk or copy fault) loaded without a word, and
+    the resume trained on, and `sample` drew from, a network nobody trained. A record whose CRC is 0 (torch's
+    ``compute_crc32`` off) has none to check; a file that is not a zip is left to torch.load's own errors."""
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        return
+    with archive:
+        for info in archive.infolist():
+            if info.CRC:
+                with archive.open(info) as record:  # reading to its end checks the CRC
+                    while record.read(1 << 24):
+                        pass
 
 
 def _a_pickle(path: Path) -> bool:
