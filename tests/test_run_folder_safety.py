@@ -739,6 +739,26 @@ def test_full_disk_during_a_checkpoint(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
 
 
+def test_a_small_file_a_full_disk_refuses_is_named(tiny_run, tmp_path):
+    """A resume on a disk already full: its first write, the 200-byte status.json, failed at the flush and again,
+    unnamed, when the file was closed, so the line read "ENOSPC No space left on device" naming no file. Here files
+    may not grow past 100 bytes (EFBIG, like a full disk): the line names status.json, and no temp file is left."""
+    run = tmp_path / "r"
+    shutil.copytree(tiny_run, run)
+    (run / "checkpoints/velocity/final.pt").unlink()
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
+
+    env = {**os.environ, "SINKFLOW_PROGRESS": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+    r = subprocess.run([sys.executable, "-m", "sinkflow", "train", "--resume", str(run), "--no-report"], cwd=tmp_path,
+                       capture_output=True, text=True, env=env, preexec_fn=limit, timeout=300)
+    one_line(r.returncode, r.stderr, "EFBIG", f"({run / 'status.json'})", "intact")
+    assert not [p for p in run.rglob("*") if ".tmp" in p.name]
+    assert torch.load(run / "checkpoints/velocity/step_00000006.pt", weights_only=True)["step"] == 6
+
+
 @pytest.mark.parametrize("key", ["train.velocity.ckpt_every=0", "train.velocity.log_every=0"])
 def test_zero_intervals_are_refused_before_work(runs_dir, capsys, key):
     one_line(*run_main(capsys, "train", "moons", *TINY_2D, key, "--name", "z"), key.split("=")[0], ">= 1")

@@ -10,6 +10,7 @@ the lowest one that writes files.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from contextlib import contextmanager
@@ -89,12 +90,18 @@ def atomic_write_bytes(path: str | os.PathLike, write) -> None:
     A failing write (a full disk...) raises the file's own ``OSError``, named after ``path``, and leaves no
     temp file behind."""
     path = Path(path)
-    with atomic_path(path) as tmp, open(tmp, "wb") as raw:
+    with atomic_path(path) as tmp:
+        raw = open(tmp, "wb")
         f = _Recording(raw)
         try:
             write(f)
             f.flush()
+            raw.close()
         except Exception as exc:
+            # closed here, quietly: its flush of the bytes a full disk refused raised again, unnamed, over this error
+            # (a status.json on a full disk was "ENOSPC No space left on device", no file named)
+            with contextlib.suppress(OSError):
+                raw.close()
             error = f.error if f.error is not None and not isinstance(exc, OSError) else exc  # torch wraps it
             if isinstance(error, OSError) and not error.filename:  # name the file it was writing
                 raise _named(error, path) from None
