@@ -759,6 +759,35 @@ def test_a_small_file_a_full_disk_refuses_is_named(tiny_run, tmp_path):
     assert torch.load(run / "checkpoints/velocity/step_00000006.pt", weights_only=True)["step"] == 6
 
 
+def test_a_full_disk_under_the_metrics_or_tensorboard_is_named_without_a_traceback(tmp_path, monkeypatch, capfd):
+    """Files may not grow (ulimit -f 8, a full disk): TensorBoard's writer thread printed its traceback ("Exception in
+    thread Thread-1") and the run then stopped on "EFBIG File too large" naming no file; a metrics.jsonl that cannot
+    grow named none either. Each error now names what it was writing, and the thread prints nothing."""
+    from tensorboard.summary.writer import record_writer
+
+    from sinkflow.runtime.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path)
+    logger.log("velocity", 1, {"loss": 1.0})
+
+    def full(self, data):
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    with pytest.raises(OSError) as e:
+        for step in range(2, 2000):  # the thread's failure surfaces at a later scalar
+            logger.log("velocity", step, {"loss": 1.0})
+            time.sleep(0.01)
+    assert (e.value.errno, e.value.filename) == (errno.EFBIG, str(tmp_path / "tb" / "velocity"))
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    logger._tbs.clear()  # its writer is dead; the metrics file next
+    logger._jsonl = open("/dev/full", "a", buffering=1)  # every write: ENOSPC
+    with pytest.raises(OSError) as e:
+        logger.log("velocity", 3000, {"loss": 1.0})
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "metrics.jsonl"))
+
+
 @pytest.mark.parametrize("key", ["train.velocity.ckpt_every=0", "train.velocity.log_every=0"])
 def test_zero_intervals_are_refused_before_work(runs_dir, capsys, key):
     one_line(*run_main(capsys, "train", "moons", *TINY_2D, key, "--name", "z"), key.split("=")[0], ">= 1")

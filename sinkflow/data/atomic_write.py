@@ -26,7 +26,7 @@ def _fsync(path: Path, flags: int) -> None:
         os.close(fd)
 
 
-def _named(error: OSError, path: Path) -> OSError:
+def named(error: OSError, path: Path) -> OSError:
     """``error`` with ``path`` as its file name if it has none (os.fsync's, torch.save's say no file)."""
     if error.filename:
         return error
@@ -52,7 +52,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         try:
             _fsync(tmp, os.O_RDWR)
         except OSError as exc:
-            raise _named(exc, path) from None
+            raise named(exc, path) from None
         os.replace(tmp, path)
         _fsync(path.parent, os.O_RDONLY)
     finally:
@@ -104,7 +104,7 @@ def atomic_write_bytes(path: str | os.PathLike, write) -> None:
                 raw.close()
             error = f.error if f.error is not None and not isinstance(exc, OSError) else exc  # torch wraps it
             if isinstance(error, OSError) and not error.filename:  # name the file it was writing
-                raise _named(error, path) from None
+                raise named(error, path) from None
             if error is not exc:
                 raise error from None
             raise

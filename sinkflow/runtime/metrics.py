@@ -8,6 +8,7 @@ atomically on every log so ``sinkflow status RUN`` can tell a live run from a de
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -15,13 +16,14 @@ import math
 import numbers
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from sinkflow.data.atomic_write import atomic_write_text
+from sinkflow.data.atomic_write import atomic_write_text, named
 from sinkflow.data.base import warn_once
 
 log = logging.getLogger("sinkflow")
@@ -64,7 +66,10 @@ class MetricsLogger:
                 warn_once(log, "tensorboard", "TensorBoard cannot be imported (%s: %s): metrics go to metrics.jsonl "
                           "only; `pip install tensorboard` to get its events again", type(exc).__name__, exc)
                 return None
-            self._tbs[phase] = SummaryWriter(str(self.run_dir / "tb" / phase), purge_step=self._purge.pop(phase, None))
+            _quiet_tensorboard_threads()
+            with naming(self.run_dir / "tb" / phase):
+                self._tbs[phase] = SummaryWriter(str(self.run_dir / "tb" / phase),
+                                                 purge_step=self._purge.pop(phase, None))
         return self._tbs[phase]
 
     def rewind(self, phase: str, step: int) -> list[dict]:
@@ -123,13 +128,15 @@ class MetricsLogger:
         try:
             if self.best_effort:
                 self._check_writable()
-            self.jsonl.write(json.dumps(record) + "\n")  # first: a folder we cannot write fails here, synchronously
+            with naming(self.run_dir / "metrics.jsonl"):  # first: a folder we cannot write fails here, synchronously
+                self.jsonl.write(json.dumps(record) + "\n")
             for key, value in record.items():
                 tag = f"{phase}/{key}"
                 if key not in ("time", "phase", "step") and isinstance(value, (int, float)) and \
                         not isinstance(value, bool) and math.isfinite(value) and self._tb_step.get(tag) != step \
                         and (tb := self.tb(phase)) is not None:
-                    tb.add_scalar(tag, value, step)
+                    with naming(self.run_dir / "tb" / phase):  # its writer thread's error, raised here
+                        tb.add_scalar(tag, value, step)
                     self._tb_step[tag] = step  # a phase's final record at its last log step: one point there
         except OSError as exc:
             if not self.best_effort:
@@ -150,7 +157,8 @@ class MetricsLogger:
             return
         values = values[torch.isfinite(values)] if torch.is_tensor(values) else values
         if (not torch.is_tensor(values) or values.numel()) and (tb := self.tb(tag.split("/")[0])) is not None:
-            tb.add_histogram(tag, values, step)
+            with naming(self.run_dir / "tb" / tag.split("/")[0]):
+                tb.add_histogram(tag, values, step)
 
     def heartbeat(self, **status: Any) -> None:
         """Rewrite ``status.json`` (phase, step, total, rate, eta, state) with the current time."""
@@ -160,16 +168,45 @@ class MetricsLogger:
         atomic_write_text(self.run_dir / "status.json", json.dumps(status))
 
     def flush(self) -> None:
-        for writer in self._tbs.values():
-            writer.flush()
+        for phase, writer in self._tbs.items():
+            with naming(self.run_dir / "tb" / phase):
+                writer.flush()
 
     def close(self) -> None:
-        for writer in self._tbs.values():
-            writer.close()
-        self._tbs = {}
+        tbs, self._tbs = self._tbs, {}
+        for phase, writer in tbs.items():
+            with naming(self.run_dir / "tb" / phase):
+                writer.close()
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+
+
+@contextlib.contextmanager
+def naming(path: Path):
+    """An ``OSError`` raised inside without a file name gets ``path`` as its own: a text file's write and TensorBoard's
+    writer say none, and a full disk was "EFBIG File too large" in one line naming no file."""
+    try:
+        yield
+    except OSError as exc:
+        raise named(exc, path) from None
+
+
+def _quiet_tensorboard_threads() -> None:
+    """TensorBoard writes its events on a thread; a write that fails there (a full disk) ends that thread, which
+    prints its traceback, and the error is raised again in the process's next ``add_scalar`` (named by ``naming``).
+    That thread's traceback is left out: the error's one line says it."""
+    if getattr(threading.excepthook, "sinkflow", False):
+        return
+    default = threading.excepthook
+
+    def hook(args):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and getattr(args.thread, "exception", None) is not None:
+            return
+        default(args)
+
+    hook.sinkflow = True
+    threading.excepthook = hook
 
 
 def _last_byte(path: Path) -> bytes:
