@@ -801,6 +801,12 @@ def test_cli_turns_any_os_error_into_one_line(monkeypatch, capsys):
     monkeypatch.setattr("sinkflow.cli.status.run", boom)
     one_line(*run_main(capsys, "status", "whatever"), "ENOSPC", "No space left on device", "step_00000010.pt",
              "free disk space")
+
+    def tensorboard(args):  # its writer names its event file in bytes: the line read (b'/runs/x/tb/...')
+        raise OSError(errno.EROFS, "Read-only file system", b"/runs/x/tb/velocity/events.out.tfevents.1")
+
+    monkeypatch.setattr("sinkflow.cli.status.run", tensorboard)
+    one_line(*run_main(capsys, "status", "whatever"), "EROFS", "(/runs/x/tb/velocity/events.out.tfevents.1)")
     # a write under `sample --out` names that flag (it named experiment.runs_dir / data.root, which it never wrote)
     for failed in ("/ro/s.npy", "/ro/.s.npy.tmp123", "/ro"):
         def read_only(args, failed=failed):

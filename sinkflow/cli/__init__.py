@@ -215,7 +215,7 @@ def os_error_line(exc: OSError, out: str | None = None) -> str:
     command's ``--out`` names that flag (its fix named experiment.runs_dir, which `sample --out` does not write)."""
     code = errno.errorcode.get(exc.errno, "") if exc.errno else ""
     what = exc.strerror or str(exc) or type(exc).__name__
-    where = f" ({exc.filename})" if exc.filename else ""
+    where = f" ({os.fsdecode(exc.filename)})" if exc.filename else ""  # TensorBoard's are bytes: (b'/runs/...')
     fix = _OS_FIXES.get(exc.errno, "check the path, the permissions and the free space")
     if out and exc.filename and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
         target, failed = os.path.abspath(out), os.path.abspath(os.fsdecode(exc.filename))

@@ -28,6 +28,8 @@ def _fsync(path: Path, flags: int) -> None:
 
 def named(error: OSError, path: Path) -> OSError:
     """``error`` with ``path`` as its file name if it has none (os.fsync's, torch.save's say no file)."""
+    if isinstance(error.filename, bytes):  # TensorBoard's: b'/runs/...' in the message and in status.json
+        return type(error)(error.errno, error.strerror or str(error), os.fsdecode(error.filename))
     if error.filename:
         return error
     return type(error)(error.errno, error.strerror or str(error), str(path))
