@@ -739,6 +739,27 @@ def test_full_disk_during_a_checkpoint(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
 
 
+@pytest.mark.parametrize("name", ["s.npy", "s.png"])
+def test_samples_a_full_disk_refuses_keep_the_file_that_was_there(tiny_run, tmp_path, name):
+    """`sample --out s.npy` over the samples of an earlier call, on a disk that fills (here: files may not grow past
+    40 kB, EFBIG): np.save had cut the old file to the bytes that fit ("80000 requested and 66528 written", no file
+    named), so neither the old samples nor the new remained. Every --out file is written atomically."""
+    out = tmp_path / name
+    assert cli("sample", str(tiny_run), "--n", "8", "--steps", "2", "--out", str(out), cwd=tmp_path).returncode == 0
+    before = out.read_bytes()
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
+
+    env = {**os.environ, "SINKFLOW_PROGRESS": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+    r = subprocess.run([sys.executable, "-m", "sinkflow", "sample", str(tiny_run), "--n", "20000", "--steps", "2",
+                        "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, env=env, preexec_fn=limit,
+                       timeout=300)
+    one_line(r.returncode, r.stderr, "EFBIG", f"({out})")
+    assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [name]
+
+
 def test_a_small_file_a_full_disk_refuses_is_named(tiny_run, tmp_path):
     """A resume on a disk already full: its first write, the 200-byte status.json, failed at the flush and again,
     unnamed, when the file was closed, so the line read "ENOSPC No space left on device" naming no file. Here files

@@ -53,6 +53,7 @@ def _sample(args, run_, out, as_folder):
     import numpy as np
 
     from sinkflow import data, methods
+    from sinkflow.data.atomic_write import atomic_write_bytes
     from sinkflow.eval.points import generate
     from sinkflow.eval.report import is_points
 
@@ -77,8 +78,8 @@ def _sample(args, run_, out, as_folder):
         from sinkflow.eval.images import save_image_folder
 
         save_image_folder(x, out)
-    elif out.suffix == ".npy":
-        np.save(out, x.numpy())
+    elif out.suffix == ".npy":  # atomically: a kill or a full disk mid-write kept neither the old samples nor the new
+        atomic_write_bytes(out, lambda f: np.save(f, x.numpy()))
     elif is_points(run_.cfg):
         from sinkflow.eval.plots import scatter_samples
         from sinkflow.eval.points import reference

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from sinkflow import data, methods
-from sinkflow.data.atomic_write import atomic_path, temp_beside
+from sinkflow.data.atomic_write import atomic_path, atomic_write_bytes, temp_beside
 from sinkflow.errors import SinkflowError
 from sinkflow.eval import fd_cnn
 from sinkflow.eval.points import generate
@@ -55,9 +55,10 @@ def save_grid(x: torch.Tensor, path, nrow: int | None = None) -> Path:
         raise SinkflowError(f"save_grid needs images shaped (N, C, H, W), got {tuple(x.shape)}",
                             "save point samples as .npy or a scatter plot")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     nrow = nrow or max(1, math.ceil(math.sqrt(len(x))))
-    save_image(_upscale(_to_unit(x)), path, nrow=nrow, padding=2, pad_value=1.0)
+    grid = _upscale(_to_unit(x))  # written atomically: a kill or a full disk mid-write keeps the grid that was there
+    atomic_write_bytes(path, lambda f: save_image(grid, f, format=path.suffix[1:].lower() or "png", nrow=nrow,
+                                                  padding=2, pad_value=1.0))
     return path
 
 
@@ -144,10 +145,9 @@ def trajectory_strip(path: list, out, nsgf_steps: int | None = None, t_hat: torc
                         color="yellow", bbox={"facecolor": "black", "alpha": 0.6, "pad": 1, "lw": 0})
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    from sinkflow.eval.plots import save_figure
+
+    return save_figure(fig, out, dpi=110)
 
 
 @torch.no_grad()

@@ -67,6 +67,18 @@ def _save(fig, ax, title: str, path: Path, markerscale: int, equal: bool = True)
     if equal:
         ax.set_aspect("equal")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path, dpi=120)
+
+
+def save_figure(fig, path, **kwargs) -> Path:
+    """``fig.savefig(path)``, atomically (``atomic_write_bytes``), and closed: a kill or a full disk mid-write leaves
+    the file that was there (a `sample --out samples.png` of before, a report's plot) as it was, where savefig had
+    cut it short, and names the file in its error. The format is the name's suffix, as savefig reads it."""
+    from sinkflow.data.atomic_write import atomic_write_bytes
+
+    path = Path(path)
+    try:
+        atomic_write_bytes(path, lambda f: fig.savefig(f, format=path.suffix[1:].lower() or None, **kwargs))
+    finally:
+        plt.close(fig)
+    return path

@@ -238,11 +238,9 @@ def plot(res: LRFindResult, path: Path, title: str = "") -> Path:
     ax.set_title(title or "LR range test")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    from sinkflow.eval.plots import save_figure
+
+    return save_figure(fig, path, dpi=120)
 
 
 def phase_lr_find(trainer, **kwargs) -> LRFindResult:
