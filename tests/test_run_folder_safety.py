@@ -544,6 +544,27 @@ def test_resume_refuses_a_point_file_whose_points_changed(tmp_path, monkeypatch,
     assert rc == 0, err
 
 
+def test_a_damaged_data_record_is_refused_not_written_over(tmp_path, monkeypatch, capsys):
+    """A data_split.json cut short (a disk fault, an interrupted copy) was read as no record: a resume on rewritten
+    points went on without a word and wrote the new points' hash over it. It is one line naming the file, before
+    anything is written, for a resume and for eval; deleting it (the fix, when the data is the run's) resumes."""
+    monkeypatch.chdir(tmp_path)
+    np.save("pts.npy", np.random.default_rng(0).normal(size=(64, 2)).astype(np.float32))
+    assert main(["train", "moons", *TINY_2D, "data.target=pts.npy", "--name", "p", "--no-report"]) == 0
+    run = tmp_path / "runs" / "p"
+    record = run / "data_split.json"
+    record.write_text(record.read_text()[:40])
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()
+    np.save("pts.npy", np.random.default_rng(1).normal(size=(64, 2)).astype(np.float32))
+    before = full_snapshot(run)
+    for argv in (["train", "--resume", str(run), "--no-report"], ["eval", str(run), "--n", "8", "--seeds", "1"]):
+        one_line(*run_main(capsys, *argv), "data_split.json is damaged", "restore it")
+        assert full_snapshot(run) == before
+    record.unlink()
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
+    assert rc == 0 and record.is_file(), err
+
+
 def test_a_run_whose_point_file_moved_names_its_new_place_once(tmp_path, monkeypatch, capsys):
     """A project folder renamed, a run copied to another machine: the run's config.yaml names its point file by the
     old absolute path, and the only way back was a link at that path (`train --resume data.target=NEW` was refused

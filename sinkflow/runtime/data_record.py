@@ -48,11 +48,23 @@ def _hashes(info: dict, where: str = "") -> dict:
 
 
 def _recorded(run) -> dict | None:
+    """The record, None where there is none (built-in 2D data, a run made before it existed). A damaged one is a
+    one-line refusal: read as none, it let a resume continue on changed data and wrote the new data's hashes over
+    it, the one record of what the finished phases trained on."""
+    path = run.dir / RECORD
     try:
-        recorded = json.loads((run.dir / RECORD).read_text())
-    except (OSError, ValueError):
-        return None  # none, or unreadable: rewritten after the checks, as before this record existed
-    return recorded if isinstance(recorded, dict) else None
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        recorded = json.loads(text)
+    except ValueError:
+        recorded = None
+    if not isinstance(recorded, dict):
+        raise SinkflowError(f"{path} is damaged (not a JSON object), so the run's data cannot be checked against it; "
+                            "nothing was changed", "restore it from a copy of the run folder, or, if the data is "
+                            "the one the run trained on, delete it: the next resume records it again")
+    return recorded
 
 
 def check_split_files(run, target_info: dict, doing: str = "resume") -> None:
