@@ -115,7 +115,7 @@ def test_status_not_a_run(tmp_path):
     assert out.returncode == 2 and "not a sinkflow run folder" in out.stderr
 
 
-@pytest.mark.parametrize("damage", ["missing", "not json"])
+@pytest.mark.parametrize("damage", ["missing", "{oops", "null", "[]", '{"pid": "x", "time": 1}', '{"time": "x"}'])
 def test_a_run_whose_status_json_is_lost_is_unknown_with_the_resume_command(tiny_run, tmp_path, capsys, damage):
     """A run halfway through whose status.json was deleted or damaged said NOT STARTED, with no resume command."""
     import shutil
@@ -124,7 +124,7 @@ def test_a_run_whose_status_json_is_lost_is_unknown_with_the_resume_command(tiny
 
     run = tmp_path / "r"
     shutil.copytree(tiny_run, run)
-    (run / "status.json").unlink() if damage == "missing" else (run / "status.json").write_text("{oops")
+    (run / "status.json").unlink() if damage == "missing" else (run / "status.json").write_text(damage)
     assert read_status(run)["state"] == "unknown"
     assert main(["status", str(run)]) == 1
     out = capsys.readouterr().out

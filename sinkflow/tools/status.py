@@ -100,6 +100,9 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
         hb = json.loads((run_dir / "status.json").read_text())
     except (OSError, json.JSONDecodeError):
         pass
+    if not (isinstance(hb, dict) and isinstance(hb.get("time", 0.0), (int, float))
+            and isinstance(hb.get("pid", 0), int)):
+        hb = {}  # JSON, but not a heartbeat (`null`, a list, a pid of text): damaged, as unreadable (a traceback)
     out["heartbeat"] = hb
     age = now - hb["time"] if "time" in hb else None
     out["heartbeat_age_s"] = age
