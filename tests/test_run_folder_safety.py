@@ -217,6 +217,22 @@ def test_a_shorthand_on_a_finished_run_changes_nothing(run, capsys):
     assert (run / "config.yaml").read_text() == before
     assert "changes" not in __import__("json").loads((run / "meta.json").read_text())
 
+@pytest.mark.parametrize("damage", ['{"chunks": [0', "null", "[]", '{"chunks": ["x"]}'])
+def test_a_damaged_pool_progress_is_one_line(run, capsys, damage):
+    """A half-built pool's progress.json cut short was one line; one that reads as JSON but is no record (`null`, a
+    list, chunks of text) was a traceback ("'NoneType' object has no attribute 'get'"). Both are the same line, the
+    folder untouched, and its fix (delete it) rebuilds the pool."""
+    shutil.rmtree(run / "checkpoints")  # the pool files and progress.json are there, no final.pt yet
+    (run / "pool" / "progress.json").write_text(damage)
+    before = full_snapshot(run)
+    one_line(*run_main(capsys, "train", "--resume", str(run), "--no-report"), "progress.json is damaged",
+             "delete it to rebuild the pool")
+    assert full_snapshot(run) == before
+    (run / "pool" / "progress.json").unlink()
+    rc, err = run_main(capsys, "train", "--resume", str(run), "--no-report")
+    assert rc == 0, err
+
+
 def test_half_built_pool_freezes_its_keys_and_chunking(run, capsys):
     shutil.rmtree(run / "checkpoints")  # the pool files and progress.json are there, no final.pt yet
     before = snapshot(run)

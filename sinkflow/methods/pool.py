@@ -318,7 +318,11 @@ class PoolTask(ChunkedTask):
         try:
             saved = json.loads(path.read_text()) if path.exists() else {}
         except ValueError:
-            raise SinkflowError(f"{path} is damaged", "delete it to rebuild the pool from scratch") from None
+            saved = None
+        chunks = saved.get("chunks", []) if isinstance(saved, dict) else None
+        if not (isinstance(chunks, list) and all(isinstance(c, int) and not isinstance(c, bool) for c in chunks)):
+            # JSON that is no progress record (`null`, a list, chunks of text) is damaged too: it was a traceback
+            raise SinkflowError(f"{path} is damaged", "delete it to rebuild the pool from scratch")
         check_progress(saved, self.built_with_keys(run.cfg), path)
         missing = [k for k in ("x", "v", "t") if not (folder / f"{k}.npy").exists()]
         if saved.get("chunks") and missing:
