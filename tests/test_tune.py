@@ -90,6 +90,13 @@ def test_a_baseline_tries_its_grid_warps_and_its_own_sampler_is_marked(preset, r
     assert main(["tune", str(runs_dir / "f"), "--nfe", "2", "--n", n]) == 0
     assert "could not record the scores" in capsys.readouterr().err
     assert (runs_dir / "f" / "tune.json").read_text() == "{not json"
+    from sinkflow.cli.tune import keep
+
+    for damage in ("[]", "null"):  # JSON, but not a record: the same warning (a TypeError's traceback)
+        (runs_dir / "f" / "tune.json").write_text(damage)
+        keep(runs_dir / "f" / "tune.json", "2", {"best": {}})
+        assert "could not record the scores" in capsys.readouterr().err
+        assert (runs_dir / "f" / "tune.json").read_text() == damage
 
 
 def test_what_tune_cannot_choose_is_one_line_before_any_work(runs_dir, tmp_path, capsys, tiny_run):

@@ -96,6 +96,8 @@ def keep(path, key: str, record: dict) -> None:
 
     try:
         old = json.loads(path.read_text()) if path.is_file() else {}
+        if not isinstance(old, dict):  # `[]`, `null`: a traceback at the end of the search, its scores unsaved
+            raise ValueError("not a JSON object")
         atomic_write_text(path, json.dumps({**old, key: record}, indent=1))
         print(f"wrote {path}")
     except (OSError, ValueError) as exc:
