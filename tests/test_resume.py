@@ -273,9 +273,14 @@ def test_tensorboard_hides_a_killed_tail_after_a_resume_that_died_before_logging
     for step in range(50, 701, 50):
         killed.log("velocity", step, {"loss": 1.0 / step})
     killed.close()
+    # three processes, seconds apart: TensorBoard reads a folder's event files in name order, and a name holds the
+    # second and then a per-process counter, so in one process within one second the counter's 9 -> 10 sorted the
+    # resumed file first (this test failed after other files' tests had written nine event files)
+    time.sleep(1.05)
     died = MetricsLogger(tmp_path)
     assert [r["step"] for r in died.rewind("velocity", 500)] == [550, 600, 650, 700]
     died.close()  # died before its first log step: no writer, no purge written
+    time.sleep(1.05)
     resumed = MetricsLogger(tmp_path)
     assert resumed.rewind("velocity", 500) == []
     for step in range(550, 801, 50):
