@@ -907,6 +907,48 @@ def test_orphaned_temp_files_are_removed_on_resume(run, capsys):
     assert not any(p.exists() for p in orphans)
 
 
+def _gone_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_what_a_killed_write_or_tool_left_outside_a_run_folder_goes_at_the_next_one(tmp_path, monkeypatch):
+    """`sample --out s.npy` killed with -9 left `.s.npy.tmp-PID-RANDOM` beside the samples, and preflight, doctor,
+    lr-find or bench killed so left /tmp/sinkflow-KIND-* (3.4 MB for moons): nothing removed them. The next write of
+    the same file, and the next tool's scratch folder, remove those of a process that is gone and that nobody
+    touched for an hour; a live writer's, a fresh one and other names stay."""
+    from sinkflow.data.atomic_write import atomic_write_text
+    from sinkflow.processes import ORPHAN_AGE_S
+    from sinkflow.runtime.scratch import scratch_dir
+
+    gone, old = _gone_pid(), time.time() - ORPHAN_AGE_S - 60
+
+    def made(path, age=old, folder=False):
+        path.mkdir(exist_ok=True) if folder else path.write_bytes(b"half")
+        os.utime(path, (age, age))
+        return path
+
+    out = tmp_path / "s.npy"
+    stale = made(tmp_path / f".s.npy.tmp-{gone}-0a1b2c3d")
+    kept = [made(tmp_path / f".s.npy.tmp-{os.getpid()}-0a1b2c3d"),  # a writer still running
+            made(tmp_path / f".s.npy.tmp-{gone}-1a1b2c3d", age=time.time()),  # touched just now
+            made(tmp_path / f".t.npy.tmp-{gone}-2a1b2c3d")]  # another file's (its own next write removes it)
+    atomic_write_text(out, "new")
+    assert out.read_text() == "new" and not stale.exists() and all(p.exists() for p in kept)
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    (tmp_path / f"sinkflow-preflight-{gone}-abc" / "runs").mkdir(parents=True)
+    stale = made(tmp_path / f"sinkflow-preflight-{gone}-abc", folder=True)
+    kept = [made(tmp_path / f"sinkflow-doctor-{os.getpid()}-abc", folder=True),
+            made(tmp_path / f"sinkflow-bench-{gone}-abc", age=time.time(), folder=True),
+            made(tmp_path / "sinkflow-preflight-abc", folder=True)]  # an older version's name: no pid to ask
+    with scratch_dir("lrfind") as tmp:
+        assert Path(tmp).name.startswith(f"sinkflow-lrfind-{os.getpid()}-")
+        assert not stale.exists() and all(p.exists() for p in kept)
+
+
 def test_text_file_named_npy(runs_dir, tmp_path, capsys):
     (tmp_path / "pts.npy").write_text("1.0,2.0\n3.0,4.0\n")
     line = one_line(*run_main(capsys, "train", "moons", f"data.target={tmp_path / 'pts.npy'}"), "not a .npy file")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import tempfile
 from pathlib import Path
 
 from sinkflow.cli.common import add_config_args, resolve_args, run_folder_arg
 from sinkflow.errors import SinkflowError
+from sinkflow.runtime.scratch import scratch_dir
 
 
 def add_parser(sub):
@@ -45,7 +45,7 @@ def run(args):
     from sinkflow.runtime.callbacks import quiet
 
     run_dir = run_folder_arg(args, "doctor")
-    with tempfile.TemporaryDirectory(prefix="sinkflow-doctor-") as tmp, quiet():
+    with scratch_dir("doctor") as tmp, quiet():
         if run_dir is not None:
             findings = doctor_run(None, tmp, run_dir=run_dir, overfit_steps=args.steps,
                                   overfit_batch=args.overfit_batch, factor=args.factor, phases=args.phase)

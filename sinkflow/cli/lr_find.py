@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
 from sinkflow.cli.common import add_config_args, resolve_args, run_folder_arg
+from sinkflow.runtime.scratch import scratch_dir
 
 
 def add_parser(sub):
@@ -65,7 +65,7 @@ def run(args):
         refuse_other_recipe(Path(args.write), swept_cfg, swept.model_key)
     from sinkflow.runtime.callbacks import quiet
 
-    with tempfile.TemporaryDirectory(prefix="sinkflow-lrfind-") as tmp, quiet():  # the sweep's scratch run, unshown
+    with scratch_dir("lrfind") as tmp, quiet():  # the sweep's scratch run, unshown
         if from_run:
             run_, phase = open_run_phase(Path(args.preset), args.phase)
             label = args.preset

@@ -4,18 +4,23 @@ Every writer of a file that a later process reads (checkpoints, status.json, con
 progress and arrays, the decoded image cache, the unpacked MNIST files, the classifier cache) writes a temporary
 ``.NAME.tmp-PID`` next to it, fsyncs it, renames it over ``NAME`` and fsyncs the folder. A killed or failing
 write leaves the old file (or none), never a half-written one; a failing write removes its temp file, and
-``sinkflow.runtime.checkpoint.remove_orphans`` deletes those a killed process left. It lives in the data layer,
-the lowest one that writes files.
+``sinkflow.runtime.checkpoint.remove_orphans`` deletes those a killed process left in a run folder; elsewhere (a
+`sample --out` file killed mid-write) the next write of the same file deletes them (``remove_stale_temps``). It
+lives in the data layer, the lowest one that writes files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from sinkflow.processes import orphaned
 
 
 def _fsync(path: Path, flags: int) -> None:
@@ -42,12 +47,30 @@ def temp_beside(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
+_TEMP = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}")  # temp_beside's names
+
+
+def remove_stale_temps(path: Path) -> None:
+    """Delete the temp files of ``path`` that killed writes left beside it (``sinkflow sample --out s.npy`` killed
+    with -9 left ``.s.npy.tmp-PID-RANDOM``, which nothing removed outside a run folder)."""
+    try:
+        siblings = list(path.parent.glob(f".{glob.escape(path.name)}.tmp-*"))
+    except OSError:
+        return
+    for p in siblings:
+        m = _TEMP.fullmatch(p.name)
+        if m and m["name"] == path.name and orphaned(p, int(m["pid"])):
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """``with atomic_path(path) as tmp:`` write the whole file at ``tmp``; at the end of the block it is fsynced
     and renamed over ``path``. If the block raises, ``path`` is left as it was and ``tmp`` is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
     tmp = temp_beside(path)
     try:
         yield tmp

@@ -4,7 +4,6 @@ callback is ``sinkflow.tools.throughput.Throughput``). The command's argument ha
 
 from __future__ import annotations
 
-import tempfile
 import time
 
 import torch
@@ -13,6 +12,7 @@ from sinkflow import config, data, methods
 from sinkflow.engine.experiment import run_phases
 from sinkflow.runtime.callbacks import Callback, quiet
 from sinkflow.runtime.run_folder import RunFolder
+from sinkflow.runtime.scratch import scratch_dir
 from sinkflow.tools.phases import quiet_cut
 from sinkflow.tools.throughput import batch_rows
 
@@ -82,7 +82,7 @@ def run_cut(cfg: dict, total: int, callbacks: list, log_every: int | None = None
         overrides += [f"train.{name}.iters={total}", *quiet_cut(cfg, name, total),
                       f"train.{name}.ckpt_every={10 * total}",
                       f"train.{name}.log_every={log_every or total}", f"train.{name}.hist_every=0"]
-    with tempfile.TemporaryDirectory(prefix="sinkflow-bench-") as tmp:
+    with scratch_dir("bench") as tmp:
         cfg = config.apply_overrides(cfg, [*overrides, f"experiment.runs_dir={tmp}", "experiment.name=bench"])
         run = RunFolder.create(cfg)
         source, target = data.distributions(cfg)

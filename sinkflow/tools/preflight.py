@@ -25,7 +25,6 @@ import copy
 import logging
 import shlex
 import signal
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from sinkflow.engine.experiment import check_run
 from sinkflow.errors import SinkflowError
 from sinkflow.runtime import callbacks
 from sinkflow.runtime.callbacks import Callback
+from sinkflow.runtime.scratch import scratch_dir
 from sinkflow.tools.phases import quiet_cut
 
 log = logging.getLogger("sinkflow")
@@ -420,7 +420,7 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
         report.add("config resolves", "config", False, str(exc))
         return report
     report.add("config resolves", "config", True, f"method {methods.of(real).name}")
-    tmp = tempfile.TemporaryDirectory(prefix="sinkflow-preflight-") if workdir is None else None
+    tmp = scratch_dir("preflight") if workdir is None else None
     workdir = Path(tmp.name if tmp else workdir)
     torch_threads = torch.get_num_threads()
     quiet = contextlib.ExitStack()

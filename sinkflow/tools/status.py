@@ -35,26 +35,13 @@ from sinkflow import config as config_mod
 from sinkflow.config import schema
 from sinkflow.errors import SinkflowError
 from sinkflow.eval.records import OPTIONAL_SETTINGS
+from sinkflow.processes import pid_alive
 from sinkflow.runtime.lock import held
 from sinkflow.runtime.relaunch import resume_for
 from sinkflow.runtime.signals import stop_reason
 
 STALE_AFTER_S = 300.0
 FINAL_STATES = ("finished", "stopped", "failed")  # a heartbeat written as the run ended: no lock to look for
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (killed, not yet reaped) is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def tail_jsonl(path: Path, max_bytes: int = 1 << 16) -> list[dict]:
