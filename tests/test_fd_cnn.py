@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from sinkflow.errors import SinkflowError
 from sinkflow.eval import fd_cnn
 
 
@@ -180,3 +181,61 @@ def test_a_small_training_set_still_gets_min_steps_of_adam(tmp_path, monkeypatch
     assert fd_cnn.MIN_STEPS <= len(steps) < fd_cnn.MIN_STEPS + 3
     (cache,) = (tmp_path / "cache").glob("fdcnn-toy-*.npz")
     assert fd_cnn.TRAINING in cache.name  # a network cached under the old 8-epoch rule is not read back
+
+
+class RecordedFID:
+    """Stands in for torchmetrics' FrechetInceptionDistance with Inception (``feature=2048``): records the uint8
+    pixels its Inception would read, by torchmetrics' own input rule (``normalize=True``: floats in [0, 1] as
+    ``(x * 255).byte()``; else the uint8 images as given)."""
+
+    seen: list = []
+
+    def __init__(self, feature, normalize=False, reset_real_features=True, feature_extractor_weights_path=None):
+        self.normalize = normalize
+
+    def update(self, imgs, real):
+        RecordedFID.seen.append(((imgs * 255).byte() if self.normalize else imgs, real))
+
+    def reset(self):
+        pass
+
+    def compute(self):
+        return torch.tensor(0.0)
+
+
+def test_inception_reads_the_pixels_of_the_png_folder(tmp_path, monkeypatch):
+    """Inception's input is the images' uint8 pixels rounded as `sinkflow sample --out DIR/` writes them (what
+    clean-fid / torch-fidelity read): torchmetrics' normalize=True truncated float pixels, so 47 of 256 real levels
+    (k / 255 in float32 just below k) reached Inception as k - 1 and generated pixels were floored, not rounded."""
+    tm = pytest.importorskip("torchmetrics.image.fid")
+    from sinkflow.data.images import to_unit_range
+    from sinkflow.eval.images import InceptionFID, to_uint8
+
+    monkeypatch.setattr(tm, "FrechetInceptionDistance", RecordedFID)
+    RecordedFID.seen = []
+    weights = tmp_path / "pt_inception.pth"
+    weights.write_bytes(b"")  # a file must be there; the stand-in never reads it
+    levels = torch.arange(256, dtype=torch.uint8).reshape(4, 1, 8, 8)
+    fid = InceptionFID(to_unit_range(levels), str(weights))
+    generated = torch.rand(4, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    fid(generated)
+    (real, is_real), (fake, is_fake) = RecordedFID.seen
+    assert is_real and not is_fake and real.dtype == fake.dtype == torch.uint8 and real.shape == (4, 3, 8, 8)
+    assert torch.equal(real[:, :1], levels)  # every level as itself
+    assert torch.equal(fake[:, :1].permute(0, 2, 3, 1), torch.from_numpy(to_uint8(generated)))  # as its PNG
+
+
+def test_fid_without_torch_fidelity_is_one_line(tmp_path, monkeypatch):
+    """torchmetrics installed without torch-fidelity imports, then its FrechetInceptionDistance(feature=2048) raises a
+    raw ModuleNotFoundError: the evaluation said so in a traceback."""
+    tm = pytest.importorskip("torchmetrics.image.fid")
+    from sinkflow.eval.images import InceptionFID
+
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError("FrechetInceptionDistance metric requires that `Torch-fidelity` is installed.")
+
+    monkeypatch.setattr(tm, "FrechetInceptionDistance", missing)
+    weights = tmp_path / "pt_inception.pth"
+    weights.write_bytes(b"")
+    with pytest.raises(SinkflowError, match="FID needs torch-fidelity.*pip install torchmetrics torch-fidelity"):
+        InceptionFID(torch.zeros(2, 1, 8, 8), str(weights))

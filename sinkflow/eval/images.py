@@ -62,10 +62,16 @@ def save_grid(x: torch.Tensor, path, nrow: int | None = None) -> Path:
     return path
 
 
+def pixels(x: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) images in [-1, 1] as (N, C, H, W) uint8 on the CPU, rounded as ``torchvision.utils.save_image``
+    rounds: a data set's own pixel k comes back as k."""
+    return _to_unit(x).mul(255).add_(0.5).clamp_(0, 255).to(torch.uint8)
+
+
 def to_uint8(x: torch.Tensor) -> np.ndarray:
-    """(N, C, H, W) images in [-1, 1] as (N, H, W, C) uint8, rounded as ``torchvision.utils.save_image`` rounds
-    (so a folder's image has the grid's pixels)."""
-    return _to_unit(x).mul(255).add_(0.5).clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    """(N, C, H, W) images in [-1, 1] as (N, H, W, C) uint8 (``pixels``: so a folder's image has the grid's
+    pixels)."""
+    return pixels(x).permute(0, 2, 3, 1).numpy()
 
 
 def check_image_folder(folder, n: int) -> Path:
@@ -215,14 +221,21 @@ class InceptionFID:
     set is scored against them, so scoring many samplers costs one Inception pass over the real images, not one each.
 
     ``extractor``: any module of torchmetrics' custom-feature interface (float images in [0, 1], 3 channels,
-    -> (N, d), ``num_features``) in place of Inception; the tests use a tiny one, since the weights are not here."""
+    -> (N, d), ``num_features``) in place of Inception; the tests use a tiny one, since the weights are not here.
+
+    Inception reads uint8 pixels, rounded as the PNGs of `sinkflow sample --out DIR/` are (``pixels``): a real
+    image's pixel k is k, and a generated image's pixels are its PNG's, which external FID tools read. torchmetrics'
+    ``normalize=True`` truncated floats instead, ``(x * 255).byte()``: 47 of the 256 levels of a real image (k / 255
+    in float32 lands just below k) reached Inception as k - 1, and generated pixels were floored where their PNGs
+    round, so the two sets were quantised by different rules."""
 
     def __init__(self, real: torch.Tensor, weights: str | None, extractor: torch.nn.Module | None = None):
+        hint = "pip install torchmetrics torch-fidelity, or unset eval.inception_weights"
         try:
             from torchmetrics.image.fid import FrechetInceptionDistance
         except ImportError:
-            raise SinkflowError("FID needs torchmetrics and torch-fidelity, which are not installed",
-                                "pip install torchmetrics torch-fidelity, or unset eval.inception_weights") from None
+            raise SinkflowError("FID needs torchmetrics and torch-fidelity, which are not installed", hint) from None
+        self.floats = extractor is not None
         if extractor is not None:
             self.metric = FrechetInceptionDistance(feature=extractor, normalize=True, reset_real_features=False)
         else:
@@ -230,12 +243,17 @@ class InceptionFID:
             if not weights.is_file():
                 raise SinkflowError(f"eval.inception_weights={weights} is not a file",
                                     "point it at a local pt_inception-2015-12-05 weights file or set it to null")
-            self.metric = FrechetInceptionDistance(feature=2048, normalize=True, reset_real_features=False,
-                                                   feature_extractor_weights_path=str(weights))
+            try:  # torchmetrics without torch-fidelity imports, then refuses here (a raw ModuleNotFoundError)
+                self.metric = FrechetInceptionDistance(feature=2048, normalize=False, reset_real_features=False,
+                                                       feature_extractor_weights_path=str(weights))
+            except ModuleNotFoundError:
+                raise SinkflowError("FID needs torch-fidelity (torchmetrics' Inception-v3), which is not installed",
+                                    hint) from None
         self._update(real, True)
 
     def _update(self, imgs: torch.Tensor, real: bool) -> None:
-        for chunk in _to_unit(imgs).split(256):
+        for chunk in imgs.split(256):
+            chunk = _to_unit(chunk) if self.floats else pixels(chunk)
             self.metric.update(chunk.expand(-1, 3, -1, -1) if chunk.shape[1] == 1 else chunk, real=real)
 
     def __call__(self, generated: torch.Tensor) -> float:
