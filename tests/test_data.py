@@ -150,6 +150,22 @@ def test_checkerboard_matches_ffjord(stratified):
         assert len(counts) == 8 and counts.min() == counts.max() == 2500
 
 
+def test_8gaussians_qmc_offsets_are_low_discrepancy_within_each_mode():
+    """8gaussians-qmc (the 8gaussians-moons task's evaluation source and pool source) dealt one Sobol draw of n out to
+    the modes by shuffled labels: each mode's 128 offsets were an i.i.d.-like subset, whose half-split was off by
+    +-5 points (std over 20 seeds), as an i.i.d. draw's is. Each mode now has a Sobol draw of its own: every mode's
+    offsets split exactly in half along each axis."""
+    from sinkflow.data.toy2d import EIGHT_CENTRES
+
+    d = EightGaussians(qmc=True)
+    for seed in range(5):
+        x, labels = d.sample_with_labels(1024, torch.Generator().manual_seed(seed))
+        offsets = (x - d.radius * EIGHT_CENTRES[labels]) / d.std
+        for k in range(8):
+            mine = offsets[labels == k]
+            assert len(mine) == 128 and (mine > 0).sum(0).tolist() == [64, 64], (seed, k)
+
+
 def test_w2_floor_below_paper_for_every_task():
     assert "ot.emd2" in W2_FLOOR_PROTOCOL
     for cls, name in [(EightGaussians, "8gaussians"), (Moons, "moons"), (SCurve, "scurve"),
