@@ -1,6 +1,7 @@
 """Preflight passes the real presets and catches planted faults; the memory estimate matches measurement."""
 
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -69,7 +70,7 @@ def test_preflight_image_preset_shapes(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: usage(2**37, 2**36, 2**36))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2**37, 2**36, 2**36))
     report = preflight("mnist", workdir=tmp_path, memory=False)
     assert report.ok, format_report(report)
     assert "synthetic mnist" in report.data_note
@@ -530,7 +531,7 @@ def test_a_disk_too_small_for_the_pool_is_its_own_check_and_the_rest_still_runs(
     real = config.resolve("moons", [f"experiment.runs_dir={tmp_path / 'runs'}"])
     need = pool.pool_bytes(real["pool"], (2,))
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: usage(need, need // 2, need // 2))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(need, need // 2, need // 2))
     report = preflight("moons", [f"experiment.runs_dir={tmp_path / 'runs'}"], workdir=tmp_path / "work", memory=False)
     failed = [c for c in report.checks if c.ok is False]
     assert [c.name for c in failed] == ["this machine"], format_report(report)

@@ -315,7 +315,7 @@ def test_free_space_message_has_readable_units(tmp_path, monkeypatch):
     from sinkflow.methods import pool
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: usage(10_000, 9_000, 1_000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10_000, 9_000, 1_000))
     cfg = config.resolve("moons", ["pool.batches=2", "pool.steps=4", "pool.batch_size=32"])["pool"]
     with pytest.raises(SinkflowError) as e:
         pool.check_free_disk(cfg, (2,), tmp_path / "pool")
@@ -336,7 +336,7 @@ def test_free_disk_counts_the_blocks_a_resumed_pool_already_holds(tmp_path, monk
     cfg = config.resolve("moons", ["pool.batches=4", "pool.steps=4", "pool.batch_size=256"])["pool"]
     need = pool.pool_bytes(cfg, (2,))
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: usage(10 * need, 9 * need, need // 4))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * need, 9 * need, need // 4))
     folder = tmp_path / "pool"
     with pytest.raises(SinkflowError, match="of disk but the disk has only"):
         pool.check_free_disk(cfg, (2,), folder)
@@ -348,6 +348,35 @@ def test_free_disk_counts_the_blocks_a_resumed_pool_already_holds(tmp_path, monk
     if x.stat().st_blocks * 512 < need * 3 // 4:
         pytest.skip("this file system does not preallocate: nothing is held")
     pool.check_free_disk(cfg, (2,), folder)
+
+
+def test_the_free_disk_must_hold_the_checkpoints_too(tiny_run, runs_dir, monkeypatch, capsys):
+    """A new run is refused before its folder exists when the disk has room for its pool but not its checkpoints,
+    and a run with no pool (FM) is checked at all: the disk plan was the pool alone, 1.5 % of a finished moons run's
+    6.7 MB (checkpoints 6.5 MB), 0.2 % of an mnist-shaped NSGF++ run's 126 MB, nothing of cifar10 FM's 1.7 GB
+    (du, 2026-11-30), so a full disk stopped the run at its first checkpoint, ckpt_every steps in. The plan is an
+    upper bound of what the checkpoints hold (keep step files and final.pt each phase)."""
+    from collections import namedtuple
+
+    from sinkflow import config
+    from sinkflow.methods import pool
+    from sinkflow.methods.base import checkpoint_bytes
+    from sinkflow.runtime.run_folder import read_config
+
+    held = sum(f.stat().st_size for f in (tiny_run / "checkpoints").rglob("*.pt") if f.parent.name != "pool")
+    assert held <= checkpoint_bytes(read_config(tiny_run), (2,)) <= 1.5 * held
+    usage = namedtuple("usage", "total used free")
+    for method in ("nsgf", "fm"):
+        argv = ["moons", "--method", method, "--train-iters", "6", "train.velocity.ckpt_every=3"]
+        cfg = config.resolve("moons", [f"experiment.method={method}", "train.velocity.iters=6",
+                                       "train.velocity.ckpt_every=3"])
+        free = (pool.pool_bytes(cfg["pool"], (2,)) if method == "nsgf" else 0) + checkpoint_bytes(cfg, (2,)) // 2
+        monkeypatch.setattr(shutil, "disk_usage", lambda p, free=free: usage(2**40, 2**40 - free, free))
+        assert main(["train", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "the run needs" in err and "of disk but the disk has only" in err, err
+        assert " checkpoints " in err and "checkpoint.keep" in err and ("pool " in err) == (method == "nsgf"), err
+        assert not runs_dir.exists()
 
 
 def test_memory_plan_and_phases_do_not_depend_on_the_free_disk(tmp_path, monkeypatch):
@@ -362,7 +391,7 @@ def test_memory_plan_and_phases_do_not_depend_on_the_free_disk(tmp_path, monkeyp
 
     monkeypatch.chdir(tmp_path)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: usage(2**30, 2**30 - 2**20, 2**20))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2**30, 2**30 - 2**20, 2**20))
     cfg = config.resolve("cifar10", [])
     assert [m.phase for m in memory_plan.estimate(cfg)][-1] == "sample+eval"
     assert list(tmp_path.iterdir()) == []
@@ -552,6 +581,6 @@ def test_a_resume_is_not_refused_for_the_disk_its_own_pool_holds(tiny_run, tmp_p
     (run / "checkpoints" / "velocity" / "final.pt").unlink()
     monkeypatch.chdir(tmp_path)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(pool.shutil, "disk_usage", lambda p: usage(2**20, 2**20 - 16, 16))  # 16 bytes left
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2**20, 2**20 - 16, 16))  # 16 bytes left
     assert main(["train", "--resume", str(run), "--no-report"]) == 0, capsys.readouterr().err
     assert (run / "checkpoints" / "velocity" / "final.pt").is_file()

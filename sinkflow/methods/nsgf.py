@@ -23,7 +23,7 @@ import torch
 
 from sinkflow.data import qmc_twin
 from sinkflow.errors import SinkflowError
-from sinkflow.methods.base import Method, TrainingStep
+from sinkflow.methods.base import Method, TrainingStep, checkpoint_bytes
 from sinkflow.methods.flow_matching import velocity_loss
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.methods.pool import PoolTask, TrajectoryPool, check_free_disk, check_pool_fits
@@ -217,7 +217,8 @@ class NSGF(Method):
         check_pool_fits(cfg["pool"], sample_shape)
 
     def check_machine(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
-        check_free_disk(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]).expanduser())
+        check_free_disk(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]).expanduser(),
+                        {"checkpoints": checkpoint_bytes(cfg, sample_shape)})
 
     def phases(self, cfg, source, target):
         check(cfg)

@@ -32,7 +32,7 @@ import torch
 from sinkflow.data.atomic_write import atomic_write_bytes
 from sinkflow.errors import SinkflowError
 from sinkflow.methods import nsgf
-from sinkflow.methods.base import Method
+from sinkflow.methods.base import Method, checkpoint_bytes
 from sinkflow.methods.flow_matching import InterpolantStep
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.methods.pool import check_free_disk, check_pool_fits
@@ -275,7 +275,8 @@ class NSGFPlusPlus(Method):
         check(cfg, sample_shape)
 
     def check_machine(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
-        check_free_disk(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]).expanduser())
+        check_free_disk(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]).expanduser(),
+                        {"checkpoints": checkpoint_bytes(cfg, sample_shape)})
 
     def phases(self, cfg, source, target):
         check(cfg, tuple(target.shape))

@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ import torch
 
 from sinkflow.data.atomic_write import atomic_path, atomic_write_text
 from sinkflow.errors import SinkflowError, human_bytes
-from sinkflow.methods.base import ChunkedTask
+from sinkflow.methods.base import ChunkedTask, check_disk_room
 from sinkflow.ot.sinkhorn import SolveStats, solve_stats
 from sinkflow.runtime import dist
 from sinkflow.runtime.identity import first_difference, identity
@@ -67,18 +66,14 @@ def check_pool_fits(pool_cfg: dict, sample_shape: tuple[int, ...]) -> None:
             f"use fewer pool.batches{half}, or a larger pool.disk_gb")
 
 
-def check_free_disk(pool_cfg: dict, sample_shape: tuple[int, ...], folder: Path) -> None:
-    """Refuse, before any work, a pool the disk under ``folder`` cannot hold. The blocks the pool's arrays already
-    reserve there (a resumed build: ``reserve_disk``) count as the pool's own, not as space it still needs. Creates
-    nothing: a folder not made yet is on the disk of its nearest existing parent."""
+def check_free_disk(pool_cfg: dict, sample_shape: tuple[int, ...], folder: Path, others: dict | None = None) -> None:
+    """Refuse, before any work, a pool the disk under ``folder`` cannot hold, with ``others`` (bytes by what else the
+    run writes there: a new run's checkpoints). The blocks the pool's arrays already reserve there (a resumed build:
+    ``reserve_disk``) count as the pool's own, not as space it still needs. Creates nothing."""
     held = sum(f.stat().st_blocks * 512 for f in (folder / f"{k}.npy" for k in ("x", "v", "t")) if f.is_file())
-    need = pool_bytes(pool_cfg, sample_shape)
-    free = shutil.disk_usage(next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())).free
-    if need > free + held:
-        raise SinkflowError(
-            f"the trajectory pool needs {human_bytes(need - held)} {'more ' if held else ''}of disk but the disk has "
-            f"only {human_bytes(free)} ({folder})",
-            f"use fewer pool.batches{_halves(pool_cfg)}, or point experiment.runs_dir at a larger disk")
+    check_disk_room({"the trajectory pool": pool_bytes(pool_cfg, sample_shape), **(others or {})}, folder,
+                    f"use fewer pool.batches{_halves(pool_cfg)}{', a lower checkpoint.keep' if others else ''}, or "
+                    "point experiment.runs_dir at a larger disk", held)
 
 
 def _halves(pool_cfg: dict) -> str:
