@@ -515,6 +515,33 @@ def test_a_disk_too_full_for_the_pool_is_one_line_not_a_bus_error(run, capsys, m
     assert not [p.name for p in (run / "pool").iterdir() if p.name.startswith(".")]  # no temp file left
 
 
+def test_the_exact_w2_memory_plan_bounds_what_pot_takes(tiny_run, monkeypatch):
+    """`eval --n N` on points is refused when the exact W2 cannot fit: its plan was the float64 cost matrix alone
+    (8 N^2 bytes) while POT's emd2 rises the peak RSS 41 N^2 (n = 1,000-6,000: 39 MiB to 1.4 GiB, 2026-11-30), so an
+    n the check let through could need 5x the memory it found. Measured in a fresh process, then the check itself."""
+    import subprocess
+    import sys
+
+    from sinkflow.data import memory
+    from sinkflow.errors import SinkflowError
+    from sinkflow.runtime.run_folder import read_config
+
+    n = 1500
+    # VmHWM, this process's own peak: getrusage's ru_maxrss in a child starts at the forking pytest's RSS
+    peak = "int(next(x for x in open('/proc/self/status') if x.startswith('VmHWM')).split()[1]) * 1024"
+    code = ("import numpy as np\nfrom sinkflow.ot.metrics import w2\nr = np.random.default_rng(0)\n"
+            f"w2(r.random((10, 2)), r.random((10, 2)))\nbefore = {peak}\n"
+            f"w2(r.random(({n}, 2)), r.random(({n}, 2)))\nprint({peak} - before)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rise = int(done.stdout.split()[-1])
+    assert 20 * n * n < rise <= memory.EXACT_W2_PAIR_BYTES * n * n, rise / n**2
+    cfg = read_config(tiny_run)
+    monkeypatch.setattr(memory, "available_memory", lambda: 30 * 6000**2)  # the old plan's 8 n^2 fitted it
+    with pytest.raises(SinkflowError, match="exact-W2"):
+        memory.check_sample_memory(6000, cfg, exact_w2=True)
+
+
 def test_sampling_keeps_one_host_array_not_every_chunk(tiny_run, monkeypatch):
     """`check_sample_memory` plans 16 bytes a sample value (the samples, their source, working copies); sampling in
     chunks of `sample.batch_size` kept every chunk apart for one torch.cat, and the network activations freed between
