@@ -7,6 +7,19 @@ os.environ.setdefault("SINKFLOW_PROGRESS", "0")  # keep test logs readable
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def sinkflow_log_level():
+    """A test that plays rank 1 of a torchrun job (``dist.init`` quiets a non-main rank's "sinkflow" logger to
+    WARNING, as it should in that process) left the level behind for the worker's later tests, whose INFO lines
+    then went uncaptured: each test starts at the level the worker began with."""
+    import logging
+
+    logger = logging.getLogger("sinkflow")
+    level = logger.level
+    yield
+    logger.setLevel(level)
+
+
 @pytest.fixture
 def runs_dir(tmp_path, monkeypatch):
     """Run everything inside a temp folder (runs/, data/ are relative to the working directory)."""
