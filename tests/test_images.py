@@ -622,3 +622,14 @@ def test_a_failed_png_folder_write_leaves_no_folder(tmp_path, monkeypatch):
     (tmp_path / "pngs").mkdir()  # an empty folder is taken
     save_image_folder(x, tmp_path / "pngs")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pngs"] and len(list((tmp_path / "pngs").iterdir())) == 5
+
+
+@pytest.mark.parametrize("suffix, fmt", [(".png", "PNG"), (".jpg", "JPEG"), (".tif", "TIFF"), (".webp", "WEBP")])
+def test_a_grid_is_written_in_the_format_its_name_says(tmp_path, suffix, fmt):
+    """save_grid writes through a temp file (atomically), so it names PIL's format itself: the suffix is not PIL's
+    name for .jpg or .tif (KeyError 'JPG' since the grid was first written atomically; a path had always taken it)."""
+    from sinkflow.eval.images import save_grid
+
+    out = save_grid(torch.rand(4, 1, 8, 8) * 2 - 1, tmp_path / f"g{suffix}")
+    with Image.open(out) as img:
+        assert img.format == fmt and img.size[0] > 0

@@ -57,8 +57,10 @@ def save_grid(x: torch.Tensor, path, nrow: int | None = None) -> Path:
     path = Path(path)
     nrow = nrow or max(1, math.ceil(math.sqrt(len(x))))
     grid = _upscale(_to_unit(x))  # written atomically: a kill or a full disk mid-write keeps the grid that was there
-    atomic_write_bytes(path, lambda f: save_image(grid, f, format=path.suffix[1:].lower() or "png", nrow=nrow,
-                                                  padding=2, pad_value=1.0))
+    from PIL import Image
+
+    fmt = Image.registered_extensions().get(path.suffix.lower(), "PNG")  # PIL's name: .jpg is JPEG, .tif TIFF
+    atomic_write_bytes(path, lambda f: save_image(grid, f, format=fmt, nrow=nrow, padding=2, pad_value=1.0))
     return path
 
 
