@@ -76,7 +76,7 @@ def run(args):
         beside = ("" if mine is None else " (the run's own sampler)" if own == best
                   else f" (the run's own sampler: {mine:.2f})")
         print(f"  best at {budget}: {choice}: {name} {value:.2f} on validation{beside}")
-        if kept:  # the lowest mean won by less than the seeds' spread: noise, not a better sampler
+        if kept:  # the lowest mean won by less than the noise of the paired seeds: not a better sampler
             print(f"  the lowest ({' '.join(tune.overrides(lowest[0]))}: {lowest[1]:.2f}) beats the run's own by "
                   "less than twice the standard error of their seed-by-seed differences: the run's own is kept")
         elif mine is not None and own != best and args.seeds == 1:

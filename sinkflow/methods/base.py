@@ -288,7 +288,8 @@ def check_disk_room(needs: dict[str, int], folder: Path, fix: str, held: int = 0
     need = sum(needs.values())
     free = shutil.disk_usage(next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())).free
     if need > free + held:
-        ((what, _),) = needs.items() if len(needs) == 1 and "checkpoints" not in needs else ((None, 0),)
-        parts = "" if what else ": " + ", ".join(f"{k} {human_bytes(v)}" for k, v in needs.items())
-        raise SinkflowError(f"{what or 'the run'} needs {human_bytes(need - held)} {'more ' if held else ''}of disk "
+        alone = len(needs) == 1 and "checkpoints" not in needs  # the pool alone (a resumed build) says so
+        what = next(iter(needs)) if alone else "the run"
+        parts = "" if alone else ": " + ", ".join(f"{k} {human_bytes(v)}" for k, v in needs.items())
+        raise SinkflowError(f"{what} needs {human_bytes(need - held)} {'more ' if held else ''}of disk "
                             f"but the disk has only {human_bytes(free)} ({folder}{parts})", fix)

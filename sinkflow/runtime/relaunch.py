@@ -45,10 +45,17 @@ def resume_for(run_dir: Path, hb: dict) -> str:
                           per_node if isinstance(per_node, int) and per_node > 0 else None)
 
 
-def recorded_resume(run_dir) -> str:
-    """``resume_for`` the heartbeat on disk (``status.json``; none readable: the defaults and meta.json's argv)."""
+def read_heartbeat(run_dir) -> dict:
+    """``RUN/status.json``, or {} where it is missing, unreadable, or JSON that is no heartbeat (`null`, a list, a
+    time or pid of text: a traceback in `sinkflow status` before)."""
     try:
         hb = json.loads((Path(run_dir) / "status.json").read_text())
     except (OSError, ValueError):
-        hb = {}
-    return resume_for(Path(run_dir), hb if isinstance(hb, dict) else {})
+        return {}
+    fine = isinstance(hb, dict) and isinstance(hb.get("time", 0.0), (int, float)) and isinstance(hb.get("pid", 0), int)
+    return hb if fine else {}
+
+
+def recorded_resume(run_dir) -> str:
+    """``resume_for`` the heartbeat on disk (none readable: the defaults and meta.json's argv)."""
+    return resume_for(Path(run_dir), read_heartbeat(run_dir))

@@ -37,7 +37,7 @@ from sinkflow.errors import SinkflowError
 from sinkflow.eval.records import OPTIONAL_SETTINGS
 from sinkflow.processes import pid_alive
 from sinkflow.runtime.lock import held
-from sinkflow.runtime.relaunch import resume_for
+from sinkflow.runtime.relaunch import read_heartbeat, resume_for
 from sinkflow.runtime.signals import stop_reason
 
 STALE_AFTER_S = 300.0
@@ -82,14 +82,7 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
                             "pass the folder `sinkflow train` printed when it started")
     now = time.time() if now is None else now
     out: dict = {"run": str(run_dir)}
-    hb = {}
-    try:
-        hb = json.loads((run_dir / "status.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        pass
-    if not (isinstance(hb, dict) and isinstance(hb.get("time", 0.0), (int, float))
-            and isinstance(hb.get("pid", 0), int)):
-        hb = {}  # JSON, but not a heartbeat (`null`, a list, a pid of text): damaged, as unreadable (a traceback)
+    hb = read_heartbeat(run_dir)  # {} where damaged, as where unreadable
     out["heartbeat"] = hb
     age = now - hb["time"] if "time" in hb else None
     out["heartbeat_age_s"] = age

@@ -98,9 +98,9 @@ def overrides(settings: dict) -> list[str]:
     return [f"sample.{k}={v:g}" if isinstance(v, float) else f"sample.{k}={v}" for k, v in settings.items()]
 
 
-def choose(scored: list[tuple[dict, float]]) -> tuple[dict, float]:
-    """The lowest score; ties go to fewer NSGF steps, then to the smaller shift, then to the grid nearer uniform, then
-    to the temperature nearer the model's 1."""
+def choose(scored: list[tuple]) -> tuple:
+    """The lowest of (settings, score, ...) tuples; ties go to fewer NSGF steps, then to the smaller shift, then to
+    the grid nearer uniform, then to the temperature nearer the model's 1."""
     return min(scored, key=lambda sv: (sv[1], sv[0].get("nsgf_steps", 0), abs(sv[0].get("t_shift", 0.0)),
                                        abs(sv[0].get("time_warp", 1.0) - 1), abs(sv[0].get("temperature", 1.0) - 1)))
 
@@ -139,9 +139,10 @@ def metric_of(cfg: dict, target) -> str:
 def tune(run, total: int, n: int, seeds: int = 1,
          metric: str = "fd_cnn") -> list[tuple[dict, float, list[float]]]:
     """Every candidate at ``total`` NFE (and the run's own sampler when it spends as many) scored by ``metric`` on
-    ``n`` samples per seed against the validation split (the mean, and each seed's score), with a progress bar. Each candidate samples from a view of
-    the run (``RunFolder.variant``; config.yaml is never written). The validation reference (FD-CNN features and
-    floor, or FID's Inception features of the real images) is built once for all candidates."""
+    ``n`` samples per seed against the validation split (the mean, and each seed's score), with a progress bar.
+    Each candidate samples from a view of the run (``RunFolder.variant``; config.yaml is never written). The
+    validation reference (FD-CNN features and floor, or FID's Inception features of the real images) is built once
+    for all candidates."""
     from tqdm import tqdm
 
     from sinkflow.eval.images import held_out, image_metrics
