@@ -367,3 +367,20 @@ def test_overflowed_samples_are_said_in_a_real_run_and_muted_in_the_tools_scratc
             _, info = methods.get("flow").sample_nets({"flow": model}, cfg, torch.randn(4, 1, 8, 8))
         said = [r.getMessage() for r in caplog.records if "overflowed in the inverse" in r.getMessage()]
         assert info["nonfinite"] == 1 and len(said) == (0 if muted else 1), (muted, said)
+
+
+def test_chunked_sampling_counts_the_overflowed_samples_of_every_chunk(monkeypatch):
+    """``sample_chunks`` samples in chunks of ``sample.batch_size``: ``info["nonfinite"]`` is a count of samples, the
+    sum over the chunks (it read the first chunk's alone: 1 of 5 where every chunk had one)."""
+    import types
+
+    from sinkflow.eval import points
+
+    def sample(run, x0, steps, record):
+        x = torch.zeros_like(x0)  # clamped pixels: finite, as the flow's sampler returns them
+        return x, {"nfe": 1, "path": [], "nonfinite": 1}
+
+    monkeypatch.setattr(points.methods, "of", lambda cfg: types.SimpleNamespace(sample=sample))
+    run = types.SimpleNamespace(cfg={"sample": {"batch_size": 2}}, device=torch.device("cpu"))
+    x, info = points.sample_chunks(run, torch.randn(5, 1, 8, 8), None)
+    assert x.shape == (5, 1, 8, 8) and info["nonfinite"] == 3 and info["nfe"] == 1, info

@@ -95,11 +95,17 @@ def check_finite_samples(cfg: dict, x: torch.Tensor, steps: int | None) -> None:
     raise SinkflowError(f"{where} are NaN/Inf", "the model diverged: train longer with a lower learning rate")
 
 
+SUMMED_INFO = ("nonfinite",)  # counts of samples, which add up over chunks (NFE is per sample: any chunk's)
+
+
 def merge_info(infos: list[dict]) -> dict:
-    """Per-sample tensors and recorded paths are concatenated; counts (NFE per sample) come from the first chunk."""
+    """Per-sample tensors and recorded paths are concatenated; counts of samples (``SUMMED_INFO``) are summed; per-sample
+    counts (NFE) come from the first chunk."""
     merged = dict(infos[0])
     for key, value in infos[0].items():
-        if isinstance(value, torch.Tensor) and value.ndim >= 1:
+        if key in SUMMED_INFO:
+            merged[key] = sum(i[key] for i in infos)
+        elif isinstance(value, torch.Tensor) and value.ndim >= 1:
             merged[key] = torch.cat([i[key] for i in infos])
         elif key == "path" and value:
             merged[key] = [torch.cat(states) for states in zip(*(i[key] for i in infos))]
