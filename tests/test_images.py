@@ -633,3 +633,21 @@ def test_a_grid_is_written_in_the_format_its_name_says(tmp_path, suffix, fmt):
     out = save_grid(torch.rand(4, 1, 8, 8) * 2 - 1, tmp_path / f"g{suffix}")
     with Image.open(out) as img:
         assert img.format == fmt and img.size[0] > 0
+
+
+def test_a_disk_too_full_for_the_image_cache_is_one_line_not_a_bus_error(runs_dir, tmp_path, capsys, monkeypatch):
+    """The decoded cache is a memory-mapped .npy created sparse: a disk that filled while the images were decoded
+    into it killed the process with SIGBUS (no message). Its blocks are reserved when it is created, as the pool's
+    are; ENOSPC then is the usual line, and no temp file or half cache is left."""
+    import errno
+    import os
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    folder = make_folder(tmp_path / "imgs", n=4)
+    bad(capsys, "folder", f"data.path={folder}", f"data.root={tmp_path / 'data'}")
+    one_line(capsys, "cannot write the image cache", "No space left on device", "data.root")
+    assert not [p.name for p in (tmp_path / "data" / "cache").iterdir()]
+    assert not runs_dir.exists()

@@ -330,6 +330,7 @@ def test_free_disk_counts_the_blocks_a_resumed_pool_already_holds(tmp_path, monk
     from collections import namedtuple
 
     from sinkflow import config
+    from sinkflow.data import atomic_write
     from sinkflow.errors import SinkflowError
     from sinkflow.methods import pool
 
@@ -344,7 +345,7 @@ def test_free_disk_counts_the_blocks_a_resumed_pool_already_holds(tmp_path, monk
     folder.mkdir()
     x = folder / "x.npy"
     np.lib.format.open_memmap(x, mode="w+", dtype=np.float32, shape=(need // 4,)).flush()  # most of the pool
-    pool.reserve_disk(x)
+    atomic_write.reserve_disk(x)
     if x.stat().st_blocks * 512 < need * 3 // 4:
         pytest.skip("this file system does not preallocate: nothing is held")
     pool.check_free_disk(cfg, (2,), folder)

@@ -12,6 +12,7 @@ lives in the data layer, the lowest one that writes files.
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import os
 import re
@@ -19,6 +20,8 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+import numpy as np
 
 from sinkflow.processes import orphaned
 
@@ -139,3 +142,29 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """``atomic_write_bytes`` for a text file (UTF-8): status.json, progress.json, config.yaml, meta.json..."""
     data = text.encode()
     atomic_write_bytes(path, lambda f: f.write(data))
+
+
+def reserve_disk(path: Path) -> None:
+    """Allocate the blocks of ``path``'s full length now: a memory-mapped array file is created sparse, and a disk
+    that fills while it is written into kills the process with SIGBUS (no message, exit 135) instead of
+    raising ENOSPC. A file system that cannot preallocate is left as it is."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+    finally:
+        os.close(fd)
+
+
+def create_array(tmp: Path, dtype, shape: tuple[int, ...], name: Path) -> np.memmap:
+    """A new ``.npy`` array file at ``tmp`` (an ``atomic_path``), opened for writing through a memory map, its blocks
+    reserved (``reserve_disk``); an error names ``name``, the file it becomes (numpy's own names none: EFBIG, ENOSPC).
+    The trajectory pool's arrays and the decoded image cache are written this way."""
+    try:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(name)) from None
+    reserve_disk(tmp)
+    return out

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from sinkflow.data.atomic_write import atomic_path, atomic_write_bytes, atomic_write_text
+from sinkflow.data.atomic_write import atomic_path, atomic_write_bytes, atomic_write_text, create_array
 
 log = logging.getLogger(__name__)
 CACHE_VERSION = 1
@@ -63,7 +63,7 @@ def write_cache(stem: Path, fingerprint: str, shape: tuple[int, int, int, int],
     data, meta_path, lab = stem.with_suffix(".npy"), stem.with_suffix(".json"), stem.with_suffix(".labels.npy")
     meta_path.unlink(missing_ok=True)  # the old cache is invalid from here on, whatever happens next
     with atomic_path(data) as tmp:
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=shape)
+        out = create_array(tmp, np.uint8, shape, data)  # reserved: a disk filling as it decodes is ENOSPC, not SIGBUS
         labels = fill(out)
         out.flush()
         del out

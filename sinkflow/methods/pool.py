@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sinkflow.data.atomic_write import atomic_path, atomic_write_text
+from sinkflow.data.atomic_write import atomic_path, atomic_write_text, create_array
 from sinkflow.errors import SinkflowError, human_bytes
 from sinkflow.methods.base import ChunkedTask, check_disk_room
 from sinkflow.ot.sinkhorn import SolveStats, solve_stats
@@ -102,20 +102,6 @@ def rebuild_fix(folder: Path) -> str:
     same config and seed rebuild the same pool: a test compares a rebuilt pool and the phase resumed on it)."""
     return (f"delete {folder} and {folder.parent / 'checkpoints' / 'pool'} and resume: the pool is rebuilt from the "
             "same seed and the later phases' checkpoints are kept")
-
-
-def reserve_disk(path: Path) -> None:
-    """Allocate the blocks of ``path``'s full length now: a memory-mapped array file is created sparse, and a disk
-    that fills while the pool is written into it kills the process with SIGBUS (no message, exit 135) instead of
-    raising ENOSPC. A file system that cannot preallocate is left as it is."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise OSError(exc.errno, exc.strerror, str(path)) from None
-    finally:
-        os.close(fd)
 
 
 def check_progress(saved: dict, ours: dict, path: Path) -> None:
@@ -355,11 +341,7 @@ class PoolTask(ChunkedTask):
             if any(not (folder / f"{k}.npy").exists() for k in layout):  # no chunk built yet
                 for key, (shp, dt) in layout.items():  # nothing built yet (a build killed while creating them): anew
                     with atomic_path(folder / f"{key}.npy") as tmp:
-                        try:
-                            np.lib.format.open_memmap(tmp, mode="w+", dtype=dt, shape=shp).flush()
-                        except OSError as exc:  # numpy's error names no file (EFBIG, ENOSPC)
-                            raise OSError(exc.errno, exc.strerror, str(folder / f"{key}.npy")) from None
-                        reserve_disk(tmp)
+                        create_array(tmp, dt, shp, folder / f"{key}.npy").flush()
                 self.write_progress()
 
         dist.on_main(create)
