@@ -639,3 +639,30 @@ def test_a_resume_is_not_refused_for_the_disk_its_own_pool_holds(tiny_run, tmp_p
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2**20, 2**20 - 16, 16))  # 16 bytes left
     assert main(["train", "--resume", str(run), "--no-report"]) == 0, capsys.readouterr().err
     assert (run / "checkpoints" / "velocity" / "final.pt").is_file()
+
+
+def test_the_disk_plan_of_nsgfpp_counts_the_nsgf_states_it_keeps(tmp_path, monkeypatch):
+    """With nsgf.nsf_source=velocity NSGF++ keeps RUN/nsf_states.npy (201 MB on CIFAR-10 at the default 16,384
+    states), which the disk plan left out: a disk with room for the pool and checkpoints alone stopped the run when
+    the straight-flow phase opened, after the pool and the velocity network. The plan's bytes are the file's."""
+    from collections import namedtuple
+
+    import numpy as np
+
+    from sinkflow import config, methods
+    from sinkflow.errors import SinkflowError
+    from sinkflow.methods import nsgfpp, pool
+    from sinkflow.methods.base import checkpoint_bytes
+
+    shape, usage = (3, 32, 32), namedtuple("usage", "total used free")
+    cfg = config.resolve("cifar10", ["experiment.method=nsgfpp", "nsgf.nsf_source=velocity", "nsgf.nsf_t_min=0",
+                                     f"experiment.runs_dir={tmp_path}"])
+    states = nsgfpp.states_bytes(cfg, shape)
+    np.save(tmp_path / "s.npy", np.zeros((cfg["nsgf"]["nsf_states"], *shape), np.float32), allow_pickle=False)
+    assert states == (tmp_path / "s.npy").stat().st_size
+    free = pool.pool_bytes(cfg["pool"], shape) + checkpoint_bytes(cfg, shape) + states // 2
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2**40, 2**40 - free, free))
+    with pytest.raises(SinkflowError, match="the NSGF states 192.0 MiB"):
+        methods.of(cfg).check_machine(cfg, shape)
+    noise = {**cfg, "nsgf": {**cfg["nsgf"], "nsf_source": "noise"}}
+    methods.of(noise).check_machine(noise, shape)  # from noise: no states file, and the same disk holds the run

@@ -172,6 +172,11 @@ class NSGFStates:
         return self.states[idx].to(device, non_blocking=True)
 
 
+def states_bytes(cfg: dict, sample_shape: tuple[int, ...]) -> int:
+    """Disk that ``NSGFStates`` keeps in RUN/nsf_states.npy: ``nsgf.nsf_states`` float32 samples and the .npy header."""
+    return int(cfg["nsgf"]["nsf_states"]) * 4 * int(np.prod(sample_shape)) + 128
+
+
 def straight_flow_source(cfg: dict, source):
     """Where the straight flow's and the predictor's paths start (``nsgf.nsf_source``): the source itself (the
     paper's noise), or the velocity network's states (``NSGFStates``), one object the two phases share."""
@@ -275,8 +280,10 @@ class NSGFPlusPlus(Method):
         check(cfg, sample_shape)
 
     def check_machine(self, cfg: dict, sample_shape: tuple[int, ...]) -> None:
-        check_free_disk(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]).expanduser(),
-                        {"checkpoints": checkpoint_bytes(cfg, sample_shape)})
+        others = {"checkpoints": checkpoint_bytes(cfg, sample_shape)}
+        if cfg["nsgf"]["nsf_source"] == "velocity":  # RUN/nsf_states.npy: 201 MB on CIFAR-10 at the default 16,384
+            others["the NSGF states"] = states_bytes(cfg, sample_shape)
+        check_free_disk(cfg["pool"], sample_shape, Path(cfg["experiment"]["runs_dir"]).expanduser(), others)
 
     def phases(self, cfg, source, target):
         check(cfg, tuple(target.shape))
