@@ -366,3 +366,17 @@ def test_each_evaluation_is_its_own_tensorboard_step(tmp_path, capsys, monkeypat
     events.Reload()
     tag = next(t for t in events.Tags()["scalars"] if t.startswith("eval/w2"))
     assert [e.step for e in events.Scalars(tag)] == [1, 2, 3]
+
+
+def test_records_rewound_after_a_rewind_killed_mid_write_stay_lines_of_their_own(tmp_path):
+    """metrics.rewound.jsonl is appended to, like metrics.jsonl: a resume killed while it moved records there left a
+    partial last line, and the next resume's first moved record was joined to it (lost to every reader)."""
+    from sinkflow.runtime.metrics import MetricsLogger
+
+    (tmp_path / "metrics.rewound.jsonl").write_text('{"phase": "velocity", "st')  # a kill -9 mid-append
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"phase": "velocity", "step": s}) + "\n"
+                                                    for s in (2, 4, 6)))
+    moved = MetricsLogger(tmp_path).rewind("velocity", 2)
+    lines = (tmp_path / "metrics.rewound.jsonl").read_text().splitlines()
+    assert [m["step"] for m in moved] == [4, 6] and lines[0] == '{"phase": "velocity", "st', lines
+    assert [json.loads(x)["step"] for x in lines[1:]] == [4, 6], lines

@@ -48,11 +48,7 @@ class MetricsLogger:
     def jsonl(self):
         if self._jsonl is None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            path = self.run_dir / "metrics.jsonl"
-            cut = path.is_file() and path.stat().st_size > 0 and _last_byte(path) != b"\n"
-            self._jsonl = open(path, "a", buffering=1)
-            if cut:  # a killed writer's partial last line stays a line of its own: a record joined to it was lost
-                self._jsonl.write("\n")
+            self._jsonl = open_lines(self.run_dir / "metrics.jsonl", buffering=1)
         return self._jsonl
 
     def tb(self, phase: str):
@@ -100,7 +96,7 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        with open(self.run_dir / "metrics.rewound.jsonl", "a") as f:  # first: a crash between the two loses nothing
+        with open_lines(self.run_dir / "metrics.rewound.jsonl") as f:  # first: a crash between the two loses nothing
             f.write("".join(line if line.endswith("\n") else line + "\n" for line in moved))
         atomic_write_text(path, "".join(keep))
         return [json.loads(line) for line in moved]
@@ -207,6 +203,16 @@ def _quiet_tensorboard_threads() -> None:
 
     hook.sinkflow = True
     threading.excepthook = hook
+
+
+def open_lines(path: Path, buffering: int = -1):
+    """``path`` opened to append lines: a killed writer's partial last line stays a line of its own (the next record
+    joined to it was lost to every reader, a resume's rewind too)."""
+    cut = path.is_file() and path.stat().st_size > 0 and _last_byte(path) != b"\n"
+    f = open(path, "a", buffering=buffering)
+    if cut:
+        f.write("\n")
+    return f
 
 
 def _last_byte(path: Path) -> bytes:
