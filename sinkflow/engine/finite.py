@@ -12,9 +12,9 @@ keeps everything on the device instead:
   counts untouched when it is set, with no sync. An optimizer without that input (foreach Adam, where this torch
   has no fused kernel) is guarded by ``check_now`` instead: the step's loss and gradient norm are read and the run
   stops before the update.
-* ``raise_if_bad()`` reads the flag (one sync). The engine calls it on log steps and before every
-  checkpoint, so a non-finite step stops the run there, naming the first bad step; the weights it stops
-  with, and every checkpoint, hold only finite updates.
+* ``failure()`` reads the flag (one sync). The engine reads it on log steps and before every checkpoint
+  (``Trainer.raise_if_non_finite``), so a non-finite step stops the run there, naming the first bad step; the
+  weights it stops with, and every checkpoint, hold only finite updates.
 
 Under DDP the flag is OR-ed over ranks on the device, so every rank skips the same steps and stops together.
 """
