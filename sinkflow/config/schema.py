@@ -337,8 +337,8 @@ DATA = {
     "holdout": Key("every_tenth", Options("every_tenth", "last_tenth"), "an image folder's test split, in sorted "
                    "order: every tenth image (the 10th, 20th, ...: a tenth of each class subfolder) or the last tenth "
                    "(runs made before this key: with class subfolders, the last class alone)", when=FOLDER),
-    "image_size": Key(None, POS_INT, "resize + center-crop folder images to this size (null = native)",
-                      nullable=True, when=IMAGES),
+    "image_size": Key(None, POS_INT, "resize + center-crop the images (of any image set) to this size "
+                      "(null = native)", nullable=True, when=IMAGES),
     "channels": Key(None, Options(1, 3), "1 = grayscale, 3 = RGB, null = native", nullable=True, when=IMAGES),
     "flip": Key(False, Bool(), "random horizontal flip, per sample, on the device", when=IMAGES),
     "split": Key("train", Options("train", "test"), "which split of the image set trains", when=IMAGES),
