@@ -408,7 +408,7 @@ class PoolTask(ChunkedTask):
 
     def check_diverged(self, xs: torch.Tensor, group: list[int]) -> None:
         """Stop before writing a group whose particles left ``DIVERGED_RADII`` x the data's radius: the flow
-        diverged while staying finite (pool.eta=100 with the harmonic schedule reaches |x| ~ 1e6; a sound
+        diverged while staying finite (pool.eta=100 with the harmonic schedule reaches |x| ~ 1e5-1e6 at its first chunk; a sound
         pool stays within ~1.2 x the radius on every 2D preset and digits, measured)."""
         top = float(xs.abs().max())
         if top > DIVERGED_RADII * self.data_radius:
