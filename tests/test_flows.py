@@ -453,3 +453,21 @@ def test_flow_loss_refuses_a_level_count_outside_2_to_256(n_bins):
     with pytest.raises(SinkflowError, match=r"n_bins=.* must be an integer in \[2, 256\]"):  # 0: math domain error
         flow_loss(build_flow({"levels": 1, "depth_per_level": 1, "hidden_channels": 4}, (1, 4, 4)),
                   torch.rand(2, 1, 4, 4), n_bins=n_bins)
+
+
+def test_a_flow_built_under_a_float64_default_dtype_runs_in_float64():
+    """The 1x1 conv's LU factors were float32 whatever the default dtype, its mask the default: a flow built under
+    ``torch.set_default_dtype(torch.float64)`` failed its first forward with ``float != double``."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = build_flow({"levels": 2, "depth_per_level": 1, "hidden_channels": 4}, (1, 8, 8))
+        x = torch.rand(3, 1, 8, 8) - 0.5
+        zs, log_prob = model(x)
+        back = model.inverse(zs)
+    finally:
+        torch.set_default_dtype(old)
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert log_prob.dtype == torch.float64 and torch.isfinite(log_prob).all()
+    assert (back - x).abs().max() < 1e-12

@@ -122,20 +122,23 @@ class InvConv1x1(InvertibleLayer):
 
     ``P`` and ``sign(s)`` are fixed buffers; log|det W| = sum(log|s|) costs O(C). Initialised from a random
     rotation. The inverse weight is computed in float64 and cast back, which keeps float32 reconstruction
-    close to exact for moderately conditioned ``W``.
+    close to exact for moderately conditioned ``W``. Parameters and buffers take torch's default dtype, as every
+    other layer's do: hard float32 factors beside a float64 mask made a flow built under
+    ``torch.set_default_dtype(torch.float64)`` fail its first forward (``float != double``).
     """
 
     def __init__(self, channels: int):
         super().__init__()
+        dtype = torch.get_default_dtype()
         w = torch.linalg.qr(torch.randn(channels, channels, dtype=torch.float64))[0]
         p, lower, upper = torch.linalg.lu(w)
         s = torch.diagonal(upper)
-        self.register_buffer("perm", p.float())
-        self.register_buffer("sign_s", torch.sign(s).float())
-        self.register_buffer("lower_mask", torch.tril(torch.ones(channels, channels), -1))
-        self.lower = nn.Parameter(lower.float())
-        self.upper = nn.Parameter(torch.triu(upper, 1).float())
-        self.log_s = nn.Parameter(torch.log(torch.abs(s)).float())
+        self.register_buffer("perm", p.to(dtype))
+        self.register_buffer("sign_s", torch.sign(s).to(dtype))
+        self.register_buffer("lower_mask", torch.tril(torch.ones(channels, channels, dtype=dtype), -1))
+        self.lower = nn.Parameter(lower.to(dtype))
+        self.upper = nn.Parameter(torch.triu(upper, 1).to(dtype))
+        self.log_s = nn.Parameter(torch.log(torch.abs(s)).to(dtype))
         self._eye_cache = None
         self._fcache = None
 
