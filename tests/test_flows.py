@@ -285,6 +285,24 @@ def test_8_bit_pixels_reduce_to_every_level_count(n_bins):
     assert torch.equal(to_levels(k.float() / (n_bins - 1), n_bins), k)  # floats at n_bins levels come back
 
 
+@pytest.mark.parametrize("n_bins", [2, 4, 16, 32, 64, 128, 256])
+def test_to_tensor_floats_reduce_as_their_uint8_pixels(n_bins):
+    """ToTensor()'s floats k/255 are the same 8-bit pixels as uint8 k: the same levels and bits/dim at every level
+    count that divides 256 (at 32 and 16 levels a fifth of the pixels got another level than their uint8 twin)."""
+    from sinkflow.flows.losses import to_levels
+
+    x = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(to_levels(x.float() / 255, n_bins), to_levels(x, n_bins))
+    k = torch.arange(n_bins)
+    assert torch.equal(to_levels(k.float() / (n_bins - 1), n_bins), k)  # floats at n_bins levels still come back
+    torch.manual_seed(0)
+    model = build_flow({"levels": 1, "depth_per_level": 1, "hidden_channels": 4}, (1, 4, 4))
+    img = torch.randint(0, 256, (4, 1, 4, 4), dtype=torch.uint8)
+    a = flow_loss(model, img, torch.Generator().manual_seed(0), n_bins)[1]
+    b = flow_loss(model, img.float() / 255, torch.Generator().manual_seed(0), n_bins)[1]
+    assert a == b
+
+
 @pytest.mark.parametrize("bad, needle", [(torch.tensor([0.0, float("nan")]), "nan"),
                                          (torch.tensor([0.0, float("inf")]), "inf"),
                                          (torch.tensor([0, 300]), "0..300"), (torch.tensor([-1, 3]), "-1..3")])

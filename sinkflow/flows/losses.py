@@ -26,7 +26,10 @@ def to_levels(x, n_bins: int = 256) -> torch.Tensor:
     ``k * n_bins // 256`` (Glow's ``k // 2**(8 - n_bits)`` for a power of two, and defined for any ``n_bins``: with
     ``256 // n_bins`` a non-divisor such as 17 sent 255 out of range). Floats in [0, 1] are
     ``round(x * (n_bins - 1))``: ``k / 255`` for 256 levels, ``k / (n_bins - 1)`` for data already at ``n_bins``
-    levels (sklearn's digits, 0..16, as ``x / 16``)."""
+    levels (sklearn's digits, 0..16, as ``x / 16``). For an ``n_bins`` that divides 256 they are
+    ``round(x * 255) * n_bins // 256``, the integer path's reduction: ToTensor()'s ``k / 255`` got another binning
+    than the same uint8 pixels (at 32 levels a fifth of the pixels moved a level, and bits/dim changed), and
+    ``k / (n_bins - 1)`` still comes back as ``k`` (``round(255 k / (n_bins - 1))`` lies in the 8-bit bin of ``k``)."""
     check_n_bins(n_bins)
     if x.dtype == torch.uint8 or not x.is_floating_point():
         k = x.long()
@@ -43,6 +46,8 @@ def to_levels(x, n_bins: int = 256) -> torch.Tensor:
         if not (lo >= 0 and hi <= 1):  # NaN fails both
             raise SinkflowError(f"float images for a flow must lie in [0, 1], got {lo:.4g}..{hi:.4g}",
                                 "pass uint8 pixels or ToTensor()-style floats k/255 (NaN or Inf: check the data)")
+    if 256 % n_bins == 0:
+        return torch.round(x * 255).long() * n_bins // 256
     return torch.round(x * (n_bins - 1)).long()
 
 
