@@ -489,3 +489,14 @@ def test_a_flow_built_under_a_float64_default_dtype_runs_in_float64():
     assert {p.dtype for p in model.parameters()} == {torch.float64}
     assert log_prob.dtype == torch.float64 and torch.isfinite(log_prob).all()
     assert (back - x).abs().max() < 1e-12
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA model with a CPU generator needs CUDA")
+def test_a_cuda_flow_samples_with_a_seeded_cpu_generator_as_the_cpu_flow_does():
+    """``FlowModel.sample(n, generator=)`` drew its noise on the model's device with the caller's generator: torch
+    refuses a CPU generator for CUDA tensors. The noise is drawn on the generator's device and moved."""
+    model = build_flow({}, (1, 8, 8)).double()
+    model.log_prob(torch.rand(4, 1, 8, 8, dtype=torch.float64) - 0.5)  # ActNorm's data-dependent init
+    cpu = model.sample(3, generator=torch.Generator().manual_seed(0))
+    cuda = model.cuda().sample(3, generator=torch.Generator().manual_seed(0))
+    assert cuda.device.type == "cuda" and torch.allclose(cuda.cpu(), cpu, atol=1e-9)

@@ -63,9 +63,17 @@ class Split(nn.Module):
     def inverse(self, z1, z2=None, temperature: float = 1.0, generator=None):
         if z2 is None:
             mean, log_std = self._prior(z1)
-            eps = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+            eps = normal_noise(mean.shape, mean, generator)
             z2 = mean + temperature * torch.exp(log_std) * eps
         return torch.cat([z1, z2], dim=1)
+
+
+def normal_noise(shape, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """N(0, I) noise of ``shape`` in ``like``'s dtype on its device, drawn on the ``generator``'s device: torch refuses
+    a CPU generator for CUDA tensors, and a seeded CPU generator gives the same samples whatever the model's device
+    (``losses.dequantize`` draws its noise so too)."""
+    device = generator.device if generator is not None else like.device
+    return torch.randn(shape, generator=generator, device=device, dtype=like.dtype).to(like.device)
 
 
 class TopPrior(nn.Module):
@@ -84,8 +92,7 @@ class TopPrior(nn.Module):
         return gaussian_log_prob(z, self.mean, self.log_std)
 
     def sample(self, n: int, temperature: float = 1.0, generator=None):
-        eps = torch.randn((n, *self.mean.shape[1:]), generator=generator, device=self.mean.device,
-                          dtype=self.mean.dtype)
+        eps = normal_noise((n, *self.mean.shape[1:]), self.mean, generator)
         return self.mean + temperature * torch.exp(self.log_std) * eps
 
 
