@@ -843,10 +843,16 @@ def test_a_fully_quoted_csv_reads_as_its_numbers(tmp_path):
 
 @pytest.mark.parametrize("damage, needle", [
     (lambda d: {**d, "labels": d["labels"][:1]}, "data_batch_2 holds 3 images but 1 labels"),
-    (lambda d: {**d, "data": (d["data"] / 255.0).astype(np.float32)}, "data_batch_2 holds float32 pixels, not uint8")])
+    (lambda d: {**d, "data": (d["data"] / 255.0).astype(np.float32)}, "data_batch_2 holds float32 pixels, not uint8"),
+    (lambda d: {**d, "data": d["data"].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1).copy()},
+     r"data_batch_2 holds pixels of shape \(3, 32, 32, 3\), not \(N, 3072\) rows"),
+    (lambda d: {**d, "data": d["data"].reshape(-1, 1024), "labels": d["labels"] * 3},
+     r"data_batch_2 holds pixels of shape \(9, 1024\), not \(N, 3072\) rows")])
 def test_a_cifar10_batch_that_does_not_fit_is_one_line_naming_it(tmp_path, damage, needle):
     """Labels fewer than images: a traceback from the cache's own check, on every later run too (the cache files
-    were left); float pixels in [0, 1]: cast to uint8 in silence, 8 black images. Nothing is cached either way."""
+    were left); float pixels in [0, 1]: cast to uint8 in silence, 8 black images; (N, 32, 32, 3) images (a copy
+    re-saved as images): read as R, G, B planes, scrambled in silence where every batch was so (a numpy error naming
+    no file where one was); (N, 1024) rows: an AssertionError from the cache. Nothing is cached either way."""
     make_cifar(tmp_path)
     path = tmp_path / "cifar-10-batches-py" / "data_batch_2"
     with open(path, "rb") as fh:

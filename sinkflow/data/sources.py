@@ -333,10 +333,13 @@ def read_cifar10_batches(folder: Path, files: list[str]) -> tuple[np.ndarray, np
         if data.dtype != np.uint8:  # float pixels in [0, 1] were cast to black images, values past 255 wrapped
             raise SinkflowError(f"CIFAR-10 file {Path(folder) / name} holds {data.dtype} pixels, not uint8 (0-255)",
                                 fix)
+        if data.shape[1:] not in ((3072,), (3, 32, 32)):  # (N, 32, 32, 3) images read as planes came out scrambled
+            raise SinkflowError(f"CIFAR-10 file {Path(folder) / name} holds pixels of shape {data.shape}, not (N, 3072) "
+                                "rows (the R, G and B planes of a 32x32 image, row by row)", fix)
         if len(batch_labels) != len(data):  # a traceback from the cache's own check, on every later run too
             raise SinkflowError(f"CIFAR-10 file {Path(folder) / name} holds {len(data)} images but "
                                 f"{len(batch_labels)} labels", fix)
-        datas.append(data)
+        datas.append(data.reshape(len(data), 3072))
         labels.extend(batch_labels)
     data = np.vstack(datas).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
     return data, np.asarray(labels, dtype=np.int64)
