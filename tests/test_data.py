@@ -841,6 +841,21 @@ def test_a_fully_quoted_csv_reads_as_its_numbers(tmp_path):
     np.testing.assert_allclose(load_points(str(tmp_path / "q.csv")).numpy(), good.astype(np.float32))
 
 
+def test_cifar10_batches_repickled_with_bytes_keys_read_as_the_same_images(tmp_path):
+    """CIFAR-10's page unpickles a batch with encoding="bytes": a subset saved back that way has b"data" / b"labels"
+    keys, and every run stopped at "cannot be read (KeyError: 'data')"."""
+    data = make_cifar(tmp_path)
+    for path in (tmp_path / "cifar-10-batches-py").glob("*_batch*"):
+        with open(path, "rb") as fh:
+            entry = {k.encode(): v for k, v in pickle.load(fh).items()}  # as the official files load with "bytes"
+        with open(path, "wb") as fh:
+            pickle.dump(entry, fh)
+    with pytest.warns(UserWarning, match="official checksums"):
+        d = build_distribution("cifar10", data_cfg=cfg(tmp_path))
+    np.testing.assert_array_equal(d.images, data["train"][0])
+    assert d.labels.tolist() == data["train"][1] and d.test_labels.tolist() == data["test"][1]
+
+
 @pytest.mark.parametrize("damage, needle", [
     (lambda d: {**d, "labels": d["labels"][:1]}, "data_batch_2 holds 3 images but 1 labels"),
     (lambda d: {**d, "data": (d["data"] / 255.0).astype(np.float32)}, "data_batch_2 holds float32 pixels, not uint8"),

@@ -321,12 +321,21 @@ class _ArrayUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a CIFAR-10 batch file")
 
 
+def _str_keys(entry):
+    """A batch's dict with str keys. The official (Python 2) files unpickle with str keys; a copy re-pickled after
+    CIFAR-10's own Python 3 recipe, ``pickle.load(fh, encoding="bytes")``, has bytes keys (b"data", b"labels") and
+    was refused as "KeyError: 'data'"."""
+    if not isinstance(entry, dict):
+        return entry
+    return {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in entry.items()}
+
+
 def read_cifar10_batches(folder: Path, files: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """The CIFAR-10 python batches (N, 32, 32, 3) uint8 and labels, read with ``_ArrayUnpickler``."""
     datas, labels = [], []
     for name in files:
         with open(Path(folder) / name, "rb") as fh:
-            entry = _ArrayUnpickler(fh, encoding="latin1").load()
+            entry = _str_keys(_ArrayUnpickler(fh, encoding="latin1").load())
         data = np.asarray(entry["data"])
         batch_labels = entry["labels"] if "labels" in entry else entry["fine_labels"]
         fix = "replace it with the file of the official cifar-10-python.tar.gz"
