@@ -913,6 +913,20 @@ def test_sampling_on_a_device_this_machine_lacks_is_one_line(name, tmp_path):
     assert dist.sample(4, torch.Generator(), device="cpu").shape[0] == 4
 
 
+def test_an_image_name_that_is_not_utf8_is_read(tmp_path):
+    """A zip made on Windows unpacks names in its code page: `caf\\xe9.png` is not UTF-8, and hashing the file list
+    (the cache's fingerprint, data_split.json) was a UnicodeEncodeError traceback before anything was read."""
+    folder = make_folder(tmp_path / "imgs", n=4, size=(8, 8))
+    try:
+        (folder / os.fsdecode(b"caf\xe9.png")).write_bytes((folder / "img01.png").read_bytes())
+    except OSError:  # a file system that stores UTF-8 names only
+        pytest.skip("this file system refuses a name that is not UTF-8")
+    d = build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder)))
+    assert len(d.images) + len(d.test_images) == 6
+    assert sum(np.array_equal(a, d.images[1]) for a in d.images) == 2  # img01 and its copy under the odd name
+    assert set(sources.FolderSource(str(folder), None, None).split_info()) >= {"train_files_sha256"}
+
+
 def test_mac_metadata_is_skipped_and_every_unreadable_image_is_named_at_once(tmp_path):
     """Unzipping a macOS archive leaves `._name.png` beside each image and a `__MACOSX/` copy: named like images,
     holding none, they stopped a run each, one after the other (6 runs for 6 files)."""

@@ -60,10 +60,13 @@ def size_tag(h: int, w: int) -> str:
 
 
 def _file_stats(paths) -> str:
+    """A hash of the files' names, sizes and mtimes. Names are hashed as their bytes on disk (``os.fsencode``: the
+    UTF-8 of every name that is UTF-8): a name that is not (``caf\\xe9.png`` from a zip made on Windows) was a
+    UnicodeEncodeError traceback."""
     h = hashlib.sha1()
     for p in paths:
         st = os.stat(p)
-        h.update(f"{os.path.basename(p)}:{st.st_size}:{st.st_mtime_ns};".encode())
+        h.update(os.fsencode(f"{os.path.basename(p)}:{st.st_size}:{st.st_mtime_ns};"))
     return h.hexdigest()
 
 
@@ -471,11 +474,11 @@ class FolderSource:
             self.hw = (image_size, image_size)
         self.chw = (self.channels, *self.hw)
         self.size = size_tag(*self.hw)
-        digest = hashlib.sha1(str(self.path.resolve()).encode()).hexdigest()[:8]
+        digest = hashlib.sha1(os.fsencode(self.path.resolve())).hexdigest()[:8]
         safe = "".join(c if c.isalnum() or c in "_." else "_" for c in self.path.resolve().name) or "root"
         self.name = f"folder_{safe}_{digest}"
-        self._fp = "folder:" + _file_stats(self.files) + ":" + hashlib.sha1(
-            "\n".join(p.relative_to(self.path).as_posix() for p in self.files).encode()).hexdigest()
+        self._fp = "folder:" + _file_stats(self.files) + ":" + hashlib.sha1(os.fsencode(  # bytes: see _file_stats
+            "\n".join(p.relative_to(self.path).as_posix() for p in self.files))).hexdigest()
 
     def _open(self, p: Path) -> Image.Image:
         try:
@@ -517,7 +520,7 @@ class FolderSource:
         before a resume trains or an evaluation scores on other images (the bytes themselves are not read)."""
         def files_sha256(split: str) -> str:
             lines = (f"{p.relative_to(self.path).as_posix()}:{p.stat().st_size}" for p in self.split_files(split))
-            return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+            return hashlib.sha256(os.fsencode("\n".join(lines))).hexdigest()  # names as bytes: see _file_stats
 
         return {"set": "folder", "path": str(self.path.resolve()),
                 "rule": self.RULES[self.holdout],
