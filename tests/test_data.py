@@ -927,6 +927,18 @@ def test_an_image_name_that_is_not_utf8_is_read(tmp_path):
     assert set(sources.FolderSource(str(folder), None, None).split_info()) >= {"train_files_sha256"}
 
 
+@pytest.mark.parametrize("image_size", [None, 8])
+def test_an_image_past_pils_decompression_bomb_limit_is_one_line_naming_it(tmp_path, monkeypatch, image_size):
+    """A scan or panorama over 179 million pixels: PIL raises DecompressionBombError, which is no OSError, and the
+    folder's header check (image_size null) or its decoding (image_size set) ended in that traceback."""
+    folder = make_folder(tmp_path / "imgs", n=4, size=(8, 8))
+    Image.new("L", (8, 40)).save(folder / "huge.png")  # 320 pixels, past twice the limit set here
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 150)
+    with pytest.raises(SinkflowError, match=r"image \S+huge.png is too large to decode .*; downscale it") as e:
+        build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder), image_size=image_size))
+    one_line(e)
+
+
 def test_mac_metadata_is_skipped_and_every_unreadable_image_is_named_at_once(tmp_path):
     """Unzipping a macOS archive leaves `._name.png` beside each image and a `__MACOSX/` copy: named like images,
     holding none, they stopped a run each, one after the other (6 runs for 6 files)."""

@@ -486,6 +486,9 @@ class FolderSource:
         except UnidentifiedImageError:
             raise SinkflowError(f"{p} is not an image file although it is named {p.suffix}",
                                 "delete or rename it, or move it out of data.path") from None
+        except Image.DecompressionBombError as e:  # PIL's guard, not an OSError: it was a traceback
+            raise SinkflowError(f"image {p} is too large to decode ({e})", "downscale it (every image is resized to "
+                                "data.image_size anyway) or remove it from data.path") from None
         except OSError as e:
             if e.errno in (errno.EACCES, errno.EPERM):
                 raise SinkflowError(f"{p} cannot be read ({e.strerror})", "check the file's permissions or remove "
