@@ -14,7 +14,7 @@ import urllib.error
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageFile, ImageOps
 from scipy import stats
 
 from sinkflow.data import SPECS, Checkerboard, EightGaussians, Moons, Normal, SCurve, build_distribution
@@ -714,6 +714,31 @@ def test_a_16_bit_folder_is_scaled_to_8_bits_not_clipped_white(tmp_path):
     np.testing.assert_array_equal(sources.fit_image(Image.fromarray(wide), 3, None)[1], wide >> 23)
     small = rng.integers(0, 256, (20, 20)).astype(np.int32)  # an 8-bit image held as int32 stays as it is
     np.testing.assert_array_equal(sources.fit_image(Image.fromarray(small), 1, None)[0], small)
+
+
+@pytest.mark.parametrize("image_size", [None, 6])
+def test_a_photo_with_an_exif_orientation_is_decoded_upright(tmp_path, monkeypatch, image_size):
+    """A phone stores a portrait photo sideways with an EXIF orientation tag; every viewer turns it. The folder
+    loader trained on it sideways, and its size check compared the stored (landscape) size."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    stored = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)  # 8 wide, 6 tall as stored
+    for i in range(3):  # portrait images 6 wide, 8 tall, without a tag
+        Image.fromarray(rng.integers(0, 256, (8, 6, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to view"
+    Image.fromarray(stored).save(folder / "3.jpg", exif=exif, quality=100)
+    d = build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder), image_size=image_size))
+    with Image.open(folder / "3.jpg") as img:
+        seen = ImageOps.exif_transpose(img)  # what a viewer shows: 6 wide, 8 tall
+    assert seen.size == (6, 8) and d.shape == ((3, 8, 6) if image_size is None else (3, 6, 6))
+    np.testing.assert_array_equal(d.test_images[0], sources.fit_image(seen, 3, image_size))
+    loads = []
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda img, load=ImageFile.ImageFile.load: (loads.append(img),
+                                                                                                load(img))[1])
+    sources.FolderSource(str(folder), None, None)
+    assert not loads  # the size check reads headers only (a PNG's getexif() would decode it)
 
 
 def test_a_missing_point_file_gets_the_fix_for_its_kind_of_path(tmp_path, monkeypatch):

@@ -55,6 +55,30 @@ def fit_image(img: Image.Image, channels: int, image_size: int | None) -> np.nda
     return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
 
+# EXIF orientation (tag 0x0112) -> the transpose a viewer applies to the stored pixels
+UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+           5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+           8: Image.Transpose.ROTATE_90}
+
+
+def orientation(img: Image.Image) -> int:
+    """The EXIF orientation of an opened image's header, 1 (as stored) where it holds none or a broken one. Only the
+    header's block is read: a PNG's ``getexif()`` without one decodes the whole image to look past its pixels."""
+    if "exif" not in img.info:
+        return 1
+    try:
+        return int(img.getexif().get(0x0112, 1))
+    except Exception:  # a broken EXIF block leaves the pixels as they are stored
+        return 1
+
+
+def upright(img: Image.Image, turn: int) -> Image.Image:
+    """``img`` as a viewer shows it, for its ``orientation`` ``turn``: a phone photo is stored sideways with an EXIF
+    tag saying how to turn it, and was trained on sideways (orientations 5-8 also swap width and height)."""
+    method = UPRIGHT.get(turn)
+    return img if method is None else img.transpose(method)
+
+
 def size_tag(h: int, w: int) -> str:
     return str(h) if h == w else f"{h}x{w}"
 
@@ -501,10 +525,11 @@ class FolderSource:
         first = None
         for p in self.files:  # headers only: cheap, and fails before any decoding
             with self._open(p) as img:
+                size = img.size[::-1] if orientation(img) >= 5 else img.size  # as decoded: ``upright``
                 if first is None:
-                    first = (p, img.size)
-                elif img.size != first[1]:
-                    (w0, h0), (w1, h1) = first[1], img.size
+                    first = (p, size)
+                elif size != first[1]:
+                    (w0, h0), (w1, h1) = first[1], size
                     a, b = (q.relative_to(self.path).as_posix() for q in (first[0], p))  # nested: names repeat
                     raise SinkflowError(f"images in {self.path} have different sizes ({a} is {w0}x{h0}, {b} is "
                                         f"{w1}x{h1})", "set data.image_size=N to resize and center-crop them all to NxN")
@@ -529,9 +554,9 @@ class FolderSource:
                 "rule": self.RULES[self.holdout],
                 "train_files_sha256": files_sha256("train"), "test_files_sha256": files_sha256("test")}
 
-    def fingerprint(self, split):  # "decode2": 16-bit images scaled, not clipped (folders decoded before rebuild)
+    def fingerprint(self, split):  # "decode3": EXIF orientation applied ("decode2": 16-bit images scaled, not clipped)
         rule = "" if self.holdout == "last_tenth" else f":{self.holdout}"  # the caches of last_tenth runs stay valid
-        return f"{self._fp}:{split}:{self.n_test}{rule}:decode2"
+        return f"{self._fp}:{split}:{self.n_test}{rule}:decode3"
 
     def decode_into(self, split: str, write):
         files = self.split_files(split)
@@ -542,9 +567,10 @@ class FolderSource:
             for i, p in enumerate(files):
                 try:
                     with self._open(p) as img:
+                        turn = orientation(img)  # the header's, as _common_size read it
                         try:
                             img.load()
-                            out[i] = fit_image(img, self.channels, self.image_size)
+                            out[i] = fit_image(upright(img, turn), self.channels, self.image_size)
                         except (OSError, SyntaxError, ValueError) as e:
                             raise SinkflowError(f"image {p} is corrupt or truncated ({e})",
                                                 "re-export it or remove it from data.path") from None
