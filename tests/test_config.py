@@ -630,6 +630,23 @@ def test_fid_weights_are_checked_before_training_and_kept_absolute(tmp_path, mon
     assert RunFolder.open(run.dir).cfg["eval"]["inception_weights"] == str(tmp_path / "home" / "w.pth")
 
 
+def test_fid_packages_are_checked_before_training(tmp_path, monkeypatch, capsys):
+    """With the weights file there but torch-fidelity not installed (torchmetrics alone does not bring it), every
+    phase trained and the report then failed: "FID needs torch-fidelity ..., which is not installed"."""
+    import sys
+
+    from sinkflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "torch_fidelity", None)  # not importable, whatever this machine has
+    (tmp_path / "w.pth").write_bytes(b"weights")
+    assert main(["train", "digits", f"eval.inception_weights={tmp_path / 'w.pth'}", "--device", "cpu",
+                 "--name", "f"]) == 2
+    assert re.search(r"FID needs (torchmetrics and )?torch_fidelity, not installed here; pip install torchmetrics "
+                     r"torch-fidelity, or set eval.inception_weights=null", capsys.readouterr().err)
+    assert not (tmp_path / "runs" / "f").exists()
+
+
 def test_a_file_named_like_a_preset_without_naming_one_is_refused(tmp_path, monkeypatch):
     """`lab/moons.yaml` holding `pool: {eta: 0.5}` was labelled preset 'moons' but trained the schema's defaults (a
     `mnist.yaml` so made trained a 2D run); a file that sets every key is its own recipe, whatever its name."""

@@ -196,6 +196,7 @@ def test_cifar_runs_are_tuned_by_fid_at_their_shape(runs_dir, tmp_path, capsys, 
     images' features are extracted once for all candidates, and each score is the one-off FID of its samples."""
     pytest.importorskip("torchmetrics")
     import sinkflow.eval.images as images
+    from sinkflow.engine import experiment
     from test_fd_cnn import TinyExtractor
 
     built, scored, original, net = [], [], images.InceptionFID, TinyExtractor()
@@ -218,6 +219,7 @@ def test_cifar_runs_are_tuned_by_fid_at_their_shape(runs_dir, tmp_path, capsys, 
     extra, _ = setup_data("cifar10", tmp_path)
     extra = [o for o in extra if not o.startswith("model.nsf.")]  # FM has no NSF network
     weights = runs_dir.parent / "pt_inception.pth"  # a file must be there (checked before training); never read
+    monkeypatch.setattr(experiment, "FID_PACKAGES", ("torchmetrics",))  # nor is torch-fidelity: the stand-in runs
     weights.write_bytes(b"stand-in")
     assert main(["train", "cifar10", "--method", "fm", *TINY_FM, *extra, "sample.steps=2", "data.val_fraction=0.2",
                  f"eval.inception_weights={weights}", "--name", "c", "--no-report"]) == 0

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -79,6 +80,9 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
             raise Interrupted(signum, *last)
 
 
+FID_PACKAGES = ("torchmetrics", "torch_fidelity")  # FID's metric and its Inception-v3 (sinkflow.eval.images)
+
+
 def check_run(cfg: dict, machine: bool = True) -> None:
     """The data and the method's limits (e.g. NSGF++: T <= 5, the pool's size), before any folder exists; with
     ``machine``, what this machine must hold too (the pool's free disk: ``Method.check_machine``)."""
@@ -92,9 +96,15 @@ def check_run(cfg: dict, machine: bool = True) -> None:
     if machine:
         method.check_machine(cfg, shape)
         weights = cfg["eval"]["inception_weights"]  # refused after every phase had trained, at the report
-        if weights and "eval.inception_weights" in schema.used(cfg) and not Path(weights).expanduser().is_file():
-            raise SinkflowError(f"eval.inception_weights={weights} is not a file",
-                                "point it at a local pt_inception-2015-12-05 weights file or set it to null")
+        if weights and "eval.inception_weights" in schema.used(cfg):
+            if not Path(weights).expanduser().is_file():
+                raise SinkflowError(f"eval.inception_weights={weights} is not a file",
+                                    "point it at a local pt_inception-2015-12-05 weights file or set it to null")
+            missing = [m for m in FID_PACKAGES if importlib.util.find_spec(m) is None]
+            if missing:  # the same report's "FID needs ...", after every phase had trained
+                raise SinkflowError(f"eval.inception_weights is set but FID needs {' and '.join(missing)}, not "
+                                    "installed here", "pip install torchmetrics torch-fidelity, or set "
+                                    "eval.inception_weights=null")
 
 
 def check_ranks_agree(cfg: dict, extra: dict | None = None) -> None:
