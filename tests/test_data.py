@@ -7,6 +7,7 @@ import math
 import logging
 import os
 import warnings
+import re
 import pickle
 import struct
 import urllib.error
@@ -962,6 +963,18 @@ def test_an_image_past_pils_decompression_bomb_limit_is_one_line_naming_it(tmp_p
     with pytest.raises(SinkflowError, match=r"image \S+huge.png is too large to decode .*; downscale it") as e:
         build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder), image_size=image_size))
     one_line(e)
+
+
+def test_images_of_a_kind_the_folder_does_not_read_are_said_left_out(tmp_path, caplog):
+    """A folder of png and gif (or tif) trained on its png alone, without a word."""
+    folder = make_folder(tmp_path / "imgs", n=4, size=(8, 8))
+    for name in ("a.gif", "b.GIF", "sub/c.tiff"):
+        Image.new("RGB", (8, 8)).save(folder / name)
+    with caplog.at_level(logging.WARNING, logger="sinkflow"):
+        d = build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder)))
+    assert len(d.images) + len(d.test_images) == 5  # the 4 png and the jpg
+    assert re.search(r"imgs: 3 image\(s\) of a kind it does not read are left out \(2 \.gif, 1 \.tiff\); convert "
+                     r"them to png", caplog.text)
 
 
 def test_mac_metadata_is_skipped_and_every_unreadable_image_is_named_at_once(tmp_path):

@@ -27,6 +27,8 @@ from sinkflow.errors import DataNotFound, SinkflowError
 log = logging.getLogger(__name__)
 DECODES: collections.Counter = collections.Counter()
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+# images of kinds a folder does not read (animations, TIFF's float and multi-page modes...): said, not skipped in silence
+OTHER_IMAGE_EXTENSIONS = (".gif", ".tif", ".tiff", ".heic", ".heif", ".avif", ".jp2", ".ppm", ".pgm", ".pbm", ".tga")
 
 
 def fit_image(img: Image.Image, channels: int, image_size: int | None) -> np.ndarray:
@@ -479,6 +481,7 @@ class FolderSource:
         found = list(files_under(self.path))
         self.files = sorted((p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS and not _mac_metadata(p)),
                             key=lambda p: p.relative_to(self.path).as_posix())
+        self._say_left_out(found)
         if not self.files:
             others = len(found)
             raise SinkflowError(f"image folder {self.path} holds no images ({others} other files)",
@@ -503,6 +506,16 @@ class FolderSource:
         self.name = f"folder_{safe}_{digest}"
         self._fp = "folder:" + _file_stats(self.files) + ":" + hashlib.sha1(os.fsencode(  # bytes: see _file_stats
             "\n".join(p.relative_to(self.path).as_posix() for p in self.files))).hexdigest()
+
+    def _say_left_out(self, found: list[Path]) -> None:
+        """Warn of images of a kind the folder does not read (``OTHER_IMAGE_EXTENSIONS``): a folder of jpg and gif
+        trained on its jpg alone without a word."""
+        left = collections.Counter(p.suffix.lower() for p in found
+                                   if p.suffix.lower() in OTHER_IMAGE_EXTENSIONS and not _mac_metadata(p))
+        if left:
+            warn_once(log, self.path, "image folder %s: %d image(s) of a kind it does not read are left out (%s); "
+                      "convert them to png to train on them", self.path, sum(left.values()),
+                      ", ".join(f"{n} {ext}" for ext, n in left.most_common()))
 
     def _open(self, p: Path) -> Image.Image:
         try:
