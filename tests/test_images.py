@@ -405,6 +405,19 @@ def bad(capsys, *args):
     assert main(["train", *args, "--train-iters", "1", "--device", "cpu", "--no-report"]) == 2
 
 
+def test_runs_inside_the_image_folder_are_refused_before_training(tmp_path, monkeypatch, capsys):
+    """`sinkflow train folder data.path=.` in the folder of images put runs/ inside it: the run's grid.png became an
+    image of the set, and its eval was refused ("images ... have different sizes", or "its data changed")."""
+    folder = make_folder(tmp_path / "imgs", n=10, size=(8, 8))
+    monkeypatch.chdir(folder)
+    bad(capsys, "folder", "data.path=.", "--method", "fm")
+    one_line(capsys, "experiment.runs_dir=runs is inside data.path=.: the run's plots would be read as images",
+             "set experiment.runs_dir to a folder outside data.path")
+    assert not (folder / "runs").exists() and not (folder / "data").exists()
+    bad(capsys, "folder", f"data.path={tmp_path}", f"experiment.runs_dir={folder / 'r'}", "--method", "fm")
+    one_line(capsys, "is inside data.path")
+
+
 def test_empty_folder(runs_dir, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     bad(capsys, "folder", f"data.path={tmp_path / 'empty'}", f"data.root={tmp_path / 'data'}")

@@ -86,6 +86,7 @@ FID_PACKAGES = ("torchmetrics", "torch_fidelity")  # FID's metric and its Incept
 def check_run(cfg: dict, machine: bool = True) -> None:
     """The data and the method's limits (e.g. NSGF++: T <= 5, the pool's size), before any folder exists; with
     ``machine``, what this machine must hold too (the pool's free disk: ``Method.check_machine``)."""
+    check_runs_outside_images(cfg)
     data.distributions(cfg)[1].check_test_n(cfg["eval"]["n"])  # a point file's held-out rows: the only test points
     method, shape = methods.of(cfg), data.sample_shape(cfg)
     method.check(cfg, shape)
@@ -105,6 +106,21 @@ def check_run(cfg: dict, machine: bool = True) -> None:
                 raise SinkflowError(f"eval.inception_weights is set but FID needs {' and '.join(missing)}, not "
                                     "installed here", "pip install torchmetrics torch-fidelity, or set "
                                     "eval.inception_weights=null")
+
+
+def check_runs_outside_images(cfg: dict) -> None:
+    """An image folder must not hold the run folders: every image under data.path is read, so a run's own plots
+    (grid.png, trajectory_strip.png) became images of the set, and its eval and resume were refused as "images have
+    different sizes" or "its data changed" (a next run trained on them). `sinkflow train folder data.path=.` did it."""
+    path = cfg["data"].get("path")
+    if not path or "folder" not in (cfg["data"].get("source"), cfg["data"].get("target")):
+        return
+    images = Path(path).expanduser().resolve()
+    runs = Path(cfg["experiment"]["runs_dir"]).expanduser().resolve()
+    if runs == images or images in runs.parents:
+        raise SinkflowError(f"experiment.runs_dir={cfg['experiment']['runs_dir']} is inside data.path={path}: the "
+                            "run's plots would be read as images of the set", "put the images in a folder of their "
+                            "own, or set experiment.runs_dir to a folder outside data.path")
 
 
 def check_ranks_agree(cfg: dict, extra: dict | None = None) -> None:
