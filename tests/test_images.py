@@ -418,6 +418,16 @@ def test_runs_inside_the_image_folder_are_refused_before_training(tmp_path, monk
     one_line(capsys, "is inside data.path")
 
 
+def test_fid_of_a_folder_holding_out_one_image_is_refused_before_training(runs_dir, tmp_path, capsys):
+    """A folder of 12 images holds out one: with eval.inception_weights set, every phase trained and the report then
+    refused "FID of 1 image" (held_out's check)."""
+    folder = make_folder(tmp_path / "imgs", n=12, size=(8, 8))
+    (tmp_path / "w.pth").write_bytes(b"weights")
+    bad(capsys, "folder", f"data.path={folder}", f"eval.inception_weights={tmp_path / 'w.pth'}", "--method", "fm")
+    one_line(capsys, "FID of 1 image (eval.n=1024, 1 held-out): a Fréchet distance", "use eval.n=2 or more")
+    assert not runs_dir.exists()
+
+
 def test_empty_folder(runs_dir, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     bad(capsys, "folder", f"data.path={tmp_path / 'empty'}", f"data.root={tmp_path / 'data'}")

@@ -101,6 +101,12 @@ def check_run(cfg: dict, machine: bool = True) -> None:
             if not Path(weights).expanduser().is_file():
                 raise SinkflowError(f"eval.inception_weights={weights} is not a file",
                                     "point it at a local pt_inception-2015-12-05 weights file or set it to null")
+            held = len(data.distributions(cfg)[1].test_images)  # the report scores min(eval.n, held) images
+            if min(cfg["eval"]["n"], held) < 2:  # held_out's own refusal, after every phase had trained
+                raise SinkflowError(f"FID of {min(cfg['eval']['n'], held)} image (eval.n={cfg['eval']['n']}, {held} "
+                                    "held-out): a Fréchet distance fits a covariance to each side's features, so it "
+                                    "needs at least 2", "use eval.n=2 or more with 2 or more held-out images (a "
+                                    "folder holds out every tenth), or set eval.inception_weights=null")
             missing = [m for m in FID_PACKAGES if importlib.util.find_spec(m) is None]
             if missing:  # the same report's "FID needs ...", after every phase had trained
                 raise SinkflowError(f"eval.inception_weights is set but FID needs {' and '.join(missing)}, not "
