@@ -96,12 +96,19 @@ def _file_stats(paths) -> str:
     return h.hexdigest()
 
 
+def _unlistable(error: OSError):
+    """``os.walk``'s onerror: it skipped a subfolder it cannot list (no read permission) in silence, and a class
+    of images was left out of the set without a word."""
+    raise SinkflowError(f"image folder {error.filename} cannot be listed ({error.strerror or error})",
+                        "check its permissions, or move it out of data.path")
+
+
 def files_under(folder: Path):
     """Every file under ``folder``, following linked subfolders (a data set assembled from class folders linked
     into one tree: ``Path.rglob`` skipped them in silence); a link back to a folder already walked is not
-    walked again."""
+    walked again. A subfolder that cannot be listed is an error (``_unlistable``)."""
     seen = set()
-    for root, dirs, files in os.walk(folder, followlinks=True):
+    for root, dirs, files in os.walk(folder, followlinks=True, onerror=_unlistable):
         real = os.path.realpath(root)
         if real in seen:
             dirs[:] = []
