@@ -622,3 +622,36 @@ def test_a_preflight_stopped_by_sigterm_removes_its_scratch_run(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, (out[-2000:], err[-2000:])  # a failed report: stdout says why
     assert err.strip().splitlines()[-1] == "sinkflow: preflight stopped by signal 15" and "Traceback" not in err
     assert not list(tmp_path.glob("sinkflow-preflight-*"))  # removed on the way out
+
+
+def test_fid_settings_this_machine_lacks_are_the_machine_checks_failure(tmp_path, monkeypatch):
+    """`sinkflow train` refuses, before any work, an eval.inception_weights that is not a file here or FID's packages
+    missing; preflight's "this machine" check looked at the free disk alone and passed both, planning a run that
+    train then refused."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from sinkflow import data
+    from sinkflow.tools.preflight import Report, machine_check
+
+    real = config.resolve("digits", [f"experiment.runs_dir={tmp_path / 'runs'}", f"data.root={tmp_path / 'data'}",
+                                     f"eval.inception_weights={tmp_path / 'w.pth'}"])
+    shape = data.sample_shape(real)
+    for missing in ("weights", "packages"):
+        if missing == "packages":
+            (tmp_path / "w.pth").write_bytes(b"weights")
+            monkeypatch.setitem(sys.modules, "torch_fidelity", None)
+        report = Report("digits")
+        machine_check(report, real, shape)
+        [check] = report.checks
+        assert check.name == "this machine" and check.ok is False, (missing, check)
+        assert ("is not a file" if missing == "weights" else "FID needs") in check.detail, check.detail
+    for name in ("torchmetrics", "torch_fidelity"):  # installed, as far as find_spec can tell
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, module)
+    for weights, said in ((tmp_path / "w.pth", "; FID's weights and packages here"), (None, "")):
+        report = Report("digits")
+        machine_check(report, {**real, "eval": {**real["eval"], "inception_weights": weights}}, shape)
+        assert report.checks[0].ok and report.checks[0].detail.endswith(f"{tmp_path / 'runs'}{said}"), report.checks

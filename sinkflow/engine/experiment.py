@@ -95,23 +95,7 @@ def check_run(cfg: dict, machine: bool = True) -> None:
             with torch.device("meta"):
                 build_phase_model(cfg, phase, shape)
     if machine:
-        method.check_machine(cfg, shape)
-        weights = cfg["eval"]["inception_weights"]  # refused after every phase had trained, at the report
-        if weights and "eval.inception_weights" in schema.used(cfg):
-            if not Path(weights).expanduser().is_file():
-                raise SinkflowError(f"eval.inception_weights={weights} is not a file",
-                                    "point it at a local pt_inception-2015-12-05 weights file or set it to null")
-            held = len(data.distributions(cfg)[1].test_images)  # the report scores min(eval.n, held) images
-            if min(cfg["eval"]["n"], held) < 2:  # held_out's own refusal, after every phase had trained
-                raise SinkflowError(f"FID of {min(cfg['eval']['n'], held)} image (eval.n={cfg['eval']['n']}, {held} "
-                                    "held-out): a Fréchet distance fits a covariance to each side's features, so it "
-                                    "needs at least 2", "use eval.n=2 or more with 2 or more held-out images (a "
-                                    "folder holds out every tenth), or set eval.inception_weights=null")
-            missing = [m for m in FID_PACKAGES if importlib.util.find_spec(m) is None]
-            if missing:  # the same report's "FID needs ...", after every phase had trained
-                raise SinkflowError(f"eval.inception_weights is set but FID needs {' and '.join(missing)}, not "
-                                    "installed here", "pip install torchmetrics torch-fidelity, or set "
-                                    "eval.inception_weights=null")
+        check_machine(cfg, shape)
 
 
 def check_runs_outside_images(cfg: dict) -> None:
@@ -127,6 +111,29 @@ def check_runs_outside_images(cfg: dict) -> None:
         raise SinkflowError(f"experiment.runs_dir={cfg['experiment']['runs_dir']} is inside data.path={path}: the "
                             "run's plots would be read as images of the set", "put the images in a folder of their "
                             "own, or set experiment.runs_dir to a folder outside data.path")
+
+
+def check_machine(cfg: dict, shape: tuple[int, ...]) -> None:
+    """What this machine must hold for the run, before any folder exists: room on the disk (``Method.check_machine``)
+    and, where the report computes FID, its weights file, its packages and 2 held-out images. ``sinkflow train``
+    refuses the run on it; preflight reports it as its own check (planning on a laptop for a rented GPU)."""
+    methods.of(cfg).check_machine(cfg, shape)
+    weights = cfg["eval"]["inception_weights"]  # refused after every phase had trained, at the report
+    if weights and "eval.inception_weights" in schema.used(cfg):
+        if not Path(weights).expanduser().is_file():
+            raise SinkflowError(f"eval.inception_weights={weights} is not a file",
+                                "point it at a local pt_inception-2015-12-05 weights file or set it to null")
+        held = len(data.distributions(cfg)[1].test_images)  # the report scores min(eval.n, held) images
+        if min(cfg["eval"]["n"], held) < 2:  # held_out's own refusal, after every phase had trained
+            raise SinkflowError(f"FID of {min(cfg['eval']['n'], held)} image (eval.n={cfg['eval']['n']}, {held} "
+                                "held-out): a Fréchet distance fits a covariance to each side's features, so it "
+                                "needs at least 2", "use eval.n=2 or more with 2 or more held-out images (a "
+                                "folder holds out every tenth), or set eval.inception_weights=null")
+        missing = [m for m in FID_PACKAGES if importlib.util.find_spec(m) is None]
+        if missing:  # the same report's "FID needs ...", after every phase had trained
+            raise SinkflowError(f"eval.inception_weights is set but FID needs {' and '.join(missing)}, not "
+                                "installed here", "pip install torchmetrics torch-fidelity, or set "
+                                "eval.inception_weights=null")
 
 
 def check_ranks_agree(cfg: dict, extra: dict | None = None) -> None:

@@ -35,7 +35,8 @@ import torch
 
 from sinkflow import config as config_mod
 from sinkflow import data, methods
-from sinkflow.engine.experiment import check_run
+from sinkflow.config import schema
+from sinkflow.engine.experiment import check_machine, check_run
 from sinkflow.errors import SinkflowError
 from sinkflow.runtime import callbacks
 from sinkflow.runtime.callbacks import Callback
@@ -120,16 +121,18 @@ def tiny_config(real: dict, runs_dir: Path, name: str) -> tuple[dict, dict]:
 
 
 def machine_check(report: Report, real: dict, shape: tuple[int, ...]) -> None:
-    """What ``sinkflow train`` would refuse on this machine (``Method.check_machine``: a pool larger than the free
-    disk), as its own check that does not stop the rest: planning on a laptop for a rented GPU, the laptop's disk
-    is not the run's."""
+    """What ``sinkflow train`` would refuse on this machine (``experiment.check_machine``: a pool larger than the free
+    disk, FID's weights file or packages missing), as its own check that does not stop the rest: planning on a laptop
+    for a rented GPU, the laptop's disk is not the run's."""
     try:
-        methods.of(real).check_machine(real, shape)
+        check_machine(real, shape)
     except SinkflowError as exc:
         report.add("this machine", "config", False, f"{_short(exc)} (train here would refuse it; preflight on the "
                    "machine that will train)")
         return
-    report.add("this machine", "config", True, f"room for the run under {real['experiment']['runs_dir']}")
+    fid = real["eval"]["inception_weights"] and "eval.inception_weights" in schema.used(real)
+    report.add("this machine", "config", True, f"room for the run under {real['experiment']['runs_dir']}"
+               + ("; FID's weights and packages here" if fid else ""))
 
 
 def length_check(report: Report, real: dict, phases) -> None:
@@ -151,7 +154,6 @@ def bf16_check(report: Report, real: dict, card: str) -> None:
     """An explicit ``precision=bf16`` (a training phase's, or ``sample.precision``) on a card without bf16 tensor
     cores (a T4: compute capability 7.5) gets none of the speed it is chosen for; the plan above halved its
     activations in silence. Reported only when it applies."""
-    from sinkflow.config import schema
     from sinkflow.tools import memory_plan
 
     if card not in memory_plan.GPUS or memory_plan.card_bf16(card):
