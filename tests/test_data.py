@@ -1013,3 +1013,28 @@ def test_mac_metadata_is_skipped_and_every_unreadable_image_is_named_at_once(tmp
     line = one_line(e)
     assert f"4 of 6 images in {folder} cannot be read ({', '.join(p.name for p in broken[:3])}, ...; the first: " \
         in line and "re-export them or remove them from data.path" in line
+
+
+def test_transparent_images_are_composited_over_white(tmp_path, recwarn):
+    """A sprite's transparent pixels came out as the colour they stored (``convert`` dropped the alpha: often black),
+    and a palette PNG whose transparency is a byte table printed PIL's raw UserWarning. They are composited over
+    white, as a viewer on a page shows them; opaque pixels are unchanged, half-transparent ones blended."""
+    folder = tmp_path / "sprites"
+    folder.mkdir()
+    rgba = np.array([[[255, 0, 0, 0], [0, 0, 255, 255]], [[0, 0, 0, 128], [0, 200, 0, 255]]], np.uint8)
+    Image.fromarray(rgba, "RGBA").save(folder / "0.png")
+    pal = Image.fromarray(np.array([[0, 1], [1, 0]], np.uint8), "P")
+    pal.putpalette([0, 0, 0, 10, 20, 30] + [0] * 762)
+    pal.save(folder / "1.png", transparency=bytes([0, 255]))  # index 0 transparent, as a byte table (tRNS)
+    Image.fromarray(np.array([[[9, 0], [9, 255]], [[9, 255], [9, 0]]], np.uint8), "LA").save(folder / "2.png")
+    want = {"0.png": [[[255, 0], [127, 0]], [[255, 0], [127, 200]], [[255, 255], [127, 0]]],
+            "1.png": [[[255, 10], [10, 255]], [[255, 20], [20, 255]], [[255, 30], [30, 255]]],
+            "2.png": [[[255, 9], [9, 255]]] * 3}
+    for name, rgb in want.items():
+        with Image.open(folder / name) as img:
+            got = sources.fit_image(img, 3, None)
+        np.testing.assert_allclose(got, np.array(rgb), atol=1, err_msg=name)
+    d = build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder), image_size=None))
+    decoded = [*np.asarray(d.images), *np.asarray(d.test_images)]  # the loader's pixels, whichever split holds each
+    assert any(np.array_equal(x, np.array(want["2.png"], np.uint8)) for x in decoded), decoded
+    assert not [w for w in recwarn if "Transparency" in str(w.message)], [str(w.message) for w in recwarn]

@@ -45,7 +45,7 @@ def fit_image(img: Image.Image, channels: int, image_size: int | None) -> np.nda
         top = int(a.max()) if a.size else 0
         bits = 8 if top <= 0xFF else 16 if top <= 0xFFFF else 31
         img = Image.fromarray((np.clip(a, 0, None) >> (bits - 8)).astype(np.uint8), "L")
-    img = img.convert("L" if channels == 1 else "RGB")
+    img = over_white(img).convert("L" if channels == 1 else "RGB")
     if image_size is not None and img.size != (image_size, image_size):
         w, h = img.size
         scale = image_size / min(w, h)
@@ -55,6 +55,16 @@ def fit_image(img: Image.Image, channels: int, image_size: int | None) -> np.nda
         img = img.crop((left, top, left + image_size, top + image_size))
     a = np.asarray(img, dtype=np.uint8)
     return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+
+
+def over_white(img: Image.Image) -> Image.Image:
+    """A transparent image composited over white, as a viewer on a page shows it: ``convert`` dropped the alpha, so a
+    sprite or logo's transparent pixels came out as whatever colour they stored (often black, often noise), and a
+    palette image with transparency also printed PIL's raw UserWarning. Images without transparency pass as they are."""
+    if img.mode not in ("RGBA", "LA", "PA", "RGBa", "La") and "transparency" not in img.info:
+        return img
+    rgba = img.convert("RGBA")  # palette / L / RGB with a transparent colour: PIL's own way to an alpha band
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
 
 
 # EXIF orientation (tag 0x0112) -> the transpose a viewer applies to the stored pixels
@@ -574,9 +584,10 @@ class FolderSource:
                 "rule": self.RULES[self.holdout],
                 "train_files_sha256": files_sha256("train"), "test_files_sha256": files_sha256("test")}
 
-    def fingerprint(self, split):  # "decode3": EXIF orientation applied ("decode2": 16-bit images scaled, not clipped)
+    def fingerprint(self, split):  # "decode4": transparency over white ("decode3": EXIF orientation applied;
+        # "decode2": 16-bit images scaled, not clipped)
         rule = "" if self.holdout == "last_tenth" else f":{self.holdout}"  # the caches of last_tenth runs stay valid
-        return f"{self._fp}:{split}:{self.n_test}{rule}:decode3"
+        return f"{self._fp}:{split}:{self.n_test}{rule}:decode4"
 
     def decode_into(self, split: str, write):
         files = self.split_files(split)
