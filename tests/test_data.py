@@ -1038,3 +1038,21 @@ def test_transparent_images_are_composited_over_white(tmp_path, recwarn):
     decoded = [*np.asarray(d.images), *np.asarray(d.test_images)]  # the loader's pixels, whichever split holds each
     assert any(np.array_equal(x, np.array(want["2.png"], np.uint8)) for x in decoded), decoded
     assert not [w for w in recwarn if "Transparency" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+def test_images_under_hidden_names_are_left_out_and_said(tmp_path, caplog):
+    """A desktop's trash, a thumbnail cache or a tool's checkpoints inside the image folder hold copies and previews
+    of its images, which were trained on (and held out) as images of the set."""
+    folder = make_folder(tmp_path / "imgs", n=4, size=(8, 8))
+    for name in (".Trash-1000/files/x.png", ".thumbnails/normal/y.png", "cats/.z.png"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8)).save(folder / name)
+    with caplog.at_level(logging.WARNING, logger="sinkflow"):
+        d = build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder)))
+    assert len(d.images) + len(d.test_images) == 5  # make_folder's 4 PNGs and a JPEG
+    assert re.search(r"imgs: 3 image\(s\) under hidden names are left out \(e\.g\. \.Trash-1000/files/x\.png\); "
+                     r"rename them without the leading dot", caplog.text), caplog.text
+    inside = tmp_path / ".cache" / "pets"  # a data set kept under a hidden folder is read: only names under data.path
+    make_folder(inside, n=4, size=(8, 8))
+    d = build_distribution("folder", data_cfg=cfg(tmp_path / "other", path=str(inside)))
+    assert len(d.images) + len(d.test_images) == 5

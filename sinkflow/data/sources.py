@@ -496,8 +496,8 @@ class FolderSource:
         self.channels = channels or 3
         self.image_size = image_size
         found = list(files_under(self.path))
-        self.files = sorted((p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS and not _mac_metadata(p)),
-                            key=lambda p: p.relative_to(self.path).as_posix())
+        self.files = sorted((p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS and not _mac_metadata(p)
+                             and not self._hidden(p)), key=lambda p: p.relative_to(self.path).as_posix())
         self._say_left_out(found)
         if not self.files:
             others = len(found)
@@ -524,15 +524,27 @@ class FolderSource:
         self._fp = "folder:" + _file_stats(self.files) + ":" + hashlib.sha1(os.fsencode(  # bytes: see _file_stats
             "\n".join(p.relative_to(self.path).as_posix() for p in self.files))).hexdigest()
 
+    def _hidden(self, path: Path) -> bool:
+        """A file whose name, or a folder's under ``path``, starts with a dot: a desktop's trash (``.Trash-1000/``), a
+        thumbnail cache (``.thumbnails/``), a tool's checkpoints (``.ipynb_checkpoints/``) hold copies and previews of
+        images, which were trained on as images of the set. Left out, as Hugging Face's imagefolder does."""
+        return any(part.startswith(".") for part in path.relative_to(self.path).parts)
+
     def _say_left_out(self, found: list[Path]) -> None:
-        """Warn of images of a kind the folder does not read (``OTHER_IMAGE_EXTENSIONS``): a folder of jpg and gif
-        trained on its jpg alone without a word."""
+        """Warn of images left out: of a kind the folder does not read (``OTHER_IMAGE_EXTENSIONS``: a folder of jpg
+        and gif trained on its jpg alone without a word), and under hidden names (``_hidden``)."""
         left = collections.Counter(p.suffix.lower() for p in found
                                    if p.suffix.lower() in OTHER_IMAGE_EXTENSIONS and not _mac_metadata(p))
         if left:
             warn_once(log, self.path, "image folder %s: %d image(s) of a kind it does not read are left out (%s); "
                       "convert them to png to train on them", self.path, sum(left.values()),
                       ", ".join(f"{n} {ext}" for ext, n in left.most_common()))
+        hidden = [p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS and not _mac_metadata(p)
+                  and self._hidden(p)]
+        if hidden:
+            warn_once(log, self.path, "image folder %s: %d image(s) under hidden names are left out (e.g. "
+                      "%s); rename them without the leading dot to train on them", self.path, len(hidden),
+                      hidden[0].relative_to(self.path).as_posix())
 
     def _open(self, p: Path) -> Image.Image:
         try:
