@@ -674,3 +674,30 @@ def test_a_disk_too_full_for_the_image_cache_is_one_line_not_a_bus_error(runs_di
     one_line(capsys, "cannot write the image cache", "No space left on device", "data.root")
     assert not [p.name for p in (tmp_path / "data" / "cache").iterdir()]
     assert not runs_dir.exists()
+
+
+def test_an_image_replaced_by_one_of_the_same_size_is_a_data_change(tmp_path, monkeypatch, capsys):
+    """The record holds the files' names and sizes: an image replaced by another of the same byte size (an edited
+    BMP, a re-exported PNG) passed it, while its new time made the cache decode the new pixels, and a resume or an
+    evaluation went on with other images without a word. The record now holds the decoded pixels' hash too."""
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(10):
+        Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(folder / f"{i}.bmp")
+    assert main(["train", "folder", "--method", "fm", *TINY_FM, f"data.path={folder}", "data.root=data",
+                 "--name", "f", "--no-report"]) == 0
+    run = tmp_path / "runs" / "f"
+    split = json.loads((run / "data_split.json").read_text())
+    assert len(split["train_pixels_sha256"]) == len(split["test_pixels_sha256"]) == 64
+    size = (folder / "3.bmp").stat().st_size
+    Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(folder / "3.bmp")  # another image
+    assert (folder / "3.bmp").stat().st_size == size
+    methods._distributions.cache_clear()
+    capsys.readouterr()
+    assert main(["eval", str(run), "--n", "1", "--seeds", "1"]) == 2
+    one_line(capsys, "cannot evaluate", "data changed", "train_pixels_sha256")
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()
+    assert main(["train", "--resume", str(run), "--no-report"]) == 2
+    one_line(capsys, "cannot resume", "data changed", "train_pixels_sha256")

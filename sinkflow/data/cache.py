@@ -1,13 +1,14 @@
 """Decode-once image cache: a uint8 (N, C, H, W) .npy memmap per (set, split, size, channels).
 
 Layout under ``<data.root>/cache/``: ``<name>-<split>-<size>-<channels>.npy`` (the images),
-``.labels.npy`` beside it when the set has labels, and ``.json`` (source fingerprint and shape) written
-last. Every file is written under a temporary name and renamed into place, so a killed build leaves
+``.labels.npy`` beside it when the set has labels, and ``.json`` (source fingerprint, shape and the pixels'
+SHA-256) written last. Every file is written under a temporary name and renamed into place, so a killed build leaves
 either the old valid cache or none; a cache whose fingerprint, header or shape disagrees is rebuilt.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -66,11 +67,33 @@ def write_cache(stem: Path, fingerprint: str, shape: tuple[int, int, int, int],
         out = create_array(tmp, np.uint8, shape, data)  # reserved: a disk filling as it decodes is ENOSPC, not SIGBUS
         labels = fill(out)
         out.flush()
+        pixels = pixels_sha256(out)
         del out
     if labels is not None:
         atomic_write_bytes(lab, lambda f: np.save(f, np.asarray(labels, dtype=np.int64), allow_pickle=False))
-    meta = {"version": CACHE_VERSION, "fingerprint": fingerprint, "shape": list(shape), "labels": labels is not None}
+    meta = {"version": CACHE_VERSION, "fingerprint": fingerprint, "shape": list(shape), "labels": labels is not None,
+            "pixels_sha256": pixels}
     atomic_write_text(meta_path, json.dumps(meta))
     result = open_cache(stem, fingerprint)
     assert result is not None, f"freshly written cache {data} does not validate"
     return result
+
+
+def pixels_sha256(images: np.ndarray, rows: int = 4096) -> str:
+    """SHA-256 of decoded uint8 images, read ``rows`` at a time (a memmap is never loaded whole)."""
+    h = hashlib.sha256()
+    for lo in range(0, len(images), rows):
+        h.update(np.ascontiguousarray(images[lo:lo + rows]).data)
+    return h.hexdigest()
+
+
+def cached_pixels_sha256(stem: Path) -> str | None:
+    """The pixels' SHA-256 a cache recorded when it was written (``write_cache``); None for a cache written before it
+    was recorded. What a run trained on, beyond its files' names and sizes: a file replaced by another of the same
+    size changes the source's fingerprint (its time), so the cache is decoded anew, with other pixels."""
+    try:
+        meta = json.loads(stem.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = meta.get("pixels_sha256") if isinstance(meta, dict) else None
+    return value if isinstance(value, str) else None

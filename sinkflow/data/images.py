@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from sinkflow.data.base import DEFAULT_TEST_SEED, Distribution, check_sample_args, warn_once
-from sinkflow.data.cache import cache_stem, open_cache, write_cache
+from sinkflow.data.cache import cache_stem, cached_pixels_sha256, open_cache, write_cache
 from sinkflow.data.sources import CIFAR10Source, DigitsSource, FolderSource, MNISTSource
 from sinkflow.errors import SinkflowError
 
@@ -171,7 +171,7 @@ def build_image_distribution(name: str, data_cfg: dict) -> ImageDistribution:
     """Open (or decode once into) the cache for both splits of image set ``name``."""
     cfg = check_image_cfg(data_cfg)
     src = image_source(name, cfg)
-    arrays = {}
+    arrays, pixels = {}, {}
     for split in SPLITS:
         stem = cache_stem(cfg["root"], src.name, split, src.size, src.chw[0])
         fp = src.fingerprint(split)
@@ -190,10 +190,12 @@ def build_image_distribution(name: str, data_cfg: dict) -> ImageDistribution:
         if len(hit[0]) == 0:
             raise SinkflowError(f"{name}: the {split} split is empty", "add images (or check the data files)")
         arrays[split] = hit
+        pixels[f"{split}_pixels_sha256"] = cached_pixels_sha256(stem)
     (train, train_labels), (test, test_labels) = arrays["train"], arrays["test"]
     dist = ImageDistribution(name, train, test, train_labels, test_labels, flip=cfg["flip"], split=cfg["split"],
                              val_fraction=cfg["val_fraction"])
     dist.split_info = split_record(src, dist)
+    dist.split_info.update({k: v for k, v in pixels.items() if v is not None})  # compared where recorded (check_split)
     return dist
 
 

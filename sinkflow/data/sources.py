@@ -587,7 +587,8 @@ class FolderSource:
     def split_info(self) -> dict:
         """What a run trained on (RUN/data_split.json): the folder, the split rule and, per split, a hash of its files'
         relative paths and sizes, so a file added, removed, renamed or replaced by one of another size is noticed
-        before a resume trains or an evaluation scores on other images (the bytes themselves are not read)."""
+        before a resume trains or an evaluation scores on other images (the bytes themselves are not read here; one
+        replaced by another of the same size is caught by the decoded pixels' hash, ``cache.cached_pixels_sha256``)."""
         def files_sha256(split: str) -> str:
             lines = (f"{p.relative_to(self.path).as_posix()}:{p.stat().st_size}" for p in self.split_files(split))
             return hashlib.sha256(os.fsencode("\n".join(lines))).hexdigest()  # names as bytes: see _file_stats
