@@ -14,7 +14,6 @@ import logging
 import os
 import pickle
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -441,8 +440,8 @@ class CIFAR10Source(ArraySource):
             try:
                 ds = CIFAR10(self.root, train=split == "train", download=False)
             except RuntimeError:  # md5 mismatch with every file present (see class docstring)
-                warnings.warn(f"CIFAR-10 files in {self.folder} do not match the official checksums; "
-                              "loading them as they are (numbers and arrays only, never code)", stacklevel=2)
+                warn_once(log, self.folder, "CIFAR-10 files in %s do not match the official checksums; loading them "
+                          "as they are (numbers and arrays only, never code)", self.folder)
                 return read_cifar10_batches(self.folder, self.FILES[split])
         except SinkflowError:  # a batch's own problem, named with its file
             raise
