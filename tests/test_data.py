@@ -1058,3 +1058,15 @@ def test_images_under_hidden_names_are_left_out_and_said(tmp_path, caplog):
     make_folder(inside, n=4, size=(8, 8))
     d = build_distribution("folder", data_cfg=cfg(tmp_path / "other", path=str(inside)))
     assert len(d.images) + len(d.test_images) == 5
+
+
+def test_an_image_removed_after_the_folder_was_listed_is_said_so(tmp_path):
+    """A file deleted between the listing and its decoding (a sync tool, a second job tidying up) was reported as
+    "corrupt or truncated ([Errno 2] No such file or directory)", sending the user to re-export a file not there."""
+    folder = make_folder(tmp_path / "imgs", n=4, size=(8, 8))
+    src = sources.FolderSource(str(folder), None, None)
+    gone = src.split_files("train")[1]
+    gone.unlink()
+    with pytest.raises(SinkflowError, match=f"image {re.escape(str(gone))} was removed after data.path was listed; "
+                                            "leave the folder unchanged"):
+        src.decode_into("train", lambda shape, fill: fill(np.zeros(shape, np.uint8)))

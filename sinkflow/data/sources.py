@@ -555,6 +555,9 @@ class FolderSource:
             raise SinkflowError(f"image {p} is too large to decode ({e})", "downscale it (every image is resized to "
                                 "data.image_size anyway) or remove it from data.path") from None
         except OSError as e:
+            if e.errno == errno.ENOENT:  # listed, then gone: "corrupt or truncated" sent the user to a file not there
+                raise SinkflowError(f"image {p} was removed after data.path was listed", "leave the folder unchanged "
+                                    "while a run reads it, then run again") from None
             if e.errno in (errno.EACCES, errno.EPERM):
                 raise SinkflowError(f"{p} cannot be read ({e.strerror})", "check the file's permissions or remove "
                                     "it") from None
