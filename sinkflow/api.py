@@ -11,6 +11,7 @@ distributions and the methods' tasks) are the same objects the CLI uses, re-expo
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from sinkflow import methods
 from sinkflow.config import schema
 from sinkflow.config.checks import float_tensor, is_whole, shown
 from sinkflow.errors import SinkflowError, require
+
+log = logging.getLogger(__name__)
 
 
 class Run:
@@ -137,12 +140,22 @@ class Run:
         samples.png and trajectories.png, on a run opened "read only"). Checked as the command checks its flags,
         before any work: a whole number >= 1 each (0 meant the default in silence), ``n`` within the split and this
         machine's memory, and the count of every metric (``requested_evaluation``: the command's checks, in one
-        place)."""
+        place). A run folder that cannot be written is scored all the same, with a warning that the record was
+        skipped, as the command does."""
         from sinkflow.eval.report import evaluate
 
         seeds, n = _count("seeds", seeds, 5, "eval.seeds"), _count("n", n, 1024, "eval.n")
         with _callers_rng():
-            return evaluate(self._run, seeds=seeds, n=n, split=split, flags=("n", "split"))
+            try:
+                text = evaluate(self._run, seeds=seeds, n=n, split=split, flags=("n", "split"))
+            finally:  # as `sinkflow eval` ends: the record's TensorBoard events written out, its writer thread ended
+                self._run.logger.close()
+        if self._run.logger.failed is not None:
+            from sinkflow.cli import os_error_line
+
+            log.warning("could not record the scores in %s (%s)", self.dir / "metrics.jsonl",
+                        os_error_line(self._run.logger.failed))
+        return text
 
     def scores(self) -> dict:
         """The latest evaluation's numbers as a dict (metrics.jsonl's last ``eval`` record, as ``evaluate``, `sinkflow
@@ -303,7 +316,9 @@ def _override_text(key: str, value) -> str:
 
 def open_run(path: str | Path) -> Run:
     """Reopen a run folder: sample from it or evaluate it (an evaluation appends its scores to metrics.jsonl, as
-    `sinkflow eval` does; nothing else in the folder is written)."""
+    `sinkflow eval` does; nothing else in the folder is written). As the command, a folder that cannot be written
+    (a read-only mount, a Kaggle input) is scored all the same, with a warning that the record was skipped."""
     from sinkflow.runtime.run_folder import RunFolder
 
-    return Run(RunFolder.open(Path(_path(path, "path")).resolve()))  # a notebook's os.chdir: still this run
+    # a notebook's os.chdir: still this run
+    return Run(RunFolder.open(Path(_path(path, "path")).resolve(), log_best_effort=True))

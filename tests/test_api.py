@@ -4,6 +4,7 @@ before any work, never a raw KeyError or a sample taken at a step count the call
 from __future__ import annotations
 
 import copy
+import logging
 import shutil
 
 import numpy as np
@@ -443,6 +444,33 @@ def test_scores_are_the_latest_evaluations_numbers(otcfm_run, tmp_path):
     assert f"{got[f'w2_{steps[0]}']:.3f}" in table  # the same numbers the table prints
     run.evaluate(seeds=2, n=32)
     assert run.scores()["n"] == 32  # the latest one
+
+
+def test_evaluate_ends_its_tensorboard_writer_and_scores_a_folder_it_cannot_write(otcfm_run, tmp_path, caplog):
+    """Each Run.evaluate() left TensorBoard's writer thread running, its events unflushed until the notebook's kernel
+    exited; on a read-only run folder (a Kaggle input) it raised PermissionError after the whole evaluation, where
+    `sinkflow eval` prints the scores and says the record was skipped."""
+    import shutil
+    import threading
+
+    from helpers import read_only
+
+    folder = shutil.copytree(otcfm_run, tmp_path / "r")
+    threads = threading.active_count()
+    for _ in range(2):
+        assert "W2" in sinkflow.open_run(folder).evaluate(seeds=1, n=16)
+    assert threading.active_count() == threads
+    assert len(sinkflow.open_run(folder).scores()) > 0
+    undo = read_only(folder, recursive=True)
+    if undo is None:
+        pytest.skip("cannot make a folder read-only here")
+    try:
+        with caplog.at_level(logging.WARNING, logger="sinkflow"):
+            assert "W2" in sinkflow.open_run(folder).evaluate(seeds=1, n=16)
+    finally:
+        undo()
+    (said,) = [r.getMessage() for r in caplog.records if "could not record" in r.getMessage()]
+    assert said.startswith(f"could not record the scores in {folder.resolve() / 'metrics.jsonl'} (")
 
 
 @pytest.mark.parametrize("call, needle", [
