@@ -880,6 +880,24 @@ def test_a_point_file_of_one_repeated_point_is_said_once_read(tmp_path, caplog):
     assert "all 200 rows are the same point (1.5, -2): the distribution is a single point" in said.getMessage()
 
 
+@pytest.mark.parametrize("scale, warned", [(1e-6, True), (0.01, True), (0.12, False), (1.0, False), (3.5, False),
+                                           (12.0, False), (100.0, True), (1e6, True)])
+def test_a_point_file_far_from_unit_scale_is_warned_about(tmp_path, caplog, scale, warned):
+    """Moons x 0.01 (or x 1e6 under FM / OT-CFM) trained, exited 0 and scored a W2 of several times the data's own
+    size, without a word: the recipes are set for points of unit scale."""
+    from sinkflow.data.points import load_points
+
+    pts = np.random.default_rng(0).normal(size=(200, 2))
+    np.save(tmp_path / "pts.npy", (pts - pts.mean(0)) / pts.std(0, ddof=1) * scale)  # spread: scale
+    with caplog.at_level(logging.WARNING, logger="sinkflow"):
+        load_points(str(tmp_path / "pts.npy"))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == warned
+    if warned:
+        assert f"pts.npy: its points spread {scale:.3g} (the RMS of the coordinates' standard deviations)" in said[0]
+        assert "standardise them, e.g. (points - points.mean(0)) / points.std(0)" in said[0]
+
+
 def test_a_fully_quoted_csv_reads_as_its_numbers(tmp_path):
     """pandas' quoting=csv.QUOTE_ALL writes "0.5","0.25": it was refused as "not a table of numbers"."""
     from sinkflow.data.points import load_points
