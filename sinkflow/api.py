@@ -54,7 +54,7 @@ class Run:
             raise SinkflowError(problem, f"its networks: {', '.join(networks)}")
         from sinkflow.tools.data import sampling_data
 
-        with sampling_data(self.cfg, self.dir):  # its shape is the data's: known without the data set
+        with sampling_data(self.cfg, self.dir), _float32_default():  # its shape is the data's: no data set needed
             return self._run.model(phase)
 
     @torch.no_grad()
@@ -88,7 +88,7 @@ class Run:
                     "e.g. settings={'temperature': 0.7}")
             overrides = [f"sample.{key}={scalar(value)}" for key, value in settings.items()]
             run = Run(with_sample_overrides(self._run, overrides, "sample", str(self.dir)))
-        with sampling_data(run.cfg, run.dir):
+        with sampling_data(run.cfg, run.dir), _float32_default():
             return run._sample(n, steps, seed, x0, qmc)
 
     def _sample(self, n, steps, seed, x0, qmc) -> torch.Tensor:
@@ -145,7 +145,7 @@ class Run:
         from sinkflow.eval.report import evaluate
 
         seeds, n = _count("seeds", seeds, 5, "eval.seeds"), _count("n", n, 1024, "eval.n")
-        with _callers_rng():
+        with _callers_rng(), _float32_default():
             try:
                 text = evaluate(self._run, seeds=seeds, n=n, split=split, flags=("n", "split"))
             finally:  # as `sinkflow eval` ends: the record's TensorBoard events written out, its writer thread ended
@@ -204,7 +204,7 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     cfg = config.resolve(preset, [f"experiment.runs_dir={scalar(str(runs_dir))}", *dotted], short)
     # meta.json records this call: the process's argv is the script's or the notebook kernel's
     call = _call_text(preset, {"runs_dir": str(runs_dir), "name": name, "device": device, **overrides})
-    with _callers_rng():  # SinkflowError / Interrupted propagate
+    with _callers_rng(), _float32_default():  # SinkflowError / Interrupted propagate
         return open_run(train_run(cfg, device=device, call=call, time_limit=seconds).dir)
 
 
@@ -216,7 +216,7 @@ def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | 
 
     seconds = _seconds(time_limit)
     short, dotted = _overrides(overrides, {"device": None if device == "auto" else device}, ("device", "time_limit"))
-    with _callers_rng():
+    with _callers_rng(), _float32_default():
         return open_run(train_run(resume=Path(_path(path, "path")), overrides=dotted, shorthands=short,
                                   device=device, time_limit=seconds).dir)
 
@@ -233,6 +233,20 @@ def _callers_rng():
         yield
     finally:
         set_rng_state(state)
+
+
+@contextlib.contextmanager
+def _float32_default():
+    """torch's default dtype float32 for the call, as in a `sinkflow` command, and the caller's again after it: under a
+    notebook's ``torch.set_default_dtype(torch.float64)`` the networks were built and trained in float64 (a float32
+    session then refused their checkpoints), and a run trained in float32 could not be sampled or evaluated there
+    (its final.pt "is not what this run expects", with the advice to delete it)."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(dtype)
 
 
 def _path(value, name: str) -> str:

@@ -473,6 +473,23 @@ def test_evaluate_ends_its_tensorboard_writer_and_scores_a_folder_it_cannot_writ
     assert said.startswith(f"could not record the scores in {folder.resolve() / 'metrics.jsonl'} (")
 
 
+def test_a_notebook_default_dtype_of_float64_trains_and_samples_in_float32_and_is_kept(tiny_run, runs_dir):
+    """Under torch.set_default_dtype(torch.float64) the networks were trained in float64 (a float32 session refused
+    their final.pt), and a float32 run could not be sampled: its final.pt "is not what this run expects; delete it"."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        run = sinkflow.open_run(tiny_run)
+        assert run.sample(4, steps=2).dtype == torch.float32
+        assert next(run.model().parameters()).dtype == torch.float32
+        trained = sinkflow.train("moons", method="otcfm", device="cpu", runs_dir=runs_dir, name="f64", train_iters=2)
+        assert torch.get_default_dtype() == torch.float64  # the caller's, after every call
+    finally:
+        torch.set_default_dtype(torch.float32)
+    state = torch.load(trained.dir / "checkpoints" / "velocity" / "final.pt", weights_only=True)
+    assert {t.dtype for t in state["model"].values()} == {torch.float32}
+    assert sinkflow.open_run(trained.dir).sample(4, steps=2).shape == (4, 2)  # in a float32 session
+
+
 @pytest.mark.parametrize("call, needle", [
     (lambda: sinkflow.train(5), "preset=5 is int, not a path or name"),
     (lambda: sinkflow.open_run(5), "path=5 is int, not a path or name"),
