@@ -204,7 +204,7 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     cfg = config.resolve(preset, [f"experiment.runs_dir={scalar(str(runs_dir))}", *dotted], short)
     # meta.json records this call: the process's argv is the script's or the notebook kernel's
     call = _call_text(preset, {"runs_dir": str(runs_dir), "name": name, "device": device, **overrides})
-    with _callers_rng(), _float32_default():  # SinkflowError / Interrupted propagate
+    with _callers_rng(), _float32_default(), _autograd():  # SinkflowError / Interrupted propagate
         return open_run(train_run(cfg, device=device, call=call, time_limit=seconds).dir)
 
 
@@ -216,7 +216,7 @@ def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | 
 
     seconds = _seconds(time_limit)
     short, dotted = _overrides(overrides, {"device": None if device == "auto" else device}, ("device", "time_limit"))
-    with _callers_rng(), _float32_default():
+    with _callers_rng(), _float32_default(), _autograd():
         return open_run(train_run(resume=Path(_path(path, "path")), overrides=dotted, shorthands=short,
                                   device=device, time_limit=seconds).dir)
 
@@ -247,6 +247,15 @@ def _float32_default():
         yield
     finally:
         torch.set_default_dtype(dtype)
+
+
+@contextlib.contextmanager
+def _autograd():
+    """Autograd on for training, as in a command, whatever the caller's mode: under a notebook's
+    ``torch.set_grad_enabled(False)`` (or inside ``torch.no_grad()`` / ``torch.inference_mode()``) training failed at its
+    first backward ("element 0 of tensors does not require grad"), after the run folder and the pool were made."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
 
 
 def _path(value, name: str) -> str:

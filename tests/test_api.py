@@ -490,6 +490,16 @@ def test_a_notebook_default_dtype_of_float64_trains_and_samples_in_float32_and_i
     assert sinkflow.open_run(trained.dir).sample(4, steps=2).shape == (4, 2)  # in a float32 session
 
 
+@pytest.mark.parametrize("mode", [lambda: torch.no_grad(), lambda: torch.inference_mode()], ids=["no_grad", "inference"])
+def test_training_from_a_notebook_with_autograd_off_trains(runs_dir, mode):
+    """A notebook's torch.set_grad_enabled(False) left training to fail at its first backward, after the run folder
+    was made; the caller's mode is its own again after the call."""
+    with mode():
+        run = sinkflow.train("moons", method="otcfm", device="cpu", runs_dir=runs_dir, name="nograd", train_iters=2)
+        assert not torch.is_grad_enabled()
+    assert sinkflow.open_run(run.dir).sample(2, steps=2).shape == (2, 2)
+
+
 @pytest.mark.parametrize("call, needle", [
     (lambda: sinkflow.train(5), "preset=5 is int, not a path or name"),
     (lambda: sinkflow.open_run(5), "path=5 is int, not a path or name"),
