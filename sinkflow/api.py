@@ -199,7 +199,7 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     from sinkflow.engine.experiment import train_run
 
     preset, runs_dir = _path(preset, "preset"), _path(runs_dir, "runs_dir")  # a .yaml file may be a Path
-    seconds = _seconds(time_limit)
+    seconds, device = _seconds(time_limit), _plain(device)
     short, dotted = _overrides(overrides, {"device": device, "name": name})  # name None: preset, method and time
     cfg = config.resolve(preset, [f"experiment.runs_dir={scalar(str(runs_dir))}", *dotted], short)
     # meta.json records this call: the process's argv is the script's or the notebook kernel's
@@ -214,7 +214,7 @@ def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | 
     ``train(..., time_limit=...)`` stopped. ``overrides``: the keys a resume may still change, as in ``train``."""
     from sinkflow.engine.experiment import train_run
 
-    seconds = _seconds(time_limit)
+    seconds, device = _seconds(time_limit), _plain(device)
     short, dotted = _overrides(overrides, {"device": None if device == "auto" else device}, ("device", "time_limit"))
     with _callers_rng(), _float32_default(), _autograd():
         return open_run(train_run(resume=Path(_path(path, "path")), overrides=dotted, shorthands=short,
@@ -313,10 +313,13 @@ def _count(name: str, value, example: int, default: str, most: int | None = None
 
 
 def _plain(value):
-    """``value`` as the YAML a config holds: a path as its string, a numpy or 0-d torch number as the Python one,
-    a tuple or list item by item (``Path("pts.npy")`` and ``np.int64(50)`` were yaml tracebacks)."""
+    """``value`` as the YAML a config holds: a path as its string, a ``torch.device`` as its name, a numpy or 0-d torch
+    number as the Python one, a tuple or list item by item (``Path("pts.npy")`` and ``np.int64(50)`` were yaml
+    tracebacks, ``device=torch.device("cpu")`` "--device cpu: ... expects str but got device")."""
     if isinstance(value, os.PathLike):
         return os.fspath(value)
+    if isinstance(value, torch.device):
+        return str(value)
     if getattr(value, "shape", None) == () and hasattr(value, "item"):
         return value.item()
     if isinstance(value, (list, tuple)):

@@ -420,6 +420,22 @@ def test_train_takes_paths_and_numpy_numbers_as_dotted_overrides(runs_dir, tmp_p
     _one_line(e)
 
 
+def test_train_and_resume_take_a_torch_device(runs_dir, tiny_run, monkeypatch):
+    """`device=torch.device("cpu")`, as a PyTorch user passes it, was refused: "--device cpu: config key
+    'experiment.device' expects str (default 'auto') but got device device(type='cpu')"."""
+    from sinkflow.engine import experiment
+
+    seen = []
+    monkeypatch.setattr(experiment, "train_run", lambda cfg=None, **kw: seen.append((cfg, kw)) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        sinkflow.train("moons", device=torch.device("cpu"), runs_dir=runs_dir, train_iters=2)
+    with pytest.raises(ZeroDivisionError):
+        sinkflow.resume(tiny_run, device=torch.device("cpu"))
+    (cfg, kw), (_, resumed) = seen
+    assert cfg["experiment"]["device"] == kw["device"] == "cpu" and "device='cpu'" in kw["call"]
+    assert resumed["device"] == "cpu" and resumed["shorthands"]["device"] == "cpu"
+
+
 @pytest.mark.parametrize("kwargs, needle", [({"seeds": 0}, r"seeds=0 must be a whole number >= 1"),  # the default
                                             ({"seeds": 2.5}, r"seeds=2.5 must be a whole number"),  # a TypeError
                                             ({"n": -3}, r"n=-3 must be a whole number"),
