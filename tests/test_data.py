@@ -236,6 +236,13 @@ def test_point_file_reads_text_tables(tmp_path, name, text):
     ("csv_few", "at least 16"),
     ("csv_trailing_comma", "line 2 ends with a delimiter \\(an empty last column\\); drop the trailing delimiter"),
     ("csv_empty", "holds no points"),
+    # the fix was "separated by the file type's delimiter", naming neither: Excel's CSV in a decimal-comma locale
+    ("csv_semicolons", "line 2 holds '0,5;0,25'; a .csv file separates coordinates by commas, this line by semicolons: "
+                       "write it with commas between coordinates and '.' for decimals"),
+    ("csv_spaces", "line 2 holds '0.5 0.25'; a .csv file separates coordinates by commas, this line by spaces: rename "
+                   "the file to .txt$"),
+    ("txt_commas", "line 2 holds '0.5,0.25'; a .txt file separates coordinates by spaces or tabs, this line by commas: "
+                   "rename the file to .csv$"),
 ])
 def test_point_file_errors(tmp_path, case, match):
     f = tmp_path / "bad.npy"
@@ -256,7 +263,7 @@ def test_point_file_errors(tmp_path, case, match):
     elif case == "json":
         f = tmp_path / "pts.json"
         f.write_text("[[1, 2]]\n")
-    elif case.startswith("csv"):
+    elif case.startswith(("csv", "txt")):
         f = tmp_path / "bad.csv"
         lines = ["x,y", *(f"{a},{b}" for a, b in good)]
         if case == "csv_text":
@@ -277,6 +284,12 @@ def test_point_file_errors(tmp_path, case, match):
             lines = ["x,y", *(f"{a},{b}," for a, b in good)]
         elif case == "csv_empty":
             lines = ["x,y"]
+        elif case in ("csv_semicolons", "csv_spaces"):
+            lines = ["x;y" if case == "csv_semicolons" else "x y", *(["0,5;0,25" if case == "csv_semicolons"
+                                                                     else "0.5 0.25"] * 20)]
+        elif case == "txt_commas":
+            f = tmp_path / "bad.txt"
+            lines = ["0.5,0.25"] * 20
         f.write_text("\n".join(lines) + "\n")
         if case == "csv_binary":
             f.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))

@@ -24,6 +24,9 @@ POINT_SPREAD = (0.1, 30.0)
 NPY_MAGIC = b"\x93NUMPY"
 POINT_SUFFIXES = (".npy", ".csv", ".tsv", ".txt")
 DELIMITERS = {".csv": ",", ".tsv": "\t", ".txt": None}  # None: any whitespace
+# a separator a line may hold instead of its file type's: its name, and the suffix that reads it (None: none does);
+# semicolons first: their lines hold decimal commas (Excel's CSV in a decimal-comma locale)
+SEPARATORS = {";": ("semicolons", None), "\t": ("tabs", ".tsv"), ",": ("commas", ".csv"), " ": ("spaces", ".txt")}
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,22 @@ def table_row(path: str, n: int, fields: list[str], first: bool, delimiter: str 
         raise SinkflowError(f"point file {path} is not a table of numbers: line {n} holds "
                             f"{(delimiter or ' ').join(fields)!r}",
                             "it has pandas' index column: write it with df.to_csv(path, index=False, "
-                            "header=['x', 'y']), or numpy.save" if index else fix) from None
+                            "header=['x', 'y']), or numpy.save" if index else
+                            separator_fix(path, fields, delimiter) or fix) from None
+
+
+def separator_fix(path: str, fields: list[str], delimiter: str | None) -> str | None:
+    """The fix for a line whose coordinates are separated otherwise than its file type says (None if they are not):
+    a .csv of semicolons (Excel's in a decimal-comma locale) or of spaces was "not a table of numbers" with the fix
+    "separated by the file type's delimiter", which named neither."""
+    suffix = os.path.splitext(path)[1].lower()
+    for sep, (name, reads) in SEPARATORS.items():
+        if sep != delimiter and (delimiter or sep not in " \t") and any(sep in v for v in fields):
+            own = SEPARATORS[delimiter][0] if delimiter else "spaces or tabs"
+            how = (f"rename the file to {reads}" if reads else "write it with commas between coordinates and '.' "
+                   "for decimals to a .csv, e.g. numpy.savetxt(path, points, delimiter=',')")
+            return f"a {suffix} file separates coordinates by {own}, this line by {name}: {how}"
+    return None
 
 
 def is_number(text: str) -> bool:
