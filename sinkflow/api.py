@@ -340,11 +340,14 @@ def _override_text(key: str, value) -> str:
                             "pass a number, a string, a bool, None or a list of them") from None
 
 
-def open_run(path: str | Path) -> Run:
+def open_run(path: str | Path, device: str | None = None) -> Run:
     """Reopen a run folder: sample from it or evaluate it (an evaluation appends its scores to metrics.jsonl, as
     `sinkflow eval` does; nothing else in the folder is written). As the command, a folder that cannot be written
-    (a read-only mount, a Kaggle input) is scored all the same, with a warning that the record was skipped."""
-    from sinkflow.runtime.run_folder import RunFolder
+    (a read-only mount, a Kaggle input) is scored all the same, with a warning that the record was skipped.
+    ``device`` ("cpu", "cuda:1", a ``torch.device``; None: the run's experiment.device), as `sinkflow sample
+    --device`: where its networks run, config.yaml unchanged (a run trained with device="cuda" could not be
+    opened on a machine without CUDA: "use --device cpu", which open_run did not take)."""
+    from sinkflow.cli.common import open_trained
 
     # a notebook's os.chdir: still this run
-    return Run(RunFolder.open(Path(_path(path, "path")).resolve(), log_best_effort=True))
+    return Run(open_trained(Path(_path(path, "path")).resolve(), _plain(device), log_best_effort=True))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import shutil
 
 import numpy as np
@@ -434,6 +435,28 @@ def test_train_and_resume_take_a_torch_device(runs_dir, tiny_run, monkeypatch):
     (cfg, kw), (_, resumed) = seen
     assert cfg["experiment"]["device"] == kw["device"] == "cpu" and "device='cpu'" in kw["call"]
     assert resumed["device"] == "cpu" and resumed["shorthands"]["device"] == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the run's device must be one this machine lacks")
+def test_a_run_trained_on_cuda_samples_on_a_machine_without_it(tiny_run, tmp_path, capsys):
+    """A run trained with device="cuda" (a Colab GPU), opened on a laptop: "experiment.device=cuda but CUDA is not
+    available here; use --device cpu", which neither open_run nor `sinkflow sample` / `eval` took (the way round,
+    `train --resume --device cpu`, rewrote config.yaml and needs the data, which sampling does not)."""
+    import shutil
+
+    from helpers import run_main
+
+    folder = shutil.copytree(tiny_run, tmp_path / "cuda-run")
+    config = (folder / "config.yaml").read_text()
+    (folder / "config.yaml").write_text(re.sub(r"(?m)^(  device: ).*$", r"\1cuda", config))
+    with pytest.raises(SinkflowError, match="experiment.device=cuda but CUDA is not available here; use --device cpu"):
+        sinkflow.open_run(folder)
+    for device in ("cpu", torch.device("cpu")):
+        assert sinkflow.open_run(folder, device=device).sample(4, steps=2).shape == (4, 2)
+    assert run_main(capsys, "sample", str(folder), "--n", "4", "--out", str(tmp_path / "s.npy"), "--device", "cpu")[0] == 0
+    assert np.load(tmp_path / "s.npy").shape == (4, 2)
+    assert run_main(capsys, "eval", str(folder), "--n", "16", "--seeds", "1", "--device", "cpu")[0] == 0
+    assert "device: cuda" in (folder / "config.yaml").read_text()  # for this call only
 
 
 @pytest.mark.parametrize("kwargs, needle", [({"seeds": 0}, r"seeds=0 must be a whole number >= 1"),  # the default

@@ -89,6 +89,21 @@ def check_counts(args) -> None:
             raise SinkflowError(f"{flag} {value} is more than {most:,}", f"use {flag} {most:,} or fewer")
 
 
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    """`--device` of the commands that read a trained run (sample, eval, tune): a run trained with `--device cuda` was
+    refused on a machine without CUDA with the fix "use --device cpu", which these commands did not take."""
+    p.add_argument("--device", help="where the networks run for this call: auto, cpu, cuda or cuda:N (default: the "
+                   "run's experiment.device; config.yaml is unchanged)")
+
+
+def open_trained(run_dir, device: str | None = None, **kwargs):
+    """The trained run folder ``run_dir`` (``RunFolder.open``'s ``kwargs``), its networks on ``device`` for this call
+    (None: its experiment.device): nothing is written, so config.yaml keeps the device it was trained on."""
+    from sinkflow.runtime.run_folder import RunFolder
+
+    return RunFolder.open(run_dir, shorthands=None if device is None else {"device": device}, **kwargs)
+
+
 def with_sample_overrides(run_, overrides: list[str], command: str, run_dir: str, flags: dict | None = None):
     """``run_`` sampling with ``sample.key=value`` for this call only (``RunFolder.variant``: config.yaml stays as
     trained), refused in one line before any work when the key is not a sampling key, is out of its range, or is a

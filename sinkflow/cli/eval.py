@@ -3,7 +3,7 @@
 import sys
 
 from sinkflow.cli import os_error_line
-from sinkflow.cli.common import with_sample_overrides
+from sinkflow.cli.common import add_device_arg, open_trained, with_sample_overrides
 from sinkflow.errors import SinkflowError
 
 
@@ -28,14 +28,13 @@ def add_parser(sub):
     p.add_argument("--seeds", type=int, help="sampling seeds (default eval.seeds)")
     p.add_argument("--n", type=int, help="samples per seed for every metric (default eval.n, and eval.class_n for "
                    "the image classifier's columns)")
+    add_device_arg(p)
     p.set_defaults(func=run)
 
 
 def run(args):
     from sinkflow.eval.report import evaluate  # torch loads here: `--help` stays fast
-    from sinkflow.runtime.run_folder import RunFolder
-
-    run_ = RunFolder.open(args.run_dir, log_best_effort=True)  # a read-only run folder: scores printed, record skipped
+    run_ = open_trained(args.run_dir, args.device, log_best_effort=True)  # a read-only run folder: scores printed, record skipped
     steps = [o for o in args.overrides if o.partition("=")[0].strip() == "sample.steps"]
     if steps:  # recorded with the scores as applied, while the table scored eval.steps
         raise SinkflowError(f"`sinkflow eval` scores at the run's eval.steps, so '{steps[0]}' would not be used",

@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from sinkflow.cli.common import with_sample_overrides
+from sinkflow.cli.common import add_device_arg, open_trained, with_sample_overrides
 from sinkflow.errors import DataNotFound, SinkflowError
 
 
@@ -26,6 +26,7 @@ def add_parser(sub):
                    "of i.i.d. (= sample.qmc=true; the evaluation's own choice is eval.protocol)")
     p.add_argument("--out", required=True, help="output: a .npy or .png file, or (image runs) a new or empty folder "
                    "(a path without a suffix, or ending in /) for one PNG per image")
+    add_device_arg(p)
     p.set_defaults(func=run)
 
 
@@ -36,10 +37,10 @@ def run(args):
         raise SinkflowError(f"--out {out} must end in .npy or .png, or name a folder (no suffix) for one PNG per image",
                             "e.g. --out samples.png")
     # torch loads with these: `--help` and bad arguments stay fast
-    from sinkflow.runtime.run_folder import RunFolder, run_state_entry
+    from sinkflow.runtime.run_folder import run_state_entry
     from sinkflow.tools.data import sampling_data
 
-    run_ = RunFolder.open(args.run_dir)
+    run_ = open_trained(args.run_dir, args.device)
     if (file := next((p for p in out.parents if p.is_file()), None)) is not None:  # "EEXIST File exists (s.png)"
         raise SinkflowError(f"--out {args.out}: {file} is a file, not a folder", "name a path in a folder")
     if (entry := run_state_entry(run_.dir, out)) is not None:

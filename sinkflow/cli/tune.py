@@ -6,6 +6,8 @@ import json
 import statistics
 import sys
 
+from sinkflow.cli.common import add_device_arg, open_trained
+
 
 def add_parser(sub):
     p = sub.add_parser(
@@ -26,6 +28,7 @@ def add_parser(sub):
     p.add_argument("--n", type=int, help="generated samples per candidate and seed (default eval.n, at most the "
                    "validation split)")
     p.add_argument("--seeds", type=int, default=1, help="sampling seeds per candidate (default 1)")
+    add_device_arg(p)
     p.set_defaults(func=run)
 
 
@@ -35,10 +38,9 @@ def run(args):
     from sinkflow.errors import SinkflowError
     from sinkflow.eval.report import check_eval_split
     from sinkflow.runtime.data_record import check_split_files
-    from sinkflow.runtime.run_folder import RunFolder
     from sinkflow.tools import tune
 
-    run_ = RunFolder.open(args.run_dir)
+    run_ = open_trained(args.run_dir, args.device)
     cfg = run_.cfg
     check_eval_split(cfg, "val", who="sinkflow tune chooses on the validation split, but")
     totals = args.nfe or [tune.current(cfg)[0]]
