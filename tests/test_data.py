@@ -724,6 +724,25 @@ def test_a_point_file_rewritten_or_renamed_by_a_chdir_is_read_again(tmp_path, mo
     assert torch.equal(other, torch.from_numpy(np.loadtxt(tmp_path / "b" / "pts.csv", delimiter=",")).float())
 
 
+def test_a_point_file_named_relative_and_absolute_is_read_once(tmp_path, monkeypatch):
+    """`train` checks the config as typed (data.target=pts.csv), then builds the run's, whose path is absolute: the
+    file was parsed twice (a 10-million-row CSV: twice 20 s) and its warnings were said twice."""
+    from sinkflow import config, data
+    from sinkflow.data import points
+    from sinkflow.runtime.run_folder import DATA_PATH_KEYS, absolute_data_paths
+
+    np.savetxt(tmp_path / "pts.csv", np.random.default_rng(0).normal(size=(40, 2)), delimiter=",")
+    monkeypatch.chdir(tmp_path)
+    read, load = [], points.load_points
+    monkeypatch.setattr(points, "load_points", lambda path, *args: read.append(path) or load(path, *args))
+    cfg = config.resolve("moons", ["data.target=pts.csv"])
+    typed = data.distributions(cfg)[1]
+    assert data.distributions(absolute_data_paths(cfg, DATA_PATH_KEYS))[1] is typed
+    assert read == [os.path.abspath("pts.csv")]
+    with pytest.raises(SinkflowError, match="point file gone.csv does not exist; check data.source/data.target"):
+        data.distributions(config.resolve("moons", ["data.target=gone.csv"]))  # the name typed, and its fix
+
+
 def test_a_16_bit_folder_is_scaled_to_8_bits_not_clipped_white(tmp_path):
     """PIL's convert("L"/"RGB") clips 16-bit samples above 255 (a 16-bit PNG decoded nearly white): the folder
     loader keeps their high byte (value >> 8), gray and RGB alike; 32-bit "I" images by their range."""

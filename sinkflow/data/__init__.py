@@ -74,10 +74,16 @@ def build_distribution(spec: str, *, data_cfg: dict | None = None) -> Distributi
 
 def _data_key(cfg: dict) -> tuple:
     """The data section as a hashable key, ``root`` made absolute: a relative root (the default ``data``) names
-    another folder after a chdir, which a key of the bare string would serve from the old one's cache."""
+    another folder after a chdir, which a key of the bare string would serve from the old one's cache. A point file
+    that is there is named by its absolute path, as a run's config names it (``absolute_data_paths``): `train` checked
+    the typed ``pts.csv`` and then built the run's ``/abs/pts.csv``, reading the file twice (40 s for a 10-million-row
+    CSV) and saying its warnings twice. A missing one keeps the name typed, for that error's fix."""
     def value(k, v):
         if k == "root" and isinstance(v, str):
             return str(Path(v).expanduser().resolve())
+        if k in ("source", "target") and isinstance(v, str) and v.lower().endswith(POINT_SUFFIXES) \
+                and os.path.isfile(os.path.expanduser(v)):
+            return os.path.abspath(os.path.expanduser(v))
         return tuple(v) if isinstance(v, list) else v
     return tuple(sorted((k, value(k, v)) for k, v in cfg["data"].items()))
 
