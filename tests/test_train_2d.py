@@ -102,6 +102,18 @@ def test_existing_run_folder_is_not_overwritten(runs_dir, capsys):
     assert (runs_dir / "d" / "config.yaml").read_text() == before
 
 
+def test_runs_started_in_the_same_second_get_folders_of_their_own(runs_dir, monkeypatch):
+    """An automatic name (<preset>-<method>-<time>) counts seconds: a loop of short runs (a notebook's seed sweep)
+    stopped at its second run with "run folder ... already exists; resume it", a folder the user never named."""
+    import sinkflow
+    from sinkflow.runtime import run_folder
+
+    monkeypatch.setattr(run_folder.time, "strftime", lambda fmt, *a: "20261130-120000" if "%H" in fmt else "x")
+    runs = [sinkflow.train("moons", method="otcfm", device="cpu", runs_dir=runs_dir, train_iters=1, seed=s).dir.name
+            for s in range(3)]
+    assert runs == ["moons-otcfm-20261130-120000", "moons-otcfm-20261130-120000-2", "moons-otcfm-20261130-120000-3"]
+
+
 def test_run_folder_from_an_older_sinkflow_gets_new_keys_defaulted(runs_dir):
     import yaml
 

@@ -323,7 +323,8 @@ EXPERIMENT = {
     "seed": Key(0, Int(0, 2**63 - 1), "seed of every random number generator of the run"),
     "device": Key("auto", Str(), "auto (cuda if available) | cpu | cuda | cuda:N"),
     "runs_dir": Key("runs", Str(), "run folders are created under this directory"),
-    "name": Key(None, Str(), "run folder name; null = <preset>-<method>-<timestamp>", nullable=True),
+    "name": Key(None, Str(), "run folder name; null = <preset>-<method>-<timestamp> (seconds; `-2`, `-3`, ... after "
+                "it for a second run started in the same second)", nullable=True),
 }
 
 DATA = {

@@ -127,7 +127,8 @@ class RunFolder:
             raise SinkflowError(f"experiment.name={exp['name']!r} is a path, not a folder name (the run would be "
                                 f"made outside {exp['runs_dir']})", "use a plain name, e.g. --name moons-long, and "
                                 "experiment.runs_dir for where run folders go")
-        name = exp["name"] or f"{exp['preset']}-{exp['method']}-{time.strftime('%Y%m%d-%H%M%S')}"
+        name = exp["name"] or free_name(Path(exp["runs_dir"]).expanduser(),
+                                        f"{exp['preset']}-{exp['method']}-{time.strftime('%Y%m%d-%H%M%S')}")
         name = dist.broadcast_object(name)  # rank 0's clock names the folder for every rank
         cfg = absolute_data_paths(cfg, PATH_KEYS)
         run_dir = Path(exp["runs_dir"]).expanduser() / name  # runs_dir: ~/runs made ./~/runs
@@ -414,6 +415,17 @@ def run_state_entry(run_dir: Path, path: Path) -> str | None:
 DATA_PATH_KEYS = ("data.path", "data.root", "data.source", "data.target")
 # every path a run's config.yaml holds absolute: the data's, and the FID weights (eval from another folder found none)
 PATH_KEYS = (*DATA_PATH_KEYS, "eval.inception_weights")
+
+
+def free_name(runs_dir: Path, base: str) -> str:
+    """``base``, or the first of ``base-2``, ``base-3``, ... that names no folder in ``runs_dir`` yet: an automatic
+    name's clock counts seconds, and a notebook's loop of short runs (a seed sweep) stopped at its second run with "run
+    folder ... already exists; resume it", a folder the user never named."""
+    name, n = base, 1
+    while (runs_dir / name).exists():
+        n += 1
+        name = f"{base}-{n}"
+    return name
 
 
 def absolute_data_paths(cfg: dict, keys) -> dict:
