@@ -241,6 +241,29 @@ def test_a_run_that_stopped_on_an_error_is_failed_with_the_error_not_dead(tmp_pa
     assert "DEAD" not in status.stdout
 
 
+def test_a_keyboard_interrupt_raised_in_the_loop_is_stopped_not_dead(runs_dir):
+    """A notebook's KeyboardInterrupt raised inside the loop (a callback's, a SIGALRM handler's; Jupyter's button
+    sends SIGINT, which stops at a step with a checkpoint) left the heartbeat "running" with the kernel's live pid:
+    status said DEAD, "pid ... is another process now". It says STOPPED at once, and where to resume from."""
+    from sinkflow import config
+    from sinkflow.engine.experiment import train_run
+    from sinkflow.runtime.callbacks import Callback
+
+    class Stop(Callback):
+        def on_train_batch_end(self, trainer, batch, outputs):
+            if trainer.step == 3:
+                raise KeyboardInterrupt
+
+    cfg = config.resolve("moons", ["experiment.method=otcfm", "experiment.name=kbi", "experiment.device=cpu"],
+                         {"train_iters": 6})
+    with pytest.raises(KeyboardInterrupt):
+        train_run(cfg, callbacks=[Stop()])
+    text = format_status(read_status(runs_dir / "kbi"))
+    line = next(x for x in text.splitlines() if x.startswith("state"))
+    assert line.startswith("state        STOPPED (at once by a KeyboardInterrupt in velocity: the work since its "
+                           "last checkpoint is lost; resume from that checkpoint with `sinkflow train --resume"), text
+
+
 def test_a_non_finite_step_fails_at_its_own_step(tmp_path):
     """The non-finite flag is read at log steps: status said "stopped at velocity step 10: ... at step 2"."""
     r = cli("train", *TINY_2D, "--lr", "1e4", "--train-iters", "300", "train.velocity.log_every=10", "--name", "nf",

@@ -24,7 +24,7 @@ from sinkflow.runtime.data_record import check_split, check_split_files, record_
 from sinkflow.runtime.lock import unlock_run
 from sinkflow.runtime.rng import phase_generator
 from sinkflow.runtime.run_folder import DATA_PATH_KEYS, RunFolder, absolute_data_paths, build_phase_model
-from sinkflow.runtime.signals import Interrupted, StopNow, graceful_stop, stop_requested
+from sinkflow.runtime.signals import Interrupted, graceful_stop, stop_requested
 from sinkflow.runtime.state_check import check_final, check_step_state
 from sinkflow.engine.trainer import Trainer
 
@@ -59,9 +59,11 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
             except Interrupted as exc:  # `sinkflow status` says STOPPED (checkpoint saved), not DEAD
                 run.logger.heartbeat(phase=exc.phase, step=exc.step, state="stopped", signal=exc.signum, **launch)
                 raise
-            except StopNow as exc:  # a second signal: stopped at once, from the last checkpoint (status said DEAD)
+            except KeyboardInterrupt as exc:  # a second signal (StopNow), or a notebook's KeyboardInterrupt raised
+                # in the loop (a callback's, a SIGALRM handler's): stopped at once, from the last checkpoint (status
+                # said DEAD, "pid ... is another process now", of the kernel that lives on)
                 run.logger.heartbeat(phase=task.name, step=getattr(trainer, "progress", None), state="stopped",
-                                     signal=exc.signum, at_once=True, **launch)
+                                     signal=getattr(exc, "signum", None), at_once=True, **launch)
                 raise
             except Exception as exc:  # `sinkflow status` says FAILED and why (a resume would fail the same way)
                 step = getattr(exc, "step", None)  # the failing step where the error knows it (a non-finite one)

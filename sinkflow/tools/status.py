@@ -226,7 +226,8 @@ def format_status(st: dict) -> str:
         gone = "is another process now" if st.get("pid_reused") else "is not running"
         why = f" (pid {hb.get('pid')} {gone}; resume with `{st['resume']}`)"
     elif state == "stopped" and hb.get("at_once"):
-        why = (f" (at once by a second signal, {hb.get('signal')}, in {hb.get('phase')}: the work since its last "
+        by = f"a second signal, {hb['signal']}," if hb.get("signal") else "a KeyboardInterrupt"
+        why = (f" (at once by {by} in {hb.get('phase')}: the work since its last "
                f"checkpoint is lost; resume from that checkpoint with `{st['resume']}`)")
     elif state == "stopped":
         why = (f" ({stop_reason(int(hb.get('signal') or 0))} at {hb.get('phase')} step {hb.get('step')}, "
