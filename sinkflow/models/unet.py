@@ -304,7 +304,7 @@ def build(c: dict, sample_shape: tuple[int, ...]) -> UNet:
     """The UNet for ``model.<phase>`` keys ``c`` (defaults filled in) and images shaped ``sample_shape``."""
     if len(sample_shape) != 3:
         raise SinkflowError(f"the unet needs image samples (C, H, W), got shape {tuple(sample_shape)}",
-                            "set model.<phase>.kind=mlp for flat data")
+                            "set model.kind=mlp for flat data")  # run_folder.build_phase_model names the phase
     mult = [float(m) if float(m) != int(m) else int(m) for m in c["channel_mult"]]
     if not mult:
         raise SinkflowError("model.channel_mult is empty", "give one multiplier per level, e.g. [1, 2, 2]")
