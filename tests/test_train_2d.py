@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -196,3 +197,20 @@ def test_pool_seed_fixes_the_pool_across_experiment_seeds(runs_dir):
     assert np.array_equal(a, b) and not np.array_equal(b, c)
     wa, wb = (torch.load(runs_dir / r / "checkpoints/velocity/final.pt", weights_only=True)["model"] for r in "ab")
     assert any(not torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_an_automatic_name_another_process_takes_first_is_not_refused(runs_dir, monkeypatch):
+    """Jobs of an array started in the same second: each found the automatic name free, the second to create it
+    was refused with "run folder ... already exists; resume it", a folder its user never named. The name is claimed
+    by creating its folder, so the loser takes the next one."""
+    import sinkflow
+    from sinkflow.runtime import run_folder
+
+    base = "moons-otcfm-20261130-120000"
+    monkeypatch.setattr(run_folder.time, "strftime", lambda fmt, *a: "20261130-120000" if "%H" in fmt else "x")
+    (runs_dir / base).mkdir(parents=True)
+    (runs_dir / base / "config.yaml").write_text("experiment: {}\n")  # the other job's run, made while this one looked
+    exists = Path.exists
+    monkeypatch.setattr(Path, "exists", lambda p: False if p.name == base else exists(p))  # it looked before
+    run = sinkflow.train("moons", method="otcfm", device="cpu", runs_dir=runs_dir, train_iters=1)
+    assert run.dir.name == f"{base}-2" and (runs_dir / base / "config.yaml").read_text() == "experiment: {}\n"

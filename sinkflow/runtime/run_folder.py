@@ -127,8 +127,8 @@ class RunFolder:
             raise SinkflowError(f"experiment.name={exp['name']!r} is a path, not a folder name (the run would be "
                                 f"made outside {exp['runs_dir']})", "use a plain name, e.g. --name moons-long, and "
                                 "experiment.runs_dir for where run folders go")
-        name = exp["name"] or free_name(Path(exp["runs_dir"]).expanduser(),
-                                        f"{exp['preset']}-{exp['method']}-{time.strftime('%Y%m%d-%H%M%S')}")
+        name = exp["name"] or dist.on_main(lambda: claim_name(
+            Path(exp["runs_dir"]).expanduser(), f"{exp['preset']}-{exp['method']}-{time.strftime('%Y%m%d-%H%M%S')}"))
         name = dist.broadcast_object(name)  # rank 0's clock names the folder for every rank
         cfg = absolute_data_paths(cfg, PATH_KEYS)
         run_dir = Path(exp["runs_dir"]).expanduser() / name  # runs_dir: ~/runs made ./~/runs
@@ -417,15 +417,22 @@ DATA_PATH_KEYS = ("data.path", "data.root", "data.source", "data.target")
 PATH_KEYS = (*DATA_PATH_KEYS, "eval.inception_weights")
 
 
-def free_name(runs_dir: Path, base: str) -> str:
-    """``base``, or the first of ``base-2``, ``base-3``, ... that names no folder in ``runs_dir`` yet: an automatic
-    name's clock counts seconds, and a notebook's loop of short runs (a seed sweep) stopped at its second run with "run
-    folder ... already exists; resume it", a folder the user never named."""
+def claim_name(runs_dir: Path, base: str) -> str:
+    """``base``, or the first of ``base-2``, ``base-3``, ... that names no folder in ``runs_dir`` yet, claimed by
+    creating its folder (``mkdir`` fails for all but one of many processes): an automatic name's clock counts
+    seconds, and a notebook's loop of short runs (a seed sweep) stopped at its second run with "run folder ... already
+    exists; resume it", a folder the user never named; the jobs of an array started in the same second so too."""
     name, n = base, 1
-    while (runs_dir / name).exists():
-        n += 1
-        name = f"{base}-{n}"
-    return name
+    while True:
+        try:
+            (runs_dir / name).mkdir(parents=True)
+            return name
+        except FileExistsError:
+            n += 1
+            name = f"{base}-{n}"
+        except OSError as exc:
+            raise SinkflowError(f"cannot create the run folder {runs_dir / name} ({exc.strerror})",
+                                "point experiment.runs_dir at a writable folder") from None
 
 
 def absolute_data_paths(cfg: dict, keys) -> dict:
