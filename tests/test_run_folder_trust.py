@@ -100,6 +100,17 @@ def test_bad_final_is_refused_by_sample_and_eval(run, capsys, tmp_path, command,
     assert not (tmp_path / "s.npy").exists()
 
 
+def test_a_final_of_another_float_width_is_not_called_damaged(run, capsys, tmp_path):
+    """Weights saved under a notebook's torch.set_default_dtype(torch.float64) are sound: the refusal advised deleting
+    final.pt ("sinkflow only resumes checkpoints it wrote"), which lost the trained model. It names the widths."""
+    edit(run / "checkpoints/velocity/final.pt", lambda state: state.update(
+        model={k: v.double() for k, v in state["model"].items()}))
+    line = one_line(*run_main(capsys, "sample", str(run), "--n", "4", "--out", str(tmp_path / "s.npy")),
+                    "final.pt holds float64 weights", "where the model built here holds float32",
+                    "torch.set_default_dtype(torch.float64)", "the checkpoint is intact")
+    assert "delete" not in line
+
+
 def test_resume_of_a_finished_run_checks_its_final(run, capsys):
     edit(run / "checkpoints/velocity/final.pt", _set("model", "net.0.weight", value=torch.zeros(256, 5)))
     before = bytes_snapshot(run)

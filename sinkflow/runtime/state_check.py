@@ -29,8 +29,12 @@ FIX = "delete it to resume from the checkpoint before it (or start a new run); s
 
 def _kind(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
+        return f"a {_dtype(value)} tensor of shape {tuple(value.shape)}"
     return f"a {type(value).__name__}"
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
 
 
 def _bad(where: str, what: str, problem: str) -> SinkflowError:
@@ -56,8 +60,15 @@ def check_weights(weights: Any, expected: dict[str, torch.Tensor], where: str, w
         value = weights[key]
         if not isinstance(value, torch.Tensor):
             raise _bad(where, f"{what}.{key}", f"is {_kind(value)}, not a tensor")
+        if value.dtype != ref.dtype and value.is_floating_point() and ref.is_floating_point():
+            # another float width: the model was built (or the run trained) under another default dtype, a
+            # notebook's torch.set_default_dtype(torch.float64); the file is sound, and deleting it lost the model
+            raise SinkflowError(f"checkpoint {where} holds {_dtype(value)} weights ({what}.{key}) where the model "
+                                f"built here holds {_dtype(ref)}", f"build the model under torch's default dtype "
+                                f"{_dtype(value)} (torch.set_default_dtype(torch.{_dtype(value)})); the checkpoint "
+                                "is intact")
         if value.dtype != ref.dtype:
-            raise _bad(where, f"{what}.{key}", f"is {_kind(value)}; the model holds {str(ref.dtype).replace('torch.', '')}")
+            raise _bad(where, f"{what}.{key}", f"is {_kind(value)}; the model holds {_dtype(ref)}")
         if value.shape != ref.shape:
             raise SinkflowError(
                 f"checkpoint {where} holds {what}.{key} of shape {tuple(value.shape)} but the configured model "
