@@ -1139,3 +1139,25 @@ def test_an_image_removed_after_the_folder_was_listed_is_said_so(tmp_path):
     with pytest.raises(SinkflowError, match=f"image {re.escape(str(gone))} was removed after data.path was listed; "
                                             "leave the folder unchanged"):
         src.decode_into("train", lambda shape, fill: fill(np.zeros(shape, np.uint8)))
+
+
+def test_held_out_rows_unlike_the_rest_are_warned_about(tmp_path, caplog):
+    """data.test_rows holds out the file's last rows: a file sorted by class (make_moons(shuffle=False)) trained on
+    one moon and a half and was scored on the rest of the other, without a word. Random orders never warn."""
+    from sklearn.datasets import make_moons
+
+    from sinkflow.data.points import PointFile
+
+    def said(points, test_rows):
+        np.save(tmp_path / "m.npy", points.astype(np.float32))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sinkflow"):
+            PointFile(str(tmp_path / "m.npy"), test_rows=test_rows)
+        return [r.getMessage() for r in caplog.records if "held-out rows" in r.getMessage()]
+
+    sorted_moons, _ = make_moons(1000, shuffle=False, noise=0.05, random_state=0)
+    [line] = said(sorted_moons, 200)
+    assert "the last 200, data.test_rows) do not look drawn like the rest" in line and "shuffle its rows" in line
+    rng = np.random.default_rng(0)
+    for seed in range(20):  # shuffled files, large and tiny held-out parts: no false alarm
+        assert not said(rng.permutation(sorted_moons), 200) and not said(rng.normal(size=(100, 3)), 20), seed

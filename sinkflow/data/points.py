@@ -137,6 +137,8 @@ class PointFile(Distribution):
                                 f"too many to leave {min_rows} for training", "hold out fewer rows or add points")
         cut = len(points) - self.test_rows
         self.points, self.held_out = points[:cut], points[cut:]
+        if self.test_rows:
+            warn_held_out_unlike(self.path, self.points, self.held_out)
         self.shape = tuple(self.points.shape[1:])
         # RUN/data_split.json: a resume refuses a file whose points changed (the values, not the file's bytes)
         # "shape": what sampling needs of the file when it is not here (``tools.data.sampling_data``)
@@ -254,6 +256,27 @@ def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
     else:
         warn_spread(path, float(flat.var(0).mean().sqrt()))
     return x
+
+
+HELD_OUT_SHIFT = (5.0, 0.25)  # a held-out mean this many standard errors and standard deviations from the rest
+
+
+def warn_held_out_unlike(path: str, train: torch.Tensor, held: torch.Tensor) -> None:
+    """Warn when the held-out rows (``data.test_rows``, the file's last rows) do not look drawn like the rest: a file
+    sorted by class or by a coordinate (``make_moons(shuffle=False)``) trained on one part and was scored on another,
+    without a word. The test: some coordinate's mean shifted by over ``HELD_OUT_SHIFT`` standard errors and standard
+    deviations (a random split of 200 rows shifts by about 0.08 standard deviations; one moon of two by 0.7)."""
+    flat_train, flat_held = train.reshape(len(train), -1).double(), held.reshape(len(held), -1).double()
+    sd = flat_train.std(0).clamp_min(1e-12)
+    shift = (flat_held.mean(0) - flat_train.mean(0)).abs() / sd
+    z = shift / math.sqrt(1 / len(flat_held) + 1 / len(flat_train))
+    bad = (z > HELD_OUT_SHIFT[0]) & (shift > HELD_OUT_SHIFT[1])
+    if bool(bad.any()):
+        j = int(torch.where(bad, shift, torch.zeros_like(shift)).argmax())
+        log.warning("point file %s: its held-out rows (the last %d, data.test_rows) do not look drawn like the rest "
+                    "(coordinate %d's mean is %.2g standard deviations away): a file sorted by class or coordinate "
+                    "is scored on a part the model never trained on; shuffle its rows", path, len(held), j,
+                    float(shift[j]))
 
 
 def warn_spread(path: str, spread: float) -> None:
