@@ -10,14 +10,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(autouse=True)
 def sinkflow_log_level():
     """A test that plays rank 1 of a torchrun job (``dist.init`` quiets a non-main rank's "sinkflow" logger to
-    WARNING, as it should in that process) left the level behind for the worker's later tests, whose INFO lines
+    WARNING and "sinkflow.data" to ERROR, as it should in that process) left the level behind for the worker's later tests, whose INFO lines
     then went uncaptured: each test starts at the level the worker began with."""
     import logging
 
-    logger = logging.getLogger("sinkflow")
-    level = logger.level
+    loggers = [logging.getLogger(name) for name in ("sinkflow", "sinkflow.data")]
+    levels = [logger.level for logger in loggers]
     yield
-    logger.setLevel(level)
+    for logger, level in zip(loggers, levels):
+        logger.setLevel(level)
 
 
 @pytest.fixture

@@ -135,3 +135,23 @@ def test_a_check_that_fails_on_one_rank_alone_stops_every_rank_and_rank_0_names_
     said = [line for line in err.splitlines() if line.startswith("sinkflow: error:")]
     assert rc == 2 and said == ["sinkflow: error: rank 1 stopped: no room here; free disk space"], err
     assert not runs_dir.exists()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_datas_warnings_are_rank_0s_alone(rank, runs_dir, monkeypatch, capsys, caplog):
+    """Every rank reads the same data (check_ranks_agree), and each printed its warnings: a point file far from unit
+    scale was said 8 times on 8 GPUs. Rank 0 says them; the ranks simulated in one process, as in the test above."""
+    import numpy as np
+
+    from sinkflow.runtime import dist
+
+    np.save(runs_dir.parent / "pts.npy", np.random.default_rng(0).normal(size=(200, 2)).astype(np.float32) * 1e-3)
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setattr(dist, "current", lambda: dist.DistInfo(rank, 2))
+    monkeypatch.setattr(dist, "all_gather_object", lambda mine: [mine, mine])
+    monkeypatch.setattr(dist, "leave", lambda: None)
+    rc, err = run_main(capsys, "train", "moons", "data.target=pts.npy", "data.test_rows=50", "eval.n=100",
+                       "--device", "cpu")  # refused once the file is read: 100 test points of 50 held out
+    said = [r for r in caplog.records if "its points spread" in r.getMessage()]
+    assert rc == 2 and ("holds out only data.test_rows=50" in err) == (rank == 0), err  # rank 0's one line
+    assert len(said) == (1 if rank == 0 else 0), said

@@ -71,6 +71,9 @@ def init(device: str = "auto") -> DistInfo:
     info = current()
     if not info.is_main:  # one voice: only rank 0 prints progress messages
         logging.getLogger("sinkflow").setLevel(logging.WARNING)
+        # and the data's warnings (a point file's scale, a folder's left-out images): every rank reads the same data
+        # (check_ranks_agree), and 8 GPUs printed each 8 times; its errors still stop every rank in one line
+        logging.getLogger("sinkflow.data").setLevel(logging.ERROR)
     return info
 
 
