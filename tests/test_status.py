@@ -459,3 +459,27 @@ def test_status_json_is_strict_json(runs_dir):
 
     st = json.loads(out, parse_constant=refuse)
     assert st["latest_metrics"]["velocity"]["grad_norm"] is None and st["latest_metrics"]["velocity"]["loss"] == 0.5
+
+
+def test_a_pool_killed_mid_build_is_counted_in_batches_not_chunks_at_a_batch_rate(tiny_run, tmp_path):
+    """kill -9 during the pool's build: its last heartbeat (batches 50/60 at 5.84 batches/s while it ran) was shown as
+    "pool  step 5/6 (83.3%)  5.84 steps/s" once the run was DEAD or STALE: the chunk count beside the batch rate,
+    labelled steps. Every state counts the pool in the batches its heartbeat recorded, the rate in batches/s."""
+    import shutil
+    import socket
+
+    run = tmp_path / "r"
+    shutil.copytree(tiny_run, run)
+    beat = {"pid": 2 ** 22 + 1, "host": socket.gethostname(), "phase": "pool", "step": 5, "total": 6,
+            "state": "running", "done": 50, "of": 60, "unit": "batches", "rate": 5.84, "eta_s": 1.7}
+    for age, state in ((1.0, "dead"), (10_000.0, "dead")):
+        (run / "status.json").write_text(json.dumps({**beat, "time": time.time() - age}))
+        st = read_status(run)
+        assert st["state"] == state
+        shown = format_status(st)
+        assert "pool  batches 50/60 (83.3%)  5.84 batches/s" in shown, shown
+        assert "steps/s" not in shown.split("phase        ")[1].splitlines()[0], shown
+    (run / "status.json").write_text(json.dumps({**beat, "host": "elsewhere", "time": time.time() - 10_000}))
+    st = read_status(run)  # another host's heartbeat, long silent
+    assert st["state"] == "stale"
+    assert "pool  batches 50/60 (83.3%)  5.84 batches/s" in format_status(st), format_status(st)
