@@ -126,10 +126,10 @@ def test_an_unreached_limit_changes_nothing(tmp_path, monkeypatch):
 def test_the_cli_exits_124_with_the_resume_line_and_status_says_why(tmp_path):
     out = cli("train", "moons", *TINY_2D, "--name", "k", "--no-report", "--time-limit", "0.000001", cwd=tmp_path)
     assert out.returncode == 124, out.stderr[-2000:]
-    assert "stopped at the time limit in phase 'pool' at step 1; checkpoint saved; resume with `sinkflow train " \
-           "--resume runs/k --no-report --time-limit 0.000001`" in out.stderr, out.stderr[-2000:]
+    assert "stopped at the time limit in phase 'pool' after 1/2 batches; checkpoint saved; resume with `sinkflow " \
+           "train --resume runs/k --no-report --time-limit 0.000001`" in out.stderr, out.stderr[-2000:]
     status = cli("status", "runs/k", cwd=tmp_path)
-    assert "STOPPED (at the time limit at pool step 1, checkpoint saved" in status.stdout, status.stdout
+    assert "STOPPED (at the time limit at pool batch 1/2, checkpoint saved" in status.stdout, status.stdout
     # the console's command, time limit included (status said a plain resume: the next session had no limit)
     assert "`sinkflow train --resume runs/k --no-report --time-limit 0.000001`" in status.stdout, status.stdout
     out = cli("sample", "runs/k", "--n", "4", "--out", "x.png", cwd=tmp_path)  # so do the commands that need it done
@@ -198,3 +198,16 @@ def test_a_change_on_resuming_a_half_built_pool_is_recorded_at_its_chunk(tmp_pat
     train_run(resume=tmp_path / "runs" / "half", overrides=["pool.in_flight=2"])
     changes = json.loads((tmp_path / "runs" / "half" / "meta.json").read_text())["changes"]
     assert [(c["key"], c["phase"], c["step"]) for c in changes] == [("pool.in_flight", "pool", 1)], changes
+
+
+def test_a_pool_stopped_mid_build_says_its_batches_as_its_bar_counts(tmp_path):
+    """A pool stopped by a signal or the limit said "stopped ... in phase 'pool' at step 1" and status "at pool
+    step 1" / "pool  step 1": its chunks, while its bar stood at 2/4 batches (40/60 on digits said "step 4"). The
+    stop line, status's state and its phase line count the batches built."""
+    out = cli("train", "moons", *ARGS, "--name", "c", "--no-report", "--time-limit", "0.000001", cwd=tmp_path)
+    assert out.returncode == 124, out.stderr[-2000:]
+    assert "stopped at the time limit in phase 'pool' after 2/4 batches; checkpoint saved" in out.stderr, \
+        out.stderr[-2000:]
+    shown = cli("status", "runs/c", cwd=tmp_path).stdout
+    assert "STOPPED (at the time limit at pool batch 2/4, checkpoint saved" in shown, shown
+    assert "phase        pool  batches 2/4 (50.0%)" in shown, shown

@@ -57,7 +57,9 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                 trainer = Trainer(run, task, callbacks)
                 trainer.fit()
             except Interrupted as exc:  # `sinkflow status` says STOPPED (checkpoint saved), not DEAD
-                run.logger.heartbeat(phase=exc.phase, step=exc.step, state="stopped", signal=exc.signum, **launch)
+                batches = {"done": exc.done, "of": exc.of, "unit": "batches"} if exc.of else {}  # the pool's count
+                run.logger.heartbeat(phase=exc.phase, step=exc.step, state="stopped", signal=exc.signum, **batches,
+                                     **launch)
                 raise
             except KeyboardInterrupt as exc:  # a second signal (StopNow), or a notebook's KeyboardInterrupt raised
                 # in the loop (a callback's, a SIGALRM handler's): stopped at once, from the last checkpoint (status

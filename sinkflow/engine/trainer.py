@@ -551,7 +551,7 @@ class Trainer:
             # after the last unit recorded the phase ends as usual (finished() alone is no proof: a unit a signal
             # abandoned is past too, unrecorded)
             if signum is not None and task.position < task.total:
-                raise Interrupted(signum, self.name, task.position)
+                raise Interrupted(signum, self.name, task.position, task.progress_done, task.progress_total)
             if self.stopped:
                 return
         task.close()

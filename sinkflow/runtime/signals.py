@@ -32,9 +32,12 @@ _deadline: list[float] = []  # time.monotonic() at which the time limit expires 
 class Interrupted(Exception):
     """Raised by a phase after it saved a checkpoint in answer to a signal or the time limit."""
 
-    def __init__(self, signum: int, phase: str, step: int):
-        self.signum, self.phase, self.step = signum, phase, step
-        super().__init__(f"stopped {stop_reason(signum)} in phase '{phase}' at step {step}; checkpoint saved")
+    def __init__(self, signum: int, phase: str, step: int, done: int | None = None, of: int | None = None):
+        """``done`` of ``of``: a chunked phase's (the pool's) batches, as its bar counts them; its ``step`` counts
+        chunks, and "at step 4" was said of a pool whose bar stood at 40/60 batches."""
+        self.signum, self.phase, self.step, self.done, self.of = signum, phase, step, done, of
+        at = f"after {done}/{of} batches" if of else f"at step {step}"
+        super().__init__(f"stopped {stop_reason(signum)} in phase '{phase}' {at}; checkpoint saved")
 
     @property
     def exit_status(self) -> int:
