@@ -483,3 +483,29 @@ def test_a_pool_killed_mid_build_is_counted_in_batches_not_chunks_at_a_batch_rat
     st = read_status(run)  # another host's heartbeat, long silent
     assert st["state"] == "stale"
     assert "pool  batches 50/60 (83.3%)  5.84 batches/s" in format_status(st), format_status(st)
+
+
+@pytest.mark.parametrize("edit, needle", [("lr: fast", "config key 'train.velocity.lr' expects float"),
+                                          ("lrr: 0.5", "has unknown key 'train.velocity.lrr'")])
+def test_a_hand_edit_every_command_refuses_is_not_finished(tiny_run, tmp_path, capsys, edit, needle):
+    """A finished run whose config.yaml was edited by hand into one that --resume, sample and eval refuse (a bad
+    value, an unknown key) said FINISHED with exit status 0, so `sinkflow status RUN && sinkflow eval RUN` failed
+    on the second; only a copy cut short was seen. It is DAMAGED, with the refusal's own line (problem and fix)."""
+    import re
+    import shutil
+
+    from sinkflow.cli import main
+
+    run = tmp_path / "r"
+    shutil.copytree(tiny_run, run)
+    assert read_status(run)["state"] == "finished"
+    path = run / "config.yaml"
+    path.write_text(re.sub(r"(\n  velocity:\n(?:    .*\n)*?)    lr: [^\n]+\n", rf"\1    {edit}\n", path.read_text(),
+                           count=1))
+    assert edit in path.read_text()
+    capsys.readouterr()
+    assert main(["status", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert "state        DAMAGED (--resume, sample and eval refuse the run's config.yaml: " in out, out
+    assert needle in out and "edit that file" in out, out
+    assert main(["eval", str(run)]) == 2 and needle in capsys.readouterr().err  # what status now foretells

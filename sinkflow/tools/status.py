@@ -152,12 +152,30 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
             out["missing"] = [f"checkpoints/{phase}/final.pt" for phase in missing]
             out["damaged"] = damaged
     out["phases_left"] = [] if state in ("finished", "evaluating") else phases_left(run_dir, hb, ckpts)
-    try:  # a copy cut short: every command that reads the run refuses it, whatever status.json says
-        config_mod.refuse_cut_short((run_dir / "config.yaml").read_text(), run_dir / "config.yaml")
-    except SinkflowError:
-        if state not in ("running", "evaluating"):
-            out["state"] = "damaged"
+    refusal = config_refusal(run_dir)
+    if refusal is not None and state not in ("running", "evaluating"):
+        out["state"], out["config_error"] = "damaged", refusal
     return out
+
+
+def config_refusal(run_dir: Path) -> str | None:
+    """The one line every command that reads the run (--resume, sample, eval, tune...) refuses its config.yaml with,
+    read as they read it (``run_folder.read_config``, without torch), else None: a copy cut short, or a hand edit
+    (an unknown key, a bad value, broken YAML). Only a cut copy was seen: a finished run with ``lr: fast`` said
+    FINISHED (exit 0) while sample and eval refused it, a stopped one a resume command that refused it."""
+    path = run_dir / "config.yaml"
+    fix = "fix it there by hand, or restore it from a copy of the run folder"
+    try:
+        text = config_mod.read_yaml_text(path, str(path), fix)
+        config_mod.refuse_cut_short(text, path)
+        tree = config_mod.read_run_config(config_mod.parse_yaml(text, str(path), fix), path,
+                                          config_mod.key_lines(text))
+        config_mod.validate(tree)
+    except SinkflowError as exc:
+        return str(exc)
+    except OSError:
+        return None  # unreadable now: the rest of the status still stands
+    return None
 
 
 def phases_left(run_dir: Path, hb: dict, ckpts: dict) -> list[dict]:
@@ -247,6 +265,8 @@ def format_status(st: dict) -> str:
     elif state == "incomplete":
         why = (f" (status.json says finished, but {', '.join(st['missing'])} is missing: `{st['resume']}` trains "
                "what is missing from the checkpoints left)")
+    elif state == "damaged" and "is cut short" not in st.get("config_error", "is cut short"):
+        why = f" (--resume, sample and eval refuse the run's config.yaml: {st['config_error']})"
     elif state == "damaged":
         why = (" (config.yaml is cut short: it lacks its last line, '...'; --resume, sample and eval refuse the run: "
                "copy the run folder again from where it was made)")
