@@ -245,3 +245,30 @@ def test_train_ends_an_image_run_with_the_tune_line_when_it_has_a_validation_spl
     assert out.rstrip().splitlines()[-1] == line and "sinkflow tune runs/with (at its own 2 network" in line
     assert main(["train", "digits", "--method", "fm", *TINY_FM, *extra, *small, "--name", "without"]) == 0
     assert "sinkflow tune" not in capsys.readouterr().out
+
+
+def test_an_unfinished_run_is_refused_before_the_classifier_and_reference_are_built(runs_dir, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """A run whose phase has not finished (stopped, killed, a final.pt deleted): `tune` built the validation
+    reference and trained the FD-CNN classifier (minutes on MNIST; Inception features on CIFAR-10), and `eval`
+    trained both classifiers, before their first sample met "has not finished". Both refuse it first now."""
+    from sinkflow.eval import images
+
+    extra, _ = setup_data("digits", tmp_path)
+    assert main(["train", "digits", "--method", "fm", *TINY_FM, *extra, "sample.steps=2", "data.val_fraction=0.1",
+                 "--name", "u", "--no-report"]) == 0
+    run = runs_dir / "u"
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()  # step_00000003.pt is left: a resume finishes it
+
+    def work(*args, **kwargs):
+        raise AssertionError("work before the refusal")
+
+    for name in ("digit_classifier", "held_out", "image_metrics"):
+        monkeypatch.setattr(images, name, work)
+    monkeypatch.setattr("sinkflow.eval.fd_cnn.train_cnn", work)
+    for argv in (["tune", str(run)], ["eval", str(run)], ["eval", str(run), "--split", "val"]):
+        capsys.readouterr()
+        rc, err = main(argv), capsys.readouterr().err
+        assert f"phase 'velocity' of {run} has not finished; finish it with `sinkflow train --resume" in \
+            error_line(rc, err, "has not finished"), (argv, err)
+    assert not (run / "tune.json").exists()

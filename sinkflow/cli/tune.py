@@ -49,6 +49,7 @@ def run(args):
             raise SinkflowError(f"--nfe {total}: a sample needs at least one network evaluation", "use --nfe 1 or more")
         tune.candidates(cfg, total)
     check_split_files(run_, data.target_split_info(cfg), doing="tune")
+    run_.require_trained()  # before the classifier and the validation reference are built
     target = data.distributions(cfg)[1]
     metric = tune.metric_of(cfg, target)
     held = len(target.val_index)

@@ -33,6 +33,7 @@ def requested_evaluation(run, n: int | None, split: str = "test", flags: tuple[s
     sep = " " if n_flag.startswith("-") else "="
     check_eval_split(run.cfg, split, split_flag)
     check_split_files(run, data.target_split_info(run.cfg), doing="evaluate")  # before anything decodes the images
+    run.require_trained()  # before the classifier and the reference are built (a resume's own refusals first)
     if n:
         target = data.distributions(run.cfg)[1]
         target.check_test_n(n, n_flag)

@@ -286,6 +286,14 @@ class RunFolder:
             raise SinkflowError(f"phase '{phase}' of {self.dir} has not finished", finish_fix(self.dir))
         return self.checkpoints(phase).final()
 
+    def require_trained(self) -> None:
+        """Refuse, before any work, a run whose networks are not all trained (a phase with a model section and no
+        final.pt): `eval` and `tune` trained the FD-CNN classifier and scored the held-out reference (minutes on
+        MNIST, Inception features on CIFAR-10) before their first sample met "has not finished"."""
+        for phase in schema.METHOD_REGISTRY[self.cfg["experiment"]["method"]].phases:
+            if phase in self.cfg.get("model", {}) and not self.checkpoints(phase).final_path.is_file():
+                raise SinkflowError(f"phase '{phase}' of {self.dir} has not finished", finish_fix(self.dir))
+
     def model(self, phase: str) -> torch.nn.Module:
         """The frozen, eval-mode model a finished phase produced (its EMA weights when it kept one)."""
         if phase not in self._models:
