@@ -211,3 +211,36 @@ def test_a_pool_stopped_mid_build_says_its_batches_as_its_bar_counts(tmp_path):
     shown = cli("status", "runs/c", cwd=tmp_path).stdout
     assert "STOPPED (at the time limit at pool batch 2/4, checkpoint saved" in shown, shown
     assert "phase        pool  batches 2/4 (50.0%)" in shown, shown
+
+
+def test_a_pool_stopped_at_once_or_failed_says_its_batches(tmp_path, monkeypatch):
+    """A second signal during the pool build (or an error in it) wrote the heartbeat's step as the batches done, a
+    plain stop its chunks: status said "pool  step 40" beside another stop's "pool  step 4". Both record the
+    batches, and status counts them as the bar does."""
+    import time
+
+    from sinkflow.engine.experiment import train_run
+    from sinkflow.methods.pool import PoolTask
+    from sinkflow.runtime.signals import StopNow
+    from sinkflow.tools.status import format_status
+
+    monkeypatch.chdir(tmp_path)
+    real = PoolTask.run_unit
+
+    for name, error in (("once", StopNow(int(signal.SIGTERM))), ("fail", RuntimeError("disk on fire"))):
+        def run_unit(self, unit, error=error):
+            if self.progress_done >= 2:  # the second chunk: 2 of 4 batches recorded
+                raise error
+            return real(self, unit)
+
+        monkeypatch.setattr(PoolTask, "run_unit", run_unit)
+        with pytest.raises(type(error)):
+            train_run(_cfg(name))
+        beat = json.loads((tmp_path / "runs" / name / "status.json").read_text())
+        assert (beat["done"], beat["of"], beat["unit"]) == (2, 4, "batches"), beat
+        beat["time"] = time.time()
+        (tmp_path / "runs" / name / "status.json").write_text(json.dumps(beat))
+        shown = format_status(read_status(tmp_path / "runs" / name))
+        assert "phase        pool  batches 2/4 (50.0%)" in shown, shown
+        if name == "fail":
+            assert "FAILED (stopped at pool batch 2/4: disk on fire" in shown, shown

@@ -65,12 +65,13 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                 # in the loop (a callback's, a SIGALRM handler's): stopped at once, from the last checkpoint (status
                 # said DEAD, "pid ... is another process now", of the kernel that lives on)
                 run.logger.heartbeat(phase=task.name, step=getattr(trainer, "progress", None), state="stopped",
-                                     signal=getattr(exc, "signum", None), at_once=True, **launch)
+                                     signal=getattr(exc, "signum", None), at_once=True,
+                                     **recorded_batches(trainer), **launch)
                 raise
             except Exception as exc:  # `sinkflow status` says FAILED and why (a resume would fail the same way)
                 step = getattr(exc, "step", None)  # the failing step where the error knows it (a non-finite one)
                 run.logger.heartbeat(phase=task.name, step=step if isinstance(step, int) else
-                                     getattr(trainer, "progress", None), state="failed",
+                                     getattr(trainer, "progress", None), state="failed", **recorded_batches(trainer),
                                      error=" ".join(str(exc).split())[:500] or type(exc).__name__)
                 raise
             last = (task.name, trainer.step)  # as a stop inside the phase counts: steps, or pool chunks
@@ -82,6 +83,14 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
         if signum is not None and last is not None:  # a signal after the last step check: the report
             # (minutes on images) is skipped as asked; all is saved, and status says FINISHED
             raise Interrupted(signum, *last)
+
+
+def recorded_batches(trainer) -> dict:
+    """A chunked phase's (the pool's) recorded batches for a stopped or failed heartbeat, as its bar counts them:
+    its ``progress`` alone was shown as "pool  step 40" by status (a plain stop said "step 4", its chunks)."""
+    if trainer is None or trainer.training:
+        return {}
+    return {"done": trainer.task.progress_done, "of": trainer.task.progress_total, "unit": "batches"}
 
 
 FID_PACKAGES = ("torchmetrics", "torch_fidelity")  # FID's metric and its Inception-v3 (sinkflow.eval.images)

@@ -248,11 +248,13 @@ def format_status(st: dict) -> str:
         why = (f" (at once by {by} in {hb.get('phase')}: the work since its last "
                f"checkpoint is lost; resume from that checkpoint with `{st['resume']}`)")
     elif state == "stopped":
-        why = (f" ({stop_reason(int(hb.get('signal') or 0))} at {hb.get('phase')} step {hb.get('step')}, "
+        at = f"batch {hb.get('done')}/{hb['of']}" if hb.get("of") else f"step {hb.get('step')}"  # pool: batches
+        why = (f" ({stop_reason(int(hb.get('signal') or 0))} at {hb.get('phase')} {at}, "
                f"checkpoint saved; "
                f"resume with `{st['resume']}`)")
     elif state == "failed":
-        step = f" step {hb['step']}" if hb.get("step") is not None else ""
+        step = f" batch {hb.get('done')}/{hb['of']}" if hb.get("of") else \
+            (f" step {hb['step']}" if hb.get("step") is not None else "")  # the pool: its batches
         kept = ("the checkpoints before it are intact" if st["checkpoints"].get(hb.get("phase")) else
                 "the phase had no checkpoint yet: it starts again")  # "intact" with none there read as a promise
         why = (f" (stopped at {hb.get('phase')}{step}: {hb.get('error')}; {kept}: fix that, then `{st['resume']}` "
