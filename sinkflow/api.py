@@ -151,10 +151,9 @@ class Run:
             finally:  # as `sinkflow eval` ends: the record's TensorBoard events written out, its writer thread ended
                 self._run.logger.close()
         if self._run.logger.failed is not None:
-            from sinkflow.cli import os_error_line
+            from sinkflow.cli import unrecorded
 
-            log.warning("could not record the scores in %s (%s)", self.dir / "metrics.jsonl",
-                        os_error_line(self._run.logger.failed))
+            log.warning("%s", unrecorded(self.dir / "metrics.jsonl", self._run.logger.failed))
         return text
 
     def scores(self) -> dict:

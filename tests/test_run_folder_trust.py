@@ -279,7 +279,23 @@ def test_eval_on_an_unwritable_run_prints_scores_and_says_so(run, capfd, make_un
     assert "W2 on moons" in out
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "could not record the scores" in lines[0], err
+    assert "copy its folder somewhere you can write and evaluate the copy" in lines[0], lines  # not runs_dir
     assert "Traceback" not in err and "Exception" not in err
+
+
+def test_eval_on_a_read_only_mount_says_so(run, capfd, monkeypatch):
+    """A run on a read-only mount (a Kaggle input) was said to be EACCES, "point experiment.runs_dir at a folder you
+    own", a fix an existing run's evaluation cannot take: it is EROFS, and the copy is the way to keep the scores."""
+    import os
+    from collections import namedtuple
+
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: mode != os.W_OK)
+    statvfs = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda path: namedtuple("vfs", "f_flag")(statvfs(path).f_flag | os.ST_RDONLY))
+    capfd.readouterr()
+    assert main(["eval", str(run), "--seeds", "1"]) == 0
+    err = capfd.readouterr().err
+    assert "(EROFS Read-only file system); the scores above are complete" in err, err
 
 
 # ---- 7. messages ----------------------------------------------------------------------------------------------

@@ -205,6 +205,16 @@ _OS_FIXES = {
 }
 
 
+def unrecorded(path, exc: OSError) -> str:
+    """The warning of an evaluation whose scores were printed but could not be recorded in the run (a read-only
+    mount, another owner's folder): os_error_line's fix points experiment.runs_dir elsewhere, which an existing run's
+    evaluation cannot use."""
+    code = errno.errorcode.get(exc.errno, "") if exc.errno else ""
+    return (f"could not record the scores in {path} ({code + ' ' if code else ''}{exc.strerror or exc}); the scores "
+            "above are complete: to keep them with the run, copy its folder somewhere you can write and evaluate the "
+            "copy")
+
+
 def one_line(text: str) -> str:
     """An error is one line, whatever a value quoted in it held (a tensor's repr spans several)."""
     return " ".join(text.split())

@@ -2,7 +2,7 @@
 
 import sys
 
-from sinkflow.cli import os_error_line
+from sinkflow.cli import unrecorded
 from sinkflow.cli.common import add_device_arg, open_trained, with_sample_overrides
 from sinkflow.errors import SinkflowError
 
@@ -47,5 +47,4 @@ def run(args):
     finally:
         run_.logger.close()
     if run_.logger.failed is not None:
-        print(f"sinkflow: warning: could not record the scores in {run_.dir / 'metrics.jsonl'} "
-              f"({os_error_line(run_.logger.failed)})", file=sys.stderr)
+        print(f"sinkflow: warning: {unrecorded(run_.dir / 'metrics.jsonl', run_.logger.failed)}", file=sys.stderr)

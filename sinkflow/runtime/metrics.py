@@ -143,7 +143,9 @@ class MetricsLogger:
         """Raise the OSError a write would meet, before TensorBoard's writer thread could meet it."""
         for path in (self.run_dir, self.run_dir / "metrics.jsonl", self.run_dir / "tb"):
             if path.exists() and not os.access(path, os.W_OK):
-                raise PermissionError(errno.EACCES, "Permission denied (or a read-only file system)", str(path))
+                if os.statvfs(path).f_flag & os.ST_RDONLY:  # a read-only mount (a Kaggle input), not a permission
+                    raise OSError(errno.EROFS, "Read-only file system", str(path))
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
     def histogram(self, tag: str, values, step: int) -> None:
         """``tag`` begins with the phase (``velocity/weights/...``): it goes to that phase's event folder. Only the

@@ -15,7 +15,7 @@ Terms (per process; one GPU per process). ``train.<phase>.batch_size`` is per pr
   saved activations at the start of backward); and the batch tensors themselves.
 * sampling / evaluation: every trained network (weights only) + the eval batch and its transient.
 
-A card "fits" when the estimate is at most 90% of its memory minus 1 GiB (CUDA context, cuDNN/cuBLAS
+A card "fits" when the estimate is at most 90% of (its memory minus 1 GiB) (CUDA context, cuDNN/cuBLAS
 workspaces and allocator fragmentation take the rest). ``benchmarks/memory_estimate.py`` compares the
 estimate with ``torch.cuda.max_memory_allocated``.
 """
@@ -340,7 +340,7 @@ def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int
     """
     limit = usable_bytes(total_bytes)
     if limit <= WORKSPACE_BYTES:  # every phase on the device holds the workspaces, whatever its batch
-        return [], [f"{card} leaves {fmt_bytes(max(limit, 0))} for tensors (90% of its memory minus 1 GiB), less than "
+        return [], [f"{card} leaves {fmt_bytes(max(limit, 0))} for tensors (90% of (its memory minus 1 GiB)), less than "
                     f"the {fmt_bytes(WORKSPACE_BYTES)} of CUDA workspaces every phase holds: too small for any batch"]
     overrides: dict[str, object] = {}
     reasons: list[str] = []
