@@ -78,6 +78,12 @@ def test_a_killed_run_whose_pid_was_reused_is_dead_not_running(tiny_run, tmp_pat
     assert f"DEAD (pid {os.getpid()} is another process now; resume with" in capsys.readouterr().out
     with run_lock(run):  # the pid's process holds the lock: the run is alive
         assert (read_status(run)["state"], read_status(run)["pid_alive"]) == ("running", True)
+    # a copy (cp -r) of a live run: its heartbeat names the folder its pid writes, which is not this one
+    beat = json.loads((run / "status.json").read_text())
+    (run / "status.json").write_text(json.dumps({**beat, "dir": str(tiny_run.resolve())}))
+    assert main(["status", str(run)]) == 1
+    assert f"DEAD (pid {os.getpid()} trains {tiny_run.resolve()}, the run this folder was copied from; resume with" \
+        in capsys.readouterr().out
 
 
 def test_status_finished(runs_dir):

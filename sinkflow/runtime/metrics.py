@@ -162,7 +162,8 @@ class MetricsLogger:
         """Rewrite ``status.json`` (phase, step, total, rate, eta, state) with the current time."""
         if not self.enabled:
             return
-        status = {"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(), **status}
+        status = {"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
+                  "dir": str(self.run_dir.resolve()), **status}  # the folder the pid writes: a copy is told apart
         atomic_write_text(self.run_dir / "status.json", json.dumps(status))
 
     def flush(self) -> None:

@@ -93,6 +93,8 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
         # its pid now names another process (reused after a kill -9; a container restarted): the run's lock died
         # with it (status said RUNNING of a killed run while its pid lived on in another process)
         alive, out["pid_reused"] = False, True
+        if isinstance(hb.get("dir"), str) and Path(hb["dir"]) != run_dir.resolve():  # a copy of a live run (cp -r):
+            out["copied_from"] = hb["dir"]  # its pid trains the original, not "another process now"
     out["pid_alive"] = alive
     if hb.get("state") == "finished":
         state = "finished"
@@ -241,7 +243,8 @@ def format_status(st: dict) -> str:
     age = st["heartbeat_age_s"]
     why = ""
     if state == "dead":
-        gone = "is another process now" if st.get("pid_reused") else "is not running"
+        gone = (f"trains {st['copied_from']}, the run this folder was copied from" if st.get("copied_from") else
+                "is another process now" if st.get("pid_reused") else "is not running")
         why = f" (pid {hb.get('pid')} {gone}; resume with `{st['resume']}`)"
     elif state == "stopped" and hb.get("at_once"):
         by = f"a second signal, {hb['signal']}," if hb.get("signal") else "a KeyboardInterrupt"
