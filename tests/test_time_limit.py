@@ -244,3 +244,24 @@ def test_a_pool_stopped_at_once_or_failed_says_its_batches(tmp_path, monkeypatch
         assert "phase        pool  batches 2/4 (50.0%)" in shown, shown
         if name == "fail":
             assert "FAILED (stopped at pool batch 2/4: disk on fire" in shown, shown
+
+
+def test_a_stop_as_the_pool_ends_says_its_batches(tmp_path, monkeypatch):
+    """A signal as the pool's last chunk ends lets the pool finish, and the run stops before the next phase: that
+    stop said "at step 2" (the pool's chunks) while every other stop of the pool says its batches."""
+    from sinkflow.engine.experiment import train_run
+    from sinkflow.methods.pool import PoolTask
+    from sinkflow.runtime import signals
+
+    monkeypatch.chdir(tmp_path)
+    real = PoolTask.close
+
+    def close(self):  # the pool's last chunk is recorded, and the signal arrives as the phase ends
+        real(self)
+        signals._requested.append(int(signal.SIGTERM))
+
+    monkeypatch.setattr(PoolTask, "close", close)
+    with pytest.raises(signals.Interrupted, match="in phase 'pool' after 4/4 batches; checkpoint saved"):
+        train_run(_cfg("end"))
+    beat = json.loads((tmp_path / "runs" / "end" / "status.json").read_text())
+    assert (beat["phase"], beat["done"], beat["of"], beat["state"]) == ("pool", 4, 4, "stopped"), beat

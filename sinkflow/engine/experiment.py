@@ -40,7 +40,7 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
     heartbeat records how the run was launched (processes, report, the session's ``time_limit`` in seconds), from
     which `sinkflow status` gives the resume command the CLI printed (``runtime.relaunch.resume_command``)."""
     callbacks = list(callbacks)
-    last = None
+    last, batches = None, {}
     launch = {"world": dist.current().world, "per_node": dist.per_node(), "no_report": not report,
               "time_limit": time_limit}
     with graceful_stop(deadline):
@@ -49,7 +49,8 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                 log.info("phase %s already finished: skipped", task.name)
                 continue
             if last is not None and (signum := dist.agree_stop(stop_requested())) is not None:
-                run.logger.heartbeat(phase=last[0], step=last[1], state="stopped", signal=signum, **launch)  # not DEAD
+                run.logger.heartbeat(phase=last[0], step=last[1], state="stopped", signal=signum, **batches,
+                                     **launch)  # not DEAD
                 raise Interrupted(signum, *last)  # a phase just ended on the stop: the next is the resume's
             run.logger.heartbeat(phase=task.name, step=0, state="starting")
             trainer = None
@@ -74,7 +75,8 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                                      getattr(trainer, "progress", None), state="failed", **recorded_batches(trainer),
                                      error=" ".join(str(exc).split())[:500] or type(exc).__name__)
                 raise
-            last = (task.name, trainer.step)  # as a stop inside the phase counts: steps, or pool chunks
+            batches = recorded_batches(trainer)  # a pool's stop says its batches, as a stop inside it does
+            last = (task.name, trainer.step, batches.get("done"), batches.get("of"))  # steps, or pool chunks
             del trainer  # the trainer (model, optimizer, buffers) is dropped here
             run.release()
         run.logger.heartbeat(phase="done", state="finished")
