@@ -243,6 +243,9 @@ def test_point_file_reads_text_tables(tmp_path, name, text):
                    "the file to .txt$"),
     ("txt_commas", "line 2 holds '0.5,0.25'; a .txt file separates coordinates by spaces or tabs, this line by commas: "
                    "rename the file to .csv$"),
+    # Python's float read "1_0" as 10 and Arabic-Indic digits as digits; numpy.loadtxt and every other reader refuse
+    ("csv_underscore", "not a table of numbers: line 6 holds '0.5,1_0'"),
+    ("csv_non_ascii_digits", "not a table of numbers: line 6 holds '0.5,\u0661'"),
 ])
 def test_point_file_errors(tmp_path, case, match):
     f = tmp_path / "bad.npy"
@@ -268,6 +271,8 @@ def test_point_file_errors(tmp_path, case, match):
         lines = ["x,y", *(f"{a},{b}" for a, b in good)]
         if case == "csv_text":
             lines[5] = "0.5,oops"
+        elif case in ("csv_underscore", "csv_non_ascii_digits"):
+            lines[5] = "0.5,1_0" if case == "csv_underscore" else "0.5,\u0661"
         elif case == "csv_ragged":
             lines[5] = "0.5,0.25,1.0"
         elif case == "csv_nan":

@@ -77,7 +77,7 @@ def table_row(path: str, n: int, fields: list[str], first: bool, delimiter: str 
     """Line ``n``'s values, or one line naming what is wrong with it: a trailing delimiter, pandas' index column
     (its ``,0,1`` header is the first line read as data), or the cell that is no number."""
     try:
-        return [float(v) for v in fields]
+        return [number(v) for v in fields]
     except ValueError:
         index = first and fields == ["", *map(str, range(len(fields) - 1))]  # pandas' ",0,1" header
         if len(fields) > 1 and fields[-1] == "" and all(is_number(v) for v in fields[:-1]):
@@ -105,9 +105,17 @@ def separator_fix(path: str, fields: list[str], delimiter: str | None) -> str | 
     return None
 
 
+def number(text: str) -> float:
+    """A cell's number as a table writes it: Python's ``float`` also reads ``1_0`` as 10 and non-ASCII digits, which
+    numpy.loadtxt and every other reader of the file refuse (the points would be other numbers than the file's)."""
+    if "_" in text or not text.isascii():
+        raise ValueError(text)
+    return float(text)
+
+
 def is_number(text: str) -> bool:
     try:
-        float(text)
+        number(text)
     except ValueError:
         return False
     return True
