@@ -697,6 +697,16 @@ def dump_run_config(tree: dict) -> str:
     return f"{RUN_CONFIG_HEADER}\n{dump(tree)}...\n"
 
 
+def read_run_file(path) -> dict:
+    """A run folder's config.yaml (``path``) read as every command reads it: its text, refused when cut short, parsed,
+    and completed by ``read_run_config`` (a bad value or an unknown key named with its line). No torch: `sinkflow
+    status` reads it so too."""
+    fix = "fix it there by hand, or restore it from a copy of the run folder"
+    text = read_yaml_text(path, str(path), fix)
+    refuse_cut_short(text, path)
+    return read_run_config(parse_yaml(text, str(path), fix), path, key_lines(text))
+
+
 def refuse_cut_short(text: str, path) -> None:
     """One line when ``text`` (a file at ``path``) opens with ``RUN_CONFIG_HEADER`` but lacks its end line."""
     if text.startswith(RUN_CONFIG_HEADER) and text.rstrip().rsplit("\n", 1)[-1].strip() != "...":

@@ -495,9 +495,10 @@ class FolderSource:
         self.channels = channels or 3
         self.image_size = image_size
         found = list(files_under(self.path))
-        self.files = sorted((p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS and not _mac_metadata(p)
-                             and not self._hidden(p)), key=lambda p: p.relative_to(self.path).as_posix())
-        self._say_left_out(found)
+        images = [p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS and not _mac_metadata(p)]
+        hidden = [p for p in images if self._hidden(p)]
+        self.files = sorted(set(images) - set(hidden), key=lambda p: p.relative_to(self.path).as_posix())
+        self._say_left_out(found, hidden)
         if not self.files:
             others = len(found)
             raise SinkflowError(f"image folder {self.path} holds no images ({others} other files)",
@@ -529,7 +530,7 @@ class FolderSource:
         images, which were trained on as images of the set. Left out, as Hugging Face's imagefolder does."""
         return any(part.startswith(".") for part in path.relative_to(self.path).parts)
 
-    def _say_left_out(self, found: list[Path]) -> None:
+    def _say_left_out(self, found: list[Path], hidden: list[Path]) -> None:
         """Warn of images left out: of a kind the folder does not read (``OTHER_IMAGE_EXTENSIONS``: a folder of jpg
         and gif trained on its jpg alone without a word), and under hidden names (``_hidden``)."""
         left = collections.Counter(p.suffix.lower() for p in found
@@ -538,8 +539,6 @@ class FolderSource:
             warn_once(log, self.path, "image folder %s: %d image(s) of a kind it does not read are left out (%s); "
                       "convert them to png to train on them", self.path, sum(left.values()),
                       ", ".join(f"{n} {ext}" for ext, n in left.most_common()))
-        hidden = [p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS and not _mac_metadata(p)
-                  and self._hidden(p)]
         if hidden:
             warn_once(log, self.path, "image folder %s: %d image(s) under hidden names are left out (e.g. "
                       "%s); rename them without the leading dot to train on them", self.path, len(hidden),

@@ -40,7 +40,7 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
     heartbeat records how the run was launched (processes, report, the session's ``time_limit`` in seconds), from
     which `sinkflow status` gives the resume command the CLI printed (``runtime.relaunch.resume_command``)."""
     callbacks = list(callbacks)
-    last, batches = None, {}
+    last = None
     launch = {"world": dist.current().world, "per_node": dist.per_node(), "no_report": not report,
               "time_limit": time_limit}
     with graceful_stop(deadline):
@@ -49,8 +49,8 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                 log.info("phase %s already finished: skipped", task.name)
                 continue
             if last is not None and (signum := dist.agree_stop(stop_requested())) is not None:
-                run.logger.heartbeat(phase=last[0], step=last[1], state="stopped", signal=signum, **batches,
-                                     **launch)  # not DEAD
+                run.logger.heartbeat(phase=last[0], step=last[1], state="stopped", signal=signum,
+                                     **batch_fields(*last[2:]), **launch)  # not DEAD
                 raise Interrupted(signum, *last)  # a phase just ended on the stop: the next is the resume's
             run.logger.heartbeat(phase=task.name, step=0, state="starting")
             trainer = None
@@ -58,25 +58,24 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                 trainer = Trainer(run, task, callbacks)
                 trainer.fit()
             except Interrupted as exc:  # `sinkflow status` says STOPPED (checkpoint saved), not DEAD
-                batches = {"done": exc.done, "of": exc.of, "unit": "batches"} if exc.of else {}  # the pool's count
-                run.logger.heartbeat(phase=exc.phase, step=exc.step, state="stopped", signal=exc.signum, **batches,
-                                     **launch)
+                run.logger.heartbeat(phase=exc.phase, step=exc.step, state="stopped", signal=exc.signum,
+                                     **batch_fields(exc.done, exc.of), **launch)
                 raise
             except KeyboardInterrupt as exc:  # a second signal (StopNow), or a notebook's KeyboardInterrupt raised
                 # in the loop (a callback's, a SIGALRM handler's): stopped at once, from the last checkpoint (status
                 # said DEAD, "pid ... is another process now", of the kernel that lives on)
                 run.logger.heartbeat(phase=task.name, step=getattr(trainer, "progress", None), state="stopped",
                                      signal=getattr(exc, "signum", None), at_once=True,
-                                     **recorded_batches(trainer), **launch)
+                                     **batch_fields(*task_batches(trainer)), **launch)
                 raise
             except Exception as exc:  # `sinkflow status` says FAILED and why (a resume would fail the same way)
                 step = getattr(exc, "step", None)  # the failing step where the error knows it (a non-finite one)
                 run.logger.heartbeat(phase=task.name, step=step if isinstance(step, int) else
-                                     getattr(trainer, "progress", None), state="failed", **recorded_batches(trainer),
+                                     getattr(trainer, "progress", None), state="failed",
+                                     **batch_fields(*task_batches(trainer)),
                                      error=" ".join(str(exc).split())[:500] or type(exc).__name__)
                 raise
-            batches = recorded_batches(trainer)  # a pool's stop says its batches, as a stop inside it does
-            last = (task.name, trainer.step, batches.get("done"), batches.get("of"))  # steps, or pool chunks
+            last = (task.name, trainer.step, *task_batches(trainer))  # steps, or pool chunks and batches
             del trainer  # the trainer (model, optimizer, buffers) is dropped here
             run.release()
         run.logger.heartbeat(phase="done", state="finished")
@@ -87,12 +86,18 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
             raise Interrupted(signum, *last)
 
 
-def recorded_batches(trainer) -> dict:
+def batch_fields(done: int | None, of: int | None) -> dict:
     """A chunked phase's (the pool's) recorded batches for a stopped or failed heartbeat, as its bar counts them:
     its ``progress`` alone was shown as "pool  step 40" by status (a plain stop said "step 4", its chunks)."""
+    return {"done": done, "of": of, "unit": "batches"} if of else {}
+
+
+def task_batches(trainer) -> tuple[int | None, int | None]:
+    """A chunked task's (the pool's) batches done and in all; (None, None) for a training phase, or before the
+    trainer was built."""
     if trainer is None or trainer.training:
-        return {}
-    return {"done": trainer.task.progress_done, "of": trainer.task.progress_total, "unit": "batches"}
+        return None, None
+    return trainer.task.progress_done, trainer.task.progress_total
 
 
 FID_PACKAGES = ("torchmetrics", "torch_fidelity")  # FID's metric and its Inception-v3 (sinkflow.eval.images)

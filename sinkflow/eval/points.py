@@ -99,8 +99,8 @@ SUMMED_INFO = ("nonfinite",)  # counts of samples, which add up over chunks (NFE
 
 
 def merge_info(infos: list[dict]) -> dict:
-    """Per-sample tensors and recorded paths are concatenated; counts of samples (``SUMMED_INFO``) are summed; per-sample
-    counts (NFE) come from the first chunk."""
+    """Per-sample tensors and recorded paths are concatenated; counts of samples (``SUMMED_INFO``) are summed;
+    per-sample counts (NFE) come from the first chunk."""
     merged = dict(infos[0])
     for key, value in infos[0].items():
         if key in SUMMED_INFO:

@@ -236,8 +236,9 @@ class PoolTask(ChunkedTask):
         """Warn, before any solve, when the data spans far more than ``sinkhorn.blur``: blur is a length in the
         data's units, and points at a scale of 1e6 with the default 0.2 left every solve at max_iters and the flow
         untrained, with only the max_iters warning's advice. The presets span 53 (scurve) to 206 (mnist, on synthetic
-        images of its shape) blurs: the warning is at 10^4. Its fix is to standardise: moons x 100 with blur 20 scored W2 /
-        scale 1.59 (1.29 at the default blur), x 1e4 with blur 2000 3.09, no learning (audit T, 2026-11-30)."""
+        images of its shape) blurs: the warning is at 10^4. Its fix is to standardise: moons x 100 with blur 20
+        scored W2 / scale 1.59 (1.29 at the default blur), x 1e4 with blur 2000 3.09, no learning (audit T,
+        2026-11-30)."""
         if blur and self.diameter and self.diameter / blur > BLUR_SPAN_WARN and self.info.is_main:
             log.warning("pool: the data spans %.3g (the Sinkhorn diameter), %.2g x sinkhorn.blur=%g: blur is a length "
                         "in the data's units, so the solves will not converge; standardise the data (points - mean, "
@@ -410,8 +411,8 @@ class PoolTask(ChunkedTask):
 
     def check_diverged(self, xs: torch.Tensor, group: list[int]) -> None:
         """Stop before writing a group whose particles left ``DIVERGED_RADII`` x the data's radius: the flow
-        diverged while staying finite (pool.eta=100 with the harmonic schedule reaches |x| ~ 1e5-1e6 at its first chunk; a sound
-        pool stays within ~1.2 x the radius on every 2D preset and digits, measured)."""
+        diverged while staying finite (pool.eta=100 with the harmonic schedule reaches |x| ~ 1e5-1e6 at its first
+        chunk; a sound pool stays within ~1.2 x the radius on every 2D preset and digits, measured)."""
         top = float(xs.abs().max())
         if top > DIVERGED_RADII * self.data_radius:
             cfg = self.run.cfg["pool"]

@@ -502,12 +502,8 @@ def read_config(run_dir: Path) -> dict:
                      "all mount at the same path)" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "")
         raise SinkflowError(f"{run_dir} is not a sinkflow run folder (no config.yaml)",
                             f"pass the folder `sinkflow train` printed when it started{elsewhere}")
-    fix = "fix it there by hand, or restore it from a copy of the run folder"
-    text = config_mod.read_yaml_text(path, str(path), fix)
-    config_mod.refuse_cut_short(text, path)
-    cfg = config_mod.parse_yaml(text, str(path), fix)
     # keys added to sinkflow after the run was made get their defaults; a bad value is named with its line
-    return config_mod.read_run_config(cfg, path, config_mod.key_lines(text))
+    return config_mod.read_run_file(path)
 
 
 def build_phase_model(cfg: dict, key: str, shape: tuple[int, ...]) -> torch.nn.Module:

@@ -162,17 +162,11 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
 
 def config_refusal(run_dir: Path) -> str | None:
     """The one line every command that reads the run (--resume, sample, eval, tune...) refuses its config.yaml with,
-    read as they read it (``run_folder.read_config``, without torch), else None: a copy cut short, or a hand edit
+    read as they read it (``config.read_run_file``, without torch), else None: a copy cut short, or a hand edit
     (an unknown key, a bad value, broken YAML). Only a cut copy was seen: a finished run with ``lr: fast`` said
     FINISHED (exit 0) while sample and eval refused it, a stopped one a resume command that refused it."""
-    path = run_dir / "config.yaml"
-    fix = "fix it there by hand, or restore it from a copy of the run folder"
     try:
-        text = config_mod.read_yaml_text(path, str(path), fix)
-        config_mod.refuse_cut_short(text, path)
-        tree = config_mod.read_run_config(config_mod.parse_yaml(text, str(path), fix), path,
-                                          config_mod.key_lines(text))
-        config_mod.validate(tree)
+        config_mod.validate(config_mod.read_run_file(run_dir / "config.yaml"))
     except SinkflowError as exc:
         return str(exc)
     except OSError:
@@ -236,6 +230,11 @@ def _left(item: dict, current: str | None) -> str:
     return f"{item['phase']}{size}{eta}"
 
 
+def _position(hb: dict) -> str:
+    """Where a stopped or failed heartbeat's phase stood: the pool in its batches (as its bar counts), else a step."""
+    return f"batch {hb.get('done')}/{hb['of']}" if hb.get("of") else f"step {hb.get('step')}"
+
+
 def format_status(st: dict) -> str:
     hb = st["heartbeat"]
     lines = [f"run          {st['run']}"]
@@ -251,13 +250,11 @@ def format_status(st: dict) -> str:
         why = (f" (at once by {by} in {hb.get('phase')}: the work since its last "
                f"checkpoint is lost; resume from that checkpoint with `{st['resume']}`)")
     elif state == "stopped":
-        at = f"batch {hb.get('done')}/{hb['of']}" if hb.get("of") else f"step {hb.get('step')}"  # pool: batches
-        why = (f" ({stop_reason(int(hb.get('signal') or 0))} at {hb.get('phase')} {at}, "
+        why = (f" ({stop_reason(int(hb.get('signal') or 0))} at {hb.get('phase')} {_position(hb)}, "
                f"checkpoint saved; "
                f"resume with `{st['resume']}`)")
     elif state == "failed":
-        step = f" batch {hb.get('done')}/{hb['of']}" if hb.get("of") else \
-            (f" step {hb['step']}" if hb.get("step") is not None else "")  # the pool: its batches
+        step = f" {_position(hb)}" if hb.get("of") or hb.get("step") is not None else ""
         kept = ("the checkpoints before it are intact" if st["checkpoints"].get(hb.get("phase")) else
                 "the phase had no checkpoint yet: it starts again")  # "intact" with none there read as a promise
         why = (f" (stopped at {hb.get('phase')}{step}: {hb.get('error')}; {kept}: fix that, then `{st['resume']}` "
