@@ -558,6 +558,21 @@ def test_a_capped_self_potential_counts_as_a_capped_solve(monkeypatch):
         S.converged_velocity(x, y, **kw)
 
 
+def test_converged_solver_takes_a_blur_above_the_diameter():
+    """GeomLoss anneals from diameter^2 straight to blur^2 when blur >= diameter; the converged solver's schedule
+    raised torch.arange's RuntimeError there (small-scale data, or an explicit diameter below the blur)."""
+    from geomloss._legacy.sinkhorn_divergence import epsilon_schedule as geomloss_schedule
+
+    from sinkflow.ot.sinkhorn import epsilon_schedule
+
+    assert epsilon_schedule(1.0, 2.0, 0.9) == geomloss_schedule(2, 1.0, 2.0, 0.9) == [1.0, 4.0]
+    x, y = _clouds_2d(16, seed=5)
+    x, y = x * 1e-3, y * 1e-3
+    v = sinkhorn_velocity(x, y, blur=0.5, solver="converged", tol=1e-4)
+    ref = reference_velocity(x, y, 0.5)
+    assert (v.double() - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
 def test_unknown_solver_is_a_clear_error():
     x, y = _clouds_2d(8, seed=0)
     with pytest.raises(SinkflowError, match="unknown Sinkhorn solver"):

@@ -229,7 +229,11 @@ def _final_potentials(final, eps, c_xy, c_yx, a_log, b_log, f, g, tol, max_iters
 
 
 def epsilon_schedule(diameter: float, blur: float, scaling: float) -> list[float]:
-    """GeomLoss's annealing (p = 2): diameter^2, then down by scaling^2 per stage, ending at blur^2."""
+    """GeomLoss's annealing (p = 2): diameter^2, then down by scaling^2 per stage, ending at blur^2. A blur at or
+    above the diameter has no stages between the two (GeomLoss's ``np.arange`` is empty there; torch's refuses the
+    range, which made the converged solver fail on it with a raw RuntimeError)."""
+    if blur >= diameter:
+        return [diameter**2, blur**2]
     stages = torch.arange(2 * math.log(diameter), 2 * math.log(blur), 2 * math.log(scaling), dtype=torch.float64)
     return [diameter**2] + [float(e) for e in stages.exp()] + [blur**2]
 
