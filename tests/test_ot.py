@@ -253,6 +253,24 @@ def test_ot_permutation_is_pots_exact_plan(shape, solver, monkeypatch):
             assert perm.tolist() == list(best)
 
 
+@pytest.mark.parametrize("scale", [1e-6, 1e-8])
+def test_exact_ot_does_not_depend_on_the_scale_of_the_points(scale, monkeypatch):
+    """POT's network simplex stopped at a non-optimal plan on tiny costs (points spread 1e-6: W2 7e-5 high, 1e-8: 3x
+    high; the same for the EMD coupling above ASSIGNMENT_MAX_N rows): W2 scales with the points and the coupling is
+    the assignment's optimum at any scale."""
+    from sinkflow.ot import exact
+    from sinkflow.ot.exact import ot_permutation
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(200, 2)), rng.normal(size=(200, 2)) + 0.3
+    assert w2(x * scale, y * scale) == pytest.approx(scale * w2(x, y), rel=1e-9)
+    monkeypatch.setattr(exact, "ASSIGNMENT_MAX_N", 0)  # the EMD solver
+    cost = ((x[:, None] - y[None]) ** 2).sum(-1)
+    r, c = linear_sum_assignment(cost)
+    perm = ot_permutation(torch.from_numpy(x * scale), torch.from_numpy(y * scale)).numpy()
+    assert cost[r, perm].sum() == pytest.approx(cost[r, c].sum(), rel=1e-9)
+
+
 def test_ot_permutation_refuses_unequal_or_non_finite_batches():
     from sinkflow.ot.exact import ot_permutation
 

@@ -54,7 +54,9 @@ def ot_permutation(x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
     else:
         import ot  # POT: imported here so the velocity code does not pay for it
 
-        cols = ot.emd(np.full(n, 1.0 / n), np.full(n, 1.0 / n), cost.numpy(), numItermax=int(1e7)).argmax(axis=1)
+        c = cost.numpy()  # on cost / max, in place: POT's simplex stops short on tiny costs (w2); assignment does not
+        c /= c.max() or 1.0
+        cols = ot.emd(np.full(n, 1.0 / n), np.full(n, 1.0 / n), c, numItermax=int(1e7)).argmax(axis=1)
     return torch.from_numpy(cols.astype(np.int64)).to(x1.device, non_blocking=True)
 
 
