@@ -287,6 +287,21 @@ def test_a_flow_that_overflows_before_its_exact_landing_is_a_clear_error():
         simulate_sinkhorn_flow(x, y, steps=2, eta=1e38, blur=0.5, landing="exact")
 
 
+@pytest.mark.parametrize("solver", ["geomloss", "converged"])
+def test_points_outside_float32s_range_are_a_clear_error(solver):
+    """The solve runs in float32: a flow whose eta is too large grows its particles ~eta-fold per step until the
+    squared diameter overflows, which ended in numpy's 'Maximum allowed size exceeded' (GeomLoss) or torch's
+    'unsupported range: inf' (converged) instead of the flow's own message; data at 1e-25 gave NaN velocities."""
+    x, y = _clouds_2d(16, seed=0)
+    with pytest.raises(SinkflowError, match=r"particles left float32's range at step 5 of 6 .*; lower eta or raise"):
+        simulate_sinkhorn_flow(x, y, steps=6, eta=1e4, blur=0.5, solver=solver)
+    for scale in (1e19, 1e-25):
+        with pytest.raises(SinkflowError, match=r"outside float32's range.*; rescale the data to a spread of about 1"):
+            sinkhorn_velocity(x * scale, y * scale, blur=0.5 * scale, solver=solver)
+    v = sinkhorn_velocity(x * 1e15, y * 1e15, blur=0.5e15, solver=solver)  # large, but inside the range
+    assert torch.isfinite(v).all()
+
+
 def test_w2_bad_input():
     x = torch.randn(8, 2)
     with pytest.raises(SinkflowError, match="NaN"):

@@ -138,6 +138,25 @@ def _identical_batches(x: torch.Tensor, y: torch.Tensor) -> list[int]:
     return [int(b) for b in torch.nonzero(candidates & (xs == ys).all(dim=(1, 2))).flatten()]
 
 
+_F32 = torch.finfo(torch.float32)
+
+
+def _check_float32_range(blur: float, diameter: float, step: int | None = None, steps: int | None = None) -> None:
+    """The solve runs in float32: epsilon = blur^2 and the first epsilon of the annealing, diameter^2 (the scale of
+    the costs), must be normal float32 numbers. Outside that range GeomLoss failed with numpy's 'Maximum allowed size
+    exceeded', the converged solver with torch's 'unsupported range: inf' or 'cannot be converted to type float', and
+    points at 1e-25 came back as NaN velocities. A flow whose eta is too large grows its particles about eta-fold per
+    step and reaches it after a few steps (``step``: the message names the step, as for NaN velocities)."""
+    if _F32.tiny <= blur**2 <= _F32.max and diameter**2 <= _F32.max:
+        return
+    if step:
+        raise SinkflowError(f"the Sinkhorn flow's particles left float32's range at step {step} of {steps} (they span "
+                            f"{diameter:.3g}, blur {blur:.3g})", "lower eta or raise blur")
+    raise SinkflowError(f"the Sinkhorn problem is outside float32's range, where it is solved: blur^2 = {blur**2:.3g}, "
+                        f"diameter^2 = {diameter**2:.3g} (float32 holds {_F32.tiny:.2g} to {_F32.max:.2g})",
+                        "rescale the data to a spread of about 1 (points - mean, / std) and the blur with it")
+
+
 # ----------------------------------------------------------------------------------------------
 # the solve
 
@@ -273,6 +292,7 @@ def sinkhorn_velocity(
         xf = x.detach().reshape(B, N, D).float()
         yf = y.detach().reshape(B, M, D).float()
     diam = float(diameter) if diameter is not None else _bbox_diameter(xf, yf)
+    _check_float32_range(float(blur), diam)
     with strict_float32(x.device.type):
         v = _velocity_flat(xf, yf, float(blur), float(scaling), diam, backend, solver, max_iters, tol)
     return v.reshape(x.shape)
@@ -386,6 +406,7 @@ def simulate_sinkhorn_flow(
                 xs[k], vs[k] = x.reshape(x0.shape), v.reshape(x0.shape)
                 break
             diam = float(diameter) if diameter is not None else _bbox_diameter(x, yf)
+            _check_float32_range(float(blur), diam, k, steps)
             v = _velocity_flat(x, yf, float(blur), float(scaling), diam, backend, solver, max_iters, tol)
             with torch.no_grad():
                 xs[k] = x.reshape(x0.shape)
