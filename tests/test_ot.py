@@ -271,6 +271,27 @@ def test_exact_ot_does_not_depend_on_the_scale_of_the_points(scale, monkeypatch)
     assert cost[r, perm].sum() == pytest.approx(cost[r, c].sum(), rel=1e-9)
 
 
+def test_fm_and_otcfm_targets_are_torchcfms():
+    """FM's and OT-CFM's (t, x_t, u_t) are torchcfm's ConditionalFlowMatcher's at sigma = 0, OT-CFM's on the pairs of
+    ExactOptimalTransportConditionalFlowMatcher's plan, which is our permutation (torchcfm then draws pairs from it
+    with replacement; we use each once: docs/nsgfpp.md)."""
+    from torchcfm.conditional_flow_matching import (
+        ConditionalFlowMatcher,
+        ExactOptimalTransportConditionalFlowMatcher,
+    )
+
+    from sinkflow.methods.flow_matching import FM, OTCFM
+
+    gen = torch.Generator().manual_seed(0)
+    x0, x1, t = torch.randn(33, 1, 3, 3, generator=gen), torch.randn(33, 1, 3, 3, generator=gen) + 2, torch.rand(33)
+    plan = ExactOptimalTransportConditionalFlowMatcher().ot_sampler.get_map(x0, x1)
+    assert np.allclose(plan.max(1), 1 / 33)  # a permutation
+    for method, pairs in ((FM, x1), (OTCFM, x1[torch.from_numpy(plan.argmax(1))])):
+        _, xt, ut = ConditionalFlowMatcher(sigma=0.0).sample_location_and_conditional_flow(x0, pairs, t=t)
+        t_ours, xt_ours, ut_ours = method.sample_location_and_conditional_flow(x0, x1, t=t)
+        assert torch.equal(t_ours, t) and torch.allclose(xt_ours, xt, atol=1e-6) and torch.equal(ut_ours, ut)
+
+
 def test_ot_permutation_refuses_unequal_or_non_finite_batches():
     from sinkflow.ot.exact import ot_permutation
 

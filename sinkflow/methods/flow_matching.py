@@ -97,7 +97,9 @@ COUPLINGS = ("independent", "ot")
 
 class FlowMatching(Method):
     """FM and OT-CFM: one velocity phase; they differ only in how a minibatch's pairs are coupled (as in
-    torchcfm's ConditionalFlowMatcher vs ExactOptimalTransportConditionalFlowMatcher)."""
+    torchcfm's ConditionalFlowMatcher vs ExactOptimalTransportConditionalFlowMatcher, sigma = 0). OT-CFM uses each
+    pair of the exact plan's permutation once, where torchcfm draws n pairs from the plan with replacement: the same
+    distribution of a pair, without repeated or dropped samples."""
 
     def __init__(self, name: str, coupling: str, paper: dict | None = None, paper_label: str = ""):
         if coupling not in COUPLINGS:
