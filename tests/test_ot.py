@@ -117,6 +117,20 @@ def test_velocity_matches_log_domain_reference(shape, n, blur, scaling, rtol):
     assert (ref - shift).abs().max().item() > 0.1 * scale
 
 
+@pytest.mark.parametrize("n,m,dim,blur", [(24, 17, 2, 0.5), (12, 19, 50, 3.0)], ids=["2d", "50d"])
+def test_velocity_is_minus_the_sinkhorn_divergences_gradient(n, m, dim, blur):
+    """Paper eq. 13 against GeomLoss's debiased Sinkhorn divergence S (cost |x - y|^2 / 2, epsilon = blur^2): the first
+    variation's gradient at x_i is n dS/dx_i, so v = -n grad S, here with unequal sizes and float64 input."""
+    gen = torch.Generator().manual_seed(dim)
+    x = torch.randn(n, dim, generator=gen, dtype=torch.float64)
+    y = 0.5 * torch.randn(m, dim, generator=gen, dtype=torch.float64) + 1.0
+    xg = x.clone().requires_grad_(True)
+    S = SamplesLoss("sinkhorn", p=2, blur=blur, scaling=0.995, debias=True)(xg, y)
+    (grad,) = torch.autograd.grad(S, xg)
+    v = sinkhorn_velocity(x, y, blur=blur, solver="converged", tol=1e-6, max_iters=2000)
+    assert (v.double() + n * grad).abs().max().item() <= 3e-3 * grad.abs().max().item() * n
+
+
 def test_one_euler_step_moves_towards_target():
     x, y = _clouds_2d(64, seed=3)
     v = sinkhorn_velocity(x, y, blur=0.3, scaling=0.8)
