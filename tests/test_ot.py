@@ -306,6 +306,31 @@ def test_fm_and_otcfm_targets_are_torchcfms():
         assert torch.equal(t_ours, t) and torch.allclose(xt_ours, xt, atol=1e-6) and torch.equal(ut_ours, ut)
 
 
+@pytest.mark.parametrize("solver", ["assignment", "emd"])
+def test_ot_permutation_is_optimal_on_ties_duplicates_and_odd_sizes(solver, monkeypatch):
+    """Ties (a shifted grid), repeated points, constant batches, 1-D (the sorted matching), one row, odd sizes: a
+    permutation whose cost is the assignment optimum's."""
+    from sinkflow.ot import exact
+    from sinkflow.ot.exact import ot_permutation
+
+    monkeypatch.setattr(exact, "ASSIGNMENT_MAX_N", 64 if solver == "assignment" else 0)
+    rng = np.random.default_rng(0)
+    grid = np.stack(np.meshgrid(np.arange(5.0), np.arange(5.0)), -1).reshape(-1, 2)
+    few = rng.normal(size=(4, 2))
+    cases = [(grid, grid + 0.5), (np.repeat(few, 5, 0), rng.normal(size=(20, 2))),
+             (np.repeat(few, 5, 0), np.repeat(rng.normal(size=(5, 2)), 4, 0)), (np.zeros((9, 2)), np.ones((9, 2))),
+             (rng.normal(size=(33, 1)), 3 * rng.normal(size=(33, 1))), (rng.normal(size=(1, 2)), rng.normal(size=(1, 2))),
+             (rng.normal(size=(31, 1, 2, 2)), rng.normal(size=(31, 1, 2, 2)))]
+    for a, b in cases:
+        perm = ot_permutation(torch.from_numpy(a), torch.from_numpy(b)).numpy()
+        assert sorted(perm.tolist()) == list(range(len(a)))
+        cost = ((a.reshape(len(a), -1)[:, None] - b.reshape(len(b), -1)[None]) ** 2).sum(-1)
+        r, c = linear_sum_assignment(cost)
+        assert cost[r, perm].sum() == pytest.approx(cost[r, c].sum(), rel=1e-12, abs=1e-12)
+        if a.shape[1:] == (1,):
+            assert perm.tolist() == np.argsort(b[:, 0])[np.argsort(np.argsort(a[:, 0]))].tolist()
+
+
 def test_ot_permutation_refuses_unequal_or_non_finite_batches():
     from sinkflow.ot.exact import ot_permutation
 
