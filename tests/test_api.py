@@ -637,3 +637,16 @@ def test_scores_of_an_evaluation_by_an_older_version_keep_a_flows_bits_per_dim(t
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"phase": "eval", "step": 5, "time": 5.0, "test_bpd": 2.0}) + "\n")
     assert run.scores() == {"test_bpd": 2.0}
+
+
+def test_time_loss_refuses_a_predictor_that_returns_a_column():
+    """A predictor of one's own returning (N, 1) broadcast against t (N,) to an (N, N) table: the loss was
+    mean_ij (t_phi(x_i) - t_j)^2, minimised by the batch's mean time for every sample, without a word."""
+    x, t = torch.randn(8, 2), torch.rand(8)
+    column = torch.nn.Sequential(torch.nn.Linear(2, 1), torch.nn.Sigmoid())
+    with pytest.raises(SinkflowError) as excinfo:
+        sinkflow.time_loss(column, (x, t))
+    assert _one_line(excinfo) == ("the time predictor returned shape (8, 1) for 8 samples, not (8,); return one time "
+                                  "per sample, e.g. model(x).squeeze(-1)")
+    exact = lambda x: t  # noqa: E731  the true time: zero loss
+    assert sinkflow.time_loss(exact, (x, t)).item() == 0.0

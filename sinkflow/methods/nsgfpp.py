@@ -109,9 +109,15 @@ def nsgf_grid(cfg: dict) -> tuple[list[float], list[float]]:
 
 
 def time_loss(model, batch):
-    """Paper Alg. 3: |t - t_phi(X_t)|^2."""
+    """Paper Alg. 3: |t - t_phi(X_t)|^2. The predictor returns one time per sample, shaped like ``t`` (N,): one of
+    your own returning (N, 1), as a Linear(..., 1) head does, broadcast against t to an (N, N) table and trained
+    every prediction towards the batch's mean time, in silence."""
     x, t = batch
-    return (model(x).float() - t).pow(2).mean()
+    pred = model(x)
+    if pred.shape != t.shape:
+        raise SinkflowError(f"the time predictor returned shape {tuple(pred.shape)} for {len(t)} samples, not "
+                            f"{tuple(t.shape)}", "return one time per sample, e.g. model(x).squeeze(-1)")
+    return (pred.float() - t).pow(2).mean()
 
 
 class NSGFStates:
