@@ -650,3 +650,14 @@ def test_time_loss_refuses_a_predictor_that_returns_a_column():
                                   "per sample, e.g. model(x).squeeze(-1)")
     exact = lambda x: t  # noqa: E731  the true time: zero loss
     assert sinkflow.time_loss(exact, (x, t)).item() == 0.0
+
+
+def test_velocity_loss_refuses_a_velocity_not_shaped_like_the_target():
+    """1-D points (N, 1) and a network returning (N,): the squared error broadcast to an (N, N) table, silently."""
+    x0, x1 = torch.randn(6, 1), torch.randn(6, 1) + 2
+    flat = lambda x, t: (x1 - x0)[:, 0]  # noqa: E731
+    with pytest.raises(SinkflowError) as excinfo:
+        sinkflow.FM.loss(flat, x0, x1)
+    assert _one_line(excinfo) == ("the velocity network returned shape (6,) for a batch shaped (6, 1), not the "
+                                  "target's (6, 1); return one velocity per sample, shaped like x")
+    assert sinkflow.FM.loss(lambda x, t: x1 - x0, x0, x1).item() == 0.0  # the true conditional velocity

@@ -12,6 +12,7 @@ import numbers
 import torch
 
 from sinkflow.config.checks import float_tensor
+from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import Method, TrainingStep
 from sinkflow.methods.ode import count_nfe, euler, network_dtype, require_network_device, time_dtype
 from sinkflow.ot.exact import ot_permutation
@@ -67,7 +68,12 @@ def velocity_loss(model, batch):
     x, t, v = batch
     require_network_device(model, x, "the batch")
     dtype = network_dtype(model)
-    return (model(x.to(dtype), torch.as_tensor(t, dtype=time_dtype(dtype), device=x.device)).float() - v.float()).pow(2).mean()
+    pred = model(x.to(dtype), torch.as_tensor(t, dtype=time_dtype(dtype), device=x.device))
+    if pred.shape != v.shape:  # (N,) against 1-D points' (N, 1) broadcast to an (N, N) table, in silence
+        raise SinkflowError(f"the velocity network returned shape {tuple(pred.shape)} for a batch shaped "
+                            f"{tuple(x.shape)}, not the target's {tuple(v.shape)}", "return one velocity per sample, "
+                            "shaped like x")
+    return (pred.float() - v.float()).pow(2).mean()
 
 
 class InterpolantStep(TrainingStep):
