@@ -119,6 +119,20 @@ def test_what_tune_cannot_choose_is_one_line_before_any_work(runs_dir, tmp_path,
     assert not (runs_dir / "v" / "tune.json").exists()
 
 
+def test_tune_on_a_run_of_points_names_eval_with_a_sampler_not_a_flag_it_was_not_given(tiny_run, tmp_path, capsys):
+    # the fix said "sinkflow eval RUN, without --split val", eval's fix, to a tune command that has no --split;
+    # the key it names is one the run's method reads (NSGF++ on points reads no sample.time_warp)
+    rc, err = main(["tune", str(tiny_run)]), capsys.readouterr().err
+    line = error_line(rc, err, "moons is not an image set", "sinkflow eval RUN sample.time_warp=0.5")
+    assert "--split" not in line
+    assert main(["train", "moons", "--method", "nsgfpp", "pool.batches=2", "pool.batch_size=32", "pool.chunk=1",
+                 "--train-iters", "2", "--device", "cpu", f"experiment.runs_dir={tmp_path}", "--name", "pp",
+                 "--no-report"]) == 0
+    capsys.readouterr()
+    rc, err = main(["tune", str(tmp_path / "pp")]), capsys.readouterr().err
+    error_line(rc, err, "moons is not an image set", "sinkflow eval RUN sample.t_shift=-0.1")
+
+
 def test_candidates_follow_what_the_run_was_trained_for():
     """k beyond the pool's T only for a field trained on its segments; a budget with no straight-flow step, a method
     without these knobs and data without a scorer are refused with the fix."""

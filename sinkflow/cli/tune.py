@@ -42,7 +42,10 @@ def run(args):
 
     run_ = open_trained(args.run_dir, args.device)
     cfg = run_.cfg
-    check_eval_split(cfg, "val", who="sinkflow tune chooses on the validation split, but")
+    key = "sample.t_shift=-0.1" if cfg["experiment"]["method"] == "nsgfpp" else "sample.time_warp=0.5"
+    check_eval_split(cfg, "val", who="sinkflow tune chooses on the validation split, but",
+                     points_fix=f"compare a run of points' samplers on its test points: sinkflow eval RUN {key} "
+                                "(any sample.* key the run reads)")
     totals = args.nfe or [tune.current(cfg)[0]]
     for total in totals:  # every budget's candidates, before anything is decoded or sampled
         if total < 1:

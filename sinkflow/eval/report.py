@@ -58,11 +58,12 @@ def evaluate(run, seeds: int | None = None, n: int | None = None, split: str = "
     return methods.of(run.cfg).evaluate(run, sys.modules[__name__], seeds=seeds, n=n, split=split)
 
 
-def check_eval_split(cfg: dict, split: str, flag: str = "split", who: str | None = None) -> None:
+def check_eval_split(cfg: dict, split: str, flag: str = "split", who: str | None = None,
+                     points_fix: str = "evaluate it on its test split: sinkflow eval RUN, without --split val") -> None:
     """Refuse, before any work (nothing decoded), an evaluation split the run does not have: ``val`` exists for
     image runs trained with ``data.val_fraction`` > 0 (it is carved from the training images before training, so it
     cannot be added to a trained run; 2D and point-file targets have none). ``who`` starts the message (default
-    ``<flag>=val``)."""
+    ``<flag>=val``); ``points_fix`` is the fix for a run of points (``sinkflow tune``'s names no flag)."""
     if split == "test":
         return
     if split != "val":
@@ -70,8 +71,7 @@ def check_eval_split(cfg: dict, split: str, flag: str = "split", who: str | None
     who = who or f"{flag}=val"
     if cfg["data"]["target"] not in data.IMAGE_SETS:  # by name: nothing decoded before check_split_files
         raise SinkflowError(f"{who}: {cfg['data']['target']} is not an image set, so it has no validation split "
-                            "(a validation split is carved from an image set's training images)",
-                            "evaluate it on its test split: sinkflow eval RUN, without --split val")
+                            "(a validation split is carved from an image set's training images)", points_fix)
     if not cfg["data"].get("val_fraction"):
         raise SinkflowError(f"{who}: this run was trained without a validation split (data.val_fraction=0), "
                             "and one cannot be carved from images it trained on",
