@@ -197,12 +197,14 @@ def in_process(capsys, *argv):
     return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
 
 
-@pytest.mark.parametrize("name", ["../escape", "sub/run", ".."])
-def test_a_run_name_that_is_a_path_is_refused_before_any_folder(tmp_path, monkeypatch, capsys, name):
-    """`--name ../escape` made the run folder outside experiment.runs_dir."""
+@pytest.mark.parametrize("name, where", [("../escape", "outside runs"), ("sub/run", "in a subfolder of runs"),
+                                         ("..", "outside runs"), (".", "in runs itself")])
+def test_a_run_name_that_is_a_path_is_refused_before_any_folder(tmp_path, monkeypatch, capsys, name, where):
+    """`--name ../escape` made the run folder outside experiment.runs_dir; the refusal says where the run would have
+    gone (it said 'outside runs' of `--name sub/run` too, which would be made in runs/sub/run)."""
     monkeypatch.chdir(tmp_path)
     one_line_error(in_process(capsys, "train", "moons", "--name", name, "--train-iters", "1", "--device", "cpu"),
-                   "is a path, not a folder name")
+                   "is a path, not a folder name", f"(the run would be made {where})")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 

@@ -124,8 +124,11 @@ class RunFolder:
             raise SinkflowError(f"experiment.name={exp['name']!r} is blank", "use a plain name, e.g. --name moons-long, "
                                 "or leave it out for <preset>-<method>-<time>")
         if exp["name"] and (exp["name"] in (".", "..") or any(sep in exp["name"] for sep in ("/", "\\", os.sep))):
+            parts = exp["name"].replace("\\", "/").split("/")
+            where = (f"outside {exp['runs_dir']}" if ".." in parts else f"in {exp['runs_dir']} itself"
+                     if set(parts) <= {".", ""} else f"in a subfolder of {exp['runs_dir']}")
             raise SinkflowError(f"experiment.name={exp['name']!r} is a path, not a folder name (the run would be "
-                                f"made outside {exp['runs_dir']})", "use a plain name, e.g. --name moons-long, and "
+                                f"made {where})", "use a plain name, e.g. --name moons-long, and "
                                 "experiment.runs_dir for where run folders go")
         name = exp["name"] or dist.on_main(lambda: claim_name(
             Path(exp["runs_dir"]).expanduser(), f"{exp['preset']}-{exp['method']}-{time.strftime('%Y%m%d-%H%M%S')}"))
