@@ -203,7 +203,7 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     cfg = config.resolve(preset, [f"experiment.runs_dir={scalar(str(runs_dir))}", *dotted], short)
     # meta.json records this call: the process's argv is the script's or the notebook kernel's
     call = _call_text(preset, {"runs_dir": str(runs_dir), "name": name, "device": device, **overrides})
-    with _callers_rng(), _float32_default(), _autograd():  # SinkflowError / Interrupted propagate
+    with _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir():  # SinkflowError / Interrupted propagate
         return open_run(train_run(cfg, device=device, call=call, time_limit=seconds).dir)
 
 
@@ -215,9 +215,24 @@ def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | 
 
     seconds, device = _seconds(time_limit), _plain(device)
     short, dotted = _overrides(overrides, {"device": None if device == "auto" else device}, ("device", "time_limit"))
-    with _callers_rng(), _float32_default(), _autograd():
+    with _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir():
         return open_run(train_run(resume=Path(_path(path, "path")), overrides=dotted, shorthands=short,
                                   device=device, time_limit=seconds).dir)
+
+
+@contextlib.contextmanager
+def _absolute_run_dir():
+    """``Interrupted.run_dir`` absolute, as a ``Run``'s folder is: it was the run folder as the run named it
+    (``runs/NAME``), and a notebook that changed directory (``os.chdir``, ``%cd``) before ``resume(e.run_dir)`` was
+    told there is no run folder there."""
+    from sinkflow.runtime.signals import Interrupted
+
+    try:
+        yield
+    except Interrupted as exc:
+        if getattr(exc, "run_dir", None) is not None:
+            exc.run_dir = Path(exc.run_dir).resolve()
+        raise
 
 
 @contextlib.contextmanager

@@ -139,6 +139,23 @@ def test_the_cli_exits_124_with_the_resume_line_and_status_says_why(tmp_path):
     assert out.returncode == 0 and _progress(tmp_path / "runs" / "k")[2], out.stderr[-2000:]
 
 
+def test_the_python_apis_interrupted_names_the_run_folder_wherever_the_notebook_goes_next(tmp_path, monkeypatch):
+    """``Interrupted.run_dir`` was relative (``runs/api``): after an ``os.chdir`` (a notebook's ``%cd``),
+    ``sinkflow.resume(e.run_dir)`` said there is no run folder there. It is absolute, as a ``Run``'s folder is."""
+    import sinkflow
+
+    monkeypatch.chdir(tmp_path)
+    tiny = {"experiment.device": "cpu", "pool.batches": 2, "pool.batch_size": 32, "pool.chunk": 1}
+    with pytest.raises(sinkflow.Interrupted) as e:
+        sinkflow.train("moons", name="api", time_limit=1e-9, train_iters=4, **tiny)
+    assert e.value.run_dir.is_absolute() and e.value.run_dir == tmp_path.resolve() / "runs" / "api"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(sinkflow.Interrupted) as again:
+        sinkflow.resume(e.value.run_dir, time_limit=1e-9)
+    assert again.value.run_dir == e.value.run_dir
+
+
 def test_a_bad_time_limit_is_refused_before_a_run_folder_exists(tmp_path, monkeypatch, capsys):
     from sinkflow.cli import main
 
