@@ -204,6 +204,25 @@ def test_a_flow_tries_its_sampling_temperatures(runs_dir, tmp_path, capsys):
     assert json.loads((runs_dir / "g" / "tune.json").read_text())["1"]["best"]["temperature"] in tune.TEMPERATURES
 
 
+@pytest.mark.parametrize("mode", ["1", "lines"])
+def test_tune_in_a_log_file_says_its_progress_in_lines_not_a_bar(runs_dir, tmp_path, capsys, monkeypatch, mode):
+    """Where the console is not a terminal (the default, 1, in a log file) or with SINKFLOW_PROGRESS=lines, tune
+    says its progress as a phase does: plain lines, every SINKFLOW_PROGRESS_EVERY seconds and at the end. It drew
+    tqdm's bar there, one line of carriage-return redraws that a log shows nothing of until the budget ends."""
+    from test_flow_eval import TINY as TINY_FLOW
+
+    assert main(["train", "flow-digits", *TINY_FLOW, f"data.root={tmp_path / 'data'}", "--train-iters", "2",
+                 "--name", "g", "--no-report"]) == 0
+    capsys.readouterr()
+    monkeypatch.setenv("SINKFLOW_PROGRESS", mode)
+    monkeypatch.setenv("SINKFLOW_PROGRESS_EVERY", "0")
+    rc, err = main(["tune", str(runs_dir / "g"), "--n", "16"]), capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("tune ")]
+    assert rc == 0 and "\r" not in err and "|" not in err, err
+    assert len(lines) == len(tune.candidates(config.resolve("flow-digits"), 1)), err
+    assert lines[-1].startswith(f"tune 1 NFE: {len(lines)}/{len(lines)} samplers scored, elapsed "), err
+
+
 def test_cifar_runs_are_tuned_by_fid_at_their_shape(runs_dir, tmp_path, capsys, monkeypatch):
     """(N, 3, 32, 32) has no digit classifier: with eval.inception_weights the candidates are scored by FID
     (torchmetrics; a tiny network of Inception's interface stands in for the weights this machine lacks). The real

@@ -125,7 +125,7 @@ def progress_mode() -> str:
     return "bar" if in_place else "lines"
 
 
-def _line_every() -> float:
+def line_every() -> float:
     try:
         every = float(os.environ.get("SINKFLOW_PROGRESS_EVERY", PROGRESS_LINE_EVERY))
     except ValueError:
@@ -145,7 +145,7 @@ class ProgressBar(Callback):
         mode = progress_mode() if dist.current().is_main else "0"
         if mode == "lines":
             self.lines = ProgressLines(trainer.name, trainer.total, trainer.progress,
-                                       "steps" if trainer.training else "batches", _line_every())
+                                       "steps" if trainer.training else "batches", line_every())
             return
         self.bar = tqdm(total=trainer.total, initial=trainer.progress, desc=trainer.name, disable=mode == "0",
                         dynamic_ncols=True, mininterval=1.0, smoothing=0.1)

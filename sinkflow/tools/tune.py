@@ -17,7 +17,8 @@ alone, ``nsgf.segment=0``), the straight flow's ``nsf_steps = NFE - 1 - k`` and 
 
 from __future__ import annotations
 
-import os
+import sys
+import time
 
 from sinkflow.errors import SinkflowError
 
@@ -146,6 +147,7 @@ def tune(run, total: int, n: int, seeds: int = 1,
     from tqdm import tqdm
 
     from sinkflow.eval.images import held_out, image_metrics
+    from sinkflow.runtime.callbacks import line_every, progress_mode
 
     out, scoring = [], {"class_n": None}  # eval.class_n off: every metric on the same n samples
     reference = held_out(run.variant(eval=scoring).cfg, "val", n)
@@ -153,10 +155,18 @@ def tune(run, total: int, n: int, seeds: int = 1,
     own_total, own = current(run.cfg)
     if own_total == total and own not in cands:
         cands.append(own)
-    for settings in tqdm(cands, desc=f"tune {total} NFE", unit="sampler",
-                         disable=os.environ.get("SINKFLOW_PROGRESS") == "0"):
+    # a bar where it is drawn in place, else a plain line every SINKFLOW_PROGRESS_EVERY seconds and at the end, as a
+    # phase's progress: a bar in a log file (nohup, a job's log) was one line of \r redraws until the budget ended
+    mode, every = progress_mode(), line_every()
+    start = last = time.monotonic()
+    for i, settings in enumerate(tqdm(cands, desc=f"tune {total} NFE", unit="sampler", disable=mode != "bar"), 1):
         steps = settings.get("nsf_steps", settings.get("steps", 1))  # a flow's one pass
         row = image_metrics(run.variant(sample=settings, eval=scoring), seeds=seeds, steps_list=[steps],
                             reference=reference, per_seed=True)["rows"][0]
         out.append((settings, row[metric], row[f"{metric}_per_seed"]))
+        now = time.monotonic()
+        if mode == "lines" and (now - last >= every or i == len(cands)):
+            last = now
+            print(f"tune {total} NFE: {i}/{len(cands)} samplers scored, elapsed {tqdm.format_interval(now - start)}",
+                  file=sys.stderr, flush=True)
     return out
