@@ -475,6 +475,23 @@ def test_missing_dataset_offline(preset, needle, runs_dir, tmp_path, capsys):
     assert not runs_dir.exists()
 
 
+def test_missing_mnist_names_the_t10k_only_layout_too(runs_dir, tmp_path, capsys, monkeypatch):
+    """The README trains the mnist preset on the two t10k files alone; the missing-files fix named the four files
+    of the official layout only, offline (data.download=false) and when the download failed."""
+    import torchvision.datasets
+
+    bad(capsys, "mnist", "data.download=false", f"data.root={tmp_path / 'data'}")
+    one_line(capsys, "MNIST not found", "or the two t10k-* files alone (a fixed 8,000 / 2,000 split of their digits)")
+
+    def offline(root, **kwargs):
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
+
+    monkeypatch.setattr(torchvision.datasets, "MNIST", offline)
+    bad(capsys, "mnist", f"data.root={tmp_path / 'data'}")
+    one_line(capsys, "MNIST download into", "or the two t10k-* files alone", "run once on a machine with internet")
+    assert not runs_dir.exists()
+
+
 def test_a_failed_download_does_not_advise_turning_the_download_on(runs_dir, tmp_path, capsys, monkeypatch):
     """data.download is true by default: when the download itself fails (offline), the fix said "or set
     data.download=true", which it already was."""

@@ -304,7 +304,8 @@ class MNISTSource(ArraySource):
         missing = self._missing()
         if not missing:
             return
-        how = (f"place {', '.join(f for pair in self.FILES.values() for f in pair)} (or their .gz) in {self.raw}"
+        how = (f"place {', '.join(f for pair in self.FILES.values() for f in pair)} (or their .gz) in {self.raw}, "
+               f"or the two t10k-* files alone (a fixed {10000 - T10K_TEST:,} / {T10K_TEST:,} split of their digits),"
                + self.online_fix())
         from torchvision.datasets import MNIST
 
