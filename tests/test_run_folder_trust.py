@@ -606,7 +606,8 @@ def test_sample_on_a_run_still_training_says_to_wait_not_to_resume(run, capsys, 
 
     (run / "checkpoints" / "velocity" / "final.pt").unlink()
     rc, err = run_main(capsys, "sample", str(run), "--n", "8", "--out", str(tmp_path / "s.npy"))
-    one_line(rc, err, "phase 'velocity'", "has not finished", f"finish it with `sinkflow train --resume {run}`")
+    one_line(rc, err, "phase 'velocity'", "has not finished",  # as launched: the run was trained with --no-report
+             f"finish it with `sinkflow train --resume {run} --no-report`")
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from sinkflow.runtime.lock import lock_run; "
                                "lock_run(sys.argv[1]); print('held', flush=True); time.sleep(60)", str(run)],
                               stdout=subprocess.PIPE, text=True)

@@ -515,3 +515,40 @@ def test_a_hand_edit_every_command_refuses_is_not_finished(tiny_run, tmp_path, c
     assert "state        DAMAGED (--resume, sample and eval refuse the run's config.yaml: " in out, out
     assert needle in out and "edit that file" in out, out
     assert main(["eval", str(run)]) == 2 and needle in capsys.readouterr().err  # what status now foretells
+
+
+def test_a_torchrun_job_killed_as_a_phase_starts_or_failed_resumes_as_launched(runs_dir, monkeypatch):
+    """Only a stop's heartbeat held the launch: a 3-process torchrun job killed while a phase set up (rank 0 computing
+    NSGF++'s states past torchrun's 30 s grace; the heartbeat said "starting"), or failed on a lost rank, was told by
+    status to resume with a plain `sinkflow train --resume` (one process, no time limit). Every heartbeat holds it now
+    (the processes are simulated: the run trains alone)."""
+    from types import SimpleNamespace
+
+    from sinkflow import config
+    from sinkflow.engine import experiment
+    from sinkflow.engine.experiment import train_run
+    from sinkflow.runtime.callbacks import Callback
+    from sinkflow.runtime.relaunch import read_heartbeat, resume_for
+
+    three = SimpleNamespace(rank=0, world=3, is_main=True, enabled=False)  # the launch's numbers, no collective
+    monkeypatch.setattr(experiment, "dist", SimpleNamespace(**{**vars(experiment.dist), "current": lambda: three,
+                                                                "per_node": lambda: 3}))
+    starting = {}
+
+    class Lost(Callback):
+        def on_setup(self, trainer):
+            starting.update(read_heartbeat(trainer.run.dir))
+
+        def on_train_batch_end(self, trainer, batch, outputs):
+            if trainer.step == 2:
+                raise RuntimeError("Connection closed by peer")
+
+    cfg = config.resolve("moons", ["experiment.method=fm", "experiment.name=lost", "experiment.device=cpu"],
+                         {"train_iters": 6})
+    with pytest.raises(RuntimeError):
+        train_run(cfg, callbacks=[Lost()], time_limit=3600)
+    run = runs_dir / "lost"
+    launched = f"torchrun --nproc_per_node 3 -m sinkflow train --resume {run} --no-report --time-limit 1h"
+    assert starting["state"] == "starting" and resume_for(run, starting) == launched, starting
+    line = next(x for x in format_status(read_status(run)).splitlines() if x.startswith("state"))
+    assert line.startswith("state        FAILED") and f"then `{launched}` continues" in line, line

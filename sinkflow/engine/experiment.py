@@ -36,13 +36,13 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
     """Each unfinished task through its own ``Trainer`` (``callbacks`` go to every one of them); past the
     ``time.monotonic()`` ``deadline`` (the time limit) the run stops as on SIGTERM: within a phase at its next step,
     between two phases before the next starts, and after the last only where a ``report`` would follow (it is
-    skipped as asked; with none to skip, a finished run is finished: exit 0, not 124 and a resume to run). A stop's
+    skipped as asked; with none to skip, a finished run is finished: exit 0, not 124 and a resume to run). Every
     heartbeat records how the run was launched (processes, report, the session's ``time_limit`` in seconds), from
     which `sinkflow status` gives the resume command the CLI printed (``runtime.relaunch.resume_command``)."""
     callbacks = list(callbacks)
     last = None
-    launch = {"world": dist.current().world, "per_node": dist.per_node(), "no_report": not report,
-              "time_limit": time_limit}
+    run.logger.launch = {"world": dist.current().world, "per_node": dist.per_node(), "no_report": not report,
+                         "time_limit": time_limit}
     with graceful_stop(deadline):
         for task in phases:
             if run.phase_done(task.name):
@@ -50,7 +50,7 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                 continue
             if last is not None and (signum := dist.agree_stop(stop_requested())) is not None:
                 run.logger.heartbeat(phase=last[0], step=last[1], state="stopped", signal=signum,
-                                     **batch_fields(*last[2:]), **launch)  # not DEAD
+                                     **batch_fields(*last[2:]))  # not DEAD
                 raise Interrupted(signum, *last)  # a phase just ended on the stop: the next is the resume's
             run.logger.heartbeat(phase=task.name, step=0, state="starting")
             trainer = None
@@ -59,14 +59,14 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                 trainer.fit()
             except Interrupted as exc:  # `sinkflow status` says STOPPED (checkpoint saved), not DEAD
                 run.logger.heartbeat(phase=exc.phase, step=exc.step, state="stopped", signal=exc.signum,
-                                     **batch_fields(exc.done, exc.of), **launch)
+                                     **batch_fields(exc.done, exc.of))
                 raise
             except KeyboardInterrupt as exc:  # a second signal (StopNow), or a notebook's KeyboardInterrupt raised
                 # in the loop (a callback's, a SIGALRM handler's): stopped at once, from the last checkpoint (status
                 # said DEAD, "pid ... is another process now", of the kernel that lives on)
                 run.logger.heartbeat(phase=task.name, step=getattr(trainer, "progress", None), state="stopped",
                                      signal=getattr(exc, "signum", None), at_once=True,
-                                     **batch_fields(*task_batches(trainer)), **launch)
+                                     **batch_fields(*task_batches(trainer)))
                 raise
             except Exception as exc:  # `sinkflow status` says FAILED and why (a resume would fail the same way)
                 step = getattr(exc, "step", None)  # the failing step where the error knows it (a non-finite one)

@@ -43,6 +43,7 @@ class MetricsLogger:
         self._purge: dict[str, int] = {}  # phase -> the first step its next writer hides (``rewind``)
         self._tb_step: dict[str, int] = {}  # tag -> the step this process last wrote it at
         self._jsonl = None  # opened on the first record: creating a logger writes nothing
+        self.launch: dict[str, Any] = {}  # how the run was launched, in every heartbeat (``run_phases`` sets it)
 
     @property
     def jsonl(self):
@@ -159,11 +160,13 @@ class MetricsLogger:
                 tb.add_histogram(tag, values, step)
 
     def heartbeat(self, **status: Any) -> None:
-        """Rewrite ``status.json`` (phase, step, total, rate, eta, state) with the current time."""
+        """Rewrite ``status.json`` (phase, step, total, rate, eta, state) with the current time and ``launch`` (the
+        processes, report and time limit `sinkflow status` builds the resume command from, whatever the state: a
+        torchrun job killed or failed was told to resume as one process, without its time limit)."""
         if not self.enabled:
             return
-        status = {"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
-                  "dir": str(self.run_dir.resolve()), **status}  # the folder the pid writes: a copy is told apart
+        status = {"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(),  # "dir": the folder the
+                  "dir": str(self.run_dir.resolve()), **self.launch, **status}  # pid writes: a copy is told apart
         atomic_write_text(self.run_dir / "status.json", json.dumps(status))
 
     def flush(self) -> None:

@@ -29,8 +29,9 @@ def resume_command(run_dir, world: int = 1, no_report: bool = False, time_limit:
 
 
 def resume_for(run_dir: Path, hb: dict) -> str:
-    """``resume_command`` from what the run recorded: a stop's heartbeat holds its launch (world, report, time
-    limit); otherwise (a kill -9, a run from before) the running heartbeat's world and meta.json's first argv."""
+    """``resume_command`` from what the run recorded: every heartbeat of a run holds its launch (world, processes a
+    node, report, time limit: a torchrun job killed as a phase started, or failed on a lost rank, was told to resume
+    as one process); a run from before, its heartbeat's world and meta.json's first argv."""
     if "no_report" in hb:
         no_report = bool(hb["no_report"])
     else:
