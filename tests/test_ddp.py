@@ -353,3 +353,16 @@ def test_dropout_under_ddp_draws_each_ranks_own_masks_and_resumes_them(runs_dir,
     resumed = masks("resumed", "--resume", str(runs_dir / "stopped"), "--no-report")
     assert len(resumed[0]) == 3 * per_step
     assert resumed[0] == whole[0][per_step:] and resumed[1] == whole[1][per_step:]
+
+
+def test_a_non_finite_or_diverged_stop_under_ddp_is_one_line(runs_dir):
+    """Both stops are agreed (the non-finite flag is OR-ed over ranks, the diverging loss is the mean over ranks), so
+    every rank raised the same error and printed it: one line a rank, each with its own shard's loss for a
+    non-finite step. Rank 0 prints it once, with the mean over ranks."""
+    cwd = runs_dir.parent
+    args = ["moons", "--method", "fm", "--train-iters", "300", "--batch-size", "16", "train.velocity.lr_scaling=none",
+            "train.velocity.log_every=1", "--device", "cpu", "--no-report"]
+    for lr, said in (("1e4", "non-finite"), ("50", "training diverged")):
+        out = _torchrun(*args, "--lr", lr, "--name", f"lr{lr}", cwd=cwd)
+        errors = [x for x in out.stderr.split("sinkflow: error: ")[1:]]
+        assert len(errors) == 1 and errors[0].startswith(said), out.stderr[-3000:]

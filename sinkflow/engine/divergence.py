@@ -74,4 +74,4 @@ class DivergenceGuard(Callback):
                 f"{LOSS_LIMIT:.0e} x the data's scale squared ({self.scale:.3g}^2); {kept}",
                 f"lower {key}.lr (now {trainer.cfg['lr']:g}; `sinkflow lr-find` picks one) or set {key}.grad_clip: "
                 f"start a new run with it, or resume with it after deleting the checkpoints written after the loss "
-                f"grew (metrics.jsonl)")
+                f"grew (metrics.jsonl)", every_rank=True)  # the loss and scale are every rank's: one line

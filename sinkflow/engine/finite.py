@@ -59,9 +59,13 @@ class NonFiniteGuard:
         return (self.first > 0).float()
 
     def failure(self) -> tuple[str, int] | None:
-        """(what went non-finite, first bad step) of the device-side record, or None (one sync)."""
+        """(what went non-finite, first bad step) of the device-side record, or None (one sync). Under DDP every rank
+        finds the same step (the flag is OR-ed) and the values are the mean over ranks, as a logged loss is: each rank
+        had named its own shard's loss, three numbers for one stop."""
         step = int(self.first)
-        return (self.what(float(self.loss), float(self.norm)), step) if step else None
+        if not step:
+            return None
+        return self.what(dist.mean_over_ranks(float(self.loss)), dist.mean_over_ranks(float(self.norm))), step
 
     def check_now(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
         """The host-side check of one step (where a read is free: the CPU): what is non-finite, or None."""

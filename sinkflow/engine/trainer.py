@@ -581,10 +581,12 @@ class Trainer:
 
 class NonFiniteStep(SinkflowError):
     """A step stopped before a non-finite loss or gradient was applied (lr-find records it as a gap); ``step``: the
-    step that was not (found on the device at a later log step: status said "stopped at step 10: ... at step 2")."""
+    step that was not (found on the device at a later log step: status said "stopped at step 10: ... at step 2").
+    Under torchrun every rank raises it alike (the flag and the values are agreed over ranks), so rank 0 alone
+    prints it: each rank printed its own line, 8 GPUs 8 lines."""
 
     def __init__(self, problem: str, fix: str | None = None, *, step: int | None = None):
-        super().__init__(problem, fix)
+        super().__init__(problem, fix, every_rank=True)
         self.step = step
 
 
