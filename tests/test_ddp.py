@@ -366,3 +366,18 @@ def test_a_non_finite_or_diverged_stop_under_ddp_is_one_line(runs_dir):
         out = _torchrun(*args, "--lr", lr, "--name", f"lr{lr}", cwd=cwd)
         errors = [x for x in out.stderr.split("sinkflow: error: ")[1:]]
         assert len(errors) == 1 and errors[0].startswith(said), out.stderr[-3000:]
+
+
+def test_a_refused_resume_preset_or_a_step_graph_under_ddp_is_one_line(runs_dir):
+    """Every rank refuses a resume as another preset, and a whole-step graph under DDP, alike: each printed the
+    line (2 processes, 2 lines). Rank 0 prints it once."""
+    cwd = runs_dir.parent
+    made = cli("train", "moons", "--method", "fm", "--train-iters", "2", "--device", "cpu", "--no-report", "--name",
+               "made", cwd=cwd)
+    assert made.returncode == 0, made.stderr[-3000:]
+    for args, said in ((["scurve", "--resume", str(runs_dir / "made")], "cannot resume"),
+                       (["moons", "--method", "fm", "train.velocity.graph=step", "--train-iters", "2", "--device",
+                         "cpu", "--no-report"], "train.velocity.graph=step runs one process")):
+        out = _torchrun(*args, cwd=cwd)
+        errors = out.stderr.split("sinkflow: error: ")[1:]
+        assert out.returncode != 0 and len(errors) == 1 and errors[0].startswith(said), out.stderr[-3000:]

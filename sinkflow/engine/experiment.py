@@ -194,12 +194,12 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
             raise SinkflowError(f"cannot resume {resume} with the config file '{preset}': a resume reads the run's own "
                                 "config.yaml, which the file made when the run started",
                                 f"drop the file (`sinkflow train --resume {resume}`), giving any key to change as "
-                                "key=value")
+                                "key=value", every_rank=True)  # every rank's command is the same (checked above)
         if preset is not None and preset != run.cfg["experiment"]["preset"]:
             raise SinkflowError(f"cannot resume {resume} as preset '{preset}': it is a run of preset "
                                 f"'{run.cfg['experiment']['preset']}'",
                                 f"drop the preset name (`sinkflow train --resume {resume}`) or start a new run "
-                                f"with `sinkflow train {preset}`")
+                                f"with `sinkflow train {preset}`", every_rank=True)
     else:
         check_ranks_agree(absolute_data_paths(cfg, DATA_PATH_KEYS))  # before any folder
         dist.on_every(lambda: check_run(cfg))  # every rank refuses alike: rank 0 says it once

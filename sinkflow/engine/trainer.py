@@ -613,7 +613,8 @@ def check_step_graph(cfg: dict, key: str, world: int, compile_mode: str | None, 
     """Refuse, before the first step, a ``graph: step`` phase whose step a CUDA graph cannot hold."""
     if world > 1:
         raise SinkflowError(f"train.{key}.graph=step runs one process; this run has {world} (DDP's all-reduce is "
-                            "not captured)", f"set train.{key}.graph=none under torchrun")
+                            "not captured)", f"set train.{key}.graph=none under torchrun",
+                            every_rank=True)  # every rank's world: rank 0 says it once
     if compile_mode not in (None, "default"):
         raise SinkflowError(f"train.{key}.graph=step captures the whole step; compile_mode={compile_mode} would "
                             "capture graphs inside it", f"set train.{key}.compile_mode=default (or compile=false)")
