@@ -381,3 +381,19 @@ def test_a_refused_resume_preset_or_a_step_graph_under_ddp_is_one_line(runs_dir)
         out = _torchrun(*args, cwd=cwd)
         errors = out.stderr.split("sinkflow: error: ")[1:]
         assert out.returncode != 0 and len(errors) == 1 and errors[0].startswith(said), out.stderr[-3000:]
+
+
+def test_the_learning_check_after_a_resume_on_fewer_processes_judges_the_same_batch(runs_dir):
+    """The check compared rank 0's shard of the probe batch at the phase's start with rank 0's shard at its end; a
+    resume on another number of processes changes the global batch and its shards, so the two were different
+    batches: a frozen network (lr 1e-9) started on 2 processes and resumed on 1 read 6.73 then 5.47 and passed. The
+    probe is the whole global batch of the start, its loss weighted over ranks: the frozen network is named."""
+    cwd = runs_dir.parent
+    args = ["moons", "--method", "fm", "--lr", "1e-9", "--train-iters", "100", "--batch-size", "8",
+            "train.velocity.lr_scaling=none", "train.velocity.warmup=0", "--device", "cpu", "--no-report"]
+    stopped = _torchrun(*args, "--name", "frozen", "--time-limit", "0.000001", cwd=cwd)
+    assert "stopped at the time limit" in stopped.stderr, stopped.stderr[-3000:]
+    out = cli("train", "--resume", str(runs_dir / "frozen"), cwd=cwd)
+    said = re.search(r"velocity: the loss did not fall \(([\d.]+) on a fixed batch through the network it started "
+                     r"from, ([\d.]+) through the one trained to step 100", out.stderr)
+    assert out.returncode == 0 and said and said[1] == said[2], out.stderr[-3000:]

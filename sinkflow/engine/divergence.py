@@ -38,12 +38,13 @@ def _largest(batch: Any) -> float:
     return 0.0
 
 
-def probe_batch(trainer, seed: int) -> Any:
-    """One batch of the phase (this rank's shard of the global batch) drawn from a throwaway generator seeded
-    ``seed``, with the global RNG states restored: the run's random streams, and a bit-equal resume, are untouched."""
+def probe_batch(trainer, seed: int, n: int | None = None) -> Any:
+    """One batch of the phase (this rank's shard of the global batch of ``n`` rows, by default the training one)
+    drawn from a throwaway generator seeded ``seed``, with the global RNG states restored: the run's random
+    streams, and a bit-equal resume, are untouched."""
     saved = rng_state()
     try:
-        n = trainer.cfg["batch_size"] * trainer.info.world
+        n = trainer.cfg["batch_size"] * trainer.info.world if n is None else n
         return trainer.task.batch(torch.Generator().manual_seed(seed), n, trainer.device)
     finally:
         set_rng_state(saved)

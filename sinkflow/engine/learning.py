@@ -18,8 +18,10 @@ when the phase starts (after ``on_setup``, where a Glow's ActNorm is initialised
 the probe initialises nothing), the final one after the last step. The probe batch comes from its own generator
 with the global RNG states restored (``probe_batch``): the training is bit-equal with or without the check
 (tested at (N, 2), on a Glow, and with a dropout UNet at (N, 1, 28, 28) and (N, 3, 32, 32): NSGF++'s velocity and
-NSF phases, OT-CFM). The initial value is kept in the phase's checkpoints, so a resumed phase is
-judged against where it began. The warning goes to ``LEARNING_LOG``, which the tools' few-step scratch runs mute (``quiet``). A task with a sharper check of its own
+NSF phases, OT-CFM). The initial value is kept in the phase's checkpoints with the probe's global batch size, so
+a resumed phase is judged against where it began, on the same batch whatever the number of processes (under DDP
+the loss is the whole probe batch's: each rank's shard weighted by its rows). The warning goes to
+``LEARNING_LOG``, which the tools' few-step scratch runs mute (``quiet``). A task with a sharper check of its own
 (NSGF++'s time predictor: its MSE against a constant guess) sets ``TrainingStep.learning_check = False``.
 """
 
@@ -51,20 +53,32 @@ class LearningCheck(Callback):
 
     def __init__(self):
         self.initial: float | None = None
+        self.rows: int | None = None  # the probe's global batch, kept with ``initial``
         self._batch: Any = None
 
     def on_phase_start(self, trainer) -> None:
         if not checks(trainer.task, trainer.total):
             return
-        self._batch = probe_batch(trainer, PROBE_SEED)
+        if trainer.step == 0 or self.rows is None:
+            self.rows = trainer.cfg["batch_size"] * trainer.info.world
+        self._batch = probe_batch(trainer, PROBE_SEED, self.rows)
         if trainer.step == 0:
-            self.initial = float(trainer.probe_forward(self._batch))
+            self.initial = self.probe_loss(trainer, self._batch)
+
+    def probe_loss(self, trainer, batch) -> float:
+        """The loss on the whole probe batch: each rank's shard's mean, weighted by its rows, over ranks. Rank 0's
+        shard alone was another batch after a resume on another number of processes (the global batch and its
+        shards change with the world), so the phase was judged on two batches: a frozen network started on 2
+        processes and resumed on 1 read 6.73 -> 5.47 and passed, one started on 1 and resumed on 2 warned at 123 %."""
+        info = trainer.info
+        rows = len(range(info.rank, self.rows, info.world))
+        return dist.mean_over_ranks(float(trainer.probe_forward(batch)) * rows) * info.world / self.rows
 
     def on_phase_end(self, trainer) -> None:
         batch, self._batch = self._batch, None
         if batch is None or self.initial is None or self.initial <= 0:
             return
-        final = float(trainer.probe_forward(batch))
+        final = self.probe_loss(trainer, batch)
         if final >= FELL_LESS_THAN * self.initial and dist.current().is_main:
             key = f"train.{trainer.task.model_key}"
             learning.warning(
@@ -77,7 +91,7 @@ class LearningCheck(Callback):
         self._batch = None
 
     def state_dict(self) -> dict:
-        return {"initial": self.initial} if self.initial is not None else {}
+        return {"initial": self.initial, "rows": self.rows} if self.initial is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
-        self.initial = state.get("initial")
+        self.initial, self.rows = state.get("initial"), state.get("rows")
