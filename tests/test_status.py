@@ -418,6 +418,32 @@ def test_progress_in_a_log_file_is_whole_lines(tmp_path, mode):
     assert "steps/s" in steps[-1] and "ETA 00:00" in steps[-1] and ", loss " in steps[-1], steps[-1]
 
 
+@pytest.mark.parametrize("mode", ["lines", "bar", "0"])
+def test_a_tools_loop_says_its_progress_as_a_phase_does(tmp_path, capsys, monkeypatch, mode):
+    """`sinkflow sample --out folder/` (and tune) drew tqdm's bar whatever the console: in a log file one line of
+    carriage-return redraws until the loop ended. ``progress`` follows SINKFLOW_PROGRESS as a phase's bar does: whole
+    lines with counts, rate and ETA in a log file, the bar in place, nothing at 0; the items pass through unchanged."""
+    import torch
+
+    from sinkflow.eval.images import save_image_folder
+
+    monkeypatch.setenv("SINKFLOW_PROGRESS", mode)
+    monkeypatch.setenv("SINKFLOW_PROGRESS_EVERY", "0")
+    folder = save_image_folder(torch.zeros(1000, 1, 2, 2), tmp_path / "png")
+    err = capsys.readouterr().err
+    assert len(list(folder.iterdir())) == 1000
+    if mode == "0":
+        assert err == "", err
+        return
+    if mode == "bar":
+        assert "\r" in err and "1000/1000" in err, err[-500:]
+        return
+    lines = err.splitlines()
+    assert "\r" not in err and len(lines) == 1000, err[-500:]
+    assert lines[0].startswith("png: 1/1,000 images (0.1%), ") and "images/s" in lines[0], lines[0]
+    assert lines[-1].startswith("png: 1,000/1,000 images (100.0%), ") and "ETA 00:00" in lines[-1], lines[-1]
+
+
 def test_status_counts_what_the_bar_counts_and_a_resume_stands_at_its_step(runs_dir, monkeypatch):
     """The pool's heartbeat counted chunks as "step 4/12" with no rate or ETA, while its bar counted 32/96 batches;
     a resumed phase said "step 0" (DEAD at step 0 after a kill then) until its first log step."""

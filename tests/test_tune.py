@@ -220,7 +220,8 @@ def test_tune_in_a_log_file_says_its_progress_in_lines_not_a_bar(runs_dir, tmp_p
     lines = [line for line in err.splitlines() if line.startswith("tune ")]
     assert rc == 0 and "\r" not in err and "|" not in err, err
     assert len(lines) == len(tune.candidates(config.resolve("flow-digits"), 1)), err
-    assert lines[-1].startswith(f"tune 1 NFE: {len(lines)}/{len(lines)} samplers scored, elapsed "), err
+    assert lines[-1].startswith(f"tune 1 NFE: {len(lines)}/{len(lines)} samplers (100.0%), "), err
+    assert "samplers/s, elapsed " in lines[-1] and "ETA 00:00" in lines[-1], err
 
 
 def test_cifar_runs_are_tuned_by_fid_at_their_shape(runs_dir, tmp_path, capsys, monkeypatch):

@@ -94,7 +94,8 @@ def save_image_folder(x: torch.Tensor, folder, progress: bool = True) -> Path:
     import shutil
 
     from PIL import Image
-    from tqdm import tqdm
+
+    from sinkflow.runtime.callbacks import progress as progress_of
 
     if x.ndim != 4 or x.shape[1] not in (1, 3):
         raise SinkflowError(f"a folder of PNGs needs images shaped (N, 1 or 3, H, W), got {tuple(x.shape)}",
@@ -106,7 +107,7 @@ def save_image_folder(x: torch.Tensor, folder, progress: bool = True) -> Path:
     try:
         width = max(6, len(str(len(x) - 1)))
         pixels = to_uint8(x)
-        for i in tqdm(range(len(x)), desc="png", unit="image", disable=not progress or len(x) < 1000):
+        for i in progress_of(range(len(x)), "png", "images", enabled=progress and len(x) >= 1000):
             img = pixels[i]
             Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(tmp / f"{i:0{width}d}.png")
         if folder.is_dir():

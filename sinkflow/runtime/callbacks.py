@@ -172,6 +172,25 @@ class ProgressBar(Callback):
             self.bar = None
 
 
+def progress(items, desc: str, unit: str, enabled: bool = True):
+    """Iterate ``items`` (sized) showing progress as a phase does (``progress_mode``): a tqdm bar where it is drawn
+    in place, a plain ``ProgressLines`` line every ``SINKFLOW_PROGRESS_EVERY`` seconds and at the end where the
+    console is a log file, nothing with SINKFLOW_PROGRESS=0 or ``enabled=False``. For the tools' own loops (tune's
+    samplers, sample's PNGs): they drew tqdm's bar into log files, one line of carriage-return redraws that
+    ``tail -f`` shows nothing of until the loop ends. ``unit`` is plural (``"images"``)."""
+    mode = progress_mode() if enabled else "0"
+    if mode == "bar":
+        yield from tqdm(items, desc=desc, unit=unit.rstrip("s"), dynamic_ncols=True, mininterval=1.0)
+        return
+    lines = ProgressLines(desc, len(items), 0, unit, line_every()) if mode == "lines" else None
+    for item in items:
+        yield item
+        if lines is not None:
+            lines.update(1)
+    if lines is not None:
+        lines.close()
+
+
 class ProgressLines:
     """Progress as whole lines on stderr, flushed: ``velocity: 1,200/20,000 steps (6.0%), 41.2 steps/s, elapsed
     00:29, ETA 07:36, loss 0.1234``; the rate is this process's (a resumed phase counts from where it resumed)."""

@@ -17,9 +17,6 @@ alone, ``nsgf.segment=0``), the straight flow's ``nsf_steps = NFE - 1 - k`` and 
 
 from __future__ import annotations
 
-import sys
-import time
-
 from sinkflow.errors import SinkflowError
 
 # sample.t_shift values NSGF++'s sampler tries beside k: 0 is the paper's t̂; a velocity network trained briefly
@@ -144,10 +141,8 @@ def tune(run, total: int, n: int, seeds: int = 1,
     Each candidate samples from a view of the run (``RunFolder.variant``; config.yaml is never written). The
     validation reference (FD-CNN features and floor, or FID's Inception features of the real images) is built once
     for all candidates."""
-    from tqdm import tqdm
-
     from sinkflow.eval.images import held_out, image_metrics
-    from sinkflow.runtime.callbacks import line_every, progress_mode
+    from sinkflow.runtime.callbacks import progress
 
     out, scoring = [], {"class_n": None}  # eval.class_n off: every metric on the same n samples
     reference = held_out(run.variant(eval=scoring).cfg, "val", n)
@@ -155,18 +150,9 @@ def tune(run, total: int, n: int, seeds: int = 1,
     own_total, own = current(run.cfg)
     if own_total == total and own not in cands:
         cands.append(own)
-    # a bar where it is drawn in place, else a plain line every SINKFLOW_PROGRESS_EVERY seconds and at the end, as a
-    # phase's progress: a bar in a log file (nohup, a job's log) was one line of \r redraws until the budget ended
-    mode, every = progress_mode(), line_every()
-    start = last = time.monotonic()
-    for i, settings in enumerate(tqdm(cands, desc=f"tune {total} NFE", unit="sampler", disable=mode != "bar"), 1):
+    for settings in progress(cands, f"tune {total} NFE", "samplers"):  # lines, not a bar, in a log file
         steps = settings.get("nsf_steps", settings.get("steps", 1))  # a flow's one pass
         row = image_metrics(run.variant(sample=settings, eval=scoring), seeds=seeds, steps_list=[steps],
                             reference=reference, per_seed=True)["rows"][0]
         out.append((settings, row[metric], row[f"{metric}_per_seed"]))
-        now = time.monotonic()
-        if mode == "lines" and (now - last >= every or i == len(cands)):
-            last = now
-            print(f"tune {total} NFE: {i}/{len(cands)} samplers scored, elapsed {tqdm.format_interval(now - start)}",
-                  file=sys.stderr, flush=True)
     return out
