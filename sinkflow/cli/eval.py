@@ -27,7 +27,8 @@ def add_parser(sub):
                         "split (the record in metrics.jsonl says split: val)")
     p.add_argument("--seeds", type=int, help="sampling seeds (default eval.seeds)")
     p.add_argument("--n", type=int, help="samples per seed for every metric (default eval.n, and eval.class_n for "
-                   "the image classifier's columns)")
+                   "the image classifier's columns; a flow's validation bits/dim is on every validation image, as "
+                   "model selection scores it)")
     add_device_arg(p)
     p.set_defaults(func=run)
 
