@@ -370,7 +370,8 @@ def test_a_non_finite_or_diverged_stop_under_ddp_is_one_line(runs_dir):
 
 def test_a_refused_resume_preset_or_a_step_graph_under_ddp_is_one_line(runs_dir):
     """Every rank refuses a resume as another preset, and a whole-step graph under DDP, alike: each printed the
-    line (2 processes, 2 lines). Rank 0 prints it once."""
+    line (2 processes, 2 lines). Rank 0 prints it once; the graph before any folder exists (it was refused as the
+    phase set up, after the run folder, and for NSGF the pool, had been made)."""
     cwd = runs_dir.parent
     made = cli("train", "moons", "--method", "fm", "--train-iters", "2", "--device", "cpu", "--no-report", "--name",
                "made", cwd=cwd)
@@ -381,6 +382,7 @@ def test_a_refused_resume_preset_or_a_step_graph_under_ddp_is_one_line(runs_dir)
         out = _torchrun(*args, cwd=cwd)
         errors = out.stderr.split("sinkflow: error: ")[1:]
         assert out.returncode != 0 and len(errors) == 1 and errors[0].startswith(said), out.stderr[-3000:]
+        assert [p.name for p in runs_dir.iterdir()] == ["made"], list(runs_dir.iterdir())
 
 
 def test_the_learning_check_after_a_resume_on_fewer_processes_judges_the_same_batch(runs_dir):

@@ -26,7 +26,7 @@ from sinkflow.runtime.rng import phase_generator
 from sinkflow.runtime.run_folder import DATA_PATH_KEYS, RunFolder, absolute_data_paths, build_phase_model
 from sinkflow.runtime.signals import Interrupted, graceful_stop, stop_requested
 from sinkflow.runtime.state_check import check_final, check_step_state
-from sinkflow.engine.trainer import Trainer
+from sinkflow.engine.trainer import Trainer, check_step_graphs
 
 log = logging.getLogger("sinkflow")
 
@@ -103,17 +103,21 @@ def task_batches(trainer) -> tuple[int | None, int | None]:
 FID_PACKAGES = ("torchmetrics", "torch_fidelity")  # FID's metric and its Inception-v3 (sinkflow.eval.images)
 
 
-def check_run(cfg: dict, machine: bool = True) -> None:
+def check_run(cfg: dict, machine: bool = True, graphs: bool = True) -> None:
     """The data and the method's limits (e.g. NSGF++: T <= 5, the pool's size), before any folder exists; with
-    ``machine``, what this machine must hold too (the pool's free disk: ``Method.check_machine``)."""
+    ``machine``, what this machine must hold too (the pool's free disk: ``Method.check_machine``); with ``graphs``,
+    every network phase's ``graph: step`` against the number of processes (a resume checks the phases it still
+    trains: a finished one may have been captured on one process)."""
     check_runs_outside_images(cfg)
     data.distributions(cfg)[1].check_test_n(cfg["eval"]["n"])  # a point file's held-out rows: the only test points
     method, shape = methods.of(cfg), data.sample_shape(cfg)
     method.check(cfg, shape)
-    for phase in schema.METHOD_PHASES[method.name]:  # each network against the data's shape, allocating nothing
-        if phase in cfg["model"]:  # (a UNet on 2D points, heads that do not divide its widths)
-            with torch.device("meta"):
-                build_phase_model(cfg, phase, shape)
+    networks = [phase for phase in schema.METHOD_PHASES[method.name] if phase in cfg["model"]]
+    for phase in networks:  # each network against the data's shape, allocating nothing
+        with torch.device("meta"):  # (a UNet on 2D points, heads that do not divide its widths)
+            build_phase_model(cfg, phase, shape)
+    if graphs:
+        check_step_graphs(cfg["train"], networks, dist.current().world)
     if machine:
         check_machine(cfg, shape)
 
@@ -210,7 +214,7 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         cfg = run.cfg
         if resume is not None:  # the pool checks its free disk when it opens, counting the blocks its arrays hold
             dist.on_every(lambda: (check_split_files(run, data.target_split_info(cfg)),  # changed images: refused
-                                   check_run(cfg, machine=False)))  # before they are decoded
+                                   check_run(cfg, machine=False, graphs=False)))  # before they are decoded
         if dist.current().enabled:  # rank 0 decodes an image set into its cache under data.root first, the other
             # ranks then read it (every rank decoded the same images at once: 8 GPUs, 8 decodes; a data error is
             # every rank's one line); alone, the call below is the only one
@@ -220,7 +224,8 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         phases = method.phases(cfg, source, target)
         if resume is not None:
             dist.on_every(lambda: (verify(run, phases),  # finished phases' final.pt and the newest step checkpoint
-                                   check_split(run, source, target)))  # (safe, this run's), the data's hashes
+                                   check_split(run, source, target),  # (safe, this run's), the data's hashes
+                                   check_step_graphs(cfg["train"], run.to_train, info.world)))
         run.start()  # the lock (one writer per run folder), the resumed config, orphaned temp files
         if info.is_main:
             record_split(run, source, target)

@@ -609,12 +609,21 @@ def too_short(train: dict, key: str) -> list[str]:
     return lines
 
 
+def check_step_graphs(train: dict, keys, world: int) -> None:
+    """Refuse a ``graph: step`` phase among ``keys`` (model keys: their sections of the ``train`` config) under
+    several processes, before any folder exists (``experiment.check_run``; a resume: for the phases it still trains)
+    as well as when the phase sets up: under torchrun it was refused only then, after the run folder and the pool
+    were made. (``compile_mode`` and the fused kernel depend on the device: checked at set-up.)"""
+    for key in keys:
+        if world > 1 and (train.get(key) or {}).get("graph") == "step":
+            raise SinkflowError(f"train.{key}.graph=step runs one process; this run has {world} (DDP's all-reduce "
+                                "is not captured)", f"set train.{key}.graph=none under torchrun",
+                                every_rank=True)  # every rank's world: rank 0 says it once
+
+
 def check_step_graph(cfg: dict, key: str, world: int, compile_mode: str | None, skips_on_device: bool) -> None:
     """Refuse, before the first step, a ``graph: step`` phase whose step a CUDA graph cannot hold."""
-    if world > 1:
-        raise SinkflowError(f"train.{key}.graph=step runs one process; this run has {world} (DDP's all-reduce is "
-                            "not captured)", f"set train.{key}.graph=none under torchrun",
-                            every_rank=True)  # every rank's world: rank 0 says it once
+    check_step_graphs({key: {"graph": "step"}}, [key], world)
     if compile_mode not in (None, "default"):
         raise SinkflowError(f"train.{key}.graph=step captures the whole step; compile_mode={compile_mode} would "
                             "capture graphs inside it", f"set train.{key}.compile_mode=default (or compile=false)")
