@@ -17,13 +17,18 @@ from __future__ import annotations
 import argparse
 import math
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 from geomloss import SamplesLoss
 
 from sinkflow.ot import safe_diameter, simulate_sinkhorn_flow
 from sinkflow.ot.precision import strict_float32
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import at_least, fail, positive_int  # noqa: E402
 
 
 def reference_pool(x0, y, *, steps, eta, blur, scaling, diameter):
@@ -100,19 +105,22 @@ def run_case(name, x0, y, *, steps, eta, blur, scaling, ref_batches, repeats):
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="all", help="cpu, cuda or all (cuda only if available)")
-    p.add_argument("--batches", type=int, default=32, help="pool batches solved at once (B)")
-    p.add_argument("--gpu-batches", type=int, default=128, help="B on CUDA")
-    p.add_argument("--ref-batches", type=int, default=8, help="batches the slow reference is timed on")
-    p.add_argument("--steps", type=int, default=5, help="Euler steps per trajectory (T)")
-    p.add_argument("--n2d", type=int, default=256, help="points per batch, 2D case")
-    p.add_argument("--nimg", type=int, default=64, help="points per batch, MNIST-shaped case")
+    # choices and whole-number floors: '--device gpu' once printed an empty table (no device matched), and a 0 in
+    # a count ended in a traceback (IndexError, min() of nothing) after the first case had run
+    p.add_argument("--device", default="all", choices=("cpu", "cuda", "all"),
+                   help="cpu, cuda or all (cuda only if available)")
+    p.add_argument("--batches", type=positive_int, default=32, help="pool batches solved at once (B)")
+    p.add_argument("--gpu-batches", type=positive_int, default=128, help="B on CUDA")
+    p.add_argument("--ref-batches", type=positive_int, default=8, help="batches the slow reference is timed on")
+    p.add_argument("--steps", type=positive_int, default=5, help="Euler steps per trajectory (T)")
+    p.add_argument("--n2d", type=positive_int, default=256, help="points per batch, 2D case")
+    p.add_argument("--nimg", type=positive_int, default=64, help="points per batch, MNIST-shaped case")
     p.add_argument("--blur2d", type=float, default=0.1)
     p.add_argument("--blurimg", type=float, default=1.0)
     p.add_argument("--scaling", type=float, default=0.9)
     p.add_argument("--eta", type=float, default=0.5)
-    p.add_argument("--repeats", type=int, default=2, help="batched timing = best of this many runs")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="batched timing = best of this many runs")
+    p.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (0: leave as is)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.threads:
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.device in ("cuda", "all") and torch.cuda.is_available():
         devices.append(torch.device("cuda"))
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device available")
+        fail("--device cuda: no CUDA device here; use --device cpu")
 
     print(f"machine: {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
           f"| cpu threads {torch.get_num_threads()} | "

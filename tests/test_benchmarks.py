@@ -1195,7 +1195,7 @@ def test_helper__args(capsys):
 NO_CUDA = [("ot_coupling", ["--sizes", "8x4", "--batches", "1", "--import-repeats", "0"]),
            ("flow_memory", ["--depths", "1", "--no-memcnn"]), ("memory_estimate", ["--presets", "moons"]),
            ("preset_throughput", ["--smoke"]), ("sampling", ["--smoke"]), ("train_throughput", ["--smoke"]),
-           ("loss_curve", ["--smoke"]), ("sample_precision", ["--out", "nowhere"])]
+           ("loss_curve", ["--smoke"]), ("sample_precision", ["--out", "nowhere"]), ("pool_build", [])]
 
 
 @pytest.mark.parametrize("name,argv", NO_CUDA, ids=[n for n, _ in NO_CUDA])
@@ -1226,7 +1226,11 @@ BAD_VALUES = [("ot_coupling", ["--sizes", "8x"], "'8x' is not BATCHxDIM"),
               ("sampling", ["--smoke", "--repeats", "0"], "argument --repeats: 0 is below 1"),
               ("loss_curve", ["--smoke", "--log-every", "0"], "argument --log-every: 0 is below 1"),
               ("preset_throughput", ["--smoke", "--steps", "0"], "argument --steps: 0 is below 1"),
-              ("loss_curve", ["--smoke", "--device", "cpu", "--preset", "nosuch"], "unknown preset 'nosuch'")]
+              ("loss_curve", ["--smoke", "--device", "cpu", "--preset", "nosuch"], "unknown preset 'nosuch'"),
+              # pool_build: '--device gpu' printed an empty table; a 0 ended in a traceback after the first case
+              ("pool_build", ["--device", "gpu"], "argument --device: invalid choice: 'gpu'"),
+              ("pool_build", ["--device", "cpu", "--batches", "0"], "argument --batches: 0 is below 1"),
+              ("pool_build", ["--device", "cpu", "--repeats", "0"], "argument --repeats: 0 is below 1")]
 
 
 @pytest.mark.parametrize("name,argv,says", BAD_VALUES, ids=[f"{n}:{' '.join(a)}" for n, a, _ in BAD_VALUES])
