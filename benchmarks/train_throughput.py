@@ -218,6 +218,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         ap.error(f"--paths {' '.join(sorted(unknown))}: not one of "
                  f"{', '.join(n for n, _ in path_configs(args.compile))} (the compiled ones need --compile)")
+    # a --profile path that is not timed was profiled never, silently: no table, exit 0, after a whole GPU call
+    timed = [n for n, _ in path_configs(args.compile) if not args.paths or n == "fp32-eager" or n in args.paths]
+    if args.profile is not None and args.profile not in timed:
+        ap.error(f"--profile {args.profile}: not a timed path; profile one of {', '.join(timed)} (or add it to "
+                 "--paths; the compiled ones need --compile)")
     return args
 
 
