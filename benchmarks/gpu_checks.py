@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,6 +44,9 @@ from sinkflow.runtime.callbacks import Callback
 from sinkflow.runtime.rng import device_generator
 from sinkflow.runtime.run_folder import RunFolder
 from sinkflow.engine.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import checked_device  # noqa: E402
 
 FULL = {"batches": 16, "steps": 10, "batch_size": 256, "noise": 4096, "adam_steps": 20, "width": 256, "rows": 128,
         "train_steps": 40, "unet": ["model.velocity.channels=16", "train.velocity.batch_size=32"], "phases": 12}
@@ -256,9 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checks", nargs="+", default=list(CHECKS), choices=list(CHECKS),
                     help="run only these checks (default all; a short device call runs the ones not yet run there)")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: these checks need a GPU (--device cpu runs the script's CPU path)")
+    # one line for a name torch does not know ('--device gpu0' was a RuntimeError traceback) and for CUDA without one
+    device = checked_device(args.device)
     size = SMOKE if args.smoke else FULL
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"gpu_checks on {where}, torch {torch.__version__}{' (smoke sizes)' if args.smoke else ''}")

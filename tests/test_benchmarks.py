@@ -1195,7 +1195,8 @@ def test_helper__args(capsys):
 NO_CUDA = [("ot_coupling", ["--sizes", "8x4", "--batches", "1", "--import-repeats", "0"]),
            ("flow_memory", ["--depths", "1", "--no-memcnn"]), ("memory_estimate", ["--presets", "moons"]),
            ("preset_throughput", ["--smoke"]), ("sampling", ["--smoke"]), ("train_throughput", ["--smoke"]),
-           ("loss_curve", ["--smoke"]), ("sample_precision", ["--out", "nowhere"]), ("pool_build", [])]
+           ("loss_curve", ["--smoke"]), ("sample_precision", ["--out", "nowhere"]), ("pool_build", []),
+           ("gpu_checks", ["--smoke"])]
 
 
 @pytest.mark.parametrize("name,argv", NO_CUDA, ids=[n for n, _ in NO_CUDA])
@@ -1233,6 +1234,7 @@ BAD_VALUES = [("ot_coupling", ["--sizes", "8x"], "'8x' is not BATCHxDIM"),
               ("loss_curve", ["--smoke", "--device", "cpu", "--preset", "nosuch"], "unknown preset 'nosuch'"),
               # pool_build: '--device gpu' printed an empty table; a 0 ended in a traceback after the first case
               ("pool_build", ["--device", "gpu"], "argument --device: invalid choice: 'gpu'"),
+              ("gpu_checks", ["--smoke", "--device", "gpu0"], "--device gpu0: not a device torch knows"),
               ("pool_build", ["--device", "cpu", "--batches", "0"], "argument --batches: 0 is below 1"),
               ("pool_build", ["--device", "cpu", "--repeats", "0"], "argument --repeats: 0 is below 1")]
 
