@@ -127,12 +127,15 @@ def main(argv=None) -> None:
           f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms")
     print("loss = mean training loss of the timed steps (same seed and batches in every row: a fast path that "
           "trains something else shows here)")
+    print(f"x base = steps/s over the {configs[0]} row of the same method, phase and repeat (the first of --configs)")
     print(f"{'method':<7} {'phase':<9} {'config':<24} {'steps/s':>9} {'x base':>7} {'wait %':>7} {'busy %':>7} "
           f"{'% peak':>7} {'loss':>8} {'draw ms':>8}")
     rates: dict[tuple[str, str, str], list[float]] = {}
-    ref: dict[tuple[str, str], float] = {}
     with ctx:
         for _ in range(args.repeats):  # methods interleaved: a drift of the machine hits every method alike
+            # each repeat's ratios are to its own base row: with one ``ref`` for all, a later repeat's rows (its base
+            # row too, not 1.00x) were divided by the first repeat's window, up to 25 % away on an H100
+            ref: dict[tuple[str, str], float] = {}
             for method in args.methods:
                 for name in configs:
                     for row in measure(args.preset, method, CANDIDATES[name], base, steps, warmup,

@@ -511,6 +511,21 @@ def test_smoke_preset_throughput(quiet, capsys):
         assert (cells[-1] == "-") == (name != "+prefetch") and (name != "+prefetch" or float(cells[-1]) > 0)
 
 
+def test_preset_throughput_ratios_are_to_the_base_row_of_the_same_repeat(quiet, capsys, monkeypatch):
+    """With --repeats the second repeat's rows were divided by the first repeat's base row (its own base row read
+    1.25x here); each repeat's base row is 1.00x now, and the header names the row the ratios are to."""
+    bench = load("preset_throughput")
+    rate = iter([4.0, 8.0, 5.0, 10.0])  # repeat 1: base 4, candidate 8; repeat 2: base 5, candidate 10
+    monkeypatch.setattr(bench, "measure", lambda *a, **k: [{"phase": "velocity", "steps_per_s": next(rate),
+                                                            "wait_fraction": 0.0, "loss": 1.0}])
+    bench.main(["--smoke", "--device", "cpu", "--methods", "fm", "--configs", "+prefetch", "baseline",
+                "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert "x base = steps/s over the +prefetch row of the same method, phase and repeat" in out
+    timed = [line.split()[4] for line in out.splitlines() if line.startswith("fm ") and "(range" not in line]
+    assert timed == ["1.00x", "2.00x"] * 2  # the old code: 1.00x, 2.00x, 1.25x, 2.50x
+
+
 def test_preset_throughput_summary_takes_medians_of_interleaved_runs_and_otcfm_over_fm():
     bench = load("preset_throughput")
     text = bench.summary({("fm", "velocity", "default"): [90.0, 140.0, 100.0],
