@@ -53,6 +53,9 @@ from sinkflow.errors import SinkflowError
 from sinkflow.runtime.run_folder import RunFolder
 from sinkflow.tools.tune import T_SHIFTS, WARPS, choose, nsgf_splits
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import checked_device, positive_int  # noqa: E402
+
 BASELINES = ("otcfm", "fm")
 LABEL = {"nsgfpp": "NSGF++", "otcfm": "OT-CFM", "fm": "FM"}
 # NSGF++'s t̂ shifts and a baseline's Euler-grid warps tried on validation: `sinkflow tune`'s candidates
@@ -600,11 +603,17 @@ def main(argv=None) -> None:
                     help="NSGF++'s sample.t_shift candidates chosen on validation with k (0, the paper's t̂, is "
                          "always added); the scores of shifts tried before in <out> stay candidates; NSGF++ "
                          "overrides go before this option")
-    for k in ("velocity", "nsf", "time", "pool", "n"):
-        ap.add_argument(f"--{k}", type=int, help=f"override the scale's {k} budget")
+    # whole numbers >= 1, taken whenever given: a 0 was silently the scale's budget (``if getattr(args, k)``) and
+    # a negative one went to the config (--n keeps its own check below: 2 up to the test split)
+    for k in ("velocity", "nsf", "time", "pool"):
+        ap.add_argument(f"--{k}", type=positive_int, help=f"override the scale's {k} budget")
+    ap.add_argument("--n", type=int, help="override the scale's n budget")
     args = ap.parse_args(argv)
+    # before any work: CUDA asked for where there is none failed at the first training run, after the FD-CNN
+    # classifier was trained, as two lines (sinkflow's and 'training ... failed')
+    checked_device(args.device, ap.error)
     b = budget(args.scale, args.gpu_fraction)
-    b.update({k: getattr(args, k) for k in ("velocity", "nsf", "time", "pool", "n") if getattr(args, k)})
+    b.update({k: getattr(args, k) for k in ("velocity", "nsf", "time", "pool", "n") if getattr(args, k) is not None})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data_root = Path(args.data_root) if args.data_root else None

@@ -1211,7 +1211,7 @@ NO_CUDA = [("ot_coupling", ["--sizes", "8x4", "--batches", "1", "--import-repeat
            ("flow_memory", ["--depths", "1", "--no-memcnn"]), ("memory_estimate", ["--presets", "moons"]),
            ("preset_throughput", ["--smoke"]), ("sampling", ["--smoke"]), ("train_throughput", ["--smoke"]),
            ("loss_curve", ["--smoke"]), ("sample_precision", ["--out", "nowhere"]), ("pool_build", []),
-           ("gpu_checks", ["--smoke"])]
+           ("gpu_checks", ["--smoke"]), ("mnist", ["--out", "nowhere", "--scale", "quick"])]
 
 
 @pytest.mark.parametrize("name,argv", NO_CUDA, ids=[n for n, _ in NO_CUDA])
@@ -1250,6 +1250,8 @@ BAD_VALUES = [("ot_coupling", ["--sizes", "8x"], "'8x' is not BATCHxDIM"),
               # pool_build: '--device gpu' printed an empty table; a 0 ended in a traceback after the first case
               ("pool_build", ["--device", "gpu"], "argument --device: invalid choice: 'gpu'"),
               ("gpu_checks", ["--smoke", "--device", "gpu0"], "--device gpu0: not a device torch knows"),
+              # mnist: a 0 budget was silently the scale's own
+              ("mnist", ["--scale", "quick", "--velocity", "0"], "argument --velocity: 0 is below 1"),
               ("pool_build", ["--device", "cpu", "--batches", "0"], "argument --batches: 0 is below 1"),
               ("pool_build", ["--device", "cpu", "--repeats", "0"], "argument --repeats: 0 is below 1")]
 
