@@ -417,6 +417,25 @@ def test_smoke_sinkhorn_solver(quiet, capsys):
     assert all(math.isfinite(r) for r in rel) and rel[-1] < min(0.01, rel[0])  # converged beats one GeomLoss pass
 
 
+def test_sinkhorn_solver_times_each_row_after_a_first_call(quiet, capsys, monkeypatch):
+    """Each row was one cold call: a slow first call (GeomLoss's, the first row's) was in its entries/s."""
+    import time as clock
+
+    bench = load("sinkhorn_solver")
+    calls, real = [], bench._velocity_flat
+
+    def first_call_slow(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            clock.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "_velocity_flat", first_call_slow)
+    bench.main(["--batches", "1", "--n", "16", "--progress", "0.5", "--blur", "0.5"])
+    first = rows(capsys.readouterr().out, "| 50% |")[0]
+    assert "GeomLoss, scaling 0.9" in first and float(first.split("|")[6].replace(",", "")) > 100  # 16 a second
+
+
 def test_smoke_loss_curve(quiet, capsys):
     """On a CPU `auto` resolves to fp32 eager, so the default's curve is fp32 seed 0's own: inside at every step,
     paired difference 0. fp16 (CPU autocast) is judged beside it. The band test itself: a value outside the
