@@ -94,8 +94,11 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     rows = [measure(n, args.preset, args.steps) for n in args.threads]
+    # every option that changes the table: the line named --threads and --steps alone, so a section written with
+    # --preset or --iters quoted a command that measures another preset or prints another floor column
     body = (f"Command: `python benchmarks/{Path(__file__).name} --threads {' '.join(map(str, args.threads))}"
-            f" --steps {args.steps}`  \nMachine: {platform.machine()}, {os.cpu_count()} cores visible, "
+            f" --steps {args.steps} --preset {args.preset} --iters {args.iters}`  \n"
+            f"Machine: {platform.machine()}, {os.cpu_count()} cores visible, "
             f"torch {torch.__version__}  \nDate: {datetime.datetime.now():%Y-%m-%d %H:%M}  \nProtocol: the `{args.preset}` preset's "
             f"velocity MLP at batch {rows[0]['batch']}, float32; each time the mean over {args.steps} calls after 30 "
             "warm-up calls; a step = zero_grad + forward + backward (MSE) + Adam.\n\n" + table(rows, args.iters))

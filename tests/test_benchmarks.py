@@ -1130,6 +1130,8 @@ def test_smoke_cpu_step(tmp_path, monkeypatch, capsys):
     # the floor is computed from the unrounded time: within the printed time's rounding (and its own) of it
     assert abs(int(row[8]) - 5000 * fwd_bwd / 1e3) <= 5000 * half / 1e3 + 0.5
     assert "<!-- cpu_step:begin -->" in text and "batch 256" in text
+    # the quoted command runs this table again: it once dropped --preset and --iters
+    assert "Command: `python benchmarks/cpu_step.py --threads 1 --steps 3 --preset 8gaussians-moons --iters 5000`" in text
 
 
 def test_smoke_gpu_session(tmp_path, capsys):
