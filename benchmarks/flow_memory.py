@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sinkflow.flows import build_glow, preprocess  # noqa: E402
 from sinkflow.models.footprint import SavedTensorCounter  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import checked_device  # noqa: E402
+from _args import checked_device, positive_int  # noqa: E402
 from results_md import machine  # noqa: E402
 
 MODES = ("standard", "checkpoint", "invertible")
@@ -108,12 +108,13 @@ def memcnn_peer(model):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16, 32, 64])
-    ap.add_argument("--shape", type=int, nargs=3, default=[3, 16, 16])
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=32)
-    ap.add_argument("--levels", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
+    # whole numbers >= 1: '--repeats 0' ended in a StatisticsError traceback after every mode's memory was measured
+    ap.add_argument("--depths", type=positive_int, nargs="+", default=[4, 8, 16, 32, 64])
+    ap.add_argument("--shape", type=positive_int, nargs=3, default=[3, 16, 16])
+    ap.add_argument("--batch", type=positive_int, default=16)
+    ap.add_argument("--hidden", type=positive_int, default=32)
+    ap.add_argument("--levels", type=positive_int, default=2)
+    ap.add_argument("--repeats", type=positive_int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-memcnn", action="store_true", help="skip the memcnn peer")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -126,6 +127,8 @@ def main(argv=None):
     ap.add_argument("--from-json", default=None, help="only redraw the table and plot from a --json file")
     args = ap.parse_args(argv)
     if args.from_json:
+        if not Path(args.from_json).is_file():  # was a FileNotFoundError traceback
+            ap.error(f"--from-json {args.from_json}: no such file; pass the --json file of an earlier run")
         data = json.loads(Path(args.from_json).read_text())
         rows, info = data["rows"], data["info"]
         depths = sorted({r["depth"] for r in rows})
