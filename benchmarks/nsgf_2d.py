@@ -36,7 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import fail  # noqa: E402
+from _args import fail, positive_int  # noqa: E402
 from results_md import RESULTS, write_section  # noqa: E402
 from scoring import COLUMNS, DIGITS, ENERGY_N, ENERGY_SEEDS  # noqa: E402
 import scoring  # noqa: E402
@@ -162,15 +162,18 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", nargs="+", default=TASKS)
     p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
-    p.add_argument("--seeds", type=int, default=3)
+    # counts are whole numbers >= 1: '--workers 0' was a ValueError traceback from the process pool, and a 0 count
+    # of seeds or draws an empty table or a StatisticsError after the training
+    p.add_argument("--seeds", type=positive_int, default=3)
     p.add_argument("--seed-list", type=int, nargs="+", default=None,
                    help="train only these training seeds (e.g. a second process taking the last seed)")
-    p.add_argument("--iters", type=int, default=20000)
-    p.add_argument("--eval-seeds", type=int, default=3, help="QMC sampling seeds averaged per trained model")
-    p.add_argument("--iid-seeds", type=int, default=IID_SEEDS, help="i.i.d. sampling seeds averaged per trained model")
-    p.add_argument("--eval-n", type=int, default=1024,
+    p.add_argument("--iters", type=positive_int, default=20000)
+    p.add_argument("--eval-seeds", type=positive_int, default=3, help="QMC sampling seeds averaged per trained model")
+    p.add_argument("--iid-seeds", type=positive_int, default=IID_SEEDS,
+                   help="i.i.d. sampling seeds averaged per trained model")
+    p.add_argument("--eval-n", type=positive_int, default=1024,
                    help="generated and test points per W2 (the paper's 1024; more points shrink the draw's noise)")
-    p.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each")
+    p.add_argument("--workers", type=positive_int, default=2, help="runs in parallel, one thread each")
     p.add_argument("--runs-dir", default=None,
                    help="keep the runs here (default: a temporary folder, removed at the end: about 1 GB of runs)")
     p.add_argument("--write", action="store_true", help="replace the nsgf_2d section of benchmarks/RESULTS.md")

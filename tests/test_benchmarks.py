@@ -1294,6 +1294,8 @@ BAD_VALUES = [("ot_coupling", ["--sizes", "8x"], "'8x' is not BATCHxDIM"),
               ("gpu_checks", ["--smoke", "--device", "gpu0"], "--device gpu0: not a device torch knows"),
               ("flow_memory", ["--depths", "1", "--no-memcnn", "--repeats", "0"], "argument --repeats: 0 is below 1"),
               ("flow_memory", ["--from-json", "none.json"], "--from-json none.json: no such file"),
+              ("nsgf_2d", ["--workers", "0"], "argument --workers: 0 is below 1"),
+              ("nsgf_2d", ["--eval-seeds", "0"], "argument --eval-seeds: 0 is below 1"),
               # mnist: a 0 budget was silently the scale's own
               ("mnist", ["--scale", "quick", "--velocity", "0"], "argument --velocity: 0 is below 1"),
               ("pool_build", ["--device", "cpu", "--batches", "0"], "argument --batches: 0 is below 1"),
