@@ -47,6 +47,9 @@ from sinkflow.ot import w2
 from sinkflow.runtime.run_folder import RunFolder
 from sinkflow.tools.tune import WARPS  # sample.time_warp candidates for FM / OT-CFM (1.0 = uniform Euler, the paper's)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import positive_int  # noqa: E402
+
 HOLD_OUT = ["data.val_fraction=0.1"]  # every method fits the same images; the validation split picks NSGF++'s split
 
 
@@ -265,17 +268,19 @@ def clear_out(out: Path, train_seeds: list[int], error) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench-digits")
-    ap.add_argument("--seeds", type=int, default=3, help="sampling seeds per trained model")
+    # counts are whole numbers >= 1: '--workers 0' was the process pool's ValueError traceback, '--ref-steps 0'
+    # silently the default (``args.ref_steps or ...``), '--seeds 0' a failure after every run was trained
+    ap.add_argument("--seeds", type=positive_int, default=3, help="sampling seeds per trained model")
     ap.add_argument("--train-seeds", type=int, nargs="+", default=[0, 1, 2],
                     help="experiment.seed of every method's training runs; the table averages over them")
-    ap.add_argument("--workers", type=int, default=1, help="training seeds run in parallel, one thread each")
+    ap.add_argument("--workers", type=positive_int, default=1, help="training seeds run in parallel, one thread each")
     ap.add_argument("--quick", action="store_true", help="tiny budget, to check the script runs")
     ap.add_argument("--smoke", action="store_true",
                     help="smaller than --quick (2 steps, 8-channel UNets, 32 scored samples, 1 NSGF + 1 NSF step): "
                          "checks that the script runs end to end in seconds (the test suite's smoke test)")
-    ap.add_argument("--ref-steps", type=int, default=None,
+    ap.add_argument("--ref-steps", type=positive_int, default=None,
                     help="Euler steps of the baselines' reference row and grids (default 100; --smoke: 4)")
-    ap.add_argument("--nfe", type=int, nargs="+", default=[6, 13, 26], help="total NFE budgets compared")
+    ap.add_argument("--nfe", type=positive_int, nargs="+", default=[6, 13, 26], help="total NFE budgets compared")
     ap.add_argument("--baselines", nargs="+", choices=BASELINES, default=list(BASELINES),
                     help="baseline methods trained beside NSGF++ (OT-CFM is the one the target compares with)")
     ap.add_argument("extra", nargs="*", help="config overrides for the NSGF++ run only, e.g. nsgf.segment=0.5")
