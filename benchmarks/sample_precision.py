@@ -40,7 +40,7 @@ from sinkflow.eval.points import generate
 from sinkflow.runtime.run_folder import RunFolder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import checked_device, one_line_errors  # noqa: E402
+from _args import at_least, checked_device, one_line_errors, positive_int  # noqa: E402
 import mnist as bench_mnist  # noqa: E402  (benchmarks/mnist.py: its runs, sampler choices and ``sampling`` block)
 
 LABELS = {"nsgfpp": "NSGF++", "otcfm": "OT-CFM (warped)", "fm": "FM (warped)"}  # each method's chosen sampler's row
@@ -144,13 +144,15 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, help="benchmarks/mnist.py's --out (its runs and validation choices)")
     ap.add_argument("--train-seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--methods", nargs="+", choices=tuple(LABELS), default=list(LABELS))
-    ap.add_argument("--nfe", type=int, nargs="+", default=[6, 13, 60])
+    ap.add_argument("--nfe", type=positive_int, nargs="+", default=[6, 13, 60])
     ap.add_argument("--precisions", nargs="+", choices=("fp32", "bf16", "fp16"), default=["fp32", "bf16", "fp16"],
                     help="the first is the reference the others are paired with")
-    ap.add_argument("--n", type=int, default=1000, help="generated digits per score (the CPU table's 1,000)")
-    ap.add_argument("--sampling-seeds", type=int, default=2)
+    # '--sampling-seeds 0' skipped every cell (none short of 0 draws) and wrote an empty table; a Fréchet distance
+    # needs 2 digits
+    ap.add_argument("--n", type=at_least(2), default=1000, help="generated digits per score (the CPU table's 1,000)")
+    ap.add_argument("--sampling-seeds", type=positive_int, default=2)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--workers", type=int, default=1, help="training seeds in parallel, one thread each")
+    ap.add_argument("--workers", type=positive_int, default=1, help="training seeds in parallel, one thread each")
     args = ap.parse_args(argv)
     checked_device(args.device, ap.error)
     if args.precisions[0] != "fp32":

@@ -1298,6 +1298,8 @@ BAD_VALUES = [("ot_coupling", ["--sizes", "8x"], "'8x' is not BATCHxDIM"),
               ("nsgf_2d", ["--eval-seeds", "0"], "argument --eval-seeds: 0 is below 1"),
               ("digits", ["--smoke", "--workers", "0"], "argument --workers: 0 is below 1"),
               ("digits", ["--smoke", "--ref-steps", "0"], "argument --ref-steps: 0 is below 1"),
+              ("sample_precision", ["--out", "nowhere", "--sampling-seeds", "0"],
+               "argument --sampling-seeds: 0 is below 1"),
               # mnist: a 0 budget was silently the scale's own
               ("mnist", ["--scale", "quick", "--velocity", "0"], "argument --velocity: 0 is below 1"),
               ("pool_build", ["--device", "cpu", "--batches", "0"], "argument --batches: 0 is below 1"),
