@@ -54,7 +54,7 @@ from sinkflow.runtime.run_folder import RunFolder
 from sinkflow.tools.tune import T_SHIFTS, WARPS, choose, nsgf_splits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import checked_device, positive_int  # noqa: E402
+from _args import checked_device, one_line_errors, positive_int  # noqa: E402
 
 BASELINES = ("otcfm", "fm")
 LABEL = {"nsgfpp": "NSGF++", "otcfm": "OT-CFM", "fm": "FM"}
@@ -569,6 +569,7 @@ def recorded_split(out: Path, seeds: list[int]) -> dict | None:
     return json.loads(found[0].read_text()) if found else None
 
 
+@one_line_errors  # a SinkflowError (the MNIST files of a --data-root missing) in one line, not a traceback
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench-mnist")
@@ -620,7 +621,12 @@ def main(argv=None) -> None:
     if data_root is None and not args.report_only:  # a report reads the saved scores, never the MNIST files
         src = Path(args.mnist_dir) if args.mnist_dir else find_mnist_dir()
         if src is None or not src.is_dir():
-            ap.error("no MNIST files: pass --data-root (holding MNIST/raw) or --mnist-dir, or set SINKFLOW_MNIST_DIR")
+            ap.error("no MNIST files: pass --data-root (holding MNIST/raw) or --mnist-dir, or set SINKFLOW_MNIST_DIR"
+                     + (f" ({src} is not a folder)" if src is not None else ""))
+        # a folder without them was linked from nothing, and the loader's traceback then named <out>/data, not it
+        if not any("idx" in f.name for f in src.iterdir()):
+            ap.error(f"{src} holds no MNIST IDX files (t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte, .gz or "
+                     "not, with or without the train-* pair): pass the folder that holds them")
         data_root = link_mnist(src, out / "data")
     nfe = sorted(set(args.nfe))
     no_scores = (f"no scored run of seeds {' '.join(map(str, args.train_seeds))} under {out}: run without "

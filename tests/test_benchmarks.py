@@ -1399,6 +1399,18 @@ def test_flow_bpd_selects_among_the_final_weights_too(quiet, capsys):
     assert [c["step"] for c in result["val_curve"]] == [2, 3] and result["selected_step"] in (2, 3)
 
 
+def test_mnist_without_mnist_files_says_so_in_one_line(mnist_bench, tmp_path, capsys):
+    """--mnist-dir of a folder without the IDX files, or a --data-root without MNIST/raw: both were a DataNotFound
+    traceback after the scorers' set-up began (the first naming <out>/data, where nothing had been linked)."""
+    (tmp_path / "empty").mkdir()
+    for flag, says in (("--mnist-dir", f"{tmp_path / 'empty'} holds no MNIST IDX files"),
+                       ("--data-root", "MNIST not found in")):
+        with pytest.raises(SystemExit) as stop:
+            mnist_bench.main(["--scale", "quick", "--out", str(tmp_path / "out"), flag, str(tmp_path / "empty")])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and says in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
 def test_mnist_report_only_needs_no_mnist_files(mnist_bench, tmp_path, monkeypatch):
     """--report-only reads the saved scores only: it demanded MNIST files ("no MNIST files") it never reads."""
     monkeypatch.setattr(mnist_bench, "find_mnist_dir", lambda: None)
