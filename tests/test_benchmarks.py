@@ -352,6 +352,9 @@ def test_smoke_nsgf_2d(runs_2d, quiet, capsys, monkeypatch):
                 "--iid-seeds", "2", "--eval-n", "64", "--runs-dir", str(runs), "--collect", "--write", "--keep", str(kept_dir)])
     again = capsys.readouterr().out  # --collect: nothing retrained, the kept results tabulated again
     assert rows(again, "| 8gaussians | ") == rows(out, "| 8gaussians | ")
+    # the protocol line names what the runs were trained with (their config.yaml), not this command's --iters
+    # default: it read "20000 steps, batch 256" for these 2-step, batch-16 runs
+    assert "Protocol: training seeds [0], 2 steps, batch 16." in again
     # --keep: the scores alone (no checkpoints, no pool) make the same table once the run folders are gone
     assert sorted(p.relative_to(kept_dir).as_posix() for p in kept_dir.rglob("*") if p.is_file()) == [
         f"8gaussians-{m}-s0/{f}" for m in ("nsgf", "otcfm") for f in ("bench.json", "config.yaml", "meta.json")]
