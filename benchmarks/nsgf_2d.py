@@ -35,11 +35,9 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import fail, positive_int  # noqa: E402
-from results_md import RESULTS, write_section  # noqa: E402
+from results_md import RESULTS, trained_budget, write_section  # noqa: E402
 from scoring import COLUMNS, DIGITS, ENERGY_N, ENERGY_SEEDS  # noqa: E402
 import scoring  # noqa: E402
 
@@ -229,17 +227,7 @@ def bench(args, argv: list[str], runs_dir: str) -> None:
     machine = (f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores visible, "
                f"{args.workers} runs in parallel with 1 torch thread each, torch {torch.__version__}")
     cmd = "python benchmarks/nsgf_2d.py " + " ".join(argv)
-    # the steps and batch the tabulated runs were trained with, from their config.yaml (kept with --keep too): the
-    # line read this command's --iters (20000 by default under --collect) and a fixed "batch 256", whatever the runs
-    trained = set()
-    for r in results:
-        cfg_file = Path(runs_dir) / f"{r['task']}-{r['method']}-s{r['seed']}" / "config.yaml"
-        if cfg_file.is_file():
-            v = yaml.safe_load(cfg_file.read_text())["train"]["velocity"]
-            trained.add((v["iters"], v["batch_size"]))
-    budget = (f"{next(iter(trained))[0]} steps, batch {next(iter(trained))[1]}" if len(trained) == 1 else
-              "steps / batch per run " + ", ".join(f"{i} / {b}" for i, b in sorted(trained)) if trained else
-              f"{args.iters} steps (--iters; no config.yaml found), batch 256")
+    budget = trained_budget([Path(runs_dir) / f"{r['task']}-{r['method']}-s{r['seed']}" for r in results], args.iters)
     body = (f"Command: `{cmd}`  \nMachine: {machine}  \nDate: {datetime.date.today()}  \n"
             f"Protocol: training seeds {sorted({r['seed'] for r in results})}, {budget}. **W2 iid** "
             f"(primary): exact W2 (POT emd2) between {args.eval_n} samples from i.i.d. source draws and a fresh i.i.d. "

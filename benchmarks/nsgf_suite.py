@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite2d  # noqa: E402
 from _args import fail  # noqa: E402
-from results_md import RESULTS, write_section  # noqa: E402
+from results_md import RESULTS, trained_budget, write_section  # noqa: E402
 from scoring import COLUMNS, DIGITS, ENERGY_N, ENERGY_SEEDS  # noqa: E402
 import scoring  # noqa: E402
 
@@ -322,9 +322,10 @@ def main(argv: list[str] | None = None) -> None:
 
     machine = (f"{platform.machine()}, {os.cpu_count()} cores visible (shared), 1 run at a time with 1 torch thread, "
                f"torch {torch.__version__}")
+    budget = trained_budget([runs_dir / f"{r['family']}-{r['method']}-s{r['seed']}" for r in results], args.iters)
     body = (f"Command: `python benchmarks/nsgf_suite.py {' '.join(argv)}`  \nMachine: {machine}  \n"
             f"Date: {datetime.date.today()}  \nProtocol: `sinkflow train moons --method nsgf|otcfm data.target=F.npy "
-            f"data.test_rows=1024` ({args.iters} steps, batch 256, the preset's recipe); training seeds "
+            f"data.test_rows=1024` ({budget}, the preset's recipe); training seeds "
             f"{sorted({r['seed'] for r in results})}, "
             + ("all on the family's draw 0 (one file of 10,000 + 1,024 rows)" if args.one_draw else
                "seed s on its own i.i.d. draw s of the family (10,000 training + 1,024 held-out rows), so the spread "

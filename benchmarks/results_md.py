@@ -30,6 +30,26 @@ def write_section(name: str, body: str, heading: str, path: Path = RESULTS, *, s
     atomic_write_text(path, text)
 
 
+def trained_budget(run_dirs, iters: int, batch: int = 256) -> str:
+    """"N steps, batch B" of the velocity phase the tabulated runs were trained with, read from their config.yaml
+    (each run's own: a table collected from runs trained with another --iters or batch said this command's), or
+    every distinct pair where they differ; ``iters`` / ``batch`` (the command's) only where no config.yaml is found."""
+    import yaml
+
+    trained = set()
+    for run_dir in run_dirs:
+        cfg_file = Path(run_dir) / "config.yaml"
+        if cfg_file.is_file():
+            v = yaml.safe_load(cfg_file.read_text())["train"]["velocity"]
+            trained.add((v["iters"], v["batch_size"]))
+    if len(trained) == 1:
+        (i, b), = trained
+        return f"{i} steps, batch {b}"
+    if trained:
+        return "steps / batch per run " + ", ".join(f"{i} / {b}" for i, b in sorted(trained))
+    return f"{iters} steps (--iters; no config.yaml found), batch {batch}"
+
+
 def machine(device: torch.device | str) -> str:
     """The card (and its CUDA), the CPU model, torch threads and torch version: the line a measured number needs."""
     device = torch.device(device)

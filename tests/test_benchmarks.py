@@ -636,6 +636,21 @@ def test_smoke_nsgf_suite(tmp_path, monkeypatch):
     assert pooled["iid"] == (fl["iid"][0] + 0.5, fl["iid"][1] + 0.5)
 
 
+def test_the_2d_tables_name_the_budget_their_runs_trained_with(tmp_path):
+    """nsgf_2d's and nsgf_suite's protocol line: the steps and batch of the tabulated runs' config.yaml (one shared
+    reader); the suite's printed its --iters (20000 by default, also under --collect) and a fixed batch 256."""
+    import yaml
+
+    budget = load("results_md").trained_budget
+    for name, iters, batch in (("a", 4, 16), ("b", 4, 16), ("c", 8, 32)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(yaml.safe_dump(
+            {"train": {"velocity": {"iters": iters, "batch_size": batch}}}))
+    assert budget([tmp_path / "a", tmp_path / "b"], 20000) == "4 steps, batch 16"
+    assert budget([tmp_path / n for n in "abc"], 20000) == "steps / batch per run 4 / 16, 8 / 32"
+    assert budget([tmp_path / "gone"], 20000) == "20000 steps (--iters; no config.yaml found), batch 256"
+
+
 _RECORDED_RUNS: list = []
 
 
