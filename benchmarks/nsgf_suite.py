@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import suite2d  # noqa: E402
-from _args import fail  # noqa: E402
+from _args import at_least, fail, positive_int  # noqa: E402
 from results_md import RESULTS, trained_budget, write_section  # noqa: E402
 from scoring import COLUMNS, DIGITS, ENERGY_N, ENERGY_SEEDS  # noqa: E402
 import scoring  # noqa: E402
@@ -263,10 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", default=list(suite2d.FAMILIES), choices=list(suite2d.FAMILIES))
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--seed-list", type=int, nargs="+", default=None)
-    p.add_argument("--iters", type=int, default=20000)
-    p.add_argument("--eval-seeds", type=int, default=20,
+    p.add_argument("--seeds", type=positive_int, default=3)
+    p.add_argument("--seed-list", type=at_least(0), nargs="+", default=None)
+    p.add_argument("--iters", type=positive_int, default=20000)
+    p.add_argument("--eval-seeds", type=positive_int, default=20,
                    help="sampling seeds per model: one i.i.d. draw of 1024 points varies by ~0.1 W2 on these targets")
     p.add_argument("--runs-dir", required=True, help="runs and the suite's .npy files live here (resumable)")
     p.add_argument("--collect", action="store_true", help="train nothing: tabulate the runs finished in --runs-dir")
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="also copy each run's scores (bench.json) to DIR/<run>/ (see nsgf_2d.py --keep)")
     p.add_argument("--diagnose", action="store_true",
                    help="train nothing: print component masses and off-support shares of the finished runs")
-    p.add_argument("--diagnose-n", type=int, default=20_000,
+    p.add_argument("--diagnose-n", type=positive_int, default=20_000,
                    help="generated points per diagnosis (the tail shares want 100000: 0.1 %% of 20000 is 20 points)")
     p.add_argument("--one-draw", action="store_true",
                    help="every training seed trains on the family's draw 0 (the protocol until 2026-11-27); by default "
