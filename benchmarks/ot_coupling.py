@@ -7,9 +7,9 @@ OT-CFM's pairs and the NSGF pool's landing step need the exact OT plan between t
 permutation. For each (batch, dimension) this draws ``--batches`` pairs of Gaussian batches, builds the float64
 squared-Euclidean cost once, and times ``scipy.optimize.linear_sum_assignment`` and ``ot.emd`` on it (the mean per
 solve after one untimed pair; the cost matrix's time is common to both and left out), and sinkflow's whole
-``ot_permutation`` on the same batches on ``--device`` (cost, copy, solve), counting the batches where all three give the same permutation. It also
-times each library's import in a fresh interpreter after ``import torch`` (the median of ``--import-repeats``): a
-process that pairs by OT pays it once, at its first batch. On a GPU (``--device cuda``) the last column is the
+``ot_permutation`` on the same batches on ``--device`` (cost, copy, solve), counting the batches where all three
+give the same permutation. It also times each library's import in a fresh interpreter after ``import torch`` (the
+median of ``--import-repeats``): a process that pairs by OT pays it once, at its first batch. On a GPU (``--device cuda``) the last column is the
 whole plan as OT-CFM's prefetch worker makes it.
 
     python benchmarks/ot_coupling.py --write        # nothing else running

@@ -340,7 +340,8 @@ def test_ot_permutation_is_optimal_on_ties_duplicates_and_odd_sizes(solver, monk
     few = rng.normal(size=(4, 2))
     cases = [(grid, grid + 0.5), (np.repeat(few, 5, 0), rng.normal(size=(20, 2))),
              (np.repeat(few, 5, 0), np.repeat(rng.normal(size=(5, 2)), 4, 0)), (np.zeros((9, 2)), np.ones((9, 2))),
-             (rng.normal(size=(33, 1)), 3 * rng.normal(size=(33, 1))), (rng.normal(size=(1, 2)), rng.normal(size=(1, 2))),
+             (rng.normal(size=(33, 1)), 3 * rng.normal(size=(33, 1))),
+             (rng.normal(size=(1, 2)), rng.normal(size=(1, 2))),
              (rng.normal(size=(31, 1, 2, 2)), rng.normal(size=(31, 1, 2, 2)))]
     for a, b in cases:
         perm = ot_permutation(torch.from_numpy(a), torch.from_numpy(b)).numpy()
