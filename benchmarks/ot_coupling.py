@@ -9,8 +9,8 @@ squared-Euclidean cost once, and times ``scipy.optimize.linear_sum_assignment`` 
 solve after one untimed pair; the cost matrix's time is common to both and left out), and sinkflow's whole
 ``ot_permutation`` on the same batches on ``--device`` (cost, copy, solve), counting the batches where all three
 give the same permutation. It also times each library's import in a fresh interpreter after ``import torch`` (the
-median of ``--import-repeats``): a process that pairs by OT pays it once, at its first batch. On a GPU (``--device cuda``) the last column is the
-whole plan as OT-CFM's prefetch worker makes it.
+median of ``--import-repeats``): a process that pairs by OT pays it once, at its first batch. On a GPU
+(``--device cuda``) the last column is the whole plan as OT-CFM's prefetch worker makes it.
 
     python benchmarks/ot_coupling.py --write        # nothing else running
     python benchmarks/ot_coupling.py --device cuda --sizes 128x784 128x3072 --import-repeats 0
