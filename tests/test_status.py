@@ -567,7 +567,8 @@ def test_a_torchrun_job_killed_as_a_phase_starts_or_failed_resumes_as_launched(r
 
         def on_train_batch_end(self, trainer, batch, outputs):
             if trainer.step == 2:
-                raise RuntimeError("Connection closed by peer")
+                monkeypatch.setenv("WORLD_SIZE", "3")  # the job's: gloo's text is a lost peer's only under torchrun
+                raise RuntimeError("[../gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:29500")
 
     cfg = config.resolve("moons", ["experiment.method=fm", "experiment.name=lost", "experiment.device=cpu"],
                          {"train_iters": 6})
@@ -578,3 +579,6 @@ def test_a_torchrun_job_killed_as_a_phase_starts_or_failed_resumes_as_launched(r
     assert starting["state"] == "starting" and resume_for(run, starting) == launched, starting
     line = next(x for x in format_status(read_status(run)).splitlines() if x.startswith("state"))
     assert line.startswith("state        FAILED") and f"then `{launched}` continues" in line, line
+    # the lost peer in the CLI's words, not gloo's raw text (status said "...pair.cc:561] Connection closed by peer")
+    assert "another process of this torchrun job stopped or stopped answering (its own output says why)" in line
+    assert "Connection closed" not in line, line

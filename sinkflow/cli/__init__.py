@@ -64,16 +64,6 @@ def bars_above_logs():
 ONE_PROCESS = ("eval", "sample", "lr-find", "tune", "doctor", "preflight", "bench")
 
 
-def peer_lost(exc: RuntimeError, torch) -> bool:
-    """Is ``exc`` a collective that failed because another rank of a multi-process job went away (killed, or
-    stopped on its own error)? The surviving ranks printed a gloo/NCCL traceback wall over the one line that matters."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return False
-    text = str(exc)
-    return isinstance(exc, getattr(torch.distributed, "DistError", ())) or any(  # a frozen rank: the backend's timeout
-        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting"))
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = build_parser()
@@ -113,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RuntimeError as exc:
         torch = sys.modules.get("torch")
-        if torch is not None and peer_lost(exc, torch):
+        ranks = importlib.import_module("sinkflow.runtime.dist") if torch is not None else None  # torch is loaded
+        if ranks is not None and ranks.peer_lost(exc):
             command = resume_as_launched(args, getattr(args, "run_dir_used", None) or getattr(args, "resume", None)
                                          or "RUN")
-            print(f"sinkflow: error: another process of this torchrun job stopped or stopped answering, so a "
+            print(f"sinkflow: error: {ranks.PEER_LOST}, so a "
                   f"collective failed ({one_line(str(exc))[:160]}); the checkpoints written before are intact: find "
                   f"why that rank stopped (its own output), then resume with `{command}`", file=sys.stderr)
             return 2

@@ -73,7 +73,8 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                 run.logger.heartbeat(phase=task.name, step=step if isinstance(step, int) else
                                      getattr(trainer, "progress", None), state="failed",
                                      **batch_fields(*task_batches(trainer)),
-                                     error=" ".join(str(exc).split())[:500] or type(exc).__name__)
+                                     error=(f"{dist.PEER_LOST} (its own output says why)" if dist.peer_lost(exc)
+                                            else " ".join(str(exc).split())[:500] or type(exc).__name__))
                 raise
             last = (task.name, trainer.step, *task_batches(trainer))  # steps, or pool chunks and batches
             del trainer  # the trainer (model, optimizer, buffers) is dropped here

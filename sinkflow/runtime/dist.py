@@ -266,3 +266,17 @@ def _collective_device() -> torch.device:
     if tdist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+PEER_LOST = "another process of this torchrun job stopped or stopped answering"
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Is ``exc`` a collective that failed because another rank of a multi-process job went away (killed, or
+    stopped on its own error)? The surviving ranks printed a gloo/NCCL traceback wall over the one line that matters
+    (the CLI's), and their failed heartbeat kept gloo's raw text for `sinkflow status`."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return isinstance(exc, getattr(tdist, "DistError", ())) or any(  # a frozen rank: the backend's timeout
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting"))
