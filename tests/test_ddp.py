@@ -399,3 +399,36 @@ def test_the_learning_check_after_a_resume_on_fewer_processes_judges_the_same_ba
     said = re.search(r"velocity: the loss did not fall \(([\d.]+) on a fixed batch through the network it started "
                      r"from, ([\d.]+) through the one trained to step 100", out.stderr)
     assert out.returncode == 0 and said and said[1] == said[2], out.stderr[-3000:]
+
+
+SIGTERM_IN_STATES = """
+import os, signal, sys
+from sinkflow.methods import nsgfpp
+real = nsgfpp.nsgf_part
+def first_chunk_then_sigterm(*args, **kwargs):  # rank 0 computes the states: a SIGTERM reaches it now
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*args, **kwargs)
+nsgfpp.nsgf_part = first_chunk_then_sigterm
+sys.argv = ["sinkflow", *sys.argv[1:]]
+from sinkflow.cli import entry
+entry()
+"""
+
+
+def test_a_sigterm_while_rank_0_computes_the_states_stops_every_rank_in_one_line(runs_dir, tmp_path):
+    """Rank 0 computed all the NSGF states before any rank looked at the stop (the others waiting in a broadcast):
+    16,384 CIFAR states on a slow card can outlast torchrun's 30 s between SIGTERM and SIGKILL. Rank 0 stops between
+    two chunks now, and every rank leaves together at the straight flow's step 0 with one stop line; no states file
+    is kept."""
+    cwd = runs_dir.parent
+    script = tmp_path / "sigterm.py"
+    script.write_text(SIGTERM_IN_STATES)
+    args = ["moons", "--method", "nsgfpp", "pool.batches=2", "pool.steps=3", "pool.batch_size=32", "pool.chunk=1",
+            "pool.in_flight=1", "--train-iters", "3", "--device", "cpu", "--no-report", "nsgf.nsf_source=velocity",
+            "nsgf.nsf_states=40", "sample.batch_size=8", "--name", "sig"]
+    out = _torchrun(*args, cwd=cwd, entry=(str(script),))
+    lines = [x for x in out.stderr.splitlines() if x.startswith("sinkflow: ")]
+    assert len(lines) == 1 and "stopped by signal 15 in phase 'nsf' at step 0" in lines[0], out.stderr[-3000:]
+    # torchrun calls any non-zero exit a failure: both ranks left as one process stopped by SIGTERM does
+    assert re.findall(r"exitcode\s+: (-?\d+) \(pid", out.stderr) == ["143", "143"], out.stderr[-3000:]
+    assert not (runs_dir / "sig" / "nsf_states.npy").exists()  # the resume computes them (test_nsf_source.py)

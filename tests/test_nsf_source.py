@@ -110,3 +110,37 @@ def test_a_straight_flow_trained_only_late_is_refused_before_a_run_folder(tmp_pa
     assert err.startswith("sinkflow: error: nsgf.nsf_source=velocity starts the straight flow's paths at the NSGF "
                           "states (t = 0), but nsgf.nsf_t_min=0.5 trains it only from there on; set nsgf.nsf_t_min=0")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_signal_while_the_states_are_computed_stops_before_the_straight_flow_steps(tmp_path, monkeypatch):
+    """A SIGTERM while rank 0 computes the states: the computation ran to its end first (under torchrun the other ranks
+    waited for it, and 16,384 CIFAR states on a slow card can outlast torchrun's 30 s before its SIGKILL: no stop
+    line, status DEAD). It stops between two of the sampler's chunks now, keeps no states file, the phase stops at
+    step 0 as on any stop, and the resume computes the same states."""
+    import signal
+
+    from sinkflow.runtime import signals
+    from sinkflow.tools.status import format_status, read_status
+
+    monkeypatch.chdir(tmp_path)
+    extra, _ = setup_data("mnist", tmp_path)
+    cfg = config.resolve("mnist", [*OVERRIDES, *extra, "experiment.name=sig", "sample.batch_size=8"], SHORT)
+    real, calls = nsgfpp.nsgf_part, []
+
+    def signalled_after_first_chunk(*args, **kwargs):
+        calls.append(1)
+        signals._requested.append(signal.SIGTERM)  # what the handler does on SIGTERM
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(nsgfpp, "nsgf_part", signalled_after_first_chunk)
+    with pytest.raises(Interrupted) as stop:
+        train_run(cfg)
+    run_dir = tmp_path / "runs" / "sig"
+    assert (stop.value.phase, stop.value.step, stop.value.signum) == ("nsf", 0, signal.SIGTERM)
+    assert len(calls) == 1 and not (run_dir / nsgfpp.STATES_FILE).exists()  # 1 of 3 chunks, nothing kept
+    assert "STOPPED" in format_status(read_status(run_dir))
+    monkeypatch.setattr(nsgfpp, "nsgf_part", real)
+    train_run(resume=run_dir)
+    states, _ = expected_states(run_dir)
+    assert torch.allclose(torch.from_numpy(np.load(run_dir / nsgfpp.STATES_FILE, allow_pickle=False)), states,
+                          atol=1e-5)

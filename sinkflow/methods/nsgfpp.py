@@ -40,6 +40,7 @@ from sinkflow.runtime import dist
 from sinkflow.runtime.autocast import autocast
 from sinkflow.runtime.callbacks import LEARNING_LOG
 from sinkflow.runtime.rng import phase_generator
+from sinkflow.runtime.signals import Interrupted, signalled
 
 # arXiv:2401.14069v1 Table 3 (MNIST) and Table 2 (CIFAR-10): NSGF++'s FID (and IS) at NFE, for context.
 PAPER_FID = {"mnist": {"fid": 3.8, "nfe": 60}, "cifar10": {"fid": 5.55, "is": 8.86, "nfe": 59}}
@@ -139,15 +140,20 @@ class NSGFStates:
     def __init__(self, source):
         self.source, self.shape, self.states = source, tuple(source.shape), None
 
-    def open(self, run) -> None:
+    def open(self, run, phase: str = "nsf") -> None:
+        """Compute (rank 0) or read the states. A SIGTERM while rank 0 computes them stops every rank before
+        ``phase`` takes a step (``Interrupted``; nothing is kept, a resume computes them again): under torchrun the
+        other ranks waited for rank 0, which finished first, and 16,384 CIFAR states on a slow card can outlast
+        torchrun's 30 s between its SIGTERM and its SIGKILL (no stop line, status DEAD)."""
         if self.states is not None:
             return
         path = run.dir / STATES_FILE
         if run.read_only and not path.is_file():  # lr-find or doctor on a user's run: computed, not kept
             self.states = torch.from_numpy(self._compute(run))
             return
-        dist.on_main(lambda: path.is_file() or atomic_write_bytes(
-            path, lambda f: np.save(f, self._compute(run), allow_pickle=False)))
+        stopped = dist.broadcast_object(dist.on_main(lambda: None if path.is_file() else self._write(run, path)))
+        if stopped:  # rank 0's signal (on_main returns its result on rank 0 alone): every rank stops alike
+            raise Interrupted(stopped, phase, 0)
         states = np.load(path, allow_pickle=False)
         n = int(run.cfg["nsgf"]["nsf_states"])
         if states.shape != (n, *self.shape) or states.dtype != np.float32:
@@ -156,7 +162,17 @@ class NSGFStates:
                                 f"delete {path}: the resumed phase computes them again")
         self.states = torch.from_numpy(states)
 
-    def _compute(self, run) -> np.ndarray:
+    def _write(self, run, path: Path) -> int | None:
+        """RUN/nsf_states.npy, or the signal that stopped the computation (nothing written)."""
+        states = self._compute(run)
+        if states is None:
+            return signalled()
+        atomic_write_bytes(path, lambda f: np.save(f, states, allow_pickle=False))
+        return None
+
+    def _compute(self, run) -> np.ndarray | None:
+        """The states, or None once a signal arrived (``signals.signalled``: not the time limit, which lets a unit
+        of work finish) between two of the sampler's chunks."""
         cfg = run.cfg
         n, chunk = int(cfg["nsgf"]["nsf_states"]), max(1, int(cfg["sample"]["batch_size"]))
         times, etas = nsgf_grid(cfg)
@@ -166,6 +182,8 @@ class NSGFStates:
         states = np.empty((n, *self.shape), np.float32)
         with autocast(run.device.type, METHOD.sample_precision(cfg)):
             for lo in range(0, n, chunk):  # the sampler's chunks: the memory plan's sample+eval row holds them
+                if signalled() is not None and not run.read_only:
+                    return None
                 x0 = self.source.sample(min(chunk, n - lo), generator, run.device)
                 states[lo:lo + len(x0)] = nsgf_part(velocity, x0, times, etas).cpu().numpy()
         return states
@@ -197,7 +215,7 @@ class FromNSGFStates:
 
     def open(self, run) -> None:
         if isinstance(self.source, NSGFStates):
-            self.source.open(run)
+            self.source.open(run, self.name)
 
     def frozen(self) -> tuple[str, ...]:
         return ("velocity",) if isinstance(self.source, NSGFStates) else ()
