@@ -448,6 +448,22 @@ def test_a_key_given_twice_in_a_config_file_is_refused_naming_both_lines(tmp_pat
         config.resolve("d.yaml")
 
 
+def test_a_yaml_merge_key_in_a_config_file_is_read_as_yaml_reads_it(tmp_path, monkeypatch):
+    """``<<: *anchor`` (one phase's keys shared with another) was refused as "not valid YAML: could not determine a
+    constructor for the tag merge": the duplicate-key check built the ``<<`` key itself. Its keys are merged, the
+    section's own keys win, and a key given twice beside it is still refused."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.yaml").write_text("experiment: {preset: digits}\ntrain:\n  nsf: &t\n    lr: 5e-4\n    iters: 7\n"
+                                     "  time:\n    <<: *t\n    iters: 9\n")
+    cfg = config.resolve("m.yaml")
+    assert cfg["train"]["time"]["lr"] == 0.0005 and cfg["train"]["time"]["iters"] == 9
+    assert cfg["train"]["nsf"]["iters"] == 7
+    (tmp_path / "m.yaml").write_text("experiment: {preset: digits}\ntrain:\n  nsf: &t {lr: 5e-4}\n  time:\n"
+                                     "    <<: *t\n    iters: 9\n    iters: 8\n")
+    with pytest.raises(SinkflowError, match=r"the key 'iters' is given twice \(lines 6 and 7\)"):
+        config.resolve("m.yaml")
+
+
 def test_a_bad_value_in_a_config_file_names_its_line_and_the_files_form(tmp_path, monkeypatch):
     """A bad value in a file of a hundred keys was named by its dotted key alone, and the example was the command
     line's `train.velocity.lr=0.001`: the error names the line, and the example is written as the file writes it."""

@@ -160,8 +160,10 @@ class _ConfigLoader(schema.TextNumbers):
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged by SafeLoader, later keys win
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen and key != "<<":
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"the key '{key}' is given twice (lines {seen[key] + 1} and "
                     f"{key_node.start_mark.line + 1}): the second would replace the first", key_node.start_mark)
