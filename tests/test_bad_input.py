@@ -245,3 +245,21 @@ def test_make_refuses_a_torch_install_the_disk_cannot_hold_before_pip_runs(tmp_p
     assert out.returncode != 0
     assert "GB free on the disk" in out.stderr and "torch needs about 100000000 GB" in out.stderr
     assert "pip" not in out.stdout and not (venv / ".torch").exists()
+
+
+def test_a_tilde_in_a_path_argument_is_the_home_folder(tiny_run, tmp_path, monkeypatch, capsys):
+    """`sample RUN --out=~/s.npy` (the shell leaves a ~ after "=" as it is) made a folder named "~" in the working
+    directory and wrote there; `status '~/runs/x'` said "not a sinkflow run folder". As data paths and config files
+    are, a leading ~ is the home folder."""
+    import shutil
+
+    from helpers import run_main
+
+    shutil.copytree(tiny_run, tmp_path / "home" / "r")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert run_main(capsys, "sample", "~/r", "--n", "4", "--out=~/s.npy", "--device", "cpu")[0] == 0
+    assert (tmp_path / "home" / "s.npy").is_file() and not (tmp_path / "cwd" / "~").exists()
+    assert run_main(capsys, "status", "~/r")[0] == 0
+

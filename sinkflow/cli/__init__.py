@@ -60,6 +60,10 @@ def bars_above_logs():
     return logging_redirect_tqdm() if console else contextlib.nullcontext()
 
 
+# Path arguments read with a leading ~ as the user's home, as config files and data paths are
+PATH_ARGS = ("run_dir", "resume", "out", "write")
+
+
 # The commands that work (sample, score, sweep, write) as one process: under torchrun each rank did all of it
 ONE_PROCESS = ("eval", "sample", "lr-find", "tune", "doctor", "preflight", "bench")
 
@@ -76,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         sub.error(f"unrecognized arguments: {' '.join(stray)}{keys}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    for attr in PATH_ARGS:  # `--out=~/s.npy`: the shell leaves a ~ after "=" (or in quotes) as it is, and a folder
+        if isinstance(getattr(args, attr, None), str):  # named "~" was made in the working directory
+            setattr(args, attr, os.path.expanduser(getattr(args, attr)))
     try:
         from sinkflow.cli.common import check_counts
 
