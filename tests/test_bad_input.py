@@ -263,3 +263,14 @@ def test_a_tilde_in_a_path_argument_is_the_home_folder(tiny_run, tmp_path, monke
     assert (tmp_path / "home" / "s.npy").is_file() and not (tmp_path / "cwd" / "~").exists()
     assert run_main(capsys, "status", "~/r")[0] == 0
 
+
+def test_sample_seed_out_of_the_seed_range_is_refused(tiny_run, tmp_path, monkeypatch, capsys):
+    """`sample --seed -1` drew what --seed 18446744073709551615 draws (and seeds past 2**64 wrapped), where
+    experiment.seed (and `train --seed -1`) refuses anything outside [0, 2**63 - 1]."""
+    from helpers import run_main
+
+    monkeypatch.chdir(tmp_path)
+    for seed in ("-1", str(2**64)):
+        rc, err = run_main(capsys, "sample", str(tiny_run), "--n", "4", "--out", "s.npy", "--seed", seed)
+        assert rc == 2 and f"--seed {seed} must be in [0, 9223372036854775807]; e.g. --seed 0" in err, err
+        assert not (tmp_path / "s.npy").exists()

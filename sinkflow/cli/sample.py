@@ -31,6 +31,8 @@ def add_parser(sub):
 
 
 def run(args):
+    if not 0 <= args.seed < 2**63:  # experiment.seed's range: -1 drew what 2**64 - 1 draws, larger ones wrapped
+        raise SinkflowError(f"--seed {args.seed} must be in [0, {2**63 - 1}]", "e.g. --seed 0 (the default)")
     out = Path(args.out)
     as_folder = args.out.endswith(("/", "\\")) or not out.suffix
     if not as_folder and out.suffix not in (".npy", ".png"):
