@@ -796,3 +796,13 @@ def test_a_bad_shorthand_value_names_the_flag_typed(capsys, argv, needle):
     assert main(["config", "moons", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and f"e.g. {argv[0]} " in err and "\n" not in err, err
+
+
+def test_an_empty_preset_name_is_an_unknown_preset_not_a_folder_of_images(tmp_path, monkeypatch, capsys):
+    """`sinkflow train "$PRESET"` with the variable unset: "" is the working folder to ``Path``, so the fix offered
+    was "a folder of your own images: `sinkflow train folder data.path=`" (an empty path)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", ""]) == 2
+    err = capsys.readouterr().err
+    assert "unknown preset ''; choose one of: " in err and "data.path" not in err, err
+    assert not (tmp_path / "runs").exists()

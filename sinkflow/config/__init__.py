@@ -209,6 +209,8 @@ def _own_data_hint(name: str) -> str | None:
     is the command that trains on it (its data is a key of a preset's recipe, not a preset)."""
     from pathlib import Path
 
+    if not name.strip():  # `sinkflow train "$PRESET"` of an unset variable: "" is the working folder to Path
+        return None
     if name.lower().endswith(schema.POINT_FILE_SUFFIXES):
         return (f"to train on your own points, name them as a preset's data.target: `sinkflow train moons "
                 f"data.target={name}` (the 2D recipe on your file; docs/data.md)")
