@@ -806,3 +806,13 @@ def test_an_empty_preset_name_is_an_unknown_preset_not_a_folder_of_images(tmp_pa
     err = capsys.readouterr().err
     assert "unknown preset ''; choose one of: " in err and "data.path" not in err, err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("name", ["_base", "_nsgf2d"])
+def test_a_presets_building_block_is_no_preset(name, tmp_path, monkeypatch, capsys):
+    """`sinkflow presets` leaves out the files starting with ``_`` (building blocks), yet `sinkflow train _nsgf2d` /
+    `_base` trained them (`_base`: the schema's defaults) under that label."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", name, "--train-iters", "1"]) == 2
+    assert f"'{name}' is a building block of presets, not a preset" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

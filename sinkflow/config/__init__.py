@@ -559,6 +559,9 @@ def resolve(preset: str, overrides: list[str] | None = None, shorthands: dict[st
     if is_config_file(preset):
         tree = load_config_file(preset)
     else:
+        if preset.startswith("_"):  # `train _nsgf2d` trained a building block (`_base`: the schema's defaults)
+            raise SinkflowError(f"'{preset}' is a building block of presets, not a preset (`sinkflow presets` lists "
+                                f"them)", f"choose one of: {', '.join(preset_names())}")
         tree = load_preset(preset)
         tree["experiment"]["preset"] = preset
     tree = apply_shorthands(tree, shorthands or {})
