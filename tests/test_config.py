@@ -787,7 +787,7 @@ def test_a_run_made_before_the_ema_warm_up_resumes_without_it(tmp_path):
     assert got["train"]["velocity"]["ema_warmup"] is True and got["train"]["nsf"]["ema_warmup"] is False
 
 
-@pytest.mark.parametrize("argv, needle", [(["--lr", "0"], "--lr 0.0: config key 'train.velocity.lr' must be > 0"),
+@pytest.mark.parametrize("argv, needle", [(["--lr", "0"], "--lr 0: config key 'train.velocity.lr' must be > 0"),
                                           (["--train-iters", "0"], "--train-iters 0: config key 'train.velocity.iters'"),
                                           (["--batch-size", "-3"], "--batch-size -3: config key")])
 def test_a_bad_shorthand_value_names_the_flag_typed(capsys, argv, needle):
@@ -816,3 +816,16 @@ def test_a_presets_building_block_is_no_preset(name, tmp_path, monkeypatch, caps
     assert main(["train", name, "--train-iters", "1"]) == 2
     assert f"'{name}' is a building block of presets, not a preset" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_numeric_shorthands_read_their_values_as_key_value_does(capsys):
+    """argparse's int / float read the shorthands: `--train-iters 1e3` was refused where train.velocity.iters=1e3 is
+    1000, and `--lr 1_000` was taken where train.velocity.lr=1_000 is refused. One rule now, the flag named."""
+    assert main(["config", "moons", "--train-iters", "1e3", "--lr", "2e-3"]) == 0
+    tree = yaml.safe_load(capsys.readouterr().out)
+    assert tree["train"]["velocity"]["iters"] == 1000 and tree["train"]["velocity"]["lr"] == 0.002
+    for flag, value in (("--lr", "1_000"), ("--train-iters", "1_000"), ("--batch-size", "2.5"),
+                        ("--train-iters", "null")):
+        assert main(["config", "moons", flag, value]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"sinkflow: error: {flag} {value}: config key ") and len(err.splitlines()) == 1, err

@@ -21,6 +21,15 @@ def preset_given(args) -> bool:
     return bool(args.preset) and not isinstance(args.preset, _Default) and "=" not in args.preset
 
 
+def number(text: str):
+    """A numeric shorthand's value read as ``key=value`` reads it (``schema.parse_value``), then checked by its key's
+    type: argparse's int / float refused ``--train-iters 1e3`` (``train.velocity.iters=1e3`` is 1000) and took
+    ``--lr 1_000`` (``train.velocity.lr=1_000`` is refused). Not a number: the text, which its key refuses in one
+    line naming the flag."""
+    value = schema.parse_value(text)
+    return value if schema.is_number(value) else text
+
+
 def add_config_args(p: argparse.ArgumentParser, preset_required: bool = False) -> None:
     p.add_argument("preset", nargs=None if preset_required else "?", default=_Default(DEFAULT_PRESET),
                    help=f"preset name (see `sinkflow presets`; default {DEFAULT_PRESET}), or a .yaml config file "
@@ -28,14 +37,14 @@ def add_config_args(p: argparse.ArgumentParser, preset_required: bool = False) -
     p.add_argument("overrides", nargs="*", default=[], metavar="key.sub=value",  # default: optional in the usage error
                    help="config overrides, e.g. pool.eta=0.05")
     g = p.add_argument_group("shorthands (each sets every key it names)")
-    g.add_argument("--train-iters", type=int, help="train.*.iters: every training phase")
-    g.add_argument("--batch-size", type=int, help="train.*.batch_size: every training phase")
-    g.add_argument("--lr", type=float, help="train.*.lr: every training phase")
-    g.add_argument("--seed", type=int, help="experiment.seed")
+    g.add_argument("--train-iters", type=number, help="train.*.iters: every training phase")
+    g.add_argument("--batch-size", type=number, help="train.*.batch_size: every training phase")
+    g.add_argument("--lr", type=number, help="train.*.lr: every training phase")
+    g.add_argument("--seed", type=number, help="experiment.seed")
     g.add_argument("--device", help="experiment.device (auto, cpu, cuda, cuda:1)")
     g.add_argument("--method", help=f"experiment.method ({', '.join(schema.METHODS)})")
-    g.add_argument("--pool-batches", type=int, help="pool.batches")
-    g.add_argument("--sinkhorn-batch", type=int, help="pool.batch_size (the Sinkhorn batch)")
+    g.add_argument("--pool-batches", type=number, help="pool.batches")
+    g.add_argument("--sinkhorn-batch", type=number, help="pool.batch_size (the Sinkhorn batch)")
     g.add_argument("--name", help="experiment.name (the run folder's name)")
 
 
