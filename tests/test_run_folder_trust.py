@@ -179,6 +179,10 @@ def test_finite_loss_blow_up_stops_naming_the_lr(runs_dir, capsys):
                     "diverged", "train.velocity.lr", "step 5")
     assert "up to step 4 are kept" in line
     assert not (runs_dir / "l" / "checkpoints" / "velocity" / "final.pt").exists()
+    # the loss the line names is the run's record of step 5 (it was not written: metrics.jsonl held no record at all)
+    records = [json.loads(r) for r in (runs_dir / "l" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5] and f"loss {records[0]['loss']:.3g} " in line
+    assert records[0]["loss"] > 1e9 and "update_ratio" in records[0]  # the whole record, the dashboard's too
 
 
 def test_divergence_guard_leaves_a_sound_run_bit_equal(runs_dir, base_run):

@@ -496,7 +496,13 @@ class Trainer:
                     mean = dist.mean_over_ranks(float(self.loss_sum) / self.loss_count)
                     metrics = {"loss": mean, "lr": self.optimizer.param_groups[0]["lr"],
                                "grad_norm": float(grad_norm), "steps_per_s": rate, "samples_per_s": rate * n_global}
-                    self._call("on_log", metrics)
+                    try:
+                        self._call("on_log", metrics)
+                    except SinkflowError:  # a stop on this step's metrics (DivergenceGuard) still records them: the
+                        # loss its line names was missing from metrics.jsonl and TensorBoard, whose curve ended a log
+                        # step before the blow-up (the run's only record where it was the first log step)
+                        run.logger.log(self.name, self.step, metrics)
+                        raise
                     run.logger.log(self.name, self.step, metrics)
                     run.logger.heartbeat(phase=self.name, step=self.step, total=iters, rate=rate,
                                          eta_s=(iters - self.step) / max(rate, 1e-9), loss=mean, state="running",
