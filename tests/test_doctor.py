@@ -456,3 +456,27 @@ def test_a_phase_named_twice_is_checked_once(monkeypatch, capsys):
     monkeypatch.setattr("sinkflow.tools.doctor.doctor_run", lambda cfg, tmp, **kw: seen.append(kw["phases"]) or [])
     assert main(["doctor", "moons", "--phase", "velocity", "--phase", " velocity", "--device", "cpu"]) == 0
     assert seen == [["velocity"]]
+
+
+def test_weights_unmoved_by_a_tiny_learning_rate_name_the_learning_rate():
+    """`doctor moons --method fm --lr 1e-12`: "6 of 8 tensors unchanged ... cause: they get no gradient or are not in
+    the optimizer", beside the two checks that had just found every tensor in the optimizer with a gradient. Each
+    update was below float32's resolution: the finding names the learning rate. A tensor left out of the optimizer,
+    and a loop that never steps, still get their own causes."""
+    model, batch = make()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-12)
+    f = doctor.check_weights_change(model, stepper(model, opt, mse, batch), optimizer=opt)
+    assert f.ok is False and "learning rate (1e-12)" in f.cause and "lr-find" in f.fix, f.line()
+    model, batch = make()
+    opt = torch.optim.Adam(model[0].parameters(), lr=1e-2)  # the head is missing
+    f = doctor.check_weights_change(model, stepper(model, opt, mse, batch), optimizer=opt)
+    assert f.ok is False and "not in the optimizer" in f.cause, f.line()
+    model, batch = make()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def no_step():
+        opt.zero_grad()
+        mse(model, batch).backward()
+
+    f = doctor.check_weights_change(model, no_step, optimizer=opt)
+    assert f.ok is False and "optimizer.step() is missing" in f.cause, f.line()

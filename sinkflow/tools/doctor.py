@@ -81,19 +81,31 @@ EXTEND_WITHIN_S = 30.0  # seconds more (a small network: NSGF++'s time predictor
 ZERO_INIT_DEPTH = 10  # optimizer steps within which every tensor must have moved (most nets: one)
 
 
-def check_weights_change(model: nn.Module, step_fn: Callable[[], object], steps: int = ZERO_INIT_DEPTH) -> Finding:
+def check_weights_change(model: nn.Module, step_fn: Callable[[], object], steps: int = ZERO_INIT_DEPTH,
+                         optimizer: torch.optim.Optimizer | None = None) -> Finding:
     """Every trainable tensor moves within ``steps`` optimizer steps (the check stops at the first step after
     which all have). Not one step: a zero-initialised layer (the UNets' ``zero_module`` output convolutions, as in
     guided diffusion) passes no gradient upstream until its own first update, and then a gradient about as small
     as that update, so the layers behind it move one or more steps later, under an LR warm-up later still. On the
     ``digits`` UNet (warm-up 50) 72 of 110 tensors had not moved after the first step, a false alarm; all had
-    within 7."""
+    within 7.
+
+    With ``optimizer``: where every unmoved tensor is in it and holds a nonzero gradient, the update reached it and
+    was below float32's resolution for its values, so the cause named is the learning rate (``--lr 1e-12``: "6 of 8
+    tensors unchanged ... they get no gradient or are not in the optimizer", beside two checks that had just found
+    every tensor with a gradient and in the optimizer)."""
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     for taken in range(1, steps + 1):
         step_fn()
         same = [n for n, p in model.named_parameters() if n in before and torch.equal(before[n], p.detach())]
         if not same:
             return _ok("weights change", f"all {len(before)} trainable tensors moved within {taken} step(s)")
+    if optimizer is not None and lr_too_low(model, optimizer, same):
+        lrs = ", ".join(sorted({f"{g['lr']:g}" for g in optimizer.param_groups}))
+        return Finding("weights change", False, f"{len(same)} of {len(before)} tensors unchanged after {steps} "
+                       f"step(s) (e.g. {same[0]}) though each is in the optimizer with a nonzero gradient",
+                       f"the learning rate ({lrs}) is so low that each update is below float32's resolution for "
+                       "these weights", "raise the learning rate (`sinkflow lr-find` picks one)")
     if len(same) == len(before):
         return Finding("weights change", False, f"no weight changed after {steps} optimizer step(s)",
                        "optimizer.step() is missing, runs before backward, or zero_grad runs after backward; or the "
@@ -101,6 +113,16 @@ def check_weights_change(model: nn.Module, step_fn: Callable[[], object], steps:
     return Finding("weights change", False, f"{len(same)} of {len(before)} tensors unchanged after {steps} step(s) "
                    f"(e.g. {same[0]})", "they get no gradient or are not in the optimizer",
                    "check requires_grad and the optimizer's param groups")
+
+
+def lr_too_low(model: nn.Module, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
+    """Are all the tensors ``names`` in ``optimizer``, stepped by it (it holds their state: a loop whose step() is
+    missing or runs before backward leaves none) and with a nonzero gradient (the last step's): an update that reached
+    them and left them as they were?"""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    params = dict(model.named_parameters())
+    return bool(names) and all(id(p) in held and optimizer.state.get(p) and p.grad is not None and bool(p.grad.any())
+                               for p in (params[n] for n in names))
 
 
 INPUT_EFFECT_MIN = 1e-4  # the output's relative change below which an input is taken as not reaching it
@@ -588,7 +610,8 @@ def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch:
         out.append(check_inputs_reach_output(model, batch[0], batch[1]))
     out.append(check_loss_graph(trainer.ddp_model, trainer.task.loss, batch))
     out.append(check_train_mode(model, lambda: trainer.train_step(batch)))
-    out.append(check_weights_change(model, lambda: at_base_lr(trainer, lambda: applied_step(trainer, batch))))
+    out.append(check_weights_change(model, lambda: at_base_lr(trainer, lambda: applied_step(trainer, batch)),
+                                    optimizer=opt))
     frozen = run.loaded_models
     out.append(check_frozen(frozen, opt, lambda: trainer.train_step(batch)))
     out.append(check_batchnorm_batch1(model, micro_batch_sizes(trainer.cfg["batch_size"], trainer.cfg["accum"],
