@@ -44,6 +44,27 @@ def test_a_phase_whose_loss_did_not_fall_says_so_and_one_that_learned_does_not(r
     assert learning_warnings(caplog) == []
 
 
+def test_the_verdict_is_recorded_and_status_says_it_after_the_run(runs_dir):
+    """The warning was the console's alone: after a frozen run `sinkflow status` said FINISHED, and neither
+    metrics.jsonl nor TensorBoard held the check. Both probe losses and the verdict are recorded at the phase's last
+    step, and status says a phase that did not learn (and nothing of one that did)."""
+    import json
+
+    from sinkflow.tools.status import format_status, read_status
+
+    for name, lr, learned in (("frozen", "1e-12", False), ("learns", "1e-3", True)):
+        train_fm(name, f"train.velocity.lr={lr}")
+        (rec,) = [r for r in map(json.loads, (runs_dir / name / "metrics.jsonl").read_text().splitlines())
+                  if "learned" in r]
+        assert (rec["phase"], rec["step"], rec["learned"]) == ("velocity", 120, learned)
+        assert (rec["probe_loss_end"] == rec["probe_loss_start"] > 0) is not learned
+        said = [line for line in format_status(read_status(runs_dir / name)).splitlines()
+                if line.startswith("learning")]
+        assert said == ([] if learned else [f"learning     velocity: the loss did not fall ({rec['probe_loss_start']:.4g} "
+                                            f"on a fixed batch at the phase start, {rec['probe_loss_end']:.4g}: 100%): "
+                                            "the phase may not have learned; check train.velocity.lr"])
+
+
 def test_a_resumed_phase_is_judged_against_where_it_began(runs_dir, caplog):
     """The initial network's loss lives in the phase's checkpoints: a phase killed after its step-60 checkpoint and
     resumed is judged against the loss it began with (the run's own, bit-equal to an uninterrupted run's), not

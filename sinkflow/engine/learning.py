@@ -20,7 +20,9 @@ with the global RNG states restored (``probe_batch``): the training is bit-equal
 (tested at (N, 2), on a Glow, and with a dropout UNet at (N, 1, 28, 28) and (N, 3, 32, 32): NSGF++'s velocity and
 NSF phases, OT-CFM). The initial value is kept in the phase's checkpoints with the probe's global batch size, so
 a resumed phase is judged against where it began, on the same batch whatever the number of processes (under DDP
-the loss is the whole probe batch's: each rank's shard weighted by its rows). The warning goes to
+the loss is the whole probe batch's: each rank's shard weighted by its rows). Both values and the verdict
+are recorded in metrics.jsonl (``probe_loss_start``, ``probe_loss_end``, ``learned``: `sinkflow status` says a phase
+that did not learn after the run). The warning goes to
 ``LEARNING_LOG``, which the tools' few-step scratch runs mute (``quiet``). A task with a sharper check of its own
 (NSGF++'s time predictor: its MSE against a constant guess) sets ``TrainingStep.learning_check = False``.
 """
@@ -79,7 +81,13 @@ class LearningCheck(Callback):
         if batch is None or self.initial is None or self.initial <= 0:
             return
         final = self.probe_loss(trainer, batch)
-        if final >= FELL_LESS_THAN * self.initial and dist.current().is_main:
+        learned = final < FELL_LESS_THAN * self.initial
+        # recorded, as the time predictor's check is (t_mse): the warning was the console's alone, so once the run
+        # was over (`sinkflow status`: FINISHED, metrics.jsonl, TensorBoard) nothing said the phase had not learned
+        trainer.run.logger.log(trainer.name, trainer.step, {"probe_loss_start": self.initial,
+                                                             "probe_loss_end": final, "learned": learned,
+                                                             "final": True})
+        if not learned and dist.current().is_main:
             key = f"train.{trainer.task.model_key}"
             learning.warning(
                 "%s: the loss did not fall (%.4g on a fixed batch through the network it started from, %.4g through "

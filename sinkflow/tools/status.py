@@ -299,6 +299,12 @@ def format_status(st: dict) -> str:
         vals = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()
                          if k not in ("time", "phase", "step"))
         lines.append(f"metrics      {phase} step {rec.get('step')}: {vals}")
+    for phase, rec in st["latest_metrics"].items():  # LearningCheck's record: its console warning, kept after the run
+        if rec.get("learned") is False and isinstance(rec.get("probe_loss_start"), (int, float)):
+            start, end = rec["probe_loss_start"], rec.get("probe_loss_end")
+            share = f"{end:.4g}: {100 * end / start:.0f}%" if isinstance(end, (int, float)) and start else f"{end}"
+            lines.append(f"learning     {phase}: the loss did not fall ({start:.4g} on a fixed batch at the phase "
+                         f"start, {share}): the phase may not have learned; check train.{phase}.lr")
     if st["checkpoints"]:
         lines.append("checkpoints")
         for phase, files in st["checkpoints"].items():
