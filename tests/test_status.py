@@ -582,3 +582,5 @@ def test_a_torchrun_job_killed_as_a_phase_starts_or_failed_resumes_as_launched(r
     # the lost peer in the CLI's words, not gloo's raw text (status said "...pair.cc:561] Connection closed by peer")
     assert "another process of this torchrun job stopped or stopped answering (its own output says why)" in line
     assert "Connection closed" not in line, line
+    phase = next(x for x in format_status(read_status(run)).splitlines() if x.startswith("phase"))
+    assert phase.split() == ["phase", "velocity", "step", "2/6", "(33.3%)"], phase  # was "step 2": no total

@@ -59,20 +59,20 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                 trainer.fit()
             except Interrupted as exc:  # `sinkflow status` says STOPPED (checkpoint saved), not DEAD
                 run.logger.heartbeat(phase=exc.phase, step=exc.step, state="stopped", signal=exc.signum,
-                                     **batch_fields(exc.done, exc.of))
+                                     **batch_fields(exc.done, exc.of), **phase_total(trainer))
                 raise
             except KeyboardInterrupt as exc:  # a second signal (StopNow), or a notebook's KeyboardInterrupt raised
                 # in the loop (a callback's, a SIGALRM handler's): stopped at once, from the last checkpoint (status
                 # said DEAD, "pid ... is another process now", of the kernel that lives on)
                 run.logger.heartbeat(phase=task.name, step=getattr(trainer, "progress", None), state="stopped",
                                      signal=getattr(exc, "signum", None), at_once=True,
-                                     **batch_fields(*task_batches(trainer)))
+                                     **batch_fields(*task_batches(trainer)), **phase_total(trainer))
                 raise
             except Exception as exc:  # `sinkflow status` says FAILED and why (a resume would fail the same way)
                 step = getattr(exc, "step", None)  # the failing step where the error knows it (a non-finite one)
                 run.logger.heartbeat(phase=task.name, step=step if isinstance(step, int) else
                                      getattr(trainer, "progress", None), state="failed",
-                                     **batch_fields(*task_batches(trainer)),
+                                     **batch_fields(*task_batches(trainer)), **phase_total(trainer),
                                      error=(f"{dist.PEER_LOST} (its own output says why)" if dist.peer_lost(exc)
                                             else " ".join(str(exc).split())[:500] or type(exc).__name__))
                 raise
@@ -91,6 +91,12 @@ def batch_fields(done: int | None, of: int | None) -> dict:
     """A chunked phase's (the pool's) recorded batches for a stopped or failed heartbeat, as its bar counts them:
     its ``progress`` alone was shown as "pool  step 40" by status (a plain stop said "step 4", its chunks)."""
     return {"done": done, "of": of, "unit": "batches"} if of else {}
+
+
+def phase_total(trainer) -> dict:
+    """A training phase's steps in all, for a stopped or failed heartbeat: status said "velocity  step 5" of a
+    failed run where a running one says "step 5/60 (8.3%)"."""
+    return {"total": trainer.total} if trainer is not None and trainer.training else {}
 
 
 def task_batches(trainer) -> tuple[int | None, int | None]:
