@@ -41,8 +41,8 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
     which `sinkflow status` gives the resume command the CLI printed (``runtime.relaunch.resume_command``)."""
     callbacks = list(callbacks)
     last = None
-    run.logger.launch = {"world": dist.current().world, "per_node": dist.per_node(), "no_report": not report,
-                         "time_limit": time_limit}
+    run.logger.record_launch(world=dist.current().world, per_node=dist.per_node(), no_report=not report,
+                             time_limit=time_limit)
     with graceful_stop(deadline):
         for task in phases:
             if run.phase_done(task.name):

@@ -43,7 +43,7 @@ class MetricsLogger:
         self._purge: dict[str, int] = {}  # phase -> the first step its next writer hides (``rewind``)
         self._tb_step: dict[str, int] = {}  # tag -> the step this process last wrote it at
         self._jsonl = None  # opened on the first record: creating a logger writes nothing
-        self.launch: dict[str, Any] = {}  # how the run was launched, in every heartbeat (``run_phases`` sets it)
+        self._launch: dict[str, Any] = {}  # how the run was launched, in every heartbeat (``record_launch``)
 
     @property
     def jsonl(self):
@@ -159,6 +159,11 @@ class MetricsLogger:
             with naming(self.run_dir / "tb" / tag.split("/")[0]):
                 tb.add_histogram(tag, values, step)
 
+    def record_launch(self, **launch: Any) -> None:
+        """How the run was launched (``run_phases``: processes, processes a node, report, time limit), written into
+        every heartbeat from here on, from which `sinkflow status` builds the resume command."""
+        self._launch = dict(launch)
+
     def heartbeat(self, **status: Any) -> None:
         """Rewrite ``status.json`` (phase, step, total, rate, eta, state) with the current time and ``launch`` (the
         processes, report and time limit `sinkflow status` builds the resume command from, whatever the state: a
@@ -166,7 +171,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         status = {"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(),  # "dir": the folder the
-                  "dir": str(self.run_dir.resolve()), **self.launch, **status}  # pid writes: a copy is told apart
+                  "dir": str(self.run_dir.resolve()), **self._launch, **status}  # pid writes: a copy is told apart
         atomic_write_text(self.run_dir / "status.json", json.dumps(status))
 
     def flush(self) -> None:
