@@ -164,7 +164,7 @@ class Run:
         any."""
         from sinkflow.tools.status import tail_jsonl
 
-        evals = [r for r in tail_jsonl(self.dir / "metrics.jsonl", 1 << 26) if r.get("phase") == "eval"]
+        evals = [r for r in tail_jsonl(self.dir / "metrics.jsonl") if r.get("phase") == "eval"]
         if not evals:
             return {}
         own = {k: v for k, v in evals[-1].items() if k not in ("time", "phase", "step")}

@@ -584,3 +584,43 @@ def test_a_torchrun_job_killed_as_a_phase_starts_or_failed_resumes_as_launched(r
     assert "Connection closed" not in line, line
     phase = next(x for x in format_status(read_status(run)).splitlines() if x.startswith("phase"))
     assert phase.split() == ["phase", "velocity", "step", "2/6", "(33.3%)"], phase  # was "step 2": no total
+
+
+def test_a_phase_longer_than_its_log_every_still_beats_between_log_steps(runs_dir, monkeypatch):
+    """With log_every longer than the phase, only the phase's start wrote a heartbeat: status said STALE ("hung, or
+    log_every is very long") 300 s into a phase that was training. A heartbeat now comes every
+    ``HEARTBEAT_EVERY_S`` of steps (0 here: every step), with the host's step and rate and no loss (no device read)."""
+    from sinkflow import config
+    from sinkflow.engine import trainer as trainer_mod
+    from sinkflow.engine.experiment import train_run
+    from sinkflow.runtime.callbacks import Callback
+
+    monkeypatch.setattr(trainer_mod, "HEARTBEAT_EVERY_S", 0.0)
+
+    class SeeHeartbeat(Callback):
+        def on_train_batch_start(self, trainer, batch):
+            seen.append(json.loads((trainer.run.dir / "status.json").read_text()))
+
+    seen = []
+    cfg = config.resolve("moons", ["train.velocity.log_every=100", "experiment.name=quiet"],
+                         {"method": "fm", "train_iters": 5, "batch_size": 8, "device": "cpu"})
+    train_run(cfg, callbacks=[SeeHeartbeat()])
+    assert [b["step"] for b in seen] == [0, 1, 2, 3, 4], seen
+    assert all(b["state"] == "running" and b["total"] == 5 and "loss" not in b for b in seen), seen
+    assert all(b["rate"] > 0 and b["eta_s"] >= 0 for b in seen[1:]), seen
+
+
+def test_an_early_phases_did_not_learn_is_shown_after_a_long_later_phase(tmp_path):
+    """status read the last 64 KiB of metrics.jsonl: in a long run the velocity phase's "did not learn" record (and
+    its last metrics) fell out of it behind the nsf phase's records, and status said nothing of it."""
+    from sinkflow import config
+
+    rows = [{"phase": "velocity", "step": 100, "loss": 1.0},
+            {"phase": "velocity", "step": 100, "probe_loss_start": 2.0, "probe_loss_end": 1.99, "learned": False}]
+    rows += [{"phase": "nsf", "step": step, "loss": 0.5, "lr": 1e-3, "grad_norm": 1.25, "steps_per_s": 170.0}
+             for step in range(1, 2001)]  # about 170 KB
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.yaml").write_text(config.dump(config.resolve("mnist", [])))
+    text = format_status(read_status(tmp_path))
+    assert "learning     velocity: the loss did not fall (2 on a fixed batch" in text, text
+    assert "metrics      velocity step 100: loss 1" in text, text

@@ -46,6 +46,9 @@ from sinkflow.runtime.state_check import check_step_state
 log = logging.getLogger(__name__)
 
 AGREE_EVERY_S = 5.0  # under DDP, seconds of steps between two agreements on a stop (a collective each)
+# seconds of steps between two heartbeats when no log step writes one (log_every longer than minutes of steps: status
+# said STALE after its 300 s while the process trained); reads only the host's clock, no device value
+HEARTBEAT_EVERY_S = 60.0
 
 
 def adam_kernel(device: torch.device) -> dict:
@@ -467,6 +470,7 @@ class Trainer:
         # kill in that window, a DEAD run at step 0 beside its step checkpoint)
         run.logger.heartbeat(phase=self.name, step=self.step, total=iters, state="running", world=self.info.world)
         tick, tick_step = time.perf_counter(), self.step
+        beat = tick
         self._next_agree, self._agreed = self.step + 1, (tick, self.step)  # the first step's agreement sets the pace
         n_global = self.cfg["batch_size"] * self.info.world
         task, device = self.task, self.device
@@ -509,6 +513,14 @@ class Trainer:
                                          world=self.info.world)
                     self.loss_sum, self.loss_count = torch.zeros((), device=self.device), 0
                     tick, tick_step = time.perf_counter(), self.step
+                    beat = tick
+                elif time.perf_counter() - beat > HEARTBEAT_EVERY_S:  # no log step for a minute: the step and rate
+                    # the host has seen (a loss would cost a sync), so a long log_every is not STALE
+                    beat = time.perf_counter()
+                    rate = (self.step - tick_step) / max(beat - tick, 1e-9)
+                    run.logger.heartbeat(phase=self.name, step=self.step, total=iters, rate=rate,
+                                         eta_s=(iters - self.step) / max(rate, 1e-9), state="running",
+                                         world=self.info.world)
                 # every rank agrees on a stop in the same step; under DDP that costs a sync, so at log and
                 # checkpoint steps and every AGREE_EVERY_S seconds of steps between (torchrun kills a worker 30 s
                 # after its SIGTERM: a stop agreed only at log steps 100 slow steps apart lost them all);

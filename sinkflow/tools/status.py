@@ -1,11 +1,11 @@
 """`sinkflow status RUN`: where a run is, whether it is alive, and what it has on disk.
 
-Reads only files (``status.json`` heartbeat, the tail of ``metrics.jsonl``, ``checkpoints/``), so it
+Reads only files (``status.json`` heartbeat, ``metrics.jsonl`` (its last 64 MiB), ``checkpoints/``), so it
 works while the run is going, after it finished, and after it died. A run is
 
 * ``finished``: the heartbeat says so;
 * ``running``: the heartbeat is younger than ``stale_after`` and its pid is alive (when on this host);
-* ``stale``: the heartbeat is older than ``stale_after`` (hung, or a very long log interval);
+* ``stale``: the heartbeat is older than ``stale_after`` (hung: a training phase beats every minute of steps);
 * ``dead``: the pid of the heartbeat is not alive on this host, or is but no process holds the run's lock (the pid
   was reused after a kill -9), and the run did not finish.
 * ``stopped``: a signal or the time limit stopped it after its checkpoint was written (``sinkflow train --resume`` continues).
@@ -44,8 +44,10 @@ STALE_AFTER_S = 300.0
 FINAL_STATES = ("finished", "stopped", "failed")  # a heartbeat written as the run ended: no lock to look for
 
 
-def tail_jsonl(path: Path, max_bytes: int = 1 << 16) -> list[dict]:
-    """The records in the last ``max_bytes`` of a JSONL file (a torn last line is skipped)."""
+def tail_jsonl(path: Path, max_bytes: int = 1 << 26) -> list[dict]:
+    """The records in the last ``max_bytes`` of a JSONL file (a torn last line is skipped). 64 MiB: a whole run's
+    file in practice (the mnist preset's, at log_every 100, is about 0.6 MB); its last 64 KiB lost an early phase's
+    records in a long run (its "did not learn" line and its last metrics)."""
     if not path.is_file():
         return []
     with open(path, "rb") as f:
@@ -260,7 +262,8 @@ def format_status(st: dict) -> str:
         why = (f" (stopped at {hb.get('phase')}{step}: {hb.get('error')}; {kept}: fix that, then `{st['resume']}` "
                "continues)")
     elif state == "stale":
-        why = f" (no heartbeat for {_dur(age)}; hung, or log_every is very long)"
+        why = f" (no heartbeat for {_dur(age)}, where a training phase writes one every minute: hung, or one step or " \
+            "pool chunk takes longer than that)"
     elif state == "incomplete" and st.get("damaged"):
         why = (f" (status.json says finished, but {', '.join(st['damaged'])} is damaged (not a whole checkpoint): "
                f"delete it, then `{st['resume']}` trains that phase again from its last step checkpoint)")
