@@ -809,8 +809,9 @@ def test_a_missing_point_file_gets_the_fix_for_its_kind_of_path(tmp_path, monkey
                                             r"relative") as e:
         build_distribution("gone.npy", data_cfg={})
     one_line(e)
-    with pytest.raises(SinkflowError, match=r"does not exist; put the file back at that path; for a run whose file "
-                                            r"moved, .*`sinkflow train --resume RUN data.target=NEW_PATH") as e:
+    with pytest.raises(SinkflowError, match=r"does not exist; check the path \(a typo\?\), or put the file back "
+                                            r"there; for a run whose file moved, .*`sinkflow train --resume RUN "
+                                            r"data.target=NEW_PATH") as e:
         build_distribution(str(tmp_path / "gone.npy"), data_cfg={})
     one_line(e)
     moved = tmp_path / "elsewhere" / "pts.npy"  # a link at the old path is read as the file

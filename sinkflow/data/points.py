@@ -206,8 +206,8 @@ def load_points(path: str, min_rows: int = MIN_POINT_ROWS) -> torch.Tensor:
                             "point file itself")
     if not os.path.isfile(path):
         what = "is not a file" if os.path.exists(path) else "does not exist"
-        fix = (f"put the file back at that path; for a run whose file moved, name its new place once, "
-               "`sinkflow train --resume RUN data.target=NEW_PATH --no-report` (or data.source; its points must "
+        fix = ("check the path (a typo?), or put the file back there; for a run whose file moved, name its new place "
+               "once, `sinkflow train --resume RUN data.target=NEW_PATH --no-report` (or data.source; its points must "
                "match the hashes in RUN/data_split.json), and eval reads it there"
                if os.path.isabs(path) else
                "check data.source/data.target (paths are relative to the directory you run sinkflow from)")
