@@ -691,6 +691,14 @@ def test_a_section_that_holds_no_keys_is_named_so(tmp_path, monkeypatch, text, w
         config.resolve("s.yaml")
 
 
+@pytest.mark.parametrize("key, example", [("pool", "pool.batches"), ("train.velocity", "train.velocity.iters")])
+def test_a_section_given_a_value_on_the_command_line_is_named_a_section(key, example):
+    """`pool=3` read "unknown config key 'pool'; did you mean 'pool.qmc'?" (the same in a file names the section)."""
+    with pytest.raises(SinkflowError, match=rf"^config key '{key}' is a section, not a key; set one of its keys, "
+                                            rf"e.g. {example}=\.\.\."):
+        config.resolve("moons", [f"{key}=3"])
+
+
 def test_a_run_config_file_given_for_its_folder_names_the_folder(tmp_path, monkeypatch, capsys):
     """`train --resume runs/x/config.yaml` said "runs/x/config.yaml is not a sinkflow run folder (no config.yaml)"."""
     from sinkflow.cli import main
@@ -707,7 +715,8 @@ def test_a_run_config_file_given_for_its_folder_names_the_folder(tmp_path, monke
 
 def test_training_a_runs_config_file_names_its_mid_run_changes(tmp_path, monkeypatch, caplog):
     """`train RUN/config.yaml --name new` trained a resume's lr change (step 377 in the run) from step 0 in silence:
-    the file holds the values the run ended with; meta.json's changes, what it cannot, are named."""
+    the file holds the values the run ended with; meta.json's changes, what it cannot, are named. It also warned of
+    4 keys "this nsgf run does not read": ones the run wrote (train.nsf.iters from --train-iters, data.root)."""
     import logging
 
     from sinkflow.cli import main
@@ -723,6 +732,8 @@ def test_training_a_runs_config_file_names_its_mid_run_changes(tmp_path, monkeyp
         config.resolve("runs/part/config.yaml", ["experiment.name=again"])
     said = [r.getMessage() for r in caplog.records if "is a run's config" in r.getMessage()]
     assert len(said) == 1 and "train.velocity.lr=0.02 (from velocity step 2)" in said[0], said
+    # and not the keys the run itself wrote that it does not read (--train-iters set train.nsf.iters, ...: noise)
+    assert not [r for r in caplog.records if "does not read" in r.getMessage()], caplog.text
 
 
 @pytest.mark.parametrize("word", ["inherit", "base"])

@@ -96,9 +96,10 @@ def load_config_file(name: str) -> dict:
                                 f"'{path.stem}'", f"add `experiment: {{preset: {path.stem}}}` to start from it, or "
                                 "name the file otherwise")
         tree["experiment"]["preset"] = path.stem
-    _warn_unread(name, raw, tree, base)
-    if text.startswith(RUN_CONFIG_HEADER):
-        _warn_run_changes(name, path)
+    if text.startswith(RUN_CONFIG_HEADER):  # a run's own file: the keys it does not read are ones the run wrote
+        _warn_run_changes(name, path)  # (--train-iters sets every phase's iters, data.root is kept resolved)
+    else:
+        _warn_unread(name, raw, tree, base)
     return tree
 
 
@@ -374,7 +375,12 @@ def unknown_key(tree: dict, key: str, where: str = "") -> SinkflowError:
         if owners:
             return SinkflowError(f"{where}config key '{key}' is a {' / '.join(owners)} key but model.{parts[1]}.kind "
                                  f"is {kind}", f"set model.{parts[1]}.kind={owners[0]} first, or drop the key")
-    close = closest_key(key, list(schema.keys(tree)))
+    specs = list(schema.keys(tree))
+    inside = [k for k in specs if k.startswith(key + ".")]
+    if inside:  # `pool=3`: a section given a value was "unknown", with a did-you-mean of one of its keys
+        return SinkflowError(f"{where}config key '{key}' is a section, not a key",
+                             f"set one of its keys, e.g. {inside[0]}=...; `sinkflow config PRESET` lists them")
+    close = closest_key(key, specs)
     hint = f"did you mean '{close}'?" if close else "run `sinkflow config PRESET` to list the keys"
     return SinkflowError(f"{where}unknown config key '{key}'", hint)
 
