@@ -149,7 +149,23 @@ def test_clouds_far_from_the_origin_get_the_velocity_of_the_same_clouds_at_it(so
     from sinkflow.ot.velocity import _centred
 
     cx, cy = _centred(x[None], y[None])
-    assert cx.data_ptr() == x.data_ptr() and cy.data_ptr() == y.data_ptr()  # around the origin: the same tensors
+    assert torch.equal(cx[0], x) and torch.equal(cy[0], y)  # around the origin: the same values, bit for bit
+
+
+def test_centring_reads_nothing_on_the_host(monkeypatch):
+    """The far-from-origin check read its flag with bool(): a device sync per Sinkhorn call of a GPU pool build."""
+    from sinkflow.ot.velocity import _centred
+
+    def read(*args):
+        raise AssertionError("a host read")
+
+    for name in ("__bool__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, read)
+    x, y = _clouds_2d(16, seed=1)
+    X, Y = torch.stack([x, x + 1000.0]), torch.stack([y, y + 1000.0])
+    cx, cy = _centred(X, Y)
+    monkeypatch.undo()
+    assert torch.equal(cx[0], x) and cx[1].abs().max() < 10 and cy[1].abs().max() < 10  # the far batch moved
 
 
 def test_one_euler_step_moves_towards_target():
