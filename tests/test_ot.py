@@ -638,6 +638,24 @@ def test_log_domain_cross_potentials_stop_at_float32_rounding():
     assert (v32.double() - v64).abs().max() < 1e-4 * v64.abs().max()
 
 
+@pytest.mark.parametrize("final", ["kernel", "log"])
+def test_a_tight_tol_at_a_blur_as_large_as_the_data_stops_at_float32s_rounding(final):
+    """The stopping floor counted the potential's magnitude but not its log-sum-exp's rounding (eps log N; log N on
+    the absorbed kernel, which had no floor at all): at a blur as large as the data (16 points of spread 0.3, blur
+    2, tol 1e-5) every float32 solve ran to max_iters and warned, its velocity right to 1e-6 (audit Z)."""
+    from sinkflow.ot.sinkhorn import converged_velocity
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = 0.3 * torch.randn(2, 16, 2, generator=gen), 0.3 * torch.randn(2, 16, 2, generator=gen) + 0.15
+    kw = dict(blur=2.0, scaling=0.9, diameter=3.0, max_iters=200, tol=1e-5, final=final)
+    v64, _ = converged_velocity(x.double(), y.double(), **{**kw, "tol": 1e-9, "max_iters": 5000})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a capped solve warns
+        v32, it32 = converged_velocity(x, y, **kw)
+    assert int(it32.max()) < 100, it32
+    assert (v32.double() - v64).abs().max() < 1e-5 * v64.abs().max()
+
+
 def test_kernel_iterations_match_the_log_domain_and_fall_back_per_batch(monkeypatch):
     """The final-epsilon iterations on the absorbed kernel are the log-domain ones up to float rounding (the same
     iteration counts, velocities within 1e-3 in float32, 1e-9 in float64), and a batch whose annealed logits or scalings leave float32's safe range
