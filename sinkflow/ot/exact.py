@@ -20,6 +20,7 @@ import torch
 
 from sinkflow.config.checks import float_tensor
 from sinkflow.errors import require
+from sinkflow.ot.precision import centred
 
 ASSIGNMENT_MAX_N = 1024  # the largest batch solved by SciPy's assignment; larger ones go to POT's EMD
 
@@ -42,8 +43,9 @@ def ot_permutation(x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
     require(x0.shape[0] == x1.shape[0], f"ot_permutation pairs equal-size batches; got {x0.shape[0]} and "
             f"{x1.shape[0]} rows", "draw as many target as source samples")
     where = x0.device if x0.device.type in ("cpu", "cuda") else torch.device("cpu")  # MPS has no float64
-    a, b = (x.flatten(1).to(where, torch.float64) for x in (x0, x1))
-    cost = _to_host(torch.cdist(a, b) ** 2)
+    a, b = (x.flatten(1).to(where, torch.float64)[None] for x in (x0, x1))
+    a, b = centred(a, b)  # far from the origin the float64 cost lost the batches' spread to cancellation
+    cost = _to_host(torch.cdist(a[0], b[0]) ** 2)
     require(bool(np.isfinite(cost.numpy()).all()), "a batch paired by exact OT holds NaN/Inf values",
             "check the data, or the step that produced the batch")
     n = x0.shape[0]

@@ -20,7 +20,7 @@ from geomloss import SamplesLoss
 
 from sinkflow.config.checks import float_tensor, is_positive, is_real, is_whole, shown
 from sinkflow.errors import SinkflowError, require
-from sinkflow.ot.precision import strict_float32
+from sinkflow.ot.precision import centred, strict_float32
 
 _BACKENDS = ("tensorized", "online")
 SOLVERS = ("geomloss", "converged")  # converged: sinkflow.ot.sinkhorn, iterated to tol at the final epsilon
@@ -192,24 +192,6 @@ CPU_CHUNK_BYTES = 256 << 10
 CONVERGED_CHUNK_BYTES = 32 << 20  # converged solver: cost matrices of at most this size per call
 
 
-def _centred(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, y (B, N, D), (B, M, D) moved by their batch's bounding-box centre where it lies farther from the origin
-    than the batch spans; bit for bit unchanged elsewhere (minus a zero shift).
-
-    Both solvers compute the cost as |x|^2 + |y|^2 - 2 x.y in float32, which loses about |x|^2 * 6e-8 to cancellation:
-    clouds of spread 1 at (1000, 700) from the origin had costs off by ~0.1 against an epsilon of 0.04 (blur 0.2),
-    and velocities 5-7 % wrong (35 % at 3000), with no warning. The velocity sum_j P_{j|i} y_j - sum_k Q_{k|i} x_k
-    is the same for any common shift of x and y (its plans' rows sum to 1), so the shifted problem gives it
-    exactly. Data around the origin (every preset's) is left as it is, bit for bit; the shift is per batch, so a
-    batch's result does not depend on which batches share the call. No branch on the flag: reading it on the host
-    was a device sync per Sinkhorn call of a GPU pool build (one subtraction over x and y costs less)."""
-    lo, hi = torch.minimum(x.amin(1), y.amin(1)), torch.maximum(x.amax(1), y.amax(1))
-    centre = (lo + hi) / 2
-    far = centre.norm(dim=-1) > (hi - lo).norm(dim=-1)
-    shift = torch.where(far[:, None], centre, torch.zeros_like(centre))[:, None, :]
-    return x - shift, y - shift
-
-
 def _velocity_flat(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -223,7 +205,7 @@ def _velocity_flat(
 ) -> torch.Tensor:
     """v for float32 clouds x (B, N, D), y (B, M, D); no validation (callers do it)."""
     B, N, M = x.shape[0], x.shape[1], y.shape[1]
-    x, y = _centred(x, y)
+    x, y = centred(x, y)
     if solver == "converged":
         from sinkflow.ot.sinkhorn import converged_velocity
 
