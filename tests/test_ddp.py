@@ -432,3 +432,41 @@ def test_a_sigterm_while_rank_0_computes_the_states_stops_every_rank_in_one_line
     # torchrun calls any non-zero exit a failure: both ranks left as one process stopped by SIGTERM does
     assert re.findall(r"exitcode\s+: (-?\d+) \(pid", out.stderr) == ["143", "143"], out.stderr[-3000:]
     assert not (runs_dir / "sig" / "nsf_states.npy").exists()  # the resume computes them (test_nsf_source.py)
+
+
+SIGTERM_IN_POOL = """
+import os, signal, sys
+from sinkflow.methods import pool
+real = pool.PoolTask._simulate_group
+def counted(self, group, *args, **kwargs):  # torchrun's SIGTERM reaches every worker during its first group
+    with open(f"groups_rank{os.environ['RANK']}.txt", "a") as f:
+        f.write(f"{group}\\n")
+    if group == [self.chunk * int(os.environ["RANK"])]:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(self, group, *args, **kwargs)
+pool.PoolTask._simulate_group = counted
+sys.argv = ["sinkflow", *sys.argv[1:]]
+from sinkflow.cli import entry
+entry()
+"""
+
+
+def test_a_sigterm_during_a_pool_chunk_under_ddp_abandons_it_on_every_rank(runs_dir, tmp_path):
+    """Under torchrun a pool chunk was finished, not abandoned, on a signal (each rank builds its own chunk, and an
+    abandon needed a point every rank reaches alike): a 50-batch chunk on a slow card outlasts torchrun's 30 s
+    grace. Each rank now stops before its next group and still joins the unit's gather: one stop line, nothing
+    recorded, and the resume (here on one process) builds both chunks."""
+    cwd = runs_dir.parent
+    script = tmp_path / "sigterm_pool.py"
+    script.write_text(SIGTERM_IN_POOL)
+    pool_args = ["moons", "pool.batches=8", "pool.steps=3", "pool.batch_size=16", "pool.chunk=4", "pool.in_flight=1",
+                 "--train-iters", "2", "--device", "cpu", "--no-report"]
+    out = _torchrun(*pool_args, "--name", "cut", cwd=cwd, entry=(str(script),))
+    lines = [x for x in out.stderr.splitlines() if x.startswith("sinkflow: ")]
+    assert len(lines) == 1 and "stopped by signal 15 in phase 'pool' after 0/8 batches" in lines[0], \
+        out.stderr[-3000:]
+    assert re.findall(r"exitcode\s+: (-?\d+) \(pid", out.stderr) == ["143", "143"], out.stderr[-3000:]
+    assert [len((cwd / f"groups_rank{r}.txt").read_text().split("\n")) - 1 for r in (0, 1)] == [1, 1]  # of 4 each
+    assert json.loads((runs_dir / "cut" / "pool" / "progress.json").read_text())["chunks"] == []
+    assert cli("train", "--resume", "runs/cut", "--no-report", cwd=cwd).returncode == 0  # redone on one process
+    assert json.loads((runs_dir / "cut" / "pool" / "progress.json").read_text())["chunks"] == [0, 1]

@@ -375,12 +375,20 @@ class PoolTask(ChunkedTask):
         return self.groups[r + info.rank] if r + info.rank < len(self.groups) else []
 
     def run_unit(self, mine: list[int]) -> int:
-        """Build the chunks ``mine``, flush them, agree on what is done, write the progress (main)."""
+        """Build the chunks ``mine``, flush them, agree on what is done, write the progress (main).
+
+        A signal stops the build before its next group of batches: a preempted job has seconds (torchrun SIGKILLs a
+        worker 30 s after its SIGTERM, and a 50-batch chunk on a slow card can outlast that). The unit is abandoned
+        unrecorded (redone on resume) and the Trainer stops after it. Under DDP the rank still joins the unit's
+        gather, so every rank makes the same collectives whichever groups each had left (the others abandon theirs
+        too: torchrun signals every worker)."""
         ids = [b for c in mine for b in _chunk_batches(c, self.chunk, self.batches)]
         shape, per_batch, arrays = self.shape, self.per_batch, self.arrays
+        abandoned = False
         for g in range(0, len(ids), self.in_flight):
-            if g and signalled() is not None and not self.info.enabled:  # a preempted job has seconds: the
-                return 0  # unit is abandoned unrecorded (redone on resume) and the Trainer stops after it
+            if g and signalled() is not None:
+                abandoned = True
+                break
             group = ids[g : g + self.in_flight]
             with solve_stats(self.solves):
                 xs, vs, ts = self._simulate_group(group, self.seed, self.n, self.run.device)
@@ -391,16 +399,19 @@ class PoolTask(ChunkedTask):
                 arrays["x"][lo : lo + per_batch] = xs[:, j].reshape(per_batch, *shape).numpy().astype(self.dtype)
                 arrays["v"][lo : lo + per_batch] = vs[:, j].reshape(per_batch, *shape).numpy().astype(self.dtype)
                 arrays["t"][lo : lo + per_batch] = t_rows
+        if abandoned and not self.info.enabled:
+            return 0
         for a in arrays.values():
             a.flush()
-        self.done.update(mine)
+        if not abandoned:
+            self.done.update(mine)
         if self.info.enabled:
             gathered: list = [None] * self.info.world
             torch.distributed.all_gather_object(gathered, sorted(self.done))
             self.done = set().union(*map(set, gathered))
         dist.on_main(self.write_progress)
         self.progress_done = sum(len(_chunk_batches(c, self.chunk, self.batches)) for c in self.done)  # every rank's
-        return len(ids)
+        return 0 if abandoned else len(ids)
 
     def write_progress(self) -> None:
         """progress.json: the finished chunks, the build's diameter and the keys it was built with (checked when
