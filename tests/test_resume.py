@@ -380,3 +380,48 @@ def test_records_rewound_after_a_rewind_killed_mid_write_stay_lines_of_their_own
     lines = (tmp_path / "metrics.rewound.jsonl").read_text().splitlines()
     assert [m["step"] for m in moved] == [4, 6] and lines[0] == '{"phase": "velocity", "st', lines
     assert [json.loads(x)["step"] for x in lines[1:]] == [4, 6], lines
+
+
+def test_a_training_key_edited_by_hand_before_a_resume_is_recorded_in_meta_json(tmp_path, monkeypatch, caplog):
+    """config.yaml edited by hand between a stop and its resume (train.velocity.lr 0.001 -> 0.002) trained the new
+    rate from the step checkpoint on, and meta.json's changes said nothing: the run's record missed what it trained
+    with. A step checkpoint holds its phase's train section; the resume compares, warns and records the edit. A
+    resume's own override is recorded once (by the resume), and a later resume from a checkpoint older than that
+    override does not call it an edit."""
+    import logging
+    import shutil
+
+    from sinkflow import config
+    from sinkflow.engine.experiment import train_run
+
+    monkeypatch.chdir(tmp_path)
+    cfg = config.resolve("moons", ["train.velocity.ckpt_every=3", "experiment.name=e"],
+                         {"method": "fm", "train_iters": 6, "batch_size": 8, "device": "cpu"})
+    train_run(cfg)
+    run = tmp_path / "runs" / "e"
+
+    def back_to_step_3():
+        for name in ("final.pt", "step_00000006.pt"):
+            (run / "checkpoints" / "velocity" / name).unlink(missing_ok=True)
+
+    def changes():
+        return [(c["key"], c["from"], c["to"], c["phase"], c["step"], c.get("note"))
+                for c in json.loads((run / "meta.json").read_text()).get("changes", [])]
+
+    back_to_step_3()
+    shutil.copytree(run / "checkpoints" / "velocity", tmp_path / "at3")
+    text = (run / "config.yaml").read_text()
+    assert "    lr: 0.001\n" in text
+    (run / "config.yaml").write_text(text.replace("    lr: 0.001\n", "    lr: 0.002\n", 1))
+    with caplog.at_level(logging.WARNING, logger="sinkflow"):
+        train_run(resume=run)
+    assert changes() == [("train.velocity.lr", 0.001, 0.002, "velocity", 3, "edited in config.yaml")]
+    assert "config.yaml was edited since the step-3 checkpoint of velocity: train.velocity.lr 0.001 -> 0.002" \
+        in caplog.text
+    back_to_step_3()
+    train_run(resume=run, overrides=["train.velocity.lr=0.003"])  # an override: recorded by the resume, once
+    assert changes()[1:] == [("train.velocity.lr", 0.002, 0.003, "velocity", 3, None)]
+    shutil.rmtree(run / "checkpoints" / "velocity")
+    shutil.copytree(tmp_path / "at3", run / "checkpoints" / "velocity")  # the step-3 checkpoint trained at 0.001
+    train_run(resume=run)
+    assert len(changes()) == 2  # 0.003 is the recorded value: no edit

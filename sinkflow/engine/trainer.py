@@ -216,6 +216,7 @@ class Trainer:
             "rng": rng_state(),
             "world_size": self.info.world,
             "callbacks": {cb.state_key: st for cb in self.callbacks if (st := cb.state_dict())},
+            "train": dict(self.run.cfg["train"][self.task.model_key]),  # what it trained with (a hand edit is told)
         }
 
     def load_state_dict(self, state: dict, where: str) -> None:
@@ -455,6 +456,7 @@ class Trainer:
         self.loss_sum, self.loss_count = torch.zeros((), device=self.device), 0
         if latest is not None:
             self.load_state_dict(latest, str(ckpts.steps()[-1][1]))
+            dist.on_main(lambda: run.record_hand_edits(self.task.model_key, latest.get("train"), self.name, self.step))
             self._call("on_load_checkpoint", latest)
             if self.info.is_main:  # status may show a later step: what a killed process did past its checkpoint
                 log.info("%s: resuming from step %d of %d (%s)", self.name, self.step, self.cfg["iters"],

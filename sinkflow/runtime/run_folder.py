@@ -249,6 +249,34 @@ class RunFolder:
             entries.append(("world_size", last, world, phase, step, self._world_note(last, world)))
         record_changes(self.dir, entries)
 
+    def record_hand_edits(self, key: str, trained: object, phase: str, step: int) -> None:
+        """Record in meta.json the keys of ``train.<key>`` that config.yaml holds at other values than ``trained``
+        (the section a step checkpoint was trained with) and that no recorded change explains: config.yaml edited
+        by hand between a stop and this resume. The edit applies from ``step``, as an override would, but nothing
+        said so: meta.json's ``changes`` (what a run trained with, and from when) missed it. A checkpoint from
+        before the section was saved (``trained`` not a dict) is not compared, nor a read-only look (lr-find and
+        doctor set a phase's keys in memory)."""
+        if self.read_only or not isinstance(trained, dict):
+            return
+        latest = {}  # each key's last recorded value: a resume's override, an earlier resume's, lr-find --write
+        try:
+            meta = json.loads((self.dir / "meta.json").read_text())
+        except (OSError, ValueError):
+            meta = {}
+        for change in (meta.get("changes") or []) if isinstance(meta, dict) else []:
+            if isinstance(change, dict) and "key" in change:
+                latest[change["key"]] = change.get("to")
+        now = self.cfg["train"][key]
+        edits = [(f"train.{key}.{k}", trained[k], v, phase, step, "edited in config.yaml")
+                 for k, v in sorted(now.items()) if k in trained and trained[k] != v
+                 and latest.get(f"train.{key}.{k}", trained[k]) != v]
+        if edits:
+            log.warning("config.yaml was edited since the step-%d checkpoint of %s: %s; the edit%s from this step on "
+                        "(recorded in meta.json's changes; `sinkflow train --resume RUN key=value` records it itself)",
+                        step, phase, ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new, *_ in edits),
+                        " applies" if len(edits) == 1 else "s apply")
+            record_changes(self.dir, edits)
+
     def _world_note(self, old: int, new: int) -> str:
         """What a resume on ``new`` processes instead of ``old`` changes: each phase still to train's global batch
         (``batch_size`` is per process) and base learning rate (its ``lr_scaling`` rule, docs/performance.md)."""
