@@ -149,7 +149,7 @@ class NSGFStates:
             return
         path = run.dir / STATES_FILE
         if run.read_only and not path.is_file():  # lr-find or doctor on a user's run: computed, not kept
-            self.states = torch.from_numpy(self._compute(run))
+            self.states = torch.from_numpy(self._compute(run, stoppable=False))
             return
         stopped = dist.broadcast_object(dist.on_main(lambda: None if path.is_file() else self._write(run, path)))
         if stopped:  # rank 0's signal (on_main returns its result on rank 0 alone): every rank stops alike
@@ -164,15 +164,16 @@ class NSGFStates:
 
     def _write(self, run, path: Path) -> int | None:
         """RUN/nsf_states.npy, or the signal that stopped the computation (nothing written)."""
-        states = self._compute(run)
+        states = self._compute(run, stoppable=True)
         if states is None:
             return signalled()
         atomic_write_bytes(path, lambda f: np.save(f, states, allow_pickle=False))
         return None
 
-    def _compute(self, run) -> np.ndarray | None:
-        """The states, or None once a signal arrived (``signals.signalled``: not the time limit, which lets a unit
-        of work finish) between two of the sampler's chunks."""
+    def _compute(self, run, stoppable: bool) -> np.ndarray | None:
+        """The states; if ``stoppable``, None once a signal arrived (``signals.signalled``: not the time limit, which
+        lets a unit of work finish) between two of the sampler's chunks (a read-only look, lr-find or doctor, whose
+        caller needs the states, is not stoppable)."""
         cfg = run.cfg
         n, chunk = int(cfg["nsgf"]["nsf_states"]), max(1, int(cfg["sample"]["batch_size"]))
         times, etas = nsgf_grid(cfg)
@@ -182,7 +183,7 @@ class NSGFStates:
         states = np.empty((n, *self.shape), np.float32)
         with autocast(run.device.type, METHOD.sample_precision(cfg)):
             for lo in range(0, n, chunk):  # the sampler's chunks: the memory plan's sample+eval row holds them
-                if signalled() is not None and not run.read_only:
+                if stoppable and signalled() is not None:
                     return None
                 x0 = self.source.sample(min(chunk, n - lo), generator, run.device)
                 states[lo:lo + len(x0)] = nsgf_part(velocity, x0, times, etas).cpu().numpy()
