@@ -268,14 +268,14 @@ def verify(run, phases) -> None:
     model's names, shapes and dtypes; the first unfinished phase's newest step checkpoint holds everything
     the Trainer restores (weights, Adam moments, schedule, generator and RNG states); and no override changes
     a training key of a phase that has already finished (it would have no effect, so config.yaml would lie).
-    Records where the run resumes (``run.resume_at``) and the model keys of the training phases still to train
-    (``run.to_train``) for the change log ``RunFolder.start`` writes."""
+    Tells the run where it resumes and the model keys of the training phases still to train
+    (``RunFolder.plan_resume``), for the change log ``RunFolder.start`` writes."""
     changed = run.changes()
-    at = None
+    at, to_train, phase_keys = None, [], {}
     for task in phases:
         training = isinstance(task, TrainingStep)
         if training:
-            run.phase_keys[task.name] = task.model_key
+            phase_keys[task.name] = task.model_key
         content = (lambda state, where, task=task: check_final(state, _meta_model(run, task), where)) if training else None
         if run.phase_done(task.name, check=content):
             task.check_done(run)  # what later phases read of its output (the pool's arrays)
@@ -293,7 +293,7 @@ def verify(run, phases) -> None:
                             "drop that override, or start a new run with it")
             continue
         if training:
-            run.to_train.append(task.model_key)
+            to_train.append(task.model_key)
         if at is None:
             step = task.check_resume(run)  # what it left besides step checkpoints (a half-built pool: its chunks)
             if training:
@@ -312,7 +312,7 @@ def verify(run, phases) -> None:
                     check_step_state(latest, _meta_model(run, task), generator, str(ckpts.steps()[-1][1]),
                                      ema=train["ema"] > 0, scaler=train["precision"] == "fp16")
             at = (task.name, step)
-    run.resume_at = at or ("done", None)
+    run.plan_resume(at or ("done", None), to_train, phase_keys)
 
 
 def _meta_model(run, task) -> torch.nn.Module:

@@ -107,9 +107,9 @@ class RunFolder:
         self._pending_config: dict | None = None  # a resume's new config.yaml, written by start()
         self._checked_finals: set[tuple] = set()
         self._disk_config: dict = cfg
-        self.resume_at: tuple | None = None  # (phase, step) where a resume continues (set by verify)
-        self.phase_keys: dict[str, str] = {}  # phase name -> its model key (set by verify)
-        self.to_train: list[str] = []  # model keys of the training phases a resume still trains (set by verify)
+        self.resume_at: tuple | None = None  # (phase, step) where a resume continues (plan_resume)
+        self.phase_keys: dict[str, str] = {}  # phase name -> its model key (plan_resume)
+        self.to_train: list[str] = []  # model keys of the training phases a resume still trains (plan_resume)
         self.shorthand_keys: set[str] = set()  # keys a resume's shorthands changed and no override named (open)
 
     # ---- creation and resume -------------------------------------------------------------------
@@ -192,6 +192,12 @@ class RunFolder:
         if new != cfg:
             run._pending_config = new
         return run
+
+    def plan_resume(self, at: tuple, to_train: list[str], phase_keys: dict[str, str]) -> None:
+        """Where a resume continues (``(phase, step)``, or ``("done", None)``), the model keys of the training phases
+        it still trains, and each training phase's model key: what ``start`` records the resume's changes with, as
+        ``experiment.verify`` found them in the folder."""
+        self.resume_at, self.to_train, self.phase_keys = at, list(to_train), dict(phase_keys)
 
     def keep_on_disk(self, key: str) -> None:
         """Set ``key`` back to its value on disk in the config this resume writes (a shorthand's key for a phase that
