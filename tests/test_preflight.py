@@ -655,3 +655,12 @@ def test_fid_settings_this_machine_lacks_are_the_machine_checks_failure(tmp_path
         report = Report("digits")
         machine_check(report, {**real, "eval": {**real["eval"], "inception_weights": weights}}, shape)
         assert report.checks[0].ok and report.checks[0].detail.endswith(f"{tmp_path / 'runs'}{said}"), report.checks
+
+
+def test_kill_and_resume_passes_with_batches_drawn_ahead(tmp_path):
+    """``prefetch: always`` draws the next batches while a step runs, so the stopped phase's generator is past them;
+    the check compares the resume point (before the first batch not trained on), which the checkpoint holds. It
+    compared the generator itself and failed every such preflight with "phase generator not restored"."""
+    report = preflight("moons", ["train.velocity.prefetch=always"], {"method": "fm"}, workdir=tmp_path, memory=False)
+    assert not failed(report), format_report(report)
+    assert any(c.name == "kill and resume" and c.ok for c in report.checks)

@@ -203,6 +203,11 @@ class Trainer:
         """Are this phase's steps CUDA-graph replays (no Python runs inside them: forward hooks do not fire)?"""
         return self.step_graph is not None and self.step_graph.captures
 
+    def generator_state(self) -> torch.Tensor:
+        """The phase generator's state before the first batch not yet trained on: where a resume draws from. With
+        batches drawn ahead (``prefetch``) the live generator is already past the batches in the making."""
+        return self.batches.generator_state() if self.batches is not None else self.generator.get_state()
+
     def state_dict(self) -> dict:
         return {
             "phase": self.name,
@@ -212,7 +217,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "ema": self.ema.module.state_dict() if self.ema is not None else None,
             "ema_state": self.ema.state_dict() if self.ema is not None else None,
-            "generator": self.batches.generator_state() if self.batches is not None else self.generator.get_state(),
+            "generator": self.generator_state(),
             "rng": rng_state(),
             "world_size": self.info.world,
             "callbacks": {cb.state_key: st for cb in self.callbacks if (st := cb.state_dict())},

@@ -223,10 +223,12 @@ def _equal(a, b) -> bool:
 
 
 def _live_state(trainer) -> dict:
-    """What a resumed phase must have restored, read from the live objects (not from its own state_dict)."""
+    """What a resumed phase must have restored, read from the live objects (not from its own state_dict). The
+    generator: where the next batch not trained on is drawn from; with batches drawn ahead (``prefetch: always``)
+    the generator itself is past them, and every such preflight failed with "phase generator not restored"."""
     return {"step": trainer.step, "model": copy.deepcopy(trainer.model.state_dict()),
             "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
-            "generator": trainer.generator.get_state().clone()}
+            "generator": trainer.generator_state().clone()}
 
 
 def _diff_state(before: dict, after: dict) -> list[str]:
