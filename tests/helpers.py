@@ -91,7 +91,8 @@ def link_t10k(root: Path) -> Path:
 def nan_gradient_phase(cfg, bad_call, ot_pairs=False, poison="gradient", persist=False):
     """A velocity phase poisoned on call ``bad_call`` (``persist``: and every later call): ``poison="gradient"``
     keeps the loss finite but makes its gradients NaN (sqrt at 0: value 0, gradient inf * 0 = NaN);
-    ``poison="loss"`` makes the loss itself NaN."""
+    ``poison="loss"`` makes the loss itself NaN; ``poison="nan_term"`` adds a NaN without parameters: the loss is NaN,
+    its gradients finite."""
     import torch
 
     from sinkflow import methods
@@ -107,6 +108,8 @@ def nan_gradient_phase(cfg, bad_call, ot_pairs=False, poison="gradient", persist
             if len(calls) == bad_call or (persist and len(calls) > bad_call):
                 if poison == "loss":
                     return value * float("nan")
+                if poison == "nan_term":
+                    return value + torch.tensor(float("nan"), device=value.device)
                 value = value + torch.sqrt(0.0 * sum(p.sum() for p in model.parameters()))
             return value
 

@@ -536,3 +536,22 @@ def test_fp16_device_guard_lets_gradscaler_skip_and_still_stops_on_a_nan_loss(ru
     assert trainer.skip_on_device and trainer.step == 5
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     run.logger.close()
+
+
+def test_fp16_never_applies_a_step_whose_loss_is_nan_with_finite_gradients(runs_dir):
+    """Under float16 the fused kernel takes GradScaler's Inf/NaN flag, which sees only the gradients: a NaN loss with
+    finite gradients was applied, and every step after it until the check, while the stop said it was not. The
+    guard's flag is or-ed into GradScaler's: step 3 and every later update are skipped, as under fp32."""
+    cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100", "train.velocity.precision=fp16",
+                    method="fm")
+    cfg["experiment"]["name"] = "fp16-nan-term"
+    run = RunFolder.create(cfg)
+    snaps = Snapshots()
+    trainer = Trainer(run, nan_gradient_phase(cfg, 3, poison="nan_term"), [snaps])
+    with pytest.raises(SinkflowError, match=r"non-finite loss \(nan\) in phase 'velocity' at step 3; the step was not"):
+        trainer.fit()
+    run.logger.close()
+    assert trainer.step == 5
+    for step in (3, 4, 5):
+        assert all(torch.equal(snaps.weights[2][k], snaps.weights[step][k]) for k in snaps.weights[2]), step
+    assert not all(torch.equal(snaps.weights[1][k], snaps.weights[2][k]) for k in snaps.weights[1])

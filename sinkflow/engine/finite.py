@@ -5,8 +5,9 @@ for the GPU to drain its queue: on a small network that wait, not arithmetic, is
 keeps everything on the device instead:
 
 * ``update(step, loss, grad_norm)`` marks the step bad when either value is not finite (under float16 only
-  the loss: GradScaler already skips Inf/NaN gradients by design), remembers the first bad step and its
-  values, and returns a *sticky* skip flag: from the first bad step on, every optimizer update is skipped.
+  the loss: GradScaler already skips Inf/NaN gradients by design, and the flag is or-ed into its own:
+  ``skip_with_scaler``), remembers the first bad step and its values, and returns a *sticky* skip flag: from the
+  first bad step on, every optimizer update is skipped.
 * A fused optimizer (the Trainer's Adam on CUDA, and on the CPU from torch 2.4: ``trainer.adam_kernel``) takes
   the flag as its ``found_inf`` input, the protocol GradScaler uses: the kernel leaves weights, moments and step
   counts untouched when it is set, with no sync. An optimizer without that input (foreach Adam, where this torch
@@ -78,6 +79,16 @@ class NonFiniteGuard:
         if not math.isfinite(loss):
             return f"non-finite loss ({loss})"
         return f"non-finite gradient norm ({norm}) with a finite loss ({loss:.4g})"
+
+
+def skip_with_scaler(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+    """Or the guard's skip ``flag`` into the Inf/NaN flag GradScaler's ``unscale_`` recorded for ``optimizer``, on the
+    device (no sync; a captured step holds it). Under float16 ``scaler.step`` hands the fused kernel GradScaler's
+    flag, which sees only the gradients: a NaN loss with finite gradients (a NaN term without parameters) was
+    applied, and so was every update after it until the next check, where the stop said the step was not applied.
+    GradScaler then also lowers its scale, as for an overflow (the run stops at the check anyway)."""
+    for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+        found.copy_(torch.maximum(found, flag.to(found.device, found.dtype)))
 
 
 def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:

@@ -34,7 +34,7 @@ from sinkflow.engine import fast_path
 from sinkflow.engine.divergence import DivergenceGuard
 from sinkflow.engine.learning import LearningCheck
 from sinkflow.engine.ema import EMA, START_SHARE, first_step_share, largest_decay
-from sinkflow.engine.finite import NonFiniteGuard, optimizer_steps, skips_on_device
+from sinkflow.engine.finite import NonFiniteGuard, optimizer_steps, skip_with_scaler, skips_on_device
 from sinkflow.engine.health import Health
 from sinkflow.engine.prefetch import BatchPrefetcher, use_prefetch
 from sinkflow.engine.step_graph import StepGraph
@@ -365,7 +365,8 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else float("inf"))
         if self.skip_on_device:  # the fused kernel leaves weights and moments untouched where the flag is set
             flag = self.guard.update(step, total, grad_norm)
-            if self.scaler.is_enabled():  # fp16: GradScaler hands the kernel its own Inf/NaN-gradient flag
+            if self.scaler.is_enabled():  # fp16: GradScaler hands the kernel its own Inf/NaN-gradient flag, the
+                skip_with_scaler(self.scaler, self.optimizer, flag)  # guard's or-ed into it
                 self.scaler.step(self.optimizer)
             else:
                 self.optimizer.found_inf = flag
