@@ -399,3 +399,39 @@ def test_write_to_a_file_without_the_key_keeps_its_comments_and_line_ends(tmp_pa
     write_lr(tmp_path / "c.yaml", "train.velocity.lr", 0.02)  # now it is there: its characters replaced
     assert config.resolve("c.yaml")["train"]["velocity"]["lr"] == 0.02
     assert (tmp_path / "c.yaml").read_bytes().count(b"train.velocity.lr") == 1
+
+
+@pytest.mark.parametrize("poison", ["loss", "gradient"])
+def test_a_sweep_through_the_engine_goes_on_training_past_a_non_finite_step(runs_dir, poison):
+    """lr-find through a ready Trainer's own step, with the fused kernel that skips a non-finite update on the device
+    (the default): the bad step (a NaN loss, or NaN gradients under a finite loss) is one gap, and every later step is
+    applied, as with foreach Adam's host check. The guard's record is sticky in the loop (it stops at the next check),
+    so the sweep trained nothing after the bad step while it recorded every later loss, and NaN gradients as a point."""
+    from helpers import nan_gradient_phase
+
+    from sinkflow import config
+    from sinkflow.runtime.run_folder import RunFolder
+    from sinkflow.tools.lr_find import phase_lr_find
+    from sinkflow.tools.phases import ready_trainer
+
+    cfg = config.resolve("moons", ["experiment.method=fm", "train.velocity.iters=1000", "train.velocity.batch_size=32",
+                                   "train.velocity.log_every=1000", "train.velocity.ckpt_every=1000",
+                                   "experiment.device=cpu"])
+    run = RunFolder.create(cfg)
+    trainer = ready_trainer(run, nan_gradient_phase(cfg, 4, poison=poison))
+    assert trainer.skip_on_device
+    moved, step = [], trainer.train_step
+
+    def watched(batch):
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        try:
+            return step(batch)
+        finally:
+            moved.append(any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters())))
+
+    trainer.train_step = watched
+    res = phase_lr_find(trainer, start_lr=1e-4, end_lr=1e-2, steps=6)
+    run.logger.close()
+    gaps = [math.isnan(v) for v in res.losses]
+    assert sum(gaps) == 1 and not gaps[0], res.losses
+    assert moved == [not gap for gap in gaps], (moved, res.losses)

@@ -68,6 +68,12 @@ class NonFiniteGuard:
             return None
         return self.what(dist.mean_over_ranks(float(self.loss)), dist.mean_over_ranks(float(self.norm))), step
 
+    def clear(self) -> None:
+        """Forget the record (in place: a captured step keeps writing these tensors), so later updates apply again.
+        For a tool that takes steps one by one, reads each and goes on past a bad one (lr-find)."""
+        for t in (self.first, self.loss, self.norm):
+            t.zero_()
+
     def check_now(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
         """The host-side check of one step (where a read is free: the CPU): what is non-finite, or None."""
         value = dist.mean_over_ranks(float(loss))  # every rank sees the same value (and stops together)

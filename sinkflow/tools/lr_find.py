@@ -257,7 +257,9 @@ def phase_lr_find(trainer, **kwargs) -> LRFindResult:
         return trainer.draw_batch(trainer.cfg["batch_size"])
 
     def step(batch):
-        return trainer.train_step(batch)[0]
+        loss = trainer.train_step(batch)[0]
+        trainer.raise_if_skipped()  # a step the device skipped is a gap, and the next one is applied
+        return loss
 
     try:
         return lr_range_test(trainer.model, trainer.optimizer, None, batch_fn, train_step=step,
