@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pytest
 import torch
 import torch.nn as nn
 
@@ -480,3 +481,30 @@ def test_weights_unmoved_by_a_tiny_learning_rate_name_the_learning_rate():
 
     f = doctor.check_weights_change(model, no_step, optimizer=opt)
     assert f.ok is False and "optimizer.step() is missing" in f.cause, f.line()
+
+
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_a_step_with_non_finite_gradients_during_the_overfit_is_named_on_either_adam_kernel(runs_dir, monkeypatch,
+                                                                                          kernel):
+    """One overfit step with NaN gradients under a finite loss. The fused kernel (the default) skipped it on the device
+    and, its record sticky as in the loop, every later update too: the loss stayed flat and the rule blamed the wiring
+    ("the loop is broken"); foreach Adam's host check raised out of the doctor. Both now name the step."""
+    from helpers import nan_gradient_phase
+
+    from sinkflow import config
+    from sinkflow.engine import trainer as trainer_mod
+    from sinkflow.runtime.run_folder import RunFolder
+    from sinkflow.tools.phases import ready_trainer
+
+    if kernel == "foreach":
+        monkeypatch.setattr(trainer_mod, "adam_kernel", lambda device: {"foreach": True})
+    cfg = config.resolve("moons", ["experiment.method=fm", "train.velocity.iters=100000", "train.velocity.batch_size=32",
+                                   "train.velocity.log_every=100000", "train.velocity.ckpt_every=100000",
+                                   "experiment.device=cpu"])
+    run = RunFolder.create(cfg)
+    trainer = ready_trainer(run, nan_gradient_phase(cfg, 12))  # its 12th loss: the 8th overfit step
+    assert trainer.skip_on_device == (kernel == "fused")
+    overfit = doctor.check_phase(run, trainer, overfit_steps=30)[-1]
+    run.logger.close()
+    assert overfit.check == "overfit one batch" and overfit.ok is False
+    assert overfit.symptom.startswith("step 8 was not applied: non-finite gradient norm (nan)"), overfit.line()

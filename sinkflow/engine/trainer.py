@@ -415,7 +415,7 @@ class Trainer:
         """Stop with a non-finite step unapplied, saying which checkpoint a resume would use."""
         kept = self.ckpts.last_good() if self.ckpts is not None else "no checkpoint was written"
         raise NonFiniteStep(f"{what} in phase '{self.name}' at step {step}; the step was not applied and "
-                            f"{kept}", fix, step=step)
+                            f"{kept}", fix, step=step, what=what)
 
     # ---- the loop -------------------------------------------------------------------------------
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
@@ -623,9 +623,9 @@ class NonFiniteStep(SinkflowError):
     Under torchrun every rank raises it alike (the flag and the values are agreed over ranks), so rank 0 alone
     prints it: each rank printed its own line, 8 GPUs 8 lines."""
 
-    def __init__(self, problem: str, fix: str | None = None, *, step: int | None = None):
+    def __init__(self, problem: str, fix: str | None = None, *, step: int | None = None, what: str = ""):
         super().__init__(problem, fix, every_rank=True)
-        self.step = step
+        self.step, self.what = step, what  # what: "non-finite loss (nan)", ... (doctor names it in a finding)
 
 
 def too_short(train: dict, key: str) -> list[str]:

@@ -262,7 +262,10 @@ def overfit_one_batch(step_fn: Callable[[], float], steps: int = OVERFIT_STEPS, 
     losses: list[float] = []
     budget, t0 = steps, time.perf_counter()
     while len(losses) < budget:
-        losses.append(float(step_fn()))
+        skipped = _skipped(step_fn, losses)
+        if skipped:
+            return Finding("overfit one batch", False, skipped, "the LR is too high for this model",
+                           "lower it (sinkflow lr-find)")
         if not math.isfinite(losses[-1]):
             return Finding("overfit one batch", False, f"the loss became {losses[-1]} at step {len(losses)}",
                            "the LR is too high for this model", "lower it (sinkflow lr-find)")
@@ -281,6 +284,28 @@ def overfit_one_batch(step_fn: Callable[[], float], steps: int = OVERFIT_STEPS, 
                        f"{steps} steps (< {factor:g}x{more})", cause, fix)
     return _ok("overfit one batch", f"loss {first:.3g} -> {last:.3g} in {steps} steps "
                f"({first / max(last, 1e-30):.0f}x{more})")
+
+
+def _skipped(step_fn: Callable[[], float], losses: list[float]) -> str:
+    """Take a step, appending its loss to ``losses``; a step not applied because it was non-finite (``NonFiniteStep``:
+    ``checked_step``, or foreach Adam's host check) is the symptom it returns instead ("" otherwise)."""
+    from sinkflow.engine.trainer import NonFiniteStep
+
+    try:
+        losses.append(float(step_fn()))
+    except NonFiniteStep as exc:
+        return f"step {len(losses) + 1} was not applied: {exc.what or exc}"
+    return ""
+
+
+def checked_step(trainer, batch) -> torch.Tensor:
+    """``trainer.train_step(batch)``'s loss, the device's skip record read at once (the overfit rules read each loss
+    anyway): in the loop that record is sticky until the next log step, so after one step with non-finite gradients
+    (a finite loss) every later update was skipped in silence and the rule blamed the wiring ("the loop is broken");
+    now ``NonFiniteStep``, as foreach Adam's host check raises, and the finding names it."""
+    loss = trainer.train_step(batch)[0]
+    trainer.raise_if_skipped()
+    return loss
 
 
 def _fitted(losses: list[float], factor: float) -> bool:
@@ -308,7 +333,10 @@ def overfit_one_batch_bpd(step_fn: Callable[[], float], dataset_bpd: float, step
     target = ratio * dataset_bpd
     losses = []
     for _ in range(steps):
-        losses.append(float(step_fn()))
+        skipped = _skipped(step_fn, losses)
+        if skipped:
+            return Finding(check, False, skipped, "the LR is too high for this flow, or an inverse overflowed",
+                           "lower it (sinkflow lr-find)")
         if not math.isfinite(losses[-1]):
             return Finding(check, False, f"bits/dim became {losses[-1]} at step {len(losses)}",
                            "the LR is too high for this flow, or an inverse overflowed", "lower it (sinkflow lr-find)")
@@ -622,7 +650,7 @@ def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch:
     if _is_flow(model):
         out += _flow_checks(run, trainer, fixed, overfit_steps)
     else:
-        out.append(overfit_one_batch(lambda: trainer.train_step(fixed)[0], steps=overfit_steps, factor=factor))
+        out.append(overfit_one_batch(lambda: checked_step(trainer, fixed), steps=overfit_steps, factor=factor))
     for f in out:
         f.phase = trainer.name
     return out
@@ -665,7 +693,7 @@ def _flow_checks(run, trainer, fixed, overfit_steps: int) -> list[Finding]:
 
     def step():
         u = torch.rand(levels.shape, generator=gen).to(levels.device)
-        return trainer.train_step(levels + u)[0]
+        return checked_step(trainer, levels + u)
 
     dataset_bpd = flow_dataset_bpd(data.distributions(run.cfg)[1], n_bins)
     out.append(overfit_one_batch_bpd(step, dataset_bpd, steps=overfit_steps))
