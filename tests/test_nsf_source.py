@@ -144,3 +144,27 @@ def test_a_signal_while_the_states_are_computed_stops_before_the_straight_flow_s
     states, _ = expected_states(run_dir)
     assert torch.allclose(torch.from_numpy(np.load(run_dir / nsgfpp.STATES_FILE, allow_pickle=False)), states,
                           atol=1e-5)
+
+
+def test_states_that_overflow_float16_are_refused_naming_the_precision(tiny_run):
+    """The states are a sample of the velocity network under sample.precision: a network output float16 cannot hold
+    (scaled by 1e6 after its last half-precision product, as the sampler's own test does) made Inf states, which were
+    kept in RUN/nsf_states.npy; the straight flow then stopped at its first log step on a NaN loss, "lower the learning
+    rate", and a resume read the same file. Refused in one line naming fp16 before anything is kept; in fp32 the same
+    network's states are finite."""
+    run = RunFolder(tiny_run, read_config(tiny_run), log=False)  # read-only: the states are computed, never written
+    net = run.model("velocity")
+    last = [m for m in net.modules() if isinstance(m, torch.nn.Linear)][-1]
+    last.register_forward_hook(lambda m, i, out: out * 1e6)  # in the layer's own dtype: float16 under autocast
+    run.model = lambda phase: net  # loaded once, so the count below is not checked against its checkpoint's
+    run.cfg["nsgf"]["nsf_states"] = 64
+    states = nsgfpp.NSGFStates(data.distributions(run.cfg)[0])
+    states.open(run)
+    assert np.isfinite(states.states.numpy()).all() and states.states.abs().max() > 1e4  # fp32 holds it
+    run.cfg["sample"]["precision"] = "fp16"
+    with pytest.raises(SinkflowError) as e:
+        nsgfpp.NSGFStates(states.source).open(run)
+    assert e.value.problem == "64 of 64 NSGF states for the straight flow's paths (nsgf.nsf_source=velocity) are " \
+                              "NaN/Inf under sample.precision=fp16"
+    assert "sample.precision=bf16" in e.value.fix
+    assert not (tiny_run / nsgfpp.STATES_FILE).exists()

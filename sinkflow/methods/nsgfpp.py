@@ -187,6 +187,7 @@ class NSGFStates:
                     return None
                 x0 = self.source.sample(min(chunk, n - lo), generator, run.device)
                 states[lo:lo + len(x0)] = nsgf_part(velocity, x0, times, etas).cpu().numpy()
+        check_finite_states(cfg, states)
         return states
 
     def sample(self, n: int, generator: torch.Generator, device="cpu") -> torch.Tensor:
@@ -195,6 +196,21 @@ class NSGFStates:
                                 "call open(run) first (the Trainer does, when the phase runs)")
         idx = torch.randint(len(self.states), (n,), generator=generator)
         return self.states[idx].to(device, non_blocking=True)
+
+
+def check_finite_states(cfg: dict, states: np.ndarray) -> None:
+    """Refuse NSGF states holding NaN / Inf before they are kept: the straight flow's first step stopped on a NaN loss
+    with "lower the learning rate", and a resume read the same states from RUN/nsf_states.npy and stopped again. They
+    are a sample of the velocity network under ``sample.precision`` (the sampler's own check: ``check_finite_samples``),
+    where float16's range (65,504) may not hold a network's activations."""
+    bad = int((~np.isfinite(states.reshape(len(states), -1))).any(axis=1).sum())
+    if not bad:
+        return
+    where = f"{bad} of {len(states)} NSGF states for the straight flow's paths (nsgf.nsf_source=velocity) are NaN/Inf"
+    if METHOD.sample_precision(cfg) == "fp16":
+        raise SinkflowError(f"{where} under sample.precision=fp16", "a network's activations overflow float16's "
+                            "range: set sample.precision=bf16 (float32's range) or fp32")
+    raise SinkflowError(where, "the velocity network diverged: train it again with a lower learning rate")
 
 
 def states_bytes(cfg: dict, sample_shape: tuple[int, ...]) -> int:
