@@ -15,12 +15,14 @@ from sinkflow.errors import SinkflowError
 def test_shorthands_reach_every_phase_key(preset):
     pool = "pool.batches" in schema.used(config.resolve(preset))  # a one-key shorthand of an unread key: refused
     cfg = config.resolve(preset, [], {"train_iters": 7, "batch_size": 12, "seed": 3, "device": "cpu",
-                                      **({"pool_batches": 4, "sinkhorn_batch": 16} if pool else {})})
+                                      "precision": "fp32", **({"pool_batches": 4, "sinkhorn_batch": 16} if pool else {})})
     flat = config.flatten(cfg)
     iters = {k: v for k, v in flat.items() if k.startswith("train.") and k.endswith(".iters")}
     batch = {k: v for k, v in flat.items() if k.startswith("train.") and k.endswith(".batch_size")}
+    precision = {k: v for k, v in flat.items() if k.startswith("train.") and k.endswith(".precision")}
     assert iters and set(iters.values()) == {7}, iters
     assert batch and set(batch.values()) == {12}, batch
+    assert precision and set(precision.values()) == {"fp32"}, precision  # fp32 one flag away on every phase
     assert cfg["experiment"]["seed"] == 3 and cfg["experiment"]["device"] == "cpu"
     assert not pool or cfg["pool"]["batches"] == 4 and cfg["pool"]["batch_size"] == 16
     if not pool:  # `--pool-batches 4` on a flow run was dropped in silence; `pool.batches=4` is refused, and so is it
@@ -800,7 +802,9 @@ def test_a_run_made_before_the_ema_warm_up_resumes_without_it(tmp_path):
 
 @pytest.mark.parametrize("argv, needle", [(["--lr", "0"], "--lr 0: config key 'train.velocity.lr' must be > 0"),
                                           (["--train-iters", "0"], "--train-iters 0: config key 'train.velocity.iters'"),
-                                          (["--batch-size", "-3"], "--batch-size -3: config key")])
+                                          (["--batch-size", "-3"], "--batch-size -3: config key"),
+                                          (["--precision", "half"], "--precision half: config key 'train.velocity."
+                                                                    "precision' must be one of auto, fp32, bf16")])
 def test_a_bad_shorthand_value_names_the_flag_typed(capsys, argv, needle):
     """`--lr 0` said "config key 'train.velocity.lr' must be > 0 ...; e.g. train.velocity.lr=0.001": the flag the user
     typed was not named, and the example was another spelling."""

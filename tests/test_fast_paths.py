@@ -286,8 +286,9 @@ def test_bench_profile_reports_data_and_compute(runs_dir, capsys):
     assert main([*flow, "model.flow.memory=invertible"]) == 0  # bf16 was advised, which that mode refuses
     out = capsys.readouterr().out
     assert "model.flow.memory=invertible trains in fp32" in out and "other networks can try" not in out
-    assert main(flow) == 0
-    assert "other networks can try train.*.precision=bf16" in capsys.readouterr().out
+    assert main(flow) == 0  # keys a user can paste (train.*.precision=bf16 was advised: no override reads it)
+    assert "other networks can try --precision bf16 (every training phase), train.flow.compile=true" in \
+        capsys.readouterr().out
 
 
 def test_compiled_sampling_draws_the_eager_samples_and_counts_every_call(tiny_run, tmp_path, capsys):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from sinkflow import config
 from sinkflow.cli.common import add_config_args, resolve_args
+from sinkflow.config import schema
 from sinkflow.config.schema import IMAGE_TARGETS, MAX_EULER_STEPS
 from sinkflow.errors import SinkflowError
 
@@ -72,10 +73,12 @@ def run(args):
         (["keep the image cache in RAM"] if cfg["data"]["target"] in IMAGE_TARGETS else []) + \
         ["use fewer but larger batches"]
     invertible = cfg["model"].get("flow", {}).get("memory") == "invertible" and methods.of(cfg).name == "flow"
+    # keys a user can paste: `train.*.precision=bf16` was advised, which no override reads (a shorthand does)
+    compiles = " ".join(f"{k}=true" for k in schema.used(cfg) if k.startswith("train.") and k.endswith(".compile"))
     half = ("a flow in model.flow.memory=invertible trains in fp32 (its inverse recomputes the activations, which "
             "half precision would not reproduce): model.flow.memory=checkpoint can try train.flow.precision=bf16, "
-            "and train.*.compile=true" if invertible else  # the advice named bf16, which that mode refuses
-            "other networks can try train.*.precision=bf16, train.*.compile=true")
+            f"and {compiles}" if invertible else  # the advice named bf16, which that mode refuses
+            f"other networks can try --precision bf16 (every training phase), {compiles}")
     print(f"data-bound (> 30 % waiting): {', '.join(levers[:-1]) + ', or ' if len(levers) > 1 else ''}{levers[-1]}"
           "; compute-bound: a UNet on CUDA already runs fp16 with the whole step one CUDA "
           f"graph (the phase's first line says what ran); {half}")

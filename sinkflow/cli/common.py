@@ -40,6 +40,8 @@ def add_config_args(p: argparse.ArgumentParser, preset_required: bool = False) -
     g.add_argument("--train-iters", type=number, help="train.*.iters: every training phase")
     g.add_argument("--batch-size", type=number, help="train.*.batch_size: every training phase")
     g.add_argument("--lr", type=number, help="train.*.lr: every training phase")
+    g.add_argument("--precision", help="train.*.precision: every training phase (auto, fp32, bf16, fp16; sampling "
+                                       "has its own sample.precision)")
     g.add_argument("--seed", type=number, help="experiment.seed")
     g.add_argument("--device", help="experiment.device (auto, cpu, cuda, cuda:1)")
     g.add_argument("--method", help=f"experiment.method ({', '.join(schema.METHODS)})")

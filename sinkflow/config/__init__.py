@@ -32,6 +32,7 @@ SHORTHANDS: dict[str, tuple[str, ...]] = {
     "train_iters": ("train.*.iters",),
     "batch_size": ("train.*.batch_size",),
     "lr": ("train.*.lr",),
+    "precision": ("train.*.precision",),
     "seed": ("experiment.seed",),
     "device": ("experiment.device",),
     "method": ("experiment.method",),
