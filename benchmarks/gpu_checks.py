@@ -254,13 +254,18 @@ CHECKS = {"pool": pool_check, "noise": noise_check, "adam": adam_check, "prefetc
           "many_phases": many_phases_check}
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The script's arguments (benchmarks/gpu_session.py checks its plan with this before a GPU call)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="cuda (the point of the checks) or cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny pool and Adam run (a check of the script)")
     ap.add_argument("--checks", nargs="+", default=list(CHECKS), choices=list(CHECKS),
                     help="run only these checks (default all; a short device call runs the ones not yet run there)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     # one line for a name torch does not know ('--device gpu0' was a RuntimeError traceback) and for CUDA without one
     device = checked_device(args.device)
     size = SMOKE if args.smoke else FULL

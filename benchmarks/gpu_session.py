@@ -58,6 +58,10 @@ PLAN = (
          ("preset_throughput.py", "--smoke", "--methods", "nsgfpp", "--configs", "default", "--phases", "velocity")),
     Step("otcfm-fm-fp16", ("preset_throughput.py", *MNIST_PRESET, "--methods", "fm", "otcfm", "--repeats", "2"), 180,
          "issue 23: OT-CFM within 10 % of FM under the fp16 default"),
+    Step("gpu-checks", ("gpu_checks.py", "--checks", "step_graph", "prefetch", "adam"), 90,
+         "the captured fp16 step with the guard's skip flag or-ed into GradScaler's (2026-11-30): bit-equal to the "
+         "plain step, no host sync; prefetch and fused Adam equivalences (guess: 1.5 min)",
+         ("gpu_checks.py", "--device", "cpu", "--smoke", "--checks", "step_graph")),
     Step("cifar-fp16", ("train_throughput.py", *CIFAR), 300,
          "issue 23: the CIFAR-10 UNet step under the fp16 default vs fp32 eager and torchcfm, % of peak (cuDNN "
          "autotuning off, as in the runner)",
