@@ -425,3 +425,35 @@ def test_a_training_key_edited_by_hand_before_a_resume_is_recorded_in_meta_json(
     shutil.copytree(tmp_path / "at3", run / "checkpoints" / "velocity")  # the step-3 checkpoint trained at 0.001
     train_run(resume=run)
     assert len(changes()) == 2  # 0.003 is the recorded value: no edit
+
+
+def test_a_phase_resumed_at_its_last_step_logs_its_end_record_once(tmp_path, monkeypatch):
+    """A final.pt deleted (the fix for a damaged one) with a step file at the last step: the phase resumes there and
+    writes its end record again (the learning check's verdict, NSGF++'s t_mse, a flow's drift report, all at that
+    step). The rewind moved only records past the step, so metrics.jsonl held two end records at step 6, and
+    TensorBoard two points; the old one is set aside now, and each tag keeps one point a step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sinkflow import config
+    from sinkflow.engine import learning
+    from sinkflow.engine.experiment import train_run
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(learning, "MIN_STEPS", 4)  # the check judges this 6-step phase: an end record at step 6
+    cfg = config.resolve("moons", ["experiment.name=r", "experiment.method=fm", "experiment.device=cpu",
+                                   "train.velocity.iters=6", "train.velocity.ckpt_every=3", "train.velocity.log_every=3",
+                                   "train.velocity.batch_size=16"])
+    run = tmp_path / "runs" / "r"
+    train_run(cfg).logger.close()
+    (run / "checkpoints" / "velocity" / "final.pt").unlink()
+    train_run(resume=run).logger.close()
+
+    def ends(path):
+        return [json.loads(x) for x in path.read_text().splitlines() if '"final": true' in x]
+
+    assert [r["step"] for r in ends(run / "metrics.jsonl")] == [6]
+    assert [r["step"] for r in ends(run / "metrics.rewound.jsonl")] == [6]
+    events = EventAccumulator(str(run / "tb" / "velocity"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("velocity/probe_loss_end")] == [6]
+    assert [e.step for e in events.Scalars("velocity/loss")] == [3, 6]

@@ -86,6 +86,11 @@ class MetricsLogger:
         keep, moved = [], []
         for line in lines:
             (moved if _logged_after(line, phase, step) else keep).append(line)
+        for record in map(json.loads, moved):  # a phase's end record at ``step`` itself (its final.pt was deleted and
+            # it resumes from a step file at its last step): TensorBoard's purge cannot hide one step of one tag, so its
+            # point there stays, and the record written again goes to metrics.jsonl alone (each tag one point a step)
+            if record["step"] == step:
+                self._tb_step.update({f"{phase}/{k}": step for k in record if k not in ("time", "phase", "step")})
         if (self.run_dir / "tb" / phase).is_dir():
             # always, not only when rows moved: a process that moved them and died before its first log step
             # never wrote the purge, and its successor, finding nothing to move, kept the stale events in view
@@ -242,10 +247,14 @@ def _phase_of(line: str) -> str | None:
 
 
 def _logged_after(line: str, phase: str, step: int) -> bool:
-    """Is this metrics.jsonl line a record of ``phase`` past ``step``? (A line that is not a record is kept.)"""
+    """Is this metrics.jsonl line a record of ``phase`` past ``step``, or the phase's end record (``final``, written
+    after its final.pt) at ``step``: a phase that resumes has not ended, and logs its end again (a run whose final.pt
+    was deleted, resumed from the step file of its last step, had two end records at that step). A line that is not
+    a record is kept."""
     try:
         record = json.loads(line)
     except ValueError:
         return False
-    return (isinstance(record, dict) and record.get("phase") == phase and isinstance(record.get("step"), (int, float))
-            and record["step"] > step)
+    if not (isinstance(record, dict) and record.get("phase") == phase and isinstance(record.get("step"), (int, float))):
+        return False
+    return record["step"] > step or (record["step"] == step and record.get("final") is True)
