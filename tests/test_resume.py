@@ -457,3 +457,37 @@ def test_a_phase_resumed_at_its_last_step_logs_its_end_record_once(tmp_path, mon
     events.Reload()
     assert [e.step for e in events.Scalars("velocity/probe_loss_end")] == [6]
     assert [e.step for e in events.Scalars("velocity/loss")] == [3, 6]
+
+
+def test_a_stop_requested_at_a_phases_last_unit_stops_the_run_as_a_signal_does(tmp_path, monkeypatch):
+    """``trainer.request_stop()`` is the callbacks' SIGTERM. At a phase's last step (or the pool's last unit) the
+    signal lets the phase end (final.pt) and stops the run before the next phase, or before the report; the request
+    was dropped there instead, and the run went on into the next phase (hours of pool or training past a budget)."""
+    import pytest
+
+    from sinkflow import config
+    from sinkflow.engine.experiment import train_run
+    from sinkflow.runtime.callbacks import Callback
+    from sinkflow.runtime.signals import Interrupted
+
+    class StopAtTheEnd(Callback):
+        def __init__(self, phase):
+            self.phase = phase
+
+        def on_train_batch_end(self, trainer, batch, outputs):
+            if trainer.name == self.phase and trainer.progress == trainer.total:
+                trainer.request_stop()
+
+    monkeypatch.chdir(tmp_path)
+    cfg = config.resolve("moons", ["experiment.name=s", *[a for a in TINY_2D if "=" in a], "train.velocity.iters=6",
+                                   "experiment.device=cpu"])
+    run = tmp_path / "runs" / "s"
+    with pytest.raises(Interrupted) as e:
+        train_run(cfg, callbacks=[StopAtTheEnd("pool")])
+    assert e.value.phase == "pool" and (run / "checkpoints" / "pool" / "final.pt").exists()
+    assert not (run / "checkpoints" / "velocity").exists()  # the next phase never started
+    reports = []
+    with pytest.raises(Interrupted) as e:
+        train_run(resume=run, callbacks=[StopAtTheEnd("velocity")], then=reports.append)
+    assert (e.value.phase, e.value.step) == ("velocity", 6) and reports == []  # the report skipped, as on SIGTERM
+    assert (run / "checkpoints" / "velocity" / "final.pt").exists()

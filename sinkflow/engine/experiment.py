@@ -40,7 +40,7 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
     heartbeat records how the run was launched (processes, report, the session's ``time_limit`` in seconds), from
     which `sinkflow status` gives the resume command the CLI printed (``runtime.relaunch.resume_command``)."""
     callbacks = list(callbacks)
-    last = None
+    last, pending = None, None  # pending: a stop agreed at the last phase's end (Trainer.stop_at_end)
     run.logger.record_launch(world=dist.current().world, per_node=dist.per_node(), no_report=not report,
                              time_limit=time_limit)
     with graceful_stop(deadline):
@@ -48,7 +48,7 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
             if run.phase_done(task.name):
                 log.info("phase %s already finished: skipped", task.name)
                 continue
-            if last is not None and (signum := dist.agree_stop(stop_requested())) is not None:
+            if last is not None and (signum := stopping(pending)) is not None:
                 run.logger.heartbeat(phase=last[0], step=last[1], state="stopped", signal=signum,
                                      **batch_fields(*last[2:]))  # not DEAD
                 raise Interrupted(signum, *last)  # a phase just ended on the stop: the next is the resume's
@@ -77,14 +77,21 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                                             else " ".join(str(exc).split())[:500] or type(exc).__name__))
                 raise
             last = (task.name, trainer.step, *task_batches(trainer))  # steps, or pool chunks and batches
+            pending = trainer.stop_at_end
             del trainer  # the trainer (model, optimizer, buffers) is dropped here
             run.release()
         run.logger.heartbeat(phase="done", state="finished")
         run.logger.flush()
-        signum = dist.agree_stop(stop_requested()) if report else None  # every rank, or one would report alone
+        signum = stopping(pending) if report else None  # every rank, or one would report alone
         if signum is not None and last is not None:  # a signal after the last step check: the report
             # (minutes on images) is skipped as asked; all is saved, and status says FINISHED
             raise Interrupted(signum, *last)
+
+
+def stopping(pending: int | None) -> int | None:
+    """The stop the run makes between phases: one the last phase agreed at its end (a callback's ``request_stop`` at
+    its last step or unit, which went unheard: the next phase started), else a signal's, agreed by every rank."""
+    return pending if pending is not None else dist.agree_stop(stop_requested())
 
 
 def batch_fields(done: int | None, of: int | None) -> dict:

@@ -102,6 +102,9 @@ class Trainer:
         self.batch: Any = None  # the batch of the current (last) step, for callbacks and tools
         self.stopped = False  # ``stop()`` ended the phase early (no final.pt)
         self._stop: int | None = None
+        # a stop agreed at the phase's last step or unit: the phase ends (final.pt) and run_phases stops the run before
+        # the next one, as on a signal; a callback's request_stop, unlike a signal's flag, is this trainer's alone
+        self.stop_at_end: int | None = None
         # under DDP, when the ranks next agree on a stop (``_agree_stop``): the step, and the clock and step of the
         # last agreement that set it (set where the training loop starts)
         self._next_agree, self._agreed = 0, (0.0, 0)
@@ -548,7 +551,7 @@ class Trainer:
                 due = checkpoint or self.log_step() or self.step >= self._next_agree
                 signum = self._agree_stop() if (not self.info.enabled or due) else None
                 if signum is not None and self.step >= iters:  # the last step: the phase ends (final.pt), and
-                    signum = None  # the run stops before the next phase (run_phases); it stopped with a step file
+                    self.stop_at_end, signum = signum, None  # the run stops before the next phase (run_phases)
                 if signum is not None:
                     self.raise_if_non_finite()
                 if checkpoint or signum is not None:
@@ -590,6 +593,8 @@ class Trainer:
             # abandoned is past too, unrecorded)
             if signum is not None and task.position < task.total:
                 raise Interrupted(signum, self.name, task.position, task.progress_done, task.progress_total)
+            if signum is not None:
+                self.stop_at_end = signum
             if self.stopped:
                 return
         task.close()
