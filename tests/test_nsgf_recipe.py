@@ -330,3 +330,17 @@ def test_time_predictor_that_has_not_learned_is_named_at_the_end_of_its_phase(tm
     assert logged[0][2]["t_mse"] < 1e-12
     assert logged[1][2]["t_mse"] == pytest.approx(1 / 12, rel=0.15) and logged[1][2]["t_mse"] > LEARNED_FRACTION / 12
     assert logged[2][2]["t_mse"] == pytest.approx(1 / 12, rel=0.15)  # recorded all the same
+
+
+@pytest.mark.parametrize("time", ["flow", "fraction"])
+def test_a_pool_on_disk_gives_the_batches_a_pool_in_memory_gives(tmp_path, time):
+    """``pool.storage`` is a runtime key a resume may change (a machine with less RAM): the disk pool read its rows in
+    file order and left them sorted, so the loss summed them in another order and a run resumed with
+    ``pool.storage=disk`` trained other bits than the run it continued (and the memory plan's switch to disk another
+    model). The same generator gives the same batches, row for row, from either storage."""
+    batches = {}
+    for storage in ("memory", "disk"):
+        (tmp_path / storage).mkdir()
+        run, *_ = _fake_run(tmp_path / storage, time, 1.0, storage)
+        batches[storage] = nsgf.pool_batches(run)(torch.Generator().manual_seed(0), 40, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(batches["memory"], batches["disk"]))

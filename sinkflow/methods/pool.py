@@ -131,9 +131,14 @@ class TrajectoryPool:
         return self.x.shape[0]
 
     def sample(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.on_disk:
-            order = np.sort(idx.numpy())  # sequential reads; the batch order is irrelevant to the loss
-            x, v, t = (torch.from_numpy(np.asarray(a[order])) for a in (self.x, self.v, self.t))
+        if self.on_disk:  # read in file order (sequential reads), then put back in the batch's order: the loss sums
+            # the rows in that order (and accumulation splits them by it), so rows left sorted trained other bits than
+            # a pool in memory gives, and a run resumed with pool.storage=disk (a runtime key) was not the run it continued
+            pos = np.argsort(idx.numpy(), kind="stable")
+            back = np.empty_like(pos)
+            back[pos] = np.arange(len(pos))
+            order = idx.numpy()[pos]
+            x, v, t = (torch.from_numpy(np.asarray(a[order])[back]) for a in (self.x, self.v, self.t))
         else:
             x, v, t = self.x[idx], self.v[idx], self.t[idx]
         return x.float(), t.float(), v.float()
