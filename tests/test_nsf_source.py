@@ -168,3 +168,23 @@ def test_states_that_overflow_float16_are_refused_naming_the_precision(tiny_run)
                               "NaN/Inf under sample.precision=fp16"
     assert "sample.precision=bf16" in e.value.fix
     assert not (tiny_run / nsgfpp.STATES_FILE).exists()
+
+
+def test_the_states_do_not_depend_on_the_sampling_batch(tmp_path, monkeypatch):
+    """The states were drawn chunk by chunk, ``sample.batch_size`` rows a draw: another batch size (a sampling key a
+    resume may change before the states are computed, the fix an out-of-memory there names) drew other noise, and the
+    straight flow and time predictor trained on other states than the run it continued. The noise is one draw now;
+    only the network's chunks follow ``sample.batch_size``."""
+    monkeypatch.chdir(tmp_path)
+    cfg = config.resolve("moons", ["experiment.method=nsgfpp", "nsgf.nsf_source=velocity", "nsgf.nsf_states=40",
+                                   "pool.batches=2", "pool.steps=3", "pool.batch_size=32", "pool.chunk=1",
+                                   "experiment.name=s"], {"train_iters": 2, "device": "cpu"})
+    train_run(cfg).logger.close()
+    run_dir = tmp_path / "runs" / "s"
+    kept = np.load(run_dir / nsgfpp.STATES_FILE, allow_pickle=False)  # sample.batch_size 500: one chunk
+    for rows in (7, 16):
+        view = read_config(run_dir)
+        view["sample"]["batch_size"] = rows
+        source, _ = data.distributions(view)
+        assert np.array_equal(nsgfpp.NSGFStates(source)._compute(RunFolder(run_dir, view, log=False), stoppable=False),
+                              kept), rows

@@ -179,13 +179,16 @@ class NSGFStates:
         times, etas = nsgf_grid(cfg)
         log.info("%d NSGF states (%d velocity steps each) for the straight flow's paths", n, len(etas))
         velocity = run.model("velocity")
-        generator = phase_generator(cfg["experiment"]["seed"], "nsf_states")
+        # the noise in one draw on the host, then through the network in the sampler's chunks: drawn chunk by chunk,
+        # the states depended on sample.batch_size (a sampling key a resume may change before they are computed: 7 vs
+        # 96 rows a draw gave other noise), so the straight flow trained on other states than the run it continued
+        noise = self.source.sample(n, phase_generator(cfg["experiment"]["seed"], "nsf_states"))
         states = np.empty((n, *self.shape), np.float32)
         with autocast(run.device.type, METHOD.sample_precision(cfg)):
             for lo in range(0, n, chunk):  # the sampler's chunks: the memory plan's sample+eval row holds them
                 if stoppable and signalled() is not None:
                     return None
-                x0 = self.source.sample(min(chunk, n - lo), generator, run.device)
+                x0 = noise[lo:lo + chunk].to(run.device)
                 states[lo:lo + len(x0)] = nsgf_part(velocity, x0, times, etas).cpu().numpy()
         check_finite_states(cfg, states)
         return states
