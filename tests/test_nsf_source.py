@@ -188,3 +188,26 @@ def test_the_states_do_not_depend_on_the_sampling_batch(tmp_path, monkeypatch):
         source, _ = data.distributions(view)
         assert np.array_equal(nsgfpp.NSGFStates(source)._compute(RunFolder(run_dir, view, log=False), stoppable=False),
                               kept), rows
+
+
+def test_out_of_memory_while_the_states_are_computed_names_the_sampling_batch(tmp_path, monkeypatch, capsys):
+    """The states go through the network in sampling's chunks (``sample.batch_size``), before the straight flow's
+    first step; an out-of-memory error there said "in nsf at step 1; resume with double train.nsf.accum", a resume
+    that ran out of memory again. It names the sampling batch now, and the resume with a smaller one finishes."""
+    from helpers import error_line, run_main
+
+    monkeypatch.chdir(tmp_path)
+    real = nsgfpp.nsgf_part
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(nsgfpp, "nsgf_part", out_of_memory)
+    args = ["moons", "--method", "nsgfpp", "nsgf.nsf_source=velocity", "nsgf.nsf_states=40", "pool.batches=2",
+            "pool.steps=3", "pool.batch_size=32", "pool.chunk=1", "--train-iters", "2", "--device", "cpu"]
+    line = error_line(*run_main(capsys, "train", *args, "--no-report", "--name", "o"),
+                      "CUDA out of memory in the NSGF states", "sample.batch_size", "--resume")
+    assert "accum" not in line and "step 1" not in line
+    monkeypatch.setattr(nsgfpp, "nsgf_part", real)
+    rc, err = run_main(capsys, "train", "--resume", str(tmp_path / "runs" / "o"), "--no-report", "sample.batch_size=8")
+    assert rc == 0, err

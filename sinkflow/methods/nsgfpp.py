@@ -184,12 +184,17 @@ class NSGFStates:
         # 96 rows a draw gave other noise), so the straight flow trained on other states than the run it continued
         noise = self.source.sample(n, phase_generator(cfg["experiment"]["seed"], "nsf_states"))
         states = np.empty((n, *self.shape), np.float32)
-        with autocast(run.device.type, METHOD.sample_precision(cfg)):
-            for lo in range(0, n, chunk):  # the sampler's chunks: the memory plan's sample+eval row holds them
-                if stoppable and signalled() is not None:
-                    return None
-                x0 = noise[lo:lo + chunk].to(run.device)
-                states[lo:lo + len(x0)] = nsgf_part(velocity, x0, times, etas).cpu().numpy()
+        try:
+            with autocast(run.device.type, METHOD.sample_precision(cfg)):
+                for lo in range(0, n, chunk):  # the sampler's chunks: the memory plan's sample+eval row holds them
+                    if stoppable and signalled() is not None:
+                        return None
+                    x0 = noise[lo:lo + chunk].to(run.device)
+                    states[lo:lo + len(x0)] = nsgf_part(velocity, x0, times, etas).cpu().numpy()
+        except torch.OutOfMemoryError as exc:  # sampling's chunks (sample.batch_size), not a training step: the
+            # Trainer's line said "at step 1; resume with double train.nsf.accum", which leaves them as they are
+            exc.sinkflow_where = {"phase": "the NSGF states", "training": False}
+            raise
         check_finite_states(cfg, states)
         return states
 
