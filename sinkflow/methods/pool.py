@@ -133,7 +133,8 @@ class TrajectoryPool:
     def sample(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.on_disk:  # read in file order (sequential reads), then put back in the batch's order: the loss sums
             # the rows in that order (and accumulation splits them by it), so rows left sorted trained other bits than
-            # a pool in memory gives, and a run resumed with pool.storage=disk (a runtime key) was not the run it continued
+            # a pool in memory gives, and a run resumed with pool.storage=disk (a runtime key) was not the run it
+            # continued
             pos = np.argsort(idx.numpy(), kind="stable")
             back = np.empty_like(pos)
             back[pos] = np.arange(len(pos))
