@@ -470,3 +470,15 @@ def test_a_sigterm_during_a_pool_chunk_under_ddp_abandons_it_on_every_rank(runs_
     assert json.loads((runs_dir / "cut" / "pool" / "progress.json").read_text())["chunks"] == []
     assert cli("train", "--resume", "runs/cut", "--no-report", cwd=cwd).returncode == 0  # redone on one process
     assert json.loads((runs_dir / "cut" / "pool" / "progress.json").read_text())["chunks"] == [0, 1]
+
+
+def test_a_pool_that_diverges_under_ddp_is_one_line(runs_dir):
+    """The pool's divergence check was each rank's own: each diverging rank printed its line (and one that did not,
+    the lost-peer line). The stop is agreed at the chunk's gather now: one line, from rank 0."""
+    cwd = runs_dir.parent
+    out = _torchrun("moons", "pool.eta=100", "pool.batches=4", "pool.steps=3", "pool.batch_size=16", "pool.chunk=1",
+                    "pool.in_flight=1", "--train-iters", "2", "--device", "cpu", "--no-report", "--name", "div",
+                    cwd=cwd)
+    lines = [x for x in out.stderr.splitlines() if x.startswith("sinkflow: ")]
+    assert len(lines) == 1 and "the pool's Sinkhorn flow diverged" in lines[0], out.stderr[-3000:]
+    assert "pool.eta" in lines[0]

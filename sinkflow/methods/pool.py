@@ -387,10 +387,15 @@ class PoolTask(ChunkedTask):
         worker 30 s after its SIGTERM, and a 50-batch chunk on a slow card can outlast that). The unit is abandoned
         unrecorded (redone on resume) and the Trainer stops after it. Under DDP the rank still joins the unit's
         gather, so every rank makes the same collectives whichever groups each had left (the others abandon theirs
-        too: torchrun signals every worker)."""
+        too: torchrun signals every worker).
+
+        A group whose flow diverged (``diverged``) is not written and ends the rank's unit the same way; the error
+        is raised after the gather, on every rank alike (the first diverged rank's), so torchrun prints one line
+        where each diverging rank printed its own and the others the lost-peer line; the chunks the other ranks
+        finished are recorded first."""
         ids = [b for c in mine for b in _chunk_batches(c, self.chunk, self.batches)]
         shape, per_batch, arrays = self.shape, self.per_batch, self.arrays
-        abandoned = False
+        abandoned, diverged = False, None
         for g in range(0, len(ids), self.in_flight):
             if g and signalled() is not None:
                 abandoned = True
@@ -398,24 +403,31 @@ class PoolTask(ChunkedTask):
             group = ids[g : g + self.in_flight]
             with solve_stats(self.solves):
                 xs, vs, ts = self._simulate_group(group, self.seed, self.n, self.run.device)
-            self.check_diverged(xs, group)
+            diverged = self.diverged(xs, group)
+            if diverged is not None:
+                break
             t_rows = ts.repeat_interleave(self.n).numpy()
             for j, b in enumerate(group):
                 lo = b * per_batch
                 arrays["x"][lo : lo + per_batch] = xs[:, j].reshape(per_batch, *shape).numpy().astype(self.dtype)
                 arrays["v"][lo : lo + per_batch] = vs[:, j].reshape(per_batch, *shape).numpy().astype(self.dtype)
                 arrays["t"][lo : lo + per_batch] = t_rows
+        if diverged is not None and not self.info.enabled:
+            raise SinkflowError(*diverged, every_rank=True)
         if abandoned and not self.info.enabled:
             return 0
         for a in arrays.values():
             a.flush()
-        if not abandoned:
+        if not abandoned and diverged is None:
             self.done.update(mine)
-        if self.info.enabled:
+        if self.info.enabled:  # (problem, fix) strings travel, not an exception object
             gathered: list = [None] * self.info.world
-            torch.distributed.all_gather_object(gathered, sorted(self.done))
-            self.done = set().union(*map(set, gathered))
+            torch.distributed.all_gather_object(gathered, (sorted(self.done), diverged))
+            self.done = set().union(*(set(done) for done, _ in gathered))
+            diverged = next((why for _, why in gathered if why is not None), None)
         dist.on_main(self.write_progress)
+        if diverged is not None:
+            raise SinkflowError(*diverged, every_rank=True)  # every rank raises it: rank 0 says it
         self.progress_done = sum(len(_chunk_batches(c, self.chunk, self.batches)) for c in self.done)  # every rank's
         return 0 if abandoned else len(ids)
 
@@ -426,15 +438,16 @@ class PoolTask(ChunkedTask):
         atomic_write_text(self.progress_file, json.dumps({"chunks": sorted(self.done), "diameter": self.diameter,
                                                           "built_with": self.built_with}, default=str))
 
-    def check_diverged(self, xs: torch.Tensor, group: list[int]) -> None:
-        """Stop before writing a group whose particles left ``DIVERGED_RADII`` x the data's radius: the flow
-        diverged while staying finite (pool.eta=100 with the harmonic schedule reaches |x| ~ 1e5-1e6 at its first
-        chunk; a sound pool stays within ~1.2 x the radius on every 2D preset and digits, measured)."""
+    def diverged(self, xs: torch.Tensor, group: list[int]) -> tuple[str, str] | None:
+        """(problem, fix) of the stop before writing a group whose particles left ``DIVERGED_RADII`` x the data's
+        radius, else None: the flow diverged while staying finite (pool.eta=100 with the harmonic schedule reaches
+        |x| ~ 1e5-1e6 at its first chunk; a sound pool stays within ~1.2 x the radius on every 2D preset and digits,
+        measured)."""
         top = float(xs.abs().max())
-        if top > DIVERGED_RADII * self.data_radius:
-            cfg = self.run.cfg["pool"]
-            raise SinkflowError(
-                f"the pool's Sinkhorn flow diverged: particles reached |x| = {top:.3g} in pool batch {group[0]}, more "
+        if top <= DIVERGED_RADII * self.data_radius:
+            return None
+        cfg = self.run.cfg["pool"]
+        return (f"the pool's Sinkhorn flow diverged: particles reached |x| = {top:.3g} in pool batch {group[0]}, more "
                 f"than {DIVERGED_RADII} x the data's radius ({self.data_radius:.3g}); this chunk was not written",
                 f"start a new run with a lower pool.eta (this one has pool.eta={cfg['eta']:g} with "
                 f"pool.schedule={cfg['schedule']}; 1 lands on the target with the harmonic schedule)")
