@@ -185,6 +185,24 @@ def test_finite_loss_blow_up_stops_naming_the_lr(runs_dir, capsys):
     assert records[0]["loss"] > 1e9 and "update_ratio" in records[0]  # the whole record, the dashboard's too
 
 
+def test_a_divergence_on_a_full_disk_still_says_it_diverged(runs_dir, capsys, monkeypatch):
+    """The stop records the blow-up's metrics before it raises: on a full disk that record's OSError replaced the
+    divergence line ("No space left on device"), whose fix is the learning rate, not the disk."""
+    from sinkflow.runtime.metrics import MetricsLogger
+
+    real = MetricsLogger.log
+
+    def full_disk_for_the_blow_up(self, phase, step, values):
+        if values.get("loss", 0) > 1e6:
+            raise OSError(28, "No space left on device")
+        return real(self, phase, step, values)
+
+    monkeypatch.setattr(MetricsLogger, "log", full_disk_for_the_blow_up)
+    one_line(*run_main(capsys, "train", "moons", "experiment.method=fm", "--lr", "1", "--train-iters", "30",
+                       "train.velocity.log_every=5", "train.velocity.ckpt_every=2", "train.velocity.schedule=constant",
+                       "--device", "cpu", "--name", "l", "--no-report"), "diverged", "train.velocity.lr", "step 5")
+
+
 def test_divergence_guard_leaves_a_sound_run_bit_equal(runs_dir, base_run):
     """The guard's probe batch uses its own generator and restores the global RNG: the tiny run's weights
     equal the ones the fixture trained (same config), so resume stays bit-for-bit."""

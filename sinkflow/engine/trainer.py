@@ -528,8 +528,10 @@ class Trainer:
                         self._call("on_log", metrics)
                     except SinkflowError:  # a stop on this step's metrics (DivergenceGuard) still records them: the
                         # loss its line names was missing from metrics.jsonl and TensorBoard, whose curve ended a log
-                        # step before the blow-up (the run's only record where it was the first log step)
-                        run.logger.log(self.name, self.step, metrics)
+                        # step before the blow-up (the run's only record where it was the first log step); a disk
+                        # too full for the record must not put its OSError in the place of the stop's own line
+                        with contextlib.suppress(OSError):
+                            run.logger.log(self.name, self.step, metrics)
                         raise
                     run.logger.log(self.name, self.step, metrics)
                     run.logger.heartbeat(phase=self.name, step=self.step, total=iters, rate=rate,
