@@ -701,6 +701,20 @@ def test_a_section_given_a_value_on_the_command_line_is_named_a_section(key, exa
         config.resolve("moons", [f"{key}=3"])
 
 
+@pytest.mark.parametrize("text, section, close", [("poool: {}\n", "poool", "pool"),
+                                                  ("train:\n  velocty: {}\n", "train.velocty", "train.velocity")])
+def test_an_empty_misspelt_section_in_a_file_is_named(tmp_path, monkeypatch, text, section, close):
+    """`poool: {}` has no key to flag, so a misspelt section was accepted in silence (audit DD); a known section left
+    empty (`pool: {}`) sets nothing and is fine."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.yaml").write_text("experiment:\n  preset: moons\n" + text)
+    with pytest.raises(SinkflowError, match=rf"^config file s.yaml, line \d: unknown config section '{section}'; "
+                                            rf"did you mean '{close}'\?"):
+        config.resolve("s.yaml")
+    (tmp_path / "ok.yaml").write_text("experiment:\n  preset: moons\npool: {}\n")
+    assert config.resolve("ok.yaml")["pool"] == config.resolve("moons")["pool"]
+
+
 def test_a_run_config_file_given_for_its_folder_names_the_folder(tmp_path, monkeypatch, capsys):
     """`train --resume runs/x/config.yaml` said "runs/x/config.yaml is not a sinkflow run folder (no config.yaml)"."""
     from sinkflow.cli import main

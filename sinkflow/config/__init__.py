@@ -274,6 +274,15 @@ def load_preset(name: str) -> dict:
     return complete(_raw_preset(name), where=f"preset '{name}'")
 
 
+def _empty_sections(tree: dict, prefix: str = "") -> list[str]:
+    """Dotted paths of the empty mappings in ``tree`` (``flatten`` has no leaf for them)."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += _empty_sections(value, f"{prefix}{key}.") if value else [f"{prefix}{key}"]
+    return out
+
+
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (leaves only; lists are leaves)."""
     out: dict[str, Any] = {}
@@ -460,6 +469,15 @@ def complete(raw: dict, base: dict | None = None, *, where: str = "", lenient: b
         if phase in schema.MODEL and isinstance(sec, dict) and "kind" in sec:
             set_key(tree, f"model.{phase}.kind", sec["kind"])
     specs = schema.keys(tree)
+    for key in _empty_sections(raw):  # `poool: {}` has no leaves to flag: a misspelt section passed in silence
+        if not any(k.startswith(key + ".") for k in specs):
+            line = (lines or {}).get(key)
+            prefix = f"{where}{f', line {line}' if line else ''}: " if where else ""
+            depth = key.count(".") + 1
+            sections = sorted({".".join(k.split(".")[:depth]) for k in specs if k.count(".") >= depth})
+            close = difflib.get_close_matches(key, sections, n=1)
+            raise SinkflowError(f"{prefix}unknown config section '{key}'", f"did you mean '{close[0]}'?" if close
+                                else "run `sinkflow config PRESET` to list the sections")
     for key, value in flatten(raw).items():
         line = (lines or {}).get(key)
         prefix = f"{where}{f', line {line}' if line else ''}: " if where else ""
