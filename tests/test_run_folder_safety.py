@@ -266,10 +266,15 @@ def test_a_damaged_meta_json_is_kept_aside_not_written_over(run, capsys, caplog)
     assert [(c["key"], c["to"]) for c in changes] == [("train.velocity.lr", 0.002)]
 
 
-@pytest.mark.parametrize("out", ["pool/x.npy", "checkpoints/velocity/x.png", "tb/", "samples.npy"])
+@pytest.mark.parametrize("out", ["pool/x.npy", "checkpoints/velocity/x.png", "tb/", "nsf_states.npy", "samples.npy"])
 def test_sample_never_writes_over_the_runs_own_files(run, capsys, out):
     """`sample --out RUN/pool/x.npy` replaced the pool: status said FINISHED, and the resume after it failed on an
-    array of another shape. Beside the run's state (RUN/samples.npy) it writes as asked."""
+    array of another shape; `--out RUN/nsf_states.npy` so replaced NSGF++'s straight-flow states (a resumed phase,
+    lr-find and doctor read them again). Beside the run's state (RUN/samples.npy) it writes as asked."""
+    from sinkflow.methods.nsgfpp import STATES_FILE
+    from sinkflow.runtime.run_folder import RUN_STATE
+
+    assert STATES_FILE in RUN_STATE
     before = full_snapshot(run)
     argv = ["sample", str(run), "--n", "4", "--steps", "2", "--out", str(run / out)]
     if out == "samples.npy":

@@ -442,9 +442,11 @@ def record_changes(run_dir: Path, entries: list[tuple]) -> None:
     atomic_write_text(path, json.dumps(meta, indent=2, default=str))
 
 
-# What a run folder holds of its own state (the layout above, plus the records a run writes beside it)
+# What a run folder holds of its own state (the layout above, plus the records a run writes beside it). NSGF++'s
+# nsf_states.npy (``nsgfpp.STATES_FILE``, nsgf.nsf_source=velocity) is read again by a resumed straight-flow or
+# predictor phase, lr-find and doctor: `sample --out RUN/nsf_states.npy` replaced it with 5 samples of another shape
 RUN_STATE = ("config.yaml", "meta.json", "meta.damaged.json", "checkpoints", "pool", "metrics.jsonl",
-             "metrics.rewound.jsonl", "tb", "status.json", "data_split.json", ".lock")
+             "metrics.rewound.jsonl", "tb", "status.json", "data_split.json", ".lock", "nsf_states.npy")
 
 
 def run_state_entry(run_dir: Path, path: Path) -> str | None:
