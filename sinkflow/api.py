@@ -61,7 +61,8 @@ class Run:
     def sample(self, n: int | None = None, steps: int | None = None, seed: int = 0,
                x0: torch.Tensor | None = None, qmc: bool | None = None, settings: dict | None = None) -> torch.Tensor:
         """``n`` samples (CPU float32 tensor shaped like the data) with ``steps`` integration steps (a whole number
-        >= 1; None: the method's own, e.g. sample.steps; NSF steps for NSGF++), from ``x0`` or a seeded source draw:
+        >= 1; None: the method's own, e.g. sample.steps; NSF steps for NSGF++), from ``x0`` or a source draw seeded by
+        ``seed`` (a whole number in [0, 2**63 - 1], as `sample --seed`):
         i.i.d. by default, randomised QMC with ``qmc=True`` (None: ``sample.qmc``), as `sinkflow sample` draws.
 
         ``x0``: your own source draw, a tensor or numpy array shaped ``(n, *sample_shape)`` of any floating dtype
@@ -100,6 +101,9 @@ class Run:
         method.check_steps(steps, "steps=")
         require(is_whole(seed, minimum=-(2**63)), f"seed={shown(seed)} must be a whole number",
                 "e.g. seed=0 (numpy integers count)")  # np.int64 overflowed in the stream's hash, 1.5 was torch's error
+        # `sample --seed`'s and experiment.seed's range: the streams are seeded modulo 2**63, so seed=-1 drew what
+        # seed=2**63 - 1 draws and seed=2**63 what seed=0 draws (two seeds, the same samples)
+        require(0 <= seed < 2**63, f"seed={shown(seed)} must be in [0, {2**63 - 1}]", "e.g. seed=0 (the default)")
         require(qmc is None or isinstance(qmc, (bool, np.bool_)), f"qmc={shown(qmc)} must be True, False or None",
                 "e.g. qmc=True, or leave it out (None) for the run's sample.qmc")  # "yes" was taken as true
         if x0 is None:

@@ -74,6 +74,8 @@ def test_sample_takes_none_as_the_default_and_a_whole_number_as_asked(tiny_run):
 @pytest.mark.parametrize("kwargs, needle", [
     ({"seed": 1.5}, r"seed=1\.5 must be a whole number; e\.g\. seed=0"),
     ({"seed": "a"}, r"seed='a' must be a whole number"), ({"seed": True}, r"seed=True must be a whole number"),
+    ({"seed": -1}, r"^seed=-1 must be in \[0, 9223372036854775807\]; e\.g\. seed=0"),  # drew seed 2**63 - 1's samples
+    ({"seed": 2**63}, r"^seed=9223372036854775808 must be in \[0, "),  # drew seed 0's samples
     ({"qmc": "yes"}, r"qmc='yes' must be True, False or None"),
     ({"n": 10**13}, r"^n 10000000000000 needs about .* of memory for its samples .*; use a smaller n$"),
     ({"steps": 10**9}, r"^steps=1000000000 is more than 100,000; use steps=100,000 or fewer$"),
