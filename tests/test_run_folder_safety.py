@@ -292,6 +292,16 @@ def test_eval_refuses_sample_steps_it_would_record_but_not_use(run, capsys):
     assert full_snapshot(run) == before
 
 
+def test_eval_refuses_sample_qmc_it_would_record_but_not_use(run, capsys):
+    """`eval RUN sample.qmc=true` drew as eval.protocol says, scored the same numbers, and recorded them as
+    {"sample": {"qmc": true}}."""
+    before = full_snapshot(run)
+    one_line(*run_main(capsys, "eval", str(run), "--seeds", "1", "--n", "8", "sample.qmc=true"),
+             "draws its source as the run's eval.protocol says, so 'sample.qmc=true' would not be used",
+             "eval.protocol=iid")
+    assert full_snapshot(run) == before
+
+
 def test_sample_out_under_a_file_or_a_folder_for_points_names_the_real_problem(run, tmp_path, capsys):
     """`--out s.png/x.npy` said "EEXIST File exists (s.png)"; `--out existing_dir` on a 2D run spoke of images
     mixing with the folder's files (a new folder name got "this run draws points")."""

@@ -42,6 +42,11 @@ def run(args):
                             f"score other step counts by setting them in the run: `sinkflow train --resume "
                             f"{args.run_dir} 'eval.steps=[2, 10]'` (then `sinkflow eval {args.run_dir}`), or "
                             f"`sinkflow sample {args.run_dir} --steps N`")
+    qmc = [o for o in args.overrides if o.partition("=")[0].strip() == "sample.qmc"]
+    if qmc:  # so too: recorded as {"sample": {"qmc": true}} beside scores drawn as eval.protocol says, unchanged
+        raise SinkflowError(f"`sinkflow eval` draws its source as the run's eval.protocol says, so '{qmc[0]}' "
+                            "would not be used", f"set it in the run: `sinkflow train --resume {args.run_dir} "
+                            f"eval.protocol=iid` (or qmc), then `sinkflow eval {args.run_dir}`")
     run_ = with_sample_overrides(run_, args.overrides, "eval", args.run_dir, {"eval.n": "--n", "eval.seeds": "--seeds"})
     try:
         print(evaluate(run_, seeds=args.seeds, n=args.n, split=args.split))
