@@ -183,3 +183,22 @@ def test_test_rows_without_a_target_point_file_is_refused(runs_dir, tmp_path, ca
     err = capsys.readouterr().err
     assert "'data.test_rows' is not read by this run" in err and "a point file as data.target" in err, err
     assert not (runs_dir / "t").exists()
+
+
+def test_sampling_with_qmc_draws_a_source_without_a_twin_iid_and_says_so(runs_dir, capsys):
+    """`sample --qmc` (and Run.sample(qmc=True)) on a source without a scrambled-Sobol twin drew the stratified pool
+    sampler, neither QMC nor i.i.d., and said "from a QMC source draw"; it draws i.i.d. and says QMC was not there."""
+    from helpers import run_main
+
+    from sinkflow.data import sampling_source
+
+    cfg = config.resolve("moons", ["data.source=scurve"], {"method": "fm"})
+    src = sampling_source(cfg, qmc=True)
+    assert not src.stratified and torch.equal(src.sample(64, gen(0)), sampling_source(cfg).sample(64, gen(0)))
+    assert run_main(capsys, "train", "moons", "--method", "fm", "data.source=scurve", "--train-iters", "1",
+                    "--device", "cpu", "--no-report", "--name", "s")[0] == 0
+    capsys.readouterr()
+    assert main(["sample", str(runs_dir / "s"), "--n", "4", "--steps", "1", "--qmc", "--out", "s.npy"]) == 0
+    out = capsys.readouterr().out
+    assert ("from an i.i.d. source draw (QMC asked for, but source scurve has no scrambled-Sobol twin) "
+                        "to s.npy") in out, out

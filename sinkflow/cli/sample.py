@@ -98,5 +98,8 @@ def _sample(args, run_, out, as_folder):
         save_grid(x, out)
     unit = method.steps_are.removesuffix("s") if steps == 1 else method.steps_are  # "1 straight-flow step"
     how = f"{steps} {unit}" if method.takes_steps else "one inverse pass"
-    print(f"wrote {args.n} samples ({how}, {info['nfe']} network evaluations) from "
-          f"{'a QMC' if qmc else 'an i.i.d.'} source draw to {out}")
+    source = data.distributions(run_.cfg)[0]
+    drawn = "a QMC source draw" if qmc and data.qmc_twin(source) is not source else "an i.i.d. source draw"
+    if qmc and drawn.startswith("an"):  # the words of the evaluation's protocol line (eval.points.source_protocol)
+        drawn += f" (QMC asked for, but source {source.name} has no scrambled-Sobol twin)"
+    print(f"wrote {args.n} samples ({how}, {info['nfe']} network evaluations) from {drawn} to {out}")

@@ -178,7 +178,10 @@ def sampling_source(cfg: dict, qmc: bool = False) -> Distribution:
     ``sample.qmc``). The built-in 2D samplers stratify their draws (the pool's); `sinkflow sample` said "an i.i.d.
     source draw" of an 8gaussians source and drew exactly n/8 points per centre."""
     source = distributions(cfg)[0]
-    return qmc_twin(source) if qmc else iid_twin(source)
+    twin = qmc_twin(source) if qmc else source
+    # a source without a scrambled-Sobol twin (moons, scurve, checkerboard) is drawn i.i.d. when QMC is asked for, as
+    # ``source_protocol`` says: `sample --qmc` drew its stratified pool sampler and said "a QMC source draw"
+    return twin if twin is not source else iid_twin(source)
 
 
 def sample_shape(cfg: dict) -> tuple[int, ...]:
