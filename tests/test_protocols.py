@@ -202,3 +202,14 @@ def test_sampling_with_qmc_draws_a_source_without_a_twin_iid_and_says_so(runs_di
     out = capsys.readouterr().out
     assert ("from an i.i.d. source draw (QMC asked for, but source scurve has no scrambled-Sobol twin) "
                         "to s.npy") in out, out
+
+
+def test_the_w2_table_names_a_stratified_source_without_a_twin_as_drawn():
+    """Under eval.protocol=qmc a source without a scrambled-Sobol twin is drawn as itself (``protocol_pair``): the
+    stratified sampler for data.source=scurve, which the table's header called "i.i.d. source draws"."""
+    from sinkflow.eval.points import draws
+
+    cfg = config.resolve("moons", ["data.source=scurve"], {"method": "fm"})
+    assert protocol_pair(cfg)[0].stratified
+    assert draws(cfg).startswith("stratified source draws (no QMC twin) vs ")
+    assert draws(cfg, "iid").startswith("i.i.d. source draws vs ") and not protocol_pair(cfg, "iid")[0].stratified

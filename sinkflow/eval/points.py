@@ -169,8 +169,10 @@ def draws(cfg: dict, protocol: str | None = None) -> str:
     source, target = data.distributions(cfg)
     if protocol == "iid":
         drawn = "i.i.d. source draws"
-    else:
-        drawn = "QMC source draws" if data.qmc_twin(source) is not source else "i.i.d. source draws (no QMC twin)"
+    elif data.qmc_twin(source) is not source:
+        drawn = "QMC source draws"
+    else:  # protocol_pair draws the source itself: a built-in 2D sampler's is stratified (it read "i.i.d.")
+        drawn = f"{'stratified' if getattr(source, 'stratified', False) else 'i.i.d.'} source draws (no QMC twin)"
     if isinstance(target, data.PointFile):
         test = (f"the file's {target.test_rows} held-out rows" if target.test_rows
                 else "test points drawn from the file's training rows (data.test_rows=0)")
