@@ -313,6 +313,19 @@ def test_sample_out_under_a_file_or_a_folder_for_points_names_the_real_problem(r
     one_line(*run_main(capsys, "sample", str(run), "--out", str(tmp_path / "used")), "but this run draws points")
 
 
+@pytest.mark.parametrize("name", ["s.npy", "s.png"])
+def test_sample_out_naming_a_folder_as_a_file_is_refused_before_sampling(run, tmp_path, capsys, monkeypatch, name):
+    """`--out s.npy` naming an existing folder drew every sample, then stopped on "EISDIR Is a directory
+    (.s.npy.tmp-...)", a temporary file the user never named."""
+    from sinkflow.eval import points
+
+    (tmp_path / name).mkdir()
+    monkeypatch.setattr(points, "sample_chunks", lambda *a, **k: pytest.fail("sampled before the refusal"))
+    one_line(*run_main(capsys, "sample", str(run), "--out", str(tmp_path / name)),
+             f"{name} is a folder, not a {name[1:]} file", f"--out {tmp_path / name / ('samples' + name[1:])}")
+    assert not any((tmp_path / name).iterdir())
+
+
 def test_checkpoint_from_another_run_is_refused(run, base_run, capsys, tmp_path):
     ck = run / "checkpoints" / "velocity"
     (ck / "final.pt").unlink()

@@ -45,6 +45,9 @@ def run(args):
     run_ = open_trained(args.run_dir, args.device)
     if (file := next((p for p in out.parents if p.is_file()), None)) is not None:  # "EEXIST File exists (s.png)"
         raise SinkflowError(f"--out {args.out}: {file} is a file, not a folder", "name a path in a folder")
+    if not as_folder and out.is_dir():  # sampled every image, then "EISDIR Is a directory (.s.npy.tmp-...)"
+        raise SinkflowError(f"--out {args.out} is a folder, not a {out.suffix} file",
+                            f"name a file, e.g. --out {out / ('samples' + out.suffix)}")
     if (entry := run_state_entry(run_.dir, out)) is not None:
         raise SinkflowError(f"--out {args.out} is in the run's own {entry}, which samples would replace",
                             f"write them beside it, e.g. --out {Path(args.run_dir) / 'samples'}.npy")
