@@ -1060,3 +1060,21 @@ def test_eval_n_beyond_the_held_out_rows_names_the_flag(runs_dir, tmp_path, caps
                  "--name", "h", "--no-report"]) == 0
     one_line(*run_main(capsys, "eval", str(runs_dir / "h"), "--n", "100", "--seeds", "1"), "--n 100",
              "data.test_rows=40", "use --n 40 or less")
+
+
+@pytest.mark.parametrize("out", ["s.npy", "new/s.png", "pngs/"])
+def test_sample_into_a_folder_that_takes_no_file_is_refused_before_sampling(run, tmp_path, capsys, monkeypatch, out):
+    """An unwritable --out folder failed only once every sample was drawn, naming a temporary file ("ENOENT No such
+    file or directory (/proc/.y.npy.tmp-...)"); the nearest existing folder is probed first."""
+    from sinkflow.eval import points
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    undo = refusing_writes(folder, monkeypatch)
+    monkeypatch.setattr(points, "sample_chunks", lambda *a, **k: pytest.fail("sampled before the refusal"))
+    try:
+        one_line(*run_main(capsys, "sample", str(run), "--out", str(folder / out)), f"cannot write into {folder}",
+                 "name a path in a writable folder")
+    finally:
+        undo()
+    assert not any(folder.iterdir())

@@ -45,6 +45,7 @@ def run(args):
     run_ = open_trained(args.run_dir, args.device)
     if (file := next((p for p in out.parents if p.is_file()), None)) is not None:  # "EEXIST File exists (s.png)"
         raise SinkflowError(f"--out {args.out}: {file} is a file, not a folder", "name a path in a folder")
+    check_out_writable(out)
     if not as_folder and out.is_dir():  # sampled every image, then "EISDIR Is a directory (.s.npy.tmp-...)"
         raise SinkflowError(f"--out {args.out} is a folder, not a {out.suffix} file",
                             f"name a file, e.g. --out {out / ('samples' + out.suffix)}")
@@ -53,6 +54,24 @@ def run(args):
                             f"write them beside it, e.g. --out {Path(args.run_dir) / 'samples'}.npy")
     with sampling_data(run_.cfg, run_.dir):  # an image run copied without its data set samples all the same
         _sample(args, run_, out, as_folder)
+
+
+def check_out_writable(out: Path) -> None:
+    """The folder that will hold ``out`` (its nearest existing one, where the missing ones are made) takes a new file,
+    or a one-line error before any sampling: a read-only or unwritable folder failed only when the samples, all of
+    them drawn, were written (the temporary file beside them named, "ENOENT ... (.s.npy.tmp-...)")."""
+    import os
+    import tempfile
+
+    parent = out.absolute().parent
+    folder = next(p for p in (parent, *parent.parents) if p.exists())
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise SinkflowError(f"--out {out}: cannot write into {folder} ({exc.strerror or exc})",
+                            "name a path in a writable folder") from None
 
 
 def _sample(args, run_, out, as_folder):
