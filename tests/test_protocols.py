@@ -213,3 +213,30 @@ def test_the_w2_table_names_a_stratified_source_without_a_twin_as_drawn():
     assert protocol_pair(cfg)[0].stratified
     assert draws(cfg).startswith("stratified source draws (no QMC twin) vs ")
     assert draws(cfg, "iid").startswith("i.i.d. source draws vs ") and not protocol_pair(cfg, "iid")[0].stratified
+
+
+def test_sample_never_writes_over_the_runs_point_file(runs_dir, tmp_path, capsys):
+    """`sample RUN --out points.npy` on a run trained on data.target=points.npy replaced the training set with the
+    samples (the next evaluation scored them against themselves); a path beside it is written as asked."""
+    _marked_file(tmp_path / "p.npy")
+    before = (tmp_path / "p.npy").read_bytes()
+    assert main(["train", "moons", "--method", "fm", f"data.target={tmp_path / 'p.npy'}", "data.test_rows=16",
+                 "eval.n=16", "--train-iters", "1", "--device", "cpu", "--no-report", "--name", "r"]) == 0
+    capsys.readouterr()
+    assert main(["sample", str(runs_dir / "r"), "--n", "4", "--steps", "1", "--out", str(tmp_path / "p.npy")]) == 2
+    err = capsys.readouterr().err
+    assert "is in the run's own data (data.target), which samples would replace" in err and len(err.splitlines()) == 1
+    assert (tmp_path / "p.npy").read_bytes() == before
+    assert main(["sample", str(runs_dir / "r"), "--n", "4", "--steps", "1", "--out", str(tmp_path / "q.npy")]) == 0
+
+
+def test_sample_never_writes_into_the_runs_image_folder(tmp_path):
+    """An image folder (data.path) is read recursively: `--out DATA/gen/` put the samples into the data set."""
+    from pathlib import Path
+
+    from sinkflow.cli.sample import data_entry
+
+    cfg = {"data": {"source": "normal", "target": "folder", "path": str(tmp_path / "imgs")}}
+    assert data_entry(cfg, tmp_path / "imgs" / "gen") == "data.path"
+    assert data_entry(cfg, tmp_path / "imgs2" / "gen") is None
+    assert data_entry({"data": {"source": "normal", "target": "mnist", "path": None}}, Path("s.npy")) is None

@@ -52,8 +52,30 @@ def run(args):
     if (entry := run_state_entry(run_.dir, out)) is not None:
         raise SinkflowError(f"--out {args.out} is in the run's own {entry}, which samples would replace",
                             f"write them beside it, e.g. --out {Path(args.run_dir) / 'samples'}.npy")
+    if (key := data_entry(run_.cfg, out)) is not None:
+        raise SinkflowError(f"--out {args.out} is in the run's own data ({key}), which samples would "
+                            f"{'replace' if key != 'data.path' else 'join'}",
+                            "write them beside it, e.g. --out samples.npy in another folder")
     with sampling_data(run_.cfg, run_.dir):  # an image run copied without its data set samples all the same
         _sample(args, run_, out, as_folder)
+
+
+def data_entry(cfg: dict, out: Path) -> str | None:
+    """The data key whose files ``out`` would change, or None: a point file the run trained on (``data.source`` /
+    ``data.target``: `--out points.npy` replaced the training set, and the next evaluation scored the samples against
+    themselves), or a path inside an image folder (``data.path``, read recursively: generated PNGs joined the data)."""
+    from sinkflow.data import POINT_SUFFIXES
+
+    where = out.resolve()
+    for key in ("source", "target"):
+        spec = cfg["data"].get(key)
+        if isinstance(spec, str) and spec.lower().endswith(POINT_SUFFIXES) \
+                and Path(spec).expanduser().resolve() == where:
+            return f"data.{key}"
+    folder = cfg["data"].get("path")
+    if cfg["data"].get("target") == "folder" and folder and where.is_relative_to(Path(folder).expanduser().resolve()):
+        return "data.path"
+    return None
 
 
 def check_out_writable(out: Path) -> None:
