@@ -718,3 +718,21 @@ def test_an_image_replaced_by_one_of_the_same_size_is_a_data_change(tmp_path, mo
     (run / "checkpoints" / "velocity" / "final.pt").unlink()
     assert main(["train", "--resume", str(run), "--no-report"]) == 2
     one_line(capsys, "cannot resume", "data changed", "train_pixels_sha256")
+
+
+def test_nsgfpp_counts_each_call_once_when_one_network_plays_two_parts():
+    """``sample_nsgfpp`` on networks you hold counted with one hook per part: the velocity network passed again as the
+    straight flow counted each of its calls twice (11 network evaluations for 2 + 1 + 3)."""
+    from sinkflow.methods.nsgfpp import sample_nsgfpp
+
+    class Field(torch.nn.Module):
+        def forward(self, x, t):
+            return -x
+
+    class Predictor(torch.nn.Module):
+        def forward(self, x):
+            return torch.full((len(x),), 0.5)
+
+    field = Field()
+    _, info = sample_nsgfpp(field, Predictor(), field, torch.randn(4, 2), [0.0, 0.5, 1.0], [0.5, 0.5], 3)
+    assert (info["nfe"], info["nfe_velocity"], info["nfe_time"], info["nfe_nsf"]) == (6, 2, 1, 3)

@@ -310,13 +310,19 @@ def sample_nsgfpp(velocity, predictor, nsf, x0: torch.Tensor, times, etas, nsf_s
     ``times``, then t_hat = ``predictor``(x) + ``t_shift`` (clamped to the NSF's trained range [t_min, 1]), then
     ``nsf_steps`` Euler steps of ``nsf`` from t_hat to 1 per sample. Returns (x, info) as ``Method.sample_nets``."""
     path = [x0.float().cpu()] if record else None
-    with count_nfe(velocity) as n_v, count_nfe(predictor) as n_t, count_nfe(nsf) as n_u:
+    # one hook per distinct network, each part's calls read off between the parts: with a counter per part, one
+    # network passed as both velocity and nsf (a straight flow that reuses the velocity field) counted every call twice
+    distinct = list({id(m): m for m in (velocity, predictor, nsf)}.values())
+    with count_nfe(*distinct) as calls:
         x = nsgf_part(velocity, x0, times, etas, path)
+        n_v = calls.count
         t_hat = (predictor(x).float() + t_shift).clamp(t_min, 1.0)  # the NSF's trained range
+        n_t = calls.count - n_v
         x, nsf_path = euler(nsf, x, t_hat, 1.0, nsf_steps, record)
+        n_u = calls.count - n_v - n_t
     path = (path or []) + nsf_path[1:]
-    return x, {"nfe": n_v.count + n_t.count + n_u.count, "nfe_velocity": n_v.count, "nfe_time": n_t.count,
-               "nfe_nsf": n_u.count, "t_hat": t_hat.cpu(), "nsgf_steps": len(etas), "path": path}
+    return x, {"nfe": n_v + n_t + n_u, "nfe_velocity": n_v, "nfe_time": n_t, "nfe_nsf": n_u, "t_hat": t_hat.cpu(),
+               "nsgf_steps": len(etas), "path": path}
 
 
 class NSGFPlusPlus(Method):
