@@ -281,6 +281,8 @@ def _path(value, name: str) -> str:
     TypeError, ``train(5)`` an AttributeError from the preset lookup)."""
     require(isinstance(value, (str, os.PathLike)), f"{name}={shown(value)} is {type(value).__name__}, not a path "
             "or name", f"pass {name} as a str or pathlib.Path")
+    require(str(os.fspath(value)).strip() != "", f"{name} is empty (an unset variable?)",  # a run's path "" was
+            f"pass {name}, e.g. {'a preset name' if name == 'preset' else repr('runs/NAME')}")  # the working folder
     return os.fspath(value)
 
 

@@ -663,3 +663,12 @@ def test_velocity_loss_refuses_a_velocity_not_shaped_like_the_target():
     assert _one_line(excinfo) == ("the velocity network returned shape (6,) for a batch shaped (6, 1), not the "
                                   "target's (6, 1); return one velocity per sample, shaped like x")
     assert sinkflow.FM.loss(lambda x, t: x1 - x0, x0, x1).item() == 0.0  # the true conditional velocity
+
+
+@pytest.mark.parametrize("call", ["resume", "open_run"])
+def test_an_empty_run_path_is_named_empty_not_read_as_the_working_folder(call, tmp_path, monkeypatch):
+    """`sinkflow.resume(os.environ.get("RUN", ""))` said "`.` is not a sinkflow run folder": "" is the working folder
+    to a path, which the user never named."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SinkflowError, match=r"^path is empty \(an unset variable\?\); pass path, e.g. 'runs/NAME'"):
+        getattr(sinkflow, call)("")

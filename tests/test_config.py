@@ -827,6 +827,17 @@ def test_a_bad_shorthand_value_names_the_flag_typed(capsys, argv, needle):
     assert needle in err and f"e.g. {argv[0]} " in err and "\n" not in err, err
 
 
+@pytest.mark.parametrize("argv, name", [(["train", "--resume", ""], "--resume"), (["status", " "], "RUN"),
+                                        (["eval", ""], "RUN"), (["sample", "runs/x", "--out", ""], "--out")])
+def test_an_empty_run_folder_or_out_path_is_named_empty(tmp_path, monkeypatch, capsys, argv, name):
+    """`train --resume "$RUN"` with the variable unset started a new run of the default preset; `status ""` said
+    "`.` is not a sinkflow run folder" (the working folder)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert f"sinkflow: error: {name} is empty (an unset shell variable?)" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_an_empty_preset_name_is_an_unknown_preset_not_a_folder_of_images(tmp_path, monkeypatch, capsys):
     """`sinkflow train "$PRESET"` with the variable unset: "" is the working folder to ``Path``, so the fix offered
     was "a folder of your own images: `sinkflow train folder data.path=`" (an empty path)."""

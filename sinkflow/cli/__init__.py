@@ -87,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         from sinkflow.cli.common import check_counts
 
         check_counts(args)  # --n, --steps, --seeds of every command: one place, one line
+        for attr in PATH_ARGS:  # `train --resume "$RUN"` with the variable unset started a new run of the default
+            # preset, `status ""` looked at the working folder ("`.` is not a sinkflow run folder")
+            if isinstance(getattr(args, attr, None), str) and not getattr(args, attr).strip():
+                name = "RUN" if attr == "run_dir" else f"--{attr}"
+                example = {"out": "samples.npy", "write": "my.yaml, or a run folder"}.get(
+                    attr, "runs/NAME, the folder `sinkflow train` printed")
+                raise SinkflowError(f"{name} is empty (an unset shell variable?)", f"give {name} a path, e.g. {example}")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and args.command in ONE_PROCESS:  # each rank did all of it: eval's record appended once a rank
             raise SinkflowError(f"`sinkflow {args.command}` runs as one process, but torchrun started {world}",
