@@ -146,4 +146,5 @@ def _sample(args, run_, out, as_folder):
     drawn = "a QMC source draw" if qmc and data.qmc_twin(source) is not source else "an i.i.d. source draw"
     if qmc and drawn.startswith("an"):  # the words of the evaluation's protocol line (eval.points.source_protocol)
         drawn += f" (QMC asked for, but source {source.name} has no scrambled-Sobol twin)"
-    print(f"wrote {args.n} samples ({how}, {info['nfe']} network evaluations) from {drawn} to {out}")
+    nfe = f"{info['nfe']} network evaluation{'' if info['nfe'] == 1 else 's'}"
+    print(f"wrote {args.n} samples ({how}, {nfe}) from {drawn} to {out}")
