@@ -2,12 +2,12 @@
 
 Between two equal-size batches with uniform weights the exact OT plan is a permutation (a vertex of the Birkhoff
 polytope), so the problem is a linear assignment. Two exact solvers, chosen by batch size from a side-by-side
-measurement (``benchmarks/ot_coupling.py``, RESULTS.md, 2026-11-27, this project's CPU box), both returning the same
-permutation on every batch pair tried:
+measurement (``benchmarks/ot_coupling.py``, RESULTS.md, 2026-11-27, measured again 2026-11-30 with a warm-up, this
+project's CPU box), both returning the same permutation on every batch pair tried:
 
-* up to ``ASSIGNMENT_MAX_N`` rows, SciPy's ``linear_sum_assignment``: 1.9-2.5x faster than POT's ``ot.emd`` at batch
-  128-256 (1.0 against 2.2 ms at 128 x 784, an ``mnist`` batch), 1.6x at 1024 x 784, as fast at 1024 x 2; and its
-  import takes 0.4 s against POT's 2.5 s (POT loads scikit-learn), which every process that pairs by OT paid;
+* up to ``ASSIGNMENT_MAX_N`` rows, SciPy's ``linear_sum_assignment``: 1.35-1.8x faster than POT's ``ot.emd`` at batch
+  128-256 (0.76 against 1.29 ms at 128 x 784, an ``mnist`` batch), 1.8x at 1024 x 784, as fast at 1024 x 2; and its
+  import takes 0.2 s against POT's 1.2 s (POT loads scikit-learn), which every process that pairs by OT paid;
 * above it, POT's network simplex (``ot.emd``): 1.3x faster at 2048 x 2 (and 1.6x at 4096 x 2, two pairs).
 
 Both release the GIL while they solve, so the prefetch thread's plan does not hold up the training thread.
