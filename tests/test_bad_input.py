@@ -49,6 +49,22 @@ def test_help_status_and_config_errors_answer_before_torch_loads(tmp_path):
     assert "--phase '' names no phase" in out.stderr  # it checked every phase, "only phase(s)  checked"
 
 
+def test_version_names_sinkflow_torch_and_python_before_torch_loads():
+    """There was no `sinkflow --version`: a bug report's first line had to be pieced together by hand."""
+    import platform
+    import subprocess
+    import sys
+    from importlib import metadata
+
+    import sinkflow
+
+    code = ("import sys\nfrom sinkflow.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit as exc:\n"
+            "    print(exc.code)\nprint('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.splitlines() == [f"sinkflow {sinkflow.__version__} (torch {metadata.version('torch')}, Python "
+                                       f"{platform.python_version()})", "0", "False"], out.stdout + out.stderr
+
+
 def test_config_doc_and_base_refuse_what_they_would_ignore_and_a_folder_is_no_config_file(tmp_path, capsys):
     """`config moons --base pool.eta=-1` printed the schema's defaults, the preset and the invalid override dropped in
     silence; `config dir.yaml` (a folder) said "does not exist"."""

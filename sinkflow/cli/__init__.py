@@ -35,10 +35,26 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _versions() -> str:
+    """sinkflow's version with torch's and Python's, for a bug report; read from the installed packages' metadata,
+    so `--version` answers before torch loads."""
+    import platform
+    from importlib import metadata
+
+    from sinkflow import __version__
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return f"sinkflow {__version__} (torch {torch_version}, Python {platform.python_version()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="sinkflow", description="Optimal-transport and flow-based generative models, smoke-tested on CPU.",
         epilog="example: sinkflow train moons --train-iters 2000")
+    parser.add_argument("--version", action="version", version=_versions())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         try:
