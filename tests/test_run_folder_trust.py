@@ -592,6 +592,31 @@ def test_the_exact_w2_memory_plan_bounds_what_pot_takes(tiny_run, monkeypatch):
         memory.check_sample_memory(6000, cfg, exact_w2=True)
 
 
+@pytest.mark.parametrize("shape", [(1, 8, 8), (1, 28, 28), (3, 32, 32)])
+def test_a_png_grid_is_counted_before_sampling(shape, monkeypatch):
+    """The memory check before `sample --out grid.png` counted the samples but not the grid save_grid builds after
+    them (upscaled, 3 channels, float32, then uint8): about 6 GB for 100,000 digits, met once every sample was
+    drawn (audit GG). ``grid_bytes`` covers what torchvision's grid holds; the check names the grid and the way out."""
+    from torchvision.utils import make_grid
+
+    from sinkflow import config
+    from sinkflow.data import memory
+    from sinkflow.errors import SinkflowError
+    from sinkflow.eval.images import _upscale, grid_bytes
+
+    x = torch.rand(10, *shape) * 2 - 1
+    up = _upscale(x)
+    grid = make_grid(up, nrow=4, padding=2)  # save_grid's nrow for 10: ceil(sqrt(10))
+    assert up.numel() * 4 + grid.numel() * 5 <= grid_bytes(10, shape) <= 1.5 * (up.numel() * 4 + grid.numel() * 5)
+    cfg = config.resolve("digits")
+    need = 4 * 1000 * 64 * 4
+    monkeypatch.setattr(memory, "available_memory", lambda: 2 * need)
+    memory.check_sample_memory(1000, cfg)  # the samples alone fit
+    with pytest.raises(SinkflowError, match=r"for its samples and their PNG grid .*; use a smaller --n, or --out "
+                                            r"DIR/ \(one PNG per image\) or a \.npy file"):
+        memory.check_sample_memory(1000, cfg, grid_bytes=grid_bytes(1000, (1, 8, 8)))
+
+
 def test_sampling_keeps_one_host_array_not_every_chunk(tiny_run, monkeypatch):
     """`check_sample_memory` plans 16 bytes a sample value (the samples, their source, working copies); sampling in
     chunks of `sample.batch_size` kept every chunk apart for one torch.cat, and the network activations freed between

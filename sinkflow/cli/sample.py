@@ -112,7 +112,10 @@ def _sample(args, run_, out, as_folder):
                                 "save points as .npy or a scatter plot, e.g. --out samples.png")
         check_image_folder(out, args.n)
     from sinkflow.data.memory import check_sample_memory
-    check_sample_memory(args.n, run_.cfg)
+    from sinkflow.eval.images import grid_bytes
+
+    grid = not as_folder and out.suffix == ".png" and not is_points(run_.cfg)
+    check_sample_memory(args.n, run_.cfg, grid_bytes=grid_bytes(args.n, data.sample_shape(run_.cfg)) if grid else 0)
     run_ = with_sample_overrides(run_, args.overrides, "sample", args.run_dir)
     method = methods.of(run_.cfg)
     method.check_steps(args.steps)

@@ -26,15 +26,18 @@ def available_memory() -> int:
 EXACT_W2_PAIR_BYTES = 48
 
 
-def check_sample_memory(n: int, cfg: dict, flag: str = "--n", exact_w2: bool = False) -> None:
+def check_sample_memory(n: int, cfg: dict, flag: str = "--n", exact_w2: bool = False, grid_bytes: int = 0) -> None:
     """Refuse ``n`` samples that cannot fit in memory, before any work: the samples and their source noise
-    (float32, x4 for the working copies), plus an exact W2's n x n working set (``EXACT_W2_PAIR_BYTES``) for points."""
+    (float32, x4 for the working copies), plus an exact W2's n x n working set (``EXACT_W2_PAIR_BYTES``) for points,
+    plus ``grid_bytes`` for a PNG grid of them (``eval.images.grid_bytes``)."""
     from sinkflow import data
 
     dim = math.prod(data.sample_shape(cfg))
-    need = 4 * n * dim * 4 + (EXACT_W2_PAIR_BYTES * n * n if exact_w2 else 0)
+    need = 4 * n * dim * 4 + (EXACT_W2_PAIR_BYTES * n * n if exact_w2 else 0) + grid_bytes
     have = available_memory()
     if need > have:
-        what = "samples and an exact-W2 cost matrix" if exact_w2 else "samples"
+        what = ("samples and an exact-W2 cost matrix" if exact_w2 else "samples and their PNG grid" if grid_bytes
+                else "samples")
         raise SinkflowError(f"{flag} {n} needs about {human_bytes(need)} of memory for its {what} but this machine "
-                            f"has {human_bytes(have)} available", f"use a smaller {flag}")
+                            f"has {human_bytes(have)} available", f"use a smaller {flag}" + (
+                                ", or --out DIR/ (one PNG per image) or a .npy file" if grid_bytes else ""))

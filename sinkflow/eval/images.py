@@ -41,10 +41,26 @@ def _to_unit(x: torch.Tensor) -> torch.Tensor:
     return ((x.detach().float().cpu().clamp(-1, 1) + 1) / 2)
 
 
+def _upscale_factor(height: int, width: int, min_side: int = 32) -> int:
+    return max(1, math.ceil(min_side / min(height, width)))
+
+
 def _upscale(x: torch.Tensor, min_side: int = 32) -> torch.Tensor:
     """Nearest-neighbour upscaling so 8x8 digits are visible in a grid (pixels stay exact squares)."""
-    factor = max(1, math.ceil(min_side / min(x.shape[-2:])))
+    factor = _upscale_factor(*x.shape[-2:], min_side=min_side)
     return torch.nn.functional.interpolate(x, scale_factor=factor, mode="nearest") if factor > 1 else x
+
+
+def grid_bytes(n: int, shape: tuple[int, ...]) -> int:
+    """About the memory ``save_grid`` holds for ``n`` images of ``shape`` (C, H, W): the upscaled images, their grid
+    (torchvision's make_grid: 3 channels, 2-pixel padding) in float32, and its uint8 copy for PIL: about 6 GB for
+    `sample --n 100000 --out grid.png` of MNIST digits, which the memory check before sampling did not count."""
+    c, h, w = shape[-3:]
+    f = _upscale_factor(h, w)
+    cols = max(1, math.ceil(math.sqrt(n)))  # save_grid's nrow: images per row
+    rows = math.ceil(n / cols)
+    grid = 3 * (rows * (h * f + 2) + 2) * (cols * (w * f + 2) + 2)
+    return 4 * n * c * h * f * w * f + (4 + 1) * grid
 
 
 def save_grid(x: torch.Tensor, path, nrow: int | None = None) -> Path:
