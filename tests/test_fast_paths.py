@@ -311,6 +311,27 @@ def test_compiled_sampling_draws_the_eager_samples_and_counts_every_call(tiny_ru
     np.testing.assert_allclose(outs["true"], outs["false"], atol=1e-5)
 
 
+def test_sampling_that_cannot_compile_is_one_line_naming_sample_compile(tiny_run, tmp_path, capsys, monkeypatch):
+    """`sample.compile=true` where torch.compile cannot compile (no C++ compiler on a CPU machine, no Triton for the
+    card) ended `sinkflow sample` in dynamo's traceback, pages of it, where training says one line (audit GG)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    from sinkflow.cli import main
+    from sinkflow.methods import base
+
+    class CannotCompile(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            raise TorchDynamoException("InvalidCxxCompiler: No working C++ compiler found\n(pages of it)")
+
+    monkeypatch.setattr(base, "compiled_for_sampling", lambda model, device: CannotCompile())
+    out = tmp_path / "s.npy"
+    assert main(["sample", str(tiny_run), "sample.compile=true", "--n", "8", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("sinkflow: error: torch.compile failed while sampling: InvalidCxxCompiler: No working C++ compiler "
+                   "found; set sample.compile=false to sample eager"), err
+    assert not out.exists()
+
+
 def test_half_precision_sampling_stays_close_to_fp32_with_a_float32_state(tiny_run, tmp_path, capsys):
     """`sample.precision=bf16` / `fp16` run the sampled network under that autocast: the draw is float32, close to
     the fp32 draw from the same seed, and not the same draw (the autocast really ran); fp16's 11-bit mantissa stays

@@ -26,6 +26,7 @@ import torch
 from sinkflow.data import sample_shape
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import TrainingStep
+from sinkflow.methods.ode import compile_failure_line, compile_failures
 from sinkflow.runtime import dist
 from sinkflow.runtime.autocast import autocast
 from sinkflow.runtime.callbacks import Callback, ProgressBar
@@ -294,14 +295,10 @@ class Trainer:
         lr-find) gets this, and no update was applied either way."""
         if self.compile_mode is None or self._compile_proven:
             return self._step(batch)
-        from torch._dynamo import exc as dynamo_exc
-
-        failures = (dynamo_exc.TorchDynamoException,  # + the no-Triton error where this torch has it
-                    getattr(dynamo_exc, "TritonUnavailableError", dynamo_exc.TorchDynamoException))
         try:
             out = self._step(batch)
-        except failures as exc:
-            what = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        except compile_failures() as exc:
+            what = compile_failure_line(exc)
             key = self.task.model_key
             if not self.compile_auto:
                 raise SinkflowError(f"torch.compile failed in phase '{self.name}': {what}",

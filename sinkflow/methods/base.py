@@ -23,7 +23,7 @@ import torch
 from sinkflow.config import schema
 from sinkflow.config.schema import METHOD_REGISTRY
 from sinkflow.errors import SinkflowError, human_bytes
-from sinkflow.methods.ode import compiled_for_sampling
+from sinkflow.methods.ode import compile_failure_line, compile_failures, compiled_for_sampling
 from sinkflow.runtime.autocast import autocast
 from sinkflow.runtime.callbacks import Callback
 
@@ -216,8 +216,14 @@ class Method:
         when this method reads those keys (the Euler samplers: their state and updates stay float32, the networks'
         outputs are cast back before each step)."""
         compiled = bool(run.cfg["sample"].get("compile")) and "sample.compile" in METHOD_REGISTRY[self.name].reads
-        with autocast(run.device.type, self.sample_precision(run.cfg)):
-            return self.sample_nets(RunNets(run, compiled), run.cfg, x0, steps, record)
+        try:
+            with autocast(run.device.type, self.sample_precision(run.cfg)):
+                return self.sample_nets(RunNets(run, compiled), run.cfg, x0, steps, record)
+        except compile_failures() as exc:  # dynamo's traceback, pages of it, where training says one line
+            if not compiled:
+                raise
+            raise SinkflowError(f"torch.compile failed while sampling: {compile_failure_line(exc)}",
+                                "set sample.compile=false to sample eager") from exc
 
     def sample_precision(self, cfg: dict) -> str:
         """The precision ``sample`` runs the networks in: ``sample.precision`` where this method reads it, else fp32."""

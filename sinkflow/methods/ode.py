@@ -46,6 +46,20 @@ def compiled_for_sampling(model: torch.nn.Module, device: torch.device) -> torch
     return torch.compile(model, mode=mode, dynamic=False)
 
 
+def compile_failures() -> tuple[type[BaseException], ...]:
+    """What torch.compile raises at a compiled module's first call when it cannot compile (no Triton for this card,
+    no C++ compiler, an unsupported op): dynamo's errors, and the no-Triton error where this torch has it."""
+    from torch._dynamo import exc as dynamo_exc
+
+    return (dynamo_exc.TorchDynamoException,
+            getattr(dynamo_exc, "TritonUnavailableError", dynamo_exc.TorchDynamoException))
+
+
+def compile_failure_line(exc: BaseException) -> str:
+    """The first line of a compile failure (dynamo's messages run to pages), at most 200 characters."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
 def time_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the times given to a network computing in ``dtype``: float32 (a half-precision time grid
     would round t + k h), float64 for a float64 network (whose time embedding would refuse float32)."""
