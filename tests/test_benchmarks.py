@@ -775,8 +775,13 @@ def test_mnist_budget_gives_every_method_the_same_unet_steps(mnist_bench):
         assert mnist_bench.unet_budget(b) == b["velocity"] + b["nsf"]
     assert mnist_bench.unet_budget(mnist_bench.budget("cpu")) == 3200  # where NSGF++'s velocity network learns
     assert mnist_bench.unet_budget(mnist_bench.budget("cpu-short")) == 500  # the table until 2026-11-28
-    gpu = mnist_bench.budget("gpu", 0.1)  # the paper's iterations, scaled
+    gpu = mnist_bench.budget("gpu", 0.1)  # the mnist preset's iterations, scaled
     assert (gpu["velocity"], gpu["nsf"], gpu["time"]) == (5000, 10000, 4000)
+    from sinkflow import config
+
+    preset = config.resolve("mnist")  # PRESET is the preset's, not the paper's (App. E.2 gives no UNet iterations)
+    assert mnist_bench.PRESET == {"velocity": preset["train"]["velocity"]["iters"], "nsf": preset["train"]["nsf"]["iters"],
+                                  "time": preset["train"]["time"]["iters"], "pool": preset["pool"]["batches"]}
     for total in (3, 6, 13, 26, 60):
         assert all(1 <= k and k + 1 + 1 <= total for k in mnist_bench.split_candidates(total))
     assert mnist_bench.split_candidates(13) == [3, 6, 11]
