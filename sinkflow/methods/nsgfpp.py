@@ -252,7 +252,8 @@ class StraightFlowStep(FromNSGFStates, InterpolantStep):
 
 class TimeStep(FromNSGFStates, InterpolantStep):
     """The phase-transition predictor: regress t from X_t on the straight path; its batches are the interpolant's
-    without the target velocity. Its pairs are the NSF's (``nsgf.nsf_pairs``: independent in the paper): t_hat
+    without the target velocity, at t ~ U(0, 1) whatever ``nsgf.nsf_t_min`` (the paper's; the sampler clamps t_hat into
+    the NSF's range). Its pairs are the NSF's (``nsgf.nsf_pairs``: independent in the paper): t_hat
     says where on the NSF's own training paths a sample lies, so an OT-paired NSF wants a predictor calibrated on
     the OT-paired X_t, whose distribution at a given t is another than the independent pairs'."""
 
