@@ -1,4 +1,4 @@
-"""The paper's velocity MLP v(x, t): 3 hidden layers of 256 units, SELU (as torchcfm's ``MLP``).
+"""The paper's velocity MLP v(x, t): 3 hidden layers of 256 units; SELU, as torchcfm's ``MLP`` (the paper names none).
 
 Inputs of any shape (N, *) are flattened to (N, D), concatenated with the time features, and the
 output is reshaped back, so the same network serves 2D points and (small) flattened images.
