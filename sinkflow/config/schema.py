@@ -645,8 +645,8 @@ METHOD_REGISTRY: dict[str, MethodSpec] = {
             },
             "sample": {
                 "nsf_steps": Key(50, EULER_STEPS, "Euler steps of the straight flow from t_hat to 1"),
-                "nsgf_steps": Key(None, EULER_STEPS, "Euler steps of the NSGF part (null: the pool's own T steps; else "
-                                  "uniform steps, needs nsgf.segment > 0)", nullable=True),
+                "nsgf_steps": Key(None, EULER_STEPS, "Euler steps of the NSGF part (null or pool.steps: the pool's own "
+                                  "grid; else uniform steps, needs nsgf.segment > 0)", nullable=True),
                 "t_shift": Key(0.0, Float(-1, 1), "added to the time predictor's t_hat before the straight flow "
                                "starts (then clamped to [nsgf.nsf_t_min, 1]): 0 is the paper's Algorithm 4; < 0 starts "
                                "it earlier, so it corrects more of the NSGF part's error (a velocity network short of "

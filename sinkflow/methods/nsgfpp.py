@@ -98,8 +98,10 @@ def check_nsgf_steps(cfg: dict) -> None:
 
 
 def nsgf_grid(cfg: dict) -> tuple[list[float], list[float]]:
-    """(times, steps) of the NSGF part at sampling: the pool's own grid, or ``sample.nsgf_steps`` uniform
-    Euler steps over the same span of network time (valid once the field is trained on the segments)."""
+    """(times, steps) of the NSGF part at sampling: the pool's own grid (``sample.nsgf_steps`` null or equal to
+    ``pool.steps``: the grid the field was trained on, not uniform steps, where the schedule is not constant), or
+    ``sample.nsgf_steps`` uniform Euler steps over the same span of network time (valid once the field is trained on
+    the segments)."""
     times, etas = nsgf.network_grid(cfg)
     k = cfg["sample"].get("nsgf_steps")
     if k is None or k == len(etas):
