@@ -368,6 +368,28 @@ def test_each_evaluation_is_its_own_tensorboard_step(tmp_path, capsys, monkeypat
     assert [e.step for e in events.Scalars(tag)] == [1, 2, 3]
 
 
+def test_a_validation_split_evaluation_is_not_a_point_on_the_test_curve(tmp_path):
+    """`sinkflow eval RUN --split val` recorded its scores under the test scores' keys (``fd_cnn_3``), told apart in
+    metrics.jsonl by ``split: val`` alone: TensorBoard, which drops strings, drew the validation score as the next
+    point of eval/fd_cnn_3. Its scalars go to eval/val/<key>; metrics.jsonl keeps the record as it was."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sinkflow.runtime.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path)
+    logger.log_evaluation({"fd_cnn_3": 20.0, "n": 8, "seeds": 1, "protocol": "qmc"})
+    logger.log_evaluation({"fd_cnn_3": 30.0, "n": 8, "seeds": 1, "protocol": "qmc", "split": "val"})
+    logger.log_evaluation({"fd_cnn_3": 21.0, "n": 8, "seeds": 1, "protocol": "qmc"})
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tb" / "eval"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/fd_cnn_3")] == [(1, 20.0), (3, 21.0)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/val/fd_cnn_3")] == [(2, 30.0)]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["fd_cnn_3"], r.get("split")) for r in rows] == [(1, 20.0, None), (2, 30.0, "val"),
+                                                                        (3, 21.0, None)]
+
+
 def test_records_rewound_after_a_rewind_killed_mid_write_stay_lines_of_their_own(tmp_path):
     """metrics.rewound.jsonl is appended to, like metrics.jsonl: a resume killed while it moved records there left a
     partial last line, and the next resume's first moved record was joined to it (lost to every reader)."""

@@ -109,15 +109,19 @@ class MetricsLogger:
 
     def log_evaluation(self, values: dict[str, Any]) -> None:
         """An evaluation's record, phase ``eval``, at step k for the run's k-th evaluation: TensorBoard draws each
-        as its own point (all at step 0, three evaluations were three values on one step it cannot tell apart)."""
+        as its own point (all at step 0, three evaluations were three values on one step it cannot tell apart).
+        Scores against the validation split (``split: val``) go to TensorBoard as ``eval/val/<key>``: under the test
+        scores' own tags (``eval/fd_cnn_3``) a validation score was a point on the test curve, and TensorBoard,
+        which shows no ``split``, could not tell them apart."""
         path = self.run_dir / "metrics.jsonl"
         try:
             done = sum(_phase_of(line) == "eval" for line in path.read_text().splitlines())
         except OSError:
             done = 0
-        self.log("eval", done + 1, values)
+        self.log("eval", done + 1, values, tb_prefix="val/" if values.get("split") == "val" else "")
 
-    def log(self, phase: str, step: int, values: dict[str, Any]) -> None:
+    def log(self, phase: str, step: int, values: dict[str, Any], tb_prefix: str = "") -> None:
+        """One record in metrics.jsonl and its numbers in TensorBoard as ``<phase>/<tb_prefix><key>``."""
         if not self.enabled:
             return
         record = {"time": time.time(), "phase": phase, "step": step}
@@ -133,7 +137,7 @@ class MetricsLogger:
             with naming(self.run_dir / "metrics.jsonl"):  # first: a folder we cannot write fails here, synchronously
                 self.jsonl.write(json.dumps(record) + "\n")
             for key, value in record.items():
-                tag = f"{phase}/{key}"
+                tag = f"{phase}/{tb_prefix}{key}"
                 if key not in ("time", "phase", "step") and isinstance(value, (int, float)) and \
                         not isinstance(value, bool) and math.isfinite(value) and self._tb_step.get(tag) != step \
                         and (tb := self.tb(phase)) is not None:
