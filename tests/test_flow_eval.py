@@ -112,6 +112,9 @@ def test_eval_reports_val_and_test(runs_dir, tmp_path, capsys):
     assert main(["eval", str(runs_dir / "e")]) == 0
     out = capsys.readouterr().out
     assert "Validation bits/dim" in out and "Test bits/dim" in out and "held-out split" in out
+    # eval.seeds=1: one dequantisation draw, said so (it printed "+- 0.0000 over 1 dequantisation draws")
+    bpd = [line for line in out.splitlines() if "bits/dim on" in line]
+    assert len(bpd) == 2 and all("one dequantisation draw (no spread)" in x and "+-" not in x for x in bpd), bpd
     assert main(["eval", str(runs_dir / "e"), "--split", "val"]) == 0  # choosing: nothing read from the test split
     out = capsys.readouterr().out
     assert "Validation bits/dim" in out and "Test bits/dim" not in out and "validation split" in out

@@ -252,6 +252,15 @@ def test_bpd(run, n: int | None = None, seeds: int | None = None, batch: int | N
             "split": split}
 
 
+def bpd_over_draws(r: dict) -> str:
+    """A ``test_bpd`` result as printed: mean +- std over its dequantisation draws, or, from one draw, the value
+    said to have no spread (eval.seeds=1 printed "+- 0.0000 over 1 dequantisation draws", a spread never measured,
+    where the image metrics below it say theirs is none)."""
+    if r["seeds"] > 1:
+        return f"{r['bpd']:.4f} +- {r['bpd_std']:.4f} over {r['seeds']} dequantisation draws"
+    return f"{r['bpd']:.4f}, one dequantisation draw (no spread)"
+
+
 @torch.no_grad()
 def select_checkpoint(run, paths, seeds: int | None = None) -> tuple[Path, list[dict]]:
     """Model selection on the validation split only: validation bits/dim of every checkpoint in ``paths``.
@@ -329,15 +338,14 @@ class NormalizingFlow(Method):
         if run.cfg["data"].get("val_fraction", 0) > 0:
             v = test_bpd(run, seeds=seeds, split="val")
             bpd.update(val_bpd=v["bpd"], val_bpd_std=v["bpd_std"])
-            lines.append(f"Validation bits/dim on {run.cfg['experiment']['preset']} (flow): {v['bpd']:.4f} +- "
-                         f"{v['bpd_std']:.4f} over {v['seeds']} dequantisation draws, {v['n']} validation "
-                         f"{v['target']} images (carved from the train split; model selection reads this one)")
+            lines.append(f"Validation bits/dim on {run.cfg['experiment']['preset']} (flow): {bpd_over_draws(v)}, "
+                         f"{v['n']} validation {v['target']} images (carved from the train split; model "
+                         "selection reads this one)")
         if split == "test":
             r = test_bpd(run, n=n, seeds=seeds)  # its n and seeds are the image metrics' (the record's setting)
             bpd.update(test_bpd=r["bpd"], test_bpd_std=r["bpd_std"])
-            lines.append(f"Test bits/dim on {run.cfg['experiment']['preset']} (flow): {r['bpd']:.4f} +- "
-                         f"{r['bpd_std']:.4f} over {r['seeds']} dequantisation draws, {r['n']} held-out "
-                         f"{r['target']} images, {r['n_bins']} pixel levels")
+            lines.append(f"Test bits/dim on {run.cfg['experiment']['preset']} (flow): {bpd_over_draws(r)}, "
+                         f"{r['n']} held-out {r['target']} images, {r['n_bins']} pixel levels")
             for name, value in PUBLISHED_BPD.get(r["target"], []) if r["n_bins"] == 256 else []:
                 lines.append(f"  published, for context: {name}: {value:.2f}")
         metrics = ev.image_metrics(run, seeds=seeds, n=n, steps_list=self.eval_steps(run.cfg), split=split)
