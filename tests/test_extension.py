@@ -155,6 +155,24 @@ def test_config_shows_what_nsgfpp_reads():
 
 # ---- paper numbers belong to their method -----------------------------------------------------------------
 
+def test_the_paper_column_stands_only_beside_a_w2_on_the_papers_1024_points(tiny_run):
+    """Table 1's W2 is on 1024 test points; `sinkflow eval RUN --n 64` printed its W2 beside the paper's 0.077 on
+    moons, where two perfect draws of 64 points are already 0.156 apart: the model looked twice as far off as it
+    was. Below 1024 points the column is left out and a line says why; at 1024 it is there."""
+    from sinkflow.eval.points import PAPER_N, format_table, w2_table
+
+    run = sinkflow.open_run(tiny_run)._run  # moons, NSGF: the paper's task
+    small = w2_table(run, n=64, seeds=1, steps_list=[10])
+    assert small[0]["paper"] is None
+    text = format_table(small, "nsgf", "moons", "NSGF")
+    assert "0.077" not in text and f"no paper NSGF column: its W2 is on {PAPER_N} test points and this one on 64" \
+        in text
+    full = w2_table(run, n=PAPER_N, seeds=1, steps_list=[10])
+    assert full[0]["paper"] == 0.077
+    text = format_table(full, "nsgf", "moons", "NSGF")
+    assert "paper NSGF" in text and "0.077" in text and "no paper" not in text
+
+
 def test_paper_numbers_belong_to_the_method_and_a_task_without_them_reports_none(monkeypatch):
     from sinkflow import methods
     from sinkflow.data.toy2d import TOY2D, Moons
