@@ -155,6 +155,24 @@ def test_eval_protocol_iid_is_named_in_the_report(runs_dir, tmp_path, capsys, mo
     assert titles == ["normal -> p.npy (nsgf, 100 network evaluations)"]
 
 
+def test_the_report_figures_are_drawn_by_the_runs_own_sampler(tiny_run, tmp_path, monkeypatch):
+    """samples.png and trajectories.png were drawn at 100 steps whatever the run sampled with: an NSGF++ run of 3
+    straight-flow steps (scored so in the table above) had figures of 105 network evaluations. They are drawn as
+    `sinkflow sample` draws: here the run's sample.steps=7."""
+    import shutil
+
+    from sinkflow.eval import plots, points
+    from sinkflow.runtime.run_folder import RunFolder
+
+    titles = []
+    monkeypatch.setattr(plots, "scatter_samples", lambda x, y, path, title: titles.append((title, len(x))) or path)
+    monkeypatch.setattr(plots, "trajectories", lambda p, path, title: titles.append((title, p.shape[0])) or path)
+    folder = shutil.copytree(tiny_run, tmp_path / "r")
+    run = RunFolder.open(folder).variant(sample={"steps": 7})
+    points.plots(run, n=32)
+    assert titles == [("moons (nsgf, 7 network evaluations)", 32), ("moons (nsgf, 7 network evaluations)", 8)]
+
+
 def test_a_quick_eval_names_and_records_its_sample_count_and_seeds(tiny_run, tmp_path, capsys):
     """`sinkflow eval --n 64 --seeds 1` printed the run's header and "+- 0.000", and recorded its scores under the
     keys and step of the run's own evaluation: `status` then showed the quick look as the run's scores."""

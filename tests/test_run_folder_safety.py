@@ -999,8 +999,8 @@ def test_point_files_of_one_coordinate_or_image_rows_report_sample_and_eval(runs
                        "--name", "p")
     assert rc == 0, err
     plotted = calls[-2:]  # the plots: 1024 x 100 steps, every path recorded, ran for many minutes on 3x32x32 rows
-    n_eval = RunFolder.open(runs_dir / "p").cfg["eval"]["n"]
-    assert plotted == ([(1024, 100, False), (256, 100, True)] if len(shape) == 2 and shape[1] <= 2 else
+    n_eval = RunFolder.open(runs_dir / "p").cfg["eval"]["n"]  # steps None: the run's own sampler's (sample.steps)
+    assert plotted == ([(1024, None, False), (256, None, True)] if len(shape) == 2 and shape[1] <= 2 else
                        [(min(1024, n_eval), None, False), (min(1024, n_eval, 256), None, True)]), plotted
     assert (runs_dir / "p" / "samples.png").stat().st_size > 0 and (runs_dir / "p" / "trajectories.png").exists()
     rc, err = run_main(capsys, "sample", str(runs_dir / "p"), "--n", "32", "--out", str(tmp_path / "s.png"))

@@ -228,16 +228,19 @@ TRAJECTORY_PATHS = 256  # what trajectories.png draws
 
 
 @torch.no_grad()
-def plots(run, n: int = 1024, steps: int | None = 100) -> list:
-    """samples.png (generated vs target) and trajectories.png (particle paths) in the run folder.
+def plots(run, n: int = 1024, steps: int | None = None) -> list:
+    """samples.png (generated vs target) and trajectories.png (particle paths) in the run folder, drawn by the
+    run's own sampler (``steps`` None: the method's, as `sinkflow sample` draws: sample.steps, NSGF++'s
+    sample.nsf_steps). They were drawn at 100 steps whatever the run's: an NSGF++ run sampled with 3 straight-flow
+    steps, and scored so in the table above them, had its figures drawn with 100 (105 network evaluations).
 
     Only the drawn paths are recorded. Rows wider than a point (a point file of (N, 3, 32, 32) images) take
-    eval.n samples at the method's own sampling steps: 1024 samples x 100 steps of a UNet, each path recorded
-    (1.3 GB at 3x32x32), kept the final report running for many minutes after a 3-step CPU run."""
+    eval.n samples: 1024 samples of a UNet, each path recorded (1.3 GB at 3x32x32), kept the final report
+    running for many minutes after a 3-step CPU run."""
     from sinkflow.eval.plots import scatter_samples, trajectories
 
     if math.prod(data.sample_shape(run.cfg)) > 2:
-        n, steps = min(n, run.cfg["eval"]["n"]), None
+        n = min(n, run.cfg["eval"]["n"])
     x, info = generate(run, n, steps, seed=7)
     _, paths = generate(run, min(n, TRAJECTORY_PATHS), steps, seed=7, record=True)
     _, target = data.distributions(run.cfg)
