@@ -736,3 +736,22 @@ def test_nsgfpp_counts_each_call_once_when_one_network_plays_two_parts():
     field = Field()
     _, info = sample_nsgfpp(field, Predictor(), field, torch.randn(4, 2), [0.0, 0.5, 1.0], [0.5, 0.5], 3)
     assert (info["nfe"], info["nfe_velocity"], info["nfe_time"], info["nfe_nsf"]) == (6, 2, 1, 3)
+
+
+def test_the_grid_and_strip_are_titled_with_the_data_they_show(tmp_path, monkeypatch):
+    """A `digits` run trained on data.target=mnist titled its trajectory strip "digits" over MNIST digits (the
+    metrics above it said "mnist (preset digits)"); the figure now names the data, and the preset beside it."""
+    import types
+
+    from sinkflow import config
+    from sinkflow.eval import images
+
+    titles = []
+    path = [torch.zeros(2, 1, 28, 28)] * 3
+    monkeypatch.setattr(images, "generate", lambda run, n, steps, seed, record: (path[-1], {"nfe": 9, "path": path}))
+    monkeypatch.setattr(images, "save_grid", lambda x, out: out)
+    monkeypatch.setattr(images, "trajectory_strip", lambda p, out, k, t, title: titles.append(title) or out)
+    for target, title in (("mnist", "mnist (preset digits) (nsgfpp, NFE 9)"), ("digits", "digits (nsgfpp, NFE 9)")):
+        cfg = config.resolve("digits", [f"data.target={target}"], {})
+        images.plots(types.SimpleNamespace(cfg=cfg, dir=tmp_path))
+        assert titles.pop() == title

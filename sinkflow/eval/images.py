@@ -183,7 +183,7 @@ def plots(run, n: int = 64) -> list[Path]:
     steps = method.default_steps(cfg)
     x, info = generate(run, n, steps, seed=7, record=True)
     grid = save_grid(x, run.dir / "grid.png")
-    title = f"{cfg['experiment']['preset']} ({method.name}, NFE {info['nfe']})"
+    title = f"{data_label(cfg['data']['target'], cfg['experiment']['preset'])} ({method.name}, NFE {info['nfe']})"
     strip = trajectory_strip(info["path"], run.dir / "trajectory_strip.png", info.get("nsgf_steps"),
                              info.get("t_hat"), title=title)
     return [grid, strip]
@@ -415,11 +415,15 @@ def fd_cnn_reference(target, data_root, real: torch.Tensor, n_gen: int, val: boo
     return {"net": net, "accuracy": acc, "real": real_feats, "floor": floor, "floor_n": len(idx)}
 
 
+def data_label(target: str, preset: str | None) -> str:
+    """The images a run made or scored, by their set's name, and the preset where it is another one: a `digits`
+    run trained on data.target=mnist titled its grid and trajectory strip "digits" over MNIST digits."""
+    return target if preset in (None, target) else f"{target} (preset {preset})"
+
+
 def format_metrics(result: dict) -> str:
     p = result["protocol"]
-    on = result.get("target") or result["preset"]  # the data scored (a preset's target may be overridden)
-    if result["preset"] not in (None, on):
-        on += f" (preset {result['preset']})"
+    on = data_label(result.get("target") or result["preset"], result["preset"])
     lines = [f"Image metrics on {on} ({result['method']}): {p['n']} generated vs {p['reference']}, "
              + (f"mean +- std over {p['seeds']} sampling seeds" if p["seeds"] > 1 else
                 "one sampling seed (no spread: the +- 0.000 is not a measurement)"),
