@@ -755,3 +755,23 @@ def test_the_grid_and_strip_are_titled_with_the_data_they_show(tmp_path, monkeyp
         cfg = config.resolve("digits", [f"data.target={target}"], {})
         images.plots(types.SimpleNamespace(cfg=cfg, dir=tmp_path))
         assert titles.pop() == title
+
+
+def test_scores_on_the_split_a_run_trained_on_are_not_called_held_out(tmp_path, monkeypatch):
+    """data.split=test trains on the test images, which the evaluation scores against too: the report said
+    "cifar10 held-out split" over them (a warning at the top of the log the only sign). It now says whose they are."""
+    import types
+
+    from sinkflow import config
+    from sinkflow.eval import images
+
+    make_cifar(tmp_path / "data", per_batch=5, n_test=6)
+    monkeypatch.setattr(images, "generate", lambda run, n, steps, seed: (torch.zeros(n, 3, 32, 32), {"nfe": 1}))
+    for split, words in (("test", "cifar10 test split, the images this run trained on (data.split=test)"),
+                         ("train", "cifar10 held-out split")):
+        methods._distributions.cache_clear()
+        cfg = config.resolve("cifar10", [f"data.root={tmp_path / 'data'}", "data.download=false", "eval.n=4",
+                                         f"data.split={split}"], {})
+        result = images.image_metrics(types.SimpleNamespace(cfg=cfg), seeds=1)
+        assert result["protocol"]["reference"] == f"{words} (4 of 6 images, fixed subset)"
+        assert f"4 generated vs {words}" in images.format_metrics(result)

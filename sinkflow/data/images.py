@@ -45,6 +45,12 @@ def val_split(n_train: int, val_fraction: float) -> tuple[torch.Tensor, torch.Te
     return perm[n_val:].sort().values, perm[:n_val].sort().values
 
 
+def trains_on_test(target, split: str = "test") -> bool:
+    """Is ``split`` of ``target`` the one the run trained on (``data.split=test``)? Scores against it are then on
+    training images: the evaluation said "held-out" over them, a warning at the top of the log the only sign."""
+    return split == "test" and getattr(target, "split", "train") == "test"
+
+
 class ImageDistribution(Distribution):
     """Images of one set; ``sample`` serves ``split``, ``val_set`` the validation split, ``test_set`` the
     held-out test split.

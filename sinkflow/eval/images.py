@@ -25,6 +25,7 @@ import torch
 
 from sinkflow import data, methods
 from sinkflow.data.atomic_write import atomic_path, atomic_write_bytes, temp_beside
+from sinkflow.data.images import trains_on_test
 from sinkflow.errors import SinkflowError
 from sinkflow.eval import fd_cnn
 from sinkflow.eval.points import generate
@@ -305,6 +306,7 @@ class HeldOut:
     cnn: dict | None
     fid: InceptionFID | None
     weights: str | None
+    trained_on: bool = False  # the test split is the one the run trained on (data.split=test)
 
 
 def held_out(cfg: dict, split: str = "test", n: int | None = None) -> HeldOut:
@@ -329,7 +331,8 @@ def held_out(cfg: dict, split: str = "test", n: int | None = None) -> HeldOut:
     weights = cfg["eval"]["inception_weights"]
     real_stats = class_stats(clf, real) if clf is not None else None
     return HeldOut(target.name, split, n, n_test, class_n, real, clf, real_stats, cnn,
-                   InceptionFID(real, weights) if weights else None, weights)
+                   InceptionFID(real, weights) if weights else None, weights, trains_on_test(target, split))
+
 
 
 def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_list=None, split: str = "test",
@@ -381,8 +384,9 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
         rows.append(row)
     protocol = {
         "n": n, "class_n": class_n if clf is not None else None, "seeds": seeds,
-        "reference": f"{ref.name} {'held-out' if ref.split == 'test' else 'validation'} split "
-                     f"({n} of {ref.n_test} images, fixed subset)",
+        "reference": (f"{ref.name} test split, the images this run trained on (data.split=test)" if ref.trained_on
+                      else f"{ref.name} {'held-out' if ref.split == 'test' else 'validation'} split")
+                     + f" ({n} of {ref.n_test} images, fixed subset)",
         "w2": "exact W2, POT emd2, squared Euclidean cost on flattened pixels (data in [-1,1]; generated samples "
               + ("clamped to [-1,1] by the flow's sampler)" if methods.of(cfg).clamps_samples else
                  "as sampled, not clamped)"),

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from sinkflow import data
+from sinkflow.data.images import trains_on_test
 from sinkflow.errors import SinkflowError
 from sinkflow.flows import bits_per_dim, dequantize, flow_loss, postprocess, preprocess
 from sinkflow.methods.base import Method, TrainingStep
@@ -249,7 +250,8 @@ def test_bpd(run, n: int | None = None, seeds: int | None = None, batch: int | N
     values = _bpd_of(model, images, n_bins, seeds, batch)
     return {"bpd": statistics.fmean(values), "bpd_std": statistics.stdev(values) if seeds > 1 else 0.0,
             "bpd_all": values, "n": len(images), "seeds": seeds, "n_bins": n_bins, "target": target.name,
-            "split": split}
+            "split": split,
+            "trained_on": trains_on_test(target, split)}  # data.split=test: the test images are training images
 
 
 def bpd_over_draws(r: dict) -> str:
@@ -345,7 +347,9 @@ class NormalizingFlow(Method):
             r = test_bpd(run, n=n, seeds=seeds)  # its n and seeds are the image metrics' (the record's setting)
             bpd.update(test_bpd=r["bpd"], test_bpd_std=r["bpd_std"])
             lines.append(f"Test bits/dim on {run.cfg['experiment']['preset']} (flow): {bpd_over_draws(r)}, "
-                         f"{r['n']} held-out {r['target']} images, {r['n_bins']} pixel levels")
+                         f"{r['n']} {'test' if r['trained_on'] else 'held-out'} {r['target']} images, "
+                         f"{r['n_bins']} pixel levels"
+                         + ("; the split it trained on (data.split=test)" if r["trained_on"] else ""))
             for name, value in PUBLISHED_BPD.get(r["target"], []) if r["n_bins"] == 256 else []:
                 lines.append(f"  published, for context: {name}: {value:.2f}")
         metrics = ev.image_metrics(run, seeds=seeds, n=n, steps_list=self.eval_steps(run.cfg), split=split)
