@@ -173,6 +173,19 @@ def test_the_report_figures_are_drawn_by_the_runs_own_sampler(tiny_run, tmp_path
     assert titles == [("moons (nsgf, 7 network evaluations)", 32), ("moons (nsgf, 7 network evaluations)", 8)]
 
 
+def test_one_dimensional_paths_are_drawn_against_the_sampling_step_not_a_made_up_time(tmp_path, monkeypatch):
+    """trajectories.png of (N, 1) points spaced every state evenly on an axis labelled "flow time" from 0 to 1,
+    which a warped grid (sample.time_warp), NSGF's flow time (sum of eta) and NSGF++'s NSGF steps then straight
+    flow from t_hat are not: the axis is the sampling step, 0 (source) to K (generated)."""
+    from sinkflow.eval import plots
+
+    seen = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, ax, title, path, **kw: seen.update(
+        label=ax.get_xlabel(), ends=[c.get_offsets()[0, 0] for c in ax.collections]) or plots.plt.close(fig) or path)
+    plots.trajectories(torch.randn(6, 4, 1), tmp_path / "t.png")
+    assert seen == {"label": "sampling step", "ends": [0.0, 5.0]}
+
+
 def test_a_quick_eval_names_and_records_its_sample_count_and_seeds(tiny_run, tmp_path, capsys):
     """`sinkflow eval --n 64 --seeds 1` printed the run's header and "+- 0.000", and recorded its scores under the
     keys and step of the run's own evaluation: `status` then showed the quick look as the run's scores."""

@@ -35,15 +35,17 @@ def scatter_samples(generated: torch.Tensor, target: torch.Tensor | None, path: 
 
 def trajectories(path_states: torch.Tensor, path: Path, title: str = "", n_paths: int = 256) -> Path:
     """``path_states``: (steps+1, N, *shape). Source in black, paths in grey, end points in orange: in the plane of
-    the first two coordinates, or against time for one-dimensional points."""
+    the first two coordinates, or against the sampling step for one-dimensional points (the states' index: it was
+    drawn as "flow time" 0..1, which a warped grid (sample.time_warp), NSGF's flow time (nsgf.time=flow, sum of
+    eta) and NSGF++'s NSGF steps then straight flow from t_hat are not)."""
     p = path_states[:, :n_paths].reshape(path_states.shape[0], min(n_paths, path_states.shape[1]), -1)
     fig, ax = plt.subplots(figsize=(5, 5))
     if p.shape[2] == 1:
-        t = torch.linspace(0, 1, p.shape[0])
-        ax.plot(t, p[:, :, 0], c="grey", alpha=0.3, lw=0.5)
+        k = torch.arange(p.shape[0])
+        ax.plot(k, p[:, :, 0], c="grey", alpha=0.3, lw=0.5)
         ax.scatter(torch.zeros(p.shape[1]), p[0, :, 0], s=4, c="black", label="source")
-        ax.scatter(torch.ones(p.shape[1]), p[-1, :, 0], s=4, c="tab:orange", label="generated")
-        ax.set_xlabel("flow time")
+        ax.scatter(torch.full((p.shape[1],), p.shape[0] - 1), p[-1, :, 0], s=4, c="tab:orange", label="generated")
+        ax.set_xlabel("sampling step")
         return _save(fig, ax, title, path, markerscale=3, equal=False)
     ax.plot(p[:, :, 0], p[:, :, 1], c="grey", alpha=0.3, lw=0.5)
     ax.scatter(p[0, :, 0], p[0, :, 1], s=4, c="black", label="source")
