@@ -750,7 +750,7 @@ def test_the_grid_and_strip_are_titled_with_the_data_they_show(tmp_path, monkeyp
     path = [torch.zeros(2, 1, 28, 28)] * 3
     monkeypatch.setattr(images, "generate", lambda run, n, steps, seed, record: (path[-1], {"nfe": 9, "path": path}))
     monkeypatch.setattr(images, "save_grid", lambda x, out: out)
-    monkeypatch.setattr(images, "trajectory_strip", lambda p, out, k, t, title: titles.append(title) or out)
+    monkeypatch.setattr(images, "trajectory_strip", lambda p, out, k, t, title, **kw: titles.append(title) or out)
     for target, title in (("mnist", "mnist (preset digits) (nsgfpp, NFE 9)"), ("digits", "digits (nsgfpp, NFE 9)")):
         cfg = config.resolve("digits", [f"data.target={target}"], {})
         images.plots(types.SimpleNamespace(cfg=cfg, dir=tmp_path))
@@ -775,3 +775,23 @@ def test_scores_on_the_split_a_run_trained_on_are_not_called_held_out(tmp_path, 
         result = images.image_metrics(types.SimpleNamespace(cfg=cfg), seeds=1)
         assert result["protocol"]["reference"] == f"{words} (4 of 6 images, fixed subset)"
         assert f"4 generated vs {words}" in images.format_metrics(result)
+
+
+def test_the_strip_titles_each_state_where_the_warped_grid_put_it(tmp_path, monkeypatch):
+    """An OT-CFM / FM run sampling on a warped Euler grid (sample.time_warp=0.5, what `sinkflow tune` chooses) had
+    its trajectory strip's columns titled t = i/K, the uniform grid's: state 1 of 10 is at 1 - 0.9^0.5 = 0.05."""
+    import types
+
+    from sinkflow import config
+    from sinkflow.eval import images, plots
+
+    path = [torch.zeros(2, 1, 8, 8)] * 11
+    monkeypatch.setattr(images, "generate", lambda run, n, steps, seed, record: (path[-1], {"nfe": 10, "path": path}))
+    monkeypatch.setattr(images, "save_grid", lambda x, out: out)
+    seen = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, out, **kw: seen.append(
+        [ax.get_title() for ax in fig.axes[:8]]) or plots.plt.close(fig) or out)
+    cfg = config.resolve("digits", ["sample.time_warp=0.5"], {"method": "otcfm"})
+    images.plots(types.SimpleNamespace(cfg=cfg, dir=tmp_path))
+    assert seen == [["t=0.00", "t=0.05", "t=0.16", "t=0.23", "t=0.37", "t=0.45", "t=0.68", "t=1.00"]]
+

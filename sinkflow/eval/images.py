@@ -135,25 +135,30 @@ def save_image_folder(x: torch.Tensor, folder, progress: bool = True) -> Path:
     return folder
 
 
-def _pick_states(path: list, nsgf_steps: int | None, cols: int = 8) -> tuple[list[int], list[str]]:
-    """Which recorded states the strip shows, and their column titles."""
+def _pick_states(path: list, nsgf_steps: int | None, cols: int = 8, warp: float = 1.0) -> tuple[list[int], list[str]]:
+    """Which recorded states the strip shows, and their column titles: NSGF++'s parts, or how far along the
+    sampling grid each state is (``warp``: the run's sample.time_warp, whose grid is not uniform: a state titled
+    t=i/K was at 1 - (1 - i/K)^warp)."""
+    from sinkflow.methods.ode import warped_fractions
+
     last = len(path) - 1
     if nsgf_steps is not None:  # NSGF++: x0, every NSGF step, the NSF result
         idx = list(range(nsgf_steps + 1)) + [last]
         return idx, ["noise"] + [f"NSGF {k}" for k in range(1, nsgf_steps + 1)] + ["NSF result"]
     idx = sorted({round(i * last / (cols - 1)) for i in range(cols)})
-    return idx, [f"t={i / last:.2f}" for i in idx]
+    grid = warped_fractions(last, warp) if last else [0.0]
+    return idx, [f"t={grid[i]:.2f}" for i in idx]
 
 
 def trajectory_strip(path: list, out, nsgf_steps: int | None = None, t_hat: torch.Tensor | None = None,
-                     rows: int = 6, title: str = "") -> Path:
+                     rows: int = 6, title: str = "", warp: float = 1.0) -> Path:
     """One row per sample, one column per shown state; NSGF++ writes t_hat on the last NSGF column."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    idx, names = _pick_states(path, nsgf_steps)
+    idx, names = _pick_states(path, nsgf_steps, warp=warp)
     rows = min(rows, path[0].shape[0])
     fig, axes = plt.subplots(rows, len(idx), figsize=(1.3 * len(idx), 1.3 * rows + 0.5), squeeze=False)
     for r in range(rows):
@@ -186,7 +191,7 @@ def plots(run, n: int = 64) -> list[Path]:
     grid = save_grid(x, run.dir / "grid.png")
     title = f"{data_label(cfg['data']['target'], cfg['experiment']['preset'])} ({method.name}, NFE {info['nfe']})"
     strip = trajectory_strip(info["path"], run.dir / "trajectory_strip.png", info.get("nsgf_steps"),
-                             info.get("t_hat"), title=title)
+                             info.get("t_hat"), title=title, warp=float(cfg["sample"].get("time_warp", 1.0)))
     return [grid, strip]
 
 
