@@ -234,3 +234,16 @@ def test_doctor_catches_a_logdet_sign_error(monkeypatch):
     assert f.ok is False and "slogdet" in f.symptom
     f = doctor.overfit_one_batch_bpd(overfit_step(model, levels), DIGITS_BPD, steps=OVERFIT_STEPS)
     assert f.ok is False and "not normalised" in f.cause, f.line()
+
+
+def test_published_bits_per_dim_only_beside_the_images_they_were_measured_on():
+    """flow-cifar10 at data.image_size=16 (or data.channels=1) printed Glow's 3.35 "for context" beside its own
+    bits/dim, which depends on the resolution and channels: the published numbers are for 256 levels at the set's
+    own shape only."""
+    from sinkflow.methods.normalizing_flow import published_bpd
+
+    assert [v for _, v in published_bpd("cifar10", 256, (3, 32, 32))] == [3.49, 3.35]
+    assert [v for _, v in published_bpd("mnist", 256, (1, 28, 28))] == [1.06, 1.05]
+    for target, bins, shape in (("cifar10", 256, (3, 16, 16)), ("cifar10", 256, (1, 32, 32)),
+                                ("cifar10", 32, (3, 32, 32)), ("mnist", 256, (1, 32, 32)), ("digits", 256, (1, 8, 8))):
+        assert published_bpd(target, bins, shape) == [], (target, bins, shape)
