@@ -165,12 +165,23 @@ def test_the_paper_column_stands_only_beside_a_w2_on_the_papers_1024_points(tiny
     small = w2_table(run, n=64, seeds=1, steps_list=[10])
     assert small[0]["paper"] is None
     text = format_table(small, "nsgf", "moons", "NSGF")
-    assert "0.077" not in text and f"no paper NSGF column: its W2 is on {PAPER_N} test points and this one on 64" \
-        in text
+    assert "0.077" not in text and f"no paper NSGF column: its W2 is on {PAPER_N} test points, QMC source draws; " \
+        "this one is on 64, larger for the sample size alone" in text
     full = w2_table(run, n=PAPER_N, seeds=1, steps_list=[10])
     assert full[0]["paper"] == 0.077
     text = format_table(full, "nsgf", "moons", "NSGF")
     assert "paper NSGF" in text and "0.077" in text and "no paper" not in text
+
+
+def test_the_paper_column_is_left_out_under_the_iid_protocol(tiny_run):
+    """eval.protocol=iid scores i.i.d. source draws against an i.i.d. test draw, whose floor (moons 0.218 at 1024
+    points, docs/data.md) is above every paper number: its W2 stood beside the paper's 0.077 all the same."""
+    from sinkflow.eval.points import PAPER_N, format_table, w2_table
+
+    rows = w2_table(sinkflow.open_run(tiny_run)._run, n=PAPER_N, seeds=1, steps_list=[10], protocol="iid")
+    assert rows[0]["paper"] is None
+    text = format_table(rows, "nsgf", "moons", "NSGF", "iid")
+    assert "0.077" not in text and "this one is under eval.protocol=iid" in text
 
 
 def test_paper_numbers_belong_to_the_method_and_a_task_without_them_reports_none(monkeypatch):
