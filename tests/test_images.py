@@ -554,6 +554,24 @@ def test_classifier_cache_is_arrays_never_unpickled(tmp_path):
     np.testing.assert_allclose(refit.predict_proba(x.numpy()), clf.predict_proba(x.numpy()), rtol=1e-5)
 
 
+def test_classifier_cache_is_not_reused_for_other_images_of_the_same_size(tmp_path):
+    """The classifier's cache was keyed on the data's name, shape and image count: other digits of the same size in
+    the same data.root (a data set replaced, a label fixed) were scored by the classifier fitted on the old ones."""
+    import copy
+
+    from sinkflow import data
+    from sinkflow.eval.images import digit_classifier
+
+    target = data.build_distribution("digits", data_cfg={"root": str(tmp_path)})
+    digit_classifier(target, str(tmp_path))
+    other = copy.copy(target)
+    other.labels = (np.asarray(target.labels) + 1) % 10  # the same images, every label moved
+    x = np.asarray(target.test_images[:50], dtype=np.float32).reshape(50, -1) * (2 / 255) - 1
+    refit = digit_classifier(other, str(tmp_path))
+    assert (refit.predict(x) == (np.asarray(target.test_labels[:50]) + 1) % 10).mean() > 0.8
+    assert len(list((tmp_path / "cache").glob("classifier-digits-*"))) == 2
+
+
 @pytest.mark.slow
 def test_fd_cnn_on_the_real_digits(tmp_path):
     """On the real t10k split: the classifier is accurate on the held-out digits, and FD-CNN tells real digits

@@ -205,14 +205,18 @@ def _flat(x) -> np.ndarray:
 def digit_classifier(target, data_root: str):
     """LogisticRegression on the training split (pixels in [-1, 1]), fitted once. The cache under
     ``<data.root>/cache`` holds only its arrays (.npz read with ``allow_pickle=False``): a cache file is never
-    unpickled, so a planted one cannot run code."""
+    unpickled, so a planted one cannot run code. Its name holds a hash of the data (``fd_cnn.data_key``, as the
+    FD-CNN's cache): keyed on the name, shape and count alone, other images of the same size in the same data.root
+    were scored by a classifier fitted on the old ones (audit HH)."""
     from sklearn.linear_model import LogisticRegression
+
+    from sinkflow.eval.fd_cnn import data_key
 
     name = getattr(target, "name", "")
     if name not in CLASSIFIER_SETS or getattr(target, "labels", None) is None:
         return None
     shape = "x".join(str(s) for s in target.shape)
-    path = Path(data_root) / "cache" / f"classifier-{name}-{shape}-n{len(target.images)}.npz"
+    path = Path(data_root) / "cache" / f"classifier-{name}-{shape}-n{len(target.images)}-{data_key(target)[:16]}.npz"
     clf = LogisticRegression(max_iter=1000, C=0.5)
     if path.is_file():
         try:
