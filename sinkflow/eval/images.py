@@ -343,7 +343,6 @@ def held_out(cfg: dict, split: str = "test", n: int | None = None) -> HeldOut:
                    InceptionFID(real, weights) if weights else None, weights, trains_on_test(target, split))
 
 
-
 def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_list=None, split: str = "test",
                   reference: HeldOut | None = None, per_seed: bool = False) -> dict:
     """Metrics for each sampling setting, mean/std over seeds; plus the protocol used. ``split="val"`` scores
