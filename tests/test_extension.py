@@ -301,3 +301,21 @@ def test_stop_ends_a_phase_before_its_step_writing_nothing(runs_dir):
     trainer = ready_trainer(run, phase)
     assert trainer.stopped and trainer.step == 0 and trainer.batch is not None
     assert not (run.dir / "checkpoints" / "velocity" / "final.pt").exists()
+
+
+def test_a_callbacks_stop_inside_a_run_stops_the_run_not_marks_it_finished(runs_dir):
+    """trainer.stop() writes nothing: run_phases went on to the next phase (or the report) and status.json said
+    finished, with no final.pt (status: INCOMPLETE)."""
+    from sinkflow.engine.experiment import train_run
+
+    class StopAt3(Callback):
+        def on_train_batch_end(self, trainer, batch, outputs):
+            if trainer.step == 3:
+                trainer.stop()
+
+    cfg = config.resolve("moons", ["experiment.name=halt"], {"method": "fm", "train_iters": 6, "batch_size": 8,
+                                                             "device": "cpu"})
+    with pytest.raises(SinkflowError, match=r"ended phase 'velocity' at step 3 with trainer.stop\(\).*request_stop"):
+        train_run(cfg, callbacks=[StopAt3()])
+    status = json.loads((runs_dir / "halt" / "status.json").read_text())
+    assert status["state"] == "failed" and not (runs_dir / "halt" / "checkpoints" / "velocity" / "final.pt").exists()

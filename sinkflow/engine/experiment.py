@@ -57,6 +57,12 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
             try:
                 trainer = Trainer(run, task, callbacks)
                 trainer.fit()
+                if trainer.stopped:  # a callback's trainer.stop(): no final.pt, so neither a later phase (which may
+                    # read this one's output) nor "finished" in status.json: the run went on and said FINISHED
+                    raise SinkflowError(f"a callback ended phase '{task.name}' at step {trainer.progress} with "
+                                        "trainer.stop(), which writes nothing: the phase is not finished",
+                                        "call trainer.request_stop() to stop with a checkpoint to resume from "
+                                        "(sinkflow train --resume RUN)")
             except Interrupted as exc:  # `sinkflow status` says STOPPED (checkpoint saved), not DEAD
                 run.logger.heartbeat(phase=exc.phase, step=exc.step, state="stopped", signal=exc.signum,
                                      **batch_fields(exc.done, exc.of), **phase_total(trainer))

@@ -22,7 +22,8 @@ A callback with state to keep across a resume returns it from ``state_dict()`` (
 goes into every step checkpoint under ``callbacks[state_key]``) and gets it back in ``load_state_dict``,
 before ``on_load_checkpoint``. To end a phase, a callback calls ``trainer.request_stop()`` (checkpoint, then
 ``Interrupted``, as on SIGTERM) or ``trainer.stop()`` (the loop ends after the current hook, nothing is written,
-``fit()`` returns with ``trainer.stopped`` set); it never raises to stop the loop nor sets another object's
+``fit()`` returns with ``trainer.stopped`` set: for a tool's own ``Trainer``; in a run, ``run_phases`` then stops
+with a one-line error, as the phase has no ``final.pt``); it never raises to stop the loop nor sets another object's
 attributes.
 
 This module is a leaf (torch and tqdm only): methods subclass ``Callback`` without importing the engine.
