@@ -100,6 +100,23 @@ def test_a_new_method_is_its_file_plus_one_registry_entry(icfm, runs_dir, capsys
     assert "icfm" not in schema.METHODS or schema.METHOD_REGISTRY["icfm"] is ICFM_SPEC
 
 
+def test_a_method_named_other_than_its_registry_key_is_one_line(monkeypatch, capsys):
+    """Method.name is how callers find its phases and reads (schema.METHOD_PHASES[method.name]): a new method that
+    forgot it (the base's "") or spelled it otherwise stopped `sinkflow train` with a KeyError traceback."""
+    module = types.ModuleType("sinkflow_toy.unnamed")
+    module.METHOD = type("Unnamed", (ICFM,), {"name": ""})()
+    monkeypatch.setitem(sys.modules, "sinkflow_toy.unnamed", module)
+    schema.register_method("unnamed", schema.MethodSpec("sinkflow_toy.unnamed:METHOD", ("velocity",), schema.EULER_READS))
+    try:
+        with pytest.raises(SinkflowError, match="named '', not its registry key 'unnamed'.*name = 'unnamed'"):
+            sinkflow.get_method("unnamed")
+        assert main(["train", "moons", "--method", "unnamed", *TINY_FM]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "named '', not its registry key 'unnamed'" in err[0]
+    finally:
+        schema.unregister_method("unnamed")
+
+
 def test_a_new_network_is_its_file_plus_one_schema_entry(monkeypatch):
     """One entry in MODEL_KINDS (with its role): every phase of that role offers it; build_model finds the file."""
     module = types.ModuleType("sinkflow.models.tinynet")

@@ -35,8 +35,13 @@ def get(method: str) -> Method:
     """The registered ``Method`` called ``method``."""
     if method not in schema.METHOD_REGISTRY:
         raise SinkflowError(f"unknown method '{method}'", f"choose one of {', '.join(schema.METHOD_REGISTRY)}")
-    module, attr = schema.METHOD_REGISTRY[method].where.split(":")
-    return getattr(importlib.import_module(module if "." in module else f"sinkflow.methods.{module}"), attr)
+    where = schema.METHOD_REGISTRY[method].where
+    module, attr = where.split(":")
+    instance = getattr(importlib.import_module(module if "." in module else f"sinkflow.methods.{module}"), attr)
+    if instance.name != method:  # callers look its keys and phases up by ``name``: a KeyError traceback mid-run
+        raise SinkflowError(f"the Method at {where} is named {instance.name!r}, not its registry key {method!r}",
+                            f"set name = {method!r} on it (Method.name is its key in config.schema.METHOD_REGISTRY)")
+    return instance
 
 
 def of(cfg: dict) -> Method:
