@@ -113,6 +113,12 @@ def test_a_method_named_other_than_its_registry_key_is_one_line(monkeypatch, cap
         assert main(["train", "moons", "--method", "unnamed", *TINY_FM]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "named '', not its registry key 'unnamed'" in err[0]
+        # a typo in the entry's "module:attribute" is one line too, not importlib's traceback
+        for where, missing in [("sinkflow_toy.unamed:METHOD", "no module sinkflow_toy.unamed"),
+                               ("sinkflow_toy.unnamed:METHD", "no METHD in sinkflow_toy.unnamed")]:
+            schema.register_method("unnamed", schema.MethodSpec(where, ("velocity",)))
+            with pytest.raises(SinkflowError, match=f"names '{where}', but there is {missing}"):
+                sinkflow.get_method("unnamed")
     finally:
         schema.unregister_method("unnamed")
 

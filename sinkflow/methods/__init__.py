@@ -36,8 +36,16 @@ def get(method: str) -> Method:
     if method not in schema.METHOD_REGISTRY:
         raise SinkflowError(f"unknown method '{method}'", f"choose one of {', '.join(schema.METHOD_REGISTRY)}")
     where = schema.METHOD_REGISTRY[method].where
-    module, attr = where.split(":")
-    instance = getattr(importlib.import_module(module if "." in module else f"sinkflow.methods.{module}"), attr)
+    module, _, attr = where.partition(":")
+    module = module if "." in module else f"sinkflow.methods.{module}"
+    try:
+        instance = getattr(importlib.import_module(module), attr)
+    except (ModuleNotFoundError, AttributeError) as exc:  # the entry's own typo, not an import inside the file
+        if isinstance(exc, ModuleNotFoundError) and not (exc.name and f"{module}.".startswith(f"{exc.name}.")):
+            raise
+        raise SinkflowError(f"method '{method}': its METHOD_REGISTRY entry names {where!r}, but there is no "
+                            f"{'module ' + module if isinstance(exc, ModuleNotFoundError) else attr + ' in ' + module}",
+                            "give MethodSpec the 'module:attribute' of its Method instance") from None
     if instance.name != method:  # callers look its keys and phases up by ``name``: a KeyError traceback mid-run
         raise SinkflowError(f"the Method at {where} is named {instance.name!r}, not its registry key {method!r}",
                             f"set name = {method!r} on it (Method.name is its key in config.schema.METHOD_REGISTRY)")
