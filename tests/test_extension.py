@@ -123,6 +123,33 @@ def test_a_method_named_other_than_its_registry_key_is_one_line(monkeypatch, cap
         schema.unregister_method("unnamed")
 
 
+def test_phases_named_otherwise_than_the_registry_entry_are_one_line(monkeypatch, capsys):
+    """A method's tasks must carry the names its MethodSpec declares (the train / model sections, checkpoints,
+    status and the memory plan follow them): one named otherwise was a KeyError traceback in the Trainer, and in
+    preflight's length check."""
+    class Misnamed(ICFM):
+        def phases(self, cfg, source, target):
+            step = ICFMStep(source, target, 0.0)
+            step.name = step.model_key = "vel"
+            return [step]
+
+    module = types.ModuleType("sinkflow_toy.misnamed")
+    module.METHOD = type("M", (Misnamed,), {"name": "misnamed"})()
+    monkeypatch.setitem(sys.modules, "sinkflow_toy.misnamed", module)
+    schema.register_method("misnamed", schema.MethodSpec("sinkflow_toy.misnamed:METHOD", ("velocity",),
+                                                         schema.EULER_READS))
+    try:
+        cfg = config.resolve("moons", [], {"method": "misnamed"})
+        with pytest.raises(SinkflowError, match=r"built the phases \(vel\), but its METHOD_REGISTRY entry declares "
+                                                r"\(velocity\)"):
+            sinkflow.methods.phases(cfg, *sinkflow.methods.distributions(cfg))
+        assert main(["preflight", "moons", "--method", "misnamed"]) == 1
+        assert "FAIL  config  phases build             method 'misnamed' built the phases (vel)" in \
+            capsys.readouterr().out
+    finally:
+        schema.unregister_method("misnamed")
+
+
 def test_a_new_network_is_its_file_plus_one_schema_entry(monkeypatch):
     """One entry in MODEL_KINDS (with its role): every phase of that role offers it; build_model finds the file."""
     module = types.ModuleType("sinkflow.models.tinynet")

@@ -241,7 +241,7 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
             dist.on_main(lambda: data.distributions(cfg))
         source, target = data.distributions(cfg)
         method = methods.of(cfg)
-        phases = method.phases(cfg, source, target)
+        phases = methods.phases(cfg, source, target)
         if resume is not None:
             dist.on_every(lambda: (verify(run, phases),  # finished phases' final.pt and the newest step checkpoint
                                    check_split(run, source, target),  # (safe, this run's), the data's hashes

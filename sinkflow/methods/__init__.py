@@ -16,7 +16,7 @@ from sinkflow.data import _distributions, distributions, sample_shape
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import ChunkedTask, Method, Task, TrainingStep
 
-__all__ = ["REGISTRY", "get", "of", "Method", "Task", "TrainingStep", "ChunkedTask",
+__all__ = ["REGISTRY", "get", "of", "phases", "Method", "Task", "TrainingStep", "ChunkedTask",
            "distributions", "sample_shape", "_distributions"]
 
 # Declared once, with each method's phases and keys, in sinkflow.config.schema.METHOD_REGISTRY: name ->
@@ -55,3 +55,23 @@ def get(method: str) -> Method:
 def of(cfg: dict) -> Method:
     """The method a config trains (``experiment.method``)."""
     return get(cfg["experiment"]["method"])
+
+
+def phases(cfg: dict, source, target) -> list[Task]:
+    """``of(cfg).phases(cfg, source, target)``, checked against the method's ``MethodSpec.phases``: the config's
+    ``model.<phase>`` / ``train.<phase>`` sections, checkpoints, status and the memory plan follow the declared
+    names, so a task named otherwise (or a training step whose ``model_key`` has no section) is refused here in one
+    line, not as a KeyError traceback inside the Trainer or preflight."""
+    method = of(cfg)
+    tasks = method.phases(cfg, source, target)
+    built, declared = tuple(t.name for t in tasks), schema.METHOD_PHASES[method.name]
+    if built != declared:
+        raise SinkflowError(f"method '{method.name}' built the phases ({', '.join(built)}), but its METHOD_REGISTRY "
+                            f"entry declares ({', '.join(declared)})",
+                            "name its tasks as MethodSpec.phases does, in the same order")
+    for t in tasks:
+        key = getattr(t, "model_key", None)
+        if key is not None and key not in cfg["train"]:
+            raise SinkflowError(f"method '{method.name}': phase '{t.name}' trains model_key '{key}', which has no "
+                                "train / model section", "use a phase name of its MethodSpec (phases or new_phases)")
+    return tasks

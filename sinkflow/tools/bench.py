@@ -87,7 +87,7 @@ def run_cut(cfg: dict, total: int, callbacks: list, log_every: int | None = None
         run = RunFolder.create(cfg)
         source, target = data.distributions(cfg)
         with quiet(chatter=False):  # a phase cut to a few steps has not learned: not news about the user's config
-            run_phases(run, methods.of(cfg).phases(cfg, source, target), callbacks=callbacks)
+            run_phases(run, methods.phases(cfg, source, target), callbacks=callbacks)
         run.logger.close()
 
 

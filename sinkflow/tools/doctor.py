@@ -738,7 +738,7 @@ def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = OVE
 
             final_run = RunFolder.create(config_mod.apply_overrides(cfg, tiny))
             source, target = data.distributions(final_run.cfg)
-            run_phases(final_run, methods.of(final_run.cfg).phases(final_run.cfg, source, target))
+            run_phases(final_run, methods.phases(final_run.cfg, source, target))
     unfinished = [] if final_run is None else [n for n in train_phase_names(final_run.cfg)
                                                if not final_run.phase_done(n)]
     if final_run is not None and not unfinished:

@@ -220,7 +220,7 @@ def estimate(cfg: dict, world: int = 1, bf16: bool = False) -> list[PhaseMemory]
     with real_or_synthetic(cfg):
         source, target = data.distributions(cfg)
         shape = tuple(target.shape)
-        phases = methods.of(cfg).phases(cfg, source, target)
+        phases = methods.phases(cfg, source, target)
         out: list[PhaseMemory] = []
         models = {}
         for ph in phases:

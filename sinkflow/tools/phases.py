@@ -62,7 +62,7 @@ def ready_trainer(run, task):
 
 def _phases(cfg: dict) -> list:
     source, target = data.distributions(cfg)
-    return methods.of(cfg).phases(cfg, source, target)
+    return methods.phases(cfg, source, target)
 
 
 def train_phase_names(cfg: dict) -> list[str]:

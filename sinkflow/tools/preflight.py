@@ -351,7 +351,7 @@ def run_tiny(report: Report, real: dict, workdir: Path) -> None:
     method = methods.of(tiny)
 
     def build():
-        return method.phases(tiny, source, target)
+        return methods.phases(tiny, source, target)
 
     phases = build()
     failed = None
@@ -439,7 +439,7 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
         try:
             check_run(real, machine=False)  # what `sinkflow train` refuses before its folder exists
             source, target = data.distributions(real)
-            phases = methods.of(real).phases(real, source, target)
+            phases = methods.phases(real, source, target)
         except Exception as exc:
             report.add("phases build", "config", False, _short(exc))
             return report
