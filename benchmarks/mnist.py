@@ -59,7 +59,7 @@ from _args import checked_device, one_line_errors, positive_int  # noqa: E402
 BASELINES = ("otcfm", "fm")
 LABEL = {"nsgfpp": "NSGF++", "otcfm": "OT-CFM", "fm": "FM"}
 # NSGF++'s t̂ shifts and a baseline's Euler-grid warps tried on validation: `sinkflow tune`'s candidates
-# (sinkflow/tools/tune.py says why each is there)
+# (the comments beside them in sinkflow/methods/nsgfpp.py and methods/base.py say why each is there)
 PAPER_NSGFPP = "NSGF++ (t̂ as predicted)"  # NSGF++ with the paper's t̂ (its k still chosen on validation)
 ROWS = ("NSGF++", PAPER_NSGFPP, "OT-CFM (warped)", "OT-CFM", "FM (warped)", "FM")
 # (ours, theirs, what): every sampler chosen on validation, and the paper's samplers

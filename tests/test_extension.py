@@ -100,6 +100,20 @@ def test_a_new_method_is_its_file_plus_one_registry_entry(icfm, runs_dir, capsys
     assert "icfm" not in schema.METHODS or schema.METHOD_REGISTRY["icfm"] is ICFM_SPEC
 
 
+def test_a_new_euler_method_is_tunable_without_naming_it(icfm):
+    """`sinkflow tune` asks the method for its sampler's knobs: a new method that reads sample.steps and
+    sample.time_warp gets the Euler grid's candidates and the report's hint (tools/tune.py listed four methods by
+    name and refused any other: "sinkflow tune chooses the sampler of nsgfpp, fm, otcfm, flow runs")."""
+    from sinkflow.tools import tune
+
+    cfg = config.resolve("digits", ["data.val_fraction=0.1", "sample.steps=7"], {"method": "icfm", "device": "cpu"})
+    assert tune.candidates(cfg, 5) == [{"steps": 5, "time_warp": w} for w in tune.WARPS]
+    assert tune.current(cfg) == (7, {"steps": 7, "time_warp": 1.0})
+    assert "sinkflow tune {run} (at its own 7 network evaluations" in tune.hint(cfg)
+    with pytest.raises(SinkflowError, match="this run's method is nsgf"):  # NSGF's sampler follows its pool's grid
+        tune.candidates(config.resolve("moons", [], {"device": "cpu"}), 10)
+
+
 def test_a_method_named_other_than_its_registry_key_is_one_line(monkeypatch, capsys):
     """Method.name is how callers find its phases and reads (schema.METHOD_PHASES[method.name]): a new method that
     forgot it (the base's "") or spelled it otherwise stopped `sinkflow train` with a KeyError traceback."""

@@ -33,7 +33,8 @@ def add_parser(sub):
 
 
 def run(args):
-    from sinkflow import data
+    from sinkflow import data, methods
+    from sinkflow.config import schema
     from sinkflow.data.memory import check_sample_memory
     from sinkflow.errors import SinkflowError
     from sinkflow.eval.report import check_eval_split
@@ -42,7 +43,7 @@ def run(args):
 
     run_ = open_trained(args.run_dir, args.device)
     cfg = run_.cfg
-    key = "sample.t_shift=-0.1" if cfg["experiment"]["method"] == "nsgfpp" else "sample.time_warp=0.5"
+    key = "sample.t_shift=-0.1" if "sample.t_shift" in schema.used(cfg) else "sample.time_warp=0.5"  # its own keys
     check_eval_split(cfg, "val", who="sinkflow tune chooses on the validation split, but",
                      points_fix=f"compare a run of points' samplers on its test points: sinkflow eval RUN {key} "
                                 "(any sample.* key the run reads)")
@@ -69,7 +70,7 @@ def run(args):
         best, value, kept = tune.recommend(scored, own)
         lowest = tune.choose(scored)
         keys = list(scored[0][0])
-        budget = "one pass" if cfg["experiment"]["method"] == "flow" else f"{total} NFE"
+        budget = f"{total} NFE" if methods.of(cfg).takes_steps else "one pass"
         print(f"{cfg['experiment']['method']} samplers at {budget}: {name} of {n} samples x {args.seeds} seed(s) "
               f"against the validation split ({held} images); lower is better")
         print("  " + "  ".join(f"{k:>10}" for k in keys) + f"  {name:>8}")

@@ -257,6 +257,25 @@ class Method:
         """One line: what this method trains and how it samples."""
         return self.name
 
+    # ---- `sinkflow tune`: the sampler's settings it compares (asked of the method, never by its name) ----------
+    def sampler_settings(self, cfg: dict) -> tuple[int, dict]:
+        """(network evaluations, ``sample.*`` settings) of the run's own sampler; default: an Euler sampler's."""
+        s = cfg["sample"]
+        return s["steps"], {"steps": s["steps"], "time_warp": s["time_warp"]}
+
+    def sampler_candidates(self, cfg: dict, total: int) -> list[dict] | None:
+        """The ``sample.*`` settings ``sinkflow tune`` tries at ``total`` network evaluations (a one-line
+        SinkflowError for a budget this sampler cannot spend); None: nothing to choose. Default: the grid warps of
+        ``total`` Euler steps, for a method that reads ``sample.steps`` and ``sample.time_warp``."""
+        reads = METHOD_REGISTRY[self.name].reads
+        if not all(k in reads or "sample" in reads for k in ("sample.steps", "sample.time_warp")):
+            return None
+        return [{"steps": total, "time_warp": w} for w in EULER_WARPS]
+
+
+# sample.time_warp values `sinkflow tune` tries on an Euler grid (1: uniform, the paper's; < 1: short early steps and a
+# long last one)
+EULER_WARPS = (0.35, 0.5, 0.75, 1.0)
 
 # A checkpoint's bytes beyond its tensors' (a torch.save zip): per tensor its zip records, alignment and pickle entry
 # (measured 300-470 B on sinkflow's MLPs and UNets), and per file the RNG, generator, schedule and scaler states

@@ -299,6 +299,10 @@ def select_checkpoint(run, paths, seeds: int | None = None) -> tuple[Path, list[
 
 # ------------------------------------------------------------------------------------------------ method
 
+# sample.temperature values `sinkflow tune` tries (1: the model; Glow's samples are shown at 0.7)
+TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
 class NormalizingFlow(Method):
     """``experiment.method=flow``: one maximum-likelihood phase; sampling is one inverse pass."""
 
@@ -374,6 +378,15 @@ class NormalizingFlow(Method):
         """grid.png: ``n`` samples at ``sample.temperature`` (a flow has no sampling path to draw)."""
         x, _ = ev.generate(run, n, 1, seed=7)
         return [ev.save_grid(x, run.dir / "grid.png")]
+
+    def sampler_settings(self, cfg):
+        return 1, {"temperature": cfg["sample"]["temperature"]}
+
+    def sampler_candidates(self, cfg, total):
+        if total != 1:
+            raise SinkflowError(f"--nfe {total}: a normalizing flow samples in one pass of its inverse",
+                                "leave --nfe out (its candidates are sample.temperature values)")
+        return [{"temperature": t} for t in TEMPERATURES]
 
     def describe(self, cfg: dict) -> str:
         m = cfg["model"]["flow"]

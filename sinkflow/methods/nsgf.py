@@ -232,6 +232,9 @@ class NSGF(Method):
                             cfg["sample"]["time_warp"])
         return x, {"nfe": nfe.count, "path": path}
 
+    def sampler_candidates(self, cfg, total):
+        return None  # `sinkflow tune` chooses no NSGF sampler (its steps follow the pool's grid; NSGF++'s it does)
+
     def describe(self, cfg: dict) -> str:
         pool = cfg["pool"]
         return (f"nsgf: a pool of {pool['batches']} x {pool['batch_size']} Sinkhorn-flow trajectories of "

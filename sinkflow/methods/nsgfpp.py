@@ -328,6 +328,21 @@ def sample_nsgfpp(velocity, predictor, nsf, x0: torch.Tensor, times, etas, nsf_s
                "nsgf_steps": len(etas), "path": path}
 
 
+# sample.t_shift values `sinkflow tune` tries beside k: 0 is the paper's t̂; a velocity network trained briefly leaves
+# states its predictor places late (RESULTS.md "Where the straight flow starts")
+T_SHIFTS = (0.0, -0.1, -0.2, -0.3)
+
+
+def nsgf_splits(total: int) -> list[int]:
+    """NSGF step counts k tried for a total NFE budget: about 1/4 and 1/2 of it, and all but one NSF step (the best
+    on the 8x8 digits, docs/nsgfpp.md); each leaves one predictor call and at least one NSF step (k above
+    pool.steps integrates the pool's span more finely)."""
+    if total < 3:
+        raise SinkflowError(f"an NSGF++ budget of {total} network evaluations leaves no straight-flow step",
+                            "use --nfe 3 or more (k NSGF steps + 1 time prediction + at least 1 NSF step)")
+    return sorted({min(total - 2, max(1, round(total * f))) for f in (0.25, 0.5)} | {total - 2})
+
+
 class NSGFPlusPlus(Method):
     """NSGF++: a <=5-step NSGF, a time predictor, then a Neural Straight Flow (see the module docstring)."""
 
@@ -367,6 +382,23 @@ class NSGFPlusPlus(Method):
         return sample_nsgfpp(nets["velocity"], nets["time"], nets["nsf"], x0, times, etas,
                              int(steps or self.default_steps(cfg)), float(cfg["nsgf"]["nsf_t_min"]), record,
                              float(cfg["sample"].get("t_shift", 0.0)))
+
+    def sampler_settings(self, cfg):
+        s = cfg["sample"]
+        k = s.get("nsgf_steps") or cfg["pool"]["steps"]
+        return k + 1 + s["nsf_steps"], {"nsgf_steps": k, "nsf_steps": s["nsf_steps"], "t_shift": s["t_shift"]}
+
+    def sampler_candidates(self, cfg, total):
+        T = cfg["pool"]["steps"]
+        if cfg["nsgf"]["segment"] > 0:
+            ks = nsgf_splits(total)
+        elif total - 1 - T >= 1:
+            ks = [T]  # a field trained on the grid points only is sampled on them (check_nsgf_steps)
+        else:
+            raise SinkflowError(f"--nfe {total}: this run's NSGF part takes its pool's {T} steps (nsgf.segment=0) "
+                                "plus 1 time prediction, which leaves no straight-flow step",
+                                f"use --nfe {T + 2} or more")
+        return [{"nsgf_steps": k, "nsf_steps": total - 1 - k, "t_shift": s} for k in ks for s in T_SHIFTS]
 
     def describe(self, cfg: dict) -> str:
         k, T = cfg["sample"].get("nsgf_steps") or cfg["pool"]["steps"], cfg["pool"]["steps"]

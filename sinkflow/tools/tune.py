@@ -17,63 +17,29 @@ alone, ``nsgf.segment=0``), the straight flow's ``nsf_steps = NFE - 1 - k`` and 
 
 from __future__ import annotations
 
+from sinkflow import methods
 from sinkflow.errors import SinkflowError
-
-# sample.t_shift values NSGF++'s sampler tries beside k: 0 is the paper's t̂; a velocity network trained briefly
-# leaves states its predictor places late (RESULTS.md "Where the straight flow starts")
-T_SHIFTS = (0.0, -0.1, -0.2, -0.3)
-# sample.time_warp values an Euler grid tries (1: uniform, the paper's; < 1: short early steps and a long last one)
-WARPS = (0.35, 0.5, 0.75, 1.0)
-# sample.temperature values a normalizing flow tries (1: the model; Glow's samples are shown at 0.7)
-TEMPERATURES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-# the methods whose sampler has these knobs
-TUNABLE = ("nsgfpp", "fm", "otcfm", "flow")
-
-
-def nsgf_splits(total: int) -> list[int]:
-    """NSGF step counts k tried for a total NFE budget: about 1/4 and 1/2 of it, and all but one NSF step (the best
-    on the 8x8 digits, docs/nsgfpp.md); each leaves one predictor call and at least one NSF step (k above
-    pool.steps integrates the pool's span more finely)."""
-    if total < 3:
-        raise SinkflowError(f"an NSGF++ budget of {total} network evaluations leaves no straight-flow step",
-                            "use --nfe 3 or more (k NSGF steps + 1 time prediction + at least 1 NSF step)")
-    return sorted({min(total - 2, max(1, round(total * f))) for f in (0.25, 0.5)} | {total - 2})
+# each method's sampler knobs live with it (re-exported: benchmarks and tests read them here)
+from sinkflow.methods.base import EULER_WARPS as WARPS  # noqa: F401
+from sinkflow.methods.normalizing_flow import TEMPERATURES  # noqa: F401
+from sinkflow.methods.nsgfpp import T_SHIFTS, nsgf_splits  # noqa: F401
 
 
 def candidates(cfg: dict, total: int) -> list[dict]:
-    """The ``sample.*`` settings tried at ``total`` network evaluations."""
-    method = cfg["experiment"]["method"]
-    if method == "nsgfpp":
-        T = cfg["pool"]["steps"]
-        if cfg["nsgf"]["segment"] > 0:
-            ks = nsgf_splits(total)
-        elif total - 1 - T >= 1:
-            ks = [T]  # a field trained on the grid points only is sampled on them (check_nsgf_steps)
-        else:
-            raise SinkflowError(f"--nfe {total}: this run's NSGF part takes its pool's {T} steps (nsgf.segment=0) "
-                                "plus 1 time prediction, which leaves no straight-flow step",
-                                f"use --nfe {T + 2} or more")
-        return [{"nsgf_steps": k, "nsf_steps": total - 1 - k, "t_shift": s} for k in ks for s in T_SHIFTS]
-    if method in ("fm", "otcfm"):
-        return [{"steps": total, "time_warp": w} for w in WARPS]
-    if method == "flow":
-        if total != 1:
-            raise SinkflowError(f"--nfe {total}: a normalizing flow samples in one pass of its inverse",
-                                "leave --nfe out (its candidates are sample.temperature values)")
-        return [{"temperature": t} for t in TEMPERATURES]
-    raise SinkflowError(f"sinkflow tune chooses the sampler of {', '.join(TUNABLE)} runs; this run's method is "
-                        f"{method}", "evaluate it with sinkflow eval")
+    """The ``sample.*`` settings tried at ``total`` network evaluations: the method's ``sampler_candidates`` (each
+    method says what its sampler's knobs are; a new Euler method gets the grid's warps without naming it here)."""
+    method = methods.of(cfg)
+    found = method.sampler_candidates(cfg, total)
+    if found is None:
+        raise SinkflowError(f"sinkflow tune chooses a sampler's settings, and this run's method is {method.name}, "
+                            "whose sampler has none to choose (Method.sampler_candidates)",
+                            "evaluate it with sinkflow eval")
+    return found
 
 
 def current(cfg: dict) -> tuple[int, dict]:
     """(total NFE, settings) of the run's own sampler, as its config has it."""
-    s = cfg["sample"]
-    if cfg["experiment"]["method"] == "nsgfpp":
-        k = s.get("nsgf_steps") or cfg["pool"]["steps"]
-        return k + 1 + s["nsf_steps"], {"nsgf_steps": k, "nsf_steps": s["nsf_steps"], "t_shift": s["t_shift"]}
-    if cfg["experiment"]["method"] == "flow":
-        return 1, {"temperature": s["temperature"]}
-    return s["steps"], {"steps": s["steps"], "time_warp": s["time_warp"]}
+    return methods.of(cfg).sampler_settings(cfg)
 
 
 def hint(cfg: dict) -> str | None:
@@ -81,12 +47,16 @@ def hint(cfg: dict) -> str | None:
     (``{run}`` to fill), else None."""
     from sinkflow import data
 
-    if (cfg["experiment"]["method"] not in TUNABLE or cfg["data"]["target"] not in data.IMAGE_SETS
-            or not cfg["data"].get("val_fraction")):
+    if cfg["data"]["target"] not in data.IMAGE_SETS or not cfg["data"].get("val_fraction"):
+        return None
+    try:
+        if methods.of(cfg).sampler_candidates(cfg, current(cfg)[0]) is None:
+            return None
+    except SinkflowError:  # the run's own budget is not one tune can spend
         return None
     if cfg["data"]["target"] not in data.DIGIT_SETS and not cfg["eval"]["inception_weights"]:
         return None  # nothing to score a sampler by (``metric_of`` refuses it): no hint it would refuse
-    if cfg["experiment"]["method"] == "flow":
+    if not methods.of(cfg).takes_steps:  # a flow: one pass, its temperature
         return "its sampling temperature, chosen on the validation split: sinkflow tune {run}"
     return (f"its sampler, chosen on the validation split: sinkflow tune {{run}} (at its own {current(cfg)[0]} network "
             "evaluations; --nfe N ... for other budgets)")
