@@ -114,6 +114,25 @@ def test_a_new_euler_method_is_tunable_without_naming_it(icfm):
         tune.candidates(config.resolve("moons", [], {"device": "cpu"}), 10)
 
 
+def test_bench_advises_a_new_methods_pool_by_its_phases(monkeypatch, runs_dir, capsys):
+    """bench --profile's pool lever followed the method's name (nsgf, nsgfpp): an NSGF variant added as its own
+    method trained the same pool and was not told to hold it in RAM."""
+    from sinkflow.methods.nsgf import NSGF
+
+    module = types.ModuleType("sinkflow_toy.nsgf2")
+    module.METHOD = type("NSGF2", (NSGF,), {"name": "nsgf2"})()
+    monkeypatch.setitem(sys.modules, "sinkflow_toy.nsgf2", module)
+    spec = schema.METHOD_REGISTRY["nsgf"]
+    schema.register_method("nsgf2", schema.MethodSpec("sinkflow_toy.nsgf2:METHOD", spec.phases, spec.reads))
+    try:
+        assert main(["bench", "--profile", "moons", "--method", "nsgf2", "pool.steps=2", "pool.batches=2",
+                     "pool.batch_size=16", "--batch-size", "16", "--steps", "1", "--warmup", "0", "--device",
+                     "cpu"]) == 0
+        assert "set pool.storage=memory" in capsys.readouterr().out
+    finally:
+        schema.unregister_method("nsgf2")
+
+
 def test_a_method_named_other_than_its_registry_key_is_one_line(monkeypatch, capsys):
     """Method.name is how callers find its phases and reads (schema.METHOD_PHASES[method.name]): a new method that
     forgot it (the base's "") or spelled it otherwise stopped `sinkflow train` with a KeyError traceback."""

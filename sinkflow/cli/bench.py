@@ -68,11 +68,11 @@ def run(args):
     print(f"sinkflow bench --profile {name} on {device}: "
           f"data = batch creation + host-to-device copy between steps; compute = forward/backward/optimizer")
     print(format_table(rows))
-    levers = (["set pool.storage=memory (the pool in RAM, not memory-mapped)"] if "pool" in cfg and
-              methods.of(cfg).name in ("nsgf", "nsgfpp") else []) + \
+    phases = schema.METHOD_PHASES[methods.of(cfg).name]  # what the run trains, not the method's name: a new one too
+    levers = (["set pool.storage=memory (the pool in RAM, not memory-mapped)"] if "pool" in phases else []) + \
         (["keep the image cache in RAM"] if cfg["data"]["target"] in IMAGE_TARGETS else []) + \
         ["use fewer but larger batches"]
-    invertible = cfg["model"].get("flow", {}).get("memory") == "invertible" and methods.of(cfg).name == "flow"
+    invertible = "flow" in phases and cfg["model"]["flow"].get("memory") == "invertible"
     # keys a user can paste: `train.*.precision=bf16` was advised, which no override reads (a shorthand does)
     compiles = " ".join(f"{k}=true" for k in schema.used(cfg) if k.startswith("train.") and k.endswith(".compile"))
     half = ("a flow in model.flow.memory=invertible trains in fp32 (its inverse recomputes the activations, which "
