@@ -11,7 +11,8 @@ Order of the hooks in one phase::
     on_load_checkpoint       only when a step checkpoint was resumed, right after it was loaded
     on_phase_start           just before the first unit of work
       on_train_batch_start   per unit (a batch drawn, before the optimizer step; for a chunked task: a round)
-      on_train_batch_end     per unit, after it (trainer.step already counts it)
+      on_train_batch_end     per unit, after it (trainer.step already counts it); outputs: a training step's
+                             (loss, grad_norm), 0-dim device tensors (reading one syncs), a chunked task's items done
       on_log                 on log steps: add entries to the metrics dict before it is written
       on_checkpoint          after a step checkpoint was written (every ckpt_every, and on a stop request)
     on_phase_end             after final.pt was written (not when the phase stopped early)
