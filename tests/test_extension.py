@@ -374,6 +374,23 @@ def test_callback_state_is_checkpointed_and_exceptions_reach_callbacks(runs_dir)
     assert second.seen == 6  # 4 restored from the checkpoint + 2 steps after the resume
 
 
+def test_a_callback_state_a_checkpoint_cannot_load_back_is_refused_when_saved(runs_dir):
+    """A numpy number in a callback's state (np.mean of its losses) was saved in every step checkpoint, and every
+    resume then refused the run's own checkpoints as 'holds objects other than tensors ... could run code'."""
+    from sinkflow.engine.experiment import train_run
+
+    class Best(Counter):
+        def state_dict(self):
+            return {"seen": self.seen, "best": np.float64(0.5)}
+
+    cfg = config.resolve("moons", ["train.velocity.ckpt_every=3", "experiment.name=np"],
+                         {"method": "fm", "train_iters": 6, "batch_size": 8, "device": "cpu"})
+    with pytest.raises(SinkflowError, match=r"callback .*Best's state_dict\(\) holds a numpy.*scalar, which a step "
+                                            r"checkpoint cannot load back.*float\(x\) for a numpy number"):
+        train_run(cfg, callbacks=[Best()])
+    assert not list((runs_dir / "np" / "checkpoints" / "velocity").glob("step_*.pt"))
+
+
 def test_stop_ends_a_phase_before_its_step_writing_nothing(runs_dir):
     from sinkflow.runtime.run_folder import RunFolder
     from sinkflow.tools.phases import ready_trainer

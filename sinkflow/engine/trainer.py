@@ -29,7 +29,7 @@ from sinkflow.methods.base import TrainingStep
 from sinkflow.methods.ode import compile_failure_line, compile_failures
 from sinkflow.runtime import dist
 from sinkflow.runtime.autocast import autocast
-from sinkflow.runtime.callbacks import Callback, ProgressBar
+from sinkflow.runtime.callbacks import Callback, ProgressBar, checkpointable_state
 from sinkflow.runtime.checkpoint import rng_state, set_rng_state
 from sinkflow.engine import fast_path
 from sinkflow.engine.divergence import DivergenceGuard
@@ -224,7 +224,7 @@ class Trainer:
             "generator": self.generator_state(),
             "rng": rng_state(),
             "world_size": self.info.world,
-            "callbacks": {cb.state_key: st for cb in self.callbacks if (st := cb.state_dict())},
+            "callbacks": {cb.state_key: st for cb in self.callbacks if (st := checkpointable_state(cb))},
             "train": dict(self.run.cfg["train"][self.task.model_key]),  # what it trained with (a hand edit is told)
         }
 

@@ -20,14 +20,15 @@ Order of the hooks in one phase::
     teardown                 always, last (also after an exception or a stop)
 
 A callback with state to keep across a resume returns it from ``state_dict()`` (plain values and tensors: it
-goes into every step checkpoint under ``callbacks[state_key]``) and gets it back in ``load_state_dict``,
+goes into every step checkpoint under ``callbacks[state_key]``; anything else, a numpy number included, is refused
+when the checkpoint is written: ``checkpointable_state``) and gets it back in ``load_state_dict``,
 before ``on_load_checkpoint``. To end a phase, a callback calls ``trainer.request_stop()`` (checkpoint, then
 ``Interrupted``, as on SIGTERM) or ``trainer.stop()`` (the loop ends after the current hook, nothing is written,
 ``fit()`` returns with ``trainer.stopped`` set: for a tool's own ``Trainer``; in a run, ``run_phases`` then stops
 with a one-line error, as the phase has no ``final.pt``); it never raises to stop the loop nor sets another object's
 attributes.
 
-This module is a leaf (torch and tqdm only): methods subclass ``Callback`` without importing the engine.
+This module is a leaf (torch, tqdm and sinkflow.errors only): methods subclass ``Callback`` without importing the engine.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from sinkflow.errors import SinkflowError
 from sinkflow.runtime import dist
 
 
@@ -78,6 +80,35 @@ class Callback:
         return {}
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+def checkpointable_state(cb: Callback) -> dict:
+    """``cb.state_dict()``, refused in one line when a step checkpoint could not give it back: resume loads
+    checkpoints with ``torch.load(weights_only=True)``, which rejects a numpy number (``np.mean`` of losses) or any
+    other object; the run saved such a state without a word, and every resume then refused the run's own
+    checkpoints as "holds objects other than tensors ... (loading it could run code)". Checked by the same loader,
+    in memory (a callback's state is small)."""
+    import io
+    import re
+
+    import torch
+
+    state = cb.state_dict()
+    if not state:
+        return state
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception as exc:  # pickle.UnpicklingError: "Weights only load failed ... Unsupported global: ..."
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        raise SinkflowError(f"callback {cb.state_key}'s state_dict() holds {'a ' + found[1] if found else 'an object'}"
+                            ", which a step checkpoint cannot load back (resume reads them with torch.load "
+                            "weights_only=True)",
+                            "keep tensors, Python numbers, strings, lists, tuples and dicts in it (float(x) for a "
+                            "numpy number)") from None
+    return state
 
 
 LEARNING_LOG = "sinkflow.learning"  # warnings that a run did not learn (NSGF++'s time predictor): ``quiet()`` mutes them
