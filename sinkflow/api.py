@@ -186,7 +186,7 @@ class Run:
 
 
 def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", name: str | None = None,
-          device: str = "auto", time_limit: str | float | None = None, **overrides) -> Run:
+          device: str = "auto", time_limit: str | float | None = None, callbacks=(), **overrides) -> Run:
     """Train every phase of ``preset`` exactly as `sinkflow train` does and return the finished ``Run``.
 
     ``overrides``: shorthands (``train_iters=2000``, ``batch_size``, ``lr``, ``seed``, ``method="otcfm"``, every
@@ -195,7 +195,9 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     entry point (``sinkflow.engine.experiment.train_run``), no argument parsing. The run folder is
     ``runs_dir/name`` (default: preset, method and time). ``time_limit`` ("8h30m", "90m" or seconds): past it the
     run stops at the next step with a checkpoint and raises ``sinkflow.Interrupted`` (its ``run_dir`` is the folder
-    ``resume`` continues), as `sinkflow train --time-limit` does.
+    ``resume`` continues), as `sinkflow train --time-limit` does. ``callbacks``: your own
+    ``sinkflow.runtime.callbacks.Callback`` objects, run after the engine's in every phase (docs/architecture.md,
+    "Callback"): the hooks the CLI's tools use; their ``state_dict()`` rides in the step checkpoints.
     """
     from sinkflow import config
     from sinkflow.config.render import scalar
@@ -208,20 +210,22 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     # meta.json records this call: the process's argv is the script's or the notebook kernel's
     call = _call_text(preset, {"runs_dir": str(runs_dir), "name": name, "device": device, **overrides})
     with _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir():  # SinkflowError / Interrupted propagate
-        return open_run(train_run(cfg, device=device, call=call, time_limit=seconds).dir)
+        return open_run(train_run(cfg, device=device, call=call, time_limit=seconds, callbacks=callbacks).dir)
 
 
-def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | None = None, **overrides) -> Run:
+def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | None = None, callbacks=(),
+           **overrides) -> Run:
     """Continue the run folder ``path`` exactly as `sinkflow train --resume` does (finished phases skipped, the
     same checks before anything is written) and return the finished ``Run``: the next session of a run that
-    ``train(..., time_limit=...)`` stopped. ``overrides``: the keys a resume may still change, as in ``train``."""
+    ``train(..., time_limit=...)`` stopped. ``overrides``: the keys a resume may still change, as in ``train``;
+    ``callbacks``: as in ``train`` (a callback's saved state is handed back to it)."""
     from sinkflow.engine.experiment import train_run
 
     seconds, device = _seconds(time_limit), _plain(device)
     short, dotted = _overrides(overrides, {"device": None if device == "auto" else device}, ("device", "time_limit"))
     with _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir():
         return open_run(train_run(resume=Path(_path(path, "path")), overrides=dotted, shorthands=short,
-                                  device=device, time_limit=seconds).dir)
+                                  device=device, time_limit=seconds, callbacks=callbacks).dir)
 
 
 @contextlib.contextmanager

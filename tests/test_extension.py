@@ -391,6 +391,24 @@ def test_a_callback_state_a_checkpoint_cannot_load_back_is_refused_when_saved(ru
     assert not list((runs_dir / "np" / "checkpoints" / "velocity").glob("step_*.pt"))
 
 
+def test_the_api_takes_your_own_callbacks(runs_dir):
+    """sinkflow.train / resume pass callbacks to the engine (they answered "unknown override 'callbacks'": a
+    callback needed config.resolve + engine.experiment.train_run, which the README's API never names)."""
+    class Logged(Counter):
+        def on_log(self, trainer, metrics):
+            metrics["seen"] = self.seen
+
+    with pytest.raises(sinkflow.Interrupted) as stopped:
+        sinkflow.train("moons", method="fm", train_iters=6, batch_size=8, device="cpu", name="api-cb",
+                       runs_dir=runs_dir, callbacks=[Logged(stop_at=4)], **{"train.velocity.log_every": 2})
+    again = Logged()
+    run = sinkflow.resume(stopped.value.run_dir, callbacks=[again])
+    assert again.seen == 6  # 4 restored + 2
+    logged = [json.loads(r) for r in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["seen"] for r in logged if r["phase"] == "velocity"] == [2, 4, 6]
+    assert "callbacks" not in json.loads((run.dir / "meta.json").read_text())["call"]
+
+
 def test_stop_ends_a_phase_before_its_step_writing_nothing(runs_dir):
     from sinkflow.runtime.run_folder import RunFolder
     from sinkflow.tools.phases import ready_trainer
