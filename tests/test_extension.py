@@ -60,7 +60,7 @@ class ICFM(Method):
 ICFM_SPEC = schema.MethodSpec(
     "sinkflow_toy.icfm:METHOD", ("velocity",), reads=("sample.steps", "sample.time_warp", "eval.steps"),
     keys={"icfm": {"sigma": schema.Key(0.1, schema.NONNEG_FLOAT, "I-CFM path noise")}},
-    section_docs={"icfm": "I-CFM (a toy method added by a test)"})
+    section_docs={"icfm": "I-CFM (a toy method added by a test)"}, doc="I-CFM, a toy method added by a test")
 
 
 @pytest.fixture
@@ -80,6 +80,9 @@ def test_a_new_method_is_its_file_plus_one_registry_entry(icfm, runs_dir, capsys
     assert main(["config", "moons", "--method", "icfm"]) == 0
     out = capsys.readouterr().out
     assert "sigma: 0.1" in out and "steps: 100" in out and "pool:" not in out
+    # docs/config.md's method table lists it from its MethodSpec (experiment.method's doc named the five built-ins)
+    from sinkflow.config import render
+    assert "| `icfm` | `velocity` | I-CFM, a toy method added by a test |" in render.doc_markdown()
     # its key is an error on another method, naming the method that reads it
     with pytest.raises(SinkflowError, match="'icfm.sigma' is not read by method nsgf.*--method icfm"):
         config.resolve("moons", ["icfm.sigma=0.2"])

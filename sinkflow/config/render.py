@@ -136,7 +136,12 @@ def _shorthand_table() -> list[str]:
 
 
 def doc_markdown() -> str:
-    out = [DOC_INTRO, "## Shorthand flags", "", "Each flag sets every key it names (`*`: every training phase).",
+    out = [DOC_INTRO, "## Methods", "", "`experiment.method` (`--method`): each method's `MethodSpec` in "
+           "`schema.METHOD_REGISTRY`, a method added there listed with the rest.", "",
+           "| method | phases | what |", "|---|---|---|",
+           *(f"| `{m}` | {', '.join(f'`{p}`' for p in spec.phases)} | {_md(spec.doc)} |"
+             for m, spec in schema.METHOD_REGISTRY.items()), "",
+           "## Shorthand flags", "", "Each flag sets every key it names (`*`: every training phase).",
            "", *_shorthand_table(), ""]
     for section, (doc, keys, when) in schema.SECTIONS.items():
         out += [f"## `{section}`", "", doc[0].upper() + doc[1:] + "."

@@ -318,7 +318,7 @@ POS_FLOAT = Float(lo=0, lo_open=True)
 NONNEG_FLOAT = Float(lo=0)
 
 EXPERIMENT = {
-    "method": Key("nsgf", Str(), "what trains: NSGF, NSGF++, flow matching, OT-CFM or a normalizing flow"),
+    "method": Key("nsgf", Str(), "what trains: one of the registered methods (docs/config.md, Methods)"),
     "preset": Key("", Str(), "filled in with the preset's name"),
     "seed": Key(0, Int(0, 2**63 - 1), "seed of every random number generator of the run"),
     "device": Key("auto", Str(), "auto (cuda if available) | cpu | cuda | cuda:N"),
@@ -604,7 +604,8 @@ class MethodSpec:
     opt-in shared keys it reads, as sections (``"pool"``) or keys (``"sample.steps"``). ``keys``: its own keys,
     ``{section: {name: Key}}``, read by it alone (a new section needs a line in ``section_docs``). ``images_only``:
     it models (C, H, W) images, so a built-in 2D target is refused when the config resolves (a point file's
-    shape is known only once it is read: the method's own check)."""
+    shape is known only once it is read: the method's own check). ``doc``: one line of what it trains, its row in
+    docs/config.md's method table."""
 
     where: str
     phases: tuple[str, ...]
