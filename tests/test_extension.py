@@ -101,6 +101,14 @@ def test_a_new_method_is_its_file_plus_one_registry_entry(icfm, runs_dir, capsys
     x = run.sample(64, steps=3)
     assert x.shape == (64, 2) and torch.isfinite(x).all()
     assert "icfm" not in schema.METHODS or schema.METHOD_REGISTRY["icfm"] is ICFM_SPEC
+    # a process that has not registered it (the CLI after a notebook's plugin) says so, not "edit that file
+    # (e.g. method: nsgf)"
+    schema.unregister_method("icfm")
+    with pytest.raises(SinkflowError, match="trained by method 'icfm', which is not registered here.*register it "
+                                            "first"):
+        sinkflow.open_run(run.dir)
+    assert main(["eval", str(run.dir)]) == 2
+    assert "edit that file" not in capsys.readouterr().err
 
 
 def test_a_new_euler_method_is_tunable_without_naming_it(icfm):

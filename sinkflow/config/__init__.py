@@ -668,6 +668,14 @@ def read_run_config(cfg: Any, path, lines: dict[str, int] | None = None) -> dict
     ``schema.BEFORE_ADDED``; keys of another model kind (older run folders held them all) are dropped."""
     if not isinstance(cfg, dict):
         raise SinkflowError(f"{path} does not hold a config tree", "restore it from a copy of the run folder")
+    method = cfg.get("experiment", {}).get("method") if isinstance(cfg.get("experiment"), dict) else None
+    if isinstance(method, str) and method not in schema.METHOD_REGISTRY:  # a method added at run time (a plugin,
+        # schema.register_method) and not in this process: "must be one of ...; edit that file (e.g. method: nsgf)"
+        # told the user to rewrite the run as another method's
+        raise SinkflowError(f"{path}: the run was trained by method '{method}', which is not registered here "
+                            f"(registered: {', '.join(schema.METHOD_REGISTRY)})",
+                            "register it first, as when the run trained (schema.register_method, or its "
+                            "METHOD_REGISTRY entry)")
     written = flatten(cfg)
     try:
         tree = complete(cfg, None, where=str(path), lenient=True, lines=lines)
