@@ -385,6 +385,41 @@ def test_callback_state_is_checkpointed_and_exceptions_reach_callbacks(runs_dir)
     assert second.seen == 6  # 4 restored from the checkpoint + 2 steps after the resume
 
 
+def test_callback_state_survives_a_stop_between_two_phases(monkeypatch, runs_dir):
+    """A stop at a phase's last step ends that phase (final.pt) and stops the run before the next: the callbacks'
+    state was in that final.pt alone, and the resumed next phase, with no step checkpoint, handed none back."""
+    from sinkflow.engine.experiment import train_run
+    from sinkflow.methods.flow_matching import FM, InterpolantStep
+    from sinkflow.runtime.signals import Interrupted
+
+    class Two(Method):
+        name = "two"
+
+        def phases(self, cfg, source, target):
+            return [InterpolantStep("velocity", source, target), InterpolantStep("nsf", source, target)]
+
+        def sample_nets(self, nets, cfg, x0, steps=None, record=False):
+            return FM.sample_nets(nets, cfg, x0, steps, record)
+
+    module = types.ModuleType("sinkflow_toy.two")
+    module.METHOD = Two()
+    monkeypatch.setitem(sys.modules, "sinkflow_toy.two", module)
+    schema.register_method("two", schema.MethodSpec("sinkflow_toy.two:METHOD", ("velocity", "nsf"),
+                                                    schema.EULER_READS))
+    try:
+        cfg = config.resolve("moons", ["experiment.name=two", "train.velocity.iters=3", "train.nsf.iters=2"],
+                             {"method": "two", "batch_size": 8, "device": "cpu"})
+        first = Counter(stop_at=3)  # velocity's last step
+        with pytest.raises(Interrupted):
+            train_run(cfg, callbacks=[first])
+        assert (runs_dir / "two" / "checkpoints" / "velocity" / "final.pt").is_file()
+        second = Counter()
+        train_run(resume=runs_dir / "two", callbacks=[second])
+        assert second.seen == 5  # 3 from velocity's final.pt + nsf's 2
+    finally:
+        schema.unregister_method("two")
+
+
 def test_a_callback_state_a_checkpoint_cannot_load_back_is_refused_when_saved(runs_dir):
     """A numpy number in a callback's state (np.mean of its losses) was saved in every step checkpoint, and every
     resume then refused the run's own checkpoints as 'holds objects other than tensors ... could run code'."""

@@ -40,6 +40,7 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
     heartbeat records how the run was launched (processes, report, the session's ``time_limit`` in seconds), from
     which `sinkflow status` gives the resume command the CLI printed (``runtime.relaunch.resume_command``)."""
     callbacks = list(callbacks)
+    finished: list[str] = []  # phases a resume skips: the caller's callbacks get the state they ended with
     last, pending = None, None  # pending: a stop agreed at the last phase's end (Trainer.stop_at_end)
     run.logger.record_launch(world=dist.current().world, per_node=dist.per_node(), no_report=not report,
                              time_limit=time_limit)
@@ -47,7 +48,11 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
         for task in phases:
             if run.phase_done(task.name):
                 log.info("phase %s already finished: skipped", task.name)
+                finished.append(task.name)
                 continue
+            if finished and callbacks:
+                restore_callback_states(run, finished, callbacks)
+                finished = []
             if last is not None and (signum := stopping(pending)) is not None:
                 run.logger.heartbeat(phase=last[0], step=last[1], state="stopped", signal=signum,
                                      **batch_fields(*last[2:]))  # not DEAD
@@ -92,6 +97,22 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
         if signum is not None and last is not None:  # a signal after the last step check: the report
             # (minutes on images) is skipped as asked; all is saved, and status says FINISHED
             raise Interrupted(signum, *last)
+
+
+def restore_callback_states(run, finished: list[str], callbacks: list[Callback]) -> None:
+    """A resume that starts a phase afresh after ``finished`` ones: the caller's callbacks get the state they had when
+    the last finished training phase ended (its final.pt holds every callback's ``state_dict``). A stop between two
+    phases (``request_stop`` or a signal at a phase's last step, a time limit) saved their state there alone, and the
+    next phase has no step checkpoint to hand it back: a callback counting the run's steps restarted at 0. A phase
+    resumed from its own step checkpoint then loads that checkpoint's, as before."""
+    for name in reversed(finished):
+        saved = run.final_state(name).get("callbacks")
+        if saved is None:  # the pool's final.pt: no trainer state
+            continue
+        for cb in callbacks:
+            if cb.state_key in saved:
+                cb.load_state_dict(saved[cb.state_key])
+        return
 
 
 def stopping(pending: int | None) -> int | None:
