@@ -309,6 +309,15 @@ def test_memory_estimate_measures_every_phase_kind_the_planner_gives(quiet, caps
             bench.measurer(pm)
 
 
+def small_energy(mp, bench) -> None:
+    """The energy column at a smoke test's size: 2 draws of 256 points a model (the protocol's 20 of 4,096, and the
+    floor's 12 of 4,096, were 60 of the suite's seconds in nsgf_2d's and nsgf_suite's smoke tests). Set where the
+    scripts read it: their own names and ``scoring``'s (which counts the draws a kept result needs)."""
+    for module in (bench, bench.scoring):
+        mp.setattr(module, "ENERGY_N", 256)
+        mp.setattr(module, "ENERGY_SEEDS", 2)
+
+
 @pytest.fixture(scope="module")
 def runs_2d(tmp_path_factory):
     """nsgf_2d at a tiny budget (NSGF and OT-CFM on 8gaussians): its output, and the run folders it keeps."""
@@ -319,6 +328,7 @@ def runs_2d(tmp_path_factory):
     bench = load("nsgf_2d")
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        small_energy(mp, bench)
         mp.chdir(folder)
         mp.setattr(bench, "ProcessPoolExecutor", InProcessPool)
         bench.main(["--tasks", "8gaussians", "--methods", "nsgf", "otcfm", "--seeds", "1", "--iters", "2",
@@ -329,6 +339,7 @@ def runs_2d(tmp_path_factory):
 
 def test_smoke_nsgf_2d(runs_2d, quiet, capsys, monkeypatch):
     bench, runs, out = runs_2d
+    small_energy(monkeypatch, bench)  # as the fixture scored: the kept runs are scored again below
     assert ("| target | steps | W2 iid floor (one draw) | NSGF (W2 iid) | OT-CFM (W2 iid) | energy iid floor (one draw) "
             "| NSGF (energy iid) | OT-CFM (energy iid) | W2 qmc floor (one draw) | NSGF (W2 qmc) | OT-CFM (W2 qmc) | "
             "paper NSGF (W2 qmc) | NSGF pool + train s (mean) |") in out
@@ -592,6 +603,7 @@ def test_smoke_nsgf_suite(tmp_path, monkeypatch):
     """One tiny NSGF and OT-CFM run of the suite's runner, scored under both protocols, and the verdict's counting."""
     monkeypatch.chdir(tmp_path)
     bench = load("nsgf_suite")
+    small_energy(monkeypatch, bench)
     files = load("suite2d").write_suite(tmp_path / "suite", ["unequal"])
     tiny = ["pool.batches=2", "pool.batch_size=32", "pool.chunk=1", "eval.steps=[10, 100]"]
     results = [bench.one_run("unequal", str(files["unequal"]), m, 0, 4, str(tmp_path / "runs"), tiny, 1)
