@@ -141,7 +141,8 @@ def test_sample_takes_sample_overrides_without_changing_the_run(runs_dir, capsys
 
 def test_eval_takes_sample_overrides_and_its_record_names_them(runs_dir, capsys):
     """`sinkflow eval RUN sample.time_warp=0.5` scores another sampler of the same run (a knob chosen on validation)
-    without changing config.yaml; its metrics.jsonl record says what it sampled with, the plain one says nothing."""
+    without changing config.yaml; its printed output and its metrics.jsonl record say what it sampled with, the plain
+    one says nothing."""
     import json
 
     assert train("ev", "moons", "--no-report") == 0
@@ -150,7 +151,11 @@ def test_eval_takes_sample_overrides_and_its_record_names_them(runs_dir, capsys)
     evals = lambda: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()  # noqa: E731
                      if json.loads(line).get("phase") == "eval"]
     assert main(["eval", str(run), "--n", "64", "--seeds", "1"]) == 0
+    assert "sampled with" not in capsys.readouterr().out
     assert main(["eval", str(run), "sample.time_warp=0.5", "--n", "64", "--seeds", "1"]) == 0
+    # the printed table said nothing of the override (its record did): now its first line (audit HH)
+    assert capsys.readouterr().out.startswith("sampled with sample.time_warp=0.5 for this evaluation (recorded with "
+                                              "its scores; the run's config.yaml keeps its own)\n")
     plain, warped = evals()[-2:]
     assert "sample" not in plain and warped["sample"] == {"time_warp": 0.5}
     w2 = [k for k in plain if k.startswith("w2_") and "_std" not in k]

@@ -48,6 +48,10 @@ def run(args):
                             "would not be used", f"set it in the run: `sinkflow train --resume {args.run_dir} "
                             f"eval.protocol=iid` (or qmc), then `sinkflow eval {args.run_dir}`")
     run_ = with_sample_overrides(run_, args.overrides, "eval", args.run_dir, {"eval.n": "--n", "eval.seeds": "--seeds"})
+    changed = run_.sampling_changes()
+    if changed:  # the table did not say it was another sampler's (its record did)
+        print("sampled with " + ", ".join(f"sample.{k}={v}" for k, v in changed.items()) + " for this evaluation "
+              "(recorded with its scores; the run's config.yaml keeps its own)")
     try:
         print(evaluate(run_, seeds=args.seeds, n=args.n, split=args.split))
     finally:
