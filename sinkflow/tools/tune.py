@@ -121,8 +121,8 @@ def tune(run, total: int, n: int, seeds: int = 1,
     if own_total == total and own not in cands:
         cands.append(own)
     for settings in progress(cands, f"tune {total} NFE", "samplers"):  # lines, not a bar, in a log file
-        steps = settings.get("nsf_steps", settings.get("steps", 1))  # a flow's one pass
-        row = image_metrics(run.variant(sample=settings, eval=scoring), seeds=seeds, steps_list=[steps],
-                            reference=reference, per_seed=True)["rows"][0]
+        view = run.variant(sample=settings, eval=scoring)  # the method says what its steps are under these settings
+        steps = methods.of(view.cfg).default_steps(view.cfg)  # (a new method's candidates named otherwise: 1 step)
+        row = image_metrics(view, seeds=seeds, steps_list=[steps], reference=reference, per_seed=True)["rows"][0]
         out.append((settings, row[metric], row[f"{metric}_per_seed"]))
     return out
