@@ -479,7 +479,9 @@ def test_a_callbacks_stop_inside_a_run_stops_the_run_not_marks_it_finished(runs_
 
     cfg = config.resolve("moons", ["experiment.name=halt"], {"method": "fm", "train_iters": 6, "batch_size": 8,
                                                              "device": "cpu"})
-    with pytest.raises(SinkflowError, match=r"ended phase 'velocity' at step 3 with trainer.stop\(\).*request_stop"):
+    with pytest.raises(SinkflowError,
+                       match=r"ended phase 'velocity' at step 3 with trainer.stop\(\).*request_stop") as err:
         train_run(cfg, callbacks=[StopAt3()])
+    assert err.value.every_rank  # under torchrun rank 0 alone prints it (each rank printed its own line)
     status = json.loads((runs_dir / "halt" / "status.json").read_text())
     assert status["state"] == "failed" and not (runs_dir / "halt" / "checkpoints" / "velocity" / "final.pt").exists()

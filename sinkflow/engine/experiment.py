@@ -67,7 +67,8 @@ def run_phases(run, phases, callbacks: Iterable[Callback] = (), deadline: float 
                     raise SinkflowError(f"a callback ended phase '{task.name}' at step {trainer.progress} with "
                                         "trainer.stop(), which writes nothing: the phase is not finished",
                                         "call trainer.request_stop() to stop with a checkpoint to resume from "
-                                        "(sinkflow train --resume RUN)")
+                                        "(sinkflow train --resume RUN)", every_rank=True)  # under torchrun each
+                    # rank's callback stops alike (the run's callbacks are every rank's): rank 0 says it, not each
             except Interrupted as exc:  # `sinkflow status` says STOPPED (checkpoint saved), not DEAD
                 run.logger.heartbeat(phase=exc.phase, step=exc.step, state="stopped", signal=exc.signum,
                                      **batch_fields(exc.done, exc.of), **phase_total(trainer))
