@@ -434,6 +434,34 @@ def test_a_sigterm_while_rank_0_computes_the_states_stops_every_rank_in_one_line
     assert not (runs_dir / "sig" / "nsf_states.npy").exists()  # the resume computes them (test_nsf_source.py)
 
 
+OOM_IN_STATES = """
+import sys, torch
+from sinkflow.methods import nsgfpp
+def out_of_memory(*args, **kwargs):  # rank 0's first chunk of the states: the other ranks wait in on_main's broadcast
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+nsgfpp.nsgf_part = out_of_memory
+sys.argv = ["sinkflow", *sys.argv[1:]]
+from sinkflow.cli import entry
+entry()
+"""
+
+
+def test_an_out_of_memory_error_while_rank_0_computes_the_states_is_one_line(runs_dir, tmp_path):
+    """NSGF++'s states are rank 0's work alone (dist.on_main), which agreed an error or an OSError but not an
+    out-of-memory one: rank 0 printed its OOM line and rank 1 the lost-peer line beside it. One line now, from rank
+    0, whose resume command is the torchrun job's (it said a plain `sinkflow train --resume RUN`)."""
+    cwd = runs_dir.parent
+    script = tmp_path / "oom.py"
+    script.write_text(OOM_IN_STATES)
+    out = _torchrun("moons", "--method", "nsgfpp", "pool.batches=2", "pool.steps=3", "pool.batch_size=16",
+                    "pool.chunk=1", "pool.in_flight=1", "--train-iters", "2", "--device", "cpu", "--no-report",
+                    "nsgf.nsf_source=velocity", "nsgf.nsf_states=40", "sample.batch_size=8", "--name", "oom",
+                    cwd=cwd, entry=(str(script),))
+    lines = [x for x in out.stderr.splitlines() if x.startswith("sinkflow: ")]
+    assert len(lines) == 1 and "out of memory in the NSGF states" in lines[0], out.stderr[-3000:]
+    assert "lower sample.batch_size" in lines[0]
+
+
 SIGTERM_IN_POOL = """
 import os, signal, sys
 from sinkflow.methods import pool

@@ -117,7 +117,8 @@ def on_main(work: Callable[[], Any]) -> Any:
     """``work()`` on rank 0 only, its outcome agreed by every rank: its result, or its one-line error raised on every
     rank. A rank-0-only step that fails (the run folder's lock held by another process, a folder it cannot write)
     otherwise left the other ranks waiting in the next collective until the store closed, and their gloo/NCCL
-    tracebacks buried the one line."""
+    tracebacks buried the one line. An out-of-memory error is agreed too: rank 0's own work on the device (NSGF++'s
+    states, ``NSGFStates``) printed its OOM line and each other rank the lost-peer line beside it."""
     info = current()
     if not info.enabled:
         return work()
@@ -125,7 +126,7 @@ def on_main(work: Callable[[], Any]) -> Any:
     if info.is_main:
         try:
             result = work()
-        except (SinkflowError, OSError) as exc:
+        except (SinkflowError, OSError, torch.OutOfMemoryError) as exc:
             failure = exc
     said = broadcast_object(None if failure is None else str(failure))
     if failure is not None:
