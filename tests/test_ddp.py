@@ -460,6 +460,7 @@ def test_an_out_of_memory_error_while_rank_0_computes_the_states_is_one_line(run
     lines = [x for x in out.stderr.splitlines() if x.startswith("sinkflow: ")]
     assert len(lines) == 1 and "out of memory in the NSGF states" in lines[0], out.stderr[-3000:]
     assert "lower sample.batch_size" in lines[0]
+    assert "(`torchrun --nproc_per_node 2 -m sinkflow train --resume runs/oom --no-report`)" in lines[0], lines[0]
 
 
 SIGTERM_IN_POOL = """

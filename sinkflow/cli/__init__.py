@@ -146,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         from sinkflow.cli.oom import oom_line
 
         run_dir = getattr(args, "run_dir_used", None) or getattr(args, "run_dir", None)
-        print(f"sinkflow: error: {one_line(oom_line(exc, args.command, run_dir, getattr(args, 'preset', None)))}",
-              file=sys.stderr)
+        resume = resume_as_launched(args, run_dir) if args.command == "train" and run_dir else None  # torchrun's
+        line = oom_line(exc, args.command, run_dir, getattr(args, "preset", None), resume)
+        print(f"sinkflow: error: {one_line(line)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # a second Ctrl+C or SIGTERM means "now": no step checkpoint, no traceback wall
         signum = getattr(exc, "signum", signal.SIGINT)  # StopNow's; a Ctrl+C outside a run is SIGINT's

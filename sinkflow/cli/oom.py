@@ -41,7 +41,10 @@ def _estimate(run_dir: str | None, phase: str, training: bool) -> str:
         return f"no planner estimate ({type(exc).__name__})"
 
 
-def oom_line(exc: BaseException, command: str, run_dir: str | None, preset: str | None = None) -> str:
+def oom_line(exc: BaseException, command: str, run_dir: str | None, preset: str | None = None,
+             resume: str | None = None) -> str:
+    """The one line; ``resume``: the command that continues the run as it was launched (the CLI's
+    ``resume_as_launched``: torchrun with its process count, ``--no-report``), else a plain ``sinkflow train``."""
     where = getattr(exc, "sinkflow_where", None) or {}
     phase = where.get("phase") or command
     training = bool(where.get("training"))
@@ -60,5 +63,6 @@ def oom_line(exc: BaseException, command: str, run_dir: str | None, preset: str 
         fix = "lower sample.batch_size (samples per network call), e.g. sample.batch_size=100"
     kept = where.get("kept") or ("the finished pool chunks are kept" if phase == "pool" else "")
     kept = f"; {kept}" if kept else ""
-    resume = f" (`sinkflow train --resume {shlex.quote(str(run_dir))}`)" if where.get("phase") and run_dir else ""
+    resume = resume or f"sinkflow train --resume {shlex.quote(str(run_dir))}"
+    resume = f" (`{resume}`)" if where.get("phase") and run_dir else ""
     return f"CUDA out of memory in {phase}{at} ({estimate}){kept}; {fix}{resume}"
