@@ -300,11 +300,12 @@ class Trainer:
         except compile_failures() as exc:
             what = compile_failure_line(exc)
             key = self.task.model_key
-            if not self.compile_auto:
+            if not self.compile_auto:  # every rank compiles alike (one config, check_same): rank 0 says it once
                 raise SinkflowError(f"torch.compile failed in phase '{self.name}': {what}",
-                                    f"set train.{key}.compile=false to train eager") from exc
-            log.warning("%s: torch.compile failed (%s); training eager instead (set train.%s.compile=false to "
-                        "skip the attempt)", self.name, what, key)
+                                    f"set train.{key}.compile=false to train eager", every_rank=True) from exc
+            if self.info.is_main:  # each rank's warning was its own line
+                log.warning("%s: torch.compile failed (%s); training eager instead (set train.%s.compile=false to "
+                            "skip the attempt)", self.name, what, key)
             self.ddp_model, self.compile_mode = self.eager_model, None
             out = self._step(batch)
         self._compile_proven = True
