@@ -144,7 +144,7 @@ def test_bench_advises_a_new_methods_pool_by_its_phases(monkeypatch, runs_dir, c
         schema.unregister_method("nsgf2")
 
 
-def test_a_method_named_other_than_its_registry_key_is_one_line(monkeypatch, capsys):
+def test_a_method_named_other_than_its_registry_key_is_one_line(monkeypatch, capsys, tmp_path):
     """Method.name is how callers find its phases and reads (schema.METHOD_PHASES[method.name]): a new method that
     forgot it (the base's "") or spelled it otherwise stopped `sinkflow train` with a KeyError traceback."""
     module = types.ModuleType("sinkflow_toy.unnamed")
@@ -163,6 +163,14 @@ def test_a_method_named_other_than_its_registry_key_is_one_line(monkeypatch, cap
             schema.register_method("unnamed", schema.MethodSpec(where, ("velocity",)))
             with pytest.raises(SinkflowError, match=f"names '{where}', but there is {missing}"):
                 sinkflow.get_method("unnamed")
+        # an AttributeError raised while the method's own module runs is that error, not "no METHOD in it"
+        (tmp_path / "sinkflow_toyb").mkdir()
+        (tmp_path / "sinkflow_toyb" / "__init__.py").write_text("")
+        (tmp_path / "sinkflow_toyb" / "broken.py").write_text("import os\nos.typo()\nMETHOD = None\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        schema.register_method("unnamed", schema.MethodSpec("sinkflow_toyb.broken:METHOD", ("velocity",)))
+        with pytest.raises(AttributeError, match="no attribute 'typo'"):
+            sinkflow.get_method("unnamed")
     finally:
         schema.unregister_method("unnamed")
 

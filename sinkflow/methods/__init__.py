@@ -38,14 +38,20 @@ def get(method: str) -> Method:
     where = schema.METHOD_REGISTRY[method].where
     module, _, attr = where.partition(":")
     module = module if "." in module else f"sinkflow.methods.{module}"
+    fix = "give MethodSpec the 'module:attribute' of its Method instance"
     try:
-        instance = getattr(importlib.import_module(module), attr)
-    except (ModuleNotFoundError, AttributeError) as exc:  # the entry's own typo, not an import inside the file
-        if isinstance(exc, ModuleNotFoundError) and not (exc.name and f"{module}.".startswith(f"{exc.name}.")):
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as exc:  # the entry's own typo, not an import inside the file (raised as it is)
+        if not (exc.name and f"{module}.".startswith(f"{exc.name}.")):
             raise
-        raise SinkflowError(f"method '{method}': its METHOD_REGISTRY entry names {where!r}, but there is no "
-                            f"{'module ' + module if isinstance(exc, ModuleNotFoundError) else attr + ' in ' + module}",
-                            "give MethodSpec the 'module:attribute' of its Method instance") from None
+        raise SinkflowError(f"method '{method}': its METHOD_REGISTRY entry names {where!r}, but there is no module "
+                            f"{module}", fix) from None
+    # the attribute looked up apart from the import: an AttributeError raised while the module itself ran (a bug in
+    # the method's own file) was reported as "there is no METHOD in it", hiding the real error
+    if not hasattr(loaded, attr):
+        raise SinkflowError(f"method '{method}': its METHOD_REGISTRY entry names {where!r}, but there is no {attr} "
+                            f"in {module}", fix)
+    instance = getattr(loaded, attr)
     if instance.name != method:  # callers look its keys and phases up by ``name``: a KeyError traceback mid-run
         raise SinkflowError(f"the Method at {where} is named {instance.name!r}, not its registry key {method!r}",
                             f"set name = {method!r} on it (Method.name is its key in config.schema.METHOD_REGISTRY)")
