@@ -445,6 +445,24 @@ def test_a_callback_state_a_checkpoint_cannot_load_back_is_refused_when_saved(ru
     assert not list((runs_dir / "np" / "checkpoints" / "velocity").glob("step_*.pt"))
 
 
+def test_a_callback_state_a_checkpoint_cannot_write_is_one_line():
+    """A lambda or a local class in a callback's state failed in torch.save, outside the check: pickle's
+    AttributeError traceback from the middle of a step checkpoint, not the one line a numpy number gets."""
+    from sinkflow.runtime.callbacks import checkpointable_state
+
+    class Local:
+        pass
+
+    for value in (lambda x: x, Local()):
+        class Odd(Callback):
+            def state_dict(self, value=value):
+                return {"odd": value}
+
+        with pytest.raises(SinkflowError, match=r"callback .*Odd's state_dict\(\) holds an object a step checkpoint "
+                                                r"cannot write \(.*pickle.*float\(x\) for a numpy number"):
+            checkpointable_state(Odd())
+
+
 def test_the_api_takes_your_own_callbacks(runs_dir):
     """sinkflow.train / resume pass callbacks to the engine (they answered "unknown override 'callbacks'": a
     callback needed config.resolve + engine.experiment.train_run, which the README's API never names)."""

@@ -97,8 +97,14 @@ def checkpointable_state(cb: Callback) -> dict:
     state = cb.state_dict()
     if not state:
         return state
+    fix = "keep tensors, Python numbers, strings, lists, tuples and dicts in it (float(x) for a numpy number)"
     buffer = io.BytesIO()
-    torch.save(state, buffer)
+    try:  # a lambda or a local class cannot even be written: pickle's traceback from the middle of a checkpoint
+        torch.save(state, buffer)
+    except Exception as exc:  # AttributeError / PicklingError: "Can't pickle local object ..."
+        raise SinkflowError(f"callback {cb.state_key}'s state_dict() holds an object a step checkpoint cannot "
+                            f"write ({(str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]})",
+                            fix) from None
     buffer.seek(0)
     try:
         torch.load(buffer, weights_only=True)
@@ -106,9 +112,7 @@ def checkpointable_state(cb: Callback) -> dict:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
         raise SinkflowError(f"callback {cb.state_key}'s state_dict() holds {'a ' + found[1] if found else 'an object'}"
                             ", which a step checkpoint cannot load back (resume reads them with torch.load "
-                            "weights_only=True)",
-                            "keep tensors, Python numbers, strings, lists, tuples and dicts in it (float(x) for a "
-                            "numpy number)") from None
+                            "weights_only=True)", fix) from None
     return state
 
 
