@@ -103,6 +103,7 @@ def _sample(args, run_, out, as_folder):
     from sinkflow.data.atomic_write import atomic_write_bytes
     from sinkflow.eval.points import generate
     from sinkflow.eval.report import is_points
+    from sinkflow.methods.ode import network_evaluations
 
     if as_folder:
         from sinkflow.eval.images import check_image_folder
@@ -149,5 +150,4 @@ def _sample(args, run_, out, as_folder):
     drawn = "a QMC source draw" if qmc and data.qmc_twin(source) is not source else "an i.i.d. source draw"
     if qmc and drawn.startswith("an"):  # the words of the evaluation's protocol line (eval.points.source_protocol)
         drawn += f" (QMC asked for, but source {source.name} has no scrambled-Sobol twin)"
-    nfe = f"{info['nfe']} network evaluation{'' if info['nfe'] == 1 else 's'}"
-    print(f"wrote {args.n} samples ({how}, {nfe}) from {drawn} to {out}")
+    print(f"wrote {args.n} samples ({how}, {network_evaluations(info['nfe'])}) from {drawn} to {out}")

@@ -10,6 +10,7 @@ import torch
 
 from sinkflow import data, methods
 from sinkflow.errors import SinkflowError
+from sinkflow.methods.ode import network_evaluations
 from sinkflow.runtime.rng import phase_generator
 
 
@@ -251,7 +252,7 @@ def plots(run, n: int = 1024, steps: int | None = None) -> list:
     x, info = generate(run, n, steps, seed=7)
     _, paths = generate(run, min(n, TRAJECTORY_PATHS), steps, seed=7, record=True)
     _, target = data.distributions(run.cfg)
-    title = f"{task_name(run.cfg, short=True)} ({methods.of(run.cfg).name}, {info['nfe']} network evaluation{'' if info['nfe'] == 1 else 's'})"
+    title = f"{task_name(run.cfg, short=True)} ({methods.of(run.cfg).name}, {network_evaluations(info['nfe'])})"
     out1 = scatter_samples(x.cpu(), reference(target, n), run.dir / "samples.png", title)
     out2 = trajectories(torch.stack(paths["path"]), run.dir / "trajectories.png", title)
     return [out1, out2]

@@ -34,6 +34,11 @@ def count_nfe(*modules: torch.nn.Module):
         counter.close()
 
 
+def network_evaluations(nfe: int) -> str:
+    """``nfe`` in words for a sample line or a figure title: "1 network evaluation", "14 network evaluations"."""
+    return f"{nfe} network evaluation{'' if nfe == 1 else 's'}"
+
+
 def compiled_for_sampling(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """``model`` wrapped by torch.compile for a sampler's calls: many calls of one shape per batch. On CUDA the
     mode is "reduce-overhead": each batch shape is captured once as a CUDA graph and every Euler step replays
