@@ -579,8 +579,10 @@ def main(argv=None) -> None:
                     help="cpu: a small UNet's 3,200 steps, a CPU session's table (about 70 min a training seed on one "
                          "core, most of it scoring; 3 seeds with --workers 2 about 2 h); "
                          "cpu-short: 500 steps, the table until 2026-11-28 (NSGF++'s velocity network does not learn "
-                         "there); gpu: the mnist preset's budget x --gpu-fraction; quick: tiny, to check the script runs")
-    ap.add_argument("--gpu-fraction", type=float, default=0.1, help="--scale gpu: fraction of the mnist preset's iterations")
+                         "there); gpu: the mnist preset's budget x --gpu-fraction; quick: tiny, to check the script "
+                         "runs")
+    ap.add_argument("--gpu-fraction", type=float, default=0.1,
+                    help="--scale gpu: fraction of the mnist preset's iterations")
     ap.add_argument("--val-n", type=int, help="generated digits per validation score (default: every validation "
                     "digit, 800; 100 reproduces the tables before 2026-11-29 from their scores)")
     ap.add_argument("--device", default="cpu")

@@ -792,8 +792,9 @@ def test_mnist_budget_gives_every_method_the_same_unet_steps(mnist_bench):
     from sinkflow import config
 
     preset = config.resolve("mnist")  # PRESET is the preset's, not the paper's (App. E.2 gives no UNet iterations)
-    assert mnist_bench.PRESET == {"velocity": preset["train"]["velocity"]["iters"], "nsf": preset["train"]["nsf"]["iters"],
-                                  "time": preset["train"]["time"]["iters"], "pool": preset["pool"]["batches"]}
+    assert mnist_bench.PRESET == {"velocity": preset["train"]["velocity"]["iters"],
+                                  "nsf": preset["train"]["nsf"]["iters"], "time": preset["train"]["time"]["iters"],
+                                  "pool": preset["pool"]["batches"]}
     for total in (3, 6, 13, 26, 60):
         assert all(1 <= k and k + 1 + 1 <= total for k in mnist_bench.split_candidates(total))
     assert mnist_bench.split_candidates(13) == [3, 6, 11]

@@ -14,7 +14,8 @@ from sinkflow.errors import SinkflowError
 @pytest.mark.parametrize("preset", config.preset_names())
 def test_shorthands_reach_every_phase_key(preset):
     pool = "pool.batches" in schema.used(config.resolve(preset))  # a one-key shorthand of an unread key: refused
-    cfg = config.resolve(preset, [], {"train_iters": 7, "batch_size": 12, "seed": 3, "device": "cpu", "precision": "fp32",
+    cfg = config.resolve(preset, [], {"train_iters": 7, "batch_size": 12, "seed": 3, "device": "cpu",
+                                      "precision": "fp32",
                                       **({"pool_batches": 4, "sinkhorn_batch": 16} if pool else {})})
     flat = config.flatten(cfg)
     iters = {k: v for k, v in flat.items() if k.startswith("train.") and k.endswith(".iters")}

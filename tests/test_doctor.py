@@ -498,7 +498,8 @@ def test_a_step_with_non_finite_gradients_during_the_overfit_is_named_on_either_
 
     if kernel == "foreach":
         monkeypatch.setattr(trainer_mod, "adam_kernel", lambda device: {"foreach": True})
-    cfg = config.resolve("moons", ["experiment.method=fm", "train.velocity.iters=100000", "train.velocity.batch_size=32",
+    cfg = config.resolve("moons", ["experiment.method=fm", "train.velocity.iters=100000",
+                                   "train.velocity.batch_size=32",
                                    "train.velocity.log_every=100000", "train.velocity.ckpt_every=100000",
                                    "experiment.device=cpu"])
     run = RunFolder.create(cfg)

@@ -150,7 +150,8 @@ def test_a_method_named_other_than_its_registry_key_is_one_line(monkeypatch, cap
     module = types.ModuleType("sinkflow_toy.unnamed")
     module.METHOD = type("Unnamed", (ICFM,), {"name": ""})()
     monkeypatch.setitem(sys.modules, "sinkflow_toy.unnamed", module)
-    schema.register_method("unnamed", schema.MethodSpec("sinkflow_toy.unnamed:METHOD", ("velocity",), schema.EULER_READS))
+    schema.register_method("unnamed", schema.MethodSpec("sinkflow_toy.unnamed:METHOD", ("velocity",),
+                                                        schema.EULER_READS))
     try:
         with pytest.raises(SinkflowError, match="named '', not its registry key 'unnamed'.*name = 'unnamed'"):
             sinkflow.get_method("unnamed")

@@ -463,8 +463,8 @@ def test_a_phase_resumed_at_its_last_step_logs_its_end_record_once(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(learning, "MIN_STEPS", 4)  # the check judges this 6-step phase: an end record at step 6
     cfg = config.resolve("moons", ["experiment.name=r", "experiment.method=fm", "experiment.device=cpu",
-                                   "train.velocity.iters=6", "train.velocity.ckpt_every=3", "train.velocity.log_every=3",
-                                   "train.velocity.batch_size=16"])
+                                   "train.velocity.iters=6", "train.velocity.ckpt_every=3",
+                                   "train.velocity.log_every=3", "train.velocity.batch_size=16"])
     run = tmp_path / "runs" / "r"
     train_run(cfg).logger.close()
     (run / "checkpoints" / "velocity" / "final.pt").unlink()

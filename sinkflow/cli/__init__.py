@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                 name = "RUN" if attr == "run_dir" else f"--{attr}"
                 example = {"out": "samples.npy", "write": "my.yaml, or a run folder"}.get(
                     attr, "runs/NAME, the folder `sinkflow train` printed")
-                raise SinkflowError(f"{name} is empty (an unset shell variable?)", f"give {name} a path, e.g. {example}")
+                raise SinkflowError(f"{name} is empty (an unset shell variable?)",
+                                    f"give {name} a path, e.g. {example}")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and args.command in ONE_PROCESS:  # each rank did all of it: eval's record appended once a rank
             raise SinkflowError(f"`sinkflow {args.command}` runs as one process, but torchrun started {world}",

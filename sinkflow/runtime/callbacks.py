@@ -23,13 +23,15 @@ A callback with state to keep across a resume returns it from ``state_dict()`` (
 goes into every step checkpoint under ``callbacks[state_key]``; anything else, a numpy number included, is refused
 when the checkpoint is written: ``checkpointable_state``) and gets it back in ``load_state_dict``,
 before ``on_load_checkpoint`` (a callback passed to the run gets it from the last finished phase's final.pt when a
-resume starts the next phase afresh: a stop between two phases). To end a phase, a callback calls ``trainer.request_stop()`` (checkpoint, then
+resume starts the next phase afresh: a stop between two phases). To end a phase, a callback calls
+``trainer.request_stop()`` (checkpoint, then
 ``Interrupted``, as on SIGTERM) or ``trainer.stop()`` (the loop ends after the current hook, nothing is written,
 ``fit()`` returns with ``trainer.stopped`` set: for a tool's own ``Trainer``; in a run, ``run_phases`` then stops
 with a one-line error, as the phase has no ``final.pt``); it never raises to stop the loop nor sets another object's
 attributes.
 
-This module is a leaf (torch, tqdm and sinkflow.errors only): methods subclass ``Callback`` without importing the engine.
+This module is a leaf (torch, tqdm and sinkflow.errors only): methods subclass ``Callback`` without importing the
+engine.
 """
 
 from __future__ import annotations
