@@ -399,17 +399,20 @@ class Trainer:
                                  f"set train.{self.task.model_key}.precision=bf16 (or fp32), or lower the learning "
                                  f"rate")
 
-    def raise_if_skipped(self) -> None:
-        """For a tool that takes single steps (``train_step``) and goes on past a non-finite one: ``NonFiniteStep`` if
-        the device skipped the step just taken (one read), the guard's record then cleared. The loop keeps the record
-        sticky until its next check stops the run; a sweep that went on past it trained nothing more (lr-find recorded
-        every later loss as if applied, and a step with NaN gradients as a point, where foreach Adam's host check
-        raises and the next step applies)."""
+    def checked_step(self, batch) -> torch.Tensor:
+        """``train_step(batch)``'s loss, for a tool that takes single steps and goes on past a non-finite one (lr-find,
+        doctor's overfit rules): ``NonFiniteStep`` if the device skipped the step just taken (one read), the guard's
+        record then cleared. The loop keeps the record sticky until its next check stops the run; a sweep that went
+        on past it trained nothing more (lr-find recorded every later loss as if applied, and a step with NaN
+        gradients as a point, where foreach Adam's host check raises and the next step applies; doctor blamed the
+        wiring, "the loop is broken")."""
+        loss = self.train_step(batch)[0]
         if self.skip_on_device:
             failure = self.guard.failure()
             if failure is not None:
                 self.guard.clear()
                 self.stop_non_finite(*failure)
+        return loss
 
     def stop_non_finite(self, what: str, step: int, fix: str = "lower the learning rate (sinkflow lr-find), set a "
                         "grad_clip, or check the data") -> None:

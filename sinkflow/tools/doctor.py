@@ -288,7 +288,7 @@ def overfit_one_batch(step_fn: Callable[[], float], steps: int = OVERFIT_STEPS, 
 
 def _skipped(step_fn: Callable[[], float], losses: list[float]) -> str:
     """Take a step, appending its loss to ``losses``; a step not applied because it was non-finite (``NonFiniteStep``:
-    ``checked_step``, or foreach Adam's host check) is the symptom it returns instead ("" otherwise)."""
+    ``Trainer.checked_step``, or foreach Adam's host check) is the symptom it returns instead ("" otherwise)."""
     from sinkflow.engine.trainer import NonFiniteStep
 
     try:
@@ -296,16 +296,6 @@ def _skipped(step_fn: Callable[[], float], losses: list[float]) -> str:
     except NonFiniteStep as exc:
         return f"step {len(losses) + 1} was not applied: {exc.what or exc}"
     return ""
-
-
-def checked_step(trainer, batch) -> torch.Tensor:
-    """``trainer.train_step(batch)``'s loss, the device's skip record read at once (the overfit rules read each loss
-    anyway): in the loop that record is sticky until the next log step, so after one step with non-finite gradients
-    (a finite loss) every later update was skipped in silence and the rule blamed the wiring ("the loop is broken");
-    now ``NonFiniteStep``, as foreach Adam's host check raises, and the finding names it."""
-    loss = trainer.train_step(batch)[0]
-    trainer.raise_if_skipped()
-    return loss
 
 
 def _fitted(losses: list[float], factor: float) -> bool:
@@ -650,7 +640,7 @@ def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch:
     if _is_flow(model):
         out += _flow_checks(run, trainer, fixed, overfit_steps)
     else:
-        out.append(overfit_one_batch(lambda: checked_step(trainer, fixed), steps=overfit_steps, factor=factor))
+        out.append(overfit_one_batch(lambda: trainer.checked_step(fixed), steps=overfit_steps, factor=factor))
     for f in out:
         f.phase = trainer.name
     return out
@@ -693,7 +683,7 @@ def _flow_checks(run, trainer, fixed, overfit_steps: int) -> list[Finding]:
 
     def step():
         u = torch.rand(levels.shape, generator=gen).to(levels.device)
-        return checked_step(trainer, levels + u)
+        return trainer.checked_step(levels + u)  # the device's skip record read at once (the rules read each loss)
 
     dataset_bpd = flow_dataset_bpd(data.distributions(run.cfg)[1], n_bins)
     out.append(overfit_one_batch_bpd(step, dataset_bpd, steps=overfit_steps))

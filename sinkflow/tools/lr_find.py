@@ -256,13 +256,8 @@ def phase_lr_find(trainer, **kwargs) -> LRFindResult:
             return batches[i]
         return trainer.draw_batch(trainer.cfg["batch_size"])
 
-    def step(batch):
-        loss = trainer.train_step(batch)[0]
-        trainer.raise_if_skipped()  # a step the device skipped is a gap, and the next one is applied
-        return loss
-
-    try:
-        return lr_range_test(trainer.model, trainer.optimizer, None, batch_fn, train_step=step,
+    try:  # a step the device skipped is a gap (NonFiniteStep), and the next one is applied
+        return lr_range_test(trainer.model, trainer.optimizer, None, batch_fn, train_step=trainer.checked_step,
                              restore=False, **kwargs)
     finally:
         trainer.load_state_dict(saved, "the state before lr-find")
