@@ -52,16 +52,23 @@ def _upscale(x: torch.Tensor, min_side: int = 32) -> torch.Tensor:
     return torch.nn.functional.interpolate(x, scale_factor=factor, mode="nearest") if factor > 1 else x
 
 
+# bytes ``save_grid`` holds per element of the grid at its peak: torchvision's save_image keeps make_grid's float32
+# grid and its ``grid.mul(255)`` float32 copy, then the uint8 copy and PIL's copies of it (the peak measured 2.0 GB for
+# 20,000 28x28 digits, where 5 bytes an element counted 1.26 GB: the check passed a grid the machine could not hold)
+GRID_BYTES_PER_ELEMENT = 12
+
+
 def grid_bytes(n: int, shape: tuple[int, ...]) -> int:
-    """About the memory ``save_grid`` holds for ``n`` images of ``shape`` (C, H, W): the upscaled images, their grid
-    (torchvision's make_grid: 3 channels, 2-pixel padding) in float32, and its uint8 copy for PIL: about 6 GB for
-    `sample --n 100000 --out grid.png` of MNIST digits, which the memory check before sampling did not count."""
+    """About the memory ``save_grid`` holds for ``n`` images of ``shape`` (C, H, W): the upscaled images and their grid
+    (torchvision's make_grid: 3 channels, 2-pixel padding) as ``GRID_BYTES_PER_ELEMENT`` bytes an element: about
+    13 GB for `sample --n 100000 --out grid.png` of MNIST digits, which the memory check before sampling did not
+    count."""
     c, h, w = shape[-3:]
     f = _upscale_factor(h, w)
     cols = max(1, math.ceil(math.sqrt(n)))  # save_grid's nrow: images per row
     rows = math.ceil(n / cols)
     grid = 3 * (rows * (h * f + 2) + 2) * (cols * (w * f + 2) + 2)
-    return 4 * n * c * h * f * w * f + (4 + 1) * grid
+    return 4 * n * c * h * f * w * f + GRID_BYTES_PER_ELEMENT * grid
 
 
 def save_grid(x: torch.Tensor, path, nrow: int | None = None) -> Path:
