@@ -204,7 +204,7 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     from sinkflow.engine.experiment import train_run
 
     preset, runs_dir = _path(preset, "preset"), _path(runs_dir, "runs_dir")  # a .yaml file may be a Path
-    seconds, device = _seconds(time_limit), _plain(device)
+    seconds, device, callbacks = _seconds(time_limit), _plain(device), _callbacks(callbacks)
     short, dotted = _overrides(overrides, {"device": device, "name": name})  # name None: preset, method and time
     cfg = config.resolve(preset, [f"experiment.runs_dir={scalar(str(runs_dir))}", *dotted], short)
     # meta.json records this call: the process's argv is the script's or the notebook kernel's
@@ -221,7 +221,7 @@ def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | 
     ``callbacks``: as in ``train`` (a callback's saved state is handed back to it)."""
     from sinkflow.engine.experiment import train_run
 
-    seconds, device = _seconds(time_limit), _plain(device)
+    seconds, device, callbacks = _seconds(time_limit), _plain(device), _callbacks(callbacks)
     short, dotted = _overrides(overrides, {"device": None if device == "auto" else device}, ("device", "time_limit"))
     with _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir():
         return open_run(train_run(resume=Path(_path(path, "path")), overrides=dotted, shorthands=short,
@@ -288,6 +288,21 @@ def _path(value, name: str) -> str:
     require(str(os.fspath(value)).strip() != "", f"{name} is empty (an unset variable?)",  # a run's path "" was
             f"pass {name}, e.g. {'a preset name' if name == 'preset' else repr('runs/NAME')}")  # the working folder
     return os.fspath(value)
+
+
+def _callbacks(value) -> list:
+    """``callbacks=`` as a list of ``Callback`` objects, refused in one line before a run folder is made: one callback
+    not in a list ("'C' object is not iterable") or an object that is no Callback ("has no attribute 'teardown'")
+    was a traceback from inside the engine, with the new run folder already written."""
+    from sinkflow.runtime.callbacks import Callback
+
+    require(not isinstance(value, (Callback, str, bytes)) and hasattr(value, "__iter__"),
+            f"callbacks={shown(value)} is not a list of callbacks", "pass them in a list, e.g. callbacks=[cb]")
+    value = list(value)
+    bad = next((cb for cb in value if not isinstance(cb, Callback)), None)
+    require(bad is None, f"callbacks holds {shown(bad)}, a {type(bad).__name__}, not a "
+            "sinkflow.runtime.callbacks.Callback", "subclass Callback and override the hooks you need")
+    return value
 
 
 def _seconds(time_limit: str | float | None) -> float | None:

@@ -464,6 +464,19 @@ def test_a_callback_state_a_checkpoint_cannot_write_is_one_line():
             checkpointable_state(Odd())
 
 
+def test_the_apis_callbacks_are_checked_before_a_run_folder_is_made(runs_dir):
+    """callbacks=cb (one callback, not in a list) was "'C' object is not iterable" and callbacks=[object()] "'object'
+    object has no attribute 'teardown'": tracebacks from inside the engine, with the new run folder already written."""
+    for value, needle in [(Counter(), r"is not a list of callbacks.*callbacks=\[cb\]"),
+                          ([object()], r"not a sinkflow.runtime.callbacks.Callback")]:
+        with pytest.raises(SinkflowError, match=needle):
+            sinkflow.train("moons", method="fm", train_iters=2, batch_size=8, device="cpu", name="bad-cb",
+                           runs_dir=runs_dir, callbacks=value)
+        with pytest.raises(SinkflowError, match=needle):
+            sinkflow.resume(runs_dir / "nowhere", callbacks=value)
+    assert not (runs_dir / "bad-cb").exists()
+
+
 def test_the_api_takes_your_own_callbacks(runs_dir):
     """sinkflow.train / resume pass callbacks to the engine (they answered "unknown override 'callbacks'": a
     callback needed config.resolve + engine.experiment.train_run, which the README's API never names)."""
