@@ -755,6 +755,30 @@ def test_training_a_runs_config_file_names_its_mid_run_changes(tmp_path, monkeyp
     assert not [r for r in caplog.records if "does not read" in r.getMessage()], caplog.text
 
 
+def test_a_hand_edit_of_an_unread_key_in_a_runs_config_is_still_named(tmp_path, monkeypatch, caplog):
+    """A run's own config.yaml fed back left out the keys the run wrote and does not read (--train-iters' train.nsf.iters
+    on an fm run, data.root), and with them every unread key: sample.t_shift edited into an fm run's file (fm has no
+    time predictor) passed in silence (audit LL)."""
+    import logging
+
+    from sinkflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "moons", "--method", "fm", "--train-iters", "2", "--batch-size", "8", "--lr", "0.002",
+                 "--device", "cpu", "--no-report", "--name", "f"]) == 0
+    path = tmp_path / "runs" / "f" / "config.yaml"
+    with caplog.at_level(logging.WARNING, logger="sinkflow"):
+        config.resolve(str(path), ["experiment.name=again"])
+    assert "does not read" not in caplog.text, caplog.text
+    text = path.read_text()
+    assert "  t_shift: 0.0\n" in text
+    path.write_text(text.replace("  t_shift: 0.0\n", "  t_shift: -0.1\n", 1))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sinkflow"):
+        config.resolve(str(path), ["experiment.name=again"])
+    assert "sets 1 key(s) this fm run does not read (sample.t_shift)" in caplog.text, caplog.text
+
+
 @pytest.mark.parametrize("word", ["inherit", "base"])
 def test_another_tools_word_for_the_preset_names_experiment_preset(tmp_path, monkeypatch, word):
     """`inherit: moons` (Hydra's and other tools' word) read "did you mean 'sinkhorn.tol'?"."""
