@@ -210,7 +210,7 @@ def phase_names(cfg: dict) -> list[str]:
 
 
 def split_candidates(total: int) -> list[int]:
-    """NSGF step counts k tried for a total NFE budget: ``sinkflow tune``'s (tools.tune.nsgf_splits)."""
+    """NSGF step counts k tried for a total NFE budget: ``sinkflow tune``'s (methods.nsgfpp.nsgf_splits, which tools.tune re-exports)."""
     try:
         return nsgf_splits(total)
     except SinkflowError as exc:
