@@ -210,7 +210,8 @@ def phase_names(cfg: dict) -> list[str]:
 
 
 def split_candidates(total: int) -> list[int]:
-    """NSGF step counts k tried for a total NFE budget: ``sinkflow tune``'s (methods.nsgfpp.nsgf_splits, which tools.tune re-exports)."""
+    """NSGF step counts k tried for a total NFE budget: ``sinkflow tune``'s (methods.nsgfpp.nsgf_splits, which
+    tools.tune re-exports)."""
     try:
         return nsgf_splits(total)
     except SinkflowError as exc:
