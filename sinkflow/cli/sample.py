@@ -82,18 +82,12 @@ def check_out_writable(out: Path) -> None:
     """The folder that will hold ``out`` (its nearest existing one, where the missing ones are made) takes a new file,
     or a one-line error before any sampling: a read-only or unwritable folder failed only when the samples, all of
     them drawn, were written (the temporary file beside them named, "ENOENT ... (.s.npy.tmp-...)")."""
-    import os
-    import tempfile
+    from sinkflow.data.atomic_write import write_refused
 
     parent = out.absolute().parent
     folder = next(p for p in (parent, *parent.parents) if p.exists())
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise SinkflowError(f"--out {out}: cannot write into {folder} ({exc.strerror or exc})",
-                            "name a path in a writable folder") from None
+    if (why := write_refused(folder)) is not None:
+        raise SinkflowError(f"--out {out}: cannot write into {folder} ({why})", "name a path in a writable folder")
 
 
 def _sample(args, run_, out, as_folder):

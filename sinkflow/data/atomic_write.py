@@ -138,6 +138,20 @@ def atomic_write_bytes(path: str | os.PathLike, write) -> None:
             raise
 
 
+def write_refused(folder: Path) -> str | None:
+    """Why ``folder`` takes no new file (a probe file created and removed there: read-only, no permission, a folder
+    that takes none such as /proc), or None. Checked before work that would write there at its end."""
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """``atomic_write_bytes`` for a text file (UTF-8): status.json, progress.json, config.yaml, meta.json..."""
     data = text.encode()

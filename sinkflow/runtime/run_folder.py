@@ -25,7 +25,6 @@ import shlex
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch
 from sinkflow import config as config_mod
 from sinkflow.config import schema
 from sinkflow.data import sample_shape
-from sinkflow.data.atomic_write import atomic_write_text
+from sinkflow.data.atomic_write import atomic_write_text, write_refused
 from sinkflow.errors import SinkflowError
 from sinkflow.runtime import dist
 from sinkflow.runtime.checkpoint import PhaseCheckpoints, remove_orphans
@@ -512,14 +511,10 @@ def check_writable(run_dir: Path) -> None:
     run_dir = Path(run_dir)
     below = [p for sub in ("checkpoints", "tb") for p in [run_dir / sub, *(run_dir / sub).rglob("*")] if p.is_dir()]
     for folder in [run_dir, *sorted(below)]:
-        try:
-            fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=folder)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as exc:
-            raise SinkflowError(f"cannot write into {folder} ({exc.strerror or exc}); nothing in the run was changed",
+        if (why := write_refused(folder)) is not None:
+            raise SinkflowError(f"cannot write into {folder} ({why}); nothing in the run was changed",
                                 "make the run folder writable again (chmod -R u+w, a read-write mount), or copy it "
-                                "to a writable disk and resume the copy") from None
+                                "to a writable disk and resume the copy")
 
 
 def write_config(run_dir: Path, cfg: dict) -> None:

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import random
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from sinkflow.data.atomic_write import write_refused
 from sinkflow.errors import SinkflowError
 
 if TYPE_CHECKING:
@@ -279,16 +278,16 @@ def write_target(target: Path, flag: str = "--write") -> tuple[Path, bool]:
         raise SinkflowError(f"{flag} {target} is neither a run folder nor a YAML config file (.yaml)",
                             "pass the run folder `sinkflow train` printed when it started (it holds config.yaml), "
                             "or a file name ending in .yaml")
-    try:  # before the sweep: `--write /proc/new.yaml` failed after it, the plot written
-        if target.exists():
+    why = None  # before the sweep: `--write /proc/new.yaml` failed after it, the plot written
+    if target.exists():
+        try:
             open(target, "a").close()  # opened for appending, nothing written: its bytes and time stay
-        else:
-            fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=target.parent)
-            os.close(fd)
-            os.unlink(probe)
-    except OSError as exc:
-        raise SinkflowError(f"{flag} {target} cannot be written ({exc.strerror or exc})",
-                            "name a .yaml file in a folder you can write") from None
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+    else:
+        why = write_refused(target.parent)
+    if why is not None:
+        raise SinkflowError(f"{flag} {target} cannot be written ({why})", "name a .yaml file in a folder you can write")
     return target, False
 
 
