@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from sinkflow.data.atomic_write import write_refused
 from sinkflow.errors import SinkflowError
 
 if TYPE_CHECKING:
@@ -278,6 +277,8 @@ def write_target(target: Path, flag: str = "--write") -> tuple[Path, bool]:
         raise SinkflowError(f"{flag} {target} is neither a run folder nor a YAML config file (.yaml)",
                             "pass the run folder `sinkflow train` printed when it started (it holds config.yaml), "
                             "or a file name ending in .yaml")
+    from sinkflow.data.atomic_write import write_refused  # here: the arguments are checked before torch loads
+
     why = None  # before the sweep: `--write /proc/new.yaml` failed after it, the plot written
     if target.exists():
         try:
