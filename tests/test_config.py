@@ -756,9 +756,9 @@ def test_training_a_runs_config_file_names_its_mid_run_changes(tmp_path, monkeyp
 
 
 def test_a_hand_edit_of_an_unread_key_in_a_runs_config_is_still_named(tmp_path, monkeypatch, caplog):
-    """A run's own config.yaml fed back left out the keys the run wrote and does not read (--train-iters' train.nsf.iters
-    on an fm run, data.root), and with them every unread key: sample.t_shift edited into an fm run's file (fm has no
-    time predictor) passed in silence (audit LL)."""
+    """A run's own config.yaml fed back left out the keys the run wrote and does not read (--train-iters'
+    train.nsf.iters on an fm run, data.root), and with them every unread key: sample.t_shift edited into an fm run's
+    file (fm has no time predictor) passed in silence (audit LL)."""
     import logging
 
     from sinkflow.cli import main
