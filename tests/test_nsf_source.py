@@ -4,6 +4,8 @@ states are that network's, computed once and kept in the run folder, every strai
 a resume inside the straight-flow phase is bit-equal, a read-only look at a run does not write them, and a config
 that cannot work is refused first."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -211,3 +213,32 @@ def test_out_of_memory_while_the_states_are_computed_names_the_sampling_batch(tm
     monkeypatch.setattr(nsgfpp, "nsgf_part", real)
     rc, err = run_main(capsys, "train", "--resume", str(tmp_path / "runs" / "o"), "--no-report", "sample.batch_size=8")
     assert rc == 0, err
+
+
+def test_a_long_states_computation_beats_and_status_counts_its_states(tmp_path, monkeypatch):
+    """Nothing wrote a heartbeat while rank 0 computed NSGF++'s states (16,384 CIFAR states on a slow card: minutes),
+    so `sinkflow status` said STALE after its 300 s of silence (audit KK). The computation beats every
+    ``HEARTBEAT_EVERY_S`` (0 here: every chunk) with the states done, which status counts as states."""
+    from sinkflow.runtime.metrics import MetricsLogger
+    from sinkflow.tools.status import format_status, read_status
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(nsgfpp, "HEARTBEAT_EVERY_S", 0.0)
+    beats = []
+    real = MetricsLogger.heartbeat
+
+    def seen(self, **status):
+        if status.get("unit") == "states":
+            beats.append(status)
+        return real(self, **status)
+
+    monkeypatch.setattr(MetricsLogger, "heartbeat", seen)
+    cfg = config.resolve("moons", ["experiment.method=nsgfpp", "nsgf.nsf_source=velocity", "nsgf.nsf_states=40",
+                                   "sample.batch_size=16", "pool.batches=2", "pool.steps=3", "pool.batch_size=32",
+                                   "pool.chunk=1", "experiment.name=b"], {"train_iters": 2, "device": "cpu"})
+    train_run(cfg).logger.close()
+    assert [(b["phase"], b["done"], b["of"]) for b in beats] == [("nsf", 0, 40), ("nsf", 16, 40), ("nsf", 32, 40)]
+    run_dir = tmp_path / "runs" / "b"
+    (run_dir / "status.json").write_text(json.dumps({**beats[1], "time": 0.0, "pid": 1, "host": "elsewhere"}))
+    assert "phase        nsf  states 16/40 (40.0%)" in format_status(read_status(run_dir)), \
+        format_status(read_status(run_dir))

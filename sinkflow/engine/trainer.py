@@ -31,6 +31,7 @@ from sinkflow.runtime import dist
 from sinkflow.runtime.autocast import autocast
 from sinkflow.runtime.callbacks import Callback, ProgressBar, checkpointable_state
 from sinkflow.runtime.checkpoint import rng_state, set_rng_state
+from sinkflow.runtime.metrics import HEARTBEAT_EVERY_S
 from sinkflow.engine import fast_path
 from sinkflow.engine.divergence import DivergenceGuard
 from sinkflow.engine.learning import LearningCheck
@@ -47,9 +48,6 @@ from sinkflow.runtime.state_check import check_step_state
 log = logging.getLogger(__name__)
 
 AGREE_EVERY_S = 5.0  # under DDP, seconds of steps between two agreements on a stop (a collective each)
-# seconds of steps between two heartbeats when no log step writes one (log_every longer than minutes of steps: status
-# said STALE after its 300 s while the process trained); reads only the host's clock, no device value
-HEARTBEAT_EVERY_S = 60.0
 
 
 def adam_kernel(device: torch.device) -> dict:

@@ -24,6 +24,7 @@ network evaluations (``nsgf_steps`` + 1 + nsf_steps when ``sample.nsgf_steps`` i
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,7 @@ from sinkflow.methods.pool import check_free_disk, check_pool_fits
 from sinkflow.runtime import dist
 from sinkflow.runtime.autocast import autocast
 from sinkflow.runtime.callbacks import LEARNING_LOG
+from sinkflow.runtime.metrics import HEARTBEAT_EVERY_S
 from sinkflow.runtime.rng import phase_generator
 from sinkflow.runtime.signals import Interrupted, signalled
 
@@ -153,7 +155,7 @@ class NSGFStates:
         if run.read_only and not path.is_file():  # lr-find or doctor on a user's run: computed, not kept
             self.states = torch.from_numpy(self._compute(run, stoppable=False))
             return
-        stopped = dist.broadcast_object(dist.on_main(lambda: None if path.is_file() else self._write(run, path)))
+        stopped = dist.broadcast_object(dist.on_main(lambda: None if path.is_file() else self._write(run, path, phase)))
         if stopped:  # rank 0's signal (on_main returns its result on rank 0 alone): every rank stops alike
             raise Interrupted(stopped, phase, 0)
         states = np.load(path, allow_pickle=False)
@@ -164,15 +166,15 @@ class NSGFStates:
                                 f"delete {path}: the resumed phase computes them again")
         self.states = torch.from_numpy(states)
 
-    def _write(self, run, path: Path) -> int | None:
+    def _write(self, run, path: Path, phase: str) -> int | None:
         """RUN/nsf_states.npy, or the signal that stopped the computation (nothing written)."""
-        states = self._compute(run, stoppable=True)
+        states = self._compute(run, stoppable=True, phase=phase)
         if states is None:
             return signalled()
         atomic_write_bytes(path, lambda f: np.save(f, states, allow_pickle=False))
         return None
 
-    def _compute(self, run, stoppable: bool) -> np.ndarray | None:
+    def _compute(self, run, stoppable: bool, phase: str = "nsf") -> np.ndarray | None:
         """The states; if ``stoppable``, None once a signal arrived (``signals.signalled``: not the time limit, which
         lets a unit of work finish) between two of the sampler's chunks (a read-only look, lr-find or doctor, whose
         caller needs the states, is not stoppable)."""
@@ -186,11 +188,15 @@ class NSGFStates:
         # 96 rows a draw gave other noise), so the straight flow trained on other states than the run it continued
         noise = self.source.sample(n, phase_generator(cfg["experiment"]["seed"], "nsf_states"))
         states = np.empty((n, *self.shape), np.float32)
+        beat = time.perf_counter()
         try:
             with autocast(run.device.type, METHOD.sample_precision(cfg)):
                 for lo in range(0, n, chunk):  # the sampler's chunks: the memory plan's sample+eval row holds them
                     if stoppable and signalled() is not None:
                         return None
+                    if time.perf_counter() - beat > HEARTBEAT_EVERY_S:  # 16,384 CIFAR states on a slow card: minutes
+                        beat = time.perf_counter()  # in which status said STALE after 300 s (audit KK)
+                        run.logger.heartbeat(phase=phase, step=0, state="running", done=lo, of=n, unit="states")
                     x0 = noise[lo:lo + chunk].to(run.device)
                     states[lo:lo + len(x0)] = nsgf_part(velocity, x0, times, etas).cpu().numpy()
         except torch.OutOfMemoryError as exc:  # sampling's chunks (sample.batch_size), not a training step: the

@@ -28,6 +28,10 @@ from sinkflow.data.base import warn_once
 
 log = logging.getLogger("sinkflow")
 
+# seconds of work between two heartbeats where nothing else writes one (a training phase with a log_every longer than
+# minutes of steps, NSGF++'s states): `sinkflow status` says STALE after its 300 s of silence while the process worked
+HEARTBEAT_EVERY_S = 60.0
+
 
 class MetricsLogger:
     """``best_effort`` (``sinkflow eval``): a run folder that cannot be written (read-only, another owner)

@@ -289,8 +289,8 @@ def format_status(st: dict) -> str:
         phase, step, total, unit = hb.get("phase"), hb.get("step"), hb.get("total"), "step"
         if hb.get("unit") and hb.get("of"):  # the pool: batches, as its bar counts, in every state (a dead or
             # stale build showed its chunks, "step 5/6", beside the batch rate labelled steps/s); its batches were
-            # recorded before the heartbeat said them
-            unit, step, total = "batches", hb.get("done"), hb["of"]
+            # recorded before the heartbeat said them; NSGF++'s states count in states
+            unit, step, total = str(hb["unit"]), hb.get("done"), hb["of"]
         prog = f"{unit} {step}/{total} ({100 * step / total:.1f}%)" if step is not None and total else \
             (f"{unit} {step}" if step is not None else "")
         rate = f"{hb['rate']:.2f} {'steps' if unit == 'step' else unit}/s" if hb.get("rate") else ""
