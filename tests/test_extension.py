@@ -4,6 +4,7 @@ plain tensors; the callback protocol carries state, exceptions and stop requests
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import types
@@ -73,6 +74,19 @@ def icfm(monkeypatch):
     schema.unregister_method("icfm")
 
 
+@contextlib.contextmanager
+def toy_method(monkeypatch, name: str, method, phases=("velocity",), reads=schema.EULER_READS):
+    """``method`` registered as the docs say (its module, one METHOD_REGISTRY entry) for the block, then removed."""
+    module = types.ModuleType(f"sinkflow_toy.{name}")
+    module.METHOD = method
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    schema.register_method(name, schema.MethodSpec(f"{module.__name__}:METHOD", tuple(phases), reads))
+    try:
+        yield method
+    finally:
+        schema.unregister_method(name)
+
+
 def test_a_new_method_is_its_file_plus_one_registry_entry(icfm, runs_dir, capsys):
     cfg = config.resolve("moons", ["icfm.sigma=0.2"], {"method": "icfm"})
     assert cfg["icfm"]["sigma"] == 0.2 and "icfm.sigma" in schema.used(cfg)
@@ -130,29 +144,18 @@ def test_bench_advises_a_new_methods_pool_by_its_phases(monkeypatch, runs_dir, c
     method trained the same pool and was not told to hold it in RAM."""
     from sinkflow.methods.nsgf import NSGF
 
-    module = types.ModuleType("sinkflow_toy.nsgf2")
-    module.METHOD = type("NSGF2", (NSGF,), {"name": "nsgf2"})()
-    monkeypatch.setitem(sys.modules, "sinkflow_toy.nsgf2", module)
     spec = schema.METHOD_REGISTRY["nsgf"]
-    schema.register_method("nsgf2", schema.MethodSpec("sinkflow_toy.nsgf2:METHOD", spec.phases, spec.reads))
-    try:
+    with toy_method(monkeypatch, "nsgf2", type("NSGF2", (NSGF,), {"name": "nsgf2"})(), spec.phases, spec.reads):
         assert main(["bench", "--profile", "moons", "--method", "nsgf2", "pool.steps=2", "pool.batches=2",
                      "pool.batch_size=16", "--batch-size", "16", "--steps", "1", "--warmup", "0", "--device",
                      "cpu"]) == 0
         assert "set pool.storage=memory" in capsys.readouterr().out
-    finally:
-        schema.unregister_method("nsgf2")
 
 
 def test_a_method_named_other_than_its_registry_key_is_one_line(monkeypatch, capsys, tmp_path):
     """Method.name is how callers find its phases and reads (schema.METHOD_PHASES[method.name]): a new method that
     forgot it (the base's "") or spelled it otherwise stopped `sinkflow train` with a KeyError traceback."""
-    module = types.ModuleType("sinkflow_toy.unnamed")
-    module.METHOD = type("Unnamed", (ICFM,), {"name": ""})()
-    monkeypatch.setitem(sys.modules, "sinkflow_toy.unnamed", module)
-    schema.register_method("unnamed", schema.MethodSpec("sinkflow_toy.unnamed:METHOD", ("velocity",),
-                                                        schema.EULER_READS))
-    try:
+    with toy_method(monkeypatch, "unnamed", type("Unnamed", (ICFM,), {"name": ""})()):
         with pytest.raises(SinkflowError, match="named '', not its registry key 'unnamed'.*name = 'unnamed'"):
             sinkflow.get_method("unnamed")
         assert main(["train", "moons", "--method", "unnamed", *TINY_FM]) == 2
@@ -172,8 +175,6 @@ def test_a_method_named_other_than_its_registry_key_is_one_line(monkeypatch, cap
         schema.register_method("unnamed", schema.MethodSpec("sinkflow_toyb.broken:METHOD", ("velocity",)))
         with pytest.raises(AttributeError, match="no attribute 'typo'"):
             sinkflow.get_method("unnamed")
-    finally:
-        schema.unregister_method("unnamed")
 
 
 def test_phases_named_otherwise_than_the_registry_entry_are_one_line(monkeypatch, capsys):
@@ -186,12 +187,7 @@ def test_phases_named_otherwise_than_the_registry_entry_are_one_line(monkeypatch
             step.name = step.model_key = "vel"
             return [step]
 
-    module = types.ModuleType("sinkflow_toy.misnamed")
-    module.METHOD = type("M", (Misnamed,), {"name": "misnamed"})()
-    monkeypatch.setitem(sys.modules, "sinkflow_toy.misnamed", module)
-    schema.register_method("misnamed", schema.MethodSpec("sinkflow_toy.misnamed:METHOD", ("velocity",),
-                                                         schema.EULER_READS))
-    try:
+    with toy_method(monkeypatch, "misnamed", type("M", (Misnamed,), {"name": "misnamed"})()):
         cfg = config.resolve("moons", [], {"method": "misnamed"})
         with pytest.raises(SinkflowError, match=r"built the phases \(vel\), but its METHOD_REGISTRY entry declares "
                                                 r"\(velocity\)"):
@@ -199,8 +195,6 @@ def test_phases_named_otherwise_than_the_registry_entry_are_one_line(monkeypatch
         assert main(["preflight", "moons", "--method", "misnamed"]) == 1
         assert "FAIL  config  phases build             method 'misnamed' built the phases (vel)" in \
             capsys.readouterr().out
-    finally:
-        schema.unregister_method("misnamed")
 
 
 def test_a_new_network_is_its_file_plus_one_schema_entry(monkeypatch):
@@ -410,12 +404,7 @@ def test_callback_state_survives_a_stop_between_two_phases(monkeypatch, runs_dir
         def sample_nets(self, nets, cfg, x0, steps=None, record=False):
             return FM.sample_nets(nets, cfg, x0, steps, record)
 
-    module = types.ModuleType("sinkflow_toy.two")
-    module.METHOD = Two()
-    monkeypatch.setitem(sys.modules, "sinkflow_toy.two", module)
-    schema.register_method("two", schema.MethodSpec("sinkflow_toy.two:METHOD", ("velocity", "nsf"),
-                                                    schema.EULER_READS))
-    try:
+    with toy_method(monkeypatch, "two", Two(), ("velocity", "nsf")):
         cfg = config.resolve("moons", ["experiment.name=two", "train.velocity.iters=3", "train.nsf.iters=2"],
                              {"method": "two", "batch_size": 8, "device": "cpu"})
         first = Counter(stop_at=3)  # velocity's last step
@@ -425,8 +414,6 @@ def test_callback_state_survives_a_stop_between_two_phases(monkeypatch, runs_dir
         second = Counter()
         train_run(resume=runs_dir / "two", callbacks=[second])
         assert second.seen == 5  # 3 from velocity's final.pt + nsf's 2
-    finally:
-        schema.unregister_method("two")
 
 
 def test_a_callback_state_a_checkpoint_cannot_load_back_is_refused_when_saved(runs_dir):
