@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sinkflow import config, methods  # noqa: E402
 from sinkflow.errors import SinkflowError  # noqa: E402
-from sinkflow.engine.fast_path import bf16_tensor_cores  # noqa: E402
+from sinkflow.runtime.autocast import bf16_tensor_cores  # noqa: E402
 from sinkflow.engine.step_graph import WARMUP  # noqa: E402
 from sinkflow.tools import memory_plan  # noqa: E402
 from sinkflow.tools.cards import GPUS, gpu_bytes  # noqa: E402

@@ -353,6 +353,71 @@ def test_half_precision_sampling_stays_close_to_fp32_with_a_float32_state(tiny_r
     assert diffs["fp16"].mean() < diffs["bf16"].mean()
 
 
+def test_sampling_precision_auto_is_fp16_where_training_auto_is(monkeypatch):
+    """`sample.precision: auto` (the default since the H200's 2026-11-30 rows: eager fp16 1.56x fp32's images/s, the
+    samples fp32's to a paired FD-CNN change <= 0.05) is fp16 for a UNet on a CUDA card with bf16 tensor cores, as a
+    training phase's auto, and fp32 on a CPU, on a T4, for a 2-D MLP; an explicit value is kept; a method that does
+    not read the key (a flow's one inverse pass) samples in fp32. The planner's sample row follows it for the card
+    it plans for. The card is faked: only its compute capability is read."""
+    from sinkflow import methods
+    from sinkflow.runtime.autocast import sampling_precision
+    from sinkflow.tools import memory_plan
+
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    assert config.resolve("mnist", [])["sample"]["precision"] == "auto"
+    assert sampling_precision("auto", "unet", "cuda") == "fp16"
+    assert sampling_precision("auto", "unet", "cpu") == "fp32"
+    assert sampling_precision("auto", "mlp", "cuda") == "fp32"
+    assert [sampling_precision(v, "unet", "cuda") for v in ("fp32", "bf16", "fp16")] == ["fp32", "bf16", "fp16"]
+    assert sampling_precision("auto", "unet", "cpu", bf16=True) == "fp32"  # the plan's card flag is for CUDA only
+    capability["value"] = (7, 5)
+    assert sampling_precision("auto", "unet", "cuda") == "fp32"
+    assert sampling_precision("auto", "unet", "cuda", bf16=True) == "fp16"  # the planner's card, not this one
+    for preset, method, want in (("mnist", "nsgfpp", "fp16"), ("mnist", "otcfm", "fp16"), ("moons", "nsgf", "fp32"),
+                                 ("flow-digits", "flow", "fp32")):
+        cfg = config.resolve(preset, [f"experiment.method={method}"] if method != "flow" else [])
+        assert methods.of(cfg).sample_precision(cfg, "cuda", bf16=True) == want, (preset, method)
+    cfg = config.resolve("digits", ["experiment.method=fm"])
+    rows = {}
+    for value in ("auto", "fp32"):
+        cfg["sample"]["precision"] = value
+        rows[value] = memory_plan.estimate(cfg, bf16=True)[-1].terms["forward transient"]
+    assert rows["fp32"] == 2 * rows["auto"] > 0  # auto samples the fp16-trained UNet in fp16: half the bytes
+
+
+def test_samples_that_overflow_under_auto_name_what_auto_became(tiny_run):
+    """A NaN / Inf draw sampled in fp16 by `sample.precision: auto` names fp16 and the key's value: a user who never
+    set it is told where fp16 came from, and the fix (bf16 or fp32) is the same as for an explicit fp16."""
+    from sinkflow.errors import SinkflowError
+    from sinkflow.eval.points import check_finite_samples
+
+    cfg = RunFolder.open(tiny_run).cfg
+    cfg["sample"]["precision"] = "auto"
+    x = torch.zeros(4, 2)
+    x[1, 0] = float("inf")
+    with pytest.raises(SinkflowError) as e:
+        check_finite_samples(cfg, x, 3, "fp16")
+    assert e.value.problem.endswith("1 of 4 samples of nsgf with 3 steps are NaN/Inf under fp16 (sample.precision=auto)")
+    assert "sample.precision=bf16" in e.value.fix
+    with pytest.raises(SinkflowError) as e:
+        check_finite_samples(cfg, x, 3, "fp32")
+    assert "diverged" in e.value.fix
+
+
+def test_sample_names_a_half_precision_it_sampled_in(tiny_run, tmp_path, capsys):
+    """`sinkflow sample`'s line says the networks ran in half precision when they did (auto takes fp16 on a CUDA
+    card: a user reading the line knows what made the samples) and says nothing of fp32."""
+    from sinkflow.cli import main
+
+    for i, (precision, said) in enumerate((("bf16", True), ("fp32", False), ("auto", False))):  # auto, a CPU: fp32
+        out = tmp_path / f"s{i}.npy"
+        assert main(["sample", str(tiny_run), f"sample.precision={precision}", "--n", "8", "--steps", "3",
+                     "--out", str(out)]) == 0
+        line = capsys.readouterr().out
+        assert ("the networks in bf16" in line) is said and "fp32" not in line, (precision, line)
+
+
 def test_samples_that_overflow_float16_are_refused_naming_the_precision(tiny_run, tmp_path, monkeypatch, capsys):
     """A velocity network whose output float16 cannot hold (here scaled by 1e6 inside the network, after its last
     layer's half-precision product) gave Inf samples under `sample.precision=fp16`, which `sinkflow sample` saved as
@@ -390,3 +455,15 @@ def test_samples_that_overflow_float16_are_refused_naming_the_precision(tiny_run
     out = tmp_path / "s.npy"
     assert main(["sample", str(tiny_run), "sample.precision=fp16", "--n", "8", "--steps", "3", "--out", str(out)]) == 2
     assert "NaN/Inf under sample.precision=fp16" in capsys.readouterr().err and not out.exists()
+
+
+def test_an_evaluation_record_names_a_half_precision_it_sampled_in(tiny_run):
+    """`sample.precision: auto` samples a UNet in fp16 on a CUDA card and in fp32 on a CPU: the same run's scores from
+    the two machines differ in how they were made, so a record says the precision where it is not fp32 (and says
+    nothing of fp32, as before: older records and CPU runs read the same)."""
+    from sinkflow.eval.records import setting
+
+    run = RunFolder.open(tiny_run)
+    assert "precision" not in setting(run, 8, 1)  # auto on this CPU: fp32
+    run.cfg["sample"]["precision"] = "bf16"
+    assert setting(run, 8, 1)["precision"] == "bf16"

@@ -26,7 +26,7 @@ def _estimate(run_dir: str | None, phase: str, training: bool) -> str:
     try:
         import torch
 
-        from sinkflow.engine.fast_path import bf16_tensor_cores
+        from sinkflow.runtime.autocast import bf16_tensor_cores
         from sinkflow.runtime.run_folder import read_config
         from sinkflow.tools import memory_plan
 

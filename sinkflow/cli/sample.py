@@ -140,6 +140,9 @@ def _sample(args, run_, out, as_folder):
         save_grid(x, out)
     unit = method.steps_are.removesuffix("s") if steps == 1 else method.steps_are  # "1 straight-flow step"
     how = f"{steps} {unit}" if method.takes_steps else "one inverse pass"
+    precision = method.sample_precision(run_.cfg, run_.device)
+    if precision != "fp32":  # sample.precision: auto is fp16 on a CUDA card for a UNet
+        how += f", the networks in {precision}"
     source = data.distributions(run_.cfg)[0]
     drawn = "a QMC source draw" if qmc and data.qmc_twin(source) is not source else "an i.i.d. source draw"
     if qmc and drawn.startswith("an"):  # the words of the evaluation's protocol line (eval.points.source_protocol)

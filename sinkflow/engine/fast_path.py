@@ -31,13 +31,9 @@ from __future__ import annotations
 
 import torch
 
-FAST_KINDS = ("unet",)  # the networks the fast path was measured on
+from sinkflow.runtime.autocast import FAST_KINDS, bf16_tensor_cores
+
 GRAPH_KINDS = ("unet", "time_predictor")  # the networks whole-step capture was measured on (both faster)
-
-
-def bf16_tensor_cores(device: torch.device) -> bool:
-    """Does this CUDA card run bf16 matrix products natively (sm_80+)? False on a CPU."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def fp16_hint(tcfg: dict, kind: str, device: torch.device | str, key: str) -> str | None:

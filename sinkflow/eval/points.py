@@ -11,6 +11,7 @@ import torch
 from sinkflow import data, methods
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.ode import network_evaluations
+from sinkflow.runtime.autocast import precision_named
 from sinkflow.runtime.rng import phase_generator
 
 
@@ -67,30 +68,30 @@ def sample_chunks(run, x0: torch.Tensor, steps: int | None, record: bool = False
     """The run's samples from the source draw ``x0`` (on the host), in chunks of ``sample.batch_size`` moved to the
     run's device one at a time (a draw of any size fits the card the evaluation fits); (samples on the host, info).
     NaN / Inf samples are refused here (``check_finite_samples``), before anything saves or scores them."""
-    sample = methods.of(run.cfg).sample
+    method = methods.of(run.cfg)
     chunk = max(1, run.cfg["sample"]["batch_size"])
     x, infos = None, []
     for lo in range(0, len(x0), chunk):
-        part, info = sample(run, x0[lo : lo + chunk].to(run.device), steps, record)
+        part, info = method.sample(run, x0[lo : lo + chunk].to(run.device), steps, record)
         if x is None:  # one host array filled in place: 2,000 chunks kept apart for a torch.cat held 875 MB of freed
             x = torch.empty((len(x0), *part.shape[1:]), dtype=part.dtype)  # heap between them (1M 2-D samples)
         x[lo : lo + len(part)] = part
         infos.append(info)
-    check_finite_samples(run.cfg, x, steps)
+    check_finite_samples(run.cfg, x, steps, method.sample_precision(run.cfg, run.device))
     return x, merge_info(infos)
 
 
-def check_finite_samples(cfg: dict, x: torch.Tensor, steps: int | None) -> None:
+def check_finite_samples(cfg: dict, x: torch.Tensor, steps: int | None, precision: str) -> None:
     """One line naming the likely cause when samples hold NaN / Inf (`sinkflow sample` wrote them as they were, and
-    each evaluation found them its own way): under ``sample.precision=fp16`` a network's activation that float16's
-    range (65,504) cannot hold, otherwise a model that diverged."""
+    each evaluation found them its own way): sampled in fp16 (``precision``: ``sample.precision`` made concrete for the
+    run's device), a network's activation that float16's range (65,504) cannot hold, otherwise a model that diverged."""
     bad = ~torch.isfinite(x.reshape(len(x), -1)).all(dim=1)
     if not bool(bad.any()):
         return
     method = methods.of(cfg)
     where = f"{int(bad.sum())} of {len(x)} samples of {method.name}" + (f" with {steps} steps" if steps else "")
-    if method.sample_precision(cfg) == "fp16":
-        raise SinkflowError(f"{where} are NaN/Inf under sample.precision=fp16",
+    if precision == "fp16":
+        raise SinkflowError(f"{where} are NaN/Inf under {precision_named(cfg['sample']['precision'], precision)}",
                             "a network's activations overflow float16's range: sample with sample.precision=bf16 "
                             "(float32's range) or fp32")
     raise SinkflowError(f"{where} are NaN/Inf", "the model diverged: train longer with a lower learning rate")

@@ -6,7 +6,7 @@ from __future__ import annotations
 # what an image evaluation records per row (t_hat_mean: NSGF++'s predictor, where the straight flow starts)
 METRIC_KEYS = ("w2", "tv", "confidence", "fd_cnn", "fid", "nfe", "t_hat_mean")
 # the settings a record names only where they differ from the run's defaults (``setting``)
-OPTIONAL_SETTINGS = ("class_n", "split", "sample")
+OPTIONAL_SETTINGS = ("class_n", "split", "sample", "precision")
 
 
 def setting(run, n: int, seeds: int, class_n: int | None = None, split: str = "test") -> dict:
@@ -15,7 +15,8 @@ def setting(run, n: int, seeds: int, class_n: int | None = None, split: str = "t
     differ from the run's config.yaml, e.g. `sinkflow eval RUN sample.t_shift=-0.1`; ``split: val`` for scores
     against the validation split, `sinkflow eval RUN --split val`, which are not the run's test scores).
     `sinkflow eval --n 64 --seeds 1` wrote the same keys at the same step as the run's own evaluation, and
-    `status` then showed the quick look as the run's latest scores."""
+    `status` then showed the quick look as the run's latest scores. ``precision``: the sampled networks' autocast where
+    it is not fp32 (``sample.precision: auto`` takes the card's: the same run scored on a GPU and on a CPU)."""
     out = {"n": n, "seeds": seeds, "protocol": run.cfg["eval"]["protocol"]}
     if class_n is not None and class_n != n:
         out["class_n"] = class_n
@@ -24,6 +25,11 @@ def setting(run, n: int, seeds: int, class_n: int | None = None, split: str = "t
     changed = run.sampling_changes()
     if changed:
         out["sample"] = changed
+    from sinkflow import methods  # here: status imports this module's names and loads no torch
+
+    precision = methods.of(run.cfg).sample_precision(run.cfg, run.device)
+    if precision != "fp32":  # sample.precision: auto is fp16 on a CUDA card for a UNet, fp32 on a CPU
+        out["precision"] = precision
     return out
 
 

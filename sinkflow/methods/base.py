@@ -24,7 +24,7 @@ from sinkflow.config import schema
 from sinkflow.config.schema import METHOD_REGISTRY
 from sinkflow.errors import SinkflowError, human_bytes
 from sinkflow.methods.ode import compile_failure_line, compile_failures, compiled_for_sampling
-from sinkflow.runtime.autocast import autocast
+from sinkflow.runtime.autocast import autocast, sampling_precision
 from sinkflow.runtime.callbacks import Callback
 
 
@@ -217,7 +217,7 @@ class Method:
         outputs are cast back before each step)."""
         compiled = bool(run.cfg["sample"].get("compile")) and "sample.compile" in METHOD_REGISTRY[self.name].reads
         try:
-            with autocast(run.device.type, self.sample_precision(run.cfg)):
+            with autocast(run.device.type, self.sample_precision(run.cfg, run.device)):
                 return self.sample_nets(RunNets(run, compiled), run.cfg, x0, steps, record)
         except compile_failures() as exc:  # dynamo's traceback, pages of it, where training says one line
             if not compiled:
@@ -225,10 +225,13 @@ class Method:
             raise SinkflowError(f"torch.compile failed while sampling: {compile_failure_line(exc)}",
                                 "set sample.compile=false to sample eager") from exc
 
-    def sample_precision(self, cfg: dict) -> str:
-        """The precision ``sample`` runs the networks in: ``sample.precision`` where this method reads it, else fp32."""
-        return cfg["sample"].get("precision", "fp32") if "sample.precision" in METHOD_REGISTRY[self.name].reads \
-            else "fp32"
+    def sample_precision(self, cfg: dict, device: torch.device | str, bf16: bool | None = None) -> str:
+        """The precision ``sample`` runs the networks in on ``device``: ``sample.precision`` where this method reads
+        it (``auto``: fp16 for a UNet on a CUDA card with bf16 tensor cores, ``runtime.autocast.sampling_precision``;
+        ``bf16`` says whether the card has them, for a plan without the card), else fp32."""
+        if "sample.precision" not in METHOD_REGISTRY[self.name].reads:
+            return "fp32"
+        return sampling_precision(cfg["sample"]["precision"], cfg["model"]["velocity"]["kind"], device, bf16)
 
     def sample_nets(self, nets, cfg: dict, x0: torch.Tensor, steps: int | None = None, record: bool = False) -> tuple:
         """``(x, info)`` from networks you hold: ``nets[phase]`` is the network of a training phase (a dict of

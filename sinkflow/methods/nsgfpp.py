@@ -38,7 +38,7 @@ from sinkflow.methods.flow_matching import InterpolantStep
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.methods.pool import check_free_disk, check_pool_fits
 from sinkflow.runtime import dist
-from sinkflow.runtime.autocast import autocast
+from sinkflow.runtime.autocast import autocast, precision_named
 from sinkflow.runtime.callbacks import LEARNING_LOG
 from sinkflow.runtime.metrics import HEARTBEAT_EVERY_S
 from sinkflow.runtime.rng import phase_generator
@@ -183,6 +183,7 @@ class NSGFStates:
         times, etas = nsgf_grid(cfg)
         log.info("%d NSGF states (%d velocity steps each) for the straight flow's paths", n, len(etas))
         velocity = run.model("velocity")
+        precision = METHOD.sample_precision(cfg, run.device)
         # the noise in one draw on the host, then through the network in the sampler's chunks: drawn chunk by chunk,
         # the states depended on sample.batch_size (a sampling key a resume may change before they are computed: 7 vs
         # 96 rows a draw gave other noise), so the straight flow trained on other states than the run it continued
@@ -190,7 +191,7 @@ class NSGFStates:
         states = np.empty((n, *self.shape), np.float32)
         beat = time.perf_counter()
         try:
-            with autocast(run.device.type, METHOD.sample_precision(cfg)):
+            with autocast(run.device.type, precision):
                 for lo in range(0, n, chunk):  # the sampler's chunks: the memory plan's sample+eval row holds them
                     if stoppable and signalled() is not None:
                         return None
@@ -203,7 +204,7 @@ class NSGFStates:
             # Trainer's line said "at step 1; resume with double train.nsf.accum", which leaves them as they are
             exc.sinkflow_where = {"phase": "the NSGF states", "training": False}
             raise
-        check_finite_states(cfg, states)
+        check_finite_states(cfg, states, precision)
         return states
 
     def sample(self, n: int, generator: torch.Generator, device="cpu") -> torch.Tensor:
@@ -214,17 +215,17 @@ class NSGFStates:
         return self.states[idx].to(device, non_blocking=True)
 
 
-def check_finite_states(cfg: dict, states: np.ndarray) -> None:
+def check_finite_states(cfg: dict, states: np.ndarray, precision: str) -> None:
     """Refuse NSGF states holding NaN / Inf before they are kept: the straight flow's first step stopped on a NaN loss
     with "lower the learning rate", and a resume read the same states from RUN/nsf_states.npy and stopped again. They
-    are a sample of the velocity network under ``sample.precision`` (the sampler's own check: ``check_finite_samples``),
-    where float16's range (65,504) may not hold a network's activations."""
+    are a sample of the velocity network in ``precision`` (``sample.precision`` made concrete for the run's device; the
+    sampler's own check: ``check_finite_samples``), where float16's range (65,504) may not hold a network's activations."""
     bad = int((~np.isfinite(states.reshape(len(states), -1))).any(axis=1).sum())
     if not bad:
         return
     where = f"{bad} of {len(states)} NSGF states for the straight flow's paths (nsgf.nsf_source=velocity) are NaN/Inf"
-    if METHOD.sample_precision(cfg) == "fp16":
-        raise SinkflowError(f"{where} under sample.precision=fp16", "a network's activations overflow float16's "
+    if precision == "fp16":
+        raise SinkflowError(f"{where} under {precision_named(cfg['sample']['precision'], precision)}", "a network's activations overflow float16's "
                             "range: set sample.precision=bf16 (float32's range) or fp32")
     raise SinkflowError(where, "the velocity network diverged: train it again with a lower learning rate")
 

@@ -190,15 +190,16 @@ def _chunked_phase_memory(cfg: dict, task, shape: tuple[int, ...]) -> PhaseMemor
     return pm
 
 
-def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, ...], models: dict) -> PhaseMemory:
+def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, ...], models: dict,
+                   bf16: bool = False) -> PhaseMemory:
     n = min(cfg["eval"]["n"], max(1, cfg["sample"]["batch_size"]))  # generate() works in chunks of this
     dim = math.prod(shape)
     pm = PhaseMemory("sample+eval", "sample")
     pm.terms["weights"] = sum(weight_bytes(m) for m in models.values())
     pm.terms["samples"] = 4 * n * dim * 3
     # the training phases' activations were measured under their autocast (fp16 for a UNet on an Ampere-on card):
-    # sampled in fp32 (sample.precision's default) the same tensors take twice the bytes
-    sample_half = cfg["sample"].get("precision", "fp32") != "fp32"
+    # sampled in fp32 (sample.precision's auto without bf16 tensor cores, or set) the same tensors take twice the bytes
+    sample_half = methods.of(cfg).sample_precision(cfg, "cuda", bf16=bf16) != "fp32"
     # a flow in checkpoint/invertible mode saves little in training, but sampling runs its conditioners on the batch
     largest = [(max(t.act_max_per_sample, t.recompute_max_per_sample), t.precision) for t in train_mems]
     pm.terms["forward transient"] = max((2 * big * n * (2 if precision in HALF and not sample_half else 1)
@@ -232,7 +233,7 @@ def estimate(cfg: dict, world: int = 1, bf16: bool = False) -> list[PhaseMemory]
                 models[ph.model_key] = build_model(m.pop("kind"), m, shape)
             else:
                 out.append(PhaseMemory(ph.name, "other", note="not estimated"))
-        out.append(_sample_memory(cfg, [p for p in out if p.kind == "train"], shape, models))
+        out.append(_sample_memory(cfg, [p for p in out if p.kind == "train"], shape, models, bf16))
     return out
 
 
