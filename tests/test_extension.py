@@ -383,6 +383,10 @@ def test_callback_state_is_checkpointed_and_exceptions_reach_callbacks(runs_dir)
     with pytest.raises(Interrupted) as stopped:
         train_run(cfg, callbacks=[first])
     assert first.errors == ["Interrupted"] and stopped.value.run_dir.resolve() == runs_dir / "cb"
+    # the callback's own stop, named so ("stopped by signal 15" sent a user looking for who sent SIGTERM), with a
+    # SIGTERM's exit status as before
+    assert "stopped by trainer.request_stop() in phase 'velocity' at step 4" in str(stopped.value)
+    assert stopped.value.exit_status == 128 + 15
     second = Counter()
     train_run(resume=runs_dir / "cb", callbacks=[second])
     assert second.seen == 6  # 4 restored from the checkpoint + 2 steps after the resume

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import signal
 import time
 from typing import Any, Callable, Iterable
 
@@ -42,7 +41,7 @@ from sinkflow.engine.prefetch import BatchPrefetcher, use_prefetch
 from sinkflow.engine.step_graph import StepGraph
 from sinkflow.runtime.rng import draws_dropout, phase_generator, seed_everything, stream_seed
 from sinkflow.runtime.run_folder import build_phase_model, load_model_state
-from sinkflow.runtime.signals import Interrupted, stop_requested
+from sinkflow.runtime.signals import REQUESTED, Interrupted, stop_requested
 from sinkflow.runtime.state_check import check_step_state
 
 log = logging.getLogger(__name__)
@@ -420,8 +419,9 @@ class Trainer:
                             f"{kept}", fix, step=step, what=what)
 
     # ---- the loop -------------------------------------------------------------------------------
-    def request_stop(self, signum: int = signal.SIGTERM) -> None:
-        """Stop at the next unit boundary exactly as on a signal: checkpoint, then ``Interrupted``."""
+    def request_stop(self, signum: int = REQUESTED) -> None:
+        """Stop at the next unit boundary exactly as on a signal: checkpoint, then ``Interrupted``, which says it was
+        this request (a SIGTERM's exit status; ``signum`` a signal's number to stop as that signal would)."""
         self._stop = signum
 
     def stop(self) -> None:

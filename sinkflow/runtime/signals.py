@@ -24,6 +24,9 @@ from sinkflow.errors import SinkflowError
 TIME_LIMIT = int(signal.SIGALRM)  # the stop code of an expired time limit: the alarm clock's number, never a
 # handled signal here, and below SIGTERM's, so a real SIGTERM on any rank wins ``dist.agree_stop``'s maximum
 TIME_LIMIT_EXIT = 124  # GNU timeout's exit status for "the command timed out"
+REQUESTED = int(signal.SIGUSR1)  # the stop code of a callback's ``trainer.request_stop()``: a signal number the runner
+# never handles, below the time limit's and SIGTERM's (a real stop on any rank wins ``dist.agree_stop``'s maximum); its
+# exit status is a SIGTERM's, as the stop itself is ("stopped by signal 15" was said of it)
 
 _requested: list[int] = []
 _deadline: list[float] = []  # time.monotonic() at which the time limit expires (empty: none)
@@ -41,7 +44,9 @@ class Interrupted(Exception):
 
     @property
     def exit_status(self) -> int:
-        return TIME_LIMIT_EXIT if self.signum == TIME_LIMIT else 128 + self.signum
+        if self.signum == TIME_LIMIT:
+            return TIME_LIMIT_EXIT
+        return 128 + (int(signal.SIGTERM) if self.signum == REQUESTED else self.signum)
 
 
 class StopNow(KeyboardInterrupt):
@@ -54,8 +59,11 @@ class StopNow(KeyboardInterrupt):
 
 
 def stop_reason(signum: int) -> str:
-    """'by signal 15' or 'at the time limit' (``Interrupted``'s message, ``sinkflow status``)."""
-    return "at the time limit" if signum == TIME_LIMIT else f"by signal {signum}"
+    """'by signal 15', 'at the time limit' or 'by trainer.request_stop()' (``Interrupted``'s message, ``sinkflow
+    status``)."""
+    if signum == TIME_LIMIT:
+        return "at the time limit"
+    return "by trainer.request_stop()" if signum == REQUESTED else f"by signal {signum}"
 
 
 def signalled() -> int | None:
