@@ -63,6 +63,19 @@ def test_preset_end_to_end(preset, runs_dir, capsys):
     steps, spread = re.search(r"^ +(\d+) +\d+ +[0-9.]+ \+- ([0-9.]+)", out, re.M).groups()
     assert (record["phase"], record["n"], record["seeds"]) == ("eval", 64, 2)
     assert record[f"w2_std_{steps}"] == pytest.approx(float(spread), abs=1e-3) and record[f"w2_std_{steps}"] > 0
+    assert all(record[f"nfe_{s}"] == s for s in (2, 4))  # NSGF: one network evaluation a step
+
+
+def test_a_2d_nsgfpp_record_names_each_rows_nfe(runs_dir, capsys):
+    """A 2-D evaluation record held W2 per step count and no NFE: NSGF++'s step counts are its straight flow's, so
+    `w2_4` did not say it took 5 NSGF + 1 predictor + 4 straight-flow evaluations, which the printed table and
+    every image record say."""
+    assert train("pp", "moons", "--method", "nsgfpp", "train.nsf.iters=6", "train.time.iters=6", method="nsgfpp") == 0
+    out = capsys.readouterr().out
+    record = json.loads((runs_dir / "pp" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["phase"] == "eval"
+    rows = re.findall(r"^ +(\d+) +(\d+) +[0-9.]+", out, re.M)
+    assert rows and all(record[f"nfe_{steps}"] == int(nfe) > int(steps) for steps, nfe in rows)
 
 
 @pytest.mark.parametrize("method", ["fm", "otcfm"])

@@ -95,7 +95,8 @@ def standard_evaluation(run, method, seeds: int | None = None, n: int | None = N
         n, seeds = rows[0]["n"], rows[0]["seeds"]
         record = setting(run, n, seeds)
         for r in rows:
-            record.update(scores({"w2": r["w2_mean"], "w2_std": r["w2_std"]}, f"_{r['steps']}"))
+            # with its NFE, as an image record: NSGF++'s "steps" are its straight flow's (2-D: 5 + 1 + steps NFE)
+            record.update(scores({"w2": r["w2_mean"], "w2_std": r["w2_std"], "nfe": r["nfe"]}, f"_{r['steps']}"))
         run.logger.log_evaluation(record)
         return format_table(rows, method.name, task_name(cfg), method.paper_label, cfg["eval"]["protocol"], draws(cfg))
     from sinkflow.eval.images import evaluate_images
