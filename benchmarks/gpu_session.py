@@ -43,46 +43,56 @@ BAR = re.compile(r"\d+%\|")
 class Step:
     name: str
     argv: tuple[str, ...]  # a script of benchmarks/ (or "sinkflow") and its arguments; {out}: the --out folder
-    seconds: int  # expected wall time on one H100, set-up included (earlier calls; a guess where marked)
+    seconds: int  # expected wall time on one H100 / H200, set-up included (earlier calls; a guess where marked)
     answers: str  # what it measures: the RESULTS.md row it fills
     smoke: tuple[str, ...] | None = None  # arguments of a CPU variant (--smoke runs these; None: checked only)
 
 
 MNIST_PRESET = ("pool.batches=100", "--preset", "mnist", "--configs", "default")
-CIFAR = ("--compile", "--steps", "20", "--warmup", "5", "--paths", "fp16+compile+stepgraph", "fp16+CL+compile+stepgraph")
+CIFAR = ("--compile", "--steps", "20", "--warmup", "5", "--paths", "fp16+compile+stepgraph",
+         "fp16+CL+compile+stepgraph")
 
 PLAN = (
+    Step("mnist-gpu", ("mnist.py", "--scale", "gpu", "--gpu-fraction", "0.05", "--device", "cuda", "--methods",
+                       "nsgfpp", "otcfm", "--train-seeds", "0", "--data-root", "data",
+                       "--out", "/tmp/sinkflow-mnist-gpu"),  # its run folders stay there; the log holds the table
+         480, "the mission's open question on a card: NSGF++ against OT-CFM on real digits at 5 % of the mnist "
+         "preset's budget on its UNet, FD-CNN with each sampler chosen on validation (the table is in the log; "
+         "guess: 8 min)"),
+    Step("doctor", ("sinkflow", "doctor", "mnist", "--steps", "100"), 100,
+         "sinkflow doctor on the CUDA default path (fp16, the captured step): 77 s on an H200, 2026-11-30, "
+         "whose findings (the train-mode probe blind to a replay, a 9.4x fit called a broken loop) were fixed "
+         "since: run it again"),
+    Step("lr-find", ("sinkflow", "lr-find", "mnist", "--phase", "velocity", "--out", "{out}/lr_find.png"), 150,
+         "sinkflow lr-find on the CUDA default path (a loaded state captures anew; guess: 2.5 min)"),
+    Step("memory", ("memory_estimate.py", "--device", "cuda", "--presets", "mnist"), 45,
+         "the planner's estimate against the peak of a captured fp16 step (26 s, 2026-11-30, its nsf and time rows "
+         "counting what the earlier phases' 2-step runs left allocated: measure again)"),
+    Step("cifar-fp16-cudnn", ("train_throughput.py", *CIFAR, "--cudnn-benchmark"), 200,
+         "issue 23: the same with cuDNN autotuning on (should the runner turn it on for fixed-shape phases?)"),
     Step("nsgfpp-fp16", ("preset_throughput.py", *MNIST_PRESET, "--methods", "nsgfpp", "--phases", "velocity", "nsf",
-                         "time"), 180,
+                         "time"), 90,
          "issue 23: NSGF++'s velocity / nsf / time rates under the fp16 default (>= 85 steps/s; the 30-min projection)",
          ("preset_throughput.py", "--smoke", "--methods", "nsgfpp", "--configs", "default", "--phases", "velocity")),
-    Step("otcfm-fm-fp16", ("preset_throughput.py", *MNIST_PRESET, "--methods", "fm", "otcfm", "--repeats", "2"), 180,
+    Step("otcfm-fm-fp16", ("preset_throughput.py", *MNIST_PRESET, "--methods", "fm", "otcfm", "--repeats", "2"), 45,
          "issue 23: OT-CFM within 10 % of FM under the fp16 default"),
-    Step("gpu-checks", ("gpu_checks.py", "--checks", "step_graph", "prefetch", "adam"), 90,
+    Step("gpu-checks", ("gpu_checks.py", "--checks", "step_graph", "prefetch", "adam"), 40,
          "the captured fp16 step with the guard's skip flag or-ed into GradScaler's (2026-11-30): bit-equal to the "
-         "plain step, no host sync; prefetch and fused Adam equivalences (guess: 1.5 min)",
+         "plain step, no host sync; prefetch and fused Adam equivalences (23 s, 2026-11-30)",
          ("gpu_checks.py", "--device", "cpu", "--smoke", "--checks", "step_graph")),
-    Step("cifar-fp16", ("train_throughput.py", *CIFAR), 300,
+    Step("cifar-fp16", ("train_throughput.py", *CIFAR), 200,
          "issue 23: the CIFAR-10 UNet step under the fp16 default vs fp32 eager and torchcfm, % of peak (cuDNN "
          "autotuning off, as in the runner)",
          ("train_throughput.py", "--smoke", "--steps", "1", "--paths", "fast")),
-    Step("busy-profiler-first", ("preset_throughput.py", *MNIST_PRESET, "--methods", "fm", "--profiler-first"), 90,
+    Step("busy-profiler-first", ("preset_throughput.py", *MNIST_PRESET, "--methods", "fm", "--profiler-first"), 40,
          "the bench busy % column with the profiler opened before the capture (near 80 %, not 3-4 %?)"),
-    Step("sampling-fp16", ("sampling.py", "--compile", "--batches", "256", "--repeats", "2"), 200,
+    Step("sampling-fp16", ("sampling.py", "--compile", "--batches", "256", "--repeats", "2"), 190,
          "issue 23: sampling at 60 NFE, batch 256: fp16 beside bf16 and fp32, eager and compiled (fp16's samples "
-         "match fp32's on the CPU: sample_precision.py; guess: 4 compiles, 3.3 min)",
+         "match fp32's on the CPU: sample_precision.py; 170 s, 2026-11-30)",
          ("sampling.py", "--smoke", "--batches", "2", "--nfe", "2")),
-    Step("cifar-fp16-cudnn", ("train_throughput.py", *CIFAR, "--cudnn-benchmark"), 300,
-         "issue 23: the same with cuDNN autotuning on (should the runner turn it on for fixed-shape phases?)"),
-    Step("memory", ("memory_estimate.py", "--device", "cuda", "--presets", "mnist"), 120,
-         "the planner's estimate against the peak of a captured fp16 step (guess: 2 min)"),
     Step("ot-coupling", ("ot_coupling.py", "--device", "cuda", "--sizes", "128x784", "128x3072", "--import-repeats",
-                         "0"), 30, "OT-CFM's whole plan on the card's host (SciPy's assignment)",
+                         "0"), 20, "OT-CFM's whole plan on the card's host (SciPy's assignment)",
          ("ot_coupling.py", "--sizes", "8x4", "--batches", "2", "--import-repeats", "0")),
-    Step("doctor", ("sinkflow", "doctor", "mnist", "--steps", "100"), 120,
-         "sinkflow doctor on the CUDA default path (fp16, the captured step; guess: 2 min)"),
-    Step("lr-find", ("sinkflow", "lr-find", "mnist", "--phase", "velocity", "--out", "{out}/lr_find.png"), 150,
-         "sinkflow lr-find on the CUDA default path (a loaded state captures anew; guess: 2.5 min)"),
 )
 
 

@@ -572,8 +572,7 @@ def recorded_split(out: Path, seeds: list[int]) -> dict | None:
     return json.loads(found[0].read_text()) if found else None
 
 
-@one_line_errors  # a SinkflowError (the MNIST files of a --data-root missing) in one line, not a traceback
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench-mnist")
     ap.add_argument("--scale", choices=tuple(SCALES), default="cpu",
@@ -614,6 +613,17 @@ def main(argv=None) -> None:
     for k in ("velocity", "nsf", "time", "pool"):
         ap.add_argument(f"--{k}", type=positive_int, help=f"override the scale's {k} budget")
     ap.add_argument("--n", type=int, help="override the scale's n budget")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The script's arguments (benchmarks/gpu_session.py checks its plan with this before a GPU call)."""
+    return build_parser().parse_args(argv)
+
+
+@one_line_errors  # a SinkflowError (the MNIST files of a --data-root missing) in one line, not a traceback
+def main(argv=None) -> None:
+    ap = build_parser()
     args = ap.parse_args(argv)
     # before any work: CUDA asked for where there is none failed at the first training run, after the FD-CNN
     # classifier was trained, as two lines (sinkflow's and 'training ... failed')
