@@ -156,6 +156,123 @@ def test_model_left_in_eval_mode():
     assert doctor.check_eval_mode(model, lambda: model(batch[0])).ok is False
 
 
+def test_a_step_whose_modules_run_unseen_is_said_not_passed():
+    """On CUDA a step is a graph replay of a compiled model: no forward hook runs, and the train-mode probe passed
+    on what it did not see (`sinkflow doctor mnist`, H200: "ok [nsf] ... 1 modules in train mode" of a 190-module
+    UNet). Two doubles: a step that never calls the model (a replay), and a root whose forward reads its children's
+    weights without calling them (its root hook alone firing); then a real compiled module, compiled before the
+    probe's hooks were added (dynamo does not guard on hooks: a cached graph runs without them), in eval mode: it
+    read "ok ... 0 modules in train mode". Each is said (n/a), in eval mode or not; an eager step still passes or
+    fails on the modes."""
+    import torch.nn.functional as F
+
+    model, (x, y) = make()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def replay():
+        opt.zero_grad(set_to_none=True)
+        h = F.relu(F.linear(x, model[0].weight, model[0].bias))
+        loss = (F.linear(h, model[3].weight, model[3].bias) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+
+    class Compiled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return F.linear(x, self.inner.weight, self.inner.bias)
+
+    compiled = Compiled()
+    for m, step in ((model, replay), (compiled, lambda: compiled(x))):
+        for train in (True, False):
+            m.train(train)
+            f = doctor.check_train_mode(m, step)
+            assert f.ok is None and "not seen" in f.symptom, f.line()
+            f = doctor.check_eval_mode(m, step)
+            assert f.ok is None and "not seen" in f.symptom, f.line()
+    model.eval()  # the real thing: a module compiled before the hooks were added (dynamo does not guard on hooks)
+    torch._dynamo.reset()
+    compiled_step = stepper(torch.compile(model, backend="eager"), opt, mse, (x, y))
+    compiled_step()
+    f = doctor.check_train_mode(model, compiled_step)
+    assert f.ok is None and "0 of the model's 5 modules" in f.symptom, f.line()
+    torch._dynamo.reset()
+    model.train()
+    assert doctor.check_train_mode(model, stepper(model, opt, mse, batch := (x, y))).ok
+    model.eval()
+    assert doctor.check_train_mode(model, stepper(model, opt, mse, batch)).ok is False
+    lone = nn.Linear(4, 1)  # a model with no submodules: its root is the whole of it
+    assert doctor.check_train_mode(lone, lambda: lone(x)).ok
+
+
+def test_doctor_sees_the_modes_of_a_phase_whose_step_runs_no_hook(runs_dir, monkeypatch):
+    """The doctor's train-mode check looks at an eager forward of the phase's model, not at the step: a step that
+    runs no Python hook (a CUDA-graph replay, here a double: the real step with every module's pre-hooks set aside)
+    still has a model left in eval mode caught, and a correct phase passes having seen its modules."""
+    from collections import OrderedDict
+
+    from sinkflow import config
+    from sinkflow.engine.trainer import Trainer
+    from sinkflow.tools.doctor import doctor_run
+
+    step, setup = Trainer.train_step, Trainer.setup
+
+    def replayed(self, batch):
+        modules = list(self.model.modules())
+        hooks = [m._forward_pre_hooks for m in modules]
+        for m in modules:
+            m._forward_pre_hooks = OrderedDict()
+        try:
+            return step(self, batch)
+        finally:
+            for m, h in zip(modules, hooks):
+                m._forward_pre_hooks = h
+
+    monkeypatch.setattr(Trainer, "train_step", replayed)
+    cfg = config.resolve("moons", ["pool.batch_size=32", "train.velocity.batch_size=32"], {"device": "cpu"})
+    findings = doctor_run(cfg, runs_dir / "good", overfit_steps=20, phases=["velocity"])
+    mode = next(f for f in findings if f.check == "train mode while training")
+    assert mode.ok and not mode.symptom.startswith("0 "), mode.line()
+
+    def bad_setup(self):  # a planted bug: the engine leaves the model in eval mode
+        setup(self)
+        self.model.eval()
+
+    monkeypatch.setattr(Trainer, "setup", bad_setup)
+    findings = doctor_run(cfg, runs_dir / "bad", overfit_steps=20, phases=["velocity"])
+    mode = next(f for f in findings if f.check == "train mode while training")
+    assert mode.ok is False and "eval mode" in mode.symptom, mode.line()
+
+
+def test_doctor_sees_the_modes_of_a_compiled_phase_left_in_eval_mode(runs_dir, monkeypatch):
+    """The phase's own model compiled (`compile: true`; dynamo's eager backend, no C compiler needed), its layers
+    left in eval mode and its step taken once: compiled before the probe's hooks existed, the step ran the root's
+    hook alone (the root in train mode), and the doctor said "ok ... 1 modules in train mode", as of mnist's nsf
+    UNet on an H200. The eager forward the check now watches catches it."""
+    from sinkflow import config
+    from sinkflow.tools import doctor as doctor_mod
+
+    compile_, check_phase = torch.compile, doctor_mod.check_phase
+
+    def planted(run, trainer, *args):  # the layers left in eval mode (not the root); the compiled step has run
+        for layer in trainer.model.children():
+            layer.eval()
+        trainer.train_step(trainer.batch)
+        return check_phase(run, trainer, *args)
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", lambda module, **kw: compile_(module, backend="eager"))
+    monkeypatch.setattr(doctor_mod, "check_phase", planted)
+    cfg = config.resolve("moons", ["pool.batch_size=32", "train.velocity.batch_size=32", "train.velocity.compile=true"],
+                         {"device": "cpu"})
+    findings = doctor_mod.doctor_run(cfg, runs_dir, overfit_steps=20, phases=["velocity"])
+    torch._dynamo.reset()
+    mode = next(f for f in findings if f.check == "train mode while training")
+    assert mode.ok is False and "eval mode" in mode.symptom, mode.line()
+
+
 def test_missing_optimizer_step_fails_overfit_and_weight_change():
     model, batch = make()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

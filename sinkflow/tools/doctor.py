@@ -177,6 +177,9 @@ def check_inputs_reach_output(model: nn.Module, x: torch.Tensor, t: torch.Tensor
 
 
 def _mode_probe(model: nn.Module, fn: Callable[[], object]) -> list[tuple[str, bool]]:
+    """(name, training) of every module of ``model`` whose forward ran during ``fn()``, seen by forward pre-hooks:
+    only a Python call of a module runs them, so a step that makes none (a CUDA-graph replay, a compiled module)
+    leaves this empty or holding the root alone (see ``_blind``)."""
     seen: dict[str, bool] = {}
     def hook(mod, inp, name):
         seen.setdefault(name, mod.training)  # returns None: the input is left alone
@@ -191,8 +194,29 @@ def _mode_probe(model: nn.Module, fn: Callable[[], object]) -> list[tuple[str, b
     return list(seen.items())
 
 
+def _blind(model: nn.Module, modes: list[tuple[str, bool]], check: str, during: str) -> Finding | None:
+    """The n/a finding when the probe saw no module below the root run (or nothing at all) though the model has
+    some: the modules ran where no Python hook does, so their modes were not seen, and "0 modules in train mode" was
+    an ok for a check that could not look (`sinkflow doctor mnist` on an H200, the nsf phase: "ok ... 1 modules in
+    train mode" of a 190-module UNet). A CUDA-graph replay runs no Python; a module compiled before the hooks were
+    added runs its cached graph without them (dynamo does not guard on hooks: ``skip_nnmodule_hook_guards``), the
+    root's own hook alone firing where the compiled call is the root's."""
+    below = sum(1 for n, _ in model.named_modules() if n)
+    if modes and (not below or any(n for n, _ in modes)):
+        return None
+    return Finding(check, None, f"not seen: {len(modes)} of the model's {below + 1} modules ran as Python calls "
+                   f"{during} (a CUDA-graph replay or a compiled forward runs no hook); give the check an eager "
+                   "forward of the same model")
+
+
 def check_train_mode(model: nn.Module, step_fn: Callable[[], object]) -> Finding:
+    """The modes of ``model``'s modules while ``step_fn()`` runs: pass a step, or (as ``check_phase`` does) an eager
+    forward of the model in the modes the step runs with; a ``step_fn`` whose modules ran unseen is said, not
+    passed."""
     modes = _mode_probe(model, step_fn)
+    blind = _blind(model, modes, "train mode while training", "during the step")
+    if blind is not None:
+        return blind
     evals = [n or "<root>" for n, t in modes if not t]
     if evals:
         return Finding("train mode while training", False, f"{len(evals)} module(s) ran in eval mode during a training "
@@ -203,12 +227,39 @@ def check_train_mode(model: nn.Module, step_fn: Callable[[], object]) -> Finding
 
 def check_eval_mode(model: nn.Module, sample_fn: Callable[[], object]) -> Finding:
     modes = _mode_probe(model, sample_fn)
+    blind = _blind(model, modes, "eval mode while sampling", "while sampling")
+    if blind is not None:
+        return blind
     trains = [n or "<root>" for n, t in modes if t]
     if trains:
         return Finding("eval mode while sampling", False, f"{len(trains)} module(s) ran in train mode while sampling "
                        f"(e.g. {trains[0]})", "model.eval() was not called before sampling",
                        "wrap sampling in model.eval() and torch.no_grad()")
     return _ok("eval mode while sampling", f"{len(modes)} modules in eval mode")
+
+
+def step_modes_forward(trainer, batch) -> tuple[nn.Module, Callable[[], object]]:
+    """(a copy of the phase's model, a forward of the phase's loss on ``batch`` through it): what ``check_phase``'s
+    train-mode check watches instead of ``trainer.train_step``. The step's own forward is, on CUDA's default path,
+    a CUDA-graph replay (``graph: step``) of a compiled model, where no forward hook runs (a compiled model whose
+    graph was cached before the hooks existed runs without them too), so the probe saw the root alone and passed; a
+    graph replays the modes its modules had when it was captured, and eager and compiled steps run
+    the modes the model has, so the question is the modes ``trainer.model`` is in now, before the phase's first
+    step (the capture follows a few steps later). This forward runs them eagerly, on every path: a deep copy (the
+    same modes; a train-mode forward updates BatchNorm statistics and other state of its own), without gradient or
+    optimizer step, under the phase's autocast, the random state restored after (dropout and the loss's draws leave
+    the steps that follow as they were)."""
+    from sinkflow.runtime.autocast import autocast
+
+    probe = copy.deepcopy(trainer.model)
+    device = trainer.device
+
+    def forward():
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), \
+                autocast(device.type, trainer.precision):
+            trainer.task.loss(probe, batch)
+
+    return probe, forward
 
 
 def check_frozen(frozen: dict[str, nn.Module], optimizer: torch.optim.Optimizer, step_fn: Callable[[], object]) -> Finding:
@@ -627,7 +678,7 @@ def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch:
     if _takes_time(model, batch):
         out.append(check_inputs_reach_output(model, batch[0], batch[1]))
     out.append(check_loss_graph(trainer.ddp_model, trainer.task.loss, batch))
-    out.append(check_train_mode(model, lambda: trainer.train_step(batch)))
+    out.append(check_train_mode(*step_modes_forward(trainer, batch)))
     out.append(check_weights_change(model, lambda: at_base_lr(trainer, lambda: applied_step(trainer, batch)),
                                     optimizer=opt))
     frozen = run.loaded_models
