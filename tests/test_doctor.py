@@ -340,6 +340,32 @@ def test_a_falling_loss_on_a_short_budget_blames_the_budget_not_the_wiring():
         assert f.ok is False and "too few" not in f.cause, (rose, f.cause)
 
 
+def test_a_loss_that_fell_most_of_the_way_then_levelled_is_not_called_a_broken_loop():
+    """`sinkflow doctor mnist --steps 100` on an H200: the velocity UNet's loss went 0.727 -> 0.0773 (9.4x, short of
+    10x) and was flat with noise over its last quarter, so the budget rule did not fire and the cause printed was
+    "the loop is broken (wiring above)": a false alarm on a healthy preset. A fall over sqrt(10)x names the budget
+    and the LR; a loss that barely moves (a missing optimizer step), or one that fell less than that, is still a
+    broken loop."""
+    rng = np.random.default_rng(0)
+    velocity = [0.0773 + 0.734 * math.exp(-i / 8) + 0.01 * float(rng.standard_normal()) for i in range(100)]
+    assert doctor._short_budget(100, velocity) is None  # levelled: the budget rule stays silent
+    steps = iter(velocity)
+    f = doctor.overfit_one_batch(lambda: next(steps), steps=100)
+    assert f.ok is False and "(< 10x)" in f.symptom, f.line()
+    assert "loop is broken" not in f.cause and "the loop learns" in f.cause and "x, then levelled" in f.cause, f.cause
+    assert f"--steps {doctor.OVERFIT_STEPS}" in f.fix and "lr-find" in f.fix, f.fix
+    steps = iter([0.0773 + 0.734 * math.exp(-i / 8) + 0.01 * float(rng.standard_normal()) for i in range(300)])
+    f = doctor.overfit_one_batch(lambda: next(steps), steps=doctor.OVERFIT_STEPS)  # the default budget: twice it
+    assert f.ok is False and f"--steps {2 * doctor.OVERFIT_STEPS}" in f.fix, f.line()
+    flat = iter([3.0 + 0.01 * float(rng.standard_normal()) for _ in range(100)])
+    f = doctor.overfit_one_batch(lambda: next(flat), steps=100)
+    assert f.ok is False and "loop is broken" in f.cause, f.cause
+    little = [1.0 + 1.0 * math.exp(-i / 8) for i in range(100)]  # 1.9x and levelled: not most of the way
+    steps = iter(little)
+    f = doctor.overfit_one_batch(lambda: next(steps), steps=100)
+    assert f.ok is False and "loop is broken" in f.cause, f.cause
+
+
 def test_frozen_model_that_trains_is_caught():
     model, batch = make()
     frozen = nn.Linear(4, 4)

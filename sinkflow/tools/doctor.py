@@ -302,6 +302,23 @@ def _short_budget(steps: int, losses: list[float]) -> tuple[str, str] | None:
     return None
 
 
+def _levelled_short(steps: int, first: float, last: float, factor: float) -> tuple[str, str] | None:
+    """(cause, fix) when a failed overfit rule's loss fell over half the way to ``factor`` on a log scale (above
+    sqrt(factor): 3.2x of 10x) and then levelled (``_short_budget`` did not fire): a loop that learns, held short by
+    its budget or its LR, not a broken one (a missing step, a detached loss, a loss that reaches no weight barely
+    moves it). mnist's velocity UNet on an H200, `sinkflow doctor mnist --steps 100`: 0.727 -> 0.0773 (9.4x), flat
+    with noise over its last quarter, was "the loop is broken (wiring above)", a false alarm on a healthy preset
+    that sent the user hunting a wiring bug. Such a plateau on one fixed batch is the noise of Adam's steps at this
+    LR (a lower LR, or more steps, fits further)."""
+    if not (first > 0 and last > 0 and first / last >= math.sqrt(factor)):
+        return None
+    more = OVERFIT_STEPS if steps < OVERFIT_STEPS else 2 * steps
+    return (f"the loss fell {first / last:.1f}x, then levelled short of {factor:g}x: the loop learns (a broken one "
+            "barely moves the loss); the step budget or the LR held it short",
+            f"rerun with --steps {more}; if it levels again short of {factor:g}x, lower the LR "
+            "(sinkflow lr-find)")
+
+
 def overfit_one_batch(step_fn: Callable[[], float], steps: int = OVERFIT_STEPS, factor: float = 10.0,
                       extend_within_s: float = EXTEND_WITHIN_S) -> Finding:
     """``step_fn()`` takes one optimizer step on the same fixed batch and returns its loss.
@@ -328,7 +345,7 @@ def overfit_one_batch(step_fn: Callable[[], float], steps: int = OVERFIT_STEPS, 
     first = sum(losses[:3]) / 3
     last = sum(losses[-10:]) / len(losses[-10:])
     if not _fitted(losses, factor):
-        cause, fix = _short_budget(steps, losses) or (
+        cause, fix = _short_budget(steps, losses) or _levelled_short(steps, first, last, factor) or (
             "the loop is broken (wiring above) or the LR is far off", "fix the wiring findings first, then try "
             "sinkflow lr-find")
         return Finding("overfit one batch", False, f"the loss on one fixed batch went {first:.3g} -> {last:.3g} in "
