@@ -467,6 +467,39 @@ def test_doctor_catches_a_phase_left_in_eval_mode(runs_dir, monkeypatch):
     assert "train mode while training" in [f.check for f in findings if f.ok is False]
 
 
+def test_doctor_on_a_machine_that_cannot_compile_falls_back_as_training_does(runs_dir, monkeypatch, caplog):
+    """`compile: auto` (on for a UNet on CUDA) trains eager where compiling fails (no Triton for the card, no C
+    compiler): Trainer.train_step falls back. The doctor's loss-graph check called the compiled model first, outside
+    train_step, and the doctor crashed with dynamo's error. The failure is planted as in test_prefetch.py (a
+    torch.compile whose module raises at its first call, auto made to resolve to compile on this CPU)."""
+    import logging
+
+    from torch._dynamo.exc import TorchDynamoException
+
+    from sinkflow import config
+    from sinkflow.engine import fast_path
+    from sinkflow.tools.doctor import doctor_run
+
+    class CannotCompile(nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args):
+            raise TorchDynamoException("backend='inductor' raised: no working C compiler")
+
+    monkeypatch.setattr(torch, "compile", lambda module, **kw: CannotCompile(module))
+    real = fast_path.resolve
+    monkeypatch.setattr(fast_path, "resolve", lambda tcfg, *a, **k: {**real(tcfg, *a, **k), "compile": True}
+                        if tcfg["compile"] == "auto" else real(tcfg, *a, **k))
+    cfg = config.resolve("moons", ["pool.batch_size=32", "train.velocity.batch_size=32"], {"device": "cpu"})
+    with caplog.at_level(logging.WARNING):
+        findings = doctor_run(cfg, runs_dir, overfit_steps=20, phases=["velocity"])
+    assert "velocity: torch.compile failed" in caplog.text  # it was compiled, and fell back
+    graph = next(f for f in findings if f.check == "loss has a graph")
+    assert graph.ok, graph.line()
+
+
 def test_doctor_on_an_image_preset_through_the_step_graph(runs_dir):
     """digits' UNet (zero-initialised output layers) through the captured step's path: no false alarm. The
     weights-change check waits for the layers behind the zero layers; the overfit runs on the whole first batch

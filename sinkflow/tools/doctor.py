@@ -694,7 +694,10 @@ def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch:
     out.append(check_optimizer_covers(model, opt))
     if _takes_time(model, batch):
         out.append(check_inputs_reach_output(model, batch[0], batch[1]))
-    out.append(check_loss_graph(trainer.ddp_model, trainer.task.loss, batch))
+    # the eager model: whether backward reaches every weight is the loss's and the model's question, not the
+    # compiler's; a compiled model's first call here compiled outside train_step, whose `compile: auto` falls back to
+    # eager where compiling fails (doctor crashed with dynamo's error instead), and without autocast (a second compile)
+    out.append(check_loss_graph(trainer.eager_model, trainer.task.loss, batch))
     out.append(check_train_mode(*step_modes_forward(trainer, batch)))
     out.append(check_weights_change(model, lambda: at_base_lr(trainer, lambda: applied_step(trainer, batch)),
                                     optimizer=opt))
