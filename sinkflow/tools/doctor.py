@@ -642,6 +642,19 @@ def _subset(batch, n: int):
     return batch
 
 
+def _tiled(batch, n: int):
+    """``batch``'s first ``n`` rows repeated to its own length: a subset of the shape a captured step takes."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return batch
+        return batch[torch.arange(len(batch), device=batch.device) % max(1, min(n, len(batch)))]
+    if isinstance(batch, dict):
+        return {k: _tiled(v, n) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_tiled(v, n) for v in batch)
+    return batch
+
+
 FP16_SKIPS = 24  # GradScaler's scale starts at 2**16 and halves on each skipped step: 2**-8 after this many
 
 
@@ -705,9 +718,10 @@ def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch:
     out.append(check_frozen(frozen, opt, lambda: trainer.train_step(batch)))
     out.append(check_batchnorm_batch1(model, micro_batch_sizes(trainer.cfg["batch_size"], trainer.cfg["accum"],
                                                                  trainer.info.world)))
-    # a captured step (graph: step, the CUDA default for UNet phases) takes batches of its own shape only: it
-    # overfits the whole first batch instead of a subset
-    fixed = batch if trainer.step_graph is not None else _subset(batch, overfit_batch)
+    # a captured step (graph: step, the CUDA default for UNet phases) takes batches of its own shape only: the
+    # subset is tiled to that shape (the same samples, the same mean loss); the whole first batch, 128 samples on the
+    # mnist preset against 16 eager, fitted 9.4x in 100 steps on an H200 where 16 fit easily
+    fixed = _tiled(batch, overfit_batch) if trainer.step_graph is not None else _subset(batch, overfit_batch)
     if _is_flow(model):
         out += _flow_checks(run, trainer, fixed, overfit_steps)
     else:
