@@ -298,3 +298,18 @@ def test_health_counts_dead_activations_also_where_the_step_is_a_replay(runs_dir
     assert trainer.model.training  # the probe's eval mode is undone
     plain, with_probe = final_weights(eager_run), final_weights(probed_run)
     assert all(torch.equal(plain[k], with_probe[k]) for k in plain)
+
+
+def test_the_probe_forward_gives_every_module_its_own_mode_back(tmp_path):
+    """``Trainer.probe_forward`` (Health's and the learning check's look at a captured step) runs in eval mode and
+    restored the root's flag on every module: a submodule a network keeps in eval (a frozen, pretrained part) came
+    back in train mode, its dropout and batch statistics then live in training (audit NN's open item)."""
+    from sinkflow.tools.phases import workspace
+
+    run, trainer = workspace(moons_cfg(), "velocity", tmp_path)
+    frozen = next(m for m in trainer.model.modules() if m is not trainer.model)
+    frozen.eval()
+    modes = {name: m.training for name, m in trainer.model.named_modules()}
+    assert not frozen.training and trainer.model.training
+    trainer.probe_forward(trainer.batch)
+    assert {name: m.training for name, m in trainer.model.named_modules()} == modes

@@ -324,16 +324,18 @@ class Trainer:
         ``Health``'s activation hooks watch when the step itself is a CUDA-graph replay (no Python runs inside), and
         what ``LearningCheck`` compares. In eval mode: dropout off, so the probe draws
         no random numbers and the training that follows is unchanged (sinkflow's networks have no batch statistics
-        that eval mode would swap)."""
+        that eval mode would swap). Every module's own mode comes back afterwards: ``model.train(flag)`` would set the
+        root's on all, flipping a submodule a user's network keeps in eval (a frozen, pretrained encoder) to train."""
         if self.channels_last:
             batch = to_channels_last(batch)
-        training = self.model.training
+        modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
         try:
             with self._autocast():
                 return self.task.loss(self.model, batch).float()
         finally:
-            self.model.train(training)
+            for module, training in modes:  # Module.train's own assignment, one module at a time
+                module.training = training
 
     def _autocast(self, cache: bool = True) -> torch.autocast:
         """The phase's autocast (``precision``: bf16 / fp16; fp32 = disabled)."""
