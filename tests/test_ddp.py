@@ -511,3 +511,37 @@ def test_a_pool_that_diverges_under_ddp_is_one_line(runs_dir):
     lines = [x for x in out.stderr.splitlines() if x.startswith("sinkflow: ")]
     assert len(lines) == 1 and "the pool's Sinkhorn flow diverged" in lines[0], out.stderr[-3000:]
     assert "pool.eta" in lines[0]
+
+
+STOP_ALONE = """import os, sys
+from sinkflow.engine import experiment
+from sinkflow.runtime.callbacks import Callback
+
+class StopAlone(Callback):  # an early stop on this rank's own numbers: rank 0 alone decides to stop
+    def on_train_batch_end(self, trainer, batch, outputs):
+        if os.environ["RANK"] == "0" and trainer.name == os.environ["STOP_PHASE"] and trainer.step == 2:
+            trainer.stop()
+
+real = experiment.train_run
+experiment.train_run = lambda *a, **k: real(*a, **{**k, "callbacks": [*k.get("callbacks", ()), StopAlone()]})
+sys.argv = ["sinkflow", *sys.argv[1:]]
+from sinkflow.cli import entry
+entry()
+"""
+
+
+@pytest.mark.parametrize("phase", ["pool", "velocity"])
+def test_a_callbacks_stop_on_one_rank_ends_every_rank(phase, runs_dir, tmp_path, monkeypatch):
+    """`trainer.stop()` from a callback on one rank only (an early stop on that rank's own shard's loss) ended that
+    rank's phase alone: the other failed in the next collective ("another process of this torchrun job stopped ...
+    resume with ..." beside the stop's own line). The ranks now agree on it as on a stop request, a few steps
+    later, and end with the one line that the phase is not finished, writing no final.pt."""
+    script = tmp_path / "stop_alone.py"
+    script.write_text(STOP_ALONE)
+    monkeypatch.setenv("STOP_PHASE", phase)
+    out = _torchrun(*COMMON, "--train-iters", "40", "--name", "alone", cwd=runs_dir.parent, entry=(str(script),),
+                    timeout=120)
+    assert out.returncode != 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("sinkflow:")]
+    assert len(lines) == 1 and f"ended phase '{phase}'" in lines[0] and "trainer.stop()" in lines[0], lines
+    assert not (runs_dir / "alone" / "checkpoints" / phase / "final.pt").exists()

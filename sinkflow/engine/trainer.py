@@ -41,7 +41,7 @@ from sinkflow.engine.prefetch import BatchPrefetcher, use_prefetch
 from sinkflow.engine.step_graph import StepGraph
 from sinkflow.runtime.rng import draws_dropout, phase_generator, seed_everything, stream_seed
 from sinkflow.runtime.run_folder import build_phase_model, load_model_state
-from sinkflow.runtime.signals import REQUESTED, Interrupted, stop_requested
+from sinkflow.runtime.signals import QUIET, REQUESTED, Interrupted, stop_requested
 from sinkflow.runtime.state_check import check_step_state
 
 log = logging.getLogger(__name__)
@@ -429,8 +429,13 @@ class Trainer:
     def stop(self) -> None:
         """End the phase after the current hook, writing nothing: called in ``on_train_batch_start`` the
         step is not taken. ``fit()`` returns with ``stopped`` set; no ``final.pt``, no ``on_phase_end``
-        (doctor and lr-find stop a trainer ready before its first step this way)."""
-        self.stopped = True
+        (doctor and lr-find stop a trainer ready before its first step this way). Under torchrun the ranks agree on
+        it as on a stop request (``_agree_stop``, at the next agreement: a few steps later), then all end: a rank
+        whose callback stopped alone (its own shard's loss) left the others waiting in the next all-reduce."""
+        if self.info.enabled:
+            self._stop = self._stop if self._stop is not None else QUIET
+        else:
+            self.stopped = True
 
     @property
     def total(self) -> int:
@@ -610,12 +615,18 @@ class Trainer:
         training phase the same collective sets the next agreement: ``AGREE_EVERY_S`` seconds of steps at the rate
         since this one, the slowest rank's (the first steps, slow with compilation, agree often and then less)."""
         signum = self._stop if self._stop is not None else stop_requested()
+        if signum == QUIET:  # a signal since the quiet stop was asked wins
+            signum = stop_requested() or QUIET
         if not (self.info.enabled and self.training):
-            return dist.agree_stop(signum)
-        now, (then, step) = time.perf_counter(), self._agreed
-        pace = AGREE_EVERY_S * (self.step - step) / max(now - then, 1e-9)
-        signum, steps = dist.agree_stop_paced(signum, int(pace))
-        self._next_agree, self._agreed = self.step + steps, (now, self.step)
+            signum = dist.agree_stop(signum)
+        else:
+            now, (then, step) = time.perf_counter(), self._agreed
+            pace = AGREE_EVERY_S * (self.step - step) / max(now - then, 1e-9)
+            signum, steps = dist.agree_stop_paced(signum, int(pace))
+            self._next_agree, self._agreed = self.step + steps, (now, self.step)
+        if signum == QUIET:  # some rank's trainer.stop(): every rank ends the phase here, writing nothing
+            self.stopped = True
+            return None
         return signum
 
     def save(self) -> None:

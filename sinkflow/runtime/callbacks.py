@@ -27,8 +27,8 @@ resume starts the next phase afresh: a stop between two phases). To end a phase,
 ``trainer.request_stop()`` (checkpoint, then
 ``Interrupted``, as on SIGTERM) or ``trainer.stop()`` (the loop ends after the current hook, nothing is written,
 ``fit()`` returns with ``trainer.stopped`` set: for a tool's own ``Trainer``; in a run, ``run_phases`` then stops
-with a one-line error, as the phase has no ``final.pt``); it never raises to stop the loop nor sets another object's
-attributes.
+with a one-line error, as the phase has no ``final.pt``); under torchrun the ranks agree on either (one rank's
+callback may decide alone). It never raises to stop the loop nor sets another object's attributes.
 
 This module is a leaf (torch, tqdm and sinkflow.errors only): methods subclass ``Callback`` without importing the
 engine.
