@@ -146,3 +146,25 @@ def train_in(cwd: Path, *runs: list) -> Path:
     finally:
         os.chdir(old)
     return Path(cwd) / "runs"
+
+
+def plant_compile_failure(monkeypatch) -> None:
+    """A machine that cannot compile (no Triton for the card, no C compiler), on this CPU: ``torch.compile`` returns
+    a module whose first call raises dynamo's error, and ``compile: auto`` is made to resolve to compile here."""
+    import torch
+    from torch._dynamo.exc import TorchDynamoException
+
+    from sinkflow.engine import fast_path
+
+    class CannotCompile(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args):
+            raise TorchDynamoException("backend='inductor' raised: no working C compiler")
+
+    monkeypatch.setattr(torch, "compile", lambda module, **kw: CannotCompile(module))
+    real = fast_path.resolve
+    monkeypatch.setattr(fast_path, "resolve", lambda tcfg, *a, **k: {**real(tcfg, *a, **k), "compile": True}
+                        if tcfg["compile"] == "auto" else real(tcfg, *a, **k))

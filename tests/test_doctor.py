@@ -474,24 +474,11 @@ def test_doctor_on_a_machine_that_cannot_compile_falls_back_as_training_does(run
     torch.compile whose module raises at its first call, auto made to resolve to compile on this CPU)."""
     import logging
 
-    from torch._dynamo.exc import TorchDynamoException
-
+    from helpers import plant_compile_failure
     from sinkflow import config
-    from sinkflow.engine import fast_path
     from sinkflow.tools.doctor import doctor_run
 
-    class CannotCompile(nn.Module):
-        def __init__(self, module):
-            super().__init__()
-            self.module = module
-
-        def forward(self, *args):
-            raise TorchDynamoException("backend='inductor' raised: no working C compiler")
-
-    monkeypatch.setattr(torch, "compile", lambda module, **kw: CannotCompile(module))
-    real = fast_path.resolve
-    monkeypatch.setattr(fast_path, "resolve", lambda tcfg, *a, **k: {**real(tcfg, *a, **k), "compile": True}
-                        if tcfg["compile"] == "auto" else real(tcfg, *a, **k))
+    plant_compile_failure(monkeypatch)
     cfg = config.resolve("moons", ["pool.batch_size=32", "train.velocity.batch_size=32"], {"device": "cpu"})
     with caplog.at_level(logging.WARNING):
         findings = doctor_run(cfg, runs_dir, overfit_steps=20, phases=["velocity"])

@@ -224,22 +224,9 @@ def test_a_compile_that_fails_falls_back_to_eager_under_auto_and_stops_with_the_
     `compile: true` stops with one line naming the key, before any step is applied. The compiler's failure is
     planted (torch.compile returns a module whose first call raises dynamo's error); `auto` is made to resolve to
     compile on this CPU."""
-    from torch._dynamo.exc import TorchDynamoException
+    from helpers import plant_compile_failure
 
-    from sinkflow.engine import fast_path
-
-    class CannotCompile(torch.nn.Module):
-        def __init__(self, module):
-            super().__init__()
-            self.module = module
-
-        def forward(self, *args):
-            raise TorchDynamoException("backend='inductor' raised: no working C compiler")
-
-    monkeypatch.setattr(torch, "compile", lambda module, **kw: CannotCompile(module))
-    real_resolve = fast_path.resolve
-    monkeypatch.setattr(fast_path, "resolve", lambda tcfg, *a, **k: {**real_resolve(tcfg, *a, **k), "compile": True}
-                        if tcfg["compile"] == "auto" else real_resolve(tcfg, *a, **k))
+    plant_compile_failure(monkeypatch)
     plain = final_weights(train(moons_cfg("train.velocity.compile=false", iters=6), "eager"))
     with caplog.at_level(logging.WARNING):
         fallback = final_weights(train(moons_cfg(iters=6), "auto"))
