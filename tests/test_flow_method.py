@@ -380,7 +380,8 @@ def test_chunked_sampling_counts_the_overflowed_samples_of_every_chunk(monkeypat
         x = torch.zeros_like(x0)  # clamped pixels: finite, as the flow's sampler returns them
         return x, {"nfe": 1, "path": [], "nonfinite": 1}
 
-    monkeypatch.setattr(points.methods, "of", lambda cfg: types.SimpleNamespace(sample=sample))
+    method = types.SimpleNamespace(sample=sample, sample_precision=lambda cfg, device: "fp32")
+    monkeypatch.setattr(points.methods, "of", lambda cfg: method)
     run = types.SimpleNamespace(cfg={"sample": {"batch_size": 2}}, device=torch.device("cpu"))
     x, info = points.sample_chunks(run, torch.randn(5, 1, 8, 8), None)
     assert x.shape == (5, 1, 8, 8) and info["nonfinite"] == 3 and info["nfe"] == 1, info
