@@ -677,3 +677,35 @@ def test_a_step_with_non_finite_gradients_during_the_overfit_is_named_on_either_
     run.logger.close()
     assert overfit.check == "overfit one batch" and overfit.ok is False
     assert overfit.symptom.startswith("step 8 was not applied: non-finite gradient norm (nan)"), overfit.line()
+
+
+def test_a_checked_phase_is_dropped_before_the_next_phases_scratch_run(runs_dir, monkeypatch):
+    """`sinkflow doctor` checks the phases one after another; the checked phase's trainer (its model, Adam's moments,
+    the gradients, on CUDA its captured step's memory pool) stayed referenced while the next phase's scratch run built
+    and trained every earlier phase again, so on a card the later phases were checked on top of it. It is gone
+    (collectable) before the next scratch run starts."""
+    import gc
+    import weakref
+
+    from sinkflow import config
+    from sinkflow.tools import doctor as doctor_mod
+    from sinkflow.tools import phases
+
+    checked, alive_at_next = [], []
+    real_workspace = phases.workspace
+
+    def workspace(*args, **kwargs):
+        gc.collect()
+        alive_at_next.extend(ref() is not None for ref in checked)
+        return real_workspace(*args, **kwargs)
+
+    def check_phase(run, trainer, *args, **kwargs):
+        checked.append(weakref.ref(trainer))
+        return []
+
+    monkeypatch.setattr(phases, "workspace", workspace)
+    monkeypatch.setattr(doctor_mod, "check_phase", check_phase)
+    cfg = config.resolve("digits", ["pool.batch_size=16", "train.velocity.batch_size=16", "train.nsf.batch_size=16",
+                                    "train.velocity.graph=step"], {"device": "cpu"})
+    doctor_mod.doctor_run(cfg, runs_dir, phases=["velocity", "nsf"])
+    assert len(checked) == 2 and alive_at_next == [False], alive_at_next

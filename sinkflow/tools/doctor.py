@@ -775,6 +775,16 @@ def _flow_checks(run, trainer, fixed, overfit_steps: int) -> list[Finding]:
     return out
 
 
+def drop_checked(trainer) -> None:
+    """Free what a checked phase's trainer holds before the next phase is built: its step graph at once (a ready
+    trainer keeps it for the checks' steps; on CUDA the graph's memory pool and static batch), the rest (model,
+    Adam's moments, gradients) when the caller drops its last reference and ``run.release()`` collects. Held across
+    the loop, the next phase's scratch run built and trained every earlier phase on top of it (on a card: its
+    memory too)."""
+    if trainer.step_graph is not None:
+        trainer.step_graph.release()
+
+
 def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = OVERFIT_STEPS, overfit_batch: int = 16,
                factor: float = 10.0, phases: list[str] | None = None) -> list[Finding]:
     """All checks on every training phase (a scratch run of ``cfg``, or the existing ``run_dir``), then sampling."""
@@ -792,6 +802,9 @@ def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = OVE
         for name in names:
             run, ph = open_run_phase(Path(run_dir), name)
             findings += check_phase(run, ph, overfit_steps, overfit_batch, factor)
+            drop_checked(ph)
+            del ph
+            run.release()  # collects the trainer's reference cycles (the cyclic collector may not run for long)
         final_run = RunFolder(Path(run_dir), cfg, log=False)
     else:
         names = phases or train_phase_names(cfg)
@@ -801,6 +814,9 @@ def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = OVE
             run, ph = workspace(cfg, name, sub)
             findings += check_phase(run, ph, overfit_steps, overfit_batch, factor)
             run.logger.close()
+            drop_checked(ph)
+            del ph
+            run.release()  # collects the trainer's reference cycles (the cyclic collector may not run for long)
         final_run = None
         if names == train_phase_names(cfg):  # a full tiny run for the sampling check
             from sinkflow.engine.experiment import run_phases
