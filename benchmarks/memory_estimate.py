@@ -5,11 +5,19 @@
     python benchmarks/memory_estimate.py --device cuda --out FILE.md
 
 Real configs (model, batch sizes, precision, pool batch and steps), synthetic images of the real shape
-(no data set is needed). Measured = ``torch.cuda.max_memory_allocated`` while the phase's own
-``train_step`` runs 3 steps on its real batch (after 4 warm-up steps: Adam's state made, a step graph captured, as
-the steady state of a run),
-or while one pool batch's Sinkhorn trajectory is simulated (``pool.in_flight=1``). Frozen models of
-earlier phases that a phase holds are counted in the measurement, not in the estimate.
+(no data set is needed). Measured, for a training phase: the peak of ``torch.cuda.max_memory_allocated`` above what
+was allocated before the phase's trainer was built (the scratch run's earlier phases done and released), over the
+phase's own ``train_step`` on its real batch: steps 2 to 7 (the first step's one-off work, Adam's state made and
+a compiled model compiled, is left out; then the step graph's last eager warm-ups, its capture and 3 replays). The
+capture is in the window because a replay allocates nothing: the activations live in the graph's private pool,
+allocated while it is recorded, and a window of replays alone saw the weights, gradients, moments and workspaces
+only (the mnist velocity row read 150 MiB against 542 estimated on an H200). A frozen network of an earlier phase
+that the phase holds (``TrainingStep.frozen``, NSGF++'s velocity network for its NSGF states) is counted as the
+estimate counts it: loaded while the phase opens it is in the peak; loaded before (by an earlier phase of the same
+scratch run) its weights are added. cuBLAS's workspace for the phase's step-graph stream is allocated in the window
+(the estimate's ``cuda workspaces``); a stream's workspace made before the trainer (the default stream's, by an
+earlier phase) is in the base and not counted. For the pool: the peak above the allocation before one pool batch's
+Sinkhorn trajectory is simulated (``pool.in_flight=1``).
 
 A plan depends on the card: ``auto`` precision trains in half precision on a card with bf16 tensor cores and in
 fp32 without (or with no card named, as ``sinkflow preflight`` without ``--gpu``), about twice the activations. The
@@ -61,22 +69,27 @@ def measure_pool(cfg, phase_name, device, workdir) -> int:
 
 
 def measure_train(cfg, phase_name, device, workdir) -> int:
-    from sinkflow.tools.phases import workspace
+    from sinkflow.tools.phases import ready_trainer, scratch_run
 
-    run, phase = workspace(cfg, phase_name, workdir)
+    run, task = scratch_run(cfg, phase_name, workdir)
+    torch.cuda.synchronize(device)
+    # the phase's own memory: what the earlier phases left (frozen networks, cuBLAS workspaces) is in the base
+    base = torch.cuda.memory_allocated(device)
+    loaded = run.loaded_models
+    held = sum(memory_plan.weight_bytes(loaded[name]) for name in task.frozen() if name in loaded)
+    phase = ready_trainer(run, task)
     batch = phase.batch
-    # Adam's moments exist after the first step; a captured step (graph: step, the CUDA default of UNet phases)
-    # is recorded after WARMUP eager ones: the 3 measured steps are then replays holding the graph's pool
-    for _ in range(WARMUP + 1):
+    phase.train_step(batch)  # Adam's moments made, a compiled model compiled: one-off work, left out
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)  # the peak from here on starts at what is allocated now
+    # the step graph's last eager warm-ups, its capture (WARMUP + 1: where its activations are allocated, in the
+    # graph's pool) and 3 replays, which allocate nothing; without a step graph, 6 eager steps
+    for _ in range(WARMUP + 3):
         phase.train_step(batch)
     torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(3):
-        phase.train_step(batch)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device) - base + held
     run.logger.close()
-    del phase, run
+    del phase, run, task, batch
     gc.collect()  # as run_phases does between phases: the trainer's reference cycles hold its model and optimizer
     torch.cuda.empty_cache()
     return peak

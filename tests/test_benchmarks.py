@@ -277,6 +277,52 @@ def test_smoke_memory_estimate(quiet, capsys):
     assert "--gpu: unknown GPU 'V100'; use one of T4," in capsys.readouterr().err
 
 
+def test_memory_estimate_measures_a_phase_above_what_was_there_and_through_its_capture(quiet, monkeypatch):
+    """A training row is the phase's own peak: above what the scratch run's earlier phases left allocated (on an H200
+    the nsf row read 130 MiB over the velocity row of the same network, the time row 312 MiB) and over a window that
+    holds the step graph's capture, the one step whose activations the allocator sees (a replay allocates nothing:
+    a window of replays read the mnist velocity phase at 150 MiB, its weights, moments and workspaces). The CUDA
+    counters are stubbed by a meter: 1000 bytes left by earlier phases, 7 for the trainer, 20 of transients an eager
+    step frees, 50 allocated in the capture's pool; the real train_step runs on the CPU."""
+    import torch
+
+    from sinkflow import config
+    from sinkflow.engine.step_graph import WARMUP
+    from sinkflow.engine.trainer import Trainer
+    from sinkflow.tools import phases
+
+    bench = load("memory_estimate")
+    meter = {"now": 1000, "peak": 1000, "steps": 0}
+
+    def rise(n):
+        meter["peak"] = max(meter["peak"], meter["now"] + n)
+
+    real_ready, real_step = phases.ready_trainer, Trainer.train_step
+
+    def ready(run, task):
+        trainer = real_ready(run, task)
+        meter["now"] += 7
+        rise(0)
+        return trainer
+
+    def train_step(self, batch):
+        out = real_step(self, batch)
+        meter["steps"] += 1
+        rise(50 if meter["steps"] == WARMUP + 1 else 20 if meter["steps"] <= WARMUP else 0)
+        return out
+
+    monkeypatch.setattr(phases, "ready_trainer", ready)
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: meter["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: meter["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: meter.update(peak=meter["now"]))
+    cfg = config.resolve("digits", ["experiment.method=fm", "train.velocity.batch_size=8"], {"device": "cpu"})
+    assert bench.measure_train(cfg, "velocity", torch.device("cpu"), quiet / "scratch") == 7 + 50
+    assert meter["steps"] == WARMUP + 4
+
+
 def test_memory_estimate_measures_every_phase_kind_the_planner_gives(quiet, capsys, monkeypatch):
     """On a CUDA card the pool row is measured: the planner calls the pool kind "chunked", and a test of
     ``kind == "pool"`` left it "not measured" on every GPU run. The measuring functions and the card are stubbed, so

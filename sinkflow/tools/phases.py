@@ -89,6 +89,14 @@ def workspace(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: in
     its real Sinkhorn batch size but only ``pool_batches`` batches of at most ``pool_steps`` Euler steps
     (the first ``pool_steps`` steps of the real flow: a CPU pool of the real length can take many minutes).
     """
+    run, task = scratch_run(cfg, phase_name, workdir, pool_batches, pool_steps, prior_iters, overrides)
+    return run, ready_trainer(run, task)
+
+
+def scratch_run(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: int = 1, pool_steps: int = 10,
+                prior_iters: int = 2, overrides: list[str] | None = None):
+    """(run, task): ``workspace``'s scratch run with the earlier phases done and released, and ``phase_name``'s task,
+    no trainer built yet (what a caller measures the phase against: ``benchmarks/memory_estimate.py``)."""
     from sinkflow.runtime.run_folder import RunFolder
     from sinkflow.engine.trainer import Trainer
 
@@ -111,7 +119,7 @@ def workspace(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: in
     run = RunFolder.create(cfg)
     for ph in _phases(cfg):
         if ph.name == phase_name:
-            return run, ready_trainer(run, ph)
+            return run, ph
         Trainer(run, ph).fit()
         run.release()
     raise AssertionError("unreachable")
