@@ -331,3 +331,52 @@ def test_the_release_between_phases_frees_the_streams_blas_workspaces(monkeypatc
     assert calls == []
     RunFolder.release(SimpleNamespace(device=torch.device("cuda", 0)))
     assert calls == ["workspaces", "cache"]
+
+
+def test_nothing_of_a_finished_phase_outlives_it_in_the_run_or_a_scratch_run(runs_dir, tmp_path, monkeypatch):
+    """What a user's later phase runs beside: when a phase starts, no earlier phase's trainer, optimizer, step graph or
+    gradient is left (their memory on a card; the cuBLAS workspaces are freed by ``RunFolder.release``). The CUDA
+    path's pieces run here: the step graph on its static batch, batches drawn ahead on worker threads. Through
+    ``run_phases`` (sinkflow train) and ``workspace`` (doctor, lr-find), with no collection but the run's own."""
+    import weakref
+
+    from sinkflow.engine.experiment import run_phases
+    from sinkflow.runtime.callbacks import Callback
+    from sinkflow.tools.phases import workspace
+
+    seen, alive = [], []
+
+    class Watch(Callback):
+        def on_phase_start(self, trainer):
+            alive.extend(name for name, refs in seen if any(r() is not None for r in refs))
+            if trainer.training:
+                seen.append((trainer.name, [weakref.ref(o) for o in (trainer, trainer.optimizer, trainer.step_graph,
+                                                                     trainer.params[0])]))
+
+    fast = [f"train.{k}.{key}={v}" for k in ("velocity", "nsf", "time") for key, v in (("graph", "step"),
+                                                                                   ("prefetch", "always"))]
+    small = ["pool.batch_size=16", "train.velocity.batch_size=16", "train.nsf.batch_size=16",
+             "train.time.batch_size=16"]
+    cut = [o for k in ("velocity", "nsf", "time") for o in (f"train.{k}.iters=3", f"train.{k}.warmup=0",
+                                                            f"train.{k}.ema=0.0")]
+    cfg = config.resolve("digits", [*small, *fast, *cut, "pool.batches=1", "pool.steps=2", "experiment.name=watched"],
+                         {"device": "cpu"})
+    run = RunFolder.create(cfg)
+    run_phases(run, methods.phases(cfg, *methods.distributions(cfg)), [Watch()])
+    run.logger.close()
+    assert [name for name, _ in seen] == ["velocity", "nsf", "time"] and alive == [], alive
+
+    seen.clear()
+    from sinkflow.engine import trainer as trainer_mod
+
+    real_setup = trainer_mod.Trainer.setup
+
+    def setup(self):
+        real_setup(self)
+        seen.append((self.name, [weakref.ref(o) for o in (self, self.optimizer, self.step_graph, self.params[0])]))
+
+    monkeypatch.setattr(trainer_mod.Trainer, "setup", setup)
+    run, ready = workspace(cfg, "time", tmp_path / "scratch")
+    run.logger.close()
+    assert [name for name, _ in seen] == ["velocity", "nsf", "time"]
+    assert [name for name, refs in seen[:2] if any(r() is not None for r in refs)] == []
