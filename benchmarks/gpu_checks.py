@@ -16,7 +16,8 @@
    copy's (fused Adam moves no version counter, so a stale parameter cache would show here) and the for-loop
    Adam run's;
 8. twelve captured phases in one process with batches drawn ahead (CUDA's stream pool comes round: a worker's
-   stream must never be the capture stream).
+   stream must never be the capture stream), and the memory allocated after each phase's release (flat: no
+   finished phase's cuBLAS workspaces left behind).
 
 The checks are meant for a GPU; ``--device cpu`` runs the same code on the CPU (where ``device_generator`` is
 the CPU generator itself and fused Adam is torch's CPU kernel), which is how the test suite keeps the script
@@ -232,6 +233,7 @@ def many_phases_check(device: torch.device, size: dict) -> None:
     from sinkflow.methods.flow_matching import InterpolantStep
 
     phases = size["phases"]
+    left: list[float] = []  # MiB allocated after each phase's release (CUDA)
     with scratch_dir():  # run folders are relative to the working directory
         replays, fresh = 0, 0
         for i in range(phases):
@@ -245,8 +247,16 @@ def many_phases_check(device: torch.device, size: dict) -> None:
             replays += trainer.step_graph.replays
             if trainer.step_graph.stream is not None:  # 64 plain streams: two turns of the pool
                 fresh += sum(torch.cuda.Stream(device) == trainer.step_graph.stream for _ in range(64))
+            del trainer
+            run.release()  # as run_phases between phases
+            if device.type == "cuda":
+                left.append(torch.cuda.memory_allocated(device) / 2**20)
     print(f"{phases} captured phases in one process with batches drawn ahead: all finished, {replays} replays; "
           f"plain streams equal to a capture stream: {fresh}")
+    # each phase's streams (capture, prefetch workers) got cuBLAS workspaces torch keeps for good (64 MiB a stream
+    # on an H200) until RunFolder.release dropped them: flat is right, a climb of ~64 MiB a stream is the leak
+    print("allocated after each phase's release: " + (" ".join(f"{v:.1f}" for v in left) + " MiB" if left else
+                                                      "not measured on the CPU"))
 
 
 CHECKS = {"pool": pool_check, "noise": noise_check, "adam": adam_check, "prefetch": prefetch_check,

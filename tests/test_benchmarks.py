@@ -228,6 +228,7 @@ def test_smoke_gpu_checks(quiet, capsys):
     assert all(float(dw) == 0.0 for _, dw in graphs)  # on the CPU the graph's path runs eagerly: the same step
     assert re.search(r"2 captured phases in one process with batches drawn ahead: all finished, 0 replays; plain "
                      r"streams equal to a capture stream: 0", out)  # CPU: nothing captured
+    assert "allocated after each phase's release: not measured on the CPU" in out
     fresh, loop = (float(v) for v in re.search(r"fresh copy \|dnll\| (\S+), fused vs for-loop \|dnll\| (\S+)", out).groups())
     assert fresh < 1e-5 and loop < 1e-3  # with the old version-keyed W cache: 0.17 apart on both
 
