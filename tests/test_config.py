@@ -1,3 +1,4 @@
+import copy
 import json
 import re
 from pathlib import Path
@@ -325,10 +326,33 @@ def test_an_old_run_folders_config_reads_back(tmp_path):
         section.update(ema_warmup=False, **(dict(precision="fp32", channels_last=True, compile=False)  # BEFORE_ADDED
                                             if name in had else {}))
     expected["data"]["holdout"] = "last_tenth"
+    expected["sample"]["precision"] = "fp32"  # BEFORE_ADDED: the sampler's precision before the key (fp32)
     assert cfg == expected
     (tmp_path / "config.yaml").write_text("experiment: {preset: moons}\npool: {etaa: 1}\n")
     with pytest.raises(SinkflowError, match=r"has unknown key 'pool.etaa'; edit that file \(did you mean 'pool.eta'"):
         read_config(tmp_path)
+
+
+def test_a_run_folder_written_before_sample_precision_samples_in_fp32(tmp_path):
+    """sample.precision came in (caf769c) with the default fp32, which became auto (fp16 for a UNet on a CUDA card
+    with bf16 tensor cores): a digits run's config.yaml written before the key read back auto, and its evaluation or
+    its NSGF++ states on such a card switched to fp16 in silence (schema.BEFORE_ADDED). One that wrote the key keeps
+    what it wrote; a new run gets auto."""
+    from sinkflow import methods
+    from sinkflow.runtime.run_folder import read_config
+
+    tree = config.resolve("digits", ["experiment.name=old"])
+    assert tree["sample"]["precision"] == "auto"
+    for written, want in ((None, "fp32"), ("fp32", "fp32"), ("auto", "fp16"), ("bf16", "bf16")):
+        old = copy.deepcopy(tree)
+        if written is None:
+            del old["sample"]["precision"]
+        else:
+            old["sample"]["precision"] = written
+        (tmp_path / "config.yaml").write_text(config.dump_run_config(old))
+        cfg = read_config(tmp_path)
+        assert cfg["sample"]["precision"] == (written or "fp32"), written
+        assert methods.of(cfg).sample_precision(cfg, "cuda", bf16=True) == want, written
 
 
 def test_every_shorthand_flag_sets_schema_keys():

@@ -574,8 +574,11 @@ CHECKPOINT = {
 # behaviour before it).
 # A ``*`` matches one level (each training phase). ``ema_warmup`` came in at 54b8e19 with the default true: a run made
 # before it averaged without the warm-up, and a resume switched it on in silence (its samples moved: FD-CNN 17.11 ->
-# 16.06 on a digits run resumed at step 243 of 400).
-BEFORE_ADDED = {"data.holdout": "last_tenth", "train.*.ema_warmup": False}
+# 16.06 on a digits run resumed at step 243 of 400). ``sample.precision`` came in at caf769c (2026-11-26) with the
+# default fp32, which became ``auto`` at 5e5c576: a run made before caf769c sampled in fp32, and an evaluation, or its
+# NSGF++ states on a resume, on a CUDA card switched its UNet to fp16 in silence (a run made between the two wrote
+# fp32 and kept it).
+BEFORE_ADDED = {"data.holdout": "last_tenth", "train.*.ema_warmup": False, "sample.precision": "fp32"}
 
 # Shared sections in order: (doc, keys). The methods' own sections go before ``model``.
 SHARED: dict[str, tuple[str, dict[str, Key]]] = {
