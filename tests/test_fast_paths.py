@@ -398,7 +398,8 @@ def test_samples_that_overflow_under_auto_name_what_auto_became(tiny_run):
     x[1, 0] = float("inf")
     with pytest.raises(SinkflowError) as e:
         check_finite_samples(cfg, x, 3, "fp16")
-    assert e.value.problem.endswith("1 of 4 samples of nsgf with 3 steps are NaN/Inf under fp16 (sample.precision=auto)")
+    assert e.value.problem.endswith("1 of 4 samples of nsgf with 3 steps are NaN/Inf under fp16 "
+                                    "(sample.precision=auto)")
     assert "sample.precision=bf16" in e.value.fix
     with pytest.raises(SinkflowError) as e:
         check_finite_samples(cfg, x, 3, "fp32")

@@ -218,15 +218,17 @@ class NSGFStates:
 def check_finite_states(cfg: dict, states: np.ndarray, precision: str) -> None:
     """Refuse NSGF states holding NaN / Inf before they are kept: the straight flow's first step stopped on a NaN loss
     with "lower the learning rate", and a resume read the same states from RUN/nsf_states.npy and stopped again. They
-    are a sample of the velocity network in ``precision`` (``sample.precision`` made concrete for the run's device; the
-    sampler's own check: ``check_finite_samples``), where float16's range (65,504) may not hold a network's activations."""
+    are a sample of the velocity network in ``precision`` (``sample.precision`` made concrete for the run's device;
+    the sampler's own check: ``check_finite_samples``), where float16's range (65,504) may not hold a network's
+    activations."""
     bad = int((~np.isfinite(states.reshape(len(states), -1))).any(axis=1).sum())
     if not bad:
         return
     where = f"{bad} of {len(states)} NSGF states for the straight flow's paths (nsgf.nsf_source=velocity) are NaN/Inf"
     if precision == "fp16":
-        raise SinkflowError(f"{where} under {precision_named(cfg['sample']['precision'], precision)}", "a network's activations overflow float16's "
-                            "range: set sample.precision=bf16 (float32's range) or fp32")
+        raise SinkflowError(f"{where} under {precision_named(cfg['sample']['precision'], precision)}",
+                            "a network's activations overflow float16's range: set sample.precision=bf16 (float32's "
+                            "range) or fp32")
     raise SinkflowError(where, "the velocity network diverged: train it again with a lower learning rate")
 
 
