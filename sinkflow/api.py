@@ -71,9 +71,9 @@ class Run:
         (it is ``len(x0)``), and if given must agree with it. Numbers may be numpy's. Everything is checked before
         any network runs, so a bad ``x0`` is one line naming the expected shape rather than a torch error from
         inside a network (or, for ``n`` != ``len(x0)``, ``len(x0)`` samples without a word). Samples that come out NaN
-        or Inf are refused in one line naming the likely cause (``sample.precision=fp16``'s range, or a diverged
-        model). A run copied without its data set (images, or a point-file target) samples all the same
-        (``tools.data.sampling_data``).
+        or Inf are refused in one line naming the likely cause (float16's range, where the networks ran in fp16:
+        ``sample.precision=fp16``, or ``auto`` for a UNet on a CUDA card; or a diverged model). A run copied without
+        its data set (images, or a point-file target) samples all the same (``tools.data.sampling_data``).
 
         ``settings``: ``sample.*`` keys for this call only, as `sinkflow sample RUN sample.temperature=0.7` takes
         them (``{"temperature": 0.7}`` for a flow, ``{"time_warp": 0.5}``): checked as the command checks them, the
@@ -163,9 +163,10 @@ class Run:
     def scores(self) -> dict:
         """The latest evaluation's numbers as a dict (metrics.jsonl's last ``eval`` record, as ``evaluate``, `sinkflow
         eval` or the report after training wrote it; ``evaluate`` returns the printed table): keys carry the steps,
-        e.g. ``w2_100`` and ``w2_std_100`` for points, ``fd_cnn_2`` or ``t_hat_mean_2`` for images; ``split: val``
-        and ``sample`` say when they were scored on the validation split or with other sampling settings. {} before
-        any."""
+        e.g. ``w2_100``, ``w2_std_100`` and ``nfe_100`` for points, ``fd_cnn_2`` or ``t_hat_mean_2`` for images;
+        ``split: val`` and ``sample`` say when they were scored on the validation split or with other sampling
+        settings, ``precision`` when the networks were sampled in half precision (``sample.precision: auto`` on a CUDA
+        card). {} before any."""
         from sinkflow.tools.status import tail_jsonl
 
         evals = [r for r in tail_jsonl(self.dir / "metrics.jsonl") if r.get("phase") == "eval"]
