@@ -226,7 +226,8 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> list[dict] | None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=560,
-                    help="seconds for the whole plan (default 560: one call, as docs/performance.md's commands)")
+                    help="seconds for the whole plan (default 560: what one device call holds; docs/performance.md's "
+                         "commands give each call's)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-session")),
                     help="logs and summary.md (default $OUT, the device call's folder that comes back)")
     ap.add_argument("--only", nargs="+", metavar="STEP", help="these steps, in the plan's order")

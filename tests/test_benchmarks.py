@@ -1529,7 +1529,13 @@ def test_gpu_session_installs_torchcfm_and_keeps_lr_find_output(tmp_path, monkey
     monkeypatch.setattr(bench, "check", lambda plan, smoke: [])
     bench.main(["--check"])
     docs = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
-    assert {int(b) for b in re.findall(r"gpu_session\.py --budget (\d+)", docs)} == {560}
+    # each device call the docs give fits one call as the default does (b0cde5c split the plan over two calls, 540 s
+    # and 300 s, and the equality with 560 failed), and a call's --only steps fit its budget
+    calls = re.findall(r"gpu_session\.py --budget (\d+) [^\n]*?(?:--only ([\w -]+))?\n", docs)
+    assert calls and all(int(budget) <= 560 for budget, _ in calls), calls
+    seconds = {s.name: s.seconds for s in bench.PLAN}
+    for budget, only in calls:
+        assert sum(seconds[name] for name in only.split()) <= int(budget), (budget, only)
     assert "one call holds 560 s" in capsys.readouterr().out
 
 
