@@ -374,6 +374,12 @@ def test_sampling_precision_auto_is_fp16_where_training_auto_is(monkeypatch):
     capability["value"] = (7, 5)
     assert sampling_precision("auto", "unet", "cuda") == "fp32"
     assert sampling_precision("auto", "unet", "cuda", bf16=True) == "fp16"  # the planner's card, not this one
+    capability["value"] = (9, 0)
+    # a network whose training precision was set is sampled in it: fp32 kept out of half precision on purpose
+    assert [sampling_precision("auto", "unet", "cuda", trained=t) for t in ("fp32", "bf16", "auto")] == \
+        ["fp32", "bf16", "fp16"]
+    forced = config.resolve("mnist", ["train.velocity.precision=fp32"])
+    assert methods.of(forced).sample_precision(forced, "cuda") == "fp32"
     for preset, method, want in (("mnist", "nsgfpp", "fp16"), ("mnist", "otcfm", "fp16"), ("moons", "nsgf", "fp32"),
                                  ("flow-digits", "flow", "fp32")):
         cfg = config.resolve(preset, [f"experiment.method={method}"] if method != "flow" else [])

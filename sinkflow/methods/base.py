@@ -227,11 +227,13 @@ class Method:
 
     def sample_precision(self, cfg: dict, device: torch.device | str, bf16: bool | None = None) -> str:
         """The precision ``sample`` runs the networks in on ``device``: ``sample.precision`` where this method reads
-        it (``auto``: fp16 for a UNet on a CUDA card with bf16 tensor cores, ``runtime.autocast.sampling_precision``;
-        ``bf16`` says whether the card has them, for a plan without the card), else fp32."""
+        it (``auto``: the velocity network's training precision where it was set, else fp16 for a UNet on a CUDA card
+        with bf16 tensor cores, ``runtime.autocast.sampling_precision``; ``bf16`` says whether the card has them, for
+        a plan without the card), else fp32."""
         if "sample.precision" not in METHOD_REGISTRY[self.name].reads:
             return "fp32"
-        return sampling_precision(cfg["sample"]["precision"], cfg["model"]["velocity"]["kind"], device, bf16)
+        trained = cfg["train"].get("velocity", {}).get("precision", "auto")
+        return sampling_precision(cfg["sample"]["precision"], cfg["model"]["velocity"]["kind"], device, bf16, trained)
 
     def sample_nets(self, nets, cfg: dict, x0: torch.Tensor, steps: int | None = None, record: bool = False) -> tuple:
         """``(x, info)`` from networks you hold: ``nets[phase]`` is the network of a training phase (a dict of

@@ -23,16 +23,21 @@ def autocast(device_type: str, precision: str, cache: bool = True) -> torch.auto
     return torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None, cache_enabled=cache)
 
 
-def sampling_precision(value: str, kind: str, device: torch.device | str, bf16: bool | None = None) -> str:
+def sampling_precision(value: str, kind: str, device: torch.device | str, bf16: bool | None = None,
+                       trained: str = "auto") -> str:
     """``sample.precision`` made concrete for the network ``kind`` the sampler calls on ``device``: ``auto`` is fp16
     where a training phase's ``auto`` is (a UNet on a CUDA card with bf16 tensor cores), else fp32. Measured on an
     H200 (2026-11-30, the CIFAR-10 UNet, 60 Euler steps, batch 256, cuDNN autotuning off): eager fp16 1.56x fp32's
     images/s (bf16 1.67x, but 8x fp16's pixel error); and the samples themselves against fp32's on the same noise
     (the MNIST runs of RESULTS.md's "Half-precision sampling"): fp16's paired FD-CNN change <= 0.05, a new noise
-    draw's 3.3-4.6. A network trained in fp16 (the same ``auto``) is sampled in the format it trained in.
-    ``bf16`` overrides the card check, as in ``fast_path.resolve`` (the planner plans for a card not in hand)."""
+    draw's 3.3-4.6. A network trained in fp16 (the same ``auto``) is sampled in the format it trained in; one whose
+    training precision was set (``trained``: its ``train.<phase>.precision``) in that one, fp32 included (a user who
+    kept a network out of half precision had a reason). ``bf16`` overrides the card check, as in
+    ``fast_path.resolve`` (the planner plans for a card not in hand)."""
     if value != "auto":
         return value
+    if trained != "auto":
+        return trained
     device = torch.device(device)
     native = bf16_tensor_cores(device) if bf16 is None else bf16
     return "fp16" if device.type == "cuda" and kind in FAST_KINDS and native else "fp32"
