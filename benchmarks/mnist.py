@@ -572,6 +572,17 @@ def recorded_split(out: Path, seeds: list[int]) -> dict | None:
     return json.loads(found[0].read_text()) if found else None
 
 
+def sampled_in(args) -> str:
+    """The sampled networks' precision, for the table's head: ``sample.precision: auto`` is fp16 for the UNet on a
+    CUDA card and fp32 on a CPU, so a GPU table and a CPU one differ in it (RESULTS.md "Half-precision sampling":
+    at most 0.05 FD-CNN)."""
+    from sinkflow.runtime.autocast import sampling_precision
+
+    set_ = [e.split("=", 1)[1] for e in args.every if e.startswith("sample.precision=")]
+    value = set_[-1] if set_ else "auto"
+    return f"sampled in {sampling_precision(value, 'unet', args.device)} (sample.precision={value})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/bench-mnist")
@@ -679,7 +690,7 @@ def main(argv=None) -> None:
     png = grids(out, grid_seed, nfe, from_scores(out, grid_seed, nfe, b["val_n"], b["n"]), ref)
     split = recorded_split(out, args.train_seeds)
     head = [f"Command: `python benchmarks/mnist.py {' '.join(sys.argv[1:] if argv is None else argv)}`; machine "
-            f"{platform.node()} ({os.cpu_count()} cores, {args.device}), torch {torch.__version__}; "
+            f"{platform.node()} ({os.cpu_count()} cores, {args.device}), torch {torch.__version__}; {sampled_in(args)}; "
             f"{time.strftime('%Y-%m-%d %H:%M')}; this invocation's wall {(time.perf_counter() - start) / 60:.1f} min.",
             f"Budget ({args.scale}{f' x {args.gpu_fraction}' if args.scale == 'gpu' else ''}): UNet {b['channels']} ch "
             f"[1,2,2], batch {b['batch']}; NSGF++ = pool {b['pool']}x256x5 + {b['velocity']} velocity + {b['nsf']} NSF "

@@ -948,6 +948,7 @@ def test_smoke_mnist(mnist_bench, mnist_quick):
                 x = np.load(mnist_bench.samples_path(out / "seed0", method, n, tag), allow_pickle=False)
                 assert x.shape == (64, 1, 28, 28) and x.dtype == np.uint8
     assert (out / "grids.png").is_file() and "| NSGF++ | 3 |" in (out / "table.md").read_text()
+    assert "; sampled in fp32 (sample.precision=auto); " in (out / "table.md").read_text()  # a GPU's table: fp16
     cfgs = {m: read_config(out / "seed0" / m) for m in ("nsgfpp", "otcfm", "fm")}
     pp = cfgs["nsgfpp"]["train"]
     for m in ("otcfm", "fm"):  # equal UNet steps, batch and lr schedule

@@ -143,7 +143,12 @@ def test_preset_end_to_end(preset, runs_dir, tmp_path, capsys, caplog):
     assert "already holds files" in capsys.readouterr().err
     assert all(np.array_equal(np.asarray(Image.open(f)), p) for f, p in zip(files, pixels))
     assert main(["eval", str(run), "--seeds", "1", "--n", str(min(4, n_test))]) == 0
-    assert "W2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "W2" in out and "the networks sampled in" not in out  # auto on this CPU: fp32, said by nothing
+    # a half precision is said after the protocol (auto is fp16 on a CUDA card: the table from a GPU and a CPU of
+    # the same run read alike), as its record says it
+    assert main(["eval", str(run), "--seeds", "1", "--n", str(min(4, n_test)), "sample.precision=bf16"]) == 0
+    assert "; the networks sampled in sample.precision=bf16" in capsys.readouterr().out
     assert main(["eval", str(run), "--seeds", "1", "--n", str(n_test + 1)]) == 2  # not a smaller sample in silence
     assert f"--n {n_test + 1} images, but the held-out split of" in capsys.readouterr().err
     from sinkflow.eval.images import held_out  # FID of one image, before its weights are read (none exist here)

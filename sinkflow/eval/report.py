@@ -101,7 +101,7 @@ def standard_evaluation(run, method, seeds: int | None = None, n: int | None = N
         return format_table(rows, method.name, task_name(cfg), method.paper_label, cfg["eval"]["protocol"], draws(cfg))
     from sinkflow.eval.images import evaluate_images
 
-    return evaluate_images(run, seeds=seeds, n=n, split=split) + f"\n{protocol(cfg)}"
+    return evaluate_images(run, seeds=seeds, n=n, split=split) + f"\n{protocol(cfg)}{sampled_in(run, method)}"
 
 
 def protocol(cfg: dict) -> str:
@@ -109,6 +109,18 @@ def protocol(cfg: dict) -> str:
     from sinkflow.eval.points import eval_qmc, source_protocol
 
     return f"{source_protocol(cfg, eval_qmc(cfg))} (eval.protocol={cfg['eval']['protocol']})"
+
+
+def sampled_in(run, method) -> str:
+    """The networks' half precision where the sampler ran them in one, said after the protocol (``sample.precision:
+    auto`` is fp16 for a UNet on a CUDA card, fp32 on a CPU: the same run's table from the two machines otherwise
+    read alike; the record says it too, ``precision``); nothing for fp32."""
+    from sinkflow.runtime.autocast import precision_named
+
+    precision = method.sample_precision(run.cfg, run.device)
+    if precision == "fp32":
+        return ""
+    return f"; the networks sampled in {precision_named(run.cfg['sample']['precision'], precision)}"
 
 
 def standard_plots(run, method) -> list:
