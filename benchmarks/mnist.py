@@ -690,8 +690,9 @@ def main(argv=None) -> None:
     png = grids(out, grid_seed, nfe, from_scores(out, grid_seed, nfe, b["val_n"], b["n"]), ref)
     split = recorded_split(out, args.train_seeds)
     head = [f"Command: `python benchmarks/mnist.py {' '.join(sys.argv[1:] if argv is None else argv)}`; machine "
-            f"{platform.node()} ({os.cpu_count()} cores, {args.device}), torch {torch.__version__}; {sampled_in(args)}; "
-            f"{time.strftime('%Y-%m-%d %H:%M')}; this invocation's wall {(time.perf_counter() - start) / 60:.1f} min.",
+            f"{platform.node()} ({os.cpu_count()} cores, {args.device}), torch {torch.__version__}; "
+            f"{sampled_in(args)}; {time.strftime('%Y-%m-%d %H:%M')}; this invocation's wall "
+            f"{(time.perf_counter() - start) / 60:.1f} min.",
             f"Budget ({args.scale}{f' x {args.gpu_fraction}' if args.scale == 'gpu' else ''}): UNet {b['channels']} ch "
             f"[1,2,2], batch {b['batch']}; NSGF++ = pool {b['pool']}x256x5 + {b['velocity']} velocity + {b['nsf']} NSF "
             f"UNet steps + {b['time']} time-predictor steps; OT-CFM / FM = {unet_budget(b)} UNet steps"
