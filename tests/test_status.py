@@ -624,3 +624,27 @@ def test_an_early_phases_did_not_learn_is_shown_after_a_long_later_phase(tmp_pat
     text = format_status(read_status(tmp_path))
     assert "learning     velocity: the loss did not fall (2 on a fixed batch" in text, text
     assert "metrics      velocity step 100: loss 1" in text, text
+
+
+def test_a_run_a_callback_stopped_says_so_in_the_line_and_the_json(runs_dir):
+    """A callback's trainer.request_stop() stops as a SIGTERM does, with its own code: the status line says "by
+    trainer.request_stop()", and `status --json`, which gave only the heartbeat's code (10, which reads as SIGUSR1),
+    says it in words too (audit OO's open item)."""
+    from sinkflow import config
+    from sinkflow.engine.experiment import train_run
+    from sinkflow.runtime.callbacks import Callback
+    from sinkflow.runtime.signals import Interrupted
+
+    class Stop(Callback):
+        def on_train_batch_end(self, trainer, batch, outputs):
+            if trainer.step == 3:
+                trainer.request_stop()
+
+    cfg = config.resolve("moons", ["experiment.method=otcfm", "experiment.name=asked", "experiment.device=cpu"],
+                         {"train_iters": 6})
+    with pytest.raises(Interrupted):
+        train_run(cfg, callbacks=[Stop()])
+    st = read_status(runs_dir / "asked")
+    assert st["state"] == "stopped" and st["stopped"] == "by trainer.request_stop()"
+    line = next(x for x in format_status(st).splitlines() if x.startswith("state"))
+    assert line.startswith("state        STOPPED (by trainer.request_stop() at velocity step 3"), line

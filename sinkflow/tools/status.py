@@ -109,6 +109,8 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
     # STALE, was said of it); a new run of the folder rewrites the heartbeat first
     elif hb.get("state") == "stopped":  # by a signal or the time limit, after its checkpoint was written
         state = "stopped"
+        if hb.get("signal") and not hb.get("at_once"):  # --json: the heartbeat's code alone read 10 (SIGUSR1) for a
+            out["stopped"] = stop_reason(int(hb["signal"]))  # callback's request_stop(); said as the line says it
     elif hb.get("state") == "failed":  # by an error, recorded before the process ended
         state = "failed"
     elif not hb:  # no heartbeat: a run that never started, or one whose status.json was lost (decided below)
