@@ -11,7 +11,7 @@ import torch
 from sinkflow import data, methods
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.ode import network_evaluations
-from sinkflow.runtime.autocast import precision_named
+from sinkflow.runtime.autocast import fp16_overflow
 from sinkflow.runtime.rng import phase_generator
 
 
@@ -91,9 +91,7 @@ def check_finite_samples(cfg: dict, x: torch.Tensor, steps: int | None, precisio
     method = methods.of(cfg)
     where = f"{int(bad.sum())} of {len(x)} samples of {method.name}" + (f" with {steps} steps" if steps else "")
     if precision == "fp16":
-        raise SinkflowError(f"{where} are NaN/Inf under {precision_named(cfg['sample']['precision'], precision)}",
-                            "a network's activations overflow float16's range: sample with sample.precision=bf16 "
-                            "(float32's range) or fp32")
+        raise fp16_overflow(f"{where} are NaN/Inf", cfg["sample"]["precision"])
     raise SinkflowError(f"{where} are NaN/Inf", "the model diverged: train longer with a lower learning rate")
 
 

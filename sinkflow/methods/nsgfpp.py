@@ -38,7 +38,7 @@ from sinkflow.methods.flow_matching import InterpolantStep
 from sinkflow.methods.ode import count_nfe, euler
 from sinkflow.methods.pool import check_free_disk, check_pool_fits
 from sinkflow.runtime import dist
-from sinkflow.runtime.autocast import autocast, precision_named
+from sinkflow.runtime.autocast import autocast, fp16_overflow
 from sinkflow.runtime.callbacks import LEARNING_LOG
 from sinkflow.runtime.metrics import HEARTBEAT_EVERY_S
 from sinkflow.runtime.rng import phase_generator
@@ -226,9 +226,7 @@ def check_finite_states(cfg: dict, states: np.ndarray, precision: str) -> None:
         return
     where = f"{bad} of {len(states)} NSGF states for the straight flow's paths (nsgf.nsf_source=velocity) are NaN/Inf"
     if precision == "fp16":
-        raise SinkflowError(f"{where} under {precision_named(cfg['sample']['precision'], precision)}",
-                            "a network's activations overflow float16's range: set sample.precision=bf16 (float32's "
-                            "range) or fp32")
+        raise fp16_overflow(where, cfg["sample"]["precision"])
     raise SinkflowError(where, "the velocity network diverged: train it again with a lower learning rate")
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from sinkflow.errors import SinkflowError
+
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32 is autocast off
 FAST_KINDS = ("unet",)  # the networks the fast path was measured on
 
@@ -47,3 +49,11 @@ def precision_named(value: str, resolved: str) -> str:
     """How a message names the precision the sampler ran in: the key as set (``sample.precision=fp16``), or what
     ``auto`` became (``fp16 (sample.precision=auto)``)."""
     return f"sample.precision={value}" if value == resolved else f"{resolved} (sample.precision={value})"
+
+
+def fp16_overflow(where: str, value: str) -> SinkflowError:
+    """The one-line refusal of a draw holding NaN / Inf that the sampler made in fp16 (``value``: ``sample.precision``
+    as set, ``fp16`` or ``auto``): float16's range (65,504) did not hold a network's activations; bf16 keeps float32's
+    range. ``where`` says what was drawn (samples, NSGF++'s states)."""
+    return SinkflowError(f"{where} under {precision_named(value, 'fp16')}", "a network's activations overflow "
+                         "float16's range: set sample.precision=bf16 (float32's range) or fp32")
