@@ -435,3 +435,69 @@ def test_a_sweep_through_the_engine_goes_on_training_past_a_non_finite_step(runs
     gaps = [math.isnan(v) for v in res.losses]
     assert sum(gaps) == 1 and not gaps[0], res.losses
     assert moved == [not gap for gap in gaps], (moved, res.losses)
+
+
+def _poisoned_sweep(runs_dir, precision):
+    """A moons FM velocity phase whose gradients are NaN under a finite loss from its 9th sweep step on, through
+    the engine's own step (the step graph's path, as on CUDA) in ``precision``."""
+    from helpers import nan_gradient_phase
+
+    from sinkflow import config
+    from sinkflow.runtime.run_folder import RunFolder
+    from sinkflow.tools.lr_find import phase_lr_find
+    from sinkflow.tools.phases import ready_trainer
+
+    cfg = config.resolve("moons", ["experiment.method=fm", "train.velocity.iters=1000", "train.velocity.batch_size=32",
+                                   "train.velocity.log_every=1000", "train.velocity.ckpt_every=1000",
+                                   "experiment.device=cpu", f"experiment.name={precision}", "train.velocity.graph=step",
+                                   f"train.velocity.precision={precision}"])
+    run = RunFolder.create(cfg)
+    trainer = ready_trainer(run, nan_gradient_phase(cfg, 10, persist=True))
+    res = phase_lr_find(trainer, start_lr=1e-4, end_lr=1e-1, steps=40)
+    run.logger.close()
+    return res
+
+
+def test_a_float16_sweep_reads_no_loss_where_gradscaler_applied_no_update(runs_dir):
+    """float16 (the CUDA default for a UNet): GradScaler skips a step with Inf/NaN gradients and halves its scale,
+    and the guard leaves those gradients to it. A sweep whose every gradient from its 9th step on was NaN recorded the
+    frozen weights' losses as points at 32 rising rates, ran to "end of range" and put its loss minimum among them
+    (7.0e-02 against float32's 3.5e-04, where the guard ends the sweep after 3 gaps). A skipped step's loss is still
+    smoothed (it measures the weights as they are: a divergence shows there first), but no rate is suggested from it,
+    the scale below 1 is non-finite (the loop's own stop), and both precisions suggest the same."""
+    fp32, fp16 = _poisoned_sweep(runs_dir, "fp32"), _poisoned_sweep(runs_dir, "fp16")
+    assert "non-finite" in fp16.stop_reason and "non-finite" in fp32.stop_reason, fp16.stop_reason
+    assert fp16.suggestions == fp32.suggestions and fp16.min_loss_lr == fp32.min_loss_lr, (fp16.summary(),
+                                                                                         fp32.summary())
+    # the first step, at GradScaler's starting scale 2**16, is skipped (and is no divergence: the sweep goes on);
+    # from the poisoned 9th on, the scale halves to 1 and below it each step is non-finite: 3 end the sweep
+    assert fp16.skipped == [0, *range(8, 23)] and len(fp16.lrs) == 26, fp16.skipped
+    assert all(math.isfinite(fp16.losses[i]) and math.isfinite(fp16.smoothed[i]) for i in fp16.skipped)
+    assert fp32.skipped == [] and "16 of 26 updates skipped by float16's GradScaler" in fp16.summary()
+
+
+
+def test_a_skipped_step_shows_a_divergence_but_holds_no_suggestion():
+    """A step GradScaler skipped measured the weights as they are: a loss that blew up there ends the sweep as
+    diverged (on moons FM in float16 the loss went 17 -> 725 on skipped steps), while the lowest loss of a skipped
+    run (frozen weights) is no rate to suggest."""
+    from sinkflow.tools.lr_find import UnappliedStep
+
+    model, batch_fn, _ = problem()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    curve = [1.0 - 0.02 * i for i in range(20)] + [0.3] * 8 + [0.9] * 2 + [500.0] * 10
+    frozen = set(range(20, 28))  # the curve's lowest points, not applied: the smoothed minimum falls among them
+
+    def step(batch):
+        i = len(calls)
+        calls.append(i)
+        if i in frozen or i >= 30:
+            raise UnappliedStep(curve[i])
+        return torch.tensor(curve[i])
+
+    calls = []
+    res = lr_range_test(model, opt, None, batch_fn, start_lr=1e-5, end_lr=1, steps=40, train_step=step)
+    assert "diverged" in res.stop_reason and len(res.lrs) == 31 and res.skipped == [*range(20, 28), 30], res.stop_reason
+    lowest = min(range(len(res.lrs)), key=lambda i: res.smoothed[i])
+    assert lowest in frozen and res.min_loss_lr in (res.lrs[19], res.lrs[28]), (lowest, res.min_loss_lr)
+

@@ -3,7 +3,12 @@
 The LR grows exponentially from ``start_lr`` to ``end_lr`` over ``steps`` optimizer steps (one fresh
 batch each). The loss is smoothed by a bias-corrected EMA (``beta``); a non-finite loss is recorded
 as a gap and its step is skipped (no backward, no update); ``max_nan`` of them in a row, or a smoothed
-loss above ``diverge`` times the best so far, end the sweep. Model, optimizer (moments, step counts,
+loss above ``diverge`` times the best so far, end the sweep. A step float16's GradScaler skipped (Inf/NaN
+gradients at its scale: ``UnappliedStep``, listed in ``skipped``) measured the weights as they are, so its loss is
+smoothed and can end the sweep as diverged, but no update was taken at its rate: no suggestion comes from it (a run of
+them trains nothing, weights frozen, and its flat curve had held the loss minimum), and it is no non-finite step (the
+scale coming down from 2**16 skips the first steps of a fresh phase). Once the scale falls below 1 (Inf/NaN
+gradients even unscaled, the loop's own stop) each step is a non-finite one. Model, optimizer (moments, step counts,
 LRs), gradients and the caller's RNG states are restored afterwards, bit for bit.
 
 Suggestions (all from the smoothed curve up to its minimum, slopes taken in log10-LR space):
@@ -37,6 +42,16 @@ if TYPE_CHECKING:
     import torch
 
 
+class UnappliedStep(Exception):
+    """A step whose update was not applied although its loss was finite (float16's GradScaler skipped it on Inf/NaN
+    gradients at its scale); ``loss``: the loss it measured. ``lr_range_test`` smooths it (the loss of the weights as
+    they are: a divergence shows in it) but suggests no rate from it, and does not count it as non-finite."""
+
+    def __init__(self, loss: float):
+        super().__init__(f"update not applied (loss {loss:.4g})")
+        self.loss = loss
+
+
 @dataclass
 class LRFindResult:
     lrs: list[float] = field(default_factory=list)
@@ -46,13 +61,17 @@ class LRFindResult:
     suggestions: dict[str, float] = field(default_factory=dict)
     steepest: float | None = None
     min_loss_lr: float | None = None
+    skipped: list[int] = field(default_factory=list)  # steps float16's GradScaler did not apply (UnappliedStep)
 
     def summary(self) -> str:
+        unapplied = (f"; {len(self.skipped)} of {len(self.lrs)} updates skipped by float16's GradScaler"
+                     if self.skipped else "")
         if not self.suggestions:
-            return f"no suggestion ({self.stop_reason}; {len(self.lrs)} steps)"
+            return f"no suggestion ({self.stop_reason}; {len(self.lrs)} steps{unapplied})"
         s = self.suggestions
         return (f"conservative {s['conservative']:.2e}  moderate {s['moderate']:.2e}  aggressive {s['aggressive']:.2e}"
-                f"  (steepest {self.steepest:.2e}, loss minimum at {self.min_loss_lr:.2e}; stopped: {self.stop_reason})")
+                f"  (steepest {self.steepest:.2e}, loss minimum at {self.min_loss_lr:.2e}; stopped: {self.stop_reason}"
+                f"{unapplied})")
 
 
 def _snapshot(model, optimizer):
@@ -116,7 +135,8 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
     """Exponential LR sweep; ``batch_fn(i)`` gives step i's batch; ``step_fn(loss)`` may replace
     backward + ``optimizer.step()`` (e.g. with a GradScaler). ``train_step(batch) -> loss`` replaces the
     whole step (the engine's ``Trainer.train_step``: accumulation, clipping, precision...); a non-finite step
-    raises ``NonFiniteStep`` before it is applied and is recorded as a gap."""
+    raises ``NonFiniteStep`` before it is applied and is recorded as a gap; a finite step it did not apply raises
+    ``UnappliedStep`` (smoothed, no suggestion from it, no count towards ``max_nan``)."""
     check_sweep(start_lr, end_lr, steps, diverge)
     res = LRFindResult()
     snap = _snapshot(model, optimizer)
@@ -125,7 +145,7 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
     model.train()
     try:
         for i in range(steps):
-            lr = start_lr * mult**i
+            lr, applied = start_lr * mult**i, True
             for g in optimizer.param_groups:
                 g["lr"] = lr
             if train_step is not None:
@@ -135,6 +155,9 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
                     value, loss = float(train_step(batch_fn(i))), None
                 except NonFiniteStep:
                     value = math.nan
+                except UnappliedStep as skip:
+                    value, loss, applied = skip.loss, None, False
+                    res.skipped.append(i)
             else:
                 optimizer.zero_grad(set_to_none=True)
                 loss = loss_fn(model, batch_fn(i))
@@ -148,7 +171,8 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
                     res.stop_reason = f"{max_nan} non-finite losses in a row at lr {lr:.2e}"
                     break
                 continue
-            nan_run = 0
+            if applied:  # a skipped step continues a run of steps not applied
+                nan_run = 0
             if loss is None:
                 pass  # train_step took the step
             elif step_fn is None:
@@ -179,6 +203,7 @@ def suggest(res: LRFindResult) -> None:
     lrs = np.array(res.lrs)
     sm = np.array(res.smoothed, dtype=float)
     ok = np.isfinite(sm)
+    ok[res.skipped] = False  # no update at its rate: a frozen run's flat curve held the minimum
     if ok.sum() < 5:
         return
     lrs, sm = lrs[ok], sm[ok]
@@ -224,6 +249,9 @@ def plot(res: LRFindResult, path: Path, title: str = "") -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(res.lrs, res.losses, color="0.75", lw=1, label="loss")
     ax.plot(res.lrs, res.smoothed, color="C0", lw=2, label="smoothed (EMA, bias-corrected)")
+    if res.skipped:
+        ax.plot([res.lrs[i] for i in res.skipped], [res.losses[i] for i in res.skipped], "x", color="C3", ms=4,
+                label="update skipped (float16 GradScaler)")
     for (name, lr), c in zip(res.suggestions.items(), ("C2", "C1", "C3")):
         ax.axvline(lr, color=c, ls="--", lw=1, label=f"{name} {lr:.1e}")
     ax.set_xscale("log")
@@ -246,6 +274,8 @@ def phase_lr_find(trainer, **kwargs) -> LRFindResult:
     ``train_step`` (accumulation, clipping, autocast, GradScaler, channels_last, EMA: the step its loop takes),
     on its own batches; the trainer's whole state (model, optimizer, scheduler, scaler, EMA, generator, RNG,
     step) is restored afterwards from its ``state_dict``."""
+    from sinkflow.engine.finite import optimizer_steps
+
     saved = copy.deepcopy({"step": trainer.step, **trainer.state_dict()})
     batches = [trainer.batch]
 
@@ -254,9 +284,23 @@ def phase_lr_find(trainer, **kwargs) -> LRFindResult:
             return batches[i]
         return trainer.draw_batch(trainer.cfg["batch_size"])
 
+    def step(batch):
+        """``checked_step``, and under float16 whether GradScaler applied the update (one read of Adam's step count:
+        the sweep reads every loss anyway): a skipped one is ``UnappliedStep``, or, with the scale below 1,
+        non-finite, as the loop's ``Trainer.raise_if_non_finite`` stops on it."""
+        before = optimizer_steps(trainer.optimizer) if trainer.scaler.is_enabled() else 0
+        loss = trainer.checked_step(batch)
+        if trainer.scaler.is_enabled() and optimizer_steps(trainer.optimizer) == before:
+            scale = trainer.scaler.get_scale()
+            if scale < 1.0:
+                trainer.stop_non_finite(f"float16 loss scale {scale:.2g} (Inf/NaN gradients even unscaled)",
+                                        trainer.step + 1)
+            raise UnappliedStep(float(loss))
+        return loss
+
     try:  # a step the device skipped is a gap (NonFiniteStep), and the next one is applied
-        return lr_range_test(trainer.model, trainer.optimizer, None, batch_fn, train_step=trainer.checked_step,
-                             restore=False, **kwargs)
+        return lr_range_test(trainer.model, trainer.optimizer, None, batch_fn, train_step=step, restore=False,
+                             **kwargs)
     finally:
         trainer.load_state_dict(saved, "the state before lr-find")
 
