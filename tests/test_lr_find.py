@@ -501,3 +501,26 @@ def test_a_skipped_step_shows_a_divergence_but_holds_no_suggestion():
     lowest = min(range(len(res.lrs)), key=lambda i: res.smoothed[i])
     assert lowest in frozen and res.min_loss_lr in (res.lrs[19], res.lrs[28]), (lowest, res.min_loss_lr)
 
+
+def test_the_sweep_stops_naming_the_rate_where_updates_stopped_being_applied():
+    """Three non-finite steps in a row end a sweep: the reason named the third one's rate ("at lr" 2 steps past where
+    the weights went bad, and on float16 16 skipped steps past it); it names the first step not applied now."""
+    from sinkflow.engine.trainer import NonFiniteStep
+
+    model, batch_fn, loss_fn = problem()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    calls = []
+
+    def step(batch):
+        calls.append(1)
+        if len(calls) > 6:
+            raise NonFiniteStep("non-finite loss (nan)")
+        opt.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    res = lr_range_test(model, opt, None, batch_fn, start_lr=1e-4, end_lr=1e-1, steps=20, train_step=step)
+    assert len(res.lrs) == 9
+    assert f"no update applied from lr {res.lrs[6]:.2e} to {res.lrs[8]:.2e}" in res.stop_reason, res.stop_reason

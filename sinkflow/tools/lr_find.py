@@ -142,6 +142,7 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
     snap = _snapshot(model, optimizer)
     mult = (end_lr / start_lr) ** (1.0 / (steps - 1))
     avg, k, best, nan_run = 0.0, 0, math.inf, 0
+    gap_from = None  # the rate of the first step not applied since the last applied one: where the trouble began
     model.train()
     try:
         for i in range(steps):
@@ -157,6 +158,7 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
                     value = math.nan
                 except UnappliedStep as skip:
                     value, loss, applied = skip.loss, None, False
+                    gap_from = lr if gap_from is None else gap_from
                     res.skipped.append(i)
             else:
                 optimizer.zero_grad(set_to_none=True)
@@ -164,15 +166,18 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
                 value = float(loss.detach())
             res.lrs.append(lr)
             if not math.isfinite(value):
+                gap_from = lr if gap_from is None else gap_from
                 res.losses.append(math.nan)
                 res.smoothed.append(math.nan)
                 nan_run += 1
-                if nan_run >= max_nan:
-                    res.stop_reason = f"{max_nan} non-finite losses in a row at lr {lr:.2e}"
+                if nan_run >= max_nan:  # named from the first step not applied: "at lr" the third named a rate
+                    # past the one where the weights went bad
+                    res.stop_reason = (f"{max_nan} non-finite steps in a row; no update applied from lr "
+                                       f"{gap_from:.2e} to {lr:.2e}")
                     break
                 continue
             if applied:  # a skipped step continues a run of steps not applied
-                nan_run = 0
+                nan_run, gap_from = 0, None
             if loss is None:
                 pass  # train_step took the step
             elif step_fn is None:
