@@ -524,3 +524,24 @@ def test_the_sweep_stops_naming_the_rate_where_updates_stopped_being_applied():
     res = lr_range_test(model, opt, None, batch_fn, start_lr=1e-4, end_lr=1e-1, steps=20, train_step=step)
     assert len(res.lrs) == 9
     assert f"no update applied from lr {res.lrs[6]:.2e} to {res.lrs[8]:.2e}" in res.stop_reason, res.stop_reason
+
+
+def test_the_output_names_the_step_path_the_rates_were_measured_through(runs_dir, capsys):
+    """The rate belongs to the step it was measured through (digits' velocity phase on the CPU: float16 went
+    non-finite from 1.15e-01, float32 diverged at 3.27), and a sweep muted the phase's speed-settings line, so a log of
+    lr-find on a card did not say whether it had run the CUDA default (fp16, the whole step one CUDA graph). It says
+    so now, and on a card how many steps were replays of the captured step."""
+    from types import SimpleNamespace
+
+    from sinkflow.cli import main
+    from sinkflow.tools.lr_find import LRFindResult, step_path
+
+    assert main(["lr-find", "moons", "--method", "fm", "--device", "cpu", "--steps", "12", "--end-lr", "1e-2",
+                 "--out", "lr.png", "train.velocity.graph=step", "train.velocity.precision=fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "  step: velocity on cpu: fp16 (autocast, GradScaler), eager, the step graph's path run eagerly" in out, out
+    captured = SimpleNamespace(task=SimpleNamespace(model_key="velocity"), name="velocity", precision="fp16",
+                               compile_mode="default", step_graph=object(), device=torch.device("cuda"))
+    line = step_path(captured, LRFindResult(lrs=[1e-3] * 78, replays=75))
+    assert line.startswith("velocity on cuda: fp16 (autocast, GradScaler), compiled (default), the whole step one "
+                           "CUDA graph (75 of 78 steps replays of it)"), line

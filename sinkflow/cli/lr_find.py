@@ -48,7 +48,8 @@ def run(args):
     write_run = check_args(args)
     from sinkflow.errors import SinkflowError
     from sinkflow.runtime.run_folder import read_config
-    from sinkflow.tools.lr_find import phase_lr_find, plot, refuse_finished_phase, refuse_other_recipe, write_lr
+    from sinkflow.tools.lr_find import (phase_lr_find, plot, refuse_finished_phase, refuse_other_recipe, step_path,
+                                        write_lr)
     from sinkflow.tools.phases import open_run_phase, training_phase, workspace
 
     from_run = run_folder_arg(args, "lr-find") is not None
@@ -76,6 +77,7 @@ def run(args):
         run_.logger.close()
     path = plot(res, Path(args.out), f"{label}: phase {phase.name}")
     print(f"lr-find {label}, phase {phase.name} (batch {phase.cfg['batch_size']}, {len(res.lrs)} steps)")
+    print("  step: " + step_path(phase, res))
     print("  " + res.summary())
     print(f"  configured train.{phase.task.model_key}.lr = {phase.cfg['lr']:.2e}; plot: {path}")
     if args.write:

@@ -62,6 +62,7 @@ class LRFindResult:
     steepest: float | None = None
     min_loss_lr: float | None = None
     skipped: list[int] = field(default_factory=list)  # steps float16's GradScaler did not apply (UnappliedStep)
+    replays: int | None = None  # steps that were replays of a captured CUDA graph (None: the step is not captured)
 
     def summary(self) -> str:
         unapplied = (f"; {len(self.skipped)} of {len(self.lrs)} updates skipped by float16's GradScaler"
@@ -303,11 +304,34 @@ def phase_lr_find(trainer, **kwargs) -> LRFindResult:
             raise UnappliedStep(float(loss))
         return loss
 
+    graph = trainer.step_graph if trainer.captures_steps else None
+    replayed = graph.replays if graph is not None else 0
     try:  # a step the device skipped is a gap (NonFiniteStep), and the next one is applied
-        return lr_range_test(trainer.model, trainer.optimizer, None, batch_fn, train_step=step, restore=False,
-                             **kwargs)
+        res = lr_range_test(trainer.model, trainer.optimizer, None, batch_fn, train_step=step, restore=False,
+                            **kwargs)
     finally:
         trainer.load_state_dict(saved, "the state before lr-find")
+    if graph is not None:
+        res.replays = graph.replays - replayed
+    return res
+
+
+def step_path(trainer, res: LRFindResult) -> str:
+    """The step the sweep's rates were measured through: precision, compiled or not, the step graph (and on CUDA how
+    many steps were replays of the captured step). Why: the rate belongs to that path (digits' velocity phase on the
+    CPU: float16 went non-finite from 1.15e-01, float32 diverged at 3.27), and a log of a sweep on a card said
+    neither, so whether it had run the CUDA default (fp16, the whole step one graph) was nowhere to be read."""
+    key = trainer.task.model_key
+    precision = {"fp16": "fp16 (autocast, GradScaler)", "bf16": "bf16 (autocast)"}.get(trainer.precision, "fp32")
+    compiled = "eager" if trainer.compile_mode is None else f"compiled ({trainer.compile_mode})"
+    if trainer.step_graph is None:
+        graph = "no step graph"
+    elif res.replays is None:
+        graph = "the step graph's path run eagerly (nothing is captured on a CPU)"
+    else:
+        graph = f"the whole step one CUDA graph ({res.replays} of {len(res.lrs)} steps replays of it)"
+    return (f"{trainer.name} on {trainer.device.type}: {precision}, {compiled}, {graph} "
+            f"(train.{key}.precision / compile / graph)")
 
 
 def write_target(target: Path, flag: str = "--write") -> tuple[Path, bool]:
