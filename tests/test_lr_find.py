@@ -545,3 +545,60 @@ def test_the_output_names_the_step_path_the_rates_were_measured_through(runs_dir
     line = step_path(captured, LRFindResult(lrs=[1e-3] * 78, replays=75))
     assert line.startswith("velocity on cuda: fp16 (autocast, GradScaler), compiled (default), the whole step one "
                            "CUDA graph (75 of 78 steps replays of it)"), line
+
+
+def test_on_a_captured_step_the_sweeps_rates_reach_the_graph(runs_dir, monkeypatch):
+    """On CUDA the step is a graph replay: Adam reads its rate from ``StepGraph.lrs``, filled from the param groups
+    before each replay, not from the groups lr-find sets. Here a stand-in for the graph (on a CPU nothing can be
+    captured) replays the step with the rates ``lrs`` holds: the sweep is the eager path's (to float32's rounding of the
+    rates), and all but the warm-up steps were replays (a rate that missed ``lrs`` would leave the replays at a stale
+    one)."""
+    from sinkflow import config
+    from sinkflow.engine import step_graph
+    from sinkflow.runtime.run_folder import RunFolder
+    from sinkflow.tools.lr_find import phase_lr_find
+    from sinkflow.tools.phases import ready_trainer
+    from test_prefetch import otcfm_step
+
+    class Replay:
+        """What the captured kernels do: the step on the static batch, Adam at the rates in ``lrs``."""
+        def __init__(self, graph):
+            self.graph = graph
+
+        def replay(self):
+            g, groups = self.graph, self.graph.optimizer.param_groups
+            kept = [group["lr"] for group in groups]
+            for group, lr in zip(groups, g.lrs):
+                group["lr"] = float(lr)
+            try:
+                g.outputs = g.update(g.static, g.step)
+            finally:
+                for group, lr in zip(groups, kept):
+                    group["lr"] = lr
+
+    def warmup(self):
+        self.eager_steps += 1
+        return self.update(self.static, self.step)
+
+    def sweep(graph):
+        cfg = config.resolve("moons", ["experiment.method=otcfm", "experiment.device=cpu", f"experiment.name={graph}",
+                                       f"train.velocity.graph={graph}", "train.velocity.batch_size=64"])
+        run = RunFolder.create(cfg)
+        trainer = ready_trainer(run, otcfm_step(cfg))
+        if graph == "step":
+            trainer.step_graph.captures = True
+            assert trainer.captures_steps
+        res = phase_lr_find(trainer, start_lr=1e-5, end_lr=1, steps=30)
+        run.logger.close()
+        return res
+
+    plain = sweep("none")
+    monkeypatch.setattr(step_graph.StepGraph, "_warmup", warmup)
+    monkeypatch.setattr(step_graph.StepGraph, "_capture", lambda self: setattr(self, "graph", Replay(self)))
+    captured = sweep("step")
+    # the same curve up to float32's rounding of the rates in ``lrs`` (the kernel reads a float32 tensor)
+    assert len(captured.lrs) == len(plain.lrs) and captured.suggestions == plain.suggestions, (captured.summary(),
+                                                                                               plain.summary())
+    assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(captured.losses, plain.losses)), (captured.losses,
+                                                                                                  plain.losses)
+    assert captured.replays == len(captured.lrs) - step_graph.WARMUP and plain.replays is None
