@@ -602,3 +602,30 @@ def test_on_a_captured_step_the_sweeps_rates_reach_the_graph(runs_dir, monkeypat
     assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(captured.losses, plain.losses)), (captured.losses,
                                                                                                   plain.losses)
     assert captured.replays == len(captured.lrs) - step_graph.WARMUP and plain.replays is None
+
+
+def test_a_finished_phase_without_a_step_checkpoint_is_opened_at_its_final_state(runs_dir):
+    """`lr-find RUN` and `doctor RUN` open the run's phase through the loop's resume, which reads step checkpoints
+    only: a finished phase with none (``ckpt_every`` above ``iters``) was swept from a fresh init under the run's name
+    (step 0, weights unlike final.pt's). Its final state, optimizer and generator included, is the one opened now."""
+    from sinkflow import config
+    from sinkflow.engine.trainer import Trainer
+    from sinkflow.runtime.checkpoint import load
+    from sinkflow.runtime.run_folder import RunFolder
+    from sinkflow.tools.phases import open_run_phase, training_phase
+
+    cfg = config.resolve("moons", ["experiment.method=fm", "experiment.device=cpu", "experiment.name=r",
+                                   "train.velocity.iters=12", "train.velocity.ckpt_every=1000",
+                                   "train.velocity.log_every=6"])
+    run = RunFolder.create(cfg)
+    Trainer(run, training_phase(cfg, None)).fit()
+    run.release()
+    run.logger.close()
+    phase = run.dir / "checkpoints" / "velocity"
+    assert sorted(p.name for p in phase.iterdir()) == ["final.pt"]
+    opened, trainer = open_run_phase(run.dir, None)
+    opened.logger.close()
+    final = load(phase / "final.pt")
+    assert trainer.step == 12
+    assert all(torch.equal(final["model"][k], v) for k, v in trainer.model.state_dict().items())
+    assert trainer.optimizer.state_dict()["state"][0]["step"] == 12

@@ -126,7 +126,12 @@ def scratch_run(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: 
 
 
 def open_run_phase(run_dir: Path, phase_name: str | None):
-    """(run, ready trainer) of an existing run, without writing to it; earlier phases must be finished."""
+    """(run, ready trainer) of an existing run, without writing to it; earlier phases must be finished.
+
+    The trainer holds the phase's newest state: its step checkpoint, as a resume would load, or its ``final.pt`` where
+    that is further on. Why: the loop resumes from step checkpoints only, so a finished phase without one
+    (``ckpt_every`` above ``iters``) was swept from a fresh init (`lr-find RUN`, `doctor RUN`) under the run's name,
+    and one whose last step checkpoint came before its end from that earlier step."""
     from sinkflow.runtime.run_folder import RunFolder, read_config
 
     cfg = read_config(run_dir)
@@ -143,7 +148,14 @@ def open_run_phase(run_dir: Path, phase_name: str | None):
                                            f"train.{key}.ckpt_every={FOREVER}"])
     run = RunFolder(Path(run_dir), cfg, log=False)  # read only: nothing is logged into the user's run
     ph = next(p for p in _phases(cfg) if p.name == phase_name)
-    return run, ready_trainer(run, ph)
+    trainer = ready_trainer(run, ph)
+    ckpts = run.checkpoints(phase_name)
+    if ckpts.final_path.is_file():
+        final = ckpts.final()  # checked as a step checkpoint is (identity, loads safely)
+        if final.get("optimizer") is not None and final.get("step", 0) > trainer.step:
+            trainer.load_state_dict(final, str(ckpts.final_path))
+            trainer.batch = trainer.draw_batch()  # the batch after the final step, from its generator state
+    return run, trainer
 
 
 def _later(phases, a: str, b: str) -> bool:
