@@ -632,27 +632,25 @@ def micro_batch_sizes(batch_size: int, accum: int, world: int = 1) -> list[int]:
 
 # ---- a sinkflow phase ---------------------------------------------------------------------------
 
-def _subset(batch, n: int):
+def _rows(batch, pick: Callable[[torch.Tensor], torch.Tensor]):
+    """``pick`` applied to every tensor of ``batch`` (a tensor, or dicts / lists / tuples of them) that has rows."""
     if isinstance(batch, torch.Tensor):
-        return batch[:n]
+        return pick(batch) if batch.dim() else batch
     if isinstance(batch, dict):
-        return {k: _subset(v, n) for k, v in batch.items()}
+        return {k: _rows(v, pick) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_subset(v, n) for v in batch)
+        return type(batch)(_rows(v, pick) for v in batch)
     return batch
+
+
+def _subset(batch, n: int):
+    """``batch``'s first ``n`` rows."""
+    return _rows(batch, lambda t: t[:n])
 
 
 def _tiled(batch, n: int):
     """``batch``'s first ``n`` rows repeated to its own length: a subset of the shape a captured step takes."""
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0:
-            return batch
-        return batch[torch.arange(len(batch), device=batch.device) % max(1, min(n, len(batch)))]
-    if isinstance(batch, dict):
-        return {k: _tiled(v, n) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_tiled(v, n) for v in batch)
-    return batch
+    return _rows(batch, lambda t: t[torch.arange(len(t), device=t.device) % max(1, min(n, len(t)))])
 
 
 FP16_SKIPS = 24  # GradScaler's scale starts at 2**16 and halves on each skipped step: 2**-8 after this many
