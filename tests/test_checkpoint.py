@@ -84,3 +84,32 @@ def test_checkpoint_is_plain_torch(tmp_path):
     ck.save_final({"model": {"w": torch.ones(2)}})
     obj = torch.load(os.path.join(tmp_path, "final.pt"), weights_only=True)  # any PyTorch tool can read it, safely
     assert obj["final"] and torch.equal(obj["model"]["w"], torch.ones(2))
+
+
+def test_cuda_rng_states_of_more_cards_than_this_machine_has_restore_the_cards_it_has(monkeypatch):
+    """A step checkpoint holds one CUDA generator state per card the training process saw (``get_rng_state_all``:
+    8 on an 8-card node, one process); resumed on a machine with 1 card, ``set_rng_state_all`` set card 1's state
+    and torch raised IndexError from ``default_generators[1]`` mid-resume. The cards here get theirs, no more. The
+    cards are faked: only their count and the setter are read."""
+    from sinkflow.runtime.checkpoint import rng_state, set_rng_state
+
+    cards = {"count": 1, "set": []}
+
+    def fake_set(new_state, device="cuda"):  # torch's own: default_generators[index].set_state(new_state)
+        index = device if isinstance(device, int) else torch.device(device).index
+        if index >= cards["count"]:
+            raise IndexError("tuple index out of range")
+        cards["set"].append(index)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cards["count"])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", fake_set)
+    monkeypatch.setattr(torch.cuda.random, "set_rng_state", fake_set)
+    state = rng_state()
+    state["cuda"] = [torch.zeros(16, dtype=torch.uint8) for _ in range(8)]
+    set_rng_state(state)
+    assert cards["set"] == [0]
+    cards["count"], cards["set"] = 2, []
+    state["cuda"] = state["cuda"][:1]  # a 1-card run resumed on 2 cards: card 0's state, card 1 keeps its own
+    set_rng_state(state)
+    assert cards["set"] == [0]

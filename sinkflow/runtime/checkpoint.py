@@ -162,7 +162,16 @@ def set_rng_state(state: dict) -> None:
         py = (py["version"], tuple(py["state"]), py["gauss_next"])
     random.setstate(py)
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        set_cuda_rng_states(state["cuda"])
+
+
+def set_cuda_rng_states(states: list) -> None:
+    """Each CUDA card's generator state, for the cards this machine has: a run saves one state per visible card
+    (``get_rng_state_all``), and ``set_rng_state_all`` sets them by index, so a run trained where 8 cards were visible
+    and resumed on a machine with 1 ended in torch's IndexError from ``default_generators[1]`` (a traceback mid-resume);
+    the states of cards not here have no generator to go to (a resume on other cards draws other dropout masks)."""
+    for index, cuda_state in enumerate(states[: torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(cuda_state, index)
 
 
 TMP_FILE = re.compile(r"^\..+\.tmp(-?\d+(-[0-9a-f]{8})?)?$")  # atomic_write.temp_beside's, and the older forms
