@@ -378,6 +378,12 @@ def test_sampling_precision_auto_is_fp16_where_training_auto_is(monkeypatch):
     # a network whose training precision was set is sampled in it: fp32 kept out of half precision on purpose
     assert [sampling_precision("auto", "unet", "cuda", trained=t) for t in ("fp32", "bf16", "auto")] == \
         ["fp32", "bf16", "fp16"]
+    # ... on a CUDA card: a run trained in a set half precision (a T4's fp16 key) and sampled on a laptop's CPU ran
+    # its convolutions in fp16 there, which a CPU has no fast kernels for; auto is fp32 on a CPU, as training's
+    assert [sampling_precision("auto", "unet", "cpu", trained=t) for t in ("fp32", "bf16", "fp16")] == ["fp32"] * 3
+    on_gpu = config.resolve("mnist", ["train.velocity.precision=fp16"])
+    assert methods.of(on_gpu).sample_precision(on_gpu, "cpu") == "fp32"
+    assert methods.of(on_gpu).sample_precision(on_gpu, "cuda") == "fp16"
     forced = config.resolve("mnist", ["train.velocity.precision=fp32"])
     assert methods.of(forced).sample_precision(forced, "cuda") == "fp32"
     for preset, method, want in (("mnist", "nsgfpp", "fp16"), ("mnist", "otcfm", "fp16"), ("moons", "nsgf", "fp32"),

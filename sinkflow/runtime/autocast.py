@@ -34,13 +34,17 @@ def sampling_precision(value: str, kind: str, device: torch.device | str, bf16: 
     (the MNIST runs of RESULTS.md's "Half-precision sampling"): fp16's paired FD-CNN change <= 0.05, a new noise
     draw's 3.3-4.6. A network trained in fp16 (the same ``auto``) is sampled in the format it trained in; one whose
     training precision was set (``trained``: its ``train.<phase>.precision``) in that one, fp32 included (a user who
-    kept a network out of half precision had a reason). ``bf16`` overrides the card check, as in
-    ``fast_path.resolve`` (the planner plans for a card not in hand)."""
+    kept a network out of half precision had a reason), on a CUDA card: off one (a run trained on a GPU, sampled or
+    evaluated on a laptop) ``auto`` is fp32, as training's, since a half precision set for a card's tensor cores
+    (``train.velocity.precision=fp16``, the key a T4 user is told) ran the CPU's convolutions in fp16, which it has
+    no fast kernels for (0.74x fp32's images/s on the MNIST UNet, docs/performance.md; 18x slower on a 2-core VM's
+    3x3 convolutions). ``bf16`` overrides the card check, as in ``fast_path.resolve`` (the planner plans for a card
+    not in hand)."""
     if value != "auto":
         return value
-    if trained != "auto":
-        return trained
     device = torch.device(device)
+    if trained != "auto" and (trained == "fp32" or device.type == "cuda"):
+        return trained
     native = bf16_tensor_cores(device) if bf16 is None else bf16
     return "fp16" if device.type == "cuda" and kind in FAST_KINDS and native else "fp32"
 
