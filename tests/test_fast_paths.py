@@ -480,3 +480,53 @@ def test_an_evaluation_record_names_a_half_precision_it_sampled_in(tiny_run):
     assert "precision" not in setting(run, 8, 1)  # auto on this CPU: fp32
     run.cfg["sample"]["precision"] = "bf16"
     assert setting(run, 8, 1)["precision"] == "bf16"
+
+
+def test_a_resume_on_another_machine_says_what_its_auto_speed_settings_became(runs_dir, monkeypatch, caplog):
+    """A run trained where `precision: auto` / `graph: auto` were fp16 (with GradScaler) and the step graph (a UNet on
+    an Ampere+ card), stopped mid-phase and resumed on a CPU or a T4 (fp32, no graph): config.yaml holds `auto` both
+    times, so no change was recorded, and the resume printed only its new settings. It now says both, and trains on
+    (the scaler's state set aside); the other way (fp32 -> fp16) starts a fresh loss scale and says so. The GPU
+    machine is faked by fast_path.resolve's answer (its other settings are this CPU's)."""
+    import logging
+
+    import sinkflow
+    from sinkflow.engine import fast_path
+    from sinkflow.runtime.callbacks import Callback
+
+    class StopAt(Callback):
+        def __init__(self, step):
+            self.at = step
+
+        def on_train_batch_end(self, trainer, batch, out):
+            if trainer.name == "velocity" and trainer.step == self.at:
+                trainer.request_stop()
+
+    real = fast_path.resolve
+
+    def gpu(tcfg, kind, device, world=1, bf16=None):
+        return {**real(tcfg, kind, device, world, bf16), "precision": "fp16", "graph": "step"}
+
+    small = {"pool.batches": 2, "pool.steps": 4, "pool.batch_size": 32, "pool.chunk": 1,
+             "train.velocity.ckpt_every": 100, "train.velocity.log_every": 2, "train.velocity.graph": "auto"}
+    monkeypatch.setattr(fast_path, "resolve", gpu)
+    with pytest.raises(BaseException, match="request_stop"):
+        sinkflow.train("moons", name="r", device="cpu", runs_dir=runs_dir, callbacks=[StopAt(3)], train_iters=8,
+                       **small)
+    monkeypatch.setattr(fast_path, "resolve", real)  # the CPU's own answer: fp32, no graph
+    with caplog.at_level(logging.INFO, logger="sinkflow"), pytest.raises(BaseException, match="request_stop"):
+        sinkflow.resume(runs_dir / "r", device="cpu", callbacks=[StopAt(5)])
+    said = [r.getMessage() for r in caplog.records if "resumes in" in r.getMessage()]
+    assert said == ["velocity: trained to step 3 in fp16, graph step on cpu; resumes in fp32, graph none on cpu "
+                    "(train.velocity.precision / graph: auto, decided per machine and process count); fp16's loss "
+                    "scale is set aside"], said
+    caplog.clear()
+    monkeypatch.setattr(fast_path, "resolve", gpu)  # back on the card
+    with caplog.at_level(logging.INFO, logger="sinkflow"):
+        sinkflow.resume(runs_dir / "r", device="cpu")
+    said = [r.getMessage() for r in caplog.records if "resumes in" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("velocity: trained to step 5 in fp32") and \
+        said[0].endswith("fp16's loss scale starts afresh"), said
+    final = torch.load(runs_dir / "r" / "checkpoints" / "velocity" / "final.pt", weights_only=True)
+    assert final["step"] == 8 and final["scaler"]["scale"] > 0
+    assert final["resolved"] == {"device": "cpu", "precision": "fp16", "graph": "step", "compile": "off"}

@@ -223,7 +223,42 @@ class Trainer:
             "world_size": self.info.world,
             "callbacks": {cb.state_key: st for cb in self.callbacks if (st := checkpointable_state(cb))},
             "train": dict(self.run.cfg["train"][self.task.model_key]),  # what it trained with (a hand edit is told)
+            "resolved": self.resolved(),  # what its ``auto`` keys were on the machine that trained it (a resume says)
         }
+
+    def resolved(self) -> dict:
+        """The speed settings this phase trains with on this machine, its ``auto`` keys made concrete
+        (``fast_path.resolve``): a step checkpoint keeps them, so a resume elsewhere can say what changed."""
+        return {"device": self.device.type, "precision": self.precision,
+                "graph": "step" if self.step_graph is not None else "none", "compile": self.compile_mode or "off"}
+
+    def resolved_change(self, saved: Any, step: int) -> str | None:
+        """One line where this machine resolves the phase's speed settings otherwise than the one that wrote the step
+        ``step`` checkpoint (``saved``: its ``resolved`` entry): a run trained on a GPU (``precision: auto`` = fp16
+        with its loss scale, ``graph: auto`` = the step graph) and resumed on a CPU or a T4 printed only its new
+        settings, the change itself unsaid (config.yaml holds ``auto`` both times, so no key changed). None where
+        nothing changed, or the checkpoint predates the record."""
+        if not isinstance(saved, dict):
+            return None
+        now = self.resolved()
+        keys = [k for k in ("precision", "graph", "compile") if k in saved and saved[k] != now[k]]
+        if not keys:
+            return None
+
+        def words(settings: dict) -> str:
+            shown = [f"{k} {settings.get(k)}" for k in ("graph", "compile") if k in keys]
+            return ", ".join([str(settings.get("precision")), *shown]) + f" on {settings.get('device', '?')}"
+
+        scale = ""
+        if saved.get("precision") == "fp16" and now["precision"] != "fp16":
+            scale = "; fp16's loss scale is set aside"
+        elif now["precision"] == "fp16" and saved.get("precision") != "fp16":
+            scale = "; fp16's loss scale starts afresh"
+        key = self.task.model_key
+        edited = {k for k in keys if self.run.cfg["train"][key].get(k) != "auto"}
+        autos = " / ".join(k for k in keys if k not in edited)
+        why = "" if edited == set(keys) else f" (train.{key}.{autos}: auto, decided per machine and process count)"
+        return f"{self.name}: trained to step {step} in {words(saved)}; resumes in {words(now)}{why}{scale}"
 
     def load_state_dict(self, state: dict, where: str) -> None:
         check_step_state(state, self.model, self.generator, where, ema=self.ema is not None,
@@ -489,6 +524,9 @@ class Trainer:
             if self.info.is_main:  # status may show a later step: what a killed process did past its checkpoint
                 log.info("%s: resuming from step %d of %d (%s)", self.name, self.step, self.cfg["iters"],
                          ckpts.steps()[-1][1].name)
+                changed = self.resolved_change(latest.get("resolved"), self.step)
+                if changed:
+                    log.info("%s", changed)
         moved = run.logger.rewind(self.name, self.step)  # what a killed process logged past this step, set aside
         if moved and self.info.is_main:  # no checkpoint at all (deleted?): the phase starts over, and says so
             (log.info if latest is not None else log.warning)(
