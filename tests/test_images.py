@@ -818,3 +818,25 @@ def test_the_strip_titles_each_state_where_the_warped_grid_put_it(tmp_path, monk
     images.plots(types.SimpleNamespace(cfg=cfg, dir=tmp_path))
     assert seen == [["t=0.00", "t=0.05", "t=0.16", "t=0.23", "t=0.37", "t=0.45", "t=0.68", "t=1.00"]]
 
+
+
+def test_a_digits_run_whose_data_root_cannot_be_made_here_samples_and_eval_names_the_resume(runs_dir, tmp_path,
+                                                                                               capsys):
+    """A run's data.root is absolute, a folder of the machine it trained on (`/workspace/data` on a rented GPU). Copied
+    to a laptop, which cannot create it, `sinkflow sample` of a digits run (the set ships with scikit-learn, so it is
+    "here") failed writing its decoded cache there, where sampling needs the data's shape alone: it samples, the same
+    samples as with the cache; `eval`, which needs the pixels, names the command that points data.root elsewhere."""
+    extra, _ = setup_data("digits", tmp_path)
+    assert main(["train", "digits", "--method", "fm", *TINY_FM, *extra, "--name", "d", "--no-report"]) == 0
+    run = runs_dir / "d"
+    assert main(["sample", str(run), "--n", "3", "--out", str(tmp_path / "here.npy")]) == 0
+    root = tmp_path / "data"
+    root.rename(tmp_path / "moved")
+    root.write_text("")  # a file where the folder was: mkdir fails here as it does for a root this user cannot make
+    data._distributions.cache_clear()  # a new process on the other machine: nothing of the data built yet
+    capsys.readouterr()
+    assert main(["sample", str(run), "--n", "3", "--out", str(tmp_path / "away.npy")]) == 0, capsys.readouterr().err
+    assert np.array_equal(np.load(tmp_path / "here.npy"), np.load(tmp_path / "away.npy"))
+    assert main(["eval", str(run), "--seeds", "1", "--n", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the image cache" in err and "sinkflow train --resume RUN data.root=NEW --no-report" in err

@@ -173,6 +173,12 @@ def source_split_info(name: str, data_cfg: dict) -> dict:
     return src.split_info() if hasattr(src, "split_info") else {}
 
 
+class CacheNotWritable(SinkflowError):
+    """The decoded-image cache under ``data.root`` cannot be written: a run's absolute data.root names a folder of
+    the machine it trained on (``/workspace/data`` on a rented GPU), which a laptop cannot create. Sampling, which needs
+    the data's shape alone, stands in for the data then (``tools.data.sampling_data``)."""
+
+
 def build_image_distribution(name: str, data_cfg: dict) -> ImageDistribution:
     """Open (or decode once into) the cache for both splits of image set ``name``."""
     cfg = check_image_cfg(data_cfg)
@@ -189,10 +195,11 @@ def build_image_distribution(name: str, data_cfg: dict) -> ImageDistribution:
             except OSError as exc:
                 if exc.filename is None or not str(exc.filename).startswith(str(stem.parent)):
                     raise
-                raise SinkflowError(
+                raise CacheNotWritable(
                     f"cannot write the image cache {stem.parent} under data.root={cfg['root']} "
                     f"({exc.strerror or type(exc).__name__})",
-                    "set data.root to a writable folder with room for the decoded images") from None
+                    "set data.root to a writable folder with room for the decoded images (a run's: `sinkflow train "
+                    "--resume RUN data.root=NEW --no-report` names it once, a finished run too)") from None
         if len(hit[0]) == 0:
             raise SinkflowError(f"{name}: the {split} split is empty", "add images (or check the data files)")
         arrays[split] = hit

@@ -69,14 +69,21 @@ def sampling_data(cfg: dict, run_dir: Path):
     """Sampling a trained image run needs its data's shape, not its pixels: a run copied off the machine it trained
     on (a Kaggle run on a laptop) samples without its data set. Within the block, when the target image set is not
     on this machine (``DataNotFound``; nothing is downloaded to learn that), synthetic images of the run's shape
-    stand in, which no sampler reads (tests/test_images.py: the same samples bit for bit); the shape is the one
+    stand in, which no sampler reads (tests/test_images.py: the same samples bit for bit), as they do where its decoded
+    cache cannot be written under the run's data.root (a folder of the machine it trained on); the shape is the one
     RUN/data_split.json records, else the one the config implies. Yields the reason, None when the data is here.
     A point-file target: ``_points_sampling_data``."""
     if cfg["data"]["target"] not in NATIVE_CHW:
         with _points_sampling_data(cfg, run_dir) as reason:
             yield reason
         return
-    reason = needs_synthetic(cfg)
+    from sinkflow.data.images import CacheNotWritable
+
+    try:
+        reason = needs_synthetic(cfg)
+    except CacheNotWritable as exc:  # digits (always here, decoded into data.root) from a data.root of the machine
+        # the run trained on, which this one cannot create: `sample` failed where it needs the shape alone
+        reason = exc.problem
     if reason is None:
         yield None
         return
