@@ -239,3 +239,24 @@ def test_fid_without_torch_fidelity_is_one_line(tmp_path, monkeypatch):
     weights.write_bytes(b"")
     with pytest.raises(SinkflowError, match="FID needs torch-fidelity.*pip install torchmetrics torch-fidelity"):
         InceptionFID(torch.zeros(2, 1, 8, 8), str(weights))
+
+
+def test_classifiers_trained_where_their_cache_cannot_be_written_still_score(tmp_path, caplog):
+    """The FD-CNN and the digit classifier are cached under the run's data.root; a data.root this machine reads but
+    cannot write (a read-only copy of the data, a folder of the machine the run trained on) failed the evaluation
+    after the classifier had been trained (ENOTDIR / EACCES from the cache's write). The cache is a cache: the
+    classifier scores, a warning says it was not kept. (A file where the cache folder goes: mkdir fails as in a
+    read-only folder, for root too.)"""
+    import logging
+
+    from sinkflow.eval.images import digit_classifier
+
+    (tmp_path / "cache").write_text("")
+    target = toy_target(n=300)
+    with caplog.at_level(logging.WARNING):
+        net, acc = fd_cnn.train_cnn(target, tmp_path)
+        clf = digit_classifier(SimpleNamespace(**{**vars(target), "name": "digits"}), tmp_path)
+    assert acc > 0.5 and fd_cnn.features(net, target.test_images).shape == (60, fd_cnn.FEATURES)
+    assert clf is not None and clf.predict(target.test_images.reshape(60, -1)).shape == (60,)
+    said = [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()]
+    assert len(said) == 2 and "not cached" in said[0] and "not cached" in said[1], said

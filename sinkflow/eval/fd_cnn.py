@@ -123,11 +123,17 @@ def train_cnn(target, data_root) -> tuple[DigitCNN, float]:
             pred = torch.cat([net(c).argmax(1) for c in _unit(target.test_images).split(1000)])
         acc = float((pred.numpy() == np.asarray(target.test_labels)).mean())
         arrays = {f"w:{k}": v.detach().cpu().numpy() for k, v in net.state_dict().items()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp, open(tmp, "wb") as f:
-            np.savez(f, accuracy=np.float64(acc), **arrays)
-        log.info("FD-CNN classifier trained on %d training images of %s: held-out accuracy %.4f (cached in %s)",
-                 len(x), target.name, acc, path)
+        try:
+            with atomic_path(path) as tmp, open(tmp, "wb") as f:
+                np.savez(f, accuracy=np.float64(acc), **arrays)
+            log.info("FD-CNN classifier trained on %d training images of %s: held-out accuracy %.4f (cached in %s)",
+                     len(x), target.name, acc, path)
+        except OSError as exc:  # a cache: a data.root this machine reads but cannot write (a read-only copy of the
+            # data, a folder of the machine the run trained on) failed the evaluation after the classifier was trained
+            log.warning("FD-CNN classifier trained on %d training images of %s: held-out accuracy %.4f, not cached (%s "
+                        "cannot be written: %s); the next evaluation trains it again (seeded: the same network); a "
+                        "writable data.root keeps it", len(x), target.name, acc, path.parent,
+                        exc.strerror or type(exc).__name__)
     net.eval().requires_grad_(False)
     return net, acc
 

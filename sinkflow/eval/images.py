@@ -239,8 +239,12 @@ def digit_classifier(target, data_root: str):
     n = min(len(target.images), CLASSIFIER_MAX_TRAIN)
     images = np.asarray(target.images[:n], dtype=np.float32) * (2 / 255) - 1
     clf.fit(images.reshape(n, -1), np.asarray(target.labels[:n]))
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        np.savez(f, coef=clf.coef_, intercept=clf.intercept_, classes=clf.classes_)
+    try:
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, coef=clf.coef_, intercept=clf.intercept_, classes=clf.classes_)
+    except OSError as exc:  # a cache under a data.root this machine cannot write (fd_cnn.train_cnn's alike)
+        log.warning("digit classifier of %s not cached (%s cannot be written: %s); the next evaluation fits it again",
+                    name, path.parent, exc.strerror or type(exc).__name__)
     return clf
 
 
