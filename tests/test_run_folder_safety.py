@@ -709,14 +709,32 @@ def test_a_changed_source_file_is_named_not_the_target(tmp_path, monkeypatch, ca
 
 
 @pytest.mark.parametrize("argv", [["doctor", "RUN", "train.velocity.lr=0.5"], ["lr-find", "RUN", "--lr", "0.5"],
-                                  ["lr-find", "RUN", "--device", "cpu"]])
+                                  ["lr-find", "RUN", "--train-iters", "9"]])
 def test_a_tool_on_a_run_folder_refuses_overrides_it_would_drop(run, capsys, argv):
     """doctor and lr-find on a run folder read its own config.yaml: a key or shorthand beside it was ignored in
-    silence (the user believed it was checked with it). Refused in one line, nothing written."""
+    silence (the user believed it was checked with it). Refused in one line, nothing written. (``--device`` is
+    where the call runs: taken, ``test_doctor_and_lr_find_of_a_cuda_run_run_on_a_cpu_with_device_cpu``.)"""
     before = full_snapshot(run)
     argv = [str(run) if a == "RUN" else a for a in argv]
     line = one_line(*run_main(capsys, *argv), "runs on the run's own config.yaml", "would be ignored")
     assert argv[2] in line
+    assert full_snapshot(run) == before
+
+
+def test_doctor_and_lr_find_of_a_cuda_run_run_on_a_cpu_with_device_cpu(run, capsys, tmp_path):
+    """A run trained with `--device cuda` holds it in config.yaml; on a laptop `doctor RUN` and `lr-find RUN` said
+    "experiment.device=cuda but CUDA is not available here; use --device cpu or auto", and then refused `--device
+    cpu` ("runs on the run's own config.yaml; --device would be ignored"): no way but editing config.yaml. They take
+    it now, as sample / eval / tune do: for this call, the run folder unchanged."""
+    config = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(re.sub(r"(?m)^(  device: ).*$", r"\1cuda", config))
+    before = full_snapshot(run)
+    one_line(*run_main(capsys, "lr-find", str(run), "--steps", "5"), "CUDA is not available here", "--device cpu")
+    assert main(["lr-find", str(run), "--steps", "8", "--device", "cpu", "--out", str(tmp_path / "lr.png")]) == 0
+    assert (tmp_path / "lr.png").is_file()
+    code = main(["doctor", str(run), "--steps", "3", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code in (0, 1) and "params in optimizer" in out, out  # 3 steps cannot overfit: a finding, not an error
     assert full_snapshot(run) == before
 
 

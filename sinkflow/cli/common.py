@@ -63,10 +63,13 @@ def split_preset(args) -> None:
 
 def run_folder_arg(args, command: str) -> Path | None:
     """The run folder a tool (doctor, lr-find) was pointed at in place of a preset, or None. Such a tool reads the
-    run's own config.yaml, so an override or shorthand given beside it would be dropped in silence: refused."""
+    run's own config.yaml, so an override or shorthand given beside it would be dropped in silence: refused. All but
+    ``--device``, where this call runs (as for sample / eval / tune: ``add_device_arg``): a run trained with
+    ``--device cuda`` was refused on a CPU with the fix "use --device cpu", which these commands then refused."""
     if not Path(str(args.preset)).is_dir():
         return None
-    given = [*args.overrides, *(f"--{k.replace('_', '-')}" for k, v in shorthands(args).items() if v is not None)]
+    given = [*args.overrides, *(f"--{k.replace('_', '-')}" for k, v in shorthands(args).items()
+                                if v is not None and k != "device")]
     if given:
         raise SinkflowError(f"`sinkflow {command} RUN` runs on the run's own config.yaml; {given[0]} would be ignored",
                             f"drop it, or check a new config: `sinkflow {command} PRESET {given[0]} ...`")

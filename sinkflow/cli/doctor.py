@@ -48,7 +48,8 @@ def run(args):
     with scratch_dir("doctor") as tmp, quiet():
         if run_dir is not None:
             findings = doctor_run(None, tmp, run_dir=run_dir, overfit_steps=args.steps,
-                                  overfit_batch=args.overfit_batch, factor=args.factor, phases=args.phase)
+                                  overfit_batch=args.overfit_batch, factor=args.factor, phases=args.phase,
+                                  device=args.device)
             label = args.preset
         else:
             cfg = resolve_args(args)

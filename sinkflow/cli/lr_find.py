@@ -68,7 +68,7 @@ def run(args):
 
     with scratch_dir("lrfind") as tmp, quiet():  # the sweep's scratch run, unshown
         if from_run:
-            run_, phase = open_run_phase(Path(args.preset), args.phase)
+            run_, phase = open_run_phase(Path(args.preset), args.phase, args.device)
             label = args.preset
         else:
             run_, phase = workspace(cfg, args.phase, Path(tmp))

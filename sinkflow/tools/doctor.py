@@ -784,21 +784,23 @@ def drop_checked(trainer) -> None:
 
 
 def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = OVERFIT_STEPS, overfit_batch: int = 16,
-               factor: float = 10.0, phases: list[str] | None = None) -> list[Finding]:
-    """All checks on every training phase (a scratch run of ``cfg``, or the existing ``run_dir``), then sampling."""
+               factor: float = 10.0, phases: list[str] | None = None, device: str | None = None) -> list[Finding]:
+    """All checks on every training phase (a scratch run of ``cfg``, or the existing ``run_dir``, on ``device`` for this
+    call where given), then sampling."""
     from pathlib import Path
 
     from sinkflow import data, methods
-    from sinkflow.tools.phases import open_run_phase, quiet_cut, scratch_states, train_phase_names, workspace
+    from sinkflow.tools.phases import (open_run_phase, quiet_cut, read_device, scratch_states, train_phase_names,
+                                       workspace)
 
     findings: list[Finding] = []
     if run_dir is not None:
-        from sinkflow.runtime.run_folder import RunFolder, read_config
+        from sinkflow.runtime.run_folder import RunFolder
 
-        cfg = read_config(run_dir)
+        cfg = read_device(run_dir, device)
         names = phases or train_phase_names(cfg)
         for name in names:
-            run, ph = open_run_phase(Path(run_dir), name)
+            run, ph = open_run_phase(Path(run_dir), name, device)
             findings += check_phase(run, ph, overfit_steps, overfit_batch, factor)
             drop_checked(ph)
             del ph

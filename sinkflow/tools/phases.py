@@ -125,16 +125,17 @@ def scratch_run(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: 
     raise AssertionError("unreachable")
 
 
-def open_run_phase(run_dir: Path, phase_name: str | None):
-    """(run, ready trainer) of an existing run, without writing to it; earlier phases must be finished.
+def open_run_phase(run_dir: Path, phase_name: str | None, device: str | None = None):
+    """(run, ready trainer) of an existing run, without writing to it; earlier phases must be finished. ``device``:
+    where it runs for this call (None: its experiment.device; config.yaml is unchanged).
 
     The trainer holds the phase's newest state: its step checkpoint, as a resume would load, or its ``final.pt`` where
     that is further on. Why: the loop resumes from step checkpoints only, so a finished phase without one
     (``ckpt_every`` above ``iters``) was swept from a fresh init (`lr-find RUN`, `doctor RUN`) under the run's name,
     and one whose last step checkpoint came before its end from that earlier step."""
-    from sinkflow.runtime.run_folder import RunFolder, read_config
+    from sinkflow.runtime.run_folder import RunFolder
 
-    cfg = read_config(run_dir)
+    cfg = read_device(run_dir, device)
     chosen = training_phase(cfg, phase_name)
     phase_name, key = chosen.name, chosen.model_key
     phases = _phases(cfg)
@@ -156,6 +157,15 @@ def open_run_phase(run_dir: Path, phase_name: str | None):
             trainer.load_state_dict(final, str(ckpts.final_path))
             trainer.batch = trainer.draw_batch()  # the batch after the final step, from its generator state
     return run, trainer
+
+
+def read_device(run_dir: Path, device: str | None = None) -> dict:
+    """The run's config.yaml, with ``experiment.device`` set to ``device`` in memory where one is given (a tool's
+    `--device` for this call: the run folder is not changed)."""
+    from sinkflow.runtime.run_folder import read_config
+
+    cfg = read_config(run_dir)
+    return cfg if device is None else config_mod.apply_shorthands(cfg, {"device": device})
 
 
 def _later(phases, a: str, b: str) -> bool:
