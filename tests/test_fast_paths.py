@@ -530,3 +530,23 @@ def test_a_resume_on_another_machine_says_what_its_auto_speed_settings_became(ru
     final = torch.load(runs_dir / "r" / "checkpoints" / "velocity" / "final.pt", weights_only=True)
     assert final["step"] == 8 and final["scaler"]["scale"] > 0
     assert final["resolved"] == {"device": "cpu", "precision": "fp16", "graph": "step", "compile": "off"}
+
+
+def test_a_phase_in_fp16_on_a_cpu_names_the_key_that_gives_it_fp32(runs_dir, monkeypatch, caplog):
+    """A run trained on a GPU with train.velocity.precision=fp16 set (the key a T4 user is told) and resumed on a
+    laptop keeps fp16 there, where float16 autocast has no fast kernels (a moons step 5-6x slower than fp32 on this
+    VM): the first lines said only "fp16"; they now name precision=auto. Nothing on a CUDA card, nor for fp32/bf16."""
+    import logging
+
+    from helpers import TINY_2D
+    from sinkflow.cli import main
+    from sinkflow.engine.fast_path import cpu_fp16_hint
+
+    assert cpu_fp16_hint("fp16", "cuda", "velocity") is None
+    assert cpu_fp16_hint("bf16", "cpu", "velocity") is None and cpu_fp16_hint("fp32", "cpu", "velocity") is None
+    with caplog.at_level(logging.INFO, logger="sinkflow"):
+        assert main(["train", "moons", *TINY_2D, "train.velocity.precision=fp16", "--name", "h", "--no-report"]) == 0
+    said = [r.getMessage() for r in caplog.records if "no fast float16 kernels" in r.getMessage()]
+    assert said == ["velocity: fp16 on a CPU, which has no fast float16 kernels (steps several times slower than "
+                    "fp32's); train.velocity.precision=auto is fp32 here and fp16 on a CUDA card of compute capability "
+                    "8.0+"], said

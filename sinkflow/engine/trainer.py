@@ -182,7 +182,7 @@ class Trainer:
         if self.info.is_main:
             log.info("%s", self.speed_settings())
             hint = fast_path.fp16_hint(run.cfg["train"][key], run.cfg["model"].get(key, {}).get("kind", ""),
-                                       run.device, key)
+                                       run.device, key) or fast_path.cpu_fp16_hint(self.precision, run.device, key)
             if hint:
                 log.info("%s", hint)
 
