@@ -840,3 +840,19 @@ def test_a_digits_run_whose_data_root_cannot_be_made_here_samples_and_eval_names
     assert main(["eval", str(run), "--seeds", "1", "--n", "4"]) == 2
     err = capsys.readouterr().err
     assert "cannot write the image cache" in err and "sinkflow train --resume RUN data.root=NEW --no-report" in err
+
+
+def test_an_inception_weights_path_not_on_this_machine_is_refused_before_the_classifiers(tmp_path, monkeypatch):
+    """eval.inception_weights is recorded absolute, a file of the machine the run trained on: `sinkflow eval` of the
+    copied run trained the FD-CNN (seconds to minutes) before it refused the path, with a fix ("point it at a local
+    file") that `eval`, which takes sample.* keys only, could not apply. Refused first, naming the resume that
+    sets it."""
+    from sinkflow import config
+    from sinkflow.eval import images as eval_images
+
+    extra, _ = setup_data("digits", tmp_path)
+    cfg = config.resolve("digits", [*extra, f"eval.inception_weights={tmp_path / 'gpu-box' / 'pt_inception.pth'}"])
+    monkeypatch.setattr(eval_images, "digit_classifier", lambda *a: pytest.fail("a classifier before the refusal"))
+    with pytest.raises(SinkflowError, match="is not a file") as exc:
+        eval_images.held_out(cfg, "test", 8)
+    assert "sinkflow train --resume RUN eval.inception_weights=PATH --no-report" in exc.value.fix

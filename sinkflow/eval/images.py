@@ -255,6 +255,11 @@ def class_stats(clf, x) -> dict:
     return {"hist": hist, "confidence": float(probs.max(1).mean())}
 
 
+INCEPTION_FIX = ("point it at a local pt_inception-2015-12-05 weights file or set it to null (in a run copied from the "
+                 "machine it trained on: `sinkflow train --resume RUN eval.inception_weights=PATH --no-report`, a "
+                 "finished run too)")
+
+
 class InceptionFID:
     """FID by torchmetrics (torch-fidelity Inception-v3, 2048-d pool features, from a local weights file) against one
     fixed real set: the real images' features are extracted once (``reset_real_features=False``) and every generated
@@ -281,8 +286,7 @@ class InceptionFID:
         else:
             weights = Path(weights).expanduser()
             if not weights.is_file():
-                raise SinkflowError(f"eval.inception_weights={weights} is not a file",
-                                    "point it at a local pt_inception-2015-12-05 weights file or set it to null")
+                raise SinkflowError(f"eval.inception_weights={weights} is not a file", INCEPTION_FIX)
             try:  # torchmetrics without torch-fidelity imports, then refuses here (a raw ModuleNotFoundError)
                 self.metric = FrechetInceptionDistance(feature=2048, normalize=False, reset_real_features=False,
                                                        feature_extractor_weights_path=str(weights))
@@ -342,13 +346,16 @@ def held_out(cfg: dict, split: str = "test", n: int | None = None) -> HeldOut:
     if cfg["eval"]["inception_weights"] and n < 2:
         raise SinkflowError(f"FID of {n} image: a Fréchet distance fits a covariance to each side's features, so it "
                             "needs at least 2", "use --n 2 or more (eval.n for the report after training)")
+    weights = cfg["eval"]["inception_weights"]
+    if weights and not Path(weights).expanduser().is_file():  # before the classifiers: a run's absolute path from the
+        # machine it trained on was refused after the FD-CNN had trained (seconds to minutes) and its samples drawn
+        raise SinkflowError(f"eval.inception_weights={weights} is not a file", INCEPTION_FIX)
     clf = digit_classifier(target, cfg["data"]["root"])
     real = target.test_set(n) if val is None else val[:n]
     cnn = None
     if clf is not None:  # FD-CNN against every held-out image (its covariance needs them), not the W2 subset
         every = target.test_set(n_test) if val is None else val
         cnn = fd_cnn_reference(target, cfg["data"]["root"], every, class_n, val is not None)
-    weights = cfg["eval"]["inception_weights"]
     real_stats = class_stats(clf, real) if clf is not None else None
     return HeldOut(target.name, split, n, n_test, class_n, real, clf, real_stats, cnn,
                    InceptionFID(real, weights) if weights else None, weights, trains_on_test(target, split))
