@@ -64,7 +64,9 @@ PLAN = (
          "whose findings (the train-mode probe blind to a replay, a 9.4x fit called a broken loop) were fixed "
          "since: run it again"),
     Step("lr-find", ("sinkflow", "lr-find", "mnist", "--phase", "velocity", "--out", "{out}/lr_find.png"), 150,
-         "sinkflow lr-find on the CUDA default path (a loaded state captures anew; guess: 2.5 min)"),
+         "sinkflow lr-find on the CUDA default path (a loaded state captures anew; guess: 2.5 min): its step: line "
+         "should say fp16, compiled, the whole step one CUDA graph with replays = steps - 3; compare its rates with "
+         "a train.velocity.graph=none sweep's"),
     Step("memory", ("memory_estimate.py", "--device", "cuda", "--presets", "mnist"), 45,
          "the planner's estimate against the peak of a captured fp16 step (26 s, 2026-11-30, its nsf and time rows "
          "counting what the earlier phases' 2-step runs left allocated: measure again)"),
