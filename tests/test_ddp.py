@@ -545,3 +545,19 @@ def test_a_callbacks_stop_on_one_rank_ends_every_rank(phase, runs_dir, tmp_path,
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("sinkflow:")]
     assert len(lines) == 1 and f"ended phase '{phase}'" in lines[0] and "trainer.stop()" in lines[0], lines
     assert not (runs_dir / "alone" / "checkpoints" / phase / "final.pt").exists()
+
+
+def test_the_ranks_agree_on_a_real_signal_before_the_time_limit_and_a_callbacks_stop():
+    """The ranks' agreement takes the largest code: by bare numbers SIGINT (2) lost to a callback's request_stop (10)
+    and to the time limit (14), so a Ctrl+C on one rank was told as another rank's request, with its exit status
+    (audit OO). Ranked, a real signal wins, then the time limit, the request, a quiet stop()."""
+    import signal as sig
+
+    from sinkflow.runtime.dist import stop_code, stop_rank
+    from sinkflow.runtime.signals import QUIET, REQUESTED, TIME_LIMIT
+
+    order = [QUIET, REQUESTED, TIME_LIMIT, int(sig.SIGINT)]
+    assert sorted(order, key=stop_rank) == order
+    assert stop_code(max(map(stop_rank, [None, REQUESTED, int(sig.SIGINT), TIME_LIMIT]))) == sig.SIGINT
+    assert stop_code(max(stop_rank(int(sig.SIGTERM)), stop_rank(int(sig.SIGINT)))) == sig.SIGTERM
+    assert stop_code(stop_rank(None)) is None and all(stop_code(stop_rank(c)) == c for c in order)

@@ -157,23 +157,40 @@ def on_every(work: Callable[[], Any]) -> Any:
     raise SinkflowError(f"rank {first} stopped: {said[first]}", every_rank=True)
 
 
+def stop_rank(signum: int | None) -> int:
+    """``signum`` as the ranks' agreement orders it (the largest wins): a real signal (SIGTERM, SIGINT) over the time
+    limit over a callback's ``request_stop`` over a callback's ``stop``; the signal number itself in the low bits. By
+    the bare numbers SIGINT (2) lost to the request's code (10) and the time limit's (14): a Ctrl+C on one rank was
+    reported as another rank's request, with its exit status."""
+    if not signum:
+        return 0
+    from sinkflow.runtime.signals import QUIET, REQUESTED, TIME_LIMIT
+
+    return {QUIET: 1, REQUESTED: 2, TIME_LIMIT: 3}.get(signum, 4) << 16 | signum
+
+
+def stop_code(ranked: int) -> int | None:
+    """The signal number of ``stop_rank``'s value (None for none)."""
+    return (ranked & 0xFFFF) or None
+
+
 def agree_stop(signum: int | None) -> int | None:
-    """A stop signal seen by any rank stops every rank at the same step (the largest signal number)."""
+    """A stop seen by any rank stops every rank at the same step (the first in ``stop_rank``'s order)."""
     if not current().enabled:
         return signum
-    flag = torch.tensor([signum or 0], dtype=torch.int64, device=_collective_device())
+    flag = torch.tensor([stop_rank(signum)], dtype=torch.int64, device=_collective_device())
     tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
-    return int(flag.item()) or None
+    return stop_code(int(flag.item()))
 
 
 def agree_stop_paced(signum: int | None, pace: int) -> tuple[int | None, int]:
     """``agree_stop`` in the same one collective as the steps until the next agreement: the fewest any rank
     proposes (``pace``: the steps it takes in a few seconds). Every rank gets the same two numbers, so they meet at
     the same next step."""
-    flag = torch.tensor([signum or 0, -max(int(pace), 1)], dtype=torch.int64, device=_collective_device())
+    flag = torch.tensor([stop_rank(signum), -max(int(pace), 1)], dtype=torch.int64, device=_collective_device())
     tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
     stop, steps = flag.tolist()
-    return stop or None, -steps
+    return stop_code(stop), -steps
 
 
 # keys ``check_same`` may be given as absolute paths (the caller resolves them), and the working directory's key

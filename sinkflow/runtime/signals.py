@@ -21,15 +21,15 @@ import time
 
 from sinkflow.errors import SinkflowError
 
-TIME_LIMIT = int(signal.SIGALRM)  # the stop code of an expired time limit: the alarm clock's number, never a
-# handled signal here, and below SIGTERM's, so a real SIGTERM on any rank wins ``dist.agree_stop``'s maximum
+# Stop codes that are no signal the runner handles. Under torchrun the ranks agree on the first of a real signal
+# (SIGTERM, SIGINT), the time limit, a callback's request_stop(), a callback's stop(), in that order
+# (``dist.stop_rank``): by the bare numbers SIGINT's 2 lost to the others.
+TIME_LIMIT = int(signal.SIGALRM)  # an expired time limit: the alarm clock's number
 TIME_LIMIT_EXIT = 124  # GNU timeout's exit status for "the command timed out"
-QUIET = 1  # the agreement code of a callback's ``trainer.stop()`` under torchrun: the lowest, so any real stop wins
-# (a stop code is never shown for it: the ranks that agree on it end the phase, writing nothing)
-REQUESTED = int(signal.SIGUSR1)  # the stop code of a callback's ``trainer.request_stop()``: a signal number the runner
-# never handles, below the time limit's and SIGTERM's (either on any rank wins ``dist.agree_stop``'s maximum), above
-# SIGINT's 2 (a Ctrl+C on one rank as another's callback asks is told as the request); its exit status is a
-# SIGTERM's, as the stop itself is ("stopped by signal 15" was said of it)
+QUIET = 1  # a callback's ``trainer.stop()`` under torchrun (never shown: the ranks that agree on it end the phase,
+# writing nothing)
+REQUESTED = int(signal.SIGUSR1)  # a callback's ``trainer.request_stop()``; its exit status is a SIGTERM's, as the stop
+# itself is ("stopped by signal 15" was said of it)
 
 _requested: list[int] = []
 _deadline: list[float] = []  # time.monotonic() at which the time limit expires (empty: none)
