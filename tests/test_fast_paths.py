@@ -550,3 +550,29 @@ def test_a_phase_in_fp16_on_a_cpu_names_the_key_that_gives_it_fp32(runs_dir, mon
     assert said == ["velocity: fp16 on a CPU, which has no fast float16 kernels (steps several times slower than "
                     "fp32's); train.velocity.precision=auto is fp32 here and fp16 on a CUDA card of compute capability "
                     "8.0+"], said
+
+
+def test_sampling_precision_auto_reads_a_methods_own_network_names(monkeypatch):
+    """`auto` decided on ``model.velocity``'s kind: a method whose sampled UNet is its own phase (a plugin's ``net``)
+    was read as having none (a KeyError, or fp32 on a card where its UNet would run fp16). It now takes the first of
+    the method's networks the fast path was measured on, and that network's set training precision."""
+    from sinkflow.config import schema
+    from sinkflow.methods.base import Method
+
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+
+    class Toy(Method):
+        name = "toyprec"
+
+    schema.register_method("toyprec", schema.MethodSpec("sinkflow_toy.toyprec:METHOD", ("pool", "net", "head"),
+                                                        schema.EULER_READS))
+    try:
+        cfg = {"sample": {"precision": "auto"}, "model": {"head": {"kind": "mlp"}, "net": {"kind": "unet"}},
+               "train": {"net": {"precision": "auto"}, "head": {"precision": "fp32"}}}
+        assert Toy().sample_precision(cfg, "cuda") == "fp16"  # its UNet, not the MLP head listed after it
+        cfg["train"]["net"]["precision"] = "bf16"
+        assert Toy().sample_precision(cfg, "cuda") == "bf16"
+        assert Toy().sample_precision(cfg, "cpu") == "fp32"
+    finally:
+        schema.unregister_method("toyprec")

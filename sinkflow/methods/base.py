@@ -24,7 +24,7 @@ from sinkflow.config import schema
 from sinkflow.config.schema import METHOD_REGISTRY
 from sinkflow.errors import SinkflowError, human_bytes
 from sinkflow.methods.ode import compile_failure_line, compile_failures, compiled_for_sampling
-from sinkflow.runtime.autocast import autocast, sampling_precision
+from sinkflow.runtime.autocast import FAST_KINDS, autocast, sampling_precision
 from sinkflow.runtime.callbacks import Callback
 
 
@@ -230,10 +230,18 @@ class Method:
         it (``auto``: the velocity network's training precision where it was set, else fp16 for a UNet on a CUDA card
         with bf16 tensor cores, ``runtime.autocast.sampling_precision``; ``bf16`` says whether the card has them, for
         a plan without the card), else fp32."""
-        if "sample.precision" not in METHOD_REGISTRY[self.name].reads:
+        spec = METHOD_REGISTRY[self.name]
+        if "sample.precision" not in spec.reads:
             return "fp32"
-        trained = cfg["train"].get("velocity", {}).get("precision", "auto")
-        return sampling_precision(cfg["sample"]["precision"], cfg["model"]["velocity"]["kind"], device, bf16, trained)
+        # the network the decision is about: the first of the method's sampled networks the fast path was measured
+        # on (NSGF++: its velocity UNet, not the time predictor), else its first (a method's own phase names: a
+        # plugin's network need not be called velocity)
+        nets = [p for p in spec.phases if p in cfg.get("model", {})]
+        key = next((p for p in nets if cfg["model"][p]["kind"] in FAST_KINDS), nets[0] if nets else None)
+        if key is None:
+            return sampling_precision(cfg["sample"]["precision"], "", device, bf16)
+        trained = cfg.get("train", {}).get(key, {}).get("precision", "auto")
+        return sampling_precision(cfg["sample"]["precision"], cfg["model"][key]["kind"], device, bf16, trained)
 
     def sample_nets(self, nets, cfg: dict, x0: torch.Tensor, steps: int | None = None, record: bool = False) -> tuple:
         """``(x, info)`` from networks you hold: ``nets[phase]`` is the network of a training phase (a dict of
