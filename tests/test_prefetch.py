@@ -244,6 +244,28 @@ def test_a_compile_that_fails_falls_back_to_eager_under_auto_and_stops_with_the_
     assert err.value.every_rank  # under torchrun rank 0 alone prints it (each rank printed its own line)
 
 
+def test_a_resume_where_compile_falls_back_again_says_no_speed_setting_changed(runs_dir, caplog, monkeypatch):
+    """On a machine that cannot compile, `compile: auto` falls back to eager at the first step; the step checkpoint
+    recorded the fallen-back state ("off") as what auto resolved to, and the resume on the same machine (set up
+    compiled, before its first step falls back again) said "trained ... compile off; resumes in ... compile default"
+    on every resume, though nothing about the machine changed. The record is what auto resolved to."""
+    from helpers import plant_compile_failure
+
+    plant_compile_failure(monkeypatch)
+    cfg = moons_cfg(iters=8)
+    cfg["experiment"]["name"] = "fallback"
+    run = RunFolder.create(cfg)
+    with pytest.raises(Interrupted):
+        Trainer(run, otcfm_step(cfg), [StopAt(4)]).fit()
+    saved = torch.load(run.dir / "checkpoints" / "velocity" / "step_00000004.pt", weights_only=True)
+    assert saved["resolved"]["compile"] == "default"  # auto's answer here, though the steps ran eager
+    with caplog.at_level(logging.INFO, logger="sinkflow"):
+        Trainer(run, otcfm_step(cfg)).fit()
+    run.logger.close()
+    assert "resuming from step 4" in caplog.text and "torch.compile failed" in caplog.text
+    assert "resumes in" not in caplog.text, caplog.text
+
+
 class Snapshots(Callback):
     def __init__(self):
         self.weights = {}

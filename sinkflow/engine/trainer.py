@@ -228,9 +228,13 @@ class Trainer:
 
     def resolved(self) -> dict:
         """The speed settings this phase trains with on this machine, its ``auto`` keys made concrete
-        (``fast_path.resolve``): a step checkpoint keeps them, so a resume elsewhere can say what changed."""
+        (``fast_path.resolve``): a step checkpoint keeps them, so a resume elsewhere can say what changed. The compile
+        mode as resolved, not ``compile_mode`` after a failed compile's fall-back to eager (``checked_step``): a resume
+        sets up compiled and falls back at its first step, after the comparison, so "off" read as a change on every
+        resume of a machine that cannot compile."""
+        compiled = self.cfg.get("compile_mode", "default") if self.cfg.get("compile", False) else None
         return {"device": self.device.type, "precision": self.precision,
-                "graph": "step" if self.step_graph is not None else "none", "compile": self.compile_mode or "off"}
+                "graph": "step" if self.step_graph is not None else "none", "compile": compiled or "off"}
 
     def resolved_change(self, saved: Any, step: int) -> str | None:
         """One line where this machine resolves the phase's speed settings otherwise than the one that wrote the step
