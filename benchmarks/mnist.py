@@ -575,12 +575,17 @@ def recorded_split(out: Path, seeds: list[int]) -> dict | None:
 def sampled_in(args) -> str:
     """The sampled networks' precision, for the table's head: ``sample.precision: auto`` is fp16 for the UNet on a
     CUDA card and fp32 on a CPU, so a GPU table and a CPU one differ in it (RESULTS.md "Half-precision sampling":
-    at most 0.05 FD-CNN)."""
+    at most 0.05 FD-CNN). ``auto`` as ``Method.sample_precision`` decides it, ``--every train.velocity.precision``
+    included (fp32 kept on a card, a T4's fp16: the head had said fp16 and fp32 for them)."""
     from sinkflow.runtime.autocast import sampling_precision
 
-    set_ = [e.split("=", 1)[1] for e in args.every if e.startswith("sample.precision=")]
-    value = set_[-1] if set_ else "auto"
-    return f"sampled in {sampling_precision(value, 'unet', args.device)} (sample.precision={value})"
+    def every(key: str) -> str:
+        set_ = [e.split("=", 1)[1] for e in args.every if e.startswith(f"{key}=")]
+        return set_[-1] if set_ else "auto"
+
+    value = every("sample.precision")
+    return (f"sampled in {sampling_precision(value, 'unet', args.device, trained=every('train.velocity.precision'))}"
+            f" (sample.precision={value})")
 
 
 def build_parser() -> argparse.ArgumentParser:

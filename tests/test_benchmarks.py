@@ -1553,3 +1553,19 @@ def test_train_throughput_without_torchcfm_has_no_nan_row(quiet, capsys, monkeyp
     assert "not importable" in out and "nanx" not in out and "vs torchcfm" not in header
     assert not rows(out, "torchcfm" + " " * 10)  # the message names it; no table row does
     assert "1 timed steps after 0 warm-up" in out  # --warmup 0 is taken as 0, not as the default
+
+
+def test_mnist_table_head_names_the_precision_a_set_training_precision_samples_in(mnist_bench):
+    """benchmarks/mnist.py's table head said what `sample.precision: auto` is for a UNet on the device, and ignored
+    `--every train.velocity.precision=...`, which auto keeps on a CUDA card: a T4's fp16 read "sampled in fp32", a
+    network kept in fp32 on an H100 "sampled in fp16"."""
+    from argparse import Namespace
+
+    def head(device, *every):
+        return mnist_bench.sampled_in(Namespace(device=device, every=list(every)))
+
+    assert head("cpu") == head("cpu", "train.velocity.precision=fp16") == "sampled in fp32 (sample.precision=auto)"
+    assert head("cuda", "train.velocity.precision=fp16") == "sampled in fp16 (sample.precision=auto)"
+    assert head("cuda", "train.velocity.precision=fp32") == "sampled in fp32 (sample.precision=auto)"
+    assert head("cuda", "train.velocity.precision=fp16", "sample.precision=bf16") == \
+        "sampled in bf16 (sample.precision=bf16)"
