@@ -540,16 +540,23 @@ def test_a_phase_in_fp16_on_a_cpu_names_the_key_that_gives_it_fp32(runs_dir, mon
 
     from helpers import TINY_2D
     from sinkflow.cli import main
+    from sinkflow.engine import fast_path
     from sinkflow.engine.fast_path import cpu_fp16_hint
 
-    assert cpu_fp16_hint("fp16", "cuda", "velocity") is None
-    assert cpu_fp16_hint("bf16", "cpu", "velocity") is None and cpu_fp16_hint("fp32", "cpu", "velocity") is None
+    assert cpu_fp16_hint("fp16", "cuda", "velocity", "unet") is None
+    assert cpu_fp16_hint("bf16", "cpu", "velocity", "unet") is None
+    assert cpu_fp16_hint("fp32", "cpu", "velocity", "unet") is None
+    # auto on a card follows the network (fast_path.resolve): fp16 for a UNet, fp32 for moons' MLP, which the line
+    # had promised fp16 on a card too
+    assert cpu_fp16_hint("fp16", "cpu", "velocity", "unet").endswith(
+        "precision=auto is fp32 here and fp16 on a CUDA card of compute capability 8.0+")
+    assert fast_path.resolve({"precision": "auto"}, "mlp", "cuda", bf16=True)["precision"] == "fp32"
     with caplog.at_level(logging.INFO, logger="sinkflow"):
         assert main(["train", "moons", *TINY_2D, "train.velocity.precision=fp16", "--name", "h", "--no-report"]) == 0
     said = [r.getMessage() for r in caplog.records if "no fast float16 kernels" in r.getMessage()]
     assert said == ["velocity: fp16 on a CPU, which has no fast float16 kernels (steps several times slower than "
-                    "fp32's); train.velocity.precision=auto is fp32 here and fp16 on a CUDA card of compute capability "
-                    "8.0+"], said
+                    "fp32's); train.velocity.precision=auto is fp32 here and on a CUDA card too: auto's fp16 is a "
+                    "UNet's"], said
 
 
 def test_sampling_precision_auto_reads_a_methods_own_network_names(monkeypatch):

@@ -51,15 +51,18 @@ def fp16_hint(tcfg: dict, kind: str, device: torch.device | str, key: str) -> st
             "from compute capability 8.0: docs/performance.md)")
 
 
-def cpu_fp16_hint(precision: str, device: torch.device | str, key: str) -> str | None:
+def cpu_fp16_hint(precision: str, device: torch.device | str, key: str, kind: str) -> str | None:
     """One line for a phase set to fp16 that runs on a CPU, naming the key that gives it fp32 there; None elsewhere. A
     run trained on a GPU with ``precision=fp16`` set (the key a T4 user is told, ``fp16_hint``) and resumed on a laptop
     keeps it: float16 autocast has no fast CPU kernels (a moons step 5-6x slower than fp32, 3x3 convolutions 18x,
-    on a 2-core VM, 2026-11-30), and only the first line's "fp16" said so."""
+    on a 2-core VM, 2026-11-30), and only the first line's "fp16" said so. What ``auto`` is on a card follows the
+    network ``kind`` (``resolve``: fp16 for a UNet only; an MLP's line had promised it fp16 there too)."""
     if precision != "fp16" or torch.device(device).type != "cpu":
         return None
+    card = ("fp16 on a CUDA card of compute capability 8.0+" if kind in FAST_KINDS
+            else "on a CUDA card too: auto's fp16 is a UNet's")
     return (f"{key}: fp16 on a CPU, which has no fast float16 kernels (steps several times slower than fp32's); "
-            f"train.{key}.precision=auto is fp32 here and fp16 on a CUDA card of compute capability 8.0+")
+            f"train.{key}.precision=auto is fp32 here and {card}")
 
 
 def resolve(tcfg: dict, kind: str, device: torch.device | str, world: int = 1, bf16: bool | None = None) -> dict:

@@ -181,8 +181,9 @@ class Trainer:
         self.step = 0
         if self.info.is_main:
             log.info("%s", self.speed_settings())
-            hint = fast_path.fp16_hint(run.cfg["train"][key], run.cfg["model"].get(key, {}).get("kind", ""),
-                                       run.device, key) or fast_path.cpu_fp16_hint(self.precision, run.device, key)
+            kind = run.cfg["model"].get(key, {}).get("kind", "")
+            hint = (fast_path.fp16_hint(run.cfg["train"][key], kind, run.device, key)
+                    or fast_path.cpu_fp16_hint(self.precision, run.device, key, kind))
             if hint:
                 log.info("%s", hint)
 
