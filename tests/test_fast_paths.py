@@ -583,3 +583,21 @@ def test_sampling_precision_auto_reads_a_methods_own_network_names(monkeypatch):
         assert Toy().sample_precision(cfg, "cpu") == "fp32"
     finally:
         schema.unregister_method("toyprec")
+
+
+def test_a_w2_table_names_a_half_precision_it_sampled_in(tiny_run, tmp_path, capsys):
+    """The image table says a half precision after its protocol line; the W2 table said nothing, though a 2-D run
+    sampled in one where it is set (sample.precision=bf16, or auto keeping a set train.velocity.precision on a CUDA
+    card): a W2 at 1e-3 is sensitive to it (docs/performance.md). A line under the table says it; nothing for fp32."""
+    import shutil
+
+    from sinkflow.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    assert main(["eval", str(run), "--seeds", "1", "--n", "64", "sample.precision=bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "W2 on" in out and "\nthe networks sampled in sample.precision=bf16\n" in out, out
+    assert main(["eval", str(run), "--seeds", "1", "--n", "64"]) == 0  # auto on this CPU: fp32, said by nothing
+    out = capsys.readouterr().out
+    assert "W2 on" in out and "sampled in" not in out, out

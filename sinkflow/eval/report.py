@@ -98,10 +98,13 @@ def standard_evaluation(run, method, seeds: int | None = None, n: int | None = N
             # with its NFE, as an image record: NSGF++'s "steps" are its straight flow's (2-D: 5 + 1 + steps NFE)
             record.update(scores({"w2": r["w2_mean"], "w2_std": r["w2_std"], "nfe": r["nfe"]}, f"_{r['steps']}"))
         run.logger.log_evaluation(record)
-        return format_table(rows, method.name, task_name(cfg), method.paper_label, cfg["eval"]["protocol"], draws(cfg))
+        half = sampled_in(run, method)  # a line of its own under the W2 table
+        return format_table(rows, method.name, task_name(cfg), method.paper_label, cfg["eval"]["protocol"],
+                            draws(cfg)) + (f"\n{half}" if half else "")
     from sinkflow.eval.images import evaluate_images
 
-    return evaluate_images(run, seeds=seeds, n=n, split=split) + f"\n{protocol(cfg)}{sampled_in(run, method)}"
+    half = sampled_in(run, method)
+    return evaluate_images(run, seeds=seeds, n=n, split=split) + f"\n{protocol(cfg)}" + (f"; {half}" if half else "")
 
 
 def protocol(cfg: dict) -> str:
@@ -112,15 +115,16 @@ def protocol(cfg: dict) -> str:
 
 
 def sampled_in(run, method) -> str:
-    """The networks' half precision where the sampler ran them in one, said after the protocol (``sample.precision:
-    auto`` is fp16 for a UNet on a CUDA card, fp32 on a CPU: the same run's table from the two machines otherwise
-    read alike; the record says it too, ``precision``); nothing for fp32."""
+    """The networks' half precision where the sampler ran them in one, said after an image table's protocol and under
+    a W2 table (``sample.precision: auto`` is fp16 for a UNet on a CUDA card, fp32 on a CPU, and the sampled
+    network's set training precision on a CUDA card, a 2-D MLP's included: the same run's table from the two machines
+    otherwise read alike; the record says it too, ``precision``); nothing for fp32."""
     from sinkflow.runtime.autocast import precision_named
 
     precision = method.sample_precision(run.cfg, run.device)
     if precision == "fp32":
         return ""
-    return f"; the networks sampled in {precision_named(run.cfg['sample']['precision'], precision)}"
+    return f"the networks sampled in {precision_named(run.cfg['sample']['precision'], precision)}"
 
 
 def standard_plots(run, method) -> list:
