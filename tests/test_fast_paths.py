@@ -601,3 +601,26 @@ def test_a_w2_table_names_a_half_precision_it_sampled_in(tiny_run, tmp_path, cap
     assert main(["eval", str(run), "--seeds", "1", "--n", "64"]) == 0  # auto on this CPU: fp32, said by nothing
     out = capsys.readouterr().out
     assert "W2 on" in out and "sampled in" not in out, out
+
+
+def test_a_compile_mode_auto_decided_is_said_as_auto_on_resume():
+    """`compile: true` with `compile_mode: auto` (reduce-overhead for one CUDA process, default under torchrun or on
+    a CPU): a resume whose mode changed with the machine or the process count read as a hand edit (no "auto, decided
+    per machine" reason), since only the `compile` key was looked at."""
+    from types import SimpleNamespace
+
+    from sinkflow.engine.trainer import Trainer
+
+    def resume(tcfg, now, saved):
+        fake = SimpleNamespace(resolved=lambda: now, task=SimpleNamespace(model_key="velocity"), name="velocity",
+                               run=SimpleNamespace(cfg={"train": {"velocity": tcfg}}))
+        return Trainer.resolved_change(fake, saved, 7)
+
+    saved = {"device": "cuda", "precision": "fp16", "graph": "none", "compile": "reduce-overhead"}
+    now = {**saved, "compile": "default"}
+    line = resume({"precision": "fp16", "graph": "none", "compile": True, "compile_mode": "auto"}, now, saved)
+    assert line == ("velocity: trained to step 7 in fp16, compile reduce-overhead on cuda; resumes in fp16, compile "
+                    "default on cuda (train.velocity.compile: auto, decided per machine and process count)"), line
+    line = resume({"precision": "fp16", "graph": "none", "compile": True, "compile_mode": "default"}, now, saved)
+    assert line.endswith("resumes in fp16, compile default on cuda"), line  # set by hand: no auto reason
+    assert resume({"compile": "auto"}, saved, saved) is None and resume({"compile": "auto"}, saved, None) is None

@@ -260,7 +260,8 @@ class Trainer:
         elif now["precision"] == "fp16" and saved.get("precision") != "fp16":
             scale = "; fp16's loss scale starts afresh"
         key = self.task.model_key
-        edited = {k for k in keys if self.run.cfg["train"][key].get(k) != "auto"}
+        tcfg = self.run.cfg["train"][key]  # compile's mode is auto's too where compile_mode is (compile: true)
+        edited = {k for k in keys if tcfg.get(k) != "auto" and (k != "compile" or tcfg.get("compile_mode") != "auto")}
         autos = " / ".join(k for k in keys if k not in edited)
         why = "" if edited == set(keys) else f" (train.{key}.{autos}: auto, decided per machine and process count)"
         return f"{self.name}: trained to step {step} in {words(saved)}; resumes in {words(now)}{why}{scale}"
