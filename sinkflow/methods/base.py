@@ -227,9 +227,9 @@ class Method:
 
     def sample_precision(self, cfg: dict, device: torch.device | str, bf16: bool | None = None) -> str:
         """The precision ``sample`` runs the networks in on ``device``: ``sample.precision`` where this method reads
-        it (``auto``: the velocity network's training precision where it was set, else fp16 for a UNet on a CUDA card
-        with bf16 tensor cores, ``runtime.autocast.sampling_precision``; ``bf16`` says whether the card has them, for
-        a plan without the card), else fp32."""
+        it (``auto``: fp32 on a CPU; on a CUDA card the sampled network's training precision where it was set, else
+        fp16 for a UNet on a card with bf16 tensor cores, ``runtime.autocast.sampling_precision``; ``bf16`` says
+        whether the card has them, for a plan without the card), else fp32."""
         spec = METHOD_REGISTRY[self.name]
         if "sample.precision" not in spec.reads:
             return "fp32"
