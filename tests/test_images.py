@@ -856,3 +856,29 @@ def test_an_inception_weights_path_not_on_this_machine_is_refused_before_the_cla
     with pytest.raises(SinkflowError, match="is not a file") as exc:
         eval_images.held_out(cfg, "test", 8)
     assert "sinkflow train --resume RUN eval.inception_weights=PATH --no-report" in exc.value.fix
+
+
+def test_a_data_root_whose_parent_this_user_cannot_make_is_a_cache_not_writable(tmp_path, monkeypatch):
+    """`/workspace/data` on a laptop: mkdir of the cache folder climbs to `/workspace`, whose EACCES names that
+    folder, not the cache's; only an error naming the cache folder or a file in it was the unwritable cache, so this,
+    the case the stand-in was made for, came out as a bare PermissionError, not `CacheNotWritable` (which sampling
+    stands the data in for, and eval names the resume for). Planted: os.mkdir refuses the ancestor, as for non-root."""
+    import errno
+    import os
+
+    from sinkflow import config
+    from sinkflow.data.images import CacheNotWritable, build_image_distribution
+
+    gpu_box = tmp_path / "workspace"
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        if os.fspath(path) == os.fspath(gpu_box):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    cfg = config.resolve("digits", [f"data.root={gpu_box / 'data'}"])
+    with pytest.raises(CacheNotWritable, match="cannot write the image cache") as exc:
+        build_image_distribution("digits", cfg["data"])
+    assert "data.root=NEW" in exc.value.fix and not gpu_box.exists()

@@ -8,6 +8,7 @@ per-sample horizontal flip. Host memory per batch is n*C*H*W bytes; nothing else
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -192,8 +193,10 @@ def build_image_distribution(name: str, data_cfg: dict) -> ImageDistribution:
             log.info("decoding %s/%s once into %s.npy", name, split, stem)
             try:
                 hit = src.decode_into(split, lambda shape, fill, stem=stem, fp=fp: write_cache(stem, fp, shape, fill))
-            except OSError as exc:
-                if exc.filename is None or not str(exc.filename).startswith(str(stem.parent)):
+            except OSError as exc:  # the cache folder, a file in it, or a folder above it that mkdir could not make
+                # (/workspace of /workspace/data on a laptop: EACCES names the ancestor, not the cache folder)
+                if exc.filename is None or not (str(exc.filename).startswith(str(stem.parent))
+                                                or Path(exc.filename) in stem.parent.parents):
                     raise
                 raise CacheNotWritable(
                     f"cannot write the image cache {stem.parent} under data.root={cfg['root']} "
