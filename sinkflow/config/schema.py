@@ -543,8 +543,8 @@ SAMPLE = {
                    "first, paid back on long evaluations (docs/performance.md)", opt_in=True),
     "precision": Key("auto", Options("auto", "fp32", "bf16", "fp16"), "autocast dtype of the sampled networks (the "
                      "Euler state and every step's update stay float32): auto = fp32 on a CPU; on a CUDA card the "
-                     "velocity network's train.velocity.precision where it is set, else fp16 for a UNet on a CUDA "
-                     "card with bf16 tensor cores (as training's auto; 1.56x fp32's images/s on an H200, the samples "
+                     "sampled network's train.<phase>.precision where it is set (train.velocity.precision for the "
+                     "built-in methods), else fp16 for a UNet on a CUDA card with bf16 tensor cores (as training's auto; 1.56x fp32's images/s on an H200, the samples "
                      "fp32's to a paired FD-CNN change <= 0.05: docs/performance.md), else fp32; bf16 / fp16 / fp32 "
                      "force one",
                      opt_in=True),
