@@ -667,3 +667,22 @@ def test_kill_and_resume_passes_with_batches_drawn_ahead(tmp_path):
     report = preflight("moons", ["train.velocity.prefetch=always"], {"method": "fm"}, workdir=tmp_path, memory=False)
     assert not failed(report), format_report(report)
     assert any(c.name == "kill and resume" and c.ok for c in report.checks)
+
+
+def test_a_phase_trained_in_fp32_and_sampled_in_half_plans_half_the_sampling_transient(tmp_path, monkeypatch):
+    """mnist on a T4 with sample.precision=fp16 (its tensor cores; the UNet trains fp32 there under auto): the sample
+    row reused the fp32-measured activations as they were, so it planned fp32's transient for an fp16 sampler and
+    `--fit` proposed a sample.batch_size about half the one that fits."""
+    monkeypatch.chdir(tmp_path)  # synthetic mnist images of the real shape
+    rows, card = {}, None
+    for precision in ("fp32", "fp16"):
+        cfg = config.resolve("mnist", ["eval.n=8000", "sample.batch_size=8000", f"sample.precision={precision}"])
+        mems = memory_plan.estimate(cfg, bf16=memory_plan.card_bf16("T4"))
+        assert {m.precision for m in mems if m.kind == "train"} == {"fp32"}
+        sample = mems[-1]
+        card = card or card_for(sample.total // 4)  # the fp32 plan needs about 4x this card (one card for both)
+        fit, _ = memory_plan.propose_fit(cfg, [sample], card, bf16=False, card="card")
+        rows[precision] = (sample.terms["forward transient"], int(dict(o.split("=") for o in fit)["sample.batch_size"]))
+    assert rows["fp16"][0] * 2 == rows["fp32"][0] > 0
+    assert rows["fp16"][1] > 1.8 * rows["fp32"][1]
+

@@ -67,7 +67,7 @@ class PhaseMemory:
     recompute_fixed: int = 0  # what backward re-runs with grad (a flow's checkpoint segment / invertible layer)
     recompute_per_sample: int = 0
     recompute_max_per_sample: int = 0
-    precision: str = "fp32"  # the autocast the activations were measured under (train phases)
+    precision: str = "fp32"  # the autocast the activations were measured under (train phases); the sampler's (sample)
     batch_item_bytes: int = 0
     batch_copies: int = 1  # batches on the device at once: the step's, those in the making, a step graph's copy,
     # the learning check's probe batch
@@ -198,15 +198,24 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
     pm.terms["weights"] = sum(weight_bytes(m) for m in models.values())
     pm.terms["samples"] = 4 * n * dim * 3
     # the training phases' activations were measured under their autocast (fp16 for a UNet on an Ampere-on card):
-    # sampled in fp32 (sample.precision's auto without bf16 tensor cores, or set) the same tensors take twice the bytes
-    sample_half = methods.of(cfg).sample_precision(cfg, "cuda", bf16=bf16) != "fp32"
+    # sampled in fp32 (sample.precision's auto without bf16 tensor cores, or set) the same tensors take twice the bytes,
+    # and a phase trained in fp32 sampled under a half autocast (sample.precision=fp16 on a T4, or set beside
+    # train.<phase>.precision=fp32) half of them (the largest saved activation of mnist's UNet: 36.75 MiB a 128-batch
+    # in fp32, 18.38 under bf16 autocast), which `--fit`'s sample.batch_size scales by
+    sampled = methods.of(cfg).sample_precision(cfg, "cuda", bf16=bf16)
+    pm.precision = sampled
     # a flow in checkpoint/invertible mode saves little in training, but sampling runs its conditioners on the batch
     largest = [(max(t.act_max_per_sample, t.recompute_max_per_sample), t.precision) for t in train_mems]
-    pm.terms["forward transient"] = max((2 * big * n * (2 if precision in HALF and not sample_half else 1)
+    pm.terms["forward transient"] = max((int(2 * big * n * sampling_scale(precision, sampled))
                                          for big, precision in largest), default=0)
     pm.terms["cuda workspaces"] = WORKSPACE_BYTES  # cuDNN / cuBLAS hold them while sampling too
     pm.note = f"chunks of sample.batch_size={n} samples; forward transient = 2 x the largest activation (rough)"
     return pm
+
+
+def sampling_scale(trained: str, sampled: str) -> float:
+    """Bytes of an activation sampled in ``sampled`` over those measured in training's ``trained`` autocast."""
+    return 2.0 if trained in HALF and sampled not in HALF else 0.5 if sampled in HALF and trained not in HALF else 1.0
 
 
 def estimate(cfg: dict, world: int = 1, bf16: bool = False) -> list[PhaseMemory]:
