@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from sinkflow import config
+from sinkflow import config, methods
 from sinkflow.errors import SinkflowError
 from sinkflow.models import build_model
 from sinkflow.tools import memory_plan
@@ -686,3 +686,21 @@ def test_a_phase_trained_in_fp32_and_sampled_in_half_plans_half_the_sampling_tra
     assert rows["fp16"][0] * 2 == rows["fp32"][0] > 0
     assert rows["fp16"][1] > 1.8 * rows["fp32"][1]
 
+
+def test_the_sample_row_says_the_precision_the_sampler_runs_in_on_the_planned_card(tmp_path, monkeypatch):
+    """Each training row named its precision on the planned card (`micro-batch 128, fp16, ...`); the sample row, whose
+    transient halves under sample.precision=auto's fp16 on an A100, did not: it names it as the sampler resolves it
+    (`Method.sample_precision`), and a flow (which reads no sample.precision) plain fp32."""
+    monkeypatch.chdir(tmp_path)
+    for preset, over, card, says in (("mnist", [], "T4", "fp32 (sample.precision=auto)"),
+                                     ("mnist", [], "A100-40GB", "fp16 (sample.precision=auto)"),
+                                     ("mnist", ["sample.precision=bf16"], "T4", "sample.precision=bf16"),
+                                     ("mnist", ["train.velocity.precision=fp32"], "H100-80GB", "fp32 (sample.precision=auto)"),
+                                     ("moons", [], "H200", "fp32 (sample.precision=auto)")):
+        cfg = config.resolve(preset, ["eval.n=64", *over])
+        bf16 = memory_plan.card_bf16(card)
+        sample = memory_plan.estimate(cfg, bf16=bf16)[-1]
+        assert f"samples, {says};" in sample.note, (preset, over, card, sample.note)
+        assert sample.precision == methods.of(cfg).sample_precision(cfg, "cuda", bf16=bf16)
+    flow = config.resolve("flow-digits", ["eval.n=64"])
+    assert "samples, fp32;" in memory_plan.estimate(flow, bf16=True)[-1].note

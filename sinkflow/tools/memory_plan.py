@@ -35,7 +35,7 @@ from sinkflow.engine import learning, prefetch
 from sinkflow.errors import SinkflowError
 from sinkflow.models.footprint import activation_terms, recompute_terms
 from sinkflow.ot.sinkhorn_peak import cpu_peak_bytes  # also used by tests/test_preflight.py
-from sinkflow.runtime.autocast import HALF
+from sinkflow.runtime.autocast import HALF, precision_named
 from sinkflow.tools.cards import GPUS, GiB, gpu_bytes  # noqa: F401 (the planner's cards, named without torch)
 
 CONTEXT_BYTES = GiB  # CUDA context + library workspaces, never available to tensors
@@ -209,7 +209,10 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
     pm.terms["forward transient"] = max((int(2 * big * n * sampling_scale(precision, sampled))
                                          for big, precision in largest), default=0)
     pm.terms["cuda workspaces"] = WORKSPACE_BYTES  # cuDNN / cuBLAS hold them while sampling too
-    pm.note = f"chunks of sample.batch_size={n} samples; forward transient = 2 x the largest activation (rough)"
+    read = "sample.precision" in config_mod.schema.used(cfg)  # a flow samples in fp32 and has no such key
+    named = precision_named(cfg["sample"]["precision"], sampled) if read else sampled
+    pm.note = (f"chunks of sample.batch_size={n} samples, {named}; "
+               "forward transient = 2 x the largest activation (rough)")
     return pm
 
 
