@@ -704,3 +704,23 @@ def test_the_sample_row_says_the_precision_the_sampler_runs_in_on_the_planned_ca
         assert sample.precision == methods.of(cfg).sample_precision(cfg, "cuda", bf16=bf16)
     flow = config.resolve("flow-digits", ["eval.n=64"])
     assert "samples, fp32;" in memory_plan.estimate(flow, bf16=True)[-1].note
+
+
+def test_a_proposed_training_precision_says_the_sampler_follows_it(tmp_path, monkeypatch):
+    """`--fit` on a card without bf16 tensor cores proposed train.velocity.precision=fp16 for a UNet whose micro-batch 1
+    did not fit in fp32, saying only that it halves the activations; sample.precision: auto follows a set training
+    precision on a CUDA card, so the samples every metric scores moved from fp32 to fp16 in silence. The reason says
+    so, with the key that keeps them; a phase the sampler does not follow (nsf) says nothing of it."""
+    monkeypatch.chdir(tmp_path)
+    cfg = config.resolve("mnist", ["eval.n=64"])
+    mems = memory_plan.estimate(cfg, bf16=False)
+    for phase, says in (("velocity", True), ("nsf", False)):
+        pm = next(m for m in mems if m.phase == phase)
+        b = cfg["train"][phase]["batch_size"]
+        card = card_for((memory_plan._at(pm, b, b) + memory_plan._at(pm, b, b, 0.5)) // 2)
+        overrides, reasons = memory_plan.propose_fit(cfg, [pm], card, bf16=False, card="card")
+        assert f"train.{phase}.precision=fp16" in overrides, (overrides, reasons)
+        follows = "the samples would be drawn in fp16, not fp32 (add sample.precision=fp32 to keep them)"
+        assert (follows in " ".join(reasons)) == says, reasons
+        fixed = memory_plan.apply_fit(cfg, [*overrides, *(["sample.precision=fp32"] if says else [])])
+        assert methods.of(fixed).sample_precision(fixed, "cuda", bf16=False) == "fp32"

@@ -333,7 +333,7 @@ def _fit_train(cfg: dict, pm: PhaseMemory, limit: int, world: int, bf16: bool, c
         if precision != t["precision"]:
             overrides[f"train.{key}.precision"] = precision
             reasons.append(f"{pm.phase}: still {fmt_bytes(fp32_min)} at micro-batch 1 in {t['precision']}; {precision} "
-                           "autocast roughly halves the activations")
+                           "autocast roughly halves the activations" + _sampler_follows(cfg, key, precision, bf16))
         return overrides, reasons
     low = _trial(pm, b, b)
     name, big = max(low.terms.items(), key=lambda kv: kv[1])
@@ -341,6 +341,20 @@ def _fit_train(cfg: dict, pm: PhaseMemory, limit: int, world: int, bf16: bool, c
     return {}, [f"{pm.phase}: does not fit {card} at any micro-batch: {fmt_bytes(low.total)} at micro-batch 1 in "
                 f"{t['precision']}{' (half precision would not fit either)' if half else ''}, the largest term "
                 f"{name} {fmt_bytes(big)}{note}; use a smaller model or a larger card"]
+
+
+def _sampler_follows(cfg: dict, key: str, precision: str, bf16: bool) -> str:
+    """What a proposed ``train.<key>.precision`` does to the sampler on the planned card, when it changes it:
+    ``sample.precision: auto`` follows a training precision that is set (``Method.sample_precision``), so the
+    samples every metric scores would move to another precision with nothing said."""
+    method = methods.of(cfg)
+    before = method.sample_precision(cfg, "cuda", bf16=bf16)
+    after = method.sample_precision(config_mod.apply_overrides(cfg, [f"train.{key}.precision={precision}"]), "cuda",
+                                    bf16=bf16)
+    if after == before:
+        return ""
+    return (f", and sample.precision={cfg['sample']['precision']} follows it: the samples would be drawn in {after}, not "
+            f"{before} (add sample.precision={before} to keep them)")
 
 
 def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int = 1,
