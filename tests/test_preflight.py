@@ -724,3 +724,24 @@ def test_a_proposed_training_precision_says_the_sampler_follows_it(tmp_path, mon
         assert (follows in " ".join(reasons)) == says, reasons
         fixed = memory_plan.apply_fit(cfg, [*overrides, *(["sample.precision=fp32"] if says else [])])
         assert methods.of(fixed).sample_precision(fixed, "cuda", bf16=False) == "fp32"
+
+
+def test_the_table_header_says_which_card_the_precisions_were_planned_for(capsys, monkeypatch):
+    """`sinkflow preflight mnist` (no --gpu) printed every card's column from a plan in fp32 (auto without bf16 tensor
+    cores) while its rows said `fp32`: nothing told that the A100/H100 columns' run would train and sample the UNet in
+    fp16. The header names the basis: the named card's own precisions, or none named and what that assumes."""
+    from sinkflow.cli import main
+    from sinkflow.tools.preflight import Report
+
+    def fake(preset, overrides, shorthands, gpu=None, world=1, memory=True):
+        report = Report(preset)
+        report.memory = [memory_plan.PhaseMemory("velocity", "train", {"weights": 1}, note="fp32")]
+        return report
+
+    monkeypatch.setattr("sinkflow.tools.preflight.preflight", fake)
+    for flags, says in (([], "planned for no card: each phase and the sampler in the precision auto takes without bf16 "
+                             "tensor cores (fp32 for a UNet)"),
+                        (["--gpu", "A100-40GB"], "each phase and the sampler in the precision they take on the A100-40GB"),
+                        (["--gpu-mem", "24"], "planned for a card without bf16 tensor cores")):
+        main(["preflight", "moons", *flags])
+        assert says in capsys.readouterr().out, flags

@@ -41,7 +41,7 @@ def _one(preset, args, card) -> bool:
     if report.memory:
         cards = {card[0]: card[1]} if card else None
         print(f"\npeak GPU memory per phase for the real config ({args.world} process(es); "
-              f"'ok' = fits 90% of (the card minus 1 GiB)):")
+              f"'ok' = fits 90% of (the card minus 1 GiB); {memory_plan.planned_for(card[0] if card else None)}):")
         print(memory_plan.format_table(report.memory, cards))
     ok = report.ok
     if card and report.fit_reasons:

@@ -142,6 +142,19 @@ def card_bf16(label: str | None) -> bool:
     return label in GPUS and label not in NO_BF16
 
 
+def planned_for(label: str | None) -> str:
+    """What precision the table's rows assume, for its header: each phase and the sampler as ``auto`` resolves on the
+    named card; with no card (or a bare ``--gpu-mem``) as on one without bf16 tensor cores (fp32 for a UNet), which
+    the columns of the cards that have them (fp16 for a UNet there) over-state."""
+    if label in GPUS:
+        return f"each phase and the sampler in the precision they take on the {label}"
+    if label is None:
+        return ("planned for no card: each phase and the sampler in the precision auto takes without bf16 tensor cores "
+                "(fp32 for a UNet), an upper bound for the cards with them (fp16 there); --gpu NAME plans a card's own")
+    return ("planned for a card without bf16 tensor cores (fp32 for a UNet under auto); --gpu NAME plans a named "
+            "card's own")
+
+
 def planned_train(cfg: dict, key: str, world: int = 1, bf16: bool = False) -> dict:
     """``train.<key>`` as it runs on the card being planned for: ``auto`` speed settings as on a CUDA card, with
     bf16 tensor cores or without (``bf16``: ``card_bf16``)."""
