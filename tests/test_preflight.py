@@ -745,3 +745,24 @@ def test_the_table_header_says_which_card_the_precisions_were_planned_for(capsys
                         (["--gpu-mem", "24"], "planned for a card without bf16 tensor cores")):
         main(["preflight", "moons", *flags])
         assert says in capsys.readouterr().out, flags
+
+
+def test_bf16_sampling_on_a_t4_names_the_sampler_s_own_fix():
+    """`preflight digits --gpu T4 sample.precision=bf16` answered "use fp16 (its tensor cores; training scales the
+    loss) or fp32 (a training phase's precision=auto is fp32 on this card)": a training key's fix for the sampler's,
+    and beside train.velocity.precision=fp16 (the key a T4 user is told) sample.precision=auto is fp16 there, not
+    fp32. The sampler's key gets its own: fp16 or auto, with what auto becomes on the card."""
+    from sinkflow.tools.preflight import Report, bf16_check
+
+    for overrides, says, not_said in (
+            (["sample.precision=bf16"], "for sample.precision, use fp16 (its tensor cores) or auto (fp32 here)",
+             "training scales the loss"),
+            (["sample.precision=bf16", "train.velocity.precision=fp16"],
+             "for sample.precision, use fp16 (its tensor cores) or auto (fp16 here)", "training scales the loss"),
+            (["sample.precision=bf16", "train.velocity.precision=bf16"],
+             "training scales the loss) or fp32 (a training phase's precision=auto is fp32 on this card); for "
+             "sample.precision, use fp16 (its tensor cores) or fp32", "auto (")):
+        report = Report("digits")
+        bf16_check(report, config.resolve("digits", overrides), "T4")
+        (check,) = report.checks
+        assert says in check.detail and not_said not in check.detail, (overrides, check.detail)

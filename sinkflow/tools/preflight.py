@@ -161,13 +161,19 @@ def bf16_check(report: Report, real: dict, card: str) -> None:
     read = schema.used(real)
     keys = [f"train.{k}.precision" for k in _train_sections(real)
             if f"train.{k}.precision" in read and real["train"][k]["precision"] == "bf16"]
+    fixes = ["use fp16 (its tensor cores; training scales the loss) or fp32 (a training phase's precision=auto is "
+             "fp32 on this card)"] if keys else []
     if "sample.precision" in read and real["sample"]["precision"] == "bf16":
         keys.append("sample.precision")
+        # sample.precision: auto follows a set train.velocity.precision on a CUDA card, so it is not fp32 there always
+        auto = methods.of(real).sample_precision({**real, "sample": {**real["sample"], "precision": "auto"}}, "cuda",
+                                                 bf16=False)
+        fixes.append("for sample.precision, use fp16 (its tensor cores)" + (
+            f" or auto ({auto} here)" if auto != "bf16" else " or fp32"))
     if keys:
         report.add(f"precision on {card}", "config", False,
                    f"{', '.join(k + '=bf16' for k in keys)}: a {card} has no bf16 tensor cores, so bf16 brings none of "
-                   "its speed there; use fp16 (its tensor cores; training scales the loss) or fp32 (a training "
-                   "phase's precision=auto is fp32 on this card)")
+                   f"its speed there; {'; '.join(fixes)}")
 
 
 def reach_checks(report: Report, real: dict, phases, overrides: list[str], shorthands: dict) -> None:
