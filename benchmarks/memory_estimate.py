@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
                 measured = measure(cfg, pm.phase, device, Path(tmp) / f"{pm.phase}{i}") if cuda and measure else None
                 meas = memory_plan.fmt_bytes(measured) if measured else ("not measured" if cuda else "pending (GPU)")
                 ratio = f"{pm.total / measured:.3f}" if measured else "-"
-                precision = pm.precision if pm.kind == "train" else "-"
+                precision = pm.precision if pm.kind in ("train", "sample") else "-"  # sample: the sampler's
                 terms = ", ".join(f"{k} {memory_plan.fmt_bytes(v)}" for k, v in pm.terms.items())
                 rows.append(f"| {preset} | {pm.phase} | {precision} | {memory_plan.fmt_bytes(pm.total)} | {meas} | "
                             f"{ratio} | {terms} |")
@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     plan = ("planned for this card" if cuda else f"planned for {args.card}" if args.card else
             "planned for no named card, as `sinkflow preflight` without --gpu (--gpu NAME names one)")
     half = "fp16 where the network has a half-precision path, else fp32" if bf16 else "fp32"
-    text = (f"Memory estimate vs measured peak on {dev}, torch {torch.__version__}; {plan}: each training phase in "
-            f"the precision `auto` takes there ({half}; the precision column)\n\n" + "\n".join(rows) + "\n")
+    text = (f"Memory estimate vs measured peak on {dev}, torch {torch.__version__}; {plan}: each training phase and the "
+            f"sampler in the precision `auto` takes there ({half}; the precision column)\n\n" + "\n".join(rows) + "\n")
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text)

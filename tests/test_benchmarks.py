@@ -350,6 +350,7 @@ def test_memory_estimate_measures_every_phase_kind_the_planner_gives(quiet, caps
     pool, sample = rows(out, "| mnist | pool |"), rows(out, "| mnist | sample+eval |")  # each printed, then tabled
     assert len(pool) == len(sample) == 2 and all("| 100.00 MiB |" in line for line in pool)
     assert all("| not measured |" in line for line in sample)  # the sampling estimate is not validated
+    assert all("| sample+eval | fp16 |" in line for line in sample)  # the sampler's precision on the card, as planned
     assert "on a stubbed card" in out and "planned for this card" in out
     for pm in (PhaseMemory("warp", "mystery"), PhaseMemory("cache", "chunked")):  # a new kind, a new chunked task
         with pytest.raises(SystemExit, match=f"phase {pm.phase} has kind {pm.kind}, which this script cannot measure"):
