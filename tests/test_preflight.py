@@ -366,7 +366,7 @@ def test_sample_fit_scales_the_chunk_the_estimate_used():
     """The estimate samples in chunks of min(eval.n, sample.batch_size): with eval.n=50 the fit used to shrink
     sample.batch_size=500 to a value still above 50, which changes nothing. The transient is planted larger (still
     linear in the chunk) so the phase is larger than the workspaces every card must hold."""
-    cfg = config.resolve("digits", ["eval.n=50"])
+    cfg = config.resolve("digits", ["eval.n=50", "eval.class_n=50"])  # digits' classifier draws 3,590 otherwise
     sample = memory_plan.estimate(cfg)[-1]
     assert sample.phase == "sample+eval" and "sample.batch_size=50 " in sample.note
     sample.terms["forward transient"] = 50 * 4 * MiB  # 4 MiB a sample
@@ -766,3 +766,17 @@ def test_bf16_sampling_on_a_t4_names_the_sampler_s_own_fix():
         bf16_check(report, config.resolve("digits", overrides), "T4")
         (check,) = report.checks
         assert says in check.detail and not_said not in check.detail, (overrides, check.detail)
+
+
+def test_the_sample_row_plans_the_largest_draw_the_sampler_makes_in_chunks(tmp_path, monkeypatch):
+    """The sample row capped its chunk at eval.n, while the evaluation draws eval.class_n samples for the classifier
+    columns (digits: 3,590 against an eval.n of 359) and NSGF++ with nsgf.nsf_source=velocity draws nsgf.nsf_states
+    NSGF states, both in chunks of sample.batch_size: digits planned 359 samples a chunk and sampled 500."""
+    monkeypatch.chdir(tmp_path)
+    for over, chunk in ((["eval.n=64"], 500),  # digits' eval.class_n=3590
+                        (["eval.n=64", "eval.class_n=64"], 64),
+                        (["eval.n=64", "eval.class_n=64", "nsgf.nsf_source=velocity", "nsgf.nsf_t_min=0"], 500),
+                        (["eval.n=64", "eval.class_n=64", "nsgf.nsf_source=velocity", "nsgf.nsf_t_min=0",
+                         "nsgf.nsf_states=100"], 100)):
+        cfg = config.resolve("digits", over)
+        assert f"chunks of sample.batch_size={chunk} samples" in memory_plan.estimate(cfg)[-1].note, over

@@ -203,9 +203,20 @@ def _chunked_phase_memory(cfg: dict, task, shape: tuple[int, ...]) -> PhaseMemor
     return pm
 
 
+def sample_chunk(cfg: dict) -> int:
+    """Samples the sampler holds at once: ``sample.batch_size`` (``generate`` and NSGF++'s NSGF states work in chunks of
+    it), capped by the largest draw the run makes: ``eval.n``, the classifier columns' ``eval.class_n`` (digits'
+    3,590 against an eval.n of 359) and the ``nsgf.nsf_states`` NSGF++ draws with ``nsgf.nsf_source=velocity``."""
+    read = config_mod.schema.used(cfg)
+    draws = [cfg["eval"]["n"], cfg["eval"].get("class_n") or 0]
+    if "nsgf.nsf_source" in read and cfg["nsgf"]["nsf_source"] == "velocity":
+        draws.append(int(cfg["nsgf"]["nsf_states"]))
+    return min(max(draws), max(1, cfg["sample"]["batch_size"]))
+
+
 def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, ...], models: dict,
                    bf16: bool = False) -> PhaseMemory:
-    n = min(cfg["eval"]["n"], max(1, cfg["sample"]["batch_size"]))  # generate() works in chunks of this
+    n = sample_chunk(cfg)
     dim = math.prod(shape)
     pm = PhaseMemory("sample+eval", "sample")
     pm.terms["weights"] = sum(weight_bytes(m) for m in models.values())
@@ -399,10 +410,10 @@ def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int
 
 
 def _fit_sample(cfg: dict, pm: PhaseMemory, limit: int, card: str) -> tuple[dict, list[str]]:
-    """A smaller ``sample.batch_size``: the chunk the estimate used (``min(eval.n, sample.batch_size)``) scaled by
+    """A smaller ``sample.batch_size``: the chunk the estimate used (``sample_chunk``) scaled by
     what is left beside the weights and workspaces; the samples and the forward transient grow with the chunk, the
     weights and workspaces not."""
-    chunk = min(cfg["eval"]["n"], max(1, cfg["sample"]["batch_size"]))
+    chunk = sample_chunk(cfg)
     fixed = pm.terms.get("weights", 0) + pm.terms.get("cuda workspaces", 0)
     per_sample = (pm.total - fixed) / chunk
     new = int((limit - fixed) // per_sample) if per_sample > 0 else 0
