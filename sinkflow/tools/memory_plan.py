@@ -222,16 +222,25 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
     pm.terms["weights"] = sum(weight_bytes(m) for m in models.values())
     pm.terms["samples"] = 4 * n * dim * 3
     # the training phases' activations were measured under their autocast (fp16 for a UNet on an Ampere-on card):
-    # sampled in fp32 (sample.precision's auto without bf16 tensor cores, or set) the same tensors take twice the bytes,
-    # and a phase trained in fp32 sampled under a half autocast (sample.precision=fp16 on a T4, or set beside
-    # train.<phase>.precision=fp32) half of them (the largest saved activation of mnist's UNet: 36.75 MiB a 128-batch
-    # in fp32, 18.38 under bf16 autocast), which `--fit`'s sample.batch_size scales by
+    # sampled in fp32 (sample.precision's auto without bf16 tensor cores, or set) the same tensors take twice the bytes
+    # (an upper bound); a phase trained in fp32 and sampled under a half autocast (sample.precision=fp16 on a T4, or set
+    # beside train.<phase>.precision=fp32) is measured again under it, and the smaller of the two kept: autocast does not
+    # halve the largest tensor per sample (0.5x fp32's for mnist's UNet, 0.75x for cifar10's: a flat 0.5 planned a third
+    # too little there), and where the activations are small the half measure exceeds fp32's (2.25-9x for the time
+    # predictors, 1.5x for digits' UNet) by the weights' half copies it counts (``activation_terms``' m2 // 2), which
+    # are not per sample: a half autocast never makes a sample's activations larger than fp32's
     sampled = methods.of(cfg).sample_precision(cfg, "cuda", bf16=bf16)
     pm.precision = sampled
-    # a flow in checkpoint/invertible mode saves little in training, but sampling runs its conditioners on the batch
-    largest = [(max(t.act_max_per_sample, t.recompute_max_per_sample), t.precision) for t in train_mems]
-    pm.terms["forward transient"] = max((int(2 * big * n * sampling_scale(precision, sampled))
-                                         for big, precision in largest), default=0)
+    largest = []
+    for t in train_mems:
+        # a flow in checkpoint/invertible mode saves little in training, but sampling runs its conditioners on the batch
+        big = max(t.act_max_per_sample, t.recompute_max_per_sample)
+        if t.precision in HALF and sampled not in HALF:
+            big *= 2
+        elif sampled in HALF and t.precision not in HALF and t.model_key in models:
+            big = min(big, measure_activations(models[t.model_key], shape, sampled)[2])
+        largest.append(big)
+    pm.terms["forward transient"] = max((2 * big * n for big in largest), default=0)
     pm.terms["cuda workspaces"] = WORKSPACE_BYTES  # cuDNN / cuBLAS hold them while sampling too
     read = "sample.precision" in config_mod.schema.used(cfg)  # a flow samples in fp32 and has no such key
     named = precision_named(cfg["sample"]["precision"], sampled) if read else sampled
@@ -239,10 +248,6 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
                "forward transient = 2 x the largest activation (rough)")
     return pm
 
-
-def sampling_scale(trained: str, sampled: str) -> float:
-    """Bytes of an activation sampled in ``sampled`` over those measured in training's ``trained`` autocast."""
-    return 2.0 if trained in HALF and sampled not in HALF else 0.5 if sampled in HALF and trained not in HALF else 1.0
 
 
 def estimate(cfg: dict, world: int = 1, bf16: bool = False) -> list[PhaseMemory]:
