@@ -165,7 +165,8 @@ def bf16_check(report: Report, real: dict, card: str) -> None:
              "fp32 on this card)"] if keys else []
     if "sample.precision" in read and real["sample"]["precision"] == "bf16":
         keys.append("sample.precision")
-        # sample.precision: auto follows a set train.velocity.precision on a CUDA card, so it is not fp32 there always
+        # sample.precision: auto follows the sampled network's set train.<phase>.precision on a CUDA card: not always
+        # fp32 there
         auto = methods.of(real).sample_precision({**real, "sample": {**real["sample"], "precision": "auto"}}, "cuda",
                                                  bf16=False)
         fixes.append("for sample.precision, use fp16 (its tensor cores)" + (
