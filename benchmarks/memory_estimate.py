@@ -162,8 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     plan = ("planned for this card" if cuda else f"planned for {args.card}" if args.card else
             "planned for no named card, as `sinkflow preflight` without --gpu (--gpu NAME names one)")
     half = "fp16 where the network has a half-precision path, else fp32" if bf16 else "fp32"
-    text = (f"Memory estimate vs measured peak on {dev}, torch {torch.__version__}; {plan}: each training phase and the "
-            f"sampler in the precision `auto` takes there ({half}; the precision column)\n\n" + "\n".join(rows) + "\n")
+    text = (f"Memory estimate vs measured peak on {dev}, torch {torch.__version__}; {plan}: each training phase and "
+            f"the sampler in the precision `auto` takes there ({half}; the precision column)\n\n" + "\n".join(rows)
+            + "\n")
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text)

@@ -697,7 +697,8 @@ def test_the_sample_row_says_the_precision_the_sampler_runs_in_on_the_planned_ca
     for preset, over, card, says in (("mnist", [], "T4", "fp32 (sample.precision=auto)"),
                                      ("mnist", [], "A100-40GB", "fp16 (sample.precision=auto)"),
                                      ("mnist", ["sample.precision=bf16"], "T4", "sample.precision=bf16"),
-                                     ("mnist", ["train.velocity.precision=fp32"], "H100-80GB", "fp32 (sample.precision=auto)"),
+                                     ("mnist", ["train.velocity.precision=fp32"], "H100-80GB",
+                                      "fp32 (sample.precision=auto)"),
                                      ("moons", [], "H200", "fp32 (sample.precision=auto)")):
         cfg = config.resolve(preset, ["eval.n=64", *over])
         bf16 = memory_plan.card_bf16(card)
@@ -743,7 +744,8 @@ def test_the_table_header_says_which_card_the_precisions_were_planned_for(capsys
     monkeypatch.setattr("sinkflow.tools.preflight.preflight", fake)
     for flags, says in (([], "planned for no card: each phase and the sampler in the precision auto takes without bf16 "
                              "tensor cores (fp32 for a UNet)"),
-                        (["--gpu", "A100-40GB"], "each phase and the sampler in the precision they take on the A100-40GB"),
+                        (["--gpu", "A100-40GB"],
+                         "each phase and the sampler in the precision they take on the A100-40GB"),
                         (["--gpu-mem", "24"], "planned for a card without bf16 tensor cores")):
         main(["preflight", "moons", *flags])
         assert says in capsys.readouterr().out, flags

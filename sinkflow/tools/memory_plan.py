@@ -223,12 +223,13 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
     pm.terms["samples"] = 4 * n * dim * 3
     # the training phases' activations were measured under their autocast (fp16 for a UNet on an Ampere-on card):
     # sampled in fp32 (sample.precision's auto without bf16 tensor cores, or set) the same tensors take twice the bytes
-    # (an upper bound); a phase trained in fp32 and sampled under a half autocast (sample.precision=fp16 on a T4, or set
-    # beside train.<phase>.precision=fp32) is measured again under it, and the smaller of the two kept: autocast does not
-    # halve the largest tensor per sample (0.5x fp32's for mnist's UNet, 0.75x for cifar10's: a flat 0.5 planned a third
-    # too little there), and where the activations are small the half measure exceeds fp32's (2.25-9x for the time
-    # predictors, 1.5x for digits' UNet) by the weights' half copies it counts (``activation_terms``' m2 // 2), which
-    # are not per sample: a half autocast never makes a sample's activations larger than fp32's
+    # (an upper bound); a phase trained in fp32 and sampled under a half autocast (sample.precision=fp16 on a T4, or
+    # set beside train.<phase>.precision=fp32) is measured again under it, and the smaller of the two kept: autocast
+    # does not halve the largest tensor per sample (0.5x fp32's for mnist's UNet, 0.75x for cifar10's: a flat 0.5
+    # planned a third too little there), and where the activations are small the half measure exceeds fp32's
+    # (2.25-9x for the time predictors, 1.5x for digits' UNet) by the weights' half copies it counts
+    # (``activation_terms``' m2 // 2), which are not per sample: a half autocast never makes a sample's activations
+    # larger than fp32's
     sampled = methods.of(cfg).sample_precision(cfg, "cuda", bf16=bf16)
     pm.precision = sampled
     largest = []
@@ -382,8 +383,8 @@ def _sampler_follows(cfg: dict, key: str, precision: str, bf16: bool) -> str:
                                     bf16=bf16)
     if after == before:
         return ""
-    return (f", and sample.precision={cfg['sample']['precision']} follows it: the samples would be drawn in {after}, not "
-            f"{before} (add sample.precision={before} to keep them)")
+    return (f", and sample.precision={cfg['sample']['precision']} follows it: the samples would be drawn in {after}, "
+            f"not {before} (add sample.precision={before} to keep them)")
 
 
 def propose_fit(cfg: dict, mems: list[PhaseMemory], total_bytes: int, world: int = 1,
