@@ -629,3 +629,26 @@ def test_a_finished_phase_without_a_step_checkpoint_is_opened_at_its_final_state
     assert trainer.step == 12
     assert all(torch.equal(final["model"][k], v) for k, v in trainer.model.state_dict().items())
     assert trainer.optimizer.state_dict()["state"][0]["step"] == 12
+
+
+def test_a_phases_sweep_holds_one_copy_of_the_state_not_two(runs_dir, monkeypatch):
+    """``phase_lr_find`` restores the trainer's whole state from its own copy; ``lr_range_test`` (told restore=False)
+    still copied the model, its gradients and the optimizer's moments once more and never used them: three times
+    the weights held on the card for nothing (audit PP). The phase's sweep still leaves the trainer as it was."""
+    from sinkflow import config
+    from sinkflow.runtime.run_folder import RunFolder
+    from sinkflow.tools import lr_find
+    from sinkflow.tools.phases import ready_trainer
+    from test_prefetch import otcfm_step
+
+    cfg = config.resolve("moons", ["experiment.method=otcfm", "train.velocity.iters=1000",
+                                   "train.velocity.batch_size=32", "experiment.device=cpu"])
+    run = RunFolder.create(cfg)
+    trainer = ready_trainer(run, otcfm_step(cfg))
+    copies, snapshot = [], lr_find._snapshot
+    monkeypatch.setattr(lr_find, "_snapshot", lambda *a: copies.append(1) or snapshot(*a))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    lr_find.phase_lr_find(trainer, start_lr=1e-4, end_lr=1e-2, steps=6)
+    run.logger.close()
+    assert copies == []
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())

@@ -140,7 +140,9 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
     ``UnappliedStep`` (smoothed, no suggestion from it, no count towards ``max_nan``)."""
     check_sweep(start_lr, end_lr, steps, diverge)
     res = LRFindResult()
-    snap = _snapshot(model, optimizer)
+    # the copy only where this function restores it: ``phase_lr_find`` restores the trainer's whole state itself, and
+    # a second copy of the model, its gradients and Adam's moments (three times the weights) held the card's memory
+    snap = _snapshot(model, optimizer) if restore else None
     mult = (end_lr / start_lr) ** (1.0 / (steps - 1))
     avg, k, best, nan_run = 0.0, 0, math.inf, 0
     gap_from = None  # the rate of the first step not applied since the last applied one: where the trouble began
