@@ -27,26 +27,24 @@ def autocast(device_type: str, precision: str, cache: bool = True) -> torch.auto
 
 def sampling_precision(value: str, kind: str, device: torch.device | str, bf16: bool | None = None,
                        trained: str = "auto") -> str:
-    """``sample.precision`` made concrete for the network ``kind`` the sampler calls on ``device``: ``auto`` is fp16
-    where a training phase's ``auto`` is (a UNet on a CUDA card with bf16 tensor cores), else fp32. Measured on an
-    H200 (2026-11-30, the CIFAR-10 UNet, 60 Euler steps, batch 256, cuDNN autotuning off): eager fp16 1.56x fp32's
-    images/s (bf16 1.67x, but 8x fp16's pixel error); and the samples themselves against fp32's on the same noise
-    (the MNIST runs of RESULTS.md's "Half-precision sampling"): fp16's paired FD-CNN change <= 0.05, a new noise
-    draw's 3.3-4.6. A network trained in fp16 (the same ``auto``) is sampled in the format it trained in; one whose
-    training precision was set (``trained``: its ``train.<phase>.precision``) in that one, fp32 included (a user who
-    kept a network out of half precision had a reason), on a CUDA card: off one (a run trained on a GPU, sampled or
-    evaluated on a laptop) ``auto`` is fp32, as training's, since a half precision set for a card's tensor cores
-    (``train.velocity.precision=fp16``, the key a T4 user is told) ran the CPU's convolutions in fp16, which it has
-    no fast kernels for (0.74x fp32's images/s on the MNIST UNet, docs/performance.md; 18x slower on a 2-core VM's
-    3x3 convolutions). ``bf16`` overrides the card check, as in ``fast_path.resolve`` (the planner plans for a card
-    not in hand)."""
+    """``sample.precision`` made concrete for the network ``kind`` the sampler calls on ``device``. ``auto``: fp32
+    off a CUDA card (a CPU has no fast float16 kernels: 0.74x fp32's images/s on the MNIST UNet, docs/performance.md);
+    on one, the network's set training precision (``trained``: its ``train.<phase>.precision``, fp32 included: a
+    network kept out of half precision on purpose), else fp16 where a training phase's ``auto`` is (a UNet on a card
+    with bf16 tensor cores), else fp32. Why fp16: on an H200 (2026-11-30, the CIFAR-10 UNet, 60 Euler steps, batch
+    256, cuDNN autotuning off) eager fp16 ran at 1.56x fp32's images/s (bf16 1.67x, with 8x fp16's pixel error), and
+    the samples themselves moved a paired FD-CNN by <= 0.05 against a new noise draw's 3.3-4.6 (RESULTS.md,
+    "Half-precision sampling"). ``bf16`` overrides the card check, as in ``fast_path.resolve`` (the planner plans for
+    a card not in hand)."""
     if value != "auto":
         return value
     device = torch.device(device)
-    if trained != "auto" and (trained == "fp32" or device.type == "cuda"):
+    if device.type != "cuda":
+        return "fp32"
+    if trained != "auto":
         return trained
     native = bf16_tensor_cores(device) if bf16 is None else bf16
-    return "fp16" if device.type == "cuda" and kind in FAST_KINDS and native else "fp32"
+    return "fp16" if kind in FAST_KINDS and native else "fp32"
 
 
 def precision_named(value: str, resolved: str) -> str:

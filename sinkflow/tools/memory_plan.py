@@ -250,7 +250,6 @@ def _sample_memory(cfg: dict, train_mems: list[PhaseMemory], shape: tuple[int, .
     return pm
 
 
-
 def estimate(cfg: dict, world: int = 1, bf16: bool = False) -> list[PhaseMemory]:
     """Per-phase memory of the config (real sizes), measured on CPU, for a CUDA card with bf16 tensor cores or
     without (what ``auto`` precision becomes there; by default without, as ``card_bf16`` plans for no card), per
