@@ -17,7 +17,10 @@
    Adam run's;
 8. twelve captured phases in one process with batches drawn ahead (CUDA's stream pool comes round: a worker's
    stream must never be the capture stream), and the memory allocated after each phase's release (flat: no
-   finished phase's cuBLAS workspaces left behind).
+   finished phase's cuBLAS workspaces left behind);
+9. a UNet whose forward reads a value on the host (a user's network a CUDA graph cannot hold) under ``graph: auto``:
+   the capture fails, the phase warns once and trains on without the step graph to its last step, its weights
+   finite and near those of ``graph: none`` (on the CPU nothing is captured: the fall-back's test plants one).
 
 The checks are meant for a GPU; ``--device cpu`` runs the same code on the CPU (where ``device_generator`` is
 the CPU generator itself and fused Adam is torch's CPU kernel), which is how the test suite keeps the script
@@ -259,9 +262,59 @@ def many_phases_check(device: torch.device, size: dict) -> None:
                                                       "not measured on the CPU"))
 
 
+class HostReadInForward(Callback):
+    """A network a CUDA graph cannot hold: its forward reads a value on the host (``float``), as a user's network that
+    logs or branches on a tensor does. Hooked in at set-up, on the phase's own model."""
+
+    def on_setup(self, trainer):
+        def read(module, args, out) -> None:  # returns None: the output is kept
+            self.last = float(out.detach().float().abs().mean())
+
+        trainer.model.register_forward_hook(read)
+
+
+def capture_fallback_check(device: torch.device, size: dict) -> None:
+    import logging
+
+    from sinkflow.methods.flow_matching import InterpolantStep
+    from sinkflow.runtime.checkpoint import load
+    from sinkflow.tools.data import real_or_synthetic
+
+    final, warned, left = {}, [], None
+
+    class Warnings(logging.Handler):
+        def emit(self, record):
+            warned.append(record.getMessage())
+
+    handler = Warnings(logging.WARNING)
+    logging.getLogger("sinkflow").addHandler(handler)
+    try:
+        with scratch_dir(), real_or_synthetic(config.resolve("mnist"), force=True):
+            for mode in ("none", "auto"):
+                cfg = config.resolve("mnist", [f"experiment.device={device.type}", "experiment.method=fm",
+                                               "train.velocity.precision=fp16", "train.velocity.compile=false",
+                                               *size["unet"], f"train.velocity.iters={size['train_steps']}",
+                                               f"train.velocity.graph={mode}", f"experiment.name=fallback-{mode}"])
+                run = RunFolder.create(cfg)
+                trainer = Trainer(run, InterpolantStep("velocity", *distributions(cfg)), [HostReadInForward()])
+                trainer.fit()
+                run.logger.close()
+                final[mode] = load(run.dir / "checkpoints" / "velocity" / "final.pt")["model"]
+                if mode == "auto":
+                    left = "the step graph" if trainer.step_graph is not None else "the plain step"
+    finally:
+        logging.getLogger("sinkflow").removeHandler(handler)
+    dw = max(float((final["none"][k].float() - final["auto"][k].float()).abs().max()) for k in final["none"])
+    finite = all(bool(torch.isfinite(v).all()) for v in final["auto"].values())
+    said = [w for w in warned if "training without the step graph" in w]
+    print(f"a host read in the forward under graph=auto, {size['train_steps']} fp16 steps: ended on {left}; "
+          f"{len(said)} fall-back warning(s){': ' + said[0][:160] if said else ''}; weights finite: {finite}; "
+          f"max|dw| vs graph=none {dw:.2e}")
+
+
 CHECKS = {"pool": pool_check, "noise": noise_check, "adam": adam_check, "prefetch": prefetch_check,
           "ot_plan": ot_plan_check, "step_graph": step_graph_check, "flow": flow_check,
-          "many_phases": many_phases_check}
+          "many_phases": many_phases_check, "capture_fallback": capture_fallback_check}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -78,10 +78,13 @@ PLAN = (
          ("preset_throughput.py", "--smoke", "--methods", "nsgfpp", "--configs", "default", "--phases", "velocity")),
     Step("otcfm-fm-fp16", ("preset_throughput.py", *MNIST_PRESET, "--methods", "fm", "otcfm", "--repeats", "2"), 45,
          "issue 23: OT-CFM within 10 % of FM under the fp16 default"),
-    Step("gpu-checks", ("gpu_checks.py", "--checks", "step_graph", "prefetch", "adam", "many_phases"), 60,
+    Step("gpu-checks", ("gpu_checks.py", "--checks", "step_graph", "prefetch", "adam", "many_phases",
+                        "capture_fallback"), 75,
          "the captured fp16 step with the guard's skip flag or-ed into GradScaler's (2026-11-30): bit-equal to the "
          "plain step, no host sync; prefetch and fused Adam equivalences (23 s, 2026-11-30); 12 phases' memory after "
-         "each release flat (no cuBLAS workspaces left by finished phases, audit MM; guess: +30 s)",
+         "each release flat (no cuBLAS workspaces left by finished phases, audit MM; guess: +30 s); a capture that "
+         "fails (a host read in the forward) under graph=auto: one warning, trained on without the graph (guess: "
+         "+15 s)",
          ("gpu_checks.py", "--device", "cpu", "--smoke", "--checks", "step_graph")),
     Step("cifar-fp16", ("train_throughput.py", *CIFAR), 200,
          "issue 23: the CIFAR-10 UNet step under the fp16 default vs fp32 eager and torchcfm, % of peak (cuDNN "

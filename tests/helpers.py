@@ -168,3 +168,35 @@ def plant_compile_failure(monkeypatch) -> None:
     real = fast_path.resolve
     monkeypatch.setattr(fast_path, "resolve", lambda tcfg, *a, **k: {**real(tcfg, *a, **k), "compile": True}
                         if tcfg["compile"] == "auto" else real(tcfg, *a, **k))
+
+
+def plant_capture_failure(monkeypatch) -> None:
+    """A network whose training step a CUDA graph cannot hold, on this CPU: ``graph: auto`` is made to resolve to the
+    step graph here, and the step graph's first step after its warm-up (where a card captures) fails as a capture
+    does: the step runs up to the optimizer (the scaler has unscaled the gradients), whose call raises CUDA's capture
+    error, and no update is applied."""
+    from sinkflow.engine import fast_path
+    from sinkflow.engine.step_graph import WARMUP, CaptureFailed, StepGraph
+
+    real_call, real_resolve = StepGraph.__call__, fast_path.resolve
+
+    def capturing(self, batch, step):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls != WARMUP + 1:
+            return real_call(self, batch, step)
+
+        def not_permitted(*args, **kwargs):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+        self.optimizer.step = not_permitted
+        try:
+            real_call(self, batch, step)
+        except RuntimeError as exc:
+            raise CaptureFailed(f"capturing phase '{self.phase}''s training step as a CUDA graph failed: {exc}",
+                                f"set train.{self.phase}.graph=none") from exc
+        finally:
+            del self.optimizer.step
+
+    monkeypatch.setattr(StepGraph, "__call__", capturing)
+    monkeypatch.setattr(fast_path, "resolve", lambda tcfg, *a, **k: {**real_resolve(tcfg, *a, **k), "graph": "step"}
+                        if tcfg.get("graph") == "auto" else real_resolve(tcfg, *a, **k))

@@ -231,6 +231,9 @@ def test_smoke_gpu_checks(quiet, capsys):
     assert "allocated after each phase's release: not measured on the CPU" in out
     fresh, loop = (float(v) for v in re.search(r"fresh copy \|dnll\| (\S+), fused vs for-loop \|dnll\| (\S+)", out).groups())
     assert fresh < 1e-5 and loop < 1e-3  # with the old version-keyed W cache: 0.17 apart on both
+    # graph=auto is the plain step on a CPU: nothing captured, nothing to fall back from (tests/test_step_graph.py)
+    assert "a host read in the forward under graph=auto, 6 fp16 steps: ended on the plain step; 0 fall-back " \
+           "warning(s); weights finite: True; max|dw| vs graph=none 0.00e+00" in out
 
 
 def test_gpu_checks_runs_only_the_named_checks(quiet, capsys):
@@ -248,6 +251,9 @@ def test_smoke_gpu_checks_on_cuda(quiet, capsys):
     assert "device noise reproducible from the CPU state: True" in out
     assert "with host syncs made errors" in out
     assert float(re.search(r"max\|dv\| (\S+)", out).group(1)) < 1e-3
+    # the capture of a forward with a host read fails; graph=auto trains on without the graph, saying so once
+    assert re.search(r"under graph=auto, 6 fp16 steps: ended on the plain step; 1 fall-back warning\(s\): .*"
+                     r"weights finite: True", out), out
 
 
 def test_smoke_memory_estimate(quiet, capsys):

@@ -137,6 +137,52 @@ def test_a_graphed_fp16_step_scales_skips_and_trains_the_plain_weights(runs_dir)
     assert all(torch.equal(plain[k], resumed[k]) for k in plain) and float(trainer.scaler.get_scale()) == 2.0 ** 14
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_capture_that_fails_trains_on_without_the_graph_under_auto_and_stops_with_the_fix_when_asked(
+        runs_dir, caplog, monkeypatch, precision):
+    """A user's network that a CUDA graph cannot hold (a host read in its forward, an op capture refuses) must not
+    lose the run to the CUDA default `graph: auto`: it trains on with the plain step after one warning and ends with
+    graph=none's weights (nothing of the failed capture applied; under fp16 GradScaler had unscaled the step's
+    gradients when the capture failed, and its next unscale_ refused: "unscale_() has already been called"); a step
+    checkpoint still records what auto resolved to, so a resume on the same machine says no speed setting changed.
+    An explicit `graph: step` stops with one line naming the key. The capture's failure is planted
+    (helpers.plant_capture_failure; on a card: benchmarks/gpu_checks.py)."""
+    from helpers import plant_capture_failure
+
+    plant_capture_failure(monkeypatch)
+    half = f"train.velocity.precision={precision}"
+    plain = final_weights(fit(moons_cfg(half, "train.velocity.graph=none"), "plain")[0])
+    with caplog.at_level("WARNING"):
+        run, trainer = fit(moons_cfg(half, "train.velocity.graph=auto"), "auto")
+    assert "velocity: capturing phase 'velocity''s training step as a CUDA graph failed: CUDA error: operation not " \
+           "permitted when stream is capturing; training without the step graph" in caplog.text
+    assert trainer.step_graph is None and caplog.text.count("training without the step graph") == 1
+    fallback = final_weights(run)
+    assert all(torch.equal(plain[k], fallback[k]) for k in plain)
+
+    cfg = moons_cfg(half, "train.velocity.graph=auto", iters=12)
+    cfg["experiment"]["name"] = "resumed"
+    run = RunFolder.create(cfg)
+    with pytest.raises(Interrupted):
+        Trainer(run, otcfm_step(cfg), [StopAt(6)]).fit()
+    saved = torch.load(run.dir / "checkpoints" / "velocity" / "step_00000006.pt", weights_only=True)
+    assert saved["resolved"]["graph"] == "step"  # auto's answer here, though steps 4-6 ran without the graph
+    caplog.clear()
+    with caplog.at_level("INFO", logger="sinkflow"):
+        Trainer(run, otcfm_step(cfg)).fit()
+    run.logger.close()
+    assert "resuming from step 6" in caplog.text and "training without the step graph" in caplog.text
+    assert "resumes in" not in caplog.text, caplog.text
+
+    cfg = moons_cfg(half, "train.velocity.graph=step")
+    cfg["experiment"]["name"] = "asked"
+    run = RunFolder.create(cfg)
+    with pytest.raises(SinkflowError, match=r"as a CUDA graph failed: .*; set train.velocity.graph=none") as err:
+        Trainer(run, otcfm_step(cfg)).fit()
+    assert "\n" not in str(err.value)
+    run.logger.close()
+
+
 def test_a_finished_graphed_phase_releases_its_graph_and_batch(runs_dir):
     """The graph, its static batch and the gradients its replays wrote are dropped when ``fit`` ends, as is the
     graph's hold on the Trainer (its update, a bound method): a caller that keeps the trainer (lr-find, doctor, a

@@ -57,6 +57,12 @@ def _fill(static: Any, batch: Any, phase: str) -> None:
             _fill(s, b, phase)
 
 
+class CaptureFailed(SinkflowError):
+    """The step could not be recorded (a host read inside the model, an op CUDA graphs cannot hold). Nothing recorded
+    ran, so no update was applied: ``graph: auto`` goes on without the graph (``Trainer._step``), ``graph: step``
+    stops with this error."""
+
+
 class StepGraph:
     """``StepGraph(update, optimizer, device)(batch, step) -> outputs``: ``update(batch, step)`` (forward, backward,
     clip, guard, optimizer; no host reads) run on static copies of the batches, as CUDA-graph replays on CUDA.
@@ -117,6 +123,7 @@ class StepGraph:
         groups = self.optimizer.param_groups
         saved = [(g["lr"], g.get("capturable", False)) for g in groups]
         graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.device)
         try:
             for g, lr in zip(groups, self.lrs):
                 g["lr"], g["capturable"] = lr, True
@@ -125,8 +132,11 @@ class StepGraph:
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 self.outputs = self.update(self.static, self.step)
         except RuntimeError as exc:
+            # torch.cuda.graph's __exit__ leaves its stream context unexited when capture_end raises (an invalidated
+            # capture): the phase would go on with the capture stream as its current stream
+            torch.cuda.set_stream(current)
             what = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            raise SinkflowError(f"capturing phase '{self.phase}''s training step as a CUDA graph failed: {what}",
+            raise CaptureFailed(f"capturing phase '{self.phase}''s training step as a CUDA graph failed: {what}",
                                 f"set train.{self.phase}.graph=none") from exc
         finally:
             for g, (lr, cap) in zip(groups, saved):

@@ -38,7 +38,7 @@ from sinkflow.engine.ema import EMA, START_SHARE, first_step_share, largest_deca
 from sinkflow.engine.finite import NonFiniteGuard, optimizer_steps, skip_with_scaler, skips_on_device
 from sinkflow.engine.health import Health
 from sinkflow.engine.prefetch import BatchPrefetcher, use_prefetch
-from sinkflow.engine.step_graph import StepGraph
+from sinkflow.engine.step_graph import CaptureFailed, StepGraph
 from sinkflow.runtime.rng import draws_dropout, phase_generator, seed_everything, stream_seed
 from sinkflow.runtime.run_folder import build_phase_model, load_model_state
 from sinkflow.runtime.signals import QUIET, REQUESTED, Interrupted, stop_requested
@@ -87,6 +87,8 @@ class Trainer:
                                            self.info.world) if self.training else {}
         # `compile: auto` falls back to eager if compiling fails; an explicit `compile: true` stops instead
         self.compile_auto = self.training and run.cfg["train"][task.model_key].get("compile") == "auto"
+        # likewise `graph: auto` goes on without the step graph where its capture fails (`graph: step` stops)
+        self.graph_auto = self.training and run.cfg["train"][task.model_key].get("graph") == "auto"
         self._compile_proven = False
         self.model = self.ddp_model = self.optimizer = self.scheduler = self.scaler = self.ema = None
         self.step_graph: StepGraph | None = None  # train.<phase>.graph=step: the whole step as one CUDA graph
@@ -230,12 +232,12 @@ class Trainer:
     def resolved(self) -> dict:
         """The speed settings this phase trains with on this machine, its ``auto`` keys made concrete
         (``fast_path.resolve``): a step checkpoint keeps them, so a resume elsewhere can say what changed. The compile
-        mode as resolved, not ``compile_mode`` after a failed compile's fall-back to eager (``checked_step``): a resume
-        sets up compiled and falls back at its first step, after the comparison, so "off" read as a change on every
-        resume of a machine that cannot compile."""
+        mode and the graph as resolved, not what is left after a failed compile's or capture's fall-back
+        (``train_step``, ``_step``): a resume sets up compiled and captured and falls back at its first steps, after
+        the comparison, so "off" read as a change on every resume of a machine that cannot compile."""
         compiled = self.cfg.get("compile_mode", "default") if self.cfg.get("compile", False) else None
         return {"device": self.device.type, "precision": self.precision,
-                "graph": "step" if self.step_graph is not None else "none", "compile": compiled or "off"}
+                "graph": self.cfg.get("graph", "none"), "compile": compiled or "off"}
 
     def resolved_change(self, saved: Any, step: int) -> str | None:
         """One line where this machine resolves the phase's speed settings otherwise than the one that wrote the step
@@ -351,13 +353,35 @@ class Trainer:
 
     def _step(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if self.step_graph is not None:
-            out = self.step_graph(batch, self.step + 1)
+            try:
+                out = self.step_graph(batch, self.step + 1)
+            except CaptureFailed as exc:
+                if not self.graph_auto:
+                    raise
+                self._drop_step_graph(exc)
+                out = self._update(batch, self.step + 1)
         else:
             out = self._update(batch, self.step + 1)
         self.scheduler.step()
         if self.ema is not None:
             self.ema.update_parameters(self.model)
         return out
+
+    def _drop_step_graph(self, exc: CaptureFailed) -> None:
+        """``graph: auto``'s fall-back when the capture failed (a user's network that reads a value on the host, an op
+        a CUDA graph cannot hold): say it once and go on with the plain step, as ``compile: auto`` does. Nothing the
+        capture recorded ran, so no update was applied; what it left on the host is set back: the gradients it
+        allocated in the graph's pool, and GradScaler's record that this step's gradients were unscaled already
+        (its next ``unscale_`` would refuse), by a fresh scaler carrying the same scale."""
+        if self.info.is_main:
+            log.warning("%s: %s; training without the step graph (set train.%s.graph=none to skip the attempt)",
+                        self.name, exc.problem, self.task.model_key)
+        self.step_graph.release()
+        self.step_graph = None
+        if self.scaler.is_enabled():
+            scaler = torch.amp.GradScaler(self.device.type)
+            scaler.load_state_dict(self.scaler.state_dict())
+            self.scaler = scaler
 
     @torch.no_grad()
     def probe_forward(self, batch: Any) -> torch.Tensor:
