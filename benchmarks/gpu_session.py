@@ -72,6 +72,11 @@ PLAN = (
          "counting what the earlier phases' 2-step runs left allocated: measure again)"),
     Step("cifar-fp16-cudnn", ("train_throughput.py", *CIFAR, "--cudnn-benchmark"), 200,
          "issue 23: the same with cuDNN autotuning on (should the runner turn it on for fixed-shape phases?)"),
+    Step("cifar-fp16-autotune", ("train_throughput.py", "--compile", "--steps", "20", "--warmup", "5", "--paths",
+                                 "fp16+compile+stepgraph", "fp16+autotune+stepgraph"), 300,
+         "issue 23's 25 % of the bf16 peak: the runner's CIFAR path with inductor's timed kernel choice "
+         "(train.velocity.compile_mode=max-autotune-no-cudagraphs) beside it in one call (guess: 5 min of compiles)",
+         ("train_throughput.py", "--smoke", "--compile", "--steps", "1", "--paths", "fp16+autotune+stepgraph")),
     Step("nsgfpp-fp16", ("preset_throughput.py", *MNIST_PRESET, "--methods", "nsgfpp", "--phases", "velocity", "nsf",
                          "time"), 90,
          "issue 23: NSGF++'s velocity / nsf / time rates under the fp16 default (>= 85 steps/s; the 30-min projection)",

@@ -208,6 +208,9 @@ def test_auto_speed_settings_resolve_per_device_network_and_process_count(monkey
     assert speed({**auto, "precision": "fp16"}) == ("fp16", True, "default", "step")  # loss scaling is captured
     assert speed({**auto, "graph": "none"}) == ("fp32", True, "reduce-overhead", "none")  # graphs of the model
     assert speed({**auto, "compile_mode": "reduce-overhead"}) == ("fp32", True, "reduce-overhead", "none")
+    # kernels chosen by timing and no graphs of its own: inside the captured step
+    timed = {**auto, "compile_mode": "max-autotune-no-cudagraphs"}
+    assert speed(timed) == ("fp32", True, "max-autotune-no-cudagraphs", "step")
     assert speed({**auto, "compile": True}, device="cpu") == ("fp32", True, "default", "none")
 
 

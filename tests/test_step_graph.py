@@ -228,8 +228,10 @@ def test_a_graphed_step_is_refused_where_a_graph_cannot_hold_it():
     check_step_graph(ok, "velocity", 1, "default", True)
     check_step_graph({"precision": "fp16"}, "velocity", 1, None, True)  # GradScaler's work is all on the device
     check_step_graph(ok, "velocity", 1, None, True)
+    check_step_graph(ok, "velocity", 1, "max-autotune-no-cudagraphs", True)  # timed kernels, no graphs of its own
     for args, words in [((ok, "velocity", 2, None, True), "graph=none under torchrun"),
                         ((ok, "nsf", 1, "reduce-overhead", True), "train.nsf.compile_mode=default"),
+                        ((ok, "nsf", 1, "max-autotune", True), "train.nsf.compile_mode=default"),
                         ((ok, "velocity", 1, None, False), "fused kernel")]:
         with pytest.raises(SinkflowError, match=words):
             check_step_graph(*args)

@@ -500,9 +500,12 @@ def _train(iters=20000, batch_size=256, lr=0.001, warmup=0, schedule="cosine", g
                              "(off: measured slower for sinkflow's GroupNorm UNets, docs/performance.md)"),
         "compile": Key("auto", AutoBool(), "torch.compile the model; auto: on for a UNet on CUDA in one process "
                        "(tens of seconds of compiling, measured to pay back within a phase), off elsewhere"),
-        "compile_mode": Key("auto", Options("auto", "default", "reduce-overhead", "max-autotune"), "torch.compile's "
+        "compile_mode": Key("auto", Options("auto", "default", "reduce-overhead", "max-autotune",
+                                            "max-autotune-no-cudagraphs"), "torch.compile's "
                             "mode when compile: reduce-overhead = CUDA graphs, one replay per step instead of a launch "
-                            "per kernel (launch-bound steps; fixed batch shapes); auto: default inside a whole-step "
+                            "per kernel (launch-bound steps; fixed batch shapes); max-autotune-no-cudagraphs: kernels "
+                            "chosen by timing (minutes of compiling), no graphs of its own, so it runs inside graph: "
+                            "step; auto: default inside a whole-step "
                             "graph (graph: step), else reduce-overhead on CUDA in one process, default otherwise"),
         "graph": Key("auto", Options("auto", "none", "step"), "step: capture the whole step (forward, backward, "
                      "clip, non-finite guard, fused Adam) as one CUDA graph and replay it, one launch a step; one "

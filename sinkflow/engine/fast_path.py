@@ -34,6 +34,8 @@ import torch
 from sinkflow.runtime.autocast import FAST_KINDS, bf16_tensor_cores
 
 GRAPH_KINDS = ("unet", "time_predictor")  # the networks whole-step capture was measured on (both faster)
+# torch.compile's modes that make no CUDA graphs of their own: they run inside the whole-step graph (graph: step)
+GRAPHLESS_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
 def fp16_hint(tcfg: dict, kind: str, device: torch.device | str, key: str) -> str | None:
@@ -78,7 +80,7 @@ def resolve(tcfg: dict, kind: str, device: torch.device | str, world: int = 1, b
         out["precision"] = "fp16" if fast and native else "fp32"
     if out.get("graph", "none") == "auto":
         captured = (device.type == "cuda" and world == 1 and kind in GRAPH_KINDS
-                    and out.get("compile_mode", "auto") in ("auto", "default"))  # an asked-for graphs mode wins
+                    and out.get("compile_mode", "auto") in ("auto", *GRAPHLESS_MODES))  # an asked-for graphs mode wins
         out["graph"] = "step" if captured else "none"
     if out.get("compile", False) == "auto":
         out["compile"] = fast and world == 1

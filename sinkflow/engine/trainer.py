@@ -411,8 +411,8 @@ class Trainer:
         step graph captures (no host reads where the optimizer skips on the device)."""
         micro = split_batch(batch, self.cfg["accum"])
         self.optimizer.zero_grad(set_to_none=True)
-        if self.compile_mode not in (None, "default"):  # CUDA graphs: a new iteration, the last step's outputs
-            # may be overwritten from here on
+        if self.compile_mode not in (None, *fast_path.GRAPHLESS_MODES):  # CUDA graphs: a new iteration, the last
+            # step's outputs may be overwritten from here on
             torch.compiler.cudagraph_mark_step_begin()
         total = torch.zeros((), device=self.device)
         cache = self.step_graph is None  # a cached weight cast would outlive a capture
@@ -750,9 +750,10 @@ def check_step_graphs(train: dict, keys, world: int) -> None:
 def check_step_graph(cfg: dict, key: str, world: int, compile_mode: str | None, skips_on_device: bool) -> None:
     """Refuse, before the first step, a ``graph: step`` phase whose step a CUDA graph cannot hold."""
     check_step_graphs({key: {"graph": "step"}}, [key], world)
-    if compile_mode not in (None, "default"):
+    if compile_mode not in (None, *fast_path.GRAPHLESS_MODES):
         raise SinkflowError(f"train.{key}.graph=step captures the whole step; compile_mode={compile_mode} would "
-                            "capture graphs inside it", f"set train.{key}.compile_mode=default (or compile=false)")
+                            "capture graphs inside it", f"set train.{key}.compile_mode=default (or "
+                            "max-autotune-no-cudagraphs, or compile=false)")
     if not skips_on_device:
         raise SinkflowError(f"train.{key}.graph=step needs Adam's fused kernel (it skips a non-finite update on the "
                             f"device); this torch has none for this device", f"set train.{key}.graph=none")
