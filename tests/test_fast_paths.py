@@ -377,6 +377,10 @@ def test_sampling_precision_auto_is_fp16_where_training_auto_is(monkeypatch):
     capability["value"] = (7, 5)
     assert sampling_precision("auto", "unet", "cuda") == "fp32"
     assert sampling_precision("auto", "unet", "cuda", bf16=True) == "fp16"  # the planner's card, not this one
+    # a set bf16 (a run trained on an A100) sampled on a card without bf16 tensor cores: fp32, as training's auto
+    assert [sampling_precision("auto", "unet", "cuda", trained=t) for t in ("bf16", "fp16", "fp32")] == \
+        ["fp32", "fp16", "fp32"]
+    assert sampling_precision("bf16", "unet", "cuda") == "bf16"  # asked for by name: kept
     capability["value"] = (9, 0)
     # a network whose training precision was set is sampled in it: fp32 kept out of half precision on purpose
     assert [sampling_precision("auto", "unet", "cuda", trained=t) for t in ("fp32", "bf16", "auto")] == \
