@@ -628,6 +628,12 @@ def test_a_compile_mode_auto_decided_is_said_as_auto_on_resume():
     line = resume({"precision": "fp16", "graph": "none", "compile": True, "compile_mode": "auto"}, now, saved)
     assert line == ("velocity: trained to step 7 in fp16, compile reduce-overhead on cuda; resumes in fp16, compile "
                     "default on cuda (train.velocity.compile: auto, decided per machine and process count)"), line
-    line = resume({"precision": "fp16", "graph": "none", "compile": True, "compile_mode": "default"}, now, saved)
-    assert line.endswith("resumes in fp16, compile default on cuda"), line  # set by hand: no auto reason
+    # set by hand (an override of the resume, an edit of config.yaml: each said in its own line), on the same device:
+    # said once, not again here; on another device the line stays (without an auto reason); a loss-scale note stays
+    hand = {"precision": "fp16", "graph": "none", "compile": True, "compile_mode": "default"}
+    assert resume(hand, now, saved) is None
+    line = resume(hand, {**now, "device": "cpu"}, saved)
+    assert line.endswith("resumes in fp16, compile default on cpu"), line
+    line = resume({**hand, "precision": "fp32"}, {**saved, "precision": "fp32"}, saved)
+    assert line == "velocity: fp16's loss scale is set aside", line
     assert resume({"compile": "auto"}, saved, saved) is None and resume({"compile": "auto"}, saved, None) is None

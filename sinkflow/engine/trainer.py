@@ -244,7 +244,8 @@ class Trainer:
         ``step`` checkpoint (``saved``: its ``resolved`` entry): a run trained on a GPU (``precision: auto`` = fp16
         with its loss scale, ``graph: auto`` = the step graph) and resumed on a CPU or a T4 printed only its new
         settings, the change itself unsaid (config.yaml holds ``auto`` both times, so no key changed). None where
-        nothing changed, or the checkpoint predates the record."""
+        nothing changed, or the checkpoint predates the record; where every change is a set key's on the same device
+        (the resume's override or a hand edit, each said in its own line), only a loss-scale note, if any."""
         if not isinstance(saved, dict):
             return None
         now = self.resolved()
@@ -264,6 +265,9 @@ class Trainer:
         key = self.task.model_key
         tcfg = self.run.cfg["train"][key]  # compile's mode is auto's too where compile_mode is (compile: true)
         edited = {k for k in keys if tcfg.get(k) != "auto" and (k != "compile" or tcfg.get("compile_mode") != "auto")}
+        if edited == set(keys) and saved.get("device") == now["device"]:  # each change a set key's, said already as
+            # the resume's override or config.yaml's edit (RunFolder.record_hand_edits): only what it implies is new
+            return f"{self.name}: {scale[2:]}" if scale else None
         autos = " / ".join(k for k in keys if k not in edited)
         why = "" if edited == set(keys) else f" (train.{key}.{autos}: auto, decided per machine and process count)"
         return f"{self.name}: trained to step {step} in {words(saved)}; resumes in {words(now)}{why}{scale}"
