@@ -84,6 +84,17 @@ def test_a_killed_run_whose_pid_was_reused_is_dead_not_running(tiny_run, tmp_pat
     assert main(["status", str(run)]) == 1
     assert f"DEAD (pid {os.getpid()} trains {tiny_run.resolve()}, the run this folder was copied from; resume with" \
         in capsys.readouterr().out
+    # ... made on another machine (a notebook's output downloaded mid-training): its pid cannot be seen from here, and
+    # status said RUNNING for 5 minutes, then STALE ("hung"); nothing here trains the copy
+    (run / "status.json").write_text(json.dumps({**beat, "host": "kaggle-node", "pid": 4242, "dir": "/kaggle/runs/r"}))
+    assert main(["status", str(run)]) == 1
+    assert "DEAD (pid 4242 on kaggle-node trained /kaggle/runs/r there, the run this folder was copied from (whether " \
+        "it still does, this machine cannot see); nothing trains this copy; resume with" in capsys.readouterr().out
+    with run_lock(run):  # a process here has just begun training the copy (its heartbeat not yet rewritten)
+        assert read_status(run)["state"] == "running"
+    # a run on a shared filesystem seen from another node (the same folder): its heartbeat is trusted as before
+    (run / "status.json").write_text(json.dumps({**beat, "host": "node-1", "pid": 4242, "dir": str(run.resolve())}))
+    assert read_status(run)["state"] == "running"
 
 
 def test_status_finished(runs_dir):

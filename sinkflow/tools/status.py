@@ -7,7 +7,8 @@ works while the run is going, after it finished, and after it died. A run is
 * ``running``: the heartbeat is younger than ``stale_after`` and its pid is alive (when on this host);
 * ``stale``: the heartbeat is older than ``stale_after`` (hung: a training phase beats every minute of steps);
 * ``dead``: the pid of the heartbeat is not alive on this host, or is but no process holds the run's lock (the pid
-  was reused after a kill -9), and the run did not finish.
+  was reused after a kill -9), or the heartbeat was written on another host for another folder (a copy of a run
+  made there) and nothing here holds the copy's lock, and the run did not finish.
 * ``stopped``: a signal or the time limit stopped it after its checkpoint was written (``sinkflow train --resume`` continues).
 * ``unknown``: no readable heartbeat, but checkpoints, pool arrays or metrics on disk (status.json lost: it said
   "not started", with no resume command, for a run halfway through);
@@ -97,6 +98,14 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
         alive, out["pid_reused"] = False, True
         if isinstance(hb.get("dir"), str) and Path(hb["dir"]) != run_dir.resolve():  # a copy of a live run (cp -r):
             out["copied_from"] = hb["dir"]  # its pid trains the original, not "another process now"
+    written_for = hb.get("dir")
+    if (not same_host and isinstance(written_for, str) and Path(written_for) != run_dir.resolve()
+            and hb.get("state") not in FINAL_STATES and held(run_dir) is not True):
+        # a copy of a run made on another machine (a notebook's output downloaded mid-training, a kill -9 there): its
+        # heartbeat is that host's pid writing that host's folder. Nothing trains this folder (nothing here holds its
+        # lock), and status said RUNNING of it for up to 5 minutes, then STALE, "hung"
+        out["copied_from"], out["copied_from_host"] = written_for, hb["host"]
+        alive = False
     out["pid_alive"] = alive
     if hb.get("state") == "finished":
         state = "finished"
@@ -246,7 +255,10 @@ def format_status(st: dict) -> str:
     age = st["heartbeat_age_s"]
     why = ""
     if state == "dead":
-        gone = (f"trains {st['copied_from']}, the run this folder was copied from" if st.get("copied_from") else
+        gone = (f"on {st['copied_from_host']} trained {st['copied_from']} there, the run this folder was copied from "
+                "(whether it still does, this machine cannot see); nothing trains this copy" if
+                st.get("copied_from_host") else
+                f"trains {st['copied_from']}, the run this folder was copied from" if st.get("copied_from") else
                 "is another process now" if st.get("pid_reused") else "is not running")
         why = f" (pid {hb.get('pid')} {gone}; resume with `{st['resume']}`)"
     elif state == "stopped" and hb.get("at_once"):
