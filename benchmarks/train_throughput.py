@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
 import time
 import types
@@ -196,7 +197,11 @@ def path_configs(compile_: bool) -> list[tuple[str, dict]]:
                     # inductor's kernels chosen by timing (Triton templates against cuBLAS / cuDNN) inside the
                     # captured step: a longer compile, for the issue-23 goal of 25 % of the bf16 peak
                     ("fp16+autotune+stepgraph", {**fast, "precision": "fp16", "compile_": True,
-                                                 "mode": "max-autotune-no-cudagraphs", "graph": "step"})]
+                                                 "mode": "max-autotune-no-cudagraphs", "graph": "step"}),
+                    # the runner's path with cuDNN's algorithm timing on (during the eager warm-up steps; the capture
+                    # fixes the choice), beside the same path with it off in one process (--repeats interleaves them)
+                    ("fp16+compile+stepgraph+cudnn", {**fast, "precision": "fp16", "compile_": True, "graph": "step",
+                                                      "cudnn": True})]
     return configs
 
 
@@ -215,7 +220,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="time only these paths (and fp32-eager, the baseline); default all")
     ap.add_argument("--cudnn-benchmark", action="store_true",
                     help="let cuDNN time its convolution algorithms (torch.backends.cudnn.benchmark); off by default, "
-                         "as in `sinkflow train` / `sample` (the rows of 2026-11-22 to 27 were measured with it on)")
+                         "as in `sinkflow train` / `sample` (the rows of 2026-11-22 to 27 were measured with it on); "
+                         "a +cudnn path has it on whatever this says")
+    ap.add_argument("--repeats", type=positive_int, default=1,
+                    help="timed windows per path, taken in turn over the paths after every path's warm-up (all "
+                         "paths stay built meanwhile); the table shows each path's median and the range")
     ap.add_argument("--smoke", action="store_true", help="tiny UNet on 16x16 images (CPU check of the script)")
     args = ap.parse_args(argv)
     unknown = set(args.paths or ()) - {name for name, _ in path_configs(args.compile)}
@@ -242,36 +251,50 @@ def main(argv: list[str] | None = None) -> None:
     x1s = make_batches(batch, shape, device, steps)
     torch.backends.cudnn.benchmark = args.cudnn_benchmark  # what sinkflow's runner uses: off unless asked
 
-    rows, flops, profiled = [], None, None
-    configs = [(name, kw) for name, kw in path_configs(args.compile)
+    flops, profiled = None, None
+    configs = [(name, dict(kw)) for name, kw in path_configs(args.compile)
                if not args.paths or name == "fp32-eager" or name in args.paths]  # fp32-eager stays: the baseline
+    rates: dict[str, list[float]] = {}
+    params_of: dict[str, int] = {}
+    kept: list[tuple[str, bool, object]] = []  # (name, cudnn, step) of the paths timed again (--repeats)
     for name, kw in configs:
-        phase, params = sinkflow_phase(unet, shape, device, warmup + steps + PROFILED, **kw)
+        cudnn = kw.pop("cudnn", args.cudnn_benchmark)
+        torch.backends.cudnn.benchmark = cudnn  # during the warm-up too: what a capture then fixes
+        phase, params_of[name] = sinkflow_phase(unet, shape, device, warmup + args.repeats * steps + PROFILED, **kw)
         if flops is None:  # forward + backward of one step, counted on the eager module (the same arithmetic)
             x1 = x1s[0]
             flops = step_flops(phase, (x1, torch.rand(batch, device=device), x1))
         step = bench_sinkflow(phase, x1s, device)
-        seconds = time_steps(step, x1s, warmup, device)
-        rows.append((name, params, steps * batch / seconds))
-        print(f"timed {name}: {rows[-1][2]:.1f} images/s", flush=True)  # kept if a device call is cut short
+        rates[name] = [steps * batch / time_steps(step, x1s, warmup, device)]
+        print(f"timed {name}: {rates[name][0]:.1f} images/s", flush=True)  # kept if a device call is cut short
         if name == args.profile:
             profiled = kernel_table(step, x1s, device)
-        del phase
-        if device.type == "cuda":
+        if args.repeats > 1:
+            kept.append((name, cudnn, step))
+        del phase, step
+        if device.type == "cuda" and args.repeats == 1:
             torch.cuda.empty_cache()
     try:
-        step, params = torchcfm_step(unet, shape, device)
-        seconds = time_steps(step, x1s, warmup, device)
-        rows.append(("torchcfm", params, steps * batch / seconds))
+        torch.backends.cudnn.benchmark = args.cudnn_benchmark
+        step, params_of["torchcfm"] = torchcfm_step(unet, shape, device)
+        rates["torchcfm"] = [steps * batch / time_steps(step, x1s, warmup, device)]
+        if args.repeats > 1:
+            kept.append(("torchcfm", args.cudnn_benchmark, step))
     except ImportError as exc:  # no row and no column for it: a "nan" there would read as a measurement
         print(f"torchcfm not importable ({exc}): its row is skipped")
+    for _ in range(args.repeats - 1):  # in turn, so that a drift of the card's clock reaches every path alike
+        for name, cudnn, step in kept:
+            torch.backends.cudnn.benchmark = cudnn
+            rates[name].append(steps * batch / time_steps(step, x1s, 0, device))
+    rows = [(name, params_of[name], statistics.median(r)) for name, r in rates.items()]
 
     if smoke:
         print("SMOKE CHECK, not a measurement: a tiny UNet whose timed steps still hold its first steps' costs; the "
               "ratios below say that each path runs, not which is faster")
+    windows = f", the median of {args.repeats} windows a path taken in turn" if args.repeats > 1 else ""
     print(f"train_throughput: {'smoke UNet 16x16' if smoke else 'CIFAR-10 UNet (UNET_PRESETS[cifar10], dropout 0.1)'}, "
-          f"batch {batch}, {steps} timed steps after {warmup} warm-up, cudnn.benchmark "
-          f"{'on' if args.cudnn_benchmark else 'off'}, on {machine(device)}")
+          f"batch {batch}, {steps} timed steps after {warmup} warm-up{windows}, cudnn.benchmark "
+          f"{'on' if args.cudnn_benchmark else 'off'} (+cudnn paths: on), on {machine(device)}")
     base = rows[0][2]
     ref = dict((r[0], r[2]) for r in rows).get("torchcfm")
     # a share of a peak only where one was measured: a CPU's autocast multiplies in fp32 (peak_flops would time
@@ -282,13 +305,15 @@ def main(argv: list[str] | None = None) -> None:
           f"({flops / batch / 1e9:.2f} G per image); " + (
               f"this card's measured bf16 matrix-product peak {peak / 1e12:.0f} TFLOP/s" if peak > 0 else
               f"% bf16 peak n/a: no measured bf16 matrix-product peak, {no_peak}"))
-    print(f"{'path':<25} {'params':>10} {'images/s':>10} {'vs fp32-eager':>14}"
-          + (f" {'vs torchcfm':>12}" if ref else "") + f" {'% bf16 peak':>12}")
+    print(f"{'path':<29} {'params':>10} {'images/s':>10} {'vs fp32-eager':>14}"
+          + (f" {'vs torchcfm':>12}" if ref else "") + f" {'% bf16 peak':>12}" + ("  range" if windows else ""))
     for name, params, ips in rows:
         shown = f"{ips:>10.1f}" if device.type == "cuda" else f"{'(cpu)':>10}"
         share = f"{100 * flops / batch * ips / peak:>11.1f}%" if peak > 0 else f"{'n/a':>12}"
         vs_ref = f" {ips / ref:>11.2f}x" if ref else ""
-        print(f"{name:<25} {params:>10,} {shown} {ips / base:>13.2f}x{vs_ref} {share}")
+        spread = (f"  {min(rates[name]):.1f}-{max(rates[name]):.1f}" if device.type == "cuda" else "  (cpu)") \
+            if windows else ""
+        print(f"{name:<29} {params:>10,} {shown} {ips / base:>13.2f}x{vs_ref} {share}{spread}")
     if profiled is not None:
         print(f"where the time of a {args.profile} step goes ({PROFILED} steps under the PyTorch profiler):")
         print(profiled)

@@ -536,11 +536,13 @@ def test_smoke_loss_curve(quiet, capsys):
 
 
 def test_smoke_train_throughput(quiet, capsys):
+    import torch
+
     bench = load("train_throughput")
     bench.main(["--smoke", "--device", "cpu", "--batch", "2", "--steps", "1", "--warmup", "1", "--profile", "fast"])
     out = capsys.readouterr().out
     ref = "" if "torchcfm not importable" in out else "  vs torchcfm"  # without torchcfm: no row, no column
-    assert f"{'path':<25}     params   images/s  vs fp32-eager{ref}  % bf16 peak" in out
+    assert f"{'path':<29}     params   images/s  vs fp32-eager{ref}  % bf16 peak" in out
     assert "cudnn.benchmark off" in out  # as sinkflow's runner: the measured step is the user's
     base, fast, cl = rows(out, "fp32-eager "), rows(out, "fast "), rows(out, "fast+CL ")
     graph = rows(out, "fast+stepgraph ")
@@ -564,6 +566,22 @@ def test_smoke_train_throughput(quiet, capsys):
     assert names == ["fp32-eager", "fast+CL", *(["torchcfm"] if ref else [])]
     with pytest.raises(SystemExit):
         bench.main(["--smoke", "--device", "cpu", "--paths", "fast+CL+compile+stepgraph"])  # needs --compile
+    # --repeats: every path timed again in turn after all warm-ups, the median shown with the range; cuDNN's timing
+    # is a path's own setting (the +cudnn path: on, whatever --cudnn-benchmark says), set again before its windows
+    flags = []
+    real_time = bench.time_steps
+    bench.time_steps = lambda *a: flags.append(torch.backends.cudnn.benchmark) or real_time(*a)
+    try:
+        bench.main(["--smoke", "--device", "cpu", "--batch", "2", "--steps", "1", "--warmup", "1", "--paths", "fast",
+                    "--repeats", "3"])
+    finally:
+        bench.time_steps = real_time
+    out = capsys.readouterr().out
+    assert "the median of 3 windows a path taken in turn" in out and "  range" in out
+    assert len(rows(out, "fast ")) == 1 and rows(out, "fast ")[0].endswith("(cpu)")
+    assert len(flags) == 3 * (2 + bool(ref)) and not any(flags)  # fp32-eager, fast (and torchcfm), 3 windows each
+    assert "fp16+compile+stepgraph+cudnn" in dict(bench.path_configs(True))
+    assert dict(bench.path_configs(True))["fp16+compile+stepgraph+cudnn"]["cudnn"] is True
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="fused Adam's on-device skip needs a GPU")
