@@ -171,6 +171,19 @@ def test_pool_that_leaves_the_data_stops_naming_pool_eta(runs_dir, capsys):
                       if (runs_dir / "d" / "pool" / "progress.json").exists() else '{"chunks": []}')["chunks"] == []
 
 
+def test_pool_whose_last_step_alone_leaves_the_data_stops(runs_dir, capsys):
+    """The divergence check looks at the flow's end point x_T too, which the pool does not store: with one Sinkhorn
+    step of eta 100 every stored state is a source sample, the end point is ~130 radii out, and the check that
+    looked at the stored states alone built the pool in silence (velocity loss 1.2e4; audit RR)."""
+    line = one_line(*run_main(capsys, "train", "moons", *TINY_2D, "pool.steps=1", "pool.eta=100",
+                              "pool.landing=sinkhorn", "--name", "d", "--no-report"),
+                    "diverged", "after step 1 of 1 (its end point x_T)", "pool.eta")
+    assert "Inf" not in line
+    assert not (runs_dir / "d" / "checkpoints" / "pool" / "final.pt").exists()
+    progress = runs_dir / "d" / "pool" / "progress.json"
+    assert not progress.exists() or json.loads(progress.read_text())["chunks"] == []
+
+
 def test_finite_loss_blow_up_stops_naming_the_lr(runs_dir, capsys):
     """FM on moons at lr 1: the loss reaches ~1e12 and falls back to ~1e6; main trained on and exited 0."""
     line = one_line(*run_main(capsys, "train", "moons", "experiment.method=fm", "--lr", "1", "--train-iters", "30",
