@@ -709,3 +709,72 @@ def test_a_checked_phase_is_dropped_before_the_next_phases_scratch_run(runs_dir,
                                     "train.velocity.graph=step"], {"device": "cpu"})
     doctor_mod.doctor_run(cfg, runs_dir, phases=["velocity", "nsf"])
     assert len(checked) == 2 and alive_at_next == [False], alive_at_next
+
+
+def _fp16_skipping_phase(cfg, first: int, last: int | None):
+    """An fm velocity phase whose losses number ``first`` to ``last`` (None: every later one) keep their value but get
+    NaN gradients (sqrt at 0): under float16 GradScaler skips those updates, halving its scale each time, as it does
+    while its scale comes down from 2**16 (the guard checks only the loss there)."""
+    from sinkflow import methods
+    from sinkflow.methods.flow_matching import InterpolantStep, velocity_loss
+
+    calls = []
+
+    class Skipping(InterpolantStep):
+        def loss(self, model, batch):
+            calls.append(1)
+            value = velocity_loss(model, batch)
+            if first <= len(calls) and (last is None or len(calls) <= last):
+                value = value + torch.sqrt(0.0 * sum(p.sum() for p in model.parameters()))
+            return value
+
+    return Skipping("velocity", *methods.distributions(cfg))
+
+
+def _fp16_trainer(runs_dir, first: int, last: int | None):
+    from sinkflow import config
+    from sinkflow.runtime.run_folder import RunFolder
+    from sinkflow.tools.phases import ready_trainer
+
+    cfg = config.resolve("moons", ["experiment.method=fm", "train.velocity.iters=100000",
+                                   "train.velocity.batch_size=32", "train.velocity.log_every=100000",
+                                   "train.velocity.ckpt_every=100000", "train.velocity.precision=fp16",
+                                   "experiment.device=cpu"])
+    run = RunFolder.create(cfg)
+    return run, ready_trainer(run, _fp16_skipping_phase(cfg, first, last))
+
+
+def test_the_overfit_rule_takes_again_the_steps_float16_skipped(runs_dir, monkeypatch):
+    """Under float16 a step GradScaler skipped (Inf/NaN gradients at its scale) measured the weights as they were and
+    moved nothing: the rule counted it as one of its steps, so skips ate the budget and its loss read as a loss that
+    did not fall (10 of 30 skipped: 20 updates judged as 30). It is taken again (lr-find's ``UnappliedStep``, the same
+    reading), and the finding says how many were skipped."""
+    from sinkflow.engine.finite import optimizer_steps
+
+    run, trainer = _fp16_trainer(runs_dir, 12, 21)  # the overfit's steps 8 to 17
+    updates, real = [], doctor.overfit_one_batch
+
+    def counted(step_fn, *a, **kw):
+        before = optimizer_steps(trainer.optimizer)
+        finding = real(step_fn, *a, **kw)
+        updates.append(optimizer_steps(trainer.optimizer) - before)
+        return finding
+
+    monkeypatch.setattr(doctor, "overfit_one_batch", counted)
+    overfit = doctor.check_phase(run, trainer, overfit_steps=30)[-1]
+    run.logger.close()
+    assert overfit.check == "overfit one batch" and updates == [30], (updates, overfit.line())
+    assert "in 30 steps" in overfit.symptom and "10 more skipped by float16's GradScaler" in overfit.symptom, \
+        overfit.line()
+
+
+def test_the_overfit_rule_names_float16_gradients_that_overflow_unscaled(runs_dir):
+    """Gradients Inf/NaN at every scale: GradScaler skipped every update from step 8 on, halving its scale below 1,
+    and the rule read the flat loss as a broken loop ("the loop is broken (wiring above)"). The loop itself stops on
+    such a scale (``Trainer.raise_if_non_finite``); the rule now names it and the precision key, as lr-find does."""
+    run, trainer = _fp16_trainer(runs_dir, 12, None)
+    overfit = doctor.check_phase(run, trainer, overfit_steps=30)[-1]
+    run.logger.close()
+    assert overfit.check == "overfit one batch" and overfit.ok is False
+    assert "float16 loss scale" in overfit.symptom and "even unscaled" in overfit.symptom, overfit.line()
+    assert "train.velocity.precision=bf16" in overfit.fix and "wiring" not in overfit.line(), overfit.line()

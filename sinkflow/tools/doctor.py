@@ -328,12 +328,16 @@ def overfit_one_batch(step_fn: Callable[[], float], steps: int = OVERFIT_STEPS, 
     300 steps on 2 of 4 seeds of `sinkflow doctor moons --method nsgfpp`, a FAIL whose fix was to rerun with more
     steps. A budget the user gave (``--steps``) is kept."""
     losses: list[float] = []
+    unapplied: list[int] = []
     budget, t0 = steps, time.perf_counter()
     while len(losses) < budget:
-        skipped = _skipped(step_fn, losses)
+        taken = len(losses)
+        skipped = _skipped(step_fn, losses, unapplied)
         if skipped:
-            return Finding("overfit one batch", False, skipped, "the LR is too high for this model",
-                           "lower it (sinkflow lr-find)")
+            return Finding("overfit one batch", False, skipped[0], skipped[1] or "the LR is too high for this model",
+                           skipped[2] or "lower it (sinkflow lr-find)")
+        if len(losses) == taken:
+            continue  # float16's GradScaler skipped it: taken again (the rule reads applied steps)
         if not math.isfinite(losses[-1]):
             return Finding("overfit one batch", False, f"the loss became {losses[-1]} at step {len(losses)}",
                            "the LR is too high for this model", "lower it (sinkflow lr-find)")
@@ -342,6 +346,7 @@ def overfit_one_batch(step_fn: Callable[[], float], steps: int = OVERFIT_STEPS, 
             budget = EXTEND_TO * steps
     asked, steps = steps, len(losses)
     more = f"; still falling at {asked}, so it went on" if steps > asked else ""
+    more += _skips(unapplied)
     first = sum(losses[:3]) / 3
     last = sum(losses[-10:]) / len(losses[-10:])
     if not _fitted(losses, factor):
@@ -354,16 +359,31 @@ def overfit_one_batch(step_fn: Callable[[], float], steps: int = OVERFIT_STEPS, 
                f"({first / max(last, 1e-30):.0f}x{more})")
 
 
-def _skipped(step_fn: Callable[[], float], losses: list[float]) -> str:
+def _skipped(step_fn: Callable[[], float], losses: list[float], unapplied: list[int]) -> tuple:
     """Take a step, appending its loss to ``losses``; a step not applied because it was non-finite (``NonFiniteStep``:
-    ``Trainer.checked_step``, or foreach Adam's host check) is the symptom it returns instead ("" otherwise)."""
+    ``Trainer.checked_step``, or foreach Adam's host check, or float16's scale below 1) is the (symptom, cause, fix)
+    it returns instead (cause and fix None: the rule's own; () otherwise). A finite step float16's GradScaler skipped
+    (``UnappliedStep``: lr-find's ``checked_update``) appends its number to ``unapplied`` instead of its loss, which
+    is the weights' as they were: counted as a step, skips ate the budget and a run of them read as a loss that did
+    not fall, "the loop is broken"."""
     from sinkflow.engine.trainer import NonFiniteStep
+    from sinkflow.tools.lr_find import UnappliedStep
 
     try:
         losses.append(float(step_fn()))
     except NonFiniteStep as exc:
-        return f"step {len(losses) + 1} was not applied: {exc.what or exc}"
-    return ""
+        symptom = f"step {len(losses) + 1} was not applied: {exc.what or exc}"
+        if exc.what.startswith("float16 loss scale"):  # its own cause and fix: the precision key
+            return symptom, "the gradients overflow float16 even unscaled (float16's range, or the LR)", exc.fix
+        return symptom, None, None
+    except UnappliedStep:
+        unapplied.append(len(losses) + 1)
+    return ()
+
+
+def _skips(unapplied: list[int]) -> str:
+    """The finding's note of the steps float16's GradScaler skipped (and the rule took again)."""
+    return f"; {len(unapplied)} more skipped by float16's GradScaler" if unapplied else ""
 
 
 def _fitted(losses: list[float], factor: float) -> bool:
@@ -389,12 +409,16 @@ def overfit_one_batch_bpd(step_fn: Callable[[], float], dataset_bpd: float, step
     """
     check = "overfit one batch (bits/dim)"
     target = ratio * dataset_bpd
-    losses = []
-    for _ in range(steps):
-        skipped = _skipped(step_fn, losses)
+    losses: list[float] = []
+    unapplied: list[int] = []
+    while len(losses) < steps:
+        taken = len(losses)
+        skipped = _skipped(step_fn, losses, unapplied)
         if skipped:
-            return Finding(check, False, skipped, "the LR is too high for this flow, or an inverse overflowed",
-                           "lower it (sinkflow lr-find)")
+            return Finding(check, False, skipped[0], skipped[1] or "the LR is too high for this flow, or an inverse "
+                           "overflowed", skipped[2] or "lower it (sinkflow lr-find)")
+        if len(losses) == taken:
+            continue  # float16's GradScaler skipped it: taken again (the rule reads applied steps)
         if not math.isfinite(losses[-1]):
             return Finding(check, False, f"bits/dim became {losses[-1]} at step {len(losses)}",
                            "the LR is too high for this flow, or an inverse overflowed", "lower it (sinkflow lr-find)")
@@ -415,8 +439,9 @@ def overfit_one_batch_bpd(step_fn: Callable[[], float], dataset_bpd: float, step
             "the flow cannot fit even one batch: a frozen or disconnected layer, a conditioner that never sees its "
             "input, or an LR far off", "fix the wiring findings first, then try sinkflow lr-find")
         return Finding(check, False, f"bits/dim on one fixed batch went {first:.3f} -> {last:.3f} in {steps} steps "
-                       f"(target < {target:.3f}{ref})", cause, fix)
-    return _ok(check, f"bits/dim {first:.3f} -> {last:.3f} in {len(losses)} steps (target < {target:.3f}{ref})")
+                       f"(target < {target:.3f}{ref}{_skips(unapplied)})", cause, fix)
+    return _ok(check, f"bits/dim {first:.3f} -> {last:.3f} in {len(losses)} steps (target < {target:.3f}{ref}"
+               f"{_skips(unapplied)})")
 
 
 def flow_dataset_bpd(target, n_bins: int, n: int = 2048) -> float:
@@ -690,6 +715,7 @@ def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch:
                 factor: float = 10.0) -> list[Finding]:
     """Every check on a ready Trainer (``sinkflow.tools.phases.ready_trainer``), using its real train_step."""
     from sinkflow.tools.data import NATIVE_CHW
+    from sinkflow.tools.lr_find import checked_update
 
     images = run.cfg["data"]["target"] in NATIVE_CHW
     model, opt = trainer.model, trainer.optimizer
@@ -723,7 +749,7 @@ def check_phase(run, trainer, overfit_steps: int = OVERFIT_STEPS, overfit_batch:
     if _is_flow(model):
         out += _flow_checks(run, trainer, fixed, overfit_steps)
     else:
-        out.append(overfit_one_batch(lambda: trainer.checked_step(fixed), steps=overfit_steps, factor=factor))
+        out.append(overfit_one_batch(lambda: checked_update(trainer, fixed), steps=overfit_steps, factor=factor))
     for f in out:
         f.phase = trainer.name
     return out
@@ -757,6 +783,7 @@ def _flow_checks(run, trainer, fixed, overfit_steps: int) -> list[Finding]:
     """
     from sinkflow import data
     from sinkflow.flows import preprocess
+    from sinkflow.tools.lr_find import checked_update
 
     model = trainer.model
     n_bins = run.cfg["model"]["flow"]["n_bins"]
@@ -766,7 +793,8 @@ def _flow_checks(run, trainer, fixed, overfit_steps: int) -> list[Finding]:
 
     def step():
         u = torch.rand(levels.shape, generator=gen).to(levels.device)
-        return trainer.checked_step(levels + u)  # the device's skip record read at once (the rules read each loss)
+        # the device's skip record read at once (the rules read each loss), float16's skipped updates told apart
+        return checked_update(trainer, levels + u)
 
     dataset_bpd = flow_dataset_bpd(data.distributions(run.cfg)[1], n_bins)
     out.append(overfit_one_batch_bpd(step, dataset_bpd, steps=overfit_steps))

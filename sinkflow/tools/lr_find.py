@@ -277,13 +277,31 @@ def plot(res: LRFindResult, path: Path, title: str = "") -> Path:
     return save_figure(fig, path, dpi=120)
 
 
+def checked_update(trainer, batch):
+    """``trainer.checked_step(batch)``'s loss, and under float16 whether GradScaler applied the update (one read of
+    Adam's step count): a skipped one is ``UnappliedStep``, or, with the scale below 1, non-finite (``NonFiniteStep``
+    naming the precision key), as the loop's ``Trainer.raise_if_non_finite`` stops on it. For the tools that take
+    single steps and read each loss (lr-find's sweep, doctor's overfit rules): a skipped step's loss is the weights'
+    as they were, not a step's result, and doctor counted it as one (a flat loss read as a broken loop)."""
+    from sinkflow.engine.finite import optimizer_steps
+
+    before = optimizer_steps(trainer.optimizer) if trainer.scaler.is_enabled() else 0
+    loss = trainer.checked_step(batch)
+    if trainer.scaler.is_enabled() and optimizer_steps(trainer.optimizer) == before:
+        scale = trainer.scaler.get_scale()
+        if scale < 1.0:
+            trainer.stop_non_finite(f"float16 loss scale {scale:.2g} (Inf/NaN gradients even unscaled)",
+                                    trainer.step + 1, f"set train.{trainer.task.model_key}.precision=bf16 (or fp32), "
+                                    "or lower the learning rate")
+        raise UnappliedStep(float(loss))
+    return loss
+
+
 def phase_lr_find(trainer, **kwargs) -> LRFindResult:
     """``lr_range_test`` on a ready Trainer (``sinkflow.tools.phases.ready_trainer``) through its own
     ``train_step`` (accumulation, clipping, autocast, GradScaler, channels_last, EMA: the step its loop takes),
     on its own batches; the trainer's whole state (model, optimizer, scheduler, scaler, EMA, generator, RNG,
     step) is restored afterwards from its ``state_dict``."""
-    from sinkflow.engine.finite import optimizer_steps
-
     saved = copy.deepcopy({"step": trainer.step, **trainer.state_dict()})
     batches = [trainer.batch]
 
@@ -292,24 +310,11 @@ def phase_lr_find(trainer, **kwargs) -> LRFindResult:
             return batches[i]
         return trainer.draw_batch(trainer.cfg["batch_size"])
 
-    def step(batch):
-        """``checked_step``, and under float16 whether GradScaler applied the update (one read of Adam's step count:
-        the sweep reads every loss anyway): a skipped one is ``UnappliedStep``, or, with the scale below 1,
-        non-finite, as the loop's ``Trainer.raise_if_non_finite`` stops on it."""
-        before = optimizer_steps(trainer.optimizer) if trainer.scaler.is_enabled() else 0
-        loss = trainer.checked_step(batch)
-        if trainer.scaler.is_enabled() and optimizer_steps(trainer.optimizer) == before:
-            scale = trainer.scaler.get_scale()
-            if scale < 1.0:
-                trainer.stop_non_finite(f"float16 loss scale {scale:.2g} (Inf/NaN gradients even unscaled)",
-                                        trainer.step + 1)
-            raise UnappliedStep(float(loss))
-        return loss
-
     graph = trainer.step_graph if trainer.captures_steps else None
     replayed = graph.replays if graph is not None else 0
     try:  # a step the device skipped is a gap (NonFiniteStep), and the next one is applied
-        res = lr_range_test(trainer.model, trainer.optimizer, None, batch_fn, train_step=step, restore=False,
+        res = lr_range_test(trainer.model, trainer.optimizer, None, batch_fn,
+                            train_step=lambda batch: checked_update(trainer, batch), restore=False,
                             **kwargs)
     finally:
         trainer.load_state_dict(saved, "the state before lr-find")
