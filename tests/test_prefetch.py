@@ -323,6 +323,39 @@ def test_a_run_saved_with_foreach_adam_resumes_on_the_fused_kernel(runs_dir, mon
     assert trainer.optimizer.param_groups[0]["fused"] is True and not trainer.optimizer.param_groups[0]["foreach"]
 
 
+def test_a_foreach_checkpoints_step_counts_are_placed_for_the_fused_kernel(runs_dir, monkeypatch):
+    """torch places each Adam ``step`` count by the flags of the groups *saved* in the state dict
+    (``Optimizer._process_value_according_to_param_policy``: fused or capturable, float32 on the param's device;
+    else left where it was), not by the optimizer's own. A foreach checkpoint, loaded to the CPU, kept its counts there
+    under fused CUDA Adam, whose kernel reads them on the device (``state_steps_addresses``). On a CPU both places are
+    one, so the rule torch applied to them is what is read here; the run then counts on from the checkpoint's step."""
+    from sinkflow.engine.finite import optimizer_steps
+
+    cfg = moons_cfg()
+    cfg["experiment"]["name"] = "foreach-steps"
+    run = RunFolder.create(cfg)
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod, "adam_kernel", lambda device: {"foreach": True})
+        with pytest.raises(Interrupted):
+            Trainer(run, otcfm_step(cfg), [StopAt(6)]).fit()
+    rules, real = [], torch.optim.Optimizer._process_value_according_to_param_policy
+
+    def policy(param, value, param_id, param_groups, key=None):
+        if key == "step":  # the flags torch reads for this count: the fused rule moves it to the param's device
+            group = next(g for g in param_groups if param_id in g["params"])
+            rules.append(bool(group.get("fused") or group.get("capturable")))
+        return real(param, value, param_id, param_groups, key)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "_process_value_according_to_param_policy", staticmethod(policy))
+    trainer = Trainer(run, otcfm_step(cfg))
+    trainer.fit()
+    run.logger.close()
+    params = list(trainer.model.parameters())
+    assert rules and all(rules), rules
+    assert all(trainer.optimizer.state[p]["step"].device == p.device for p in params)
+    assert trainer.step == 12 and optimizer_steps(trainer.optimizer) == 12
+
+
 def fit_with_nan_gradients_at_step_3(name):
     """(run, trainer, weight snapshots per step, the error) of a run whose step 3 has NaN gradients."""
     cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100")

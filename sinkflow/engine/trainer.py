@@ -276,8 +276,14 @@ class Trainer:
         check_step_state(state, self.model, self.generator, where, ema=self.ema is not None,
                          scaler=self.scaler.is_enabled())
         load_model_state(self.model, state["model"], where)
+        # the kernel is this device's choice, not the checkpoint's, and it is named before the load: torch places each
+        # `step` count by the *saved* groups' flags (``Optimizer._process_value_according_to_param_policy``), so a
+        # foreach checkpoint (a CPU run on torch < 2.4, or before 2026-11-26) kept them on the CPU under fused CUDA
+        # Adam, whose kernel reads them on the device; with fused named, torch puts them on the param's device
+        kernel = {"fused": self.optimizer.defaults["fused"], "foreach": self.optimizer.defaults["foreach"]}
+        saved = {**state["optimizer"], "param_groups": [{**g, **kernel} for g in state["optimizer"]["param_groups"]]}
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(saved)
             self.scheduler.load_state_dict(state["scheduler"])
             if state["scaler"] or not self.scaler.is_enabled():  # fp16 switched on at resume: a fresh scaler
                 self.scaler.load_state_dict(state["scaler"])
@@ -295,10 +301,6 @@ class Trainer:
         fine = isinstance(total, float) and math.isfinite(total) and type(count) is int and count >= 0
         self.loss_sum = torch.tensor(total if fine else 0.0, device=self.device)
         self.loss_count = count if fine else 0
-        for group in self.optimizer.param_groups:  # the kernel is this device's choice, not the checkpoint's: a run
-            # saved with foreach Adam (a CPU run before 2026-11-26, or an older torch) and resumed on the fused kernel
-            # would otherwise refuse the skip flag
-            group["fused"], group["foreach"] = self.optimizer.defaults["fused"], self.optimizer.defaults["foreach"]
         # the learning rate the config asks for now (train.*.lr, lr_scaling, world size) replaces the restored
         # one for real: the optimizer and the schedule follow it (RunFolder.start records the change in meta.json)
         # (and a changed schedule / warmup / iters takes effect at this step, not one step late)
