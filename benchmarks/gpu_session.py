@@ -14,7 +14,7 @@ comes as ``data/MNIST`` (carried: ``carry: [".whl", "data/MNIST"]``).
 
     python benchmarks/gpu_session.py --check                       # here: the plan parses, what it needs is there
     python benchmarks/gpu_session.py --budget 560 --out "$OUT"     # the device call (10 minutes at most a call)
-    python benchmarks/gpu_session.py --budget 560 --out "$OUT" --only cifar-fp16 ot-coupling
+    python benchmarks/gpu_session.py --budget 560 --out "$OUT" --only cifar-peak memory doctor
     python benchmarks/gpu_session.py --smoke --out /tmp/s          # CPU: the runner, on the steps' CPU variants
 """
 
@@ -49,16 +49,22 @@ class Step:
 
 
 MNIST_PRESET = ("pool.batches=100", "--preset", "mnist", "--configs", "default")
-CIFAR = ("--compile", "--steps", "20", "--warmup", "5", "--paths", "fp16+compile+stepgraph",
-         "fp16+CL+compile+stepgraph")
+# issue 23's 25 % of the bf16 peak: the runner's CIFAR path, the same with cuDNN's timing on, and with inductor's
+# timed kernels, side by side in one process, each timed three times in turn (one 20-step reading each read 24.8 %
+# and 25.2 %, on 2026-11-30, from two calls)
+CIFAR_PEAK = ("--compile", "--steps", "20", "--warmup", "5", "--repeats", "3", "--paths", "fp16+compile+stepgraph",
+              "fp16+compile+stepgraph+cudnn", "fp16+autotune+stepgraph")
 
 PLAN = (
-    Step("mnist-gpu", ("mnist.py", "--scale", "gpu", "--gpu-fraction", "0.05", "--device", "cuda", "--methods",
-                       "nsgfpp", "otcfm", "--train-seeds", "0", "--data-root", "data",
-                       "--out", "/tmp/sinkflow-mnist-gpu"),  # its run folders stay there; the log holds the table
-         480, "the mission's open question on a card: NSGF++ against OT-CFM on real digits at 5 % of the mnist "
-         "preset's budget on its UNet, FD-CNN with each sampler chosen on validation (the table is in the log; "
-         "guess: 8 min)"),
+    Step("cifar-peak", ("train_throughput.py", *CIFAR_PEAK), 330,
+         "issue 23's 25 % of the bf16 peak: the runner's CIFAR path, with cuDNN's timing on (should the runner turn "
+         "it on?) and with compile_mode=max-autotune-no-cudagraphs, in one process, medians of 3 windows (guess: "
+         "fp32 eager, torchcfm and two compiles about 200 s as on 2026-11-30, and 2 minutes of autotuning)",
+         ("train_throughput.py", "--smoke", "--compile", "--steps", "1", "--repeats", "2", "--paths",
+          "fp16+compile+stepgraph+cudnn", "fp16+autotune+stepgraph")),
+    Step("memory", ("memory_estimate.py", "--device", "cuda", "--presets", "mnist"), 45,
+         "the planner's estimate against the peak of a captured fp16 step (26 s, 2026-11-30, its nsf and time rows "
+         "counting what the earlier phases' 2-step runs left allocated: measure again)"),
     Step("doctor", ("sinkflow", "doctor", "mnist", "--steps", "100"), 100,
          "sinkflow doctor on the CUDA default path (fp16, the captured step): 77 s on an H200, 2026-11-30, "
          "whose findings (the train-mode probe blind to a replay, a 9.4x fit called a broken loop) were fixed "
@@ -67,22 +73,6 @@ PLAN = (
          "sinkflow lr-find on the CUDA default path (a loaded state captures anew; guess: 2.5 min): its step: line "
          "should say fp16, compiled, the whole step one CUDA graph with replays = steps - 3; compare its rates with "
          "a train.velocity.graph=none sweep's"),
-    Step("memory", ("memory_estimate.py", "--device", "cuda", "--presets", "mnist"), 45,
-         "the planner's estimate against the peak of a captured fp16 step (26 s, 2026-11-30, its nsf and time rows "
-         "counting what the earlier phases' 2-step runs left allocated: measure again)"),
-    Step("cifar-fp16-cudnn", ("train_throughput.py", *CIFAR, "--cudnn-benchmark"), 200,
-         "issue 23: the same with cuDNN autotuning on (should the runner turn it on for fixed-shape phases?)"),
-    Step("cifar-fp16-autotune", ("train_throughput.py", "--compile", "--steps", "20", "--warmup", "5", "--paths",
-                                 "fp16+compile+stepgraph", "fp16+autotune+stepgraph"), 300,
-         "issue 23's 25 % of the bf16 peak: the runner's CIFAR path with inductor's timed kernel choice "
-         "(train.velocity.compile_mode=max-autotune-no-cudagraphs) beside it in one call (guess: 5 min of compiles)",
-         ("train_throughput.py", "--smoke", "--compile", "--steps", "1", "--paths", "fp16+autotune+stepgraph")),
-    Step("nsgfpp-fp16", ("preset_throughput.py", *MNIST_PRESET, "--methods", "nsgfpp", "--phases", "velocity", "nsf",
-                         "time"), 90,
-         "issue 23: NSGF++'s velocity / nsf / time rates under the fp16 default (>= 85 steps/s; the 30-min projection)",
-         ("preset_throughput.py", "--smoke", "--methods", "nsgfpp", "--configs", "default", "--phases", "velocity")),
-    Step("otcfm-fm-fp16", ("preset_throughput.py", *MNIST_PRESET, "--methods", "fm", "otcfm", "--repeats", "2"), 45,
-         "issue 23: OT-CFM within 10 % of FM under the fp16 default"),
     Step("gpu-checks", ("gpu_checks.py", "--checks", "step_graph", "prefetch", "adam", "many_phases",
                         "capture_fallback"), 75,
          "the captured fp16 step with the guard's skip flag or-ed into GradScaler's (2026-11-30): bit-equal to the "
@@ -91,10 +81,18 @@ PLAN = (
          "fails (a host read in the forward) under graph=auto: one warning, trained on without the graph (guess: "
          "+15 s)",
          ("gpu_checks.py", "--device", "cpu", "--smoke", "--checks", "step_graph")),
-    Step("cifar-fp16", ("train_throughput.py", *CIFAR), 200,
-         "issue 23: the CIFAR-10 UNet step under the fp16 default vs fp32 eager and torchcfm, % of peak (cuDNN "
-         "autotuning off, as in the runner)",
-         ("train_throughput.py", "--smoke", "--steps", "1", "--paths", "fast")),
+    Step("mnist-gpu", ("mnist.py", "--scale", "gpu", "--gpu-fraction", "0.05", "--device", "cuda", "--methods",
+                       "nsgfpp", "otcfm", "--train-seeds", "0", "--data-root", "data",
+                       "--out", "/tmp/sinkflow-mnist-gpu"),  # its run folders stay there; the log holds the table
+         480, "the mission's open question on a card: NSGF++ against OT-CFM on real digits at 5 % of the mnist "
+         "preset's budget on its UNet, FD-CNN with each sampler chosen on validation (the table is in the log; "
+         "guess: 8 min)"),
+    Step("nsgfpp-fp16", ("preset_throughput.py", *MNIST_PRESET, "--methods", "nsgfpp", "--phases", "velocity", "nsf",
+                         "time"), 90,
+         "issue 23: NSGF++'s velocity / nsf / time rates under the fp16 default (>= 85 steps/s; the 30-min projection)",
+         ("preset_throughput.py", "--smoke", "--methods", "nsgfpp", "--configs", "default", "--phases", "velocity")),
+    Step("otcfm-fm-fp16", ("preset_throughput.py", *MNIST_PRESET, "--methods", "fm", "otcfm", "--repeats", "2"), 45,
+         "issue 23: OT-CFM within 10 % of FM under the fp16 default"),
     Step("busy-profiler-first", ("preset_throughput.py", *MNIST_PRESET, "--methods", "fm", "--profiler-first"), 40,
          "the bench busy % column with the profiler opened before the capture (near 80 %, not 3-4 %?)"),
     Step("sampling-fp16", ("sampling.py", "--compile", "--batches", "256", "--repeats", "2"), 190,
