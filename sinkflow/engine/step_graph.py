@@ -57,6 +57,15 @@ def _fill(static: Any, batch: Any, phase: str) -> None:
             _fill(s, b, phase)
 
 
+def first_error_line(exc: BaseException) -> str:
+    """The first line of the error that began ``exc``'s chain: where the step itself failed inside a capture (a host
+    read: "operation not permitted when stream is capturing"), ``torch.cuda.graph``'s exit raises capture_end's own
+    error ("operation failed due to a previous error during capture") with the step's as its context."""
+    while exc.__context__ is not None:
+        exc = exc.__context__
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
 class CaptureFailed(SinkflowError):
     """The step could not be recorded (a host read inside the model, an op CUDA graphs cannot hold). Nothing recorded
     ran, so no update was applied: ``graph: auto`` goes on without the graph (``Trainer._step``), ``graph: step``
@@ -135,8 +144,8 @@ class StepGraph:
             # torch.cuda.graph's __exit__ leaves its stream context unexited when capture_end raises (an invalidated
             # capture): the phase would go on with the capture stream as its current stream
             torch.cuda.set_stream(current)
-            what = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            raise CaptureFailed(f"capturing phase '{self.phase}''s training step as a CUDA graph failed: {what}",
+            raise CaptureFailed(f"capturing phase '{self.phase}''s training step as a CUDA graph failed: "
+                                f"{first_error_line(exc)}",
                                 f"set train.{self.phase}.graph=none") from exc
         finally:
             for g, (lr, cap) in zip(groups, saved):
