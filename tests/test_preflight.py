@@ -132,6 +132,34 @@ def test_planted_checkpoint_that_does_not_restore_the_optimizer(tmp_path, monkey
     assert (phase, name) == ("velocity", "kill and resume") and "optimizer state not restored" in detail
 
 
+def test_an_fp16_phase_runs_its_card_path_and_its_resume_checks_the_grad_scaler(tmp_path, monkeypatch):
+    """A phase set to fp16 (for the card) keeps fp16 in the tiny CPU run: autocast + GradScaler is the path the card
+    runs. The report says so (fp16 on a CPU is slow: the phase's time is explained), and the resume compares what
+    fp16 adds, the GradScaler's scale and growth count: a checkpoint that lost it passed "kill and resume"."""
+    from sinkflow.engine.trainer import Trainer
+
+    report = preflight("moons", ["train.velocity.precision=fp16"], {"method": "fm"}, workdir=tmp_path / "a",
+                       memory=False)
+    assert not failed(report), format_report(report)
+    (detail,) = [c.detail for c in report.checks if c.name == "kill and resume"]
+    assert "generator/GradScaler identical" in detail and "fp16 as train.velocity.precision sets" in detail, detail
+    fp32 = preflight("moons", [], {"method": "fm"}, workdir=tmp_path / "b", memory=False)
+    (detail,) = [c.detail for c in fp32.checks if c.name == "kill and resume"]
+    assert "GradScaler" not in detail and "fp16" not in detail, detail
+
+    original = Trainer.load_state_dict
+
+    def forgetful(self, state, where):
+        original(self, state, where)
+        self.scaler = torch.amp.GradScaler("cpu")  # the loss scale starts afresh on resume
+
+    monkeypatch.setattr(Trainer, "load_state_dict", forgetful)
+    report = preflight("moons", ["train.velocity.precision=fp16"], {"method": "fm"}, workdir=tmp_path / "c",
+                       memory=False)
+    (phase, name, detail), = failed(report)
+    assert (phase, name) == ("velocity", "kill and resume") and "GradScaler not restored" in detail, detail
+
+
 def test_override_of_a_section_no_phase_reads(tmp_path):
     report = preflight("moons", ["train.nsf.lr=0.01"], workdir=tmp_path, memory=False)
     (phase, name, detail), = failed(report)

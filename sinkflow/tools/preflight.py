@@ -232,10 +232,13 @@ def _equal(a, b) -> bool:
 def _live_state(trainer) -> dict:
     """What a resumed phase must have restored, read from the live objects (not from its own state_dict). The
     generator: where the next batch not trained on is drawn from; with batches drawn ahead (``prefetch: always``)
-    the generator itself is past them, and every such preflight failed with "phase generator not restored"."""
+    the generator itself is past them, and every such preflight failed with "phase generator not restored". The
+    GradScaler (fp16): its scale and growth count are what fp16 adds to a resume, and the tiny run pays for fp16 on
+    the CPU (``_precision_note``) to check that path, so it is compared too ({} when fp16 is off)."""
     return {"step": trainer.step, "model": copy.deepcopy(trainer.model.state_dict()),
             "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
-            "generator": trainer.generator_state().clone()}
+            "generator": trainer.generator_state().clone(),
+            "scaler": trainer.scaler.state_dict() if trainer.scaler.is_enabled() else {}}
 
 
 def _diff_state(before: dict, after: dict) -> list[str]:
@@ -249,7 +252,22 @@ def _diff_state(before: dict, after: dict) -> list[str]:
         bad.append(f"optimizer state not restored ({n1} of {n0} parameter states, moments differ)")
     if not torch.equal(before["generator"], after["generator"]):
         bad.append("phase generator not restored")
+    if before["scaler"] != after["scaler"]:
+        bad.append(f"GradScaler not restored (scale {after['scaler'].get('scale')} != {before['scaler'].get('scale')}, "
+                   f"growth count {after['scaler'].get('_growth_tracker')} != "
+                   f"{before['scaler'].get('_growth_tracker')})")
     return bad
+
+
+def _precision_note(trainer) -> str:
+    """Said beside a phase that the tiny run trained in fp16 on the CPU, where float16 has no fast kernels (a step of
+    mnist's UNet at batch 4 10x fp32's, of cifar10's 55x: docs/preflight.md). It is kept: fp16 (autocast, GradScaler,
+    the scaler in the checkpoint) is the path the card runs, which preflight exists to have run once with the real
+    shapes; a CPU precision in its place would leave that path unrun. The note says where the time went."""
+    if trainer.precision != "fp16" or trainer.device.type != "cpu":
+        return ""
+    return (f"; in fp16 as train.{trainer.task.model_key}.precision sets: autocast + GradScaler, the card's path, "
+            "several times slower than fp32 on a CPU")
 
 
 def _short(exc: BaseException) -> str:
@@ -331,8 +349,9 @@ def _interrupt_and_resume(report: Report, run, index: int, build, guard: Callbac
         elif (st := run.checkpoints(name).final())["step"] != trainer.cfg["iters"]:
             bad.append(f"final step {st['step']} != train.{fresh.model_key}.iters={trainer.cfg['iters']}")
         report.add("kill and resume", name, not bad,
-                   "; ".join(bad) or f"stopped at step {before['step']}, resumed step/weights/Adam moments/generator "
-                   f"identical, finished {trainer.cfg['iters']} steps", dt)
+                   "; ".join(bad) or f"stopped at step {before['step']}, resumed step/weights/Adam moments/generator"
+                   f"{'/GradScaler' if before['scaler'] else ''} identical, finished {trainer.cfg['iters']} steps"
+                   + _precision_note(trainer), dt)
     elif written is not None:
         after, done = fresh.output(run), _written_rows(written)
         kept = bool(done.any()) and np.array_equal(after[done], written[done])
