@@ -33,7 +33,7 @@ def test_help_status_and_config_errors_answer_before_torch_loads(tmp_path):
              ["eval"], ["bench", "moons", "--warmup", "-1"], ["bench", "moons", "--profile", "--throughput"],
              ["doctor", "moons", "--overfit-batch", "0"], ["doctor", "moons", "--factor", "nan"],
              ["doctor", "moons", "--factor", "0.5"], ["preflight", "moons", "--gpu", "foo"],
-             ["doctor", "moons", "--phase", ""]]
+             ["doctor", "moons", "--phase", ""], ["preflight", str(tmp_path)]]
     code = ("import sys\nfrom sinkflow.cli import main\nfor argv in %r:\n    try:\n        print(main(argv))\n"
             "    except SystemExit as exc:\n        print(exc.code)\nprint('torch' in sys.modules)\n" % calls)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
@@ -47,6 +47,7 @@ def test_help_status_and_config_errors_answer_before_torch_loads(tmp_path):
     assert "--factor nan must be a number > 1" in out.stderr and "--factor 0.5 must be a number > 1" in out.stderr
     assert "unknown GPU 'foo'; use one of T4" in out.stderr  # it loaded the planner (and torch) first: 2.6 s
     assert "--phase '' names no phase" in out.stderr  # it checked every phase, "only phase(s)  checked"
+    assert f"{tmp_path} is a folder without config.yaml: not a sinkflow run folder" in out.stderr
 
 
 def test_version_names_sinkflow_torch_and_python_before_torch_loads():

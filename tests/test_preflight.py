@@ -160,6 +160,58 @@ def test_an_fp16_phase_runs_its_card_path_and_its_resume_checks_the_grad_scaler(
     assert (phase, name) == ("velocity", "kill and resume") and "GradScaler not restored" in detail, detail
 
 
+def _run_folder(path, overrides, finished=(), half_built_pool=False):
+    """A run folder as ``sinkflow train`` leaves it, for planning only: its config.yaml, a ``final.pt`` per finished
+    phase (preflight reads the names, never the files) and, for a half-built pool, a chunk in ``pool/``."""
+    from sinkflow.runtime.run_folder import write_config
+
+    path.mkdir(parents=True)
+    write_config(path, config.resolve("moons", [f"experiment.runs_dir={path.parent}", f"experiment.name={path.name}",
+                                                "experiment.method=nsgfpp",
+                                                *overrides]))
+    for phase in finished:
+        (path / "checkpoints" / phase).mkdir(parents=True)
+        (path / "checkpoints" / phase / "final.pt").write_bytes(b"")
+    if half_built_pool:
+        (path / "pool").mkdir()
+        (path / "pool" / "chunk_000000.npy").write_bytes(b"")
+    return path
+
+
+def test_preflight_of_a_run_folder_plans_the_phases_its_resume_runs(tmp_path, capsys, monkeypatch):
+    """`sinkflow preflight RUN --gpu T4`: does the rest of a run started elsewhere fit a smaller card? It plans the
+    run's own config.yaml; a finished phase is not run again, so it neither fails the card nor gets a fit, and the
+    fit is a resume of RUN. It failed "config resolves" (unknown preset), and its config.yaml, the way out it named,
+    failed the card on the finished velocity phase, proposed train.velocity.accum (a finished phase's key, which a
+    resume refuses) and printed a `sinkflow train RUN/config.yaml` that train refuses (the folder exists)."""
+    from sinkflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    big = ["model.velocity.hidden=1024", "model.nsf.hidden=1024", "train.velocity.batch_size=524288",
+           "train.nsf.batch_size=524288"]
+    run = _run_folder(tmp_path / "runs" / "r1", big, finished=("pool", "velocity"))
+    assert main(["preflight", str(run), "--gpu", "T4", "--fit"]) == 0  # the fit fixes it
+    out = capsys.readouterr().out
+    assert "FAIL  all       fits T4" in out and "too large: nsf" in out, out
+    assert "PASS  fits T4 with --fit applied: every phase fits" in out, out  # the finished velocity is not re-planned
+    assert "velocity                 -  finished in" in out, out  # planned, not a verdict
+    (command,) = [ln.split("command:", 1)[1].strip() for ln in out.splitlines() if "command:" in ln]
+    assert command.startswith(f"sinkflow train --resume {run} train.nsf.accum="), command
+    assert "velocity" not in command, command
+    # a key beside RUN would be dropped (the run's config.yaml is planned): one line, before any work
+    assert main(["preflight", str(run), "train.nsf.accum=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "plans the run's own config.yaml; train.nsf.accum=2 would be ignored" in err[0], err
+
+    # a half-built pool froze pool.*: the pool's fit (a smaller Sinkhorn batch) is what a resume refuses, so it is
+    # named as such and no command is given
+    monkeypatch.setattr("sinkflow.tools.preflight.run_tiny", lambda *a: None)  # the plan is the point here
+    run = _run_folder(tmp_path / "runs" / "r2", ["pool.batch_size=32768"], half_built_pool=True)
+    report = preflight(str(run / "config.yaml"), gpu=("T4", 15360 * MiB), workdir=tmp_path / "w", run_dir=run)
+    assert report.fit_overrides == [] and "pool.batch_size" in report.fit_reasons[-1], report.fit_reasons
+    assert report.fit_reasons[-1].startswith("a resume cannot take this fit: cannot resume"), report.fit_reasons
+
+
 def test_override_of_a_section_no_phase_reads(tmp_path):
     report = preflight("moons", ["train.nsf.lr=0.01"], workdir=tmp_path, memory=False)
     (phase, name, detail), = failed(report)
@@ -378,7 +430,7 @@ def test_the_verdict_after_fit_checks_the_pool_ram_too(capsys, monkeypatch):
 
     over = ["pool.batches=30000", "pool.ram_gb=0.4"]
 
-    def fake(preset, overrides, shorthands, gpu=None, world=1, memory=True):
+    def fake(preset, overrides, shorthands, gpu=None, world=1, memory=True, run_dir=None):
         report = Report(preset)
         report.memory = memory_plan.estimate(config.resolve(preset, overrides, shorthands))
         report.add("fits T4", "all", False, "too large: pool RAM")
@@ -764,7 +816,7 @@ def test_the_table_header_says_which_card_the_precisions_were_planned_for(capsys
     from sinkflow.cli import main
     from sinkflow.tools.preflight import Report
 
-    def fake(preset, overrides, shorthands, gpu=None, world=1, memory=True):
+    def fake(preset, overrides, shorthands, gpu=None, world=1, memory=True, run_dir=None):
         report = Report(preset)
         report.memory = [memory_plan.PhaseMemory("velocity", "train", {"weights": 1}, note="fp32")]
         return report

@@ -1,9 +1,10 @@
-"""`sinkflow preflight PRESET [overrides] [--gpu NAME|--gpu-mem GiB] [--fit] [--all]`."""
+"""`sinkflow preflight PRESET|RUN [overrides] [--gpu NAME|--gpu-mem GiB] [--fit] [--all]`."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 from sinkflow import config
 from sinkflow.cli.common import add_config_args, preset_given, shorthands, split_preset
@@ -12,12 +13,16 @@ from sinkflow.errors import SinkflowError
 
 def add_parser(sub):
     p = sub.add_parser(
-        "preflight", help="run every phase tiny on CPU with the real shapes; estimate GPU memory",
+        "preflight",
+        help="run every phase tiny on CPU with the real shapes; estimate GPU memory (of a preset or a run)",
         description="Runs every phase with tiny counts but the real data shapes and model config on CPU, stops and "
                     "resumes each phase once, samples and evaluates, checks that every flag reached the phases it "
-                    "names, and estimates each phase's peak GPU memory for the real config. Exit status 1 on any "
-                    "failure.",
+                    "names, and estimates each phase's peak GPU memory for the real config. Given a run folder, its "
+                    "own config.yaml, with the phases it finished left out of the memory verdict and the fit (a "
+                    "resume does not run them again) and a fit printed as `sinkflow train --resume RUN ...`. Exit "
+                    "status 1 on any failure.",
         epilog="examples:\n  sinkflow preflight moons\n  sinkflow preflight cifar10 --gpu T4 --fit\n"
+               "  sinkflow preflight runs/cifar10-nsgfpp-20261201-010203 --gpu T4 --fit\n"
                "  sinkflow preflight --all",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
@@ -31,12 +36,13 @@ def add_parser(sub):
     p.set_defaults(func=run)
 
 
-def _one(preset, args, card) -> bool:
+def _one(preset, args, card, run_dir: Path | None = None) -> bool:
     from sinkflow.tools import memory_plan
     from sinkflow.tools.preflight import fit_command, format_report, preflight
 
     sh = shorthands(args)
-    report = preflight(preset, args.overrides, sh, gpu=card, world=args.world, memory=not args.no_memory)
+    report = preflight(preset, args.overrides, sh, gpu=card, world=args.world, memory=not args.no_memory,
+                       run_dir=run_dir)
     print(format_report(report))
     if report.memory:
         cards = {card[0]: card[1]} if card else None
@@ -50,10 +56,12 @@ def _one(preset, args, card) -> bool:
             print(f"  - {r}")
         if report.fit_overrides:
             print("  overrides: " + " ".join(report.fit_overrides))
-            print("  command:   " + fit_command(preset, args.overrides, sh, report.fit_overrides))
+            print("  command:   " + fit_command(preset, args.overrides, sh, report.fit_overrides, run_dir))
         if args.fit and report.fit_overrides:
             cfg = config.resolve(preset, [*args.overrides, *report.fit_overrides], sh)
             mems = memory_plan.estimate(cfg, world=args.world, bf16=memory_plan.card_bf16(card[0]))
+            if run_dir is not None:
+                mems = memory_plan.finished_in(mems, run_dir)
             print("\nwith --fit applied:")
             print(memory_plan.format_table(mems, {card[0]: card[1]}))
             others = all(c.ok is not False for c in report.checks if not c.name.startswith("fits "))
@@ -85,6 +93,27 @@ def check_args(args) -> None:
                             f"drop '{args.preset}' or --all")
 
 
+def run_folder(args) -> Path | None:
+    """The run folder preflight was pointed at (``sinkflow preflight RUN --gpu T4``: do the phases a resume still
+    runs fit a smaller card?), or None for a preset / config file. Its own ``config.yaml`` is planned, as ``train
+    --resume`` would run it: a key or shorthand beside it is refused in one line (``--device`` too: preflight runs
+    on the CPU), since it would be dropped. Until 2026-12-01 a run folder failed "config resolves" as an unknown
+    preset, and its ``config.yaml``, the way out it named, planned the finished phases too and printed a ``sinkflow
+    train RUN/config.yaml`` that train refuses (the folder exists)."""
+    if not preset_given(args) or not Path(str(args.preset)).is_dir():
+        return None
+    run_dir = Path(str(args.preset))
+    if not (run_dir / "config.yaml").is_file():
+        raise SinkflowError(f"{run_dir} is a folder without config.yaml: not a sinkflow run folder",
+                            "name a run folder (it holds config.yaml), a preset or a .yaml config")
+    given = [*args.overrides, *(f"--{k.replace('_', '-')}" for k, v in shorthands(args).items() if v is not None)]
+    if given:
+        raise SinkflowError(f"`sinkflow preflight RUN` plans the run's own config.yaml; {given[0]} would be ignored",
+                            "drop it (a fit's changes are printed as a `sinkflow train --resume RUN key=value`), "
+                            f"or check a new config: `sinkflow preflight PRESET {given[0]} ...`")
+    return run_dir
+
+
 def run(args):
     check_args(args)
     from sinkflow.tools.cards import gpu_bytes
@@ -93,10 +122,11 @@ def run(args):
     if args.gpu is not None or args.gpu_mem is not None:
         card = gpu_bytes(args.gpu, args.gpu_mem)  # a misspelt card: one line before torch loads
     split_preset(args)
-    presets = config.preset_names() if args.all else [args.preset]
+    run_dir = run_folder(args)
+    presets = config.preset_names() if args.all else [str(run_dir / "config.yaml") if run_dir else args.preset]
     results = {}
     for preset in presets:
-        results[preset] = _one(preset, args, card)
+        results[preset] = _one(preset, args, card, run_dir)
         print()
     if len(presets) > 1:
         print("preflight --all: " + ", ".join(f"{p} {'OK' if ok else 'FAILED'}" for p, ok in results.items()))

@@ -54,7 +54,7 @@ class PhaseMemory:
     """Estimated device bytes of one phase, by term, plus host RAM / disk it needs."""
 
     phase: str
-    kind: str  # chunked (the pool) | train | sample | other
+    kind: str  # chunked (the pool) | train | sample | other | done (finished in the run planned: finished_in)
     terms: dict[str, int] = field(default_factory=dict)
     host_bytes: int = 0
     disk_bytes: int = 0
@@ -276,6 +276,20 @@ def estimate(cfg: dict, world: int = 1, bf16: bool = False) -> list[PhaseMemory]
                 out.append(PhaseMemory(ph.name, "other", note="not estimated"))
         out.append(_sample_memory(cfg, [p for p in out if p.kind == "train"], shape, models, bf16))
     return out
+
+
+def finished_in(mems: list[PhaseMemory], run_dir) -> list[PhaseMemory]:
+    """``mems`` with the rows of the phases ``run_dir`` has finished (``checkpoints/<phase>/final.pt``) emptied: a
+    resume on the card does not run them again, so they neither fail it (``over_budget``) nor get a fit
+    (``propose_fit``). The sample+eval row stays: the evaluation at the end runs on the card; so do a finished pool's
+    host RAM and disk bytes, which the later phases read (``over_budget`` checks them against ``pool.ram_gb`` /
+    ``pool.disk_gb``)."""
+    from pathlib import Path
+
+    ck = Path(run_dir) / "checkpoints"
+    return [PhaseMemory(m.phase, "done", host_bytes=m.host_bytes, disk_bytes=m.disk_bytes,
+                        note=f"finished in {run_dir}: a resume does not run it again")
+            if (ck / m.phase / "final.pt").is_file() else m for m in mems]
 
 
 # ---- fitting ------------------------------------------------------------------------------------

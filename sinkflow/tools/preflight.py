@@ -436,8 +436,12 @@ def run_tiny(report: Report, real: dict, workdir: Path) -> None:
 
 def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict | None = None,
               gpu: tuple[str, int] | None = None, world: int = 1, workdir: Path | None = None,
-              memory: bool = True) -> Report:
-    """Run every check for one preset; never raises for a failing check (they are in the report)."""
+              memory: bool = True, run_dir: Path | None = None) -> Report:
+    """Run every check for one preset; never raises for a failing check (they are in the report). ``run_dir``: the
+    run folder whose ``config.yaml`` ``preset`` is, planned for its resume: its finished phases leave the memory
+    verdict and the fit (``memory_plan.finished_in``), and a fit that changes a key the run's artifacts froze
+    (``identity.check_frozen``: the pool's batch once the pool is on disk) is refused, as ``train --resume`` would
+    refuse it. The tiny run still runs every phase (it runs in a scratch folder, never in ``run_dir``)."""
     from sinkflow.tools import memory_plan
     from sinkflow.tools.data import real_or_synthetic
 
@@ -480,7 +484,11 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
             try:
                 report.memory = memory_plan.estimate(real, world=world, bf16=memory_plan.card_bf16(
                     gpu[0] if gpu is not None else None))
-                report.add("memory estimate", "all", True, f"{len(report.memory)} phases",
+                done = ""
+                if run_dir is not None:
+                    report.memory = memory_plan.finished_in(report.memory, run_dir)
+                    done = f", {sum(m.kind == 'done' for m in report.memory)} finished in {run_dir}"
+                report.add("memory estimate", "all", True, f"{len(report.memory)} phases{done}",
                            time.perf_counter() - t0)
             except Exception as exc:
                 report.add("memory estimate", "all", False, _short(exc), time.perf_counter() - t0)
@@ -489,6 +497,14 @@ def preflight(preset: str, overrides: list[str] | None = None, shorthands: dict 
                 over = memory_plan.over_budget(real, report.memory, total)
                 report.fit_overrides, report.fit_reasons = memory_plan.propose_fit(
                     real, report.memory, total, world, memory_plan.card_bf16(label), card=label)
+                if run_dir is not None and report.fit_overrides:
+                    from sinkflow.runtime.identity import check_frozen
+
+                    try:  # what `train --resume RUN <fit>` would refuse
+                        check_frozen(real, config_mod.apply_overrides(real, report.fit_overrides), run_dir)
+                    except SinkflowError as exc:
+                        report.fit_reasons.append(f"a resume cannot take this fit: {exc}")
+                        report.fit_overrides = []
                 report.add(f"fits {label}", "all", not over,
                            f"too large: {', '.join(over)}" if over else "every phase fits")
                 bf16_check(report, real, label)
@@ -515,9 +531,12 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
-def fit_command(preset: str, overrides: list[str], shorthands: dict, fit: list[str]) -> str:
+def fit_command(preset: str, overrides: list[str], shorthands: dict, fit: list[str], run_dir: Path | None = None
+                ) -> str:
     """The ``sinkflow train`` command with the fit applied, each argument shell-quoted (a value with a space or
-    brackets pastes as one argument)."""
+    brackets pastes as one argument); for a run folder (``run_dir``), its resume with the fit."""
+    if run_dir is not None:
+        return shlex.join(["sinkflow", "train", "--resume", str(run_dir), *fit])
     flags = [a for k, v in (shorthands or {}).items() if v is not None for a in (f"--{k.replace('_', '-')}", str(v))]
     fixed = {f.split("=", 1)[0] for f in fit}
     kept = [o for o in overrides if o.split("=", 1)[0].strip() not in fixed]  # the fit's value replaces them
