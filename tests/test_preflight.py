@@ -843,9 +843,11 @@ def test_bf16_sampling_on_a_t4_names_the_sampler_s_own_fix():
              "training scales the loss"),
             (["sample.precision=bf16", "train.velocity.precision=fp16"],
              "for sample.precision, use fp16 (its tensor cores) or auto (fp16 here)", "training scales the loss"),
+            # auto keeps a set bf16 only on a card with bf16 tensor cores (since 6358662): fp32 on a T4, so auto is
+            # a fix there too (it read "or fp32" while auto followed the training phase's bf16)
             (["sample.precision=bf16", "train.velocity.precision=bf16"],
              "training scales the loss) or fp32 (a training phase's precision=auto is fp32 on this card); for "
-             "sample.precision, use fp16 (its tensor cores) or fp32", "auto (")):
+             "sample.precision, use fp16 (its tensor cores) or auto (fp32 here)", "auto (bf16")):
         report = Report("digits")
         bf16_check(report, config.resolve("digits", overrides), "T4")
         (check,) = report.checks
