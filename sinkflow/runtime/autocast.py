@@ -42,11 +42,11 @@ def sampling_precision(value: str, kind: str, device: torch.device | str, bf16: 
     device = torch.device(device)
     if device.type != "cuda":
         return "fp32"
-    native = bf16_tensor_cores(device) if bf16 is None else bf16
-    if trained == "bf16" and not native:  # trained on an Ampere card, sampled on a T4: no bf16 tensor cores here
-        return "fp32"
-    if trained != "auto":
+    if trained not in ("auto", "bf16"):  # decided without the card (mnist.py's table head asks off the machine)
         return trained
+    native = bf16_tensor_cores(device) if bf16 is None else bf16
+    if trained == "bf16":  # trained on an Ampere card, sampled on a T4: no bf16 tensor cores there
+        return "bf16" if native else "fp32"
     return "fp16" if kind in FAST_KINDS and native else "fp32"
 
 
