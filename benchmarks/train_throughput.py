@@ -255,6 +255,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cudnn.benchmark = args.cudnn_benchmark  # what sinkflow's runner uses: off unless asked
 
     flops, profiled = None, None
+    # a share of a peak only where one was measured: a CPU's autocast multiplies in fp32 (peak_flops would time
+    # fp32 there, and a row once read 52 % of a "bf16 peak" printed as 0 TFLOP/s). Measured first, so that each
+    # path's line says its share as it is timed: a call cut short (a long compile) keeps the answer of the paths before
+    peak = peak_flops(device, "bf16") if device.type == "cuda" else 0.0
     configs = [(name, dict(kw)) for name, kw in path_configs(args.compile)
                if not args.paths or name == "fp32-eager" or name in args.paths]  # fp32-eager stays: the baseline
     rates: dict[str, list[float]] = {}
@@ -269,7 +273,8 @@ def main(argv: list[str] | None = None) -> None:
             flops = step_flops(phase, (x1, torch.rand(batch, device=device), x1))
         step = bench_sinkflow(phase, x1s, device)
         rates[name] = [steps * batch / time_steps(step, x1s, warmup, device)]
-        print(f"timed {name}: {rates[name][0]:.1f} images/s", flush=True)  # kept if a device call is cut short
+        share = f", {100 * flops / batch * rates[name][0] / peak:.1f} % of the bf16 peak" if peak > 0 else ""
+        print(f"timed {name}: {rates[name][0]:.1f} images/s{share}", flush=True)  # kept if a call is cut short
         if name == args.profile:
             profiled = kernel_table(step, x1s, device)
         if args.repeats > 1:
@@ -300,9 +305,6 @@ def main(argv: list[str] | None = None) -> None:
           f"{'on' if args.cudnn_benchmark else 'off'} (+cudnn paths: on), on {machine(device)}")
     base = rows[0][2]
     ref = dict((r[0], r[2]) for r in rows).get("torchcfm")
-    # a share of a peak only where one was measured: a CPU's autocast multiplies in fp32 (peak_flops would time
-    # fp32 there, and a row once read 52 % of a "bf16 peak" printed as 0 TFLOP/s)
-    peak = peak_flops(device, "bf16") if device.type == "cuda" else 0.0
     no_peak = "it measured 0" if device.type == "cuda" else "none off CUDA (a CPU's autocast multiplies in fp32)"
     print(f"model FLOPs per training step (forward + backward, torch's FLOP counter): {flops / 1e9:.1f} G "
           f"({flops / batch / 1e9:.2f} G per image); " + (
