@@ -778,3 +778,34 @@ def test_the_overfit_rule_names_float16_gradients_that_overflow_unscaled(runs_di
     assert overfit.check == "overfit one batch" and overfit.ok is False
     assert "float16 loss scale" in overfit.symptom and "even unscaled" in overfit.symptom, overfit.line()
     assert "train.velocity.precision=bf16" in overfit.fix and "wiring" not in overfit.line(), overfit.line()
+
+
+def test_a_float16_step_skipped_after_a_failed_capture_is_taken_again(runs_dir, monkeypatch):
+    """``graph: auto``'s fall-back from a failed capture (helpers.plant_capture_failure) must leave the GradScaler the
+    loop steps with the one its holders read: it replaced ``trainer.scaler`` by a fresh one, so doctor's
+    ``applied_step``, holding the old one, read the old, unhalved scale after the fall-back's step was skipped and
+    took it for applied (the wiring check then measured weights no update had moved)."""
+    from sinkflow import config
+    from sinkflow.engine.finite import optimizer_steps
+    from sinkflow.runtime.run_folder import RunFolder
+    from sinkflow.tools.phases import ready_trainer
+    from helpers import plant_capture_failure
+
+    plant_capture_failure(monkeypatch)
+    cfg = config.resolve("moons", ["experiment.method=fm", "train.velocity.iters=1000", "train.velocity.batch_size=32",
+                                   "train.velocity.log_every=1000", "train.velocity.ckpt_every=1000",
+                                   "train.velocity.precision=fp16", "train.velocity.graph=auto",
+                                   "experiment.device=cpu"])
+    run = RunFolder.create(cfg)
+    # loss 1: the learning check's probe; 2-4: the step graph's warm-up; 5: the failed capture; 6: the fall-back's
+    # step, its gradients NaN (skipped: the scale halved), so applied_step must take a second
+    trainer = ready_trainer(run, _fp16_skipping_phase(cfg, 6, 6))
+    scaler = trainer.scaler
+    for _ in range(3):
+        trainer.train_step(trainer.batch)
+    before = optimizer_steps(trainer.optimizer)
+    doctor.applied_step(trainer, trainer.batch)
+    run.logger.close()
+    assert trainer.step_graph is None  # the capture failed and the phase went on without it
+    assert optimizer_steps(trainer.optimizer) == before + 1  # the skipped step taken again, then applied
+    assert trainer.scaler is scaler

@@ -378,16 +378,16 @@ class Trainer:
         a CUDA graph cannot hold): say it once and go on with the plain step, as ``compile: auto`` does. Nothing the
         capture recorded ran, so no update was applied; what it left on the host is set back: the gradients it
         allocated in the graph's pool, and GradScaler's record that this step's gradients were unscaled already
-        (its next ``unscale_`` would refuse), by a fresh scaler carrying the same scale."""
+        (its next ``unscale_`` would refuse), dropped from the same scaler as its own ``update`` drops it (its scale,
+        untouched by the unrun capture, stays). Not a fresh scaler in its place: a caller holding ``trainer.scaler``
+        across the step (doctor's ``applied_step``) read the old one's scale and took a skipped step for applied."""
         if self.info.is_main:
             log.warning("%s: %s; training without the step graph (set train.%s.graph=none to skip the attempt)",
                         self.name, exc.problem, self.task.model_key)
         self.step_graph.release()
         self.step_graph = None
-        if self.scaler.is_enabled():
-            scaler = torch.amp.GradScaler(self.device.type)
-            scaler.load_state_dict(self.scaler.state_dict())
-            self.scaler = scaler
+        if self.scaler.is_enabled():  # a defaultdict: the next unscale_ finds a fresh READY record
+            self.scaler._per_optimizer_states.pop(id(self.optimizer), None)
 
     @torch.no_grad()
     def probe_forward(self, batch: Any) -> torch.Tensor:
