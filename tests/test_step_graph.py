@@ -363,6 +363,25 @@ def test_health_counts_dead_activations_also_where_the_step_is_a_replay(runs_dir
     assert all(torch.equal(plain[k], with_probe[k]) for k in plain)
 
 
+def test_health_counts_dead_activations_on_the_logged_step_whose_capture_failed(runs_dir, monkeypatch):
+    """``graph: auto``'s fall-back runs the step its capture failed on as a plain step: Health, which left its hooks
+    off at the step's start (a replay was coming), must watch it by the probe forward at its end, as it would a
+    replay; it read ``captures_steps`` again there, now False, and logged that step without its dead-activation
+    counts. A replay is faked on the CPU (``captures_steps`` while the step graph is held) and the capture at step 4
+    fails (helpers.plant_capture_failure), step 4 a log step."""
+    import json
+
+    from helpers import plant_capture_failure
+
+    plant_capture_failure(monkeypatch)
+    monkeypatch.setattr(Trainer, "captures_steps", property(lambda self: self.step_graph is not None))
+    run, trainer = fit(moons_cfg("model.velocity.activation=relu", "train.velocity.graph=auto",
+                                 "train.velocity.log_every=4"), "fallback-logged")
+    rows = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert trainer.step_graph is None
+    assert [r["step"] for r in rows if "dead_frac" in r] == [4, 8, 12], rows
+
+
 def test_the_probe_forward_gives_every_module_its_own_mode_back(tmp_path):
     """``Trainer.probe_forward`` (Health's and the learning check's look at a captured step) runs in eval mode and
     restored the root's flag on every module: a submodule a network keeps in eval (a frozen, pretrained part) came

@@ -83,6 +83,7 @@ class Health(Callback):
         self.trainer = None
         self.dead: DeadActivations | None = None
         self.before: list[list[torch.Tensor]] | None = None
+        self.probing = False  # the coming logged step is a replay: its hooks are off, a probe forward watches it
 
     def on_phase_start(self, trainer) -> None:
         self.trainer = trainer
@@ -102,11 +103,13 @@ class Health(Callback):
             return
         with torch.no_grad():
             self.before = [[p.detach().clone() for p in g["params"]] for g in trainer.optimizer.param_groups]
-        if not trainer.captures_steps:  # a CUDA-graph replay runs no Python: the hooks would not fire
+        self.probing = trainer.captures_steps  # decided here: a step whose capture fails (graph: auto) runs plain,
+        # its hooks off, and captures_steps reads False at its end
+        if not self.probing:  # a CUDA-graph replay runs no Python: the hooks would not fire
             self.dead.attach()
 
     def on_train_batch_end(self, trainer, batch, outputs) -> None:
-        if trainer.captures_steps and self.before is not None:  # a logged replay: watch the probe forward
+        if self.probing and self.before is not None:  # a logged replay: watch the probe forward
             self.dead.attach()
             try:
                 trainer.probe_forward(batch)
