@@ -20,7 +20,9 @@
    finished phase's cuBLAS workspaces left behind);
 9. a UNet whose forward reads a value on the host (a user's network a CUDA graph cannot hold) under ``graph: auto``:
    the capture fails, the phase warns once and trains on without the step graph to its last step, its weights
-   finite and near those of ``graph: none`` (on the CPU nothing is captured: the fall-back's test plants one).
+   finite and near those of ``graph: none``, the memory it reserves flat over its last steps and the cache then
+   emptied as between phases (a failed capture left "underway" in the caching allocator deferred every prefetched
+   batch's free and failed an internal assert there); on the CPU nothing is captured: the fall-back's test plants one.
 
 The checks are meant for a GPU; ``--device cpu`` runs the same code on the CPU (where ``device_generator`` is
 the CPU generator itself and fused Adam is torch's CPU kernel), which is how the test suite keeps the script
@@ -273,6 +275,18 @@ class HostReadInForward(Callback):
         trainer.model.register_forward_hook(read)
 
 
+class Reserved(Callback):
+    """The caching allocator's reserved bytes after every step (CUDA): a failed capture left listed as underway made
+    it defer the free of every prefetched batch for good, a step's batch more each step."""
+
+    def __init__(self):
+        self.bytes: list[int] = []
+
+    def on_train_batch_end(self, trainer, batch, outputs):
+        if trainer.device.type == "cuda":
+            self.bytes.append(torch.cuda.memory_reserved(trainer.device))
+
+
 def capture_fallback_check(device: torch.device, size: dict) -> None:
     import logging
 
@@ -280,7 +294,7 @@ def capture_fallback_check(device: torch.device, size: dict) -> None:
     from sinkflow.runtime.checkpoint import load
     from sinkflow.tools.data import real_or_synthetic
 
-    final, warned, left = {}, [], None
+    final, warned, left, grew = {}, [], None, None
 
     class Warnings(logging.Handler):
         def emit(self, record):
@@ -296,12 +310,16 @@ def capture_fallback_check(device: torch.device, size: dict) -> None:
                                                *size["unet"], f"train.velocity.iters={size['train_steps']}",
                                                f"train.velocity.graph={mode}", f"experiment.name=fallback-{mode}"])
                 run = RunFolder.create(cfg)
-                trainer = Trainer(run, InterpolantStep("velocity", *distributions(cfg)), [HostReadInForward()])
+                reserved = Reserved()
+                trainer = Trainer(run, InterpolantStep("velocity", *distributions(cfg)), [HostReadInForward(),
+                                                                                            reserved])
                 trainer.fit()
                 run.logger.close()
                 final[mode] = load(run.dir / "checkpoints" / "velocity" / "final.pt")["model"]
                 if mode == "auto":
                     left = "the step graph" if trainer.step_graph is not None else "the plain step"
+                    run.release()  # empty_cache, as between phases: an internal assert while a capture is underway
+                    grew = reserved.bytes[-1] - reserved.bytes[len(reserved.bytes) // 2] if reserved.bytes else None
     finally:
         logging.getLogger("sinkflow").removeHandler(handler)
     dw = max(float((final["none"][k].float() - final["auto"][k].float()).abs().max()) for k in final["none"])
@@ -309,7 +327,9 @@ def capture_fallback_check(device: torch.device, size: dict) -> None:
     said = [w for w in warned if "training without the step graph" in w]
     print(f"a host read in the forward under graph=auto, {size['train_steps']} fp16 steps: ended on {left}; "
           f"{len(said)} fall-back warning(s){': ' + said[0][:160] if said else ''}; weights finite: {finite}; "
-          f"max|dw| vs graph=none {dw:.2e}")
+          f"max|dw| vs graph=none {dw:.2e}; reserved memory over the second half of the steps "
+          f"{'n/a (cpu)' if grew is None else f'+{grew / 2**20:.1f} MiB'} (flat: no batch's free deferred), "
+          "then the cache emptied as between phases")
 
 
 CHECKS = {"pool": pool_check, "noise": noise_check, "adam": adam_check, "prefetch": prefetch_check,

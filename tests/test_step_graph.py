@@ -462,3 +462,52 @@ def test_nothing_of_a_finished_phase_outlives_it_in_the_run_or_a_scratch_run(run
     run.logger.close()
     assert [name for name, _ in seen] == ["velocity", "nsf", "time"]
     assert [name for name, refs in seen[:2] if any(r() is not None for r in refs)] == []
+
+
+def test_a_failed_capture_ends_its_pool_in_the_caching_allocator(monkeypatch):
+    """torch's ``capture_end`` raises (the capture was invalidated by the step: a host read) before it ends the
+    caching allocator's routing to the graph's pool, and a graph whose capture did not end never releases it: the
+    capture stayed "underway" for the process, where the allocator defers every free of a block used on a second
+    stream (the prefetched batches) for good and fails an internal assert in ``empty_cache`` (between phases). No
+    CUDA here: torch.cuda's capture API is stood in for by one that keeps the allocator's list as torch does (a pool
+    routed to at the capture's start, left routed when its end raises), and the failed capture must leave it empty."""
+    import types
+
+    from sinkflow.engine.step_graph import CaptureFailed
+
+    underway, released, streams = [], [], []
+
+    class Graph:
+        def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+            self.pool = pool if pool is not None else ("torch's own", len(underway))
+
+        def __enter__(self):
+            underway.append(self.pool)  # capture_begin: beginAllocateToPool
+
+        def __exit__(self, *exc):  # capture_end: cudaStreamEndCapture fails first, endAllocateToPool never runs
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    def end(device, pool):
+        if pool not in underway:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        underway.remove(pool)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda *a, **k: object())
+    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 41))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the phase's stream")
+    monkeypatch.setattr(torch.cuda, "set_stream", streams.append)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda device, pool: released.append(pool), raising=False)
+
+    def update(batch, step):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    model = torch.nn.Linear(2, 2)
+    graph = StepGraph(update, torch.optim.Adam(model.parameters()), "cpu")
+    graph.captures, graph.stream = True, types.SimpleNamespace(device=torch.device("cuda", 0))
+    graph.static = torch.zeros(4, 2)
+    with pytest.raises(CaptureFailed, match="operation not permitted when stream is capturing"):
+        graph._capture()
+    assert underway == [] and released == [(0, 41)], (underway, released)
+    assert streams == ["the phase's stream"]  # the phase's own stream current again

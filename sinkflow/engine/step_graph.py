@@ -66,6 +66,22 @@ def first_error_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
+def end_failed_capture(device: int, pool) -> None:
+    """End what a capture whose ``capture_end`` raised left begun in the caching allocator. torch's
+    ``CUDAGraph::capture_end`` checks ``cudaStreamEndCapture`` before it ends the allocator's routing to the graph's
+    pool (``endAllocateToPool``), and its ``reset`` releases the pool only after a capture that ended: the capture
+    stayed listed as underway for the rest of the process, and with it listed the allocator defers for good the free
+    of every block used on a second stream (``record_stream``: each prefetched batch, a step's worth of memory every
+    step) and fails ``TORCH_INTERNAL_ASSERT(captures_underway.empty())`` in ``empty_cache`` (``RunFolder.release``
+    between phases, the next phase's ``torch.cuda.graph``). Ended and released here as torch's own
+    ``_use_cuda_memory_pool_manager`` does; a capture that never began routing (no such pool underway) is left."""
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError:  # "endAllocatePool: not currently recording to mempool_id"
+        return
+    torch._C._cuda_releasePool(device, pool)
+
+
 class CaptureFailed(SinkflowError):
     """The step could not be recorded (a host read inside the model, an op CUDA graphs cannot hold). Nothing recorded
     ran, so no update was applied: ``graph: auto`` goes on without the graph (``Trainer._step``), ``graph: step``
@@ -133,17 +149,19 @@ class StepGraph:
         saved = [(g["lr"], g.get("capturable", False)) for g in groups]
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
+        pool = torch.cuda.graph_pool_handle()  # named here, so that a failed capture's routing to it can be ended
         try:
             for g, lr in zip(groups, self.lrs):
                 g["lr"], g["capturable"] = lr, True
             self.optimizer.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients it reuses
             # thread_local: the prefetch worker keeps drawing (and copying) the next batch on its own stream meanwhile
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
                 self.outputs = self.update(self.static, self.step)
         except RuntimeError as exc:
             # torch.cuda.graph's __exit__ leaves its stream context unexited when capture_end raises (an invalidated
             # capture): the phase would go on with the capture stream as its current stream
             torch.cuda.set_stream(current)
+            end_failed_capture(self.stream.device.index, pool)
             raise CaptureFailed(f"capturing phase '{self.phase}''s training step as a CUDA graph failed: "
                                 f"{first_error_line(exc)}",
                                 f"set train.{self.phase}.graph=none") from exc
