@@ -31,12 +31,12 @@ def sampling_precision(value: str, kind: str, device: torch.device | str, bf16: 
     off a CUDA card (a CPU has no fast float16 kernels: 0.74x fp32's images/s on the MNIST UNet, docs/performance.md);
     on one, the network's set training precision (``trained``: its ``train.<phase>.precision``, fp32 included: a
     network kept out of half precision on purpose; a set bf16 only on a card with bf16 tensor cores, fp32 on an
-    older one: a run trained on an A100 and sampled on a T4, where bf16 is unmeasured), else fp16 where a training phase's ``auto`` is (a UNet on a card
-    with bf16 tensor cores), else fp32. Why fp16: on an H200 (2026-11-30, the CIFAR-10 UNet, 60 Euler steps, batch
-    256, cuDNN autotuning off) eager fp16 ran at 1.56x fp32's images/s (bf16 1.67x, with 8x fp16's pixel error), and
-    the samples themselves moved a paired FD-CNN by <= 0.05 against a new noise draw's 3.3-4.6 (RESULTS.md,
-    "Half-precision sampling"). ``bf16`` overrides the card check, as in ``fast_path.resolve`` (the planner plans for
-    a card not in hand)."""
+    older one: a run trained on an A100 and sampled on a T4, where bf16 is unmeasured), else fp16 where a training
+    phase's ``auto`` is (a UNet on a card with bf16 tensor cores), else fp32. Why fp16: on an H200 (2026-11-30, the
+    CIFAR-10 UNet, 60 Euler steps, batch 256, cuDNN autotuning off) eager fp16 ran at 1.56x fp32's images/s (bf16
+    1.67x, with 8x fp16's pixel error), and the samples themselves moved a paired FD-CNN by <= 0.05 against a new
+    noise draw's 3.3-4.6 (RESULTS.md, "Half-precision sampling"). ``bf16`` overrides the card check, as in
+    ``fast_path.resolve`` (the planner plans for a card not in hand)."""
     if value != "auto":
         return value
     device = torch.device(device)
