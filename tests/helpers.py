@@ -192,8 +192,7 @@ def plant_capture_failure(monkeypatch) -> None:
         try:
             real_call(self, batch, step)
         except RuntimeError as exc:
-            raise CaptureFailed(f"capturing phase '{self.phase}''s training step as a CUDA graph failed: {exc}",
-                                f"set train.{self.phase}.graph=none") from exc
+            raise CaptureFailed.of(self.phase, exc) from exc  # the line StepGraph._capture raises
         finally:
             del self.optimizer.step
 

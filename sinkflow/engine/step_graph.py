@@ -87,6 +87,12 @@ class CaptureFailed(SinkflowError):
     ran, so no update was applied: ``graph: auto`` goes on without the graph (``Trainer._step``), ``graph: step``
     stops with this error."""
 
+    @classmethod
+    def of(cls, phase: str, exc: BaseException) -> CaptureFailed:
+        """The line for phase ``phase``'s failed capture, naming the step's own error (``first_error_line``)."""
+        return cls(f"capturing phase '{phase}''s training step as a CUDA graph failed: {first_error_line(exc)}",
+                   f"set train.{phase}.graph=none")
+
 
 class StepGraph:
     """``StepGraph(update, optimizer, device)(batch, step) -> outputs``: ``update(batch, step)`` (forward, backward,
@@ -162,9 +168,7 @@ class StepGraph:
             # capture): the phase would go on with the capture stream as its current stream
             torch.cuda.set_stream(current)
             end_failed_capture(self.stream.device.index, pool)
-            raise CaptureFailed(f"capturing phase '{self.phase}''s training step as a CUDA graph failed: "
-                                f"{first_error_line(exc)}",
-                                f"set train.{self.phase}.graph=none") from exc
+            raise CaptureFailed.of(self.phase, exc) from exc
         finally:
             for g, (lr, cap) in zip(groups, saved):
                 g["lr"], g["capturable"] = lr, cap
