@@ -511,3 +511,10 @@ def test_a_failed_capture_ends_its_pool_in_the_caching_allocator(monkeypatch):
         graph._capture()
     assert underway == [] and released == [(0, 41)], (underway, released)
     assert streams == ["the phase's stream"]  # the phase's own stream current again
+    # out of memory while capturing: the out-of-memory error itself (the CLI's line with its fixes), not a capture
+    # failure that graph: auto would train on past in eager steps needing the same memory; the pool ended all the same
+    graph.update = lambda batch, step: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory. Tried to "
+                                                                                    "allocate 2.00 GiB"))
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        graph._capture()
+    assert underway == [] and released == [(0, 41)] * 2

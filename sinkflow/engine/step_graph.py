@@ -57,12 +57,18 @@ def _fill(static: Any, batch: Any, phase: str) -> None:
             _fill(s, b, phase)
 
 
-def first_error_line(exc: BaseException) -> str:
-    """The first line of the error that began ``exc``'s chain: where the step itself failed inside a capture (a host
-    read: "operation not permitted when stream is capturing"), ``torch.cuda.graph``'s exit raises capture_end's own
-    error ("operation failed due to a previous error during capture") with the step's as its context."""
+def first_error(exc: BaseException) -> BaseException:
+    """The error that began ``exc``'s chain: where the step itself failed inside a capture (a host read: "operation
+    not permitted when stream is capturing"), ``torch.cuda.graph``'s exit raises capture_end's own error ("operation
+    failed due to a previous error during capture") with the step's as its context."""
     while exc.__context__ is not None:
         exc = exc.__context__
+    return exc
+
+
+def first_error_line(exc: BaseException) -> str:
+    """The first line of ``first_error(exc)``: what the step did, not what capture_end said after it."""
+    exc = first_error(exc)
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
@@ -168,6 +174,9 @@ class StepGraph:
             # capture): the phase would go on with the capture stream as its current stream
             torch.cuda.set_stream(current)
             end_failed_capture(self.stream.device.index, pool)
+            first = first_error(exc)
+            if isinstance(first, torch.OutOfMemoryError):  # the step's memory, captured or not: the out-of-memory
+                raise first  # line with its fixes (sinkflow.cli.oom), not a capture failure auto would train on past
             raise CaptureFailed.of(self.phase, exc) from exc
         finally:
             for g, (lr, cap) in zip(groups, saved):
