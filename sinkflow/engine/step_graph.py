@@ -57,21 +57,6 @@ def _fill(static: Any, batch: Any, phase: str) -> None:
             _fill(s, b, phase)
 
 
-def first_error(exc: BaseException) -> BaseException:
-    """The error that began ``exc``'s chain: where the step itself failed inside a capture (a host read: "operation
-    not permitted when stream is capturing"), ``torch.cuda.graph``'s exit raises capture_end's own error ("operation
-    failed due to a previous error during capture") with the step's as its context."""
-    while exc.__context__ is not None:
-        exc = exc.__context__
-    return exc
-
-
-def first_error_line(exc: BaseException) -> str:
-    """The first line of ``first_error(exc)``: what the step did, not what capture_end said after it."""
-    exc = first_error(exc)
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-
-
 def end_failed_capture(device: int, pool) -> None:
     """End what a capture whose ``capture_end`` raised left begun in the caching allocator. torch's
     ``CUDAGraph::capture_end`` checks ``cudaStreamEndCapture`` before it ends the allocator's routing to the graph's
@@ -95,8 +80,10 @@ class CaptureFailed(SinkflowError):
 
     @classmethod
     def of(cls, phase: str, exc: BaseException) -> CaptureFailed:
-        """The line for phase ``phase``'s failed capture, naming the step's own error (``first_error_line``)."""
-        return cls(f"capturing phase '{phase}''s training step as a CUDA graph failed: {first_error_line(exc)}",
+        """The line for phase ``phase``'s failed capture, naming the first line of ``exc``: the step's own error where
+        it raised one (``StepGraph._capture``), not capture_end's after it."""
+        what = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return cls(f"capturing phase '{phase}''s training step as a CUDA graph failed: {what}",
                    f"set train.{phase}.graph=none")
 
 
@@ -162,22 +149,27 @@ class StepGraph:
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
         pool = torch.cuda.graph_pool_handle()  # named here, so that a failed capture's routing to it can be ended
+        step_error: BaseException | None = None
         try:
             for g, lr in zip(groups, self.lrs):
                 g["lr"], g["capturable"] = lr, True
             self.optimizer.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients it reuses
             # thread_local: the prefetch worker keeps drawing (and copying) the next batch on its own stream meanwhile
             with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
-                self.outputs = self.update(self.static, self.step)
+                try:
+                    self.outputs = self.update(self.static, self.step)
+                except BaseException as exc:  # what the step did (a host read inside the capture): torch.cuda.graph's
+                    step_error = exc  # exit then raises capture_end's own "operation failed due to a previous error"
+                    raise
         except RuntimeError as exc:
             # torch.cuda.graph's __exit__ leaves its stream context unexited when capture_end raises (an invalidated
             # capture): the phase would go on with the capture stream as its current stream
             torch.cuda.set_stream(current)
             end_failed_capture(self.stream.device.index, pool)
-            first = first_error(exc)
-            if isinstance(first, torch.OutOfMemoryError):  # the step's memory, captured or not: the out-of-memory
-                raise first  # line with its fixes (sinkflow.cli.oom), not a capture failure auto would train on past
-            raise CaptureFailed.of(self.phase, exc) from exc
+            named = step_error or exc
+            if isinstance(named, torch.OutOfMemoryError):  # the step's memory, captured or not: the out-of-memory
+                raise named  # line with its fixes (sinkflow.cli.oom), not a capture failure auto would train on past
+            raise CaptureFailed.of(self.phase, named) from exc
         finally:
             for g, (lr, cap) in zip(groups, saved):
                 g["lr"], g["capturable"] = lr, cap
