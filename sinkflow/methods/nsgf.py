@@ -26,7 +26,7 @@ from sinkflow.errors import SinkflowError
 from sinkflow.methods.base import Method, TrainingStep, checkpoint_bytes
 from sinkflow.methods.flow_matching import velocity_loss
 from sinkflow.methods.ode import count_nfe, euler
-from sinkflow.methods.pool import PoolTask, TrajectoryPool, check_free_disk, check_pool_fits
+from sinkflow.methods.pool import PoolTask, TrajectoryPool, check_free_disk, check_pool_fits, step_sizes
 from sinkflow.ot.velocity import check_backend_installed
 from sinkflow.runtime import dist
 
@@ -39,14 +39,6 @@ PAPER_W2 = {
     "scurve": {10: 0.117, 100: 0.110},
     "checkerboard": {10: 0.252, 100: 0.147},
 }
-
-
-def step_sizes(pool_cfg: dict) -> torch.Tensor:
-    """eta_k for k = 0..T-1 (``pool.schedule``: constant, incremental or harmonic)."""
-    from sinkflow.ot import eta_schedule
-
-    return torch.tensor(eta_schedule(pool_cfg["eta"], pool_cfg["steps"], pool_cfg["eta_growth"] or None,
-                                     pool_cfg.get("schedule")))
 
 
 def flow_times(pool_cfg: dict) -> torch.Tensor:

@@ -203,6 +203,14 @@ def _accepts(simulate, arg: str) -> bool:
         return False
 
 
+def step_sizes(pool_cfg: dict) -> torch.Tensor:
+    """eta_k for k = 0..T-1 (``pool.schedule``: constant, incremental or harmonic)."""
+    from sinkflow.ot import eta_schedule
+
+    return torch.tensor(eta_schedule(pool_cfg["eta"], pool_cfg["steps"], pool_cfg["eta_growth"] or None,
+                                     pool_cfg.get("schedule")))
+
+
 class PoolTask(ChunkedTask):
     """Simulate ``pool.batches`` Sinkhorn-flow trajectories of ``pool.steps`` Euler steps each.
 
@@ -447,11 +455,9 @@ class PoolTask(ChunkedTask):
         nsgf.segment > 0 draws points along it) and the sampler ends at: looking at xs alone passed a flow whose last
         step alone left the data (pool.steps=1, pool.eta=100, landing=sinkhorn on moons: x_T at ~130 radii, velocity
         loss 1.2e4, built in silence; audit RR)."""
-        from sinkflow.ot import eta_schedule
-
         cfg = self.run.cfg["pool"]
-        last = eta_schedule(cfg["eta"], cfg["steps"], cfg["eta_growth"] or None, cfg.get("schedule"))[-1]
-        tops = [float(x.abs().max()) for x in xs] + [float((xs[-1] + last * vs[-1]).abs().max())]
+        last = float(step_sizes(cfg)[-1])
+        tops = torch.stack([x.abs().max() for x in xs] + [(xs[-1] + last * vs[-1]).abs().max()]).tolist()  # one read
         bound = DIVERGED_RADII * self.data_radius
         out = next((k for k, top in enumerate(tops) if not top <= bound), None)  # NaN is out too
         if out is None:
