@@ -56,12 +56,6 @@ CIFAR_PEAK = ("--compile", "--steps", "20", "--warmup", "5", "--repeats", "3", "
               "fp16+compile+stepgraph+cudnn", "fp16+autotune+stepgraph")
 
 PLAN = (
-    Step("cifar-peak", ("train_throughput.py", *CIFAR_PEAK), 330,
-         "issue 23's 25 % of the bf16 peak: the runner's CIFAR path, with cuDNN's timing on (should the runner turn "
-         "it on?) and with compile_mode=max-autotune-no-cudagraphs, in one process, medians of 3 windows (guess: "
-         "fp32 eager, torchcfm and two compiles about 200 s as on 2026-11-30, and 2 minutes of autotuning)",
-         ("train_throughput.py", "--smoke", "--compile", "--steps", "1", "--repeats", "2", "--paths",
-          "fp16+compile+stepgraph+cudnn", "fp16+autotune+stepgraph")),
     Step("memory", ("memory_estimate.py", "--device", "cuda", "--presets", "mnist"), 45,
          "the planner's estimate against the peak of a captured fp16 step (26 s, 2026-11-30, its nsf and time rows "
          "counting what the earlier phases' 2-step runs left allocated: measure again)"),
@@ -69,6 +63,12 @@ PLAN = (
          "sinkflow doctor on the CUDA default path (fp16, the captured step): 77 s on an H200, 2026-11-30, "
          "whose findings (the train-mode probe blind to a replay, a 9.4x fit called a broken loop) were fixed "
          "since: run it again"),
+    Step("cifar-peak", ("train_throughput.py", *CIFAR_PEAK), 330,
+         "issue 23's 25 % of the bf16 peak: the runner's CIFAR path, with cuDNN's timing on (should the runner turn "
+         "it on?) and with compile_mode=max-autotune-no-cudagraphs, in one process, medians of 3 windows (guess: "
+         "fp32 eager, torchcfm and two compiles about 200 s as on 2026-11-30, and 2 minutes of autotuning)",
+         ("train_throughput.py", "--smoke", "--compile", "--steps", "1", "--repeats", "2", "--paths",
+          "fp16+compile+stepgraph+cudnn", "fp16+autotune+stepgraph")),
     Step("lr-find", ("sinkflow", "lr-find", "mnist", "--phase", "velocity", "--out", "{out}/lr_find.png"), 150,
          "sinkflow lr-find on the CUDA default path (a loaded state captures anew; guess: 2.5 min): its step: line "
          "should say fp16, compiled, the whole step one CUDA graph with replays = steps - 3; compare its rates with "
