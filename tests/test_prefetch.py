@@ -305,16 +305,23 @@ def test_a_phase_prints_its_speed_settings_at_the_start(runs_dir, caplog):
                      "(train.velocity.precision / channels_last / compile / graph / prefetch)"]
 
 
-def test_a_run_saved_with_foreach_adam_resumes_on_the_fused_kernel(runs_dir, monkeypatch):
-    """A checkpoint of foreach Adam names foreach in its param groups; resumed as saved on the fused kernel (the
-    skip flag passed as found_inf), Adam refused the flag. Resume puts this device's kernel back."""
+def stopped_under_foreach_adam(monkeypatch, name: str):
+    """(run, cfg) of a moons OT-CFM run trained to its step-6 checkpoint with foreach Adam (a CPU without the fused
+    kernel: torch < 2.4, or sinkflow before 2026-11-26), for a resume on this machine's fused kernel."""
     cfg = moons_cfg()
-    cfg["experiment"]["name"] = "foreach-then-fused"
+    cfg["experiment"]["name"] = name
     run = RunFolder.create(cfg)
     with monkeypatch.context() as m:
         m.setattr(trainer_mod, "adam_kernel", lambda device: {"foreach": True})
         with pytest.raises(Interrupted):
             Trainer(run, otcfm_step(cfg), [StopAt(6)]).fit()
+    return run, cfg
+
+
+def test_a_run_saved_with_foreach_adam_resumes_on_the_fused_kernel(runs_dir, monkeypatch):
+    """A checkpoint of foreach Adam names foreach in its param groups; resumed as saved on the fused kernel (the
+    skip flag passed as found_inf), Adam refused the flag. Resume puts this device's kernel back."""
+    run, cfg = stopped_under_foreach_adam(monkeypatch, "foreach-then-fused")
     assert run.checkpoints("velocity").latest()["optimizer"]["param_groups"][0]["foreach"] is True
     trainer = Trainer(run, otcfm_step(cfg))
     trainer.fit()
@@ -331,13 +338,7 @@ def test_a_foreach_checkpoints_step_counts_are_placed_for_the_fused_kernel(runs_
     one, so the rule torch applied to them is what is read here; the run then counts on from the checkpoint's step."""
     from sinkflow.engine.finite import optimizer_steps
 
-    cfg = moons_cfg()
-    cfg["experiment"]["name"] = "foreach-steps"
-    run = RunFolder.create(cfg)
-    with monkeypatch.context() as m:
-        m.setattr(trainer_mod, "adam_kernel", lambda device: {"foreach": True})
-        with pytest.raises(Interrupted):
-            Trainer(run, otcfm_step(cfg), [StopAt(6)]).fit()
+    run, cfg = stopped_under_foreach_adam(monkeypatch, "foreach-steps")
     rules, real = [], torch.optim.Optimizer._process_value_according_to_param_policy
 
     def policy(param, value, param_id, param_groups, key=None):
