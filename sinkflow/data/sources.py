@@ -181,6 +181,17 @@ class ArraySource:
     def count(self, split: str) -> int | None:
         return None
 
+    def _decode(self, p: Path) -> np.ndarray:
+        """One image as a uint8 (C, H, W) array, or a one-line SinkflowError naming the file."""
+        with self._open(p) as img:
+            turn = orientation(img)  # the header's, as _common_size read it
+            try:
+                img.load()
+                return fit_image(upright(img, turn), self.channels, self.image_size)
+            except (OSError, SyntaxError, ValueError) as e:
+                raise SinkflowError(f"image {p} is corrupt or truncated ({e})",
+                                    "re-export it or remove it from data.path") from None
+
     def decode_into(self, split: str, write):
         arr, labels = self.load(split)
         DECODES[self.name] += 1
@@ -604,6 +615,17 @@ class FolderSource:
         rule = "" if self.holdout == "last_tenth" else f":{self.holdout}"  # the caches of last_tenth runs stay valid
         return f"{self._fp}:{split}:{self.n_test}{rule}:decode4"
 
+    def _decode(self, p: Path) -> np.ndarray:
+        """One image as a uint8 (C, H, W) array, or a one-line SinkflowError naming the file."""
+        with self._open(p) as img:
+            turn = orientation(img)  # the header's, as _common_size read it
+            try:
+                img.load()
+                return fit_image(upright(img, turn), self.channels, self.image_size)
+            except (OSError, SyntaxError, ValueError) as e:
+                raise SinkflowError(f"image {p} is corrupt or truncated ({e})",
+                                    "re-export it or remove it from data.path") from None
+
     def decode_into(self, split: str, write):
         files = self.split_files(split)
         DECODES[self.name] += 1
@@ -612,23 +634,28 @@ class FolderSource:
             bad = []  # every unreadable file in one message: one a run, a run each, was the way to find them
             for i, p in enumerate(files):
                 try:
-                    with self._open(p) as img:
-                        turn = orientation(img)  # the header's, as _common_size read it
-                        try:
-                            img.load()
-                            out[i] = fit_image(upright(img, turn), self.channels, self.image_size)
-                        except (OSError, SyntaxError, ValueError) as e:
-                            raise SinkflowError(f"image {p} is corrupt or truncated ({e})",
-                                                "re-export it or remove it from data.path") from None
+                    out[i] = self._decode(p)
                 except SinkflowError as exc:
                     bad.append((p, exc))
+            if not bad:
+                return None
+            # the other split too: a broken file among the held-out tenth was found only by the next run, after the
+            # train split's ones were fixed (the train split is decoded, and fails, first)
+            checked = files
+            if split == "train":
+                other = self.split_files("test")
+                checked = self.files
+                for p in other:
+                    try:
+                        self._decode(p)
+                    except SinkflowError as exc:
+                        bad.append((p, exc))
+                bad.sort(key=lambda b: b[0].relative_to(self.path).as_posix())
             if len(bad) == 1:
                 raise bad[0][1]
-            if bad:
-                names = ", ".join(p.relative_to(self.path).as_posix() for p, _ in bad[:3])
-                raise SinkflowError(f"{len(bad)} of {len(files)} images in {self.path} cannot be read ({names}"
-                                    f"{', ...' if len(bad) > 3 else ''}; the first: {bad[0][1].problem})",
-                                    "re-export them or remove them from data.path")
-            return None
+            names = ", ".join(p.relative_to(self.path).as_posix() for p, _ in bad[:3])
+            raise SinkflowError(f"{len(bad)} of {len(checked)} images in {self.path} cannot be read ({names}"
+                                f"{', ...' if len(bad) > 3 else ''}; the first: {bad[0][1].problem})",
+                                "re-export them or remove them from data.path")
 
         return write((len(files), *self.chw), fill)
