@@ -314,6 +314,30 @@ def test_point_file_errors(tmp_path, case, match):
     assert str(f) in one_line(e)
 
 
+@pytest.mark.parametrize("name,header,index", [
+    ("named.csv", ",x,y", range(40)),  # pd.DataFrame(points, columns=["x", "y"]).to_csv(path)
+    ("filtered.csv", ",x,y", range(0, 80, 2)),  # df[df.x > 0].to_csv(path): the index skips rows
+    ("id.csv", "id,x,y", range(1, 41)),  # df.index.name = "id"
+    ("roundtrip.csv", "Unnamed: 0,x,y", range(40)),  # pd.read_csv(a).to_csv(b)
+    ("named.tsv", "\tx\ty", range(40)),  # to_csv(path, sep="\t"): the leading tab is stripped with the line
+])
+def test_a_table_whose_first_column_is_a_row_index_is_refused(tmp_path, name, header, index):
+    """pandas' ``df.to_csv(path)`` of columns named x, y writes an index column under ``,x,y``: the (N, 2) points were
+    read as 3-D (index, x, y) and trained on without a word (found by writing a user's CSV with pandas' defaults)."""
+    points = np.random.default_rng(0).normal(size=(40, 2))
+    sep = "\t" if name.endswith(".tsv") else ","
+    f = tmp_path / name
+    f.write_text("\n".join([header, *(f"{i}{sep}{a}{sep}{b}" for i, (a, b) in zip(index, points))]) + "\n")
+    with pytest.raises(SinkflowError, match="its first column .* is a row index, not a coordinate; the points "
+                       "would be 3-D; write it without the index, e.g. df.to_csv\\(path, index=False\\)"):
+        build_distribution(str(f), data_cfg={})
+    # a named first coordinate is read as one, and a column named id that is no counter too
+    for head, first in (("t,x,y", range(40)), ("id,x,y", points[:, 0]), ("x,y", points[:, 0])):
+        f.write_text("\n".join([head.replace(",", sep), *(f"{i}{sep}{a}{sep}{b}" for i, (a, b) in zip(first, points))])
+                     + "\n")
+        assert build_distribution(str(f), data_cfg={}).shape == (3,)
+
+
 def test_point_file_reads_a_csv_with_a_byte_order_mark_and_expands_home(tmp_path, monkeypatch):
     """Excel's "CSV UTF-8" starts with a byte-order mark: the first point was read as a header and dropped. A
     `data.target=~/pts.npy` (the shell leaves that ~ alone) "did not exist"."""

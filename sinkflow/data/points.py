@@ -44,7 +44,7 @@ def load_table(path: str, binary: bool = False) -> np.ndarray:
         raise SinkflowError(f"point file {path} is a .npy array named {os.path.splitext(path)[1]}",
                             "rename it to .npy")
     delimiter = DELIMITERS[os.path.splitext(path)[1].lower()]
-    values, first, width, started = array.array("d"), 0, 0, False
+    values, first, width, started, header = array.array("d"), 0, 0, False, None
     try:
         with open(path, encoding="utf-8-sig") as f:
             for n, line in enumerate(f, 1):
@@ -56,6 +56,7 @@ def load_table(path: str, binary: bool = False) -> np.ndarray:
                 if not started:
                     started = True
                     if not any(is_number(v) for v in fields):
+                        header = (n, fields)
                         continue  # a first line of column names
                 if not first:
                     first, width = n, len(fields)
@@ -70,7 +71,38 @@ def load_table(path: str, binary: bool = False) -> np.ndarray:
         raise SinkflowError(f"point file {path} is not a text file", fix) from None
     if not values:
         raise SinkflowError(f"point file {path} holds no points", fix)
-    return np.frombuffer(values, dtype=np.float64).reshape(-1, width)
+    points = np.frombuffer(values, dtype=np.float64).reshape(-1, width)
+    if header is not None:
+        check_index_column(path, *header, points, delimiter)
+    return points
+
+
+# first column names that say a row index, not a coordinate: pandas' unnamed index (`df.to_csv(path)` of named
+# columns writes ",x,y"), its read-back name ("Unnamed: 0"), and an index named by hand
+INDEX_NAMES = ("", "index", "id", "idx")
+
+
+def check_index_column(path: str, n: int, names: list[str], points: np.ndarray, delimiter: str | None) -> None:
+    """Refuse a table whose first column is a row index under its header: pandas' ``df.to_csv(path)`` of columns
+    named x, y writes ``,x,y`` over an index column, and the file was read as 3-D points (index, x, y) without a word
+    (the ``,0,1`` of unnamed columns was refused already). An empty or "Unnamed: ..." name is pandas' index whatever
+    its values (a filtered frame's index skips rows); "index", "id", "idx" are one when the column holds distinct
+    integers. A header one name short of the rows is one over an unnamed first column of distinct integers."""
+    short = len(names) == points.shape[1] - 1  # the index's empty name stripped off the line (a .tsv's "\tx\ty")
+    if short:                                   # or left out (R's write.table puts no name over its row names)
+        names = ["", *names]
+    if len(names) < 2 or points.shape[1] != len(names):
+        return
+    name = names[0].lower()
+    col = points[:, 0]
+    counter = bool(np.all(col == np.round(col))) and len(np.unique(col)) == len(col)
+    pandas = (name == "" and not short) or name.startswith("unnamed:")  # its index, whatever the values
+    if not (pandas or (name in INDEX_NAMES and counter)):
+        return
+    raise SinkflowError(f"point file {path}: its first column ({names[0]!r} in the header on line {n}, "
+                        f"{(delimiter or ' ').join(names)!r}) is a row index, not a coordinate; the points would "
+                        f"be {points.shape[1]}-D", "write it without the index, e.g. df.to_csv(path, index=False), "
+                        "or drop that column")
 
 
 def table_row(path: str, n: int, fields: list[str], first: bool, delimiter: str | None, fix: str) -> list[float]:
