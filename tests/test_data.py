@@ -1133,6 +1133,26 @@ def test_an_unreadable_image_in_the_held_out_split_is_named_with_the_train_split
     assert f"2 of 12 images in {folder} cannot be read ({', '.join(names)}; the first: " in line, line
 
 
+def test_links_that_point_nowhere_are_named_not_left_out(tmp_path):
+    """A class folder (or images) linked in from a drive that is not mounted, or moved since: the dangling links
+    were skipped in silence and the run trained on the other class alone (found linking two class folders in and
+    moving one). Hidden ones stay left out with the rest of the hidden files."""
+    classes = make_folder(tmp_path / "disk" / "cats", n=4, size=(8, 8)).parent
+    make_folder(classes / "dogs", n=4, size=(8, 8), seed=1)
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for name in ("cats", "dogs"):
+        (folder / name).symlink_to(classes / name)
+    (folder / ".cache.png").symlink_to(tmp_path / "gone.png")  # hidden: left out, not an error
+    d = build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder)))
+    assert len(d.images) + len(d.test_images) == 10
+    (classes / "dogs").rename(classes / "dogs.moved")
+    with pytest.raises(SinkflowError) as e:
+        build_distribution("folder", data_cfg=cfg(tmp_path / "other", path=str(folder)))
+    assert one_line(e) == (f"image folder {folder} holds 1 link that points nowhere (dogs -> {classes / 'dogs'}); "
+                           "mount or restore what they point to, or remove the links from data.path")
+
+
 def test_transparent_images_are_composited_over_white(tmp_path, recwarn):
     """A sprite's transparent pixels came out as the colour they stored (``convert`` dropped the alpha: often black),
     and a palette PNG whose transparency is a byte table printed PIL's raw UserWarning. They are composited over

@@ -112,10 +112,11 @@ def _unlistable(error: OSError):
                         "check its permissions, or move it out of data.path")
 
 
-def files_under(folder: Path):
+def files_under(folder: Path, dangling: list | None = None):
     """Every file under ``folder``, following linked subfolders (a data set assembled from class folders linked
     into one tree: ``Path.rglob`` skipped them in silence); a link back to a folder already walked is not
-    walked again. A subfolder that cannot be listed is an error (``_unlistable``)."""
+    walked again. A subfolder that cannot be listed is an error (``_unlistable``). Links that point nowhere (to a
+    drive not mounted, a folder moved) are appended to ``dangling``."""
     seen = set()
     for root, dirs, files in os.walk(folder, followlinks=True, onerror=_unlistable):
         real = os.path.realpath(root)
@@ -128,6 +129,8 @@ def files_under(folder: Path):
             path = Path(root) / name
             if path.is_file():
                 yield path
+            elif dangling is not None and path.is_symlink() and not path.exists():
+                dangling.append(path)
 
 
 class ArraySource:
@@ -506,7 +509,9 @@ class FolderSource:
             raise (SinkflowError if self.path.exists() else DataNotFound)(f"image folder {self.path} {what}", fix)
         self.channels = channels or 3
         self.image_size = image_size
-        found = list(files_under(self.path))
+        dangling = []
+        found = list(files_under(self.path, dangling))
+        self._refuse_dangling(dangling)
         images = [p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS and not _mac_metadata(p)]
         hidden = [p for p in images if self._hidden(p)]
         self.files = sorted(set(images) - set(hidden), key=lambda p: p.relative_to(self.path).as_posix())
@@ -535,6 +540,19 @@ class FolderSource:
         self.name = f"folder_{safe}_{digest}"
         self._fp = "folder:" + _file_stats(self.files) + ":" + hashlib.sha1(os.fsencode(  # bytes: see _file_stats
             "\n".join(p.relative_to(self.path).as_posix() for p in self.files))).hexdigest()
+
+    def _refuse_dangling(self, dangling: list[Path]) -> None:
+        """Links under ``path`` that point nowhere (not hidden ones): a class folder or images linked in from a drive
+        that is not mounted, or moved since, were left out in silence, and the run trained on the other classes
+        (all of them dangling: "holds no images (0 other files)")."""
+        dangling = sorted((p for p in dangling if not self._hidden(p) and not _mac_metadata(p)),
+                          key=lambda p: p.relative_to(self.path).as_posix())
+        if dangling:
+            first, n = dangling[0], len(dangling)
+            raise SinkflowError(f"image folder {self.path} holds {n} link{'s' if n > 1 else ''} that point"
+                                f"{'' if n > 1 else 's'} nowhere ({first.relative_to(self.path).as_posix()} -> "
+                                f"{os.readlink(first)}{', ...' if n > 1 else ''})",
+                                "mount or restore what they point to, or remove the links from data.path")
 
     def _hidden(self, path: Path) -> bool:
         """A file whose name, or a folder's under ``path``, starts with a dot: a desktop's trash (``.Trash-1000/``), a
