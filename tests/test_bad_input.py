@@ -50,6 +50,27 @@ def test_help_status_and_config_errors_answer_before_torch_loads(tmp_path):
     assert f"{tmp_path} is a folder without config.yaml: not a sinkflow run folder" in out.stderr
 
 
+def test_a_folder_of_images_given_as_a_run_names_the_folder_preset_before_torch_loads(tmp_path):
+    """`sinkflow preflight imgs/` (a user's first check of a folder of images) said only "not a sinkflow run folder;
+    name a run folder, a preset or a .yaml config", and doctor / lr-find the same after loading torch; `sinkflow
+    train imgs/` names `train folder data.path=imgs` (found walking the image-folder journey, audit WW)."""
+    import subprocess
+    import sys
+
+    imgs = tmp_path / "my imgs"
+    imgs.mkdir()
+    calls = [[command, str(imgs)] for command in ("preflight", "doctor", "lr-find")]
+    code = ("import sys\nfrom sinkflow.cli import main\nfor argv in %r:\n    print(main(argv))\n"
+            "print('torch' in sys.modules)\n" % calls)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.stdout.split() == ["2"] * len(calls) + ["False"], out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 3, lines
+    for (command, _), line in zip(calls, lines):
+        assert line.endswith(f"for a folder of your own images: `sinkflow {command} folder 'data.path={imgs}'` "
+                             "(docs/data.md)"), line
+
+
 def test_version_names_sinkflow_torch_and_python_before_torch_loads():
     """There was no `sinkflow --version`: a bug report's first line had to be pieced together by hand."""
     import platform

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from sinkflow import config
@@ -61,13 +62,26 @@ def split_preset(args) -> None:
         args.preset = DEFAULT_PRESET
 
 
+def refuse_plain_folder(path: Path, command: str) -> None:
+    """A folder given where a preset or run goes that is no run (no config.yaml, meta.json or checkpoints/; a run that
+    lost its config.yaml is ``read_config``'s): most often the user's own images, for which the fix is the folder
+    preset. ``sinkflow train imgs/`` named it (``config._own_data_hint``); preflight, doctor and lr-find said only
+    "not a sinkflow run folder", a user's first check of their folder left without the command that checks it."""
+    if any((path / name).exists() for name in ("config.yaml", "meta.json", "checkpoints")):
+        return
+    raise SinkflowError(f"{path} is a folder without config.yaml: not a sinkflow run folder",
+                        "name a run folder (it holds config.yaml), a preset or a .yaml config; for a folder of your "
+                        f"own images: `sinkflow {command} folder {shlex.quote(f'data.path={path}')}` (docs/data.md)")
+
+
 def run_folder_arg(args, command: str) -> Path | None:
     """The run folder a tool (doctor, lr-find) was pointed at in place of a preset, or None. Such a tool reads the
     run's own config.yaml, so an override or shorthand given beside it would be dropped in silence: refused. All but
     ``--device``, where this call runs (as for sample / eval / tune: ``add_device_arg``): a run trained with
     ``--device cuda`` was refused on a CPU with the fix "use --device cpu", which these commands then refused."""
-    if not Path(str(args.preset)).is_dir():
+    if not str(args.preset).strip() or not Path(str(args.preset)).is_dir():  # "" (an unset $RUN) is no folder
         return None
+    refuse_plain_folder(Path(str(args.preset)), command)
     given = [*args.overrides, *(f"--{k.replace('_', '-')}" for k, v in shorthands(args).items()
                                 if v is not None and k != "device")]
     if given:

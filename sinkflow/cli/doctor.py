@@ -39,12 +39,12 @@ def run(args):
     if not (math.isfinite(args.factor) and args.factor > 1):  # nan never fails a comparison; <= 1 never fails at all
         raise SinkflowError(f"--factor {args.factor} must be a number > 1 (how many times the loss must fall)",
                             "e.g. --factor 10 (the default)")
+    run_dir = run_folder_arg(args, "doctor")  # before torch loads: a folder that is no run is one line
     from sinkflow.tools.data import real_or_synthetic
     from sinkflow.tools.doctor import doctor_run
 
     from sinkflow.runtime.callbacks import quiet
 
-    run_dir = run_folder_arg(args, "doctor")
     with scratch_dir("doctor") as tmp, quiet():
         if run_dir is not None:
             findings = doctor_run(None, tmp, run_dir=run_dir, overfit_steps=args.steps,

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from sinkflow import config
-from sinkflow.cli.common import add_config_args, preset_given, shorthands, split_preset
+from sinkflow.cli.common import add_config_args, preset_given, refuse_plain_folder, shorthands, split_preset
 from sinkflow.errors import SinkflowError
 
 
@@ -103,6 +103,7 @@ def run_folder(args) -> Path | None:
     if not preset_given(args) or not Path(str(args.preset)).is_dir():
         return None
     run_dir = Path(str(args.preset))
+    refuse_plain_folder(run_dir, "preflight")
     if not (run_dir / "config.yaml").is_file():
         raise SinkflowError(f"{run_dir} is a folder without config.yaml: not a sinkflow run folder",
                             "name a run folder (it holds config.yaml), a preset or a .yaml config")
