@@ -54,7 +54,7 @@ class Run:
             raise SinkflowError(problem, f"its networks: {', '.join(networks)}")
         from sinkflow.tools.data import sampling_data
 
-        with sampling_data(self.cfg, self.dir), _float32_default():  # its shape is the data's: no data set needed
+        with sampling_data(self.cfg, self.dir, draws=False), _float32_default():  # the data's shape, no data set
             return self._run.model(phase)
 
     @torch.no_grad()

@@ -21,6 +21,7 @@ import torch
 
 from helpers import TINY_2D, cli, nan_gradient_phase, read_only, run_main, snapshot, train_in
 from helpers import error_line as one_line
+import sinkflow
 from sinkflow import config as config_mod
 from sinkflow.cli import main
 from sinkflow.errors import SinkflowError
@@ -693,6 +694,30 @@ def test_a_point_file_run_copied_without_its_file_samples_the_same(tmp_path, mon
     (run / "data_split.json").write_text(json.dumps({k: v for k, v in split.items() if k != "shape"}))
     one_line(*run_main(capsys, "sample", str(run), "--n", "4", "--out", "old.npy"), missing)
     assert not Path("s.npy").exists() and not Path("old.npy").exists()
+
+
+def test_sampling_a_run_whose_source_file_changed_is_refused(tmp_path, monkeypatch, capsys):
+    """`sinkflow sample RUN` (and Run.sample) of a run trained from data.source=src.npy pushed the file's points
+    through the flow as they are now: rewritten, the samples were of other data without a word, where eval and a resume
+    refused (found changing a source file after training, audit WW). A changed target alone is not read by sampling."""
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    np.save("src.npy", rng.normal(size=(64, 2)).astype(np.float32))
+    np.save("tgt.npy", rng.normal(size=(64, 2)).astype(np.float32) + 3)
+    assert main(["train", "moons", *TINY_2D, "data.source=src.npy", "data.target=tgt.npy", "--name", "p",
+                 "--no-report"]) == 0
+    run = tmp_path / "runs" / "p"
+    np.save("tgt.npy", np.load("tgt.npy") + 1)
+    assert main(["sample", str(run), "--n", "4", "--steps", "2", "--out", "a.npy"]) == 0
+    np.save("src.npy", np.load("src.npy") + 1)
+    before = full_snapshot(run)
+    line = one_line(*run_main(capsys, "sample", str(run), "--n", "4", "--steps", "2", "--out", "b.npy"),
+                    "cannot sample", "data changed")
+    assert f"{tmp_path / 'src.npy'}: source.points_sha256 differ" in line and "restore the source points" in line
+    with pytest.raises(SinkflowError, match="cannot sample"):
+        sinkflow.open_run(run).sample(4, steps=2)
+    assert not Path("b.npy").exists() and full_snapshot(run) == before
+    sinkflow.open_run(run).model("velocity")  # the network alone reads no points
 
 
 def test_a_changed_source_file_is_named_not_the_target(tmp_path, monkeypatch, capsys):

@@ -90,6 +90,21 @@ def check_split(run, source, target, doing: str = "resume") -> None:
     _refuse_changed(run, recorded, sorted(k for k in old if old.get(k) != new.get(k)), doing, now)
 
 
+def check_source(run_dir, source) -> None:
+    """Refuse to sample a run whose source point file changed since it trained (``data.source=pts.csv``): sampling
+    pushes the source's points through the flow, and a rewritten file gave samples of other data without a word, where
+    eval and a resume refused it. Only the source's hashes are compared: sampling never reads the target's data."""
+    from types import SimpleNamespace
+
+    info = getattr(source, "split_info", None)
+    run = SimpleNamespace(dir=run_dir)
+    recorded = _recorded(run) if info else None
+    if recorded is None or not isinstance(recorded.get("source"), dict):
+        return
+    old, new = _hashes(recorded["source"], "source."), _hashes(info, "source.")
+    _refuse_changed(run, recorded, sorted(k for k in old if old.get(k) != new.get(k)), "sample", {"source": info})
+
+
 def _where(info: dict, changed: str) -> str | None:
     """The file or folder of a record whose hash ``changed`` names: the source's record is nested under "source"."""
     src = info.get("source") if isinstance(info.get("source"), dict) else {}
@@ -102,6 +117,8 @@ def _refuse_changed(run, recorded: dict, changed: list[str], doing: str, now: di
         what = (f"{what}, not the data recorded for {was}" if what and was and what != was else what or was
                 or "the data")
         fix = ("restore the data the run was trained on, or start a new run" if doing == "resume" else
+               "restore the source points the run was trained on (the flow would carry other points), or train a new "
+               "run" if doing == "sample" else
                "restore the data the run was trained on (its scores would be against other data), or train a new run")
         raise SinkflowError(f"cannot {doing} {run.dir}: its data changed since the run started ({what}: "
                             f"{', '.join(changed)} differ from {RECORD})", fix)

@@ -65,7 +65,20 @@ def needs_synthetic(cfg: dict) -> str | None:
 
 
 @contextlib.contextmanager
-def sampling_data(cfg: dict, run_dir: Path):
+def sampling_data(cfg: dict, run_dir: Path, draws: bool = True):
+    """``_sampling_data``; where the block ``draws`` from the source, a source point file is checked against the run's
+    record first (``data_record.check_source``; a network alone, ``Run.model``, needs only the shape)."""
+    with _sampling_data(cfg, run_dir) as reason:
+        spec = str(cfg["data"]["source"])
+        if draws and (spec.lower().endswith(data.POINT_SUFFIXES) or "/" in spec):  # a point file (cached): hashed
+            from sinkflow.runtime.data_record import check_source
+
+            check_source(Path(run_dir), data.distributions(cfg)[0])
+        yield reason
+
+
+@contextlib.contextmanager
+def _sampling_data(cfg: dict, run_dir: Path):
     """Sampling a trained image run needs its data's shape, not its pixels: a run copied off the machine it trained
     on (a Kaggle run on a laptop) samples without its data set. Within the block, when the target image set is not
     on this machine (``DataNotFound``; nothing is downloaded to learn that), synthetic images of the run's shape
