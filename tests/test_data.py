@@ -1097,6 +1097,19 @@ def test_images_of_a_kind_the_folder_does_not_read_are_said_left_out(tmp_path, c
                      r"them to png", caplog.text)
 
 
+def test_jpegs_under_another_extension_are_said_left_out(tmp_path, caplog):
+    """A browser's "Save image as" writes JPEGs as .jfif: a folder of downloads trained on its .jpg alone, the .jfif
+    (and .jpe) left out without a word (found walking the image-folder journey, audit WW). Said, with the rename."""
+    folder = make_folder(tmp_path / "imgs", n=4, size=(8, 8))
+    for name in ("a.jfif", "b.JFIF", "sub/c.jpe"):
+        Image.new("RGB", (8, 8)).save(folder / name, format="JPEG")
+    with caplog.at_level(logging.WARNING, logger="sinkflow"):
+        d = build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder)))
+    assert len(d.images) + len(d.test_images) == 5  # the 4 png and the jpg: a run's recorded file list is unchanged
+    assert re.search(r"imgs: 3 JPEG\(s\) under another extension are left out \(2 \.jfif, 1 \.jpe\); rename them "
+                     r"to \.jpg to train on them", caplog.text), caplog.text
+
+
 def test_mac_metadata_is_skipped_and_every_unreadable_image_is_named_at_once(tmp_path):
     """Unzipping a macOS archive leaves `._name.png` beside each image and a `__MACOSX/` copy: named like images,
     holding none, they stopped a run each, one after the other (6 runs for 6 files)."""

@@ -28,6 +28,9 @@ DECODES: collections.Counter = collections.Counter()
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 # images of kinds a folder does not read (animations, TIFF's float and multi-page modes...): said, not skipped in silence
 OTHER_IMAGE_EXTENSIONS = (".gif", ".tif", ".tiff", ".heic", ".heif", ".avif", ".jp2", ".ppm", ".pgm", ".pbm", ".tga")
+# JPEGs under other names (a browser's "Save image as" writes .jfif): left out, since a run's recorded file list must
+# not change under it, but said with the fix, a rename (they were left out in silence, a class of downloads gone)
+JPEG_ALIASES = (".jfif", ".jpe", ".pjpeg", ".pjp")
 
 
 def fit_image(img: Image.Image, channels: int, image_size: int | None) -> np.ndarray:
@@ -569,6 +572,12 @@ class FolderSource:
             warn_once(log, self.path, "image folder %s: %d image(s) of a kind it does not read are left out (%s); "
                       "convert them to png to train on them", self.path, sum(left.values()),
                       ", ".join(f"{n} {ext}" for ext, n in left.most_common()))
+        jpegs = collections.Counter(p.suffix.lower() for p in found
+                                    if p.suffix.lower() in JPEG_ALIASES and not _mac_metadata(p))
+        if jpegs:
+            warn_once(log, self.path, "image folder %s: %d JPEG(s) under another extension are left out "
+                      "(%s); rename them to .jpg to train on them", self.path, sum(jpegs.values()),
+                      ", ".join(f"{n} {ext}" for ext, n in jpegs.most_common()))
         if hidden:
             warn_once(log, self.path, "image folder %s: %d image(s) under hidden names are left out (e.g. "
                       "%s); rename them without the leading dot to train on them", self.path, len(hidden),
