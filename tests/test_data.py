@@ -825,6 +825,27 @@ def test_a_photo_with_an_exif_orientation_is_decoded_upright(tmp_path, monkeypat
     assert not loads  # the size check reads headers only (a PNG's getexif() would decode it)
 
 
+@pytest.mark.parametrize("tag", [0, 9])
+def test_an_exif_orientation_outside_1_to_8_turns_nothing(tmp_path, tag):
+    """Some cameras write orientation 0 or a value past 8. The decoder turns nothing for them (``UPRIGHT``, as PIL's
+    exif_transpose), but the native-size check took 9 for a quarter turn: a folder of 8x6 images with one tagged 9 was
+    refused as of "different sizes", and one whose tagged image was stored 6x8 passed the check and stopped on numpy's
+    "could not broadcast" traceback (found feeding the folder loader a photo with a broken tag, audit WW)."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    exif = Image.Exif()
+    exif[0x0112] = tag
+    stored = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)  # the others' size as stored: read as it is
+    Image.fromarray(stored).save(folder / "3.jpg", exif=exif, quality=100)
+    d = build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder)))
+    assert d.shape == (3, 6, 8)
+    with Image.open(folder / "3.jpg") as img:
+        np.testing.assert_array_equal(d.test_images[0], sources.fit_image(img, 3, None))
+
+
 def test_a_missing_point_file_gets_the_fix_for_its_kind_of_path(tmp_path, monkeypatch):
     """A run records its point files by absolute path: when one was moved, the fix said paths are relative to the
     working directory, which does not apply."""

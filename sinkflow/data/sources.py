@@ -77,7 +77,9 @@ UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4:
 
 def orientation(img: Image.Image) -> int:
     """The EXIF orientation of an opened image's header, 1 (as stored) where it holds none or a broken one. Only the
-    header's block is read: a PNG's ``getexif()`` without one decodes the whole image to look past its pixels."""
+    header's block is read: a PNG's ``getexif()`` without one decodes the whole image to look past its pixels. A value
+    outside 1-8 (0, 9: written by some cameras) turns nothing (``UPRIGHT``); the size check took 9 for a quarter turn
+    and a native-size folder stopped on numpy's "could not broadcast" traceback."""
     if "exif" not in img.info:
         return 1
     try:
@@ -607,7 +609,7 @@ class FolderSource:
         first = None
         for p in self.files:  # headers only: cheap, and fails before any decoding
             with self._open(p) as img:
-                size = img.size[::-1] if orientation(img) >= 5 else img.size  # as decoded: ``upright``
+                size = img.size[::-1] if orientation(img) in (5, 6, 7, 8) else img.size  # as ``upright`` turns it
                 if first is None:
                     first = (p, size)
                 elif size != first[1]:
