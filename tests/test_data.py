@@ -1187,6 +1187,24 @@ def test_links_that_point_nowhere_are_named_not_left_out(tmp_path):
                            "mount or restore what they point to, or remove the links from data.path")
 
 
+def test_images_read_twice_through_links_are_said(tmp_path, caplog):
+    """Links to images of the folder beside them (a hand-made view of the set): each image was read twice, in
+    silence, and the held-out tenth could hold the twin of a trained-on image (found with a link to an image of the
+    folder, audit WW). Said, with the files kept (a run's recorded file list stays the same); a link to an image
+    outside the folder is not a twin."""
+    folder = make_folder(tmp_path / "imgs", n=6, size=(8, 8))
+    (folder / "copy0.png").symlink_to(folder / "img01.png")
+    os.link(folder / "img02.png", folder / "hard.png")
+    outside = make_folder(tmp_path / "elsewhere", n=2, size=(8, 8), seed=1)
+    (folder / "more.png").symlink_to(outside / "img01.png")
+    with caplog.at_level(logging.WARNING, logger="sinkflow"):
+        d = build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder)))
+    assert len(d.images) + len(d.test_images) == 10
+    assert re.search(r"imgs: 2 image\(s\) are read twice, through links \(copy0.png and img01.png are one file, "
+                     r"\.\.\.\): a twin can be trained on and held out; remove the links to count each image once$",
+                     caplog.text.strip()), caplog.text
+
+
 def test_transparent_images_are_composited_over_white(tmp_path, recwarn):
     """A sprite's transparent pixels came out as the colour they stored (``convert`` dropped the alpha: often black),
     and a palette PNG whose transparency is a byte table printed PIL's raw UserWarning. They are composited over

@@ -521,6 +521,7 @@ class FolderSource:
         hidden = [p for p in images if self._hidden(p)]
         self.files = sorted(set(images) - set(hidden), key=lambda p: p.relative_to(self.path).as_posix())
         self._say_left_out(found, hidden)
+        self._say_linked_twice()
         if not self.files:
             others = len(found)
             raise SinkflowError(f"image folder {self.path} holds no images ({others} other files)",
@@ -558,6 +559,26 @@ class FolderSource:
                                 f"{'' if n > 1 else 's'} nowhere ({first.relative_to(self.path).as_posix()} -> "
                                 f"{os.readlink(first)}{', ...' if n > 1 else ''})",
                                 "mount or restore what they point to, or remove the links from data.path")
+
+    def _say_linked_twice(self) -> None:
+        """Warn of images read twice: a link under ``path`` to an image already in the set (a linked folder already
+        walked is not walked again: ``files_under``), a hard link too. Each copy is an image of the set, and the
+        held-out tenth can hold one whose twin is trained on; said, not dropped, so that a run's recorded file list
+        stays the same."""
+        first: dict[tuple[int, int], Path] = {}
+        twice = []
+        for p in self.files:
+            st = os.stat(p)  # one stat a file (a realpath is one a path part): symbolic and hard links alike
+            real = (st.st_dev, st.st_ino)
+            if real in first:
+                twice.append((p, first[real]))
+            else:
+                first[real] = p
+        if twice:
+            p, q = (x.relative_to(self.path).as_posix() for x in twice[0])
+            warn_once(log, self.path, "image folder %s: %d image(s) are read twice, through links (%s and %s are one "
+                      "file%s): a twin can be trained on and held out; remove the links to count each image once",
+                      self.path, len(twice), q, p, ", ..." if len(twice) > 1 else "")
 
     def _hidden(self, path: Path) -> bool:
         """A file whose name, or a folder's under ``path``, starts with a dot: a desktop's trash (``.Trash-1000/``), a
