@@ -946,6 +946,30 @@ def test_cli_turns_any_os_error_into_one_line(monkeypatch, capsys):
                  "--out /ro/s.npy cannot be written there")
 
 
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EFBIG])
+def test_a_full_disk_under_a_run_names_the_runs_own_resume(code, monkeypatch, capsys):
+    """A torchrun job whose disk filled at a checkpoint (found on a 12 MB tmpfs filled mid-run, audit YY): the line's
+    fix said `sinkflow train --resume RUN`, a one-process resume without the job's --no-report and --time-limit (a
+    global batch halved and the next session's limit lost), while `sinkflow status` named the run's own command."""
+    from sinkflow.cli import main
+
+    def full(*args, **kwargs):
+        kwargs["on_open"](type("Run", (), {"dir": "runs/x"})())  # the run folder is open when the disk fills
+        raise OSError(code, os.strerror(code), "runs/x/checkpoints/velocity/step_00000150.pt")
+
+    monkeypatch.setattr("sinkflow.engine.experiment.train_run", full)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for argv, run in ((["moons", "--no-report", "--time-limit", "8h30m"], "runs/x"),
+                      (["--resume", "runs/y", "--time-limit", "90m"], "runs/x")):
+        assert main(["train", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and errno.errorcode[code] in err[0] and "step_00000150.pt" in err[0], err
+        flags = " --no-report --time-limit 8h30m" if "--no-report" in argv else " --time-limit 1h30m"
+        assert f"`torchrun --nproc_per_node 2 -m sinkflow train --resume {run}{flags}` continues" in err[0], err
+        assert "--resume RUN" not in err[0], err
+
+
 
 def test_a_reader_that_closes_the_pipe_is_not_a_disk_error(tmp_path):
     """`sinkflow config moons --all | head -1`: the reader stops early; no 'EPIPE ... free space' line, and the exit

@@ -130,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return 128 + signal.SIGPIPE  # what a program stopped by SIGPIPE returns
     except OSError as exc:
-        print(f"sinkflow: error: {one_line(os_error_line(exc, getattr(args, 'out', None)))}", file=sys.stderr)
+        run_dir = getattr(args, "run_dir_used", None) or getattr(args, "resume", None)  # train's folder, once known
+        resume = (resume_as_launched(args, run_dir) if args.command == "train" and run_dir
+                  and exc.errno in _RESUMABLE else None)
+        print(f"sinkflow: error: {one_line(os_error_line(exc, getattr(args, 'out', None), resume))}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
         torch = sys.modules.get("torch")
@@ -243,13 +246,23 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def os_error_line(exc: OSError, out: str | None = None) -> str:
+# the fixes of a disk that filled under a run: its checkpoints are intact, and the run's own resume continues it
+_RESUMABLE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_GENERIC_RESUME = ", so `sinkflow train --resume RUN` continues from the last one"
+
+
+def os_error_line(exc: OSError, out: str | None = None, resume: str | None = None) -> str:
     """One line for any OSError: what failed (errno name and text), on which path, and the fix; a write under the
-    command's ``--out`` names that flag (its fix named experiment.runs_dir, which `sample --out` does not write)."""
+    command's ``--out`` names that flag (its fix named experiment.runs_dir, which `sample --out` does not write).
+    ``resume``: the command that continues the run that failed (`train`, once its folder is known), named in a full
+    disk's fix: the line said `sinkflow train --resume RUN` (a torchrun job then resumed on one process, without its
+    --no-report and --time-limit) while `sinkflow status` named the run's own."""
     code = errno.errorcode.get(exc.errno, "") if exc.errno else ""
     what = exc.strerror or str(exc) or type(exc).__name__
     where = f" ({os.fsdecode(exc.filename)})" if exc.filename else ""  # TensorBoard's are bytes: (b'/runs/...')
     fix = _OS_FIXES.get(exc.errno, "check the path, the permissions and the free space")
+    if resume and exc.errno in _RESUMABLE:
+        fix = fix.replace(_GENERIC_RESUME, "") + f", so `{resume}` continues from the last one"
     if out and exc.filename and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
         target, failed = os.path.abspath(out), os.path.abspath(os.fsdecode(exc.filename))
         parent = os.path.dirname(target)
