@@ -528,6 +528,29 @@ def test_a_pool_killed_mid_build_is_counted_in_batches_not_chunks_at_a_batch_rat
     assert "pool  batches 50/60 (83.3%)  5.84 batches/s" in format_status(st), format_status(st)
 
 
+def test_a_pool_build_that_failed_keeps_its_finished_chunks_and_says_so(tiny_run, tmp_path):
+    """A torchrun pool build whose rank 1 was killed -9 after 8 of 75 chunks (audit YY): status said FAILED "... the
+    phase had no checkpoint yet: it starts again", but the pool keeps its chunks in pool/progress.json, not in a step
+    checkpoint, and the resume went on from chunk 8. It names the chunks kept; a pool with none still starts again."""
+    import shutil
+    import socket
+
+    run = tmp_path / "r"
+    shutil.copytree(tiny_run, run)
+    shutil.rmtree(run / "checkpoints")
+    beat = {"pid": 2 ** 22 + 1, "host": socket.gethostname(), "phase": "pool", "step": 8, "total": 75,
+            "state": "failed", "done": 32, "of": 300, "error": "another process of this torchrun job stopped",
+            "time": time.time()}
+    (run / "status.json").write_text(json.dumps(beat))
+    (run / "pool").mkdir(exist_ok=True)
+    (run / "pool" / "progress.json").write_text(json.dumps({"chunks": list(range(8))}))
+    line = next(x for x in format_status(read_status(run)).splitlines() if x.startswith("state"))
+    assert "the pool's 8 finished chunk(s) are kept (pool/progress.json)" in line and "starts again" not in line, line
+    (run / "pool" / "progress.json").unlink()
+    line = next(x for x in format_status(read_status(run)).splitlines() if x.startswith("state"))
+    assert "the phase had no checkpoint yet: it starts again" in line, line
+
+
 @pytest.mark.parametrize("edit, needle", [("lr: fast", "config key 'train.velocity.lr' expects float"),
                                           ("lrr: 0.5", "has unknown key 'train.velocity.lrr'")])
 def test_a_hand_edit_every_command_refuses_is_not_finished(tiny_run, tmp_path, capsys, edit, needle):

@@ -148,6 +148,11 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
             files = sorted(p for p in phase_dir.iterdir() if p.is_file() and p.suffix == ".pt")
             ckpts[phase_dir.name] = [(f.name, f.stat().st_size, f.stat().st_mtime) for f in files]
     out["checkpoints"] = ckpts
+    try:  # a pool's finished chunks live in pool/progress.json, not in a step checkpoint: a resume goes on from them
+        chunks = json.loads((run_dir / "pool" / "progress.json").read_text()).get("chunks")
+        out["pool_chunks"] = len(chunks) if isinstance(chunks, list) else 0
+    except (OSError, ValueError, AttributeError):
+        out["pool_chunks"] = 0
     if state == "not started" and (any(ckpts.values()) or records or (run_dir / "pool").is_dir()):
         state = out["state"] = "unknown"  # status.json lost: it said "not started", with no resume command
     out["disk"] = {name: dir_bytes(run_dir / name) for name in ("pool", "checkpoints", "tb")}
@@ -272,6 +277,8 @@ def format_status(st: dict) -> str:
     elif state == "failed":
         step = f" {_position(hb)}" if hb.get("of") or hb.get("step") is not None else ""
         kept = ("the checkpoints before it are intact" if st["checkpoints"].get(hb.get("phase")) else
+                f"the pool's {st['pool_chunks']} finished chunk(s) are kept (pool/progress.json): the build goes on "
+                "from them" if hb.get("phase") == "pool" and st.get("pool_chunks") else
                 "the phase had no checkpoint yet: it starts again")  # "intact" with none there read as a promise
         why = (f" (stopped at {hb.get('phase')}{step}: {hb.get('error')}; {kept}: fix that, then `{st['resume']}` "
                "continues)")
