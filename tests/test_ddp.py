@@ -235,6 +235,28 @@ def test_a_collective_failed_by_a_lost_rank_is_one_line_with_the_resume_command(
         main(["status", "runs/x"])
 
 
+def test_a_second_signal_under_torchrun_is_one_line_from_rank_0(monkeypatch, capsys):
+    """Two SIGTERMs to the torchrun agent mid-phase (audit YY): torchrun passes each to every worker, and each rank
+    printed "stopped at once by a second signal ..." (two lines on 2 processes, 8 on 8). Rank 0 says it; every rank
+    exits 128 + the signal, as one process does."""
+    from sinkflow.cli import main
+    from sinkflow.runtime.signals import StopNow
+
+    def now(**kwargs):
+        kwargs["on_open"](type("Run", (), {"dir": "runs/x"})())
+        raise StopNow(signal.SIGTERM)
+
+    monkeypatch.setattr("sinkflow.engine.experiment.train_run", now)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["train", "--resume", "runs/x", "--no-report"]) == 128 + signal.SIGTERM
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == lines, err
+        assert not lines or ("stopped at once by a second signal" in err[0] and "`torchrun --nproc_per_node 2 -m "
+                             "sinkflow train --resume runs/x --no-report`" in err[0]), err
+
+
 @pytest.mark.parametrize("command", ["eval", "sample", "lr-find", "tune", "doctor", "preflight", "bench"])
 def test_a_one_process_command_under_torchrun_is_one_line_from_rank_0(command, monkeypatch, capsys):
     """`torchrun --nproc_per_node 2 -m sinkflow eval RUN`: both ranks scored the run and appended the same record to

@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         signum = getattr(exc, "signum", signal.SIGINT)  # StopNow's; a Ctrl+C outside a run is SIGINT's
         if args.command == "train":
             command = resume_as_launched(args, getattr(args, "run_dir_used", None) or "RUN")
-            print(f"sinkflow: stopped at once by a second signal: the checkpoints written before are intact; resume "
-                  f"with `{command}`", file=sys.stderr)
+            if os.environ.get("RANK", "0") == "0":  # torchrun passes each signal to every rank: rank 0 says it once
+                print(f"sinkflow: stopped at once by a second signal: the checkpoints written before are intact; "
+                      f"resume with `{command}`", file=sys.stderr)
         else:  # one signal stops any other command, its temporary files removed on the way out
             print(f"sinkflow: {args.command} stopped by signal {signum}", file=sys.stderr)
         return 128 + signum
