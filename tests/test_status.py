@@ -528,6 +528,32 @@ def test_a_pool_killed_mid_build_is_counted_in_batches_not_chunks_at_a_batch_rat
     assert "pool  batches 50/60 (83.3%)  5.84 batches/s" in format_status(st), format_status(st)
 
 
+def test_a_run_restored_where_another_machines_session_left_it_is_stale_with_the_resume_command(tiny_run, tmp_path):
+    """A Kaggle session killed at its limit mid-phase, its run copied back to the same path in the next session
+    (audit YY): the heartbeat is the old container's, for this very folder, hours old. Status said STALE ("hung, or
+    one step ... takes longer") with no resume command; it now gives the command for a run nothing trains any more.
+    A heartbeat of this host (its pid alive, silent) is hung: no resume is suggested beside a live process."""
+    import shutil
+    import socket
+
+    run = tmp_path / "r"
+    shutil.copytree(tiny_run, run)
+    beat = {"pid": 77, "host": "kaggle-0a1b2c", "dir": str(run.resolve()), "phase": "velocity", "step": 3,
+            "total": 6, "state": "running", "world": 1, "no_report": True, "time_limit": None,
+            "time": time.time() - 3 * 3600}
+    (run / "status.json").write_text(json.dumps(beat))
+    st = read_status(run)
+    line = next(x for x in format_status(st).splitlines() if x.startswith("state"))
+    assert st["state"] == "stale" and "a session that ended on kaggle-0a1b2c" in line, line
+    assert f"resume with `sinkflow train --resume {run} --no-report`" in line, line
+    (run / "status.json").write_text(json.dumps({**beat, "host": socket.gethostname(), "pid": os.getpid()}))
+    from sinkflow.runtime.lock import run_lock
+
+    with run_lock(run):  # this process holds the run, silent for 3 hours: hung
+        line = next(x for x in format_status(read_status(run)).splitlines() if x.startswith("state"))
+    assert line.startswith("state        STALE") and "resume" not in line, line
+
+
 def test_a_pool_build_that_failed_keeps_its_finished_chunks_and_says_so(tiny_run, tmp_path):
     """A torchrun pool build whose rank 1 was killed -9 after 8 of 75 chunks (audit YY): status said FAILED "... the
     phase had no checkpoint yet: it starts again", but the pool keeps its chunks in pool/progress.json, not in a step

@@ -284,7 +284,11 @@ def format_status(st: dict) -> str:
                "continues)")
     elif state == "stale":
         why = f" (no heartbeat for {_dur(age)}, where a training phase writes one every minute: hung, or one step or " \
-            "pool chunk takes longer than that)"
+            "pool chunk takes longer than that"
+        if not hb.get("host") or hb.get("host") != socket.gethostname():  # its pid cannot be seen from here
+            why += (f"; or nothing trains it any more (a session that ended on {hb.get('host') or 'another machine'}, "
+                    f"its folder restored here): then resume with `{st['resume']}`")
+        why += ")"
     elif state == "incomplete" and st.get("damaged"):
         why = (f" (status.json says finished, but {', '.join(st['damaged'])} is damaged (not a whole checkpoint): "
                f"delete it, then `{st['resume']}` trains that phase again from its last step checkpoint)")
