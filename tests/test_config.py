@@ -692,6 +692,33 @@ def test_fid_packages_are_checked_before_training(tmp_path, monkeypatch, capsys)
     assert not (tmp_path / "runs" / "f").exists()
 
 
+def test_a_resume_checks_the_fid_settings_before_training_and_before_config_yaml(tmp_path, monkeypatch, capsys):
+    """A new run is refused on a missing weights file or torch-fidelity before its folder exists; a resume skipped
+    both: `--resume RUN eval.inception_weights=BAD` trained every phase left, was refused at the report, and kept
+    BAD in config.yaml, so every later `sinkflow eval RUN` failed too (found walking the cifar10 journey, audit XX)."""
+    import sys
+
+    from sinkflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "torch_fidelity", None)  # not importable, whatever this machine has
+    from sinkflow.runtime.run_folder import RunFolder
+
+    tiny = ["experiment.name=f", "experiment.device=cpu", "train.velocity.iters=1", "train.nsf.iters=1",
+            "train.time.iters=1", "pool.batches=1", "pool.batch_size=4", "model.velocity.channels=8",
+            "model.nsf.channels=8", "eval.n=4", "train.velocity.warmup=0", "train.nsf.warmup=0"]
+    run = RunFolder.create(config.resolve("digits", tiny)).dir  # the folder, nothing trained yet
+    capsys.readouterr()
+    (tmp_path / "w.pth").write_bytes(b"weights")
+    for value, said in ((tmp_path / "nope.pth", "nope.pth is not a file"),
+                        (tmp_path / "w.pth", "FID needs torch_fidelity, not installed here")):
+        assert main(["train", "--resume", str(run), f"eval.inception_weights={value}"]) == 2
+        assert yaml.safe_load((run / "config.yaml").read_text())["eval"]["inception_weights"] is None
+        assert not (run / "checkpoints" / "velocity").exists()  # refused before the phases
+        err = capsys.readouterr().err
+        assert said in err and f"as `sinkflow train --resume {run} key=value`; or resume with --no-report" in err
+
+
 def test_a_file_named_like_a_preset_without_naming_one_is_refused(tmp_path, monkeypatch):
     """`lab/moons.yaml` holding `pool: {eta: 0.5}` was labelled preset 'moons' but trained the schema's defaults (a
     `mnist.yaml` so made trained a 2D run); a file that sets every key is its own recipe, whatever its name."""

@@ -184,6 +184,24 @@ def check_machine(cfg: dict, shape: tuple[int, ...]) -> None:
     and, where the report computes FID, its weights file, its packages and 2 held-out images. ``sinkflow train``
     refuses the run on it; preflight reports it as its own check (planning on a laptop for a rented GPU)."""
     methods.of(cfg).check_machine(cfg, shape)
+    check_fid(cfg)
+
+
+def check_fid(cfg: dict, resume=None, report: bool = True) -> None:
+    """Where the report computes FID: its weights file, 2 held-out images to score and its packages (``check_machine``;
+    a resume calls it alone, before its config.yaml is written: it skipped them, trained every phase left and was
+    refused at the report, with the bad value kept in config.yaml, where `sinkflow eval` cannot change it): its fix
+    then names the resume's commands."""
+    try:
+        _check_fid(cfg)
+    except SinkflowError as e:
+        if resume is None:
+            raise
+        other = "; or resume with --no-report to train on without the report" if report else ""
+        raise SinkflowError(e.problem, f"{e.fix}, as `sinkflow train --resume {resume} key=value`{other}") from None
+
+
+def _check_fid(cfg: dict) -> None:
     weights = cfg["eval"]["inception_weights"]  # refused after every phase had trained, at the report
     if weights and "eval.inception_weights" in schema.used(cfg):
         if not Path(weights).expanduser().is_file():
@@ -257,6 +275,8 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         if resume is not None:  # the pool checks its free disk when it opens, counting the blocks its arrays hold
             dist.on_every(lambda: (check_split_files(run, data.target_split_info(cfg)),  # changed images: refused
                                    check_run(cfg, machine=False, graphs=False)))  # before they are decoded
+            if then is not None or "eval.inception_weights" in run.changes():  # the report's FID (or the new path)
+                dist.on_every(lambda: check_fid(cfg, resume, report=then is not None))  # before config.yaml holds it
         if dist.current().enabled:  # rank 0 decodes an image set into its cache under data.root first, the other
             # ranks then read it (every rank decoded the same images at once: 8 GPUs, 8 decodes; a data error is
             # every rank's one line); alone, the call below is the only one
