@@ -696,17 +696,23 @@ def test_a_point_file_run_copied_without_its_file_samples_the_same(tmp_path, mon
     assert not Path("s.npy").exists() and not Path("old.npy").exists()
 
 
-def test_sampling_a_run_whose_source_file_changed_is_refused(tmp_path, monkeypatch, capsys):
-    """`sinkflow sample RUN` (and Run.sample) of a run trained from data.source=src.npy pushed the file's points
-    through the flow as they are now: rewritten, the samples were of other data without a word, where eval and a resume
-    refused (found changing a source file after training, audit WW). A changed target alone is not read by sampling."""
+def trained_on_point_files(tmp_path, monkeypatch) -> Path:
+    """RUN of a tiny moons run trained in ``tmp_path`` (the working folder) from src.npy to tgt.npy, two (64, 2) files
+    there."""
     monkeypatch.chdir(tmp_path)
     rng = np.random.default_rng(0)
     np.save("src.npy", rng.normal(size=(64, 2)).astype(np.float32))
     np.save("tgt.npy", rng.normal(size=(64, 2)).astype(np.float32) + 3)
     assert main(["train", "moons", *TINY_2D, "data.source=src.npy", "data.target=tgt.npy", "--name", "p",
                  "--no-report"]) == 0
-    run = tmp_path / "runs" / "p"
+    return tmp_path / "runs" / "p"
+
+
+def test_sampling_a_run_whose_source_file_changed_is_refused(tmp_path, monkeypatch, capsys):
+    """`sinkflow sample RUN` (and Run.sample) of a run trained from data.source=src.npy pushed the file's points
+    through the flow as they are now: rewritten, the samples were of other data without a word, where eval and a resume
+    refused (found changing a source file after training, audit WW). A changed target alone is not read by sampling."""
+    run = trained_on_point_files(tmp_path, monkeypatch)
     np.save("tgt.npy", np.load("tgt.npy") + 1)
     assert main(["sample", str(run), "--n", "4", "--steps", "2", "--out", "a.npy"]) == 0
     np.save("src.npy", np.load("src.npy") + 1)
@@ -722,14 +728,9 @@ def test_sampling_a_run_whose_source_file_changed_is_refused(tmp_path, monkeypat
 
 def test_a_changed_source_file_is_named_not_the_target(tmp_path, monkeypatch, capsys):
     """With both source and target point files, a changed source was reported as the target file."""
-    monkeypatch.chdir(tmp_path)
-    rng = np.random.default_rng(0)
-    np.save("src.npy", rng.normal(size=(64, 2)).astype(np.float32))
-    np.save("tgt.npy", rng.normal(size=(64, 2)).astype(np.float32) + 3)
-    assert main(["train", "moons", *TINY_2D, "data.source=src.npy", "data.target=tgt.npy", "--name", "p",
-                 "--no-report"]) == 0
+    run = trained_on_point_files(tmp_path, monkeypatch)
     np.save("src.npy", np.load("src.npy") + 1)
-    line = one_line(*run_main(capsys, "eval", str(tmp_path / "runs" / "p")), "cannot evaluate", "data changed")
+    line = one_line(*run_main(capsys, "eval", str(run)), "cannot evaluate", "data changed")
     assert f"{tmp_path / 'src.npy'}: source.points_sha256 differ" in line, line
 
 

@@ -189,17 +189,6 @@ class ArraySource:
     def count(self, split: str) -> int | None:
         return None
 
-    def _decode(self, p: Path) -> np.ndarray:
-        """One image as a uint8 (C, H, W) array, or a one-line SinkflowError naming the file."""
-        with self._open(p) as img:
-            turn = orientation(img)  # the header's, as _common_size read it
-            try:
-                img.load()
-                return fit_image(upright(img, turn), self.channels, self.image_size)
-            except (OSError, SyntaxError, ValueError) as e:
-                raise SinkflowError(f"image {p} is corrupt or truncated ({e})",
-                                    "re-export it or remove it from data.path") from None
-
     def decode_into(self, split: str, write):
         arr, labels = self.load(split)
         DECODES[self.name] += 1
@@ -589,18 +578,13 @@ class FolderSource:
     def _say_left_out(self, found: list[Path], hidden: list[Path]) -> None:
         """Warn of images left out: of a kind the folder does not read (``OTHER_IMAGE_EXTENSIONS``: a folder of jpg
         and gif trained on its jpg alone without a word), and under hidden names (``_hidden``)."""
-        left = collections.Counter(p.suffix.lower() for p in found
-                                   if p.suffix.lower() in OTHER_IMAGE_EXTENSIONS and not _mac_metadata(p))
-        if left:
-            warn_once(log, self.path, "image folder %s: %d image(s) of a kind it does not read are left out (%s); "
-                      "convert them to png to train on them", self.path, sum(left.values()),
-                      ", ".join(f"{n} {ext}" for ext, n in left.most_common()))
-        jpegs = collections.Counter(p.suffix.lower() for p in found
-                                    if p.suffix.lower() in JPEG_ALIASES and not _mac_metadata(p))
-        if jpegs:
-            warn_once(log, self.path, "image folder %s: %d JPEG(s) under another extension are left out "
-                      "(%s); rename them to .jpg to train on them", self.path, sum(jpegs.values()),
-                      ", ".join(f"{n} {ext}" for ext, n in jpegs.most_common()))
+        for kinds, what, fix in ((OTHER_IMAGE_EXTENSIONS, "image(s) of a kind it does not read", "convert them to png"),
+                                 (JPEG_ALIASES, "JPEG(s) under another extension", "rename them to .jpg")):
+            left = collections.Counter(p.suffix.lower() for p in found
+                                       if p.suffix.lower() in kinds and not _mac_metadata(p))
+            if left:  # a message of its own each (warn_once says each message once)
+                warn_once(log, self.path, f"image folder %s: %d {what} are left out (%s); {fix} to train on them",
+                          self.path, sum(left.values()), ", ".join(f"{n} {ext}" for ext, n in left.most_common()))
         if hidden:
             warn_once(log, self.path, "image folder %s: %d image(s) under hidden names are left out (e.g. "
                       "%s); rename them without the leading dot to train on them", self.path, len(hidden),
