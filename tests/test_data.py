@@ -435,6 +435,45 @@ def test_digits_split_labels_and_values(tmp_path):
     assert d.labels.shape == (len(d.images),)
 
 
+def test_two_builders_of_one_image_cache_decode_it_once(tmp_path, monkeypatch):
+    """The ranks of a torchrun job all open the data before the run starts (check_run), and two runs started at once
+    share a data.root: two processes decoded the same images into the same cache files at once, the second's start
+    made the first's fresh cache invalid, and the first failed its own check ("freshly written cache ... does not
+    validate": a 2-process CPU run of the suite, 2026-12-01). One builds, the other waits and reads its cache. Two
+    threads here (flock holds between two opens of the lock file as between two processes); each decode is slowed
+    so that the second starts while the first decodes."""
+    import threading
+    import time
+
+    from sinkflow.data import cache
+
+    folder = make_folder(tmp_path / "imgs", n=10)
+    c = cfg(tmp_path, path=str(folder), image_size=20)
+    real = cache.write_cache
+
+    def slow(stem, fingerprint, shape, fill):
+        return real(stem, fingerprint, shape, lambda out: (time.sleep(0.3), fill(out))[1])
+
+    monkeypatch.setattr("sinkflow.data.images.write_cache", slow)
+    decodes = sum(sources.DECODES.values())
+    built, failed = [], []
+
+    def build():
+        try:
+            built.append(build_distribution("folder", data_cfg=c))
+        except BaseException as exc:  # noqa: BLE001 (reported by the assertion below)
+            failed.append(exc)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failed, failed
+    assert sum(sources.DECODES.values()) == decodes + 2  # each split once, by one of the two
+    assert np.array_equal(built[0].images, built[1].images)
+
+
 def replace_file(path, write):
     tmp = path.with_name("tmp-" + path.name)
     write(tmp)

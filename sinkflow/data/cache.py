@@ -8,12 +8,14 @@ either the old valid cache or none; a cache whose fingerprint, header or shape d
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -55,6 +57,26 @@ def open_cache(stem: Path, fingerprint: str, chw: tuple[int, int, int] | None = 
         if labels.shape != (images.shape[0],):
             return None
     return images, labels
+
+
+@contextlib.contextmanager
+def building(stem: Path) -> Iterator[None]:
+    """One builder of a cache in ``stem``'s folder at a time (an exclusive ``flock`` on the folder: no lock file is
+    left beside the caches), across processes:
+    the ranks of a torchrun job all open the data before the run starts (``check_run``), and two runs started at once
+    share a data.root. Two builders decoded the same images into the same files at once: the second's start made the
+    first's just-written cache invalid, which then failed its own check ("freshly written cache ... does not
+    validate", a 2-process CPU run, 2026-12-01). The caller opens the cache again once it holds the lock: the other
+    builder has written it meanwhile. Where the folder's filesystem cannot lock it (NFS emulates flock with locks a
+    folder opened read-only cannot take), the build goes on unlocked, as before."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(stem.parent, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
 
 
 def write_cache(stem: Path, fingerprint: str, shape: tuple[int, int, int, int],

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from sinkflow.data.base import DEFAULT_TEST_SEED, Distribution, check_sample_args, warn_once
-from sinkflow.data.cache import cache_stem, cached_pixels_sha256, open_cache, write_cache
+from sinkflow.data.cache import building, cache_stem, cached_pixels_sha256, open_cache, write_cache
 from sinkflow.data.sources import CIFAR10Source, DigitsSource, FolderSource, MNISTSource
 from sinkflow.errors import SinkflowError
 
@@ -190,9 +190,13 @@ def build_image_distribution(name: str, data_cfg: dict) -> ImageDistribution:
         fp = src.fingerprint(split)
         hit = open_cache(stem, fp, src.chw)
         if hit is None:
-            log.info("decoding %s/%s once into %s.npy", name, split, stem)
             try:
-                hit = src.decode_into(split, lambda shape, fill, stem=stem, fp=fp: write_cache(stem, fp, shape, fill))
+                with building(stem):  # another process decoding it now: wait, then read what it wrote
+                    hit = open_cache(stem, fp, src.chw)
+                    if hit is None:
+                        log.info("decoding %s/%s once into %s.npy", name, split, stem)
+                        hit = src.decode_into(split, lambda shape, fill, stem=stem, fp=fp:
+                                              write_cache(stem, fp, shape, fill))
             except OSError as exc:  # the cache folder, a file in it, or a folder above it that mkdir could not make
                 # (/workspace of /workspace/data on a laptop: EACCES names the ancestor, not the cache folder)
                 if exc.filename is None or not (str(exc.filename).startswith(str(stem.parent))
