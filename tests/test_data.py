@@ -1226,6 +1226,24 @@ def test_links_that_point_nowhere_are_named_not_left_out(tmp_path):
                            "mount or restore what they point to, or remove the links from data.path")
 
 
+def test_a_link_that_points_nowhere_but_names_no_image_or_folder_is_not_refused(tmp_path):
+    """The refusal of dangling links refused a folder of images over a link that was never to be read: a dangling
+    ``readme.md`` or ``labels.csv`` (a README linked from a project moved since) stopped the run, "mount or
+    restore what they point to", though no image was missing (found in review, audit ZZ). A link named as an image or
+    as a folder (no extension, or ``class.1``) is still refused."""
+    folder = make_folder(tmp_path / "imgs", n=6, size=(8, 8))
+    n = len(build_distribution("folder", data_cfg=cfg(tmp_path / "a", path=str(folder))).images)
+    for name in ("readme.md", "labels.csv"):
+        (folder / name).symlink_to(tmp_path / "moved" / name)
+    assert len(build_distribution("folder", data_cfg=cfg(tmp_path / "b", path=str(folder))).images) == n
+    for name in ("gone.jpg", "dogs", "class.1"):
+        link = folder / name
+        link.symlink_to(tmp_path / "moved" / name)
+        with pytest.raises(SinkflowError, match=f"holds 1 link that points nowhere \\({name} -> "):
+            build_distribution("folder", data_cfg=cfg(tmp_path / "other", path=str(folder)))
+        link.unlink()
+
+
 def test_images_read_twice_through_links_are_said(tmp_path, caplog):
     """Links to images of the folder beside them (a hand-made view of the set): each image was read twice, in
     silence, and the held-out tenth could hold the twin of a trained-on image (found with a link to an image of the

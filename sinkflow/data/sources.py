@@ -12,6 +12,7 @@ import gzip
 import hashlib
 import logging
 import os
+import re
 import pickle
 import shutil
 from pathlib import Path
@@ -136,6 +137,15 @@ def files_under(folder: Path, dangling: list | None = None):
                 yield path
             elif dangling is not None and path.is_symlink() and not path.exists():
                 dangling.append(path)
+
+
+def _may_hold_images(link: Path) -> bool:
+    """Whether a link that points nowhere could have been images of the set: one named as an image, or as a folder
+    (no extension, or one no file type has: ``class.1``). A dangling ``notes.txt`` or ``labels.csv`` would never have
+    been read; it refused a folder of images as if it were a class folder gone."""
+    suffix = link.suffix.lower()
+    return (suffix in IMAGE_EXTENSIONS or suffix in OTHER_IMAGE_EXTENSIONS or suffix in JPEG_ALIASES
+            or not re.fullmatch(r"\.[a-z][a-z0-9]{0,4}", suffix))
 
 
 class ArraySource:
@@ -540,7 +550,7 @@ class FolderSource:
         """Links under ``path`` that point nowhere (not hidden ones): a class folder or images linked in from a drive
         that is not mounted, or moved since, were left out in silence, and the run trained on the other classes
         (all of them dangling: "holds no images (0 other files)")."""
-        dangling = sorted((p for p in dangling if not self._hidden(p) and not _mac_metadata(p)),
+        dangling = sorted((p for p in dangling if _may_hold_images(p) and not self._hidden(p) and not _mac_metadata(p)),
                           key=lambda p: p.relative_to(self.path).as_posix())
         if dangling:
             first, n = dangling[0], len(dangling)
