@@ -338,6 +338,23 @@ def test_a_table_whose_first_column_is_a_row_index_is_refused(tmp_path, name, he
         assert build_distribution(str(f), data_cfg={}).shape == (3,)
 
 
+@pytest.mark.parametrize("name,header,sep", [("r.txt", "x y", " "), ("named.tsv", "\tx\ty", "\t")])
+def test_a_row_index_under_a_header_one_name_short_quotes_the_files_header(tmp_path, name, header, sep):
+    """R's ``write.table`` (no name over its row names) or a .tsv whose empty first name went with the line's leading
+    tab: the refusal quoted a header the file does not hold, its first name '' and the line ' x y' (a blank
+    prepended by the check), for a file whose line reads 'x y' (found in review, audit ZZ). It quotes the file's
+    line and says the header is one name short."""
+    points = np.random.default_rng(0).normal(size=(40, 2))
+    f = tmp_path / name
+    f.write_text("\n".join([header, *(f"{i}{sep}{a}{sep}{b}" for i, (a, b) in enumerate(points, 1))]) + "\n")
+    with pytest.raises(SinkflowError) as e:
+        build_distribution(str(f), data_cfg={})
+    line = one_line(e)
+    said = header.strip().replace("\t", "\\t")
+    assert f"its first column (unnamed: the header on line 1, '{said}', names one column fewer than the rows hold) " \
+        "is a row index, not a coordinate; the points would be 3-D" in line, line
+
+
 def test_point_file_reads_a_csv_with_a_byte_order_mark_and_expands_home(tmp_path, monkeypatch):
     """Excel's "CSV UTF-8" starts with a byte-order mark: the first point was read as a header and dropped. A
     `data.target=~/pts.npy` (the shell leaves that ~ alone) "did not exist"."""

@@ -88,6 +88,7 @@ def check_index_column(path: str, n: int, names: list[str], points: np.ndarray, 
     (the ``,0,1`` of unnamed columns was refused already). An empty or "Unnamed: ..." name is pandas' index whatever
     its values (a filtered frame's index skips rows); "index", "id", "idx" are one when the column holds distinct
     integers. A header one name short of the rows is one over an unnamed first column of distinct integers."""
+    header = (delimiter or " ").join(names)  # as the file's line reads, quoted in the message
     short = len(names) == points.shape[1] - 1  # the index's empty name stripped off the line (a .tsv's "\tx\ty")
     if short:                                   # or left out (R's write.table puts no name over its row names)
         names = ["", *names]
@@ -99,10 +100,11 @@ def check_index_column(path: str, n: int, names: list[str], points: np.ndarray, 
     pandas = (name == "" and not short) or name.startswith("unnamed:")  # its index, whatever the values
     if not (pandas or (name in INDEX_NAMES and counter)):
         return
-    raise SinkflowError(f"point file {path}: its first column ({names[0]!r} in the header on line {n}, "
-                        f"{(delimiter or ' ').join(names)!r}) is a row index, not a coordinate; the points would "
-                        f"be {points.shape[1]}-D", "write it without the index, e.g. df.to_csv(path, index=False), "
-                        "or drop that column")
+    named = (f"unnamed: the header on line {n}, {header!r}, names one column fewer than the rows hold" if short else
+             f"{names[0]!r} in the header on line {n}, {header!r}")  # the short one's '' is no name of the file's
+    raise SinkflowError(f"point file {path}: its first column ({named}) is a row index, not a coordinate; the points "
+                        f"would be {points.shape[1]}-D", "write it without the index, e.g. df.to_csv(path, "
+                        "index=False), or drop that column")
 
 
 def table_row(path: str, n: int, fields: list[str], first: bool, delimiter: str | None, fix: str) -> list[float]:
