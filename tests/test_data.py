@@ -1243,6 +1243,31 @@ def test_links_that_point_nowhere_are_named_not_left_out(tmp_path):
                            "mount or restore what they point to, or remove the links from data.path")
 
 
+def test_a_drive_without_inode_numbers_reads_no_twins(tmp_path, caplog, monkeypatch):
+    """The check of images read twice compared (st_dev, st_ino), but st_ino identifies a file only "if non-zero"
+    (os.stat_result): on a drive that gives every file 0 (some network shares, FAT drives) every image after the
+    first was said to be read twice, "remove the links", in a folder without one (found in review, audit ZZ)."""
+    folder = make_folder(tmp_path / "imgs", n=6, size=(8, 8))
+    real_stat = os.stat
+
+    class NoInode:
+        def __init__(self, st):
+            self._st = st
+
+        def __getattr__(self, name):
+            return 0 if name == "st_ino" else getattr(self._st, name)
+
+    def stat(path, *args, **kwargs):
+        st = real_stat(path, *args, **kwargs)
+        return NoInode(st) if str(path).startswith(str(folder)) else st
+
+    monkeypatch.setattr(sources.os, "stat", stat)
+    with caplog.at_level(logging.WARNING, logger="sinkflow"):
+        d = build_distribution("folder", data_cfg=cfg(tmp_path, path=str(folder)))
+    assert len(d.images) + len(d.test_images) > 2
+    assert "read twice" not in caplog.text, caplog.text
+
+
 def test_a_link_that_points_nowhere_but_names_no_image_or_folder_is_not_refused(tmp_path):
     """The refusal of dangling links refused a folder of images over a link that was never to be read: a dangling
     ``readme.md`` or ``labels.csv`` (a README linked from a project moved since) stopped the run, "mount or

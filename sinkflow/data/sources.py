@@ -569,6 +569,8 @@ class FolderSource:
         for p in self.files:
             st = os.stat(p)  # one stat a file (a realpath is one a path part): symbolic and hard links alike
             real = (st.st_dev, st.st_ino)
+            if not st.st_ino:  # no identity (os.stat_result: st_ino identifies a file "if non-zero"): some network
+                continue       # and FAT drives give every file 0, and every image after the first read as a twin
             if real in first:
                 twice.append((p, first[real]))
             else:
