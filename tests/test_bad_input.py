@@ -71,6 +71,22 @@ def test_a_folder_of_images_given_as_a_run_names_the_folder_preset_before_torch_
                              "(docs/data.md)"), line
 
 
+def test_doctor_and_lr_find_refuse_a_wrong_preset_or_key_before_torch_loads(tmp_path):
+    """`sinkflow doctor runs/typo` (a run folder mistyped) or `lr-find moons pool.etaa=1`: the one-line refusal came
+    after torch and the tools had loaded (seconds), where a plain folder's was already said before them (found in
+    review, audit ZZ: the config was resolved only after the imports)."""
+    import subprocess
+    import sys
+
+    calls = [[command, *rest] for command in ("doctor", "lr-find")
+             for rest in (["runs/typo"], ["moons", "pool.etaa=1"])]
+    code = ("import sys\nfrom sinkflow.cli import main\nfor argv in %r:\n    print(main(argv))\n"
+            "print('torch' in sys.modules)\n" % calls)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.stdout.split() == ["2"] * len(calls) + ["False"], out.stdout + out.stderr
+    assert out.stderr.count("unknown preset 'runs/typo'") == 2 and out.stderr.count("'pool.etaa'") == 2, out.stderr
+
+
 def test_version_names_sinkflow_torch_and_python_before_torch_loads():
     """There was no `sinkflow --version`: a bug report's first line had to be pieced together by hand."""
     import platform

@@ -40,6 +40,7 @@ def run(args):
         raise SinkflowError(f"--factor {args.factor} must be a number > 1 (how many times the loss must fall)",
                             "e.g. --factor 10 (the default)")
     run_dir = run_folder_arg(args, "doctor")  # before torch loads: a folder that is no run is one line
+    cfg = resolve_args(args) if run_dir is None else None  # so is a preset, key or path that is wrong (runs/typo)
     from sinkflow.tools.data import real_or_synthetic
     from sinkflow.tools.doctor import doctor_run
 
@@ -52,7 +53,6 @@ def run(args):
                                   device=args.device)
             label = args.preset
         else:
-            cfg = resolve_args(args)
             label = cfg["experiment"]["preset"]
             with real_or_synthetic(cfg) as reason:
                 if reason:

@@ -47,13 +47,13 @@ def check_args(args) -> Path | None:
 def run(args):
     write_run = check_args(args)
     from_run = run_folder_arg(args, "lr-find") is not None  # before torch loads: a folder that is no run is one line
+    cfg = None if from_run else resolve_args(args)  # so is a preset, key or path that is wrong (runs/typo)
     from sinkflow.errors import SinkflowError
     from sinkflow.runtime.run_folder import read_config
     from sinkflow.tools.lr_find import (phase_lr_find, plot, refuse_finished_phase, refuse_other_recipe, step_path,
                                         write_lr)
     from sinkflow.tools.phases import open_run_phase, training_phase, workspace
 
-    cfg = None if from_run else resolve_args(args)
     if args.write:  # before the pool and the sweep: another batch's rate, a finished phase's rate, a locked run
         swept_cfg = cfg or read_config(Path(args.preset))
         swept = training_phase(swept_cfg, args.phase)
