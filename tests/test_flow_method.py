@@ -96,8 +96,10 @@ def test_flow_preset_end_to_end(preset, runs_dir, tmp_path, capsys):
     x = np.load(tmp_path / "s.npy")
     assert x.shape == (16, *shape) and np.isfinite(x).all() and x.min() >= -1 and x.max() <= 1 and x.std() > 0
     assert main(["sample", str(run), "--n", "16", "--out", str(tmp_path / "grid.png")]) == 0
-    assert (tmp_path / "grid.png").stat().st_size > 0 and "(one inverse pass, 1 network evaluation)" in \
-        capsys.readouterr().out
+    assert (tmp_path / "grid.png").stat().st_size > 0 and "wrote 16 samples (one inverse pass at temperature 1, 1 " \
+        "network evaluation)" in capsys.readouterr().out
+    assert main(["sample", str(run), "--n", "1", "--out", str(tmp_path / "one.npy"), "sample.temperature=0.7"]) == 0
+    assert "wrote 1 sample (one inverse pass at temperature 0.7, 1 network evaluation)" in capsys.readouterr().out
     assert main(["sample", str(run), "--n", "4", "--steps", "50", "--out", str(tmp_path / "t.npy")]) == 2
     err = capsys.readouterr().err  # it printed "(50 steps, 1 network evaluations)"
     assert "--steps does not apply to a flow run" in err and not (tmp_path / "t.npy").exists()

@@ -139,7 +139,9 @@ def _sample(args, run_, out, as_folder):
 
         save_grid(x, out)
     unit = method.steps_are.removesuffix("s") if steps == 1 else method.steps_are  # "1 straight-flow step"
-    how = f"{steps} {unit}" if method.takes_steps else "one inverse pass"
+    # a flow's samples are its temperature's (sample.temperature=0.7 for this call alone said nothing of it)
+    temperature = run_.cfg["sample"].get("temperature", 1.0)
+    how = f"{steps} {unit}" if method.takes_steps else f"one inverse pass at temperature {temperature:g}"
     precision = method.sample_precision(run_.cfg, run_.device)
     if precision != "fp32":  # sample.precision: auto is fp16 on a CUDA card for a UNet
         how += f", the networks in {precision}"
@@ -147,4 +149,5 @@ def _sample(args, run_, out, as_folder):
     drawn = "a QMC source draw" if qmc and data.qmc_twin(source) is not source else "an i.i.d. source draw"
     if qmc and drawn.startswith("an"):  # the words of the evaluation's protocol line (eval.points.source_protocol)
         drawn += f" (QMC asked for, but source {source.name} has no scrambled-Sobol twin)"
-    print(f"wrote {args.n} samples ({how}, {network_evaluations(info['nfe'])}) from {drawn} to {out}")
+    noun = "sample" if args.n == 1 else "samples"
+    print(f"wrote {args.n} {noun} ({how}, {network_evaluations(info['nfe'])}) from {drawn} to {out}")
