@@ -104,9 +104,8 @@ def run_folder(args) -> Path | None:
         return None
     run_dir = Path(str(args.preset))
     refuse_plain_folder(run_dir, "preflight")
-    if not (run_dir / "config.yaml").is_file():
-        raise SinkflowError(f"{run_dir} is a folder without config.yaml: not a sinkflow run folder",
-                            "name a run folder (it holds config.yaml), a preset or a .yaml config")
+    if not (run_dir / "config.yaml").is_file():  # a run that lost it (refuse_plain_folder let meta.json pass)
+        raise config.lost_run_config(run_dir)
     given = [*args.overrides, *(f"--{k.replace('_', '-')}" for k, v in shorthands(args).items() if v is not None)]
     if given:
         raise SinkflowError(f"`sinkflow preflight RUN` plans the run's own config.yaml; {given[0]} would be ignored",

@@ -53,6 +53,14 @@ def is_config_file(name: str) -> bool:
     return name.lower().endswith((".yaml", ".yml"))
 
 
+def lost_run_config(run_dir) -> SinkflowError:
+    """The refusal of a run folder (meta.json or checkpoints/ there) whose config.yaml is gone: every command that
+    reads a run says it so (``run_folder.read_config``; ``sinkflow preflight RUN`` before torch loads)."""
+    return SinkflowError(f"run folder {run_dir} has lost its config.yaml", "restore it from a copy of the run folder "
+                         "(meta.json's argv is the command that made it: the same command with --name NEW writes the "
+                         "same config.yaml, if sinkflow's defaults have not changed)")
+
+
 def load_config_file(name: str) -> dict:
     """A full tree from a config file: its keys over the preset it names (``experiment.preset``, as `sinkflow config`
     writes it; the schema's defaults if it names none), every value checked. Missing file, bad YAML or a tree that

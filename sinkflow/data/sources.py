@@ -12,8 +12,8 @@ import gzip
 import hashlib
 import logging
 import os
-import re
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -100,13 +100,12 @@ def size_tag(h: int, w: int) -> str:
     return str(h) if h == w else f"{h}x{w}"
 
 
-def _file_stats(paths) -> str:
-    """A hash of the files' names, sizes and mtimes. Names are hashed as their bytes on disk (``os.fsencode``: the
-    UTF-8 of every name that is UTF-8): a name that is not (``caf\\xe9.png`` from a zip made on Windows) was a
-    UnicodeEncodeError traceback."""
+def _file_stats(paths, stats=None) -> str:
+    """A hash of the files' names, sizes and mtimes (``stats``: their ``os.stat`` results where the caller has them).
+    Names are hashed as their bytes on disk (``os.fsencode``: the UTF-8 of every name that is UTF-8): a name that is
+    not (``caf\\xe9.png`` from a zip made on Windows) was a UnicodeEncodeError traceback."""
     h = hashlib.sha1()
-    for p in paths:
-        st = os.stat(p)
+    for p, st in zip(paths, stats or map(os.stat, paths)):
         h.update(os.fsencode(f"{os.path.basename(p)}:{st.st_size}:{st.st_mtime_ns};"))
     return h.hexdigest()
 
@@ -520,7 +519,8 @@ class FolderSource:
         hidden = [p for p in images if self._hidden(p)]
         self.files = sorted(set(images) - set(hidden), key=lambda p: p.relative_to(self.path).as_posix())
         self._say_left_out(found, hidden)
-        self._say_linked_twice()
+        stats = [os.stat(p) for p in self.files]  # one stat a file: the twin check and the fingerprint
+        self._say_linked_twice(stats)
         if not self.files:
             others = len(found)
             raise SinkflowError(f"image folder {self.path} holds no images ({others} other files)",
@@ -543,7 +543,7 @@ class FolderSource:
         digest = hashlib.sha1(os.fsencode(self.path.resolve())).hexdigest()[:8]
         safe = "".join(c if c.isalnum() or c in "_." else "_" for c in self.path.resolve().name) or "root"
         self.name = f"folder_{safe}_{digest}"
-        self._fp = "folder:" + _file_stats(self.files) + ":" + hashlib.sha1(os.fsencode(  # bytes: see _file_stats
+        self._fp = "folder:" + _file_stats(self.files, stats) + ":" + hashlib.sha1(os.fsencode(  # bytes: see _file_stats
             "\n".join(p.relative_to(self.path).as_posix() for p in self.files))).hexdigest()
 
     def _refuse_dangling(self, dangling: list[Path]) -> None:
@@ -559,15 +559,14 @@ class FolderSource:
                                 f"{os.readlink(first)}{', ...' if n > 1 else ''})",
                                 "mount or restore what they point to, or remove the links from data.path")
 
-    def _say_linked_twice(self) -> None:
+    def _say_linked_twice(self, stats: list[os.stat_result]) -> None:
         """Warn of images read twice: a link under ``path`` to an image already in the set (a linked folder already
         walked is not walked again: ``files_under``), a hard link too. Each copy is an image of the set, and the
         held-out tenth can hold one whose twin is trained on; said, not dropped, so that a run's recorded file list
         stays the same."""
         first: dict[tuple[int, int], Path] = {}
         twice = []
-        for p in self.files:
-            st = os.stat(p)  # one stat a file (a realpath is one a path part): symbolic and hard links alike
+        for p, st in zip(self.files, stats):  # a stat, not a realpath (one a path part): symbolic and hard links alike
             real = (st.st_dev, st.st_ino)
             if not st.st_ino:  # no identity (os.stat_result: st_ino identifies a file "if non-zero"): some network
                 continue       # and FAT drives give every file 0, and every image after the first read as a twin

@@ -547,9 +547,7 @@ def read_config(run_dir: Path) -> dict:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         if (Path(run_dir) / "meta.json").is_file() or (Path(run_dir) / "checkpoints").is_dir():
-            raise SinkflowError(f"run folder {run_dir} has lost its config.yaml", "restore it from a copy of the run "
-                                "folder (meta.json's argv is the command that made it: the same command with "
-                                "--name NEW writes the same config.yaml, if sinkflow's defaults have not changed)")
+            raise config_mod.lost_run_config(run_dir)
         if Path(run_dir).name == "config.yaml" and Path(run_dir).is_file():  # the run's file, not its folder
             raise SinkflowError(f"{run_dir} is a run's config file, not its folder",
                                 f"pass the folder: {shlex.quote(str(Path(run_dir).parent))}")
