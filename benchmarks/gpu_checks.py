@@ -22,7 +22,10 @@
    the capture fails, the phase warns once and trains on without the step graph to its last step, its weights
    finite and near those of ``graph: none``, the memory it reserves flat over its last steps and the cache then
    emptied as between phases (a failed capture left "underway" in the caching allocator deferred every prefetched
-   batch's free and failed an internal assert there); on the CPU nothing is captured: the fall-back's test plants one.
+   batch's free and failed an internal assert there); on the CPU nothing is captured: the fall-back's test plants one;
+10. the captured step of a torchrun job (two graphs, the gradients' all-reduce between them: sinkflow.engine.grad_sync)
+   in a process group of one (NCCL on a card), fp16 UNet: max |weight difference| against the one-graph step, and
+   the replays made.
 
 The checks are meant for a GPU; ``--device cpu`` runs the same code on the CPU (where ``device_generator`` is
 the CPU generator itself and fused Adam is torch's CPU kernel), which is how the test suite keeps the script
@@ -332,9 +335,47 @@ def capture_fallback_check(device: torch.device, size: dict) -> None:
           "then the cache emptied as between phases")
 
 
+def split_step_check(device: torch.device, size: dict) -> None:
+    import socket
+
+    import torch.distributed as tdist
+
+    from sinkflow.methods.flow_matching import InterpolantStep
+    from sinkflow.runtime.checkpoint import load
+    from sinkflow.tools.data import real_or_synthetic
+
+    final, replays = {}, {}
+    with scratch_dir(), real_or_synthetic(config.resolve("mnist"), force=True):
+        for mode in ("one graph", "split"):
+            if mode == "split":  # the trainer averages over the group it is in: here a group of one
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                tdist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                                         init_method=f"tcp://127.0.0.1:{port}")
+            try:
+                cfg = config.resolve("mnist", [f"experiment.device={device.type}", "experiment.method=fm",
+                                               "train.velocity.precision=fp16", "train.velocity.compile=false",
+                                               *size["unet"], f"train.velocity.iters={size['train_steps']}",
+                                               "train.velocity.graph=step", f"experiment.name=split-{len(final)}"])
+                run = RunFolder.create(cfg)
+                trainer = Trainer(run, InterpolantStep("velocity", *distributions(cfg)))
+                trainer.fit()
+                run.logger.close()
+                final[mode] = load(run.dir / "checkpoints" / "velocity" / "final.pt")["model"]
+                replays[mode] = (trainer.step_graph.replays, trainer.grad_sync is not None)
+            finally:
+                if mode == "split":
+                    tdist.destroy_process_group()
+    dw = max(float((final["one graph"][k].float() - final["split"][k].float()).abs().max()) for k in final["split"])
+    print(f"split step (backward graph, all-reduce, update graph) vs one graph, {size['train_steps']} fp16 steps in a "
+          f"process group of one: max|dw| {dw:.2e}; replays {replays['split'][0]} (one graph: "
+          f"{replays['one graph'][0]}); gradients all-reduced: {replays['split'][1]}")
+
+
 CHECKS = {"pool": pool_check, "noise": noise_check, "adam": adam_check, "prefetch": prefetch_check,
           "ot_plan": ot_plan_check, "step_graph": step_graph_check, "flow": flow_check,
-          "many_phases": many_phases_check, "capture_fallback": capture_fallback_check}
+          "many_phases": many_phases_check, "capture_fallback": capture_fallback_check, "split_step": split_step_check}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

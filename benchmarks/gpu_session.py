@@ -74,12 +74,13 @@ PLAN = (
          "should say fp16, compiled, the whole step one CUDA graph with replays = steps - 3; compare its rates with "
          "a train.velocity.graph=none sweep's"),
     Step("gpu-checks", ("gpu_checks.py", "--checks", "step_graph", "prefetch", "adam", "many_phases",
-                        "capture_fallback"), 75,
+                        "capture_fallback", "split_step"), 90,
          "the captured fp16 step with the guard's skip flag or-ed into GradScaler's (2026-11-30): bit-equal to the "
          "plain step, no host sync; prefetch and fused Adam equivalences (23 s, 2026-11-30); 12 phases' memory after "
          "each release flat (no cuBLAS workspaces left by finished phases, audit MM; guess: +30 s); a capture that "
          "fails (a host read in the forward) under graph=auto: one warning, trained on without the graph (guess: "
-         "+15 s)",
+         "+15 s); a torchrun job's captured step, two graphs with NCCL's all-reduce between, in a group of one "
+         "(2026-12-01, unrun on a card; guess: +15 s)",
          ("gpu_checks.py", "--device", "cpu", "--smoke", "--checks", "step_graph")),
     Step("mnist-gpu", ("mnist.py", "--scale", "gpu", "--gpu-fraction", "0.05", "--device", "cuda", "--methods",
                        "nsgfpp", "otcfm", "--train-seeds", "0", "--data-root", "data",

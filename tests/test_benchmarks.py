@@ -234,6 +234,9 @@ def test_smoke_gpu_checks(quiet, capsys):
     # graph=auto is the plain step on a CPU: nothing captured, nothing to fall back from (tests/test_step_graph.py)
     assert "a host read in the forward under graph=auto, 6 fp16 steps: ended on the plain step; 0 fall-back " \
            "warning(s); weights finite: True; max|dw| vs graph=none 0.00e+00" in out
+    # a torchrun job's split step, in a group of one: on the CPU both paths run eagerly, the same step
+    assert "split step (backward graph, all-reduce, update graph) vs one graph, 6 fp16 steps in a process group of " \
+           "one: max|dw| 0.00e+00; replays 0 (one graph: 0); gradients all-reduced: True" in out
 
 
 def test_gpu_checks_runs_only_the_named_checks(quiet, capsys):

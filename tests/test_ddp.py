@@ -390,21 +390,44 @@ def test_a_non_finite_or_diverged_stop_under_ddp_is_one_line(runs_dir):
         assert len(errors) == 1 and errors[0].startswith(said), out.stderr[-3000:]
 
 
-def test_a_refused_resume_preset_or_a_step_graph_under_ddp_is_one_line(runs_dir):
-    """Every rank refuses a resume as another preset, and a whole-step graph under DDP, alike: each printed the
-    line (2 processes, 2 lines). Rank 0 prints it once; the graph before any folder exists (it was refused as the
-    phase set up, after the run folder, and for NSGF the pool, had been made)."""
+def test_a_refused_resume_preset_under_ddp_is_one_line(runs_dir):
+    """Every rank refuses a resume as another preset alike: each printed the line (2 processes, 2 lines). Rank 0
+    prints it once, and no folder is made."""
     cwd = runs_dir.parent
     made = cli("train", "moons", "--method", "fm", "--train-iters", "2", "--device", "cpu", "--no-report", "--name",
                "made", cwd=cwd)
     assert made.returncode == 0, made.stderr[-3000:]
-    for args, said in ((["scurve", "--resume", str(runs_dir / "made")], "cannot resume"),
-                       (["moons", "--method", "fm", "train.velocity.graph=step", "--train-iters", "2", "--device",
-                         "cpu", "--no-report"], "train.velocity.graph=step runs one process")):
-        out = _torchrun(*args, cwd=cwd)
-        errors = out.stderr.split("sinkflow: error: ")[1:]
-        assert out.returncode != 0 and len(errors) == 1 and errors[0].startswith(said), out.stderr[-3000:]
-        assert [p.name for p in runs_dir.iterdir()] == ["made"], list(runs_dir.iterdir())
+    out = _torchrun("scurve", "--resume", str(runs_dir / "made"), cwd=cwd)
+    errors = out.stderr.split("sinkflow: error: ")[1:]
+    assert out.returncode != 0 and len(errors) == 1 and errors[0].startswith("cannot resume"), out.stderr[-3000:]
+    assert [p.name for p in runs_dir.iterdir()] == ["made"], list(runs_dir.iterdir())
+
+
+def test_a_captured_step_under_ddp_trains_what_ddp_trains_and_resumes_bit_equal(runs_dir):
+    """`graph: step` under torchrun (it was refused: DDP's all-reduce hooks cannot be captured): the step is the
+    backward's graph, one all-reduce of the flat gradients, the update's graph (sinkflow.engine.grad_sync; on a CPU
+    the same path runs uncaptured). 2 ranks, 2 micro-batches a step, EMA: the weights DDP's hooks train, bit for
+    bit, and again after a stop at step 3 and a resume on 2 processes. An average that was a sum, a rank that kept
+    its own gradients or its own initial weights would each end elsewhere."""
+    cwd = runs_dir.parent
+    args = ["moons", "--method", "otcfm", "--train-iters", "6", "train.velocity.batch_size=16", "train.velocity.accum=2",
+            "train.velocity.ema=0.9", "train.velocity.ckpt_every=3", "--device", "cpu", "--no-report"]
+    ddp = _torchrun(*args, "train.velocity.graph=none", "--name", "ddp", cwd=cwd)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    graphed = _torchrun(*args, "train.velocity.graph=step", "--name", "graphed", cwd=cwd)
+    assert graphed.returncode == 0, graphed.stderr[-3000:]
+    a, b = _final(runs_dir / "ddp"), _final(runs_dir / "graphed")
+    assert a["step"] == b["step"] == 6 and b["world_size"] == 2
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(a["ema"][k], b["ema"][k]) for k in a["ema"])
+    resumed = runs_dir / "resumed"
+    shutil.copytree(runs_dir / "graphed", resumed)
+    for name in ("final.pt", "step_00000006.pt"):
+        (resumed / "checkpoints" / "velocity" / name).unlink()
+    out = _torchrun("--resume", str(resumed), "--no-report", cwd=cwd)
+    assert out.returncode == 0, out.stderr[-3000:]
+    c = _final(resumed)
+    assert c["step"] == 6 and all(torch.equal(a["model"][k], c["model"][k]) for k in a["model"])
 
 
 def test_the_learning_check_after_a_resume_on_fewer_processes_judges_the_same_batch(runs_dir):
@@ -583,3 +606,37 @@ def test_the_ranks_agree_on_a_real_signal_before_the_time_limit_and_a_callbacks_
     assert stop_code(max(map(stop_rank, [None, REQUESTED, int(sig.SIGINT), TIME_LIMIT]))) == sig.SIGINT
     assert stop_code(max(stop_rank(int(sig.SIGTERM)), stop_rank(int(sig.SIGINT)))) == sig.SIGTERM
     assert stop_code(stop_rank(None)) is None and all(stop_code(stop_rank(c)) == c for c in order)
+
+
+def test_grad_sync_averages_in_place_by_dtype_and_gives_every_rank_rank_0s_buffers(monkeypatch):
+    """What a captured step's all-reduce does, one rank seen with torch.distributed stood in for (the other rank
+    holds gradients 3x this one's; rank 0's buffers are 7s): each gradient becomes the mean over the ranks, written
+    into its own storage (the update's graph reads the addresses the backward's graph wrote), float64 beside
+    float32 (one flat buffer per dtype), a parameter without a gradient left without one, and the buffers (a
+    BatchNorm's statistics, its int64 count too) rank 0's, as DDP gives them before each forward."""
+    from sinkflow.engine import grad_sync
+
+    calls = []
+
+    def all_reduce(flat):
+        calls.append(("all_reduce", flat.dtype))
+        flat.mul_(4)  # this rank's share g/2 plus the other rank's 3g/2
+
+    def broadcast(flat, src):
+        calls.append(("broadcast", flat.dtype))
+        flat.fill_(7)
+
+    monkeypatch.setattr(grad_sync.tdist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(grad_sync.tdist, "all_reduce", all_reduce)
+    monkeypatch.setattr(grad_sync.tdist, "broadcast", broadcast)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2), torch.nn.Linear(2, 1).double())
+    sync = grad_sync.GradSync(model)
+    model[0].weight.grad = torch.ones(2, 3)
+    model[2].weight.grad = torch.full((1, 2), 2.0, dtype=torch.float64)
+    storage = model[0].weight.grad.data_ptr()
+    sync()
+    assert torch.equal(model[0].weight.grad, torch.full((2, 3), 2.0)) and model[0].weight.grad.data_ptr() == storage
+    assert torch.equal(model[2].weight.grad, torch.full((1, 2), 4.0, dtype=torch.float64))
+    assert model[0].bias.grad is None
+    assert torch.equal(model[1].running_mean, torch.full((2,), 7.0)) and int(model[1].num_batches_tracked) == 7
+    assert [c for c in calls if c[0] == "all_reduce"] == [("all_reduce", torch.float32), ("all_reduce", torch.float64)]

@@ -12,7 +12,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from sinkflow import config, methods
 from sinkflow.engine import fast_path
 from sinkflow.engine.ema import EMA
-from sinkflow.engine.step_graph import StepGraph
+from sinkflow.engine.step_graph import WARMUP, StepGraph
 from sinkflow.engine.trainer import Trainer, check_step_graph
 from sinkflow.errors import SinkflowError
 from sinkflow.methods.flow_matching import InterpolantStep
@@ -225,14 +225,13 @@ def test_a_loaded_state_makes_the_step_graph_capture_anew(runs_dir, tmp_path):
 
 def test_a_graphed_step_is_refused_where_a_graph_cannot_hold_it():
     ok = {"precision": "bf16"}
-    check_step_graph(ok, "velocity", 1, "default", True)
-    check_step_graph({"precision": "fp16"}, "velocity", 1, None, True)  # GradScaler's work is all on the device
-    check_step_graph(ok, "velocity", 1, None, True)
-    check_step_graph(ok, "velocity", 1, "max-autotune-no-cudagraphs", True)  # timed kernels, no graphs of its own
-    for args, words in [((ok, "velocity", 2, None, True), "graph=none under torchrun"),
-                        ((ok, "nsf", 1, "reduce-overhead", True), "train.nsf.compile_mode=default"),
-                        ((ok, "nsf", 1, "max-autotune", True), "train.nsf.compile_mode=default"),
-                        ((ok, "velocity", 1, None, False), "fused kernel")]:
+    check_step_graph(ok, "velocity", "default", True)
+    check_step_graph({"precision": "fp16"}, "velocity", None, True)  # GradScaler's work is all on the device
+    check_step_graph(ok, "velocity", None, True)
+    check_step_graph(ok, "velocity", "max-autotune-no-cudagraphs", True)  # timed kernels, no graphs of its own
+    for args, words in [((ok, "nsf", "reduce-overhead", True), "train.nsf.compile_mode=default"),
+                        ((ok, "nsf", "max-autotune", True), "train.nsf.compile_mode=default"),
+                        ((ok, "velocity", None, False), "fused kernel")]:
         with pytest.raises(SinkflowError, match=words):
             check_step_graph(*args)
     # auto's compile mode leaves the graphs to the step graph
@@ -514,3 +513,74 @@ def test_a_failed_capture_ends_its_pool_in_the_caching_allocator(monkeypatch):
     with pytest.raises(CaptureFailed, match=r"failed: CUDA error: operation not permitted when stream is capturing "
                                             r"\(a .item\(\) in forward\); set train.velocity.graph=none"):
         graph._capture()
+
+
+def test_a_split_step_replays_the_backward_the_all_reduce_and_the_update_in_turn(monkeypatch):
+    """Under torchrun a captured step is two graphs in one memory pool with the gradients' all-reduce run eagerly
+    between their replays (sinkflow.engine.grad_sync: DDP's hooks cannot be captured). No CUDA here: torch.cuda's
+    capture API is stood in for (a capture runs its body once, as recording does; a replay is logged), so the order
+    is what is checked: both parts recorded once, then at every step the backward's replay, the all-reduce, the
+    update's replay, and the update's outputs returned. A failure recording the update drops both graphs."""
+    import types
+
+    from sinkflow.engine.step_graph import CaptureFailed
+
+    log, pools = [], []
+
+    class CUDAGraph:
+        def replay(self):
+            log.append(f"replay {self.name}")
+
+    class Graph:
+        def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+            cuda_graph.name = "backward" if not pools else "update"
+            pools.append(pool)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
+    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 41))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the phase's stream")
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: None, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda device, pool: None, raising=False)
+
+    def backward(batch, step):
+        log.append("record backward")
+        return (batch.sum(),)
+
+    def update(step, carry):
+        log.append("record update")
+        return carry[0] * 2, step.clone()
+
+    def whole(batch, step):
+        raise AssertionError("a captured step runs its parts, not the whole update")
+
+    def graphed(parts):
+        graph = StepGraph(whole, torch.optim.SGD([torch.zeros(1)], lr=0.1), "cpu", parts=parts)
+        graph.captures, graph.stream = True, types.SimpleNamespace(device=torch.device("cuda", 0))
+        graph.eager_steps = WARMUP  # warmed up: the next step records
+        return graph
+
+    graph = graphed((backward, lambda: log.append("all-reduce"), update))
+    out = graph(torch.ones(3, 2), 4)
+    assert log == ["record backward", "record update", "replay backward", "all-reduce", "replay update"], log
+    assert pools == [(0, 41), (0, 41)]  # one pool: the update's graph reads the gradients the backward's wrote
+    assert float(out[0]) == 12.0 and int(out[1]) == 4
+    log.clear()
+    graph(torch.ones(3, 2), 5)
+    assert log == ["replay backward", "all-reduce", "replay update"]
+
+    def host_read(step, carry):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    pools.clear()
+    graph = graphed((backward, lambda: None, host_read))
+    with pytest.raises(CaptureFailed, match="operation not permitted"):
+        graph(torch.ones(3, 2), 4)
+    assert graph.graph is None and graph.second is None

@@ -508,10 +508,12 @@ def _train(iters=20000, batch_size=256, lr=0.001, warmup=0, schedule="cosine", g
                             "step; auto: default inside a whole-step "
                             "graph (graph: step), else reduce-overhead on CUDA in one process, default otherwise"),
         "graph": Key("auto", Options("auto", "none", "step"), "step: capture the whole step (forward, backward, "
-                     "clip, non-finite guard, fused Adam) as one CUDA graph and replay it, one launch a step; one "
-                     "process, fixed batch shapes (sinkflow/engine/step_graph.py); auto: step for a UNet or the time "
-                     "predictor on CUDA in one process (measured 1.5-3.6x faster, same loss), none elsewhere; "
-                     "where the capture fails, auto trains on without it after a warning, step stops"),
+                     "clip, non-finite guard, fused Adam) as one CUDA graph and replay it, one launch a step; fixed "
+                     "batch shapes (sinkflow/engine/step_graph.py); under torchrun two graphs with one all-reduce of "
+                     "the gradients between them in place of DDP's hooks (grad_sync.py; unmeasured on cards: "
+                     "opt-in there); auto: step for a UNet or the time predictor on CUDA in one process (measured "
+                     "1.5-3.6x faster, same loss), none elsewhere; where the capture fails, auto trains on without "
+                     "it after a warning, step stops"),
         "prefetch": Key("auto", Options("auto", "always", "never"), "draw the next batch on a background thread while "
                         "the step runs (auto: on CUDA only; same batches either way)"),
     }

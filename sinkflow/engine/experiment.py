@@ -26,7 +26,7 @@ from sinkflow.runtime.rng import phase_generator
 from sinkflow.runtime.run_folder import DATA_PATH_KEYS, RunFolder, absolute_data_paths, build_phase_model
 from sinkflow.runtime.signals import Interrupted, graceful_stop, stop_requested
 from sinkflow.runtime.state_check import check_final, check_step_state
-from sinkflow.engine.trainer import Trainer, check_step_graphs
+from sinkflow.engine.trainer import Trainer
 
 log = logging.getLogger("sinkflow")
 
@@ -145,11 +145,9 @@ def task_batches(trainer) -> tuple[int | None, int | None]:
 FID_PACKAGES = ("torchmetrics", "torch_fidelity")  # FID's metric and its Inception-v3 (sinkflow.eval.images)
 
 
-def check_run(cfg: dict, machine: bool = True, graphs: bool = True) -> None:
+def check_run(cfg: dict, machine: bool = True) -> None:
     """The data and the method's limits (e.g. NSGF++: T <= 5, the pool's size), before any folder exists; with
-    ``machine``, what this machine must hold too (the pool's free disk: ``Method.check_machine``); with ``graphs``,
-    every network phase's ``graph: step`` against the number of processes (a resume checks the phases it still
-    trains: a finished one may have been captured on one process)."""
+    ``machine``, what this machine must hold too (the pool's free disk: ``Method.check_machine``)."""
     check_runs_outside_images(cfg)
     data.distributions(cfg)[1].check_test_n(cfg["eval"]["n"])  # a point file's held-out rows: the only test points
     method, shape = methods.of(cfg), data.sample_shape(cfg)
@@ -158,8 +156,6 @@ def check_run(cfg: dict, machine: bool = True, graphs: bool = True) -> None:
     for phase in networks:  # each network against the data's shape, allocating nothing
         with torch.device("meta"):  # (a UNet on 2D points, heads that do not divide its widths)
             build_phase_model(cfg, phase, shape)
-    if graphs:
-        check_step_graphs(cfg["train"], networks, dist.current().world)
     if machine:
         check_machine(cfg, shape)
 
@@ -274,7 +270,7 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         cfg = run.cfg
         if resume is not None:  # the pool checks its free disk when it opens, counting the blocks its arrays hold
             dist.on_every(lambda: (check_split_files(run, data.target_split_info(cfg)),  # changed images: refused
-                                   check_run(cfg, machine=False, graphs=False)))  # before they are decoded
+                                   check_run(cfg, machine=False)))  # before they are decoded
             if then is not None or "eval.inception_weights" in run.changes():  # the report's FID (or the new path)
                 dist.on_every(lambda: check_fid(cfg, resume, report=then is not None))  # before config.yaml holds it
         if dist.current().enabled:  # rank 0 decodes an image set into its cache under data.root first, the other
@@ -286,8 +282,7 @@ def train_run(cfg: dict | None = None, *, resume: str | Path | None = None, over
         phases = methods.phases(cfg, source, target)
         if resume is not None:
             dist.on_every(lambda: (verify(run, phases),  # finished phases' final.pt and the newest step checkpoint
-                                   check_split(run, source, target),  # (safe, this run's), the data's hashes
-                                   check_step_graphs(cfg["train"], run.to_train, info.world)))
+                                   check_split(run, source, target)))  # (safe, this run's), the data's hashes
         run.start()  # the lock (one writer per run folder), the resumed config, orphaned temp files
         if info.is_main:
             record_split(run, source, target)

@@ -27,7 +27,7 @@ import torch
 
 from sinkflow.errors import SinkflowError
 
-WARMUP = 3  # eager steps before the capture (PyTorch's recipe: "a few"; DDP would need 11)
+WARMUP = 3  # eager steps before the capture (PyTorch's recipe: "a few"; DDP would need 11: grad_sync.py is none)
 
 
 def _static_copy(batch: Any, phase: str) -> Any:
@@ -93,16 +93,22 @@ class StepGraph:
 
     ``step`` reaches ``update`` as a 0-dim int64 device tensor; the optimizer's learning rates are read from its
     param groups before every call (whoever set them: the schedule, lr-find). The outputs (0-dim tensors) are
-    returned as copies: the next replay overwrites the graph's own."""
+    returned as copies: the next replay overwrites the graph's own.
+
+    ``parts=(first, between, then)`` (a torchrun job's step, ``sinkflow.engine.grad_sync``): ``update`` split where
+    it all-reduces the gradients, captured as two graphs in one memory pool, ``first(batch, step) -> carry`` (the
+    forward and backward) and ``then(step, carry) -> outputs`` (clip, guard, optimizer), with ``between()`` run
+    eagerly between their replays. The warm-up steps and a CPU run ``update`` whole, which does the same."""
 
     def __init__(self, update: Callable[[Any, torch.Tensor], tuple], optimizer: torch.optim.Optimizer,
-                 device: torch.device, phase: str = "velocity"):
+                 device: torch.device, phase: str = "velocity", parts: tuple[Callable, ...] | None = None):
         self.update, self.optimizer, self.device, self.phase = update, optimizer, torch.device(device), phase
+        self.parts = parts
         self.captures = self.device.type == "cuda"
         self.static: Any = None
         self.step = torch.zeros((), dtype=torch.int64, device=self.device)
         self.lrs = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in optimizer.param_groups]
-        self.graph = None
+        self.graph = self.second = None
         # warm-up and capture on a stream of CUDA's high-priority pool: torch.cuda.graph's own default capture
         # stream and every plain torch.cuda.Stream() (the prefetch workers', other phases') come round-robin from
         # the same pool of 32, so after a few phases in one process a worker's stream was the capture stream:
@@ -110,6 +116,7 @@ class StepGraph:
         # argument" on an H100, the 8th phase of one process, 2026-11-27)
         self.stream = torch.cuda.Stream(self.device, priority=-1) if self.captures else None
         self.outputs: tuple | None = None
+        self.step_error: BaseException | None = None
         self.eager_steps = self.replays = 0
 
     def __call__(self, batch: Any, step: int) -> tuple:
@@ -128,6 +135,9 @@ class StepGraph:
             if self.graph is None:
                 self._capture()
             self.graph.replay()
+            if self.second is not None:  # torchrun: the gradients' all-reduce between the two graphs
+                self.parts[1]()
+                self.second.replay()
             self.replays += 1
             out = self.outputs
         return tuple(o.clone() for o in out)
@@ -149,24 +159,25 @@ class StepGraph:
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
         pool = torch.cuda.graph_pool_handle()  # named here, so that a failed capture's routing to it can be ended
-        step_error: BaseException | None = None
         try:
             for g, lr in zip(groups, self.lrs):
                 g["lr"], g["capturable"] = lr, True
             self.optimizer.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients it reuses
-            # thread_local: the prefetch worker keeps drawing (and copying) the next batch on its own stream meanwhile
-            with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
-                try:
-                    self.outputs = self.update(self.static, self.step)
-                except BaseException as exc:  # what the step did (a host read inside the capture): torch.cuda.graph's
-                    step_error = exc  # exit then raises capture_end's own "operation failed due to a previous error"
-                    raise
+            if self.parts is None:
+                self.outputs = self._record(graph, pool, lambda: self.update(self.static, self.step))
+            else:  # the backward, then (after the eager all-reduce, at each replay) the update, in one memory pool
+                first, _, then = self.parts
+                carry = self._record(graph, pool, lambda: first(self.static, self.step))
+                second = torch.cuda.CUDAGraph()
+                self.outputs = self._record(second, pool, lambda: then(self.step, carry))
+                self.second = second
         except RuntimeError as exc:
             # torch.cuda.graph's __exit__ leaves its stream context unexited when capture_end raises (an invalidated
             # capture): the phase would go on with the capture stream as its current stream
             torch.cuda.set_stream(current)
             end_failed_capture(self.stream.device.index, pool)
-            named = step_error or exc
+            self.second = None
+            named, self.step_error = self.step_error or exc, None
             if isinstance(named, torch.OutOfMemoryError):  # the step's memory, captured or not: the out-of-memory
                 raise named  # line with its fixes (sinkflow.cli.oom), not a capture failure auto would train on past
             raise CaptureFailed.of(self.phase, named) from exc
@@ -175,11 +186,23 @@ class StepGraph:
                 g["lr"], g["capturable"] = lr, cap
         self.graph = graph
 
+    def _record(self, graph, pool, step: Callable[[], Any]) -> Any:
+        """``step()`` captured into ``graph``, its outputs returned. Where the step itself raised (a host read inside
+        the capture), torch.cuda.graph's exit raises capture_end's own "operation failed due to a previous error"
+        over it: the step's error is kept in ``step_error``, the one a failed capture names."""
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
+            # thread_local: the prefetch worker keeps drawing (and copying) the next batch on its own stream meanwhile
+            try:
+                return step()
+            except BaseException as exc:
+                self.step_error = exc
+                raise
+
     def invalidate(self) -> None:
         """The optimizer's state was loaded (``Trainer.load_state_dict``: lr-find's restore, a rollback): Adam's
         moments are new tensors now, which a replay of the old graph would not touch. The graph is dropped and the
         next step captures anew (the warm-up steps were taken already)."""
-        self.graph = self.outputs = None
+        self.graph = self.second = self.outputs = None
 
     def release(self) -> None:
         """Free the graph, its private memory pool (the gradients the replays wrote included) and the static
@@ -189,4 +212,4 @@ class StepGraph:
         that did not, ``memory_estimate.py``, measured each phase on top of the previous phases' captured steps
         on an H100: 344 MiB -> 670 MiB -> 1.08 GiB over mnist's three phases)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self.graph = self.static = self.outputs = self.update = None
+        self.graph = self.second = self.static = self.outputs = self.update = self.parts = None

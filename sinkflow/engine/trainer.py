@@ -35,6 +35,7 @@ from sinkflow.engine import fast_path
 from sinkflow.engine.divergence import DivergenceGuard
 from sinkflow.engine.learning import LearningCheck
 from sinkflow.engine.ema import EMA, START_SHARE, first_step_share, largest_decay
+from sinkflow.engine.grad_sync import GradSync
 from sinkflow.engine.finite import NonFiniteGuard, optimizer_steps, skip_with_scaler, skips_on_device
 from sinkflow.engine.health import Health
 from sinkflow.engine.prefetch import BatchPrefetcher, use_prefetch
@@ -164,7 +165,14 @@ class Trainer:
         self.guard = NonFiniteGuard(run.device, check_grad=not self.scaler.is_enabled())
         self.skip_on_device = skips_on_device(self.optimizer)  # no per-step read of the loss (sinkflow.engine.finite)
         self.ddp_model = self.model
-        if self.info.enabled:
+        # under torchrun the gradients are averaged by DDP's hooks during the backward, or, where the step is
+        # captured, by one all-reduce between the backward's graph and the update's (grad_sync.py: a graph cannot
+        # hold DDP's hooks); over any process group, one of one process too (gpu_checks.py's split_step)
+        self.grad_sync = None
+        if dist.grouped() and cfg.get("graph", "none") == "step":
+            self.grad_sync = GradSync(self.model)
+            self.grad_sync.start()
+        elif self.info.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.ddp_model = DDP(self.model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
@@ -177,8 +185,10 @@ class Trainer:
             self.ddp_model = torch.compile(self.ddp_model, mode=self.compile_mode)
         self.step_graph = None
         if cfg.get("graph", "none") == "step":
-            check_step_graph(cfg, key, self.info.world, self.compile_mode, self.skip_on_device)
-            self.step_graph = StepGraph(self._update, self.optimizer, run.device, self.name)
+            check_step_graph(cfg, key, self.compile_mode, self.skip_on_device)
+            parts = None if self.grad_sync is None else (lambda batch, step: self._backward(batch), self.grad_sync,
+                                                          self._apply)
+            self.step_graph = StepGraph(self._update, self.optimizer, run.device, self.name, parts)
         self.generator = phase_generator(seed, "train", self.name)
         self.step = 0
         if self.info.is_main:
@@ -414,7 +424,16 @@ class Trainer:
 
     def _update(self, batch: Any, step: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward, backward, clip, the non-finite guard and the optimizer for step ``step`` (1-based): what a
-        step graph captures (no host reads where the optimizer skips on the device)."""
+        step graph captures (no host reads where the optimizer skips on the device). Under torchrun with a captured
+        step the gradients are averaged between the backward and the rest (``grad_sync``), where the graph splits."""
+        total = self._backward(batch)
+        if self.grad_sync is not None:
+            self.grad_sync()
+        return self._apply(step, total)
+
+    def _backward(self, batch: Any) -> torch.Tensor:
+        """The loss's backward over the step's micro-batches (gradients accumulated; DDP all-reduces with the last):
+        their summed loss as a 0-dim float32 device tensor."""
         micro = split_batch(batch, self.cfg["accum"])
         self.optimizer.zero_grad(set_to_none=True)
         if self.compile_mode not in (None, *fast_path.GRAPHLESS_MODES):  # CUDA graphs: a new iteration, the last
@@ -425,12 +444,16 @@ class Trainer:
         for i, part in enumerate(micro):
             if self.channels_last:
                 part = to_channels_last(part)
-            sync = i == len(micro) - 1 or not self.info.enabled
+            sync = i == len(micro) - 1 or not self.info.enabled or self.grad_sync is not None
             ctx = self.ddp_model.no_sync() if not sync else contextlib.nullcontext()
             with ctx, self._autocast(cache):
                 loss = self.task.loss(self.ddp_model, part) / len(micro)
             self.scaler.scale(loss).backward()
             total = total + loss.detach().float()
+        return total
+
+    def _apply(self, step: int | torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscale, clip, the non-finite guard and the optimizer on the step's gradients: (loss, grad norm)."""
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg["grad_clip"]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else float("inf"))
@@ -741,21 +764,8 @@ def too_short(train: dict, key: str) -> list[str]:
     return lines
 
 
-def check_step_graphs(train: dict, keys, world: int) -> None:
-    """Refuse a ``graph: step`` phase among ``keys`` (model keys: their sections of the ``train`` config) under
-    several processes, before any folder exists (``experiment.check_run``; a resume: for the phases it still trains)
-    as well as when the phase sets up: under torchrun it was refused only then, after the run folder and the pool
-    were made. (``compile_mode`` and the fused kernel depend on the device: checked at set-up.)"""
-    for key in keys:
-        if world > 1 and (train.get(key) or {}).get("graph") == "step":
-            raise SinkflowError(f"train.{key}.graph=step runs one process; this run has {world} (DDP's all-reduce "
-                                "is not captured)", f"set train.{key}.graph=none under torchrun",
-                                every_rank=True)  # every rank's world: rank 0 says it once
-
-
-def check_step_graph(cfg: dict, key: str, world: int, compile_mode: str | None, skips_on_device: bool) -> None:
+def check_step_graph(cfg: dict, key: str, compile_mode: str | None, skips_on_device: bool) -> None:
     """Refuse, before the first step, a ``graph: step`` phase whose step a CUDA graph cannot hold."""
-    check_step_graphs({key: {"graph": "step"}}, [key], world)
     if compile_mode not in (None, *fast_path.GRAPHLESS_MODES):
         raise SinkflowError(f"train.{key}.graph=step captures the whole step; compile_mode={compile_mode} would "
                             "capture graphs inside it", f"set train.{key}.compile_mode=default (or "

@@ -45,13 +45,18 @@ class DistInfo:
         return self.world > 1
 
 
+def grouped() -> bool:
+    """Is this process in a process group (torchrun's, of two or more: ``init``; or one made by hand)?"""
+    return tdist.is_available() and tdist.is_initialized()
+
+
 def per_node() -> int:
     """Processes on each node (torchrun's LOCAL_WORLD_SIZE): fewer than the world on a multi-node job."""
     return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or current().world)
 
 
 def current() -> DistInfo:
-    if tdist.is_available() and tdist.is_initialized():
+    if grouped():
         return DistInfo(tdist.get_rank(), tdist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
     return DistInfo()
 
