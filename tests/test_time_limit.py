@@ -166,6 +166,22 @@ def test_a_bad_time_limit_is_refused_before_a_run_folder_exists(tmp_path, monkey
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_bad_time_limit_under_torchrun_is_said_by_rank_0_alone(tmp_path, monkeypatch, capsys):
+    """`torchrun --nproc_per_node 2 -m sinkflow train --time-limit 8h30`: each rank parses the same bad value before
+    the ranks connect, and each printed the line (8 lines on 8 processes). Rank 0 says it; every rank exits 2."""
+    from sinkflow.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["train", "moons", *TINY_2D, "--time-limit", "8h30"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == lines, err
+        assert not lines or err[0].startswith("sinkflow: error: time limit '8h30' is not a duration"), err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_the_python_api_stops_at_a_time_limit_and_resumes(tmp_path, monkeypatch):
     """A notebook's chain: ``sinkflow.train(..., time_limit=)`` raises ``sinkflow.Interrupted`` with the run folder,
     ``sinkflow.resume`` continues it (with an override a resume may change) and returns the finished run."""

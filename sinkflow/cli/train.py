@@ -31,10 +31,15 @@ def add_parser(sub):
 
 
 def run(args):
+    from sinkflow.errors import SinkflowError
     from sinkflow.runtime.signals import parse_duration
 
     remember = lambda r: setattr(args, "run_dir_used", str(r.dir))  # noqa: E731  (the Interrupted hint)
-    time_limit = None if args.time_limit is None else parse_duration(args.time_limit)  # before torch loads
+    try:
+        time_limit = None if args.time_limit is None else parse_duration(args.time_limit)  # before torch loads
+    except SinkflowError as exc:  # torchrun: every rank parses the same --time-limit before the ranks connect, and
+        exc.every_rank = True  # each printed the same line (8 on 8 processes): rank 0 says it, all exit 2
+        raise
     kw = dict(device=getattr(args, "device", None), on_open=remember, then=None if args.no_report else report,
               time_limit=time_limit)
     if args.resume:
