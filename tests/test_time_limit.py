@@ -233,6 +233,25 @@ def test_a_change_on_resuming_a_half_built_pool_is_recorded_at_its_chunk(tmp_pat
     assert [(c["key"], c["phase"], c["step"]) for c in changes] == [("pool.in_flight", "pool", 1)], changes
 
 
+def test_a_resume_of_a_half_built_pool_on_another_world_names_its_chunks(tmp_path, monkeypatch, caplog):
+    """The world-size note of a resume in the pool said "world_size 2 -> 1 from phase pool step 1": the 1 is the
+    pool's built chunks (2 of its 4 batches here), not a training step. It says the chunks; meta.json keeps step 1."""
+    import logging
+
+    from sinkflow.engine.experiment import train_run
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Interrupted):
+        train_run(_cfg("grew"), time_limit=1e-9)
+    monkeypatch.setattr("sinkflow.runtime.run_folder.ran_on", lambda run_dir: 2)  # the stopped session's 2 processes
+    with caplog.at_level(logging.INFO):
+        train_run(resume=tmp_path / "runs" / "grew")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("world_size 2 -> 1")]
+    assert len(said) == 1 and said[0].startswith("world_size 2 -> 1 from phase pool after 1 built chunk(s): "), said
+    changes = json.loads((tmp_path / "runs" / "grew" / "meta.json").read_text())["changes"]
+    assert [(c["key"], c["phase"], c["step"]) for c in changes] == [("world_size", "pool", 1)], changes
+
+
 def test_a_pool_stopped_mid_build_says_its_batches_as_its_bar_counts(tmp_path):
     """A pool stopped by a signal or the limit said "stopped ... in phase 'pool' at step 1" and status "at pool
     step 1" / "pool  step 1": its chunks, while its bar stood at 2/4 batches (40/60 on digits said "step 4"). The

@@ -457,9 +457,18 @@ def record_changes(run_dir: Path, entries: list[tuple]) -> None:
     for key, old, new, phase, step, *note in entries:
         meta.setdefault("changes", []).append({"key": key, "from": old, "to": new, "phase": phase, "step": step,
                                                "time": when, **({"note": note[0]} if note and note[0] else {})})
-        log.info("%s %r -> %r from phase %s step %s%s", key, old, new, phase, step,
+        log.info("%s %r -> %r from phase %s %s%s", key, old, new, phase, _position(phase, step),
                  f": {note[0]}" if note and note[0] else "")
     atomic_write_text(path, json.dumps(meta, indent=2, default=str))
+
+
+def _position(phase: str | None, step) -> str:
+    """Where a change took effect, in its phase's unit: a resumed pool's ``step`` counts its built chunks (the unit
+    of resume), and "world_size 2 -> 1 from phase pool step 1" read as a training step of a pool that builds batches
+    (its stop line had said "after 2/4 batches"). meta.json keeps the number as ``step``."""
+    if phase != "pool":
+        return f"step {step}"
+    return f"after {step} built chunk(s)" if step else "before its first chunk"
 
 
 # What a run folder holds of its own state (the layout above, plus the records a run writes beside it). NSGF++'s
