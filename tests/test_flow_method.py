@@ -8,6 +8,7 @@ the prior reparameterisation; one-line errors before any work.
 
 import contextlib
 import json
+import logging
 import math
 import re
 
@@ -164,6 +165,17 @@ def test_drift_guard_is_reported(runs_dir, caplog):
     assert all(tight[s] == pytest.approx(v, rel=1e-3) for s, v in ref.items())
     keep = {k: v for k, v in final_weights(runs_dir / "tight").items() if k.endswith("keep_input")}
     assert sum(int(v.sum()) for v in keep.values()) == final["fallen_back"]  # the flags are in the checkpoint
+
+
+@pytest.mark.parametrize("mode", ["standard", "checkpoint"])
+def test_the_drift_guard_line_is_said_only_where_the_guard_runs(mode, runs_dir, caplog):
+    """The guard checks invertible mode's rebuilt inputs alone: standard and checkpoint ended saying "flow drift
+    guard: 0 layer(s) fell back ... (max rebuild error 0, memory standard)" of a guard that never ran."""
+    caplog.set_level(logging.INFO)
+    assert main(["train", "flow-digits", *TINY, "--train-iters", "1", "--no-report", f"model.flow.memory={mode}",
+                 "--name", mode]) == 0
+    assert "drift guard" not in caplog.text, caplog.text
+    assert [r for r in records(runs_dir / mode) if r.get("final")][0]["fallen_back"] == 0  # the record is kept
 
 
 def test_a_resumed_flow_reports_the_drift_guard_counts_of_the_whole_run(runs_dir):

@@ -128,7 +128,9 @@ class FlowStep(TrainingStep):
     def on_phase_end(self, trainer) -> None:
         model = trainer.model
         report = drift_report(model)
-        if dist.current().is_main:
+        # the guard runs in invertible mode alone: standard and checkpoint said "0 layer(s) fell back ... (max
+        # rebuild error 0, memory standard)" of a guard that never ran (their metrics still carry the report)
+        if dist.current().is_main and model.memory == "invertible":
             (log.warning if report["fallen_back"] else log.info)(
                 "flow drift guard: %d layer(s) fell back to storing their input%s (max rebuild error %.2g, "
                 "memory %s)", report["fallen_back"],
