@@ -528,6 +528,32 @@ def test_a_pool_killed_mid_build_is_counted_in_batches_not_chunks_at_a_batch_rat
     assert "pool  batches 50/60 (83.3%)  5.84 batches/s" in format_status(st), format_status(st)
 
 
+def test_a_killed_phase_says_the_step_its_resume_goes_on_from_beside_the_heartbeats(tiny_run, tmp_path):
+    """kill -9 at velocity step 5 of a run checkpointed at step 3: status said DEAD and "velocity  step 5/6", the
+    last heartbeat's step, while the resume went on from step 3 (a phase killed before its first checkpoint: from
+    step 0). The line names the newest checkpoint's step, and the heartbeat's as its own; --json has both."""
+    import shutil
+    import socket
+
+    run = tmp_path / "r"
+    shutil.copytree(tiny_run, run)
+    for name in ("final.pt", "step_00000006.pt"):
+        (run / "checkpoints" / "velocity" / name).unlink()
+    beat = {"pid": 2 ** 22 + 1, "host": socket.gethostname(), "phase": "velocity", "step": 5, "total": 6,
+            "state": "running", "time": time.time()}
+    (run / "status.json").write_text(json.dumps(beat))
+    st = read_status(run)
+    assert st["state"] == "dead" and st["resumes_from"] == {"phase": "velocity", "step": 3, "heartbeat_step": 5}
+    line = next(x for x in format_status(st).splitlines() if x.startswith("state"))
+    assert line.endswith(f"{run}`, which goes on from velocity step 3, its newest checkpoint; step 5 below is "
+                         "the last heartbeat's)"), line
+    (run / "checkpoints" / "velocity" / "step_00000003.pt").unlink()
+    line = next(x for x in format_status(read_status(run)).splitlines() if x.startswith("state"))
+    assert line.endswith(", which trains velocity from step 0 (it had no step checkpoint yet))"), line
+    (run / "status.json").write_text(json.dumps({**beat, "phase": "pool", "done": 1, "of": 2, "unit": "batches"}))
+    assert read_status(run)["resumes_from"] is None  # the pool's heartbeat counts its recorded batches: kept
+
+
 def test_a_run_restored_where_another_machines_session_left_it_is_stale_with_the_resume_command(tiny_run, tmp_path):
     """A Kaggle session killed at its limit mid-phase, its run copied back to the same path in the next session
     (audit YY): the heartbeat is the old container's, for this very folder, hours old. Status said STALE ("hung, or

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 import zipfile
@@ -172,10 +173,37 @@ def read_status(run_dir: Path, stale_after: float = STALE_AFTER_S, now: float | 
             out["missing"] = [f"checkpoints/{phase}/final.pt" for phase in missing]
             out["damaged"] = damaged
     out["phases_left"] = [] if state in ("finished", "evaluating") else phases_left(run_dir, hb, ckpts)
+    if state in ("dead", "stale"):
+        out["resumes_from"] = resumes_from(hb, ckpts)
     refusal = config_refusal(run_dir)
     if refusal is not None and state not in ("running", "evaluating"):
         out["state"], out["config_error"] = "damaged", refusal
     return out
+
+
+def resumes_from(hb: dict, ckpts: dict) -> dict | None:
+    """Where a resume of a killed training phase goes on: its newest step checkpoint (step 0 with none), which the
+    heartbeat's step is not. That step is the last beat's (a log step, or a minute of steps, old), and a kill -9
+    lost every step since the checkpoint: status said "velocity step 700/100000" of a run that resumes from 600.
+    None where the heartbeat counts kept work (the pool's recorded batches, NSGF++'s states) or no phase."""
+    phase = hb.get("phase")
+    files = [name for name, *_ in ckpts.get(phase) or []]
+    if not isinstance(phase, str) or phase in ("done", "pool") or hb.get("of") or "final.pt" in files:
+        return None
+    steps = [int(m[1]) for name in files if (m := re.fullmatch(r"step_(\d+)\.pt", name))]
+    return {"phase": phase, "step": max(steps, default=0), "heartbeat_step": hb.get("step")}
+
+
+def _resumes_from(st: dict) -> str:
+    """``resumes_from`` in words, after the resume command."""
+    at = st.get("resumes_from")
+    if not at:
+        return ""
+    if not at["step"]:
+        return f", which trains {at['phase']} from step 0 (it had no step checkpoint yet)"
+    beat = at["heartbeat_step"]
+    beat = f"; step {beat} below is the last heartbeat's" if isinstance(beat, int) and beat > at["step"] else ""
+    return f", which goes on from {at['phase']} step {at['step']}, its newest checkpoint{beat}"
 
 
 def config_refusal(run_dir: Path) -> str | None:
@@ -265,7 +293,7 @@ def format_status(st: dict) -> str:
                 st.get("copied_from_host") else
                 f"trains {st['copied_from']}, the run this folder was copied from" if st.get("copied_from") else
                 "is another process now" if st.get("pid_reused") else "is not running")
-        why = f" (pid {hb.get('pid')} {gone}; resume with `{st['resume']}`)"
+        why = f" (pid {hb.get('pid')} {gone}; resume with `{st['resume']}`{_resumes_from(st)})"
     elif state == "stopped" and hb.get("at_once"):
         by = f"a second signal, {hb['signal']}," if hb.get("signal") else "a KeyboardInterrupt"
         why = (f" (at once by {by} in {hb.get('phase')}: the work since its last "
@@ -287,7 +315,7 @@ def format_status(st: dict) -> str:
             "pool chunk takes longer than that"
         if not hb.get("host") or hb.get("host") != socket.gethostname():  # its pid cannot be seen from here
             why += (f"; or nothing trains it any more (a session that ended on {hb.get('host') or 'another machine'}, "
-                    f"its folder restored here): then resume with `{st['resume']}`")
+                    f"its folder restored here): then resume with `{st['resume']}`{_resumes_from(st)}")
         why += ")"
     elif state == "incomplete" and st.get("damaged"):
         why = (f" (status.json says finished, but {', '.join(st['damaged'])} is damaged (not a whole checkpoint): "
