@@ -191,6 +191,8 @@ def test_auto_speed_settings_resolve_per_device_network_and_process_count(monkey
     assert speed(auto, kind="mlp") == ("fp32", False, "reduce-overhead", "none")  # mode only matters if compiled
     assert speed(auto, kind="flow") == ("fp32", False, "reduce-overhead", "none")
     assert speed(auto, world=2) == ("fp16", False, "default", "none")  # DDP: the all-reduce is not captured
+    # asked for under torchrun: two graphs around the all-reduce, the plain model compiled inside as in one process
+    assert speed({**auto, "graph": "step"}, world=2) == ("fp16", True, "default", "step")
     assert fp16_hint(auto, "unet", "cuda", "velocity") is None  # fp16 is the default there
     capability["value"] = (7, 5)  # a T4: no bf16 tensor cores
     assert speed(auto) == ("fp32", True, "default", "step")

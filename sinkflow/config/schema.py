@@ -499,7 +499,8 @@ def _train(iters=20000, batch_size=256, lr=0.001, warmup=0, schedule="cosine", g
         "channels_last": Key(False, Bool(), "NHWC model + inputs; only takes effect on CUDA with image batches "
                              "(off: measured slower for sinkflow's GroupNorm UNets, docs/performance.md)"),
         "compile": Key("auto", AutoBool(), "torch.compile the model; auto: on for a UNet on CUDA in one process "
-                       "(tens of seconds of compiling, measured to pay back within a phase), off elsewhere"),
+                       "or in a torchrun job's captured step (graph: step; tens of seconds of compiling, measured to "
+                       "pay back within a phase), off elsewhere"),
         "compile_mode": Key("auto", Options("auto", "default", "reduce-overhead", "max-autotune",
                                             "max-autotune-no-cudagraphs"), "torch.compile's "
                             "mode when compile: reduce-overhead = CUDA graphs, one replay per step instead of a launch "

@@ -82,8 +82,8 @@ def resolve(tcfg: dict, kind: str, device: torch.device | str, world: int = 1, b
         captured = (device.type == "cuda" and world == 1 and kind in GRAPH_KINDS
                     and out.get("compile_mode", "auto") in ("auto", *GRAPHLESS_MODES))  # an asked-for graphs mode wins
         out["graph"] = "step" if captured else "none"
-    if out.get("compile", False) == "auto":
-        out["compile"] = fast and world == 1
+    if out.get("compile", False) == "auto":  # under DDP not (unmeasured), but in a torchrun job's captured step:
+        out["compile"] = fast and (world == 1 or out.get("graph") == "step")  # the plain model, as in one process
     if out.get("compile_mode", "default") == "auto":  # graph=step captures the whole step: no graphs inside it
         graphs = device.type == "cuda" and world == 1 and out.get("graph", "none") != "step"
         out["compile_mode"] = "reduce-overhead" if graphs else "default"

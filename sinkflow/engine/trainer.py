@@ -206,6 +206,8 @@ class Trainer:
         mode = self.compile_mode
         compiled = "eager" if mode is None else "compiled" if mode == "default" else f"compiled ({mode})"
         graph = "" if self.step_graph is None else (
+            ", the step the backward's and the update's CUDA graphs with the gradients' all-reduce between them"
+            if self.step_graph.captures and self.grad_sync is not None else
             ", the whole step one CUDA graph" if self.step_graph.captures else ", the step graph's path run eagerly")
         return (f"{self.name} on {self.device.type}: {self.precision}, {kernel} Adam, "
                 f"{'channels_last' if self.channels_last else 'NCHW' if len(self.shape) == 3 else 'plain layout'}, "
