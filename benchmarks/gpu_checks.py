@@ -336,9 +336,7 @@ def capture_fallback_check(device: torch.device, size: dict) -> None:
 
 
 def split_step_check(device: torch.device, size: dict) -> None:
-    import socket
-
-    import torch.distributed as tdist
+    from _dist import group_of_one
 
     from sinkflow.methods.flow_matching import InterpolantStep
     from sinkflow.runtime.checkpoint import load
@@ -347,13 +345,8 @@ def split_step_check(device: torch.device, size: dict) -> None:
     final, replays = {}, {}
     with scratch_dir(), real_or_synthetic(config.resolve("mnist"), force=True):
         for mode in ("one graph", "split"):
-            if mode == "split":  # the trainer averages over the group it is in: here a group of one
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
-                tdist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
-                                         init_method=f"tcp://127.0.0.1:{port}")
-            try:
+            # in a process group the trainer averages a captured step's gradients: here a group of one
+            with group_of_one(device) if mode == "split" else contextlib.nullcontext():
                 cfg = config.resolve("mnist", [f"experiment.device={device.type}", "experiment.method=fm",
                                                "train.velocity.precision=fp16", "train.velocity.compile=false",
                                                *size["unet"], f"train.velocity.iters={size['train_steps']}",
@@ -364,9 +357,6 @@ def split_step_check(device: torch.device, size: dict) -> None:
                 run.logger.close()
                 final[mode] = load(run.dir / "checkpoints" / "velocity" / "final.pt")["model"]
                 replays[mode] = (trainer.step_graph.replays, trainer.grad_sync is not None)
-            finally:
-                if mode == "split":
-                    tdist.destroy_process_group()
     dw = max(float((final["one graph"][k].float() - final["split"][k].float()).abs().max()) for k in final["split"])
     print(f"split step (backward graph, all-reduce, update graph) vs one graph, {size['train_steps']} fp16 steps in a "
           f"process group of one: max|dw| {dw:.2e}; replays {replays['split'][0]} (one graph: "

@@ -31,6 +31,7 @@ from sinkflow.tools.throughput import draw_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import at_least, checked_device, positive_int  # noqa: E402
+from _dist import group_of_one  # noqa: E402
 from results_md import machine  # noqa: E402
 
 CANDIDATES = {
@@ -57,7 +58,11 @@ CANDIDATES = {
     # the default's path in the other precisions: float16 (GradScaler inside the graph) and fp32
     "fp16+stepgraph": ["precision=fp16", "graph=step"],
     "fp32+stepgraph": ["precision=fp32", "graph=step"],
+    # a torchrun job's captured step (two graphs, the gradients' all-reduce between: sinkflow.engine.grad_sync),
+    # timed in a process group of one (NCCL on a card): what splitting the step costs beside "fp16+stepgraph"
+    "fp16+stepgraph+split": ["precision=fp16", "graph=step"],
 }
+IN_A_GROUP = ("fp16+stepgraph+split",)  # configs measured inside a process group of one process
 SMOKE_MODEL = ["model.velocity.channels=8", "model.velocity.attention_resolutions=[]", "model.nsf.channels=8",
                "model.nsf.attention_resolutions=[]"]
 
@@ -138,8 +143,9 @@ def main(argv=None) -> None:
             ref: dict[tuple[str, str], float] = {}
             for method in args.methods:
                 for name in configs:
-                    for row in measure(args.preset, method, CANDIDATES[name], base, steps, warmup,
-                                       tuple(args.phases)):
+                    with group_of_one(args.device) if name in IN_A_GROUP else contextlib.nullcontext():
+                        rows = measure(args.preset, method, CANDIDATES[name], base, steps, warmup, tuple(args.phases))
+                    for row in rows:
                         phase = row["phase"]
                         ref.setdefault((method, phase), row["steps_per_s"])
                         rates.setdefault((method, phase, name), []).append(row["steps_per_s"])

@@ -619,6 +619,26 @@ def test_smoke_preset_throughput(quiet, capsys):
         assert (cells[-1] == "-") == (name != "+prefetch") and (name != "+prefetch" or float(cells[-1]) > 0)
 
 
+def test_preset_throughput_times_a_torchrun_jobs_split_step_in_a_group_of_one(quiet, capsys, monkeypatch):
+    """``fp16+stepgraph+split`` runs the phase inside a process group of one, where the trainer averages the
+    captured step's gradients between two graphs (grad_sync.py): the row trains what the one-graph row trains, the
+    gradients went through the all-reduce, and the group is gone afterwards."""
+    import torch.distributed as tdist
+
+    from sinkflow.engine import grad_sync
+
+    synced = []
+    real = grad_sync.GradSync.__call__
+    monkeypatch.setattr(grad_sync.GradSync, "__call__", lambda self: synced.append(1) or real(self))
+    load("preset_throughput").main(["--smoke", "--device", "cpu", "--configs", "fp16+stepgraph", "fp16+stepgraph+split",
+                                    "--methods", "fm", "--steps", "2", "--warmup", "0"])
+    out = capsys.readouterr().out
+    rows = {line.split()[2]: line.split() for line in out.splitlines() if line.startswith("fm ")}
+    assert set(rows) == {"fp16+stepgraph", "fp16+stepgraph+split"}
+    assert rows["fp16+stepgraph"][-2] == rows["fp16+stepgraph+split"][-2]  # the same loss: the same step
+    assert len(synced) >= 2 and not tdist.is_initialized()
+
+
 def test_preset_throughput_ratios_are_to_the_base_row_of_the_same_repeat(quiet, capsys, monkeypatch):
     """With --repeats the second repeat's rows were divided by the first repeat's base row (its own base row read
     1.25x here); each repeat's base row is 1.00x now, and the header names the row the ratios are to."""
