@@ -338,6 +338,25 @@ def test_a_table_whose_first_column_is_a_row_index_is_refused(tmp_path, name, he
         assert build_distribution(str(f), data_cfg={}).shape == (3,)
 
 
+def test_a_label_column_read_as_a_coordinate_is_warned_of(tmp_path, caplog):
+    """``x,y,label`` (a labelled data set written whole, e.g. make_moons' points beside its y) trained as 3-D points
+    without a word. A column named as a label holding a few integers is warned of, naming it; a coordinate of that
+    name (many values) is not, nor are unnamed columns."""
+    rng = np.random.default_rng(0)
+    points = rng.normal(size=(40, 2))
+    f = tmp_path / "moons.csv"
+    f.write_text("\n".join(["x,y,label", *(f"{a},{b},{i % 2}" for i, (a, b) in enumerate(points))]) + "\n")
+    with caplog.at_level("WARNING", logger="sinkflow"):
+        assert build_distribution(str(f), data_cfg={}).shape == (3,)
+    assert "column 'label' holds 2 distinct integers and is read as a coordinate (the points are 3-D); if it labels " \
+           "the points, drop it" in caplog.text
+    caplog.clear()
+    f.write_text("\n".join(["x,y,class", *(f"{a},{b},{c}" for (a, b), c in zip(points, rng.normal(size=40)))]) + "\n")
+    with caplog.at_level("WARNING", logger="sinkflow"):
+        build_distribution(str(f), data_cfg={})
+    assert "read as a coordinate" not in caplog.text
+
+
 @pytest.mark.parametrize("name,header,sep", [("r.txt", "x y", " "), ("named.tsv", "\tx\ty", "\t")])
 def test_a_row_index_under_a_header_one_name_short_quotes_the_files_header(tmp_path, name, header, sep):
     """R's ``write.table`` (no name over its row names) or a .tsv whose empty first name went with the line's leading

@@ -74,7 +74,27 @@ def load_table(path: str, binary: bool = False) -> np.ndarray:
     points = np.frombuffer(values, dtype=np.float64).reshape(-1, width)
     if header is not None:
         check_index_column(path, *header, points, delimiter)
+        warn_label_columns(path, header[1], points)
     return points
+
+
+# column names that say a point's label, not a coordinate (scikit-learn's make_moons(...) saved with its y)
+LABEL_NAMES = ("label", "labels", "class", "target", "y_true", "cluster", "category")
+
+
+def warn_label_columns(path: str, names: list[str], points: np.ndarray) -> None:
+    """Warn where a column named as a label (``x,y,label``: a labelled data set written whole) holds a few distinct
+    integers: it is read as a coordinate, and the (N, 2) points train as 3-D ones, their classes as lines apart. A
+    warning, not a refusal: a column so named may be a coordinate (nothing in the file tells)."""
+    if len(names) != points.shape[1]:
+        return
+    for i, name in enumerate(names):
+        col = points[:, i]
+        distinct = len(np.unique(col))
+        if name.lower() in LABEL_NAMES and bool(np.all(col == np.round(col))) and distinct <= max(2, len(col) // 10):
+            log.warning("point file %s: column %r holds %d distinct integers and is read as a coordinate (the points "
+                        "are %d-D); if it labels the points, drop it (sinkflow learns where the points lie)", path,
+                        name, distinct, points.shape[1])
 
 
 # first column names that say a row index, not a coordinate: pandas' unnamed index (`df.to_csv(path)` of named
