@@ -578,6 +578,12 @@ def test_a_run_restored_where_another_machines_session_left_it_is_stale_with_the
     with run_lock(run):  # this process holds the run, silent for 3 hours: hung
         line = next(x for x in format_status(read_status(run)).splitlines() if x.startswith("state"))
     assert line.startswith("state        STALE") and "resume" not in line, line
+    # a heartbeat without a host (written before hosts were) is this host's, as read_status takes it: its live pid
+    # is hung there, and the line suggested a resume beside it
+    (run / "status.json").write_text(json.dumps({k: v for k, v in beat.items() if k != "host"} | {"pid": os.getpid()}))
+    with run_lock(run):
+        line = next(x for x in format_status(read_status(run)).splitlines() if x.startswith("state"))
+    assert line.startswith("state        STALE") and "resume" not in line, line
 
 
 def test_a_pool_build_that_failed_keeps_its_finished_chunks_and_says_so(tiny_run, tmp_path):

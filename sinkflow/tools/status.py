@@ -313,8 +313,10 @@ def format_status(st: dict) -> str:
     elif state == "stale":
         why = f" (no heartbeat for {_dur(age)}, where a training phase writes one every minute: hung, or one step or " \
             "pool chunk takes longer than that"
-        if not hb.get("host") or hb.get("host") != socket.gethostname():  # its pid cannot be seen from here
-            why += (f"; or nothing trains it any more (a session that ended on {hb.get('host') or 'another machine'}, "
+        # its pid cannot be seen from here (a heartbeat without a host, written before hosts were, is this one's, as
+        # read_status takes it: its live pid said hung, not gone)
+        if hb.get("host", socket.gethostname()) != socket.gethostname():
+            why += (f"; or nothing trains it any more (a session that ended on {hb['host'] or 'another machine'}, "
                     f"its folder restored here): then resume with `{st['resume']}`{_resumes_from(st)}")
         why += ")"
     elif state == "incomplete" and st.get("damaged"):
