@@ -315,6 +315,10 @@ def test_the_per_process_estimate_and_fit_do_not_shrink_with_world():
     divide the batch by --world and call a card that runs out of memory a fit."""
     cfg = config.resolve("moons", ["train.velocity.batch_size=65536", "model.velocity.hidden=2048"])
     one, four = ({m.phase: m for m in memory_plan.estimate(cfg, world=w)} for w in (1, 4))
+    # ... but for one more copy of the gradients: DDP's buckets, or the flat buffer a captured step all-reduces
+    grads = sum(p.numel() * 4 for p in build_model("mlp", {k: v for k, v in cfg["model"]["velocity"].items()
+                                                           if k != "kind"}, (2,)).parameters())
+    assert four["velocity"].terms.pop("all-reduce buffer") == grads > 0
     assert one["velocity"].terms == four["velocity"].terms and "micro-batch 65536," in four["velocity"].note
     card = 2 * memory_plan.GiB
     fit_one = memory_plan.propose_fit(cfg, list(one.values()), card, world=1)

@@ -1,8 +1,9 @@
 """Peak GPU memory of every phase for a config, before any GPU is rented, and the change that makes it fit.
 
 Terms (per process; one GPU per process). ``train.<phase>.batch_size`` is per process, so the number of processes
-(``world``) does not shrink a phase: it changes only what ``auto`` resolves to under DDP (no step graph, no compile:
-``planned_train``), and a rank building its pool chunks holds one in-flight group, as one process does.
+(``world``) does not shrink a phase: it changes what ``auto`` resolves to under DDP (no step graph, no compile:
+``planned_train``) and adds the gradients' all-reduce buffer, and a rank building its pool chunks holds one
+in-flight group, as one process does.
 
 * a chunked phase (the pool): the task's own estimate (``ChunkedTask.memory``; for the pool GeomLoss's
   working set for ``in_flight`` pool batches and the trajectory kept on the device, plus the pool in host RAM
@@ -186,6 +187,9 @@ def _train_phase_memory(cfg: dict, phase, shape: tuple[int, ...], world: int, bf
     for held in phase.frozen():  # a finished phase's network kept on the device (NSGF++'s NSGF states)
         m = dict(cfg["model"][held])
         pm.terms[f"frozen {held} network"] = weight_bytes(build_model(m.pop("kind"), m, shape))
+    if world > 1:  # DDP's buckets (a copy of every gradient: PyTorch's docs on gradient_as_bucket_view), or the
+        # flat buffer a captured step all-reduces (grad_sync.py): one more copy of the gradients either way
+        pm.terms["all-reduce buffer"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     pm.terms["cuda workspaces"] = WORKSPACE_BYTES
     pm.note = (f"micro-batch {micro_batch(tcfg['batch_size'], tcfg['accum'])}, {tcfg['precision']}, "
                f"{pm.batch_copies} batches held")
