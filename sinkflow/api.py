@@ -200,10 +200,11 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     ``sinkflow.runtime.callbacks.Callback`` objects, run after the engine's in every phase (docs/architecture.md,
     "Callback"): the hooks the CLI's tools use; their ``state_dict()`` rides in the step checkpoints.
     """
-    from sinkflow import config
+    from sinkflow import config, data
     from sinkflow.config.render import scalar
     from sinkflow.engine.experiment import train_run
 
+    data.reread_images()  # images added to a folder since the last call: this run's data (a CLI run's is its own)
     preset, runs_dir = _path(preset, "preset"), _path(runs_dir, "runs_dir")  # a .yaml file may be a Path
     seconds, device, callbacks = _seconds(time_limit), _plain(device), _callbacks(callbacks)
     short, dotted = _overrides(overrides, {"device": device, "name": name})  # name None: preset, method and time
@@ -220,8 +221,10 @@ def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | 
     same checks before anything is written) and return the finished ``Run``: the next session of a run that
     ``train(..., time_limit=...)`` stopped. ``overrides``: the keys a resume may still change, as in ``train``;
     ``callbacks``: as in ``train`` (a callback's saved state is handed back to it)."""
+    from sinkflow import data
     from sinkflow.engine.experiment import train_run
 
+    data.reread_images()  # as train: the files as they are now, which the run's record is checked against
     seconds, device, callbacks = _seconds(time_limit), _plain(device), _callbacks(callbacks)
     short, dotted = _overrides(overrides, {"device": None if device == "auto" else device}, ("device", "time_limit"))
     with _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir():

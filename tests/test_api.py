@@ -672,3 +672,29 @@ def test_an_empty_run_path_is_named_empty_not_read_as_the_working_folder(call, t
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SinkflowError, match=r"^path is empty \(an unset variable\?\); pass path, e.g. 'runs/NAME'"):
         getattr(sinkflow, call)("")
+
+
+def test_a_second_run_in_one_process_trains_on_the_images_the_folder_holds_now(runs_dir, tmp_path):
+    """A notebook that added images to its folder between two sinkflow.train calls trained the second run on the
+    first run's images (this process's cached arrays) and recorded their hashes as its data: a new process then
+    refused its eval and resume as "its data changed"."""
+    import json
+
+    from PIL import Image
+    from test_data import make_folder
+
+    folder = make_folder(tmp_path / "imgs", n=12, size=(8, 8))
+    tiny = {"data.root": str(tmp_path / "data"), "data.path": str(folder), "data.image_size": 8,
+            "model.velocity.channels": 8, "model.velocity.res_blocks": 1, "eval.n": 2, "eval.seeds": 1}
+    methods._distributions.cache_clear()
+    try:
+        first = sinkflow.train("folder", method="fm", device="cpu", runs_dir=runs_dir, name="a", train_iters=1,
+                               batch_size=2, **tiny)
+        for i in range(10):
+            Image.fromarray(np.full((8, 8, 3), 10 * i, np.uint8)).save(folder / f"new{i}.png")
+        second = sinkflow.train("folder", method="fm", device="cpu", runs_dir=runs_dir, name="b", train_iters=1,
+                                batch_size=2, **tiny)
+    finally:
+        methods._distributions.cache_clear()
+    counts = [json.loads((run.dir / "data_split.json").read_text())["n_train"] for run in (first, second)]
+    assert counts == [12, 21]  # 13, then 23 images, every tenth held out
