@@ -54,7 +54,8 @@ class Run:
             raise SinkflowError(problem, f"its networks: {', '.join(networks)}")
         from sinkflow.tools.data import sampling_data
 
-        with sampling_data(self.cfg, self.dir, draws=False), _float32_default():  # the data's shape, no data set
+        # the data's shape, no data set; building the network drew its init from the caller's torch stream
+        with sampling_data(self.cfg, self.dir, draws=False), _float32_default(), _callers_rng():
             return self._run.model(phase)
 
     @torch.no_grad()
@@ -89,7 +90,7 @@ class Run:
                     "e.g. settings={'temperature': 0.7}")
             overrides = [f"sample.{key}={scalar(value)}" for key, value in settings.items()]
             run = Run(with_sample_overrides(self._run, overrides, "sample", str(self.dir)))
-        with sampling_data(run.cfg, run.dir), _float32_default():
+        with sampling_data(run.cfg, run.dir), _float32_default(), _callers_rng():  # the draw is ``seed``'s own
             return run._sample(n, steps, seed, x0, qmc)
 
     def _sample(self, n, steps, seed, x0, qmc) -> torch.Tensor:
@@ -250,8 +251,9 @@ def _absolute_run_dir():
 @contextlib.contextmanager
 def _callers_rng():
     """The caller's global RNG streams (random, numpy, torch) left as they were: a run seeds them with
-    experiment.seed, as a script's run does, and an evaluation draws from them; a notebook's own draws after the call
-    came out otherwise."""
+    experiment.seed, as a script's run does, an evaluation draws from them, and the first ``Run.sample`` or
+    ``Run.model`` of a folder built its networks with torch's stream (their init, then replaced by the saved
+    weights); a notebook's own draws after the call came out otherwise."""
     from sinkflow.runtime.checkpoint import rng_state, set_rng_state
 
     state = rng_state()

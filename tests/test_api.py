@@ -698,3 +698,24 @@ def test_a_second_run_in_one_process_trains_on_the_images_the_folder_holds_now(r
         methods._distributions.cache_clear()
     counts = [json.loads((run.dir / "data_split.json").read_text())["n_train"] for run in (first, second)]
     assert counts == [12, 21]  # 13, then 23 images, every tenth held out
+
+
+@pytest.mark.parametrize("call", [lambda run: run.sample(4, steps=2), lambda run: run.model(),
+                                  lambda run: run.sample(x0=np.zeros((3, 2)), steps=2),
+                                  lambda run: run.sample(4, steps=2, settings={"time_warp": 0.5})],
+                         ids=["sample", "model", "x0", "settings"])
+def test_sampling_a_reopened_run_leaves_the_callers_rng_as_it_was(tiny_run, call):
+    """The first Run.sample or Run.model of an open_run built its networks from the caller's torch stream (their init,
+    replaced by the saved weights): a notebook's `torch.manual_seed(0); run.sample(...); torch.randn(3)` drew other
+    numbers than without the sample. Its samples are seeded by ``seed`` alone, as before."""
+    import random
+
+    def draws():
+        return torch.randn(3), np.random.rand(), random.random()
+
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    expected = draws()
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    call(sinkflow.open_run(tiny_run))
+    got = draws()
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
