@@ -329,12 +329,23 @@ def _overrides(overrides: dict, short: dict, own: tuple[str, ...] = ("runs_dir",
         if key in config.SHORTHANDS:
             short[key] = _plain(value)  # np.int64(5) / a 0-d tensor, as dotted keys take them
         elif "." in key:
+            _check_not_points(key, value)
             dotted.append(f"{key}={_override_text(key, value)}")
         else:
             raise SinkflowError(f"unknown override {key!r}",
                                 f"use a dotted config key as a dict, e.g. **{{'pool.batches': 4}}, or one of "
                                 f"{', '.join([*own, *(k for k in config.SHORTHANDS if k not in own)])}")
     return short, dotted
+
+
+def _check_not_points(key: str, value) -> None:
+    """``data.source`` / ``data.target`` given the points themselves (a notebook's array), refused in one line that
+    says how to pass them: an array was "a config cannot hold ... pass a list", and a list of rows became a spec named
+    by its text, an OSError "File name too long" quoting every number."""
+    if key in ("data.source", "data.target") and isinstance(value, (np.ndarray, torch.Tensor, list, tuple)):
+        raise SinkflowError(f"{key}={shown(value)} holds points, but it takes a data set's name or a point file's path",
+                            f"save them first, e.g. numpy.save('points.npy', points), and pass "
+                            f"**{{'{key}': 'points.npy'}} (an (N, D) array; docs/data.md)")
 
 
 def _call_text(preset: str, given: dict) -> str:

@@ -719,3 +719,18 @@ def test_sampling_a_reopened_run_leaves_the_callers_rng_as_it_was(tiny_run, call
     call(sinkflow.open_run(tiny_run))
     got = draws()
     assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+@pytest.mark.parametrize("convert", [lambda p: p, torch.from_numpy, lambda p: p.tolist()], ids=["numpy", "torch", "list"])
+@pytest.mark.parametrize("key", ["data.target", "data.source"])
+def test_points_given_as_the_data_are_refused_with_how_to_pass_them(runs_dir, convert, key):
+    """A notebook's own points passed as data.target: an array was "a config cannot hold ...; pass ... a list of
+    them", and the list of rows then became a spec named by its text, an OSError "File name too long" quoting every
+    number; build_distribution(points) put the array's whole repr, many lines, in its message."""
+    points = convert(np.random.default_rng(0).normal(size=(200, 2)))
+    with pytest.raises(SinkflowError, match=f"{key}=a .* holds points, .* numpy.save\\('points.npy', points\\)") as e:
+        sinkflow.train("moons", device="cpu", runs_dir=runs_dir, train_iters=2, **{key: points})
+    assert len(_one_line(e)) < 300 and not runs_dir.exists()
+    with pytest.raises(SinkflowError, match="got a .* save the points first") as e:
+        sinkflow.build_distribution(points)
+    assert len(_one_line(e)) < 300

@@ -17,6 +17,7 @@ from pathlib import Path
 from functools import lru_cache
 from typing import Callable
 
+from sinkflow.config.checks import shown
 from sinkflow.data.base import Distribution
 from sinkflow.data.images import DIGIT_SETS, IMAGE_SETS, ImageDistribution, build_image_distribution, source_split_info
 from sinkflow.data.points import POINT_SUFFIXES, AbsentPointFile, PointFile
@@ -50,9 +51,11 @@ def build_distribution(spec: str, *, data_cfg: dict | None = None) -> Distributi
     the ``data`` section."""
     if isinstance(spec, os.PathLike):  # every other entry point takes a Path
         spec = os.fspath(spec)
-    if not isinstance(spec, str) or not spec:
-        raise SinkflowError(f"data spec must be a name or a .npy path, got {spec!r}",
-                            f"use one of {', '.join(SPECS)} or a path to an (N, 2) .npy file")
+    if not isinstance(spec, str) or not spec:  # shown: an array's repr spans lines and thousands of characters
+        points = hasattr(spec, "shape") or isinstance(spec, (list, tuple))  # a notebook's points, given as they are
+        raise SinkflowError(f"data spec must be a name or a .npy path, got {shown(spec)}",
+                            "save the points first, e.g. numpy.save('points.npy', points), and pass 'points.npy'"
+                            if points else f"use one of {', '.join(SPECS)} or a path to an (N, 2) .npy file")
     data_cfg = data_cfg or {}
     if spec in ("normal", "normal-qmc"):
         return Normal(_shape(data_cfg), qmc=spec == "normal-qmc")
