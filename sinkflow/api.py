@@ -212,7 +212,7 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     cfg = config.resolve(preset, [f"experiment.runs_dir={scalar(str(runs_dir))}", *dotted], short)
     # meta.json records this call: the process's argv is the script's or the notebook kernel's
     call = _call_text(preset, {"runs_dir": str(runs_dir), "name": name, "device": device, **overrides})
-    with _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir():  # SinkflowError / Interrupted propagate
+    with _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir(seconds):  # errors propagate
         return open_run(train_run(cfg, device=device, call=call, time_limit=seconds, callbacks=callbacks).dir)
 
 
@@ -228,23 +228,27 @@ def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | 
     data.reread_images()  # as train: the files as they are now, which the run's record is checked against
     seconds, device, callbacks = _seconds(time_limit), _plain(device), _callbacks(callbacks)
     short, dotted = _overrides(overrides, {"device": None if device == "auto" else device}, ("device", "time_limit"))
-    with _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir():
+    with _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir(seconds):
         return open_run(train_run(resume=Path(_path(path, "path")), overrides=dotted, shorthands=short,
                                   device=device, time_limit=seconds, callbacks=callbacks).dir)
 
 
 @contextlib.contextmanager
-def _absolute_run_dir():
+def _absolute_run_dir(time_limit: float | None = None):
     """``Interrupted.run_dir`` absolute, as a ``Run``'s folder is: it was the run folder as the run named it
     (``runs/NAME``), and a notebook that changed directory (``os.chdir``, ``%cd``) before ``resume(e.run_dir)`` was
-    told there is no run folder there."""
-    from sinkflow.runtime.signals import Interrupted
+    told there is no run folder there. Its message ends with the call that continues the run (with the call's
+    ``time_limit``), as the command's line ends with its `--resume` command: a notebook's interrupted cell said
+    "checkpoint saved" alone."""
+    from sinkflow.runtime.signals import Interrupted, format_duration
 
     try:
         yield
     except Interrupted as exc:
         if getattr(exc, "run_dir", None) is not None:
             exc.run_dir = Path(exc.run_dir).resolve()
+            limit = "" if time_limit is None else f", time_limit={format_duration(time_limit)!r}"
+            exc.args = (f"{exc.args[0]}; continue it with sinkflow.resume({str(exc.run_dir)!r}{limit})",)
         raise
 
 

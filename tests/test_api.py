@@ -734,3 +734,30 @@ def test_points_given_as_the_data_are_refused_with_how_to_pass_them(runs_dir, co
     with pytest.raises(SinkflowError, match="got a .* save the points first") as e:
         sinkflow.build_distribution(points)
     assert len(_one_line(e)) < 300
+
+
+def test_a_notebooks_interrupt_kernel_saves_a_checkpoint_and_names_the_call_that_continues(runs_dir):
+    """Jupyter's "interrupt kernel" is a SIGINT to the kernel's main thread, which runs the cell: the phase stops with
+    a checkpoint, the kernel's own Ctrl+C handler is back after the call, and the message names the call that
+    continues the run (it said "checkpoint saved" alone; the command's line names its --resume)."""
+    import os
+    import signal
+
+    from sinkflow.runtime.callbacks import Callback
+
+    class Interrupt(Callback):
+        def on_train_batch_end(self, trainer, batch, outputs):
+            if trainer.name == "velocity" and trainer.step == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    handler = signal.getsignal(signal.SIGINT)
+    tiny = {"pool.batches": 2, "pool.batch_size": 32, "pool.chunk": 1}
+    with pytest.raises(sinkflow.Interrupted) as e:
+        sinkflow.train("moons", device="cpu", runs_dir=runs_dir, name="k", train_iters=6, callbacks=[Interrupt()],
+                       **tiny)
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert str(e.value) == (f"stopped by signal 2 in phase 'velocity' at step 2; checkpoint saved; continue it with "
+                            f"sinkflow.resume('{runs_dir.resolve() / 'k'}')")
+    assert (runs_dir / "k" / "checkpoints" / "velocity" / "step_00000002.pt").is_file()
+    run = sinkflow.resume(e.value.run_dir)
+    assert torch.load(run.dir / "checkpoints" / "velocity" / "final.pt", weights_only=True)["step"] == 6

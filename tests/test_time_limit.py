@@ -149,6 +149,9 @@ def test_the_python_apis_interrupted_names_the_run_folder_wherever_the_notebook_
     with pytest.raises(sinkflow.Interrupted) as e:
         sinkflow.train("moons", name="api", time_limit=1e-9, train_iters=4, **tiny)
     assert e.value.run_dir.is_absolute() and e.value.run_dir == tmp_path.resolve() / "runs" / "api"
+    # the call that continues it, as the command's line names its --resume (it said "checkpoint saved" alone)
+    assert str(e.value).endswith(f"; checkpoint saved; continue it with sinkflow.resume('{e.value.run_dir}', "
+                                 "time_limit='0.000000001')")
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     with pytest.raises(sinkflow.Interrupted) as again:
