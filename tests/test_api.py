@@ -761,3 +761,13 @@ def test_a_notebooks_interrupt_kernel_saves_a_checkpoint_and_names_the_call_that
     assert (runs_dir / "k" / "checkpoints" / "velocity" / "step_00000002.pt").is_file()
     run = sinkflow.resume(e.value.run_dir)
     assert torch.load(run.dir / "checkpoints" / "velocity" / "final.pt", weights_only=True)["step"] == 6
+
+
+def test_a_run_folder_that_exists_is_refused_with_the_call_that_continues_it(tiny_run, tmp_path):
+    """sinkflow.train(name=...) of a folder a notebook's earlier cell made: the fix named the command `sinkflow train
+    --resume` and experiment.name, neither of which a notebook calls; the CLI keeps its own."""
+    shutil.copytree(tiny_run, tmp_path / "runs" / "base")
+    with pytest.raises(SinkflowError) as e:
+        sinkflow.train("moons", device="cpu", runs_dir=tmp_path / "runs", name="base", train_iters=2)
+    assert _one_line(e) == (f"run folder {tmp_path / 'runs' / 'base'} already exists; continue it with "
+                            f"sinkflow.resume('{(tmp_path / 'runs' / 'base').resolve()}') or pick another name=")
