@@ -303,9 +303,12 @@ def _path(value, name: str) -> str:
 def _callbacks(value) -> list:
     """``callbacks=`` as a list of ``Callback`` objects, refused in one line before a run folder is made: one callback
     not in a list ("'C' object is not iterable") or an object that is no Callback ("has no attribute 'teardown'")
-    was a traceback from inside the engine, with the new run folder already written."""
+    was a traceback from inside the engine, with the new run folder already written. None is none, as every other
+    optional argument's None is its default (a wrapper's ``def fit(callbacks=None)`` passed on was refused)."""
     from sinkflow.runtime.callbacks import Callback
 
+    if value is None:
+        return []
     require(not isinstance(value, (Callback, str, bytes)) and hasattr(value, "__iter__"),
             f"callbacks={shown(value)} is not a list of callbacks", "pass them in a list, e.g. callbacks=[cb]")
     value = list(value)

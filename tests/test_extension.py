@@ -468,6 +468,14 @@ def test_the_apis_callbacks_are_checked_before_a_run_folder_is_made(runs_dir):
     assert not (runs_dir / "bad-cb").exists()
 
 
+def test_the_apis_callbacks_none_is_no_callbacks(runs_dir):
+    """callbacks=None (a wrapper's ``def fit(callbacks=None)`` passed on) was refused as "not a list of callbacks",
+    where every other optional argument of the API takes None as its default."""
+    run = sinkflow.train("moons", method="fm", train_iters=2, batch_size=8, device="cpu", name="none-cb",
+                         runs_dir=runs_dir, callbacks=None)
+    assert sinkflow.resume(run.dir, callbacks=None).dir == run.dir
+
+
 def test_the_api_takes_your_own_callbacks(runs_dir):
     """sinkflow.train / resume pass callbacks to the engine (they answered "unknown override 'callbacks'": a
     callback needed config.resolve + engine.experiment.train_run, which the README's API never names)."""
