@@ -212,8 +212,10 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     cfg = config.resolve(preset, [f"experiment.runs_dir={scalar(str(runs_dir))}", *dotted], short)
     # meta.json records this call: the process's argv is the script's or the notebook kernel's
     call = _call_text(preset, {"runs_dir": str(runs_dir), "name": name, "device": device, **overrides})
-    with _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir(seconds):  # errors propagate
-        return open_run(train_run(cfg, device=device, call=call, time_limit=seconds, callbacks=callbacks).dir)
+    opened = []  # the run, once its folder is known (an out-of-memory line names it)
+    with _released(opened), _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir(seconds):
+        return open_run(train_run(cfg, device=device, call=call, time_limit=seconds, callbacks=callbacks,
+                                  on_open=opened.append).dir)
 
 
 def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | None = None, callbacks=(),
@@ -228,9 +230,59 @@ def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | 
     data.reread_images()  # as train: the files as they are now, which the run's record is checked against
     seconds, device, callbacks = _seconds(time_limit), _plain(device), _callbacks(callbacks)
     short, dotted = _overrides(overrides, {"device": None if device == "auto" else device}, ("device", "time_limit"))
-    with _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir(seconds):
+    opened = []
+    with _released(opened), _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir(seconds):
         return open_run(train_run(resume=Path(_path(path, "path")), overrides=dotted, shorthands=short,
-                                  device=device, time_limit=seconds, callbacks=callbacks).dir)
+                                  device=device, time_limit=seconds, callbacks=callbacks, on_open=opened.append).dir)
+
+
+@contextlib.contextmanager
+def _released(opened: list):
+    """A run's error lets go of the run: a notebook keeps the last error (``sys.last_value``, for ``%debug``), and
+    through its traceback's frames the failed phase's network, optimizer and batches, on the GPU, until the next
+    error. After a CUDA out-of-memory error the retry with the fix (a smaller batch) found the card still holding
+    them. The frames of a ``SinkflowError``, an ``Interrupted`` and an out-of-memory error drop their variables (the
+    traceback still prints; a bug's error keeps them, for ``%debug``), and an out-of-memory error is the CLI's one
+    line (``cli.oom``), naming the resume call, where it was torch's message. ``opened``: ``train_run``'s run."""
+    from sinkflow.runtime.signals import Interrupted
+
+    try:
+        yield
+    except (SinkflowError, Interrupted) as exc:
+        _drop_locals(exc)
+        raise
+    except torch.OutOfMemoryError as exc:
+        from sinkflow.cli.oom import oom_line
+
+        _drop_locals(exc)
+        run = opened[0] if opened else None
+        where = str(Path(run.dir).resolve()) if run is not None else None
+        preset = run.cfg["experiment"]["preset"] if run is not None else None
+        raise SinkflowError(oom_line(exc, "train", where, preset, run and _oom_resume(exc, run, where))) from None
+
+
+def _oom_resume(exc: BaseException, run, where: str) -> str:
+    """The call that continues a run stopped by an out-of-memory error, with ``cli.oom``'s fix as its override."""
+    at = getattr(exc, "sinkflow_where", None) or {}
+    train = run.cfg["train"].get(at.get("phase"))
+    if at.get("training") and isinstance(train, dict) and "accum" in train:
+        return f"sinkflow.resume({where!r}, **{{'train.{at['phase']}.accum': {2 * int(train['accum'])}}})"
+    if at.get("phase") == "pool":
+        return f"sinkflow.resume({where!r}, **{{'pool.in_flight': 1}})"
+    return f"sinkflow.resume({where!r})"
+
+
+def _drop_locals(exc: BaseException) -> None:
+    """Clear the variables of the finished frames in ``exc``'s traceback and in those of the errors it chains."""
+    import traceback
+
+    todo, seen = [exc], set()
+    while todo:
+        exc = todo.pop()
+        if exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            traceback.clear_frames(exc.__traceback__)
+            todo += [exc.__cause__, exc.__context__]
 
 
 @contextlib.contextmanager

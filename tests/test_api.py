@@ -771,3 +771,42 @@ def test_a_run_folder_that_exists_is_refused_with_the_call_that_continues_it(tin
         sinkflow.train("moons", device="cpu", runs_dir=tmp_path / "runs", name="base", train_iters=2)
     assert _one_line(e) == (f"run folder {tmp_path / 'runs' / 'base'} already exists; continue it with "
                             f"sinkflow.resume('{(tmp_path / 'runs' / 'base').resolve()}') or pick another name=")
+
+
+def test_out_of_memory_in_training_is_one_line_and_lets_go_of_the_failed_phase(runs_dir):
+    """A notebook keeps the last error (sys.last_value, for %debug) and, through its traceback's frames, the failed
+    phase's network, optimizer and batches: after a CUDA out-of-memory error the retry with the fix found the card
+    still holding them. The error was torch's own message, where the CLI prints one line with the fix; it is that line
+    now, naming the call that continues the run, and the phase's objects are gone while the error is kept. A bug's
+    error keeps its frames (%debug reads them)."""
+    import gc
+    import weakref
+
+    from sinkflow.runtime.callbacks import Callback
+
+    class OutOfMemory(Callback):
+        def __init__(self, error):
+            self.error, self.model = error, None
+
+        def on_train_batch_end(self, trainer, batch, outputs):
+            self.model = weakref.ref(trainer.model)
+            if trainer.step == 4:
+                raise self.error
+
+    kept = {}
+    for name, error in (("oom", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")),
+                        ("bug", ValueError("a bug in a callback"))):
+        callback = OutOfMemory(error)
+        with pytest.raises((SinkflowError, ValueError)) as e:
+            sinkflow.train("moons", method="otcfm", device="cpu", runs_dir=runs_dir, name=name, train_iters=6,
+                           callbacks=[callback], **{"train.velocity.ckpt_every": 3})
+        gc.collect()
+        kept[name] = (e.value, callback.model() is not None)  # the error held, as a notebook holds it
+    error, alive = kept["oom"]
+    run = (runs_dir / "oom").resolve()
+    assert isinstance(error, SinkflowError) and "\n" not in str(error) and not alive
+    assert str(error).startswith("CUDA out of memory in velocity at step 5 (the planner estimates ")
+    assert str(error).endswith(f"(`sinkflow.resume('{run}', **{{'train.velocity.accum': 2}})`)")
+    assert "step_00000003.pt" in str(error) and "Tried to allocate" not in str(error)
+    assert isinstance(kept["bug"][0], ValueError) and kept["bug"][1]
+    assert sinkflow.resume(run, **{"train.velocity.accum": 2}).cfg["train"]["velocity"]["accum"] == 2
