@@ -90,7 +90,7 @@ class Run:
                     "e.g. settings={'temperature': 0.7}")
             overrides = [f"sample.{key}={scalar(value)}" for key, value in settings.items()]
             run = Run(with_sample_overrides(self._run, overrides, "sample", str(self.dir)))
-        with sampling_data(run.cfg, run.dir), _float32_default(), _callers_rng():  # the draw is ``seed``'s own
+        with _released([run._run], "sample"), sampling_data(run.cfg, run.dir), _float32_default(), _callers_rng():
             return run._sample(n, steps, seed, x0, qmc)
 
     def _sample(self, n, steps, seed, x0, qmc) -> torch.Tensor:
@@ -150,7 +150,7 @@ class Run:
         from sinkflow.eval.report import evaluate
 
         seeds, n = _count("seeds", seeds, 5, "eval.seeds"), _count("n", n, 1024, "eval.n")
-        with _callers_rng(), _float32_default():
+        with _released([self._run], "eval"), _callers_rng(), _float32_default():
             try:
                 text = evaluate(self._run, seeds=seeds, n=n, split=split, flags=("n", "split"))
             finally:  # as `sinkflow eval` ends: the record's TensorBoard events written out, its writer thread ended
@@ -237,13 +237,14 @@ def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | 
 
 
 @contextlib.contextmanager
-def _released(opened: list):
+def _released(opened: list, command: str = "train"):
     """A run's error lets go of the run: a notebook keeps the last error (``sys.last_value``, for ``%debug``), and
     through its traceback's frames the failed phase's network, optimizer and batches, on the GPU, until the next
     error. After a CUDA out-of-memory error the retry with the fix (a smaller batch) found the card still holding
     them. The frames of a ``SinkflowError``, an ``Interrupted`` and an out-of-memory error drop their variables (the
     traceback still prints; a bug's error keeps them, for ``%debug``), and an out-of-memory error is the CLI's one
-    line (``cli.oom``), naming the resume call, where it was torch's message. ``opened``: ``train_run``'s run."""
+    line (``cli.oom``), naming the resume call, where it was torch's message (``Run.sample`` / ``evaluate``'s:
+    the sampling batch to lower). ``opened``: ``train_run``'s run, or the run sampled (``command``)."""
     from sinkflow.runtime.signals import Interrupted
 
     try:
@@ -258,7 +259,8 @@ def _released(opened: list):
         run = opened[0] if opened else None
         where = str(Path(run.dir).resolve()) if run is not None else None
         preset = run.cfg["experiment"]["preset"] if run is not None else None
-        raise SinkflowError(oom_line(exc, "train", where, preset, run and _oom_resume(exc, run, where))) from None
+        resume = _oom_resume(exc, run, where) if run is not None and command == "train" else None
+        raise SinkflowError(oom_line(exc, command, where, preset, resume)) from None
 
 
 def _oom_resume(exc: BaseException, run, where: str) -> str:

@@ -810,3 +810,18 @@ def test_out_of_memory_in_training_is_one_line_and_lets_go_of_the_failed_phase(r
     assert "step_00000003.pt" in str(error) and "Tried to allocate" not in str(error)
     assert isinstance(kept["bug"][0], ValueError) and kept["bug"][1]
     assert sinkflow.resume(run, **{"train.velocity.accum": 2}).cfg["train"]["velocity"]["accum"] == 2
+
+
+@pytest.mark.parametrize("call", [lambda run: run.sample(4, steps=2), lambda run: run.evaluate(seeds=1, n=8)],
+                         ids=["sample", "evaluate"])
+def test_out_of_memory_while_sampling_is_one_line_naming_the_sampling_batch(otcfm_run, monkeypatch, call):
+    """As `sinkflow sample` and `eval` say it (tests/test_run_folder_trust.py): it was torch's own message."""
+    from sinkflow.methods.flow_matching import FlowMatching
+
+    def sample(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(FlowMatching, "sample_nets", sample)
+    with pytest.raises(SinkflowError, match=r"^CUDA out of memory in (sample|eval) .*lower sample.batch_size") as e:
+        call(sinkflow.open_run(otcfm_run))
+    assert "Tried to allocate" not in _one_line(e)
