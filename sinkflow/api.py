@@ -26,6 +26,18 @@ from sinkflow.errors import SinkflowError, require
 log = logging.getLogger(__name__)
 
 
+class Report(str):
+    """``Run.evaluate()``'s table: a ``str``, shown as its lines where a notebook shows a cell's last value (IPython's
+    ``_repr_pretty_``), which showed ``'W2 on moons ...\\n steps   NFE ...'`` on one line, quoted, its line breaks as
+    ``\\n``. ``repr`` is a string's, as elsewhere."""
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        for i, line in enumerate(str(self).splitlines()):  # as IPython prints a multi-line repr
+            if i:
+                printer.break_()
+            printer.text(line)
+
+
 class Run:
     """A trained (or training) run folder: its config, its finished models, and sampling."""
 
@@ -138,7 +150,7 @@ class Run:
 
         return sample_chunks(self._run, x0.detach().to(dtype=torch.float32), steps)[0]  # as `generate`: in chunks
 
-    def evaluate(self, seeds: int | None = None, n: int | None = None, split: str = "test") -> str:
+    def evaluate(self, seeds: int | None = None, n: int | None = None, split: str = "test") -> Report:
         """The scores `sinkflow eval` prints (W2 table, or image / flow metrics; ``seeds`` / ``n`` / ``split`` as its
         --seeds / --n / --split: ``"val"`` scores an image run against its validation split), appended to
         metrics.jsonl as it does. The run's figures are left as training wrote them (it rewrote
@@ -159,7 +171,7 @@ class Run:
             from sinkflow.cli import unrecorded
 
             log.warning("%s", unrecorded(self.dir / "metrics.jsonl", self._run.logger.failed))
-        return text
+        return Report(text)
 
     def scores(self) -> dict:
         """The latest evaluation's numbers as a dict (metrics.jsonl's last ``eval`` record, as ``evaluate``, `sinkflow

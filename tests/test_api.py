@@ -825,3 +825,24 @@ def test_out_of_memory_while_sampling_is_one_line_naming_the_sampling_batch(otcf
     with pytest.raises(SinkflowError, match=r"^CUDA out of memory in (sample|eval) .*lower sample.batch_size") as e:
         call(sinkflow.open_run(otcfm_run))
     assert "Tried to allocate" not in _one_line(e)
+
+
+def test_evaluate_shows_its_table_as_lines_in_a_notebook(otcfm_run, tmp_path):
+    """A notebook shows a cell's last value by IPython's pretty printer: `run.evaluate()` there was the string's repr,
+    the whole table on one quoted line with its line breaks as \\n. It is still a str."""
+    run = sinkflow.open_run(shutil.copytree(otcfm_run, tmp_path / "r"))
+    text = run.evaluate(seeds=1, n=8)
+    shown = []
+
+    class Printer:  # the two methods of IPython.lib.pretty.RepresentationPrinter a multi-line value uses
+        def text(self, part):
+            shown.append(part)
+
+        def break_(self):
+            shown.append("\n")
+
+    assert isinstance(text, str) and text.count("\n") >= 2
+    text._repr_pretty_(Printer(), False)
+    assert "".join(shown) == text.rstrip("\n")
+    pretty = pytest.importorskip("IPython.lib.pretty")
+    assert pretty.pretty(text) == text.rstrip("\n")
