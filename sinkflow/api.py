@@ -67,7 +67,7 @@ class Run:
         from sinkflow.tools.data import sampling_data
 
         # the data's shape, no data set; building the network drew its init from the caller's torch stream
-        with sampling_data(self.cfg, self.dir, draws=False), _float32_default(), _callers_rng():
+        with _cpu_default_device(), sampling_data(self.cfg, self.dir, draws=False), _float32_default(), _callers_rng():
             return self._run.model(phase)
 
     @torch.no_grad()
@@ -102,7 +102,8 @@ class Run:
                     "e.g. settings={'temperature': 0.7}")
             overrides = [f"sample.{key}={scalar(value)}" for key, value in settings.items()]
             run = Run(with_sample_overrides(self._run, overrides, "sample", str(self.dir)))
-        with _released([run._run], "sample"), sampling_data(run.cfg, run.dir), _float32_default(), _callers_rng():
+        with _released([run._run], "sample"), _cpu_default_device(), sampling_data(run.cfg, run.dir), \
+                _float32_default(), _callers_rng():
             return run._sample(n, steps, seed, x0, qmc)
 
     def _sample(self, n, steps, seed, x0, qmc) -> torch.Tensor:
@@ -162,7 +163,7 @@ class Run:
         from sinkflow.eval.report import evaluate
 
         seeds, n = _count("seeds", seeds, 5, "eval.seeds"), _count("n", n, 1024, "eval.n")
-        with _released([self._run], "eval"), _callers_rng(), _float32_default():
+        with _released([self._run], "eval"), _cpu_default_device(), _callers_rng(), _float32_default():
             try:
                 text = evaluate(self._run, seeds=seeds, n=n, split=split, flags=("n", "split"))
             finally:  # as `sinkflow eval` ends: the record's TensorBoard events written out, its writer thread ended
@@ -225,7 +226,8 @@ def train(preset: str = "8gaussians-moons", *, runs_dir: str | Path = "runs", na
     # meta.json records this call: the process's argv is the script's or the notebook kernel's
     call = _call_text(preset, {"runs_dir": str(runs_dir), "name": name, "device": device, **overrides})
     opened = []  # the run, once its folder is known (an out-of-memory line names it)
-    with _released(opened), _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir(seconds):
+    with _released(opened), _cpu_default_device(), _callers_rng(), _float32_default(), _autograd(), \
+            _absolute_run_dir(seconds):
         return open_run(train_run(cfg, device=device, call=call, time_limit=seconds, callbacks=callbacks,
                                   on_open=opened.append).dir)
 
@@ -243,7 +245,8 @@ def resume(path: str | Path, *, device: str = "auto", time_limit: str | float | 
     seconds, device, callbacks = _seconds(time_limit), _plain(device), _callbacks(callbacks)
     short, dotted = _overrides(overrides, {"device": None if device == "auto" else device}, ("device", "time_limit"))
     opened = []
-    with _released(opened), _callers_rng(), _float32_default(), _autograd(), _absolute_run_dir(seconds):
+    with _released(opened), _cpu_default_device(), _callers_rng(), _float32_default(), _autograd(), \
+            _absolute_run_dir(seconds):
         return open_run(train_run(resume=Path(_path(path, "path")), overrides=dotted, shorthands=short,
                                   device=device, time_limit=seconds, callbacks=callbacks, on_open=opened.append).dir)
 
@@ -345,6 +348,29 @@ def _float32_default():
         yield
     finally:
         torch.set_default_dtype(dtype)
+
+
+@contextlib.contextmanager
+def _cpu_default_device():
+    """torch's default device the CPU for the call, as in a `sinkflow` command, and the caller's again after it: under a
+    notebook's ``torch.set_default_device("cuda")`` (or inside ``with torch.device(...)``) the tensors sinkflow makes
+    without naming a device went there, beside CPU generators and data, and training and sampling failed in torch
+    (a generator "of another device", "Tensor.item() cannot be called on meta tensors"). Where nothing was set (the
+    usual case) nothing is done: torch's device mode costs a Python call on every torch function."""
+    device = torch.empty(0).device  # the factory default (torch.get_default_device is torch >= 2.3)
+    if device.type == "cpu":
+        yield
+        return
+    context = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    if context is not None:  # torch.set_default_device's: cleared for the call, set again after it
+        torch.set_default_device(None)
+    inner = torch.empty(0).device.type != "cpu"  # a `with torch.device(...)` of the caller's: a CPU one inside it
+    try:
+        with torch.device("cpu") if inner else contextlib.nullcontext():
+            yield
+    finally:
+        if context is not None:
+            torch.set_default_device(context.device)
 
 
 @contextlib.contextmanager

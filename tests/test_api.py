@@ -846,3 +846,28 @@ def test_evaluate_shows_its_table_as_lines_in_a_notebook(otcfm_run, tmp_path):
     assert "".join(shown) == text.rstrip("\n")
     pretty = pytest.importorskip("IPython.lib.pretty")
     assert pretty.pretty(text) == text.rstrip("\n")
+
+
+@pytest.mark.parametrize("how", ["set_default_device", "with"])
+def test_a_notebooks_default_device_is_not_where_a_run_puts_its_tensors(runs_dir, how):
+    """Under a notebook's torch.set_default_device("cuda") (or inside `with torch.device(...)`) the tensors sinkflow
+    makes without naming a device went there, beside its CPU generators and data: training and sampling failed in torch.
+    The meta device stands in for a card here (the same mechanism; "Tensor.item() cannot be called on meta tensors").
+    The caller's default is its own again after each call."""
+    import contextlib
+
+    if how == "with":
+        scope = torch.device("meta")
+    else:
+        torch.set_default_device("meta")
+        scope = contextlib.nullcontext()
+    try:
+        with scope:
+            run = sinkflow.train("moons", method="otcfm", device="cpu", runs_dir=runs_dir, name="d", train_iters=2)
+            assert torch.empty(0).device.type == "meta"
+            assert run.sample(4, steps=2).device.type == "cpu"
+            assert next(run.model().parameters()).device.type == "cpu"
+            assert run.evaluate(seeds=1, n=8).startswith("W2 on moons")
+            assert torch.empty(0).device.type == "meta"
+    finally:
+        torch.set_default_device(None)
