@@ -256,16 +256,23 @@ def _released(opened: list, command: str = "train"):
     """A run's error lets go of the run: a notebook keeps the last error (``sys.last_value``, for ``%debug``), and
     through its traceback's frames the failed phase's network, optimizer and batches, on the GPU, until the next
     error. After a CUDA out-of-memory error the retry with the fix (a smaller batch) found the card still holding
-    them. The frames of a ``SinkflowError``, an ``Interrupted`` and an out-of-memory error drop their variables (the
-    traceback still prints; a bug's error keeps them, for ``%debug``), and an out-of-memory error is the CLI's one
-    line (``cli.oom``), naming the resume call, where it was torch's message (``Run.sample`` / ``evaluate``'s:
-    the sampling batch to lower). ``opened``: ``train_run``'s run, or the run sampled (``command``)."""
-    from sinkflow.runtime.signals import Interrupted
+    them. The frames of a ``SinkflowError``, an ``Interrupted``, a second interrupt's ``StopNow`` and an out-of-memory
+    error drop their variables (the traceback still prints; a bug's error keeps them, for ``%debug``). An out-of-memory
+    error is the CLI's one line (``cli.oom``), naming the resume call, where it was torch's message (``Run.sample`` /
+    ``evaluate``'s: the sampling batch to lower), and ``StopNow`` says what the command says of it, where it was a
+    bare KeyboardInterrupt. ``opened``: ``train_run``'s run, or the run sampled (``command``)."""
+    from sinkflow.runtime.signals import Interrupted, StopNow
 
     try:
         yield
     except (SinkflowError, Interrupted) as exc:
         _drop_locals(exc)
+        raise
+    except StopNow as exc:
+        _drop_locals(exc)
+        where = str(Path(opened[0].dir).resolve()) if opened and command == "train" else None
+        exc.args = (f"stopped at once by a second signal: the checkpoints written before are intact; continue it "
+                    f"with sinkflow.resume({where!r})" if where else "stopped at once by a second signal",)
         raise
     except torch.OutOfMemoryError as exc:
         from sinkflow.cli.oom import oom_line

@@ -871,3 +871,27 @@ def test_a_notebooks_default_device_is_not_where_a_run_puts_its_tensors(runs_dir
             assert torch.empty(0).device.type == "meta"
     finally:
         torch.set_default_device(None)
+
+
+def test_a_second_interrupt_stops_at_once_and_says_so(runs_dir):
+    """A notebook's "interrupt kernel" pressed twice: the run stops at once, as the command does, but the cell showed a
+    bare KeyboardInterrupt from inside the engine; it says what the command says, naming the call that continues."""
+    import os
+    import signal
+
+    from sinkflow.runtime.callbacks import Callback
+    from sinkflow.runtime.signals import StopNow
+
+    class Twice(Callback):
+        def on_train_batch_end(self, trainer, batch, outputs):
+            if trainer.step == 4:
+                os.kill(os.getpid(), signal.SIGINT)  # the handler runs before the next call: the stop is asked
+                os.kill(os.getpid(), signal.SIGINT)  # and this one stops at once
+
+    with pytest.raises(StopNow) as e:
+        sinkflow.train("moons", method="otcfm", device="cpu", runs_dir=runs_dir, name="k", train_iters=8,
+                       callbacks=[Twice()], **{"train.velocity.ckpt_every": 3})
+    assert str(e.value) == ("stopped at once by a second signal: the checkpoints written before are intact; continue "
+                            f"it with sinkflow.resume('{(runs_dir / 'k').resolve()}')")
+    assert isinstance(e.value, KeyboardInterrupt) and e.value.signum == signal.SIGINT
+    assert sinkflow.resume(e.value.args[0].split("'")[1]).dir == (runs_dir / "k").resolve()
