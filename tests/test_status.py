@@ -740,3 +740,22 @@ def test_a_run_a_callback_stopped_says_so_in_the_line_and_the_json(runs_dir):
     assert st["state"] == "stopped" and st["stopped"] == "by trainer.request_stop()"
     line = next(x for x in format_status(st).splitlines() if x.startswith("state"))
     assert line.startswith("state        STOPPED (by trainer.request_stop() at velocity step 3"), line
+
+
+def test_a_kaggle_notebooks_saved_version_says_its_progress_in_lines(monkeypatch):
+    """Inside a Jupyter kernel with ipywidgets the bar is a widget; a Kaggle notebook's saved version ("Save & Run
+    All", KAGGLE_KERNEL_RUN_TYPE=Batch) runs the same kernel with no page to draw it, and its log (the streams alone)
+    showed no progress at all. It gets the log file's lines; the notebook being edited keeps its widget."""
+    from tqdm import autonotebook
+
+    from sinkflow.runtime.callbacks import progress_mode
+
+    monkeypatch.delenv("SINKFLOW_PROGRESS", raising=False)
+    monkeypatch.setattr(autonotebook, "tqdm", type("NotebookBar", (), {}))  # what a kernel's autonotebook holds
+    assert progress_mode() == "bar"
+    monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Interactive")
+    assert progress_mode() == "bar"
+    monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Batch")
+    assert progress_mode() == "lines"
+    monkeypatch.setenv("SINKFLOW_PROGRESS", "bar")  # asked for: as asked
+    assert progress_mode() == "bar"

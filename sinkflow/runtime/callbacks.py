@@ -153,11 +153,14 @@ PROGRESS_LINE_EVERY = 30.0
 def progress_mode() -> str:
     """How the main process shows a phase's progress: ``SINKFLOW_PROGRESS`` = 0 (nothing), ``bar`` (tqdm),
     ``lines`` (a plain line every ``SINKFLOW_PROGRESS_EVERY`` seconds), or 1 (the default): a bar where it is drawn
-    in place (a terminal, a notebook's widget), lines elsewhere. A bar in a log file is one line of ``\\r`` redraws,
-    about 600 KB an hour of a phase, which ``tail -f`` and line-based log viewers show nothing of until it ends."""
+    in place (a terminal, a notebook's widget), lines elsewhere (and in a Kaggle notebook's saved version, whose
+    kernel draws widgets that no page shows). A bar in a log file is one line of ``\\r`` redraws, about 600 KB an
+    hour of a phase, which ``tail -f`` and line-based log viewers show nothing of until it ends."""
     mode = os.environ.get("SINKFLOW_PROGRESS", "1").strip().lower()
     if mode in ("0", "bar", "lines"):
         return mode
+    if os.environ.get("KAGGLE_KERNEL_RUN_TYPE") == "Batch":  # a Kaggle notebook's saved version ("Save & Run All"):
+        return "lines"  # no page draws its widget, and its log, the streams alone, showed no progress at all
     from tqdm import autonotebook, std
 
     # autonotebook's tqdm is the notebook's widget inside a Jupyter kernel (with ipywidgets), else std's
