@@ -3,6 +3,7 @@ rank-0-only files, a global step count, a resume on another number of processes 
 meta.json) and an agreed stop by SIGTERM to one rank."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -640,3 +641,27 @@ def test_grad_sync_averages_in_place_by_dtype_and_gives_every_rank_rank_0s_buffe
     assert model[0].bias.grad is None
     assert torch.equal(model[1].running_mean, torch.full((2,), 7.0)) and int(model[1].num_batches_tracked) == 7
     assert [c for c in calls if c[0] == "all_reduce"] == [("all_reduce", torch.float32), ("all_reduce", torch.float64)]
+
+
+def test_grad_sync_carries_each_ranks_loss_check_in_the_gradients_all_reduce(monkeypatch):
+    """A captured step's skip decision needs every rank's loss check: it joins the float32 gradients' flat buffer (no
+    collective of its own, none inside the update's graph), ``loss_bad`` > 0 after the average where any rank's loss
+    was non-finite, 0 where none was. The stand-in all-reduce sums this rank's share with an equal one."""
+    from sinkflow.engine import grad_sync
+
+    sizes = []
+
+    def all_reduce(flat):
+        sizes.append((flat.dtype, flat.numel()))
+        flat.mul_(2)
+
+    monkeypatch.setattr(grad_sync.tdist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(grad_sync.tdist, "all_reduce", all_reduce)
+    model = torch.nn.Linear(3, 2)
+    sync = grad_sync.GradSync(model)
+    for loss, bad in ((torch.tensor(float("nan")), True), (torch.tensor(0.5), False), (torch.tensor(-math.inf), True)):
+        model.weight.grad, model.bias.grad = torch.ones(2, 3), torch.ones(2)
+        sizes.clear()
+        sync(loss)
+        assert sizes == [(torch.float32, 6 + 2 + 1)] and bool(sync.loss_bad > 0) is bad
+        assert torch.equal(model.weight.grad, torch.ones(2, 3))

@@ -3,6 +3,7 @@ host reads. On a CPU nothing is captured, but the step runs through the same sta
 path to the plain one bit for bit, at every experiment shape, with a resume, a skipped non-finite step and no host
 read; the capture itself is checked where CUDA is (the last test, and benchmarks/gpu_checks.py)."""
 
+import contextlib
 import math
 
 import pytest
@@ -525,7 +526,7 @@ def test_a_split_step_replays_the_backward_the_all_reduce_and_the_update_in_turn
 
     from sinkflow.engine.step_graph import CaptureFailed
 
-    log, pools = [], []
+    log, pools, carries = [], [], []
 
     class CUDAGraph:
         def replay(self):
@@ -567,11 +568,12 @@ def test_a_split_step_replays_the_backward_the_all_reduce_and_the_update_in_turn
         graph.eager_steps = WARMUP  # warmed up: the next step records
         return graph
 
-    graph = graphed((backward, lambda: log.append("all-reduce"), update))
+    graph = graphed((backward, lambda carry: log.append("all-reduce") or carries.append(carry), update))
     out = graph(torch.ones(3, 2), 4)
     assert log == ["record backward", "record update", "replay backward", "all-reduce", "replay update"], log
     assert pools == [(0, 41), (0, 41)]  # one pool: the update's graph reads the gradients the backward's wrote
     assert float(out[0]) == 12.0 and int(out[1]) == 4
+    assert len(carries) == 1 and float(carries[0][0]) == 6.0  # the all-reduce is handed the backward's carry
     log.clear()
     graph(torch.ones(3, 2), 5)
     assert log == ["replay backward", "all-reduce", "replay update"]
@@ -580,7 +582,61 @@ def test_a_split_step_replays_the_backward_the_all_reduce_and_the_update_in_turn
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
     pools.clear()
-    graph = graphed((backward, lambda: None, host_read))
+    graph = graphed((backward, lambda carry: None, host_read))
     with pytest.raises(CaptureFailed, match="operation not permitted"):
         graph(torch.ones(3, 2), 4)
     assert graph.graph is None and graph.second is None
+
+
+@contextlib.contextmanager
+def group_of_one():
+    """A gloo process group of this one process: the trainer's torchrun path for a captured step (grad_sync.py)."""
+    import socket
+
+    import torch.distributed as tdist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tdist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        yield
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_a_split_step_skips_on_another_ranks_non_finite_loss_with_no_collective_in_the_update(runs_dir, monkeypatch):
+    """The skip decision of a torchrun job's captured step is every rank's: a rank whose own loss is finite skips the
+    update where another rank's was not. That OR over the ranks was the non-finite guard's own all-reduce
+    (``dist.any_over_ranks``), inside the update, which the update's CUDA graph would have captured (an NCCL
+    collective in the graph, what the split exists to avoid; a group of one never reaches it, so gpu_checks'
+    split_step could not show it). It travels in the gradients' all-reduce between the graphs now: here, in a group
+    of one, the all-reduce stood in for brings a NaN loss from another rank at step 3, and the update is skipped
+    there and after, the stop at the log step naming step 3; the guard made no collective of its own."""
+    from sinkflow.engine import finite, grad_sync
+
+    inside = []
+    monkeypatch.setattr(finite.dist, "any_over_ranks", lambda flag: inside.append(1) or flag)
+    real = grad_sync.GradSync.__call__
+    steps = []
+
+    def synced(self, *loss):
+        real(self, *loss)
+        steps.append(1)
+        if len(steps) == 3 and loss:  # step 3: another rank's loss was NaN (its share of the flag)
+            self.loss_bad.fill_(0.5)
+
+    monkeypatch.setattr(grad_sync.GradSync, "__call__", synced)
+    cfg = moons_cfg("train.velocity.log_every=5", "train.velocity.ckpt_every=100", "train.velocity.graph=step")
+    cfg["experiment"]["name"] = "other-rank-nan"
+    snaps = Snapshots()
+    with group_of_one():
+        run = RunFolder.create(cfg)
+        trainer = Trainer(run, otcfm_step(cfg), [snaps])
+        with pytest.raises(SinkflowError, match="at step 3"):
+            trainer.fit()
+        run.logger.close()
+    assert trainer.grad_sync is not None and trainer.step == 5
+    for step in (3, 4, 5):
+        assert all(torch.equal(snaps.weights[2][k], snaps.weights[step][k]) for k in snaps.weights[2])
+    assert not inside

@@ -41,17 +41,23 @@ class NonFiniteGuard:
         self.loss = torch.zeros((), dtype=torch.float32, device=device)
         self.norm = torch.zeros((), dtype=torch.float32, device=device)
 
-    def update(self, step: int | torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    def update(self, step: int | torch.Tensor, loss: torch.Tensor, grad_norm: torch.Tensor,
+               loss_bad: torch.Tensor | None = None) -> torch.Tensor:
         """Record step ``step`` (1-based; an int, or a 0-dim int64 tensor on the device: a captured step reads it
         there); returns the float32 skip flag (1 = do not apply this update).
 
         The record is updated in place: a CUDA graph of the step (``sinkflow.engine.step_graph``) reads and writes
-        these same tensors at every replay, so the flag stays sticky across replays."""
+        these same tensors at every replay, so the flag stays sticky across replays.
+
+        ``loss_bad`` (above 0: some rank's loss was non-finite) is the loss's check agreed over the ranks already, by
+        a torchrun job's captured step (``sinkflow.engine.grad_sync``, whose averaged gradients give every rank the
+        same norm): then no collective here, where the update's CUDA graph would have captured one."""
         loss, grad_norm = loss.detach().float(), grad_norm.detach().float()
-        bad = ~torch.isfinite(loss)
+        bad = ~torch.isfinite(loss) if loss_bad is None else loss_bad > 0
         if self.check_grad:
             bad = bad | ~torch.isfinite(grad_norm)
-        bad = dist.any_over_ranks(bad)
+        if loss_bad is None:
+            bad = dist.any_over_ranks(bad)
         new = bad & (self.first == 0)
         step = step if isinstance(step, torch.Tensor) else torch.full_like(self.first, step)
         self.loss.copy_(torch.where(new, loss, self.loss))

@@ -6,7 +6,10 @@ error handling off before the process group starts, the wrapper built on a side 
 capture), none of them measured here. So a captured step under torchrun is two graphs with this eager call between
 them: the forward and backward of the plain model (compiled as in one process: no DDPOptimizer splitting its graph),
 one all-reduce of every gradient as a flat buffer, then the clip, non-finite guard and optimizer as the second graph.
-Every rank averages the same sums, so every rank clips, skips and steps alike, as under DDP.
+Every rank averages the same sums, so every rank clips, skips and steps alike, as under DDP. The one per-rank input
+to that decision, whether this rank's own loss was finite, travels in the same all-reduce (``loss_bad``): the
+non-finite guard's OR over ranks (``dist.any_over_ranks``) is a collective of its own, which inside the update's
+graph would have been an NCCL all-reduce captured into it, under the conditions this split exists to avoid.
 
 What DDP overlaps (a bucket's all-reduce with the rest of the backward) waits for the backward here. Its cost is
 the gradients' bytes through the interconnect once a step: the ``mnist`` UNet's 4.4 MB, the CIFAR-10 UNet's 143 MB
@@ -41,20 +44,27 @@ def _collective(tensors: list[torch.Tensor], op) -> None:
 class GradSync:
     """``GradSync(model)``: ``start()`` gives every rank rank 0's weights and buffers (as DDP's constructor does);
     calling it after a backward averages each parameter's gradient over the ranks and gives every rank rank 0's
-    buffers. Parameters without a gradient are left alone (each rank's backward reaches the same ones)."""
+    buffers. Parameters without a gradient are left alone (each rank's backward reaches the same ones).
+    ``GradSync(...)(loss)`` also sets ``loss_bad`` (a 0-dim float32 tensor that keeps its storage: the update's graph
+    reads it) above 0 where any rank's ``loss`` was non-finite, in the gradients' all-reduce."""
 
     def __init__(self, model: torch.nn.Module):
         self.params = list(model.parameters())
         self.buffers = [b for b in model.buffers() if b.is_floating_point() or b.dtype == torch.int64]
         self.world = tdist.get_world_size()
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.loss_bad = torch.zeros((), dtype=torch.float32, device=device)
 
     def start(self) -> None:
         with torch.no_grad():
             _collective(self.params + self.buffers, lambda flat: tdist.broadcast(flat, src=0))
 
     @torch.no_grad()
-    def __call__(self) -> None:
+    def __call__(self, loss: torch.Tensor | None = None) -> None:
         grads = [p.grad for p in self.params if p.grad is not None]
+        if loss is not None:  # 1 here where this rank's loss is not finite: after the average, > 0 where any rank's
+            self.loss_bad.copy_(~torch.isfinite(loss.detach()))
+            grads.append(self.loss_bad)
         if grads:
             _collective(grads, self._average)
         if self.buffers:

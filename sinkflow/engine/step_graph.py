@@ -97,7 +97,7 @@ class StepGraph:
 
     ``parts=(first, between, then)`` (a torchrun job's step, ``sinkflow.engine.grad_sync``): ``update`` split where
     it all-reduces the gradients, captured as two graphs in one memory pool, ``first(batch, step) -> carry`` (the
-    forward and backward) and ``then(step, carry) -> outputs`` (clip, guard, optimizer), with ``between()`` run
+    forward and backward) and ``then(step, carry) -> outputs`` (clip, guard, optimizer), with ``between(carry)`` run
     eagerly between their replays. The warm-up steps and a CPU run ``update`` whole, which does the same."""
 
     def __init__(self, update: Callable[[Any, torch.Tensor], tuple], optimizer: torch.optim.Optimizer,
@@ -108,7 +108,7 @@ class StepGraph:
         self.static: Any = None
         self.step = torch.zeros((), dtype=torch.int64, device=self.device)
         self.lrs = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in optimizer.param_groups]
-        self.graph = self.second = None
+        self.graph = self.second = self.carry = None
         # warm-up and capture on a stream of CUDA's high-priority pool: torch.cuda.graph's own default capture
         # stream and every plain torch.cuda.Stream() (the prefetch workers', other phases') come round-robin from
         # the same pool of 32, so after a few phases in one process a worker's stream was the capture stream:
@@ -136,7 +136,7 @@ class StepGraph:
                 self._capture()
             self.graph.replay()
             if self.second is not None:  # torchrun: the gradients' all-reduce between the two graphs
-                self.parts[1]()
+                self.parts[1](self.carry)
                 self.second.replay()
             self.replays += 1
             out = self.outputs
@@ -170,7 +170,7 @@ class StepGraph:
                 carry = self._record(graph, pool, lambda: first(self.static, self.step))
                 second = torch.cuda.CUDAGraph()
                 self.outputs = self._record(second, pool, lambda: then(self.step, carry))
-                self.second = second
+                self.second, self.carry = second, carry
         except RuntimeError as exc:
             # torch.cuda.graph's __exit__ leaves its stream context unexited when capture_end raises (an invalidated
             # capture): the phase would go on with the capture stream as its current stream
@@ -202,7 +202,7 @@ class StepGraph:
         """The optimizer's state was loaded (``Trainer.load_state_dict``: lr-find's restore, a rollback): Adam's
         moments are new tensors now, which a replay of the old graph would not touch. The graph is dropped and the
         next step captures anew (the warm-up steps were taken already)."""
-        self.graph = self.second = self.outputs = None
+        self.graph = self.second = self.carry = self.outputs = None
 
     def release(self) -> None:
         """Free the graph, its private memory pool (the gradients the replays wrote included) and the static
@@ -212,4 +212,4 @@ class StepGraph:
         that did not, ``memory_estimate.py``, measured each phase on top of the previous phases' captured steps
         on an H100: 344 MiB -> 670 MiB -> 1.08 GiB over mnist's three phases)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self.graph = self.second = self.static = self.outputs = self.update = self.parts = None
+        self.graph = self.second = self.carry = self.static = self.outputs = self.update = self.parts = None

@@ -430,7 +430,7 @@ class Trainer:
         step the gradients are averaged between the backward and the rest (``grad_sync``), where the graph splits."""
         total = self._backward(batch)
         if self.grad_sync is not None:
-            self.grad_sync()
+            self.grad_sync(total)
         return self._apply(step, total)
 
     def _backward(self, batch: Any) -> torch.Tensor:
@@ -460,7 +460,10 @@ class Trainer:
         clip = self.cfg["grad_clip"]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else float("inf"))
         if self.skip_on_device:  # the fused kernel leaves weights and moments untouched where the flag is set
-            flag = self.guard.update(step, total, grad_norm)
+            # a torchrun job's captured step: the loss's check came over the ranks with the gradients (no collective
+            # inside the update's graph)
+            agreed = None if self.grad_sync is None else self.grad_sync.loss_bad
+            flag = self.guard.update(step, total, grad_norm, agreed)
             if self.scaler.is_enabled():  # fp16: GradScaler hands the kernel its own Inf/NaN-gradient flag, the
                 skip_with_scaler(self.scaler, self.optimizer, flag)  # guard's or-ed into it
                 self.scaler.step(self.optimizer)
