@@ -404,6 +404,19 @@ def test_a_refused_resume_preset_under_ddp_is_one_line(runs_dir):
     assert [p.name for p in runs_dir.iterdir()] == ["made"], list(runs_dir.iterdir())
 
 
+def test_a_captured_step_refused_under_ddp_is_one_line(runs_dir):
+    """A ``graph: step`` that a CUDA graph cannot hold (a compile mode with graphs of its own) is refused alike on
+    every rank as the phase sets up (the same config on each: check_same): rank 0 says it once. Since graph=step runs
+    under torchrun this refusal is reached there, and each rank printed it (its one-line refusal under torchrun,
+    before, was of graph=step itself)."""
+    out = _torchrun("moons", "--method", "fm", "train.velocity.graph=step", "train.velocity.compile=true",
+                    "train.velocity.compile_mode=reduce-overhead", "--train-iters", "2", "--device", "cpu",
+                    "--no-report", cwd=runs_dir.parent)
+    errors = out.stderr.split("sinkflow: error: ")[1:]
+    assert out.returncode != 0 and len(errors) == 1, out.stderr[-3000:]
+    assert errors[0].startswith("train.velocity.graph=step captures the whole step; compile_mode=reduce-overhead")
+
+
 def test_a_captured_step_under_ddp_trains_what_ddp_trains_and_resumes_bit_equal(runs_dir):
     """`graph: step` under torchrun (it was refused: DDP's all-reduce hooks cannot be captured): the step is the
     backward's graph, one all-reduce of the flat gradients, the update's graph (sinkflow.engine.grad_sync; on a CPU

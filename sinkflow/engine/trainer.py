@@ -770,14 +770,16 @@ def too_short(train: dict, key: str) -> list[str]:
 
 
 def check_step_graph(cfg: dict, key: str, compile_mode: str | None, skips_on_device: bool) -> None:
-    """Refuse, before the first step, a ``graph: step`` phase whose step a CUDA graph cannot hold."""
+    """Refuse, before the first step, a ``graph: step`` phase whose step a CUDA graph cannot hold. Under torchrun
+    every rank refuses alike (one config, checked the same; one torch; one kind of device): rank 0 says it once."""
     if compile_mode not in (None, *fast_path.GRAPHLESS_MODES):
         raise SinkflowError(f"train.{key}.graph=step captures the whole step; compile_mode={compile_mode} would "
                             "capture graphs inside it", f"set train.{key}.compile_mode=default (or "
-                            "max-autotune-no-cudagraphs, or compile=false)")
+                            "max-autotune-no-cudagraphs, or compile=false)", every_rank=True)
     if not skips_on_device:
         raise SinkflowError(f"train.{key}.graph=step needs Adam's fused kernel (it skips a non-finite update on the "
-                            f"device); this torch has none for this device", f"set train.{key}.graph=none")
+                            f"device); this torch has none for this device", f"set train.{key}.graph=none",
+                            every_rank=True)
 
 
 def use_channels_last(cfg: dict, device: torch.device, shape: tuple[int, ...]) -> bool:
