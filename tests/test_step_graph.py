@@ -640,3 +640,40 @@ def test_a_split_step_skips_on_another_ranks_non_finite_loss_with_no_collective_
     for step in (3, 4, 5):
         assert all(torch.equal(snaps.weights[2][k], snaps.weights[step][k]) for k in snaps.weights[2])
     assert not inside
+
+
+def test_a_split_steps_parts_run_in_turn_train_what_the_whole_update_trains(runs_dir, monkeypatch):
+    """On a CPU the step graph runs ``update`` whole, so the torchrun suite never runs the trainer's ``parts`` (the
+    backward, the all-reduce, the update) as a card replays them. Here they are run in turn in place of ``update``,
+    as the replays do, with float16 (GradScaler scales in the first part and unscales, skips and updates in the
+    second), two micro-batches and EMA: the final weights and EMA are graph=none's in one process, bit for bit, and
+    each part ran at every step (a swapped, dropped or mis-fed part ends elsewhere)."""
+    from sinkflow.engine import step_graph
+    from sinkflow.runtime.checkpoint import load
+
+    ran = []
+    real = step_graph.StepGraph.__init__
+
+    def split_init(self, update, optimizer, device, phase="velocity", parts=None):
+        real(self, update, optimizer, device, phase, parts)
+        assert parts is not None  # in a process group, a captured step is split
+
+        def in_turn(batch, step):
+            first, between, then = parts
+            carry = first(batch, step)
+            between(carry)
+            ran.append(step.item())
+            return then(step, carry)
+
+        self.update = in_turn
+
+    overrides = ("train.velocity.precision=fp16", "train.velocity.accum=2", "train.velocity.ema=0.9")
+    plain_run, _ = fit(moons_cfg(*overrides), "plain")
+    monkeypatch.setattr(step_graph.StepGraph, "__init__", split_init)
+    with group_of_one():
+        split_run, trainer = fit(moons_cfg(*overrides, "train.velocity.graph=step"), "split")
+    assert trainer.grad_sync is not None and ran == list(range(1, 13))
+    plain, split = (load(r.dir / "checkpoints" / "velocity" / "final.pt") for r in (plain_run, split_run))
+    assert all(torch.equal(plain["model"][k], split["model"][k]) for k in plain["model"])
+    assert all(torch.equal(plain["ema"][k], split["ema"][k]) for k in plain["ema"])
+    assert plain["scaler"] == split["scaler"]
