@@ -677,3 +677,67 @@ def test_a_split_steps_parts_run_in_turn_train_what_the_whole_update_trains(runs
     assert all(torch.equal(plain["model"][k], split["model"][k]) for k in plain["model"])
     assert all(torch.equal(plain["ema"][k], split["ema"][k]) for k in plain["ema"])
     assert plain["scaler"] == split["scaler"]
+
+
+def test_a_split_steps_failed_update_capture_leaves_its_shared_pool_released_once(monkeypatch):
+    """The two graphs of a torchrun job's step share one pool, each capture holding it once (torch's
+    ``beginAllocateToPool`` increments its use count; a graph whose capture ended releases it when it goes). When the
+    update's capture fails after the backward's ended, the failed one is ended and released here and the backward's
+    graph releases its own as it goes: the count must come back to 0 (a pool released once too few is never freed,
+    once too many is freed under a live graph), with no capture left underway. Stood-in capture API, as above."""
+    import gc
+    import types
+
+    from sinkflow.engine.step_graph import CaptureFailed
+
+    uses, underway = {}, []
+
+    class CUDAGraph:
+        ended = None
+
+        def __del__(self):
+            if self.ended is not None:  # CUDAGraph::reset: releasePool after a capture that ended
+                uses[self.ended] -= 1
+
+    class Graph:
+        def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+            self.cuda_graph, self.pool = cuda_graph, pool
+
+        def __enter__(self):
+            uses[self.pool] = uses.get(self.pool, 0) + 1
+            underway.append(self.pool)
+
+        def __exit__(self, kind, exc, tb):
+            if kind is not None:  # the step invalidated the capture: cudaStreamEndCapture fails, routing left on
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+            underway.remove(self.pool)
+            self.cuda_graph.ended = self.pool
+            return False
+
+    def end(device, pool):
+        if pool not in underway:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        underway.remove(pool)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
+    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the phase's stream")
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda device, pool: uses.__setitem__(pool, uses[pool] - 1),
+                        raising=False)
+
+    def host_read(*args):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    for n, parts in enumerate([(lambda batch, step: batch.sum(), lambda carry: None, host_read),  # the update fails
+                               (host_read, lambda carry: None, lambda step, carry: (carry,))]):  # the backward fails
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, n))
+        graph = StepGraph(host_read, torch.optim.SGD([torch.zeros(1)], lr=0.1), "cpu", parts=parts)
+        graph.captures, graph.stream = True, types.SimpleNamespace(device=torch.device("cuda", 0))
+        graph.static = torch.zeros(4, 2)
+        with pytest.raises(CaptureFailed, match="operation not permitted"):
+            graph._capture()
+        gc.collect()  # the backward's graph, held by the failure's traceback until then
+        assert uses[(0, n)] == 0 and underway == [], (n, uses, underway)
+        assert graph.graph is None and graph.second is None and graph.carry is None
