@@ -30,7 +30,7 @@ SMOKE_TESTED = ("digits", "flow_bpd", "flow_digits_ablation", "flow_memory", "gp
                 "train_throughput", "w2_mode_counts", "mnist", "mnist_probes", "nsgf_suite",
                 "pool_convergence", "cpu_step", "loss_curve", "ot_coupling", "gpu_session", "sample_precision")
 # modules the scripts import (no command line of their own), each with its own test here: test_helper_<name>
-HELPERS = ("suite2d", "results_md", "scoring", "_args")
+HELPERS = ("suite2d", "results_md", "scoring", "_args", "_dist")  # _dist: via gpu_checks and preset_throughput
 
 
 def load(name):
