@@ -30,7 +30,7 @@ SMOKE_TESTED = ("digits", "flow_bpd", "flow_digits_ablation", "flow_memory", "gp
                 "train_throughput", "w2_mode_counts", "mnist", "mnist_probes", "nsgf_suite",
                 "pool_convergence", "cpu_step", "loss_curve", "ot_coupling", "gpu_session", "sample_precision")
 # modules the scripts import (no command line of their own), each with its own test here: test_helper_<name>
-HELPERS = ("suite2d", "results_md", "scoring", "_args", "_dist")  # _dist: via gpu_checks and preset_throughput
+HELPERS = ("suite2d", "results_md", "scoring", "_args", "_dist")
 
 
 def load(name):
@@ -1617,3 +1617,22 @@ def test_mnist_table_head_names_the_precision_a_set_training_precision_samples_i
     assert head("cuda", "train.velocity.precision=fp32") == "sampled in fp32 (sample.precision=auto)"
     assert head("cuda", "train.velocity.precision=fp16", "sample.precision=bf16") == \
         "sampled in bf16 (sample.precision=bf16)"
+
+
+def test_helper__dist():
+    """A process group of this one process for the split-step check and row (gloo on the CPU), gone afterwards, also
+    when the work inside it fails (a later check's trainer would otherwise average in a group that is no longer
+    wanted)."""
+    import torch
+    import torch.distributed as tdist
+
+    from sinkflow.runtime import dist
+
+    group_of_one = load("_dist").group_of_one
+    with group_of_one(torch.device("cpu")):
+        assert dist.grouped() and tdist.get_world_size() == 1 and dist.current().world == 1
+    assert not dist.grouped()
+    with pytest.raises(RuntimeError, match="inside"):
+        with group_of_one(torch.device("cpu")):
+            raise RuntimeError("inside")
+    assert not dist.grouped()
