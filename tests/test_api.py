@@ -690,10 +690,13 @@ def test_a_second_run_in_one_process_trains_on_the_images_the_folder_holds_now(r
     try:
         first = sinkflow.train("folder", method="fm", device="cpu", runs_dir=runs_dir, name="a", train_iters=1,
                                batch_size=2, **tiny)
+        held = methods._distributions.cache_info().currsize
         for i in range(10):
             Image.fromarray(np.full((8, 8, 3), 10 * i, np.uint8)).save(folder / f"new{i}.png")
         second = sinkflow.train("folder", method="fm", device="cpu", runs_dir=runs_dir, name="b", train_iters=1,
                                 batch_size=2, **tiny)
+        # the first run's arrays dropped, not kept beside the second's (a key per call kept up to 8 data sets)
+        assert methods._distributions.cache_info().currsize == held
     finally:
         methods._distributions.cache_clear()
     counts = [json.loads((run.dir / "data_split.json").read_text())["n_train"] for run in (first, second)]
