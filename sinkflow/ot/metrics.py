@@ -15,11 +15,26 @@ log = logging.getLogger(__name__)
 
 
 def _as_points(name: str, t: torch.Tensor | np.ndarray) -> np.ndarray:
-    arr = t.detach().cpu().double().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, np.float64)
+    """(N, D) float64 points, a copy of their own (``_centre`` shifts it in place, never the caller's array)."""
+    arr = (t.detach().to("cpu", torch.float64, copy=True).numpy() if isinstance(t, torch.Tensor)
+           else np.array(t, dtype=np.float64))
     require(arr.ndim >= 2, f"{name} has shape {arr.shape} but must be shaped (N, *)", "add a feature axis")
     require(arr.shape[0] >= 1, f"{name} holds no samples", "pass at least one sample")
     require(np.isfinite(arr).all(), f"{name} contains NaN or Inf", f"check the samples in {name}")
     return arr.reshape(arr.shape[0], -1)
+
+
+def _centre(xa: np.ndarray, ya: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both point sets (``_as_points``' own copies) shifted in place by their pooled mean; returned.
+
+    Why: the distances below are computed as |x|^2 + |y|^2 - 2 x.y (POT's ``ot.dist``, ``torch.cdist``), which
+    cancels catastrophically for points far from the origin: two draws of a unit-spread cloud at 1e7 had a W2 2%
+    low, and an energy distance at 1e6 was 2% off (points on a map's metre grid sit there). Both distances are
+    translation-invariant, so a common shift changes nothing else."""
+    centre = (xa.sum(0) + ya.sum(0)) / (xa.shape[0] + ya.shape[0])
+    xa -= centre  # in place: no third and fourth copy of 10,000 images beside the n x n cost matrix
+    ya -= centre
+    return xa, ya
 
 
 def w2(x: torch.Tensor | np.ndarray, y: torch.Tensor | np.ndarray) -> float:
@@ -36,7 +51,7 @@ def w2(x: torch.Tensor | np.ndarray, y: torch.Tensor | np.ndarray) -> float:
     )
     import ot  # POT: imported here so the velocity code does not pay for it
 
-    xa, ya = _as_points("x", x), _as_points("y", y)
+    xa, ya = _centre(_as_points("x", x), _as_points("y", y))
     a = np.full(xa.shape[0], 1.0 / xa.shape[0])
     b = np.full(ya.shape[0], 1.0 / ya.shape[0])
     cost = ot.dist(xa, ya, metric="sqeuclidean")
@@ -68,7 +83,7 @@ def energy_distance(x: torch.Tensor | np.ndarray, y: torch.Tensor | np.ndarray) 
             "compare samples of the same shape")
     require(xa.shape[0] >= 2 and ya.shape[0] >= 2, "the energy distance needs at least 2 points per sample",
             "pass at least 2 samples of each")
-    a, b = torch.from_numpy(xa), torch.from_numpy(ya)
+    a, b = (torch.from_numpy(p) for p in _centre(xa, ya))
     cross = _mean_distance(a, b, same=False)
     return 2.0 * cross - _mean_distance(a, a, same=True) - _mean_distance(b, b, same=True)
 
