@@ -800,6 +800,29 @@ def test_scores_on_the_split_a_run_trained_on_are_not_called_held_out(tmp_path, 
         assert f"4 generated vs {words}" in images.format_metrics(result)
 
 
+def test_scores_on_the_validation_split_do_not_call_its_images_held_out(tmp_path, monkeypatch):
+    """`sinkflow eval --split val`: the classifier line said "vs 8 held-out real; real held-out confidence" (and
+    FD-CNN "vs all N held-out real") over validation digits, which the classifier and the FD-CNN were fitted to with
+    the rest of the training split: their confidence is not a held-out one."""
+    import types
+
+    from sinkflow import config
+    from sinkflow.eval import images
+
+    monkeypatch.setattr(images, "generate", lambda run, n, steps, seed: (torch.zeros(n, 1, 8, 8), {"nfe": 1}))
+    methods._distributions.cache_clear()
+    cfg = config.resolve("digits", [f"data.root={tmp_path}", "data.val_fraction=0.1", "eval.n=8", "eval.class_n=8"],
+                         {"method": "fm"})
+    result = images.image_metrics(types.SimpleNamespace(cfg=cfg), seeds=1, split="val")
+    text = images.format_metrics(result)
+    n_val = len(data.distributions(cfg)[1].val_index)
+    assert "8 generated vs 8 validation real; the classifier was fitted to the training split" in text, text
+    assert "real validation confidence" in text and f"all {n_val} validation real" in text, text
+    assert "held-out real" not in text and "held-out confidence" not in text, text
+    test = images.format_metrics(images.image_metrics(types.SimpleNamespace(cfg=cfg), seeds=1))
+    assert "8 generated vs 8 held-out real" in test and "real held-out confidence" in test, test
+
+
 def test_the_strip_titles_each_state_where_the_warped_grid_put_it(tmp_path, monkeypatch):
     """An OT-CFM / FM run sampling on a warped Euler grid (sample.time_warp=0.5, what `sinkflow tune` chooses) had
     its trajectory strip's columns titled t = i/K, the uniform grid's: state 1 of 10 is at 1 - 0.9^0.5 = 0.05."""

@@ -408,8 +408,11 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
         if clf is not None:
             row["hist"] = st["hist"].round(3).tolist()
         rows.append(row)
+    # whose the real images are, in every line that names them: "held-out" said of validation images (which the
+    # classifier and the FD-CNN were fitted to, with the rest of the training split) read as a test-split score
+    real = "validation" if ref.split == "val" else "test" if ref.trained_on else "held-out"
     protocol = {
-        "n": n, "class_n": class_n if clf is not None else None, "seeds": seeds,
+        "n": n, "class_n": class_n if clf is not None else None, "seeds": seeds, "real": real,
         "reference": (f"{ref.name} test split, the images this run trained on (data.split=test)" if ref.trained_on
                       else f"{ref.name} {'held-out' if ref.split == 'test' else 'validation'} split")
                      + f" ({n} of {ref.n_test} images, fixed subset)",
@@ -418,17 +421,18 @@ def image_metrics(run, seeds: int | None = None, n: int | None = None, steps_lis
                  "as sampled, not clamped)"),
         "classifier": (f"sklearn LogisticRegression(C=0.5) on <= {CLASSIFIER_MAX_TRAIN} training-split images; "
                        f"TV = total-variation distance of predicted-class histograms, {class_n} generated vs "
-                       f"{n} held-out real")
+                       f"{n} {real} real" + ("; the classifier was fitted to the training split, these validation "
+                                            "images included" if ref.split == "val" else ""))
         if clf is not None else None,
         "real_confidence": real_stats["confidence"] if real_stats else None,
         "real_hist": real_stats["hist"].round(3).tolist() if real_stats else None,
         "fd_cnn": (f"FD-CNN (not Inception FID): Fréchet distance of {fd_cnn.FEATURES}-d features of a small CNN "
                    f"trained on the training split (held-out accuracy {cnn['accuracy']:.4f}), {class_n} generated vs "
-                   f"all {ref.n_test} held-out real") if cnn else None,
+                   f"all {ref.n_test} {real} real") if cnn else None,
         "fd_cnn_floor": cnn["floor"] if cnn else None,
         "fd_cnn_floor_n": cnn["floor_n"] if cnn else None,
         "fid": (f"torchmetrics FrechetInceptionDistance (2048-d, torch-fidelity Inception-v3 from {ref.weights}), "
-                f"{n} generated vs {n} held-out real") if ref.weights else None,
+                f"{n} generated vs {n} {real} real") if ref.weights else None,
     }
     return {"rows": rows, "protocol": protocol, "method": method, "preset": cfg["experiment"]["preset"],
             "target": ref.name}
@@ -459,7 +463,8 @@ def format_metrics(result: dict) -> str:
                 "one sampling seed (no spread: the +- 0.000 is not a measurement)"),
              f"  W2: {p['w2']}"]
     if p["classifier"]:
-        lines.append(f"  classifier: {p['classifier']}; real held-out confidence {p['real_confidence']:.3f}")
+        real = p.get("real", "held-out")
+        lines.append(f"  classifier: {p['classifier']}; real {real} confidence {p['real_confidence']:.3f}")
     if p.get("fd_cnn"):
         same = "same n" if p["fd_cnn_floor_n"] == p["class_n"] else f"{p['fd_cnn_floor_n']}: all there are"
         lines.append(f"  {p['fd_cnn']}; floor (real training digits, {same}) {p['fd_cnn_floor']:.3f}")
