@@ -241,6 +241,28 @@ def test_fid_without_torch_fidelity_is_one_line(tmp_path, monkeypatch):
         InceptionFID(torch.zeros(2, 1, 8, 8), str(weights))
 
 
+def test_fid_weights_that_are_not_the_fid_inception_are_one_line(tmp_path, monkeypatch):
+    """torch-fidelity loads eval.inception_weights strictly: torchvision's ImageNet Inception-v3 (AuxLogits, 1000
+    classes) or a file that is not a state dict raised a multi-line RuntimeError / UnpicklingError traceback."""
+    import pickle
+
+    tm = pytest.importorskip("torchmetrics.image.fid")
+    from sinkflow.eval.images import InceptionFID
+
+    weights = tmp_path / "inception_v3_google.pth"
+    weights.write_bytes(b"")
+    for exc in (RuntimeError('Error(s) in loading state_dict for FeatureExtractorInceptionV3:\n\tUnexpected key(s) '
+                             'in state_dict: "AuxLogits.conv0.conv.weight"'),
+                pickle.UnpicklingError("invalid load key, 'x'.")):
+        def wrong(*args, exc=exc, **kwargs):
+            raise exc
+
+        monkeypatch.setattr(tm, "FrechetInceptionDistance", wrong)
+        with pytest.raises(SinkflowError, match="is not the FID Inception-v3 weights") as info:
+            InceptionFID(torch.zeros(2, 1, 8, 8), str(weights))
+        assert "\n" not in str(info.value) and str(exc).splitlines()[0] in str(info.value)
+
+
 def test_classifiers_trained_where_their_cache_cannot_be_written_still_score(tmp_path, caplog):
     """The FD-CNN and the digit classifier are cached under the run's data.root; a data.root this machine reads but
     cannot write (a read-only copy of the data, a folder of the machine the run trained on) failed the evaluation

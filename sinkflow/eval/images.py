@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,6 +294,15 @@ class InceptionFID:
             except ModuleNotFoundError:
                 raise SinkflowError("FID needs torch-fidelity (torchmetrics' Inception-v3), which is not installed",
                                     hint) from None
+            except torch.OutOfMemoryError:
+                raise
+            except (RuntimeError, pickle.UnpicklingError, EOFError, KeyError) as exc:
+                # torch-fidelity loads the file strictly (torch.load, load_state_dict): torchvision's ImageNet
+                # Inception-v3 (1000 classes, AuxLogits) or a file that is not a state dict was a multi-line traceback
+                # at the report after training, which read as a crash of the evaluation, not as the wrong file
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+                raise SinkflowError(f"eval.inception_weights={weights} is not the FID Inception-v3 weights "
+                                    f"(pt_inception-2015-12-05) torch-fidelity loads: {first}", INCEPTION_FIX) from None
         self._update(real, True)
 
     def _update(self, imgs: torch.Tensor, real: bool) -> None:
