@@ -652,3 +652,29 @@ def test_a_phases_sweep_holds_one_copy_of_the_state_not_two(runs_dir, monkeypatc
     run.logger.close()
     assert copies == []
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+@pytest.mark.parametrize("grads", ["none", "held"])
+def test_a_phases_sweep_leaves_the_gradients_as_they_were(runs_dir, grads):
+    """``phase_lr_find`` restored the trainer from its ``state_dict``, which holds no gradients: the sweep's last
+    step's gradients stayed on every parameter (a ready trainer has none; docs/preflight.md says the model's grads
+    are restored bit for bit), one more copy of the weights held on the device after the sweep."""
+    from sinkflow import config
+    from sinkflow.runtime.run_folder import RunFolder
+    from sinkflow.tools import lr_find
+    from sinkflow.tools.phases import ready_trainer
+    from test_prefetch import otcfm_step
+
+    cfg = config.resolve("moons", ["experiment.method=otcfm", "train.velocity.iters=1000",
+                                   "train.velocity.batch_size=32", "experiment.device=cpu"])
+    run = RunFolder.create(cfg)
+    trainer = ready_trainer(run, otcfm_step(cfg))
+    if grads == "held":  # a caller's own gradients (a step of its own before the sweep) come back as they were
+        for p in trainer.model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+    before = [None if p.grad is None else p.grad.clone() for p in trainer.model.parameters()]
+    lr_find.phase_lr_find(trainer, start_lr=1e-4, end_lr=1e-2, steps=6)
+    run.logger.close()
+    after = [p.grad for p in trainer.model.parameters()]
+    assert all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(before, after))

@@ -301,8 +301,10 @@ def phase_lr_find(trainer, **kwargs) -> LRFindResult:
     """``lr_range_test`` on a ready Trainer (``sinkflow.tools.phases.ready_trainer``) through its own
     ``train_step`` (accumulation, clipping, autocast, GradScaler, channels_last, EMA: the step its loop takes),
     on its own batches; the trainer's whole state (model, optimizer, scheduler, scaler, EMA, generator, RNG,
-    step) is restored afterwards from its ``state_dict``."""
+    step) is restored afterwards from its ``state_dict``, and the gradients, which it does not hold: the sweep's
+    last step left its own on every parameter (one more copy of the weights on the device after the sweep)."""
     saved = copy.deepcopy({"step": trainer.step, **trainer.state_dict()})
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in trainer.model.parameters()]  # usually none
     batches = [trainer.batch]
 
     def batch_fn(i):
@@ -318,6 +320,8 @@ def phase_lr_find(trainer, **kwargs) -> LRFindResult:
                             **kwargs)
     finally:
         trainer.load_state_dict(saved, "the state before lr-find")
+        for p, g in zip(trainer.model.parameters(), grads):
+            p.grad = g
     if graph is not None:
         res.replays = graph.replays - replayed
     return res
