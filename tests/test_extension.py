@@ -147,8 +147,8 @@ def test_bench_advises_a_new_methods_pool_by_its_phases(monkeypatch, runs_dir, c
     spec = schema.METHOD_REGISTRY["nsgf"]
     with toy_method(monkeypatch, "nsgf2", type("NSGF2", (NSGF,), {"name": "nsgf2"})(), spec.phases, spec.reads):
         assert main(["bench", "--profile", "moons", "--method", "nsgf2", "pool.steps=2", "pool.batches=2",
-                     "pool.batch_size=16", "--batch-size", "16", "--steps", "1", "--warmup", "0", "--device",
-                     "cpu"]) == 0
+                     "pool.batch_size=16", "pool.storage=disk", "--batch-size", "16", "--steps", "1", "--warmup",
+                     "0", "--device", "cpu"]) == 0
         assert "set pool.storage=memory" in capsys.readouterr().out
 
 

@@ -280,7 +280,10 @@ def test_bench_profile_reports_data_and_compute(runs_dir, capsys):
     steps, step_ms, data_ms, compute_ms = row.split()[1:5]
     assert int(steps) == 4 and abs(float(data_ms) + float(compute_ms) - float(step_ms)) < 0.02
     assert "compute-bound" in row or "data-bound" in row
-    assert "set pool.storage=memory" in out and "image cache" not in out  # the levers this run has
+    assert "pool.storage" not in out and "image cache" not in out  # the levers this run has: its pool is in RAM
+    assert main(["bench", "--profile", "moons", "pool.storage=disk", "pool.steps=2", "pool.batch_size=16",
+                 "--batch-size", "32", "--steps", "2", "--warmup", "0", "--device", "cpu"]) == 0
+    assert "set pool.storage=memory" in capsys.readouterr().out  # a pool memory-mapped from the disk: the lever
     assert not runs_dir.exists()  # the profile runs in a throw-away folder
     assert main(["bench", "--profile", "moons", "--method", "otcfm", "--batch-size", "32", "--steps", "2",
                  "--warmup", "0", "--device", "cpu"]) == 0

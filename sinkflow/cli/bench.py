@@ -69,9 +69,12 @@ def run(args):
           f"data = batch creation + host-to-device copy between steps; compute = forward/backward/optimizer")
     print(format_table(rows))
     phases = schema.METHOD_PHASES[methods.of(cfg).name]  # what the run trains, not the method's name: a new one too
-    levers = (["set pool.storage=memory (the pool in RAM, not memory-mapped)"] if "pool" in phases else []) + \
-        (["keep the image cache in RAM"] if cfg["data"]["target"] in IMAGE_TARGETS else []) + \
-        ["use fewer but larger batches"]
+    # only levers the run can still pull: pool.storage=memory was advised to pools already in RAM (the default), and
+    # "keep the image cache in RAM" named no key (the cache is a memmap in data.root, read through the page cache)
+    on_disk = "pool" in phases and cfg["pool"]["storage"] == "disk"
+    levers = (["set pool.storage=memory (the pool in RAM, not memory-mapped)"] if on_disk else []) + \
+        (["put data.root on a local disk (the image cache is memory-mapped from it)"]
+         if cfg["data"]["target"] in IMAGE_TARGETS else []) + ["use fewer but larger batches"]
     invertible = "flow" in phases and cfg["model"]["flow"].get("memory") == "invertible"
     # keys a user can paste: `train.*.precision=bf16` was advised, which no override reads (a shorthand does)
     compiles = " ".join(f"{k}=true" for k in schema.used(cfg) if k.startswith("train.") and k.endswith(".compile"))
