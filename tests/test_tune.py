@@ -306,3 +306,35 @@ def test_an_unfinished_run_is_refused_before_the_classifier_and_reference_are_bu
         assert f"phase 'velocity' of {run} has not finished; finish it with `sinkflow train --resume" in \
             error_line(rc, err, "has not finished"), (argv, err)
     assert not (run / "tune.json").exists()
+
+
+def test_a_best_with_nothing_of_the_runs_own_to_compare_says_how_far_the_next_is(runs_dir, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """At a budget the run's own sampler does not spend, the lowest of the candidates was printed as the best with no
+    word on the noise: from one seed (a 10-step digits run at --nfe 6: 214.68 against the next's 214.69), or ahead
+    of the next by less than twice the standard error of their paired seed differences. Each now says so; a margin
+    beyond the paired noise, or the run's own compared as before, prints no such line."""
+    extra, _ = setup_data("digits", tmp_path)
+    assert main(["train", "digits", "--method", "fm", *TINY_FM, *extra, "sample.steps=2", "data.val_fraction=0.1",
+                 "--name", "v", "--no-report"]) == 0
+    run = runs_dir / "v"
+    fake = {}
+    monkeypatch.setattr(tune, "tune", lambda run_, total, n, seeds, metric: fake[seeds])
+    warps = [{"steps": 5, "time_warp": w} for w in tune.WARPS]
+    fake[1] = [(warps[0], 10.0, [10.0]), (warps[1], 10.01, [10.01]), (warps[2], 12.0, [12.0]),
+               (warps[3], 13.0, [13.0])]
+    fake[3] = [(warps[0], 10.0, [9.0, 11.5, 9.5]), (warps[1], 10.3, [10.5, 10.0, 10.4]), (warps[2], 12.0, [12.0] * 3),
+               (warps[3], 13.0, [13.0] * 3)]
+    capsys.readouterr()
+    assert main(["tune", str(run), "--nfe", "5", "--n", "8"]) == 0
+    out = capsys.readouterr().out
+    assert ("one seed measures no noise: `--seeds 3` shows whether the margin of 0.01 over the next "
+            "(sample.steps=5 sample.time_warp=0.5: 10.01) is more than the sampling noise") in out, out
+    assert main(["tune", str(run), "--nfe", "5", "--n", "8", "--seeds", "3"]) == 0
+    out = capsys.readouterr().out
+    assert ("the next (sample.steps=5 sample.time_warp=0.5: 10.30) is behind by less than twice the standard error "
+            "of their seed-by-seed differences") in out, out
+    fake[3][1] = (warps[1], 10.3, [9.3, 11.8, 9.8])  # each seed 0.3 behind: a margin beyond the paired noise
+    assert main(["tune", str(run), "--nfe", "5", "--n", "8", "--seeds", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "the next (" not in out and "best at 5 NFE: sample.steps=5 sample.time_warp=0.35" in out, out

@@ -86,9 +86,12 @@ def run(args):
         if kept:  # the lowest mean won by less than the noise of the paired seeds: not a better sampler
             print(f"  the lowest ({' '.join(tune.overrides(lowest[0]))}: {lowest[1]:.2f}) beats the run's own by "
                   "less than twice the standard error of their seed-by-seed differences: the run's own is kept")
-        elif mine is not None and own != best and args.seeds == 1:
-            print(f"  one seed measures no noise: `--seeds 3` shows whether a margin of {mine - value:.2f} is more "
-                  "than the sampling noise")
+        elif mine is not None and own != best:
+            if args.seeds == 1:
+                print(f"  one seed measures no noise: `--seeds 3` shows whether a margin of {mine - value:.2f} is "
+                      "more than the sampling noise")
+        elif (note := tune.margin_note(scored, best)) is not None:  # nothing of the run's own to compare with
+            print(f"  {note}")
         print(f"  sinkflow sample {args.run_dir} {choice} --out samples.png")
         print(f"  sinkflow eval {args.run_dir} {choice}    (the test split: the score to report)")
         record = {"metric": metric, "split": "val", "n": n, "seeds": args.seeds, "best": best,
