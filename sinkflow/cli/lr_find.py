@@ -64,8 +64,9 @@ def run(args):
             with run_lock(write_run):  # a run another process trains: its holder's one line now, not after the sweep
                 pass
         refuse_other_recipe(Path(args.write), swept_cfg, swept.model_key)
-    from sinkflow.runtime.callbacks import quiet
+    from sinkflow.runtime.callbacks import progress_mode, quiet
 
+    shown = progress_mode()  # the sweep's own steps are the user's: shown as a phase's, though quiet() mutes the rest
     with scratch_dir("lrfind") as tmp, quiet():  # the sweep's scratch run, unshown
         if from_run:
             run_, phase = open_run_phase(Path(args.preset), args.phase, args.device)
@@ -73,7 +74,8 @@ def run(args):
         else:
             run_, phase = workspace(cfg, args.phase, Path(tmp))
             label = cfg["experiment"]["preset"]
-        res = phase_lr_find(phase, start_lr=args.start_lr, end_lr=args.end_lr, steps=args.steps, diverge=args.diverge)
+        res = phase_lr_find(phase, shown, start_lr=args.start_lr, end_lr=args.end_lr, steps=args.steps,
+                            diverge=args.diverge)
         run_.logger.close()
     path = plot(res, Path(args.out), f"{label}: phase {phase.name}")
     print(f"lr-find {label}, phase {phase.name} (batch {phase.cfg['batch_size']}, {len(res.lrs)} steps)")

@@ -215,13 +215,14 @@ class ProgressBar(Callback):
             self.bar = None
 
 
-def progress(items, desc: str, unit: str, enabled: bool = True):
+def progress(items, desc: str, unit: str, enabled: bool = True, mode: str | None = None):
     """Iterate ``items`` (sized) showing progress as a phase does (``progress_mode``): a tqdm bar where it is drawn
     in place, a plain ``ProgressLines`` line every ``SINKFLOW_PROGRESS_EVERY`` seconds and at the end where the
     console is a log file, nothing with SINKFLOW_PROGRESS=0 or ``enabled=False``. For the tools' own loops (tune's
     samplers, sample's PNGs): they drew tqdm's bar into log files, one line of carriage-return redraws that
-    ``tail -f`` shows nothing of until the loop ends. ``unit`` is plural (``"images"``)."""
-    mode = progress_mode() if enabled else "0"
+    ``tail -f`` shows nothing of until the loop ends. ``unit`` is plural (``"images"``). ``mode``: the
+    ``progress_mode`` read before a ``quiet`` block, for a loop of the user's inside it (lr-find's sweep)."""
+    mode = (mode or progress_mode()) if enabled else "0"
     if mode == "bar":
         yield from tqdm(items, desc=desc, unit=unit.rstrip("s"), dynamic_ncols=True, mininterval=1.0)
         return

@@ -132,12 +132,16 @@ def check_sweep(start_lr: float, end_lr: float, steps: int, diverge: float, flag
 def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable | None,
                   batch_fn: Callable, start_lr: float = 1e-7, end_lr: float = 10.0, steps: int = 100,
                   beta: float = 0.98, diverge: float = 4.0, max_nan: int = 3, restore: bool = True,
-                  step_fn: Callable | None = None, train_step: Callable | None = None) -> LRFindResult:
+                  step_fn: Callable | None = None, train_step: Callable | None = None,
+                  progress: tuple[str, str] | None = None) -> LRFindResult:
     """Exponential LR sweep; ``batch_fn(i)`` gives step i's batch; ``step_fn(loss)`` may replace
     backward + ``optimizer.step()`` (e.g. with a GradScaler). ``train_step(batch) -> loss`` replaces the
     whole step (the engine's ``Trainer.train_step``: accumulation, clipping, precision...); a non-finite step
     raises ``NonFiniteStep`` before it is applied and is recorded as a gap; a finite step it did not apply raises
-    ``UnappliedStep`` (smoothed, no suggestion from it, no count towards ``max_nan``)."""
+    ``UnappliedStep`` (smoothed, no suggestion from it, no count towards ``max_nan``). ``progress``: (name, a
+    ``runtime.callbacks.progress_mode``) to show the steps as a phase's are (a CPU sweep of mnist's UNet is minutes)."""
+    from sinkflow.runtime.callbacks import progress as shown
+
     check_sweep(start_lr, end_lr, steps, diverge)
     res = LRFindResult()
     # the copy only where this function restores it: ``phase_lr_find`` restores the trainer's whole state itself, and
@@ -148,7 +152,8 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
     gap_from = None  # the rate of the first step not applied since the last applied one: where the trouble began
     model.train()
     try:
-        for i in range(steps):
+        name, mode = progress or ("lr-find", "0")
+        for i in shown(range(steps), name, "steps", mode=mode):
             lr, applied = start_lr * mult**i, True
             for g in optimizer.param_groups:
                 g["lr"] = lr
@@ -297,12 +302,13 @@ def checked_update(trainer, batch):
     return loss
 
 
-def phase_lr_find(trainer, **kwargs) -> LRFindResult:
+def phase_lr_find(trainer, progress_mode: str = "0", **kwargs) -> LRFindResult:
     """``lr_range_test`` on a ready Trainer (``sinkflow.tools.phases.ready_trainer``) through its own
     ``train_step`` (accumulation, clipping, autocast, GradScaler, channels_last, EMA: the step its loop takes),
     on its own batches; the trainer's whole state (model, optimizer, scheduler, scaler, EMA, generator, RNG,
     step) is restored afterwards from its ``state_dict``, and the gradients, which it does not hold: the sweep's
-    last step left its own on every parameter (one more copy of the weights on the device after the sweep)."""
+    last step left its own on every parameter (one more copy of the weights on the device after the sweep).
+    ``progress_mode``: how its steps are shown (``runtime.callbacks.progress_mode``; "0": not at all)."""
     saved = copy.deepcopy({"step": trainer.step, **trainer.state_dict()})
     grads = [None if p.grad is None else p.grad.detach().clone() for p in trainer.model.parameters()]  # usually none
     batches = [trainer.batch]
@@ -317,7 +323,7 @@ def phase_lr_find(trainer, **kwargs) -> LRFindResult:
     try:  # a step the device skipped is a gap (NonFiniteStep), and the next one is applied
         res = lr_range_test(trainer.model, trainer.optimizer, None, batch_fn,
                             train_step=lambda batch: checked_update(trainer, batch), restore=False,
-                            **kwargs)
+                            progress=(f"lr-find {trainer.name}", progress_mode), **kwargs)
     finally:
         trainer.load_state_dict(saved, "the state before lr-find")
         for p, g in zip(trainer.model.parameters(), grads):
