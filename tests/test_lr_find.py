@@ -699,3 +699,21 @@ def test_the_sweep_says_its_progress_as_a_phase_does(runs_dir, capsys, monkeypat
         return
     assert len(lines) == 6 and "\r" not in err and "velocity: " not in err.replace("lr-find velocity: ", ""), err
     assert lines[-1].startswith("lr-find velocity: 6/6 steps (100.0%), ") and "ETA 00:00" in lines[-1], err
+
+
+def test_the_output_says_which_weights_the_sweep_started_from(runs_dir, capsys):
+    """`lr-find RUN` of a finished phase sweeps the trained weights, whose best rate (to train on from there) is not a
+    fresh run's, and the output did not say where the sweep had started; a preset's sweep starts at step 0."""
+    from sinkflow.cli import main
+
+    args = ["--steps", "4", "--end-lr", "1e-2", "--out", "lr.png"]
+    assert main(["train", "moons", "--method", "fm", "--device", "cpu", "--train-iters", "3", "--batch-size", "16",
+                 "--name", "f", "--no-report"]) == 0
+    capsys.readouterr()
+    assert main(["lr-find", str(runs_dir / "f"), *args]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith("steps) from the run's weights at step 3 of 3 (finished: rates for training on from its "
+                          "weights, not for a fresh start)"), first
+    assert main(["lr-find", "moons", "--method", "fm", "--device", "cpu", "--batch-size", "16", *args]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "lr-find moons, phase velocity (batch 16, 4 steps) from step 0 (the phase's initial weights)", first

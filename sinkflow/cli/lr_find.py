@@ -44,6 +44,19 @@ def check_args(args) -> Path | None:
     return None
 
 
+def start_of(trainer, run_dir: Path | None) -> str:
+    """Where the sweep's network started: the phase's initial weights, or a run's at its step. Why: `lr-find RUN` of a
+    finished phase sweeps its trained weights, whose best rate (to train on from there) is not a fresh run's, and
+    the output named neither."""
+    if trainer.step == 0:
+        return "step 0 (the phase's initial weights)"
+    from sinkflow.runtime.run_folder import read_config
+
+    iters = read_config(run_dir)["train"][trainer.task.model_key]["iters"]  # the trainer's own is cut to FOREVER
+    done = " (finished: rates for training on from its weights, not for a fresh start)" if trainer.step >= iters else ""
+    return f"the run's weights at step {trainer.step:,} of {iters:,}{done}"
+
+
 def run(args):
     write_run = check_args(args)
     from_run = run_folder_arg(args, "lr-find") is not None  # before torch loads: a folder that is no run is one line
@@ -78,7 +91,8 @@ def run(args):
                             diverge=args.diverge)
         run_.logger.close()
     path = plot(res, Path(args.out), f"{label}: phase {phase.name}")
-    print(f"lr-find {label}, phase {phase.name} (batch {phase.cfg['batch_size']}, {len(res.lrs)} steps)")
+    print(f"lr-find {label}, phase {phase.name} (batch {phase.cfg['batch_size']}, {len(res.lrs)} steps) from "
+          f"{start_of(phase, Path(args.preset) if from_run else None)}")
     print("  step: " + step_path(phase, res))
     print("  " + res.summary())
     print(f"  configured train.{phase.task.model_key}.lr = {phase.cfg['lr']:.2e}; plot: {path}")
