@@ -717,3 +717,17 @@ def test_the_output_says_which_weights_the_sweep_started_from(runs_dir, capsys):
     assert main(["lr-find", "moons", "--method", "fm", "--device", "cpu", "--batch-size", "16", *args]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first == "lr-find moons, phase velocity (batch 16, 4 steps) from step 0 (the phase's initial weights)", first
+
+
+def test_a_coarse_sweep_says_its_picks_are_no_finer_than_its_steps():
+    """`--steps 6` over the default 8 decades gave three picks to three digits from rates 1.6 decades apart (its
+    steepest fall at its loss minimum) with nothing said; the summary now says how far apart the rates are and the
+    steps that bring them within a quarter decade. The default sweep says nothing of it."""
+    model, batch_fn, loss_fn = problem()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    res = lr_range_test(model, opt, loss_fn, batch_fn, start_lr=1e-6, end_lr=1.0, steps=9, diverge=1e9)
+    assert res.suggestions, res.summary()
+    assert res.summary().endswith("; coarse: the rates are 0.75 decades apart, so no pick is finer than that: raise "
+                                  "--steps to 25 or more"), res.summary()
+    res = lr_range_test(model, opt, loss_fn, batch_fn)  # the defaults: 100 steps over 1e-7..10, 0.081 apart
+    assert res.suggestions and "coarse" not in res.summary(), res.summary()

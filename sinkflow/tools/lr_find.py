@@ -52,6 +52,11 @@ class UnappliedStep(Exception):
         self.loss = loss
 
 
+# decades between two rates of a sweep above which its picks are said to be coarse: the suggestions' slopes are taken
+# over a quarter decade either side (``suggest``); the default sweep (100 steps over 1e-7..10) is 0.081 apart
+COARSE = 0.25
+
+
 @dataclass
 class LRFindResult:
     lrs: list[float] = field(default_factory=list)
@@ -63,6 +68,7 @@ class LRFindResult:
     min_loss_lr: float | None = None
     skipped: list[int] = field(default_factory=list)  # steps float16's GradScaler did not apply (UnappliedStep)
     replays: int | None = None  # steps that were replays of a captured CUDA graph (None: the step is not captured)
+    span: float | None = None  # decades from the sweep's start rate to its end rate
 
     def summary(self) -> str:
         unapplied = (f"; {len(self.skipped)} of {len(self.lrs)} updates skipped by float16's GradScaler"
@@ -72,7 +78,20 @@ class LRFindResult:
         s = self.suggestions
         return (f"conservative {s['conservative']:.2e}  moderate {s['moderate']:.2e}  aggressive {s['aggressive']:.2e}"
                 f"  (steepest {self.steepest:.2e}, loss minimum at {self.min_loss_lr:.2e}; stopped: {self.stop_reason}"
-                f"{unapplied})")
+                f"{unapplied}){self.coarse()}")
+
+    def coarse(self) -> str:
+        """A note where the rates are more than ``COARSE`` decades apart. Why: `--steps 6` gave three picks to three
+        digits from rates 1.6 decades apart (its steepest fall at its loss minimum), and with a step past the slopes'
+        quarter-decade window and the EMA's memory (about 50 steps) many decades long, no pick is finer than a step."""
+        if len(self.lrs) < 2:
+            return ""
+        apart = math.log10(self.lrs[1] / self.lrs[0])
+        if apart <= COARSE:
+            return ""
+        wanted = f" to {math.ceil(self.span / COARSE - 1e-9) + 1} or more" if self.span else ""
+        return (f"; coarse: the rates are {apart:.2g} decades apart, so no pick is finer than that: raise "
+                f"--steps{wanted}")
 
 
 def _snapshot(model, optimizer):
@@ -143,7 +162,7 @@ def lr_range_test(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
     from sinkflow.runtime.callbacks import progress as shown
 
     check_sweep(start_lr, end_lr, steps, diverge)
-    res = LRFindResult()
+    res = LRFindResult(span=math.log10(end_lr / start_lr))
     # the copy only where this function restores it: ``phase_lr_find`` restores the trainer's whole state itself, and
     # a second copy of the model, its gradients and Adam's moments (three times the weights) held the card's memory
     snap = _snapshot(model, optimizer) if restore else None
