@@ -457,6 +457,22 @@ def test_bench_throughput_reports_rates_wait_and_peak_fraction(runs_dir, capsys,
     assert not runs_dir.exists()
 
 
+@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16),
+                                             ("fp16", torch.float16)])
+def test_the_cpu_peak_is_measured_in_the_phases_precision(monkeypatch, precision, dtype):
+    """% peak is the phase's FLOP/s over a matrix product in its precision; on a CPU the product was taken in float32
+    whatever the precision, though CPU autocast runs a bf16 phase's products and convolutions in bf16 (the dev VM:
+    112 GFLOP/s float32, 484 bf16; `bench --throughput digits --precision bf16` read 54 % of a peak for 13 %)."""
+    from sinkflow.tools import throughput
+
+    made, real = [], torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: made.append(k.get("dtype")) or real(*a, **k))
+    assert throughput.peak_flops(torch.device("cpu"), precision, size=32) > 0
+    assert made == [dtype, dtype]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the products a bf16 phase runs on a CPU
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+
+
 def test_bench_throughput_projects_the_runs_own_budget_from_the_measured_rates(runs_dir, capsys):
     """The last line: each phase's own iters over its measured steps/s, and the pool from two chunks built (the
     second at the real run's group size), scaled to the run's batches; nothing of the cut run is projected."""
