@@ -97,6 +97,11 @@ def test_a_baseline_tries_its_grid_warps_and_its_own_sampler_is_marked(preset, r
         keep(runs_dir / "f" / "tune.json", "2", {"best": {}})
         assert "could not record the scores" in capsys.readouterr().err
         assert (runs_dir / "f" / "tune.json").read_text() == damage
+    (runs_dir / "f" / "tune.json").unlink()  # a budget's scores replaced by a later tune's: said, with what they were
+    keep(runs_dir / "f" / "tune.json", "2", {"n": 1000, "seeds": 3})
+    assert capsys.readouterr().out.strip() == f"wrote {runs_dir / 'f' / 'tune.json'}"
+    keep(runs_dir / "f" / "tune.json", "2", {"n": 16, "seeds": 1})
+    assert "(replacing an earlier tune's scores at 2 NFE: 1000 samples x 3 seed(s))" in capsys.readouterr().out
 
 
 def test_what_tune_cannot_choose_is_one_line_before_any_work(runs_dir, tmp_path, capsys, tiny_run):

@@ -101,7 +101,9 @@ def run(args):
 
 def keep(path, key: str, record: dict) -> None:
     """``record`` under ``key`` in the JSON file ``path``, beside what it holds; a file that cannot be read or written
-    is left as it is, with a warning (the scores are printed above)."""
+    is left as it is, with a warning (the scores are printed above). An earlier tune's record of the same budget is
+    replaced, and the line says so with what it had scored: a quick `--n 16` after a careful `--n 1000 --seeds 3`
+    replaced the careful scores with nothing said."""
     from sinkflow.data.atomic_write import atomic_write_text
 
     try:
@@ -109,6 +111,9 @@ def keep(path, key: str, record: dict) -> None:
         if not isinstance(old, dict):  # `[]`, `null`: a traceback at the end of the search, its scores unsaved
             raise ValueError("not a JSON object")
         atomic_write_text(path, json.dumps({**old, key: record}, indent=1))
-        print(f"wrote {path}")
+        earlier = old.get(key)
+        replaced = (f" (replacing an earlier tune's scores at {key} NFE: {earlier.get('n')} samples x "
+                    f"{earlier.get('seeds')} seed(s))" if isinstance(earlier, dict) else "")
+        print(f"wrote {path}{replaced}")
     except (OSError, ValueError) as exc:
         print(f"sinkflow: warning: could not record the scores in {path} ({exc})", file=sys.stderr)
