@@ -731,3 +731,17 @@ def test_a_coarse_sweep_says_its_picks_are_no_finer_than_its_steps():
                                   "--steps to 25 or more"), res.summary()
     res = lr_range_test(model, opt, loss_fn, batch_fn)  # the defaults: 100 steps over 1e-7..10, 0.081 apart
     assert res.suggestions and "coarse" not in res.summary(), res.summary()
+
+
+def test_a_plot_over_an_earlier_one_says_it_replaced_it(runs_dir, capsys):
+    """The default --out is lr_find.png in the working folder, so sweeping a run's phases one by one replaced each
+    plot by the next with nothing said; the second sweep's line now says it replaced the file."""
+    from sinkflow.cli import main
+
+    args = ["lr-find", "moons", "--method", "fm", "--device", "cpu", "--batch-size", "16", "--steps", "4",
+            "--end-lr", "1e-2", "--out", "lr.png"]
+    assert main(args) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("plot: lr.png")
+    assert main(args) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("plot: lr.png (replacing the earlier file: --out NAME keeps "
+                                                             "both)")

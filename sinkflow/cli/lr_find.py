@@ -90,12 +90,14 @@ def run(args):
         res = phase_lr_find(phase, shown, start_lr=args.start_lr, end_lr=args.end_lr, steps=args.steps,
                             diverge=args.diverge)
         run_.logger.close()
+    # the default --out is one name in the working folder: a second phase's sweep replaced the first's plot unsaid
+    replaced = " (replacing the earlier file: --out NAME keeps both)" if Path(args.out).exists() else ""
     path = plot(res, Path(args.out), f"{label}: phase {phase.name}")
     print(f"lr-find {label}, phase {phase.name} (batch {phase.cfg['batch_size']}, {len(res.lrs)} steps) from "
           f"{start_of(phase, Path(args.preset) if from_run else None)}")
     print("  step: " + step_path(phase, res))
     print("  " + res.summary())
-    print(f"  configured train.{phase.task.model_key}.lr = {phase.cfg['lr']:.2e}; plot: {path}")
+    print(f"  configured train.{phase.task.model_key}.lr = {phase.cfg['lr']:.2e}; plot: {path}{replaced}")
     if args.write:
         if not res.suggestions:
             raise SinkflowError("the sweep gave no suggestion, nothing written",
