@@ -255,8 +255,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cudnn.benchmark = args.cudnn_benchmark  # what sinkflow's runner uses: off unless asked
 
     flops, profiled = None, None
-    # a share of a peak only where one was measured: a CPU's autocast multiplies in fp32 (peak_flops would time
-    # fp32 there, and a row once read 52 % of a "bf16 peak" printed as 0 TFLOP/s). Measured first, so that each
+    # a share of a peak only on a card (its bf16 peak): the CPU paths here run several precisions, each with a peak
+    # of its own (a row once read 52 % of a "bf16 peak" printed as 0 TFLOP/s; `sinkflow bench --throughput` measures
+    # a CPU phase's peak in that phase's precision). Measured first, so that each
     # path's line says its share as it is timed: a call cut short (a long compile) keeps the answer of the paths before
     peak = peak_flops(device, "bf16") if device.type == "cuda" else 0.0
     configs = [(name, dict(kw)) for name, kw in path_configs(args.compile)

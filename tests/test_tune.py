@@ -81,8 +81,9 @@ def test_a_baseline_tries_its_grid_warps_and_its_own_sampler_is_marked(preset, r
     assert sorted(w for (_, w), _, _ in got) == sorted(tune.WARPS) and all(s == 3 for (s, _), _, _ in got)
     uniform = next(g for g in got if g[0][1] == 1.0)
     assert uniform[2] in ("<- best", "(the run's own)")
-    assert main(["tune", str(runs_dir / "f"), "--nfe", "2", "--n", n, "--seeds", "2"]) == 0
-    out = capsys.readouterr().out  # two seeds: each score with its spread, kept in tune.json
+    assert main(["tune", str(runs_dir / "f"), "--nfe", "2", "2", "--n", n, "--seeds", "2"]) == 0
+    out = capsys.readouterr().out  # two seeds: each score with its spread, kept in tune.json; a budget named twice
+    assert out.count("samplers at 2 NFE") == 1  # is scored once
     assert len(re.findall(r"^ +[\d. ]+ +[\d.]+ ± [\d.]+", out, re.M)) == len(tune.WARPS)
     record = json.loads((runs_dir / "f" / "tune.json").read_text())
     assert set(record) == {"3", "2"} and all(len(r["fd_cnn_per_seed"]) == 2 for r in record["2"]["scores"])

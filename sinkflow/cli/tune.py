@@ -47,7 +47,7 @@ def run(args):
     check_eval_split(cfg, "val", who="sinkflow tune chooses on the validation split, but",
                      points_fix=f"compare a run of points' samplers on its test points: sinkflow eval RUN {key} "
                                 "(any sample.* key the run reads)")
-    totals = args.nfe or [tune.current(cfg)[0]]
+    totals = list(dict.fromkeys(args.nfe or [tune.current(cfg)[0]]))  # --nfe 13 13: one budget, scored once
     for total in totals:  # every budget's candidates, before anything is decoded or sampled
         if total < 1:
             raise SinkflowError(f"--nfe {total}: a sample needs at least one network evaluation", "use --nfe 1 or more")
