@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -263,13 +264,14 @@ def _released(opened: list, command: str = "train"):
     bare KeyboardInterrupt. ``opened``: ``train_run``'s run, or the run sampled (``command``)."""
     from sinkflow.runtime.signals import Interrupted, StopNow
 
+    callers = sys.exc_info()[1]  # the error a call inside an ``except`` block chains: the caller's, left as it is
     try:
         yield
     except (SinkflowError, Interrupted) as exc:
-        _drop_locals(exc)
+        _drop_locals(exc, callers)
         raise
     except StopNow as exc:
-        _drop_locals(exc)
+        _drop_locals(exc, callers)
         where = str(Path(opened[0].dir).resolve()) if opened and command == "train" else None
         exc.args = (f"stopped at once by a second signal: the checkpoints written before are intact; continue it "
                     f"with sinkflow.resume({where!r})" if where else "stopped at once by a second signal",)
@@ -277,7 +279,7 @@ def _released(opened: list, command: str = "train"):
     except torch.OutOfMemoryError as exc:
         from sinkflow.cli.oom import oom_line
 
-        _drop_locals(exc)
+        _drop_locals(exc, callers)
         run = opened[0] if opened else None
         where = str(Path(run.dir).resolve()) if run is not None else None
         preset = run.cfg["experiment"]["preset"] if run is not None else None
@@ -296,11 +298,19 @@ def _oom_resume(exc: BaseException, run, where: str) -> str:
     return f"sinkflow.resume({where!r})"
 
 
-def _drop_locals(exc: BaseException) -> None:
-    """Clear the variables of the finished frames in ``exc``'s traceback and in those of the errors it chains."""
+def _drop_locals(exc: BaseException, callers: BaseException | None = None) -> None:
+    """Clear the variables of the finished frames in ``exc``'s traceback and in those of the errors it chains, up to
+    ``callers`` (the error being handled where the call was made) and what it chains: those frames are the caller's
+    (a call inside an ``except`` block chains its error as the context), which the walk emptied for ``%debug``."""
     import traceback
 
     todo, seen = [exc], set()
+    kept = [callers]
+    while kept:  # the caller's errors: never cleared
+        other = kept.pop()
+        if other is not None and id(other) not in seen:
+            seen.add(id(other))
+            kept += [other.__cause__, other.__context__]
     while todo:
         exc = todo.pop()
         if exc is not None and id(exc) not in seen:

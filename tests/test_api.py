@@ -898,3 +898,25 @@ def test_a_second_interrupt_stops_at_once_and_says_so(runs_dir):
                             f"it with sinkflow.resume('{(runs_dir / 'k').resolve()}')")
     assert isinstance(e.value, KeyboardInterrupt) and e.value.signum == signal.SIGINT
     assert sinkflow.resume(e.value.args[0].split("'")[1]).dir == (runs_dir / "k").resolve()
+
+
+def test_a_runs_error_leaves_the_frames_of_the_error_the_caller_was_handling(tmp_path):
+    """A run's error drops its own frames' variables (``_released``: the failed phase's GPU tensors), walking the
+    errors it chains. A call made inside the caller's ``except`` block chains the caller's error as its context,
+    and the walk cleared that error's frames too: a notebook's own function's variables, which ``%debug`` of the
+    error it had kept showed empty."""
+    def callers_function():
+        mine = "the caller's variable"  # noqa: F841  (read back through the traceback)
+        raise ValueError("the caller's own error")
+
+    try:
+        callers_function()
+    except ValueError as own:
+        kept = own
+        with pytest.raises(SinkflowError) as e:
+            sinkflow.resume(tmp_path / "no-run-here")
+    assert e.value.__context__ is kept
+    tb = kept.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    assert tb.tb_frame.f_locals.get("mine") == "the caller's variable"
