@@ -745,3 +745,17 @@ def test_a_plot_over_an_earlier_one_says_it_replaced_it(runs_dir, capsys):
     assert main(args) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("plot: lr.png (replacing the earlier file: --out NAME keeps "
                                                              "both)")
+
+
+def test_a_sweep_that_stops_early_says_its_last_count_in_lines(monkeypatch, capsys):
+    """In a log file (SINKFLOW_PROGRESS=lines) the sweep's progress ends with a line of its last count, as a phase's
+    does when it finishes, stops or fails. A sweep usually ends early (it diverges), and ``progress`` said that line
+    only after a loop that ran to its end: a sweep that diverged within the line interval printed nothing at all."""
+    monkeypatch.setenv("SINKFLOW_PROGRESS_EVERY", "3600")
+    model, batch_fn, loss_fn = problem()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    res = lr_range_test(model, opt, loss_fn, batch_fn, start_lr=1e-4, end_lr=1e3, steps=60,
+                        progress=("lr-find velocity", "lines"))
+    assert res.stop_reason.startswith("diverged") and len(res.lrs) < 60, res.stop_reason
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lr-find velocity: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"lr-find velocity: {len(res.lrs)}/60 steps "), lines

@@ -227,12 +227,18 @@ def progress(items, desc: str, unit: str, enabled: bool = True, mode: str | None
         yield from tqdm(items, desc=desc, unit=unit.rstrip("s"), dynamic_ncols=True, mininterval=1.0)
         return
     lines = ProgressLines(desc, len(items), 0, unit, line_every()) if mode == "lines" else None
-    for item in items:
-        yield item
-        if lines is not None:
-            lines.update(1)
-    if lines is not None:
-        lines.close()
+    handed = False  # an item is out: the caller's loop body runs it
+    try:
+        for item in items:
+            handed = True
+            yield item
+            handed = False
+            if lines is not None:
+                lines.update(1)
+    finally:  # the last count also where the caller's loop stopped early (lr-find's sweep ends where it diverges),
+        if lines is not None:  # the item it stopped on counted: its body ran (the diverging step was taken)
+            lines.done += handed
+            lines.close()
 
 
 class ProgressLines:
