@@ -741,3 +741,51 @@ def test_a_split_steps_failed_update_capture_leaves_its_shared_pool_released_onc
         gc.collect()  # the backward's graph, held by the failure's traceback until then
         assert uses[(0, n)] == 0 and underway == [], (n, uses, underway)
         assert graph.graph is None and graph.second is None and graph.carry is None
+
+
+def test_a_failed_capture_names_its_own_error_not_an_earlier_captures(monkeypatch):
+    """``StepGraph._record`` keeps the step's own error in ``step_error`` for the failure line. It was a local of one
+    capture, now an attribute: a capture left by an error that was not a RuntimeError (its capture_end succeeded, so
+    nothing cleared it) left that error behind, and a later capture whose capture_end failed by itself (the step raised
+    nothing) was named by the earlier capture's error. Stood-in capture API, as above."""
+    import types
+
+    from sinkflow.engine.step_graph import CaptureFailed
+
+    ends = []
+
+    class Graph:
+        def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, exc, tb):
+            if ends.pop(0):
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing (capture_end)")
+            return False
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace())
+    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 7))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the phase's stream")
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: None, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda device, pool: None, raising=False)
+    steps = [KeyError("an earlier capture's own error"), None]
+
+    def update(batch, step):
+        error = steps.pop(0)
+        if error is not None:
+            raise error
+        return (batch.sum(),)
+
+    graph = StepGraph(update, torch.optim.SGD([torch.zeros(1)], lr=0.1), "cpu")
+    graph.captures, graph.stream = True, types.SimpleNamespace(device=torch.device("cuda", 0))
+    graph.static = torch.zeros(4, 2)
+    ends += [False, True]
+    with pytest.raises(KeyError):
+        graph._capture()
+    with pytest.raises(CaptureFailed, match=r"failed: CUDA error: operation not permitted .*\(capture_end\)"):
+        graph._capture()

@@ -159,6 +159,7 @@ class StepGraph:
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
         pool = torch.cuda.graph_pool_handle()  # named here, so that a failed capture's routing to it can be ended
+        self.step_error = None  # this capture's own: one left by an earlier capture's other error named this one
         try:
             for g, lr in zip(groups, self.lrs):
                 g["lr"], g["capturable"] = lr, True
