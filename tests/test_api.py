@@ -724,7 +724,8 @@ def test_sampling_a_reopened_run_leaves_the_callers_rng_as_it_was(tiny_run, call
     assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
 
 
-@pytest.mark.parametrize("convert", [lambda p: p, torch.from_numpy, lambda p: p.tolist()], ids=["numpy", "torch", "list"])
+@pytest.mark.parametrize("convert", [lambda p: p, torch.from_numpy, lambda p: p.tolist()],
+                         ids=["numpy", "torch", "list"])
 @pytest.mark.parametrize("key", ["data.target", "data.source"])
 def test_points_given_as_the_data_are_refused_with_how_to_pass_them(runs_dir, convert, key):
     """A notebook's own points passed as data.target: an array was "a config cannot hold ...; pass ... a list of

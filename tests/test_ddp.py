@@ -424,8 +424,9 @@ def test_a_captured_step_under_ddp_trains_what_ddp_trains_and_resumes_bit_equal(
     bit, and again after a stop at step 3 and a resume on 2 processes. An average that was a sum, a rank that kept
     its own gradients or its own initial weights would each end elsewhere."""
     cwd = runs_dir.parent
-    args = ["moons", "--method", "otcfm", "--train-iters", "6", "train.velocity.batch_size=16", "train.velocity.accum=2",
-            "train.velocity.ema=0.9", "train.velocity.ckpt_every=3", "--device", "cpu", "--no-report"]
+    args = ["moons", "--method", "otcfm", "--train-iters", "6", "train.velocity.batch_size=16",
+            "train.velocity.accum=2", "train.velocity.ema=0.9", "train.velocity.ckpt_every=3", "--device", "cpu",
+            "--no-report"]
     ddp = _torchrun(*args, "train.velocity.graph=none", "--name", "ddp", cwd=cwd)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     graphed = _torchrun(*args, "train.velocity.graph=step", "--name", "graphed", cwd=cwd)

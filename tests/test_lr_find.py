@@ -743,8 +743,8 @@ def test_a_plot_over_an_earlier_one_says_it_replaced_it(runs_dir, capsys):
     assert main(args) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("plot: lr.png")
     assert main(args) == 0
-    assert capsys.readouterr().out.splitlines()[-1].endswith("plot: lr.png (replacing the earlier file: --out NAME keeps "
-                                                             "both)")
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.endswith("plot: lr.png (replacing the earlier file: --out NAME keeps both)"), last
 
 
 def test_a_sweep_that_stops_early_says_its_last_count_in_lines(monkeypatch, capsys):
