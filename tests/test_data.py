@@ -1398,3 +1398,17 @@ def test_held_out_rows_unlike_the_rest_are_warned_about(tmp_path, caplog):
     rng = np.random.default_rng(0)
     for seed in range(20):  # shuffled files, large and tiny held-out parts: no false alarm
         assert not said(rng.permutation(sorted_moons), 200) and not said(rng.normal(size=(100, 3)), 20), seed
+
+
+def test_the_label_check_looks_only_at_columns_named_as_labels(tmp_path, monkeypatch):
+    """``warn_label_columns`` counted the distinct values of every column (a sort of each) before it read the name:
+    a wide table with a header (a CSV of 784 pixel columns) sorted every column on every load to warn of one."""
+    from sinkflow.data import points as point_files
+
+    sorted_columns, real = [], np.unique
+    monkeypatch.setattr(point_files.np, "unique", lambda col, *a, **k: sorted_columns.append(1) or real(col, *a, **k))
+    f = tmp_path / "wide.csv"
+    rows = np.random.default_rng(0).normal(size=(20, 30))
+    f.write_text("\n".join([",".join(f"p{i}" for i in range(30)), *(",".join(map(str, r)) for r in rows)]) + "\n")
+    point_files.load_table(str(f))
+    assert sorted_columns == []

@@ -89,9 +89,11 @@ def warn_label_columns(path: str, names: list[str], points: np.ndarray) -> None:
     if len(names) != points.shape[1]:
         return
     for i, name in enumerate(names):
+        if name.lower() not in LABEL_NAMES:  # the name first: a wide table's every column was sorted on every load
+            continue
         col = points[:, i]
         distinct = len(np.unique(col))
-        if name.lower() in LABEL_NAMES and bool(np.all(col == np.round(col))) and distinct <= max(2, len(col) // 10):
+        if bool(np.all(col == np.round(col))) and distinct <= max(2, len(col) // 10):
             log.warning("point file %s: column %r holds %d distinct integers and is read as a coordinate (the points "
                         "are %d-D); if it labels the points, drop it (sinkflow learns where the points lie)", path,
                         name, distinct, points.shape[1])
