@@ -286,8 +286,11 @@ def test_bench_profile_reports_data_and_compute(runs_dir, capsys):
     assert "set pool.storage=memory" in capsys.readouterr().out  # a pool memory-mapped from the disk: the lever
     assert not runs_dir.exists()  # the profile runs in a throw-away folder
     assert main(["bench", "--profile", "moons", "--method", "otcfm", "--batch-size", "32", "--steps", "2",
-                 "--warmup", "0", "--device", "cpu"]) == 0
-    out = capsys.readouterr().out  # OT-CFM has no pool and 2D points no image cache: it advised both
+                 "--warmup", "0", "--device", "cpu", "--name", "mine", "experiment.runs_dir=kept"]) == 0
+    out, err = capsys.readouterr()  # OT-CFM has no pool and 2D points no image cache: it advised both
+    # a run folder's name and place, dropped without a word: said (nothing is kept)
+    assert "note: --name and experiment.runs_dir not used: bench trains in a scratch folder it deletes" in err
+    assert not runs_dir.exists() and not (runs_dir.parent / "kept").exists()
     assert "data-bound (> 30 % waiting): use fewer but larger batches" in out and "pool.storage" not in out
     flow = ["bench", "--profile", "flow-digits", "model.flow.depth_per_level=1", "model.flow.hidden_channels=8",
             "--batch-size", "8", "--steps", "2", "--warmup", "0", "--device", "cpu"]

@@ -12,6 +12,8 @@ real run's groups, so that the last line can project the whole pool) unless ``--
 
 from __future__ import annotations
 
+import sys
+
 from sinkflow import config
 from sinkflow.cli.common import add_config_args, resolve_args
 from sinkflow.config import schema
@@ -43,6 +45,11 @@ def run(args):
     from sinkflow import data, methods
     from sinkflow.tools.bench import format_table, profile, throughput
 
+    unused = (["--name"] if getattr(args, "name", None) else []) + [
+        o.split("=")[0] for o in args.overrides if o.startswith(("experiment.name=", "experiment.runs_dir="))]
+    if unused:  # they were dropped without a word: a user looked for a run folder bench never kept
+        print(f"note: {' and '.join(unused)} not used: bench trains in a scratch folder it deletes (its numbers are "
+              "printed here, nothing is saved)", file=sys.stderr)
     pool_set = args.pool_batches is not None or any(o.startswith("pool.batches=") for o in args.overrides)
     cfg = full = resolve_args(args)
     if not pool_set:  # --throughput: two chunks, the second solved as the real run solves its chunks
