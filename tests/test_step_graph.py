@@ -449,6 +449,20 @@ def test_nothing_of_a_finished_phase_outlives_it_in_the_run_or_a_scratch_run(run
     assert [name for name, refs in seen[:2] if any(r() is not None for r in refs)] == []
 
 
+def stand_in_capture(monkeypatch, graph, cuda_graph, pool, set_stream=None, end=None, release=None) -> None:
+    """torch.cuda's capture API stood in for on a CPU: ``torch.cuda.graph`` (a context manager class), its
+    ``CUDAGraph``, the pool handle ``pool`` (None: the test sets its own), the phase's stream, and the caching
+    allocator's end / release of a pool (no-ops unless given)."""
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", cuda_graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    if pool is not None:
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: pool)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the phase's stream")
+    monkeypatch.setattr(torch.cuda, "set_stream", set_stream or (lambda stream: None))
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end or (lambda device, pool: None), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", release or (lambda device, pool: None), raising=False)
+
+
 def test_a_failed_capture_ends_its_pool_in_the_caching_allocator(monkeypatch):
     """torch's ``capture_end`` raises (the capture was invalidated by the step: a host read) before it ends the
     caching allocator's routing to the graph's pool, and a graph whose capture did not end never releases it: the
@@ -477,13 +491,8 @@ def test_a_failed_capture_ends_its_pool_in_the_caching_allocator(monkeypatch):
             raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
         underway.remove(pool)
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda *a, **k: object())
-    monkeypatch.setattr(torch.cuda, "graph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 41))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the phase's stream")
-    monkeypatch.setattr(torch.cuda, "set_stream", streams.append)
-    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda device, pool: released.append(pool), raising=False)
+    stand_in_capture(monkeypatch, Graph, lambda *a, **k: object(), (0, 41), set_stream=streams.append, end=end,
+                     release=lambda device, pool: released.append(pool))
 
     def update(batch, step):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
@@ -543,13 +552,7 @@ def test_a_split_step_replays_the_backward_the_all_reduce_and_the_update_in_turn
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
-    monkeypatch.setattr(torch.cuda, "graph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 41))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the phase's stream")
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
-    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: None, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda device, pool: None, raising=False)
+    stand_in_capture(monkeypatch, Graph, CUDAGraph, (0, 41))
 
     def backward(batch, step):
         log.append("record backward")
@@ -719,13 +722,8 @@ def test_a_split_steps_failed_update_capture_leaves_its_shared_pool_released_onc
             raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
         underway.remove(pool)
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
-    monkeypatch.setattr(torch.cuda, "graph", Graph)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the phase's stream")
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
-    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda device, pool: uses.__setitem__(pool, uses[pool] - 1),
-                        raising=False)
+    stand_in_capture(monkeypatch, Graph, CUDAGraph, None, end=end,  # the pool: one per case, below
+                     release=lambda device, pool: uses.__setitem__(pool, uses[pool] - 1))
 
     def host_read(*args):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
@@ -766,13 +764,7 @@ def test_a_failed_capture_names_its_own_error_not_an_earlier_captures(monkeypatc
                 raise RuntimeError("CUDA error: operation not permitted when stream is capturing (capture_end)")
             return False
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: types.SimpleNamespace())
-    monkeypatch.setattr(torch.cuda, "graph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 7))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the phase's stream")
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
-    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: None, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda device, pool: None, raising=False)
+    stand_in_capture(monkeypatch, Graph, lambda: types.SimpleNamespace(), (0, 7))
     steps = [KeyError("an earlier capture's own error"), None]
 
     def update(batch, step):

@@ -13,9 +13,9 @@ graph would have been an NCCL all-reduce captured into it, under the conditions 
 
 What DDP overlaps (a bucket's all-reduce with the rest of the backward) waits for the backward here. Its cost is
 the gradients' bytes through the interconnect once a step: the ``mnist`` UNet's 4.4 MB, the CIFAR-10 UNet's 143 MB
-(about a millisecond over NVLink against a 25 ms step at batch 128; unmeasured here: one GPU is lent). The rest of
-DDP's part is kept: the weights and buffers broadcast from rank 0 when the phase starts, the buffers after every
-step (what a BatchNorm's running statistics get from DDP before each forward).
+(its time on several cards unmeasured: one GPU is lent here; `split-rate` in gpu_session.py times it in a group of
+one). The rest of DDP's part is kept: the weights and buffers broadcast from rank 0 when the phase starts, the
+buffers after every step (what a BatchNorm's running statistics get from DDP before each forward).
 """
 
 from __future__ import annotations
