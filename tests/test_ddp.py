@@ -654,7 +654,9 @@ def test_grad_sync_averages_in_place_by_dtype_and_gives_every_rank_rank_0s_buffe
     assert torch.equal(model[2].weight.grad, torch.full((1, 2), 4.0, dtype=torch.float64))
     assert model[0].bias.grad is None
     assert torch.equal(model[1].running_mean, torch.full((2,), 7.0)) and int(model[1].num_batches_tracked) == 7
-    assert [c for c in calls if c[0] == "all_reduce"] == [("all_reduce", torch.float32), ("all_reduce", torch.float64)]
+    # first the count of each parameter's gradients over the ranks (once), then one average per dtype
+    assert [c for c in calls if c[0] == "all_reduce"] == [("all_reduce", torch.float32)] * 2 + [("all_reduce",
+                                                                                               torch.float64)]
 
 
 def test_grad_sync_carries_each_ranks_loss_check_in_the_gradients_all_reduce(monkeypatch):
@@ -673,9 +675,40 @@ def test_grad_sync_carries_each_ranks_loss_check_in_the_gradients_all_reduce(mon
     monkeypatch.setattr(grad_sync.tdist, "all_reduce", all_reduce)
     model = torch.nn.Linear(3, 2)
     sync = grad_sync.GradSync(model)
-    for loss, bad in ((torch.tensor(float("nan")), True), (torch.tensor(0.5), False), (torch.tensor(-math.inf), True)):
+    for i, (loss, bad) in enumerate(((torch.tensor(float("nan")), True), (torch.tensor(0.5), False),
+                                     (torch.tensor(-math.inf), True))):
         model.weight.grad, model.bias.grad = torch.ones(2, 3), torch.ones(2)
         sizes.clear()
         sync(loss)
-        assert sizes == [(torch.float32, 6 + 2 + 1)] and bool(sync.loss_bad > 0) is bad
+        counted = [(torch.float32, 2)] if i == 0 else []  # the first call counts each parameter's gradients
+        assert sizes == counted + [(torch.float32, 6 + 2 + 1)] and bool(sync.loss_bad > 0) is bad
         assert torch.equal(model.weight.grad, torch.ones(2, 3))
+
+
+def test_grad_sync_refuses_gradients_on_some_ranks_only_before_any_average(monkeypatch):
+    """A parameter with a gradient on one rank and none on another makes the ranks' flat buffers differ in size: NCCL
+    would wait for ever. The first call counts each parameter's gradients over the ranks (the stand-in all-reduce
+    adds the other rank's count: it has every gradient) and raises one line naming the parameter, before any
+    gradient is averaged; where the ranks agree, the count is taken once and the step goes on."""
+    from sinkflow.engine import grad_sync
+    from sinkflow.errors import SinkflowError
+
+    reduced = []
+
+    def all_reduce(flat):
+        reduced.append(flat.numel())
+        flat.add_(1) if flat.numel() == 2 else flat.mul_(2)
+
+    monkeypatch.setattr(grad_sync.tdist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(grad_sync.tdist, "all_reduce", all_reduce)
+    model = torch.nn.Linear(3, 2)
+    sync = grad_sync.GradSync(model)
+    model.weight.grad = torch.ones(2, 3)
+    with pytest.raises(SinkflowError, match="parameter 'bias' got a gradient on some ranks only") as err:
+        sync()
+    assert err.value.every_rank and reduced == [2] and torch.equal(model.weight.grad, torch.ones(2, 3))
+    model.bias.grad = torch.ones(2)
+    reduced.clear()
+    sync()
+    sync()
+    assert reduced == [2, 8, 8] and torch.equal(model.bias.grad, torch.ones(2))

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
+from sinkflow.errors import SinkflowError
+
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``tensors`` grouped by dtype (one flat buffer each: a collective sums one dtype)."""
@@ -44,16 +46,20 @@ def _collective(tensors: list[torch.Tensor], op) -> None:
 class GradSync:
     """``GradSync(model)``: ``start()`` gives every rank rank 0's weights and buffers (as DDP's constructor does);
     calling it after a backward averages each parameter's gradient over the ranks and gives every rank rank 0's
-    buffers. Parameters without a gradient are left alone (each rank's backward reaches the same ones).
+    buffers. Parameters without a gradient are left alone. Each rank's backward must reach the same parameters, or
+    the ranks' flat buffers differ in size and NCCL waits for ever: the first call checks that with one all-reduce of
+    which parameters have a gradient and raises on every rank alike where they differ (DDP's own error, one line).
     ``GradSync(...)(loss)`` also sets ``loss_bad`` (a 0-dim float32 tensor that keeps its storage: the update's graph
     reads it) above 0 where any rank's ``loss`` was non-finite, in the gradients' all-reduce."""
 
     def __init__(self, model: torch.nn.Module):
-        self.params = list(model.parameters())
+        named = list(model.named_parameters())
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.buffers = [b for b in model.buffers() if b.is_floating_point() or b.dtype == torch.int64]
         self.world = tdist.get_world_size()
         device = self.params[0].device if self.params else torch.device("cpu")
         self.loss_bad = torch.zeros((), dtype=torch.float32, device=device)
+        self.checked = False
 
     def start(self) -> None:
         with torch.no_grad():
@@ -61,6 +67,8 @@ class GradSync:
 
     @torch.no_grad()
     def __call__(self, loss: torch.Tensor | None = None) -> None:
+        if not self.checked and self.params:
+            self._check_same_parameters()
         grads = [p.grad for p in self.params if p.grad is not None]
         if loss is not None:  # 1 here where this rank's loss is not finite: after the average, > 0 where any rank's
             self.loss_bad.copy_(~torch.isfinite(loss.detach()))
@@ -69,6 +77,19 @@ class GradSync:
             _collective(grads, self._average)
         if self.buffers:
             _collective(self.buffers, lambda flat: tdist.broadcast(flat, src=0))
+
+    def _check_same_parameters(self) -> None:
+        """One all-reduce, once: how many ranks hold each parameter's gradient (all or none, else the ranks'
+        backwards reached different parameters). Every rank reads the same counts, so every rank raises alike."""
+        has = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32, device=self.loss_bad.device)
+        tdist.all_reduce(has)
+        partial = [name for name, n in zip(self.names, has.tolist()) if 0 < n < self.world]
+        if partial:
+            raise SinkflowError(f"parameter {partial[0]!r} got a gradient on some ranks only ({len(partial)} such): "
+                                "under torchrun, graph: step averages one flat buffer of gradients that every rank's "
+                                "backward must fill alike", "let every rank's loss reach the same parameters (DDP "
+                                "refuses this too)", every_rank=True)
+        self.checked = True
 
     def _average(self, flat: torch.Tensor) -> None:
         flat.div_(self.world)  # DDP's default hook: each rank's share first, then the sum (gloo has no AVG)
