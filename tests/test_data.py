@@ -543,6 +543,29 @@ def test_image_cache_is_reused_and_rebuilt_when_stale(tmp_path):
     assert not list((tmp_path / "cache").glob(".*tmp*")), "temporary files left behind"
 
 
+def test_an_image_replaced_by_one_of_the_same_size_with_its_mtime_kept_is_decoded_again(tmp_path):
+    """``cp -p``, ``rsync -a`` and an unzip keep a file's mtime: a folder image replaced by another of the same size
+    that way had the same name, size and mtime, and the cache gave the old pixels (and their hash, which a resume
+    compares). The replacement's ctime, which no call can set, tells it apart."""
+    import time
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(folder / f"img{i}.bmp")
+    c = cfg(tmp_path, path=str(folder))
+    before = np.array(build_distribution("folder", data_cfg=c).images)
+    target = folder / "img0.bmp"
+    old = target.stat()
+    time.sleep(0.05)  # past a coarse clock tick: the replacement's ctime is a later one
+    replace_file(target, lambda f: Image.fromarray(255 - np.asarray(Image.open(target))).save(f, format="BMP"))
+    os.utime(target, ns=(old.st_atime_ns, old.st_mtime_ns))
+    assert (target.stat().st_size, target.stat().st_mtime_ns) == (old.st_size, old.st_mtime_ns)
+    after = np.array(build_distribution("folder", data_cfg=c).images)
+    assert after.shape == before.shape and not np.array_equal(after, before)
+
+
 def test_mnist_idx_through_torchvision(tmp_path):
     data = make_mnist(tmp_path, gz=True)  # the .gz files as distributed are unpacked once
     d = build_distribution("mnist", data_cfg=cfg(tmp_path))

@@ -101,12 +101,15 @@ def size_tag(h: int, w: int) -> str:
 
 
 def _file_stats(paths, stats=None) -> str:
-    """A hash of the files' names, sizes and mtimes (``stats``: their ``os.stat`` results where the caller has them).
-    Names are hashed as their bytes on disk (``os.fsencode``: the UTF-8 of every name that is UTF-8): a name that is
-    not (``caf\\xe9.png`` from a zip made on Windows) was a UnicodeEncodeError traceback."""
+    """A hash of the files' names, sizes, mtimes and ctimes (``stats``: their ``os.stat`` results where the caller has
+    them): the decoded cache's key. The ctime because an mtime can be set back: a file replaced by one of the same
+    size with its mtime kept (``cp -p``, ``rsync -a``, an unzip) kept the old pixels; no call sets a ctime, a write or
+    a rename moves it. The price: a folder copied or ``chmod``-ed is decoded once more. Names are hashed as their bytes
+    on disk (``os.fsencode``: the UTF-8 of every name that is UTF-8): a name that is not (``caf\\xe9.png`` from a zip
+    made on Windows) was a UnicodeEncodeError traceback."""
     h = hashlib.sha1()
     for p, st in zip(paths, stats or map(os.stat, paths)):
-        h.update(os.fsencode(f"{os.path.basename(p)}:{st.st_size}:{st.st_mtime_ns};"))
+        h.update(os.fsencode(f"{os.path.basename(p)}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns};"))
     return h.hexdigest()
 
 
