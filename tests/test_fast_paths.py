@@ -168,6 +168,38 @@ def test_a_phase_names_the_fp16_key_in_its_first_lines_on_a_t4(runs_dir, tmp_pat
                for r in caplog.records)
 
 
+def test_a_torchrun_phase_left_eager_by_graph_auto_names_the_key_that_captures_it(runs_dir, tmp_path, monkeypatch,
+                                                                                    caplog):
+    """Under torchrun ``graph: auto`` is ``none`` (DDP's hooks are not captured), so a UNet or time-predictor phase on
+    CUDA cards steps eagerly, at an eighth of one process's captured rate, in silence: the phase's first lines name
+    ``graph=step``. Not on a CPU, in one process, for an MLP, nor where graph was set. End to end on an (N, 1, 28, 28)
+    FM run, the Trainer's call seen with the device and world it passes made a card's and two."""
+    import logging
+
+    from sinkflow.cli import main
+    from sinkflow.engine import fast_path
+    from sinkflow.engine.fast_path import ddp_graph_hint
+    from test_images import TINY_FM, setup_data
+
+    auto = config.resolve("mnist", [])["train"]["velocity"]
+    hint = ddp_graph_hint(auto, "unet", "cuda", 2, "velocity")
+    assert "under torchrun" in hint and "train.velocity.graph=step" in hint
+    assert ddp_graph_hint(auto, "time_predictor", "cuda:3", 8, "time") is not None
+    assert ddp_graph_hint(auto, "unet", "cuda", 1, "velocity") is None  # one process: the step is captured
+    assert ddp_graph_hint(auto, "unet", "cpu", 2, "velocity") is None
+    assert ddp_graph_hint(auto, "mlp", "cuda", 2, "velocity") is None
+    assert ddp_graph_hint({**auto, "graph": "none"}, "unet", "cuda", 2, "velocity") is None  # asked for
+
+    real, asked = fast_path.ddp_graph_hint, []
+    monkeypatch.setattr(fast_path, "ddp_graph_hint", lambda tcfg, kind, device, world, key:
+                        asked.append((kind, key, world)) or real(tcfg, kind, "cuda", 2, key))
+    extra, _ = setup_data("mnist", tmp_path)
+    with caplog.at_level(logging.INFO):
+        assert main(["train", "mnist", "--method", "fm", *TINY_FM, *extra, "--name", "ddp", "--no-report"]) == 0
+    assert asked == [("unet", "velocity", 1)]
+    assert any("train.velocity.graph=step" in r.getMessage() for r in caplog.records)
+
+
 def test_auto_speed_settings_resolve_per_device_network_and_process_count(monkeypatch):
     """auto = bf16 + the whole step one CUDA graph for a UNet on a bf16 CUDA card in one process (the time predictor:
     the step graph in fp32); the plain path everywhere else; an explicit value is never changed. The card is faked:

@@ -53,6 +53,19 @@ def fp16_hint(tcfg: dict, kind: str, device: torch.device | str, key: str) -> st
             "from compute capability 8.0: docs/performance.md)")
 
 
+def ddp_graph_hint(tcfg: dict, kind: str, device: torch.device | str, world: int, key: str) -> str | None:
+    """One line for a UNet or time-predictor phase under torchrun on CUDA cards with ``graph: auto``, which is ``none``
+    there (DDP's hooks are not captured; the split step's speed on several cards is unmeasured): the step runs eagerly,
+    and nothing said so (the ``mnist`` UNet's eager fp32 step trained at an eighth of the captured fp16 step's rate on
+    an H100). None elsewhere, and where ``graph`` was set."""
+    if tcfg.get("graph") != "auto" or world < 2 or torch.device(device).type != "cuda" or kind not in GRAPH_KINDS:
+        return None
+    return (f"{key}: under torchrun the step runs eagerly through DDP (the mnist UNet's step: 20-22 steps/s eager in "
+            "fp32, 174 with the whole step captured in one process, one H100, 2026-11-27); "
+            f"train.{key}.graph=step captures it as two CUDA graphs with one all-reduce between "
+            "(opt-in: its speed on several cards is unmeasured, docs/performance.md)")
+
+
 def cpu_fp16_hint(precision: str, device: torch.device | str, key: str, kind: str) -> str | None:
     """One line for a phase set to fp16 that runs on a CPU, naming the key that gives it fp32 there; None elsewhere. A
     run trained on a GPU with ``precision=fp16`` set (the key a T4 user is told, ``fp16_hint``) and resumed on a laptop

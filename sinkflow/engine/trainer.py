@@ -194,10 +194,12 @@ class Trainer:
         if self.info.is_main:
             log.info("%s", self.speed_settings())
             kind = run.cfg["model"].get(key, {}).get("kind", "")
-            hint = (fast_path.fp16_hint(run.cfg["train"][key], kind, run.device, key)
-                    or fast_path.cpu_fp16_hint(self.precision, run.device, key, kind))
-            if hint:
-                log.info("%s", hint)
+            asked = run.cfg["train"][key]
+            for hint in (fast_path.fp16_hint(asked, kind, run.device, key),
+                         fast_path.cpu_fp16_hint(self.precision, run.device, key, kind),
+                         fast_path.ddp_graph_hint(asked, kind, run.device, self.info.world, key)):
+                if hint:
+                    log.info("%s", hint)
 
     def speed_settings(self) -> str:
         """The fast-path choices this phase runs with, printed at its start (each one key away)."""
