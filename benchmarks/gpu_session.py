@@ -101,9 +101,10 @@ PLAN = (
          "match fp32's on the CPU: sample_precision.py; 170 s, 2026-11-30)",
          ("sampling.py", "--smoke", "--batches", "2", "--nfe", "2")),
     Step("split-rate", ("preset_throughput.py", "pool.batches=100", "--preset", "mnist", "--methods", "fm",
-                        "--configs", "fp16+stepgraph", "fp16+stepgraph+split", "--repeats", "2"), 60,
+                        "--configs", "fp16+eager", "fp16+stepgraph", "fp16+stepgraph+split", "--repeats", "2"), 75,
          "a torchrun job's captured step (two graphs, NCCL's all-reduce between) against the one-graph step, in a "
-         "process group of one (2026-12-01: opt-in under torchrun; guess: 60 s)",
+         "process group of one, and against the eager step torchrun trains with by default (2026-12-01: opt-in "
+         "under torchrun; guess: 75 s)",
          ("preset_throughput.py", "--smoke", "--methods", "fm", "--configs", "fp16+stepgraph+split")),
     Step("ot-coupling", ("ot_coupling.py", "--device", "cuda", "--sizes", "128x784", "128x3072", "--import-repeats",
                          "0"), 20, "OT-CFM's whole plan on the card's host (SciPy's assignment)",

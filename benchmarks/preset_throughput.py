@@ -58,6 +58,9 @@ CANDIDATES = {
     # the default's path in the other precisions: float16 (GradScaler inside the graph) and fp32
     "fp16+stepgraph": ["precision=fp16", "graph=step"],
     "fp32+stepgraph": ["precision=fp32", "graph=step"],
+    # the step a torchrun job trains with by default (graph: auto is none under DDP, compile: auto off), in one
+    # process (DDP's hooks and its all-reduce left out): the baseline the split step below would replace
+    "fp16+eager": ["precision=fp16", "graph=none", "compile=false"],
     # a torchrun job's captured step (two graphs, the gradients' all-reduce between: sinkflow.engine.grad_sync),
     # timed in a process group of one (NCCL on a card): what splitting the step costs beside "fp16+stepgraph"
     "fp16+stepgraph+split": ["precision=fp16", "graph=step"],
