@@ -15,15 +15,6 @@ from sinkflow.runtime.autocast import fp16_overflow
 from sinkflow.runtime.rng import phase_generator
 
 
-def eval_source(cfg: dict):
-    """The source for evaluation draws: its scrambled-Sobol twin when one exists and ``eval.protocol`` is ``qmc`` (the default).
-
-    The test sets are stratified draws (docs/data.md); an i.i.d. source would put a ~0.2 finite-sample
-    floor under every W2 number. A QMC source removes that floor for every method alike.
-    """
-    return data.sampling_source(cfg, eval_qmc(cfg))
-
-
 def eval_qmc(cfg: dict) -> bool:
     """Does the evaluation protocol (``eval.protocol``) draw the source by randomised QMC?"""
     return cfg["eval"]["protocol"] == "qmc"

@@ -54,11 +54,6 @@ def network_grid(cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return grid.times, grid.steps
 
 
-def target_scale(cfg: dict) -> torch.Tensor:
-    """Per-step factor from the pool's velocity v_k to the network's target (d x / d network time)."""
-    return PoolGrid.from_config(cfg).scale
-
-
 def make_simulator(cfg: dict, device):
     """(x0, y) -> (xs, vs, ts): one trajectory of the empirical Sinkhorn flow (float32, outside autocast)."""
     from sinkflow.ot import simulate_sinkhorn_flow
