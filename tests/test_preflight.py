@@ -10,6 +10,7 @@ import torch
 from sinkflow import config, methods
 from sinkflow.errors import SinkflowError
 from sinkflow.models import build_model
+from sinkflow.ot.sinkhorn_peak import cpu_peak_bytes
 from sinkflow.tools import memory_plan
 from sinkflow.tools.preflight import format_report, preflight
 
@@ -18,6 +19,13 @@ SMALL = ["moons", "8gaussians", "8gaussians-moons", "checkerboard", "scurve", "d
 
 def failed(report):
     return [(c.phase, c.name, c.detail) for c in report.checks if c.ok is False]
+
+
+def apply_fit(cfg: dict, overrides: list[str]) -> dict:
+    """``cfg`` with the planner's proposed ``overrides``, validated as a resolved config is."""
+    new = config.apply_overrides(cfg, overrides)
+    config.validate(new)
+    return new
 
 
 def test_preflight_all_presets(tmp_path, caplog):
@@ -219,6 +227,47 @@ def test_override_of_a_section_no_phase_reads(tmp_path):
     assert name == "config resolves" and "train.nsf.lr" in detail and "method nsgf" in detail and "nsgfpp" in detail
 
 
+def measured_train_step_bytes(model: torch.nn.Module, shape: tuple[int, ...], batch: int) -> int:
+    """Parameters + the CPU peak of one Adam step (forward, MSE backward, step) at ``batch``, after a first step made
+    Adam's moments: what the train-phase estimate models (weights+grads+adam, activations, backward transient,
+    batch). Adam runs the Trainer's kernel (``adam_kernel``: fused, which adds no transient copies of the
+    gradients)."""
+    from sinkflow.engine.trainer import adam_kernel
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, **adam_kernel(torch.device("cpu")))
+    x, t, v = torch.randn(batch, *shape), torch.rand(batch), torch.randn(batch, *shape)
+    model.train()
+
+    def step():
+        try:
+            out = model(x, t)
+        except TypeError:
+            out = model(x)
+        target = v if out.shape == v.shape else t
+        loss = (out.float() - target).pow(2).mean()
+        loss.backward()
+        opt.step()
+        del out, loss
+
+    step()  # the first step creates Adam's moments; measure the steady state, as the GPU peak over a run is
+    opt.zero_grad(set_to_none=True)
+    held = memory_plan.weight_bytes(model)
+    held += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+    return held + cpu_peak_bytes(step) + x.nbytes + t.nbytes + v.nbytes
+
+
+def estimate_train_step(model: torch.nn.Module, shape: tuple[int, ...], batch: int) -> memory_plan.PhaseMemory:
+    """The planner's training-phase terms for a bare ``model`` at ``batch`` (no EMA, no accumulation)."""
+    from sinkflow.models import model_memory_bytes
+
+    pm = memory_plan.PhaseMemory("t", "train")
+    pm.terms["weights+grads+adam"] = model_memory_bytes(model, "adam")
+    pm.act_fixed, pm.act_per_sample, pm.act_max_per_sample = memory_plan.measure_activations(model, shape)
+    pm.batch_item_bytes = 4 * (3 * math.prod(shape) + 1)
+    memory_plan.train_terms(pm, batch, 1)
+    return pm
+
+
 def test_memory_estimate_matches_measured_cpu_allocations():
     """Model + optimizer + activations of a training step, and the Sinkhorn pool step, against the torch
     profiler's CPU allocation peak: within 15% wherever the term is large enough to measure (> 8 MiB)."""
@@ -229,13 +278,13 @@ def test_memory_estimate_matches_measured_cpu_allocations():
              ("unet", {"channels": 32}, (1, 28, 28), 8), ("time_predictor", {}, (1, 28, 28), 16)]
     for kind, cfg, shape, batch in cases:
         torch.manual_seed(0)
-        est = memory_plan.estimate_train_step(build_model(kind, cfg, shape), shape, batch).total
+        est = estimate_train_step(build_model(kind, cfg, shape), shape, batch).total
         torch.manual_seed(0)
-        meas = memory_plan.measured_train_step_bytes(build_model(kind, cfg, shape), shape, batch)
+        meas = measured_train_step_bytes(build_model(kind, cfg, shape), shape, batch)
         assert abs(est / meas - 1) <= 0.15, (kind, shape, est, meas)
     for B, n, D in [(1, 128, 3072), (2, 128, 784), (1, 512, 2)]:
         x, y = torch.randn(B, n, D), torch.randn(B, n, D) + 1
-        meas = memory_plan.cpu_peak_bytes(lambda: simulate_sinkhorn_flow(x, y, steps=2, eta=0.1, blur=0.5, batched=True))
+        meas = cpu_peak_bytes(lambda: simulate_sinkhorn_flow(x, y, steps=2, eta=0.1, blur=0.5, batched=True))
         meas += x.nbytes + y.nbytes
         est = sinkhorn_peak_bytes(B, n, D) + 2 * 2 * B * n * D * 4  # + the trajectory, as the pool estimate
         assert abs(est / meas - 1) <= 0.15, (B, n, D, est, meas)
@@ -248,7 +297,7 @@ def test_fit_proposes_a_config_that_fits_and_keeps_the_totals():
     card = 2 * memory_plan.GiB  # a tiny card: both the pool and the training step are too large
     assert not all(memory_plan.fits(m, card) for m in mems if m.terms)
     overrides, reasons = memory_plan.propose_fit(cfg, mems, card)
-    new = memory_plan.apply_fit(cfg, overrides)
+    new = apply_fit(cfg, overrides)
     assert new["pool"]["batches"] * new["pool"]["batch_size"] == 10 * 4096
     assert new["train"]["velocity"]["batch_size"] == 65536 and new["train"]["velocity"]["accum"] > 1
     assert all(memory_plan.fits(m, card) for m in memory_plan.estimate(new) if m.terms), reasons
@@ -389,7 +438,7 @@ def test_pool_fit_picks_float16_or_disk_from_the_proposed_pools_bytes():
         assert memory_plan.over_budget(cfg, mems, t4) == ["pool RAM"]
         overrides, reasons = memory_plan.propose_fit(cfg, mems, t4)
         assert overrides == [want], reasons
-        new = memory_plan.apply_fit(cfg, overrides)
+        new = apply_fit(cfg, overrides)
         assert memory_plan.over_budget(new, memory_plan.estimate(new), t4) == []
         if new["pool"]["storage"] == "memory":
             assert pool_bytes(new["pool"], (2,)) <= float(ram) * 2**30
@@ -412,7 +461,7 @@ def test_pool_on_disk_is_checked_against_pool_disk_gb(disk, want, verdict_after)
     if disk == "0.4":
         assert reasons == ["pool: does not fit pool.disk_gb=0.4 on disk even in float16 (439.5 MiB); use fewer "
                            "pool.batches or a larger pool.disk_gb"]
-    new = memory_plan.apply_fit(cfg, overrides)
+    new = apply_fit(cfg, overrides)
     assert memory_plan.over_budget(new, memory_plan.estimate(new), t4) == verdict_after
 
 
@@ -422,7 +471,7 @@ def test_pool_sent_to_disk_by_the_fit_is_float16_only_where_float32_does_not_fit
         cfg = config.resolve("moons", ["pool.batches=30000", "pool.ram_gb=0.4", f"pool.disk_gb={disk}"])
         overrides, reasons = memory_plan.propose_fit(cfg, memory_plan.estimate(cfg), t4)
         assert overrides == want, reasons
-        new = memory_plan.apply_fit(cfg, overrides)
+        new = apply_fit(cfg, overrides)
         assert memory_plan.over_budget(new, memory_plan.estimate(new), t4) == []
 
 
@@ -513,7 +562,7 @@ def test_fit_accum_is_the_smallest_divisor_of_an_odd_batch_that_fits():
     overrides, reasons = memory_plan.propose_fit(cfg, [pm], card)
     assert overrides == ["train.velocity.accum=3"], reasons
     assert reasons == ["velocity: micro-batch 375 -> 125 with accum=3 (same effective batch 375)"]
-    new = memory_plan.apply_fit(cfg, overrides)  # validate: accum divides the batch
+    new = apply_fit(cfg, overrides)  # validate: accum divides the batch
     assert memory_plan.fits({m.phase: m for m in memory_plan.estimate(new)}["velocity"], card)
     _, reasons = memory_plan.propose_fit(cfg, [pm], card, world=4)  # batch_size is per process under torchrun
     assert reasons == ["velocity: micro-batch 375 -> 125 with accum=3 (same effective batch 375 per process, 1500 "
@@ -809,7 +858,7 @@ def test_a_proposed_training_precision_says_the_sampler_follows_it(tmp_path, mon
         assert f"train.{phase}.precision=fp16" in overrides, (overrides, reasons)
         follows = "the samples would be drawn in fp16, not fp32 (add sample.precision=fp32 to keep them)"
         assert (follows in " ".join(reasons)) == says, reasons
-        fixed = memory_plan.apply_fit(cfg, [*overrides, *(["sample.precision=fp32"] if says else [])])
+        fixed = apply_fit(cfg, [*overrides, *(["sample.precision=fp32"] if says else [])])
         assert methods.of(fixed).sample_precision(fixed, "cuda", bf16=False) == "fp32"
 
 

@@ -35,7 +35,6 @@ from sinkflow import data, methods
 from sinkflow.engine import learning, prefetch
 from sinkflow.errors import SinkflowError
 from sinkflow.models.footprint import activation_terms, recompute_terms
-from sinkflow.ot.sinkhorn_peak import cpu_peak_bytes  # also used by tests/test_preflight.py
 from sinkflow.runtime.autocast import HALF, precision_named
 from sinkflow.tools.cards import GPUS, GiB, gpu_bytes  # noqa: F401 (the planner's cards, named without torch)
 
@@ -448,12 +447,6 @@ def _fit_sample(cfg: dict, pm: PhaseMemory, limit: int, card: str) -> tuple[dict
         f"(sample.batch_size) fit without changing the metric protocol"]
 
 
-def apply_fit(cfg: dict, overrides: list[str]) -> dict:
-    new = config_mod.apply_overrides(cfg, overrides)
-    config_mod.validate(new)
-    return new
-
-
 # ---- formatting ---------------------------------------------------------------------------------
 
 def fmt_bytes(b: float) -> str:
@@ -482,45 +475,3 @@ def format_table(mems: list[PhaseMemory], cards: dict[str, int] | None = None) -
         if extra:
             lines.append(f"{'':<14}{'':>12}  " + "; ".join(extra))
     return "\n".join(lines)
-
-
-# ---- measurement on CPU (for tests and the benchmark) -------------------------------------------
-
-
-def measured_train_step_bytes(model: torch.nn.Module, shape: tuple[int, ...], batch: int, ema: bool = False) -> int:
-    """Parameters + the CPU peak of one first Adam step (forward, MSE backward, step) at ``batch``: what
-    the train-phase estimate models (weights+grads+adam, activations, backward transient, batch). Adam runs the
-    Trainer's kernel (``adam_kernel``: fused, which adds no transient copies of the gradients)."""
-    from sinkflow.engine.trainer import adam_kernel
-
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, **adam_kernel(torch.device("cpu")))
-    x, t, v = torch.randn(batch, *shape), torch.rand(batch), torch.randn(batch, *shape)
-    model.train()
-
-    def step():
-        try:
-            out = model(x, t)
-        except TypeError:
-            out = model(x)
-        target = v if out.shape == v.shape else t
-        loss = (out.float() - target).pow(2).mean()
-        loss.backward()
-        opt.step()
-        del out, loss
-
-    step()  # the first step creates Adam's moments; measure the steady state, as the GPU peak over a run is
-    opt.zero_grad(set_to_none=True)
-    held = weight_bytes(model)
-    held += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
-    return held + cpu_peak_bytes(step) + x.nbytes + t.nbytes + v.nbytes
-
-
-def estimate_train_step(model: torch.nn.Module, shape: tuple[int, ...], batch: int) -> PhaseMemory:
-    from sinkflow.models import model_memory_bytes
-
-    pm = PhaseMemory("t", "train")
-    pm.terms["weights+grads+adam"] = model_memory_bytes(model, "adam")
-    pm.act_fixed, pm.act_per_sample, pm.act_max_per_sample = measure_activations(model, shape)
-    pm.batch_item_bytes = 4 * (3 * math.prod(shape) + 1)
-    train_terms(pm, batch, 1)
-    return pm
