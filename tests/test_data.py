@@ -1153,16 +1153,16 @@ def test_a_split_of_another_size_is_refused_where_no_hash_is_recorded(tmp_path):
 
     from sinkflow.runtime.data_record import check_split
 
-    run = SimpleNamespace(dir=tmp_path)
+    run, formula = SimpleNamespace(dir=tmp_path), SimpleNamespace(split_info=None)  # a source with nothing to record
     (tmp_path / "data_split.json").write_text(json.dumps({"set": "cifar10", "shape": [3, 32, 32], "n_train": 25,
                                                          "n_test": 20}))
     same = SimpleNamespace(split_info={"set": "cifar10", "shape": [3, 32, 32], "n_train": 25, "n_test": 20})
-    check_split(run, SimpleNamespace(), same, doing="evaluate")
+    check_split(run, formula, same, doing="evaluate")
     more = SimpleNamespace(split_info={**same.split_info, "n_test": 30})
     with pytest.raises(SinkflowError, match="cannot evaluate .*its data changed .*n_test differ from data_split.json"):
-        check_split(run, SimpleNamespace(), more, doing="evaluate")
+        check_split(run, formula, more, doing="evaluate")
     (tmp_path / "data_split.json").write_text(json.dumps({"set": "cifar10"}))  # a record from before the sizes
-    check_split(run, SimpleNamespace(), more, doing="evaluate")
+    check_split(run, formula, more, doing="evaluate")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")

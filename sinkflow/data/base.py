@@ -29,6 +29,9 @@ class Distribution:
 
     name: str = "distribution"
     shape: tuple[int, ...] = ()
+    # what RUN/data_split.json records of data read from files (an image set's splits, a point file's hashes), so a
+    # resume, an evaluation or a sample of the run can refuse data that changed; None: nothing to record (a formula)
+    split_info: dict | None = None
 
     def sample(self, n: int, generator: torch.Generator, device="cpu") -> torch.Tensor:
         """``n`` float32 samples of shape ``(n, *shape)`` on ``device``."""

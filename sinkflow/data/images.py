@@ -76,7 +76,6 @@ class ImageDistribution(Distribution):
                       "against too: its scores are on training images", name)
         self._map = self.fit_index if split == "train" and len(self.val_index) else None
         self.shape = tuple(int(s) for s in train.shape[1:])
-        self.split_info: dict | None = None  # set by build_image_distribution (RUN/data_split.json)
 
     def __len__(self) -> int:
         return len(self._serve) if self._map is None else len(self._map)

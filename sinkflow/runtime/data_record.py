@@ -19,8 +19,8 @@ RECORD = "data_split.json"
 
 def split_record(source, target) -> dict:
     """The record of a run's data (empty for built-in 2D distributions); a point-file source goes under ``source``."""
-    info = dict(getattr(target, "split_info", None) or {})
-    if getattr(source, "split_info", None):
+    info = dict(target.split_info or {})
+    if source.split_info:
         info["source"] = source.split_info
     return info
 
@@ -96,7 +96,7 @@ def check_source(run_dir, source) -> None:
     eval and a resume refused it. Only the source's hashes are compared: sampling never reads the target's data."""
     from types import SimpleNamespace
 
-    info = getattr(source, "split_info", None)
+    info = source.split_info
     run = SimpleNamespace(dir=run_dir)
     recorded = _recorded(run) if info else None
     if recorded is None or not isinstance(recorded.get("source"), dict):
