@@ -96,7 +96,7 @@ class Run:
 
         run = self
         if settings:
-            from sinkflow.cli.common import with_sample_overrides
+            from sinkflow.tools.trained import with_sample_overrides
             from sinkflow.config.render import scalar
 
             require(isinstance(settings, dict), f"settings={shown(settings)} must be a dict of sample.* keys",
@@ -170,7 +170,7 @@ class Run:
             finally:  # as `sinkflow eval` ends: the record's TensorBoard events written out, its writer thread ended
                 self._run.logger.close()
         if self._run.logger.failed is not None:
-            from sinkflow.cli import unrecorded
+            from sinkflow.tools.trained import unrecorded
 
             log.warning("%s", unrecorded(self.dir / "metrics.jsonl", self._run.logger.failed))
         return Report(text)
@@ -259,7 +259,7 @@ def _released(opened: list, command: str = "train"):
     error. After a CUDA out-of-memory error the retry with the fix (a smaller batch) found the card still holding
     them. The frames of a ``SinkflowError``, an ``Interrupted``, a second interrupt's ``StopNow`` and an out-of-memory
     error drop their variables (the traceback still prints; a bug's error keeps them, for ``%debug``). An out-of-memory
-    error is the CLI's one line (``cli.oom``), naming the resume call, where it was torch's message (``Run.sample`` /
+    error is the CLI's one line (``tools.oom``), naming the resume call, where it was torch's message (``Run.sample`` /
     ``evaluate``'s: the sampling batch to lower), and ``StopNow`` says what the command says of it, where it was a
     bare KeyboardInterrupt. ``opened``: ``train_run``'s run, or the run sampled (``command``)."""
     from sinkflow.runtime.signals import Interrupted, StopNow
@@ -277,7 +277,7 @@ def _released(opened: list, command: str = "train"):
                     f"with sinkflow.resume({where!r})" if where else "stopped at once by a second signal",)
         raise
     except torch.OutOfMemoryError as exc:
-        from sinkflow.cli.oom import oom_line
+        from sinkflow.tools.oom import oom_line
 
         _drop_locals(exc, callers)
         run = opened[0] if opened else None
@@ -288,7 +288,7 @@ def _released(opened: list, command: str = "train"):
 
 
 def _oom_resume(exc: BaseException, run, where: str) -> str:
-    """The call that continues a run stopped by an out-of-memory error, with ``cli.oom``'s fix as its override."""
+    """The call that continues a run stopped by an out-of-memory error, with ``tools.oom``'s fix as its override."""
     at = getattr(exc, "sinkflow_where", None) or {}
     train = run.cfg["train"].get(at.get("phase"))
     if at.get("training") and isinstance(train, dict) and "accum" in train:
@@ -519,7 +519,7 @@ def open_run(path: str | Path, device: str | None = None) -> Run:
     ``device`` ("cpu", "cuda:1", a ``torch.device``; None: the run's experiment.device), as `sinkflow sample
     --device`: where its networks run, config.yaml unchanged (a run trained with device="cuda" could not be
     opened on a machine without CUDA: "use --device cpu", which open_run did not take)."""
-    from sinkflow.cli.common import open_trained
+    from sinkflow.tools.trained import open_trained
 
     # a notebook's os.chdir: still this run
     return Run(open_trained(Path(_path(path, "path")).resolve(), _plain(device), log_best_effort=True))

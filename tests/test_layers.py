@@ -131,6 +131,24 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
+def imports_of_the_cli(root: Path = ROOT) -> list[str]:
+    """Modules outside ``cli`` that import it: the CLI is argument handling on top; what the Python API shares with a
+    command (opening a trained run, the out-of-memory line) lives in ``tools``, below both."""
+    return [f"{me} imports {target} at line {line}" for me, targets in graph(root).items() if layer_of(me) != "cli"
+            for target, line in targets.items() if layer_of(target) == "cli"]
+
+
+def test_nothing_but_the_cli_imports_the_cli():
+    bad = imports_of_the_cli()
+    assert not bad, "imports of the cli:\n" + "\n".join(bad)
+
+
+def test_checker_catches_an_import_of_the_cli(tmp_path):
+    pkg = plant(tmp_path, {"api.py": "def f():\n    from sinkflow.cli.common import open_trained\n",
+                           "cli/common.py": "from sinkflow.tools import trained\n", "tools/trained.py": ""})
+    assert imports_of_the_cli(pkg) == ["sinkflow.api imports sinkflow.cli.common at line 2"]
+
+
 def plant(tmp_path: Path, files: dict[str, str]) -> Path:
     pkg = tmp_path / "sinkflow"
     for rel, text in files.items():

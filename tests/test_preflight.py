@@ -382,7 +382,7 @@ def test_out_of_memory_advice_doubles_accum_and_keeps_the_batch():
     used to say to halve batch_size as well, which halves the batch the run trains on."""
     import re
 
-    from sinkflow.cli.oom import oom_line
+    from sinkflow.tools.oom import oom_line
 
     exc = torch.OutOfMemoryError("CUDA out of memory")
     exc.sinkflow_where = {"phase": "velocity", "step": 5, "training": True}

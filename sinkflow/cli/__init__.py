@@ -1,8 +1,9 @@
 """The `sinkflow` command. Each sub-command lives in its own module with ``add_parser`` and ``run``.
 
 User errors (``SinkflowError``), operating-system errors (``OSError``: a full disk, a read-only
-folder, a missing file) and a CUDA out-of-memory error (``sinkflow.cli.oom``) print one line and exit 2; a SIGTERM/SIGINT checkpoints and exits 128+signal
-(under torchrun: every rank, agreed; rank 0 prints the line); anything else is a bug and keeps its traceback.
+folder, a missing file) and a CUDA out-of-memory error (``sinkflow.tools.oom``) print one line and exit 2; a
+SIGTERM/SIGINT checkpoints and exits 128+signal (under torchrun: every rank, agreed; rank 0 prints the line);
+anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if torch is None or not isinstance(exc, torch.OutOfMemoryError):
             raise  # anything else is a bug: keep its traceback
-        from sinkflow.cli.oom import oom_line
+        from sinkflow.tools.oom import oom_line
 
         run_dir = getattr(args, "run_dir_used", None) or getattr(args, "run_dir", None)
         resume = resume_as_launched(args, run_dir) if args.command == "train" and run_dir else None  # torchrun's
@@ -230,16 +231,6 @@ _OS_FIXES = {
     errno.ENOTDIR: "a part of the path is a file, not a folder: check the path",
     errno.EISDIR: "the path is a folder, a file was expected: check the path",
 }
-
-
-def unrecorded(path, exc: OSError) -> str:
-    """The warning of an evaluation whose scores were printed but could not be recorded in the run (a read-only
-    mount, another owner's folder): os_error_line's fix points experiment.runs_dir elsewhere, which an existing run's
-    evaluation cannot use."""
-    code = errno.errorcode.get(exc.errno, "") if exc.errno else ""
-    return (f"could not record the scores in {path} ({code + ' ' if code else ''}{exc.strerror or exc}); the scores "
-            "above are complete: to keep them with the run, copy its folder somewhere you can write and evaluate the "
-            "copy")
 
 
 def one_line(text: str) -> str:

@@ -1,5 +1,6 @@
-"""Arguments shared by every command that resolves a config: PRESET, key=value overrides, shorthands; and the
-``sample.key=value`` of the commands that sample a trained run (`sample`, `eval`)."""
+"""Arguments shared by every command that resolves a config: PRESET, key=value overrides, shorthands; the count
+flags' checks and the trained-run commands' ``--device`` (opening such a run, and its ``sample.key=value``, are
+``sinkflow.tools.trained``'s, which the Python API shares)."""
 
 from __future__ import annotations
 
@@ -122,30 +123,3 @@ def add_device_arg(p: argparse.ArgumentParser) -> None:
     refused on a machine without CUDA with the fix "use --device cpu", which these commands did not take."""
     p.add_argument("--device", help="where the networks run for this call: auto, cpu, cuda or cuda:N (default: the "
                    "run's experiment.device; config.yaml is unchanged)")
-
-
-def open_trained(run_dir, device: str | None = None, **kwargs):
-    """The trained run folder ``run_dir`` (``RunFolder.open``'s ``kwargs``), its networks on ``device`` for this call
-    (None: its experiment.device): nothing is written, so config.yaml keeps the device it was trained on."""
-    from sinkflow.runtime.run_folder import RunFolder
-
-    return RunFolder.open(run_dir, shorthands=None if device is None else {"device": device}, **kwargs)
-
-
-def with_sample_overrides(run_, overrides: list[str], command: str, run_dir: str, flags: dict | None = None):
-    """``run_`` sampling with ``sample.key=value`` for this call only (``RunFolder.variant``: config.yaml stays as
-    trained), refused in one line before any work when the key is not a sampling key, is out of its range, or is a
-    key this method never reads (as `train` refuses them). ``flags``: the command's own flag for a key it takes
-    another way (`eval`'s ``{"eval.n": "--n"}``), named in that key's refusal."""
-    bad = [o for o in overrides if not o.startswith("sample.")]
-    if bad:
-        key, _, value = bad[0].partition("=")
-        flag = (flags or {}).get(key.strip())
-        raise SinkflowError(f"`sinkflow {command}` only takes sample.* overrides, not '{bad[0]}'",
-                            f"use {flag} {value.strip() or 'N'} for this call" if flag else
-                            f"change other keys with `sinkflow train --resume {run_dir} ...`")
-    cfg = config.apply_overrides(run_.cfg, overrides)
-    config.validate(cfg)
-    config.check_read(cfg, config.override_keys(overrides))
-    return run_.variant(sample=cfg["sample"])
-

@@ -2,9 +2,9 @@
 
 import sys
 
-from sinkflow.cli import unrecorded
-from sinkflow.cli.common import add_device_arg, open_trained, with_sample_overrides
+from sinkflow.cli.common import add_device_arg
 from sinkflow.errors import SinkflowError
+from sinkflow.tools.trained import open_trained, unrecorded, with_sample_overrides
 
 
 def add_parser(sub):

@@ -3,8 +3,9 @@
 import argparse
 from pathlib import Path
 
-from sinkflow.cli.common import add_device_arg, open_trained, with_sample_overrides
+from sinkflow.cli.common import add_device_arg
 from sinkflow.errors import DataNotFound, SinkflowError
+from sinkflow.tools.trained import open_trained, with_sample_overrides
 
 
 def add_parser(sub):

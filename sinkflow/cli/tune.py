@@ -6,7 +6,8 @@ import json
 import statistics
 import sys
 
-from sinkflow.cli.common import add_device_arg, open_trained
+from sinkflow.cli.common import add_device_arg
+from sinkflow.tools.trained import open_trained
 
 
 def add_parser(sub):

@@ -180,7 +180,7 @@ class StepGraph:
             self.second = None
             named, self.step_error = self.step_error or exc, None
             if isinstance(named, torch.OutOfMemoryError):  # the step's memory, captured or not: the out-of-memory
-                raise named  # line with its fixes (sinkflow.cli.oom), not a capture failure auto would train on past
+                raise named  # line with its fixes (sinkflow.tools.oom), not a capture failure auto would train on past
             raise CaptureFailed.of(self.phase, named) from exc
         finally:
             for g, (lr, cap) in zip(groups, saved):

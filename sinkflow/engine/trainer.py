@@ -561,7 +561,8 @@ class Trainer:
                 self._fit_chunks()
         except BaseException as exc:
             if isinstance(exc, torch.OutOfMemoryError) and not hasattr(exc, "sinkflow_where"):  # the CLI turns it
-                # into one line (sinkflow.cli.oom); a task's own work that says where it was (NSGF++'s states) keeps it
+                # into one line (sinkflow.tools.oom); a task's own work that says where it was (NSGF++'s states)
+                # keeps it
                 kept = self.ckpts.last_good() if self.ckpts is not None else None
                 exc.sinkflow_where = {"phase": self.name, "step": self.step + 1, "training": self.training,
                                       "kept": kept}
