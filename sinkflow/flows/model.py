@@ -142,6 +142,17 @@ class FlowModel(nn.Module):
     def max_drift(self) -> float:
         return max(seq.max_drift for seq in self.levels)
 
+    def drift_state(self) -> dict:
+        """The drift guard's counts per level, for a step checkpoint: they live in memory, while the layers it made
+        fall back are buffers the weights keep (``keep_input``)."""
+        return {"drift_events": [list(seq.drift_events) for seq in self.levels],
+                "max_drift": [float(seq.max_drift) for seq in self.levels]}
+
+    def load_drift_state(self, state: dict) -> None:
+        """Put back ``drift_state``'s counts (a resume); an empty ``state`` (a checkpoint without them) keeps these."""
+        for seq, events, worst in zip(self.levels, state.get("drift_events", []), state.get("max_drift", [])):
+            seq.drift_events, seq.max_drift = list(events), float(worst)
+
     # -- density -------------------------------------------------------------------------------
     def _to4d(self, x):
         if x.shape[1:] != self.in_shape:

@@ -102,15 +102,10 @@ class FlowStep(TrainingStep):
         """The drift guard's counts (its fallen-back layers are buffers of the model): a resumed run's final record
         said 3 drift events and a max error of 1.41e-6 where the uninterrupted run's said 4 and 1.44e-6."""
         model = getattr(self, "_model", None)
-        if model is None:
-            return {}
-        return {"drift_events": [list(seq.drift_events) for seq in model.levels],
-                "max_drift": [float(seq.max_drift) for seq in model.levels]}
+        return {} if model is None else model.drift_state()
 
     def on_load_checkpoint(self, trainer, state: dict) -> None:
-        kept = (state.get("callbacks") or {}).get(self.state_key) or {}
-        for seq, events, worst in zip(trainer.model.levels, kept.get("drift_events", []), kept.get("max_drift", [])):
-            seq.drift_events, seq.max_drift = list(events), float(worst)
+        trainer.model.load_drift_state((state.get("callbacks") or {}).get(self.state_key) or {})
 
     @torch.no_grad()
     def init_actnorm(self, trainer) -> None:
