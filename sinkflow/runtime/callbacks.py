@@ -30,8 +30,8 @@ resume starts the next phase afresh: a stop between two phases). To end a phase,
 with a one-line error, as the phase has no ``final.pt``); under torchrun the ranks agree on either (one rank's
 callback may decide alone). It never raises to stop the loop nor sets another object's attributes.
 
-This module is a leaf (torch, tqdm and sinkflow.errors only): methods subclass ``Callback`` without importing the
-engine.
+This module imports no other layer's (torch, tqdm, sinkflow.errors and runtime.dist only): methods subclass
+``Callback`` without importing the engine.
 """
 
 from __future__ import annotations
