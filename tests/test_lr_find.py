@@ -629,6 +629,38 @@ def test_a_finished_phase_without_a_step_checkpoint_is_opened_at_its_final_state
     assert trainer.step == 12
     assert all(torch.equal(final["model"][k], v) for k, v in trainer.model.state_dict().items())
     assert trainer.optimizer.state_dict()["state"][0]["step"] == 12
+    gen = torch.Generator()
+    gen.set_state(final["generator"])
+    first = trainer.task.batch(gen, cfg["train"]["velocity"]["batch_size"], trainer.device)
+    assert all(torch.equal(a, b) for a, b in zip(trainer.batch, first))  # the batch final.pt's generator draws next
+
+
+def test_a_finished_phase_opened_with_batches_drawn_ahead_keeps_its_final_generator(runs_dir):
+    """With batches drawn ahead (``prefetch``: CUDA's default) the phase's final state is loaded before the first
+    batch is drawn: the trainer's generator state (what its ``state_dict`` saves and lr-find's restore puts back)
+    follows the batch it holds. Loaded after the loop had drawn ahead from the last step checkpoint's generator, the
+    prefetcher's record of where the next batch came from still pointed into that earlier stream."""
+    from sinkflow import config
+    from sinkflow.engine.trainer import Trainer
+    from sinkflow.runtime.checkpoint import load
+    from sinkflow.runtime.run_folder import RunFolder
+    from sinkflow.tools.phases import open_run_phase, training_phase
+
+    cfg = config.resolve("moons", ["experiment.method=fm", "experiment.device=cpu", "experiment.name=r",
+                                   "train.velocity.iters=12", "train.velocity.ckpt_every=5",
+                                   "train.velocity.prefetch=always"])
+    run = RunFolder.create(cfg)
+    Trainer(run, training_phase(cfg, None)).fit()
+    run.release()
+    run.logger.close()
+    opened, trainer = open_run_phase(run.dir, None)
+    opened.logger.close()
+    final = load(run.dir / "checkpoints" / "velocity" / "final.pt")
+    gen = torch.Generator()
+    gen.set_state(final["generator"])
+    first = trainer.task.batch(gen, cfg["train"]["velocity"]["batch_size"], trainer.device)
+    assert trainer.step == 12 and all(torch.equal(a, b) for a, b in zip(trainer.batch, first))
+    assert torch.equal(trainer.state_dict()["generator"], gen.get_state())
 
 
 def test_a_phases_sweep_holds_one_copy_of_the_state_not_two(runs_dir, monkeypatch):

@@ -23,7 +23,18 @@ SCRATCH_STATES = 256  # nsgf.nsf_states of a scratch run: its straight flow need
 
 class StopBeforeFirstStep(Callback):
     """Leave the trainer set up (resumed, first batch drawn: ``trainer.batch``) and end the phase before its
-    first optimizer step, through the engine's supported stop (``Trainer.stop``)."""
+    first optimizer step, through the engine's supported stop (``Trainer.stop``).
+
+    ``state``: a later state of the phase than the loop resumed (a finished phase's ``final.pt`` past its last step
+    checkpoint), loaded before the first batch is drawn, so the loop draws that batch, and any it makes ahead, from
+    the state's generator (``where``: its path, for the load's errors)."""
+
+    def __init__(self, state: dict | None = None, where: str = ""):
+        self.state, self.where = state, where
+
+    def on_phase_start(self, trainer) -> None:
+        if self.state is not None and self.state.get("step", 0) > trainer.step:
+            trainer.load_state_dict(self.state, self.where)
 
     def on_train_batch_start(self, trainer, batch) -> None:
         trainer.stop()
@@ -48,12 +59,12 @@ def scratch_states(cfg: dict) -> list[str]:
     return [f"nsgf.nsf_states={min(cfg['nsgf']['nsf_states'], SCRATCH_STATES)}"]
 
 
-def ready_trainer(run, task):
+def ready_trainer(run, task, state: dict | None = None, where: str = ""):
     """``task``'s Trainer set up as its own loop would, with its first batch in ``trainer.batch``; no step
-    is taken."""
+    is taken. ``state``: a later state to start from than the loop's resume (``StopBeforeFirstStep``)."""
     from sinkflow.engine.trainer import Trainer
 
-    trainer = Trainer(run, task, [StopBeforeFirstStep()])
+    trainer = Trainer(run, task, [StopBeforeFirstStep(state, where)])
     trainer.fit()
     if not trainer.stopped:
         raise SinkflowError(f"phase {task.name} finished without taking a step", "check train.*.iters")
@@ -149,14 +160,10 @@ def open_run_phase(run_dir: Path, phase_name: str | None, device: str | None = N
                                            f"train.{key}.ckpt_every={FOREVER}"])
     run = RunFolder(Path(run_dir), cfg, log=False)  # read only: nothing is logged into the user's run
     ph = next(p for p in _phases(cfg) if p.name == phase_name)
-    trainer = ready_trainer(run, ph)
     ckpts = run.checkpoints(phase_name)
-    if ckpts.final_path.is_file():
-        final = ckpts.final()  # checked as a step checkpoint is (identity, loads safely)
-        if final.get("optimizer") is not None and final.get("step", 0) > trainer.step:
-            trainer.load_state_dict(final, str(ckpts.final_path))
-            trainer.batch = trainer.draw_batch()  # the batch after the final step, from its generator state
-    return run, trainer
+    final = ckpts.final() if ckpts.final_path.is_file() else None  # checked as a step checkpoint is
+    later = final if final is not None and final.get("optimizer") is not None else None
+    return run, ready_trainer(run, ph, later, str(ckpts.final_path))
 
 
 def read_device(run_dir: Path, device: str | None = None) -> dict:
