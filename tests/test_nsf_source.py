@@ -242,3 +242,16 @@ def test_a_long_states_computation_beats_and_status_counts_its_states(tmp_path, 
     (run_dir / "status.json").write_text(json.dumps({**beats[1], "time": 0.0, "pid": 1, "host": "elsewhere"}))
     assert "phase        nsf  states 16/40 (40.0%)" in format_status(read_status(run_dir)), \
         format_status(read_status(run_dir))
+
+
+def test_a_tools_scratch_run_asks_the_method_what_of_its_own_to_cut():
+    """doctor's and lr-find's scratch runs keep NSGF++'s states to a few hundred (the run's 16,384 would be computed
+    before the straight flow's first step); the tools ask the method (``Method.scratch_overrides``), so no tool names
+    NSGF++'s keys, and a method without such keys cuts nothing."""
+    from sinkflow.tools.phases import scratch_overrides
+
+    cfg = config.resolve("moons", ["experiment.method=nsgfpp", "nsgf.nsf_source=velocity"])
+    assert scratch_overrides(cfg) == [f"nsgf.nsf_states={nsgfpp.SCRATCH_STATES}"]
+    small = config.resolve("moons", ["experiment.method=nsgfpp", "nsgf.nsf_states=100"])
+    assert scratch_overrides(small) == ["nsgf.nsf_states=100"]
+    assert scratch_overrides(config.resolve("moons", ["experiment.method=otcfm"])) == []

@@ -270,6 +270,12 @@ class Method:
         """One line: what this method trains and how it samples."""
         return self.name
 
+    def scratch_overrides(self, cfg: dict) -> list[str]:
+        """Overrides of this method's own keys that keep a tool's scratch run (doctor, lr-find, bench: a few steps
+        of each phase) from spending minutes on work the tool never looks at; default none. The tools cut the shared
+        sections (``train.*``, ``pool.*``) themselves."""
+        return []
+
     # ---- `sinkflow tune`: the sampler's settings it compares (asked of the method, never by its name) ----------
     def sampler_settings(self, cfg: dict) -> tuple[int, dict]:
         """(network evaluations, ``sample.*`` settings) of the run's own sampler; default: an Euler sampler's."""

@@ -59,6 +59,7 @@ CHECK_BATCH, CHECK_SEED = 512, 20261128  # the check's own draw: the phase gener
 learning = logging.getLogger(LEARNING_LOG)  # a tool's few-step scratch run never learns: ``quiet()`` silences it
 log = logging.getLogger(__name__)
 STATES_FILE = "nsf_states.npy"  # nsgf.nsf_source=velocity: the NSGF states the straight flow's paths start from
+SCRATCH_STATES = 256  # nsgf.nsf_states of a tool's scratch run: its straight flow needs states to draw, not many
 
 
 def check(cfg: dict, sample_shape: tuple[int, ...]) -> None:
@@ -406,6 +407,10 @@ class NSGFPlusPlus(Method):
                                 "plus 1 time prediction, which leaves no straight-flow step",
                                 f"use --nfe {T + 2} or more")
         return [{"nsgf_steps": k, "nsf_steps": total - 1 - k, "t_shift": s} for k in ks for s in T_SHIFTS]
+
+    def scratch_overrides(self, cfg: dict) -> list[str]:
+        """The NSGF states (``nsgf.nsf_states``, with ``nsgf.nsf_source=velocity``) kept to a few hundred."""
+        return [f"nsgf.nsf_states={min(cfg['nsgf']['nsf_states'], SCRATCH_STATES)}"]
 
     def describe(self, cfg: dict) -> str:
         k, T = cfg["sample"].get("nsgf_steps") or cfg["pool"]["steps"], cfg["pool"]["steps"]

@@ -818,7 +818,7 @@ def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = OVE
     from pathlib import Path
 
     from sinkflow import data, methods
-    from sinkflow.tools.phases import (open_run_phase, quiet_cut, read_device, scratch_states, train_phase_names,
+    from sinkflow.tools.phases import (open_run_phase, quiet_cut, read_device, scratch_overrides, train_phase_names,
                                        workspace)
 
     findings: list[Finding] = []
@@ -850,7 +850,7 @@ def doctor_run(cfg: dict | None, workdir, run_dir=None, overfit_steps: int = OVE
             from sinkflow.engine.experiment import run_phases
 
             tiny = [f"experiment.runs_dir={Path(workdir) / 'full'}", "experiment.name=tiny", "pool.batches=1",
-                    f"pool.steps={min(cfg['pool']['steps'], 3)}", "pool.in_flight=0", *scratch_states(cfg)]
+                    f"pool.steps={min(cfg['pool']['steps'], 3)}", "pool.in_flight=0", *scratch_overrides(cfg)]
             tiny += [o for k in cfg["train"] for o in (f"train.{k}.iters=2", *quiet_cut(cfg, k, 2))]
             from sinkflow import config as config_mod
             from sinkflow.runtime.run_folder import RunFolder

@@ -18,7 +18,6 @@ from sinkflow.runtime.callbacks import Callback
 from sinkflow.runtime.lock import finish_fix
 
 FOREVER = 10**9
-SCRATCH_STATES = 256  # nsgf.nsf_states of a scratch run: its straight flow needs states to draw, not many
 
 
 class StopBeforeFirstStep(Callback):
@@ -51,12 +50,10 @@ def quiet_cut(cfg: dict, key: str, iters: int) -> list[str]:
             f"train.{key}.ema={min(train.get('ema', 0.0), largest_decay(iters))}"]
 
 
-def scratch_states(cfg: dict) -> list[str]:
-    """The override that keeps a scratch run's NSGF states (``nsgf.nsf_states``, NSGF++'s straight flow from the
-    velocity network's states) to a few hundred: it needs states to draw, not the run's many; [] without the key."""
-    if "nsf_states" not in cfg.get("nsgf", {}):
-        return []
-    return [f"nsgf.nsf_states={min(cfg['nsgf']['nsf_states'], SCRATCH_STATES)}"]
+def scratch_overrides(cfg: dict) -> list[str]:
+    """What the run's method shrinks of its own keys in a scratch run (``Method.scratch_overrides``: NSGF++'s
+    NSGF states)."""
+    return methods.of(cfg).scratch_overrides(cfg)
 
 
 def ready_trainer(run, task, state: dict | None = None, where: str = ""):
@@ -117,7 +114,7 @@ def scratch_run(cfg: dict, phase_name: str | None, workdir: Path, pool_batches: 
     ov = [f"experiment.runs_dir={workdir}", "experiment.name=scratch",
           f"pool.batches={min(cfg['pool']['batches'], pool_batches)}", "pool.in_flight=0",
           f"pool.steps={min(cfg['pool']['steps'], pool_steps)}"]
-    ov += scratch_states(cfg)
+    ov += scratch_overrides(cfg)
     for ph in phases:
         if isinstance(ph, TrainingStep):
             k = ph.model_key
