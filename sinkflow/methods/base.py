@@ -270,6 +270,11 @@ class Method:
         """One line: what this method trains and how it samples."""
         return self.name
 
+    def sample_draws(self, cfg: dict) -> int:
+        """The most samples this method's own work beside the evaluation pushes through its networks in one go (in
+        chunks of ``sample.batch_size``), which the memory plan's sampling chunk counts; default 0: none."""
+        return 0
+
     def scratch_overrides(self, cfg: dict) -> list[str]:
         """Overrides of this method's own keys that keep a tool's scratch run (doctor, lr-find, bench: a few steps
         of each phase) from spending minutes on work the tool never looks at; default none. The tools cut the shared

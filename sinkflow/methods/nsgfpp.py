@@ -408,6 +408,11 @@ class NSGFPlusPlus(Method):
                                 f"use --nfe {T + 2} or more")
         return [{"nsgf_steps": k, "nsf_steps": total - 1 - k, "t_shift": s} for k in ks for s in T_SHIFTS]
 
+    def sample_draws(self, cfg: dict) -> int:
+        """With ``nsgf.nsf_source=velocity``: the ``nsgf.nsf_states`` NSGF states computed when the straight flow
+        starts (``NSGFStates``)."""
+        return int(cfg["nsgf"]["nsf_states"]) if cfg["nsgf"]["nsf_source"] == "velocity" else 0
+
     def scratch_overrides(self, cfg: dict) -> list[str]:
         """The NSGF states (``nsgf.nsf_states``, with ``nsgf.nsf_source=velocity``) kept to a few hundred."""
         return [f"nsgf.nsf_states={min(cfg['nsgf']['nsf_states'], SCRATCH_STATES)}"]

@@ -209,11 +209,9 @@ def _chunked_phase_memory(cfg: dict, task, shape: tuple[int, ...]) -> PhaseMemor
 def sample_chunk(cfg: dict) -> int:
     """Samples the sampler holds at once: ``sample.batch_size`` (``generate`` and NSGF++'s NSGF states work in chunks of
     it), capped by the largest draw the run makes: ``eval.n``, the classifier columns' ``eval.class_n`` (digits'
-    3,590 against an eval.n of 359) and the ``nsgf.nsf_states`` NSGF++ draws with ``nsgf.nsf_source=velocity``."""
-    read = config_mod.schema.used(cfg)
-    draws = [cfg["eval"]["n"], cfg["eval"].get("class_n") or 0]
-    if "nsgf.nsf_source" in read and cfg["nsgf"]["nsf_source"] == "velocity":
-        draws.append(int(cfg["nsgf"]["nsf_states"]))
+    3,590 against an eval.n of 359) and what the method draws of its own (``Method.sample_draws``: the
+    ``nsgf.nsf_states`` NSGF++ computes with ``nsgf.nsf_source=velocity``)."""
+    draws = [cfg["eval"]["n"], cfg["eval"].get("class_n") or 0, methods.of(cfg).sample_draws(cfg)]
     return min(max(draws), max(1, cfg["sample"]["batch_size"]))
 
 
