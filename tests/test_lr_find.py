@@ -604,10 +604,9 @@ def test_on_a_captured_step_the_sweeps_rates_reach_the_graph(runs_dir, monkeypat
     assert captured.replays == len(captured.lrs) - step_graph.WARMUP and plain.replays is None
 
 
-def test_a_finished_phase_without_a_step_checkpoint_is_opened_at_its_final_state(runs_dir):
-    """`lr-find RUN` and `doctor RUN` open the run's phase through the loop's resume, which reads step checkpoints
-    only: a finished phase with none (``ckpt_every`` above ``iters``) was swept from a fresh init under the run's name
-    (step 0, weights unlike final.pt's). Its final state, optimizer and generator included, is the one opened now."""
+def finished_and_opened(*overrides: str):
+    """A 12-step moons FM run trained to its end with ``overrides``, then opened as lr-find / doctor open a phase:
+    (run folder, trainer, final.pt's state, the first batch final.pt's generator draws)."""
     from sinkflow import config
     from sinkflow.engine.trainer import Trainer
     from sinkflow.runtime.checkpoint import load
@@ -615,23 +614,30 @@ def test_a_finished_phase_without_a_step_checkpoint_is_opened_at_its_final_state
     from sinkflow.tools.phases import open_run_phase, training_phase
 
     cfg = config.resolve("moons", ["experiment.method=fm", "experiment.device=cpu", "experiment.name=r",
-                                   "train.velocity.iters=12", "train.velocity.ckpt_every=1000",
-                                   "train.velocity.log_every=6"])
+                                   "train.velocity.iters=12", *overrides])
     run = RunFolder.create(cfg)
     Trainer(run, training_phase(cfg, None)).fit()
     run.release()
     run.logger.close()
-    phase = run.dir / "checkpoints" / "velocity"
-    assert sorted(p.name for p in phase.iterdir()) == ["final.pt"]
+    final = load(run.dir / "checkpoints" / "velocity" / "final.pt")  # read before the opening
     opened, trainer = open_run_phase(run.dir, None)
     opened.logger.close()
-    final = load(phase / "final.pt")
-    assert trainer.step == 12
-    assert all(torch.equal(final["model"][k], v) for k, v in trainer.model.state_dict().items())
-    assert trainer.optimizer.state_dict()["state"][0]["step"] == 12
     gen = torch.Generator()
     gen.set_state(final["generator"])
     first = trainer.task.batch(gen, cfg["train"]["velocity"]["batch_size"], trainer.device)
+    return run.dir, trainer, final, first, gen
+
+
+def test_a_finished_phase_without_a_step_checkpoint_is_opened_at_its_final_state(runs_dir):
+    """`lr-find RUN` and `doctor RUN` open the run's phase through the loop's resume, which reads step checkpoints
+    only: a finished phase with none (``ckpt_every`` above ``iters``) was swept from a fresh init under the run's name
+    (step 0, weights unlike final.pt's). Its final state, optimizer and generator included, is the one opened now."""
+    run_dir, trainer, final, first, _ = finished_and_opened("train.velocity.ckpt_every=1000",
+                                                            "train.velocity.log_every=6")
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "velocity").iterdir()) == ["final.pt"]
+    assert trainer.step == 12
+    assert all(torch.equal(final["model"][k], v) for k, v in trainer.model.state_dict().items())
+    assert trainer.optimizer.state_dict()["state"][0]["step"] == 12
     assert all(torch.equal(a, b) for a, b in zip(trainer.batch, first))  # the batch final.pt's generator draws next
 
 
@@ -640,25 +646,7 @@ def test_a_finished_phase_opened_with_batches_drawn_ahead_keeps_its_final_genera
     batch is drawn: the trainer's generator state (what its ``state_dict`` saves and lr-find's restore puts back)
     follows the batch it holds. Loaded after the loop had drawn ahead from the last step checkpoint's generator, the
     prefetcher's record of where the next batch came from still pointed into that earlier stream."""
-    from sinkflow import config
-    from sinkflow.engine.trainer import Trainer
-    from sinkflow.runtime.checkpoint import load
-    from sinkflow.runtime.run_folder import RunFolder
-    from sinkflow.tools.phases import open_run_phase, training_phase
-
-    cfg = config.resolve("moons", ["experiment.method=fm", "experiment.device=cpu", "experiment.name=r",
-                                   "train.velocity.iters=12", "train.velocity.ckpt_every=5",
-                                   "train.velocity.prefetch=always"])
-    run = RunFolder.create(cfg)
-    Trainer(run, training_phase(cfg, None)).fit()
-    run.release()
-    run.logger.close()
-    opened, trainer = open_run_phase(run.dir, None)
-    opened.logger.close()
-    final = load(run.dir / "checkpoints" / "velocity" / "final.pt")
-    gen = torch.Generator()
-    gen.set_state(final["generator"])
-    first = trainer.task.batch(gen, cfg["train"]["velocity"]["batch_size"], trainer.device)
+    _, trainer, _, first, gen = finished_and_opened("train.velocity.ckpt_every=5", "train.velocity.prefetch=always")
     assert trainer.step == 12 and all(torch.equal(a, b) for a, b in zip(trainer.batch, first))
     assert torch.equal(trainer.state_dict()["generator"], gen.get_state())
 
