@@ -1,9 +1,11 @@
 """Bad input: a non-zero exit, one line naming the problem, no traceback, nothing overwritten."""
 
+import shutil
+
 import numpy as np
 import pytest
 
-from helpers import TINY_2D, cli, error_line, snapshot
+from helpers import cli, error_line, snapshot
 
 
 def one_line_error(result, *needles):
@@ -11,10 +13,9 @@ def one_line_error(result, *needles):
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def finished_run(tmp_path_factory, tiny_run):
     cwd = tmp_path_factory.mktemp("bad")
-    r = cli("train", "moons", *TINY_2D, "--name", "ok", "--no-report", cwd=cwd)
-    assert r.returncode == 0, r.stderr
+    shutil.copytree(tiny_run, cwd / "runs" / "ok")  # a finished `train moons TINY_2D --no-report`
     return cwd
 
 
@@ -185,10 +186,9 @@ def test_a_folder_of_pngs_is_refused_for_points_and_never_written_into(finished_
     assert [p.name for p in used.iterdir()] == ["000000.png"] and (used / "000000.png").read_bytes() == b"mine"
 
 
-def test_truncated_step_checkpoint_on_resume(finished_run, tmp_path):
-    r = cli("train", "moons", *TINY_2D, "--train-iters", "6", "--name", "t", "--no-report", cwd=tmp_path)
-    assert r.returncode == 0
+def test_truncated_step_checkpoint_on_resume(tiny_run, tmp_path):
     run = tmp_path / "runs/t"
+    shutil.copytree(tiny_run, run)  # a finished `train moons TINY_2D --no-report` (6 steps)
     (run / "checkpoints/velocity/final.pt").unlink()  # as if killed after the step-6 checkpoint
     step = sorted((run / "checkpoints/velocity").glob("step_*.pt"))[-1]
     step.write_bytes(step.read_bytes()[:100])

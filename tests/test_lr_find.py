@@ -119,11 +119,13 @@ def test_plot_and_write(tmp_path):
         {k: v for k, v in config.flatten(want).items() if k != "experiment.preset"}
 
 
-def test_lr_find_cli_on_a_run_writes_the_config_of_an_unfinished_phase(runs_dir):
-    from helpers import TINY_2D, cli
+def test_lr_find_cli_on_a_run_writes_the_config_of_an_unfinished_phase(tiny_run, runs_dir):
+    import shutil
 
-    assert cli("train", "moons", *TINY_2D, "--name", "r", "--no-report", cwd=runs_dir.parent).returncode == 0
+    from helpers import cli
+
     run = runs_dir / "r"
+    shutil.copytree(tiny_run, run)  # a finished `train moons TINY_2D --no-report`
     (run / "checkpoints" / "velocity" / "final.pt").unlink()  # stopped after step 6: velocity has not finished
     out = cli("lr-find", str(run), "--steps", "40", "--end-lr", "1", "--out", "lr.png", "--write", str(run),
               cwd=runs_dir.parent)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -97,8 +98,8 @@ def test_a_killed_run_whose_pid_was_reused_is_dead_not_running(tiny_run, tmp_pat
     assert read_status(run)["state"] == "running"
 
 
-def test_status_finished(runs_dir):
-    assert cli("train", "moons", *TINY_2D, "--name", "done", "--no-report", cwd=runs_dir.parent).returncode == 0
+def test_status_finished(tiny_run, runs_dir):
+    shutil.copytree(tiny_run, runs_dir / "done")  # a finished `train moons TINY_2D --no-report`
     out = cli("status", str(runs_dir / "done"), "--json", cwd=runs_dir.parent)
     st = json.loads(out.stdout)
     assert out.returncode == 0 and st["state"] == "finished"
@@ -455,7 +456,7 @@ def test_a_tools_loop_says_its_progress_as_a_phase_does(tmp_path, capsys, monkey
     assert lines[-1].startswith("png: 1,000/1,000 images (100.0%), ") and "ETA 00:00" in lines[-1], lines[-1]
 
 
-def test_status_counts_what_the_bar_counts_and_a_resume_stands_at_its_step(runs_dir, monkeypatch):
+def test_status_counts_what_the_bar_counts_and_a_resume_stands_at_its_step(tiny_run, runs_dir, monkeypatch):
     """The pool's heartbeat counted chunks as "step 4/12" with no rate or ETA, while its bar counted 32/96 batches;
     a resumed phase said "step 0" (DEAD at step 0 after a kill then) until its first log step."""
     import shutil
@@ -463,8 +464,8 @@ def test_status_counts_what_the_bar_counts_and_a_resume_stands_at_its_step(runs_
     from sinkflow.runtime.callbacks import Callback
 
     monkeypatch.chdir(runs_dir.parent)
-    assert cli("train", "moons", *TINY_2D, "--name", "done", "--no-report", cwd=runs_dir.parent).returncode == 0
     run = runs_dir / "done"
+    shutil.copytree(tiny_run, run)  # a finished `train moons TINY_2D --no-report`
     beat = {"time": time.time(), "pid": os.getpid(), "phase": "pool", "step": 4, "total": 12, "state": "running",
             "done": 32, "of": 96, "unit": "batches", "rate": 16.0, "eta_s": 4.0}
     (run / "status.json").write_text(json.dumps(beat))
@@ -487,11 +488,11 @@ def test_status_counts_what_the_bar_counts_and_a_resume_stands_at_its_step(runs_
     assert (seen[0]["phase"], seen[0]["step"], seen[0]["total"], seen[0]["state"]) == ("velocity", 3, 6, "running")
 
 
-def test_status_json_is_strict_json(runs_dir):
+def test_status_json_is_strict_json(tiny_run, runs_dir):
     """A skipped fp16 step logs grad_norm Infinity: `status --json` printed it as `Infinity`, which is not JSON (a
     strict parser, JavaScript's, refused the whole status). Non-finite values are null there."""
-    assert cli("train", "moons", *TINY_2D, "--name", "inf", "--no-report", cwd=runs_dir.parent).returncode == 0
     run = runs_dir / "inf"
+    shutil.copytree(tiny_run, run)  # a finished `train moons TINY_2D --no-report`
     with open(run / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"time": time.time(), "phase": "velocity", "step": 7, "loss": 0.5,
                             "grad_norm": float("inf"), "lr": float("nan")}) + "\n")
