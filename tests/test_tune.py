@@ -14,7 +14,7 @@ from sinkflow.runtime.run_folder import RunFolder
 from sinkflow.tools import tune
 from test_images import TINY, TINY_FM, fresh_distributions, setup_data  # noqa: F401  (the fixture is autouse)
 
-ROW = re.compile(r"^ +(-?[\d.]+(?: +-?[\d.]+)*) +([\d.]+)(  <- best|  \(the run's own\))?$")
+ROW = re.compile(r"^ +(-?[\d.]+(?: +-?[\d.]+)*) +([\d.]+)(  <- best|  \(the run's own\))?(?:  \(the samples of .*\))?$")
 
 
 def rows(out: str) -> list[tuple[list[float], float, str]]:
@@ -49,6 +49,15 @@ def test_nsgfpp_samplers_are_scored_on_validation_and_the_best_is_what_eval_scor
     splits = {(int(k), int(nsf)) for (k, nsf, _), _, _ in got}
     assert splits == {(k, 6 - 1 - k) for k in tune.nsgf_splits(6)} and len(got) == 3 * len(tune.T_SHIFTS)
     assert {s for (_, _, s), _, _ in got} == set(tune.T_SHIFTS)
+    for line in out.splitlines():  # a row marked as another's samples scored as that one did
+        if "(the samples of" in line:
+            m = ROW.match(line)
+            mine = dict(zip(("nsgf_steps", "nsf_steps", "t_shift"), map(float, m.group(1).split())))
+            named = {**mine, **{k: float(v) for k, v in (kv.split("=") for kv in
+                                                         line.split("(the samples of ")[1].rstrip(")").split())}}
+            assert named != mine, line
+            twin = [v for settings, v, _ in got if settings == list(named.values())]
+            assert twin == [float(m.group(2))], line
     best = [g for g in got if g[2] == "<- best"]
     assert len(best) == 1 and best[0][1] == min(v for _, v, _ in got)
     (k, nsf, shift), value, _ = best[0]
@@ -194,6 +203,16 @@ def test_a_win_within_the_noise_keeps_the_runs_own_sampler():
     assert tune.recommend(one_seed, own) == ({"time_warp": 0.5}, 10.0, False)
     assert tune.recommend(noisy, None) == ({"time_warp": 0.5}, 10.0, False)  # another budget: no own sampler
     assert tune.recommend([noisy[1], noisy[0]], own)[0] == own
+
+
+def test_candidates_that_sample_alike_are_marked_with_the_one_they_repeat():
+    """NSGF++'s t̂ shifts clamped at nsgf.nsf_t_min draw the same samples: their rows scored alike seed by seed, and
+    the table read as if the shift did not matter. A row whose every seed's score equals an earlier row's names it;
+    equal means from different seeds' scores are not the same samples."""
+    a, b, c, d = ({"nsgf_steps": 1, "t_shift": s} for s in (0.0, -0.1, -0.2, -0.3))
+    scored = [(a, 20.0, [19.0, 21.0]), (b, 20.0, [19.0, 21.0]), (c, 20.0, [21.0, 19.0]), (d, 20.0, [19.0, 21.0])]
+    assert tune.repeats(scored) == {1: a, 3: a}
+    assert tune.repeats(scored[2:3]) == {}
 
 
 def test_a_flow_tries_its_sampling_temperatures(runs_dir, tmp_path, capsys):

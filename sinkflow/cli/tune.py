@@ -75,8 +75,12 @@ def run(args):
         print(f"{cfg['experiment']['method']} samplers at {budget}: {name} of {n} samples x {args.seeds} seed(s) "
               f"against the validation split ({held} images); lower is better")
         print("  " + "  ".join(f"{k:>10}" for k in keys) + f"  {name:>8}")
-        for settings, v, per_seed in scored:
+        same = tune.repeats(scored)
+        for i, (settings, v, per_seed) in enumerate(scored):
             mark = "  <- best" if settings == best else ("  (the run's own)" if settings == own else "")
+            if i in same:  # named by the settings it differs in
+                differs = {k: val for k, val in same[i].items() if settings.get(k) != val}
+                mark += f"  (the samples of {' '.join(o.removeprefix('sample.') for o in tune.overrides(differs))})"
             spread = f" ± {statistics.stdev(per_seed):.2f}" if args.seeds > 1 else ""
             print("  " + "  ".join(f"{settings[k]:>10g}" for k in keys) + f"  {v:8.2f}{spread}{mark}")
         choice = " ".join(tune.overrides(best))

@@ -116,6 +116,22 @@ def margin_note(scored: list[tuple[dict, float, list[float]]], best: dict) -> st
     return None
 
 
+def repeats(scored: list[tuple[dict, float, list[float]]]) -> dict[int, dict]:
+    """{row: the earlier candidate it repeats} for each candidate whose every seed scored exactly as an earlier one's:
+    the same samples, a setting that changes nothing at this budget (NSGF++'s t̂ + shift clamped at nsgf.nsf_t_min
+    for every sample: the shifts of a briefly trained predictor sample alike). The table said nothing, and the shift
+    read as one that does not matter (audit AG)."""
+    first: dict[tuple, dict] = {}
+    out = {}
+    for i, (settings, _, per_seed) in enumerate(scored):
+        key = tuple(per_seed)
+        if key in first:
+            out[i] = first[key]
+        else:
+            first[key] = settings
+    return out
+
+
 def metric_of(cfg: dict, target) -> str:
     """FD-CNN where the data has a digit classifier (digits, mnist), else FID with the configured Inception
     weights; refused in one line before any sampling when neither exists."""
