@@ -463,6 +463,20 @@ def stand_in_capture(monkeypatch, graph, cuda_graph, pool, set_stream=None, end=
     monkeypatch.setattr(torch._C, "_cuda_releasePool", release or (lambda device, pool: None), raising=False)
 
 
+def test_a_failed_capture_ends_its_pool_under_the_older_name_of_torch_2_7(monkeypatch):
+    """Torch 2.4 to 2.7 end a pool's routing with ``_cuda_endAllocateCurrentStreamToPool`` (no
+    ``_cuda_endAllocateToPool`` yet): the cleanup raised AttributeError there, in place of the capture's own error."""
+    from sinkflow.engine.step_graph import end_failed_capture
+
+    ended, released = [], []
+    monkeypatch.delattr(torch._C, "_cuda_endAllocateToPool", raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", lambda device, pool: ended.append(pool),
+                        raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda device, pool: released.append(pool), raising=False)
+    end_failed_capture(0, (0, 41))
+    assert ended == released == [(0, 41)]
+
+
 def test_a_failed_capture_ends_its_pool_in_the_caching_allocator(monkeypatch):
     """torch's ``capture_end`` raises (the capture was invalidated by the step: a host read) before it ends the
     caching allocator's routing to the graph's pool, and a graph whose capture did not end never releases it: the

@@ -65,9 +65,12 @@ def end_failed_capture(device: int, pool) -> None:
     of every block used on a second stream (``record_stream``: each prefetched batch, a step's worth of memory every
     step) and fails ``TORCH_INTERNAL_ASSERT(captures_underway.empty())`` in ``empty_cache`` (``RunFolder.release``
     between phases, the next phase's ``torch.cuda.graph``). Ended and released here as torch's own
-    ``_use_cuda_memory_pool_manager`` does; a capture that never began routing (no such pool underway) is left."""
+    ``_use_cuda_memory_pool_manager`` does; a capture that never began routing (no such pool underway) is left.
+    Torch 2.4 to 2.7 have the call under its older name alone (``_cuda_endAllocateCurrentStreamToPool``, the same
+    arguments; 2.8 has both): the new name raised AttributeError there, in place of the capture's own error."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None) or torch._C._cuda_endAllocateCurrentStreamToPool
     try:
-        torch._C._cuda_endAllocateToPool(device, pool)
+        end(device, pool)
     except RuntimeError:  # "endAllocatePool: not currently recording to mempool_id"
         return
     torch._C._cuda_releasePool(device, pool)
