@@ -381,6 +381,9 @@ def _cpu_default_device():
     context = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
     if context is not None:  # torch.set_default_device's: cleared for the call, set again after it
         torch.set_default_device(None)
+        # and the None that leaves behind dropped: torch 2.4 / 2.5's get_default_device failed on it ("'NoneType' object
+        # has no attribute 'device'"), and torchmetrics' FID calls it: an image run's evaluation failed in the call
+        del torch._GLOBAL_DEVICE_CONTEXT.device_context
     inner = torch.empty(0).device.type != "cpu"  # a `with torch.device(...)` of the caller's: a CPU one inside it
     try:
         with torch.device("cpu") if inner else contextlib.nullcontext():

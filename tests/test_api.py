@@ -874,7 +874,32 @@ def test_a_notebooks_default_device_is_not_where_a_run_puts_its_tensors(runs_dir
             assert run.evaluate(seeds=1, n=8).startswith("W2 on moons")
             assert torch.empty(0).device.type == "meta"
     finally:
-        torch.set_default_device(None)
+        _clear_default_device()
+
+
+def _clear_default_device() -> None:
+    """``torch.set_default_device(None)``, without the None it leaves behind, on which torch 2.4 / 2.5's
+    ``get_default_device`` fails (torchmetrics' FID calls it: a later test's evaluation in the same worker)."""
+    torch.set_default_device(None)
+    del torch._GLOBAL_DEVICE_CONTEXT.device_context
+
+
+def test_a_default_device_cleared_for_a_call_leaves_torchs_own_query_working():
+    """sinkflow clears a notebook's ``torch.set_default_device`` for its call with ``set_default_device(None)``, and
+    on torch 2.4 / 2.5 the None that leaves behind failed ``torch.get_default_device`` ("'NoneType' object has no
+    attribute 'device'"), which torchmetrics' FID calls: an image run's evaluation failed inside the call. What that
+    torch reads is checked here (this torch's own query works either way)."""
+    from sinkflow.api import _cpu_default_device
+
+    torch.set_default_device("meta")
+    try:
+        with _cpu_default_device():
+            assert torch.empty(0).device.type == "cpu"
+            assert getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", "unset") is not None
+            assert torch.get_default_device().type == "cpu"
+        assert torch.empty(0).device.type == "meta"
+    finally:
+        _clear_default_device()
 
 
 def test_a_second_interrupt_stops_at_once_and_says_so(runs_dir):
