@@ -33,6 +33,19 @@ def sinkflow_log_level():
         logger.setLevel(level)
 
 
+@pytest.fixture(autouse=True)
+def ieee_subnormals():
+    """Torch 2.4 (also 2.5; pytorch/pytorch#126848) builds a compiled step's CPU kernels with -ffast-math, and loading
+    them switches the process to flushing subnormal floats to zero (FTZ/DAZ) for good: hypothesis then refuses to draw
+    a float at all (test_fuzz.py, after a test that compiled on the CPU in the same worker). Each test starts with
+    IEEE subnormals, whatever an earlier test's compile left."""
+    import sys
+
+    torch = sys.modules.get("torch")  # not imported yet: nothing of torch's can have changed the mode
+    if torch is not None:
+        torch.set_flush_denormal(False)
+
+
 @pytest.fixture
 def runs_dir(tmp_path, monkeypatch):
     """Run everything inside a temp folder (runs/, data/ are relative to the working directory)."""

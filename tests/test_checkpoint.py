@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -61,6 +62,8 @@ def test_a_flipped_byte_in_a_weight_is_a_clear_error_not_a_silent_load(tmp_path)
     assert torch.load(path, weights_only=True)["w"].shape == (1000,)  # torch alone reads it without a word
     with pytest.raises(SinkflowError, match=r"step_00000010.pt is corrupt or truncated .*run this phase again"):
         load(path)
+    if importlib.util.find_spec("torch.utils.serialization") is None:
+        return  # torch 2.4 to 2.6: no switch to write a record without its checksum (compute_crc32): every one has it
     from torch.utils.serialization import config
 
     old = config.save.compute_crc32

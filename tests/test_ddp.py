@@ -25,6 +25,17 @@ COMMON = ["moons", "pool.batches=4", "pool.steps=4", "pool.batch_size=32", "pool
           "--no-report", "train.velocity.schedule=constant"]  # the lr-scaling rule, not the decay, is under test
 
 
+def _every_rank_exited(stderr: str, code: str) -> bool:
+    """torchrun's report of a stopped 2-process job: both ranks exited with ``code`` (143 = 128+SIGTERM, 124 at a time
+    limit), none killed or aborted. A torchrun whose SubprocessContext has no ``_capture_process_failures`` (torch 2.4
+    to 2.8, checked in their wheels; 2.14 has it) records no exit of a rank it stopped itself once the first rank's exit was seen: a
+    rank still exiting then is missing from its report (the first is listed, with "<NO_OTHER_FAILURES>")."""
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    codes = re.findall(r"exitcode\s+: (-?\d+) \(pid", stderr)
+    return codes == [code, code] or codes == [code] and not hasattr(SubprocessContext, "_capture_process_failures")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -165,7 +176,7 @@ def test_ddp_matches_single_process_and_resumes_on_fewer(runs_dir):
     # named `sinkflow train --resume`: one process)
     assert "terminate called" not in stopped.stderr, stopped.stderr[-3000:]
     # torchrun reports any non-zero exit of its workers as a failure: every rank's is 128+15, none killed or aborted
-    assert re.findall(r"exitcode\s+: (-?\d+) \(pid", stopped.stderr) == ["143", "143"], stopped.stderr[-3000:]
+    assert _every_rank_exited(stopped.stderr, "143"), stopped.stderr[-3000:]
     status = json.loads((grown / "status.json").read_text())
     assert status["state"] == "stopped" and status["signal"] == 15, status
     shown = cli("status", str(grown), cwd=cwd).stdout  # the console's command (status said a one-process resume)
@@ -184,7 +195,7 @@ def test_ddp_matches_single_process_and_resumes_on_fewer(runs_dir):
     (limited / "checkpoints" / "velocity" / "final.pt").unlink()
     out = _torchrun("--resume", str(limited), "--train-iters", "100000", "--no-report", "--time-limit", "4s", cwd=cwd)
     assert out.stderr.count("stopped at the time limit in phase 'velocity'") == 1, out.stderr[-3000:]
-    assert re.findall(r"exitcode\s+: (-?\d+) \(pid", out.stderr) == ["124", "124"], out.stderr[-3000:]
+    assert _every_rank_exited(out.stderr, "124"), out.stderr[-3000:]
     status = json.loads((limited / "status.json").read_text())
     assert status["state"] == "stopped" and status["signal"] == signal.SIGALRM and status["step"] > 6, status
     assert (limited / "checkpoints" / "velocity" / f"step_{status['step']:08d}.pt").is_file()
@@ -490,7 +501,7 @@ def test_a_sigterm_while_rank_0_computes_the_states_stops_every_rank_in_one_line
     lines = [x for x in out.stderr.splitlines() if x.startswith("sinkflow: ")]
     assert len(lines) == 1 and "stopped by signal 15 in phase 'nsf' at step 0" in lines[0], out.stderr[-3000:]
     # torchrun calls any non-zero exit a failure: both ranks left as one process stopped by SIGTERM does
-    assert re.findall(r"exitcode\s+: (-?\d+) \(pid", out.stderr) == ["143", "143"], out.stderr[-3000:]
+    assert _every_rank_exited(out.stderr, "143"), out.stderr[-3000:]
     assert not (runs_dir / "sig" / "nsf_states.npy").exists()  # the resume computes them (test_nsf_source.py)
 
 
@@ -554,7 +565,7 @@ def test_a_sigterm_during_a_pool_chunk_under_ddp_abandons_it_on_every_rank(runs_
     lines = [x for x in out.stderr.splitlines() if x.startswith("sinkflow: ")]
     assert len(lines) == 1 and "stopped by signal 15 in phase 'pool' after 0/8 batches" in lines[0], \
         out.stderr[-3000:]
-    assert re.findall(r"exitcode\s+: (-?\d+) \(pid", out.stderr) == ["143", "143"], out.stderr[-3000:]
+    assert _every_rank_exited(out.stderr, "143"), out.stderr[-3000:]
     assert [len((cwd / f"groups_rank{r}.txt").read_text().split("\n")) - 1 for r in (0, 1)] == [1, 1]  # of 4 each
     assert json.loads((runs_dir / "cut" / "pool" / "progress.json").read_text())["chunks"] == []
     assert cli("train", "--resume", "runs/cut", "--no-report", cwd=cwd).returncode == 0  # redone on one process

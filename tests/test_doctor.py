@@ -197,7 +197,10 @@ def test_a_step_whose_modules_run_unseen_is_said_not_passed():
     compiled_step = stepper(torch.compile(model, backend="eager"), opt, mse, (x, y))
     compiled_step()
     f = doctor.check_train_mode(model, compiled_step)
-    assert f.ok is None and "0 of the model's 5 modules" in f.symptom, f.line()
+    # torch 2.14's dynamo ran none of the hooks added after the compile: no module seen, and said so; torch 2.4's ran
+    # them, and the modules were seen in eval mode: a real verdict. Never a pass
+    assert (f.ok is None and "0 of the model's 5 modules" in f.symptom
+            or f.ok is False and "ran in eval mode" in f.symptom), f.line()
     torch._dynamo.reset()
     model.train()
     assert doctor.check_train_mode(model, stepper(model, opt, mse, batch := (x, y))).ok
