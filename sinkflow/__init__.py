@@ -6,6 +6,10 @@ training loop of your own. Imports are lazy so ``import sinkflow`` stays light.
 
 __version__ = "0.1.0"
 
+from sinkflow.errors import check_torch as _check_torch  # noqa: E402
+
+_check_torch()  # an older torch stops here in one line (the minimum, the fix), not in a traceback deep in a run
+
 _API = {
     "train": "sinkflow.api", "resume": "sinkflow.api", "open_run": "sinkflow.api", "Run": "sinkflow.api",
     "Interrupted": "sinkflow.runtime.signals",

@@ -88,6 +88,66 @@ def test_doctor_and_lr_find_refuse_a_wrong_preset_or_key_before_torch_loads(tmp_
     assert out.stderr.count("unknown preset 'runs/typo'") == 2 and out.stderr.count("'pool.etaa'") == 2, out.stderr
 
 
+TOO_OLD = ("sinkflow needs torch>=2.4 and torchvision>=0.19, this Python has {}; pip install -U 'torch>=2.4' "
+           "'torchvision>=0.19', then restart Python (a notebook: its kernel)")
+
+
+def test_an_older_torch_stops_import_sinkflow_in_one_line(monkeypatch):
+    """pyproject.toml said torch>=2.2, and on torch 2.2 (a notebook image's own) a run got as far as its first
+    training step and died there in a traceback: torch.amp.GradScaler is torch 2.3, torch.OutOfMemoryError 2.4. The
+    floor is now the oldest torch the suite passed on, checked by ``import sinkflow``: one line, the fix in it."""
+    import sys
+
+    import torch
+
+    from sinkflow import errors
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # check_torch sets its one-line hook: put back after
+    monkeypatch.setattr(torch, "__version__", "2.2.2+cu121")  # a notebook that imported torch first: its version
+    error = errors.torch_too_old()
+    assert isinstance(error, ImportError) and str(error) == TOO_OLD.format("torch 2.2.2+cu121")
+    with pytest.raises(errors.TorchTooOld, match=r"this Python has torch 2\.2\.2\+cu121; pip install -U"):
+        errors.check_torch()
+    monkeypatch.setattr(torch, "__version__", "2.3.1")
+    assert str(errors.torch_too_old()) == TOO_OLD.format("torch 2.3.1")
+    for version in ("2.4.0", "2.4.1+cu121", "2.6.0a0+ecf3bae40a", "2.10.0", "2.14.1+cu130", "3.0.0"):  # 2.10 > 2.4
+        monkeypatch.setattr(torch, "__version__", version)
+        assert errors.torch_too_old() is None, version
+    # torch not imported yet: the installed packages' metadata is read, torch is not loaded for it
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    found = {"torch": "2.3.1", "torchvision": "0.18.1"}
+    monkeypatch.setattr(errors.metadata, "version", lambda name: found[name])
+    assert str(errors.torch_too_old()) == TOO_OLD.format("torch 2.3.1 and torchvision 0.18.1")
+    found["torch"] = "2.4.1"
+    assert str(errors.torch_too_old()) == TOO_OLD.format("torchvision 0.18.1")
+
+
+def test_the_checked_floor_is_the_one_pyproject_declares():
+    """pip installs what pyproject.toml declares, ``import sinkflow`` checks ``TORCH_MINIMUM``: one floor."""
+    import re
+    from pathlib import Path
+
+    from sinkflow.errors import TORCH_MINIMUM
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    declared = dict(re.findall(r'"(torch|torchvision)>=([0-9.]+)"', text))
+    assert declared == {name: ".".join(map(str, floor)) for name, floor in TORCH_MINIMUM.items()}, declared
+
+
+def test_the_sinkflow_command_on_an_older_torch_prints_one_line():
+    """The console script imports sinkflow first: the check's line, with no traceback above it (exit status 1, the
+    import failing before the command's own handling), and nothing trained."""
+    import subprocess
+    import sys
+
+    code = ("import sys, types\nsys.modules['torch'] = types.SimpleNamespace(__version__='2.2.2')\n"
+            "from sinkflow.cli import entry\nentry()\n")
+    out = subprocess.run([sys.executable, "-c", code, "train", "moons"], capture_output=True, text=True)
+    assert (out.returncode, out.stdout) == (1, ""), out.stdout + out.stderr
+    assert out.stderr.splitlines() == [f"sinkflow: error: {TOO_OLD.format('torch 2.2.2')}"], out.stderr
+
+
 def test_version_names_sinkflow_torch_and_python_before_torch_loads():
     """There was no `sinkflow --version`: a bug report's first line had to be pieced together by hand."""
     import platform
