@@ -6,7 +6,7 @@ training loop of your own. Imports are lazy so ``import sinkflow`` stays light.
 
 __version__ = "0.1.0"
 
-from sinkflow.errors import check_torch as _check_torch  # noqa: E402
+from sinkflow.torch_floor import check_torch as _check_torch  # noqa: E402
 
 _check_torch()  # an older torch stops here in one line (the minimum, the fix), not in a traceback deep in a run
 

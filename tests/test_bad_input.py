@@ -100,7 +100,7 @@ def test_an_older_torch_stops_import_sinkflow_in_one_line(monkeypatch):
 
     import torch
 
-    from sinkflow import errors
+    from sinkflow import torch_floor as errors
 
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # check_torch sets its one-line hook: put back after
     monkeypatch.setattr(torch, "__version__", "2.2.2+cu121")  # a notebook that imported torch first: its version
@@ -128,7 +128,7 @@ def test_the_checked_floor_is_the_one_pyproject_declares():
     import re
     from pathlib import Path
 
-    from sinkflow.errors import TORCH_MINIMUM
+    from sinkflow.torch_floor import TORCH_MINIMUM
 
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     declared = dict(re.findall(r'"(torch|torchvision)>=([0-9.]+)"', text))
