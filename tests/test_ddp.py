@@ -28,8 +28,9 @@ COMMON = ["moons", "pool.batches=4", "pool.steps=4", "pool.batch_size=32", "pool
 def _every_rank_exited(stderr: str, code: str) -> bool:
     """torchrun's report of a stopped 2-process job: both ranks exited with ``code`` (143 = 128+SIGTERM, 124 at a time
     limit), none killed or aborted. A torchrun whose SubprocessContext has no ``_capture_process_failures`` (torch 2.4
-    to 2.8, checked in their wheels; 2.14 has it) records no exit of a rank it stopped itself once the first rank's exit was seen: a
-    rank still exiting then is missing from its report (the first is listed, with "<NO_OTHER_FAILURES>")."""
+    to 2.8, checked in their wheels; 2.14 has it) records no exit of a rank it stopped itself once the first rank's
+    exit was seen: a rank still exiting then is missing from its report (the first is listed, with
+    "<NO_OTHER_FAILURES>")."""
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
     codes = re.findall(r"exitcode\s+: (-?\d+) \(pid", stderr)

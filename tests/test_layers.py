@@ -1,7 +1,8 @@
 """Imports go one way (docs/architecture.md): a module may import its own layer or lower ones, never higher,
 and no set of modules imports itself round in a cycle.
 
-    errors, torch_floor, processes -> config -> data -> ot -> flows -> models -> runtime -> methods -> engine -> eval -> tools -> cli -> api
+    errors, torch_floor, processes -> config -> data -> ot -> flows -> models -> runtime -> methods -> engine
+    -> eval -> tools -> cli -> api
 
 Each layer is a package of ``sinkflow`` (``runtime``: the run folder, checkpoints, signals, dist, callbacks that
 methods build on; ``engine``: the loop that runs the methods' tasks). Every import counts, including those inside
@@ -17,8 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "sinkflow"
-LAYERS = ["errors", "torch_floor", "processes", "config", "data", "ot", "flows", "models", "runtime", "methods", "engine", "eval",
-          "tools", "cli", "api"]
+LAYERS = ["errors", "torch_floor", "processes", "config", "data", "ot", "flows", "models", "runtime", "methods",
+          "engine", "eval", "tools", "cli", "api"]
 
 
 def layer_of(module: str) -> str | None:
