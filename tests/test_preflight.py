@@ -746,12 +746,13 @@ def test_a_preflight_stopped_by_sigterm_removes_its_scratch_run(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "sinkflow", "preflight", "moons", "--no-memory"], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(600):  # up to 60 s for torch to load and the scratch run to be made
+        for _ in range(3000):  # up to 60 s for torch to load and the scratch run to be made
             if list(tmp_path.glob("sinkflow-preflight-*")) or proc.poll() is not None:
                 break
-            time.sleep(0.1)
+            time.sleep(0.02)
         assert proc.poll() is None, proc.communicate()
-        time.sleep(0.5)
+        # at once: the handler is in place before the scratch run is made, and moons' whole preflight takes 2-3 s
+        # (a half-second pause here had let a quiet machine's preflight finish first: exit status 0)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
