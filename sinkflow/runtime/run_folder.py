@@ -136,12 +136,11 @@ class RunFolder:
         run_dir = Path(exp["runs_dir"]).expanduser() / name  # runs_dir: ~/runs made ./~/runs
 
         def refuse_existing():
-            if (run_dir / "config.yaml").exists() and call:  # sinkflow.train: a notebook continues it by a call
-                raise SinkflowError(f"run folder {run_dir} already exists", f"continue it with sinkflow.resume("
-                                    f"{str(run_dir.resolve())!r}) or pick another name=")
-            if (run_dir / "config.yaml").exists():
-                raise SinkflowError(f"run folder {run_dir} already exists", f"resume it with `sinkflow train "
-                                    f"--resume {shlex.quote(str(run_dir))}` or pick another experiment.name")
+            if (run_dir / "config.yaml").exists():  # sinkflow.train (``call``): a notebook continues it by a call
+                raise SinkflowError(f"run folder {run_dir} already exists",
+                                    f"continue it with sinkflow.resume({str(run_dir.resolve())!r}) or pick another "
+                                    "name=" if call else f"resume it with `sinkflow train --resume "
+                                    f"{shlex.quote(str(run_dir))}` or pick another experiment.name")
             raise SinkflowError(f"run folder {run_dir} already exists and is not empty, but has no config.yaml "
                                 "(a damaged run?); nothing in it was changed",
                                 "restore its config.yaml to resume it, or pick another experiment.name")
